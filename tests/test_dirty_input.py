@@ -1,0 +1,115 @@
+"""Dirty input: every case real corpora throw at us, in one run. Nothing crashes, nothing is lost silently.
+
+The corpus below has one shard per kind of trouble. The truncated download fails by name; with
+--skip-failed the rest finalizes, byte-identical to the reference on the same corpus without it, and
+every line read is accounted for as a document or a counted skip.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import zstandard
+
+from conftest import EXAMPLE_CACHE, QWEN3, QWEN3_EOS, reference_tokens, reference_texts, tokpipe, write_jsonl
+from tokpipe.manifest import build_manifest, write_manifest
+
+DIRTY_LINES = [
+    b'\xef\xbb\xbf{"text": "starts with a BOM"}\r',  # BOM at the start of the file, CRLF endings
+    b"\r",  # blank
+    b"   ",  # blank
+    b'{"text": "crlf line"}\r',
+    b"not json at all",
+    b'{"text": "unterminated',
+    b'{"title": "no text field"}',
+    b'{"text": null}',
+    b'{"text": 42}',
+    b'{"text": ["a", "b"]}',
+    b'["text", "an array, not an object"]',
+    b'{"text": ""}',
+    b'{"text": "bad \xff\xfe utf8 bytes"}',  # invalid UTF-8: replaced, kept
+    b'{"text": "lone \\ud800 surrogate and \\udfff too"}',  # lone surrogate escapes: one U+FFFD each
+    b'{"text": "escaped nul \\u0000 inside"}',
+    b'{"text": "specials as text <|endoftext|> <|im_start|>user <think>x</think> <|im_end|>"}',
+    b'{"text": "a valid pair \\ud83d\\ude00"}',
+]
+LAST_LINE = b'{"text": "last line without a newline"}'
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dirty") / "data"
+    real = next(EXAMPLE_CACHE.rglob("example_holdout_0.jsonl.zst")).read_bytes()
+    (root / "train").mkdir(parents=True)
+    (root / "validation").mkdir()
+    (root / "train" / "a_real.jsonl.zst").write_bytes(real)
+    (root / "train" / "b_dirty.jsonl.zst").write_bytes(b"\n".join(DIRTY_LINES) + b"\n" + LAST_LINE)  # plain JSONL named .zst
+    (root / "train" / "c_zero_bytes.jsonl.zst").write_bytes(b"")
+    (root / "train" / "d_empty_stream.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(b""))
+    write_jsonl(root / "train" / "e_gzip.jsonl.gz", reference_lines(real)[:20], "gzip")
+    huge = json.dumps({"text": "word " * 1_000_000}), json.dumps({"text": "a" + " " * 1_000_000 + "b"})
+    write_jsonl(root / "train" / "f_huge.jsonl.zst", list(huge), "zstd")
+    whole = zstandard.ZstdCompressor().compress(b"\n".join(reference_lines(real)[:50]) + b"\n")
+    (root / "train" / "g_truncated.jsonl.zst").write_bytes(whole[: len(whole) // 2])
+    write_jsonl(root / "validation" / "v.jsonl", reference_lines(real)[50:60])
+    return root
+
+
+def reference_lines(zst: bytes) -> list[bytes]:
+    return zstandard.ZstdDecompressor().stream_reader(zst).read().splitlines()
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory):
+    work = tmp_path_factory.mktemp("dirty-run")
+    write_manifest(build_manifest(corpus), work / "m.json")
+    args = ("run", "--manifest", work / "m.json", "--tokenizer", QWEN3, "--out", work / "out", "--workers", "2")
+    return work / "out", tokpipe(*args), tokpipe(*args, "--skip-failed")
+
+
+def test_truncated_download_fails_by_name_and_nothing_is_finalized(runs):
+    out, first, _ = runs
+    assert first.returncode == 1
+    assert "FAILED train/g_truncated.jsonl.zst: SourceError:" in first.stderr and "truncated download" in first.stderr
+    assert "Traceback" not in first.stderr + first.stdout
+
+
+def test_skip_failed_finalizes_the_rest_byte_identical_to_the_reference(runs, corpus):
+    out, _, second = runs
+    assert second.returncode == 0, second.stderr
+    meta = json.loads((out / "meta.json").read_text())
+    assert list(meta["excluded"]) == ["train/g_truncated.jsonl.zst"]
+    train_files = sorted(p for p in (corpus / "train").iterdir() if "truncated" not in p.name)
+    expected = reference_tokens(train_files, QWEN3 / "tokenizer.json", QWEN3_EOS)
+    assert np.array_equal(np.fromfile(out / "train.bin", dtype=np.uint32), expected)
+    assert np.array_equal(np.fromfile(out / "val.bin", dtype=np.uint32), reference_tokens([corpus / "validation" / "v.jsonl"], QWEN3 / "tokenizer.json", QWEN3_EOS))
+    verify = tokpipe("verify", out)
+    assert verify.returncode == 0 and "1 shards excluded by --skip-failed" in verify.stdout
+
+
+def test_every_line_is_a_document_or_a_counted_skip(runs, corpus):
+    out, _, _ = runs
+    train = json.loads((out / "meta.json").read_text())["splits"]["train"]
+    real_docs = len(reference_texts(corpus / "train" / "a_real.jsonl.zst"))
+    assert train["skipped"] == {"blank": 2, "empty_text": 1 + 3, "invalid_json": 2, "no_text": 1, "not_object": 1, "text_not_string": 3}
+    assert train["repaired"] == {"bom": 1, "invalid_utf8": 1, "lone_surrogate": 1}
+    assert train["documents"] == real_docs + 8 + 20 + 2
+    assert train["lines"] == real_docs + 3 + len(DIRTY_LINES) + 1 + 20 + 2
+    assert train["documents"] + sum(train["skipped"].values()) == train["lines"]
+
+
+def test_skips_are_logged_with_shard_and_line(runs):
+    out, _, _ = runs
+    log = json.loads((out / "logs" / "skipped.json").read_text())
+    dirty = next(e for e in log["shards"] if e["shard"] == "train/b_dirty.jsonl.zst")
+    assert dirty["first"][:3] == [[2, "blank"], [3, "blank"], [5, "invalid_json"]]
+    assert dirty["documents"] + sum(dirty["skipped"].values()) == dirty["lines"] == len(DIRTY_LINES) + 1
+
+
+def test_special_token_strings_in_documents_are_text(runs):
+    out, _, _ = runs
+    tokens = np.fromfile(out / "train.bin", dtype=np.uint32)
+    ends = np.fromfile(out / "train.idx", dtype="<i8")
+    eos_at = np.flatnonzero(tokens == QWEN3_EOS)
+    assert np.array_equal(eos_at + 1, ends)  # EOS only where tokpipe put it
+    assert not np.isin(tokens, [151644, 151645]).any()  # <|im_start|>, <|im_end|> never as ids

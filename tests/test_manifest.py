@@ -1,0 +1,146 @@
+"""manifest: any accepted dataset-dir layout -> the same ordered shard list; wrong folders get a message."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from conftest import EXAMPLE_CACHE, tokpipe, write_jsonl
+from tokpipe.errors import UserError
+from tokpipe.manifest import build_manifest, load_manifest, split_of, write_manifest
+
+REPO_DIR = EXAMPLE_CACHE / "datasets--tokpipe-realdata--slimpajama-mini"
+REVISION = (REPO_DIR / "refs" / "main").read_text().strip()
+
+
+def test_cache_root_repo_folder_and_snapshot_give_the_same_shards():
+    manifests = [build_manifest(d) for d in (EXAMPLE_CACHE, REPO_DIR, REPO_DIR / "snapshots" / REVISION)]
+    assert {m.fingerprint for m in manifests} == {manifests[0].fingerprint}
+    m = manifests[0]
+    assert m.repo_id == "tokpipe-realdata/slimpajama-mini" and m.revision == REVISION
+    assert [(s.split, s.relpath) for s in m.shards] == [
+        ("train", "train/chunk1/example_train_0.jsonl.zst"),
+        ("train", "train/chunk1/example_train_1.jsonl.zst"),
+        ("validation", "validation/chunk1/example_holdout_0.jsonl.zst"),
+    ]
+    # The bytes read are the blobs the snapshot links to.
+    assert all(os.path.dirname(s.path) == str((REPO_DIR / "blobs").resolve()) for s in m.shards)
+    assert all(s.size == os.path.getsize(s.path) for s in m.shards)
+
+
+@pytest.mark.parametrize(
+    "relpath, split",
+    [
+        ("train/chunk1/a.jsonl.zst", "train"),
+        ("validation/chunk1/a.jsonl.zst", "validation"),
+        ("data/valid/a.jsonl", "validation"),
+        ("test/x.jsonl.gz", "test"),
+        ("data/train-00000-of-00002.jsonl.zst", "train"),
+        ("data/validation-00000-of-00001.jsonl.zst", "validation"),
+        ("data/test-00000-of-00001.jsonl", "test"),
+        ("cc/en/part-0001.jsonl.zst", "train"),
+        ("trainer_notes/a.jsonl", "train"),
+    ],
+)
+def test_split_comes_from_the_path_as_hf_datasets_name_it(relpath, split):
+    assert split_of(relpath) == split
+
+
+def test_plain_folder_sorted_by_path_and_unrelated_files_ignored(tmp_path):
+    for rel in ["train/b.jsonl", "train/a/z.jsonl.zst", "train/a/y.jsonl.gz", "validation/v.jsonl", "README.md", "train/.hidden/x.jsonl"]:
+        write_jsonl(tmp_path / rel, ['{"text": "x"}'])
+    m = build_manifest(tmp_path)
+    assert m.repo_id is None
+    assert [s.relpath for s in m.shards] == ["train/a/y.jsonl.gz", "train/a/z.jsonl.zst", "train/b.jsonl", "validation/v.jsonl"]
+    assert [s.key for s in m.shards] == ["train__a__y", "train__a__z", "train__b", "validation__v"]
+
+
+def test_symlinks_stored_as_text_files_are_followed_to_their_blob(tmp_path):
+    # What a copy that drops symlinks leaves of a cache (the shared data here looks like this).
+    cache = tmp_path / "cache"
+    shutil.copytree(EXAMPLE_CACHE, cache, symlinks=True)
+    for link in (cache / "datasets--tokpipe-realdata--slimpajama-mini" / "snapshots").rglob("*.zst"):
+        target = os.readlink(link)
+        link.unlink()
+        link.write_text(target)
+    assert build_manifest(cache).fingerprint == build_manifest(EXAMPLE_CACHE).fingerprint
+
+
+def test_pointer_to_a_missing_blob_is_a_clear_error(tmp_path):
+    cache = tmp_path / "cache"
+    shutil.copytree(EXAMPLE_CACHE, cache, symlinks=True)
+    link = next((cache / "datasets--tokpipe-realdata--slimpajama-mini" / "snapshots").rglob("example_train_0.jsonl.zst"))
+    (link.parent / os.readlink(link)).resolve().unlink()
+    target = os.readlink(link)
+    link.unlink()
+    link.write_text(target)
+    with pytest.raises(UserError, match="missing from"):
+        build_manifest(cache)
+
+
+def test_several_datasets_need_a_repo_id(tmp_path):
+    cache = tmp_path / "cache"
+    shutil.copytree(EXAMPLE_CACHE, cache, symlinks=True)
+    shutil.copytree(cache / "datasets--tokpipe-realdata--slimpajama-mini", cache / "datasets--other--set", symlinks=True)
+    with pytest.raises(UserError, match="several datasets.*--repo-id"):
+        build_manifest(cache)
+    assert build_manifest(cache, repo_id="other/set").repo_id == "other/set"
+    with pytest.raises(UserError, match="no dataset 'nope/nope'"):
+        build_manifest(cache, repo_id="nope/nope")
+
+
+def test_manifest_round_trips_and_hand_edits_are_caught(tmp_path):
+    m = build_manifest(EXAMPLE_CACHE)
+    write_manifest(m, tmp_path / "m.json")
+    assert load_manifest(tmp_path / "m.json") == m
+    data = json.loads((tmp_path / "m.json").read_text())
+    data["shards"].reverse()
+    (tmp_path / "m.json").write_text(json.dumps(data))
+    with pytest.raises(UserError, match="edited by hand"):
+        load_manifest(tmp_path / "m.json")
+
+
+@pytest.mark.parametrize("make", ["missing", "empty", "wrong_files"])
+def test_cli_wrong_dataset_dir_says_what_it_found_and_expected(tmp_path, make):
+    target = tmp_path / "data"
+    if make != "missing":
+        target.mkdir()
+    if make == "wrong_files":
+        (target / "notes.txt").write_text("hi")
+        (target / "data.parquet").write_bytes(b"PAR1")
+    result = tokpipe("manifest", "--dataset-dir", target, "-o", tmp_path / "m.json")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    message = result.stderr.strip()
+    assert len(message.splitlines()) == 1
+    assert "expected a Hugging Face cache root" in message
+    if make == "wrong_files":
+        assert "data.parquet" in message and "notes.txt" in message
+
+
+def test_cli_writes_the_manifest_and_reports_it(tmp_path):
+    result = tokpipe("manifest", "--dataset-dir", EXAMPLE_CACHE, "-o", tmp_path / "m.json")
+    assert result.returncode == 0, result.stderr
+    assert "3 shards (train 2, validation 1)" in result.stdout
+    assert load_manifest(tmp_path / "m.json").repo_id == "tokpipe-realdata/slimpajama-mini"
+
+
+def test_shards_that_resolve_outside_the_dataset_are_refused_unless_allowed(tmp_path):
+    outside = write_jsonl(tmp_path / "elsewhere" / "secret.jsonl", ['{"text": "x"}'])
+    data = tmp_path / "data"
+    write_jsonl(data / "train" / "a.jsonl", ['{"text": "y"}'])
+    (data / "train" / "b.jsonl").symlink_to(outside)
+    with pytest.raises(UserError, match="outside the dataset folder.*--allow-outside"):
+        build_manifest(data)
+    m = build_manifest(data, allow_outside=True)
+    assert [s.path for s in m.shards][1] == str(outside)
+
+    # A manifest edited to point elsewhere is refused when loaded, too.
+    (data / "train" / "b.jsonl").unlink()
+    write_manifest(build_manifest(data), tmp_path / "m.json")
+    edited = json.loads((tmp_path / "m.json").read_text())
+    edited["shards"][0]["path"] = str(outside)
+    (tmp_path / "m.json").write_text(json.dumps(edited))
+    with pytest.raises(UserError, match="outside the dataset folder"):
+        load_manifest(tmp_path / "m.json")

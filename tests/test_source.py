@@ -1,0 +1,74 @@
+"""source: compression from magic bytes, every line accounted for, resumable at a line/byte offset."""
+
+from collections import Counter
+
+import pytest
+import zstandard
+
+from conftest import write_jsonl
+from tokpipe.errors import SourceError
+from tokpipe.source import compression_of, read_batches
+
+LINES = [
+    '{"text": "first"}',
+    "",
+    '{"text": ""}',
+    "not json",
+    "[1, 2]",
+    '{"body": "no text field"}',
+    '{"text": 7}',
+    '{"text": "second", "meta": {"x": 1}}',
+]
+
+
+def all_of(path, **kw):
+    batches = list(read_batches(str(path), **kw))
+    texts = [t for b in batches for t in b.texts]
+    skipped = sum((b.skipped for b in batches), start=Counter())
+    return texts, skipped, batches
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd", "gzip"])
+def test_compression_is_sniffed_not_taken_from_the_name(tmp_path, compression):
+    # Every file is named .jsonl.zst, as the Dolma file that is really plain JSONL.
+    path = write_jsonl(tmp_path / "x.jsonl.zst", LINES, compression)
+    assert compression_of(str(path)) == compression
+    texts, skipped, batches = all_of(path)
+    assert texts == ["first", "second"]
+    assert dict(skipped) == {"blank": 1, "empty_text": 1, "invalid_json": 1, "not_object": 1, "no_text": 1, "text_not_string": 1}
+    assert sum(b.lines for b in batches) == len(LINES)
+    assert [line for b in batches for line in b.skip_log] == [(2, "blank"), (3, "empty_text"), (4, "invalid_json"), (5, "not_object"), (6, "no_text"), (7, "text_not_string")]
+
+
+def test_batches_are_cut_by_bytes_and_resume_exactly(tmp_path):
+    lines = [f'{{"text": "doc {i} ' + "x" * (i % 50) + '"}' for i in range(1000)]
+    path = write_jsonl(tmp_path / "x.jsonl.zst", lines, "zstd")
+    whole, _, batches = all_of(path, batch_bytes=4096)
+    assert len(batches) > 5 and all(b.text_bytes >= 4096 for b in batches[:-1])
+    # Resume after the third batch: the same documents follow.
+    consumed_lines = sum(b.lines for b in batches[:3])
+    rest, _, _ = all_of(path, batch_bytes=4096, start_line=consumed_lines, start_offset=batches[2].end_offset)
+    assert rest == whole[consumed_lines:]
+
+
+def test_truncated_zstd_download_fails_loudly_naming_the_file(tmp_path):
+    data = b"".join(b'{"text": "line %d"}\n' % i for i in range(50000))
+    compressed = zstandard.ZstdCompressor().compress(data)
+    path = tmp_path / "cut.jsonl.zst"
+    path.write_bytes(compressed[: len(compressed) // 2])
+    with pytest.raises(SourceError, match="cut.jsonl.zst.*truncated"):
+        all_of(path)
+
+
+def test_multi_frame_zstd_reads_every_frame(tmp_path):
+    c = zstandard.ZstdCompressor()
+    path = tmp_path / "frames.jsonl.zst"
+    path.write_bytes(c.compress(b'{"text": "a"}\n') + c.compress(b'{"text": "b"}\n'))
+    assert all_of(path)[0] == ["a", "b"]
+
+
+def test_over_long_line_is_skipped_without_being_held(tmp_path):
+    path = write_jsonl(tmp_path / "x.jsonl", ['{"text": "' + "y" * 10000 + '"}', '{"text": "after"}'])
+    texts, skipped, batches = all_of(path, max_line_bytes=1000)
+    assert texts == ["after"] and skipped == {"too_long": 1}
+    assert batches[-1].end_offset == path.stat().st_size

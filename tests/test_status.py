@@ -1,0 +1,116 @@
+"""status: from files alone, the state of a finished, killed, running or failed run, and the command to run next."""
+
+import fcntl
+import json
+import os
+import shlex
+import shutil
+import time
+
+import pytest
+
+from conftest import QWEN3, tokpipe
+from tokpipe.cli import parser
+from tokpipe.errors import UserError
+from tokpipe.status import duration, report, status
+
+TRAIN_0, TRAIN_1, HOLDOUT = "train/chunk1/example_train_0.jsonl.zst", "train/chunk1/example_train_1.jsonl.zst", "validation/chunk1/example_holdout_0.jsonl.zst"
+
+
+@pytest.fixture
+def killed(killed_example, tmp_path):
+    copy = tmp_path / "out"
+    shutil.copytree(killed_example, copy)
+    return copy
+
+
+def states(st) -> dict[str, str]:
+    return {s.relpath: s.state for s in st.shards}
+
+
+def test_finished_run_says_verify_next(finished_example):
+    st = status(finished_example)
+    assert st.state == "finished" and set(states(st).values()) == {"done"}
+    assert st.next == f"tokpipe verify {finished_example}"
+    result = tokpipe("status", finished_example)
+    assert result.returncode == 0, result.stderr
+    assert f"{finished_example}: finished" in result.stdout and "3 done, 0 partial, 0 pending, 0 failed" in result.stdout
+    assert f"next: tokpipe verify {finished_example}" in result.stdout
+
+
+def test_killed_run_shows_what_is_committed_and_the_resume_command(killed):
+    st = status(killed)
+    assert st.state == "stopped" and st.holder is None and st.progress is None
+    assert states(st) == {TRAIN_0: "done", TRAIN_1: "partial", HOLDOUT: "pending"}
+    partial = next(s for s in st.shards if s.state == "partial")
+    assert 0 < partial.tokens and 0 < partial.read < partial.size
+    text = report(st)
+    assert "stopped before finishing: no run holds it" in text
+    assert f"partial {TRAIN_1}:" in text and "1 done, 1 partial, 1 pending, 0 failed (of 3)" in text
+    # The resume command is exact: this CLI parses it into the options the run had.
+    argv = shlex.split(st.next)
+    assert argv[:2] == ["tokpipe", "run"]
+    args = parser().parse_args(argv[1:])
+    assert args.manifest == str(killed / "manifest.json") and args.out == str(killed)
+    assert args.tokenizer == str(QWEN3 / "tokenizer.json") and args.workers == 2 and args.checkpoint_interval == 1.0
+
+
+def test_live_run_shows_rate_and_eta(killed):
+    with open(killed / ".lock", "a+") as lock:  # what a live `tokpipe run` holds
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        lock.write(f"pid {os.getpid()} on {os.uname().nodename}")
+        lock.flush()
+        assert status(killed).state == "running" and status(killed).progress is None
+        assert "not tokenizing now: starting up, or stuck" in report(status(killed))
+        now = time.time()
+        progress = {
+            "pid": os.getpid(), "started_at": now - 125, "updated_at": now, "bytes_read": 100, "bytes_total": 300,
+            "documents": 20, "tokens": 5000, "tokens_per_s": 1.5e6, "eta_s": 3725.0,
+            "shards": {"total": 3, "done": 1, "running": 2, "failed": 0},
+        }  # fmt: skip
+        (killed / "logs").mkdir(exist_ok=True)
+        (killed / "logs" / "progress.json").write_text(json.dumps(progress))
+        st = status(killed)
+        assert st.state == "running" and st.progress == progress
+        text = report(st)
+        assert f"running (pid {os.getpid()} on" in text and "started 2m05s ago" in text
+        assert "rate: 1.50M tokens/s; ETA 1h02m; 2 shards running" in text
+        assert st.next == f"nothing yet; check again with: tokpipe status {killed}"
+    # The run died: the kernel dropped its lock, its last progress report is history.
+    st = status(killed)
+    assert st.state == "stopped" and st.progress is None and st.next.startswith("tokpipe run ")
+
+
+def test_workers_left_over_from_a_killed_run_are_seen(killed):
+    with open(killed / "shards" / "train" / "train__chunk1__example_train_1.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # what a Ray worker outliving its driver holds
+        st = status(killed)
+        assert [s.writing for s in st.shards] == [False, True, False]
+        assert "1 shards are still being written by workers of the stopped run" in report(st)
+    assert not any(s.writing for s in status(killed).shards)
+
+
+def test_failed_shards_are_named_with_their_error(killed):
+    (killed / "logs").mkdir(exist_ok=True)
+    (killed / "logs" / "failed.json").write_text(json.dumps({HOLDOUT: "SourceError: truncated download", TRAIN_0: "stale: done since"}))
+    st = status(killed)
+    assert states(st) == {TRAIN_0: "done", TRAIN_1: "partial", HOLDOUT: "failed"}
+    text = report(st)
+    assert "stopped before finishing: 1 shards failed in the last run" in text
+    assert f"FAILED  {HOLDOUT}: SourceError: truncated download" in text
+    assert st.next.startswith("fix the cause of the failures above") and "tokpipe run --manifest" in st.next
+
+
+def test_not_a_run_is_one_line_exit_2(tmp_path):
+    with pytest.raises(UserError, match="holds no tokpipe run"):
+        status(tmp_path)
+    result = tokpipe("status", tmp_path / "nope")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_json_and_durations(killed):
+    result = tokpipe("status", killed, "--json")
+    assert result.returncode == 0
+    data = json.loads(result.stdout)
+    assert data["state"] == "stopped" and [s["state"] for s in data["shards"]] == ["done", "partial", "pending"]
+    assert [duration(s) for s in (0.4, 42, 423, 7500, 273600)] == ["0s", "42s", "7m03s", "2h05m", "3d04h"]

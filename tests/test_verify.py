@@ -1,0 +1,132 @@
+"""verify: passes a good OUT; fails, naming the check, on each kind of damage."""
+
+import hashlib
+import json
+import pickle
+
+import numpy as np
+
+from conftest import tokpipe
+from tokpipe.verify import load_meta_pkl, verify
+
+
+def failed(out) -> list[str]:
+    return [c.name for c in verify(out) if not c.ok]
+
+
+def poke(path, index, value, dtype=np.uint32):
+    tokens = np.memmap(path, dtype=dtype, mode="r+")
+    tokens[index] = value
+    tokens.flush()
+
+
+def test_a_good_out_passes(out):
+    assert failed(out) == []
+    result = tokpipe("verify", out)
+    assert result.returncode == 0 and "all" in result.stdout
+
+
+def failure(out, name_part):
+    matches = [c for c in verify(out) if not c.ok and name_part in c.name]
+    assert matches, f"no failed check named like {name_part!r}: {failed(out)}"
+    return matches[0].detail
+
+
+def test_bin_cut_by_a_few_bytes_fails_naming_the_cut(out):
+    with open(out / "train.bin", "r+b") as f:
+        f.truncate((out / "train.bin").stat().st_size - 3)
+    assert failed(out) == ["train: size matches meta (859,703 uint32)"]
+    assert "the file was cut" in failure(out, "train: size")
+
+
+def test_split_file_emptied_fails(out):
+    (out / "val.bin").write_bytes(b"")
+    assert "the file is empty" in failure(out, "validation: size")
+
+
+def test_meta_dtype_disagreeing_with_the_files_fails(out):
+    meta = load_meta_pkl(out / "meta.pkl")
+    meta["dtype"] = "uint16"
+    (out / "meta.pkl").write_bytes(pickle.dumps(meta))
+    (out / "meta.json").write_text(json.dumps(meta))
+    assert "tokens of uint32, but meta says dtype uint16" in failure(out, "train: size")
+
+
+def test_id_beyond_vocab_fails(out):
+    poke(out / "train.bin", 10, 151669)
+    assert failed(out) == ["train: sha256 matches meta", "train: ids < vocab_size"]
+
+
+def test_two_tokens_swapped_fail_the_checksum(out):
+    tokens = np.memmap(out / "train.bin", dtype=np.uint32, mode="r+")
+    assert tokens[100] != tokens[101]
+    tokens[[100, 101]] = tokens[[101, 100]]
+    tokens.flush()
+    assert failed(out) == ["train: sha256 matches meta"]
+    assert failure(out, "sha256") == "the token bytes changed since finalize"
+
+
+def test_lost_eos_fails_count_and_boundaries(out):
+    ends = np.fromfile(out / "val.idx", dtype="<i8")
+    poke(out / "val.bin", ends[3] - 1, 42)
+    assert failed(out) == ["validation: sha256 matches meta", "validation: EOS count == documents", "validation: every document ends with EOS"]
+
+
+def test_idx_not_matching_fails(out):
+    ends = np.fromfile(out / "train.idx", dtype="<i8")
+    ends[[5, 6]] = ends[[6, 5]]
+    ends.tofile(out / "train.idx")
+    assert failed(out) == ["train: idx sha256 matches meta", "train: idx strictly increasing"]
+
+
+def test_accounting_that_does_not_add_up_fails(out):
+    meta = load_meta_pkl(out / "meta.pkl")
+    meta["splits"]["train"]["lines"] += 1
+    (out / "meta.pkl").write_bytes(pickle.dumps(meta))
+    (out / "meta.json").write_text(json.dumps(meta))
+    assert failed(out) == ["train: documents + skipped == lines"]
+
+
+def test_meta_pkl_and_json_disagreeing_fails(out):
+    meta = load_meta_pkl(out / "meta.pkl")
+    meta["dtype"] = "uint16"
+    (out / "meta.pkl").write_bytes(pickle.dumps(meta))
+    assert failed(out) == ["meta.pkl == meta.json"]
+
+
+def test_missing_meta_fails_and_cli_exits_1(out):
+    (out / "meta.pkl").unlink()
+    assert failed(out) == ["meta.pkl present"]
+    result = tokpipe("verify", out, "--json")
+    assert result.returncode == 1 and '"ok": false' in result.stdout
+
+
+class Evil:
+    def __reduce__(self):
+        return (print, ("pwned",))
+
+
+def test_hostile_meta_pkl_executes_nothing(out):
+    (out / "meta.pkl").write_bytes(pickle.dumps({"dtype": Evil()}))
+    result = tokpipe("verify", out)
+    assert result.returncode == 1 and "pwned" not in result.stdout
+    assert "meta.pkl readable" in result.stdout and "builtins.print" in result.stdout
+
+
+
+def test_sample_re_tokenizes_source_documents_and_catches_a_self_consistent_wrong_id(out):
+    from tokpipe.verify import verify_sample
+
+    assert all(c.ok for c in verify_sample(out, 1000)) and len(verify_sample(out, 1000)) == 2
+    # What a wrong backend would produce: one id off inside document 7, with checksums to match.
+    ends = np.fromfile(out / "val.idx", dtype="<i8")
+    poke(out / "val.bin", ends[6] + 2, 12345)
+    meta = load_meta_pkl(out / "meta.pkl")
+    meta["splits"]["validation"]["sha256"] = hashlib.sha256((out / "val.bin").read_bytes()).hexdigest()
+    (out / "meta.pkl").write_bytes(pickle.dumps(meta))
+    (out / "meta.json").write_text(json.dumps(meta))
+    assert failed(out) == []  # every structural check still holds
+    bad = [c for c in verify_sample(out, 1000) if not c.ok]
+    assert len(bad) == 1 and "document 7 " in bad[0].detail
+    result = tokpipe("verify", out, "--sample", "1000")
+    assert result.returncode == 1 and "FAIL" in result.stdout

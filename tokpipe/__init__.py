@@ -1,0 +1,56 @@
+"""tokpipe: a parallel, resumable tokenization pipeline for LLM pretraining data.
+
+The Python API mirrors the commands:
+
+    import tokpipe
+
+    tokpipe.build_manifest("/raid/hf-cache", "manifests/sp.json", repo_id="cerebras/SlimPajama-627B")
+    summary = tokpipe.run("manifests/sp.json", "tokenizers/qwen3", "out/sp", workers=64)
+    assert summary.finished and all(check.ok for check in tokpipe.verify("out/sp"))
+
+    data = tokpipe.open_output("out/sp")             # a finished OUT
+    vocab_size = data.meta["vocab_size"]             # build the embedding from this
+    train = data.splits["train"]                     # .tokens: read-only np.memmap, .ends: document ends
+    x = train.tokens[i : i + block_size].astype(np.int64)
+    first_document = train.document(0)               # ends with EOS
+
+Failures of input or usage raise `tokpipe.errors.UserError`, whose message says what to do.
+"""
+
+from __future__ import annotations
+
+import os
+
+__version__ = "0.1.0"
+
+# Imported after __version__, which finalize reads. `tokpipe.verify` is the function: it is bound
+# here, after the submodule of that name has loaded, and the import system sets a package attribute to
+# a submodule only when it first loads it. The module's other names: `from tokpipe.verify import ...`.
+from tokpipe.manifest import Manifest, write_manifest  # noqa: E402
+from tokpipe.manifest import build_manifest as _build_manifest  # noqa: E402
+from tokpipe.output import Output, Split, open_output  # noqa: E402
+from tokpipe.verify import verify  # noqa: E402
+
+__all__ = ["build_manifest", "run", "verify", "open_output", "Output", "Split", "Manifest", "__version__"]
+
+
+def build_manifest(
+    dataset_dir: str | os.PathLike, output: str | os.PathLike | None = None, *, repo_id: str | None = None, revision: str | None = None, allow_outside: bool = False
+) -> Manifest:
+    """`tokpipe manifest`: the dataset's shards, splits and order; also written to `output` when given (what `run` reads)."""
+    manifest = _build_manifest(dataset_dir, repo_id=repo_id, revision=revision, allow_outside=allow_outside)
+    if output is not None:
+        write_manifest(manifest, output)
+    return manifest
+
+
+def run(manifest: str | os.PathLike, tokenizer: str | os.PathLike, out: str | os.PathLike, **options):
+    """`tokpipe run`: tokenize on Ray (embedded, or the cluster at `address=`); rerun to resume.
+
+    `options` are `tokpipe.runner.RunOptions`' fields: workers, address, backend, text_field, eos,
+    checkpoint_interval, stall_timeout, max_retries, skip_failed. Returns a `tokpipe.runner.RunSummary`.
+    """
+    from tokpipe.runner import RunOptions  # Ray is imported only by who runs
+    from tokpipe.runner import run as run_manifest
+
+    return run_manifest(manifest, tokenizer, out, RunOptions(**options))

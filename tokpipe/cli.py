@@ -1,0 +1,180 @@
+"""`tokpipe` command line: argument parsing, messages, exit codes — nothing else.
+
+Exit codes: 0 success; 1 the work failed (a shard failed, a verify check failed); 2 bad usage or input
+(one readable line, no traceback); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tokpipe import __version__
+from tokpipe.errors import UserError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def _cmd_manifest(args) -> int:
+    from tokpipe.manifest import build_manifest, write_manifest
+
+    manifest = build_manifest(args.dataset_dir, repo_id=args.repo_id, revision=args.revision, allow_outside=args.allow_outside)
+    name = (manifest.repo_id or Path(manifest.root).name).replace("/", "--")
+    dest = Path(args.output or Path("manifests") / f"{name}.json")
+    write_manifest(manifest, dest)
+    counts = {split: len(shards) for split, shards in manifest.splits().items()}
+    size = sum(s.size for s in manifest.shards)
+    where = f"{manifest.repo_id}@{manifest.revision[:12]}" if manifest.repo_id else manifest.root
+    print(f"{where}: {len(manifest.shards)} shards ({', '.join(f'{k} {v}' for k, v in counts.items())}), {size / 2**20:,.1f} MiB -> {dest}")
+    return EXIT_OK
+
+
+def _cmd_run(args) -> int:
+    from tokpipe.runner import RunOptions, run
+
+    opts = RunOptions(
+        workers=args.workers,
+        address=args.address,
+        backend=args.backend,
+        text_field=args.text_field,
+        eos=args.eos,
+        checkpoint_interval=args.checkpoint_interval,
+        stall_timeout=args.stall_timeout,
+        max_retries=args.max_retries,
+        skip_failed=args.skip_failed,
+    )
+    summary = run(args.manifest, args.tokenizer, args.out, opts)
+    if not summary.finished:
+        print(f"{len(summary.failed)} shards failed; the rest are kept. Fix the cause and rerun the same command to retry them.", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _cmd_verify(args) -> int:
+    from tokpipe.verify import as_json, report, verify, verify_sample
+
+    checks = verify(args.out)
+    if args.sample and all(c.ok for c in checks):
+        checks += verify_sample(args.out, args.sample, args.seed, args.tokenizer)
+    print(as_json(checks) if args.json else report(checks))
+    return EXIT_OK if all(c.ok for c in checks) else EXIT_FAILED
+
+
+def _cmd_status(args) -> int:
+    from tokpipe.status import as_json, report, status
+
+    st = status(args.out)
+    print(as_json(st) if args.json else report(st))
+    return EXIT_OK
+
+
+def _cmd_inspect(args) -> int:
+    from tokpipe.inspect import inspect, report
+
+    result = inspect(args.out, args.split, args.n, args.window, args.seed, args.tokenizer)
+    print(report(result))
+    return EXIT_OK if result.ok else EXIT_FAILED
+
+
+def _cmd_export(args) -> int:
+    from tokpipe.export import export
+
+    written = export(args.out, args.format, args.dest, force=args.force)
+    for e in written:
+        print(f"{e.path}: {e.tokens:,} tokens, {e.documents:,} documents")
+    if args.format == "megatron":
+        flags = {"train": "--train-data-path", "val": "--valid-data-path", "test": "--test-data-path"}
+        paths = " ".join(f"{flags[e.path.stem]} {e.path.with_suffix('')}" for e in written)
+        print(f"Megatron-LM: {paths} --tokenizer-type HuggingFaceTokenizer --tokenizer-model TOKENIZER_DIR (the run's)")
+    else:
+        print(f"llm.c / modded-nanogpt: train on '{Path(args.dest) / 'train_*.bin'}', evaluate on '{Path(args.dest) / 'val_*.bin'}'")
+    return EXIT_OK
+
+
+def _positive(kind, zero_ok: bool = False):
+    def parse(text: str):
+        value = kind(text)
+        if value < 0 or (value == 0 and not zero_ok):
+            raise argparse.ArgumentTypeError(f"must be {'>=' if zero_ok else '>'} 0, got {text}")
+        return value
+
+    return parse
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tokpipe", description="Parallel, resumable tokenization of JSONL corpora into flat token files.")
+    p.add_argument("--version", action="version", version=f"tokpipe {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    m = sub.add_parser("manifest", help="list a dataset's shards, splits and order into a manifest")
+    m.add_argument("--dataset-dir", required=True, help="HF cache root, datasets--ORG--NAME folder, snapshots/REV folder, or a folder of shards")
+    m.add_argument("-o", "--output", help="manifest path (default: manifests/NAME.json)")
+    m.add_argument("--repo-id", help="ORG/NAME, when the cache holds several datasets")
+    m.add_argument("--revision", help="ref or commit of the snapshot (default: refs/main)")
+    m.add_argument("--allow-outside", action="store_true", help="accept shards that symlink to files outside DIR")
+    m.set_defaults(func=_cmd_manifest)
+
+    r = sub.add_parser("run", help="tokenize a manifest into OUT (rerun the same command to resume)")
+    r.add_argument("--manifest", required=True)
+    r.add_argument("--tokenizer", required=True, help="local tokenizer folder or tokenizer.json (never downloaded)")
+    r.add_argument("--out", required=True)
+    r.add_argument("--workers", type=_positive(int), help="shard tasks at once (default: all CPUs)")
+    r.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else an embedded local Ray)")
+    r.add_argument("--backend", choices=("auto", "gigatoken", "hf"), default="auto", help="encoder; all give the same bytes (default: auto)")
+    r.add_argument("--text-field", default="text", help="JSON field holding the document text (default: text)")
+    r.add_argument("--eos", help="EOS token (default: the tokenizer's eos_token)")
+    r.add_argument("--checkpoint-interval", type=_positive(float), default=30.0, help="seconds between shard checkpoints (default: 30)")
+    r.add_argument("--stall-timeout", type=_positive(float), default=600.0, help="cancel and retry a shard with no progress for this long (default: 600)")
+    r.add_argument("--max-retries", type=int, default=3, help="retries of a shard whose worker died or stalled (default: 3)")
+    r.add_argument("--skip-failed", action="store_true", help="finalize without shards that fail (recorded in meta as excluded)")
+    r.set_defaults(func=_cmd_run)
+
+    v = sub.add_parser("verify", help="check a finished OUT; exit 0 only when every check holds")
+    v.add_argument("out")
+    v.add_argument("--json", action="store_true", help="machine-readable report")
+    v.add_argument("--sample", type=_positive(int), metavar="K", help="also re-tokenize K random source documents with tokenizers and compare")
+    v.add_argument("--seed", type=int, default=0, help="which documents --sample picks (default: 0)")
+    v.add_argument("--tokenizer", help="the run's tokenizer, if it moved since the run (default: the path in meta)")
+    v.set_defaults(func=_cmd_verify)
+
+    st = sub.add_parser("status", help="where a run stands (running, killed, failed or finished) and what to run next")
+    st.add_argument("out")
+    st.add_argument("--json", action="store_true", help="machine-readable status")
+    st.set_defaults(func=_cmd_status)
+
+    i = sub.add_parser("inspect", help="the eye test: decode random windows, flag broken token ids; exit 1 on a red flag")
+    i.add_argument("out")
+    i.add_argument("--split", default="train", help="train, validation (or val), test (default: train)")
+    i.add_argument("-n", type=_positive(int, zero_ok=True), default=5, help="windows to decode (default: 5; 0 for the id checks alone)")
+    i.add_argument("--window", type=_positive(int), default=64, help="tokens per window (default: 64)")
+    i.add_argument("--seed", type=int, help="seed of the window positions (default: a new one, printed)")
+    i.add_argument("--tokenizer", help="the run's tokenizer, if it is no longer where run.json says")
+    i.set_defaults(func=_cmd_inspect)
+
+    e = sub.add_parser("export", help="write a finished OUT as Megatron-LM or llm.c training files")
+    e.add_argument("out")
+    e.add_argument("--format", required=True, choices=("megatron", "llmc"))
+    e.add_argument("--dest", required=True, help="folder to write to (must be empty, unless --force)")
+    e.add_argument("--force", action="store_true", help="write into a non-empty --dest, replacing files of the same names")
+    e.set_defaults(func=_cmd_export)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        print(f"tokpipe {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as e:  # disk full, permissions, a vanished mount: the cause is outside tokpipe
+        print(f"tokpipe {args.command}: error: {e}; fix the cause and rerun the same command", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print(f"tokpipe {args.command}: interrupted; rerun the same command to resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

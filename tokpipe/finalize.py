@@ -1,0 +1,169 @@
+"""Finished shards -> OUT/<split>.bin + .idx per split, then meta.pkl, then meta.json (last: it marks a finished run).
+
+Each split file is written under a temporary name, fsynced and renamed, so a killed finalize leaves
+either the old file or the complete new one; rerunning it rebuilds the same bytes from the shards.
+Token bytes are copied in the kernel (copy_file_range); their sha256, which meta records and
+`verify` checks, is computed by a second thread reading each copied range back from the page cache,
+so hashing overlaps copying.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from tokpipe import __version__
+from tokpipe.manifest import Manifest, Shard
+from tokpipe.shard import IDX_DTYPE, Checkpoint, ShardFiles, fsync_dir, write_json_atomic
+from tokpipe.tokenizer import TokenizerInfo
+
+COPY_CHUNK = 1 << 30
+HASH_CHUNK = 8 << 20
+
+
+def split_file_stem(split: str) -> str:
+    return "val" if split == "validation" else split
+
+
+def _copy_range(src_path: Path, dst_fd: int, length: int) -> None:
+    """Append the first `length` bytes of src to dst in the kernel, not through Python objects."""
+    with open(src_path, "rb") as src:
+        remaining = length
+        try:
+            while remaining:
+                copied = os.copy_file_range(src.fileno(), dst_fd, min(remaining, COPY_CHUNK))
+                if copied == 0:
+                    raise RuntimeError(f"{src_path} ended {remaining} bytes before its checkpoint says it does")
+                remaining -= copied
+        except OSError:  # file systems without copy_file_range: sendfile stays in the kernel too
+            src.seek(length - remaining)
+            while remaining:
+                copied = os.sendfile(dst_fd, src.fileno(), None, min(remaining, COPY_CHUNK))
+                if copied == 0:
+                    raise RuntimeError(f"{src_path} ended {remaining} bytes before its checkpoint says it does") from None
+                remaining -= copied
+
+
+def hash_range(fd: int, start: int, end: int, hasher) -> None:
+    """Feed bytes [start, end) of an open file to hasher; hashlib drops the GIL on large updates."""
+    while start < end:
+        chunk = os.pread(fd, min(HASH_CHUNK, end - start), start)
+        if not chunk:
+            raise RuntimeError(f"file ended at byte {start}, expected {end}")
+        hasher.update(chunk)
+        start += len(chunk)
+
+
+def _write_split(out: Path, stem: str, shard_files: list[ShardFiles], ckpts: list[Checkpoint], itemsize: int) -> tuple[str, str]:
+    """Write <stem>.bin and <stem>.idx; returns their sha256."""
+    bin_tmp, idx_tmp = out / f"{stem}.bin.tmp", out / f"{stem}.idx.tmp"
+    bin_hash, idx_hash = hashlib.sha256(), hashlib.sha256()
+    with open(bin_tmp, "w+b") as bin_f, open(idx_tmp, "wb") as idx_f, ThreadPoolExecutor(1) as hasher:
+        # One hashing thread, fed in order: it reads each range back while the next shard is copied.
+        hashed = []
+        base = 0
+        for files, ckpt in zip(shard_files, ckpts):
+            _copy_range(files.bin, bin_f.fileno(), ckpt.tokens * itemsize)
+            hashed.append(hasher.submit(hash_range, bin_f.fileno(), base * itemsize, (base + ckpt.tokens) * itemsize, bin_hash))
+            ends = np.fromfile(files.idx, dtype=IDX_DTYPE, count=ckpt.documents) + base
+            idx_hash.update(memoryview(ends))
+            ends.tofile(idx_f)
+            base += ckpt.tokens
+        for future in hashed:
+            future.result()
+        for f in (bin_f, idx_f):
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(bin_tmp, out / f"{stem}.bin")
+    os.replace(idx_tmp, out / f"{stem}.idx")
+    return bin_hash.hexdigest(), idx_hash.hexdigest()
+
+
+def _write_skip_log(out: Path, shards: list[Shard], ckpts: list[Checkpoint]) -> None:
+    """OUT/logs/skipped.json: per shard, the count of each skip reason and the first lines skipped."""
+    entries = [
+        {"shard": s.relpath, "lines": c.lines, "documents": c.documents, "skipped": c.skipped, "repaired": c.repaired, "first": c.skip_log}
+        for s, c in zip(shards, ckpts)
+        if c.skipped or c.repaired
+    ]
+    (out / "logs").mkdir(exist_ok=True)
+    write_json_atomic(out / "logs" / "skipped.json", {"shards": entries})
+
+
+def finalize(out: str | os.PathLike, manifest: Manifest, info: TokenizerInfo, text_field: str, excluded: dict[str, str] | None = None) -> dict:
+    """Concatenate every split's shards in manifest order and write meta; returns the meta dict.
+
+    `excluded` (relpath -> error) are failed shards left out on purpose (`run --skip-failed`); meta
+    records them, so a partial output is never mistaken for a whole one.
+    """
+    out = Path(out)
+    (out / "meta.json").unlink(missing_ok=True)  # OUT is unfinished while its split files change
+    excluded = excluded or {}
+    itemsize = np.dtype(info.dtype).itemsize
+    splits, all_shards, all_ckpts = {}, [], []
+    for split, shards in manifest.splits().items():
+        shards = [s for s in shards if s.relpath not in excluded]
+        shard_files = [ShardFiles.of(out, s) for s in shards]
+        ckpts = [Checkpoint.load(f.checkpoint) for f in shard_files]
+        unfinished = [s.relpath for s, c in zip(shards, ckpts) if c is None or not c.done]
+        if unfinished:
+            raise RuntimeError(f"cannot finalize: {len(unfinished)} shards unfinished, e.g. {unfinished[0]}")
+        stem = split_file_stem(split)
+        bin_sha, idx_sha = _write_split(out, stem, shard_files, ckpts, itemsize)
+        splits[split] = {
+            "file": f"{stem}.bin",
+            "idx": f"{stem}.idx",
+            "tokens": sum(c.tokens for c in ckpts),
+            "documents": sum(c.documents for c in ckpts),
+            "lines": sum(c.lines for c in ckpts),
+            "skipped": _sum_counts(c.skipped for c in ckpts),
+            "repaired": _sum_counts(c.repaired for c in ckpts),
+            "shards": len(shards),
+            "sha256": bin_sha,
+            "idx_sha256": idx_sha,
+        }
+        all_shards += shards
+        all_ckpts += ckpts
+    _write_skip_log(out, all_shards, all_ckpts)
+    fsync_dir(out)
+    meta = {
+        "dtype": info.dtype,
+        "vocab_size": info.vocab_size,
+        "eos_token_id": info.eos_id,
+        "eos_token": info.eos_token,
+        "bos_token_id": info.bos_id,
+        "tokenizer": info.id,
+        "tokenizer_sha256": info.sha256,
+        "tokenizer_path": info.path,
+        "text_field": text_field,
+        "splits": splits,
+        "excluded": dict(sorted(excluded.items())),
+        "manifest_sha256": manifest.fingerprint,
+        "tokpipe_version": __version__,
+    }
+    pkl_tmp = out / "meta.pkl.tmp"
+    with open(pkl_tmp, "wb") as f:
+        pickle.dump(meta, f, protocol=4)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pkl_tmp, out / "meta.pkl")
+    write_json_atomic(out / "meta.json", meta)
+    return meta
+
+
+def _sum_counts(counts) -> dict[str, int]:
+    return dict(sorted(sum((Counter(c) for c in counts), Counter()).items()))
+
+
+def load_meta_json(out: str | os.PathLike) -> dict | None:
+    try:
+        return json.loads((Path(out) / "meta.json").read_text())
+    except FileNotFoundError:
+        return None

@@ -1,0 +1,342 @@
+"""`tokpipe inspect OUT`: the eye test. Random windows of a split decoded with the run's tokenizer,
+document boundaries marked, then the token ids scanned for the red flags of a broken token file.
+
+The seeds' worst incidents were visible to the eye and to a histogram, and to nothing else before the
+loss curve: a uint16 file of a 151,669-id vocabulary ("Phantom Zero": ids wrapped, EOS gone, loss
+collapsing to 0), a uint32 file read as uint16 (every other id 0), samples that did not look like
+text. Works on a finished OUT (the split files) and on an unfinished one (what the shard checkpoints
+cover), so a week-long run can be looked at on its first day.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tokpipe.errors import UserError
+from tokpipe.manifest import load_manifest
+from tokpipe.output import open_output
+from tokpipe.shard import IDX_DTYPE, Checkpoint, ShardFiles
+from tokpipe.tokenizer import encoder, load_tokenizer_info
+from tokpipe.verify import Check
+from tokpipe.verify import report as verify_report
+
+EOS_MARK = "⟨EOS⟩"
+SCAN_TOKENS = 1 << 22  # ids scanned for red flags: the whole split when it is smaller, else evenly spread blocks
+SCAN_BLOCKS = 64
+# Thresholds of the red flags. Natural text puts well under 0.1% of its tokens on id 0 (Qwen3: 0.02%);
+# a uint32 file read as uint16 puts ~40% there, zero-filled bytes 100%.
+ZERO_SHARE_MAX = 0.01
+TOP_VALUES = 256  # "near the dtype limit": the top 256 values of the dtype, where saturation and padding land
+TOP_SHARE_MAX = 0.01
+EOS_RATIO_MAX = 10.0  # EOS share off by more than this factor from documents/tokens
+EOS_MIN_EXPECTED = 10  # ... judged only when at least this many EOS are expected in what was scanned
+# Text in a >65,536-id vocabulary uses ids above 65,535 (Qwen3 on SlimPajama: 18% of tokens); none in
+# this many tokens is what a 16-bit wrap leaves.
+HIGH_IDS_MIN_SCANNED = 100_000
+COMMON_IDS = 8
+CONTROL_CHARS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # all but \t and \n: a web page's ESC must not drive the terminal
+
+
+@dataclass(frozen=True)
+class Segment:
+    name: str  # for a window's heading: train.bin, or shards/train/<key>.bin for an unfinished run
+    tokens: np.ndarray
+    ends: np.ndarray  # document ends within the segment
+
+
+@dataclass(frozen=True)
+class Source:
+    """One split of OUT, as far as it is written, with what is needed to read it."""
+
+    split: str
+    finished: bool
+    dtype: np.dtype
+    vocab_size: int
+    eos_id: int
+    eos_token: str
+    tokenizer: str  # the run's tokenizer id and sha256
+    tokenizer_sha256: str
+    tokenizer_path: str | None  # where the run found it (run.json)
+    documents: int
+    segments: list[Segment]
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s.tokens) for s in self.segments)
+
+    def locate(self, pos: int) -> tuple[Segment, int]:
+        """The segment holding token `pos` of the split, and the token's offset in it."""
+        ends = np.cumsum([len(s.tokens) for s in self.segments])
+        i = int(np.searchsorted(ends, pos, side="right"))
+        return self.segments[i], int(pos - ends[i] + len(self.segments[i].tokens))
+
+
+def _split_name(wanted: str, available: list[str]) -> str:
+    # `val` is how the file is called (val.bin), `validation` how HF datasets and meta call the split.
+    name = "validation" if wanted == "val" else wanted
+    if name not in available:
+        raise UserError(f"no split {wanted!r} here; there are: {', '.join(available) or 'none'}")
+    return name
+
+
+def open_source(out: str | os.PathLike, split: str) -> Source:
+    out = Path(out)
+    try:
+        run = json.loads((out / "run.json").read_text())
+    except FileNotFoundError:
+        run = {}
+    if (out / "meta.json").is_file():
+        data = open_output(out)
+        name = _split_name(split, list(data.splits))
+        s = data.splits[name]
+        return Source(
+            split=name,
+            finished=True,
+            dtype=data.dtype,
+            vocab_size=data.vocab_size,
+            eos_id=data.eos_id,
+            eos_token=data.meta["eos_token"],
+            tokenizer=data.meta["tokenizer"],
+            tokenizer_sha256=data.meta["tokenizer_sha256"],
+            tokenizer_path=run.get("tokenizer_path"),
+            documents=len(s.ends),
+            segments=[Segment(s.path.name, s.tokens, s.ends)],
+        )
+    if not run or not (out / "manifest.json").is_file():
+        raise UserError(f"{out} holds no tokpipe run (no meta.json, run.json or manifest.json)")
+    shards = load_manifest(out / "manifest.json").splits()
+    name = _split_name(split, list(shards))
+    dtype = np.dtype(run["dtype"])
+    segments, documents = [], 0
+    for shard in shards[name]:
+        files = ShardFiles.of(out, shard)
+        ckpt = Checkpoint.load(files.checkpoint)
+        if ckpt is None or ckpt.tokens == 0:
+            continue
+        # Only what the checkpoint covers: a live worker may be appending beyond it.
+        tokens = np.memmap(files.bin, dtype=dtype, mode="r", shape=(ckpt.tokens,))
+        ends = np.memmap(files.idx, dtype=IDX_DTYPE, mode="r", shape=(ckpt.documents,))
+        segments.append(Segment(str(files.bin.relative_to(out)), tokens, ends))
+        documents += ckpt.documents
+    return Source(
+        split=name,
+        finished=False,
+        dtype=dtype,
+        vocab_size=int(run["vocab_size"]),
+        eos_id=int(run["eos_token_id"]),
+        eos_token=run["eos_token"],
+        tokenizer=run["tokenizer"],
+        tokenizer_sha256=run["tokenizer_sha256"],
+        tokenizer_path=run.get("tokenizer_path"),
+        documents=documents,
+        segments=segments,
+    )
+
+
+def load_decoder(source: Source, tokenizer: str | None) -> tuple[Callable[[np.ndarray], str], str]:
+    """(decode, where the tokenizer is). Only the run's own tokenizer: another one decodes to plausible nonsense."""
+    path = tokenizer or source.tokenizer_path
+    if path is None:
+        raise UserError(f"this OUT's run.json does not record where its tokenizer is: pass it with --tokenizer (the run used {source.tokenizer})")
+    info = load_tokenizer_info(path, source.eos_token)
+    if info.sha256 != source.tokenizer_sha256:
+        raise UserError(f"{path} is tokenizer {info.id}, but OUT was made with {source.tokenizer}: pass the run's tokenizer with --tokenizer")
+    return encoder("hf", info.path).decode, info.path
+
+
+@dataclass(frozen=True)
+class Window:
+    segment: Segment
+    start: int
+    ids: np.ndarray
+
+    @property
+    def document(self) -> int:
+        """Index of the document the window starts in."""
+        return int(np.searchsorted(self.segment.ends, self.start, side="right"))
+
+
+def sample_windows(source: Source, n: int, size: int, seed: int) -> list[Window]:
+    """n windows at uniformly random token positions of the split (a window stays inside one segment)."""
+    windows = []
+    for pos in np.random.default_rng(seed).integers(0, source.tokens, size=n):
+        segment, offset = source.locate(int(pos))
+        start = max(0, min(offset, len(segment.tokens) - size))
+        windows.append(Window(segment, start, np.asarray(segment.tokens[start : start + size])))
+    return windows
+
+
+def _printable(text: str) -> str:
+    return CONTROL_CHARS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def render(ids: np.ndarray, decode: Callable[[np.ndarray], str], eos_id: int, vocab_size: int) -> str:
+    """Decoded text with EOS shown as ⟨EOS⟩ and a line break, and ids outside the vocabulary shown (a decoder drops them)."""
+    pieces, start = [], 0
+    for i in np.flatnonzero((ids == eos_id) | (ids >= vocab_size)):
+        pieces.append(_printable(decode(ids[start:i])))
+        pieces.append(f"{EOS_MARK}\n" if ids[i] == eos_id else f"⟨id {int(ids[i])} ≥ vocab_size⟩")
+        start = i + 1
+    pieces.append(_printable(decode(ids[start:])))
+    return "".join(pieces)
+
+
+@dataclass(frozen=True)
+class IdScan:
+    scanned: int
+    whole: bool  # the whole split, not a sample of it
+    zeros: int
+    eos: int
+    max_id: int
+    high: int  # ids >= 65,536
+    top: int  # ids in the dtype's top TOP_VALUES values
+    common: list[tuple[int, int]]  # the most frequent (id, count)
+
+
+def scan_ids(source: Source) -> IdScan:
+    """The id statistics of a split with tokens."""
+    total = source.tokens
+    if total <= SCAN_TOKENS:
+        ids = np.concatenate([np.asarray(s.tokens) for s in source.segments])
+    else:  # evenly spread blocks, from the first bytes on (where the seeds' eye test looked) to the end
+        block = SCAN_TOKENS // SCAN_BLOCKS
+        pieces = []
+        for pos in np.linspace(0, total - block, SCAN_BLOCKS).astype(np.int64):
+            segment, offset = source.locate(int(pos))
+            pieces.append(np.asarray(segment.tokens[offset : offset + block]))
+        ids = np.concatenate(pieces)
+    values, counts = np.unique(ids, return_counts=True)
+    order = np.argsort(counts, kind="stable")[::-1][:COMMON_IDS]
+    limit = int(np.iinfo(source.dtype).max)
+    return IdScan(
+        scanned=len(ids),
+        whole=total <= SCAN_TOKENS,
+        zeros=int(np.count_nonzero(ids == 0)),
+        eos=int(np.count_nonzero(ids == source.eos_id)),
+        max_id=int(values[-1]),
+        high=int(np.count_nonzero(ids >= 1 << 16)),
+        top=int(np.count_nonzero(ids > limit - TOP_VALUES)),
+        common=[(int(values[j]), int(counts[j])) for j in order],
+    )
+
+
+def red_flags(source: Source, scan: IdScan) -> list[Check]:
+    """The histogram's checks; `ok` False is a red flag."""
+    n = max(scan.scanned, 1)
+    limit = int(np.iinfo(source.dtype).max) + 1
+    checks = [
+        Check(
+            "dtype holds vocab",
+            source.vocab_size <= limit,
+            f"{source.dtype.name} holds ids < {limit:,}; vocab_size {source.vocab_size:,}"
+            + ("" if source.vocab_size <= limit else f": every id ≥ {limit:,} was wrapped (Phantom Zero)"),
+        ),
+        Check(
+            "max id < vocab_size",
+            scan.max_id < source.vocab_size,
+            f"max id {scan.max_id:,}, vocab_size {source.vocab_size:,}"
+            + ("" if scan.max_id < source.vocab_size else f": the file is not {source.dtype.name}, or not this tokenizer's"),
+        ),
+    ]
+    zero_share = scan.zeros / n
+    zeros_ok = source.eos_id == 0 or zero_share <= ZERO_SHARE_MAX
+    checks.append(
+        Check(
+            "share of id 0",
+            zeros_ok,
+            f"{zero_share:.3%}" + ("" if zeros_ok else f" (> {ZERO_SHARE_MAX:.0%}): a uint32 file read as uint16, or zero-filled bytes"),
+        )
+    )
+    expected_share = source.documents / source.tokens if source.tokens else 0.0
+    expected = expected_share * scan.scanned
+    eos_share = scan.eos / n
+    eos_ok = expected < EOS_MIN_EXPECTED or 1 / EOS_RATIO_MAX <= scan.eos / expected <= EOS_RATIO_MAX
+    checks.append(
+        Check(
+            f"share of EOS (id {source.eos_id})",
+            eos_ok,
+            f"{eos_share:.3%}, expected {expected_share:.3%} from {source.documents:,} documents in {source.tokens:,} tokens"
+            + ("" if eos_ok else ": document boundaries are lost (ids wrapped? another EOS?)"),
+        )
+    )
+    top_share = scan.top / n
+    top_ok = top_share <= TOP_SHARE_MAX
+    checks.append(
+        Check(
+            f"ids near the {source.dtype.name} limit",
+            top_ok,
+            f"{top_share:.3%} in its top {TOP_VALUES} values" + ("" if top_ok else ": saturated or padded ids"),
+        )
+    )
+    if source.vocab_size > 1 << 16:
+        high_ok = scan.high > 0 or scan.scanned < HIGH_IDS_MIN_SCANNED
+        checks.append(
+            Check(
+                "ids ≥ 65,536 present",
+                high_ok,
+                f"{scan.high / n:.2%}" + ("" if high_ok else f" of {scan.scanned:,} tokens with a {source.vocab_size:,}-id vocabulary: looks wrapped to 16 bits (Phantom Zero)"),
+            )
+        )
+    return checks
+
+
+@dataclass(frozen=True)
+class Inspection:
+    source: Source
+    tokenizer_path: str
+    seed: int
+    windows: list[Window]
+    texts: list[str]  # the windows decoded
+    scan: IdScan
+    flags: list[Check]
+    common: list[tuple[int, str, float]]  # the most frequent ids: (id, text, share)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.flags)
+
+
+def inspect(out: str | os.PathLike, split: str = "train", n: int = 5, window: int = 64, seed: int | None = None, tokenizer: str | None = None) -> Inspection:
+    source = open_source(out, split)
+    if not source.tokens:
+        raise UserError(f"no tokens of split {source.split} are written yet: see where the run stands with tokpipe status {out}")
+    decode, tokenizer_path = load_decoder(source, tokenizer)
+    # A short seed, printed, so the same windows can be looked at again (or by a colleague).
+    seed = secrets.randbelow(1_000_000) if seed is None else seed
+    windows = sample_windows(source, n, window, seed)
+    scan = scan_ids(source)
+    n_scanned = max(scan.scanned, 1)
+    common = [(i, decode(np.array([i])) if i < source.vocab_size else "?", c / n_scanned) for i, c in scan.common]
+    texts = [render(w.ids, decode, source.eos_id, source.vocab_size) for w in windows]
+    return Inspection(source, tokenizer_path, seed, windows, texts, scan, red_flags(source, scan), common)
+
+
+def report(ins: Inspection) -> str:
+    src = ins.source
+    where = "a finished run" if src.finished else f"an unfinished run ({len(src.segments)} shards with committed tokens)"
+    lines = [
+        f"{src.split}: {src.tokens:,} tokens, {src.documents:,} documents of {where}; "
+        f"{src.dtype.name}, vocab_size {src.vocab_size:,}, EOS {src.eos_token!r} = {src.eos_id}",
+        f"tokenizer: {ins.tokenizer_path} ({src.tokenizer}, the run's own)",
+    ]
+    if ins.windows:
+        lines.append(f"{len(ins.windows)} windows of up to {max(len(w.ids) for w in ins.windows)} tokens, seed {ins.seed} (--seed {ins.seed} shows them again)")
+    for k, (w, text) in enumerate(zip(ins.windows, ins.texts), 1):
+        end = w.start + len(w.ids)
+        lines += ["", f"── {k}/{len(ins.windows)}  {w.segment.name}[{w.start:,}:{end:,}], in document {w.document + 1:,} of {len(w.segment.ends):,} ──", text]
+    scanned = f"the whole split, {ins.scan.scanned:,} tokens" if ins.scan.whole else f"{ins.scan.scanned:,} tokens in {SCAN_BLOCKS} blocks spread over the split"
+    *checks, verdict = verify_report(ins.flags).splitlines()
+    lines += ["", f"── token ids: {scanned} ──", *checks]
+    lines.append("most common: " + ", ".join(f"{i} {text!r} {share:.1%}" for i, text, share in ins.common))
+    lines.append(verdict)
+    if not ins.ok:
+        lines.append("RED FLAGS: do not train on this before you know why (README, Troubleshooting)")
+    return "\n".join(lines)

@@ -1,0 +1,250 @@
+"""Dataset dir -> ordered shard list, written as a manifest JSON with a content fingerprint.
+
+The dataset dir may be a Hugging Face cache root, one `datasets--ORG--NAME` repo folder, one
+`snapshots/REV` folder of it, or a plain folder of shards. The cache is read with huggingface_hub
+(which knows refs/, snapshots/ and blobs/); we never guess at its layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from huggingface_hub import scan_cache_dir
+
+from tokpipe.errors import UserError
+
+MANIFEST_VERSION = 1
+SHARD_SUFFIXES = (".jsonl", ".jsonl.zst", ".jsonl.zstd", ".jsonl.gz", ".json.gz", ".json.zst")
+# HF datasets' split names, as folder names or file-name prefixes (`train-00000-of-00004.jsonl.zst`).
+SPLIT_ALIASES = {
+    "train": "train",
+    "validation": "validation",
+    "valid": "validation",
+    "val": "validation",
+    "dev": "validation",
+    "test": "test",
+}
+# A snapshot file that is not a symlink but a tiny text file naming a blob: what git and copy tools
+# leave of the cache's symlinks on filesystems or transfers that drop them.
+POINTER_MAX_BYTES = 512
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    split: str  # train | validation | test
+    relpath: str  # path relative to the snapshot (or plain folder) root; fixes the order
+    path: str  # absolute path of the bytes to read (the blob, for a cache)
+    size: int
+    key: str  # file-system-safe unique name of the shard inside OUT/shards/<split>/
+
+
+@dataclass(frozen=True)
+class Manifest:
+    root: str
+    base: str  # every shard's bytes lie in here (the repo folder of a cache), unless allow_outside
+    allow_outside: bool
+    repo_id: str | None
+    revision: str | None
+    shards: tuple[Shard, ...]
+    fingerprint: str  # sha256 of what the output depends on: splits, order, paths, sizes
+
+    def splits(self) -> dict[str, list[Shard]]:
+        out: dict[str, list[Shard]] = {}
+        for shard in self.shards:
+            out.setdefault(shard.split, []).append(shard)
+        return out
+
+    def to_json(self) -> dict:
+        return {
+            "version": MANIFEST_VERSION,
+            "root": self.root,
+            "base": self.base,
+            "allow_outside": self.allow_outside,
+            "repo_id": self.repo_id,
+            "revision": self.revision,
+            "fingerprint": self.fingerprint,
+            "shards": [asdict(s) for s in self.shards],
+        }
+
+
+def fingerprint_of(shards: list[Shard] | tuple[Shard, ...]) -> str:
+    identity = [[s.split, s.relpath, s.size] for s in shards]
+    return hashlib.sha256(json.dumps(identity, separators=(",", ":")).encode()).hexdigest()
+
+
+def split_of(relpath: str) -> str:
+    """The split a shard belongs to, from its path as HF datasets name splits; `train` otherwise."""
+    *folders, name = relpath.split("/")
+    for folder in folders:
+        if folder.lower() in SPLIT_ALIASES:
+            return SPLIT_ALIASES[folder.lower()]
+    stem = name.lower()
+    for alias, split in SPLIT_ALIASES.items():
+        if stem.startswith((alias + "-", alias + "_", alias + ".")):
+            return split
+    return "train"
+
+
+def shard_key(relpath: str) -> str:
+    for suffix in SHARD_SUFFIXES:
+        if relpath.endswith(suffix):
+            relpath = relpath[: -len(suffix)]
+            break
+    return relpath.replace("/", "__")
+
+
+def _resolve_pointer(path: Path, blobs_dir: Path | None) -> Path:
+    """Follow a symlink-turned-text-file (`../../../../blobs/<sha>`) back to its blob."""
+    if blobs_dir is None or path.is_symlink() or path.stat().st_size > POINTER_MAX_BYTES:
+        return path
+    target_text = path.read_bytes().strip()
+    if not target_text.startswith(b"../") or b"\n" in target_text:
+        return path
+    target = (path.parent / target_text.decode("utf-8", "replace")).resolve()
+    if target.parent != blobs_dir.resolve():
+        raise UserError(f"{path} points to {target}, outside the repo's blobs/ folder {blobs_dir}")
+    if not target.is_file():
+        raise UserError(f"{path} names blob {target.name}, which is missing from {blobs_dir}: re-download the dataset")
+    return target
+
+
+def _check_inside(shard_path: str, relpath: str, base: str) -> None:
+    if not Path(shard_path).is_relative_to(base):
+        raise UserError(f"{relpath} resolves to {shard_path}, outside the dataset folder {base}; pass --allow-outside if that is intended")
+
+
+def _shards_under(root: Path, blobs_dir: Path | None, base: Path, allow_outside: bool) -> list[Shard]:
+    shards = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for name in filenames:
+            if not name.endswith(SHARD_SUFFIXES):
+                continue
+            full = Path(dirpath) / name
+            relpath = full.relative_to(root).as_posix()
+            source = _resolve_pointer(full, blobs_dir).resolve()
+            if not allow_outside:
+                _check_inside(str(source), relpath, str(base))
+            shards.append(
+                Shard(
+                    split=split_of(relpath),
+                    relpath=relpath,
+                    path=str(source),
+                    size=source.stat().st_size,
+                    key=shard_key(relpath),
+                )
+            )
+    # DESIGN order: per split, plain string order of the path relative to the snapshot root.
+    shards.sort(key=lambda s: s.relpath)
+    return shards
+
+
+def _layout_hint(directory: Path) -> str:
+    entries = sorted(p.name for p in directory.iterdir())[:8] if directory.is_dir() else []
+    found = ", ".join(entries) if entries else "nothing"
+    return (
+        f"found {found} in {directory}; expected a Hugging Face cache root (holding datasets--ORG--NAME/), "
+        "one datasets--ORG--NAME folder, a snapshots/REV folder, or a folder of *.jsonl[.zst|.gz] shards"
+    )
+
+
+def _pick_revision(repo, revision: str | None) -> tuple[str, Path]:
+    revisions = {r.commit_hash: r for r in repo.revisions}
+    by_ref = {ref: r for r in repo.revisions for ref in r.refs}
+    if revision is not None:
+        chosen = by_ref.get(revision) or revisions.get(revision)
+        if chosen is None:
+            raise UserError(
+                f"revision {revision!r} not in the cache for {repo.repo_id}: it has refs {sorted(by_ref)} "
+                f"and snapshots {sorted(revisions)}"
+            )
+    elif "main" in by_ref:
+        chosen = by_ref["main"]
+    elif len(revisions) == 1:
+        chosen = next(iter(revisions.values()))
+    else:
+        raise UserError(
+            f"{repo.repo_id} has {len(revisions)} snapshots and no refs/main: pick one with --revision "
+            f"({', '.join(sorted(revisions))})"
+        )
+    return chosen.commit_hash, Path(chosen.snapshot_path)
+
+
+def _locate(dataset_dir: Path, repo_id: str | None, revision: str | None) -> tuple[Path, Path | None, str | None, str | None]:
+    """(shard root, blobs dir, repo id, revision) for any of the accepted layouts."""
+    if not dataset_dir.is_dir():
+        raise UserError(f"--dataset-dir {dataset_dir} is not a directory; " + _layout_hint(dataset_dir.parent))
+    cache_root, snapshot = None, None
+    if dataset_dir.name.startswith("datasets--"):
+        cache_root = dataset_dir.parent
+        repo_id = repo_id or dataset_dir.name.removeprefix("datasets--").replace("--", "/")
+    elif dataset_dir.parent.name == "snapshots" and dataset_dir.parent.parent.name.startswith("datasets--"):
+        cache_root = dataset_dir.parent.parent.parent
+        repo_id = repo_id or dataset_dir.parent.parent.name.removeprefix("datasets--").replace("--", "/")
+        snapshot = dataset_dir.name
+    elif any(p.name.startswith("datasets--") for p in dataset_dir.iterdir()):
+        cache_root = dataset_dir
+    if cache_root is None:
+        return dataset_dir, None, None, None
+
+    # scan_cache_dir also warns about stray files beside the repos (a README, a manifest); those are fine.
+    repos = [r for r in scan_cache_dir(cache_root).repos if r.repo_type == "dataset"]
+    if repo_id is not None:
+        repos = [r for r in repos if r.repo_id == repo_id]
+        if not repos:
+            raise UserError(f"no dataset {repo_id!r} in the Hugging Face cache at {cache_root}; " + _layout_hint(cache_root))
+    if not repos:
+        raise UserError(f"no dataset repos in the Hugging Face cache at {cache_root}; " + _layout_hint(cache_root))
+    if len(repos) > 1:
+        names = ", ".join(sorted(r.repo_id for r in repos))
+        raise UserError(f"the cache at {cache_root} holds several datasets ({names}): pick one with --repo-id ORG/NAME")
+    repo = repos[0]
+    rev, root = _pick_revision(repo, snapshot or revision)
+    return root, Path(repo.repo_path) / "blobs", repo.repo_id, rev
+
+
+def build_manifest(dataset_dir: str | os.PathLike, repo_id: str | None = None, revision: str | None = None, allow_outside: bool = False) -> Manifest:
+    """The ordered shard list of a dataset. Shards whose bytes lie outside it (through symlinks) are
+    refused unless allow_outside: a manifest must not quietly read files from elsewhere."""
+    root, blobs_dir, repo_id, revision = _locate(Path(dataset_dir).absolute(), repo_id, revision)
+    base = (blobs_dir.parent if blobs_dir else root).resolve()
+    shards = _shards_under(root, blobs_dir, base, allow_outside)
+    if not shards:
+        raise UserError(f"no shards (*{', *'.join(SHARD_SUFFIXES)}) under {root}; " + _layout_hint(root))
+    keys = {}
+    for shard in shards:
+        other = keys.setdefault((shard.split, shard.key), shard.relpath)
+        if other != shard.relpath:
+            raise UserError(f"{other} and {shard.relpath} would be written to the same shard file: rename one")
+    return Manifest(str(root), str(base), allow_outside, repo_id, revision, tuple(shards), fingerprint_of(shards))
+
+
+def write_manifest(manifest: Manifest, path: str | os.PathLike) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(manifest.to_json(), indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def load_manifest(path: str | os.PathLike) -> Manifest:
+    try:
+        data = json.loads(Path(path).read_text())
+        if data.get("version") != MANIFEST_VERSION:
+            raise ValueError(f"version {data.get('version')!r}, expected {MANIFEST_VERSION}")
+        shards = tuple(Shard(**s) for s in data["shards"])
+        manifest = Manifest(data["root"], data["base"], data["allow_outside"], data["repo_id"], data["revision"], shards, data["fingerprint"])
+    except FileNotFoundError:
+        raise UserError(f"manifest {path} does not exist: create it with `tokpipe manifest --dataset-dir DIR -o {path}`") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"manifest {path} is not a tokpipe manifest ({type(e).__name__}: {e}): rebuild it with `tokpipe manifest`") from None
+    if fingerprint_of(shards) != manifest.fingerprint:
+        raise UserError(f"manifest {path} was edited by hand (its fingerprint no longer matches its shards): rebuild it")
+    if not manifest.allow_outside:
+        for shard in shards:
+            _check_inside(shard.path, shard.relpath, manifest.base)
+    return manifest

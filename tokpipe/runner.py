@@ -1,0 +1,454 @@
+"""Run a manifest on Ray: one task per unfinished shard, retries, stall detection, progress, then finalize.
+
+Ray does the scheduling and the retrying of tasks whose worker or node died (`max_retries`); a retry
+resumes the shard from its checkpoint. What Ray cannot see is a task that is alive but stuck: each
+worker reports progress to a small actor, and the driver cancels a task that reported nothing for
+`stall_timeout` seconds (the worker dumps its stacks to OUT/logs first) and submits it again.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import fcntl
+import json
+import logging
+import os
+import stat
+import sys
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from tqdm import tqdm
+
+from tokpipe.errors import SourceError, UserError
+from tokpipe.finalize import finalize, load_meta_json
+from tokpipe.manifest import Manifest, Shard, load_manifest, write_manifest
+from tokpipe.shard import Checkpoint, EncodeSpec, ShardFiles, ShardResult, tokenize_shard, write_json_atomic
+from tokpipe.source import read_batches
+from tokpipe.status import duration
+from tokpipe.tokenizer import TokenizerInfo, choose_backend, load_tokenizer_info
+
+RUN_FORMAT = 1
+SAMPLE_BYTES = 1 << 20  # of text per split, to prove the fast backend exact on this data
+REPORT_EVERY = 1.0  # seconds between a worker's progress reports
+POLL_EVERY = 0.5
+# Kept in run.json beside the identity but never compared: where this run found its tokenizer (a
+# folder that moved holds the same tokenizer; its sha256 is in the identity) and the options it was
+# given. `tokpipe status` prints the resume command from them, `tokpipe inspect` decodes with that tokenizer.
+LAST_RUN_KEYS = ("tokenizer_path", "options")
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    workers: int | None = None  # concurrent shard tasks; default: the CPUs Ray sees
+    address: str | None = None  # Ray cluster to join; None: RAY_ADDRESS, else an embedded local Ray
+    backend: str = "auto"
+    text_field: str = "text"
+    eos: str | None = None
+    checkpoint_interval: float = 30.0
+    stall_timeout: float = 600.0
+    max_retries: int = 3
+    skip_failed: bool = False  # finalize without shards that failed, recording them in meta as excluded
+
+
+@dataclass
+class RunSummary:
+    finished: bool
+    failed: dict[str, str]  # shard relpath -> last error
+    meta: dict | None
+    redone_tokens: int
+    seconds: float
+
+
+def run_identity(manifest: Manifest, info: TokenizerInfo, text_field: str) -> dict:
+    """What the bytes of OUT depend on. Workers, backend and intervals are not in it: they never change bytes."""
+    return {
+        "format": RUN_FORMAT,
+        "manifest_sha256": manifest.fingerprint,
+        "tokenizer": info.id,
+        "tokenizer_sha256": info.sha256,
+        "vocab_size": info.vocab_size,
+        "dtype": info.dtype,
+        "eos_token": info.eos_token,
+        "eos_token_id": info.eos_id,
+        "bos_token_id": info.bos_id,
+        "text_field": text_field,
+    }
+
+
+class RunLog:
+    """OUT/logs/run.log: the effective configuration, shard failures, stalls, the outcome."""
+
+    def __init__(self, out: Path):
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+        self._f = open(out / "logs" / "run.log", "a")
+
+    def __call__(self, message: str) -> None:
+        self._f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
+        self._f.flush()
+
+
+def _lock_out(out: Path):
+    """Hold OUT for this run. The kernel drops the lock when the process dies, so a killed run never blocks."""
+    f = open(out / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        raise UserError(f"{out} is in use by another tokpipe run ({holder}); wait for it to finish or stop it") from None
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {os.uname().nodename}")
+    f.flush()
+    return f
+
+
+def _shard_identities(manifest: Manifest) -> dict[tuple[str, str], int]:
+    return {(s.split, s.relpath): s.size for s in manifest.shards}
+
+
+def record_run(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOptions) -> None:
+    """Refuse an OUT that holds a run with other inputs (a manifest that only gained shards is an
+    append); then (re)write run.json for this run."""
+    path = out / "run.json"
+    identity = run_identity(manifest, info, opts.text_field)
+    if path.exists():
+        previous = {k: v for k, v in json.loads(path.read_text()).items() if k not in LAST_RUN_KEYS}
+        differs = [k for k in sorted(set(identity) | set(previous)) if identity.get(k) != previous.get(k)]
+        if differs == ["manifest_sha256"] and (out / "manifest.json").exists():
+            _check_append(out, load_manifest(out / "manifest.json"), manifest)
+        elif differs:
+            what = "; ".join(f"{k}: was {previous.get(k)!r}, now {identity.get(k)!r}" for k in differs)
+            raise UserError(f"{out} holds a run with other inputs ({what}); use a new --out, or the original inputs to resume")
+    defaults = asdict(RunOptions())
+    options = {k: v for k, v in asdict(opts).items() if v != defaults[k]}
+    write_json_atomic(path, {**identity, "tokenizer_path": info.path, "options": options})
+
+
+def _check_append(out: Path, old_manifest: Manifest, manifest: Manifest) -> None:
+    old, new = _shard_identities(old_manifest), _shard_identities(manifest)
+    changed = [f"{split}/{relpath}" for (split, relpath), size in old.items() if new.get((split, relpath)) != size]
+    if changed:
+        raise UserError(
+            f"{out} was started from another manifest: {len(changed)} of its shards are changed or gone in this one "
+            f"(e.g. {changed[0]}); use a new --out, or the original manifest to resume"
+        )
+    print(f"the manifest gained {len(new) - len(old)} shards since {out} was started: appending them (finished shards are kept)")
+    (out / "meta.json").unlink(missing_ok=True)  # OUT is unfinished again until the new finalize
+
+
+def _sample_texts(manifest: Manifest) -> list[str]:
+    texts = []
+    for shards in manifest.splits().values():
+        if not stat.S_ISREG(os.stat(shards[0].path).st_mode):  # a pipe or device: reading could block the driver
+            continue
+        try:
+            first = next(read_batches(shards[0].path, batch_bytes=SAMPLE_BYTES), None)
+        except SourceError:  # an unreadable first shard: its own task reports it
+            continue
+        if first is not None:  # None: an empty shard
+            texts += first.texts
+    return texts
+
+
+@ray.remote(num_cpus=0, max_restarts=-1)
+class ProgressBoard:
+    """Where workers leave progress; the driver reads it twice a second. No per-batch round trips.
+
+    It lives on the driver's node, so losing a worker node loses no progress; should it die anyway,
+    Ray restarts it, and only the progress display and stall clocks start over.
+    """
+
+    def __init__(self):
+        self.totals = [0, 0, 0]  # file bytes, documents, tokens
+        self.beats: dict[str, float] = {}
+
+    def report(self, key: str, file_bytes: int, documents: int, tokens: int) -> None:
+        self.totals[0] += file_bytes
+        self.totals[1] += documents
+        self.totals[2] += tokens
+        self.beats[key] = time.time()
+
+    def snapshot(self) -> tuple[list[int], dict[str, float]]:
+        return self.totals, self.beats
+
+
+def shard_task(shard: Shard, out: str, spec: EncodeSpec, board, stall_timeout: float) -> ShardResult:
+    """The Ray task around tokenize_shard: progress reports, and a stack dump if it stops moving."""
+    tag = f"{shard.split}/{shard.key}"
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one worker per core: no thread pool inside each
+    dump_path = Path(out) / "logs" / f"stall-{shard.split}-{shard.key}.txt"
+    pending = [0, 0, 0]
+    last_report = time.monotonic()
+
+    with open(dump_path, "a") as dump:
+
+        def arm_dump() -> None:
+            # Fires in a C watchdog thread, so it works even when Python is stuck holding the GIL.
+            faulthandler.dump_traceback_later(max(stall_timeout * 0.8, 0.5), file=dump)
+
+        def on_batch(file_bytes: int, documents: int, tokens: int) -> None:
+            nonlocal last_report
+            arm_dump()
+            pending[0] += file_bytes
+            pending[1] += documents
+            pending[2] += tokens
+            if time.monotonic() - last_report >= REPORT_EVERY:
+                board.report.remote(tag, *pending)
+                pending[:] = [0, 0, 0]
+                last_report = time.monotonic()
+
+        board.report.remote(tag, 0, 0, 0)
+        arm_dump()
+        try:
+            result = tokenize_shard(shard, out, spec, on_batch)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+            board.report.remote(tag, *pending)
+    if dump_path.stat().st_size == 0:
+        dump_path.unlink()
+    return result
+
+
+class Progress:
+    """A tqdm bar on a terminal; a plain line every `every` seconds otherwise (CI, nohup, Slurm logs).
+
+    Also keeps OUT/logs/progress.json current, so `tokpipe status` can tell rate and ETA from files alone.
+    """
+
+    def __init__(self, out: Path, total_bytes: int, done_bytes: int, shards: int, every: float = 30.0):
+        self.out, self.total, self.shards = out, total_bytes, shards
+        self.start_bytes, self.t0, self.started_at, self.every = done_bytes, time.monotonic(), time.time(), every
+        self.last_line = self.last_file = 0.0
+        self.bar = None
+        if sys.stderr.isatty():
+            # Shard counts (and failures) before the rates, and no label: in 80 columns tqdm cuts the
+            # line's end, and that must be the least important part.
+            self.bar = tqdm(
+                total=total_bytes,
+                initial=done_bytes,
+                unit="iB",
+                unit_scale=True,
+                unit_divisor=1024,
+                dynamic_ncols=True,
+                bar_format="{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt}iB, ETA {remaining}{postfix}",
+            )
+
+    def update(self, file_bytes: int, documents: int, tokens: int, done: int, running: int, failed: int, final: bool = False) -> None:
+        now = time.monotonic()
+        elapsed = max(now - self.t0, 1e-9)
+        read = self.start_bytes + file_bytes
+        rate = file_bytes / elapsed
+        eta = (self.total - read) / rate if rate > 0 else None
+        failures = f" ({failed} FAILED)" if failed else ""
+        rates = f"{documents:,} docs, {tokens / elapsed / 1e6:.2f}M tok/s"
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"{done}/{self.shards} shards{failures}, {rates}", refresh=False)
+            self.bar.update(read - self.bar.n)
+        elif final or now - self.last_line >= self.every:
+            self.last_line = now
+            pct = 100 * read / self.total if self.total else 100.0
+            when = f" in {duration(elapsed)}" if final else f", ETA {duration(eta)}" if eta is not None else ", ETA unknown"
+            print(
+                f"[tokpipe] {pct:5.1f}% of {self.total / 2**20:,.1f} MiB read{when} | {done}/{self.shards} shards done{failures}, {running} running, {rates}",
+                file=sys.stderr,
+                flush=True,
+            )
+        if final or now - self.last_file >= 2.0:
+            self.last_file = now
+            write_json_atomic(
+                self.out / "logs" / "progress.json",
+                {
+                    "pid": os.getpid(),
+                    "started_at": self.started_at,
+                    "updated_at": time.time(),
+                    "bytes_read": read,
+                    "bytes_total": self.total,
+                    "documents": documents,
+                    "tokens": tokens,
+                    "tokens_per_s": tokens / elapsed,
+                    "eta_s": eta,
+                    "shards": {"total": self.shards, "done": done, "running": running, "failed": failed},
+                },
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _start_ray(opts: RunOptions) -> int:
+    """Join the cluster, or start an embedded local Ray; returns how many shard tasks to run at once."""
+    address = opts.address or os.environ.get("RAY_ADDRESS")
+    common = dict(logging_level=logging.ERROR, log_to_driver=False)
+    if address:
+        ray.init(address=address, **common)
+        return opts.workers or int(ray.cluster_resources().get("CPU", 1))
+    workers = opts.workers or os.cpu_count() or 1
+    # address="local": never attach to some other Ray instance that happens to run on this machine.
+    ray.init(address="local", num_cpus=workers, include_dashboard=False, object_store_memory=128 << 20, **common)
+    return workers
+
+
+def _read_board(board, totals: list[int], beats: dict[str, float]) -> tuple[list[int], dict[str, float]]:
+    try:
+        return ray.get(board.snapshot.remote(), timeout=30)
+    except ray.exceptions.RayError:  # board restarting: keep the last view; stall clocks run from submission
+        return totals, beats
+
+
+def _describe_failure(error: Exception) -> str:
+    cause = getattr(error, "cause", None) or error
+    text = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {text[-1] if text else ''}"
+
+
+def _schedule(pending: list[Shard], out: Path, spec: EncodeSpec, opts: RunOptions, workers: int, progress: Progress, log: RunLog, done_before: int) -> tuple[dict[str, str], list[ShardResult]]:
+    """Run every pending shard to completion or failure; returns (failures, results of shards that resumed)."""
+    task = ray.remote(num_cpus=1, max_retries=opts.max_retries, retry_exceptions=False)(shard_task)
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    board = ProgressBoard.options(scheduling_strategy=here).remote()
+    totals, beats = [0, 0, 0], {}
+    queue = deque((shard, 0) for shard in pending)
+    running: dict = {}  # ObjectRef -> (shard, stall retries, submitted at)
+    failed: dict[str, str] = {}
+    done, resumed = done_before, []
+    last_look = 0.0  # when progress and stalls were last looked at
+    while queue or running:
+        while queue and len(running) < workers:
+            shard, stalls = queue.popleft()
+            # The name becomes the worker's process title: `ps` shows which shard each worker is on.
+            ref = task.options(name=f"tokpipe {shard.split}/{shard.key}").remote(shard, str(out), spec, board, opts.stall_timeout)
+            running[ref] = (shard, stalls, time.time())
+        # Wake on the first finished task (small shards finish in milliseconds), then take all that are done.
+        ready, _ = ray.wait(list(running), num_returns=1, timeout=POLL_EVERY)
+        if ready:
+            ready, _ = ray.wait(list(running), num_returns=len(running), timeout=0)
+        for ref in ready:
+            shard, _, _ = running.pop(ref)
+            try:
+                result: ShardResult = ray.get(ref)
+            except (ray.exceptions.RayError, OSError) as e:
+                failed[shard.relpath] = _describe_failure(e)
+                log(f"shard {shard.relpath} FAILED: {failed[shard.relpath]}")
+                continue
+            done += 1
+            if result.resumed_tokens or result.redone_tokens:
+                resumed.append(result)
+                log(f"shard {shard.relpath}: resumed at {result.resumed_tokens:,} tokens, redid {result.redone_tokens:,}")
+        now = time.time()
+        if now - last_look < POLL_EVERY:
+            continue
+        last_look = now
+        totals, beats = _read_board(board, totals, beats)
+        progress.update(*totals, done=done, running=len(running) + min(len(queue), workers - len(running)), failed=len(failed))
+        for ref, (shard, stalls, submitted) in list(running.items()):
+            quiet = now - max(beats.get(f"{shard.split}/{shard.key}", 0.0), submitted)
+            if quiet < opts.stall_timeout:
+                continue
+            del running[ref]
+            ray.cancel(ref, force=True)
+            dump = out / "logs" / f"stall-{shard.split}-{shard.key}.txt"
+            log(f"shard {shard.relpath}: no progress for {quiet:.0f}s, cancelled (stack dump: {dump})")
+            if stalls < opts.max_retries:
+                queue.append((shard, stalls + 1))
+            else:
+                failed[shard.relpath] = f"stalled {stalls + 1} times (no progress for {opts.stall_timeout:.0f}s); stacks in {dump}"
+    totals, _ = _read_board(board, totals, beats)
+    progress.update(*totals, done=done, running=0, failed=len(failed), final=True)
+    return failed, resumed
+
+
+def _print_summary(meta: dict, out: Path, seconds: float) -> None:
+    for split, s in meta["splits"].items():
+        skipped = sum(s["skipped"].values())
+        why = ", ".join(f"{k} {v}" for k, v in s["skipped"].items())
+        print(f"{split}: {s['tokens']:,} tokens, {s['documents']:,} documents, {skipped:,} lines skipped{' (' + why + ')' if why else ''} -> {out / s['file']}")
+    if meta["excluded"]:
+        print(f"EXCLUDED {len(meta['excluded'])} failed shards (recorded in meta['excluded']): {', '.join(meta['excluded'])}")
+    tokens = sum(s["tokens"] for s in meta["splits"].values())
+    print(f"done in {seconds:.1f}s ({tokens / seconds / 1e6:.2f}M tokens/s overall); meta: {out / 'meta.pkl'}. Next: tokpipe verify {out}")
+
+
+def run(manifest_path: str | os.PathLike, tokenizer: str | os.PathLike, out: str | os.PathLike, opts: RunOptions = RunOptions()) -> RunSummary:
+    started = time.monotonic()
+    manifest = load_manifest(manifest_path)
+    info = load_tokenizer_info(tokenizer, opts.eos)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    lock = _lock_out(out)
+    try:
+        record_run(out, manifest, info, opts)
+        write_manifest(manifest, out / "manifest.json")  # what `verify --sample` and `status` read
+        log = RunLog(out)
+        meta = load_meta_json(out)
+        if meta is not None and meta.get("manifest_sha256") == manifest.fingerprint and not meta.get("excluded"):
+            print(f"{out} is already finished ({out / 'meta.json'}); nothing to do. Check it with: tokpipe verify {out}")
+            return RunSummary(True, {}, meta, 0, time.monotonic() - started)
+
+        pending, partial, done_bytes = [], 0, 0
+        for shard in manifest.shards:  # one checkpoint in memory at a time: manifests may hold 100,000s of shards
+            ckpt = Checkpoint.load(ShardFiles.of(out, shard).checkpoint)
+            done_bytes += shard.size if ckpt and ckpt.done else (ckpt.source_pos if ckpt else 0)
+            if not (ckpt and ckpt.done):
+                pending.append(shard)
+                partial += ckpt is not None
+        total_bytes = sum(s.size for s in manifest.shards)
+        print(
+            f"tokenizer {info.id}: vocab_size {info.vocab_size:,} (len(tokenizer), added tokens included), "
+            f"eos {info.eos_token!r} = {info.eos_id}, dtype {info.dtype}"
+        )
+        print(
+            f"manifest {manifest.repo_id or manifest.root}: {len(manifest.shards)} shards, {total_bytes / 2**20:,.1f} MiB; "
+            f"{len(manifest.shards) - len(pending)} done, {partial} partial, {len(pending) - partial} to start"
+        )
+        log(f"run: manifest {manifest_path} ({manifest.fingerprint[:16]}), tokenizer {info.id}, options {opts}")
+
+        failed, resumed = {}, []
+        if pending:
+            with ThreadPoolExecutor(1) as pool:
+                # The backend's self-check and Ray's start-up take seconds each: do them at the same time.
+                choice = pool.submit(choose_backend, opts.backend, info.path, _sample_texts(manifest))
+                workers = _start_ray(opts)
+                try:
+                    backend, why = choice.result()
+                    print(f"backend {backend}: {why}")
+                    log(f"backend {backend}: {why}")
+                    where = f"cluster {ray.get_runtime_context().gcs_address}" if opts.address or os.environ.get("RAY_ADDRESS") else "embedded local instance"
+                    print(f"ray: {where}, {workers} workers")
+                    spec = EncodeSpec(info.path, backend, info.eos_id, info.vocab_size, info.dtype, opts.text_field, checkpoint_interval=opts.checkpoint_interval)
+                    progress = Progress(out, total_bytes, done_bytes, len(manifest.shards))
+                    try:
+                        failed, resumed = _schedule(pending, out, spec, opts, workers, progress, log, len(manifest.shards) - len(pending))
+                    finally:
+                        progress.close()
+                finally:
+                    ray.shutdown()
+        redone = sum(r.redone_tokens for r in resumed)
+        if resumed:
+            kept = sum(r.resumed_tokens for r in resumed)
+            print(f"resumed {len(resumed)} shards from their checkpoints: {kept:,} tokens kept, {redone:,} tokens written after the last checkpoints redone")
+        failures_file = out / "logs" / "failed.json"
+        if failed:
+            write_json_atomic(failures_file, failed)
+            for relpath, error in failed.items():
+                print(f"FAILED {relpath}: {error}", file=sys.stderr)
+            if not opts.skip_failed:
+                log(f"{len(failed)} shards failed; not finalized")
+                return RunSummary(False, failed, None, redone, time.monotonic() - started)
+            print(f"--skip-failed: finalizing without these {len(failed)} shards; meta records them as excluded", file=sys.stderr)
+            log(f"{len(failed)} shards failed; finalizing without them (--skip-failed)")
+        else:
+            failures_file.unlink(missing_ok=True)
+        meta = finalize(out, manifest, info, opts.text_field, excluded=failed)
+        seconds = time.monotonic() - started
+        _print_summary(meta, out, seconds)
+        log(f"finished: {sum(s['tokens'] for s in meta['splits'].values()):,} tokens in {seconds:.1f}s")
+        return RunSummary(True, failed, meta, redone, seconds)
+    finally:
+        lock.close()

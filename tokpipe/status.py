@@ -1,0 +1,199 @@
+"""`tokpipe status OUT`: where a run stands and what to run next, from OUT's files alone (no Ray).
+
+Works the same on a running, a killed, a failed and a finished run, because every source is a file
+`tokpipe run` keeps current: OUT/manifest.json (the shards), each shard's checkpoint (what is
+committed), OUT/.lock (flock-ed by a live run; the kernel drops it when the run dies, however it
+dies), OUT/logs/progress.json (rate and ETA, rewritten every 2 s while shards run),
+OUT/logs/failed.json (the last run's failures), OUT/run.json (the tokenizer and options to resume
+with) and OUT/meta.json (written last: the run finished).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shlex
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tokpipe.errors import UserError
+from tokpipe.finalize import load_meta_json
+from tokpipe.manifest import load_manifest
+from tokpipe.shard import Checkpoint, ShardFiles
+
+# progress.json is rewritten every 2 s while shards run; older than this, the live run is doing
+# something else (starting Ray, finalizing) or is stuck.
+PROGRESS_FRESH_S = 10.0
+LIST_AT_MOST = 10  # partial and failed shards listed by name; the rest are counted
+
+
+def duration(seconds: float) -> str:
+    """42s, 7m03s, 2h05m, 3d04h: readable at a glance, for ETAs of minutes or of days."""
+    s = int(round(seconds))
+    for big, big_s, small, small_s in (("d", 86400, "h", 3600), ("h", 3600, "m", 60), ("m", 60, "s", 1)):
+        if s >= big_s:
+            return f"{s // big_s}{big}{s % big_s // small_s:02d}{small}"
+    return f"{s}s"
+
+
+@dataclass(frozen=True)
+class ShardStatus:
+    split: str
+    relpath: str
+    state: str  # done | partial | pending | failed
+    size: int  # bytes of the shard file
+    read: int  # of those, covered by the checkpoint
+    tokens: int  # committed
+    documents: int
+    error: str | None = None  # the last run's error, for a failed shard
+    writing: bool = False  # a worker holds the shard's lock: live, or left over from a killed run
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    out: str
+    state: str  # finished | running | stopped
+    shards: list[ShardStatus]
+    holder: str | None  # "pid N on HOST" of the run holding OUT, if one does
+    progress: dict | None  # the live run's progress.json, while fresh
+    last_report_age: float | None  # seconds since progress.json was last written, by any run
+    next: str  # what to run next
+
+    def count(self, state: str, split: str | None = None) -> int:
+        return sum(1 for s in self.shards if s.state == state and split in (None, s.split))
+
+
+def _lock_holder(lock: Path) -> str | None:
+    """What the process holding a flock wrote in the file ("pid N on HOST" for OUT/.lock), or None if none holds it.
+
+    Tested by taking the lock shared without waiting and dropping it at once: only a run or worker
+    starting in that same microsecond could find it taken (a run says so and can be rerun; a worker waits).
+    """
+    try:
+        f = open(lock, "rb")
+    except FileNotFoundError:
+        return None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f.read().decode("utf-8", "replace").strip() or "a process"
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return None
+
+
+def _json_or_none(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+
+
+def resume_command(out: str, run: dict) -> str:
+    """The `tokpipe run` that continues OUT: its manifest copy, the recorded tokenizer and options."""
+    args = ["tokpipe", "run", "--manifest", os.path.join(out, "manifest.json"), "--tokenizer", run.get("tokenizer_path") or "TOKENIZER", "--out", out]
+    # run.json keeps the options given other than their defaults, by RunOptions field name; the CLI
+    # flags are those names with dashes.
+    for name, value in run.get("options", {}).items():
+        args += [f"--{name.replace('_', '-')}", str(value)]
+    return shlex.join(args)
+
+
+def status(out: str | os.PathLike) -> RunStatus:
+    out = os.fspath(out)
+    path = Path(out)
+    if not (path / "manifest.json").is_file():
+        raise UserError(f"{out} holds no tokpipe run (no manifest.json): start one with tokpipe run --manifest M --tokenizer T --out {out}")
+    manifest = load_manifest(path / "manifest.json")
+    run = _json_or_none(path / "run.json") or {}
+    meta = load_meta_json(path)
+    holder = _lock_holder(path / ".lock")
+    # failed.json is the last finished attempt's verdict; a live run is retrying those shards.
+    failures = {} if holder else _json_or_none(path / "logs" / "failed.json") or {}
+
+    shards = []
+    for shard in manifest.shards:
+        files = ShardFiles.of(path, shard)
+        found = Checkpoint.load(files.checkpoint)
+        ckpt = found or Checkpoint()
+        if ckpt.done:
+            state = "done"
+        elif shard.relpath in failures:
+            state = "failed"
+        else:
+            state = "partial" if found else "pending"
+        read = shard.size if ckpt.done else ckpt.source_pos
+        # Ray workers can outlive a killed driver for a while; their shard locks say which are still written.
+        writing = not ckpt.done and _lock_holder(files.lock) is not None
+        error = failures.get(shard.relpath) if state == "failed" else None
+        shards.append(ShardStatus(shard.split, shard.relpath, state, shard.size, read, ckpt.tokens, ckpt.documents, error, writing))
+
+    progress = _json_or_none(path / "logs" / "progress.json")
+    age = time.time() - progress["updated_at"] if progress else None
+    live = holder is not None and progress is not None and age < PROGRESS_FRESH_S and holder.startswith(f"pid {progress['pid']} ")
+    if meta is not None and meta.get("manifest_sha256") == manifest.fingerprint:
+        state, next_step = "finished", f"tokpipe verify {shlex.quote(out)}"
+    elif holder is not None:
+        state, next_step = "running", f"nothing yet; check again with: tokpipe status {shlex.quote(out)}"
+    else:
+        state = "stopped"
+        next_step = resume_command(out, run)
+        if failures:
+            next_step = f"fix the cause of the failures above (details in {os.path.join(out, 'logs', 'run.log')}), then: {next_step}"
+        if not run.get("tokenizer_path"):
+            next_step += f"   (TOKENIZER: the one with sha256 {run.get('tokenizer_sha256', '?')[:16]}…; this run.json does not record its path)"
+    return RunStatus(out, state, shards, holder, progress if live else None, age, next_step)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def report(st: RunStatus) -> str:
+    size = sum(s.size for s in st.shards)
+    read = sum(s.read for s in st.shards)
+    lines = []
+    if st.state == "finished":
+        lines.append(f"{st.out}: finished")
+    elif st.state == "running" and st.count("done") == len(st.shards):
+        lines.append(f"{st.out}: finalizing ({st.holder}): every shard is done, the split files are being written")
+    elif st.state == "running" and st.progress:
+        lines.append(f"{st.out}: running ({st.holder}), started {duration(time.time() - st.progress['started_at'])} ago")
+    elif st.state == "running":
+        lines.append(f"{st.out}: a run holds it ({st.holder}) but is not tokenizing now: starting up, or stuck (see its logs/run.log)")
+    else:
+        why = f"{st.count('failed')} shards failed in the last run" if st.count("failed") else "no run holds it (killed or crashed)"
+        since = f"; last progress report {duration(st.last_report_age)} ago" if st.last_report_age is not None else ""
+        lines.append(f"{st.out}: stopped before finishing: {why}{since}")
+    orphans = sum(s.writing for s in st.shards) if st.state == "stopped" else 0
+    if orphans:
+        lines.append(f"  {orphans} shards are still being written by workers of the stopped run; a rerun waits for them")
+    states = ("done", "partial", "pending", "failed")
+    lines.append(f"shards: {', '.join(f'{st.count(s)} {s}' for s in states)} (of {len(st.shards)})")
+    for split in dict.fromkeys(s.split for s in st.shards):
+        mine = [s for s in st.shards if s.split == split]
+        lines.append(
+            f"  {split:<11} {st.count('done', split)}/{len(mine)} done  "
+            f"{sum(s.tokens for s in mine):>15,} tokens  {sum(s.documents for s in mine):>12,} documents"
+        )
+    tokens, documents = sum(s.tokens for s in st.shards), sum(s.documents for s in st.shards)
+    lines.append(f"committed: {tokens:,} tokens, {documents:,} documents; {100 * read / size if size else 100:.1f}% of {_mib(size)} read")
+    if st.progress:
+        p = st.progress
+        eta = f"ETA {duration(p['eta_s'])}" if p.get("eta_s") is not None else "ETA unknown"
+        lines.append(f"rate: {p['tokens_per_s'] / 1e6:.2f}M tokens/s; {eta}; {p['shards']['running']} shards running")
+    for state, label in (("partial", "partial"), ("failed", "FAILED ")):
+        listed = [s for s in st.shards if s.state == state]
+        for s in listed[:LIST_AT_MOST]:
+            what = f"{s.error}" if s.error else f"{100 * s.read / s.size if s.size else 0:.0f}% read, {s.tokens:,} tokens committed"
+            lines.append(f"  {label} {s.relpath}: {what}")
+        if len(listed) > LIST_AT_MOST:
+            lines.append(f"  … and {len(listed) - LIST_AT_MOST} more {state}")
+    lines.append(f"next: {st.next}")
+    return "\n".join(lines)
+
+
+def as_json(st: RunStatus) -> str:
+    return json.dumps(asdict(st), indent=1)

@@ -1,0 +1,188 @@
+"""Load a tokenizer offline, resolve what the output depends on (eos, vocab, dtype, identity), and encode.
+
+The reference encoding (DESIGN) is `tokenizers.Tokenizer` with `encode_special_tokens = True` and no
+added special tokens: literal "<|endoftext|>" in a web page is text, and the only special ids in the
+output are the EOS ids tokpipe places. Two backends produce it:
+
+- `hf`: tokenizers itself.
+- `gigatoken`: a Rust BPE that loads the same tokenizer.json, an order of magnitude faster. It would
+  split out special tokens, so it is given the tokenizer without them (the non-special added tokens,
+  which the reference does split out, stay). `auto` uses it only after it matched the reference on a
+  sample of the actual data and on known hard cases.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from tokpipe.errors import UserError
+
+BACKENDS = ("auto", "gigatoken", "hf")
+
+# Texts where BPE implementations are known to part ways: specials as text, whitespace and digit runs,
+# normalization (NFC), scripts without spaces, emoji, control characters, replacement characters.
+HARD_CASES = [
+    "<|endoftext|> and <|im_start|>user\n<think>hm</think><|im_end|>",
+    " " * 5000 + "x" + "\n" * 300 + "\t\t  \r\n \u3000 end",
+    "1234567890" * 300 + " 3.14159 1,000,000",
+    "e\u0301 \u212b \u00c5 \ufb01 \uff21\uff22 \u0130stanbul",
+    "吾輩は猫である。名前はまだ無い。 สวัสดีครับ مرحبا بالعالم 안녕하세요",
+    "emoji 👩‍👩‍👧‍👦 🇩🇪 \x00 \x7f \ufffd\ufffd 's 'S 'll 'LL",
+    "def f(x):\n\treturn x  # comment\r\n\n\n    pass\n",
+]
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    path: str  # the tokenizer.json
+    name: str
+    sha256: str  # of tokenizer.json: the tokenizer's identity in run.json and meta
+    vocab_size: int  # len(tokenizer): max id + 1, added tokens included
+    eos_token: str
+    eos_id: int
+    bos_token: str | None
+    bos_id: int | None
+    dtype: str  # uint16 | uint32
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}@sha256:{self.sha256[:16]}"
+
+
+def dtype_for(vocab_size: int) -> str:
+    """The smallest unsigned type that holds every id: uint16 only when all ids are < 65536."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def _token_content(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def tokenizer_json_path(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    candidate = path / "tokenizer.json" if path.is_dir() else path
+    if not candidate.is_file():
+        raise UserError(
+            f"no tokenizer at {path}: pass a local folder holding tokenizer.json (as saved by save_pretrained) "
+            "or the tokenizer.json itself; tokpipe never downloads"
+        )
+    return candidate
+
+
+def load_tokenizer_info(path: str | os.PathLike, eos_token: str | None = None) -> TokenizerInfo:
+    json_path = tokenizer_json_path(path)
+    raw = json_path.read_bytes()
+    try:
+        tok = Tokenizer.from_str(raw.decode("utf-8"))
+    except Exception as e:  # tokenizers raises plain Exception subclasses from Rust
+        raise UserError(f"{json_path} is not a tokenizer.json that `tokenizers` can load: {e}") from None
+    vocab = tok.get_vocab(with_added_tokens=True)
+    vocab_size = max(vocab.values()) + 1
+
+    config: dict = {}
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        cfg_path = json_path.parent / name
+        if cfg_path.is_file():
+            for key, value in json.loads(cfg_path.read_text()).items():
+                config.setdefault(key, value)
+    eos = eos_token or _token_content(config.get("eos_token"))
+    if not eos:
+        raise UserError(f"{json_path.parent} names no eos_token (tokenizer_config.json): pass --eos TOKEN")
+    if eos not in vocab:
+        raise UserError(f"EOS token {eos!r} is not in the tokenizer's vocabulary: pass the right one with --eos")
+    bos = _token_content(config.get("bos_token"))
+    name = json_path.parent.name if json_path.name == "tokenizer.json" else json_path.stem
+    return TokenizerInfo(
+        path=str(json_path.resolve()),
+        name=name,
+        sha256=hashlib.sha256(raw).hexdigest(),
+        vocab_size=vocab_size,
+        eos_token=eos,
+        eos_id=vocab[eos],
+        bos_token=bos,
+        bos_id=vocab.get(bos) if bos else None,
+        dtype=dtype_for(vocab_size),
+    )
+
+
+class HFEncoder:
+    """The reference: tokenizers, special-token strings encoded as text."""
+
+    name = "hf"
+
+    def __init__(self, tokenizer_json: str):
+        self._tok = Tokenizer.from_file(tokenizer_json)
+        self._tok.encode_special_tokens = True
+
+    def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(flat uint32 ids of all texts, int64 token count per text)."""
+        encodings = self._tok.encode_batch_fast(texts, add_special_tokens=False)
+        lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(encodings))
+        if not encodings:
+            return np.empty(0, np.uint32), lengths
+        return np.concatenate([np.asarray(e.ids, dtype=np.uint32) for e in encodings]), lengths
+
+    def decode(self, ids: np.ndarray) -> str:
+        """Text of ids, special tokens included as their text (`inspect` marks EOS itself, before this)."""
+        return self._tok.decode(ids.tolist(), skip_special_tokens=False)
+
+
+class GigatokenEncoder:
+    name = "gigatoken"
+
+    def __init__(self, tokenizer_json: str):
+        import gigatoken
+
+        config = json.loads(Path(tokenizer_json).read_text())
+        config["added_tokens"] = [t for t in config.get("added_tokens", []) if not t.get("special")]
+        self._tok = gigatoken.Tokenizer.from_json(json.dumps(config))
+
+    def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        import awkward as ak
+
+        # One worker process per core: the encoder stays on the calling thread.
+        encoded = self._tok.encode_batch(texts, parallel=False)
+        lengths = ak.num(encoded, axis=1).to_numpy().astype(np.int64, copy=False)
+        flat = ak.flatten(encoded, axis=1).to_numpy().astype(np.uint32, copy=False)
+        return flat, lengths
+
+
+_ENCODER_CLASSES = {"hf": HFEncoder, "gigatoken": GigatokenEncoder}
+_encoders: dict[tuple[str, str], HFEncoder | GigatokenEncoder] = {}
+
+
+def encoder(backend: str, tokenizer_json: str):
+    """A process-wide encoder: Ray reuses worker processes, so shards after the first skip the load."""
+    key = (backend, tokenizer_json)
+    if key not in _encoders:
+        _encoders[key] = _ENCODER_CLASSES[backend](tokenizer_json)
+    return _encoders[key]
+
+
+def choose_backend(requested: str, tokenizer_json: str, sample_texts: list[str]) -> tuple[str, str]:
+    """(backend, why). gigatoken only where it gives exactly the reference ids on the sample."""
+    if requested == "hf":
+        return "hf", "requested"
+    try:
+        fast = encoder("gigatoken", tokenizer_json)
+    except Exception as e:  # unsupported tokenizer types raise from the Rust loader
+        if requested == "gigatoken":
+            raise UserError(f"--backend gigatoken cannot load this tokenizer ({e}): use --backend hf") from None
+        return "hf", f"gigatoken cannot load this tokenizer ({type(e).__name__}: {e})"
+    texts = HARD_CASES + sample_texts
+    fast_ids, fast_lengths = fast.encode(texts)
+    ref_ids, ref_lengths = encoder("hf", tokenizer_json).encode(texts)
+    if np.array_equal(fast_lengths, ref_lengths) and np.array_equal(fast_ids, ref_ids):
+        return "gigatoken", f"matched tokenizers on {len(texts)} texts ({sum(map(len, texts)):,} chars)"
+    if requested == "gigatoken":
+        raise UserError("--backend gigatoken does not reproduce tokenizers' ids for this tokenizer and data: use --backend hf")
+    return "hf", "gigatoken's ids differ from tokenizers' on the sample"
