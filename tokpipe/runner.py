@@ -168,11 +168,14 @@ class ProgressBoard:
         self.totals = [0, 0, 0]  # file bytes, documents, tokens
         self.beats: dict[str, float] = {}
 
-    def report(self, key: str, file_bytes: int, documents: int, tokens: int) -> None:
+    def report(self, key: str, file_bytes: int, documents: int, tokens: int, finished: bool = False) -> None:
         self.totals[0] += file_bytes
         self.totals[1] += documents
         self.totals[2] += tokens
-        self.beats[key] = time.time()
+        if finished:  # only running shards need a heartbeat: beats, and every snapshot, stay O(workers)
+            self.beats.pop(key, None)
+        else:
+            self.beats[key] = time.time()
 
     def snapshot(self) -> tuple[list[int], dict[str, float]]:
         return self.totals, self.beats
@@ -209,7 +212,7 @@ def shard_task(shard: Shard, out: str, spec: EncodeSpec, board, stall_timeout: f
             result = tokenize_shard(shard, out, spec, on_batch)
         finally:
             faulthandler.cancel_dump_traceback_later()
-            board.report.remote(tag, *pending)
+            board.report.remote(tag, *pending, finished=True)
     if dump_path.stat().st_size == 0:
         dump_path.unlink()
     return result

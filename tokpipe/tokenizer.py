@@ -147,13 +147,13 @@ class GigatokenEncoder:
         self._tok = gigatoken.Tokenizer.from_json(json.dumps(config))
 
     def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        import awkward as ak
-
         # One worker process per core: the encoder stays on the calling thread.
         encoded = self._tok.encode_batch(texts, parallel=False)
-        lengths = ak.num(encoded, axis=1).to_numpy().astype(np.int64, copy=False)
-        flat = ak.flatten(encoded, axis=1).to_numpy().astype(np.uint32, copy=False)
-        return flat, lengths
+        # Numpy views of awkward's ids and offsets (awkward's own ak.num/ak.flatten cost ~1 ms a call).
+        layout = encoded.layout.to_ListOffsetArray64(True)  # start_at_zero; no copy when it already is one
+        offsets = np.asarray(layout.offsets.data)
+        flat = np.asarray(layout.content.data)[: offsets[-1]]
+        return flat.astype(np.uint32, copy=False), np.diff(offsets)
 
 
 _ENCODER_CLASSES = {"hf": HFEncoder, "gigatoken": GigatokenEncoder}
