@@ -6,7 +6,7 @@ Times are CPU seconds of this (single-threaded) process, steady on a shared mach
 (tokenize_shard's wall includes waiting for fsync). Each stage runs over the same shards in one process, after the encoder has seen their text once (so
 its pretoken cache is warm, as it is for most of a long run; the cold first pass is reported too):
 
-  decompress     the shard's bytes through tokpipe.source.open_bytes (zstd), read in 1 MiB pieces
+  decompress     the shard's bytes through tokpipe.source.decompressed_blocks (zstd)
   read_batches   + line splitting, orjson, the document checks: what tokpipe.source yields
   + encode       + GigatokenEncoder.encode (gigatoken encode_batch + awkward -> numpy)
   + eos/dtype    + the id check, with_eos (np.insert), to_dtype
@@ -31,16 +31,14 @@ from pathlib import Path
 
 from tokpipe.manifest import Shard
 from tokpipe.shard import EncodeSpec, to_dtype, tokenize_shard, with_eos
-from tokpipe.source import open_bytes, read_batches
+from tokpipe.source import decompressed_blocks, read_batches
 from tokpipe.tokenizer import encoder, load_tokenizer_info
 
 
 def stage_decompress(paths):
     for path in paths:
-        stream, _ = open_bytes(path)
-        with stream:
-            while stream.read(1 << 20):
-                pass
+        for _ in decompressed_blocks(path):
+            pass
 
 
 def stage_read(paths):

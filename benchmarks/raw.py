@@ -20,7 +20,7 @@ import time
 
 import orjson
 
-from tokpipe.source import open_bytes
+from tokpipe.source import decompressed_blocks
 
 ENCODERS = ("gigatoken", "gigatoken-core", "tokenizers")
 
@@ -34,15 +34,13 @@ def peak_rss_mib() -> float:
 def _texts(paths: list[str], limit_bytes: int | None) -> tuple[list[str], int]:
     texts, size = [], 0
     for path in paths:
-        stream, _ = open_bytes(path)
-        with stream:
-            for line in stream.read().splitlines():
-                text = orjson.loads(line).get("text") if line.strip() else None
-                if isinstance(text, str) and text:
-                    texts.append(text)
-                    size += len(text.encode("utf-8", "replace"))
-                    if limit_bytes is not None and size >= limit_bytes:
-                        return texts, size
+        for line in b"".join(block for block, _ in decompressed_blocks(path)).splitlines():
+            text = orjson.loads(line).get("text") if line.strip() else None
+            if isinstance(text, str) and text:
+                texts.append(text)
+                size += len(text.encode("utf-8", "replace"))
+                if limit_bytes is not None and size >= limit_bytes:
+                    return texts, size
     return texts, size
 
 

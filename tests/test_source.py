@@ -1,5 +1,6 @@
 """source: compression from magic bytes, every line accounted for, resumable at a line/byte offset."""
 
+import gzip
 from collections import Counter
 
 import pytest
@@ -72,3 +73,44 @@ def test_over_long_line_is_skipped_without_being_held(tmp_path):
     texts, skipped, batches = all_of(path, max_line_bytes=1000)
     assert texts == ["after"] and skipped == {"too_long": 1}
     assert batches[-1].end_offset == path.stat().st_size
+
+
+BLOCK_EDGE_LINES = [
+    b'\xef\xbb\xbf{"text": "a BOM, then a line that spans blocks ' + b"x" * 300 + b'"}',
+    b"\r",
+    b'{"text": "' + b"too long " * 100 + b'"}',
+    b'{"text": "crlf"}\r',
+    b"not json",
+    b'{"text": "bad \xff utf8"}',
+    b'{"text": "lone \\ud800"}',
+    b"",
+    b'{"text": "last, with no newline"}',
+]
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd", "gzip"])
+def test_lines_are_the_same_whatever_the_block_size(tmp_path, compression):
+    # batch_bytes also caps the block the bytes are split in: 1 byte makes every line span blocks.
+    data = b"\n".join(BLOCK_EDGE_LINES)
+    path = tmp_path / "x.jsonl.zst"
+    path.write_bytes(zstandard.ZstdCompressor().compress(data) if compression == "zstd" else gzip.compress(data) if compression == "gzip" else data)
+    expected_texts = ["a BOM, then a line that spans blocks " + "x" * 300, "crlf", "bad \ufffd utf8", "lone \ufffd", "last, with no newline"]
+    for batch_bytes in (1, 7, 100, 4 << 20):
+        texts, skipped, batches = all_of(path, batch_bytes=batch_bytes, max_line_bytes=500)
+        assert texts == expected_texts, batch_bytes
+        assert dict(skipped) == {"blank": 2, "too_long": 1, "invalid_json": 1}
+        assert [line for b in batches for line in b.skip_log] == [(2, "blank"), (3, "too_long"), (5, "invalid_json"), (8, "blank")]
+        assert sum((b.repaired for b in batches), start=Counter()) == {"bom": 1, "invalid_utf8": 1, "lone_surrogate": 1}
+        assert sum(b.lines for b in batches) == len(BLOCK_EDGE_LINES)
+        assert batches[-1].end_offset == len(data)
+        # Resuming at any batch's end, as a checkpoint would, reads exactly the rest.
+        for k in range(len(batches)):
+            done = sum(b.lines for b in batches[: k + 1])
+            rest, _, _ = all_of(path, batch_bytes=batch_bytes, max_line_bytes=500, start_line=done, start_offset=batches[k].end_offset)
+            assert rest == texts[sum(len(b.texts) for b in batches[: k + 1]) :]
+
+
+def test_a_checkpoint_past_the_end_of_the_file_is_an_error(tmp_path):
+    path = write_jsonl(tmp_path / "x.jsonl", ['{"text": "short"}'])
+    with pytest.raises(SourceError, match="shorter than its checkpoint"):
+        all_of(path, start_line=5, start_offset=1000)

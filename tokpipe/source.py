@@ -1,14 +1,16 @@
 """One shard -> batches of document texts, every input line accounted for.
 
 Compression is sniffed from magic bytes, never trusted from the file name (a `.jsonl.zst` may be
-plain JSONL). Lines are read as bytes: orjson parses bytes directly, and we see the invalid UTF-8
-that a text wrapper would replace silently, so each repair is counted.
+plain JSONL). The decompressed bytes are cut into lines a block at a time (one C `split` per block,
+no Python call per byte or per line read), and each line is parsed as bytes: orjson parses bytes
+directly, and we see the invalid UTF-8 that a text wrapper would replace silently, so each repair
+is counted. Lines orjson takes as documents cost one call each; every other line goes through
+`_document`, which decides what it is.
 """
 
 from __future__ import annotations
 
 import gzip
-import io
 import json
 import re
 import zlib
@@ -24,91 +26,13 @@ from tokpipe.errors import SourceError
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 GZIP_MAGIC = b"\x1f\x8b"
 BOM = b"\xef\xbb\xbf"
-READ_CHUNK = 1 << 16
+COMPRESSED_CHUNK = 1 << 16  # fed to zstd at a time; its output, a few times larger, is one block
+BLOCK = 1 << 20  # most decompressed bytes split into lines at once
 SKIP_LOG_CAP = 100  # per batch; the shard keeps the first ones and counts all
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 # Why a line is not a document. Every skipped line carries exactly one of these.
 SKIP_REASONS = ("blank", "invalid_json", "not_object", "no_text", "text_not_string", "empty_text", "too_long")
-
-
-class _ZstdReader(io.RawIOBase):
-    """Decompressed bytes of a zstd file, frame after frame, that fails loudly where the stream breaks.
-
-    zstandard's stream_reader ends a truncated frame as if it were a clean end of file; an
-    incomplete download must never be tokenized as if it were whole, so we drive decompressobj
-    and check that the last frame was finished.
-    """
-
-    def __init__(self, raw: io.BufferedReader, path: str):
-        self._raw = raw
-        self._path = path
-        self._frame = None  # the decompressobj of the frame being read, None between frames
-        self._pending = b""
-        self._compressed_read = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buf) -> int:
-        while not self._pending:
-            chunk = self._raw.read(READ_CHUNK)
-            if not chunk:
-                if self._frame is not None:
-                    raise SourceError(
-                        f"{self._path}: zstd stream ends inside a frame at compressed byte {self._compressed_read} "
-                        "(truncated download?)"
-                    )
-                return 0
-            self._compressed_read += len(chunk)
-            self._feed(chunk)
-        n = min(len(buf), len(self._pending))
-        buf[:n] = self._pending[:n]
-        self._pending = self._pending[n:]
-        return n
-
-    def _feed(self, data: bytes) -> None:
-        out = []
-        while data:
-            if self._frame is None:
-                self._frame = zstandard.ZstdDecompressor().decompressobj()
-            try:
-                out.append(self._frame.decompress(data))
-            except zstandard.ZstdError as e:
-                raise SourceError(f"{self._path}: corrupt zstd data near compressed byte {self._compressed_read}: {e}") from None
-            if self._frame.eof:
-                data = self._frame.unused_data
-                self._frame = None
-            else:
-                data = b""
-        self._pending += b"".join(out)
-
-    def close(self) -> None:
-        self._raw.close()
-        super().close()
-
-
-class _GzipErrors(io.RawIOBase):
-    """gzip bytes with its truncation/CRC errors turned into SourceError naming the file."""
-
-    def __init__(self, raw: io.BufferedReader, path: str):
-        self._gz = gzip.GzipFile(fileobj=raw, mode="rb")
-        self._raw = raw
-        self._path = path
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buf) -> int:
-        try:
-            return self._gz.readinto(buf)
-        except (EOFError, OSError, zlib.error) as e:
-            raise SourceError(f"{self._path}: gzip stream broken after {self._gz.tell()} decompressed bytes: {e}") from None
-
-    def close(self) -> None:
-        self._gz.close()
-        self._raw.close()
-        super().close()
 
 
 def compression_of(path: str) -> str:
@@ -121,15 +45,100 @@ def compression_of(path: str) -> str:
     return "none"
 
 
-def open_bytes(path: str) -> tuple[io.BufferedReader, io.BufferedReader]:
-    """(the shard's decompressed bytes as a buffered stream, the file under it for progress in file bytes)."""
+def _zstd_blocks(raw, path: str) -> Iterator[bytes]:
+    """Decompressed bytes of a zstd file, frame after frame, failing loudly where the stream breaks.
+
+    zstandard's stream_reader ends a truncated frame as if it were a clean end of file; an
+    incomplete download must never be tokenized as if it were whole, so we drive decompressobj
+    and check that the last frame was finished.
+    """
+    frame = None  # the decompressobj of the frame being read, None between frames
+    read = 0
+    while chunk := raw.read(COMPRESSED_CHUNK):
+        read += len(chunk)
+        while chunk:
+            if frame is None:
+                frame = zstandard.ZstdDecompressor().decompressobj()
+            try:
+                block = frame.decompress(chunk)
+            except zstandard.ZstdError as e:
+                raise SourceError(f"{path}: corrupt zstd data near compressed byte {read}: {e}") from None
+            if block:
+                yield block
+            chunk, frame = (frame.unused_data, None) if frame.eof else (b"", frame)
+    if frame is not None:
+        raise SourceError(f"{path}: zstd stream ends inside a frame at compressed byte {read} (truncated download?)")
+
+
+def _gzip_blocks(raw, path: str) -> Iterator[bytes]:
+    """Decompressed bytes of a gzip file, with its truncation/CRC errors naming the file."""
+    with gzip.GzipFile(fileobj=raw, mode="rb") as gz:
+        while True:
+            try:
+                block = gz.read(BLOCK)
+            except (EOFError, OSError, zlib.error) as e:
+                raise SourceError(f"{path}: gzip stream broken after {gz.tell()} decompressed bytes: {e}") from None
+            if not block:
+                return
+            yield block
+
+
+def decompressed_blocks(path: str, block_bytes: int = BLOCK) -> Iterator[tuple[bytes, int]]:
+    """The shard's decompressed bytes in pieces of at most block_bytes, each with the bytes of the file read so far."""
     kind = compression_of(path)
-    raw = open(path, "rb", buffering=0)
-    if kind == "zstd":
-        return io.BufferedReader(_ZstdReader(raw, path), buffer_size=1 << 20), raw
-    if kind == "gzip":
-        return io.BufferedReader(_GzipErrors(raw, path), buffer_size=1 << 20), raw
-    return io.BufferedReader(raw, buffer_size=1 << 20), raw
+    with open(path, "rb", buffering=0) as raw:
+        if kind == "zstd":
+            blocks = _zstd_blocks(raw, path)
+        elif kind == "gzip":
+            blocks = _gzip_blocks(raw, path)
+        else:
+            blocks = iter(lambda: raw.read(block_bytes), b"")
+        for block in blocks:
+            for start in range(0, len(block), block_bytes):  # only a very compressible zstd block is cut
+                yield block[start : start + block_bytes] if len(block) > block_bytes else block, raw.tell()
+
+
+def _from_offset(blocks: Iterator[tuple[bytes, int]], offset: int, path: str) -> Iterator[tuple[bytes, int]]:
+    """The blocks after the first `offset` decompressed bytes (where a checkpoint left off)."""
+    for block, source_pos in blocks:
+        if offset >= len(block):
+            offset -= len(block)
+            continue
+        yield (block[offset:] if offset else block), source_pos
+        offset = 0
+    if offset:
+        raise SourceError(f"{path} is shorter than its checkpoint says: the file changed since the run began")
+
+
+def _lines(blocks: Iterator[tuple[bytes, int]], max_line_bytes: int) -> Iterator[tuple[list, int, int]]:
+    """The complete lines of each block: (lines without their newline, the bytes they took, file bytes read).
+
+    A line over max_line_bytes is given as its length (an int) instead of its bytes, which were
+    dropped as they arrived: it is never held in memory. A line that spans blocks is joined once.
+    """
+    carry: list[bytes] = []  # the start of a line that goes on in the next block
+    carried = 0  # its length, counted on even when its bytes are dropped
+    source_pos = 0
+    for block, source_pos in blocks:
+        lines = block.split(b"\n")
+        tail = lines.pop()  # after the last newline: the start of the next line
+        if lines:
+            first = carried + len(lines[0])
+            if first > max_line_bytes:
+                lines[0] = first
+            elif carry:
+                lines[0] = b"".join([*carry, lines[0]])
+            if max_line_bytes < len(block):
+                lines[1:] = [line if len(line) <= max_line_bytes else len(line) for line in lines[1:]]
+            yield lines, carried + len(block) - len(tail), source_pos
+            carry, carried = [], 0
+        carried += len(tail)
+        if tail and carried <= max_line_bytes:
+            carry.append(tail)
+        elif carry and carried > max_line_bytes:
+            carry = []
+    if carried:  # a last line without a newline
+        yield [carried if carried > max_line_bytes else b"".join(carry)], carried, source_pos
 
 
 @dataclass
@@ -138,7 +147,7 @@ class Batch:
     lines: int  # input lines this batch consumed (documents + skipped)
     end_offset: int  # decompressed byte offset just past this batch's last line
     source_pos: int  # bytes of the (compressed) file read so far, for progress
-    text_bytes: int  # UTF-8 bytes of the lines consumed
+    text_bytes: int  # decompressed input bytes consumed (the lines, newlines included)
     skipped: Counter = field(default_factory=Counter)  # reason -> count
     repaired: Counter = field(default_factory=Counter)  # invalid_utf8 | lone_surrogate | bom -> count
     skip_log: list[tuple[int, str]] = field(default_factory=list)  # (1-based line number, reason)
@@ -178,6 +187,26 @@ def _document(line: bytes, text_field: str, repaired: Counter) -> str | tuple[No
     return text
 
 
+def _parse(lines: list, first_line_no: int, text_field: str, batch: Batch) -> None:
+    """Add each line's text to the batch, or count the line as skipped."""
+    append, loads = batch.texts.append, orjson.loads
+    for i, line in enumerate(lines):
+        try:  # the common case, one orjson call: a JSON object whose text is a non-empty string
+            text = loads(line)[text_field]
+            if type(text) is str and text:
+                append(text)
+                continue
+        except Exception:  # anything else is sorted out below, exactly
+            pass
+        doc = (None, "too_long") if type(line) is int else _document(line, text_field, batch.repaired)
+        if isinstance(doc, str):
+            append(doc)
+        else:
+            batch.skipped[doc[1]] += 1
+            if len(batch.skip_log) < SKIP_LOG_CAP:
+                batch.skip_log.append((first_line_no + i + 1, doc[1]))
+
+
 def read_batches(
     path: str,
     text_field: str = "text",
@@ -187,57 +216,22 @@ def read_batches(
     max_line_bytes: int = 64 << 20,  # worker memory grows ~12 MiB per MB of line: keeps it under 1 GiB
 ) -> Iterator[Batch]:
     """Batches of about `batch_bytes` of input, resuming after `start_line` lines / `start_offset` bytes."""
-    stream, raw = open_bytes(path)
-    with stream:
-        _skip_to(stream, start_offset, path)
-        line_no, offset = start_line, start_offset
-        batch = Batch([], 0, offset, 0, 0)
-        while True:
-            line = stream.readline(max_line_bytes + 1)
-            if not line:
-                break
-            line_no += 1
-            size = len(line)
-            too_long = size > max_line_bytes and not line.endswith(b"\n")
-            if too_long:
-                size += _drain_line(stream)
-            elif offset == 0 and line.startswith(BOM):
-                line = line[len(BOM) :]
-                batch.repaired["bom"] += 1
-            offset += size
-            batch.lines += 1
-            batch.text_bytes += size
-            doc = (None, "too_long") if too_long else _document(line, text_field, batch.repaired)
-            if isinstance(doc, str):
-                batch.texts.append(doc)
-            else:
-                reason = doc[1]
-                batch.skipped[reason] += 1
-                if len(batch.skip_log) < SKIP_LOG_CAP:
-                    batch.skip_log.append((line_no, reason))
-            if batch.text_bytes >= batch_bytes:
-                batch.end_offset, batch.source_pos = offset, raw.tell()
-                yield batch
-                batch = Batch([], 0, offset, 0, 0)
-        if batch.lines:
-            batch.end_offset, batch.source_pos = offset, raw.tell()
+    blocks = _from_offset(decompressed_blocks(path, min(BLOCK, batch_bytes)), start_offset, path)
+    line_no, offset = start_line, start_offset
+    batch = Batch([], 0, offset, 0, 0)
+    for lines, consumed, source_pos in _lines(blocks, max_line_bytes):
+        if offset == 0 and type(lines[0]) is bytes and lines[0].startswith(BOM):
+            lines[0] = lines[0][len(BOM) :]
+            batch.repaired["bom"] += 1
+        _parse(lines, line_no, text_field, batch)
+        line_no += len(lines)
+        offset += consumed
+        batch.lines += len(lines)
+        batch.text_bytes += consumed
+        if batch.text_bytes >= batch_bytes:
+            batch.end_offset, batch.source_pos = offset, source_pos
             yield batch
-
-
-def _skip_to(stream: io.BufferedReader, offset: int, path: str) -> None:
-    remaining = offset
-    while remaining:
-        got = len(stream.read(min(remaining, 1 << 24)))
-        if not got:
-            raise SourceError(f"{path} is shorter than its checkpoint says ({offset} bytes): the file changed since the run began")
-        remaining -= got
-
-
-def _drain_line(stream: io.BufferedReader) -> int:
-    """Read past the rest of an over-long line without holding it; returns the bytes skipped."""
-    skipped = 0
-    while True:
-        piece = stream.readline(1 << 20)
-        skipped += len(piece)
-        if not piece or piece.endswith(b"\n"):
-            return skipped
+            batch = Batch([], 0, offset, 0, 0)
+    if batch.lines:
+        batch.end_offset, batch.source_pos = offset, source_pos
+        yield batch
