@@ -4,7 +4,8 @@ Each split file is written under a temporary name, fsynced and renamed, so a kil
 either the old file or the complete new one; rerunning it rebuilds the same bytes from the shards.
 Token bytes are copied in the kernel (copy_file_range); their sha256, which meta records and
 `verify` checks, is computed by a second thread reading each copied range back from the page cache,
-so hashing overlaps copying.
+so hashing overlaps copying; a third starts the disk writeback of each copied range, so the final
+fsync does not wait for the whole file at once.
 """
 
 from __future__ import annotations
@@ -51,32 +52,38 @@ def _copy_range(src_path: Path, dst_fd: int, length: int) -> None:
                 remaining -= copied
 
 
-def hash_range(fd: int, start: int, end: int, hasher) -> None:
-    """Feed bytes [start, end) of an open file to hasher; hashlib drops the GIL on large updates."""
+def hash_range(fd: int, start: int, end: int, hasher, buffer: bytearray) -> None:
+    """Feed bytes [start, end) of an open file to hasher through `buffer`, reused by the caller: a fresh
+    8 MiB object per read costs its page faults (hashing ran at 0.7 GB/s, 1.2 with one buffer)."""
+    view = memoryview(buffer)
     while start < end:
-        chunk = os.pread(fd, min(HASH_CHUNK, end - start), start)
-        if not chunk:
+        got = os.preadv(fd, [view[: min(len(view), end - start)]], start)
+        if not got:
             raise RuntimeError(f"file ended at byte {start}, expected {end}")
-        hasher.update(chunk)
-        start += len(chunk)
+        hasher.update(view[:got])  # hashlib drops the GIL on large updates
+        start += got
 
 
 def _write_split(out: Path, stem: str, shard_files: list[ShardFiles], ckpts: list[Checkpoint], itemsize: int) -> tuple[str, str]:
     """Write <stem>.bin and <stem>.idx; returns their sha256."""
     bin_tmp, idx_tmp = out / f"{stem}.bin.tmp", out / f"{stem}.idx.tmp"
     bin_hash, idx_hash = hashlib.sha256(), hashlib.sha256()
-    with open(bin_tmp, "w+b") as bin_f, open(idx_tmp, "wb") as idx_f, ThreadPoolExecutor(1) as hasher:
-        # One hashing thread, fed in order: it reads each range back while the next shard is copied.
-        hashed = []
+    with open(bin_tmp, "w+b") as bin_f, open(idx_tmp, "wb") as idx_f, ThreadPoolExecutor(1) as hasher, ThreadPoolExecutor(1) as syncer:
+        # The hasher is fed in order (sha256 is sequential): it reads each range back while the next shard is copied.
+        hashed, synced, buffer = [], None, bytearray(HASH_CHUNK)
         base = 0
         for files, ckpt in zip(shard_files, ckpts):
             _copy_range(files.bin, bin_f.fileno(), ckpt.tokens * itemsize)
-            hashed.append(hasher.submit(hash_range, bin_f.fileno(), base * itemsize, (base + ckpt.tokens) * itemsize, bin_hash))
+            hashed.append(hasher.submit(hash_range, bin_f.fileno(), base * itemsize, (base + ckpt.tokens) * itemsize, bin_hash, buffer))
+            if synced is None or synced.done():
+                if synced is not None:
+                    synced.result()  # a writeback error is reported once per open file: never drop one
+                synced = syncer.submit(os.fdatasync, bin_f.fileno())
             ends = np.fromfile(files.idx, dtype=IDX_DTYPE, count=ckpt.documents) + base
             idx_hash.update(memoryview(ends))
             ends.tofile(idx_f)
             base += ckpt.tokens
-        for future in hashed:
+        for future in [*hashed, *([synced] if synced else [])]:
             future.result()
         for f in (bin_f, idx_f):
             f.flush()

@@ -34,7 +34,7 @@ from tokpipe.status import duration
 from tokpipe.tokenizer import TokenizerInfo, choose_backend, load_tokenizer_info
 
 RUN_FORMAT = 1
-SAMPLE_BYTES = 1 << 20  # of text per split, to prove the fast backend exact on this data
+SAMPLE_BYTES = 256 << 10  # of input per split, to prove the fast backend exact on this data (with HARD_CASES)
 REPORT_EVERY = 1.0  # seconds between a worker's progress reports
 POLL_EVERY = 0.5
 # Kept in run.json beside the identity but never compared: where this run found its tokenizer (a

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import orjson
 from tokenizers import Tokenizer
 
 from tokpipe.errors import UserError
@@ -101,7 +102,7 @@ def load_tokenizer_info(path: str | os.PathLike, eos_token: str | None = None) -
         raise UserError(f"EOS token {eos!r} is not in the tokenizer's vocabulary: pass the right one with --eos")
     bos = _token_content(config.get("bos_token"))
     name = json_path.parent.name if json_path.name == "tokenizer.json" else json_path.stem
-    return TokenizerInfo(
+    info = TokenizerInfo(
         path=str(json_path.resolve()),
         name=name,
         sha256=hashlib.sha256(raw).hexdigest(),
@@ -112,6 +113,10 @@ def load_tokenizer_info(path: str | os.PathLike, eos_token: str | None = None) -
         bos_id=vocab.get(bos) if bos else None,
         dtype=dtype_for(vocab_size),
     )
+    # What follows the info (the backend check, inspect's decoding) encodes with the reference:
+    # this load serves it, instead of a second one of the same file.
+    _encoders.setdefault(("hf", info.path), HFEncoder(info.path, tok))
+    return info
 
 
 class HFEncoder:
@@ -119,8 +124,8 @@ class HFEncoder:
 
     name = "hf"
 
-    def __init__(self, tokenizer_json: str):
-        self._tok = Tokenizer.from_file(tokenizer_json)
+    def __init__(self, tokenizer_json: str, loaded: Tokenizer | None = None):
+        self._tok = loaded or Tokenizer.from_file(tokenizer_json)
         self._tok.encode_special_tokens = True
 
     def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -142,9 +147,9 @@ class GigatokenEncoder:
     def __init__(self, tokenizer_json: str):
         import gigatoken
 
-        config = json.loads(Path(tokenizer_json).read_text())
+        config = orjson.loads(Path(tokenizer_json).read_bytes())
         config["added_tokens"] = [t for t in config.get("added_tokens", []) if not t.get("special")]
-        self._tok = gigatoken.Tokenizer.from_json(json.dumps(config))
+        self._tok = gigatoken.Tokenizer.from_json(orjson.dumps(config))
 
     def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         # One worker process per core: the encoder stays on the calling thread.

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tokpipe.finalize import hash_range
+from tokpipe.finalize import HASH_CHUNK, hash_range
 
 SCAN_CHUNK = 1 << 26  # tokens per read while scanning a split file
 
@@ -217,7 +217,7 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
 def _sha256(path: Path) -> str:
     with open(path, "rb") as f:
         hasher = hashlib.sha256()
-        hash_range(f.fileno(), 0, os.fstat(f.fileno()).st_size, hasher)
+        hash_range(f.fileno(), 0, os.fstat(f.fileno()).st_size, hasher, bytearray(HASH_CHUNK))
     return hasher.hexdigest()
 
 
