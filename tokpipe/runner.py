@@ -288,17 +288,26 @@ class Progress:
             self.bar.close()
 
 
-def _start_ray(opts: RunOptions) -> int:
-    """Join the cluster, or start an embedded local Ray; returns how many shard tasks to run at once."""
+def _start_ray(opts: RunOptions) -> tuple[int, bool]:
+    """Join the cluster, or start an embedded local Ray; returns (shard tasks to run at once, read ahead).
+
+    With at least twice as many CPUs as tasks, a task takes 2 and reads its next batch on the second
+    while it encodes (EncodeSpec.read_ahead); Ray keeps that core free for it.
+    """
     address = opts.address or os.environ.get("RAY_ADDRESS")
     common = dict(logging_level=logging.ERROR, log_to_driver=False)
     if address:
         ray.init(address=address, **common)
-        return opts.workers or int(ray.cluster_resources().get("CPU", 1))
-    workers = opts.workers or os.cpu_count() or 1
+        cpus = int(ray.cluster_resources().get("CPU", 1))
+        widest = max((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]), default=0)
+        workers = opts.workers or cpus
+        return workers, 2 * workers <= cpus and widest >= 2
+    cpus = os.cpu_count() or 1
+    workers = opts.workers or cpus
+    read_ahead = 2 * workers <= cpus
     # address="local": never attach to some other Ray instance that happens to run on this machine.
-    ray.init(address="local", num_cpus=workers, include_dashboard=False, object_store_memory=128 << 20, **common)
-    return workers
+    ray.init(address="local", num_cpus=workers * (2 if read_ahead else 1), include_dashboard=False, object_store_memory=128 << 20, **common)
+    return workers, read_ahead
 
 
 def _read_board(board, totals: list[int], beats: dict[str, float]) -> tuple[list[int], dict[str, float]]:
@@ -317,7 +326,7 @@ def _describe_failure(error: Exception) -> str:
 def _schedule(pending: list[Shard], out: Path, spec: EncodeSpec, opts: RunOptions, workers: int, progress: Progress, log: RunLog, done_before: int) -> tuple[dict[str, str], list[ShardResult]]:
     """Run every pending shard to completion or failure; returns (failures, results of shards that resumed)."""
     # One task name for all: the driver keeps state per distinct name (~1.8 MiB per 1k names, measured).
-    task = ray.remote(num_cpus=1, max_retries=opts.max_retries, retry_exceptions=False, name="tokpipe shard")(shard_task)
+    task = ray.remote(num_cpus=2 if spec.read_ahead else 1, max_retries=opts.max_retries, retry_exceptions=False, name="tokpipe shard")(shard_task)
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
     board = ProgressBoard.options(scheduling_strategy=here).remote()
     totals, beats = [0, 0, 0], {}
@@ -420,14 +429,14 @@ def run(manifest_path: str | os.PathLike, tokenizer: str | os.PathLike, out: str
             with ThreadPoolExecutor(1) as pool:
                 # The backend's self-check and Ray's start-up take seconds each: do them at the same time.
                 choice = pool.submit(choose_backend, opts.backend, info.path, _sample_texts(manifest))
-                workers = _start_ray(opts)
+                workers, read_ahead = _start_ray(opts)
                 try:
                     backend, why = choice.result()
                     print(f"backend {backend}: {why}")
                     log(f"backend {backend}: {why}")
                     where = f"cluster {ray.get_runtime_context().gcs_address}" if opts.address or os.environ.get("RAY_ADDRESS") else "embedded local instance"
-                    print(f"ray: {where}, {workers} workers")
-                    spec = EncodeSpec(info.path, backend, info.eos_id, info.vocab_size, info.dtype, opts.text_field, checkpoint_interval=opts.checkpoint_interval)
+                    print(f"ray: {where}, {workers} workers" + (" (2 CPUs each: reading overlaps encoding)" if read_ahead else ""))
+                    spec = EncodeSpec(info.path, backend, info.eos_id, info.vocab_size, info.dtype, opts.text_field, checkpoint_interval=opts.checkpoint_interval, read_ahead=read_ahead)
                     progress = Progress(out, total_bytes, done_bytes, len(manifest.shards))
                     try:
                         failed, resumed = _schedule(pending, out, spec, opts, workers, progress, log, len(manifest.shards) - len(pending))
