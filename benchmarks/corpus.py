@@ -63,7 +63,7 @@ def source_lines(source: str) -> tuple[list[bytes], list[int]]:
 
     manifest = build_manifest(source)
     lines: list[bytes] = []
-    for shard in manifest.shards:
+    for shard in manifest.shards():
         data = b"".join(block for block, _ in decompressed_blocks(shard.path))
         lines += [line + b"\n" for line in data.splitlines() if line.strip()]
     text_bytes = []

@@ -29,7 +29,7 @@ from tokpipe.manifest import build_manifest
 def build_corpus(source: str, dest: Path, copies: int) -> None:
     if dest.exists():
         return
-    for shard in build_manifest(source).shards:
+    for shard in build_manifest(source).shards():
         top, *rest = shard.relpath.split("/")
         for i in range(1, copies + 1):
             target = dest / top / f"chunk{i}" / "/".join(rest[1:] if rest[0].startswith("chunk") else rest)

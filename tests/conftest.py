@@ -122,7 +122,7 @@ def build_out(out: Path, tokenizer: Path, backend: str = "gigatoken", options=No
     record_run(out, manifest, info, options or RunOptions())
     write_manifest(manifest, out / "manifest.json")
     spec = EncodeSpec(info.path, backend, info.eos_id, info.vocab_size, info.dtype)
-    for shard in manifest.shards:
+    for shard in manifest.shards():
         tokenize_shard(shard, out, spec)
     finalize(out, manifest, info, "text")
     return out
@@ -181,9 +181,10 @@ def killed_example(tmp_path_factory) -> Path:
     record_run(out, manifest, info, RunOptions(workers=2, checkpoint_interval=1.0))
     write_manifest(manifest, out / "manifest.json")
     spec = EncodeSpec(info.path, "gigatoken", info.eos_id, info.vocab_size, info.dtype, batch_bytes=64 << 10, checkpoint_interval=0.0)
-    tokenize_shard(manifest.shards[0], out, spec)
+    first, second, *_ = manifest.shards()
+    tokenize_shard(first, out, spec)
     with pytest.raises(Crash):
-        tokenize_shard(manifest.shards[1], out, spec, on_batch=crash_in_batch(3))
+        tokenize_shard(second, out, spec, on_batch=crash_in_batch(3))
     return out
 
 

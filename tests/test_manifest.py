@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+from dataclasses import replace
 
 import pytest
 
@@ -19,14 +20,14 @@ def test_cache_root_repo_folder_and_snapshot_give_the_same_shards():
     assert {m.fingerprint for m in manifests} == {manifests[0].fingerprint}
     m = manifests[0]
     assert m.repo_id == "tokpipe-realdata/slimpajama-mini" and m.revision == REVISION
-    assert [(s.split, s.relpath) for s in m.shards] == [
+    assert [(s.split, s.relpath) for s in m.shards()] == [
         ("train", "train/chunk1/example_train_0.jsonl.zst"),
         ("train", "train/chunk1/example_train_1.jsonl.zst"),
         ("validation", "validation/chunk1/example_holdout_0.jsonl.zst"),
     ]
     # The bytes read are the blobs the snapshot links to.
-    assert all(os.path.dirname(s.path) == str((REPO_DIR / "blobs").resolve()) for s in m.shards)
-    assert all(s.size == os.path.getsize(s.path) for s in m.shards)
+    assert all(os.path.dirname(s.path) == str((REPO_DIR / "blobs").resolve()) for s in m.shards())
+    assert all(s.size == os.path.getsize(s.path) for s in m.shards())
 
 
 @pytest.mark.parametrize(
@@ -52,8 +53,8 @@ def test_plain_folder_sorted_by_path_and_unrelated_files_ignored(tmp_path):
         write_jsonl(tmp_path / rel, ['{"text": "x"}'])
     m = build_manifest(tmp_path)
     assert m.repo_id is None
-    assert [s.relpath for s in m.shards] == ["train/a/y.jsonl.gz", "train/a/z.jsonl.zst", "train/b.jsonl", "validation/v.jsonl"]
-    assert [s.key for s in m.shards] == ["train__a__y", "train__a__z", "train__b", "validation__v"]
+    assert [s.relpath for s in m.shards()] == ["train/a/y.jsonl.gz", "train/a/z.jsonl.zst", "train/b.jsonl", "validation/v.jsonl"]
+    assert [s.key for s in m.shards()] == ["train__a__y", "train__a__z", "train__b", "validation__v"]
 
 
 def test_symlinks_stored_as_text_files_are_followed_to_their_blob(tmp_path):
@@ -93,8 +94,13 @@ def test_several_datasets_need_a_repo_id(tmp_path):
 def test_manifest_round_trips_and_hand_edits_are_caught(tmp_path):
     m = build_manifest(EXAMPLE_CACHE)
     write_manifest(m, tmp_path / "m.json")
-    assert load_manifest(tmp_path / "m.json") == m
+    loaded = load_manifest(tmp_path / "m.json")
+    assert loaded.source == tmp_path / "m.json"  # a loaded manifest holds no shards: each pass streams them
+    assert replace(loaded, source=m.source) == m and list(loaded.shards()) == list(m.shards())
+    assert [s.relpath for s in loaded.shards("validation")] == ["validation/chunk1/example_holdout_0.jsonl.zst"]
     data = json.loads((tmp_path / "m.json").read_text())
+    (tmp_path / "indented.json").write_text(json.dumps(data, indent=1))  # how earlier versions wrote it
+    assert list(load_manifest(tmp_path / "indented.json").shards()) == list(m.shards())
     data["shards"].reverse()
     (tmp_path / "m.json").write_text(json.dumps(data))
     with pytest.raises(UserError, match="edited by hand"):
@@ -134,7 +140,7 @@ def test_shards_that_resolve_outside_the_dataset_are_refused_unless_allowed(tmp_
     with pytest.raises(UserError, match="outside the dataset folder.*--allow-outside"):
         build_manifest(data)
     m = build_manifest(data, allow_outside=True)
-    assert [s.path for s in m.shards][1] == str(outside)
+    assert [s.path for s in m.shards()][1] == str(outside)
 
     # A manifest edited to point elsewhere is refused when loaded, too.
     (data / "train" / "b.jsonl").unlink()

@@ -10,7 +10,7 @@ from tokpipe.manifest import build_manifest
 from tokpipe.shard import Checkpoint, EncodeSpec, ShardFiles, to_dtype, tokenize_shard
 from tokpipe.tokenizer import load_tokenizer_info
 
-SHARDS = build_manifest(EXAMPLE_CACHE).shards
+SHARDS = list(build_manifest(EXAMPLE_CACHE).shards())
 HOLDOUT = SHARDS[-1]
 
 

@@ -23,10 +23,9 @@ def _cmd_manifest(args) -> int:
     name = (manifest.repo_id or Path(manifest.root).name).replace("/", "--")
     dest = Path(args.output or Path("manifests") / f"{name}.json")
     write_manifest(manifest, dest)
-    counts = {split: len(shards) for split, shards in manifest.splits().items()}
-    size = sum(s.size for s in manifest.shards)
+    counts = manifest.counts
     where = f"{manifest.repo_id}@{manifest.revision[:12]}" if manifest.repo_id else manifest.root
-    print(f"{where}: {len(manifest.shards)} shards ({', '.join(f'{k} {v}' for k, v in counts.items())}), {size / 2**20:,.1f} MiB -> {dest}")
+    print(f"{where}: {sum(counts.values())} shards ({', '.join(f'{k} {v}' for k, v in counts.items())}), {manifest.size / 2**20:,.1f} MiB -> {dest}")
     return EXIT_OK
 
 

@@ -14,8 +14,10 @@ import hashlib
 import json
 import os
 import pickle
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -64,17 +66,26 @@ def hash_range(fd: int, start: int, end: int, hasher, buffer: bytearray) -> None
         start += got
 
 
-def _write_split(out: Path, stem: str, shard_files: list[ShardFiles], ckpts: list[Checkpoint], itemsize: int) -> tuple[str, str]:
-    """Write <stem>.bin and <stem>.idx; returns their sha256."""
+def _write_split(out: Path, stem: str, shards: Iterable[Shard], itemsize: int, log_skips) -> dict:
+    """Write <stem>.bin and <stem>.idx from the split's finished shards, in order; returns the split's meta entry."""
     bin_tmp, idx_tmp = out / f"{stem}.bin.tmp", out / f"{stem}.idx.tmp"
     bin_hash, idx_hash = hashlib.sha256(), hashlib.sha256()
+    entry = {"file": f"{stem}.bin", "idx": f"{stem}.idx", "tokens": 0, "documents": 0, "lines": 0}
+    skipped, repaired, count = Counter(), Counter(), 0
     with open(bin_tmp, "w+b") as bin_f, open(idx_tmp, "wb") as idx_f, ThreadPoolExecutor(1) as hasher, ThreadPoolExecutor(1) as syncer:
         # The hasher is fed in order (sha256 is sequential): it reads each range back while the next shard is copied.
-        hashed, synced, buffer = [], None, bytearray(HASH_CHUNK)
-        base = 0
-        for files, ckpt in zip(shard_files, ckpts):
+        hashed: deque = deque()
+        synced, buffer = None, bytearray(HASH_CHUNK)
+        for shard in shards:
+            files = ShardFiles.of(out, shard)
+            ckpt = Checkpoint.load(files.checkpoint)
+            if ckpt is None or not ckpt.done:
+                raise RuntimeError(f"cannot finalize: shard {shard.relpath} is unfinished")
+            base = entry["tokens"]
             _copy_range(files.bin, bin_f.fileno(), ckpt.tokens * itemsize)
             hashed.append(hasher.submit(hash_range, bin_f.fileno(), base * itemsize, (base + ckpt.tokens) * itemsize, bin_hash, buffer))
+            while hashed and hashed[0].done():  # keep only the ranges still being hashed: a split may have 100,000s of shards
+                hashed.popleft().result()
             if synced is None or synced.done():
                 if synced is not None:
                     synced.result()  # a writeback error is reported once per open file: never drop one
@@ -82,7 +93,13 @@ def _write_split(out: Path, stem: str, shard_files: list[ShardFiles], ckpts: lis
             ends = np.fromfile(files.idx, dtype=IDX_DTYPE, count=ckpt.documents) + base
             idx_hash.update(memoryview(ends))
             ends.tofile(idx_f)
-            base += ckpt.tokens
+            entry["tokens"] += ckpt.tokens
+            entry["documents"] += ckpt.documents
+            entry["lines"] += ckpt.lines
+            skipped.update(ckpt.skipped)
+            repaired.update(ckpt.repaired)
+            count += 1
+            log_skips(shard, ckpt)
         for future in [*hashed, *([synced] if synced else [])]:
             future.result()
         for f in (bin_f, idx_f):
@@ -90,18 +107,35 @@ def _write_split(out: Path, stem: str, shard_files: list[ShardFiles], ckpts: lis
             os.fsync(f.fileno())
     os.replace(bin_tmp, out / f"{stem}.bin")
     os.replace(idx_tmp, out / f"{stem}.idx")
-    return bin_hash.hexdigest(), idx_hash.hexdigest()
+    entry.update(skipped=dict(sorted(skipped.items())), repaired=dict(sorted(repaired.items())), shards=count)
+    entry.update(sha256=bin_hash.hexdigest(), idx_sha256=idx_hash.hexdigest())
+    return entry
 
 
-def _write_skip_log(out: Path, shards: list[Shard], ckpts: list[Checkpoint]) -> None:
-    """OUT/logs/skipped.json: per shard, the count of each skip reason and the first lines skipped."""
-    entries = [
-        {"shard": s.relpath, "lines": c.lines, "documents": c.documents, "skipped": c.skipped, "repaired": c.repaired, "first": c.skip_log}
-        for s, c in zip(shards, ckpts)
-        if c.skipped or c.repaired
-    ]
-    (out / "logs").mkdir(exist_ok=True)
-    write_json_atomic(out / "logs" / "skipped.json", {"shards": entries})
+@contextmanager
+def _skip_log(out: Path):
+    """OUT/logs/skipped.json, written a shard at a time: per shard, the count of each skip reason and
+    the first lines skipped. Yields log_skips(shard, checkpoint)."""
+    path = out / "logs" / "skipped.json"
+    path.parent.mkdir(exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write('{"shards": [')
+        entries = 0
+
+        def log_skips(shard: Shard, c: Checkpoint) -> None:
+            nonlocal entries
+            if c.skipped or c.repaired:
+                entry = {"shard": shard.relpath, "lines": c.lines, "documents": c.documents, "skipped": c.skipped, "repaired": c.repaired, "first": c.skip_log}
+                f.write(("," if entries else "") + "\n" + json.dumps(entry))
+                entries += 1
+
+        yield log_skips
+        f.write("\n]}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 def finalize(out: str | os.PathLike, manifest: Manifest, info: TokenizerInfo, text_field: str, excluded: dict[str, str] | None = None) -> dict:
@@ -114,31 +148,11 @@ def finalize(out: str | os.PathLike, manifest: Manifest, info: TokenizerInfo, te
     (out / "meta.json").unlink(missing_ok=True)  # OUT is unfinished while its split files change
     excluded = excluded or {}
     itemsize = np.dtype(info.dtype).itemsize
-    splits, all_shards, all_ckpts = {}, [], []
-    for split, shards in manifest.splits().items():
-        shards = [s for s in shards if s.relpath not in excluded]
-        shard_files = [ShardFiles.of(out, s) for s in shards]
-        ckpts = [Checkpoint.load(f.checkpoint) for f in shard_files]
-        unfinished = [s.relpath for s, c in zip(shards, ckpts) if c is None or not c.done]
-        if unfinished:
-            raise RuntimeError(f"cannot finalize: {len(unfinished)} shards unfinished, e.g. {unfinished[0]}")
-        stem = split_file_stem(split)
-        bin_sha, idx_sha = _write_split(out, stem, shard_files, ckpts, itemsize)
-        splits[split] = {
-            "file": f"{stem}.bin",
-            "idx": f"{stem}.idx",
-            "tokens": sum(c.tokens for c in ckpts),
-            "documents": sum(c.documents for c in ckpts),
-            "lines": sum(c.lines for c in ckpts),
-            "skipped": _sum_counts(c.skipped for c in ckpts),
-            "repaired": _sum_counts(c.repaired for c in ckpts),
-            "shards": len(shards),
-            "sha256": bin_sha,
-            "idx_sha256": idx_sha,
-        }
-        all_shards += shards
-        all_ckpts += ckpts
-    _write_skip_log(out, all_shards, all_ckpts)
+    splits = {}
+    with _skip_log(out) as log_skips:
+        for split in manifest.counts:
+            shards = (s for s in manifest.shards(split) if s.relpath not in excluded)
+            splits[split] = _write_split(out, split_file_stem(split), shards, itemsize, log_skips)
     fsync_dir(out)
     meta = {
         "dtype": info.dtype,
@@ -163,10 +177,6 @@ def finalize(out: str | os.PathLike, manifest: Manifest, info: TokenizerInfo, te
     os.replace(pkl_tmp, out / "meta.pkl")
     write_json_atomic(out / "meta.json", meta)
     return meta
-
-
-def _sum_counts(counts) -> dict[str, int]:
-    return dict(sorted(sum((Counter(c) for c in counts), Counter()).items()))
 
 
 def load_meta_json(out: str | os.PathLike) -> dict | None:

@@ -112,11 +112,11 @@ def open_source(out: str | os.PathLike, split: str) -> Source:
         )
     if not run or not (out / "manifest.json").is_file():
         raise UserError(f"{out} holds no tokpipe run (no meta.json, run.json or manifest.json)")
-    shards = load_manifest(out / "manifest.json").splits()
-    name = _split_name(split, list(shards))
+    manifest = load_manifest(out / "manifest.json")
+    name = _split_name(split, list(manifest.counts))
     dtype = np.dtype(run["dtype"])
     segments, documents = [], 0
-    for shard in shards[name]:
+    for shard in manifest.shards(name):
         files = ShardFiles.of(out, shard)
         ckpt = Checkpoint.load(files.checkpoint)
         if ckpt is None or ckpt.tokens == 0:

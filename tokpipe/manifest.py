@@ -3,6 +3,9 @@
 The dataset dir may be a Hugging Face cache root, one `datasets--ORG--NAME` repo folder, one
 `snapshots/REV` folder of it, or a plain folder of shards. The cache is read with huggingface_hub
 (which knows refs/, snapshots/ and blobs/); we never guess at its layout.
+
+A manifest may list 100,000s of shards, so a loaded one never holds them: each pass over its
+shards streams them from the file (ijson), and what a driver keeps is its counts and size.
 """
 
 from __future__ import annotations
@@ -10,9 +13,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import ijson
 from huggingface_hub import scan_cache_dir
 
 from tokpipe.errors import UserError
@@ -49,16 +55,17 @@ class Manifest:
     allow_outside: bool
     repo_id: str | None
     revision: str | None
-    shards: tuple[Shard, ...]
     fingerprint: str  # sha256 of what the output depends on: splits, order, paths, sizes
+    counts: dict[str, int]  # shards per split, the splits in the order they first appear
+    size: int  # bytes of all shards
+    source: tuple[Shard, ...] | Path  # the shards of a built manifest, or the file a loaded one streams them from
 
-    def splits(self) -> dict[str, list[Shard]]:
-        out: dict[str, list[Shard]] = {}
-        for shard in self.shards:
-            out.setdefault(shard.split, []).append(shard)
-        return out
+    def shards(self, split: str | None = None) -> Iterator[Shard]:
+        """The shards in manifest order (of one split, or all): one pass over the file of a loaded manifest."""
+        shards = iter(self.source) if isinstance(self.source, tuple) else _read_shards(self.source)
+        return shards if split is None else (s for s in shards if s.split == split)
 
-    def to_json(self) -> dict:
+    def header(self) -> dict:
         return {
             "version": MANIFEST_VERSION,
             "root": self.root,
@@ -67,13 +74,34 @@ class Manifest:
             "repo_id": self.repo_id,
             "revision": self.revision,
             "fingerprint": self.fingerprint,
-            "shards": [asdict(s) for s in self.shards],
         }
 
 
-def fingerprint_of(shards: list[Shard] | tuple[Shard, ...]) -> str:
-    identity = [[s.split, s.relpath, s.size] for s in shards]
-    return hashlib.sha256(json.dumps(identity, separators=(",", ":")).encode()).hexdigest()
+def fingerprint_of(shards: Iterable[Shard]) -> str:
+    """sha256 of the JSON list [[split, relpath, size], ...], computed a shard at a time."""
+    hasher = hashlib.sha256(b"[")
+    for i, s in enumerate(shards):
+        hasher.update((b"," if i else b"") + json.dumps([s.split, s.relpath, s.size], separators=(",", ":")).encode())
+    hasher.update(b"]")
+    return hasher.hexdigest()
+
+
+def _read_shards(path: Path) -> Iterator[Shard]:
+    with open(path, "rb") as f:
+        for item in ijson.items(f, "shards.item"):
+            yield Shard(**item)
+
+
+def _read_header(path: Path) -> dict:
+    """The manifest's fields other than its shards, without reading the shards (written before them)."""
+    header = {}
+    with open(path, "rb") as f:
+        for prefix, event, value in ijson.parse(f):
+            if prefix == "shards":
+                break
+            if prefix and "." not in prefix and event not in ("start_map", "start_array", "map_key"):
+                header[prefix] = value
+    return header
 
 
 def split_of(relpath: str) -> str:
@@ -220,31 +248,50 @@ def build_manifest(dataset_dir: str | os.PathLike, repo_id: str | None = None, r
         other = keys.setdefault((shard.split, shard.key), shard.relpath)
         if other != shard.relpath:
             raise UserError(f"{other} and {shard.relpath} would be written to the same shard file: rename one")
-    return Manifest(str(root), str(base), allow_outside, repo_id, revision, tuple(shards), fingerprint_of(shards))
+    counts = dict(Counter(s.split for s in shards))
+    return Manifest(str(root), str(base), allow_outside, repo_id, revision, fingerprint_of(shards), counts, sum(s.size for s in shards), tuple(shards))
 
 
 def write_manifest(manifest: Manifest, path: str | os.PathLike) -> None:
+    """Write it as JSON with one shard per line; a loaded manifest's shards stream through."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(manifest.to_json(), indent=1) + "\n")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(manifest.header())[:-1] + ', "shards": [')  # the header object, left open for the shards
+        for i, shard in enumerate(manifest.shards()):
+            f.write(("," if i else "") + "\n" + json.dumps(asdict(shard)))
+        f.write("\n]}\n")
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
 def load_manifest(path: str | os.PathLike) -> Manifest:
+    """Check a manifest file in one streaming pass and keep what that pass counts; its shards stay in the file."""
+    path = Path(path).absolute()
+    counts: dict[str, int] = {}
+    size = 0
+
+    def tallied(shards: Iterator[Shard], header: dict) -> Iterator[Shard]:
+        nonlocal size
+        for shard in shards:
+            counts[shard.split] = counts.get(shard.split, 0) + 1
+            size += shard.size
+            if not header["allow_outside"]:
+                _check_inside(shard.path, shard.relpath, header["base"])
+            yield shard
+
     try:
-        data = json.loads(Path(path).read_text())
-        if data.get("version") != MANIFEST_VERSION:
-            raise ValueError(f"version {data.get('version')!r}, expected {MANIFEST_VERSION}")
-        shards = tuple(Shard(**s) for s in data["shards"])
-        manifest = Manifest(data["root"], data["base"], data["allow_outside"], data["repo_id"], data["revision"], shards, data["fingerprint"])
+        header = _read_header(path)
+        if header.get("version") != MANIFEST_VERSION:
+            raise ValueError(f"version {header.get('version')!r}, expected {MANIFEST_VERSION}")
+        fingerprint = fingerprint_of(tallied(_read_shards(path), header))
+        manifest = Manifest(header["root"], header["base"], header["allow_outside"], header["repo_id"], header["revision"], header["fingerprint"], counts, size, path)
     except FileNotFoundError:
         raise UserError(f"manifest {path} does not exist: create it with `tokpipe manifest --dataset-dir DIR -o {path}`") from None
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError, ijson.JSONError) as e:
         raise UserError(f"manifest {path} is not a tokpipe manifest ({type(e).__name__}: {e}): rebuild it with `tokpipe manifest`") from None
-    if fingerprint_of(shards) != manifest.fingerprint:
+    if fingerprint != manifest.fingerprint:
         raise UserError(f"manifest {path} was edited by hand (its fingerprint no longer matches its shards): rebuild it")
-    if not manifest.allow_outside:
-        for shard in shards:
-            _check_inside(shard.path, shard.relpath, manifest.base)
     return manifest

@@ -18,7 +18,7 @@ import sys
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import ray
@@ -108,10 +108,6 @@ def _lock_out(out: Path):
     return f
 
 
-def _shard_identities(manifest: Manifest) -> dict[tuple[str, str], int]:
-    return {(s.split, s.relpath): s.size for s in manifest.shards}
-
-
 def record_run(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOptions) -> None:
     """Refuse an OUT that holds a run with other inputs (a manifest that only gained shards is an
     append); then (re)write run.json for this run."""
@@ -131,24 +127,35 @@ def record_run(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOpti
 
 
 def _check_append(out: Path, old_manifest: Manifest, manifest: Manifest) -> None:
-    old, new = _shard_identities(old_manifest), _shard_identities(manifest)
-    changed = [f"{split}/{relpath}" for (split, relpath), size in old.items() if new.get((split, relpath)) != size]
+    """Every shard of the old manifest must be in the new one, the same size. Both list a split's shards
+    in path order (DESIGN), so one merged pass per split compares them, holding neither manifest."""
+    changed = []
+    for split in old_manifest.counts:
+        new = manifest.shards(split)
+        candidate = next(new, None)
+        for shard in old_manifest.shards(split):
+            while candidate is not None and candidate.relpath < shard.relpath:
+                candidate = next(new, None)
+            if candidate is None or candidate.relpath != shard.relpath or candidate.size != shard.size:
+                changed.append(f"{split}/{shard.relpath}")
     if changed:
         raise UserError(
             f"{out} was started from another manifest: {len(changed)} of its shards are changed or gone in this one "
             f"(e.g. {changed[0]}); use a new --out, or the original manifest to resume"
         )
-    print(f"the manifest gained {len(new) - len(old)} shards since {out} was started: appending them (finished shards are kept)")
+    gained = sum(manifest.counts.values()) - sum(old_manifest.counts.values())
+    print(f"the manifest gained {gained} shards since {out} was started: appending them (finished shards are kept)")
     (out / "meta.json").unlink(missing_ok=True)  # OUT is unfinished again until the new finalize
 
 
 def _sample_texts(manifest: Manifest) -> list[str]:
     texts = []
-    for shards in manifest.splits().values():
-        if not stat.S_ISREG(os.stat(shards[0].path).st_mode):  # a pipe or device: reading could block the driver
+    for split in manifest.counts:
+        path = next(manifest.shards(split)).path
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a pipe or device: reading could block the driver
             continue
         try:
-            first = next(read_batches(shards[0].path, batch_bytes=SAMPLE_BYTES), None)
+            first = next(read_batches(path, batch_bytes=SAMPLE_BYTES), None)
         except SourceError:  # an unreadable first shard: its own task reports it
             continue
         if first is not None:  # None: an empty shard
@@ -323,23 +330,40 @@ def _describe_failure(error: Exception) -> str:
     return f"{type(cause).__name__}: {text[-1] if text else ''}"
 
 
-def _schedule(pending: list[Shard], out: Path, spec: EncodeSpec, opts: RunOptions, workers: int, progress: Progress, log: RunLog, done_before: int) -> tuple[dict[str, str], list[ShardResult]]:
-    """Run every pending shard to completion or failure; returns (failures, results of shards that resumed)."""
+def _finished(out: Path, shard: Shard) -> bool:
+    ckpt = Checkpoint.load(ShardFiles.of(out, shard).checkpoint)
+    return ckpt is not None and ckpt.done
+
+
+def _schedule(manifest: Manifest, out: Path, spec: EncodeSpec, opts: RunOptions, workers: int, progress: Progress, log: RunLog, done_before: int) -> tuple[dict[str, str], list[ShardResult]]:
+    """Run every unfinished shard to completion or failure; returns (failures, results of shards that resumed).
+
+    Shards are taken from the manifest as workers free up (the driver holds the running ones, never the
+    list), checkpoints read again at that moment: a shard a leftover worker finished meanwhile is skipped.
+    """
     # One task name for all: the driver keeps state per distinct name (~1.8 MiB per 1k names, measured).
     task = ray.remote(num_cpus=2 if spec.read_ahead else 1, max_retries=opts.max_retries, retry_exceptions=False, name="tokpipe shard")(shard_task)
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
     board = ProgressBoard.options(scheduling_strategy=here).remote()
     totals, beats = [0, 0, 0], {}
-    queue = deque((shard, 0) for shard in pending)
+    unfinished = (shard for shard in manifest.shards() if not _finished(out, shard))
+    stalled: deque = deque()  # (shard, stall retries) cancelled for a stall, to submit again
     running: dict = {}  # ObjectRef -> (shard, stall retries, submitted at)
     failed: dict[str, str] = {}
     done, resumed = done_before, []
     last_look = 0.0  # when progress and stalls were last looked at
-    while queue or running:
-        while queue and len(running) < workers:
-            shard, stalls = queue.popleft()
+    while True:
+        while len(running) < workers:
+            if stalled:
+                shard, stalls = stalled.popleft()
+            elif (shard := next(unfinished, None)) is not None:
+                stalls = 0
+            else:
+                break
             ref = task.remote(shard, str(out), spec, board, opts.stall_timeout)
             running[ref] = (shard, stalls, time.time())
+        if not running:
+            break
         # Wake on the first finished task (small shards finish in milliseconds), then take all that are done.
         ready, _ = ray.wait(list(running), num_returns=1, timeout=POLL_EVERY)
         if ready:
@@ -361,7 +385,7 @@ def _schedule(pending: list[Shard], out: Path, spec: EncodeSpec, opts: RunOption
             continue
         last_look = now
         totals, beats = _read_board(board, totals, beats)
-        progress.update(*totals, done=done, running=len(running) + min(len(queue), workers - len(running)), failed=len(failed))
+        progress.update(*totals, done=done, running=len(running) + len(stalled), failed=len(failed))
         for ref, (shard, stalls, submitted) in list(running.items()):
             quiet = now - max(beats.get(f"{shard.split}/{shard.key}", 0.0), submitted)
             if quiet < opts.stall_timeout:
@@ -371,7 +395,7 @@ def _schedule(pending: list[Shard], out: Path, spec: EncodeSpec, opts: RunOption
             dump = out / "logs" / f"stall-{shard.split}-{shard.key}.txt"
             log(f"shard {shard.relpath}: no progress for {quiet:.0f}s, cancelled (stack dump: {dump})")
             if stalls < opts.max_retries:
-                queue.append((shard, stalls + 1))
+                stalled.append((shard, stalls + 1))
             else:
                 failed[shard.relpath] = f"stalled {stalls + 1} times (no progress for {opts.stall_timeout:.0f}s); stacks in {dump}"
     totals, _ = _read_board(board, totals, beats)
@@ -400,32 +424,31 @@ def run(manifest_path: str | os.PathLike, tokenizer: str | os.PathLike, out: str
     try:
         record_run(out, manifest, info, opts)
         write_manifest(manifest, out / "manifest.json")  # what `verify --sample` and `status` read
+        manifest = replace(manifest, source=out / "manifest.json")  # from here on, its shards stream from OUT's copy
         log = RunLog(out)
         meta = load_meta_json(out)
         if meta is not None and meta.get("manifest_sha256") == manifest.fingerprint and not meta.get("excluded"):
             print(f"{out} is already finished ({out / 'meta.json'}); nothing to do. Check it with: tokpipe verify {out}")
             return RunSummary(True, {}, meta, 0, time.monotonic() - started)
 
-        pending, partial, done_bytes = [], 0, 0
-        for shard in manifest.shards:  # one checkpoint in memory at a time: manifests may hold 100,000s of shards
+        shards, done, partial, done_bytes = sum(manifest.counts.values()), 0, 0, 0
+        for shard in manifest.shards():  # one checkpoint in memory at a time: manifests may hold 100,000s of shards
             ckpt = Checkpoint.load(ShardFiles.of(out, shard).checkpoint)
+            done += ckpt is not None and ckpt.done
+            partial += ckpt is not None and not ckpt.done
             done_bytes += shard.size if ckpt and ckpt.done else (ckpt.source_pos if ckpt else 0)
-            if not (ckpt and ckpt.done):
-                pending.append(shard)
-                partial += ckpt is not None
-        total_bytes = sum(s.size for s in manifest.shards)
         print(
             f"tokenizer {info.id}: vocab_size {info.vocab_size:,} (len(tokenizer), added tokens included), "
             f"eos {info.eos_token!r} = {info.eos_id}, dtype {info.dtype}"
         )
         print(
-            f"manifest {manifest.repo_id or manifest.root}: {len(manifest.shards)} shards, {total_bytes / 2**20:,.1f} MiB; "
-            f"{len(manifest.shards) - len(pending)} done, {partial} partial, {len(pending) - partial} to start"
+            f"manifest {manifest.repo_id or manifest.root}: {shards} shards, {manifest.size / 2**20:,.1f} MiB; "
+            f"{done} done, {partial} partial, {shards - done - partial} to start"
         )
         log(f"run: manifest {manifest_path} ({manifest.fingerprint[:16]}), tokenizer {info.id}, options {opts}")
 
         failed, resumed = {}, []
-        if pending:
+        if done < shards:
             with ThreadPoolExecutor(1) as pool:
                 # The backend's self-check and Ray's start-up take seconds each: do them at the same time.
                 choice = pool.submit(choose_backend, opts.backend, info.path, _sample_texts(manifest))
@@ -437,9 +460,9 @@ def run(manifest_path: str | os.PathLike, tokenizer: str | os.PathLike, out: str
                     where = f"cluster {ray.get_runtime_context().gcs_address}" if opts.address or os.environ.get("RAY_ADDRESS") else "embedded local instance"
                     print(f"ray: {where}, {workers} workers" + (" (2 CPUs each: reading overlaps encoding)" if read_ahead else ""))
                     spec = EncodeSpec(info.path, backend, info.eos_id, info.vocab_size, info.dtype, opts.text_field, checkpoint_interval=opts.checkpoint_interval, read_ahead=read_ahead)
-                    progress = Progress(out, total_bytes, done_bytes, len(manifest.shards))
+                    progress = Progress(out, manifest.size, done_bytes, shards)
                     try:
-                        failed, resumed = _schedule(pending, out, spec, opts, workers, progress, log, len(manifest.shards) - len(pending))
+                        failed, resumed = _schedule(manifest, out, spec, opts, workers, progress, log, done)
                     finally:
                         progress.close()
                 finally:

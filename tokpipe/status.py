@@ -114,7 +114,7 @@ def status(out: str | os.PathLike) -> RunStatus:
     failures = {} if holder else _json_or_none(path / "logs" / "failed.json") or {}
 
     shards = []
-    for shard in manifest.shards:
+    for shard in manifest.shards():
         files = ShardFiles.of(path, shard)
         found = Checkpoint.load(files.checkpoint)
         ckpt = found or Checkpoint()

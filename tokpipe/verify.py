@@ -171,9 +171,9 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
 
     # Every document of the output as (split, shard, number within shard, number within split).
     population = []
-    for split, shards in manifest.splits().items():
+    for split in manifest.counts:
         base = 0
-        for shard in (s for s in shards if s.relpath not in excluded):
+        for shard in (s for s in manifest.shards(split) if s.relpath not in excluded):
             documents = Checkpoint.load(ShardFiles.of(out, shard).checkpoint).documents
             population.append((split, shard, base, documents))
             base += documents
