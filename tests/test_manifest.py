@@ -146,7 +146,8 @@ def test_shards_that_resolve_outside_the_dataset_are_refused_unless_allowed(tmp_
     (data / "train" / "b.jsonl").unlink()
     write_manifest(build_manifest(data), tmp_path / "m.json")
     edited = json.loads((tmp_path / "m.json").read_text())
-    edited["shards"][0]["path"] = str(outside)
-    (tmp_path / "m.json").write_text(json.dumps(edited))
-    with pytest.raises(UserError, match="outside the dataset folder"):
-        load_manifest(tmp_path / "m.json")
+    for path in (str(outside), f"{data}/../elsewhere/secret.jsonl"):
+        edited["shards"][0]["path"] = path
+        (tmp_path / "m.json").write_text(json.dumps(edited))
+        with pytest.raises(UserError, match="outside the dataset folder"):
+            load_manifest(tmp_path / "m.json")

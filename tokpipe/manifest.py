@@ -15,10 +15,11 @@ import json
 import os
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import ijson
+import orjson
 from huggingface_hub import scan_cache_dir
 
 from tokpipe.errors import UserError
@@ -141,7 +142,8 @@ def _resolve_pointer(path: Path, blobs_dir: Path | None) -> Path:
 
 
 def _check_inside(shard_path: str, relpath: str, base: str) -> None:
-    if not Path(shard_path).is_relative_to(base):
+    # normpath first: "base/../elsewhere" is outside, whatever its first component says.
+    if not os.path.normpath(shard_path).startswith(os.path.join(base, "")):
         raise UserError(f"{relpath} resolves to {shard_path}, outside the dataset folder {base}; pass --allow-outside if that is intended")
 
 
@@ -257,11 +259,11 @@ def write_manifest(manifest: Manifest, path: str | os.PathLike) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(manifest.header())[:-1] + ', "shards": [')  # the header object, left open for the shards
+    with open(tmp, "wb") as f:
+        f.write(orjson.dumps(manifest.header())[:-1] + b', "shards": [')  # the header object, left open for the shards
         for i, shard in enumerate(manifest.shards()):
-            f.write(("," if i else "") + "\n" + json.dumps(asdict(shard)))
-        f.write("\n]}\n")
+            f.write((b"," if i else b"") + b"\n" + orjson.dumps(shard))
+        f.write(b"\n]}\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
