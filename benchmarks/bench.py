@@ -14,7 +14,8 @@ On the same cores, in one run:
   5. finalize and verify timed on their own (GB/s of token files);
   6. datatrove's DocumentTokenizer on the same corpora and worker count (--datatrove PYTHON);
   7. worker memory: peak RSS of tokenize_shard on growing shards and growing documents;
-  8. driver scaling: the driver's RSS while it plans and runs manifests of many tiny shards.
+  8. driver scaling: the driver's RSS while it plans and runs manifests of many tiny shards, and
+     finalize alone on as many finished shards.
 Every timing is the median of --repeats runs; the machine is noisy, the load average is recorded.
 """
 
@@ -340,7 +341,41 @@ def driver_scaling(count: int, work_dir: Path, tokenizer: str, workers: int, run
         "shards_per_s": round(done / run_s, 1) if run_s > 0 else None,
         "ray_process_peak_rss_mib": by_name,
         "timeline": timeline[:: max(1, len(timeline) // 40)],
+        **finalize_scaling(count, manifest, out.with_name(f"finalize-{count}"), tokenizer),
     }
+
+
+FINALIZE_ONLY = (
+    "import sys; from tokpipe.finalize import finalize; from tokpipe.manifest import load_manifest; "
+    "from tokpipe.tokenizer import load_tokenizer_info; finalize(sys.argv[1], load_manifest(sys.argv[2]), load_tokenizer_info(sys.argv[3]), 'text')"
+)
+
+
+def finalize_scaling(count: int, manifest: Path, out: Path, tokenizer: str) -> dict:
+    """finalize of `count` finished shards in a fresh process: its seconds and peak RSS. The shards are
+    written here (one document of two tokens each), not tokenized: this measures finalize alone."""
+    import shutil
+    from dataclasses import asdict
+
+    import numpy as np
+
+    from tokpipe.manifest import load_manifest
+    from tokpipe.shard import IDX_DTYPE, Checkpoint, ShardFiles
+
+    if out.exists():
+        shutil.rmtree(out)
+    done = json.dumps(asdict(Checkpoint(lines=1, documents=1, tokens=2, done=True)))
+    for k, shard in enumerate(load_manifest(manifest).shards()):
+        files = ShardFiles.of(out, shard)
+        files.bin.parent.mkdir(parents=True, exist_ok=True)
+        np.array([k % 1000, 0], dtype=np.uint32).tofile(files.bin)
+        np.array([2], dtype=IDX_DTYPE).tofile(files.idx)
+        files.checkpoint.write_text(done)
+    res = run_monitored([sys.executable, "-c", FINALIZE_ONLY, str(out), str(manifest), tokenizer], cwd=TOKPIPE_CWD)
+    if res["rc"] != 0:
+        raise RuntimeError("finalize failed: " + "\n".join(line for _, line in res["lines"][-10:]))
+    shutil.rmtree(out)
+    return {"finalize_s": round(res["wall_s"], 2), "finalize_peak_rss_mib": res["procs"]["driver"]["peak_rss_mib"]}
 
 
 # -------------------------------------------------------------------------------------------- report
@@ -453,14 +488,14 @@ def _extras(rows: list[str], results: dict) -> str:
             rows.append(f"| {r['shard_mb']:.0f} | {doc} | {r['peak_rss_mib']:.0f} | {r['tokens']:,} | {r['seconds']:.1f} |")
     if results.get("scaling"):
         rows.append("")
-        rows.append("| driver scaling: shards | manifest build s (peak RSS MiB) | planning s | driver RSS at plan MiB | driver peak RSS MiB | driver RSS slope MiB/1k shards | shards done (/s) | ProgressBoard actor peak MiB | gcs_server peak MiB |")
-        rows.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        rows.append("| driver scaling: shards | manifest build s (peak RSS MiB) | planning s | driver RSS at plan MiB | driver peak RSS MiB | driver RSS slope MiB/1k shards | shards done (/s) | ProgressBoard actor peak MiB | gcs_server peak MiB | finalize alone s (peak RSS MiB) |")
+        rows.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for s in results["scaling"]:
             rp = s["ray_process_peak_rss_mib"]
             rows.append(
                 f"| {s['shards']:,} | {s['manifest_build_s']:.1f} ({s['manifest_build_peak_rss_mib']:.0f}) | {fmt(s['planning_s'])} | {fmt(s['driver_rss_at_plan_mib'], '.0f')} | "
                 f"{s['driver_peak_rss_mib']:.0f} | {fmt(s['driver_rss_slope_mib_per_1k_shards'], '.2f')} | {s['shards_done']:,}{' (all)' if s['finished'] else ''} ({fmt(s['shards_per_s'])}) | "
-                f"{fmt(rp.get('ProgressBoard actor'), '.0f')} | {fmt(rp.get('gcs_server'), '.0f')} |"
+                f"{fmt(rp.get('ProgressBoard actor'), '.0f')} | {fmt(rp.get('gcs_server'), '.0f')} | {s['finalize_s']:.1f} ({s['finalize_peak_rss_mib']:.0f}) |"
             )
     return "\n".join(rows)
 

@@ -29,6 +29,7 @@ from tokpipe.tokenizer import TokenizerInfo
 
 COPY_CHUNK = 1 << 30
 HASH_CHUNK = 8 << 20
+SYNC_EVERY = 64 << 20  # bytes copied between two writebacks started early
 
 
 def split_file_stem(split: str) -> str:
@@ -73,23 +74,32 @@ def _write_split(out: Path, stem: str, shards: Iterable[Shard], itemsize: int, l
     entry = {"file": f"{stem}.bin", "idx": f"{stem}.idx", "tokens": 0, "documents": 0, "lines": 0}
     skipped, repaired, count = Counter(), Counter(), 0
     with open(bin_tmp, "w+b") as bin_f, open(idx_tmp, "wb") as idx_f, ThreadPoolExecutor(1) as hasher, ThreadPoolExecutor(1) as syncer:
-        # The hasher is fed in order (sha256 is sequential): it reads each range back while the next shard is copied.
-        hashed: deque = deque()
-        synced, buffer = None, bytearray(HASH_CHUNK)
+        fd, buffer = bin_f.fileno(), bytearray(HASH_CHUNK)
+        hashed: deque = deque()  # ranges being hashed, in order (sha256 is sequential)
+        hashed_to = synced_to = 0  # bytes handed to the hasher, and to a writeback
+        synced = None
+
+        def follow(copied: int, last: bool = False) -> None:
+            # Hash what is copied in ranges of HASH_CHUNK (read back from the page cache while the next
+            # shards are copied), and start its writeback every SYNC_EVERY bytes: shards may be tiny.
+            nonlocal hashed_to, synced_to, synced
+            if copied - hashed_to >= HASH_CHUNK or (last and copied > hashed_to):
+                hashed.append(hasher.submit(hash_range, fd, hashed_to, copied, bin_hash, buffer))
+                hashed_to = copied
+            while hashed and hashed[0].done():
+                hashed.popleft().result()
+            if copied - synced_to >= SYNC_EVERY and (synced is None or synced.done()):
+                if synced is not None:
+                    synced.result()  # a writeback error is reported once per open file: never drop one
+                synced, synced_to = syncer.submit(os.fdatasync, fd), copied
+
         for shard in shards:
             files = ShardFiles.of(out, shard)
             ckpt = Checkpoint.load(files.checkpoint)
             if ckpt is None or not ckpt.done:
                 raise RuntimeError(f"cannot finalize: shard {shard.relpath} is unfinished")
             base = entry["tokens"]
-            _copy_range(files.bin, bin_f.fileno(), ckpt.tokens * itemsize)
-            hashed.append(hasher.submit(hash_range, bin_f.fileno(), base * itemsize, (base + ckpt.tokens) * itemsize, bin_hash, buffer))
-            while hashed and hashed[0].done():  # keep only the ranges still being hashed: a split may have 100,000s of shards
-                hashed.popleft().result()
-            if synced is None or synced.done():
-                if synced is not None:
-                    synced.result()  # a writeback error is reported once per open file: never drop one
-                synced = syncer.submit(os.fdatasync, bin_f.fileno())
+            _copy_range(files.bin, fd, ckpt.tokens * itemsize)
             ends = np.fromfile(files.idx, dtype=IDX_DTYPE, count=ckpt.documents) + base
             idx_hash.update(memoryview(ends))
             ends.tofile(idx_f)
@@ -100,6 +110,8 @@ def _write_split(out: Path, stem: str, shards: Iterable[Shard], itemsize: int, l
             repaired.update(ckpt.repaired)
             count += 1
             log_skips(shard, ckpt)
+            follow(entry["tokens"] * itemsize)
+        follow(entry["tokens"] * itemsize, last=True)
         for future in [*hashed, *([synced] if synced else [])]:
             future.result()
         for f in (bin_f, idx_f):
