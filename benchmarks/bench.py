@@ -202,7 +202,7 @@ def finalize_and_verify(out: Path, tokenizer: str, repeats: int) -> dict:
         raise RuntimeError(f"verify failed on a benchmark output: {failed}")
     return {
         "token_file_bytes": token_bytes,
-        "shards": len(manifest.shards),
+        "shards": sum(manifest.counts.values()),
         "finalize_s": fin_s,
         "finalize_gb_s": token_bytes / fin_s / 1e9,
         "finalize_s_all": [round(t, 3) for t in fin_all],

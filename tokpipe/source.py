@@ -1,11 +1,11 @@
 """One shard -> batches of document texts, every input line accounted for.
 
 Compression is sniffed from magic bytes, never trusted from the file name (a `.jsonl.zst` may be
-plain JSONL). The decompressed bytes are cut into lines a block at a time (one C `split` per block,
-no Python call per byte or per line read), and each line is parsed as bytes: orjson parses bytes
-directly, and we see the invalid UTF-8 that a text wrapper would replace silently, so each repair
-is counted. Lines orjson takes as documents cost one call each; every other line goes through
-`_document`, which decides what it is.
+plain JSONL). The decompressed bytes are cut into lines a block at a time (one C `split` per
+block), and each line is parsed as bytes: orjson parses bytes directly, and we see the invalid
+UTF-8 that a text wrapper would replace silently, so each repair is counted. A line that orjson
+takes as a document costs one call; every other line goes through `_document`, which decides what
+it is.
 """
 
 from __future__ import annotations
@@ -130,8 +130,9 @@ def _lines(blocks: Iterator[tuple[bytes, int]], max_line_bytes: int) -> Iterator
                 lines[0] = b"".join([*carry, lines[0]])
             if max_line_bytes < len(block):
                 lines[1:] = [line if len(line) <= max_line_bytes else len(line) for line in lines[1:]]
-            yield lines, carried + len(block) - len(tail), source_pos
-            carry, carried = [], 0
+            consumed = carried + len(block) - len(tail)
+            carry, carried = [], 0  # before the yield: a long line's pieces must not outlive its join
+            yield lines, consumed, source_pos
         carried += len(tail)
         if tail and carried <= max_line_bytes:
             carry.append(tail)
@@ -227,6 +228,7 @@ def read_batches(
         line_no += len(lines)
         offset += consumed
         batch.lines += len(lines)
+        lines.clear()  # the batch has the texts; a suspended _lines still holds this list
         batch.text_bytes += consumed
         if batch.text_bytes >= batch_bytes:
             batch.end_offset, batch.source_pos = offset, source_pos
