@@ -272,13 +272,13 @@ def write_manifest(manifest: Manifest, path: str | os.PathLike) -> None:
 def load_manifest(path: str | os.PathLike) -> Manifest:
     """Check a manifest file in one streaming pass and keep what that pass counts; its shards stay in the file."""
     path = Path(path).absolute()
-    counts: dict[str, int] = {}
+    counts: Counter = Counter()
     size = 0
 
     def tallied(shards: Iterator[Shard], header: dict) -> Iterator[Shard]:
         nonlocal size
         for shard in shards:
-            counts[shard.split] = counts.get(shard.split, 0) + 1
+            counts[shard.split] += 1
             size += shard.size
             if not header["allow_outside"]:
                 _check_inside(shard.path, shard.relpath, header["base"])
@@ -289,7 +289,7 @@ def load_manifest(path: str | os.PathLike) -> Manifest:
         if header.get("version") != MANIFEST_VERSION:
             raise ValueError(f"version {header.get('version')!r}, expected {MANIFEST_VERSION}")
         fingerprint = fingerprint_of(tallied(_read_shards(path), header))
-        manifest = Manifest(header["root"], header["base"], header["allow_outside"], header["repo_id"], header["revision"], header["fingerprint"], counts, size, path)
+        manifest = Manifest(header["root"], header["base"], header["allow_outside"], header["repo_id"], header["revision"], header["fingerprint"], dict(counts), size, path)
     except FileNotFoundError:
         raise UserError(f"manifest {path} does not exist: create it with `tokpipe manifest --dataset-dir DIR -o {path}`") from None
     except (ValueError, KeyError, TypeError, AttributeError, ijson.JSONError) as e:

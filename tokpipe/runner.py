@@ -307,13 +307,13 @@ def _start_ray(opts: RunOptions) -> tuple[int, bool]:
         ray.init(address=address, **common)
         cpus = int(ray.cluster_resources().get("CPU", 1))
         widest = max((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]), default=0)
-        workers = opts.workers or cpus
-        return workers, 2 * workers <= cpus and widest >= 2
-    cpus = os.cpu_count() or 1
+    else:
+        cpus = widest = os.cpu_count() or 1
     workers = opts.workers or cpus
-    read_ahead = 2 * workers <= cpus
-    # address="local": never attach to some other Ray instance that happens to run on this machine.
-    ray.init(address="local", num_cpus=workers * (2 if read_ahead else 1), include_dashboard=False, object_store_memory=128 << 20, **common)
+    read_ahead = 2 * workers <= cpus and widest >= 2
+    if not address:
+        # address="local": never attach to some other Ray instance that happens to run on this machine.
+        ray.init(address="local", num_cpus=workers * (2 if read_ahead else 1), include_dashboard=False, object_store_memory=128 << 20, **common)
     return workers, read_ahead
 
 
