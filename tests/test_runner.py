@@ -130,6 +130,21 @@ def test_kill_9_of_the_whole_run_at_random_moments_with_changing_workers(dataset
     assert tokpipe("verify", out).returncode == 0
 
 
+def test_kill_9_while_split_files_are_assembled_then_rerun_gives_the_same_bytes(manifest, tmp_path, example_reference):
+    out = tmp_path / "out"
+    listed = out / "train.parts.tmp"
+    proc = start(manifest, out, "--workers", "1", "--checkpoint-interval", "0.2", *HF)
+    # One shard at a time: the first train shard is copied into train.bin.tmp while the next one tokenizes.
+    wait_for(lambda: (listed.exists() and listed.stat().st_size > 0) or proc.poll() is not None)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "meta.json").exists() and (out / "train.bin.tmp").stat().st_size > 0
+    rerun = tokpipe(*run_args(manifest, out, "--workers", "2"))
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert_out_is(out, example_reference)
+    assert tokpipe("verify", out).returncode == 0
+
+
 def test_killed_workers_are_retried_and_a_shard_that_keeps_dying_is_reported(manifest, tmp_path, example_reference):
     out = tmp_path / "out"
     stop = threading.Event()

@@ -106,3 +106,19 @@ def test_a_write_error_stops_the_shard_and_a_rerun_completes_identically(tmp_pat
     assert result.resumed_tokens > 0
     for a, b in zip(read(tmp_path / "whole", HOLDOUT, np.uint32), read(tmp_path / "full", HOLDOUT, np.uint32)):
         assert np.array_equal(a, b)
+
+
+def test_a_worker_over_its_memory_limit_drops_the_encoder_cache_and_writes_the_same_bytes(tmp_path, monkeypatch):
+    import tokpipe.shard
+    from tokpipe.tokenizer import encoder
+
+    spec = spec_for(QWEN3, batch_bytes=64 << 10, memory_limit=512 << 20)
+    tokenize_shard(HOLDOUT, tmp_path / "unbounded", spec_for(QWEN3, memory_limit=0))
+    # RSS as a long-tail corpus grows it: 100 MiB more per batch, whatever the cache holds.
+    rss = iter(range(300 << 20, 1 << 40, 100 << 20))
+    monkeypatch.setattr(tokpipe.shard, "resident_bytes", lambda: next(rss))
+    before = encoder(spec.backend, spec.tokenizer_json)
+    result = tokenize_shard(HOLDOUT, tmp_path / "bounded", spec)
+    assert result.encoder_resets >= 3 and encoder(spec.backend, spec.tokenizer_json) is not before
+    for a, b in zip(read(tmp_path / "unbounded", HOLDOUT, np.uint32), read(tmp_path / "bounded", HOLDOUT, np.uint32)):
+        assert np.array_equal(a, b)

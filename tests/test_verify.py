@@ -63,7 +63,7 @@ def test_two_tokens_swapped_fail_the_checksum(out):
     tokens[[100, 101]] = tokens[[101, 100]]
     tokens.flush()
     assert failed(out) == ["train: sha256 matches meta"]
-    assert failure(out, "sha256") == "the token bytes changed since finalize"
+    assert failure(out, "sha256") == "the token bytes changed since finalize, in the range of train/chunk1/example_train_0.jsonl.zst"
 
 
 def test_lost_eos_fails_count_and_boundaries(out):
@@ -114,6 +114,23 @@ def test_hostile_meta_pkl_executes_nothing(out):
 
 
 
+def reseal(out, split):
+    """Recompute a split's range checksums and the parts list's sha256 in meta, as a forger would."""
+    meta = load_meta_pkl(out / "meta.pkl")
+    info = meta["splits"][split]
+    tokens = np.fromfile(out / info["file"], dtype=meta["dtype"])
+    records, start = [], 0
+    for line in (out / info["parts"]).read_text().splitlines():
+        record = json.loads(line)
+        record["sha256"] = hashlib.sha256(tokens[start : start + record["tokens"]].tobytes()).hexdigest()
+        records.append(json.dumps(record))
+        start += record["tokens"]
+    (out / info["parts"]).write_text("".join(r + "\n" for r in records))
+    info["parts_sha256"] = hashlib.sha256((out / info["parts"]).read_bytes()).hexdigest()
+    (out / "meta.pkl").write_bytes(pickle.dumps(meta))
+    (out / "meta.json").write_text(json.dumps(meta))
+
+
 def test_sample_re_tokenizes_source_documents_and_catches_a_self_consistent_wrong_id(out):
     from tokpipe.verify import verify_sample
 
@@ -121,12 +138,47 @@ def test_sample_re_tokenizes_source_documents_and_catches_a_self_consistent_wron
     # What a wrong backend would produce: one id off inside document 7, with checksums to match.
     ends = np.fromfile(out / "val.idx", dtype="<i8")
     poke(out / "val.bin", ends[6] + 2, 12345)
-    meta = load_meta_pkl(out / "meta.pkl")
-    meta["splits"]["validation"]["sha256"] = hashlib.sha256((out / "val.bin").read_bytes()).hexdigest()
-    (out / "meta.pkl").write_bytes(pickle.dumps(meta))
-    (out / "meta.json").write_text(json.dumps(meta))
+    reseal(out, "validation")
     assert failed(out) == []  # every structural check still holds
     bad = [c for c in verify_sample(out, 1000) if not c.ok]
     assert len(bad) == 1 and "document 7 " in bad[0].detail
     result = tokpipe("verify", out, "--sample", "1000")
     assert result.returncode == 1 and "FAIL" in result.stdout
+
+
+def test_a_parts_list_edited_to_match_damage_fails_its_own_checksum(out):
+    poke(out / "train.bin", 10, 7)
+    lines = (out / "train.parts").read_text().splitlines()
+    first = json.loads(lines[0])
+    first["sha256"] = "0" * 64
+    (out / "train.parts").write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
+    assert failed(out) == ["train: parts list sha256 matches meta"]
+
+
+def as_written_by_tokpipe_0_1(out):
+    """The OUT as tokpipe 0.1 finalized it: whole-file sha256s in meta, no parts lists."""
+    meta = load_meta_pkl(out / "meta.pkl")
+    for info in meta["splits"].values():
+        (out / info.pop("parts")).unlink()
+        del info["parts_sha256"]
+        info["sha256"] = hashlib.sha256((out / info["file"]).read_bytes()).hexdigest()
+        info["idx_sha256"] = hashlib.sha256((out / info["idx"]).read_bytes()).hexdigest()
+    (out / "meta.pkl").write_bytes(pickle.dumps(meta))
+    (out / "meta.json").write_text(json.dumps(meta))
+
+
+def test_an_out_of_an_earlier_tokpipe_still_verifies_and_catches_two_swapped_tokens(out):
+    as_written_by_tokpipe_0_1(out)
+    assert failed(out) == []
+    tokens = np.memmap(out / "train.bin", dtype=np.uint32, mode="r+")
+    tokens[[100, 101]] = tokens[[101, 100]]
+    tokens.flush()
+    assert failed(out) == ["train: sha256 matches meta"]
+    assert failure(out, "sha256") == "the token bytes changed since finalize"
+
+
+def test_checks_give_the_same_verdicts_on_one_thread_and_on_many(out):
+    ends = np.fromfile(out / "val.idx", dtype="<i8")
+    poke(out / "val.bin", ends[3] - 1, 42)
+    one = [(c.name, c.ok, c.detail) for c in verify(out, jobs=1)]
+    assert one == [(c.name, c.ok, c.detail) for c in verify(out, jobs=8)] and not all(ok for _, ok, _ in one)

@@ -42,6 +42,7 @@ def _cmd_run(args) -> int:
         stall_timeout=args.stall_timeout,
         max_retries=args.max_retries,
         skip_failed=args.skip_failed,
+        worker_memory=args.worker_memory,
     )
     summary = run(args.manifest, args.tokenizer, args.out, opts)
     if not summary.finished:
@@ -53,7 +54,7 @@ def _cmd_run(args) -> int:
 def _cmd_verify(args) -> int:
     from tokpipe.verify import as_json, report, verify, verify_sample
 
-    checks = verify(args.out)
+    checks = verify(args.out, args.jobs)
     if args.sample and all(c.ok for c in checks):
         checks += verify_sample(args.out, args.sample, args.seed, args.tokenizer)
     print(as_json(checks) if args.json else report(checks))
@@ -127,6 +128,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--stall-timeout", type=_positive(float), default=600.0, help="cancel and retry a shard with no progress for this long (default: 600)")
     r.add_argument("--max-retries", type=int, default=3, help="retries of a shard whose worker died or stalled (default: 3)")
     r.add_argument("--skip-failed", action="store_true", help="finalize without shards that fail (recorded in meta as excluded)")
+    r.add_argument("--worker-memory", type=_positive(int), default=768, metavar="MIB", help="RSS each worker stays under, by dropping the encoder's word cache (default: 768)")
     r.set_defaults(func=_cmd_run)
 
     v = sub.add_parser("verify", help="check a finished OUT; exit 0 only when every check holds")
@@ -135,6 +137,7 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--sample", type=_positive(int), metavar="K", help="also re-tokenize K random source documents with tokenizers and compare")
     v.add_argument("--seed", type=int, default=0, help="which documents --sample picks (default: 0)")
     v.add_argument("--tokenizer", help="the run's tokenizer, if it moved since the run (default: the path in meta)")
+    v.add_argument("--jobs", type=_positive(int), help="threads checking checksums and ids (default: all cores)")
     v.set_defaults(func=_cmd_verify)
 
     st = sub.add_parser("status", help="where a run stands (running, killed, failed or finished) and what to run next")

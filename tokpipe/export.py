@@ -35,7 +35,8 @@ import numpy as np
 from tokpipe.errors import UserError
 from tokpipe.finalize import split_file_stem
 from tokpipe.output import Output, Split, open_output
-from tokpipe.shard import fsync_dir, to_dtype
+from tokpipe.durability import fsync_dir
+from tokpipe.shard import to_dtype
 
 FORMATS = ("megatron", "llmc")
 CHUNK = 1 << 24  # tokens (or index entries) per numpy step

@@ -1,11 +1,19 @@
-"""Finished shards -> OUT/<split>.bin + .idx per split, then meta.pkl, then meta.json (last: it marks a finished run).
+"""Finished shards -> OUT/<stem>.bin, .idx and .parts per split, then meta.pkl, then meta.json (last: it marks a finished run).
 
-Each split file is written under a temporary name, fsynced and renamed, so a killed finalize leaves
-either the old file or the complete new one; rerunning it rebuilds the same bytes from the shards.
-Token bytes are copied in the kernel (copy_file_range); their sha256, which meta records and
-`verify` checks, is computed by a second thread reading each copied range back from the page cache,
-so hashing overlaps copying; a third starts the disk writeback of each copied range, so the final
-fsync does not wait for the whole file at once.
+A split file is assembled in place, not concatenated at the end: a shard's tokens go to their offset
+as soon as that offset is known, i.e. once every shard before it in the split is done. So the done
+prefix of each split is assembled while later shards still tokenize (the runner sends the copies to
+Ray tasks on every node), and when the last shard is done only the last few copies remain.
+
+While a split is assembled, OUT/<stem>.bin.tmp and .idx.tmp receive the copies, and
+OUT/<stem>.parts.tmp lists, in split order, the shards whose bytes are in them: one JSON line per
+shard with its token and document counts, its accounting and the sha256 of its ranges (computed by
+the worker that wrote the shard). A line is appended only after its copy is fsynced, so after a
+crash the list describes a prefix of what is on disk; a rerun keeps the prefix that is still the
+start of the split in manifest order and copies the rest again, to the same offsets: the same bytes.
+At the end the three files are renamed, then meta.pkl and meta.json are written. The .parts file
+stays: `verify` checks every range against its sha256 on all cores, and no pass over a whole split
+file ever runs on one core.
 """
 
 from __future__ import annotations
@@ -14,158 +22,288 @@ import hashlib
 import json
 import os
 import pickle
-from collections import Counter, deque
-from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import orjson
 
 from tokpipe import __version__
+from tokpipe.durability import HASH_CHUNK, fsync_dir, hash_range, write_atomic, write_json_atomic
 from tokpipe.manifest import Manifest, Shard
-from tokpipe.shard import IDX_DTYPE, Checkpoint, ShardFiles, fsync_dir, write_json_atomic
+from tokpipe.shard import IDX_DTYPE, Checkpoint, ShardFiles
 from tokpipe.tokenizer import TokenizerInfo
 
 COPY_CHUNK = 1 << 30
-HASH_CHUNK = 8 << 20
-SYNC_EVERY = 64 << 20  # bytes copied between two writebacks started early
+COPY_BATCH_BYTES = 1 << 30  # of tokens per copy task: one fsync covers many small shards
 
 
 def split_file_stem(split: str) -> str:
     return "val" if split == "validation" else split
 
 
-def _copy_range(src_path: Path, dst_fd: int, length: int) -> None:
-    """Append the first `length` bytes of src to dst in the kernel, not through Python objects."""
+@dataclass(frozen=True)
+class Part:
+    """One shard's tokens and where they go: the split file `stem`, at token and document offsets."""
+
+    stem: str
+    seq: int  # its place among the split's parts
+    bin: str  # the shard's files
+    idx: str
+    token_offset: int
+    doc_offset: int
+    record: dict  # its line in <stem>.parts: shard, tokens, documents, lines, skipped, repaired, sha256, idx_sha256
+
+
+def _record(shard: Shard, ckpt: Checkpoint) -> dict:
+    record = {"shard": shard.relpath, "tokens": ckpt.tokens, "documents": ckpt.documents, "lines": ckpt.lines}
+    record.update(skipped=ckpt.skipped, repaired=ckpt.repaired, sha256=ckpt.sha256, idx_sha256=ckpt.idx_sha256)
+    if ckpt.skip_log:
+        record["first_skipped"] = ckpt.skip_log
+    return record
+
+
+def _copy_range(src_path: str, dst_fd: int, length: int, dst_offset: int) -> None:
+    """Write the first `length` bytes of src at `dst_offset` of dst, in the kernel, not through Python objects."""
     with open(src_path, "rb") as src:
-        remaining = length
+        done = 0
         try:
-            while remaining:
-                copied = os.copy_file_range(src.fileno(), dst_fd, min(remaining, COPY_CHUNK))
+            while done < length:
+                copied = os.copy_file_range(src.fileno(), dst_fd, min(length - done, COPY_CHUNK), done, dst_offset + done)
                 if copied == 0:
-                    raise RuntimeError(f"{src_path} ended {remaining} bytes before its checkpoint says it does")
-                remaining -= copied
-        except OSError:  # file systems without copy_file_range: sendfile stays in the kernel too
-            src.seek(length - remaining)
-            while remaining:
-                copied = os.sendfile(dst_fd, src.fileno(), None, min(remaining, COPY_CHUNK))
-                if copied == 0:
-                    raise RuntimeError(f"{src_path} ended {remaining} bytes before its checkpoint says it does") from None
-                remaining -= copied
+                    raise RuntimeError(f"{src_path} ended {length - done} bytes before its checkpoint says it does")
+                done += copied
+        except OSError:  # file systems without copy_file_range: through a buffer, in pieces
+            buffer = bytearray(HASH_CHUNK)
+            while done < length:
+                got = os.preadv(src.fileno(), [memoryview(buffer)[: min(len(buffer), length - done)]], done)
+                if got == 0:
+                    raise RuntimeError(f"{src_path} ended {length - done} bytes before its checkpoint says it does") from None
+                os.pwrite(dst_fd, memoryview(buffer)[:got], dst_offset + done)
+                done += got
 
 
-def hash_range(fd: int, start: int, end: int, hasher, buffer: bytearray) -> None:
-    """Feed bytes [start, end) of an open file to hasher through `buffer`, reused by the caller: a fresh
-    8 MiB object per read costs its page faults (hashing ran at 0.7 GB/s, 1.2 with one buffer)."""
-    view = memoryview(buffer)
-    while start < end:
-        got = os.preadv(fd, [view[: min(len(view), end - start)]], start)
-        if not got:
-            raise RuntimeError(f"file ended at byte {start}, expected {end}")
-        hasher.update(view[:got])  # hashlib drops the GIL on large updates
-        start += got
+def place(out: str | os.PathLike, parts: list[Part], itemsize: int) -> list[dict]:
+    """Copy parts of one split to their offsets, fsync, and return their records (checksums filled in).
 
-
-def _write_split(out: Path, stem: str, shards: Iterable[Shard], itemsize: int, log_skips) -> dict:
-    """Write <stem>.bin and <stem>.idx from the split's finished shards, in order; returns the split's meta entry."""
-    bin_tmp, idx_tmp = out / f"{stem}.bin.tmp", out / f"{stem}.idx.tmp"
-    bin_hash, idx_hash = hashlib.sha256(), hashlib.sha256()
-    entry = {"file": f"{stem}.bin", "idx": f"{stem}.idx", "tokens": 0, "documents": 0, "lines": 0}
-    skipped, repaired, count = Counter(), Counter(), 0
-    with open(bin_tmp, "w+b") as bin_f, open(idx_tmp, "wb") as idx_f, ThreadPoolExecutor(1) as hasher, ThreadPoolExecutor(1) as syncer:
-        fd, buffer = bin_f.fileno(), bytearray(HASH_CHUNK)
-        hashed: deque = deque()  # ranges being hashed, in order (sha256 is sequential)
-        hashed_to = synced_to = 0  # bytes handed to the hasher, and to a writeback
-        synced = None
-
-        def follow(copied: int, last: bool = False) -> None:
-            # Hash what is copied in ranges of HASH_CHUNK (read back from the page cache while the next
-            # shards are copied), and start its writeback every SYNC_EVERY bytes: shards may be tiny.
-            nonlocal hashed_to, synced_to, synced
-            if copied - hashed_to >= HASH_CHUNK or (last and copied > hashed_to):
-                hashed.append(hasher.submit(hash_range, fd, hashed_to, copied, bin_hash, buffer))
-                hashed_to = copied
-            while hashed and hashed[0].done():
-                hashed.popleft().result()
-            if copied - synced_to >= SYNC_EVERY and (synced is None or synced.done()):
-                if synced is not None:
-                    synced.result()  # a writeback error is reported once per open file: never drop one
-                synced, synced_to = syncer.submit(os.fdatasync, fd), copied
-
-        for shard in shards:
-            files = ShardFiles.of(out, shard)
-            ckpt = Checkpoint.load(files.checkpoint)
-            if ckpt is None or not ckpt.done:
-                raise RuntimeError(f"cannot finalize: shard {shard.relpath} is unfinished")
-            base = entry["tokens"]
-            _copy_range(files.bin, fd, ckpt.tokens * itemsize)
-            ends = np.fromfile(files.idx, dtype=IDX_DTYPE, count=ckpt.documents) + base
-            idx_hash.update(memoryview(ends))
-            ends.tofile(idx_f)
-            entry["tokens"] += ckpt.tokens
-            entry["documents"] += ckpt.documents
-            entry["lines"] += ckpt.lines
-            skipped.update(ckpt.skipped)
-            repaired.update(ckpt.repaired)
-            count += 1
-            log_skips(shard, ckpt)
-            follow(entry["tokens"] * itemsize)
-        follow(entry["tokens"] * itemsize, last=True)
-        for future in [*hashed, *([synced] if synced else [])]:
-            future.result()
+    Plain Python: the runner runs it as a Ray task on any node (OUT is on storage they all see),
+    finalize runs it in-process for what is left. Idempotent: a part copied twice is the same bytes.
+    """
+    out = Path(out)
+    stem = parts[0].stem
+    records = []
+    with open(out / f"{stem}.bin.tmp", "r+b") as bin_f, open(out / f"{stem}.idx.tmp", "r+b") as idx_f:
+        for part in parts:
+            record = dict(part.record)
+            _copy_range(part.bin, bin_f.fileno(), record["tokens"] * itemsize, part.token_offset * itemsize)
+            relative = np.fromfile(part.idx, dtype=IDX_DTYPE, count=record["documents"])
+            os.pwrite(idx_f.fileno(), memoryview(relative + part.token_offset), part.doc_offset * IDX_DTYPE.itemsize)
+            if record["sha256"] is None:  # a shard finished by an earlier tokpipe, which hashed only whole files
+                bin_hash = hashlib.sha256()
+                with open(part.bin, "rb") as src:
+                    hash_range(src.fileno(), 0, record["tokens"] * itemsize, bin_hash, bytearray(HASH_CHUNK))
+                record.update(sha256=bin_hash.hexdigest(), idx_sha256=hashlib.sha256(memoryview(relative)).hexdigest())
+            records.append(record)
         for f in (bin_f, idx_f):
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(bin_tmp, out / f"{stem}.bin")
-    os.replace(idx_tmp, out / f"{stem}.idx")
-    entry.update(skipped=dict(sorted(skipped.items())), repaired=dict(sorted(repaired.items())), shards=count)
-    entry.update(sha256=bin_hash.hexdigest(), idx_sha256=idx_hash.hexdigest())
+            os.fdatasync(f.fileno())
+    return records
+
+
+@dataclass
+class _Split:
+    """The assembly of one split file: what is scheduled, and what is on disk and listed in .parts.tmp."""
+
+    stem: str
+    shards: Iterator[Shard]  # the split's shards in manifest order, after the head
+    head: Shard | None = None  # the next shard to schedule
+    scheduled: int = 0  # parts handed out
+    tokens: int = 0  # offsets of the next part
+    documents: int = 0
+    listed: int = 0  # parts in .parts.tmp (fsynced, in order)
+    waiting: dict[int, dict] = field(default_factory=dict)  # seq -> record of parts copied before an earlier one
+
+    @classmethod
+    def start(cls, stem: str, shards: Iterator[Shard]) -> _Split:
+        return cls(stem, shards, next(shards, None))
+
+    def advance(self) -> None:
+        self.head = next(self.shards, None)
+
+
+class Assembler:
+    """Decides which shard goes where in its split file, and keeps the list of what is there (.parts.tmp).
+
+    Feed it finished shards (`done`), hand what `ready` returns to `place` (anywhere, any order, in
+    batches), report what came back (`placed`); `finish` when `complete`.
+    """
+
+    def __init__(self, out: str | os.PathLike, manifest: Manifest, itemsize: int):
+        self.out, self.itemsize = Path(out), itemsize
+        self.finished: dict[str, Checkpoint] = {}  # done shards not yet scheduled: the few that finished out of order
+        self.splits = [self._resume(manifest, split) for split in manifest.counts]
+
+    def _paths(self, stem: str) -> tuple[Path, Path, Path]:
+        return tuple(self.out / f"{stem}.{ext}.tmp" for ext in ("bin", "idx", "parts"))
+
+    def _resume(self, manifest: Manifest, split: str) -> _Split:
+        """Keep what an earlier attempt assembled, if it is still the start of the split; else start empty."""
+        stem = split_file_stem(split)
+        bin_tmp, idx_tmp, parts_tmp = self._paths(stem)
+        state = _Split.start(stem, manifest.shards(split))
+        kept = []
+        if bin_tmp.exists() and idx_tmp.exists() and parts_tmp.exists():
+            for line in parts_tmp.read_bytes().splitlines():
+                try:
+                    record = orjson.loads(line)
+                except orjson.JSONDecodeError:  # a line cut by the crash: its fsync never returned
+                    break
+                if state.head is None or record.get("shard") != state.head.relpath:
+                    break  # the split changed before this shard (an append, a shard excluded or back)
+                kept.append(record)
+                state.tokens += record["tokens"]
+                state.documents += record["documents"]
+                state.advance()
+            if bin_tmp.stat().st_size < state.tokens * self.itemsize or idx_tmp.stat().st_size < state.documents * IDX_DTYPE.itemsize:
+                kept = []  # cut since they were listed: trust none of it
+        if not kept:
+            state = _Split.start(stem, manifest.shards(split))
+            for path in (bin_tmp, idx_tmp):
+                open(path, "wb").close()
+        write_atomic(parts_tmp, b"".join(orjson.dumps(r) + b"\n" for r in kept))
+        state.scheduled = state.listed = len(kept)
+        return state
+
+    def done(self, shard: Shard, ckpt: Checkpoint) -> None:
+        """A shard finished in this run (its checkpoint as its task returned it)."""
+        self.finished[shard.relpath] = ckpt
+
+    def ready(self, excluded: frozenset[str] = frozenset()) -> list[Part]:
+        """Parts whose offsets are now known: each split's next shards, while they are done (or excluded)."""
+        parts = []
+        for s in self.splits:
+            while s.head is not None:
+                if s.head.relpath in excluded:
+                    s.advance()
+                    continue
+                ckpt = self.finished.pop(s.head.relpath, None) or Checkpoint.load(ShardFiles.of(self.out, s.head).checkpoint)
+                if ckpt is None or not ckpt.done:
+                    break
+                files = ShardFiles.of(self.out, s.head)
+                parts.append(Part(s.stem, s.scheduled, str(files.bin), str(files.idx), s.tokens, s.documents, _record(s.head, ckpt)))
+                s.scheduled += 1
+                s.tokens += ckpt.tokens
+                s.documents += ckpt.documents
+                s.advance()
+        return parts
+
+    def placed(self, parts: list[Part], records: list[dict]) -> None:
+        """Parts are on disk (fsynced): list them in .parts.tmp, in split order, as far as no part is missing."""
+        for part, record in zip(parts, records):
+            s = next(s for s in self.splits if s.stem == part.stem)
+            s.waiting[part.seq] = record
+        for s in self.splits:
+            lines = []
+            while s.listed in s.waiting:
+                lines.append(orjson.dumps(s.waiting.pop(s.listed)) + b"\n")
+                s.listed += 1
+            if lines:
+                with open(self._paths(s.stem)[2], "ab") as f:
+                    f.write(b"".join(lines))
+                    f.flush()
+                    os.fsync(f.fileno())
+
+    @property
+    def complete(self) -> bool:
+        return all(s.head is None and s.listed == s.scheduled for s in self.splits)
+
+    def place_here(self, excluded: frozenset[str]) -> None:
+        """Place whatever is left, in this process (all of it without Ray; nothing after a run that placed it)."""
+        parts = self.ready(excluded)
+        batch, size = [], 0
+        for part in parts + [None]:
+            if batch and (part is None or part.stem != batch[0].stem or size >= COPY_BATCH_BYTES):
+                self.placed(batch, place(self.out, batch, self.itemsize))
+                batch, size = [], 0
+            if part is not None:
+                batch.append(part)
+                size += part.record["tokens"] * self.itemsize
+        if not self.complete:
+            head = next((s.head for s in self.splits if s.head is not None), None)
+            raise RuntimeError(f"cannot finalize: shard {head.relpath} is unfinished" if head else "cannot finalize: parts handed out to copy were never placed")
+
+    def finish(self) -> dict[str, dict]:
+        """Cut, fsync and rename every split's files; returns meta's `splits` (in manifest order of splits)."""
+        entries = {}
+        for s in self.splits:
+            bin_tmp, idx_tmp, parts_tmp = self._paths(s.stem)
+            for path, length in ((bin_tmp, s.tokens * self.itemsize), (idx_tmp, s.documents * IDX_DTYPE.itemsize)):
+                with open(path, "r+b") as f:
+                    f.truncate(length)  # bytes beyond: copies of a layout that changed since
+                    os.fsync(f.fileno())
+            entries[s.stem] = _split_entry(s.stem, parts_tmp)
+            for path in (bin_tmp, idx_tmp, parts_tmp):
+                os.replace(path, path.with_suffix(""))
+        fsync_dir(self.out)
+        return entries
+
+
+def _split_entry(stem: str, parts_path: Path) -> dict:
+    """meta's entry for a split, summed from its parts list."""
+    entry = {"file": f"{stem}.bin", "idx": f"{stem}.idx", "parts": f"{stem}.parts", "tokens": 0, "documents": 0, "lines": 0}
+    skipped, repaired, shards = Counter(), Counter(), 0
+    for record in map(orjson.loads, parts_path.read_bytes().splitlines()):
+        for key in ("tokens", "documents", "lines"):
+            entry[key] += record[key]
+        skipped.update(record["skipped"])
+        repaired.update(record["repaired"])
+        shards += 1
+    entry.update(skipped=dict(sorted(skipped.items())), repaired=dict(sorted(repaired.items())), shards=shards)
+    entry["parts_sha256"] = hashlib.sha256(parts_path.read_bytes()).hexdigest()
     return entry
 
 
-@contextmanager
-def _skip_log(out: Path):
-    """OUT/logs/skipped.json, written a shard at a time: per shard, the count of each skip reason and
-    the first lines skipped. Yields log_skips(shard, checkpoint)."""
-    path = out / "logs" / "skipped.json"
-    path.parent.mkdir(exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write('{"shards": [')
-        entries = 0
-
-        def log_skips(shard: Shard, c: Checkpoint) -> None:
-            nonlocal entries
-            if c.skipped or c.repaired:
-                entry = {"shard": shard.relpath, "lines": c.lines, "documents": c.documents, "skipped": c.skipped, "repaired": c.repaired, "first": c.skip_log}
-                f.write(("," if entries else "") + "\n" + json.dumps(entry))
-                entries += 1
-
-        yield log_skips
-        f.write("\n]}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+def read_parts(path: Path) -> Iterator[dict]:
+    with open(path, "rb") as f:
+        for line in f:
+            yield orjson.loads(line)
 
 
-def finalize(out: str | os.PathLike, manifest: Manifest, info: TokenizerInfo, text_field: str, excluded: dict[str, str] | None = None) -> dict:
-    """Concatenate every split's shards in manifest order and write meta; returns the meta dict.
+def _write_skip_log(out: Path, splits: dict[str, dict]) -> None:
+    """OUT/logs/skipped.json: per shard with skips or repairs, their counts and the first lines skipped."""
+    entries = []
+    for entry in splits.values():
+        for r in read_parts(out / entry["parts"]):
+            if r["skipped"] or r["repaired"]:
+                fields = {k: r[k] for k in ("shard", "lines", "documents", "skipped", "repaired")}
+                entries.append(json.dumps({**fields, "first": r.get("first_skipped", [])}))
+    (out / "logs").mkdir(exist_ok=True)
+    write_atomic(out / "logs" / "skipped.json", ('{"shards": [' + ",".join("\n" + e for e in entries) + "\n]}\n").encode())
 
-    `excluded` (relpath -> error) are failed shards left out on purpose (`run --skip-failed`); meta
-    records them, so a partial output is never mistaken for a whole one.
+
+def finalize(
+    out: str | os.PathLike,
+    manifest: Manifest,
+    info: TokenizerInfo,
+    text_field: str,
+    excluded: dict[str, str] | None = None,
+    assembler: Assembler | None = None,
+) -> dict:
+    """Finish assembling every split in manifest order and write meta; returns the meta dict.
+
+    `assembler` is the run's, whose copy tasks placed (nearly) everything while shards tokenized;
+    without one, everything is placed here. `excluded` (relpath -> error) are failed shards left out
+    on purpose (`run --skip-failed`); meta records them, so a partial output is never mistaken for a whole one.
     """
     out = Path(out)
     (out / "meta.json").unlink(missing_ok=True)  # OUT is unfinished while its split files change
     excluded = excluded or {}
-    itemsize = np.dtype(info.dtype).itemsize
-    splits = {}
-    with _skip_log(out) as log_skips:
-        for split in manifest.counts:
-            shards = (s for s in manifest.shards(split) if s.relpath not in excluded)
-            splits[split] = _write_split(out, split_file_stem(split), shards, itemsize, log_skips)
-    fsync_dir(out)
+    assembler = assembler or Assembler(out, manifest, np.dtype(info.dtype).itemsize)
+    assembler.place_here(frozenset(excluded))
+    stems = assembler.finish()
+    splits = {split: stems[split_file_stem(split)] for split in manifest.counts}
+    _write_skip_log(out, splits)
     meta = {
         "dtype": info.dtype,
         "vocab_size": info.vocab_size,
@@ -181,12 +319,7 @@ def finalize(out: str | os.PathLike, manifest: Manifest, info: TokenizerInfo, te
         "manifest_sha256": manifest.fingerprint,
         "tokpipe_version": __version__,
     }
-    pkl_tmp = out / "meta.pkl.tmp"
-    with open(pkl_tmp, "wb") as f:
-        pickle.dump(meta, f, protocol=4)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(pkl_tmp, out / "meta.pkl")
+    write_atomic(out / "meta.pkl", pickle.dumps(meta, protocol=4))
     write_json_atomic(out / "meta.json", meta)
     return meta
 

@@ -16,19 +16,21 @@ import os
 import stat
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tqdm import tqdm
 
 from tokpipe.errors import SourceError, UserError
-from tokpipe.finalize import finalize, load_meta_json
+from tokpipe.finalize import COPY_BATCH_BYTES, Assembler, Part, finalize, load_meta_json, place
 from tokpipe.manifest import Manifest, Shard, load_manifest, write_manifest
-from tokpipe.shard import Checkpoint, EncodeSpec, ShardFiles, ShardResult, tokenize_shard, write_json_atomic
+from tokpipe.durability import write_json_atomic
+from tokpipe.shard import WORKER_MEMORY, Checkpoint, EncodeSpec, ShardFiles, ShardResult, tokenize_shard
 from tokpipe.source import read_batches
 from tokpipe.status import duration
 from tokpipe.tokenizer import TokenizerInfo, choose_backend, load_tokenizer_info
@@ -54,6 +56,7 @@ class RunOptions:
     stall_timeout: float = 600.0
     max_retries: int = 3
     skip_failed: bool = False  # finalize without shards that failed, recording them in meta as excluded
+    worker_memory: int = WORKER_MEMORY >> 20  # MiB of RSS a worker keeps under (shard.MemoryGuard)
 
 
 @dataclass
@@ -238,6 +241,7 @@ class Progress:
         self.out, self.total, self.shards = out, total_bytes, shards
         self.start_bytes, self.t0, self.started_at, self.every = done_bytes, time.monotonic(), time.time(), every
         self.last_line = self.last_file = 0.0
+        self.read_this_run = 0
         self.bar = None
         if sys.stderr.isatty():
             # Shard counts (and failures) before the rates, and no label: in 80 columns tqdm cuts the
@@ -255,7 +259,10 @@ class Progress:
     def update(self, file_bytes: int, documents: int, tokens: int, done: int, running: int, failed: int, final: bool = False) -> None:
         now = time.monotonic()
         elapsed = max(now - self.t0, 1e-9)
-        read = self.start_bytes + file_bytes
+        # Workers report the compressed bytes they have read, and a shard's last report may miss the
+        # file's tail (zstd's frame end, the reports still in flight): a finished run has read it all.
+        read = self.total if final and done == self.shards else self.start_bytes + file_bytes
+        self.read_this_run = read - self.start_bytes
         rate = file_bytes / elapsed
         eta = (self.total - read) / rate if rate > 0 else None
         failures = f" ({failed} FAILED)" if failed else ""
@@ -335,8 +342,53 @@ def _finished(out: Path, shard: Shard) -> bool:
     return ckpt is not None and ckpt.done
 
 
-def _schedule(manifest: Manifest, out: Path, spec: EncodeSpec, opts: RunOptions, workers: int, progress: Progress, log: RunLog, done_before: int) -> tuple[dict[str, str], list[ShardResult]]:
-    """Run every unfinished shard to completion or failure; returns (failures, results of shards that resumed).
+def copy_task(out: str, parts: list[Part], itemsize: int) -> tuple[str, list[dict]]:
+    """The Ray task around finalize.place; says which node it ran on (on a cluster, every node copies)."""
+    return ray.get_runtime_context().get_node_id(), place(out, parts, itemsize)
+
+
+class Copies:
+    """Copy tasks that assemble the split files while shards still tokenize; what goes where is the Assembler's.
+
+    Parts wait in a queue while every slot is busy, so the next task takes all of them at once: with
+    thousands of tiny shards, one task and one fsync cover many.
+    """
+
+    def __init__(self, assembler: Assembler, out: Path, itemsize: int, slots: int):
+        self.task = ray.remote(num_cpus=0, max_retries=3, scheduling_strategy="SPREAD", name="tokpipe copy")(copy_task)
+        self.assembler, self.out, self.itemsize, self.slots = assembler, out, itemsize, slots
+        self.queue: deque[Part] = deque()
+        self.running: dict = {}  # ObjectRef -> its parts
+        self.bytes_by_node: Counter = Counter()
+
+    def feed(self, excluded: frozenset[str] = frozenset()) -> None:
+        self.queue.extend(self.assembler.ready(excluded))
+        while self.queue and len(self.running) < self.slots:
+            batch, size, stem = [], 0, self.queue[0].stem
+            while self.queue and self.queue[0].stem == stem and size < COPY_BATCH_BYTES:
+                batch.append(self.queue.popleft())
+                size += batch[-1].record["tokens"] * self.itemsize
+            self.running[self.task.remote(str(self.out), batch, self.itemsize)] = batch
+
+    def collect(self, refs: list) -> None:
+        for ref in refs:
+            parts = self.running.pop(ref)
+            node, records = ray.get(ref)
+            self.assembler.placed(parts, records)
+            self.bytes_by_node[node] += sum(r["tokens"] for r in records) * self.itemsize
+        self.feed()
+
+    def drain(self, excluded: frozenset[str] = frozenset()) -> None:
+        """Copy everything whose place is known (with `excluded` left out) and wait for it."""
+        self.feed(excluded)
+        while self.running:
+            ready, _ = ray.wait(list(self.running), num_returns=1)
+            self.collect(ready)
+
+
+def _schedule(manifest: Manifest, out: Path, spec: EncodeSpec, opts: RunOptions, workers: int, progress: Progress, copies: Copies, log: RunLog, done_before: int) -> tuple[dict[str, str], list[ShardResult]]:
+    """Run every unfinished shard to completion or failure, copying finished ones into place as their
+    offsets become known; returns (failures, results of shards that resumed).
 
     Shards are taken from the manifest as workers free up (the driver holds the running ones, never the
     list), checkpoints read again at that moment: a shard a leftover worker finished meanwhile is skipped.
@@ -352,6 +404,7 @@ def _schedule(manifest: Manifest, out: Path, spec: EncodeSpec, opts: RunOptions,
     failed: dict[str, str] = {}
     done, resumed = done_before, []
     last_look = 0.0  # when progress and stalls were last looked at
+    copies.feed()  # what earlier runs finished and did not place
     while True:
         while len(running) < workers:
             if stalled:
@@ -365,10 +418,11 @@ def _schedule(manifest: Manifest, out: Path, spec: EncodeSpec, opts: RunOptions,
         if not running:
             break
         # Wake on the first finished task (small shards finish in milliseconds), then take all that are done.
-        ready, _ = ray.wait(list(running), num_returns=1, timeout=POLL_EVERY)
+        ready, _ = ray.wait([*running, *copies.running], num_returns=1, timeout=POLL_EVERY)
         if ready:
-            ready, _ = ray.wait(list(running), num_returns=len(running), timeout=0)
-        for ref in ready:
+            ready, _ = ray.wait([*running, *copies.running], num_returns=len(running) + len(copies.running), timeout=0)
+        copies.collect([ref for ref in ready if ref in copies.running])
+        for ref in (ref for ref in ready if ref in running):
             shard, _, _ = running.pop(ref)
             try:
                 result: ShardResult = ray.get(ref)
@@ -377,9 +431,13 @@ def _schedule(manifest: Manifest, out: Path, spec: EncodeSpec, opts: RunOptions,
                 log(f"shard {shard.relpath} FAILED: {failed[shard.relpath]}")
                 continue
             done += 1
+            copies.assembler.done(shard, result.checkpoint)
             if result.resumed_tokens or result.redone_tokens:
                 resumed.append(result)
                 log(f"shard {shard.relpath}: resumed at {result.resumed_tokens:,} tokens, redid {result.redone_tokens:,}")
+            if result.encoder_resets:
+                log(f"shard {shard.relpath}: encoder cache dropped {result.encoder_resets} times to stay under {spec.memory_limit >> 20} MiB")
+        copies.feed()
         now = time.time()
         if now - last_look < POLL_EVERY:
             continue
@@ -403,7 +461,65 @@ def _schedule(manifest: Manifest, out: Path, spec: EncodeSpec, opts: RunOptions,
     return failed, resumed
 
 
-def _print_summary(meta: dict, out: Path, seconds: float) -> None:
+@dataclass
+class Timeline:
+    """Where a run's time went, for run.log and the summary: plan (inputs, checkpoints, Ray, backend
+    check), tokenize (until the last shard is done), finalize (from then until meta.json is written)."""
+
+    start: float
+    planned: float | None = None
+    tokenized: float | None = None
+    read_bytes: int = 0  # of input, by this run's workers
+    assembled_bytes: int = 0  # of tokens, copied into place while shards tokenized
+
+    def report(self, finished: float, meta: dict) -> str:
+        planned = self.planned or finished
+        tokenized = self.tokenized or planned
+        token_bytes = sum(s["tokens"] for s in meta["splits"].values()) * np.dtype(meta["dtype"]).itemsize
+        tokenize_s, finalize_s = tokenized - planned, finished - tokenized
+        return (
+            f"phases: plan {planned - self.start:.1f}s | tokenize {tokenize_s:.1f}s, {self.read_bytes / 1e6:,.1f} MB of input read"
+            f" ({self.read_bytes / 1e6 / max(tokenize_s, 1e-9):.1f} MB/s) | finalize {finalize_s:.2f}s ({100 * finalize_s / max(tokenize_s, 1e-9):.0f}% of tokenize):"
+            f" {token_bytes / 1e6:,.1f} MB of tokens, {self.assembled_bytes / 1e6:,.1f} MB of them assembled while tokenizing,"
+            f" {(token_bytes - self.assembled_bytes) / 1e6:,.1f} MB after ({(token_bytes - self.assembled_bytes) / 1e9 / max(finalize_s, 1e-9):.2f} GB/s)"
+        )
+
+
+def _tokenize(manifest: Manifest, out: Path, info: TokenizerInfo, opts: RunOptions, assembler: Assembler, log: RunLog, plan: Plan, clock: Timeline) -> tuple[dict[str, str], list[ShardResult]]:
+    """Tokenize every unfinished shard on Ray, assembling the split files as shards finish; returns
+    (failures, shards that resumed). Ray is up when it returns: what finalize has left is the last copies."""
+    with ThreadPoolExecutor(1) as pool:
+        # The backend's self-check and Ray's start-up take seconds each: do them at the same time.
+        choice = pool.submit(choose_backend, opts.backend, info.path, _sample_texts(manifest))
+        workers, read_ahead = _start_ray(opts)
+        backend, why = choice.result()
+    print(f"backend {backend}: {why}")
+    log(f"backend {backend}: {why}")
+    where = f"cluster {ray.get_runtime_context().gcs_address}" if opts.address or os.environ.get("RAY_ADDRESS") else "embedded local instance"
+    nodes = sum(1 for n in ray.nodes() if n["Alive"])
+    print(f"ray: {where}, {workers} workers" + (" (2 CPUs each: reading overlaps encoding)" if read_ahead else "") + (f" on {nodes} nodes" if nodes > 1 else ""))
+    spec = EncodeSpec(
+        info.path, backend, info.eos_id, info.vocab_size, info.dtype, opts.text_field,
+        checkpoint_interval=opts.checkpoint_interval, read_ahead=read_ahead, memory_limit=opts.worker_memory << 20,
+    )
+    progress = Progress(out, manifest.size, plan.done_bytes, plan.shards)
+    copies = Copies(assembler, out, np.dtype(info.dtype).itemsize, slots=max(2, 2 * nodes))
+    clock.planned = time.monotonic()
+    try:
+        failed, resumed = _schedule(manifest, out, spec, opts, workers, progress, copies, log, plan.done)
+    finally:
+        progress.close()
+    clock.tokenized = time.monotonic()
+    clock.read_bytes = progress.read_this_run
+    clock.assembled_bytes = sum(copies.bytes_by_node.values())
+    # Failed shards block their split's assembly; with --skip-failed it goes on without them.
+    copies.drain(frozenset(failed) if opts.skip_failed else frozenset())
+    if nodes > 1:
+        log("assembled by node: " + ", ".join(f"{node[:8]} {size / 1e6:,.1f} MB" for node, size in copies.bytes_by_node.most_common()))
+    return failed, resumed
+
+
+def _print_summary(meta: dict, out: Path, seconds: float, phases: str) -> None:
     for split, s in meta["splits"].items():
         skipped = sum(s["skipped"].values())
         why = ", ".join(f"{k} {v}" for k, v in s["skipped"].items())
@@ -411,11 +527,61 @@ def _print_summary(meta: dict, out: Path, seconds: float) -> None:
     if meta["excluded"]:
         print(f"EXCLUDED {len(meta['excluded'])} failed shards (recorded in meta['excluded']): {', '.join(meta['excluded'])}")
     tokens = sum(s["tokens"] for s in meta["splits"].values())
+    print(phases)
     print(f"done in {seconds:.1f}s ({tokens / seconds / 1e6:.2f}M tokens/s overall); meta: {out / 'meta.pkl'}. Next: tokpipe verify {out}")
 
 
+@dataclass(frozen=True)
+class Plan:
+    """Where the shards stand before this run starts."""
+
+    shards: int
+    done: int
+    partial: int
+    done_bytes: int  # of input already covered by checkpoints
+
+
+def _plan(out: Path, manifest: Manifest, info: TokenizerInfo, log: RunLog, manifest_path) -> Plan:
+    shards, done, partial, done_bytes = sum(manifest.counts.values()), 0, 0, 0
+    for shard in manifest.shards():  # one checkpoint in memory at a time: manifests may hold 100,000s of shards
+        ckpt = Checkpoint.load(ShardFiles.of(out, shard).checkpoint)
+        done += ckpt is not None and ckpt.done
+        partial += ckpt is not None and not ckpt.done
+        done_bytes += shard.size if ckpt and ckpt.done else (ckpt.source_pos if ckpt else 0)
+    print(
+        f"tokenizer {info.id}: vocab_size {info.vocab_size:,} (len(tokenizer), added tokens included), "
+        f"eos {info.eos_token!r} = {info.eos_id}, dtype {info.dtype}"
+    )
+    print(
+        f"manifest {manifest.repo_id or manifest.root}: {shards} shards, {manifest.size / 2**20:,.1f} MiB; "
+        f"{done} done, {partial} partial, {shards - done - partial} to start"
+    )
+    log(f"run: manifest {manifest_path} ({manifest.fingerprint[:16]}), tokenizer {info.id}, {shards} shards: {done} done, {partial} partial")
+    return Plan(shards, done, partial, done_bytes)
+
+
+def _report_failures(out: Path, failed: dict[str, str], resumed: list[ShardResult], opts: RunOptions, log: RunLog) -> bool:
+    """Say what resumed and what failed; returns whether to finalize."""
+    if resumed:
+        kept, redone = sum(r.resumed_tokens for r in resumed), sum(r.redone_tokens for r in resumed)
+        print(f"resumed {len(resumed)} shards from their checkpoints: {kept:,} tokens kept, {redone:,} tokens written after the last checkpoints redone")
+    failures_file = out / "logs" / "failed.json"
+    if not failed:
+        failures_file.unlink(missing_ok=True)
+        return True
+    write_json_atomic(failures_file, failed)
+    for relpath, error in failed.items():
+        print(f"FAILED {relpath}: {error}", file=sys.stderr)
+    if not opts.skip_failed:
+        log(f"{len(failed)} shards failed; not finalized")
+        return False
+    print(f"--skip-failed: finalizing without these {len(failed)} shards; meta records them as excluded", file=sys.stderr)
+    log(f"{len(failed)} shards failed; finalizing without them (--skip-failed)")
+    return True
+
+
 def run(manifest_path: str | os.PathLike, tokenizer: str | os.PathLike, out: str | os.PathLike, opts: RunOptions = RunOptions()) -> RunSummary:
-    started = time.monotonic()
+    clock = Timeline(time.monotonic())
     manifest = load_manifest(manifest_path)
     info = load_tokenizer_info(tokenizer, opts.eos)
     out = Path(out)
@@ -429,63 +595,23 @@ def run(manifest_path: str | os.PathLike, tokenizer: str | os.PathLike, out: str
         meta = load_meta_json(out)
         if meta is not None and meta.get("manifest_sha256") == manifest.fingerprint and not meta.get("excluded"):
             print(f"{out} is already finished ({out / 'meta.json'}); nothing to do. Check it with: tokpipe verify {out}")
-            return RunSummary(True, {}, meta, 0, time.monotonic() - started)
-
-        shards, done, partial, done_bytes = sum(manifest.counts.values()), 0, 0, 0
-        for shard in manifest.shards():  # one checkpoint in memory at a time: manifests may hold 100,000s of shards
-            ckpt = Checkpoint.load(ShardFiles.of(out, shard).checkpoint)
-            done += ckpt is not None and ckpt.done
-            partial += ckpt is not None and not ckpt.done
-            done_bytes += shard.size if ckpt and ckpt.done else (ckpt.source_pos if ckpt else 0)
-        print(
-            f"tokenizer {info.id}: vocab_size {info.vocab_size:,} (len(tokenizer), added tokens included), "
-            f"eos {info.eos_token!r} = {info.eos_id}, dtype {info.dtype}"
-        )
-        print(
-            f"manifest {manifest.repo_id or manifest.root}: {shards} shards, {manifest.size / 2**20:,.1f} MiB; "
-            f"{done} done, {partial} partial, {shards - done - partial} to start"
-        )
-        log(f"run: manifest {manifest_path} ({manifest.fingerprint[:16]}), tokenizer {info.id}, options {opts}")
-
+            return RunSummary(True, {}, meta, 0, time.monotonic() - clock.start)
+        plan = _plan(out, manifest, info, log, manifest_path)
+        assembler = Assembler(out, manifest, np.dtype(info.dtype).itemsize)
         failed, resumed = {}, []
-        if done < shards:
-            with ThreadPoolExecutor(1) as pool:
-                # The backend's self-check and Ray's start-up take seconds each: do them at the same time.
-                choice = pool.submit(choose_backend, opts.backend, info.path, _sample_texts(manifest))
-                workers, read_ahead = _start_ray(opts)
-                try:
-                    backend, why = choice.result()
-                    print(f"backend {backend}: {why}")
-                    log(f"backend {backend}: {why}")
-                    where = f"cluster {ray.get_runtime_context().gcs_address}" if opts.address or os.environ.get("RAY_ADDRESS") else "embedded local instance"
-                    print(f"ray: {where}, {workers} workers" + (" (2 CPUs each: reading overlaps encoding)" if read_ahead else ""))
-                    spec = EncodeSpec(info.path, backend, info.eos_id, info.vocab_size, info.dtype, opts.text_field, checkpoint_interval=opts.checkpoint_interval, read_ahead=read_ahead)
-                    progress = Progress(out, manifest.size, done_bytes, shards)
-                    try:
-                        failed, resumed = _schedule(manifest, out, spec, opts, workers, progress, log, done)
-                    finally:
-                        progress.close()
-                finally:
-                    ray.shutdown()
-        redone = sum(r.redone_tokens for r in resumed)
-        if resumed:
-            kept = sum(r.resumed_tokens for r in resumed)
-            print(f"resumed {len(resumed)} shards from their checkpoints: {kept:,} tokens kept, {redone:,} tokens written after the last checkpoints redone")
-        failures_file = out / "logs" / "failed.json"
-        if failed:
-            write_json_atomic(failures_file, failed)
-            for relpath, error in failed.items():
-                print(f"FAILED {relpath}: {error}", file=sys.stderr)
-            if not opts.skip_failed:
-                log(f"{len(failed)} shards failed; not finalized")
-                return RunSummary(False, failed, None, redone, time.monotonic() - started)
-            print(f"--skip-failed: finalizing without these {len(failed)} shards; meta records them as excluded", file=sys.stderr)
-            log(f"{len(failed)} shards failed; finalizing without them (--skip-failed)")
-        else:
-            failures_file.unlink(missing_ok=True)
-        meta = finalize(out, manifest, info, opts.text_field, excluded=failed)
-        seconds = time.monotonic() - started
-        _print_summary(meta, out, seconds)
+        try:
+            if plan.done < plan.shards:
+                failed, resumed = _tokenize(manifest, out, info, opts, assembler, log, plan, clock)
+            redone = sum(r.redone_tokens for r in resumed)
+            if not _report_failures(out, failed, resumed, opts, log):
+                return RunSummary(False, failed, None, redone, time.monotonic() - clock.start)
+            meta = finalize(out, manifest, info, opts.text_field, excluded=failed, assembler=assembler)
+            phases = clock.report(time.monotonic(), meta)
+        finally:
+            ray.shutdown()  # after meta.json: a run is finished before Ray's stop (~1 s) is paid
+        seconds = time.monotonic() - clock.start
+        _print_summary(meta, out, seconds, phases)
+        log(phases)
         log(f"finished: {sum(s['tokens'] for s in meta['splits'].values()):,} tokens in {seconds:.1f}s")
         return RunSummary(True, failed, meta, redone, seconds)
     finally:

@@ -9,6 +9,7 @@ cut off and redone. A shard resumed any number of times ends byte-identical to o
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import time
@@ -20,9 +21,13 @@ from pathlib import Path
 
 import numpy as np
 
+from tokpipe.durability import HASH_CHUNK, hash_range, write_json_atomic
 from tokpipe.manifest import Shard
 from tokpipe.source import SKIP_LOG_CAP, Batch, read_batches
-from tokpipe.tokenizer import encoder
+from tokpipe.tokenizer import drop_encoder, encoder
+
+WORKER_MEMORY = 768 << 20  # default RSS budget of a worker: 128 of them fit a 128 GiB node
+BATCH_HEADROOM = 64 << 20  # RSS one batch may add while it is encoded (~15x its 1 MiB of text)
 
 IDX_DTYPE = np.dtype("<i8")
 
@@ -40,6 +45,7 @@ class EncodeSpec:
     batch_bytes: int = 1 << 20  # of input text per encode call: bounds memory, paces progress reports
     checkpoint_interval: float = 30.0
     read_ahead: bool = False  # read the next batch on a second thread: for a task with a core to spare
+    memory_limit: int = WORKER_MEMORY  # bytes of RSS; past it the encoder's word cache is dropped (0: never)
 
 
 @dataclass
@@ -55,6 +61,10 @@ class Checkpoint:
     repaired: dict[str, int] = field(default_factory=dict)
     skip_log: list[list] = field(default_factory=list)  # first [line, reason] pairs, capped
     done: bool = False
+    # Of the shard's .bin and .idx (ends counted from the shard's start), set when done: finalize
+    # records them per range and verify checks them, so no pass over the whole output is sequential.
+    sha256: str | None = None
+    idx_sha256: str | None = None
 
     @classmethod
     def load(cls, path: Path) -> Checkpoint | None:
@@ -72,6 +82,7 @@ class ShardResult:
     resumed_tokens: int  # tokens already done by earlier attempts
     redone_tokens: int  # tokens written after the last checkpoint by an interrupted attempt, now redone
     seconds: float
+    encoder_resets: int = 0  # times the encoder's cache was dropped to keep the worker under its memory limit
 
 
 @dataclass(frozen=True)
@@ -115,26 +126,43 @@ def read_ahead(batches: Iterator[Batch]) -> Iterator[Batch]:
             yield batch
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def resident_bytes() -> int:
+    """This process's RSS now (Linux); 0 where /proc is missing, which turns the memory limit off."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+class MemoryGuard:
+    """Keeps a worker under `limit` bytes of RSS by dropping the encoder's word cache when it gets close.
+
+    gigatoken caches every distinct pretoken it has encoded and never evicts (~85 bytes each): a worker
+    that reads hashes, handles and session ids for hours grows until the node kills it. Dropping the
+    encoder frees the cache; the next batch reloads it (~0.4 s) and re-misses the words it had cached.
+    The ids are the same either way. The floor is the RSS with a fresh encoder: a limit below it is
+    not reachable, and resetting there every batch would only cost time.
+    """
+
+    def __init__(self, limit: int, backend: str, tokenizer_json: str):
+        self.limit, self.backend, self.tokenizer_json = limit, backend, tokenizer_json
+        self.resets = 0
+        self.floor = resident_bytes()
+
+    def encoder(self):
+        if self.limit and resident_bytes() > max(self.limit - BATCH_HEADROOM, self.floor + BATCH_HEADROOM):
+            drop_encoder(self.backend, self.tokenizer_json)
+            self.resets += 1
+            enc = encoder(self.backend, self.tokenizer_json)
+            self.floor = resident_bytes()
+            return enc
+        return encoder(self.backend, self.tokenizer_json)
 
 
-def _open_at(path: Path, length: int) -> tuple[object, int]:
-    """Open for appending after `length` bytes, cutting what lies beyond; returns (file, bytes cut)."""
+def _open_at(path: Path, length: int, hasher) -> tuple[object, int]:
+    """Open for appending after `length` bytes, cutting what lies beyond and hashing what is kept;
+    returns (file, bytes cut)."""
     f = open(path, "r+b" if path.exists() else "w+b")
     size = os.fstat(f.fileno()).st_size
     if size < length:
@@ -142,6 +170,7 @@ def _open_at(path: Path, length: int) -> tuple[object, int]:
         raise RuntimeError(f"{path} holds {size} bytes but its checkpoint covers {length}: the shard's files were altered")
     f.truncate(length)
     f.seek(length)
+    hash_range(f.fileno(), 0, length, hasher, bytearray(min(HASH_CHUNK, max(length, 1))))
     return f, size - length
 
 
@@ -163,10 +192,11 @@ def tokenize_shard(
             return ShardResult(shard.split, shard.key, ckpt, ckpt.tokens, 0, time.monotonic() - started)
         itemsize = np.dtype(spec.dtype).itemsize
         resumed = ckpt.tokens
-        bin_f, bin_cut = _open_at(files.bin, ckpt.tokens * itemsize)
-        idx_f, _ = _open_at(files.idx, ckpt.documents * IDX_DTYPE.itemsize)
+        bin_hash, idx_hash = hashlib.sha256(), hashlib.sha256()
+        bin_f, bin_cut = _open_at(files.bin, ckpt.tokens * itemsize, bin_hash)
+        idx_f, _ = _open_at(files.idx, ckpt.documents * IDX_DTYPE.itemsize, idx_hash)
         with bin_f, idx_f:
-            enc = encoder(spec.backend, spec.tokenizer_json)
+            memory = MemoryGuard(spec.memory_limit, spec.backend, spec.tokenizer_json)
             skipped, repaired = Counter(ckpt.skipped), Counter(ckpt.repaired)
 
             def commit(done: bool = False) -> None:
@@ -174,17 +204,22 @@ def tokenize_shard(
                     f.flush()
                     os.fsync(f.fileno())
                 ckpt.skipped, ckpt.repaired, ckpt.done = dict(skipped), dict(repaired), done
+                if done:
+                    ckpt.sha256, ckpt.idx_sha256 = bin_hash.hexdigest(), idx_hash.hexdigest()
                 write_json_atomic(files.checkpoint, asdict(ckpt))
 
             last_commit = time.monotonic()
             batches = read_batches(shard.path, spec.text_field, ckpt.lines, ckpt.offset, spec.batch_bytes)
             for batch in read_ahead(batches) if spec.read_ahead else batches:
-                flat, lengths = enc.encode(batch.texts)
+                flat, lengths = memory.encoder().encode(batch.texts)
                 if flat.size and int(flat.max()) >= spec.vocab_size:
                     raise ValueError(f"{shard.relpath}: the encoder produced id {int(flat.max())} >= vocab_size {spec.vocab_size}")
                 tokens, ends = with_eos(flat, lengths, spec.eos_id, ckpt.tokens)
-                bin_f.write(memoryview(to_dtype(tokens, spec.dtype)))
-                idx_f.write(memoryview(ends.astype(IDX_DTYPE)))
+                token_bytes, end_bytes = memoryview(to_dtype(tokens, spec.dtype)), memoryview(ends.astype(IDX_DTYPE))
+                bin_f.write(token_bytes)
+                idx_f.write(end_bytes)
+                bin_hash.update(token_bytes)
+                idx_hash.update(end_bytes)
                 ckpt.lines += batch.lines
                 ckpt.offset = batch.end_offset
                 source_read, ckpt.source_pos = batch.source_pos - ckpt.source_pos, batch.source_pos
@@ -200,4 +235,4 @@ def tokenize_shard(
                     commit()
                     last_commit = time.monotonic()
             commit(done=True)
-    return ShardResult(shard.split, shard.key, ckpt, resumed, bin_cut // itemsize, time.monotonic() - started)
+    return ShardResult(shard.split, shard.key, ckpt, resumed, bin_cut // itemsize, time.monotonic() - started, memory.resets)

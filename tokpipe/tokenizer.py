@@ -13,6 +13,8 @@ output are the EOS ids tokpipe places. Two backends produce it:
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import hashlib
 import json
 import os
@@ -171,6 +173,20 @@ def encoder(backend: str, tokenizer_json: str):
     if key not in _encoders:
         _encoders[key] = _ENCODER_CLASSES[backend](tokenizer_json)
     return _encoders[key]
+
+
+def drop_encoder(backend: str, tokenizer_json: str) -> None:
+    """Forget the process's encoder and hand its memory back to the OS (the next `encoder` call reloads it).
+
+    The word cache is millions of small allocations: freed, they stay in glibc's heap as far as RSS
+    shows unless it is trimmed (measured: 555 MiB -> 193 dropped -> 139 trimmed).
+    """
+    _encoders.pop((backend, tokenizer_json), None)
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: what was freed is reused by the next cache all the same
+        pass
 
 
 def choose_backend(requested: str, tokenizer_json: str, sample_texts: list[str]) -> tuple[str, str]:

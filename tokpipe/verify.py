@@ -12,15 +12,14 @@ import json
 import os
 import pickle
 import random
-from dataclasses import asdict, dataclass
+import threading
+from dataclasses import asdict, dataclass, field
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
-from tokpipe.finalize import HASH_CHUNK, hash_range
-
-SCAN_CHUNK = 1 << 26  # tokens per read while scanning a split file
+from tokpipe.durability import HASH_CHUNK
 
 
 @dataclass
@@ -44,18 +43,101 @@ def load_meta_pkl(path: str | os.PathLike) -> dict:
     return meta
 
 
-def _scan(tokens: np.ndarray, eos_id: int) -> tuple[int, int]:
-    """(max id, EOS count) of a token file, a chunk at a time so memory stays flat."""
-    top, eos = 0, 0
-    for start in range(0, len(tokens), SCAN_CHUNK):
-        chunk = tokens[start : start + SCAN_CHUNK]
-        top = max(top, int(chunk.max()))
-        eos += int(np.count_nonzero(chunk == eos_id))
-    return top, eos
+@dataclass(frozen=True)
+class Range:
+    """A stretch of a split file with its own checksums: one shard's part (or, in OUTs of tokpipe
+    before 0.2, the whole file). Ends in the .idx are hashed relative to the range's first token."""
+
+    name: str  # the shard, for the report
+    tokens: tuple[int, int]  # [start, end) in the .bin
+    documents: tuple[int, int]  # [start, end) in the .idx
+    sha256: str | None
+    idx_sha256: str | None
 
 
-def verify(out: str | os.PathLike) -> list[Check]:
+@dataclass
+class RangeScan:
+    """What one pass over some ranges found."""
+
+    top: int = 0  # largest id
+    eos: int = 0  # EOS ids
+    bad_bin: list[str] = field(default_factory=list)  # ranges whose token sha256 differs
+    bad_idx: list[str] = field(default_factory=list)
+    increasing: bool = True  # every end > the one before (the range's first token before the first)
+    not_eos_ended: int = 0  # documents whose last token is not EOS
+
+
+_buffers = threading.local()
+
+
+def _scan_ranges(bin_fd: int, tokens: np.ndarray, ends: np.ndarray, ranges: list[Range], dtype: np.dtype, eos_id: int) -> RangeScan:
+    """Hash and scan ranges, reading each byte once (a thread per group: hashlib and numpy drop the GIL)."""
+    scan = RangeScan()
+    buffer = getattr(_buffers, "buffer", None) or bytearray(HASH_CHUNK)
+    _buffers.buffer = buffer
+    for r in ranges:
+        hasher = hashlib.sha256()
+        start, end = r.tokens[0] * dtype.itemsize, r.tokens[1] * dtype.itemsize
+        while start < end:
+            got = os.preadv(bin_fd, [memoryview(buffer)[: min(len(buffer), end - start)]], start)
+            if not got:
+                raise RuntimeError(f"the file ended at byte {start} while its size said {end}")
+            chunk = np.frombuffer(buffer, dtype=dtype, count=got // dtype.itemsize)
+            hasher.update(memoryview(buffer)[:got])
+            if chunk.size:
+                scan.top = max(scan.top, int(chunk.max()))
+                scan.eos += int(np.count_nonzero(chunk == eos_id))
+            start += got
+        if r.sha256 is not None and hasher.hexdigest() != r.sha256:
+            scan.bad_bin.append(r.name)
+        range_ends = np.asarray(ends[r.documents[0] : r.documents[1]])
+        relative = range_ends - r.tokens[0]
+        if r.idx_sha256 is not None and hashlib.sha256(memoryview(relative)).hexdigest() != r.idx_sha256:
+            scan.bad_idx.append(r.name)
+        if len(range_ends):
+            scan.increasing &= bool(relative[0] > 0 and np.all(np.diff(range_ends) > 0) and range_ends[-1] <= len(tokens))
+            if scan.increasing:
+                scan.not_eos_ended += int(np.count_nonzero(np.asarray(tokens[range_ends - 1]) != eos_id))
+    return scan
+
+
+def _ranges(out: Path, split: str, info: dict, check) -> list[Range] | None:
+    """The split's checksummed ranges: its .parts list (checked against meta), or the whole file for an
+    OUT of an earlier tokpipe; None when the parts list cannot be trusted."""
+    tokens, documents = int(info["tokens"]), int(info["documents"])
+    if "parts" not in info:
+        return [Range(info["file"], (0, tokens), (0, documents), info.get("sha256"), info.get("idx_sha256"))]
+    path = out / info["parts"]
+    if not check(f"{split}: parts list present", path.is_file(), str(path)):
+        return None
+    raw = path.read_bytes()
+    if not check(f"{split}: parts list sha256 matches meta", hashlib.sha256(raw).hexdigest() == info["parts_sha256"], "" if hashlib.sha256(raw).hexdigest() == info["parts_sha256"] else f"{path} changed since finalize"):
+        return None
+    ranges, t, d = [], 0, 0
+    for record in map(json.loads, raw.splitlines()):
+        ranges.append(Range(record["shard"], (t, t + record["tokens"]), (d, d + record["documents"]), record["sha256"], record["idx_sha256"]))
+        t, d = t + record["tokens"], d + record["documents"]
+    check(f"{split}: parts add up to meta", (t, d) == (tokens, documents), f"parts: {t:,} tokens, {d:,} documents; meta: {tokens:,}, {documents:,}")
+    return ranges if (t, d) == (tokens, documents) else None
+
+
+def _groups(ranges: list[Range], itemsize: int, jobs: int) -> list[list[Range]]:
+    """Consecutive ranges in groups of similar size, several per job: small shards share a task."""
+    target = max(sum(r.tokens[1] - r.tokens[0] for r in ranges) * itemsize // (4 * jobs), HASH_CHUNK)
+    groups, size = [[]], 0
+    for r in ranges:
+        if size >= target:
+            groups.append([])
+            size = 0
+        groups[-1].append(r)
+        size += (r.tokens[1] - r.tokens[0]) * itemsize
+    return groups
+
+
+def verify(out: str | os.PathLike, jobs: int | None = None) -> list[Check]:
+    """Every check on a finished OUT. Checksums and id scans run on `jobs` threads (default: all cores)."""
     out = Path(out)
+    jobs = jobs or os.cpu_count() or 1
     checks: list[Check] = []
 
     def check(name: str, ok: bool, detail: str = "") -> bool:
@@ -90,14 +172,14 @@ def verify(out: str | os.PathLike) -> list[Check]:
     check("eos id in vocab", 0 <= eos_id < vocab_size, f"eos {eos_id}, vocab {vocab_size}")
 
     for split, info in splits.items():
-        _verify_split(out, split, info, dtype, vocab_size, eos_id, check)
+        _verify_split(out, split, info, dtype, vocab_size, eos_id, check, jobs)
     if meta.get("excluded"):
         # Not a failure: the user chose --skip-failed. But nobody should mistake the output for the whole corpus.
         check(f"note: {len(meta['excluded'])} shards excluded by --skip-failed", True, ", ".join(meta["excluded"]))
     return checks
 
 
-def _verify_split(out: Path, split: str, info: dict, dtype: np.dtype, vocab_size: int, eos_id: int, check) -> None:
+def _verify_split(out: Path, split: str, info: dict, dtype: np.dtype, vocab_size: int, eos_id: int, check, jobs: int) -> None:
     path = out / info["file"]
     tokens_expected, docs_expected = int(info["tokens"]), int(info["documents"])
     if "lines" in info:
@@ -120,33 +202,42 @@ def _verify_split(out: Path, split: str, info: dict, dtype: np.dtype, vocab_size
         check(f"{split}: size matches meta ({tokens_expected:,} {dtype.name})", False, detail)
         return
     check(f"{split}: size matches meta ({tokens_expected:,} {dtype.name})", True)
-    tokens = np.memmap(path, dtype=dtype, mode="r") if n else np.zeros(0, dtype)
-    with ThreadPoolExecutor(1) as pool:
-        # sha256 on a second core while numpy scans on this one (both release the GIL).
-        digest = pool.submit(_sha256, path) if "sha256" in info else None
-        top, eos = _scan(tokens, eos_id) if n else (0, 0)
-        if digest is not None:
-            check(f"{split}: sha256 matches meta", digest.result() == info["sha256"], "" if digest.result() == info["sha256"] else "the token bytes changed since finalize")
-    check(f"{split}: ids < vocab_size", top < vocab_size, f"max id {top:,}, vocab_size {vocab_size:,}")
-    check(f"{split}: EOS count == documents", eos == docs_expected, f"EOS {eos:,}, documents {docs_expected:,}")
-
     idx_path = out / info.get("idx", Path(info["file"]).with_suffix(".idx").name)
     if not check(f"{split}: idx present", idx_path.is_file(), str(idx_path)):
         return
     idx_size = idx_path.stat().st_size
     if not check(f"{split}: idx entries == documents", idx_size == 8 * docs_expected, f"{idx_size / 8:,.0f} entries, {docs_expected:,} documents"):
         return
-    ends = np.fromfile(idx_path, dtype="<i8")
-    if "idx_sha256" in info:
-        idx_ok = hashlib.sha256(ends.tobytes()).hexdigest() == info["idx_sha256"]
-        check(f"{split}: idx sha256 matches meta", idx_ok, "" if idx_ok else "the index changed since finalize")
-    increasing = bool(np.all(np.diff(ends) > 0)) and (len(ends) == 0 or ends[0] > 0)
+    ranges = _ranges(out, split, info, check)
+    if ranges is None:
+        return
+    tokens = np.memmap(path, dtype=dtype, mode="r") if n else np.zeros(0, dtype)
+    ends = np.memmap(idx_path, dtype="<i8", mode="r") if docs_expected else np.zeros(0, "<i8")
+    with open(path, "rb") as f, ThreadPoolExecutor(jobs) as pool:
+        scans = list(pool.map(lambda group: _scan_ranges(f.fileno(), tokens, ends, group, dtype, eos_id), _groups(ranges, dtype.itemsize, jobs)))
+    bad_bin = [name for s in scans for name in s.bad_bin]
+    bad_idx = [name for s in scans for name in s.bad_idx]
+    if any(r.sha256 for r in ranges):
+        check(f"{split}: sha256 matches meta", not bad_bin, f"the token bytes changed since finalize{_where(bad_bin, ranges)}" if bad_bin else "")
+    top, eos = max((s.top for s in scans), default=0), sum(s.eos for s in scans)
+    check(f"{split}: ids < vocab_size", top < vocab_size, f"max id {top:,}, vocab_size {vocab_size:,}")
+    check(f"{split}: EOS count == documents", eos == docs_expected, f"EOS {eos:,}, documents {docs_expected:,}")
+    if any(r.idx_sha256 for r in ranges):
+        check(f"{split}: idx sha256 matches meta", not bad_idx, f"the index changed since finalize{_where(bad_idx, ranges)}" if bad_idx else "")
+    increasing = all(s.increasing for s in scans)
     check(f"{split}: idx strictly increasing", increasing)
-    last = int(ends[-1]) if len(ends) else 0
+    last = int(ends[-1]) if docs_expected else 0
     check(f"{split}: idx ends at token count", last == n, f"last end {last:,}, tokens {n:,}")
-    if increasing and last == n and len(ends):
-        at_ends = np.asarray(tokens[ends - 1])
-        check(f"{split}: every document ends with EOS", bool(np.all(at_ends == eos_id)), f"{int(np.count_nonzero(at_ends != eos_id))} do not")
+    if increasing and last == n and docs_expected:
+        not_ended = sum(s.not_eos_ended for s in scans)
+        check(f"{split}: every document ends with EOS", not not_ended, f"{not_ended} do not")
+
+
+def _where(names: list[str], ranges: list[Range]) -> str:
+    if len(ranges) == 1:  # the whole file: no shard to name
+        return ""
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    return f", in the range of {shown}" if len(names) == 1 else f", in the ranges of {len(names)} shards: {shown}"
 
 
 def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str | None = None) -> list[Check]:
@@ -212,13 +303,6 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
         Check(f"{split}: {len(docs)} sampled documents re-tokenized by tokenizers match", not mismatches.get(split), "; ".join(mismatches.get(split, [])[:5]))
         for split, docs in results.items()
     ]
-
-
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        hasher = hashlib.sha256()
-        hash_range(f.fileno(), 0, os.fstat(f.fileno()).st_size, hasher, bytearray(HASH_CHUNK))
-    return hasher.hexdigest()
 
 
 def report(checks: list[Check]) -> str:
