@@ -1,4 +1,7 @@
-"""Benchmark corpora: a plain folder of zstd JSONL shards of a requested size, made by repeating a source.
+"""Benchmark corpora: plain folders of zstd JSONL shards of a requested size.
+
+`build_corpus` repeats a source; `build_distinct_corpus` takes every document once (the source's,
+then the text files of the installed packages), optionally with unique identifiers spliced in.
 
 The source is anything `tokpipe manifest` accepts (an HF cache, a snapshot, a folder of shards): its
 lines are read in manifest order and written again and again, in that order, until the requested
@@ -14,9 +17,14 @@ separately.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import random
 import shutil
+import string
+import sys
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -171,3 +179,93 @@ def rss_shard(work_dir: Path, source: str, shard_bytes: int, doc_bytes: int | No
             written += len(line)
     os.replace(tmp, path)
     return path
+
+
+# Where distinct real text lies on any machine that has tokpipe installed: the sources and docs of the
+# installed packages and of Python itself. Each file is one document, taken once (by content).
+DISTINCT_ROOTS = (sys.prefix, sys.base_prefix, "/usr/share/doc", "/usr/lib/python3", "/usr/include")
+DISTINCT_SUFFIXES = (".py", ".pyi", ".md", ".rst", ".txt", ".c", ".h", ".cc", ".cpp", ".hpp", ".js", ".ts", ".html", ".tex", ".rs", ".go", ".java", ".sh", ".css")
+
+
+def distinct_texts(source: str, roots=DISTINCT_ROOTS) -> Iterator[str]:
+    """Real texts, none twice: the source's documents, then every UTF-8 text file under roots, by path."""
+    seen = set()
+
+    def once(text: str) -> bool:
+        digest = hashlib.sha1(text.encode("utf-8", "replace")).digest()
+        if digest in seen:
+            return False
+        seen.add(digest)
+        return True
+
+    lines, text_bytes = source_lines(source)
+    for line, size in zip(lines, text_bytes):
+        if size and once(text := orjson.loads(line)["text"]):
+            yield text
+    for root in roots:
+        for folder, dirs, files in sorted(os.walk(root)):
+            dirs.sort()
+            for name in sorted(files):
+                path = os.path.join(folder, name)
+                if not name.endswith(DISTINCT_SUFFIXES) or os.path.islink(path):
+                    continue
+                try:
+                    if not 200 <= os.path.getsize(path) <= 2_000_000:
+                        continue
+                    text = open(path, "rb").read().decode("utf-8")
+                except (OSError, UnicodeDecodeError):
+                    continue
+                if once(text):
+                    yield text
+
+
+IDS_EVERY = 4  # words between two spliced identifiers in a long-tail corpus
+
+
+def with_unique_ids(text: str, rng: random.Random, every: int = IDS_EVERY) -> str:
+    """The text with a never-seen identifier after every `every`-th word, as crawled pages carry
+    handles, session ids and hashes. Letters only: the pretokenizer splits at digits, so hex ids
+    would be cut into a few cached pieces; long letter runs are each a new pretoken."""
+    words = text.split(" ")
+    for i in range(every - 1, len(words), every):
+        words[i] += " @" + "".join(rng.choices(string.ascii_letters, k=rng.randrange(6, 14)))
+    return " ".join(words)
+
+
+def build_distinct_corpus(source: str, size: int, workers: int, shard_bytes: int, work_dir: Path, long_tail: bool = False) -> Corpus:
+    """About `size` bytes of JSONL in which no document appears twice (`long_tail`: with unique
+    identifiers spliced in, so an encoder's word cache meets new words to the end), built once."""
+    shards = max(workers, -(-size // shard_bytes))
+    shards = -(-shards // workers) * workers
+    recipe = {"format": CORPUS_FORMAT, "source": str(Path(source).resolve()), "size": size, "shards": shards, "distinct": True, "long_tail": long_tail and IDS_EVERY}
+    folder = work_dir / "corpora" / f"{'longtail' if long_tail else 'distinct'}-{size // 10**6}MB-{shards}shards"
+    marker = folder / "corpus.json"
+    if marker.is_file() and json.loads(marker.read_text()).get("recipe") == recipe:
+        return Corpus.load(folder)
+    if folder.exists():
+        shutil.rmtree(folder)
+    (folder / "train").mkdir(parents=True)
+    rng = random.Random(0)
+    texts = distinct_texts(source)
+    cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    names, shard_text, written, docs, compressed = [], [], 0, 0, 0
+    for k in range(shards):
+        name = f"train/part-{k:05d}.jsonl.zst"
+        target = round(size / shards * (k + 1))
+        chunk, text_size = [], 0
+        while written < target and (text := next(texts, None)) is not None:
+            text = with_unique_ids(text, rng) if long_tail else text
+            line = orjson.dumps({"text": text}) + b"\n"
+            chunk.append(line)
+            written += len(line)
+            text_size += len(text.encode("utf-8"))
+            docs += 1
+        if not chunk:
+            raise SystemExit(f"only {written / 1e6:.0f} MB of distinct text found under {DISTINCT_ROOTS}; ask for less")
+        (folder / name).write_bytes(cctx.compress(b"".join(chunk)))
+        compressed += (folder / name).stat().st_size
+        names.append(name)
+        shard_text.append(text_size)
+    corpus = Corpus(str(folder), written, sum(shard_text), docs, names, shard_text, compressed, recipe["source"], written)
+    marker.write_text(json.dumps({"recipe": recipe, **asdict(corpus)}, indent=1))
+    return corpus

@@ -1,0 +1,215 @@
+"""Measurements behind the scale model in benchmarks/README.md (issue 10), on distinct text.
+
+    python benchmarks/scale.py tail    --trees before=/tmp/wt-old,after=. --size 250MB --workers 2
+    python benchmarks/scale.py memory  --trees before=/tmp/wt-old,after=. --size 550MB --workers 1
+    python benchmarks/scale.py rates   --size 250MB
+    python benchmarks/scale.py driver  --trees before=/tmp/wt-old,after=. --shards 5000
+    python benchmarks/scale.py cluster --size 100MB
+
+Each tree is a tokpipe checkout run with PYTHONPATH set to it (its Ray workers too), so an older
+commit is measured from a worktree of it. Phases are read from OUT's files alone, the same way for
+every version: tokenizing runs from the first shard lock created to the last checkpoint written, the
+finalize tail from then to meta.json. Results print as JSON lines and go to WORK_DIR/scale-*.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+from corpus import build_distinct_corpus, parse_size  # noqa: E402
+from procmon import TreeMonitor  # noqa: E402
+
+TOKENIZER = HERE.parent / "examples" / "tokenizers" / "qwen3"
+SOURCE = HERE.parent.parent / "shared" / "data" / "hf-cache"
+
+
+def tokpipe(tree: Path, *args, monitor: bool = False) -> tuple[float, dict | None]:
+    """Run the CLI of `tree`; returns (wall seconds, the process tree's stats when monitored)."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"}
+    started = time.monotonic()
+    # cwd too: `python -m` puts the working directory first on sys.path, before PYTHONPATH.
+    proc = subprocess.Popen([sys.executable, "-m", "tokpipe.cli", *map(str, args)], cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if monitor:
+        with TreeMonitor(proc.pid) as mon:
+            output = proc.communicate()[0]
+        stats = mon.stats
+    else:
+        output, stats = proc.communicate()[0], None
+    if proc.returncode:
+        raise SystemExit(f"tokpipe {args[0]} in {tree} failed:\n{output}")
+    return time.monotonic() - started, stats
+
+
+def phases_from_files(out: Path) -> dict:
+    locks = [p.stat().st_mtime for p in (out / "shards").rglob("*.lock")]
+    checkpoints = [p.stat().st_mtime for p in (out / "shards").rglob("*.json")]
+    first, last = min(locks), max(checkpoints)
+    tail = (out / "meta.json").stat().st_mtime - last
+    return {"tokenize_s": round(last - first, 2), "finalize_tail_s": round(tail, 3), "tail_share": round(tail / (last - first), 3)}
+
+
+def sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def run_once(tree: Path, corpus_dir: str, out: Path, workers: int, *extra, monitor: bool = False) -> dict:
+    subprocess.run(["rm", "-rf", str(out)], check=True)
+    manifest = out.with_name(out.name + ".manifest.json")
+    tokpipe(tree, "manifest", "--dataset-dir", corpus_dir, "-o", manifest)
+    wall, stats = tokpipe(tree, "run", "--manifest", manifest, "--tokenizer", TOKENIZER, "--out", out, "--workers", workers, *extra, monitor=monitor)
+    result = {"wall_s": round(wall, 2), **phases_from_files(out), "train_sha256": sha256(out / "train.bin")[:16]}
+    if stats is not None:
+        tasks = [s for s in stats.values() if s.kind == "task"]
+        result["task_worker_peak_rss_mib"] = sorted(round(s.hwm / 2**20) for s in tasks)
+        result["stats"] = stats
+    return result
+
+
+def cmd_tail(args) -> list[dict]:
+    corpus = build_distinct_corpus(str(SOURCE), parse_size(args.size), args.workers, parse_size(args.shard_size), args.work_dir)
+    results = []
+    for repeat in range(args.repeats):
+        for name, tree in args.trees:
+            r = run_once(tree, corpus.path, args.work_dir / f"tail-{name}", args.workers)
+            results.append({"measure": "tail", "tree": name, "repeat": repeat, "text_mb": round(corpus.text_bytes / 1e6, 1), "shards": len(corpus.shards), **r})
+            print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def cmd_memory(args) -> list[dict]:
+    corpus = build_distinct_corpus(str(SOURCE), parse_size(args.size), args.workers, parse_size(args.shard_size), args.work_dir, long_tail=True)
+    results = []
+    for name, tree in args.trees:
+        r = run_once(tree, corpus.path, args.work_dir / f"memory-{name}", args.workers, monitor=True)
+        del r["stats"]
+        results.append({"measure": "memory", "tree": name, "text_mb": round(corpus.text_bytes / 1e6, 1), "documents": corpus.documents, **r})
+        print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def cmd_rates(args) -> list[dict]:
+    """Per-core rates the model multiplies out: encode (cold and warm), copy into place, sha256, verify."""
+    import numpy as np
+
+    from tokpipe.durability import HASH_CHUNK, hash_range
+    from tokpipe.finalize import Part, place
+    from tokpipe.tokenizer import GigatokenEncoder
+    from tokpipe.verify import verify
+
+    corpus = build_distinct_corpus(str(SOURCE), parse_size(args.size), 2, parse_size(args.shard_size), args.work_dir)
+    results = []
+    import orjson
+    import zstandard
+
+    texts = []
+    for name in corpus.shards[: max(1, len(corpus.shards) // 4)]:
+        data = zstandard.ZstdDecompressor().stream_reader(open(Path(corpus.path) / name, "rb")).read()
+        texts += [orjson.loads(line)["text"] for line in data.splitlines()]
+    size = sum(len(t.encode()) for t in texts)
+    batches, batch, n = [], [], 0
+    for t in texts:
+        batch.append(t)
+        n += len(t)
+        if n >= 1 << 20:
+            batches.append(batch)
+            batch, n = [], 0
+    enc = GigatokenEncoder(str(TOKENIZER / "tokenizer.json"))
+    for label in ("encode_cold", "encode_warm"):
+        started = time.process_time()
+        tokens = sum(len(enc.encode(b)[0]) for b in batches)
+        results.append({"measure": label, "mb_per_core_s": round(size / 1e6 / (time.process_time() - started), 1), "text_mb": round(size / 1e6, 1), "tokens": tokens})
+
+    out = args.work_dir / "tail-after"  # a finished OUT of the tail measurement
+    meta = json.loads((out / "meta.json").read_text())
+    train = out / meta["splits"]["train"]["file"]
+    nbytes = train.stat().st_size
+    scratch = args.work_dir / "rates"
+    scratch.mkdir(exist_ok=True)
+    (scratch / "train.bin.tmp").write_bytes(b"")
+    np.zeros(0, "<i8").tofile(scratch / "train.idx.tmp")
+    (scratch / "empty.idx").write_bytes(b"")
+    part = Part("train", 0, str(train), str(scratch / "empty.idx"), 0, 0, {"tokens": nbytes // 4, "documents": 0, "sha256": "-", "idx_sha256": "-"})
+    started = time.monotonic()
+    place(scratch, [part], 4)
+    results.append({"measure": "copy_into_place", "gb_per_s": round(nbytes / 1e9 / (time.monotonic() - started), 2), "gb": round(nbytes / 1e9, 2)})
+    hasher, started = hashlib.sha256(), time.process_time()
+    with open(train, "rb") as f:
+        hash_range(f.fileno(), 0, nbytes, hasher, bytearray(HASH_CHUNK))
+    results.append({"measure": "sha256_one_core", "gb_per_s": round(nbytes / 1e9 / (time.process_time() - started), 2)})
+    for jobs in (1, os.cpu_count()):
+        started = time.monotonic()
+        assert all(c.ok for c in verify(out, jobs=jobs))
+        results.append({"measure": f"verify_jobs_{jobs}", "gb_per_s": round(nbytes / 1e9 / (time.monotonic() - started), 2)})
+    for r in results:
+        print(json.dumps(r), flush=True)
+    return results
+
+
+def cmd_driver(args) -> list[dict]:
+    """The driver's CPU per shard (scheduling, progress, placement) on one-document shards, and the run's shards/s."""
+    from corpus import tiny_shards
+
+    folder = tiny_shards(args.shards, args.work_dir)
+    results = []
+    for name, tree in args.trees:
+        out = args.work_dir / f"driver-{name}"
+        r = run_once(tree, folder, out, args.workers, monitor=True)
+        driver = next(s for s in r.pop("stats").values() if s.kind == "driver")
+        r.update(driver_cpu_s=round(driver.cpu, 1), driver_ms_per_shard=round(1000 * driver.cpu / args.shards, 2), driver_peak_rss_mib=round(driver.hwm / 2**20))
+        r["shards_per_s"] = round(args.shards / r["tokenize_s"], 1)
+        results.append({"measure": "driver", "tree": name, "shards": args.shards, **r})
+        print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def cmd_cluster(args) -> list[dict]:
+    """Two Ray nodes on 127.0.0.1: shards and copy tasks land on both (run.log names the nodes that copied)."""
+    from ray.cluster_utils import Cluster
+
+    corpus = build_distinct_corpus(str(SOURCE), parse_size(args.size), 2, parse_size(args.shard_size), args.work_dir)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
+    try:
+        out = args.work_dir / "cluster"
+        r = run_once(Path(HERE.parent), corpus.path, out, 2, "--address", cluster.address)
+    finally:
+        cluster.shutdown()
+    log = (out / "logs" / "run.log").read_text().splitlines()
+    local = run_once(Path(HERE.parent), corpus.path, args.work_dir / "cluster-local", 2)
+    r = {"measure": "cluster", "nodes": 2, **r, "assembled_by_node": next((line.split("assembled by node: ")[1] for line in log if "assembled by node" in line), None)}
+    r["same_bytes_as_local_run"] = r["train_sha256"] == local["train_sha256"]
+    print(json.dumps(r), flush=True)
+    return [r]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", choices=("tail", "memory", "rates", "driver", "cluster"))
+    p.add_argument("--shards", type=int, default=5000, help="driver: one-document shards")
+    p.add_argument("--trees", default=f"after={HERE.parent}", help="name=path,... of tokpipe checkouts")
+    p.add_argument("--size", default="250MB")
+    p.add_argument("--shard-size", default="20MB")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--work-dir", type=Path, default=Path("/tmp/tokpipe-bench"))
+    args = p.parse_args()
+    args.trees = [(name, Path(path).resolve()) for name, path in (t.split("=", 1) for t in args.trees.split(","))]
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    results = {"tail": cmd_tail, "memory": cmd_memory, "rates": cmd_rates, "driver": cmd_driver, "cluster": cmd_cluster}[args.command](args)
+    (args.work_dir / f"scale-{args.command}.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
