@@ -38,7 +38,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from corpus import build_corpus, parse_size, tiny_shards  # noqa: E402
+from corpus import build_corpus, build_distinct_corpus, parse_size, tiny_shards  # noqa: E402
 from procmon import TreeMonitor  # noqa: E402
 
 MiB = 2**20
@@ -508,6 +508,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokenizer", default=str(REPO / "examples" / "tokenizers" / "qwen3"))
     p.add_argument("--work-dir", default="/tmp/tokpipe-bench", help="corpora, outputs and results (default: /tmp/tokpipe-bench)")
     p.add_argument("--shard-size", default="16MB", help="target uncompressed size of a corpus shard (default 16MB)")
+    p.add_argument("--distinct", action="store_true", help="corpora in which no document appears twice (cold encoder caches throughout); default: the source repeated (warm)")
     p.add_argument("--repeats", type=int, default=3, help="runs of each timed measurement; medians are reported")
     p.add_argument("--datatrove", metavar="PYTHON", help="a Python that has datatrove: compare with its DocumentTokenizer")
     p.add_argument("--datatrove-repeats", type=int, default=1)
@@ -550,7 +551,8 @@ def main(argv=None) -> int:
     corpora = []
     for size in sizes:
         t0 = time.monotonic()
-        c = build_corpus(args.source, size, args.workers, parse_size(args.shard_size), work)
+        build = build_distinct_corpus if args.distinct else build_corpus
+        c = build(args.source, size, args.workers, parse_size(args.shard_size), work)
         label = f"{size / 1e6:g}MB"
         corpora.append((label, c))
         results["corpora"].append({"label": label, **c.__dict__})

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import ijson
 import orjson
-from huggingface_hub import scan_cache_dir
 
 from tokpipe.errors import UserError
 
@@ -220,6 +219,9 @@ def _locate(dataset_dir: Path, repo_id: str | None, revision: str | None) -> tup
         cache_root = dataset_dir
     if cache_root is None:
         return dataset_dir, None, None, None
+
+    # Imported here, not at the top: every Ray worker imports this module, and only `manifest` needs it (~0.1 s).
+    from huggingface_hub import scan_cache_dir
 
     # scan_cache_dir also warns about stray files beside the repos (a README, a manifest); those are fine.
     repos = [r for r in scan_cache_dir(cache_root).repos if r.repo_type == "dataset"]
