@@ -84,18 +84,33 @@ def source_lines(source: str) -> tuple[list[bytes], list[int]]:
     return lines, text_bytes
 
 
-def build_corpus(source: str, size: int, workers: int, shard_bytes: int, work_dir: Path) -> Corpus:
-    """A corpus of about `size` JSONL bytes under work_dir/corpora/, built once and reused."""
-    shards = max(workers, -(-size // shard_bytes))
-    shards = -(-shards // workers) * workers  # a multiple of the workers: every worker gets as many
-    recipe = {"format": CORPUS_FORMAT, "source": str(Path(source).resolve()), "size": size, "shards": shards, "zstd_level": ZSTD_LEVEL}
-    folder = work_dir / "corpora" / f"{size // 10**6}MB-{shards}shards"
+def _cached(folder: Path, recipe: dict) -> Corpus | None:
+    """The corpus built in `folder` by this recipe; else None, with the folder emptied for a new one."""
     marker = folder / "corpus.json"
     if marker.is_file() and json.loads(marker.read_text()).get("recipe") == recipe:
         return Corpus.load(folder)
     if folder.exists():
         shutil.rmtree(folder)
     (folder / "train").mkdir(parents=True)
+    return None
+
+
+def _save(folder: Path, recipe: dict, corpus: Corpus) -> Corpus:
+    """Mark the folder's corpus complete: written last, so a killed build is rebuilt."""
+    tmp = folder / "corpus.json.tmp"
+    tmp.write_text(json.dumps({"recipe": recipe, **asdict(corpus)}, indent=1))
+    os.replace(tmp, folder / "corpus.json")
+    return corpus
+
+
+def build_corpus(source: str, size: int, workers: int, shard_bytes: int, work_dir: Path) -> Corpus:
+    """A corpus of about `size` JSONL bytes under work_dir/corpora/, built once and reused."""
+    shards = max(workers, -(-size // shard_bytes))
+    shards = -(-shards // workers) * workers  # a multiple of the workers: every worker gets as many
+    recipe = {"format": CORPUS_FORMAT, "source": str(Path(source).resolve()), "size": size, "shards": shards, "zstd_level": ZSTD_LEVEL}
+    folder = work_dir / "corpora" / f"{size // 10**6}MB-{shards}shards"
+    if (cached := _cached(folder, recipe)) is not None:
+        return cached
 
     lines, text_bytes = source_lines(source)
     per_shard = size / shards
@@ -127,10 +142,7 @@ def build_corpus(source: str, size: int, workers: int, shard_bytes: int, work_di
         source=recipe["source"],
         source_jsonl_bytes=sum(map(len, lines)),
     )
-    tmp = marker.with_name("corpus.json.tmp")
-    tmp.write_text(json.dumps({"recipe": recipe, **asdict(corpus)}, indent=1))
-    os.replace(tmp, marker)
-    return corpus
+    return _save(folder, recipe, corpus)
 
 
 def tiny_shards(count: int, work_dir: Path) -> Path:
@@ -239,12 +251,8 @@ def build_distinct_corpus(source: str, size: int, workers: int, shard_bytes: int
     shards = -(-shards // workers) * workers
     recipe = {"format": CORPUS_FORMAT, "source": str(Path(source).resolve()), "size": size, "shards": shards, "distinct": True, "long_tail": long_tail and IDS_EVERY}
     folder = work_dir / "corpora" / f"{'longtail' if long_tail else 'distinct'}-{size // 10**6}MB-{shards}shards"
-    marker = folder / "corpus.json"
-    if marker.is_file() and json.loads(marker.read_text()).get("recipe") == recipe:
-        return Corpus.load(folder)
-    if folder.exists():
-        shutil.rmtree(folder)
-    (folder / "train").mkdir(parents=True)
+    if (cached := _cached(folder, recipe)) is not None:
+        return cached
     rng = random.Random(0)
     texts = distinct_texts(source)
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
@@ -267,5 +275,4 @@ def build_distinct_corpus(source: str, size: int, workers: int, shard_bytes: int
         names.append(name)
         shard_text.append(text_size)
     corpus = Corpus(str(folder), written, sum(shard_text), docs, names, shard_text, compressed, recipe["source"], written)
-    marker.write_text(json.dumps({"recipe": recipe, **asdict(corpus)}, indent=1))
-    return corpus
+    return _save(folder, recipe, corpus)

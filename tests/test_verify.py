@@ -57,11 +57,15 @@ def test_id_beyond_vocab_fails(out):
     assert failed(out) == ["train: sha256 matches meta", "train: ids < vocab_size"]
 
 
-def test_two_tokens_swapped_fail_the_checksum(out):
+def swap_two_tokens(out):
     tokens = np.memmap(out / "train.bin", dtype=np.uint32, mode="r+")
     assert tokens[100] != tokens[101]
     tokens[[100, 101]] = tokens[[101, 100]]
     tokens.flush()
+
+
+def test_two_tokens_swapped_fail_the_checksum(out):
+    swap_two_tokens(out)
     assert failed(out) == ["train: sha256 matches meta"]
     assert failure(out, "sha256") == "the token bytes changed since finalize, in the range of train/chunk1/example_train_0.jsonl.zst"
 
@@ -170,9 +174,7 @@ def as_written_by_tokpipe_0_1(out):
 def test_an_out_of_an_earlier_tokpipe_still_verifies_and_catches_two_swapped_tokens(out):
     as_written_by_tokpipe_0_1(out)
     assert failed(out) == []
-    tokens = np.memmap(out / "train.bin", dtype=np.uint32, mode="r+")
-    tokens[[100, 101]] = tokens[[101, 100]]
-    tokens.flush()
+    swap_two_tokens(out)
     assert failed(out) == ["train: sha256 matches meta"]
     assert failure(out, "sha256") == "the token bytes changed since finalize"
 
