@@ -9,7 +9,7 @@ its pretoken cache is warm, as it is for most of a long run; the cold first pass
   decompress     the shard's bytes through tokpipe.source.decompressed_blocks (zstd)
   read_batches   + line splitting, orjson, the document checks: what tokpipe.source yields
   + encode       + GigatokenEncoder.encode (gigatoken encode_batch + awkward -> numpy)
-  + eos/dtype    + the id check, with_eos (np.insert), to_dtype
+  + eos/dtype    + the id check, delimit (EOS placed), to_dtype
   tokenize_shard the real thing: + writes, fsync, checkpoints, the lock file (into a temp OUT)
 
 The difference between two lines is that stage's cost. --cprofile N prints the N costliest functions
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from tokpipe.manifest import Shard
-from tokpipe.shard import EncodeSpec, to_dtype, tokenize_shard, with_eos
+from tokpipe.shard import EncodeSpec, delimit, to_dtype, tokenize_shard
 from tokpipe.source import decompressed_blocks, read_batches
 from tokpipe.tokenizer import encoder, load_tokenizer_info
 
@@ -59,7 +59,7 @@ def stage_eos(paths, enc, spec):
             flat, lengths = enc.encode(batch.texts)
             if flat.size and int(flat.max()) >= spec.vocab_size:
                 raise ValueError("id out of range")
-            tokens, _ = with_eos(flat, lengths, spec.eos_id, 0)
+            tokens, _ = delimit(flat, lengths, spec.bos_id, spec.eos_id, 0)
             to_dtype(tokens, spec.dtype)
 
 

@@ -9,6 +9,7 @@ EOS appended.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import json
 import os
@@ -48,15 +49,25 @@ def reference_texts(path: Path, text_field: str = "text") -> list[str]:
     return texts
 
 
-def reference_tokens(paths: list[Path], tokenizer_json: Path, eos_id: int, dtype=np.uint32) -> np.ndarray:
+def reference_tokens(paths: list[Path], tokenizer_json: Path, eos_id: int | None, dtype=np.uint32, bos_id: int | None = None, texts=reference_texts) -> np.ndarray:
+    """Each document's ids, with BOS before (bos_id) and EOS after (eos_id None: none); `texts` reads a shard's documents."""
     tok = Tokenizer.from_file(str(tokenizer_json))
     tok.encode_special_tokens = True
     out = []
     for path in paths:
-        for enc in tok.encode_batch(reference_texts(path), add_special_tokens=False):
-            out.extend(enc.ids)
-            out.append(eos_id)
+        for enc in tok.encode_batch(texts(path), add_special_tokens=False):
+            out.extend(([] if bos_id is None else [bos_id]) + enc.ids + ([] if eos_id is None else [eos_id]))
     return np.array(out, dtype=dtype)
+
+
+def is_held_out(text: str, fraction: float) -> bool:
+    """README's rule: a document goes to val.bin when the blake2b-64 of its UTF-8 text, little-endian, is below fraction * 2**64."""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little") < fraction * 2**64
+
+
+def held_out_texts(fraction: float, held: bool):
+    """For reference_tokens: a shard's documents that --val-fraction sends to val.bin (held) or keeps."""
+    return lambda path: [t for t in reference_texts(path) if is_held_out(t, fraction) == held]
 
 
 def snapshot_files(snapshot: Path, split_folder: str) -> list[Path]:
@@ -113,18 +124,19 @@ def build_out(out: Path, tokenizer: Path, backend: str = "gigatoken", options=No
     from tokpipe.finalize import finalize
     from tokpipe.manifest import build_manifest, write_manifest
     from tokpipe.runner import RunOptions, record_run
-    from tokpipe.shard import EncodeSpec, tokenize_shard
+    from tokpipe.shard import tokenize_shard
     from tokpipe.tokenizer import load_tokenizer_info
 
+    options = options or RunOptions()
     manifest = build_manifest(EXAMPLE_CACHE)
-    info = load_tokenizer_info(tokenizer)
+    info = load_tokenizer_info(tokenizer, options.eos, options.bos_token)
     out.mkdir(parents=True)
-    record_run(out, manifest, info, options or RunOptions())
+    record_run(out, manifest, info, options)
     write_manifest(manifest, out / "manifest.json")
-    spec = EncodeSpec(info.path, backend, info.eos_id, info.vocab_size, info.dtype)
+    spec = options.encode_spec(info, backend)
     for shard in manifest.shards():
         tokenize_shard(shard, out, spec)
-    finalize(out, manifest, info, "text")
+    finalize(out, manifest, info, "text", **options.layout)
     return out
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import QWEN3, assert_out_is, plain_copy_of_example, tokpipe
+from conftest import EXAMPLE_CACHE, QWEN3, QWEN3_EOS, assert_out_is, held_out_texts, plain_copy_of_example, reference_tokens, snapshot_files, tokpipe
 from tokpipe.manifest import build_manifest, write_manifest
 
 HF = ("--backend", "hf")  # the slow reference encoder: runs last long enough to be hit mid-way
@@ -145,6 +145,25 @@ def test_kill_9_while_split_files_are_assembled_then_rerun_gives_the_same_bytes(
     assert tokpipe("verify", out).returncode == 0
 
 
+def test_val_fraction_gives_the_same_val_bin_at_any_workers_with_a_kill_9_between(manifest, tmp_path):
+    out = tmp_path / "out"
+    proc = start(manifest, out, "--workers", "1", "--val-fraction", "0.05", "--checkpoint-interval", "0.2", *HF)
+    wait_for(lambda: any(c["documents"] for c in checkpoints(out)) or proc.poll() is not None)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "meta.json").exists()
+    rerun = tokpipe(*run_args(manifest, out, "--workers", "2", "--val-fraction", "0.05"))
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    snapshot = next(EXAMPLE_CACHE.glob("datasets--*/snapshots/*"))
+    train, holdout, tokenizer = snapshot_files(snapshot, "train"), snapshot_files(snapshot, "validation"), QWEN3 / "tokenizer.json"
+    val = np.concatenate([reference_tokens(train, tokenizer, QWEN3_EOS, texts=held_out_texts(0.05, True)), reference_tokens(holdout, tokenizer, QWEN3_EOS)])
+    assert np.array_equal(np.fromfile(out / "val.bin", dtype=np.uint32), val)
+    assert np.array_equal(np.fromfile(out / "train.bin", dtype=np.uint32), reference_tokens(train, tokenizer, QWEN3_EOS, texts=held_out_texts(0.05, False)))
+    splits = json.loads((out / "meta.json").read_text())["splits"]
+    assert splits["train"]["documents"] + splits["validation"]["documents"] == 293 + 136  # every document read, once
+    assert tokpipe("verify", out).returncode == 0
+
+
 def test_killed_workers_are_retried_and_a_shard_that_keeps_dying_is_reported(manifest, tmp_path, example_reference):
     out = tmp_path / "out"
     stop = threading.Event()
@@ -203,12 +222,12 @@ def finished_copy(finished_example, tmp_path):
 
 
 def test_a_rerun_with_other_inputs_is_refused_saying_what_differs(finished_copy, tmp_path, small_tokenizer, dataset):
-    from tokpipe.runner import run_identity
+    from tokpipe.runner import RunOptions, run_identity
     from tokpipe.tokenizer import load_tokenizer_info
 
     manifest = build_manifest(dataset)
     write_manifest(manifest, tmp_path / "m.json")
-    (finished_copy / "run.json").write_text(json.dumps(run_identity(manifest, load_tokenizer_info(QWEN3), "text")))
+    (finished_copy / "run.json").write_text(json.dumps(run_identity(manifest, load_tokenizer_info(QWEN3), RunOptions())))
     other_field = tokpipe(*run_args(tmp_path / "m.json", finished_copy, "--text-field", "body"))
     assert other_field.returncode == 2 and "text_field: was 'text', now 'body'" in other_field.stderr
     other_tok = tokpipe("run", "--manifest", tmp_path / "m.json", "--tokenizer", small_tokenizer, "--out", finished_copy)

@@ -43,6 +43,10 @@ def _cmd_run(args) -> int:
         max_retries=args.max_retries,
         skip_failed=args.skip_failed,
         worker_memory=args.worker_memory,
+        bos=args.bos,
+        bos_token=args.bos_token,
+        no_eos=args.no_eos,
+        val_fraction=args.val_fraction,
     )
     summary = run(args.manifest, args.tokenizer, args.out, opts)
     if not summary.finished:
@@ -124,6 +128,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--backend", choices=("auto", "gigatoken", "hf"), default="auto", help="encoder; all give the same bytes (default: auto)")
     r.add_argument("--text-field", default="text", help="JSON field holding the document text (default: text)")
     r.add_argument("--eos", help="EOS token (default: the tokenizer's eos_token)")
+    r.add_argument("--bos", action="store_true", help="place BOS before every document (the tokenizer's bos_token, or --bos-token)")
+    r.add_argument("--bos-token", help="the BOS token --bos places (default: the tokenizer's bos_token)")
+    r.add_argument("--no-eos", action="store_true", help="no EOS after documents (with --bos: BOS-delimited documents)")
+    r.add_argument("--val-fraction", type=_positive(float, zero_ok=True), default=0.0, metavar="F", help="hold out this share of train documents for val.bin, chosen by a hash of their text (default: 0)")
     r.add_argument("--checkpoint-interval", type=_positive(float), default=30.0, help="seconds between shard checkpoints (default: 30)")
     r.add_argument("--stall-timeout", type=_positive(float), default=600.0, help="cancel and retry a shard with no progress for this long (default: 600)")
     r.add_argument("--max-retries", type=int, default=3, help="retries of a shard whose worker died or stalled (default: 3)")

@@ -57,12 +57,39 @@ class Part:
     record: dict  # its line in <stem>.parts: shard, tokens, documents, lines, skipped, repaired, sha256, idx_sha256
 
 
-def _record(shard: Shard, ckpt: Checkpoint) -> dict:
-    record = {"shard": shard.relpath, "tokens": ckpt.tokens, "documents": ckpt.documents, "lines": ckpt.lines}
+def _part(stem: str, seq: int, files: ShardFiles, shard: Shard, ckpt: Checkpoint, held: bool, token_offset: int, doc_offset: int) -> Part:
+    """A shard's part for split file `stem`: its documents, or (held) those it held out for val.bin.
+
+    The accounting (lines, skips, repairs) goes with a shard's own part; `held_out` there counts the
+    documents it sent to val.bin instead, `held_in` on the held-out part the documents val.bin got."""
+    if held:
+        record = {"shard": shard.relpath, "part": "held-out", "tokens": ckpt.val_tokens, "documents": ckpt.val_documents, "held_in": ckpt.val_documents}
+        record.update(sha256=ckpt.val_sha256, idx_sha256=ckpt.val_idx_sha256)
+        return Part(stem, seq, str(files.val_bin), str(files.val_idx), token_offset, doc_offset, record)
+    record = {"shard": shard.relpath, "tokens": ckpt.tokens, "documents": ckpt.documents, "lines": ckpt.lines, "held_out": ckpt.val_documents}
     record.update(skipped=ckpt.skipped, repaired=ckpt.repaired, sha256=ckpt.sha256, idx_sha256=ckpt.idx_sha256)
     if ckpt.skip_log:
         record["first_skipped"] = ckpt.skip_log
-    return record
+    return Part(stem, seq, str(files.bin), str(files.idx), token_offset, doc_offset, record)
+
+
+def sources(manifest: Manifest, stem: str, val_fraction: float) -> Iterator[tuple[Shard, bool]]:
+    """What split file `stem` is made of, in manifest order: (shard, whether it is the shard's held-out part).
+
+    A split's own shards; for val.bin with --val-fraction, also the held-out part of every train shard."""
+    for shard in manifest.shards():
+        if split_file_stem(shard.split) == stem:
+            yield shard, False
+        elif val_fraction and stem == "val" and shard.split == "train":
+            yield shard, True
+
+
+def output_splits(manifest: Manifest, val_fraction: float) -> list[str]:
+    """The splits written: the dataset's, and validation when --val-fraction makes one."""
+    splits = list(manifest.counts)
+    if val_fraction and "train" in splits and "validation" not in splits:
+        splits.append("validation")
+    return splits
 
 
 def _copy_range(src_path: str, dst_fd: int, length: int, dst_offset: int) -> None:
@@ -116,8 +143,8 @@ class _Split:
     """The assembly of one split file: what is scheduled, and what is on disk and listed in .parts.tmp."""
 
     stem: str
-    shards: Iterator[Shard]  # the split's shards in manifest order, after the head
-    head: Shard | None = None  # the next shard to schedule
+    shards: Iterator[tuple[Shard, bool]]  # sources() of the split file, after the head
+    head: tuple[Shard, bool] | None = None  # the next shard (and part) to schedule
     scheduled: int = 0  # parts handed out
     tokens: int = 0  # offsets of the next part
     documents: int = 0
@@ -125,7 +152,7 @@ class _Split:
     waiting: dict[int, dict] = field(default_factory=dict)  # seq -> record of parts copied before an earlier one
 
     @classmethod
-    def start(cls, stem: str, shards: Iterator[Shard]) -> _Split:
+    def start(cls, stem: str, shards: Iterator[tuple[Shard, bool]]) -> _Split:
         return cls(stem, shards, next(shards, None))
 
     def advance(self) -> None:
@@ -139,19 +166,19 @@ class Assembler:
     batches), report what came back (`placed`); `finish` when `complete`.
     """
 
-    def __init__(self, out: str | os.PathLike, manifest: Manifest, itemsize: int):
-        self.out, self.itemsize = Path(out), itemsize
-        self.finished: dict[str, Checkpoint] = {}  # done shards not yet scheduled: the few that finished out of order
-        self.splits = [self._resume(manifest, split) for split in manifest.counts]
+    def __init__(self, out: str | os.PathLike, manifest: Manifest, itemsize: int, val_fraction: float = 0.0):
+        self.out, self.itemsize, self.val_fraction = Path(out), itemsize, val_fraction
+        # Done shards not yet scheduled (the few that finished out of order), with how many parts still need them.
+        self.finished: dict[str, tuple[Checkpoint, int]] = {}
+        self.splits = [self._resume(manifest, split_file_stem(split)) for split in output_splits(manifest, val_fraction)]
 
     def _paths(self, stem: str) -> tuple[Path, Path, Path]:
         return tuple(self.out / f"{stem}.{ext}.tmp" for ext in ("bin", "idx", "parts"))
 
-    def _resume(self, manifest: Manifest, split: str) -> _Split:
+    def _resume(self, manifest: Manifest, stem: str) -> _Split:
         """Keep what an earlier attempt assembled, if it is still the start of the split; else start empty."""
-        stem = split_file_stem(split)
         bin_tmp, idx_tmp, parts_tmp = self._paths(stem)
-        state = _Split.start(stem, manifest.shards(split))
+        state = _Split.start(stem, sources(manifest, stem, self.val_fraction))
         kept = []
         if bin_tmp.exists() and idx_tmp.exists() and parts_tmp.exists():
             for line in parts_tmp.read_bytes().splitlines():
@@ -159,7 +186,7 @@ class Assembler:
                     record = orjson.loads(line)
                 except orjson.JSONDecodeError:  # a line cut by the crash: its fsync never returned
                     break
-                if state.head is None or record.get("shard") != state.head.relpath:
+                if state.head is None or (record.get("shard"), record.get("part") == "held-out") != (state.head[0].relpath, state.head[1]):
                     break  # the split changed before this shard (an append, a shard excluded or back)
                 kept.append(record)
                 state.tokens += record["tokens"]
@@ -168,7 +195,7 @@ class Assembler:
             if bin_tmp.stat().st_size < state.tokens * self.itemsize or idx_tmp.stat().st_size < state.documents * IDX_DTYPE.itemsize:
                 kept = []  # cut since they were listed: trust none of it
         if not kept:
-            state = _Split.start(stem, manifest.shards(split))
+            state = _Split.start(stem, sources(manifest, stem, self.val_fraction))
             for path in (bin_tmp, idx_tmp):
                 open(path, "wb").close()
         write_atomic(parts_tmp, b"".join(orjson.dumps(r) + b"\n" for r in kept))
@@ -177,24 +204,33 @@ class Assembler:
 
     def done(self, shard: Shard, ckpt: Checkpoint) -> None:
         """A shard finished in this run (its checkpoint as its task returned it)."""
-        self.finished[shard.relpath] = ckpt
+        self.finished[shard.relpath] = (ckpt, 2 if self.val_fraction and shard.split == "train" else 1)
+
+    def _checkpoint(self, shard: Shard) -> Checkpoint | None:
+        if shard.relpath not in self.finished:
+            return Checkpoint.load(ShardFiles.of(self.out, shard).checkpoint)
+        ckpt, uses = self.finished.pop(shard.relpath)
+        if uses > 1:  # its other part has yet to be scheduled
+            self.finished[shard.relpath] = (ckpt, uses - 1)
+        return ckpt
 
     def ready(self, excluded: frozenset[str] = frozenset()) -> list[Part]:
         """Parts whose offsets are now known: each split's next shards, while they are done (or excluded)."""
         parts = []
         for s in self.splits:
             while s.head is not None:
-                if s.head.relpath in excluded:
+                shard, held = s.head
+                if shard.relpath in excluded:
                     s.advance()
                     continue
-                ckpt = self.finished.pop(s.head.relpath, None) or Checkpoint.load(ShardFiles.of(self.out, s.head).checkpoint)
+                ckpt = self._checkpoint(shard)
                 if ckpt is None or not ckpt.done:
                     break
-                files = ShardFiles.of(self.out, s.head)
-                parts.append(Part(s.stem, s.scheduled, str(files.bin), str(files.idx), s.tokens, s.documents, _record(s.head, ckpt)))
+                part = _part(s.stem, s.scheduled, ShardFiles.of(self.out, shard), shard, ckpt, held, s.tokens, s.documents)
+                parts.append(part)
                 s.scheduled += 1
-                s.tokens += ckpt.tokens
-                s.documents += ckpt.documents
+                s.tokens += part.record["tokens"]
+                s.documents += part.record["documents"]
                 s.advance()
         return parts
 
@@ -231,7 +267,7 @@ class Assembler:
                 size += part.record["tokens"] * self.itemsize
         if not self.complete:
             head = next((s.head for s in self.splits if s.head is not None), None)
-            raise RuntimeError(f"cannot finalize: shard {head.relpath} is unfinished" if head else "cannot finalize: parts handed out to copy were never placed")
+            raise RuntimeError(f"cannot finalize: shard {head[0].relpath} is unfinished" if head else "cannot finalize: parts handed out to copy were never placed")
 
     def finish(self) -> dict[str, dict]:
         """Cut, fsync and rename every split's files; returns meta's `splits` (in manifest order of splits)."""
@@ -251,14 +287,14 @@ class Assembler:
 
 def _split_entry(stem: str, parts_path: Path) -> dict:
     """meta's entry for a split, summed from its parts list."""
-    entry = {"file": f"{stem}.bin", "idx": f"{stem}.idx", "parts": f"{stem}.parts", "tokens": 0, "documents": 0, "lines": 0}
+    entry = {"file": f"{stem}.bin", "idx": f"{stem}.idx", "parts": f"{stem}.parts", "tokens": 0, "documents": 0, "lines": 0, "held_out": 0, "held_in": 0}
     skipped, repaired, shards = Counter(), Counter(), 0
     for record in map(orjson.loads, parts_path.read_bytes().splitlines()):
-        for key in ("tokens", "documents", "lines"):
-            entry[key] += record[key]
-        skipped.update(record["skipped"])
-        repaired.update(record["repaired"])
-        shards += 1
+        for key in ("tokens", "documents", "lines", "held_out", "held_in"):
+            entry[key] += record.get(key, 0)
+        skipped.update(record.get("skipped", {}))
+        repaired.update(record.get("repaired", {}))
+        shards += record.get("part") != "held-out"
     entry.update(skipped=dict(sorted(skipped.items())), repaired=dict(sorted(repaired.items())), shards=shards)
     entry["parts_sha256"] = hashlib.sha256(parts_path.read_bytes()).hexdigest()
     return entry
@@ -275,7 +311,7 @@ def _write_skip_log(out: Path, splits: dict[str, dict]) -> None:
     entries = []
     for entry in splits.values():
         for r in read_parts(out / entry["parts"]):
-            if r["skipped"] or r["repaired"]:
+            if r.get("skipped") or r.get("repaired"):
                 fields = {k: r[k] for k in ("shard", "lines", "documents", "skipped", "repaired")}
                 entries.append(json.dumps({**fields, "first": r.get("first_skipped", [])}))
     (out / "logs").mkdir(exist_ok=True)
@@ -289,20 +325,25 @@ def finalize(
     text_field: str,
     excluded: dict[str, str] | None = None,
     assembler: Assembler | None = None,
+    *,
+    bos: bool = False,
+    eos: bool = True,
+    val_fraction: float = 0.0,
 ) -> dict:
     """Finish assembling every split in manifest order and write meta; returns the meta dict.
 
     `assembler` is the run's, whose copy tasks placed (nearly) everything while shards tokenized;
     without one, everything is placed here. `excluded` (relpath -> error) are failed shards left out
     on purpose (`run --skip-failed`); meta records them, so a partial output is never mistaken for a whole one.
+    `bos`, `eos` and `val_fraction` say how the run wrote documents, for meta.
     """
     out = Path(out)
     (out / "meta.json").unlink(missing_ok=True)  # OUT is unfinished while its split files change
     excluded = excluded or {}
-    assembler = assembler or Assembler(out, manifest, np.dtype(info.dtype).itemsize)
+    assembler = assembler or Assembler(out, manifest, np.dtype(info.dtype).itemsize, val_fraction)
     assembler.place_here(frozenset(excluded))
     stems = assembler.finish()
-    splits = {split: stems[split_file_stem(split)] for split in manifest.counts}
+    splits = {split: stems[split_file_stem(split)] for split in output_splits(manifest, val_fraction)}
     _write_skip_log(out, splits)
     meta = {
         "dtype": info.dtype,
@@ -310,6 +351,9 @@ def finalize(
         "eos_token_id": info.eos_id,
         "eos_token": info.eos_token,
         "bos_token_id": info.bos_id,
+        "bos_token": info.bos_token,
+        "delimiters": {"bos": bos, "eos": eos},
+        "val_fraction": val_fraction,
         "tokenizer": info.id,
         "tokenizer_sha256": info.sha256,
         "tokenizer_path": info.path,

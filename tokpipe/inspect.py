@@ -29,6 +29,7 @@ from tokpipe.verify import Check
 from tokpipe.verify import report as verify_report
 
 EOS_MARK = "⟨EOS⟩"
+BOS_MARK = "⟨BOS⟩"
 SCAN_TOKENS = 1 << 22  # ids scanned for red flags: the whole split when it is smaller, else evenly spread blocks
 SCAN_BLOCKS = 64
 # Thresholds of the red flags. Natural text puts well under 0.1% of its tokens on id 0 (Qwen3: 0.02%);
@@ -67,6 +68,13 @@ class Source:
     tokenizer_path: str | None  # where the run found it (run.json)
     documents: int
     segments: list[Segment]
+    bos_id: int | None = None  # when the run placed BOS before documents
+    eos_written: bool = True  # False: --no-eos
+
+    @property
+    def boundary(self) -> tuple[str, int]:
+        """The delimiter every document has: EOS, or BOS for a run without EOS."""
+        return ("EOS", self.eos_id) if self.eos_written or self.bos_id is None else ("BOS", self.bos_id)
 
     @property
     def tokens(self) -> int:
@@ -85,6 +93,12 @@ def _split_name(wanted: str, available: list[str]) -> str:
     if name not in available:
         raise UserError(f"no split {wanted!r} here; there are: {', '.join(available) or 'none'}")
     return name
+
+
+def _delimiters(meta: dict) -> dict:
+    """Source's bos_id and eos_written from meta or run.json (an earlier tokpipe's: EOS only)."""
+    written = meta.get("delimiters", {"bos": False, "eos": True})
+    return {"bos_id": int(meta["bos_token_id"]) if written["bos"] else None, "eos_written": written["eos"]}
 
 
 def open_source(out: str | os.PathLike, split: str) -> Source:
@@ -109,6 +123,7 @@ def open_source(out: str | os.PathLike, split: str) -> Source:
             tokenizer_path=run.get("tokenizer_path"),
             documents=len(s.ends),
             segments=[Segment(s.path.name, s.tokens, s.ends)],
+            **_delimiters(data.meta),
         )
     if not run or not (out / "manifest.json").is_file():
         raise UserError(f"{out} holds no tokpipe run (no meta.json, run.json or manifest.json)")
@@ -138,6 +153,7 @@ def open_source(out: str | os.PathLike, split: str) -> Source:
         tokenizer_path=run.get("tokenizer_path"),
         documents=documents,
         segments=segments,
+        **_delimiters(run),
     )
 
 
@@ -178,12 +194,18 @@ def _printable(text: str) -> str:
     return CONTROL_CHARS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
-def render(ids: np.ndarray, decode: Callable[[np.ndarray], str], eos_id: int, vocab_size: int) -> str:
-    """Decoded text with EOS shown as ⟨EOS⟩ and a line break, and ids outside the vocabulary shown (a decoder drops them)."""
+def render(ids: np.ndarray, decode: Callable[[np.ndarray], str], eos_id: int, vocab_size: int, bos_id: int | None = None) -> str:
+    """Decoded text with EOS shown as ⟨EOS⟩ and a line break, BOS (when placed) as a line break and ⟨BOS⟩,
+    and ids outside the vocabulary shown (a decoder drops them)."""
     pieces, start = [], 0
-    for i in np.flatnonzero((ids == eos_id) | (ids >= vocab_size)):
+    for i in np.flatnonzero((ids == eos_id) | (ids == bos_id) | (ids >= vocab_size)):
         pieces.append(_printable(decode(ids[start:i])))
-        pieces.append(f"{EOS_MARK}\n" if ids[i] == eos_id else f"⟨id {int(ids[i])} ≥ vocab_size⟩")
+        if ids[i] == eos_id:
+            pieces.append(f"{EOS_MARK}\n")
+        elif ids[i] == bos_id:
+            pieces.append(BOS_MARK if not "".join(pieces) or pieces[-1].endswith("\n") else f"\n{BOS_MARK}")
+        else:
+            pieces.append(f"⟨id {int(ids[i])} ≥ vocab_size⟩")
         start = i + 1
     pieces.append(_printable(decode(ids[start:])))
     return "".join(pieces)
@@ -194,7 +216,7 @@ class IdScan:
     scanned: int
     whole: bool  # the whole split, not a sample of it
     zeros: int
-    eos: int
+    boundaries: int  # ids of the delimiter every document has (Source.boundary)
     max_id: int
     high: int  # ids >= 65,536
     top: int  # ids in the dtype's top TOP_VALUES values
@@ -220,7 +242,7 @@ def scan_ids(source: Source) -> IdScan:
         scanned=len(ids),
         whole=total <= SCAN_TOKENS,
         zeros=int(np.count_nonzero(ids == 0)),
-        eos=int(np.count_nonzero(ids == source.eos_id)),
+        boundaries=int(np.count_nonzero(ids == source.boundary[1])),
         max_id=int(values[-1]),
         high=int(np.count_nonzero(ids >= 1 << 16)),
         top=int(np.count_nonzero(ids > limit - TOP_VALUES)),
@@ -247,7 +269,7 @@ def red_flags(source: Source, scan: IdScan) -> list[Check]:
         ),
     ]
     zero_share = scan.zeros / n
-    zeros_ok = source.eos_id == 0 or zero_share <= ZERO_SHARE_MAX
+    zeros_ok = source.boundary[1] == 0 or zero_share <= ZERO_SHARE_MAX
     checks.append(
         Check(
             "share of id 0",
@@ -257,14 +279,15 @@ def red_flags(source: Source, scan: IdScan) -> list[Check]:
     )
     expected_share = source.documents / source.tokens if source.tokens else 0.0
     expected = expected_share * scan.scanned
-    eos_share = scan.eos / n
-    eos_ok = expected < EOS_MIN_EXPECTED or 1 / EOS_RATIO_MAX <= scan.eos / expected <= EOS_RATIO_MAX
+    name, boundary_id = source.boundary
+    eos_share = scan.boundaries / n
+    eos_ok = expected < EOS_MIN_EXPECTED or 1 / EOS_RATIO_MAX <= scan.boundaries / expected <= EOS_RATIO_MAX
     checks.append(
         Check(
-            f"share of EOS (id {source.eos_id})",
+            f"share of {name} (id {boundary_id})",
             eos_ok,
             f"{eos_share:.3%}, expected {expected_share:.3%} from {source.documents:,} documents in {source.tokens:,} tokens"
-            + ("" if eos_ok else ": document boundaries are lost (ids wrapped? another EOS?)"),
+            + ("" if eos_ok else f": document boundaries are lost (ids wrapped? another {name}?)"),
         )
     )
     top_share = scan.top / n
@@ -315,7 +338,7 @@ def inspect(out: str | os.PathLike, split: str = "train", n: int = 5, window: in
     scan = scan_ids(source)
     n_scanned = max(scan.scanned, 1)
     common = [(i, decode(np.array([i])) if i < source.vocab_size else "?", c / n_scanned) for i, c in scan.common]
-    texts = [render(w.ids, decode, source.eos_id, source.vocab_size) for w in windows]
+    texts = [render(w.ids, decode, source.eos_id if source.eos_written else None, source.vocab_size, source.bos_id) for w in windows]
     return Inspection(source, tokenizer_path, seed, windows, texts, scan, red_flags(source, scan), common)
 
 

@@ -57,6 +57,23 @@ class RunOptions:
     max_retries: int = 3
     skip_failed: bool = False  # finalize without shards that failed, recording them in meta as excluded
     worker_memory: int = WORKER_MEMORY >> 20  # MiB of RSS a worker keeps under (shard.MemoryGuard)
+    bos: bool = False  # BOS before every document
+    bos_token: str | None = None  # default: the tokenizer's bos_token
+    no_eos: bool = False  # no EOS after documents (with bos: documents start with BOS instead)
+    val_fraction: float = 0.0  # share of train documents held out for val.bin, by a hash of their text
+
+    def encode_spec(self, info: TokenizerInfo, backend: str, read_ahead: bool = False) -> EncodeSpec:
+        """What every worker of this run needs to write its shards' bytes."""
+        return EncodeSpec(
+            info.path, backend, None if self.no_eos else info.eos_id, info.vocab_size, info.dtype, self.text_field,
+            checkpoint_interval=self.checkpoint_interval, read_ahead=read_ahead, memory_limit=self.worker_memory << 20,
+            bos_id=info.bos_id if self.bos else None, val_fraction=self.val_fraction,
+        )
+
+    @property
+    def layout(self) -> dict:
+        """How documents are written, as finalize records it in meta."""
+        return {"bos": self.bos, "eos": not self.no_eos, "val_fraction": self.val_fraction}
 
 
 @dataclass
@@ -68,7 +85,11 @@ class RunSummary:
     seconds: float
 
 
-def run_identity(manifest: Manifest, info: TokenizerInfo, text_field: str) -> dict:
+# What a run.json written before these entries existed meant by their absence.
+IDENTITY_DEFAULTS = {"delimiters": {"bos": False, "eos": True}, "val_fraction": 0.0}
+
+
+def run_identity(manifest: Manifest, info: TokenizerInfo, opts: RunOptions) -> dict:
     """What the bytes of OUT depend on. Workers, backend and intervals are not in it: they never change bytes."""
     return {
         "format": RUN_FORMAT,
@@ -80,8 +101,22 @@ def run_identity(manifest: Manifest, info: TokenizerInfo, text_field: str) -> di
         "eos_token": info.eos_token,
         "eos_token_id": info.eos_id,
         "bos_token_id": info.bos_id,
-        "text_field": text_field,
+        "text_field": opts.text_field,
+        "delimiters": {"bos": opts.bos, "eos": not opts.no_eos},
+        "val_fraction": opts.val_fraction,
     }
+
+
+def check_delimiters(opts: RunOptions, info: TokenizerInfo, tokenizer) -> None:
+    """Refuse what would write documents no trainer can tell apart, or a BOS the tokenizer does not have."""
+    if opts.no_eos and not opts.bos:
+        raise UserError("--no-eos without --bos would write documents back to back with nothing between them: add --bos, or drop --no-eos")
+    if opts.bos_token and not opts.bos:
+        raise UserError("--bos-token names the BOS that --bos places: add --bos")
+    if opts.bos and info.bos_id is None:
+        raise UserError(f"{tokenizer} names no bos_token (tokenizer_config.json): pass --bos-token TOKEN (e.g. --bos-token '<|endoftext|>')")
+    if not 0 <= opts.val_fraction < 1:
+        raise UserError(f"--val-fraction must be at least 0 and below 1, got {opts.val_fraction}")
 
 
 class RunLog:
@@ -115,9 +150,9 @@ def record_run(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOpti
     """Refuse an OUT that holds a run with other inputs (a manifest that only gained shards is an
     append); then (re)write run.json for this run."""
     path = out / "run.json"
-    identity = run_identity(manifest, info, opts.text_field)
+    identity = run_identity(manifest, info, opts)
     if path.exists():
-        previous = {k: v for k, v in json.loads(path.read_text()).items() if k not in LAST_RUN_KEYS}
+        previous = {**IDENTITY_DEFAULTS, **{k: v for k, v in json.loads(path.read_text()).items() if k not in LAST_RUN_KEYS}}
         differs = [k for k in sorted(set(identity) | set(previous)) if identity.get(k) != previous.get(k)]
         if differs == ["manifest_sha256"] and (out / "manifest.json").exists():
             _check_append(out, load_manifest(out / "manifest.json"), manifest)
@@ -515,10 +550,7 @@ def _tokenize(manifest: Manifest, out: Path, info: TokenizerInfo, opts: RunOptio
     where = f"cluster {ray.get_runtime_context().gcs_address}" if opts.address or os.environ.get("RAY_ADDRESS") else "embedded local instance"
     nodes = sum(1 for n in ray.nodes() if n["Alive"])
     print(f"ray: {where}, {workers} workers" + (" (2 CPUs each: reading overlaps encoding)" if read_ahead else "") + (f" on {nodes} nodes" if nodes > 1 else ""))
-    spec = EncodeSpec(
-        info.path, backend, info.eos_id, info.vocab_size, info.dtype, opts.text_field,
-        checkpoint_interval=opts.checkpoint_interval, read_ahead=read_ahead, memory_limit=opts.worker_memory << 20,
-    )
+    spec = opts.encode_spec(info, backend, read_ahead)
     progress = Progress(out, manifest.size, plan.done_bytes, plan.shards)
     copies = Copies(assembler, out, np.dtype(info.dtype).itemsize, nodes)
     clock.planned = time.monotonic()
@@ -600,7 +632,8 @@ def _report_failures(out: Path, failed: dict[str, str], resumed: list[ShardResul
 def run(manifest_path: str | os.PathLike, tokenizer: str | os.PathLike, out: str | os.PathLike, opts: RunOptions = RunOptions()) -> RunSummary:
     clock = Timeline(time.monotonic())
     manifest = load_manifest(manifest_path)
-    info = load_tokenizer_info(tokenizer, opts.eos)
+    info = load_tokenizer_info(tokenizer, opts.eos, opts.bos_token)
+    check_delimiters(opts, info, tokenizer)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     lock = _lock_out(out)
@@ -614,7 +647,7 @@ def run(manifest_path: str | os.PathLike, tokenizer: str | os.PathLike, out: str
             print(f"{out} is already finished ({out / 'meta.json'}); nothing to do. Check it with: tokpipe verify {out}")
             return RunSummary(True, {}, meta, 0, time.monotonic() - clock.start)
         plan = _plan(out, manifest, info, log, manifest_path)
-        assembler = Assembler(out, manifest, np.dtype(info.dtype).itemsize)
+        assembler = Assembler(out, manifest, np.dtype(info.dtype).itemsize, opts.val_fraction)
         failed, resumed = {}, []
         try:
             if plan.done < plan.shards:
@@ -622,7 +655,7 @@ def run(manifest_path: str | os.PathLike, tokenizer: str | os.PathLike, out: str
             redone = sum(r.redone_tokens for r in resumed)
             if not _report_failures(out, failed, resumed, opts, log):
                 return RunSummary(False, failed, None, redone, time.monotonic() - clock.start)
-            meta = finalize(out, manifest, info, opts.text_field, excluded=failed, assembler=assembler)
+            meta = finalize(out, manifest, info, opts.text_field, failed, assembler, **opts.layout)
             seconds = time.monotonic() - clock.start
             phases = clock.report(time.monotonic(), meta)
             _print_summary(meta, out, seconds, phases)

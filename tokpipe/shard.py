@@ -38,7 +38,7 @@ class EncodeSpec:
 
     tokenizer_json: str
     backend: str
-    eos_id: int
+    eos_id: int | None  # placed after every document; None: no EOS (--no-eos)
     vocab_size: int
     dtype: str
     text_field: str = "text"
@@ -46,6 +46,8 @@ class EncodeSpec:
     checkpoint_interval: float = 30.0
     read_ahead: bool = False  # read the next batch on a second thread: for a task with a core to spare
     memory_limit: int = WORKER_MEMORY  # bytes of RSS; past it the encoder's word cache is dropped (0: never)
+    bos_id: int | None = None  # placed before every document (--bos)
+    val_fraction: float = 0.0  # share of train documents held out for val.bin, chosen by held_out()
 
 
 @dataclass
@@ -56,7 +58,7 @@ class Checkpoint:
     offset: int = 0  # decompressed input bytes consumed
     source_pos: int = 0  # bytes of the shard file read (compressed), for progress only
     documents: int = 0
-    tokens: int = 0  # EOS included
+    tokens: int = 0  # delimiters included
     skipped: dict[str, int] = field(default_factory=dict)
     repaired: dict[str, int] = field(default_factory=dict)
     skip_log: list[list] = field(default_factory=list)  # first [line, reason] pairs, capped
@@ -65,6 +67,11 @@ class Checkpoint:
     # records them per range and verify checks them, so no pass over the whole output is sequential.
     sha256: str | None = None
     idx_sha256: str | None = None
+    # The documents of a train shard held out for val.bin (--val-fraction), in files of their own.
+    val_documents: int = 0
+    val_tokens: int = 0
+    val_sha256: str | None = None
+    val_idx_sha256: str | None = None
 
     @classmethod
     def load(cls, path: Path) -> Checkpoint | None:
@@ -91,11 +98,14 @@ class ShardFiles:
     idx: Path
     checkpoint: Path
     lock: Path
+    val_bin: Path  # its held-out documents: in a folder of their own, so no shard's key can collide
+    val_idx: Path
 
     @classmethod
     def of(cls, out: str | os.PathLike, shard: Shard) -> ShardFiles:
         base = Path(out) / "shards" / shard.split / shard.key
-        return cls(*(base.with_name(base.name + ext) for ext in (".bin", ".idx", ".json", ".lock")))
+        held = base.parent / "held-out" / base.name
+        return cls(*(base.with_name(base.name + ext) for ext in (".bin", ".idx", ".json", ".lock")), *(held.with_name(held.name + ext) for ext in (".bin", ".idx")))
 
 
 def to_dtype(ids: np.ndarray, dtype: str) -> np.ndarray:
@@ -106,11 +116,29 @@ def to_dtype(ids: np.ndarray, dtype: str) -> np.ndarray:
     return ids.astype(dtype, copy=False)
 
 
-def with_eos(flat: np.ndarray, lengths: np.ndarray, eos_id: int, base: int) -> tuple[np.ndarray, np.ndarray]:
-    """Documents' ids with EOS after each, and each document's end (exclusive) counted from `base`."""
-    tokens = np.insert(flat, np.cumsum(lengths), eos_id)
-    ends = base + np.cumsum(lengths + 1)
-    return tokens, ends
+def delimit(flat: np.ndarray, lengths: np.ndarray, bos_id: int | None, eos_id: int | None, base: int) -> tuple[np.ndarray, np.ndarray]:
+    """Documents' ids with BOS before and/or EOS after each, and each document's end (exclusive) counted from `base`."""
+    extra = (bos_id is not None) + (eos_id is not None)
+    ends = np.cumsum(lengths + extra)
+    tokens = np.empty(flat.size + extra * lengths.size, dtype=flat.dtype)
+    text = np.ones(tokens.size, dtype=bool)
+    if bos_id is not None:
+        starts = ends - lengths - extra
+        tokens[starts], text[starts] = bos_id, False
+    if eos_id is not None:
+        tokens[ends - 1], text[ends - 1] = eos_id, False
+    tokens[text] = flat
+    return tokens, base + ends
+
+
+def held_out(texts: list[str], fraction: float) -> np.ndarray:
+    """Which documents go to val.bin: those whose text hashes below `fraction` of the hash space.
+
+    A function of the text alone (blake2b-64 of its UTF-8), so the choice is the same whatever the
+    workers, crashes, resumes or shard order; a document that appears twice goes the same way twice.
+    """
+    limit = int(fraction * 2**64)
+    return np.fromiter((int.from_bytes(hashlib.blake2b(t.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little") < limit for t in texts), dtype=bool, count=len(texts))
 
 
 def read_ahead(batches: Iterator[Batch]) -> Iterator[Batch]:
@@ -179,6 +207,7 @@ def memory_guard(spec: EncodeSpec) -> MemoryGuard:
 def _open_at(path: Path, length: int, hasher) -> tuple[object, int]:
     """Open for appending after `length` bytes, cutting what lies beyond and hashing what is kept;
     returns (file, bytes cut)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     f = open(path, "r+b" if path.exists() else "w+b")
     size = os.fstat(f.fileno()).st_size
     if size < length:
@@ -188,6 +217,36 @@ def _open_at(path: Path, length: int, hasher) -> tuple[object, int]:
     f.seek(length)
     hash_range(f.fileno(), 0, length, hasher, bytearray(min(HASH_CHUNK, max(length, 1))))
     return f, size - length
+
+
+class _Part:
+    """A .bin/.idx pair a shard appends to (its documents, or those it holds out), hashed as written."""
+
+    def __init__(self, bin_path: Path, idx_path: Path, tokens: int, documents: int, dtype: str):
+        self.dtype, self.tokens = dtype, tokens
+        self.bin_hash, self.idx_hash = hashlib.sha256(), hashlib.sha256()
+        self.bin, self.cut = _open_at(bin_path, tokens * np.dtype(dtype).itemsize, self.bin_hash)
+        self.idx, _ = _open_at(idx_path, documents * IDX_DTYPE.itemsize, self.idx_hash)
+
+    def append(self, flat: np.ndarray, lengths: np.ndarray, spec: EncodeSpec) -> int:
+        """Write documents (ids and lengths as the encoder gave them); returns the tokens written."""
+        tokens, ends = delimit(flat, lengths, spec.bos_id, spec.eos_id, self.tokens)
+        token_bytes, end_bytes = memoryview(to_dtype(tokens, self.dtype)), memoryview(ends.astype(IDX_DTYPE))
+        self.bin.write(token_bytes)
+        self.idx.write(end_bytes)
+        self.bin_hash.update(token_bytes)
+        self.idx_hash.update(end_bytes)
+        self.tokens += len(tokens)
+        return len(tokens)
+
+    def sync(self) -> None:
+        for f in (self.bin, self.idx):
+            f.flush()
+            os.fsync(f.fileno())
+
+    def close(self) -> None:
+        self.bin.close()
+        self.idx.close()
 
 
 def tokenize_shard(
@@ -206,50 +265,61 @@ def tokenize_shard(
         ckpt = Checkpoint.load(files.checkpoint) or Checkpoint()
         if ckpt.done:
             return ShardResult(shard.split, shard.key, ckpt, ckpt.tokens, 0, time.monotonic() - started)
-        itemsize = np.dtype(spec.dtype).itemsize
         resumed = ckpt.tokens
-        bin_hash, idx_hash = hashlib.sha256(), hashlib.sha256()
-        bin_f, bin_cut = _open_at(files.bin, ckpt.tokens * itemsize, bin_hash)
-        idx_f, _ = _open_at(files.idx, ckpt.documents * IDX_DTYPE.itemsize, idx_hash)
-        with bin_f, idx_f:
+        main = _Part(files.bin, files.idx, ckpt.tokens, ckpt.documents, spec.dtype)
+        holding_out = spec.val_fraction > 0 and shard.split == "train"
+        held = _Part(files.val_bin, files.val_idx, ckpt.val_tokens, ckpt.val_documents, spec.dtype) if holding_out else None
+        try:
             memory = memory_guard(spec)
             resets_before = memory.resets
             skipped, repaired = Counter(ckpt.skipped), Counter(ckpt.repaired)
 
             def commit(done: bool = False) -> None:
-                for f in (bin_f, idx_f):
-                    f.flush()
-                    os.fsync(f.fileno())
+                for part in (main, held):
+                    if part is not None:
+                        part.sync()
                 ckpt.skipped, ckpt.repaired, ckpt.done = dict(skipped), dict(repaired), done
                 if done:
-                    ckpt.sha256, ckpt.idx_sha256 = bin_hash.hexdigest(), idx_hash.hexdigest()
+                    ckpt.sha256, ckpt.idx_sha256 = main.bin_hash.hexdigest(), main.idx_hash.hexdigest()
+                    if held is not None:
+                        ckpt.val_sha256, ckpt.val_idx_sha256 = held.bin_hash.hexdigest(), held.idx_hash.hexdigest()
                 write_json_atomic(files.checkpoint, asdict(ckpt))
 
             last_commit = time.monotonic()
             batches = read_batches(shard.path, spec.text_field, ckpt.lines, ckpt.offset, spec.batch_bytes)
             for batch in read_ahead(batches) if spec.read_ahead else batches:
-                flat, lengths = memory.encoder().encode(batch.texts)
-                if flat.size and int(flat.max()) >= spec.vocab_size:
-                    raise ValueError(f"{shard.relpath}: the encoder produced id {int(flat.max())} >= vocab_size {spec.vocab_size}")
-                tokens, ends = with_eos(flat, lengths, spec.eos_id, ckpt.tokens)
-                token_bytes, end_bytes = memoryview(to_dtype(tokens, spec.dtype)), memoryview(ends.astype(IDX_DTYPE))
-                bin_f.write(token_bytes)
-                idx_f.write(end_bytes)
-                bin_hash.update(token_bytes)
-                idx_hash.update(end_bytes)
+                texts, val_texts = batch.texts, []
+                if held is not None:
+                    to_val = held_out(texts, spec.val_fraction)
+                    texts, val_texts = [t for t, v in zip(texts, to_val) if not v], [t for t, v in zip(texts, to_val) if v]
+                tokens = 0
+                for part, part_texts in ((main, texts), (held, val_texts)):
+                    if not part_texts:
+                        continue
+                    flat, lengths = memory.encoder().encode(part_texts)
+                    if flat.size and int(flat.max()) >= spec.vocab_size:
+                        raise ValueError(f"{shard.relpath}: the encoder produced id {int(flat.max())} >= vocab_size {spec.vocab_size}")
+                    tokens += part.append(flat, lengths, spec)
                 ckpt.lines += batch.lines
                 ckpt.offset = batch.end_offset
                 source_read, ckpt.source_pos = batch.source_pos - ckpt.source_pos, batch.source_pos
-                ckpt.documents += len(batch.texts)
-                ckpt.tokens += len(tokens)
+                ckpt.documents += len(texts)
+                ckpt.tokens = main.tokens
+                if held is not None:
+                    ckpt.val_documents += len(val_texts)
+                    ckpt.val_tokens = held.tokens
                 skipped.update(batch.skipped)
                 repaired.update(batch.repaired)
                 room = SKIP_LOG_CAP - len(ckpt.skip_log)
                 ckpt.skip_log.extend([line, reason] for line, reason in batch.skip_log[:room])
                 if on_batch is not None:
-                    on_batch(source_read, len(batch.texts), len(tokens))
+                    on_batch(source_read, len(batch.texts), tokens)
                 if time.monotonic() - last_commit >= spec.checkpoint_interval:
                     commit()
                     last_commit = time.monotonic()
             commit(done=True)
-    return ShardResult(shard.split, shard.key, ckpt, resumed, bin_cut // itemsize, time.monotonic() - started, memory.resets - resets_before)
+        finally:
+            for part in (main, held):
+                if part is not None:
+                    part.close()
+    return ShardResult(shard.split, shard.key, ckpt, resumed, main.cut // np.dtype(spec.dtype).itemsize, time.monotonic() - started, memory.resets - resets_before)

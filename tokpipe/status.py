@@ -97,7 +97,8 @@ def resume_command(out: str, run: dict) -> str:
     # run.json keeps the options given other than their defaults, by RunOptions field name; the CLI
     # flags are those names with dashes.
     for name, value in run.get("options", {}).items():
-        args += [f"--{name.replace('_', '-')}", str(value)]
+        flag = f"--{name.replace('_', '-')}"
+        args += [flag] if value is True else [flag, str(value)]  # a switch (--bos, --skip-failed) takes no value
     return shlex.join(args)
 
 

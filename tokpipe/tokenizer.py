@@ -81,7 +81,7 @@ def tokenizer_json_path(path: str | os.PathLike) -> Path:
     return candidate
 
 
-def load_tokenizer_info(path: str | os.PathLike, eos_token: str | None = None) -> TokenizerInfo:
+def load_tokenizer_info(path: str | os.PathLike, eos_token: str | None = None, bos_token: str | None = None) -> TokenizerInfo:
     json_path = tokenizer_json_path(path)
     raw = json_path.read_bytes()
     try:
@@ -102,7 +102,9 @@ def load_tokenizer_info(path: str | os.PathLike, eos_token: str | None = None) -
         raise UserError(f"{json_path.parent} names no eos_token (tokenizer_config.json): pass --eos TOKEN")
     if eos not in vocab:
         raise UserError(f"EOS token {eos!r} is not in the tokenizer's vocabulary: pass the right one with --eos")
-    bos = _token_content(config.get("bos_token"))
+    if bos_token is not None and bos_token not in vocab:
+        raise UserError(f"BOS token {bos_token!r} is not in the tokenizer's vocabulary: pass the right one with --bos-token")
+    bos = bos_token or _token_content(config.get("bos_token"))
     name = json_path.parent.name if json_path.name == "tokenizer.json" else json_path.stem
     info = TokenizerInfo(
         path=str(json_path.resolve()),

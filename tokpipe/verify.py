@@ -61,16 +61,18 @@ class RangeScan:
 
     top: int = 0  # largest id
     eos: int = 0  # EOS ids
+    bos: int = 0  # BOS ids (when the run placed BOS)
     bad_bin: list[str] = field(default_factory=list)  # ranges whose token sha256 differs
     bad_idx: list[str] = field(default_factory=list)
     increasing: bool = True  # every end > the one before (the range's first token before the first)
     not_eos_ended: int = 0  # documents whose last token is not EOS
+    not_bos_started: int = 0  # documents whose first token is not BOS
 
 
 _buffers = threading.local()
 
 
-def _scan_ranges(bin_fd: int, tokens: np.ndarray, ends: np.ndarray, ranges: list[Range], dtype: np.dtype, eos_id: int) -> RangeScan:
+def _scan_ranges(bin_fd: int, tokens: np.ndarray, ends: np.ndarray, ranges: list[Range], dtype: np.dtype, eos_id: int, bos_id: int | None) -> RangeScan:
     """Hash and scan ranges, reading each byte once (a thread per group: hashlib and numpy drop the GIL)."""
     scan = RangeScan()
     buffer = getattr(_buffers, "buffer", None) or bytearray(HASH_CHUNK)
@@ -87,6 +89,7 @@ def _scan_ranges(bin_fd: int, tokens: np.ndarray, ends: np.ndarray, ranges: list
             if chunk.size:
                 scan.top = max(scan.top, int(chunk.max()))
                 scan.eos += int(np.count_nonzero(chunk == eos_id))
+                scan.bos += int(np.count_nonzero(chunk == bos_id)) if bos_id is not None else 0
             start += got
         if r.sha256 is not None and hasher.hexdigest() != r.sha256:
             scan.bad_bin.append(r.name)
@@ -98,6 +101,9 @@ def _scan_ranges(bin_fd: int, tokens: np.ndarray, ends: np.ndarray, ranges: list
             scan.increasing &= bool(relative[0] > 0 and np.all(np.diff(range_ends) > 0) and range_ends[-1] <= len(tokens))
             if scan.increasing:
                 scan.not_eos_ended += int(np.count_nonzero(np.asarray(tokens[range_ends - 1]) != eos_id))
+                if bos_id is not None:
+                    starts = np.concatenate([[r.tokens[0]], range_ends[:-1]])
+                    scan.not_bos_started += int(np.count_nonzero(np.asarray(tokens[starts]) != bos_id))
     return scan
 
 
@@ -171,20 +177,26 @@ def verify(out: str | os.PathLike, jobs: int | None = None) -> list[Check]:
     check("dtype holds vocab", vocab_size <= limit, f"{meta['dtype']} holds ids < {limit}; vocab_size {vocab_size}")
     check("eos id in vocab", 0 <= eos_id < vocab_size, f"eos {eos_id}, vocab {vocab_size}")
 
+    # A meta of an earlier tokpipe says nothing of delimiters: it wrote EOS after every document.
+    delimiters = meta.get("delimiters", {"bos": False, "eos": True})
+    bos_id = int(meta["bos_token_id"]) if delimiters["bos"] else None
     for split, info in splits.items():
-        _verify_split(out, split, info, dtype, vocab_size, eos_id, check, jobs)
+        _verify_split(out, split, info, dtype, vocab_size, eos_id, check, jobs, bos_id, delimiters["eos"])
     if meta.get("excluded"):
         # Not a failure: the user chose --skip-failed. But nobody should mistake the output for the whole corpus.
         check(f"note: {len(meta['excluded'])} shards excluded by --skip-failed", True, ", ".join(meta["excluded"]))
     return checks
 
 
-def _verify_split(out: Path, split: str, info: dict, dtype: np.dtype, vocab_size: int, eos_id: int, check, jobs: int) -> None:
+def _verify_split(out: Path, split: str, info: dict, dtype: np.dtype, vocab_size: int, eos_id: int, check, jobs: int, bos_id: int | None, eos_written: bool) -> None:
     path = out / info["file"]
     tokens_expected, docs_expected = int(info["tokens"]), int(info["documents"])
     if "lines" in info:
         skipped = sum(info.get("skipped", {}).values())
-        check(f"{split}: documents + skipped == lines", docs_expected + skipped == info["lines"], f"{docs_expected:,} + {skipped:,} vs {info['lines']:,}")
+        # --val-fraction moves documents from train (held_out) to validation (held_in).
+        read = docs_expected - info.get("held_in", 0) + info.get("held_out", 0)
+        moved = f" (held out {info['held_out']:,}, held in {info['held_in']:,})" if info.get("held_out") or info.get("held_in") else ""
+        check(f"{split}: documents + skipped == lines", read + skipped == info["lines"], f"{read:,} + {skipped:,} vs {info['lines']:,}{moved}")
     if not check(f"{split}: file present", path.is_file(), str(path)):
         return
     size = path.stat().st_size
@@ -214,14 +226,20 @@ def _verify_split(out: Path, split: str, info: dict, dtype: np.dtype, vocab_size
     tokens = np.memmap(path, dtype=dtype, mode="r") if n else np.zeros(0, dtype)
     ends = np.memmap(idx_path, dtype="<i8", mode="r") if docs_expected else np.zeros(0, "<i8")
     with open(path, "rb") as f, ThreadPoolExecutor(jobs) as pool:
-        scans = list(pool.map(lambda group: _scan_ranges(f.fileno(), tokens, ends, group, dtype, eos_id), _groups(ranges, dtype.itemsize, jobs)))
+        scans = list(pool.map(lambda group: _scan_ranges(f.fileno(), tokens, ends, group, dtype, eos_id, bos_id), _groups(ranges, dtype.itemsize, jobs)))
     bad_bin = [name for s in scans for name in s.bad_bin]
     bad_idx = [name for s in scans for name in s.bad_idx]
     if any(r.sha256 for r in ranges):
         check(f"{split}: sha256 matches meta", not bad_bin, f"the token bytes changed since finalize{_where(bad_bin, ranges)}" if bad_bin else "")
     top, eos = max((s.top for s in scans), default=0), sum(s.eos for s in scans)
     check(f"{split}: ids < vocab_size", top < vocab_size, f"max id {top:,}, vocab_size {vocab_size:,}")
-    check(f"{split}: EOS count == documents", eos == docs_expected, f"EOS {eos:,}, documents {docs_expected:,}")
+    if eos_written:
+        check(f"{split}: EOS count == documents", eos == docs_expected, f"EOS {eos:,}, documents {docs_expected:,}")
+    else:  # a literal "<|endoftext|>" in a text is encoded as text: the id appears only where placed
+        check(f"{split}: no EOS anywhere (--no-eos)", eos == 0, f"EOS {eos:,}")
+    if bos_id is not None:
+        bos = sum(s.bos for s in scans)
+        check(f"{split}: BOS count == documents", bos == docs_expected, f"BOS {bos:,}, documents {docs_expected:,}")
     if any(r.idx_sha256 for r in ranges):
         check(f"{split}: idx sha256 matches meta", not bad_idx, f"the index changed since finalize{_where(bad_idx, ranges)}" if bad_idx else "")
     increasing = all(s.increasing for s in scans)
@@ -229,8 +247,12 @@ def _verify_split(out: Path, split: str, info: dict, dtype: np.dtype, vocab_size
     last = int(ends[-1]) if docs_expected else 0
     check(f"{split}: idx ends at token count", last == n, f"last end {last:,}, tokens {n:,}")
     if increasing and last == n and docs_expected:
-        not_ended = sum(s.not_eos_ended for s in scans)
-        check(f"{split}: every document ends with EOS", not not_ended, f"{not_ended} do not")
+        if eos_written:
+            not_ended = sum(s.not_eos_ended for s in scans)
+            check(f"{split}: every document ends with EOS", not not_ended, f"{not_ended} do not")
+        if bos_id is not None:
+            not_started = sum(s.not_bos_started for s in scans)
+            check(f"{split}: every document starts with BOS", not not_started, f"{not_started} do not")
 
 
 def _where(names: list[str], ranges: list[Range]) -> str:
@@ -245,8 +267,9 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
     compare them with their span in the bins: an independent check of the backend and of the offsets."""
     from tokenizers import Tokenizer
 
+    from tokpipe.finalize import sources, split_file_stem
     from tokpipe.manifest import load_manifest
-    from tokpipe.shard import Checkpoint, ShardFiles
+    from tokpipe.shard import Checkpoint, ShardFiles, held_out
     from tokpipe.source import read_batches
     from tokpipe.tokenizer import tokenizer_json_path
 
@@ -259,43 +282,53 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
     reference.encode_special_tokens = True
     manifest = load_manifest(out / "manifest.json")
     excluded = meta.get("excluded", {})
+    delimiters = meta.get("delimiters", {"bos": False, "eos": True})
+    before = [meta["bos_token_id"]] if delimiters["bos"] else []
+    after = [meta["eos_token_id"]] if delimiters["eos"] else []
+    val_fraction = meta.get("val_fraction", 0.0)
 
-    # Every document of the output as (split, shard, number within shard, number within split).
+    # Every document of the output as (split, shard, held-out part or not, number within split), a part at a time.
     population = []
-    for split in manifest.counts:
+    for split in meta["splits"]:
         base = 0
-        for shard in (s for s in manifest.shards(split) if s.relpath not in excluded):
-            documents = Checkpoint.load(ShardFiles.of(out, shard).checkpoint).documents
-            population.append((split, shard, base, documents))
+        for shard, held in sources(manifest, split_file_stem(split), val_fraction):
+            if shard.relpath in excluded:
+                continue
+            ckpt = Checkpoint.load(ShardFiles.of(out, shard).checkpoint)
+            documents = ckpt.val_documents if held else ckpt.documents
+            population.append((split, shard, held, base, documents))
             base += documents
-    total = sum(p[3] for p in population)
+    total = sum(p[4] for p in population)
     wanted = sorted(random.Random(seed).sample(range(total), min(k, total)))
-    starts = np.cumsum([0] + [p[3] for p in population])  # first document of each shard, over all splits
-    picks: dict[int, list[tuple[int, int]]] = {}  # population index -> [(doc in shard, doc in split)]
+    starts = np.cumsum([0] + [p[4] for p in population])  # first document of each part, over all splits
+    picks: dict[int, list[tuple[int, int]]] = {}  # population index -> [(doc in part, doc in split)]
     for doc in wanted:
         i = int(np.searchsorted(starts, doc, side="right")) - 1
-        picks.setdefault(i, []).append((doc - int(starts[i]), population[i][2] + doc - int(starts[i])))
+        picks.setdefault(i, []).append((doc - int(starts[i]), population[i][3] + doc - int(starts[i])))
 
     dtype = np.dtype(meta["dtype"])
     results: dict[str, list[int]] = {}
     mismatches: dict[str, list[str]] = {}
     for i, docs in picks.items():
-        split, shard, _, _ = population[i]
+        split, shard, held, _, _ = population[i]
         info = meta["splits"][split]
         tokens = np.memmap(out / info["file"], dtype=dtype, mode="r")
         ends = np.memmap(out / info["idx"], dtype="<i8", mode="r")
         needed = dict(docs)
-        seen = 0
+        seen = 0  # documents of this part read so far
         for batch in read_batches(shard.path, meta["text_field"]):
-            for text in batch.texts:
+            texts = batch.texts
+            if val_fraction and shard.split == "train":  # the part's documents only: held out, or kept
+                texts = [t for t, h in zip(texts, held_out(texts, val_fraction)) if h == held]
+            for text in texts:
                 if seen in needed:
                     d = needed[seen]
                     start = int(ends[d - 1]) if d else 0
-                    expected = reference.encode(text, add_special_tokens=False).ids + [meta["eos_token_id"]]
+                    expected = before + reference.encode(text, add_special_tokens=False).ids + after
                     got = tokens[start : int(ends[d])]
                     results.setdefault(split, []).append(d)
                     if len(got) != len(expected) or not np.array_equal(got, expected):
-                        mismatches.setdefault(split, []).append(f"document {d} ({shard.relpath}, its document {seen})")
+                        mismatches.setdefault(split, []).append(f"document {d} ({shard.relpath}{', held out' if held else ''}, its document {seen})")
                 seen += 1
             if seen > max(needed):
                 break
