@@ -15,7 +15,7 @@ Formats, as their writers define them:
   sequences, and int64 document_indices (the builder starts them at [0] and appends the sequence
   count after each document). dtype: `DType.optimal_dtype(vocab_size)`, uint16 below 65,500 ids,
   else int32. We write one sequence per document (preprocess_data.py's layout without sentence
-  splitting), its EOS included (as with --append-eod).
+  splitting), its delimiters included (EOS as with --append-eod; BOS where the run placed it).
 - llmc: karpathy/llm.c dev/data/data_common.py `write_datafile`: a header of 256 int32, header[0]
   the magic, header[1] the version, header[2] the token count (< 2**31), then the tokens: magic
   20240520 version 1 with uint16 tokens ("gpt-2"), or 20240801 version 7 with uint32 ("llama-3").
