@@ -24,7 +24,7 @@ import orjson
 from tokpipe.errors import UserError
 
 MANIFEST_VERSION = 1
-SHARD_SUFFIXES = (".jsonl", ".jsonl.zst", ".jsonl.zstd", ".jsonl.gz", ".json.gz", ".json.zst")
+SHARD_SUFFIXES = (".jsonl", ".jsonl.zst", ".jsonl.zstd", ".jsonl.gz", ".json.gz", ".json.zst", ".parquet")
 # HF datasets' split names, as folder names or file-name prefixes (`train-00000-of-00004.jsonl.zst`).
 SPLIT_ALIASES = {
     "train": "train",
@@ -177,7 +177,7 @@ def _layout_hint(directory: Path) -> str:
     found = ", ".join(entries) if entries else "nothing"
     return (
         f"found {found} in {directory}; expected a Hugging Face cache root (holding datasets--ORG--NAME/), "
-        "one datasets--ORG--NAME folder, a snapshots/REV folder, or a folder of *.jsonl[.zst|.gz] shards"
+        "one datasets--ORG--NAME folder, a snapshots/REV folder, or a folder of *.jsonl[.zst|.gz] or *.parquet shards"
     )
 
 

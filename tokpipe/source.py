@@ -25,6 +25,7 @@ from tokpipe.errors import SourceError
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 GZIP_MAGIC = b"\x1f\x8b"
+PARQUET_MAGIC = b"PAR1"
 BOM = b"\xef\xbb\xbf"
 COMPRESSED_CHUNK = 1 << 16  # fed to zstd at a time; its output, a few times larger, is one block
 BLOCK = 1 << 20  # most decompressed bytes split into lines at once
@@ -42,6 +43,8 @@ def compression_of(path: str) -> str:
         return "zstd"
     if head.startswith(GZIP_MAGIC):
         return "gzip"
+    if head.startswith(PARQUET_MAGIC):
+        return "parquet"
     return "none"
 
 
@@ -216,7 +219,15 @@ def read_batches(
     batch_bytes: int = 4 << 20,
     max_line_bytes: int = 64 << 20,  # worker memory grows ~12 MiB per MB of line: keeps it under 1 GiB
 ) -> Iterator[Batch]:
-    """Batches of about `batch_bytes` of input, resuming after `start_line` lines / `start_offset` bytes."""
+    """Batches of about `batch_bytes` of input, resuming after `start_line` lines / `start_offset` bytes.
+
+    A Parquet shard (sniffed like compression) is read by tokpipe.parquet: a row is its line.
+    """
+    if compression_of(path) == "parquet":
+        from tokpipe.parquet import read_parquet_batches  # pyarrow is imported only where Parquet is read
+
+        yield from read_parquet_batches(path, text_field, start_line, batch_bytes)
+        return
     blocks = _from_offset(decompressed_blocks(path, min(BLOCK, batch_bytes)), start_offset, path)
     line_no, offset = start_line, start_offset
     batch = Batch([], 0, offset, 0, 0)
