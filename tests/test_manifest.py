@@ -114,7 +114,7 @@ def test_cli_wrong_dataset_dir_says_what_it_found_and_expected(tmp_path, make):
         target.mkdir()
     if make == "wrong_files":
         (target / "notes.txt").write_text("hi")
-        (target / "data.parquet").write_bytes(b"PAR1")
+        (target / "data.csv").write_text("text\nhi\n")
     result = tokpipe("manifest", "--dataset-dir", target, "-o", tmp_path / "m.json")
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
@@ -122,7 +122,7 @@ def test_cli_wrong_dataset_dir_says_what_it_found_and_expected(tmp_path, make):
     assert len(message.splitlines()) == 1
     assert "expected a Hugging Face cache root" in message
     if make == "wrong_files":
-        assert "data.parquet" in message and "notes.txt" in message
+        assert "data.csv" in message and "notes.txt" in message
 
 
 def test_cli_writes_the_manifest_and_reports_it(tmp_path):

@@ -61,21 +61,20 @@ def read_parquet_batches(path: str, text_field: str = "text", start_row: int = 0
                     if type(value) is str and value:
                         batch.texts.append(value)
                         batch.text_bytes += len(value)  # characters: close enough to bytes to size a batch
-                        continue
-                    reason = "empty_text" if value == "" else "text_not_string"
-                    batch.skipped[reason] += 1
-                    if len(batch.skip_log) < SKIP_LOG_CAP:
-                        batch.skip_log.append((row, reason))
-                batch.lines = row - first
-                if batch.text_bytes >= batch_bytes:
-                    batch.end_offset, batch.source_pos = row, read_bytes
-                    yield batch
-                    batch, first = Batch([], 0, row, 0, 0), row
+                    else:
+                        reason = "empty_text" if value == "" else "text_not_string"
+                        batch.skipped[reason] += 1
+                        if len(batch.skip_log) < SKIP_LOG_CAP:
+                            batch.skip_log.append((row, reason))
+                    if batch.text_bytes >= batch_bytes:  # row groups are often 100s of MB: batches end inside them
+                        batch.lines, batch.end_offset, batch.source_pos = row - first, row, read_bytes
+                        yield batch
+                        batch, first = Batch([], 0, row, 0, 0), row
         except (pa.ArrowException, OSError) as e:
             raise SourceError(f"{path}: row group {group} of {meta.num_row_groups} does not decode ({e}); a damaged download? re-download it") from None
         read_bytes += group_bytes
     if row < start_row:
         raise SourceError(f"{path} has {row} rows but its checkpoint says {start_row} were read: the file changed since the run began")
-    if batch.lines:
-        batch.end_offset, batch.source_pos = row, read_bytes
+    if row > first:
+        batch.lines, batch.end_offset, batch.source_pos = row - first, row, read_bytes
         yield batch
