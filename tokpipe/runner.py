@@ -107,8 +107,8 @@ def run_identity(manifest: Manifest, info: TokenizerInfo, opts: RunOptions) -> d
     }
 
 
-def check_delimiters(opts: RunOptions, info: TokenizerInfo, tokenizer) -> None:
-    """Refuse what would write documents no trainer can tell apart, or a BOS the tokenizer does not have."""
+def check_layout(opts: RunOptions, info: TokenizerInfo, tokenizer) -> None:
+    """Refuse documents no trainer could tell apart, a BOS the tokenizer does not have, a share that is no share."""
     if opts.no_eos and not opts.bos:
         raise UserError("--no-eos without --bos would write documents back to back with nothing between them: add --bos, or drop --no-eos")
     if opts.bos_token and not opts.bos:
@@ -633,7 +633,7 @@ def run(manifest_path: str | os.PathLike, tokenizer: str | os.PathLike, out: str
     clock = Timeline(time.monotonic())
     manifest = load_manifest(manifest_path)
     info = load_tokenizer_info(tokenizer, opts.eos, opts.bos_token)
-    check_delimiters(opts, info, tokenizer)
+    check_layout(opts, info, tokenizer)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     lock = _lock_out(out)

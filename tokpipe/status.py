@@ -129,7 +129,9 @@ def status(out: str | os.PathLike) -> RunStatus:
         # Ray workers can outlive a killed driver for a while; their shard locks say which are still written.
         writing = not ckpt.done and _lock_holder(files.lock) is not None
         error = failures.get(shard.relpath) if state == "failed" else None
-        shards.append(ShardStatus(shard.split, shard.relpath, state, shard.size, read, ckpt.tokens, ckpt.documents, error, writing))
+        # A shard's committed work includes the documents it holds out for val.bin (--val-fraction).
+        tokens, documents = ckpt.tokens + ckpt.val_tokens, ckpt.documents + ckpt.val_documents
+        shards.append(ShardStatus(shard.split, shard.relpath, state, shard.size, read, tokens, documents, error, writing))
 
     progress = _json_or_none(path / "logs" / "progress.json")
     age = time.time() - progress["updated_at"] if progress else None
