@@ -46,7 +46,7 @@ def split_file_stem(split: str) -> str:
 
 @dataclass(frozen=True)
 class Part:
-    """One shard's tokens and where they go: the split file `stem`, at token and document offsets."""
+    """A shard's documents (or those it held out) and where they go: split file `stem`, at token and document offsets."""
 
     stem: str
     seq: int  # its place among the split's parts
@@ -54,7 +54,7 @@ class Part:
     idx: str
     token_offset: int
     doc_offset: int
-    record: dict  # its line in <stem>.parts: shard, tokens, documents, lines, skipped, repaired, sha256, idx_sha256
+    record: dict  # its line in <stem>.parts (_part says which fields)
 
 
 def _part(stem: str, seq: int, files: ShardFiles, shard: Shard, ckpt: Checkpoint, held: bool, token_offset: int, doc_offset: int) -> Part:
@@ -115,8 +115,9 @@ def _copy_range(src_path: str, dst_fd: int, length: int, dst_offset: int) -> Non
 def place(out: str | os.PathLike, parts: list[Part], itemsize: int) -> list[dict]:
     """Copy parts of one split to their offsets, fsync, and return their records (checksums filled in).
 
-    Plain Python: the runner runs it as a Ray task on any node (OUT is on storage they all see),
-    finalize runs it in-process for what is left. Idempotent: a part copied twice is the same bytes.
+    Plain Python: the runner runs it in Ray tasks on every node of a cluster (OUT is on storage they
+    all see) or in threads of the driver on one machine; finalize runs it for what is left.
+    Idempotent: a part copied twice is the same bytes.
     """
     out = Path(out)
     stem = parts[0].stem
