@@ -1,10 +1,12 @@
-"""parquet: Parquet shards give the same tokens as the same documents in JSONL; every row is accounted for;
-resumes land mid-row-group; broken files fail by name."""
+"""parquet: Parquet shards give the same tokens as the same documents in JSONL; every row is a document or
+a counted skip, as JSONL would count it; resumable at any row; memory bounded by a row group; a cut or
+corrupt file fails by name. (The reader's tests here came from a second implementation of this issue.)"""
 
 import json
 import os
 import shutil
 import signal
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import QWEN3, REPO, Crash, assert_out_is, crash_in_batch, tokpipe
+from conftest import QWEN3, REPO, Crash, assert_out_is, crash_in_batch, tokpipe, write_jsonl
+from test_source import all_of
 from tokpipe.errors import SourceError
 from tokpipe.finalize import finalize
 from tokpipe.manifest import build_manifest
@@ -26,11 +29,7 @@ PARQUET_CACHE = REPO / "examples" / "hf-cache-parquet"
 MANIFEST = build_manifest(PARQUET_CACHE)
 INFO = load_tokenizer_info(QWEN3)
 ROW_GROUP = 64  # rows per row group in the example (examples/make_parquet_example.py --row-group 64)
-
-
-def write_parquet(path: Path, column, name: str = "text", row_group: int = 2) -> str:
-    pq.write_table(pa.table({name: column}), path, row_group_size=row_group)
-    return str(path)
+EXAMPLE_TRAIN = Path(MANIFEST.source[0].path)
 
 
 def test_the_parquet_example_gives_the_bytes_of_the_same_documents_in_jsonl(tmp_path, example_reference):
@@ -48,30 +47,112 @@ def test_the_parquet_example_gives_the_bytes_of_the_same_documents_in_jsonl(tmp_
     assert meta["splits"]["train"]["lines"] == rows == 295 and meta["splits"]["train"]["skipped"] == {"empty_text": 2}
 
 
-def test_every_row_is_a_document_or_a_counted_skip(tmp_path):
-    batches = list(read_batches(write_parquet(tmp_path / "a.parquet", ["one", None, "", "two", None]), batch_bytes=1))
-    assert [t for b in batches for t in b.texts] == ["one", "two"]
-    assert sum(b.lines for b in batches) == 5 and batches[-1].end_offset == 5
-    skipped = sum((b.skipped for b in batches), start=type(batches[0].skipped)())
-    assert skipped == {"text_not_string": 2, "empty_text": 1}
-    assert [entry for b in batches for entry in b.skip_log] == [(2, "text_not_string"), (3, "empty_text"), (5, "text_not_string")]
-    numbers = list(read_batches(write_parquet(tmp_path / "n.parquet", pa.array([1, 2, 3]))))
-    assert numbers[0].texts == [] and numbers[0].skipped == {"text_not_string": 3} and numbers[0].lines == 3
+def write_parquet(path, columns: dict, **options):
+    pq.write_table(pa.table(columns), path, **options)
+    return path
 
 
-def test_a_missing_text_column_fails_naming_the_file_and_the_column(tmp_path):
-    path = write_parquet(tmp_path / "body.parquet", ["x"], name="body")
-    with pytest.raises(SourceError, match=r"body\.parquet: no column 'text' \(it has body\): pass --text-field"):
-        list(read_batches(path))
-    assert list(read_batches(path, "body"))[0].texts == ["x"]
+def test_rows_are_documents_or_skips_counted_as_the_same_values_in_jsonl(tmp_path):
+    values = ["first", None, "", "second"]
+    parquet = write_parquet(tmp_path / "x.parquet", {"id": [1, 2, 3, 4], "text": values})
+    jsonl = write_jsonl(tmp_path / "x.jsonl", ['{"text": "first"}', '{"text": null}', '{"text": ""}', '{"text": "second"}'])
+    texts, skipped, batches = all_of(parquet)
+    assert texts == ["first", "second"]
+    assert dict(skipped) == {"text_not_string": 1, "empty_text": 1}
+    assert [entry for b in batches for entry in b.skip_log] == [(2, "text_not_string"), (3, "empty_text")]
+    assert sum(b.lines for b in batches) == len(values)
+    jsonl_texts, jsonl_skipped, jsonl_batches = all_of(jsonl)
+    assert (texts, skipped) == (jsonl_texts, jsonl_skipped)
+    assert [e for b in batches for e in b.skip_log] == [e for b in jsonl_batches for e in b.skip_log]
 
 
-def test_a_truncated_parquet_file_fails_naming_the_file(tmp_path):
-    whole = Path(MANIFEST.source[0].path).read_bytes()
-    cut = tmp_path / "cut.parquet"
-    cut.write_bytes(whole[: len(whole) * 6 // 10])
-    with pytest.raises(SourceError, match=r"cut\.parquet: not a readable Parquet file .* re-download it"):
-        list(read_batches(str(cut)))
+@pytest.mark.parametrize(
+    "column, texts, skipped, repaired",
+    [
+        (pa.array(["a", "b"], pa.large_string()), ["a", "b"], {}, {}),
+        (pa.array(["a", "b", "a"]).dictionary_encode(), ["a", "b", "a"], {}, {}),  # a pandas category
+        # Writers that store strings without the UTF-8 annotation make binary columns: decoded, repaired.
+        (pa.array([b"ok", b"bad \xff utf8", None], pa.binary()), ["ok", "bad \ufffd utf8"], {"text_not_string": 1}, {"invalid_utf8": 1}),
+        # pyarrow reads a string column without checking its UTF-8: the same repair.
+        (pa.array([b"ok", b"bad \xff utf8"], pa.binary()).view(pa.string()), ["ok", "bad \ufffd utf8"], {}, {"invalid_utf8": 1}),
+        (pa.array([1, 2, None]), [], {"text_not_string": 3}, {}),
+        (pa.array([["a"], ["b"]]), [], {"text_not_string": 2}, {}),
+    ],
+    ids=["large_string", "dictionary", "binary", "invalid_utf8_string", "int64", "list"],
+)
+def test_column_types(tmp_path, column, texts, skipped, repaired):
+    path = write_parquet(tmp_path / "x.parquet", {"text": column})
+    got, got_skipped, batches = all_of(path)
+    assert got == texts and dict(got_skipped) == skipped
+    assert sum((b.repaired for b in batches), start=Counter()) == repaired
+    assert sum(b.lines for b in batches) == len(column)
+
+
+def test_the_format_is_sniffed_not_taken_from_the_name(tmp_path):
+    parquet_named_jsonl = write_parquet(tmp_path / "x.jsonl.zst", {"text": ["from parquet"]})
+    jsonl_named_parquet = write_jsonl(tmp_path / "y.parquet", ['{"text": "from jsonl"}'])
+    assert all_of(parquet_named_jsonl)[0] == ["from parquet"]
+    assert all_of(jsonl_named_parquet)[0] == ["from jsonl"]
+
+
+def test_batches_are_cut_by_bytes_and_resume_at_any_row(tmp_path):
+    texts = [f"document {i} " + "word " * (i % 37) for i in range(200)]
+    path = write_parquet(tmp_path / "x.parquet", {"text": texts}, row_group_size=16)
+    for batch_bytes in (1, 700, 4 << 20):
+        got, _, batches = all_of(path, batch_bytes=batch_bytes)
+        assert got == texts, batch_bytes
+        assert all(b.text_bytes >= batch_bytes for b in batches[:-1])
+        assert [b.end_offset for b in batches] == [sum(b.lines for b in batches[: k + 1]) for k in range(len(batches))]
+        positions = [b.source_pos for b in batches]
+        assert positions == sorted(positions) and positions[-1] == os.path.getsize(path)
+        for b in batches:  # a checkpoint after any batch: the rest follows
+            assert all_of(path, batch_bytes=batch_bytes, start_line=b.end_offset, start_offset=b.end_offset)[0] == texts[b.end_offset :]
+    # Rows inside a row group, at its edges, and at the end.
+    for row in (0, 5, 15, 16, 17, 199, 200):
+        rest, _, batches = all_of(path, batch_bytes=700, start_line=row, start_offset=row)
+        assert rest == texts[row:] and sum(b.lines for b in batches) == 200 - row
+
+
+def test_memory_is_bounded_by_a_row_group_not_the_file(tmp_path):
+    # 64 row groups of ~240 KB of text: pyarrow holds a piece of one at a time, never the 15 MB file.
+    texts = [f"{i} " + "a large document " * 3750 for i in range(256)]
+    path = write_parquet(tmp_path / "big.parquet", {"text": texts}, row_group_size=4, compression="none")
+    peak = 0
+    for batch in read_batches(str(path), batch_bytes=256 << 10):
+        peak = max(peak, pa.total_allocated_bytes())
+    assert peak < 1 << 20, f"{peak:,} bytes held by pyarrow at once"
+
+
+def test_a_missing_column_fails_naming_the_file_and_the_column(tmp_path):
+    path = write_parquet(tmp_path / "x.parquet", {"body": ["a"], "id": [1]})
+    with pytest.raises(SourceError, match=r"x.parquet has no column 'text' \(its columns: body, id\); name the text column with --text-field"):
+        all_of(path)
+    assert all_of(path, text_field="body")[0] == ["a"]
+
+
+def test_a_cut_download_fails_naming_the_file(tmp_path):
+    data = EXAMPLE_TRAIN.read_bytes()
+    path = tmp_path / "cut.parquet"
+    path.write_bytes(data[: len(data) * 6 // 10])
+    with pytest.raises(SourceError, match=r"cut.parquet: not a complete Parquet file.*truncated download"):
+        all_of(path)
+
+
+def test_a_corrupt_page_fails_naming_the_row_group(tmp_path):
+    path = write_parquet(tmp_path / "x.parquet", {"text": [f"row {i} " * 20 for i in range(200)]}, row_group_size=50, compression="zstd", use_dictionary=False)
+    chunk = pq.ParquetFile(path).metadata.row_group(2).column(0)
+    data = bytearray(path.read_bytes())
+    end = chunk.data_page_offset + chunk.total_compressed_size  # the page's compressed values end there (its header, first, holds statistics)
+    data[end - 48 : end - 32] = b"\xff" * 16
+    path.write_bytes(bytes(data))
+    with pytest.raises(SourceError, match=r"x.parquet: row group 2 \(of 4\) does not decode"):
+        all_of(path)
+
+
+def test_a_checkpoint_past_the_last_row_is_an_error(tmp_path):
+    path = write_parquet(tmp_path / "x.parquet", {"text": ["short"]})
+    with pytest.raises(SourceError, match="fewer rows than its checkpoint"):
+        all_of(path, start_line=5, start_offset=5)
 
 
 def test_a_shard_interrupted_inside_a_row_group_resumes_to_identical_bytes(tmp_path):
@@ -119,7 +200,7 @@ def test_a_cut_parquet_shard_fails_by_name_and_skip_failed_finalizes_without_it(
     assert tokpipe("manifest", "--dataset-dir", parquet_copy, "-o", manifest).returncode == 0
     failing = tokpipe("run", "--manifest", manifest, "--tokenizer", QWEN3, "--out", out)
     assert failing.returncode == 1 and "Traceback" not in failing.stderr
-    assert "FAILED data/train-00001-of-00002.parquet: SourceError:" in failing.stderr and "not a readable Parquet file" in failing.stderr
+    assert "FAILED data/train-00001-of-00002.parquet: SourceError:" in failing.stderr and "not a complete Parquet file" in failing.stderr
     skipping = tokpipe("run", "--manifest", manifest, "--tokenizer", QWEN3, "--out", out, "--skip-failed")
     assert skipping.returncode == 0, skipping.stderr
     meta = json.loads((out / "meta.json").read_text())

@@ -1,80 +1,128 @@
 """One Parquet shard -> batches of document texts, every row accounted for (beside source.py's JSONL reader).
 
-A document is a row whose text column holds a non-empty string. A null is `text_not_string` (as a
-JSON `"text": null` is), an empty string `empty_text`, and every row of a column that does not hold
-strings `text_not_string`. Rows are read a row group at a time (pyarrow's `iter_batches`), so a
-worker holds at most about one row group, never the file. Resuming needs no byte offset: the
-footer gives each row group's row count, so the first `start_row` rows are skipped by row group and
-then by row. A file pyarrow cannot read (footer missing, a page that does not decode) is a
-SourceError naming the file and the row group.
+A row is a document when its text column holds a non-empty string. Any other row is a counted skip,
+with the reason JSONL gives the same value: a null is `text_not_string` (as `{"text": null}` is), `""`
+is `empty_text`, a text over the size limit is `too_long`, and in a column of another type (numbers,
+lists, structs) every row is `text_not_string`. A `binary` column is text too (writers that store
+strings without their UTF-8 annotation make those): its bytes are decoded as a JSONL line's are,
+invalid UTF-8 replaced and counted; pyarrow does not check the UTF-8 of a `string` column either, so
+the same goes for it. A file without the column fails the shard: that is a wrong `--text-field`, not
+dirty data.
+
+Memory is bounded by a row group, never the file: pyarrow reads one row group's column chunk, and we
+decode it in pieces of about a block of text. Resuming is by rows: a checkpoint's lines are the rows
+consumed (its offset the same number), and the footer's row counts per row group say where they end.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tokpipe.errors import SourceError
 from tokpipe.source import SKIP_LOG_CAP, Batch
 
-ROWS_PER_READ = 1024  # rows pyarrow decodes at a time, within a row group
+PIECE_BYTES = 1 << 20  # about this much of a row group is decoded at a time
+TEXT_TYPES = (pa.string(), pa.large_string(), pa.binary(), pa.large_binary())
 
 
-def _open(path: str, text_field: str) -> tuple[pq.ParquetFile, bool]:
-    """The file, and whether its text column holds strings."""
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split())
+
+
+def _open(path: str) -> pq.ParquetFile:
     try:
-        parquet = pq.ParquetFile(path)
+        return pq.ParquetFile(path, page_checksum_verification=True)
     except (pa.ArrowException, OSError) as e:
-        raise SourceError(f"{path}: not a readable Parquet file ({e}); an incomplete download? re-download it") from None
-    schema = parquet.schema_arrow
-    if text_field not in schema.names:
-        raise SourceError(f"{path}: no column {text_field!r} (it has {', '.join(schema.names)}): pass --text-field COLUMN")
-    kind = schema.field(text_field).type
-    return parquet, pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
+        raise SourceError(f"{path}: not a complete Parquet file, its footer is missing or broken (truncated download?): {_one_line(e)}") from None
 
 
-def read_parquet_batches(path: str, text_field: str = "text", start_row: int = 0, batch_bytes: int = 4 << 20) -> Iterator[Batch]:
-    """Batches of about `batch_bytes` of text, resuming after `start_row` rows. A Batch's `lines` are
-    rows, its `end_offset` the rows consumed (what resuming needs), `source_pos` the file bytes
-    of the row groups read so far (for progress)."""
-    parquet, strings = _open(path, text_field)
-    meta = parquet.metadata
-    row, read_bytes, skip = 0, 0, start_row
-    batch, first = Batch([], 0, start_row, 0, 0), start_row  # first: the row the batch starts at
-    for group in range(meta.num_row_groups):
-        group_rows = meta.row_group(group).num_rows
-        group_bytes = sum(meta.row_group(group).column(c).total_compressed_size for c in range(meta.num_columns))
-        if skip >= group_rows:  # done before the checkpoint
-            skip -= group_rows
-            row += group_rows
-            read_bytes += group_bytes
-            continue
+def _pieces(parquet: pq.ParquetFile, path: str, text_field: str, start_row: int, piece_bytes: int) -> Iterator[tuple[pa.Array, int, int]]:
+    """The text column from row `start_row` on, a piece at a time: (values, number of the first row, file bytes read).
+
+    File bytes read is for progress only: the file's size in proportion to the row groups' data read
+    (the footer's sizes, interpolated by rows inside a row group), so that it ends at the file size.
+    """
+    groups = [parquet.metadata.row_group(g) for g in range(parquet.num_row_groups)]
+    file_size, data_size = os.path.getsize(path), max(1, sum(g.total_byte_size for g in groups))
+    row, data_before = 0, 0  # rows and data of the row groups before this one
+    for number, group in enumerate(groups):
+        if row + group.num_rows > start_row:
+            rows_per_piece = max(1, piece_bytes * group.num_rows // max(1, group.total_byte_size))
+            read = row
+            try:
+                for piece in parquet.iter_batches(rows_per_piece, row_groups=[number], columns=[text_field], use_threads=False):
+                    values, first = piece.column(0), read
+                    read += len(values)
+                    if read <= start_row:
+                        continue
+                    if first < start_row:
+                        values, first = values.slice(start_row - first), start_row
+                    data_read = data_before + group.total_byte_size * (read - row) // group.num_rows
+                    yield values, first, file_size * data_read // data_size
+            except (pa.ArrowException, OSError) as e:
+                raise SourceError(f"{path}: row group {number} (of {len(groups)}) does not decode, the file is corrupt: {_one_line(e)}") from None
+        row += group.num_rows
+        data_before += group.total_byte_size
+
+
+def _parse(values: pa.Array, first_row: int, max_text_bytes: int, batch: Batch) -> None:
+    """Add each row's text to the batch, or count the row as skipped."""
+    if pa.types.is_dictionary(values.type):  # a column written from a pandas category
+        values = values.dictionary_decode()
+    if values.type in TEXT_TYPES:
+        sizes = pc.binary_length(values).fill_null(0).to_pylist()
         try:
-            for records in parquet.iter_batches(batch_size=ROWS_PER_READ, row_groups=[group], columns=[text_field], use_threads=False):
-                values = records.column(0).to_pylist() if strings else [None] * records.num_rows
-                if skip:
-                    values, row, skip = values[skip:], row + min(skip, len(values)), max(skip - len(values), 0)
-                for value in values:
-                    row += 1
-                    if type(value) is str and value:
-                        batch.texts.append(value)
-                        batch.text_bytes += len(value)  # characters: close enough to bytes to size a batch
-                    else:
-                        reason = "empty_text" if value == "" else "text_not_string"
-                        batch.skipped[reason] += 1
-                        if len(batch.skip_log) < SKIP_LOG_CAP:
-                            batch.skip_log.append((row, reason))
-                    if batch.text_bytes >= batch_bytes:  # row groups are often 100s of MB: batches end inside them
-                        batch.lines, batch.end_offset, batch.source_pos = row - first, row, read_bytes
-                        yield batch
-                        batch, first = Batch([], 0, row, 0, 0), row
-        except (pa.ArrowException, OSError) as e:
-            raise SourceError(f"{path}: row group {group} of {meta.num_row_groups} does not decode ({e}); a damaged download? re-download it") from None
-        read_bytes += group_bytes
-    if row < start_row:
-        raise SourceError(f"{path} has {row} rows but its checkpoint says {start_row} were read: the file changed since the run began")
-    if row > first:
-        batch.lines, batch.end_offset, batch.source_pos = row - first, row, read_bytes
-        yield batch
+            texts = values.to_pylist()
+        except UnicodeDecodeError:  # pyarrow does not check UTF-8 when reading: take the bytes, decoded row by row below
+            texts = values.cast(pa.large_binary()).to_pylist()
+    else:
+        sizes, texts = [0] * len(values), [None] * len(values)  # every row text_not_string, below
+    append = batch.texts.append
+    for i, (text, size) in enumerate(zip(texts, sizes)):
+        if size > max_text_bytes:
+            reason = "too_long"
+        else:
+            if type(text) is bytes:
+                text = _decode(text, batch)
+            if type(text) is str and text:
+                append(text)
+                continue
+            reason = "empty_text" if text == "" else "text_not_string"
+        batch.skipped[reason] += 1
+        if len(batch.skip_log) < SKIP_LOG_CAP:
+            batch.skip_log.append((first_row + i + 1, reason))
+    batch.lines += len(texts)
+    batch.text_bytes += sum(sizes)
+
+
+def _decode(raw: bytes, batch: Batch) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        batch.repaired["invalid_utf8"] += 1
+        return raw.decode("utf-8", errors="replace")
+
+
+def read_parquet_batches(path: str, text_field: str, start_line: int, batch_bytes: int, max_text_bytes: int) -> Iterator[Batch]:
+    """Batches of about `batch_bytes` of text, resuming after `start_line` rows (a checkpoint's offset is the same number)."""
+    with _open(path) as parquet:
+        columns = parquet.schema_arrow.names
+        if text_field not in columns:
+            shown = ", ".join(columns[:10]) + (", ..." if len(columns) > 10 else "")
+            raise SourceError(f"{path} has no column {text_field!r} (its columns: {shown}); name the text column with --text-field")
+        if start_line > parquet.metadata.num_rows:
+            raise SourceError(f"{path} has fewer rows than its checkpoint says: the file changed since the run began")
+        batch = Batch([], 0, start_line, 0, 0)
+        for values, first_row, source_pos in _pieces(parquet, path, text_field, start_line, min(PIECE_BYTES, batch_bytes)):
+            _parse(values, first_row, max_text_bytes, batch)
+            batch.end_offset, batch.source_pos = first_row + len(values), source_pos
+            if batch.text_bytes >= batch_bytes:
+                yield batch
+                batch = Batch([], 0, batch.end_offset, 0, 0)
+        if batch.lines:
+            yield batch

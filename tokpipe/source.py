@@ -226,7 +226,7 @@ def read_batches(
     if compression_of(path) == "parquet":
         from tokpipe.parquet import read_parquet_batches  # pyarrow is imported only where Parquet is read
 
-        yield from read_parquet_batches(path, text_field, start_line, batch_bytes)
+        yield from read_parquet_batches(path, text_field, start_line, batch_bytes, max_line_bytes)
         return
     blocks = _from_offset(decompressed_blocks(path, min(BLOCK, batch_bytes)), start_offset, path)
     line_no, offset = start_line, start_offset
