@@ -124,3 +124,26 @@ def test_val_fraction_makes_a_validation_split_when_the_dataset_has_none(tmp_pat
     meta = finalize(out, manifest, info, "text", **options.layout)
     assert list(meta["splits"]) == ["train", "validation"] and meta["splits"]["validation"]["file"] == "val.bin"
     assert meta["splits"]["train"]["documents"] + meta["splits"]["validation"]["documents"] == 293
+
+
+def test_an_unfinished_run_is_inspected_with_its_held_out_documents_in_val(tmp_path):
+    from tokpipe.manifest import build_manifest, write_manifest
+    from tokpipe.runner import record_run
+    from tokpipe.shard import tokenize_shard
+    from tokpipe.tokenizer import load_tokenizer_info
+
+    # A dataset with no validation split, tokenized with --val-fraction and not finalized: val.bin is yet to be.
+    data = tmp_path / "data" / "train"
+    data.mkdir(parents=True)
+    for i, path in enumerate(TRAIN):
+        shutil.copy(path, data / f"part-{i}.jsonl.zst")
+    manifest, info, options, out = build_manifest(tmp_path / "data"), load_tokenizer_info(QWEN3), RunOptions(val_fraction=0.2), tmp_path / "out"
+    out.mkdir()
+    record_run(out, manifest, info, options)
+    write_manifest(manifest, out / "manifest.json")
+    for shard in manifest.shards():
+        tokenize_shard(shard, out, options.encode_spec(info, "gigatoken"))
+    held = sum(is_held_out(t, 0.2) for path in TRAIN for t in reference_texts(path))
+    val = inspect(out, split="val", n=1, seed=0)
+    assert not val.source.finished and val.source.documents == held and val.source.split == "validation"
+    assert inspect(out, split="train", n=1, seed=0).source.documents == 293 - held

@@ -42,10 +42,33 @@ def test_cache_root_repo_folder_and_snapshot_give_the_same_shards():
         ("data/test-00000-of-00001.jsonl", "test"),
         ("cc/en/part-0001.jsonl.zst", "train"),
         ("trainer_notes/a.jsonl", "train"),
+        # The hub's Parquet names: its conversion of every dataset, and FineWeb's (all train).
+        ("data/train-00000-of-00003.parquet", "train"),
+        ("data/validation-00000-of-00001.parquet", "validation"),
+        ("data/test-00000-of-00001.parquet", "test"),
+        ("default/validation/0000.parquet", "validation"),
+        ("data/CC-MAIN-2024-10/000_00000.parquet", "train"),
     ],
 )
 def test_split_comes_from_the_path_as_hf_datasets_name_it(relpath, split):
     assert split_of(relpath) == split
+
+
+def test_parquet_shards_in_every_layout(tmp_path):
+    cache = EXAMPLE_CACHE.parent / "hf-cache-parquet"
+    repo = cache / "datasets--tokpipe-realdata--slimpajama-mini-parquet"
+    snapshot = next(repo.glob("snapshots/*"))
+    plain = tmp_path / "plain"
+    shutil.copytree(snapshot, plain, symlinks=False)
+    manifests = [build_manifest(d) for d in (cache, repo, snapshot, plain)]
+    assert {m.fingerprint for m in manifests} == {manifests[0].fingerprint}
+    assert manifests[0].repo_id == "tokpipe-realdata/slimpajama-mini-parquet"
+    assert [(s.split, s.relpath, s.key) for s in manifests[0].shards()] == [
+        ("train", "data/train-00000-of-00002.parquet", "data__train-00000-of-00002"),
+        ("train", "data/train-00001-of-00002.parquet", "data__train-00001-of-00002"),
+        ("validation", "data/validation-00000-of-00001.parquet", "data__validation-00000-of-00001"),
+    ]
+    assert all(os.path.dirname(s.path) == str((repo / "blobs").resolve()) for s in manifests[0].shards())
 
 
 def test_plain_folder_sorted_by_path_and_unrelated_files_ignored(tmp_path):

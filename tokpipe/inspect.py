@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from tokpipe.errors import UserError
+from tokpipe.finalize import output_splits, sources, split_file_stem
 from tokpipe.manifest import load_manifest
 from tokpipe.output import open_output
 from tokpipe.shard import IDX_DTYPE, Checkpoint, ShardFiles
@@ -128,19 +129,25 @@ def open_source(out: str | os.PathLike, split: str) -> Source:
     if not run or not (out / "manifest.json").is_file():
         raise UserError(f"{out} holds no tokpipe run (no meta.json, run.json or manifest.json)")
     manifest = load_manifest(out / "manifest.json")
-    name = _split_name(split, list(manifest.counts))
+    val_fraction = run.get("val_fraction", 0.0)
+    name = _split_name(split, output_splits(manifest, val_fraction))
     dtype = np.dtype(run["dtype"])
     segments, documents = [], 0
-    for shard in manifest.shards(name):
+    # The parts the split file will be made of (with --val-fraction, val's include the train shards' held-out ones).
+    for shard, held in sources(manifest, split_file_stem(name), val_fraction):
         files = ShardFiles.of(out, shard)
         ckpt = Checkpoint.load(files.checkpoint)
-        if ckpt is None or ckpt.tokens == 0:
+        if ckpt is None:
             continue
+        n_tokens, n_documents = (ckpt.val_tokens, ckpt.val_documents) if held else (ckpt.tokens, ckpt.documents)
+        if n_tokens == 0:
+            continue
+        bin_path, idx_path = (files.val_bin, files.val_idx) if held else (files.bin, files.idx)
         # Only what the checkpoint covers: a live worker may be appending beyond it.
-        tokens = np.memmap(files.bin, dtype=dtype, mode="r", shape=(ckpt.tokens,))
-        ends = np.memmap(files.idx, dtype=IDX_DTYPE, mode="r", shape=(ckpt.documents,))
-        segments.append(Segment(str(files.bin.relative_to(out)), tokens, ends))
-        documents += ckpt.documents
+        tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(n_tokens,))
+        ends = np.memmap(idx_path, dtype=IDX_DTYPE, mode="r", shape=(n_documents,))
+        segments.append(Segment(str(bin_path.relative_to(out)), tokens, ends))
+        documents += n_documents
     return Source(
         split=name,
         finished=False,

@@ -186,14 +186,14 @@ def _check_append(out: Path, old_manifest: Manifest, manifest: Manifest) -> None
     (out / "meta.json").unlink(missing_ok=True)  # OUT is unfinished again until the new finalize
 
 
-def _sample_texts(manifest: Manifest) -> list[str]:
+def _sample_texts(manifest: Manifest, text_field: str) -> list[str]:
     texts = []
     for split in manifest.counts:
         path = next(manifest.shards(split)).path
         if not stat.S_ISREG(os.stat(path).st_mode):  # a pipe or device: reading could block the driver
             continue
         try:
-            first = next(read_batches(path, batch_bytes=SAMPLE_BYTES), None)
+            first = next(read_batches(path, text_field, batch_bytes=SAMPLE_BYTES), None)
         except SourceError:  # an unreadable first shard: its own task reports it
             continue
         if first is not None:  # None: an empty shard
@@ -542,7 +542,7 @@ def _tokenize(manifest: Manifest, out: Path, info: TokenizerInfo, opts: RunOptio
     (failures, shards that resumed). Ray is up when it returns: what finalize has left is the last copies."""
     with ThreadPoolExecutor(1) as pool:
         # The backend's self-check and Ray's start-up take seconds each: do them at the same time.
-        choice = pool.submit(choose_backend, opts.backend, info.path, _sample_texts(manifest))
+        choice = pool.submit(choose_backend, opts.backend, info.path, _sample_texts(manifest, opts.text_field))
         workers, read_ahead = _start_ray(opts)
         backend, why = choice.result()
     print(f"backend {backend}: {why}")
