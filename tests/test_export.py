@@ -115,3 +115,20 @@ def test_non_empty_dest_needs_force_and_force_leaves_no_stale_shards(finished_sm
 def test_unfinished_out_cannot_be_exported(killed_example, tmp_path):
     with pytest.raises(UserError, match="not a finished tokpipe output"):
         export(killed_example, "megatron", tmp_path / "d")
+
+
+def test_exports_keep_the_delimiters_the_run_placed(tmp_path):
+    from conftest import QWEN3, build_out
+    from tokpipe.runner import RunOptions
+
+    out = build_out(tmp_path / "out", QWEN3, options=RunOptions(bos=True, bos_token="<|im_start|>"))
+    export(out, "megatron", tmp_path / "mg")
+    export(out, "llmc", tmp_path / "llmc", shard_tokens=100_000)  # longer than any document here
+    for stem in ("train", "val"):
+        _, tokens, ends = tokpipe_split(out, stem)
+        _, sequences, _ = read_megatron(tmp_path / "mg" / stem)
+        assert np.array_equal(np.concatenate(sequences).astype(np.int64), tokens.astype(np.int64))
+        assert np.array_equal(np.cumsum([len(s) for s in sequences]), ends) and all(s[0] == 151644 for s in sequences)
+        shards = [read_llmc(f)[2] for f in sorted((tmp_path / "llmc").glob(f"{stem}_*.bin"))]
+        assert np.array_equal(np.concatenate(shards), tokens) and len(shards) > 1
+        assert all(t[0] == 151644 for t in shards)  # each llm.c shard starts where a document does

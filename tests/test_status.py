@@ -114,3 +114,13 @@ def test_json_and_durations(killed):
     data = json.loads(result.stdout)
     assert data["state"] == "stopped" and [s["state"] for s in data["shards"]] == ["done", "partial", "pending"]
     assert [duration(s) for s in (0.4, 42, 423, 7500, 273600)] == ["0s", "42s", "7m03s", "2h05m", "3d04h"]
+
+
+def test_resume_command_gives_switches_without_a_value(killed):
+    run = json.loads((killed / "run.json").read_text())
+    run["options"].update(bos=True, bos_token="<|im_start|>", no_eos=True, val_fraction=0.05, skip_failed=True)
+    (killed / "run.json").write_text(json.dumps(run))
+    argv = shlex.split(status(killed).next)
+    assert "--bos" in argv and "--no-eos" in argv and "True" not in argv
+    args = parser().parse_args(argv[1:])
+    assert (args.bos, args.bos_token, args.no_eos, args.val_fraction, args.skip_failed) == (True, "<|im_start|>", True, 0.05, True)
