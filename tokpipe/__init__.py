@@ -48,7 +48,8 @@ def run(manifest: str | os.PathLike, tokenizer: str | os.PathLike, out: str | os
     """`tokpipe run`: tokenize on Ray (embedded, or the cluster at `address=`); rerun to resume.
 
     `options` are `tokpipe.runner.RunOptions`' fields: workers, address, backend, text_field, eos,
-    checkpoint_interval, stall_timeout, max_retries, skip_failed. Returns a `tokpipe.runner.RunSummary`.
+    checkpoint_interval, stall_timeout, max_retries, skip_failed, worker_memory, bos, bos_token, no_eos,
+    val_fraction. Returns a `tokpipe.runner.RunSummary`.
     """
     from tokpipe.runner import RunOptions  # Ray is imported only by who runs
     from tokpipe.runner import run as run_manifest
