@@ -86,9 +86,10 @@ def _gzip_blocks(raw, path: str) -> Iterator[bytes]:
             yield block
 
 
-def decompressed_blocks(path: str, block_bytes: int = BLOCK) -> Iterator[tuple[bytes, int]]:
-    """The shard's decompressed bytes in pieces of at most block_bytes, each with the bytes of the file read so far."""
-    kind = compression_of(path)
+def decompressed_blocks(path: str, block_bytes: int = BLOCK, kind: str | None = None) -> Iterator[tuple[bytes, int]]:
+    """The shard's decompressed bytes in pieces of at most block_bytes, each with the bytes of the file read so far.
+    `kind`: its compression_of(), when the caller has sniffed it already."""
+    kind = kind or compression_of(path)
     with open(path, "rb", buffering=0) as raw:
         if kind == "zstd":
             blocks = _zstd_blocks(raw, path)
@@ -223,12 +224,13 @@ def read_batches(
 
     A Parquet shard (sniffed like compression) is read by tokpipe.parquet: a row is its line.
     """
-    if compression_of(path) == "parquet":
+    kind = compression_of(path)
+    if kind == "parquet":
         from tokpipe.parquet import read_parquet_batches  # pyarrow is imported only where Parquet is read
 
         yield from read_parquet_batches(path, text_field, start_line, batch_bytes, max_line_bytes)
         return
-    blocks = _from_offset(decompressed_blocks(path, min(BLOCK, batch_bytes)), start_offset, path)
+    blocks = _from_offset(decompressed_blocks(path, min(BLOCK, batch_bytes), kind), start_offset, path)
     line_no, offset = start_line, start_offset
     batch = Batch([], 0, offset, 0, 0)
     for lines, consumed, source_pos in _lines(blocks, max_line_bytes):

@@ -117,7 +117,8 @@ def _ranges(out: Path, split: str, info: dict, check) -> list[Range] | None:
     if not check(f"{split}: parts list present", path.is_file(), str(path)):
         return None
     raw = path.read_bytes()
-    if not check(f"{split}: parts list sha256 matches meta", hashlib.sha256(raw).hexdigest() == info["parts_sha256"], "" if hashlib.sha256(raw).hexdigest() == info["parts_sha256"] else f"{path} changed since finalize"):
+    same = hashlib.sha256(raw).hexdigest() == info["parts_sha256"]
+    if not check(f"{split}: parts list sha256 matches meta", same, "" if same else f"{path} changed since finalize"):
         return None
     ranges, t, d = [], 0, 0
     for record in map(json.loads, raw.splitlines()):
