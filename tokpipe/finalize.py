@@ -290,14 +290,15 @@ def _split_entry(stem: str, parts_path: Path) -> dict:
     """meta's entry for a split, summed from its parts list."""
     entry = {"file": f"{stem}.bin", "idx": f"{stem}.idx", "parts": f"{stem}.parts", "tokens": 0, "documents": 0, "lines": 0, "held_out": 0, "held_in": 0}
     skipped, repaired, shards = Counter(), Counter(), 0
-    for record in map(orjson.loads, parts_path.read_bytes().splitlines()):
+    raw = parts_path.read_bytes()
+    for record in map(orjson.loads, raw.splitlines()):
         for key in ("tokens", "documents", "lines", "held_out", "held_in"):
             entry[key] += record.get(key, 0)
         skipped.update(record.get("skipped", {}))
         repaired.update(record.get("repaired", {}))
         shards += record.get("part") != "held-out"
     entry.update(skipped=dict(sorted(skipped.items())), repaired=dict(sorted(repaired.items())), shards=shards)
-    entry["parts_sha256"] = hashlib.sha256(parts_path.read_bytes()).hexdigest()
+    entry["parts_sha256"] = hashlib.sha256(raw).hexdigest()
     return entry
 
 

@@ -269,15 +269,15 @@ def tokenize_shard(
         main = _Part(files.bin, files.idx, ckpt.tokens, ckpt.documents, spec.dtype)
         holding_out = spec.val_fraction > 0 and shard.split == "train"
         held = _Part(files.val_bin, files.val_idx, ckpt.val_tokens, ckpt.val_documents, spec.dtype) if holding_out else None
+        parts = [main] if held is None else [main, held]
         try:
             memory = memory_guard(spec)
             resets_before = memory.resets
             skipped, repaired = Counter(ckpt.skipped), Counter(ckpt.repaired)
 
             def commit(done: bool = False) -> None:
-                for part in (main, held):
-                    if part is not None:
-                        part.sync()
+                for part in parts:
+                    part.sync()
                 ckpt.skipped, ckpt.repaired, ckpt.done = dict(skipped), dict(repaired), done
                 if done:
                     ckpt.sha256, ckpt.idx_sha256 = main.bin_hash.hexdigest(), main.idx_hash.hexdigest()
@@ -319,7 +319,6 @@ def tokenize_shard(
                     last_commit = time.monotonic()
             commit(done=True)
         finally:
-            for part in (main, held):
-                if part is not None:
-                    part.close()
+            for part in parts:
+                part.close()
     return ShardResult(shard.split, shard.key, ckpt, resumed, main.cut // np.dtype(spec.dtype).itemsize, time.monotonic() - started, memory.resets - resets_before)
