@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -123,7 +124,8 @@ def build_out(out: Path, tokenizer: Path, backend: str = "gigatoken", options=No
     """OUT as `tokpipe run` leaves it (manifest.json, run.json, shards, split files, meta), built stage by stage without Ray."""
     from tokpipe.finalize import finalize
     from tokpipe.manifest import build_manifest, write_manifest
-    from tokpipe.runner import RunOptions, record_run
+    from tokpipe.options import RunOptions
+    from tokpipe.runner.identity import record_run
     from tokpipe.shard import tokenize_shard
     from tokpipe.tokenizer import load_tokenizer_info
 
@@ -136,7 +138,7 @@ def build_out(out: Path, tokenizer: Path, backend: str = "gigatoken", options=No
     spec = options.encode_spec(info, backend)
     for shard in manifest.shards():
         tokenize_shard(shard, out, spec)
-    finalize(out, manifest, info, "text", **options.layout)
+    finalize(out, manifest, info, options)
     return out
 
 
@@ -182,8 +184,9 @@ def killed_example(tmp_path_factory) -> Path:
     written after its last checkpoint), the validation shard never started; run with --workers 2
     --checkpoint-interval 1. Copy before changing it."""
     from tokpipe.manifest import build_manifest, write_manifest
-    from tokpipe.runner import RunOptions, record_run
-    from tokpipe.shard import EncodeSpec, tokenize_shard
+    from tokpipe.options import RunOptions
+    from tokpipe.runner.identity import record_run
+    from tokpipe.shard import tokenize_shard
     from tokpipe.tokenizer import load_tokenizer_info
 
     out = tmp_path_factory.mktemp("killed") / "out"
@@ -192,7 +195,7 @@ def killed_example(tmp_path_factory) -> Path:
     info = load_tokenizer_info(QWEN3)
     record_run(out, manifest, info, RunOptions(workers=2, checkpoint_interval=1.0))
     write_manifest(manifest, out / "manifest.json")
-    spec = EncodeSpec(info.path, "gigatoken", info.eos_id, info.vocab_size, info.dtype, batch_bytes=64 << 10, checkpoint_interval=0.0)
+    spec = replace(RunOptions().encode_spec(info, "gigatoken"), batch_bytes=64 << 10, checkpoint_interval=0.0)
     first, second, *_ = manifest.shards()
     tokenize_shard(first, out, spec)
     with pytest.raises(Crash):

@@ -9,7 +9,7 @@ import pytest
 from conftest import tokpipe
 from tokpipe.errors import UserError
 from tokpipe.export import export
-from tokpipe.verify import load_meta_pkl
+from tokpipe.layout import load_meta_pkl
 
 # Megatron-LM megatron/core/datasets/indexed_dataset.py, _IndexReader: its DType codes.
 MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
@@ -119,7 +119,7 @@ def test_unfinished_out_cannot_be_exported(killed_example, tmp_path):
 
 def test_exports_keep_the_delimiters_the_run_placed(tmp_path):
     from conftest import QWEN3, build_out
-    from tokpipe.runner import RunOptions
+    from tokpipe.options import RunOptions
 
     out = build_out(tmp_path / "out", QWEN3, options=RunOptions(bos=True, bos_token="<|im_start|>"))
     export(out, "megatron", tmp_path / "mg")

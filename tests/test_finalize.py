@@ -10,18 +10,21 @@ import pytest
 from conftest import EXAMPLE_CACHE, QWEN3, assert_out_is
 from tokpipe.finalize import Assembler, finalize, place
 from tokpipe.manifest import build_manifest
-from tokpipe.shard import EncodeSpec, ShardFiles, tokenize_shard
+from tokpipe.layout import ShardFiles
+from tokpipe.options import RunOptions
+from tokpipe.shard import tokenize_shard
 from tokpipe.tokenizer import load_tokenizer_info
 
 MANIFEST = build_manifest(EXAMPLE_CACHE)
 INFO = load_tokenizer_info(QWEN3)
+OPTIONS = RunOptions()
 
 
 @pytest.fixture(scope="module")
 def tokenized(tmp_path_factory):
     """OUT with every shard of the example tokenized and nothing assembled. Copy before changing it."""
     out = tmp_path_factory.mktemp("tokenized") / "out"
-    spec = EncodeSpec(INFO.path, "gigatoken", INFO.eos_id, INFO.vocab_size, INFO.dtype)
+    spec = OPTIONS.encode_spec(INFO, "gigatoken")
     for shard in MANIFEST.shards():
         tokenize_shard(shard, out, spec)
     return out
@@ -50,7 +53,7 @@ def test_parts_copied_in_any_order_are_listed_in_split_order(out, example_refere
     assert listed(out, "train") == ["train/chunk1/example_train_0.jsonl.zst", "train/chunk1/example_train_1.jsonl.zst"]
     assembler.placed([parts[2]], place(out, [parts[2]], 4))
     assert assembler.complete
-    finalize(out, MANIFEST, INFO, "text", assembler=assembler)
+    finalize(out, MANIFEST, INFO, OPTIONS, assembler=assembler)
     assert_out_is(out, example_reference)
     assert not list(out.glob("*.tmp"))
 
@@ -72,7 +75,7 @@ def test_a_rerun_finishes_an_assembly_killed_midway_to_the_reference(out, exampl
     train_0, *_ = first_run.ready()
     first_run.placed([train_0], place(out, [train_0], 4))
     (out / "train.bin.tmp").open("ab").write(b"\xff" * 1000)  # stray bytes past what is listed
-    finalize(out, MANIFEST, INFO, "text")  # a new process: assembles the rest here
+    finalize(out, MANIFEST, INFO, OPTIONS)  # a new process: assembles the rest here
     assert_out_is(out, example_reference)
 
 
@@ -83,12 +86,12 @@ def test_a_listed_shard_that_is_no_longer_first_in_the_split_is_copied_again(out
     # As if an earlier layout (before an append, or with train_0 excluded) had put train_1 first.
     (out / "train.parts.tmp").write_text(json.dumps(train_1.record) + "\n")
     assert [(p.stem, p.seq) for p in Assembler(out, MANIFEST, 4).ready()] == [("train", 0), ("train", 1), ("val", 0)]
-    finalize(out, MANIFEST, INFO, "text")
+    finalize(out, MANIFEST, INFO, OPTIONS)
     assert_out_is(out, example_reference)
 
 
 def test_every_range_carries_the_checksums_of_the_worker_that_wrote_it(out):
-    meta = finalize(out, MANIFEST, INFO, "text")
+    meta = finalize(out, MANIFEST, INFO, OPTIONS)
     tokens = np.fromfile(out / "train.bin", dtype=np.uint32)
     ends = np.fromfile(out / "train.idx", dtype="<i8")
     start, first_doc = 0, 0
@@ -110,8 +113,8 @@ def test_shards_finished_by_an_earlier_tokpipe_are_hashed_when_placed(out, token
         ckpt = json.loads(path.read_text())
         del ckpt["sha256"], ckpt["idx_sha256"]
         path.write_text(json.dumps(ckpt))
-    finalize(out, MANIFEST, INFO, "text")
-    fresh = finalize(tokenized, MANIFEST, INFO, "text")
+    finalize(out, MANIFEST, INFO, OPTIONS)
+    fresh = finalize(tokenized, MANIFEST, INFO, OPTIONS)
     assert (out / "train.parts").read_bytes() == (tokenized / "train.parts").read_bytes()
     assert json.loads((out / "meta.json").read_text())["splits"] == fresh["splits"]
 
@@ -121,7 +124,7 @@ def test_an_unfinished_shard_stops_finalize_and_skip_failed_leaves_it_out(out):
     checkpoint = ShardFiles.of(out, holdout).checkpoint
     checkpoint.write_text(json.dumps({**json.loads(checkpoint.read_text()), "done": False}))
     with pytest.raises(RuntimeError, match="example_holdout_0.jsonl.zst is unfinished"):
-        finalize(out, MANIFEST, INFO, "text")
-    meta = finalize(out, MANIFEST, INFO, "text", excluded={holdout.relpath: "SourceError: truncated"})
+        finalize(out, MANIFEST, INFO, OPTIONS)
+    meta = finalize(out, MANIFEST, INFO, OPTIONS, excluded={holdout.relpath: "SourceError: truncated"})
     assert meta["splits"]["validation"]["tokens"] == 0 and (out / "val.bin").stat().st_size == 0
     assert meta["excluded"] == {holdout.relpath: "SourceError: truncated"}

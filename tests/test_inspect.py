@@ -8,9 +8,9 @@ import pytest
 
 from conftest import QWEN3, QWEN3_EOS, tokpipe
 from tokpipe.errors import UserError
-from tokpipe.inspect import EOS_MARK, Segment, Source, inspect, red_flags, render, scan_ids
+from tokpipe.inspect import EOS_MARK, TokenFile, Source, inspect, red_flags, render, scan_ids
 from tokpipe.tokenizer import encoder
-from tokpipe.verify import load_meta_pkl
+from tokpipe.layout import load_meta_pkl
 
 
 def failed(ins) -> list[str]:
@@ -73,8 +73,8 @@ def test_wrapped_ids_kept_in_uint32_are_flagged(out):
 
 
 def _source(tokens, dtype, documents, vocab_size=151669, eos_id=QWEN3_EOS):
-    segment = Segment("x.bin", tokens, np.zeros(0, np.int64))
-    return Source("train", True, np.dtype(dtype), vocab_size, eos_id, "<|endoftext|>", "t", "s", None, documents, [segment])
+    file = TokenFile("x.bin", tokens, np.zeros(0, np.int64))
+    return Source("train", True, np.dtype(dtype), vocab_size, eos_id, "<|endoftext|>", "t", "s", None, documents, [file])
 
 
 def test_uint32_bytes_read_as_uint16_and_saturation_are_flagged(finished_example):
@@ -96,12 +96,12 @@ def test_out_of_vocab_ids_are_flagged(out):
 def test_killed_run_is_inspected_as_far_as_checkpoints_cover(killed_example):
     ins = inspect(killed_example, n=20, window=64, seed=3)
     assert ins.ok and not ins.source.finished
-    assert {w.segment.name for w in ins.windows} <= {"shards/train/train__chunk1__example_train_0.bin", "shards/train/train__chunk1__example_train_1.bin"}
+    assert {w.file.name for w in ins.windows} <= {"shards/train/train__chunk1__example_train_0.bin", "shards/train/train__chunk1__example_train_1.bin"}
     # The partial shard holds bytes beyond its checkpoint (written, not committed): never shown.
-    partial = next(s for s in ins.source.segments if s.name.endswith("train_1.bin"))
+    partial = next(s for s in ins.source.files if s.name.endswith("train_1.bin"))
     on_disk = (killed_example / partial.name).stat().st_size // 4
     assert len(partial.tokens) < on_disk
-    assert all(w.start + len(w.ids) <= len(w.segment.tokens) for w in ins.windows)
+    assert all(w.start + len(w.ids) <= len(w.file.tokens) for w in ins.windows)
     with pytest.raises(UserError, match="no tokens of split validation are written yet"):
         inspect(killed_example, split="validation")
 

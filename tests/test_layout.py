@@ -8,7 +8,7 @@ import pytest
 
 from conftest import EXAMPLE_CACHE, QWEN3, QWEN3_EOS, build_out, held_out_texts, is_held_out, reference_texts, reference_tokens, snapshot_files, tokpipe
 from tokpipe.inspect import BOS_MARK, inspect
-from tokpipe.runner import RunOptions
+from tokpipe.options import RunOptions
 from tokpipe.verify import verify, verify_sample
 
 IM_START = 151644  # Qwen3's <|im_start|>; its tokenizer_config names no bos_token
@@ -121,14 +121,14 @@ def test_val_fraction_makes_a_validation_split_when_the_dataset_has_none(tmp_pat
     out = tmp_path / "out"
     for shard in manifest.shards():
         tokenize_shard(shard, out, options.encode_spec(info, "gigatoken"))
-    meta = finalize(out, manifest, info, "text", **options.layout)
+    meta = finalize(out, manifest, info, options)
     assert list(meta["splits"]) == ["train", "validation"] and meta["splits"]["validation"]["file"] == "val.bin"
     assert meta["splits"]["train"]["documents"] + meta["splits"]["validation"]["documents"] == 293
 
 
 def test_an_unfinished_run_is_inspected_with_its_held_out_documents_in_val(tmp_path):
     from tokpipe.manifest import build_manifest, write_manifest
-    from tokpipe.runner import record_run
+    from tokpipe.runner.identity import record_run
     from tokpipe.shard import tokenize_shard
     from tokpipe.tokenizer import load_tokenizer_info
 

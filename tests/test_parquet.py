@@ -19,8 +19,9 @@ from test_source import all_of
 from tokpipe.errors import SourceError
 from tokpipe.finalize import finalize
 from tokpipe.manifest import build_manifest
-from tokpipe.runner import RunOptions
-from tokpipe.shard import Checkpoint, ShardFiles, tokenize_shard
+from tokpipe.options import RunOptions
+from tokpipe.layout import Checkpoint, ShardFiles
+from tokpipe.shard import tokenize_shard
 from tokpipe.source import read_batches
 from tokpipe.tokenizer import load_tokenizer_info
 from test_runner import start, wait_for
@@ -41,7 +42,7 @@ def test_the_parquet_example_gives_the_bytes_of_the_same_documents_in_jsonl(tmp_
     spec = RunOptions().encode_spec(INFO, "gigatoken")
     for shard in MANIFEST.shards():
         tokenize_shard(shard, tmp_path, spec)
-    meta = finalize(tmp_path, MANIFEST, INFO, "text")
+    meta = finalize(tmp_path, MANIFEST, INFO, RunOptions())
     assert_out_is(tmp_path, example_reference)  # the reference reads the JSONL example by hand
     rows = sum(pq.ParquetFile(s.path).metadata.num_rows for s in MANIFEST.shards() if s.split == "train")
     assert meta["splits"]["train"]["lines"] == rows == 295 and meta["splits"]["train"]["skipped"] == {"empty_text": 2}

@@ -195,7 +195,7 @@ def test_a_stuck_shard_is_cancelled_with_a_stack_dump_and_reported(dataset, tmp_
     assert result.returncode == 1
     assert "FAILED train/zz_stuck.jsonl: stalled 2 times" in result.stderr
     dump = (out / "logs" / "stall-train-train__zz_stuck.txt").read_text()
-    assert "compression_of" in dump  # the stack shows where it hangs
+    assert "format_of" in dump  # the stack shows where it hangs
     log = (out / "logs" / "run.log").read_text()
     assert log.count("shard train/zz_stuck.jsonl: no progress for") == 2
     done = [json.loads(p.read_text())["done"] for p in (out / "shards").rglob("*.json")]
@@ -222,7 +222,8 @@ def finished_copy(finished_example, tmp_path):
 
 
 def test_a_rerun_with_other_inputs_is_refused_saying_what_differs(finished_copy, tmp_path, small_tokenizer, dataset):
-    from tokpipe.runner import RunOptions, run_identity
+    from tokpipe.options import RunOptions
+    from tokpipe.runner.identity import run_identity
     from tokpipe.tokenizer import load_tokenizer_info
 
     manifest = build_manifest(dataset)

@@ -1,5 +1,6 @@
 """shard: one shard -> .bin/.idx equal to the reference; checkpoints make any interruption harmless."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -7,7 +8,9 @@ import pytest
 
 from conftest import EXAMPLE_CACHE, QWEN3, QWEN3_EOS, Crash, crash_in_batch, held_out_texts, is_held_out, reference_texts, reference_tokens, write_jsonl
 from tokpipe.manifest import Shard, build_manifest
-from tokpipe.shard import Checkpoint, EncodeSpec, ShardFiles, to_dtype, tokenize_shard
+from tokpipe.layout import Checkpoint, ShardFiles
+from tokpipe.options import RunOptions
+from tokpipe.shard import EncodeSpec, to_dtype, tokenize_shard
 from tokpipe.tokenizer import load_tokenizer_info
 
 SHARDS = list(build_manifest(EXAMPLE_CACHE).shards())
@@ -16,7 +19,7 @@ HOLDOUT = SHARDS[-1]
 
 def spec_for(tokenizer_dir, backend="gigatoken", **kw) -> EncodeSpec:
     info = load_tokenizer_info(tokenizer_dir)
-    return EncodeSpec(info.path, backend, info.eos_id, info.vocab_size, info.dtype, **kw)
+    return replace(RunOptions().encode_spec(info, backend), **kw)
 
 
 def read(out, shard, dtype):

@@ -8,7 +8,7 @@ import zstandard
 
 from conftest import write_jsonl
 from tokpipe.errors import SourceError
-from tokpipe.source import compression_of, read_batches
+from tokpipe.source import format_of, read_batches
 
 LINES = [
     '{"text": "first"}',
@@ -33,7 +33,7 @@ def all_of(path, **kw):
 def test_compression_is_sniffed_not_taken_from_the_name(tmp_path, compression):
     # Every file is named .jsonl.zst, as the Dolma file that is really plain JSONL.
     path = write_jsonl(tmp_path / "x.jsonl.zst", LINES, compression)
-    assert compression_of(str(path)) == compression
+    assert format_of(str(path)) == compression
     texts, skipped, batches = all_of(path)
     assert texts == ["first", "second"]
     assert dict(skipped) == {"blank": 1, "empty_text": 1, "invalid_json": 1, "not_object": 1, "no_text": 1, "text_not_string": 1}

@@ -7,7 +7,8 @@ import pickle
 import numpy as np
 
 from conftest import tokpipe
-from tokpipe.verify import load_meta_pkl, verify
+from tokpipe.layout import load_meta_pkl
+from tokpipe.verify import verify
 
 
 def failed(out) -> list[str]:

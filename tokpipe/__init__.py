@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import os
 
-__version__ = "0.1.0"
-
-# Imported after __version__, which finalize reads. `tokpipe.verify` is the function: it is bound
-# here, after the submodule of that name has loaded, and the import system sets a package attribute to
-# a submodule only when it first loads it. The module's other names: `from tokpipe.verify import ...`.
-from tokpipe.manifest import Manifest, write_manifest  # noqa: E402
-from tokpipe.manifest import build_manifest as _build_manifest  # noqa: E402
-from tokpipe.output import Output, Split, open_output  # noqa: E402
-from tokpipe.verify import verify  # noqa: E402
+# `tokpipe.verify` is the function: it is bound here, after the submodule of that name has loaded,
+# and the import system sets a package attribute to a submodule only when it first loads it. The
+# module's other names: `from tokpipe.verify import ...`.
+from tokpipe._version import __version__
+from tokpipe.manifest import Manifest, write_manifest
+from tokpipe.manifest import build_manifest as _build_manifest
+from tokpipe.output import Output, Split, open_output
+from tokpipe.verify import verify
 
 __all__ = ["build_manifest", "run", "verify", "open_output", "Output", "Split", "Manifest", "__version__"]
 
@@ -47,11 +46,11 @@ def build_manifest(
 def run(manifest: str | os.PathLike, tokenizer: str | os.PathLike, out: str | os.PathLike, **options):
     """`tokpipe run`: tokenize on Ray (embedded, or the cluster at `address=`); rerun to resume.
 
-    `options` are `tokpipe.runner.RunOptions`' fields: workers, address, backend, text_field, eos,
-    checkpoint_interval, stall_timeout, max_retries, skip_failed, worker_memory, bos, bos_token, no_eos,
-    val_fraction. Returns a `tokpipe.runner.RunSummary`.
+    `options` are `tokpipe.options.RunOptions`' fields, the `run` command's flags by their Python
+    names (workers, text_field, val_fraction, ...), with the same defaults. Returns a
+    `tokpipe.runner.driver.RunSummary`.
     """
-    from tokpipe.runner import RunOptions  # Ray is imported only by who runs
-    from tokpipe.runner import run as run_manifest
+    from tokpipe.options import RunOptions
+    from tokpipe.runner.driver import run as run_manifest  # Ray is imported only by who runs
 
     return run_manifest(manifest, tokenizer, out, RunOptions(**options))

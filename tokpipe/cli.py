@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import MISSING, fields
 from pathlib import Path
 
-from tokpipe import __version__
+from tokpipe._version import __version__
 from tokpipe.errors import UserError
+from tokpipe.options import RunOptions, positive
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -30,24 +32,9 @@ def _cmd_manifest(args) -> int:
 
 
 def _cmd_run(args) -> int:
-    from tokpipe.runner import RunOptions, run
+    from tokpipe.runner.driver import run
 
-    opts = RunOptions(
-        workers=args.workers,
-        address=args.address,
-        backend=args.backend,
-        text_field=args.text_field,
-        eos=args.eos,
-        checkpoint_interval=args.checkpoint_interval,
-        stall_timeout=args.stall_timeout,
-        max_retries=args.max_retries,
-        skip_failed=args.skip_failed,
-        worker_memory=args.worker_memory,
-        bos=args.bos,
-        bos_token=args.bos_token,
-        no_eos=args.no_eos,
-        val_fraction=args.val_fraction,
-    )
+    opts = RunOptions(**{f.name: getattr(args, f.name) for f in fields(RunOptions)})
     summary = run(args.manifest, args.tokenizer, args.out, opts)
     if not summary.finished:
         print(f"{len(summary.failed)} shards failed; the rest are kept. Fix the cause and rerun the same command to retry them.", file=sys.stderr)
@@ -96,14 +83,14 @@ def _cmd_export(args) -> int:
     return EXIT_OK
 
 
-def _positive(kind, zero_ok: bool = False):
-    def parse(text: str):
-        value = kind(text)
-        if value < 0 or (value == 0 and not zero_ok):
-            raise argparse.ArgumentTypeError(f"must be {'>=' if zero_ok else '>'} 0, got {text}")
-        return value
-
-    return parse
+def _add_options(p: argparse.ArgumentParser) -> None:
+    """One flag per RunOptions field, with the field's default and help (a False default: a switch)."""
+    for f in fields(RunOptions):
+        assert f.default is not MISSING
+        cli = dict(f.metadata)
+        if f.default is False:
+            cli["action"] = "store_true"
+        p.add_argument(f"--{f.name.replace('_', '-')}", default=f.default, **cli)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -123,29 +110,16 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--manifest", required=True)
     r.add_argument("--tokenizer", required=True, help="local tokenizer folder or tokenizer.json (never downloaded)")
     r.add_argument("--out", required=True)
-    r.add_argument("--workers", type=_positive(int), help="shard tasks at once (default: all CPUs)")
-    r.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else an embedded local Ray)")
-    r.add_argument("--backend", choices=("auto", "gigatoken", "hf"), default="auto", help="encoder; all give the same bytes (default: auto)")
-    r.add_argument("--text-field", default="text", help="JSON field holding the document text (default: text)")
-    r.add_argument("--eos", help="EOS token (default: the tokenizer's eos_token)")
-    r.add_argument("--bos", action="store_true", help="place BOS before every document (the tokenizer's bos_token, or --bos-token)")
-    r.add_argument("--bos-token", help="the BOS token --bos places (default: the tokenizer's bos_token)")
-    r.add_argument("--no-eos", action="store_true", help="no EOS after documents (with --bos: BOS-delimited documents)")
-    r.add_argument("--val-fraction", type=_positive(float, zero_ok=True), default=0.0, metavar="F", help="hold out this share of train documents for val.bin, chosen by a hash of their text (default: 0)")
-    r.add_argument("--checkpoint-interval", type=_positive(float), default=30.0, help="seconds between shard checkpoints (default: 30)")
-    r.add_argument("--stall-timeout", type=_positive(float), default=600.0, help="cancel and retry a shard with no progress for this long (default: 600)")
-    r.add_argument("--max-retries", type=int, default=3, help="retries of a shard whose worker died or stalled (default: 3)")
-    r.add_argument("--skip-failed", action="store_true", help="finalize without shards that fail (recorded in meta as excluded)")
-    r.add_argument("--worker-memory", type=_positive(int), default=768, metavar="MIB", help="RSS each worker stays under, by dropping the encoder's word cache (default: 768)")
+    _add_options(r)
     r.set_defaults(func=_cmd_run)
 
     v = sub.add_parser("verify", help="check a finished OUT; exit 0 only when every check holds")
     v.add_argument("out")
     v.add_argument("--json", action="store_true", help="machine-readable report")
-    v.add_argument("--sample", type=_positive(int), metavar="K", help="also re-tokenize K random source documents with tokenizers and compare")
+    v.add_argument("--sample", type=positive(int), metavar="K", help="also re-tokenize K random source documents with tokenizers and compare")
     v.add_argument("--seed", type=int, default=0, help="which documents --sample picks (default: 0)")
     v.add_argument("--tokenizer", help="the run's tokenizer, if it moved since the run (default: the path in meta)")
-    v.add_argument("--jobs", type=_positive(int), help="threads checking checksums and ids (default: all cores)")
+    v.add_argument("--jobs", type=positive(int), help="threads checking checksums and ids (default: all cores)")
     v.set_defaults(func=_cmd_verify)
 
     st = sub.add_parser("status", help="where a run stands (running, killed, failed or finished) and what to run next")
@@ -156,8 +130,8 @@ def parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="the eye test: decode random windows, flag broken token ids; exit 1 on a red flag")
     i.add_argument("out")
     i.add_argument("--split", default="train", help="train, validation (or val), test (default: train)")
-    i.add_argument("-n", type=_positive(int, zero_ok=True), default=5, help="windows to decode (default: 5; 0 for the id checks alone)")
-    i.add_argument("--window", type=_positive(int), default=64, help="tokens per window (default: 64)")
+    i.add_argument("-n", type=positive(int, zero_ok=True), default=5, help="windows to decode (default: 5; 0 for the id checks alone)")
+    i.add_argument("--window", type=positive(int), default=64, help="tokens per window (default: 64)")
     i.add_argument("--seed", type=int, help="seed of the window positions (default: a new one, printed)")
     i.add_argument("--tokenizer", help="the run's tokenizer, if it is no longer where run.json says")
     i.set_defaults(func=_cmd_inspect)

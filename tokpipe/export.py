@@ -32,10 +32,10 @@ from pathlib import Path
 
 import numpy as np
 
-from tokpipe.errors import UserError
-from tokpipe.finalize import split_file_stem
-from tokpipe.output import Output, Split, open_output
 from tokpipe.durability import fsync_dir
+from tokpipe.errors import UserError
+from tokpipe.layout import split_file_stem
+from tokpipe.output import Output, Split, open_output
 from tokpipe.shard import to_dtype
 
 FORMATS = ("megatron", "llmc")

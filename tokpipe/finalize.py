@@ -19,10 +19,7 @@ file ever runs on one core.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import pickle
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,66 +27,29 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from tokpipe import __version__
-from tokpipe.durability import HASH_CHUNK, fsync_dir, hash_range, write_atomic, write_json_atomic
+from tokpipe._version import __version__
+from tokpipe.durability import HASH_CHUNK, fsync_dir, hash_range, write_atomic
+from tokpipe.layout import (
+    IDX_DTYPE,
+    Checkpoint,
+    Part,
+    ShardFiles,
+    assembly_files,
+    output_splits,
+    part_record,
+    parts_line,
+    sources,
+    split_entry,
+    split_file_stem,
+    write_meta,
+    write_skip_log,
+)
 from tokpipe.manifest import Manifest, Shard
-from tokpipe.shard import IDX_DTYPE, Checkpoint, ShardFiles
+from tokpipe.options import RunOptions
 from tokpipe.tokenizer import TokenizerInfo
 
 COPY_CHUNK = 1 << 30
 COPY_BATCH_BYTES = 1 << 30  # of tokens per copy task: one fsync covers many small shards
-
-
-def split_file_stem(split: str) -> str:
-    return "val" if split == "validation" else split
-
-
-@dataclass(frozen=True)
-class Part:
-    """A shard's documents (or those it held out) and where they go: split file `stem`, at token and document offsets."""
-
-    stem: str
-    seq: int  # its place among the split's parts
-    bin: str  # the shard's files
-    idx: str
-    token_offset: int
-    doc_offset: int
-    record: dict  # its line in <stem>.parts (_part says which fields)
-
-
-def _part(stem: str, seq: int, files: ShardFiles, shard: Shard, ckpt: Checkpoint, held: bool, token_offset: int, doc_offset: int) -> Part:
-    """A shard's part for split file `stem`: its documents, or (held) those it held out for val.bin.
-
-    The accounting (lines, skips, repairs) goes with a shard's own part; `held_out` there counts the
-    documents it sent to val.bin instead, `held_in` on the held-out part the documents val.bin got."""
-    if held:
-        record = {"shard": shard.relpath, "part": "held-out", "tokens": ckpt.val_tokens, "documents": ckpt.val_documents, "held_in": ckpt.val_documents}
-        record.update(sha256=ckpt.val_sha256, idx_sha256=ckpt.val_idx_sha256)
-        return Part(stem, seq, str(files.val_bin), str(files.val_idx), token_offset, doc_offset, record)
-    record = {"shard": shard.relpath, "tokens": ckpt.tokens, "documents": ckpt.documents, "lines": ckpt.lines, "held_out": ckpt.val_documents}
-    record.update(skipped=ckpt.skipped, repaired=ckpt.repaired, sha256=ckpt.sha256, idx_sha256=ckpt.idx_sha256)
-    if ckpt.skip_log:
-        record["first_skipped"] = ckpt.skip_log
-    return Part(stem, seq, str(files.bin), str(files.idx), token_offset, doc_offset, record)
-
-
-def sources(manifest: Manifest, stem: str, val_fraction: float) -> Iterator[tuple[Shard, bool]]:
-    """What split file `stem` is made of, in manifest order: (shard, whether it is the shard's held-out part).
-
-    A split's own shards; for val.bin with --val-fraction, also the held-out part of every train shard."""
-    for shard in manifest.shards():
-        if split_file_stem(shard.split) == stem:
-            yield shard, False
-        elif val_fraction and stem == "val" and shard.split == "train":
-            yield shard, True
-
-
-def output_splits(manifest: Manifest, val_fraction: float) -> list[str]:
-    """The splits written: the dataset's, and validation when --val-fraction makes one."""
-    splits = list(manifest.counts)
-    if val_fraction and "train" in splits and "validation" not in splits:
-        splits.append("validation")
-    return splits
 
 
 def _copy_range(src_path: str, dst_fd: int, length: int, dst_offset: int) -> None:
@@ -173,12 +133,9 @@ class Assembler:
         self.finished: dict[str, tuple[Checkpoint, int]] = {}
         self.splits = [self._resume(manifest, split_file_stem(split)) for split in output_splits(manifest, val_fraction)]
 
-    def _paths(self, stem: str) -> tuple[Path, Path, Path]:
-        return tuple(self.out / f"{stem}.{ext}.tmp" for ext in ("bin", "idx", "parts"))
-
     def _resume(self, manifest: Manifest, stem: str) -> _Split:
         """Keep what an earlier attempt assembled, if it is still the start of the split; else start empty."""
-        bin_tmp, idx_tmp, parts_tmp = self._paths(stem)
+        bin_tmp, idx_tmp, parts_tmp = assembly_files(self.out, stem)
         state = _Split.start(stem, sources(manifest, stem, self.val_fraction))
         kept = []
         if bin_tmp.exists() and idx_tmp.exists() and parts_tmp.exists():
@@ -199,7 +156,7 @@ class Assembler:
             state = _Split.start(stem, sources(manifest, stem, self.val_fraction))
             for path in (bin_tmp, idx_tmp):
                 open(path, "wb").close()
-        write_atomic(parts_tmp, b"".join(orjson.dumps(r) + b"\n" for r in kept))
+        write_atomic(parts_tmp, b"".join(map(parts_line, kept)))
         state.scheduled = state.listed = len(kept)
         return state
 
@@ -227,11 +184,13 @@ class Assembler:
                 ckpt = self._checkpoint(shard)
                 if ckpt is None or not ckpt.done:
                     break
-                part = _part(s.stem, s.scheduled, ShardFiles.of(self.out, shard), shard, ckpt, held, s.tokens, s.documents)
+                files = ShardFiles.of(self.out, shard)
+                bin_path, idx_path = (files.val_bin, files.val_idx) if held else (files.bin, files.idx)
+                part = Part(s.stem, s.scheduled, s.tokens, s.documents, part_record(shard, ckpt, held), str(bin_path), str(idx_path))
                 parts.append(part)
                 s.scheduled += 1
-                s.tokens += part.record["tokens"]
-                s.documents += part.record["documents"]
+                s.tokens += part.tokens
+                s.documents += part.documents
                 s.advance()
         return parts
 
@@ -243,10 +202,10 @@ class Assembler:
         for s in self.splits:
             lines = []
             while s.listed in s.waiting:
-                lines.append(orjson.dumps(s.waiting.pop(s.listed)) + b"\n")
+                lines.append(parts_line(s.waiting.pop(s.listed)))
                 s.listed += 1
             if lines:
-                with open(self._paths(s.stem)[2], "ab") as f:
+                with open(assembly_files(self.out, s.stem)[2], "ab") as f:
                     f.write(b"".join(lines))
                     f.flush()
                     os.fsync(f.fileno())
@@ -274,79 +233,41 @@ class Assembler:
         """Cut, fsync and rename every split's files; returns meta's `splits` (in manifest order of splits)."""
         entries = {}
         for s in self.splits:
-            bin_tmp, idx_tmp, parts_tmp = self._paths(s.stem)
+            bin_tmp, idx_tmp, parts_tmp = assembly_files(self.out, s.stem)
             for path, length in ((bin_tmp, s.tokens * self.itemsize), (idx_tmp, s.documents * IDX_DTYPE.itemsize)):
                 with open(path, "r+b") as f:
                     f.truncate(length)  # bytes beyond: copies of a layout that changed since
                     os.fsync(f.fileno())
-            entries[s.stem] = _split_entry(s.stem, parts_tmp)
+            entries[s.stem] = split_entry(s.stem, parts_tmp)
             for path in (bin_tmp, idx_tmp, parts_tmp):
                 os.replace(path, path.with_suffix(""))
         fsync_dir(self.out)
         return entries
 
 
-def _split_entry(stem: str, parts_path: Path) -> dict:
-    """meta's entry for a split, summed from its parts list."""
-    entry = {"file": f"{stem}.bin", "idx": f"{stem}.idx", "parts": f"{stem}.parts", "tokens": 0, "documents": 0, "lines": 0, "held_out": 0, "held_in": 0}
-    skipped, repaired, shards = Counter(), Counter(), 0
-    raw = parts_path.read_bytes()
-    for record in map(orjson.loads, raw.splitlines()):
-        for key in ("tokens", "documents", "lines", "held_out", "held_in"):
-            entry[key] += record.get(key, 0)
-        skipped.update(record.get("skipped", {}))
-        repaired.update(record.get("repaired", {}))
-        shards += record.get("part") != "held-out"
-    entry.update(skipped=dict(sorted(skipped.items())), repaired=dict(sorted(repaired.items())), shards=shards)
-    entry["parts_sha256"] = hashlib.sha256(raw).hexdigest()
-    return entry
-
-
-def read_parts(path: Path) -> Iterator[dict]:
-    with open(path, "rb") as f:
-        for line in f:
-            yield orjson.loads(line)
-
-
-def _write_skip_log(out: Path, splits: dict[str, dict]) -> None:
-    """OUT/logs/skipped.json: per shard with skips or repairs, their counts and the first lines skipped."""
-    entries = []
-    for entry in splits.values():
-        for r in read_parts(out / entry["parts"]):
-            if r.get("skipped") or r.get("repaired"):
-                fields = {k: r[k] for k in ("shard", "lines", "documents", "skipped", "repaired")}
-                entries.append(json.dumps({**fields, "first": r.get("first_skipped", [])}))
-    (out / "logs").mkdir(exist_ok=True)
-    write_atomic(out / "logs" / "skipped.json", ('{"shards": [' + ",".join("\n" + e for e in entries) + "\n]}\n").encode())
-
-
 def finalize(
     out: str | os.PathLike,
     manifest: Manifest,
     info: TokenizerInfo,
-    text_field: str,
+    opts: RunOptions,
     excluded: dict[str, str] | None = None,
     assembler: Assembler | None = None,
-    *,
-    bos: bool = False,
-    eos: bool = True,
-    val_fraction: float = 0.0,
 ) -> dict:
     """Finish assembling every split in manifest order and write meta; returns the meta dict.
 
     `assembler` is the run's, whose copy tasks placed (nearly) everything while shards tokenized;
     without one, everything is placed here. `excluded` (relpath -> error) are failed shards left out
     on purpose (`run --skip-failed`); meta records them, so a partial output is never mistaken for a whole one.
-    `bos`, `eos` and `val_fraction` say how the run wrote documents, for meta.
+    `opts` are the run's: how it wrote documents, for meta.
     """
     out = Path(out)
     (out / "meta.json").unlink(missing_ok=True)  # OUT is unfinished while its split files change
     excluded = excluded or {}
-    assembler = assembler or Assembler(out, manifest, np.dtype(info.dtype).itemsize, val_fraction)
+    assembler = assembler or Assembler(out, manifest, np.dtype(info.dtype).itemsize, opts.val_fraction)
     assembler.place_here(frozenset(excluded))
     stems = assembler.finish()
-    splits = {split: stems[split_file_stem(split)] for split in output_splits(manifest, val_fraction)}
-    _write_skip_log(out, splits)
+    splits = {split: stems[split_file_stem(split)] for split in output_splits(manifest, opts.val_fraction)}
+    write_skip_log(out, splits)
     meta = {
         "dtype": info.dtype,
         "vocab_size": info.vocab_size,
@@ -354,24 +275,16 @@ def finalize(
         "eos_token": info.eos_token,
         "bos_token_id": info.bos_id,
         "bos_token": info.bos_token,
-        "delimiters": {"bos": bos, "eos": eos},
-        "val_fraction": val_fraction,
+        "delimiters": opts.delimiters,
+        "val_fraction": opts.val_fraction,
         "tokenizer": info.id,
         "tokenizer_sha256": info.sha256,
         "tokenizer_path": info.path,
-        "text_field": text_field,
+        "text_field": opts.text_field,
         "splits": splits,
         "excluded": dict(sorted(excluded.items())),
         "manifest_sha256": manifest.fingerprint,
         "tokpipe_version": __version__,
     }
-    write_atomic(out / "meta.pkl", pickle.dumps(meta, protocol=4))
-    write_json_atomic(out / "meta.json", meta)
+    write_meta(out, meta)
     return meta
-
-
-def load_meta_json(out: str | os.PathLike) -> dict | None:
-    try:
-        return json.loads((Path(out) / "meta.json").read_text())
-    except FileNotFoundError:
-        return None

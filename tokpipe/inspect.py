@@ -10,7 +10,6 @@ cover), so a week-long run can be looked at on its first day.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import secrets
@@ -21,10 +20,9 @@ from pathlib import Path
 import numpy as np
 
 from tokpipe.errors import UserError
-from tokpipe.finalize import output_splits, sources, split_file_stem
+from tokpipe.layout import IDX_DTYPE, Checkpoint, ShardFiles, delimiters, load_run, output_splits, sources, split_file_stem
 from tokpipe.manifest import load_manifest
 from tokpipe.output import open_output
-from tokpipe.shard import IDX_DTYPE, Checkpoint, ShardFiles
 from tokpipe.tokenizer import encoder, load_tokenizer_info
 from tokpipe.verify import Check
 from tokpipe.verify import report as verify_report
@@ -48,10 +46,10 @@ CONTROL_CHARS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # all but \t and \n
 
 
 @dataclass(frozen=True)
-class Segment:
+class TokenFile:
     name: str  # for a window's heading: train.bin, or shards/train/<key>.bin for an unfinished run
     tokens: np.ndarray
-    ends: np.ndarray  # document ends within the segment
+    ends: np.ndarray  # document ends within the file
 
 
 @dataclass(frozen=True)
@@ -68,7 +66,7 @@ class Source:
     tokenizer_sha256: str
     tokenizer_path: str | None  # where the run found it (run.json)
     documents: int
-    segments: list[Segment]
+    files: list[TokenFile]
     bos_id: int | None = None  # when the run placed BOS before documents
     eos_written: bool = True  # False: --no-eos
 
@@ -79,13 +77,13 @@ class Source:
 
     @property
     def tokens(self) -> int:
-        return sum(len(s.tokens) for s in self.segments)
+        return sum(len(s.tokens) for s in self.files)
 
-    def locate(self, pos: int) -> tuple[Segment, int]:
-        """The segment holding token `pos` of the split, and the token's offset in it."""
-        ends = np.cumsum([len(s.tokens) for s in self.segments])
+    def locate(self, pos: int) -> tuple[TokenFile, int]:
+        """The file holding token `pos` of the split, and the token's offset in it."""
+        ends = np.cumsum([len(s.tokens) for s in self.files])
         i = int(np.searchsorted(ends, pos, side="right"))
-        return self.segments[i], int(pos - ends[i] + len(self.segments[i].tokens))
+        return self.files[i], int(pos - ends[i] + len(self.files[i].tokens))
 
 
 def _split_name(wanted: str, available: list[str]) -> str:
@@ -97,17 +95,14 @@ def _split_name(wanted: str, available: list[str]) -> str:
 
 
 def _delimiters(meta: dict) -> dict:
-    """Source's bos_id and eos_written from meta or run.json (an earlier tokpipe's: EOS only)."""
-    written = meta.get("delimiters", {"bos": False, "eos": True})
+    """Source's bos_id and eos_written from meta or run.json."""
+    written = delimiters(meta)
     return {"bos_id": int(meta["bos_token_id"]) if written["bos"] else None, "eos_written": written["eos"]}
 
 
 def open_source(out: str | os.PathLike, split: str) -> Source:
     out = Path(out)
-    try:
-        run = json.loads((out / "run.json").read_text())
-    except FileNotFoundError:
-        run = {}
+    run = load_run(out)
     if (out / "meta.json").is_file():
         data = open_output(out)
         name = _split_name(split, list(data.splits))
@@ -123,7 +118,7 @@ def open_source(out: str | os.PathLike, split: str) -> Source:
             tokenizer_sha256=data.meta["tokenizer_sha256"],
             tokenizer_path=run.get("tokenizer_path"),
             documents=len(s.ends),
-            segments=[Segment(s.path.name, s.tokens, s.ends)],
+            files=[TokenFile(s.path.name, s.tokens, s.ends)],
             **_delimiters(data.meta),
         )
     if not run or not (out / "manifest.json").is_file():
@@ -132,21 +127,21 @@ def open_source(out: str | os.PathLike, split: str) -> Source:
     val_fraction = run.get("val_fraction", 0.0)
     name = _split_name(split, output_splits(manifest, val_fraction))
     dtype = np.dtype(run["dtype"])
-    segments, documents = [], 0
+    files, documents = [], 0
     # The parts the split file will be made of (with --val-fraction, val's include the train shards' held-out ones).
     for shard, held in sources(manifest, split_file_stem(name), val_fraction):
-        files = ShardFiles.of(out, shard)
-        ckpt = Checkpoint.load(files.checkpoint)
+        paths = ShardFiles.of(out, shard)
+        ckpt = Checkpoint.load(paths.checkpoint)
         if ckpt is None:
             continue
         n_tokens, n_documents = (ckpt.val_tokens, ckpt.val_documents) if held else (ckpt.tokens, ckpt.documents)
         if n_tokens == 0:
             continue
-        bin_path, idx_path = (files.val_bin, files.val_idx) if held else (files.bin, files.idx)
+        bin_path, idx_path = (paths.val_bin, paths.val_idx) if held else (paths.bin, paths.idx)
         # Only what the checkpoint covers: a live worker may be appending beyond it.
         tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(n_tokens,))
         ends = np.memmap(idx_path, dtype=IDX_DTYPE, mode="r", shape=(n_documents,))
-        segments.append(Segment(str(bin_path.relative_to(out)), tokens, ends))
+        files.append(TokenFile(str(bin_path.relative_to(out)), tokens, ends))
         documents += n_documents
     return Source(
         split=name,
@@ -159,7 +154,7 @@ def open_source(out: str | os.PathLike, split: str) -> Source:
         tokenizer_sha256=run["tokenizer_sha256"],
         tokenizer_path=run.get("tokenizer_path"),
         documents=documents,
-        segments=segments,
+        files=files,
         **_delimiters(run),
     )
 
@@ -177,23 +172,23 @@ def load_decoder(source: Source, tokenizer: str | None) -> tuple[Callable[[np.nd
 
 @dataclass(frozen=True)
 class Window:
-    segment: Segment
+    file: TokenFile
     start: int
     ids: np.ndarray
 
     @property
     def document(self) -> int:
         """Index of the document the window starts in."""
-        return int(np.searchsorted(self.segment.ends, self.start, side="right"))
+        return int(np.searchsorted(self.file.ends, self.start, side="right"))
 
 
 def sample_windows(source: Source, n: int, size: int, seed: int) -> list[Window]:
-    """n windows at uniformly random token positions of the split (a window stays inside one segment)."""
+    """n windows at uniformly random token positions of the split (a window stays inside one file)."""
     windows = []
     for pos in np.random.default_rng(seed).integers(0, source.tokens, size=n):
-        segment, offset = source.locate(int(pos))
-        start = max(0, min(offset, len(segment.tokens) - size))
-        windows.append(Window(segment, start, np.asarray(segment.tokens[start : start + size])))
+        file, offset = source.locate(int(pos))
+        start = max(0, min(offset, len(file.tokens) - size))
+        windows.append(Window(file, start, np.asarray(file.tokens[start : start + size])))
     return windows
 
 
@@ -234,13 +229,13 @@ def scan_ids(source: Source) -> IdScan:
     """The id statistics of a split with tokens."""
     total = source.tokens
     if total <= SCAN_TOKENS:
-        ids = np.concatenate([np.asarray(s.tokens) for s in source.segments])
+        ids = np.concatenate([np.asarray(s.tokens) for s in source.files])
     else:  # evenly spread blocks, from the first bytes on (where the seeds' eye test looked) to the end
         block = SCAN_TOKENS // SCAN_BLOCKS
         pieces = []
         for pos in np.linspace(0, total - block, SCAN_BLOCKS).astype(np.int64):
-            segment, offset = source.locate(int(pos))
-            pieces.append(np.asarray(segment.tokens[offset : offset + block]))
+            file, offset = source.locate(int(pos))
+            pieces.append(np.asarray(file.tokens[offset : offset + block]))
         ids = np.concatenate(pieces)
     values, counts = np.unique(ids, return_counts=True)
     order = np.argsort(counts, kind="stable")[::-1][:COMMON_IDS]
@@ -351,7 +346,7 @@ def inspect(out: str | os.PathLike, split: str = "train", n: int = 5, window: in
 
 def report(ins: Inspection) -> str:
     src = ins.source
-    where = "a finished run" if src.finished else f"an unfinished run ({len(src.segments)} shards with committed tokens)"
+    where = "a finished run" if src.finished else f"an unfinished run ({len(src.files)} shards with committed tokens)"
     lines = [
         f"{src.split}: {src.tokens:,} tokens, {src.documents:,} documents of {where}; "
         f"{src.dtype.name}, vocab_size {src.vocab_size:,}, EOS {src.eos_token!r} = {src.eos_id}",
@@ -361,7 +356,7 @@ def report(ins: Inspection) -> str:
         lines.append(f"{len(ins.windows)} windows of up to {max(len(w.ids) for w in ins.windows)} tokens, seed {ins.seed} (--seed {ins.seed} shows them again)")
     for k, (w, text) in enumerate(zip(ins.windows, ins.texts), 1):
         end = w.start + len(w.ids)
-        lines += ["", f"── {k}/{len(ins.windows)}  {w.segment.name}[{w.start:,}:{end:,}], in document {w.document + 1:,} of {len(w.segment.ends):,} ──", text]
+        lines += ["", f"── {k}/{len(ins.windows)}  {w.file.name}[{w.start:,}:{end:,}], in document {w.document + 1:,} of {len(w.file.ends):,} ──", text]
     scanned = f"the whole split, {ins.scan.scanned:,} tokens" if ins.scan.whole else f"{ins.scan.scanned:,} tokens in {SCAN_BLOCKS} blocks spread over the split"
     *checks, verdict = verify_report(ins.flags).splitlines()
     lines += ["", f"── token ids: {scanned} ──", *checks]

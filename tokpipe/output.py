@@ -13,8 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from tokpipe.errors import UserError
-from tokpipe.shard import IDX_DTYPE
-from tokpipe.verify import load_meta_pkl
+from tokpipe.layout import IDX_DTYPE, load_meta_pkl
 
 
 @dataclass(frozen=True)

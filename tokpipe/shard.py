@@ -10,75 +10,43 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import json
 import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from tokpipe.durability import HASH_CHUNK, hash_range, write_json_atomic
+from tokpipe.layout import IDX_DTYPE, Checkpoint, ShardFiles
 from tokpipe.manifest import Shard
-from tokpipe.source import SKIP_LOG_CAP, Batch, read_batches
+from tokpipe.source import read_batches
+from tokpipe.source.batch import SKIP_LOG_CAP, Batch
 from tokpipe.tokenizer import drop_encoder, encoder
 
-WORKER_MEMORY = 768 << 20  # default RSS budget of a worker: 128 of them fit a 128 GiB node
 BATCH_HEADROOM = 64 << 20  # least room the word cache gets before it is dropped
-
-IDX_DTYPE = np.dtype("<i8")
 
 
 @dataclass(frozen=True)
 class EncodeSpec:
-    """What a worker needs to turn text into the run's bytes (the same for every shard of a run)."""
+    """What a worker needs to turn text into the run's bytes (the same for every shard of a run).
+    The runner makes it from RunOptions (`RunOptions.encode_spec`), where the options' defaults are."""
 
     tokenizer_json: str
     backend: str
     eos_id: int | None  # placed after every document; None: no EOS (--no-eos)
+    bos_id: int | None  # placed before every document (--bos); None: no BOS
     vocab_size: int
     dtype: str
-    text_field: str = "text"
-    batch_bytes: int = 1 << 20  # of input text per encode call: bounds memory, paces progress reports
-    checkpoint_interval: float = 30.0
+    text_field: str
+    checkpoint_interval: float
+    memory_limit: int  # bytes of RSS; past it the encoder's word cache is dropped (0: never)
+    val_fraction: float  # share of train documents held out for val.bin, chosen by held_out()
     read_ahead: bool = False  # read the next batch on a second thread: for a task with a core to spare
-    memory_limit: int = WORKER_MEMORY  # bytes of RSS; past it the encoder's word cache is dropped (0: never)
-    bos_id: int | None = None  # placed before every document (--bos)
-    val_fraction: float = 0.0  # share of train documents held out for val.bin, chosen by held_out()
-
-
-@dataclass
-class Checkpoint:
-    """How far a shard got. Everything here is covered by fsynced .bin/.idx bytes."""
-
-    lines: int = 0  # input lines consumed = documents + sum(skipped)
-    offset: int = 0  # decompressed input bytes consumed
-    source_pos: int = 0  # bytes of the shard file read (compressed), for progress only
-    documents: int = 0
-    tokens: int = 0  # delimiters included
-    skipped: dict[str, int] = field(default_factory=dict)
-    repaired: dict[str, int] = field(default_factory=dict)
-    skip_log: list[list] = field(default_factory=list)  # first [line, reason] pairs, capped
-    done: bool = False
-    # Of the shard's .bin and .idx (ends counted from the shard's start), set when done: finalize
-    # records them per range and verify checks them, so no pass over the whole output is sequential.
-    sha256: str | None = None
-    idx_sha256: str | None = None
-    # The documents of a train shard held out for val.bin (--val-fraction), in files of their own.
-    val_documents: int = 0
-    val_tokens: int = 0
-    val_sha256: str | None = None
-    val_idx_sha256: str | None = None
-
-    @classmethod
-    def load(cls, path: Path) -> Checkpoint | None:
-        try:
-            return cls(**json.loads(path.read_text()))
-        except FileNotFoundError:
-            return None
+    batch_bytes: int = 1 << 20  # of input text per encode call: bounds memory, paces progress reports
 
 
 @dataclass
@@ -90,22 +58,6 @@ class ShardResult:
     redone_tokens: int  # tokens written after the last checkpoint by an interrupted attempt, now redone
     seconds: float
     encoder_resets: int = 0  # times the encoder's cache was dropped to keep the worker under its memory limit
-
-
-@dataclass(frozen=True)
-class ShardFiles:
-    bin: Path
-    idx: Path
-    checkpoint: Path
-    lock: Path
-    val_bin: Path  # its held-out documents: in a folder of their own, so no shard's key can collide
-    val_idx: Path
-
-    @classmethod
-    def of(cls, out: str | os.PathLike, shard: Shard) -> ShardFiles:
-        base = Path(out) / "shards" / shard.split / shard.key
-        held = base.parent / "held-out" / base.name
-        return cls(*(base.with_name(base.name + ext) for ext in (".bin", ".idx", ".json", ".lock")), *(held.with_name(held.name + ext) for ext in (".bin", ".idx")))
 
 
 def to_dtype(ids: np.ndarray, dtype: str) -> np.ndarray:
@@ -219,8 +171,8 @@ def _open_at(path: Path, length: int, hasher) -> tuple[object, int]:
     return f, size - length
 
 
-class _Part:
-    """A .bin/.idx pair a shard appends to (its documents, or those it holds out), hashed as written."""
+class PartWriter:
+    """Appends a shard's part (its documents, or those it holds out) to its .bin/.idx, hashing as it writes."""
 
     def __init__(self, bin_path: Path, idx_path: Path, tokens: int, documents: int, dtype: str):
         self.dtype, self.tokens = dtype, tokens
@@ -266,9 +218,9 @@ def tokenize_shard(
         if ckpt.done:
             return ShardResult(shard.split, shard.key, ckpt, ckpt.tokens, 0, time.monotonic() - started)
         resumed = ckpt.tokens
-        main = _Part(files.bin, files.idx, ckpt.tokens, ckpt.documents, spec.dtype)
+        main = PartWriter(files.bin, files.idx, ckpt.tokens, ckpt.documents, spec.dtype)
         holding_out = spec.val_fraction > 0 and shard.split == "train"
-        held = _Part(files.val_bin, files.val_idx, ckpt.val_tokens, ckpt.val_documents, spec.dtype) if holding_out else None
+        held = PartWriter(files.val_bin, files.val_idx, ckpt.val_tokens, ckpt.val_documents, spec.dtype) if holding_out else None
         parts = [main] if held is None else [main, held]
         try:
             memory = memory_guard(spec)

@@ -10,7 +10,6 @@ with) and OUT/meta.json (written last: the run finished).
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shlex
@@ -19,9 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tokpipe.errors import UserError
-from tokpipe.finalize import load_meta_json
+from tokpipe.layout import FAILED, PROGRESS, RUN_LOG, Checkpoint, ShardFiles, load_json, load_meta_json, load_run, lock_holder, log_file
 from tokpipe.manifest import load_manifest
-from tokpipe.shard import Checkpoint, ShardFiles
 
 # progress.json is rewritten every 2 s while shards run; older than this, the live run is doing
 # something else (starting Ray, finalizing) or is stuck.
@@ -65,32 +63,6 @@ class RunStatus:
         return sum(1 for s in self.shards if s.state == state and split in (None, s.split))
 
 
-def _lock_holder(lock: Path) -> str | None:
-    """What the process holding a flock wrote in the file ("pid N on HOST" for OUT/.lock), or None if none holds it.
-
-    Tested by taking the lock shared without waiting and dropping it at once: only a run or worker
-    starting in that same microsecond could find it taken (a run says so and can be rerun; a worker waits).
-    """
-    try:
-        f = open(lock, "rb")
-    except FileNotFoundError:
-        return None
-    with f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return f.read().decode("utf-8", "replace").strip() or "a process"
-        fcntl.flock(f, fcntl.LOCK_UN)
-    return None
-
-
-def _json_or_none(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-
-
 def resume_command(out: str, run: dict) -> str:
     """The `tokpipe run` that continues OUT: its manifest copy, the recorded tokenizer and options."""
     args = ["tokpipe", "run", "--manifest", os.path.join(out, "manifest.json"), "--tokenizer", run.get("tokenizer_path") or "TOKENIZER", "--out", out]
@@ -108,11 +80,11 @@ def status(out: str | os.PathLike) -> RunStatus:
     if not (path / "manifest.json").is_file():
         raise UserError(f"{out} holds no tokpipe run (no manifest.json): start one with tokpipe run --manifest M --tokenizer T --out {out}")
     manifest = load_manifest(path / "manifest.json")
-    run = _json_or_none(path / "run.json") or {}
+    run = load_run(path)
     meta = load_meta_json(path)
-    holder = _lock_holder(path / ".lock")
+    holder = lock_holder(path / ".lock")
     # failed.json is the last finished attempt's verdict; a live run is retrying those shards.
-    failures = {} if holder else _json_or_none(path / "logs" / "failed.json") or {}
+    failures = {} if holder else load_json(log_file(path, FAILED)) or {}
 
     shards = []
     for shard in manifest.shards():
@@ -127,13 +99,13 @@ def status(out: str | os.PathLike) -> RunStatus:
             state = "partial" if found else "pending"
         read = shard.size if ckpt.done else ckpt.source_pos
         # Ray workers can outlive a killed driver for a while; their shard locks say which are still written.
-        writing = not ckpt.done and _lock_holder(files.lock) is not None
+        writing = not ckpt.done and lock_holder(files.lock) is not None
         error = failures.get(shard.relpath) if state == "failed" else None
         # A shard's committed work includes the documents it holds out for val.bin (--val-fraction).
         tokens, documents = ckpt.tokens + ckpt.val_tokens, ckpt.documents + ckpt.val_documents
         shards.append(ShardStatus(shard.split, shard.relpath, state, shard.size, read, tokens, documents, error, writing))
 
-    progress = _json_or_none(path / "logs" / "progress.json")
+    progress = load_json(log_file(path, PROGRESS))
     age = time.time() - progress["updated_at"] if progress else None
     live = holder is not None and progress is not None and age < PROGRESS_FRESH_S and holder.startswith(f"pid {progress['pid']} ")
     if meta is not None and meta.get("manifest_sha256") == manifest.fingerprint:
@@ -144,7 +116,7 @@ def status(out: str | os.PathLike) -> RunStatus:
         state = "stopped"
         next_step = resume_command(out, run)
         if failures:
-            next_step = f"fix the cause of the failures above (details in {os.path.join(out, 'logs', 'run.log')}), then: {next_step}"
+            next_step = f"fix the cause of the failures above (details in {log_file(out, RUN_LOG)}), then: {next_step}"
         if not run.get("tokenizer_path"):
             next_step += f"   (TOKENIZER: the one with sha256 {run.get('tokenizer_sha256', '?')[:16]}…; this run.json does not record its path)"
     return RunStatus(out, state, shards, holder, progress if live else None, age, next_step)

@@ -7,10 +7,8 @@ meta.pkl executes nothing, it is reported.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
-import pickle
 import random
 import threading
 from dataclasses import asdict, dataclass, field
@@ -20,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from tokpipe.durability import HASH_CHUNK
+from tokpipe.layout import IDX_DTYPE, Part, delimiters, load_meta_pkl, parts_of
 
 
 @dataclass
@@ -29,42 +28,16 @@ class Check:
     detail: str
 
 
-class _PlainUnpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-        raise pickle.UnpicklingError(f"meta.pkl refers to {module}.{name}; a tokpipe meta holds only plain values")
-
-
-def load_meta_pkl(path: str | os.PathLike) -> dict:
-    """meta.pkl without executing anything it may contain."""
-    with open(path, "rb") as f:
-        meta = _PlainUnpickler(io.BytesIO(f.read())).load()
-    if not isinstance(meta, dict):
-        raise pickle.UnpicklingError(f"meta.pkl holds a {type(meta).__name__}, not a dict")
-    return meta
-
-
-@dataclass(frozen=True)
-class Range:
-    """A stretch of a split file with its own checksums: one shard's part (or, in OUTs of tokpipe
-    before 0.2, the whole file). Ends in the .idx are hashed relative to the range's first token."""
-
-    name: str  # the shard, for the report
-    tokens: tuple[int, int]  # [start, end) in the .bin
-    documents: tuple[int, int]  # [start, end) in the .idx
-    sha256: str | None
-    idx_sha256: str | None
-
-
 @dataclass
-class RangeScan:
-    """What one pass over some ranges found."""
+class PartScan:
+    """What one pass over some parts found."""
 
     top: int = 0  # largest id
     eos: int = 0  # EOS ids
     bos: int = 0  # BOS ids (when the run placed BOS)
-    bad_bin: list[str] = field(default_factory=list)  # ranges whose token sha256 differs
+    bad_bin: list[str] = field(default_factory=list)  # parts whose token sha256 differs
     bad_idx: list[str] = field(default_factory=list)
-    increasing: bool = True  # every end > the one before (the range's first token before the first)
+    increasing: bool = True  # every end > the one before (the part's first token before the first)
     not_eos_ended: int = 0  # documents whose last token is not EOS
     not_bos_started: int = 0  # documents whose first token is not BOS
 
@@ -72,14 +45,15 @@ class RangeScan:
 _buffers = threading.local()
 
 
-def _scan_ranges(bin_fd: int, tokens: np.ndarray, ends: np.ndarray, ranges: list[Range], dtype: np.dtype, eos_id: int, bos_id: int | None) -> RangeScan:
-    """Hash and scan ranges, reading each byte once (a thread per group: hashlib and numpy drop the GIL)."""
-    scan = RangeScan()
+def _scan_parts(bin_fd: int, tokens: np.ndarray, ends: np.ndarray, parts: list[Part], dtype: np.dtype, eos_id: int, bos_id: int | None) -> PartScan:
+    """Hash and scan parts, reading each byte once (a thread per group: hashlib and numpy drop the GIL).
+    Ends in the .idx are hashed relative to the part's first token."""
+    scan = PartScan()
     buffer = getattr(_buffers, "buffer", None) or bytearray(HASH_CHUNK)
     _buffers.buffer = buffer
-    for r in ranges:
+    for r in parts:
         hasher = hashlib.sha256()
-        start, end = r.tokens[0] * dtype.itemsize, r.tokens[1] * dtype.itemsize
+        start, end = r.token_offset * dtype.itemsize, r.token_end * dtype.itemsize
         while start < end:
             got = os.preadv(bin_fd, [memoryview(buffer)[: min(len(buffer), end - start)]], start)
             if not got:
@@ -91,28 +65,29 @@ def _scan_ranges(bin_fd: int, tokens: np.ndarray, ends: np.ndarray, ranges: list
                 scan.eos += int(np.count_nonzero(chunk == eos_id))
                 scan.bos += int(np.count_nonzero(chunk == bos_id)) if bos_id is not None else 0
             start += got
-        if r.sha256 is not None and hasher.hexdigest() != r.sha256:
+        if r.record["sha256"] is not None and hasher.hexdigest() != r.record["sha256"]:
             scan.bad_bin.append(r.name)
-        range_ends = np.asarray(ends[r.documents[0] : r.documents[1]])
-        relative = range_ends - r.tokens[0]
-        if r.idx_sha256 is not None and hashlib.sha256(memoryview(relative)).hexdigest() != r.idx_sha256:
+        range_ends = np.asarray(ends[r.doc_offset : r.doc_end])
+        relative = range_ends - r.token_offset
+        if r.record["idx_sha256"] is not None and hashlib.sha256(memoryview(relative)).hexdigest() != r.record["idx_sha256"]:
             scan.bad_idx.append(r.name)
         if len(range_ends):
             scan.increasing &= bool(relative[0] > 0 and np.all(np.diff(range_ends) > 0) and range_ends[-1] <= len(tokens))
             if scan.increasing:
                 scan.not_eos_ended += int(np.count_nonzero(np.asarray(tokens[range_ends - 1]) != eos_id))
                 if bos_id is not None:
-                    starts = np.concatenate([[r.tokens[0]], range_ends[:-1]])
+                    starts = np.concatenate([[r.token_offset], range_ends[:-1]])
                     scan.not_bos_started += int(np.count_nonzero(np.asarray(tokens[starts]) != bos_id))
     return scan
 
 
-def _ranges(out: Path, split: str, info: dict, check) -> list[Range] | None:
-    """The split's checksummed ranges: its .parts list (checked against meta), or the whole file for an
-    OUT of an earlier tokpipe; None when the parts list cannot be trusted."""
+def _parts(out: Path, split: str, info: dict, check) -> list[Part] | None:
+    """The split's checksummed parts: its .parts list (checked against meta), or the whole file as one
+    part for an OUT of tokpipe 0.1; None when the parts list cannot be trusted."""
     tokens, documents = int(info["tokens"]), int(info["documents"])
     if "parts" not in info:
-        return [Range(info["file"], (0, tokens), (0, documents), info.get("sha256"), info.get("idx_sha256"))]
+        whole = {"shard": info["file"], "tokens": tokens, "documents": documents, "sha256": info.get("sha256"), "idx_sha256": info.get("idx_sha256")}
+        return [Part(split, 0, 0, 0, whole)]
     path = out / info["parts"]
     if not check(f"{split}: parts list present", path.is_file(), str(path)):
         return None
@@ -120,24 +95,22 @@ def _ranges(out: Path, split: str, info: dict, check) -> list[Range] | None:
     same = hashlib.sha256(raw).hexdigest() == info["parts_sha256"]
     if not check(f"{split}: parts list sha256 matches meta", same, "" if same else f"{path} changed since finalize"):
         return None
-    ranges, t, d = [], 0, 0
-    for record in map(json.loads, raw.splitlines()):
-        ranges.append(Range(record["shard"], (t, t + record["tokens"]), (d, d + record["documents"]), record["sha256"], record["idx_sha256"]))
-        t, d = t + record["tokens"], d + record["documents"]
+    parts = parts_of(split, raw)
+    t, d = (parts[-1].token_end, parts[-1].doc_end) if parts else (0, 0)
     check(f"{split}: parts add up to meta", (t, d) == (tokens, documents), f"parts: {t:,} tokens, {d:,} documents; meta: {tokens:,}, {documents:,}")
-    return ranges if (t, d) == (tokens, documents) else None
+    return parts if (t, d) == (tokens, documents) else None
 
 
-def _groups(ranges: list[Range], itemsize: int, jobs: int) -> list[list[Range]]:
-    """Consecutive ranges in groups of similar size, several per job: small shards share a task."""
-    target = max(sum(r.tokens[1] - r.tokens[0] for r in ranges) * itemsize // (4 * jobs), HASH_CHUNK)
+def _groups(parts: list[Part], itemsize: int, jobs: int) -> list[list[Part]]:
+    """Consecutive parts in groups of similar size, several per job: small shards share a task."""
+    target = max(sum(r.tokens for r in parts) * itemsize // (4 * jobs), HASH_CHUNK)
     groups, size = [[]], 0
-    for r in ranges:
+    for r in parts:
         if size >= target:
             groups.append([])
             size = 0
         groups[-1].append(r)
-        size += (r.tokens[1] - r.tokens[0]) * itemsize
+        size += r.tokens * itemsize
     return groups
 
 
@@ -178,11 +151,10 @@ def verify(out: str | os.PathLike, jobs: int | None = None) -> list[Check]:
     check("dtype holds vocab", vocab_size <= limit, f"{meta['dtype']} holds ids < {limit}; vocab_size {vocab_size}")
     check("eos id in vocab", 0 <= eos_id < vocab_size, f"eos {eos_id}, vocab {vocab_size}")
 
-    # A meta of an earlier tokpipe says nothing of delimiters: it wrote EOS after every document.
-    delimiters = meta.get("delimiters", {"bos": False, "eos": True})
-    bos_id = int(meta["bos_token_id"]) if delimiters["bos"] else None
+    written = delimiters(meta)
+    bos_id = int(meta["bos_token_id"]) if written["bos"] else None
     for split, info in splits.items():
-        _verify_split(out, split, info, dtype, vocab_size, eos_id, check, jobs, bos_id, delimiters["eos"])
+        _verify_split(out, split, info, dtype, vocab_size, eos_id, check, jobs, bos_id, written["eos"])
     if meta.get("excluded"):
         # Not a failure: the user chose --skip-failed. But nobody should mistake the output for the whole corpus.
         check(f"note: {len(meta['excluded'])} shards excluded by --skip-failed", True, ", ".join(meta["excluded"]))
@@ -221,17 +193,17 @@ def _verify_split(out: Path, split: str, info: dict, dtype: np.dtype, vocab_size
     idx_size = idx_path.stat().st_size
     if not check(f"{split}: idx entries == documents", idx_size == 8 * docs_expected, f"{idx_size / 8:,.0f} entries, {docs_expected:,} documents"):
         return
-    ranges = _ranges(out, split, info, check)
-    if ranges is None:
+    parts = _parts(out, split, info, check)
+    if parts is None:
         return
     tokens = np.memmap(path, dtype=dtype, mode="r") if n else np.zeros(0, dtype)
-    ends = np.memmap(idx_path, dtype="<i8", mode="r") if docs_expected else np.zeros(0, "<i8")
+    ends = np.memmap(idx_path, dtype=IDX_DTYPE, mode="r") if docs_expected else np.zeros(0, IDX_DTYPE)
     with open(path, "rb") as f, ThreadPoolExecutor(jobs) as pool:
-        scans = list(pool.map(lambda group: _scan_ranges(f.fileno(), tokens, ends, group, dtype, eos_id, bos_id), _groups(ranges, dtype.itemsize, jobs)))
+        scans = list(pool.map(lambda group: _scan_parts(f.fileno(), tokens, ends, group, dtype, eos_id, bos_id), _groups(parts, dtype.itemsize, jobs)))
     bad_bin = [name for s in scans for name in s.bad_bin]
     bad_idx = [name for s in scans for name in s.bad_idx]
-    if any(r.sha256 for r in ranges):
-        check(f"{split}: sha256 matches meta", not bad_bin, f"the token bytes changed since finalize{_where(bad_bin, ranges)}" if bad_bin else "")
+    if any(r.record["sha256"] for r in parts):
+        check(f"{split}: sha256 matches meta", not bad_bin, f"the token bytes changed since finalize{_where(bad_bin, parts)}" if bad_bin else "")
     top, eos = max((s.top for s in scans), default=0), sum(s.eos for s in scans)
     check(f"{split}: ids < vocab_size", top < vocab_size, f"max id {top:,}, vocab_size {vocab_size:,}")
     if eos_written:
@@ -241,8 +213,8 @@ def _verify_split(out: Path, split: str, info: dict, dtype: np.dtype, vocab_size
     if bos_id is not None:
         bos = sum(s.bos for s in scans)
         check(f"{split}: BOS count == documents", bos == docs_expected, f"BOS {bos:,}, documents {docs_expected:,}")
-    if any(r.idx_sha256 for r in ranges):
-        check(f"{split}: idx sha256 matches meta", not bad_idx, f"the index changed since finalize{_where(bad_idx, ranges)}" if bad_idx else "")
+    if any(r.record["idx_sha256"] for r in parts):
+        check(f"{split}: idx sha256 matches meta", not bad_idx, f"the index changed since finalize{_where(bad_idx, parts)}" if bad_idx else "")
     increasing = all(s.increasing for s in scans)
     check(f"{split}: idx strictly increasing", increasing)
     last = int(ends[-1]) if docs_expected else 0
@@ -256,8 +228,8 @@ def _verify_split(out: Path, split: str, info: dict, dtype: np.dtype, vocab_size
             check(f"{split}: every document starts with BOS", not not_started, f"{not_started} do not")
 
 
-def _where(names: list[str], ranges: list[Range]) -> str:
-    if len(ranges) == 1:  # the whole file: no shard to name
+def _where(names: list[str], parts: list[Part]) -> str:
+    if len(parts) == 1:  # the whole file: no shard to name
         return ""
     shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
     return f", in the range of {shown}" if len(names) == 1 else f", in the ranges of {len(names)} shards: {shown}"
@@ -268,9 +240,9 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
     compare them with their span in the bins: an independent check of the backend and of the offsets."""
     from tokenizers import Tokenizer
 
-    from tokpipe.finalize import sources, split_file_stem
+    from tokpipe.layout import Checkpoint, sources, split_file_stem
     from tokpipe.manifest import load_manifest
-    from tokpipe.shard import Checkpoint, ShardFiles, held_out
+    from tokpipe.shard import held_out
     from tokpipe.source import read_batches
     from tokpipe.tokenizer import tokenizer_json_path
 
@@ -283,9 +255,9 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
     reference.encode_special_tokens = True
     manifest = load_manifest(out / "manifest.json")
     excluded = meta.get("excluded", {})
-    delimiters = meta.get("delimiters", {"bos": False, "eos": True})
-    before = [meta["bos_token_id"]] if delimiters["bos"] else []
-    after = [meta["eos_token_id"]] if delimiters["eos"] else []
+    written = delimiters(meta)
+    before = [meta["bos_token_id"]] if written["bos"] else []
+    after = [meta["eos_token_id"]] if written["eos"] else []
     val_fraction = meta.get("val_fraction", 0.0)
 
     # Every document of the output as (split, shard, held-out part or not, number within split), a part at a time.
@@ -295,7 +267,7 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
         for shard, held in sources(manifest, split_file_stem(split), val_fraction):
             if shard.relpath in excluded:
                 continue
-            ckpt = Checkpoint.load(ShardFiles.of(out, shard).checkpoint)
+            ckpt = Checkpoint.of(out, shard)
             documents = ckpt.val_documents if held else ckpt.documents
             population.append((split, shard, held, base, documents))
             base += documents
@@ -314,7 +286,7 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
         split, shard, held, _, _ = population[i]
         info = meta["splits"][split]
         tokens = np.memmap(out / info["file"], dtype=dtype, mode="r")
-        ends = np.memmap(out / info["idx"], dtype="<i8", mode="r")
+        ends = np.memmap(out / info["idx"], dtype=IDX_DTYPE, mode="r")
         needed = dict(docs)
         seen = 0  # documents of this part read so far
         for batch in read_batches(shard.path, meta["text_field"]):

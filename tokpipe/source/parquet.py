@@ -1,4 +1,4 @@
-"""One Parquet shard -> batches of document texts, every row accounted for (beside source.py's JSONL reader).
+"""A Parquet shard -> batches of document texts, every row accounted for: a row is what a JSONL line is.
 
 A row is a document when its text column holds a non-empty string. Any other row is a counted skip,
 with the reason JSONL gives the same value: a null is `text_not_string` (as `{"text": null}` is), `""`
@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tokpipe.errors import SourceError
-from tokpipe.source import SKIP_LOG_CAP, Batch
+from tokpipe.source.batch import Batch, decode_utf8
 
 PIECE_BYTES = 1 << 20  # about this much of a row group is decoded at a time
 TEXT_TYPES = (pa.string(), pa.large_string(), pa.binary(), pa.large_binary())
@@ -88,24 +88,14 @@ def _parse(values: pa.Array, first_row: int, max_text_bytes: int, batch: Batch) 
             reason = "too_long"
         else:
             if type(text) is bytes:
-                text = _decode(text, batch)
+                text = decode_utf8(text, batch.repaired)
             if type(text) is str and text:
                 append(text)
                 continue
             reason = "empty_text" if text == "" else "text_not_string"
-        batch.skipped[reason] += 1
-        if len(batch.skip_log) < SKIP_LOG_CAP:
-            batch.skip_log.append((first_row + i + 1, reason))
+        batch.skip(first_row + i + 1, reason)
     batch.lines += len(texts)
     batch.text_bytes += sum(sizes)
-
-
-def _decode(raw: bytes, batch: Batch) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        batch.repaired["invalid_utf8"] += 1
-        return raw.decode("utf-8", errors="replace")
 
 
 def read_parquet_batches(path: str, text_field: str, start_line: int, batch_bytes: int, max_text_bytes: int) -> Iterator[Batch]:

@@ -1,4 +1,4 @@
-"""One shard -> batches of document texts, every input line accounted for.
+"""A JSONL shard (plain, zstd or gzip) -> batches of document texts, every input line accounted for.
 
 Compression is sniffed from magic bytes, never trusted from the file name (a `.jsonl.zst` may be
 plain JSONL). The decompressed bytes are cut into lines a block at a time (one C `split` per
@@ -16,36 +16,19 @@ import re
 import zlib
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import orjson
 import zstandard
 
 from tokpipe.errors import SourceError
+from tokpipe.source.batch import Batch, decode_utf8
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 GZIP_MAGIC = b"\x1f\x8b"
-PARQUET_MAGIC = b"PAR1"
 BOM = b"\xef\xbb\xbf"
 COMPRESSED_CHUNK = 1 << 16  # fed to zstd at a time; its output, a few times larger, is one block
 BLOCK = 1 << 20  # most decompressed bytes split into lines at once
-SKIP_LOG_CAP = 100  # per batch; the shard keeps the first ones and counts all
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-
-# Why a line is not a document. Every skipped line carries exactly one of these.
-SKIP_REASONS = ("blank", "invalid_json", "not_object", "no_text", "text_not_string", "empty_text", "too_long")
-
-
-def compression_of(path: str) -> str:
-    with open(path, "rb") as f:
-        head = f.read(4)
-    if head.startswith(ZSTD_MAGIC):
-        return "zstd"
-    if head.startswith(GZIP_MAGIC):
-        return "gzip"
-    if head.startswith(PARQUET_MAGIC):
-        return "parquet"
-    return "none"
 
 
 def _zstd_blocks(raw, path: str) -> Iterator[bytes]:
@@ -86,10 +69,9 @@ def _gzip_blocks(raw, path: str) -> Iterator[bytes]:
             yield block
 
 
-def decompressed_blocks(path: str, block_bytes: int = BLOCK, kind: str | None = None) -> Iterator[tuple[bytes, int]]:
+def decompressed_blocks(path: str, kind: str, block_bytes: int = BLOCK) -> Iterator[tuple[bytes, int]]:
     """The shard's decompressed bytes in pieces of at most block_bytes, each with the bytes of the file read so far.
-    `kind`: its compression_of(), when the caller has sniffed it already."""
-    kind = kind or compression_of(path)
+    `kind`: its compression, as tokpipe.source.format_of sniffed it (zstd, gzip or none)."""
     with open(path, "rb", buffering=0) as raw:
         if kind == "zstd":
             blocks = _zstd_blocks(raw, path)
@@ -146,18 +128,6 @@ def _lines(blocks: Iterator[tuple[bytes, int]], max_line_bytes: int) -> Iterator
         yield [carried if carried > max_line_bytes else b"".join(carry)], carried, source_pos
 
 
-@dataclass
-class Batch:
-    texts: list[str]
-    lines: int  # input lines this batch consumed (documents + skipped)
-    end_offset: int  # decompressed byte offset just past this batch's last line
-    source_pos: int  # bytes of the (compressed) file read so far, for progress
-    text_bytes: int  # decompressed input bytes consumed (the lines, newlines included)
-    skipped: Counter = field(default_factory=Counter)  # reason -> count
-    repaired: Counter = field(default_factory=Counter)  # invalid_utf8 | lone_surrogate | bom -> count
-    skip_log: list[tuple[int, str]] = field(default_factory=list)  # (1-based line number, reason)
-
-
 def _document(line: bytes, text_field: str, repaired: Counter) -> str | tuple[None, str]:
     """The line's text, or (None, reason)."""
     if not line.strip():
@@ -168,11 +138,7 @@ def _document(line: bytes, text_field: str, repaired: Counter) -> str | tuple[No
     except orjson.JSONDecodeError:
         fallback = True
         # orjson is strict about UTF-8 and lone surrogate escapes; those lines are still documents.
-        try:
-            decoded = line.decode("utf-8")
-        except UnicodeDecodeError:
-            decoded = line.decode("utf-8", errors="replace")
-            repaired["invalid_utf8"] += 1
+        decoded = decode_utf8(line, repaired)
         try:
             obj = json.loads(decoded)
         except ValueError:
@@ -207,30 +173,12 @@ def _parse(lines: list, first_line_no: int, text_field: str, batch: Batch) -> No
         if isinstance(doc, str):
             append(doc)
         else:
-            batch.skipped[doc[1]] += 1
-            if len(batch.skip_log) < SKIP_LOG_CAP:
-                batch.skip_log.append((first_line_no + i + 1, doc[1]))
+            batch.skip(first_line_no + i + 1, doc[1])
 
 
-def read_batches(
-    path: str,
-    text_field: str = "text",
-    start_line: int = 0,
-    start_offset: int = 0,
-    batch_bytes: int = 4 << 20,
-    max_line_bytes: int = 64 << 20,  # worker memory grows ~12 MiB per MB of line: keeps it under 1 GiB
-) -> Iterator[Batch]:
-    """Batches of about `batch_bytes` of input, resuming after `start_line` lines / `start_offset` bytes.
-
-    A Parquet shard (sniffed like compression) is read by tokpipe.parquet: a row is its line.
-    """
-    kind = compression_of(path)
-    if kind == "parquet":
-        from tokpipe.parquet import read_parquet_batches  # pyarrow is imported only where Parquet is read
-
-        yield from read_parquet_batches(path, text_field, start_line, batch_bytes, max_line_bytes)
-        return
-    blocks = _from_offset(decompressed_blocks(path, min(BLOCK, batch_bytes), kind), start_offset, path)
+def read_jsonl_batches(path: str, kind: str, text_field: str, start_line: int, start_offset: int, batch_bytes: int, max_line_bytes: int) -> Iterator[Batch]:
+    """Batches of about `batch_bytes` of input, resuming after `start_line` lines / `start_offset` bytes."""
+    blocks = _from_offset(decompressed_blocks(path, kind, min(BLOCK, batch_bytes)), start_offset, path)
     line_no, offset = start_line, start_offset
     batch = Batch([], 0, offset, 0, 0)
     for lines, consumed, source_pos in _lines(blocks, max_line_bytes):

@@ -1,0 +1,79 @@
+"""The options of `tokpipe run`, each defined once: its default, its help, how the command line parses it.
+
+`tokpipe.cli` builds the `run` flags from these fields (`--text-field` for `text_field`), the Python
+API (`tokpipe.run(..., text_field=...)`) takes the same names, and run.json records those given
+other than their defaults, by the same names.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from tokpipe.shard import EncodeSpec
+from tokpipe.tokenizer import BACKENDS, TokenizerInfo
+
+
+def positive(kind, zero_ok: bool = False):
+    """An argparse type: a number > 0 (or >= 0)."""
+
+    def parse(text: str):
+        value = kind(text)
+        if value < 0 or (value == 0 and not zero_ok):
+            raise argparse.ArgumentTypeError(f"must be {'>=' if zero_ok else '>'} 0, got {text}")
+        return value
+
+    return parse
+
+
+def option(default, help: str, **cli):
+    """A RunOptions field: `help` as --help shows it (%(default)s is the default), `cli` the rest of
+    argparse's add_argument keywords (type, choices, metavar); a False default makes a switch."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    workers: int | None = option(None, "shard tasks at once (default: all CPUs)", type=positive(int))
+    address: str | None = option(None, "Ray cluster address (default: $RAY_ADDRESS, else an embedded local Ray)")
+    backend: str = option("auto", "encoder; all give the same bytes (default: %(default)s)", choices=BACKENDS)
+    text_field: str = option("text", "JSON field holding the document text (default: %(default)s)")
+    eos: str | None = option(None, "EOS token (default: the tokenizer's eos_token)")
+    bos: bool = option(False, "place BOS before every document (the tokenizer's bos_token, or --bos-token)")
+    bos_token: str | None = option(None, "the BOS token --bos places (default: the tokenizer's bos_token)")
+    no_eos: bool = option(False, "no EOS after documents (with --bos: BOS-delimited documents)")
+    val_fraction: float = option(
+        0.0,
+        "hold out this share of train documents for val.bin, chosen by a hash of their text (default: %(default)g)",
+        type=positive(float, zero_ok=True),
+        metavar="F",
+    )
+    checkpoint_interval: float = option(30.0, "seconds between shard checkpoints (default: %(default)g)", type=positive(float))
+    stall_timeout: float = option(600.0, "cancel and retry a shard with no progress for this long (default: %(default)g)", type=positive(float))
+    max_retries: int = option(3, "retries of a shard whose worker died or stalled (default: %(default)s)", type=int)
+    skip_failed: bool = option(False, "finalize without shards that fail (recorded in meta as excluded)")
+    # 128 workers of 768 MiB fit a 128 GiB node.
+    worker_memory: int = option(
+        768, "RSS each worker stays under, by dropping the encoder's word cache (default: %(default)s)", type=positive(int), metavar="MIB"
+    )
+
+    @property
+    def delimiters(self) -> dict:
+        """What goes around every document, as run.json and meta record it."""
+        return {"bos": self.bos, "eos": not self.no_eos}
+
+    def encode_spec(self, info: TokenizerInfo, backend: str, read_ahead: bool = False) -> EncodeSpec:
+        """What every worker of this run needs to write its shards' bytes."""
+        return EncodeSpec(
+            info.path,
+            backend,
+            eos_id=None if self.no_eos else info.eos_id,
+            bos_id=info.bos_id if self.bos else None,
+            vocab_size=info.vocab_size,
+            dtype=info.dtype,
+            text_field=self.text_field,
+            checkpoint_interval=self.checkpoint_interval,
+            memory_limit=self.worker_memory << 20,
+            val_fraction=self.val_fraction,
+            read_ahead=read_ahead,
+        )

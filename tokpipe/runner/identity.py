@@ -1,0 +1,87 @@
+"""What a run is: the inputs its bytes depend on, recorded in run.json; a rerun with other inputs is refused.
+
+A manifest that only gained shards is an append: the finished shards are kept and the new ones run.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from tokpipe.durability import write_json_atomic
+from tokpipe.errors import UserError
+from tokpipe.layout import IDENTITY_DEFAULTS, LAST_RUN_KEYS, RUN_FORMAT
+from tokpipe.manifest import Manifest, load_manifest
+from tokpipe.options import RunOptions
+from tokpipe.tokenizer import TokenizerInfo
+
+
+def run_identity(manifest: Manifest, info: TokenizerInfo, opts: RunOptions) -> dict:
+    """What the bytes of OUT depend on. Workers, backend and intervals are not in it: they never change bytes."""
+    return {
+        "format": RUN_FORMAT,
+        "manifest_sha256": manifest.fingerprint,
+        "tokenizer": info.id,
+        "tokenizer_sha256": info.sha256,
+        "vocab_size": info.vocab_size,
+        "dtype": info.dtype,
+        "eos_token": info.eos_token,
+        "eos_token_id": info.eos_id,
+        "bos_token_id": info.bos_id,
+        "text_field": opts.text_field,
+        "delimiters": opts.delimiters,
+        "val_fraction": opts.val_fraction,
+    }
+
+
+def check_options(opts: RunOptions, info: TokenizerInfo, tokenizer) -> None:
+    """Refuse documents no trainer could tell apart, a BOS the tokenizer does not have, a share that is no share."""
+    if opts.no_eos and not opts.bos:
+        raise UserError("--no-eos without --bos would write documents back to back with nothing between them: add --bos, or drop --no-eos")
+    if opts.bos_token and not opts.bos:
+        raise UserError("--bos-token names the BOS that --bos places: add --bos")
+    if opts.bos and info.bos_id is None:
+        raise UserError(f"{tokenizer} names no bos_token (tokenizer_config.json): pass --bos-token TOKEN (e.g. --bos-token '<|endoftext|>')")
+    if not 0 <= opts.val_fraction < 1:
+        raise UserError(f"--val-fraction must be at least 0 and below 1, got {opts.val_fraction}")
+
+
+def record_run(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOptions) -> None:
+    """Refuse an OUT that holds a run with other inputs (a manifest that only gained shards is an
+    append); then (re)write run.json for this run."""
+    path = out / "run.json"
+    identity = run_identity(manifest, info, opts)
+    if path.exists():
+        previous = {**IDENTITY_DEFAULTS, **{k: v for k, v in json.loads(path.read_text()).items() if k not in LAST_RUN_KEYS}}
+        differs = [k for k in sorted(set(identity) | set(previous)) if identity.get(k) != previous.get(k)]
+        if differs == ["manifest_sha256"] and (out / "manifest.json").exists():
+            _check_append(out, load_manifest(out / "manifest.json"), manifest)
+        elif differs:
+            what = "; ".join(f"{k}: was {previous.get(k)!r}, now {identity.get(k)!r}" for k in differs)
+            raise UserError(f"{out} holds a run with other inputs ({what}); use a new --out, or the original inputs to resume")
+    defaults = asdict(RunOptions())
+    options = {k: v for k, v in asdict(opts).items() if v != defaults[k]}
+    write_json_atomic(path, {**identity, "tokenizer_path": info.path, "options": options})
+
+
+def _check_append(out: Path, old_manifest: Manifest, manifest: Manifest) -> None:
+    """Every shard of the old manifest must be in the new one, the same size. Both list a split's shards
+    in path order (DESIGN), so one merged pass per split compares them, holding neither manifest."""
+    changed = []
+    for split in old_manifest.counts:
+        new = manifest.shards(split)
+        candidate = next(new, None)
+        for shard in old_manifest.shards(split):
+            while candidate is not None and candidate.relpath < shard.relpath:
+                candidate = next(new, None)
+            if candidate is None or candidate.relpath != shard.relpath or candidate.size != shard.size:
+                changed.append(f"{split}/{shard.relpath}")
+    if changed:
+        raise UserError(
+            f"{out} was started from another manifest: {len(changed)} of its shards are changed or gone in this one "
+            f"(e.g. {changed[0]}); use a new --out, or the original manifest to resume"
+        )
+    gained = sum(manifest.counts.values()) - sum(old_manifest.counts.values())
+    print(f"the manifest gained {gained} shards since {out} was started: appending them (finished shards are kept)")
+    (out / "meta.json").unlink(missing_ok=True)  # OUT is unfinished again until the new finalize

@@ -1,0 +1,125 @@
+"""What a run tells while it runs: the progress bar or lines, OUT/logs/progress.json, OUT/logs/run.log,
+and where its time went (the phases)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from tokpipe.durability import write_json_atomic
+from tokpipe.layout import PROGRESS, RUN_LOG, log_file
+from tokpipe.status import duration
+
+
+class RunLog:
+    """OUT/logs/run.log: the effective configuration, shard failures, stalls, the outcome."""
+
+    def __init__(self, out: Path):
+        path = log_file(out, RUN_LOG)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(path, "a")
+
+    def __call__(self, message: str) -> None:
+        self._f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
+        self._f.flush()
+
+
+class Progress:
+    """A tqdm bar on a terminal; a plain line every `every` seconds otherwise (CI, nohup, Slurm logs).
+
+    Also keeps OUT/logs/progress.json current, so `tokpipe status` can tell rate and ETA from files alone.
+    """
+
+    def __init__(self, out: Path, total_bytes: int, done_bytes: int, shards: int, every: float = 30.0):
+        self.out, self.total, self.shards = out, total_bytes, shards
+        self.start_bytes, self.t0, self.started_at, self.every = done_bytes, time.monotonic(), time.time(), every
+        self.last_line = self.last_file = 0.0
+        self.read_this_run = 0
+        self.bar = None
+        if sys.stderr.isatty():
+            # Shard counts (and failures) before the rates, and no label: in 80 columns tqdm cuts the
+            # line's end, and that must be the least important part.
+            self.bar = tqdm(
+                total=total_bytes,
+                initial=done_bytes,
+                unit="iB",
+                unit_scale=True,
+                unit_divisor=1024,
+                dynamic_ncols=True,
+                bar_format="{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt}iB, ETA {remaining}{postfix}",
+            )
+
+    def update(self, file_bytes: int, documents: int, tokens: int, done: int, running: int, failed: int, final: bool = False) -> None:
+        now = time.monotonic()
+        elapsed = max(now - self.t0, 1e-9)
+        # Workers report the compressed bytes they have read, and a shard's last report may miss the
+        # file's tail (zstd's frame end, the reports still in flight): a finished run has read it all.
+        read = self.total if final and done == self.shards else self.start_bytes + file_bytes
+        self.read_this_run = read - self.start_bytes
+        rate = file_bytes / elapsed
+        eta = (self.total - read) / rate if rate > 0 else None
+        failures = f" ({failed} FAILED)" if failed else ""
+        rates = f"{documents:,} docs, {tokens / elapsed / 1e6:.2f}M tok/s"
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"{done}/{self.shards} shards{failures}, {rates}", refresh=False)
+            self.bar.update(read - self.bar.n)
+        elif final or now - self.last_line >= self.every:
+            self.last_line = now
+            pct = 100 * read / self.total if self.total else 100.0
+            when = f" in {duration(elapsed)}" if final else f", ETA {duration(eta)}" if eta is not None else ", ETA unknown"
+            print(
+                f"[tokpipe] {pct:5.1f}% of {self.total / 2**20:,.1f} MiB read{when} | {done}/{self.shards} shards done{failures}, {running} running, {rates}",
+                file=sys.stderr,
+                flush=True,
+            )
+        if final or now - self.last_file >= 2.0:
+            self.last_file = now
+            write_json_atomic(
+                log_file(self.out, PROGRESS),
+                {
+                    "pid": os.getpid(),
+                    "started_at": self.started_at,
+                    "updated_at": time.time(),
+                    "bytes_read": read,
+                    "bytes_total": self.total,
+                    "documents": documents,
+                    "tokens": tokens,
+                    "tokens_per_s": tokens / elapsed,
+                    "eta_s": eta,
+                    "shards": {"total": self.shards, "done": done, "running": running, "failed": failed},
+                },
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+@dataclass
+class Timeline:
+    """Where a run's time went, for run.log and the summary: plan (inputs, checkpoints, Ray, backend
+    check), tokenize (until the last shard is done), finalize (from then until meta.json is written)."""
+
+    start: float
+    planned: float | None = None
+    tokenized: float | None = None
+    read_bytes: int = 0  # of input, by this run's workers
+    assembled_bytes: int = 0  # of tokens, copied into place while shards tokenized
+
+    def report(self, finished: float, meta: dict) -> str:
+        planned = self.planned or finished
+        tokenized = self.tokenized or planned
+        token_bytes = sum(s["tokens"] for s in meta["splits"].values()) * np.dtype(meta["dtype"]).itemsize
+        tokenize_s, finalize_s = tokenized - planned, finished - tokenized
+        return (
+            f"phases: plan {planned - self.start:.1f}s | tokenize {tokenize_s:.1f}s, {self.read_bytes / 1e6:,.1f} MB of input read"
+            f" ({self.read_bytes / 1e6 / max(tokenize_s, 1e-9):.1f} MB/s) | finalize {finalize_s:.2f}s ({100 * finalize_s / max(tokenize_s, 1e-9):.0f}% of tokenize):"
+            f" {token_bytes / 1e6:,.1f} MB of tokens, {self.assembled_bytes / 1e6:,.1f} MB of them assembled while tokenizing,"
+            f" {(token_bytes - self.assembled_bytes) / 1e6:,.1f} MB after ({(token_bytes - self.assembled_bytes) / 1e9 / max(finalize_s, 1e-9):.2f} GB/s)"
+        )

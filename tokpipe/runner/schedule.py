@@ -1,0 +1,193 @@
+"""Scheduling on Ray: one task per unfinished shard, as many at once as there are workers; stalled
+tasks cancelled and submitted again; finished shards copied into their split files meanwhile.
+
+Ray does the scheduling and the retrying of tasks whose worker or node died (`max_retries`); a retry
+resumes the shard from its checkpoint. What Ray cannot see is a task that is alive but stuck: each
+worker reports progress to the ProgressBoard actor, and the scheduler cancels a task that reported
+nothing for `stall_timeout` seconds (the worker dumps its stacks to OUT/logs first) and submits it again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from pathlib import Path
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from tokpipe.finalize import COPY_BATCH_BYTES, Assembler
+from tokpipe.layout import Checkpoint, Part, stall_dump
+from tokpipe.manifest import Manifest, Shard
+from tokpipe.options import RunOptions
+from tokpipe.runner.progress import Progress, RunLog
+from tokpipe.runner.task import ProgressBoard, copy_task, shard_task
+from tokpipe.shard import EncodeSpec, ShardResult
+
+POLL_EVERY = 0.5  # seconds between looks at progress and stalls
+
+
+class Copies:
+    """Copies that assemble the split files while shards still tokenize; what goes where is the Assembler's.
+
+    On a cluster they are Ray tasks spread over the nodes, so every node copies (OUT is on storage all
+    of them see). On one machine they are threads of the driver: the copy and the fsync run in the
+    kernel without the GIL, and no worker process has to start for them (two extra workers cost
+    ~1 s of tokenizing on 2 cores, measured). Parts wait in a queue while every slot is busy, so the
+    next copy takes all of them: with thousands of tiny shards, one copy and one fsync cover many.
+    """
+
+    def __init__(self, assembler: Assembler, out: Path, itemsize: int, nodes: int):
+        self.assembler, self.out, self.itemsize = assembler, out, itemsize
+        self.remote = nodes > 1
+        self.slots = 2 * nodes
+        if self.remote:
+            self.task = ray.remote(num_cpus=0, max_retries=3, scheduling_strategy="SPREAD", name="tokpipe copy")(copy_task)
+        else:
+            self.threads = ThreadPoolExecutor(self.slots)
+        self.queue: deque[Part] = deque()
+        self.running: dict = {}  # ObjectRef or Future -> its parts
+        self.bytes_by_node: Counter = Counter()
+
+    def feed(self, excluded: frozenset[str] = frozenset()) -> None:
+        self.queue.extend(self.assembler.ready(excluded))
+        while self.queue and len(self.running) < self.slots:
+            batch, size, stem = [], 0, self.queue[0].stem
+            while self.queue and self.queue[0].stem == stem and size < COPY_BATCH_BYTES:
+                batch.append(self.queue.popleft())
+                size += batch[-1].record["tokens"] * self.itemsize
+            args = (str(self.out), batch, self.itemsize)
+            self.running[self.task.remote(*args) if self.remote else self.threads.submit(copy_task, *args)] = batch
+
+    def collect(self, block: bool = False) -> None:
+        """List the copies that are done (with `block`, after waiting for one), then start the next."""
+        if not self.running:
+            return
+        if self.remote:
+            done, _ = ray.wait(list(self.running), num_returns=1 if block else len(self.running), timeout=None if block else 0)
+        else:
+            done = wait(self.running, return_when=FIRST_COMPLETED)[0] if block else [f for f in self.running if f.done()]
+        for handle in done:
+            parts = self.running.pop(handle)
+            node, records = ray.get(handle) if self.remote else handle.result()
+            self.assembler.placed(parts, records)
+            self.bytes_by_node[node] += sum(r["tokens"] for r in records) * self.itemsize
+        self.feed()
+
+    def drain(self, excluded: frozenset[str] = frozenset()) -> None:
+        """Copy everything whose place is known (with `excluded` left out) and wait for it."""
+        self.feed(excluded)
+        while self.running:
+            self.collect(block=True)
+        if not self.remote:
+            self.threads.shutdown()
+
+
+
+class Scheduler:
+    """Runs every unfinished shard to completion or failure, copying finished ones into place as their
+    offsets become known. Afterwards `failed` (relpath -> error) and `resumed` (results of shards
+    that resumed from a checkpoint) say how it went.
+
+    Shards are taken from the manifest as workers free up (the driver holds the running ones, never the
+    list), checkpoints read again at that moment: a shard a leftover worker finished meanwhile is skipped.
+    """
+
+    def __init__(self, manifest: Manifest, out: Path, spec: EncodeSpec, opts: RunOptions, workers: int, log: RunLog):
+        self.out, self.spec, self.opts, self.workers, self.log = out, spec, opts, workers, log
+        # One task name for all: the driver keeps state per distinct name (~1.8 MiB per 1k names, measured).
+        self.task = ray.remote(num_cpus=2 if spec.read_ahead else 1, max_retries=opts.max_retries, retry_exceptions=False, name="tokpipe shard")(shard_task)
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        self.board = ProgressBoard.options(scheduling_strategy=here).remote()
+        self.unfinished = (shard for shard in manifest.shards() if not _finished(out, shard))
+        self.stalled: deque = deque()  # (shard, stall retries) cancelled for a stall, to submit again
+        self.running: dict = {}  # ObjectRef -> (shard, stall retries, submitted at)
+        self.failed: dict[str, str] = {}
+        self.resumed: list[ShardResult] = []
+        self.totals, self.beats = [0, 0, 0], {}  # the board's last snapshot
+
+    def run(self, progress: Progress, copies: Copies, done: int) -> None:
+        """`done`: shards finished before this run, for the progress counts."""
+        last_look = 0.0  # when progress and stalls were last looked at
+        copies.feed()  # what earlier runs finished and did not place
+        while True:
+            self._submit()
+            if not self.running:
+                break
+            # Wake on the first finished task (small shards finish in milliseconds), then take all that are done.
+            ready, _ = ray.wait(list(self.running), num_returns=1, timeout=POLL_EVERY)
+            if ready:
+                ready, _ = ray.wait(list(self.running), num_returns=len(self.running), timeout=0)
+            copies.collect()
+            for ref in ready:
+                done += self._collect(ref, copies.assembler)
+            copies.feed()
+            now = time.time()
+            if now - last_look < POLL_EVERY:
+                continue
+            last_look = now
+            self._read_board()
+            progress.update(*self.totals, done=done, running=len(self.running) + len(self.stalled), failed=len(self.failed))
+            self._cancel_stalled(now)
+        self._read_board()
+        progress.update(*self.totals, done=done, running=0, failed=len(self.failed), final=True)
+
+    def _submit(self) -> None:
+        while len(self.running) < self.workers:
+            if self.stalled:
+                shard, stalls = self.stalled.popleft()
+            elif (shard := next(self.unfinished, None)) is not None:
+                stalls = 0
+            else:
+                return
+            ref = self.task.remote(shard, str(self.out), self.spec, self.board, self.opts.stall_timeout)
+            self.running[ref] = (shard, stalls, time.time())
+
+    def _collect(self, ref, assembler: Assembler) -> int:
+        """Take a finished task's result; returns 1 when its shard is done, 0 when it failed."""
+        shard, _, _ = self.running.pop(ref)
+        try:
+            result: ShardResult = ray.get(ref)
+        except (ray.exceptions.RayError, OSError) as e:
+            self.failed[shard.relpath] = _describe_failure(e)
+            self.log(f"shard {shard.relpath} FAILED: {self.failed[shard.relpath]}")
+            return 0
+        assembler.done(shard, result.checkpoint)
+        if result.resumed_tokens or result.redone_tokens:
+            self.resumed.append(result)
+            self.log(f"shard {shard.relpath}: resumed at {result.resumed_tokens:,} tokens, redid {result.redone_tokens:,}")
+        if result.encoder_resets:
+            self.log(f"shard {shard.relpath}: encoder cache dropped {result.encoder_resets} times to stay under {self.spec.memory_limit >> 20} MiB")
+        return 1
+
+    def _cancel_stalled(self, now: float) -> None:
+        for ref, (shard, stalls, submitted) in list(self.running.items()):
+            quiet = now - max(self.beats.get(f"{shard.split}/{shard.key}", 0.0), submitted)
+            if quiet < self.opts.stall_timeout:
+                continue
+            del self.running[ref]
+            ray.cancel(ref, force=True)
+            dump = stall_dump(self.out, shard)
+            self.log(f"shard {shard.relpath}: no progress for {quiet:.0f}s, cancelled (stack dump: {dump})")
+            if stalls < self.opts.max_retries:
+                self.stalled.append((shard, stalls + 1))
+            else:
+                self.failed[shard.relpath] = f"stalled {stalls + 1} times (no progress for {self.opts.stall_timeout:.0f}s); stacks in {dump}"
+
+    def _read_board(self) -> None:
+        try:
+            self.totals, self.beats = ray.get(self.board.snapshot.remote(), timeout=30)
+        except ray.exceptions.RayError:  # board restarting: keep the last view; stall clocks run from submission
+            pass
+
+
+def _describe_failure(error: Exception) -> str:
+    cause = getattr(error, "cause", None) or error
+    text = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {text[-1] if text else ''}"
+
+
+def _finished(out: Path, shard: Shard) -> bool:
+    ckpt = Checkpoint.of(out, shard)
+    return ckpt is not None and ckpt.done

@@ -1,0 +1,87 @@
+"""What runs on Ray's workers: the shard task around tokenize_shard, the copy task around place, and
+the ProgressBoard actor where shard tasks leave their progress."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import time
+
+import ray
+
+from tokpipe.finalize import place
+from tokpipe.layout import Part, stall_dump
+from tokpipe.manifest import Shard
+from tokpipe.shard import EncodeSpec, ShardResult, tokenize_shard
+
+REPORT_EVERY = 1.0  # seconds between a worker's progress reports
+
+
+@ray.remote(num_cpus=0, max_restarts=-1)
+class ProgressBoard:
+    """Where workers leave progress; the driver reads it twice a second. No per-batch round trips.
+
+    It lives on the driver's node, so losing a worker node loses no progress; should it die anyway,
+    Ray restarts it, and only the progress display and stall clocks start over.
+    """
+
+    def __init__(self):
+        self.totals = [0, 0, 0]  # file bytes, documents, tokens
+        self.beats: dict[str, float] = {}
+
+    def report(self, key: str, file_bytes: int, documents: int, tokens: int, finished: bool = False) -> None:
+        self.totals[0] += file_bytes
+        self.totals[1] += documents
+        self.totals[2] += tokens
+        if finished:  # only running shards need a heartbeat: beats, and every snapshot, stay O(workers)
+            self.beats.pop(key, None)
+        else:
+            self.beats[key] = time.time()
+
+    def snapshot(self) -> tuple[list[int], dict[str, float]]:
+        return self.totals, self.beats
+
+
+def shard_task(shard: Shard, out: str, spec: EncodeSpec, board, stall_timeout: float) -> ShardResult:
+    """The Ray task around tokenize_shard: progress reports, and a stack dump if it stops moving."""
+    tag = f"{shard.split}/{shard.key}"
+    # `ps` shows which shard each worker is on (Ray sets the title back to ray::IDLE after the task).
+    # Ray's own setter, as it uses for task names; the task name itself is the same for every shard.
+    getattr(ray._raylet, "setproctitle", lambda title: None)(f"ray::tokpipe {tag}")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one worker per core: no thread pool inside each
+    dump_path = stall_dump(out, shard)
+    pending = [0, 0, 0]
+    last_report = time.monotonic()
+
+    with open(dump_path, "a") as dump:
+
+        def arm_dump() -> None:
+            # Fires in a C watchdog thread, so it works even when Python is stuck holding the GIL.
+            faulthandler.dump_traceback_later(max(stall_timeout * 0.8, 0.5), file=dump)
+
+        def on_batch(file_bytes: int, documents: int, tokens: int) -> None:
+            nonlocal last_report
+            arm_dump()
+            pending[0] += file_bytes
+            pending[1] += documents
+            pending[2] += tokens
+            if time.monotonic() - last_report >= REPORT_EVERY:
+                board.report.remote(tag, *pending)
+                pending[:] = [0, 0, 0]
+                last_report = time.monotonic()
+
+        board.report.remote(tag, 0, 0, 0)
+        arm_dump()
+        try:
+            result = tokenize_shard(shard, out, spec, on_batch)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+            board.report.remote(tag, *pending, finished=True)
+    if dump_path.stat().st_size == 0:
+        dump_path.unlink()
+    return result
+
+
+def copy_task(out: str, parts: list[Part], itemsize: int) -> tuple[str, list[dict]]:
+    """The Ray task around finalize.place; says which node it ran on (on a cluster, every node copies)."""
+    return ray.get_runtime_context().get_node_id(), place(out, parts, itemsize)

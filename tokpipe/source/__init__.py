@@ -1,0 +1,47 @@
+"""One shard -> batches of document texts, every line (or row) accounted for.
+
+The format is sniffed from the file's first bytes, never trusted from its name (a `.jsonl.zst` may
+be plain JSONL): zstd, gzip or plain JSONL (jsonl.py), or Parquet (parquet.py). Both report through
+batch.py, the one place where a line becomes a document, a counted skip or a counted repair.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from tokpipe.source.batch import Batch
+from tokpipe.source.jsonl import GZIP_MAGIC, ZSTD_MAGIC, read_jsonl_batches
+
+PARQUET_MAGIC = b"PAR1"
+
+
+def format_of(path: str) -> str:
+    """zstd | gzip | parquet | none (plain JSONL), from the file's magic bytes."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head.startswith(ZSTD_MAGIC):
+        return "zstd"
+    if head.startswith(GZIP_MAGIC):
+        return "gzip"
+    if head.startswith(PARQUET_MAGIC):
+        return "parquet"
+    return "none"
+
+
+def read_batches(
+    path: str,
+    text_field: str = "text",
+    start_line: int = 0,
+    start_offset: int = 0,
+    batch_bytes: int = 4 << 20,
+    max_line_bytes: int = 64 << 20,  # worker memory grows ~12 MiB per MB of line: keeps it under 1 GiB
+) -> Iterator[Batch]:
+    """Batches of about `batch_bytes` of input, resuming after `start_line` lines / `start_offset` bytes
+    (for Parquet, a row is a line and the offset is in rows)."""
+    kind = format_of(path)
+    if kind == "parquet":
+        from tokpipe.source.parquet import read_parquet_batches  # pyarrow is imported only where Parquet is read
+
+        yield from read_parquet_batches(path, text_field, start_line, batch_bytes, max_line_bytes)
+    else:
+        yield from read_jsonl_batches(path, kind, text_field, start_line, start_offset, batch_bytes, max_line_bytes)
