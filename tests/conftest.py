@@ -50,8 +50,16 @@ def reference_texts(path: Path, text_field: str = "text") -> list[str]:
     return texts
 
 
-def reference_tokens(paths: list[Path], tokenizer_json: Path, eos_id: int | None, dtype=np.uint32, bos_id: int | None = None, texts=reference_texts) -> np.ndarray:
-    """Each document's ids, with BOS before (bos_id) and EOS after (eos_id None: none); `texts` reads a shard's documents."""
+def reference_tokens(
+    paths: list[Path],
+    tokenizer_json: Path,
+    eos_id: int | None,
+    dtype=np.uint32,
+    bos_id: int | None = None,
+    texts=reference_texts,
+) -> np.ndarray:
+    """Each document's ids, with BOS before (bos_id) and EOS after (eos_id None: none).
+    `texts` reads a shard's documents."""
     tok = Tokenizer.from_file(str(tokenizer_json))
     tok.encode_special_tokens = True
     out = []
@@ -62,7 +70,8 @@ def reference_tokens(paths: list[Path], tokenizer_json: Path, eos_id: int | None
 
 
 def is_held_out(text: str, fraction: float) -> bool:
-    """README's rule: a document goes to val.bin when the blake2b-64 of its UTF-8 text, little-endian, is below fraction * 2**64."""
+    """README's rule: a document goes to val.bin when the blake2b-64 of its UTF-8 text, little-endian,
+    is below fraction * 2**64."""
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little") < fraction * 2**64
 
 
@@ -101,7 +110,9 @@ def small_tokenizer(tmp_path_factory) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     corpus = reference_texts(next((EXAMPLE_CACHE).rglob("example_holdout_0.jsonl.zst")))
     tok.train_from_iterator(corpus, trainer)
     tok.save(str(folder / "tokenizer.json"))
@@ -110,7 +121,7 @@ def small_tokenizer(tmp_path_factory) -> Path:
 
 
 def write_jsonl(path: Path, lines: list[bytes | str], compression: str = "none") -> Path:
-    data = b"".join((l.encode() if isinstance(l, str) else l) + b"\n" for l in lines)
+    data = b"".join((line.encode() if isinstance(line, str) else line) + b"\n" for line in lines)
     if compression == "zstd":
         data = zstandard.ZstdCompressor().compress(data)
     elif compression == "gzip":
@@ -121,7 +132,8 @@ def write_jsonl(path: Path, lines: list[bytes | str], compression: str = "none")
 
 
 def build_out(out: Path, tokenizer: Path, backend: str = "gigatoken", options=None) -> Path:
-    """OUT as `tokpipe run` leaves it (manifest.json, run.json, shards, split files, meta), built stage by stage without Ray."""
+    """OUT as `tokpipe run` leaves it (manifest.json, run.json, shards, split files, meta), built stage
+    by stage without Ray."""
     from tokpipe.finalize import finalize
     from tokpipe.manifest import build_manifest, write_manifest
     from tokpipe.options import RunOptions
@@ -159,7 +171,8 @@ class Crash(Exception):
 
 
 def crash_in_batch(n: int):
-    """An `on_batch` callback that raises Crash in batch n: after its bytes are written, before they are checkpointed."""
+    """An `on_batch` callback that raises Crash in batch n: after its bytes are written, before they
+    are checkpointed."""
     seen = []
 
     def on_batch(*_):
@@ -207,7 +220,10 @@ def killed_example(tmp_path_factory) -> Path:
 def example_reference() -> dict[str, np.ndarray]:
     """The reference tokens of the shipped example, per output file stem (train, val)."""
     snapshot = next(EXAMPLE_CACHE.glob("datasets--*/snapshots/*"))
-    return {stem: reference_tokens(snapshot_files(snapshot, split), QWEN3 / "tokenizer.json", QWEN3_EOS) for split, stem in (("train", "train"), ("validation", "val"))}
+    return {
+        stem: reference_tokens(snapshot_files(snapshot, split), QWEN3 / "tokenizer.json", QWEN3_EOS)
+        for split, stem in (("train", "train"), ("validation", "val"))
+    }
 
 
 def plain_copy_of_example(dest: Path) -> Path:

@@ -4,9 +4,9 @@ import json
 
 import numpy as np
 import pytest
+from conftest import EXAMPLE_CACHE, QWEN3_EOS
 
 import tokpipe
-from conftest import EXAMPLE_CACHE, QWEN3_EOS
 from tokpipe.errors import UserError
 from tokpipe.manifest import load_manifest
 
@@ -38,10 +38,15 @@ def test_open_output_refuses_unfinished_and_mismatched_outputs(killed_example, o
 
 def test_api_mirrors_the_commands(out, tmp_path):
     manifest = tokpipe.build_manifest(EXAMPLE_CACHE, tmp_path / "m.json")
-    assert load_manifest(tmp_path / "m.json").fingerprint == manifest.fingerprint and manifest.counts == {"train": 2, "validation": 1}
+    assert load_manifest(tmp_path / "m.json").fingerprint == manifest.fingerprint and manifest.counts == {
+        "train": 2,
+        "validation": 1,
+    }
     assert all(check.ok for check in tokpipe.verify(out))
     # A finished OUT: run returns at once (no Ray), and options reach RunOptions by name.
-    summary = tokpipe.run(tmp_path / "m.json", json.loads((out / "run.json").read_text())["tokenizer_path"], out, workers=1)
+    summary = tokpipe.run(
+        tmp_path / "m.json", json.loads((out / "run.json").read_text())["tokenizer_path"], out, workers=1
+    )
     assert summary.finished and summary.meta == tokpipe.open_output(out).meta
     assert json.loads((out / "run.json").read_text())["options"] == {"workers": 1}
     with pytest.raises(TypeError):

@@ -10,8 +10,8 @@ import json
 import numpy as np
 import pytest
 import zstandard
+from conftest import EXAMPLE_CACHE, QWEN3, QWEN3_EOS, reference_texts, reference_tokens, tokpipe, write_jsonl
 
-from conftest import EXAMPLE_CACHE, QWEN3, QWEN3_EOS, reference_tokens, reference_texts, tokpipe, write_jsonl
 from tokpipe.manifest import build_manifest, write_manifest
 
 DIRTY_LINES = [
@@ -43,7 +43,9 @@ def corpus(tmp_path_factory):
     (root / "train").mkdir(parents=True)
     (root / "validation").mkdir()
     (root / "train" / "a_real.jsonl.zst").write_bytes(real)
-    (root / "train" / "b_dirty.jsonl.zst").write_bytes(b"\n".join(DIRTY_LINES) + b"\n" + LAST_LINE)  # plain JSONL named .zst
+    (root / "train" / "b_dirty.jsonl.zst").write_bytes(
+        b"\n".join(DIRTY_LINES) + b"\n" + LAST_LINE
+    )  # plain JSONL named .zst
     (root / "train" / "c_zero_bytes.jsonl.zst").write_bytes(b"")
     (root / "train" / "d_empty_stream.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(b""))
     write_jsonl(root / "train" / "e_gzip.jsonl.gz", reference_lines(real)[:20], "gzip")
@@ -82,7 +84,10 @@ def test_skip_failed_finalizes_the_rest_byte_identical_to_the_reference(runs, co
     train_files = sorted(p for p in (corpus / "train").iterdir() if "truncated" not in p.name)
     expected = reference_tokens(train_files, QWEN3 / "tokenizer.json", QWEN3_EOS)
     assert np.array_equal(np.fromfile(out / "train.bin", dtype=np.uint32), expected)
-    assert np.array_equal(np.fromfile(out / "val.bin", dtype=np.uint32), reference_tokens([corpus / "validation" / "v.jsonl"], QWEN3 / "tokenizer.json", QWEN3_EOS))
+    assert np.array_equal(
+        np.fromfile(out / "val.bin", dtype=np.uint32),
+        reference_tokens([corpus / "validation" / "v.jsonl"], QWEN3 / "tokenizer.json", QWEN3_EOS),
+    )
     verify = tokpipe("verify", out)
     assert verify.returncode == 0 and "1 shards excluded by --skip-failed" in verify.stdout
 
@@ -91,7 +96,14 @@ def test_every_line_is_a_document_or_a_counted_skip(runs, corpus):
     out, _, _ = runs
     train = json.loads((out / "meta.json").read_text())["splits"]["train"]
     real_docs = len(reference_texts(corpus / "train" / "a_real.jsonl.zst"))
-    assert train["skipped"] == {"blank": 2, "empty_text": 1 + 3, "invalid_json": 2, "no_text": 1, "not_object": 1, "text_not_string": 3}
+    assert train["skipped"] == {
+        "blank": 2,
+        "empty_text": 1 + 3,
+        "invalid_json": 2,
+        "no_text": 1,
+        "not_object": 1,
+        "text_not_string": 3,
+    }
     assert train["repaired"] == {"bom": 1, "invalid_utf8": 1, "lone_surrogate": 1}
     assert train["documents"] == real_docs + 8 + 20 + 2
     assert train["lines"] == real_docs + 3 + len(DIRTY_LINES) + 1 + 20 + 2

@@ -5,7 +5,6 @@ import pickle
 
 import numpy as np
 import pytest
-
 from conftest import EXAMPLE_CACHE, QWEN3, QWEN3_EOS, SHARED_CACHE, reference_tokens, snapshot_files, tokpipe
 
 SHARED_SNAPSHOT = next(iter(SHARED_CACHE.glob("datasets--*/snapshots/*")), None)
@@ -57,11 +56,17 @@ def test_meta_tells_a_trainer_how_to_read_the_bins(example_run):
 
 def test_run_reports_the_effective_vocab_and_a_summary(example_run):
     _, (_, run, verify) = example_run
-    assert "vocab_size 151,669" in run.stdout and "eos '<|endoftext|>' = 151643" in run.stdout and "dtype uint32" in run.stdout
+    assert (
+        "vocab_size 151,669" in run.stdout
+        and "eos '<|endoftext|>' = 151643" in run.stdout
+        and "dtype uint32" in run.stdout
+    )
     assert "3 shards" in run.stdout and "backend gigatoken" in run.stdout
     assert "train:" in run.stdout and "293 documents" in run.stdout
     assert "phases: plan" in run.stdout and "| tokenize" in run.stdout and "| finalize" in run.stdout
-    assert run.stderr.strip().splitlines()[-1].startswith("[tokpipe] 100.0% of 1.1 MiB read")  # a finished run read it all
+    assert (
+        run.stderr.strip().splitlines()[-1].startswith("[tokpipe] 100.0% of 1.1 MiB read")
+    )  # a finished run read it all
     assert "all" in verify.stdout and "FAIL" not in verify.stdout
 
 

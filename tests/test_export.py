@@ -5,14 +5,23 @@ import struct
 
 import numpy as np
 import pytest
-
 from conftest import tokpipe
+
 from tokpipe.errors import UserError
 from tokpipe.export import export
 from tokpipe.layout import load_meta_pkl
 
 # Megatron-LM megatron/core/datasets/indexed_dataset.py, _IndexReader: its DType codes.
-MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
+MEGATRON_DTYPES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 
 
 def read_megatron(prefix):
@@ -71,7 +80,9 @@ def test_megatron_reads_back_document_by_document(fixture, dtype, request, tmp_p
     assert sorted(p.name for p in (tmp_path / "mg").iterdir()) == ["train.bin", "train.idx", "val.bin", "val.idx"]
 
 
-@pytest.mark.parametrize("fixture, magic, version", [("finished_example", 20240801, 7), ("finished_small", 20240520, 1)])
+@pytest.mark.parametrize(
+    "fixture, magic, version", [("finished_example", 20240801, 7), ("finished_small", 20240520, 1)]
+)
 def test_llmc_shards_read_back_whole_documents(fixture, magic, version, request, tmp_path):
     out = request.getfixturevalue(fixture)
     limit = 100_000
@@ -119,6 +130,7 @@ def test_unfinished_out_cannot_be_exported(killed_example, tmp_path):
 
 def test_exports_keep_the_delimiters_the_run_placed(tmp_path):
     from conftest import QWEN3, build_out
+
     from tokpipe.options import RunOptions
 
     out = build_out(tmp_path / "out", QWEN3, options=RunOptions(bos=True, bos_token="<|im_start|>"))

@@ -6,11 +6,11 @@ import shutil
 
 import numpy as np
 import pytest
-
 from conftest import EXAMPLE_CACHE, QWEN3, assert_out_is
+
 from tokpipe.finalize import Assembler, finalize, place
-from tokpipe.manifest import build_manifest
 from tokpipe.layout import ShardFiles
+from tokpipe.manifest import build_manifest
 from tokpipe.options import RunOptions
 from tokpipe.shard import tokenize_shard
 from tokpipe.tokenizer import load_tokenizer_info

@@ -5,12 +5,12 @@ import pickle
 
 import numpy as np
 import pytest
-
 from conftest import QWEN3, QWEN3_EOS, tokpipe
+
 from tokpipe.errors import UserError
-from tokpipe.inspect import EOS_MARK, TokenFile, Source, inspect, red_flags, render, scan_ids
-from tokpipe.tokenizer import encoder
+from tokpipe.inspect import EOS_MARK, Source, TokenFile, inspect, red_flags, render, scan_ids
 from tokpipe.layout import load_meta_pkl
+from tokpipe.tokenizer import encoder
 
 
 def failed(ins) -> list[str]:
@@ -32,10 +32,14 @@ def test_good_output_has_no_red_flags_and_same_seed_same_windows(finished_exampl
     ins = inspect(finished_example, n=4, window=32, seed=11)
     assert ins.ok and ins.tokenizer_path == str((QWEN3 / "tokenizer.json").resolve())
     assert len(ins.windows) == 4 and all(len(w.ids) == 32 for w in ins.windows)
-    assert [w.start for w in inspect(finished_example, n=4, window=32, seed=11).windows] == [w.start for w in ins.windows]
+    assert [w.start for w in inspect(finished_example, n=4, window=32, seed=11).windows] == [
+        w.start for w in ins.windows
+    ]
     result = tokpipe("inspect", finished_example, "--split", "val", "-n", "2", "--seed", "5")
     assert result.returncode == 0, result.stderr
-    assert "validation:" in result.stdout and "── 1/2  val.bin[" in result.stdout and "all 6 checks hold" in result.stdout
+    assert (
+        "validation:" in result.stdout and "── 1/2  val.bin[" in result.stdout and "all 6 checks hold" in result.stdout
+    )
 
 
 def test_windows_mark_every_document_boundary(finished_example):
@@ -62,7 +66,10 @@ def test_phantom_zero_uint16_file_is_flagged(out):
     assert EOS_MARK not in "".join(ins.texts)
     result = tokpipe("inspect", out, "-n", "1")
     assert result.returncode == 1
-    assert "FAIL  dtype holds vocab  (uint16 holds ids < 65,536; vocab_size 151,669: every id ≥ 65,536 was wrapped (Phantom Zero))" in result.stdout
+    assert (
+        "FAIL  dtype holds vocab  (uint16 holds ids < 65,536; vocab_size 151,669: every id ≥ 65,536 was wrapped "
+        "(Phantom Zero))" in result.stdout
+    )
     assert "document boundaries are lost" in result.stdout and "RED FLAGS" in result.stdout
 
 
@@ -74,15 +81,22 @@ def test_wrapped_ids_kept_in_uint32_are_flagged(out):
 
 def _source(tokens, dtype, documents, vocab_size=151669, eos_id=QWEN3_EOS):
     file = TokenFile("x.bin", tokens, np.zeros(0, np.int64))
-    return Source("train", True, np.dtype(dtype), vocab_size, eos_id, "<|endoftext|>", "t", "s", None, documents, [file])
+    return Source(
+        "train", True, np.dtype(dtype), vocab_size, eos_id, "<|endoftext|>", "t", "s", None, documents, [file]
+    )
 
 
 def test_uint32_bytes_read_as_uint16_and_saturation_are_flagged(finished_example):
     tokens = np.fromfile(finished_example / "train.bin", dtype=np.uint32)
     documents = len(np.fromfile(finished_example / "train.idx", dtype="<i8"))
     as_u16 = _source(tokens.view(np.uint16), "uint16", documents, vocab_size=65536)
-    assert [c.name for c in red_flags(as_u16, scan_ids(as_u16)) if not c.ok] == ["share of id 0", f"share of EOS (id {QWEN3_EOS})"]
-    saturated = _source(np.minimum(tokens, 65535).astype(np.uint16), "uint16", documents, vocab_size=65536, eos_id=65535)
+    assert [c.name for c in red_flags(as_u16, scan_ids(as_u16)) if not c.ok] == [
+        "share of id 0",
+        f"share of EOS (id {QWEN3_EOS})",
+    ]
+    saturated = _source(
+        np.minimum(tokens, 65535).astype(np.uint16), "uint16", documents, vocab_size=65536, eos_id=65535
+    )
     assert "ids near the uint16 limit" in [c.name for c in red_flags(saturated, scan_ids(saturated)) if not c.ok]
 
 
@@ -96,7 +110,10 @@ def test_out_of_vocab_ids_are_flagged(out):
 def test_killed_run_is_inspected_as_far_as_checkpoints_cover(killed_example):
     ins = inspect(killed_example, n=20, window=64, seed=3)
     assert ins.ok and not ins.source.finished
-    assert {w.file.name for w in ins.windows} <= {"shards/train/train__chunk1__example_train_0.bin", "shards/train/train__chunk1__example_train_1.bin"}
+    assert {w.file.name for w in ins.windows} <= {
+        "shards/train/train__chunk1__example_train_0.bin",
+        "shards/train/train__chunk1__example_train_1.bin",
+    }
     # The partial shard holds bytes beyond its checkpoint (written, not committed): never shown.
     partial = next(s for s in ins.source.files if s.name.endswith("train_1.bin"))
     on_disk = (killed_example / partial.name).stat().st_size // 4

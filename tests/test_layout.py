@@ -5,8 +5,19 @@ import shutil
 
 import numpy as np
 import pytest
+from conftest import (
+    EXAMPLE_CACHE,
+    QWEN3,
+    QWEN3_EOS,
+    build_out,
+    held_out_texts,
+    is_held_out,
+    reference_texts,
+    reference_tokens,
+    snapshot_files,
+    tokpipe,
+)
 
-from conftest import EXAMPLE_CACHE, QWEN3, QWEN3_EOS, build_out, held_out_texts, is_held_out, reference_texts, reference_tokens, snapshot_files, tokpipe
 from tokpipe.inspect import BOS_MARK, inspect
 from tokpipe.options import RunOptions
 from tokpipe.verify import verify, verify_sample
@@ -26,16 +37,24 @@ def failed(out):
 
 @pytest.fixture(scope="module")
 def bos_out(tmp_path_factory):
-    return build_out(tmp_path_factory.mktemp("bos") / "out", QWEN3, options=RunOptions(bos=True, bos_token="<|im_start|>"))
+    return build_out(
+        tmp_path_factory.mktemp("bos") / "out", QWEN3, options=RunOptions(bos=True, bos_token="<|im_start|>")
+    )
 
 
 def test_bos_then_text_then_eos_for_every_document(bos_out):
     reference = reference_tokens(TRAIN, QWEN3 / "tokenizer.json", QWEN3_EOS, bos_id=IM_START)
     assert np.array_equal(tokens(bos_out, "train"), reference)
     meta = json.loads((bos_out / "meta.json").read_text())
-    assert meta["delimiters"] == {"bos": True, "eos": True} and meta["bos_token_id"] == IM_START and meta["bos_token"] == "<|im_start|>"
+    assert (
+        meta["delimiters"] == {"bos": True, "eos": True}
+        and meta["bos_token_id"] == IM_START
+        and meta["bos_token"] == "<|im_start|>"
+    )
     ends = np.fromfile(bos_out / "train.idx", dtype="<i8")
-    assert ends[-1] == len(reference) and tokens(bos_out, "train")[np.concatenate([[0], ends[:-1]])].tolist() == [IM_START] * len(ends)
+    assert ends[-1] == len(reference) and tokens(bos_out, "train")[np.concatenate([[0], ends[:-1]])].tolist() == [
+        IM_START
+    ] * len(ends)
     assert failed(bos_out) == [] and all(c.ok for c in verify_sample(bos_out, 50))
     checks = [c.name for c in verify(bos_out)]
     assert "train: every document starts with BOS" in checks and "train: BOS count == documents" in checks
@@ -43,7 +62,9 @@ def test_bos_then_text_then_eos_for_every_document(bos_out):
 
 def test_bos_without_eos_places_no_eos_anywhere(tmp_path):
     out = build_out(tmp_path / "out", QWEN3, options=RunOptions(bos=True, bos_token="<|im_start|>", no_eos=True))
-    assert np.array_equal(tokens(out, "train"), reference_tokens(TRAIN, QWEN3 / "tokenizer.json", None, bos_id=IM_START))
+    assert np.array_equal(
+        tokens(out, "train"), reference_tokens(TRAIN, QWEN3 / "tokenizer.json", None, bos_id=IM_START)
+    )
     assert not np.any(tokens(out, "train") == QWEN3_EOS) and not np.any(tokens(out, "val") == QWEN3_EOS)
     assert failed(out) == [] and "train: no EOS anywhere (--no-eos)" in [c.name for c in verify(out)]
     assert all(c.ok for c in verify_sample(out, 20))
@@ -59,7 +80,11 @@ def test_verify_names_a_document_that_lost_its_bos(bos_out, tmp_path):
     damaged = np.memmap(out / "val.bin", dtype=np.uint32, mode="r+")
     damaged[ends[4]] = 42
     damaged.flush()
-    assert failed(out) == ["validation: sha256 matches meta", "validation: BOS count == documents", "validation: every document starts with BOS"]
+    assert failed(out) == [
+        "validation: sha256 matches meta",
+        "validation: BOS count == documents",
+        "validation: every document starts with BOS",
+    ]
 
 
 def test_delimiters_nobody_could_split_or_a_bos_the_tokenizer_lacks_are_refused(tmp_path):
@@ -67,18 +92,28 @@ def test_delimiters_nobody_could_split_or_a_bos_the_tokenizer_lacks_are_refused(
     assert tokpipe("manifest", "--dataset-dir", EXAMPLE_CACHE, "-o", manifest).returncode == 0
     run = ("run", "--manifest", manifest, "--tokenizer", QWEN3, "--out", tmp_path / "out")
     no_bos = tokpipe(*run, "--bos")
-    assert no_bos.returncode == 2 and "names no bos_token" in no_bos.stderr and "--bos-token" in no_bos.stderr and "Traceback" not in no_bos.stderr
+    assert (
+        no_bos.returncode == 2
+        and "names no bos_token" in no_bos.stderr
+        and "--bos-token" in no_bos.stderr
+        and "Traceback" not in no_bos.stderr
+    )
     nothing = tokpipe(*run, "--no-eos")
     assert nothing.returncode == 2 and "add --bos" in nothing.stderr
     unknown = tokpipe(*run, "--bos", "--bos-token", "<|no such token|>")
     assert unknown.returncode == 2 and "not in the tokenizer's vocabulary" in unknown.stderr
 
 
-def test_a_resume_with_other_delimiters_is_refused_and_an_earlier_run_json_is_the_same_run(bos_out, finished_example, tmp_path):
+def test_a_resume_with_other_delimiters_is_refused_and_an_earlier_run_json_is_the_same_run(
+    bos_out, finished_example, tmp_path
+):
     out = tmp_path / "bos"
     shutil.copytree(bos_out, out)
     other = tokpipe("run", "--manifest", out / "manifest.json", "--tokenizer", QWEN3, "--out", out)
-    assert other.returncode == 2 and "delimiters: was {'bos': True, 'eos': True}, now {'bos': False, 'eos': True}" in other.stderr
+    assert (
+        other.returncode == 2
+        and "delimiters: was {'bos': True, 'eos': True}, now {'bos': False, 'eos': True}" in other.stderr
+    )
     # An OUT of tokpipe 0.1, unfinished: its run.json has no delimiters or val_fraction, meaning EOS only.
     old = tmp_path / "old"
     shutil.copytree(finished_example, old)
@@ -95,8 +130,14 @@ def test_val_fraction_holds_out_train_documents_chosen_by_their_text(tmp_path):
     out = build_out(tmp_path / "out", QWEN3, options=RunOptions(val_fraction=0.2))
     tokenizer = QWEN3 / "tokenizer.json"
     kept = reference_tokens(TRAIN, tokenizer, QWEN3_EOS, texts=held_out_texts(0.2, False))
-    # val.bin: each shard's part in manifest order, train/ before validation/: the held-out train documents, then the holdout shard.
-    val = np.concatenate([reference_tokens(TRAIN, tokenizer, QWEN3_EOS, texts=held_out_texts(0.2, True)), reference_tokens(HOLDOUT, tokenizer, QWEN3_EOS)])
+    # val.bin: each shard's part in manifest order, train/ before validation/: the held-out train
+    # documents, then the holdout shard.
+    val = np.concatenate(
+        [
+            reference_tokens(TRAIN, tokenizer, QWEN3_EOS, texts=held_out_texts(0.2, True)),
+            reference_tokens(HOLDOUT, tokenizer, QWEN3_EOS),
+        ]
+    )
     assert np.array_equal(tokens(out, "train"), kept) and np.array_equal(tokens(out, "val"), val)
     meta = json.loads((out / "meta.json").read_text())
     train, validation = meta["splits"]["train"], meta["splits"]["validation"]
@@ -117,7 +158,11 @@ def test_val_fraction_makes_a_validation_split_when_the_dataset_has_none(tmp_pat
     data.mkdir(parents=True)
     for i, path in enumerate(TRAIN):
         shutil.copy(path, data / f"part-{i}.jsonl.zst")
-    manifest, info, options = build_manifest(tmp_path / "data"), load_tokenizer_info(QWEN3), RunOptions(val_fraction=0.5)
+    manifest, info, options = (
+        build_manifest(tmp_path / "data"),
+        load_tokenizer_info(QWEN3),
+        RunOptions(val_fraction=0.5),
+    )
     out = tmp_path / "out"
     for shard in manifest.shards():
         tokenize_shard(shard, out, options.encode_spec(info, "gigatoken"))
@@ -137,7 +182,12 @@ def test_an_unfinished_run_is_inspected_with_its_held_out_documents_in_val(tmp_p
     data.mkdir(parents=True)
     for i, path in enumerate(TRAIN):
         shutil.copy(path, data / f"part-{i}.jsonl.zst")
-    manifest, info, options, out = build_manifest(tmp_path / "data"), load_tokenizer_info(QWEN3), RunOptions(val_fraction=0.2), tmp_path / "out"
+    manifest, info, options, out = (
+        build_manifest(tmp_path / "data"),
+        load_tokenizer_info(QWEN3),
+        RunOptions(val_fraction=0.2),
+        tmp_path / "out",
+    )
     out.mkdir()
     record_run(out, manifest, info, options)
     write_manifest(manifest, out / "manifest.json")

@@ -6,8 +6,8 @@ import shutil
 from dataclasses import replace
 
 import pytest
-
 from conftest import EXAMPLE_CACHE, tokpipe, write_jsonl
+
 from tokpipe.errors import UserError
 from tokpipe.manifest import build_manifest, load_manifest, split_of, write_manifest
 
@@ -72,11 +72,23 @@ def test_parquet_shards_in_every_layout(tmp_path):
 
 
 def test_plain_folder_sorted_by_path_and_unrelated_files_ignored(tmp_path):
-    for rel in ["train/b.jsonl", "train/a/z.jsonl.zst", "train/a/y.jsonl.gz", "validation/v.jsonl", "README.md", "train/.hidden/x.jsonl"]:
+    for rel in [
+        "train/b.jsonl",
+        "train/a/z.jsonl.zst",
+        "train/a/y.jsonl.gz",
+        "validation/v.jsonl",
+        "README.md",
+        "train/.hidden/x.jsonl",
+    ]:
         write_jsonl(tmp_path / rel, ['{"text": "x"}'])
     m = build_manifest(tmp_path)
     assert m.repo_id is None
-    assert [s.relpath for s in m.shards()] == ["train/a/y.jsonl.gz", "train/a/z.jsonl.zst", "train/b.jsonl", "validation/v.jsonl"]
+    assert [s.relpath for s in m.shards()] == [
+        "train/a/y.jsonl.gz",
+        "train/a/z.jsonl.zst",
+        "train/b.jsonl",
+        "validation/v.jsonl",
+    ]
     assert [s.key for s in m.shards()] == ["train__a__y", "train__a__z", "train__b", "validation__v"]
 
 
@@ -94,7 +106,9 @@ def test_symlinks_stored_as_text_files_are_followed_to_their_blob(tmp_path):
 def test_pointer_to_a_missing_blob_is_a_clear_error(tmp_path):
     cache = tmp_path / "cache"
     shutil.copytree(EXAMPLE_CACHE, cache, symlinks=True)
-    link = next((cache / "datasets--tokpipe-realdata--slimpajama-mini" / "snapshots").rglob("example_train_0.jsonl.zst"))
+    link = next(
+        (cache / "datasets--tokpipe-realdata--slimpajama-mini" / "snapshots").rglob("example_train_0.jsonl.zst")
+    )
     (link.parent / os.readlink(link)).resolve().unlink()
     target = os.readlink(link)
     link.unlink()
@@ -106,7 +120,9 @@ def test_pointer_to_a_missing_blob_is_a_clear_error(tmp_path):
 def test_several_datasets_need_a_repo_id(tmp_path):
     cache = tmp_path / "cache"
     shutil.copytree(EXAMPLE_CACHE, cache, symlinks=True)
-    shutil.copytree(cache / "datasets--tokpipe-realdata--slimpajama-mini", cache / "datasets--other--set", symlinks=True)
+    shutil.copytree(
+        cache / "datasets--tokpipe-realdata--slimpajama-mini", cache / "datasets--other--set", symlinks=True
+    )
     with pytest.raises(UserError, match="several datasets.*--repo-id"):
         build_manifest(cache)
     assert build_manifest(cache, repo_id="other/set").repo_id == "other/set"

@@ -9,22 +9,21 @@ import signal
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import QWEN3, REPO, Crash, assert_out_is, crash_in_batch, tokpipe, write_jsonl
+from test_runner import start, wait_for
 from test_source import all_of
+
 from tokpipe.errors import SourceError
 from tokpipe.finalize import finalize
+from tokpipe.layout import Checkpoint, ShardFiles
 from tokpipe.manifest import build_manifest
 from tokpipe.options import RunOptions
-from tokpipe.layout import Checkpoint, ShardFiles
 from tokpipe.shard import tokenize_shard
 from tokpipe.source import read_batches
 from tokpipe.tokenizer import load_tokenizer_info
-from test_runner import start, wait_for
 
 PARQUET_CACHE = REPO / "examples" / "hf-cache-parquet"
 MANIFEST = build_manifest(PARQUET_CACHE)
@@ -56,7 +55,9 @@ def write_parquet(path, columns: dict, **options):
 def test_rows_are_documents_or_skips_counted_as_the_same_values_in_jsonl(tmp_path):
     values = ["first", None, "", "second"]
     parquet = write_parquet(tmp_path / "x.parquet", {"id": [1, 2, 3, 4], "text": values})
-    jsonl = write_jsonl(tmp_path / "x.jsonl", ['{"text": "first"}', '{"text": null}', '{"text": ""}', '{"text": "second"}'])
+    jsonl = write_jsonl(
+        tmp_path / "x.jsonl", ['{"text": "first"}', '{"text": null}', '{"text": ""}', '{"text": "second"}']
+    )
     texts, skipped, batches = all_of(parquet)
     assert texts == ["first", "second"]
     assert dict(skipped) == {"text_not_string": 1, "empty_text": 1}
@@ -73,9 +74,19 @@ def test_rows_are_documents_or_skips_counted_as_the_same_values_in_jsonl(tmp_pat
         (pa.array(["a", "b"], pa.large_string()), ["a", "b"], {}, {}),
         (pa.array(["a", "b", "a"]).dictionary_encode(), ["a", "b", "a"], {}, {}),  # a pandas category
         # Writers that store strings without the UTF-8 annotation make binary columns: decoded, repaired.
-        (pa.array([b"ok", b"bad \xff utf8", None], pa.binary()), ["ok", "bad \ufffd utf8"], {"text_not_string": 1}, {"invalid_utf8": 1}),
+        (
+            pa.array([b"ok", b"bad \xff utf8", None], pa.binary()),
+            ["ok", "bad \ufffd utf8"],
+            {"text_not_string": 1},
+            {"invalid_utf8": 1},
+        ),
         # pyarrow reads a string column without checking its UTF-8: the same repair.
-        (pa.array([b"ok", b"bad \xff utf8"], pa.binary()).view(pa.string()), ["ok", "bad \ufffd utf8"], {}, {"invalid_utf8": 1}),
+        (
+            pa.array([b"ok", b"bad \xff utf8"], pa.binary()).view(pa.string()),
+            ["ok", "bad \ufffd utf8"],
+            {},
+            {"invalid_utf8": 1},
+        ),
         (pa.array([1, 2, None]), [], {"text_not_string": 3}, {}),
         (pa.array([["a"], ["b"]]), [], {"text_not_string": 2}, {}),
     ],
@@ -107,7 +118,10 @@ def test_batches_are_cut_by_bytes_and_resume_at_any_row(tmp_path):
         positions = [b.source_pos for b in batches]
         assert positions == sorted(positions) and positions[-1] == os.path.getsize(path)
         for b in batches:  # a checkpoint after any batch: the rest follows
-            assert all_of(path, batch_bytes=batch_bytes, start_line=b.end_offset, start_offset=b.end_offset)[0] == texts[b.end_offset :]
+            assert (
+                all_of(path, batch_bytes=batch_bytes, start_line=b.end_offset, start_offset=b.end_offset)[0]
+                == texts[b.end_offset :]
+            )
     # Rows inside a row group, at its edges, and at the end.
     for row in (0, 5, 15, 16, 17, 199, 200):
         rest, _, batches = all_of(path, batch_bytes=700, start_line=row, start_offset=row)
@@ -119,14 +133,17 @@ def test_memory_is_bounded_by_a_row_group_not_the_file(tmp_path):
     texts = [f"{i} " + "a large document " * 3750 for i in range(256)]
     path = write_parquet(tmp_path / "big.parquet", {"text": texts}, row_group_size=4, compression="none")
     peak = 0
-    for batch in read_batches(str(path), batch_bytes=256 << 10):
+    for _ in read_batches(str(path), batch_bytes=256 << 10):
         peak = max(peak, pa.total_allocated_bytes())
     assert peak < 1 << 20, f"{peak:,} bytes held by pyarrow at once"
 
 
 def test_a_missing_column_fails_naming_the_file_and_the_column(tmp_path):
     path = write_parquet(tmp_path / "x.parquet", {"body": ["a"], "id": [1]})
-    with pytest.raises(SourceError, match=r"x.parquet has no column 'text' \(its columns: body, id\); name the text column with --text-field"):
+    with pytest.raises(
+        SourceError,
+        match=r"x.parquet has no column 'text' \(its columns: body, id\); name the text column with --text-field",
+    ):
         all_of(path)
     assert all_of(path, text_field="body")[0] == ["a"]
 
@@ -140,10 +157,18 @@ def test_a_cut_download_fails_naming_the_file(tmp_path):
 
 
 def test_a_corrupt_page_fails_naming_the_row_group(tmp_path):
-    path = write_parquet(tmp_path / "x.parquet", {"text": [f"row {i} " * 20 for i in range(200)]}, row_group_size=50, compression="zstd", use_dictionary=False)
+    path = write_parquet(
+        tmp_path / "x.parquet",
+        {"text": [f"row {i} " * 20 for i in range(200)]},
+        row_group_size=50,
+        compression="zstd",
+        use_dictionary=False,
+    )
     chunk = pq.ParquetFile(path).metadata.row_group(2).column(0)
     data = bytearray(path.read_bytes())
-    end = chunk.data_page_offset + chunk.total_compressed_size  # the page's compressed values end there (its header, first, holds statistics)
+    end = (
+        chunk.data_page_offset + chunk.total_compressed_size
+    )  # the page's compressed values end there (its header, first, holds statistics)
     data[end - 48 : end - 32] = b"\xff" * 16
     path.write_bytes(bytes(data))
     with pytest.raises(SourceError, match=r"x.parquet: row group 2 \(of 4\) does not decode"):
@@ -167,7 +192,10 @@ def test_a_shard_interrupted_inside_a_row_group_resumes_to_identical_bytes(tmp_p
     assert 0 < ckpt.lines and ckpt.lines % ROW_GROUP  # the checkpoint is inside a row group
     tokenize_shard(shard, tmp_path / "cut", spec)
     for name in ("bin", "idx"):
-        assert getattr(ShardFiles.of(tmp_path / "cut", shard), name).read_bytes() == getattr(ShardFiles.of(tmp_path / "whole", shard), name).read_bytes()
+        assert (
+            getattr(ShardFiles.of(tmp_path / "cut", shard), name).read_bytes()
+            == getattr(ShardFiles.of(tmp_path / "whole", shard), name).read_bytes()
+        )
 
 
 @pytest.fixture
@@ -180,12 +208,22 @@ def parquet_copy(tmp_path) -> Path:
     return tmp_path / "data"
 
 
-def test_kill_9_mid_file_at_one_worker_then_two_workers_gives_identical_bytes(parquet_copy, tmp_path, example_reference):
+def test_kill_9_mid_file_at_one_worker_then_two_workers_gives_identical_bytes(
+    parquet_copy, tmp_path, example_reference
+):
     manifest, out = tmp_path / "m.json", tmp_path / "out"
     assert tokpipe("manifest", "--dataset-dir", parquet_copy, "-o", manifest).returncode == 0
     proc = start(manifest, out, "--workers", "1", "--checkpoint-interval", "0.2", "--backend", "hf")
     checkpoints = out / "shards" / "train"
-    wait_for(lambda: any(0 < json.loads(p.read_text())["lines"] and not json.loads(p.read_text())["done"] for p in checkpoints.glob("*.json")) or proc.poll() is not None)
+    wait_for(
+        lambda: (
+            any(
+                0 < json.loads(p.read_text())["lines"] and not json.loads(p.read_text())["done"]
+                for p in checkpoints.glob("*.json")
+            )
+            or proc.poll() is not None
+        )
+    )
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     rerun = tokpipe("run", "--manifest", manifest, "--tokenizer", QWEN3, "--out", out, "--workers", "2")
@@ -201,8 +239,14 @@ def test_a_cut_parquet_shard_fails_by_name_and_skip_failed_finalizes_without_it(
     assert tokpipe("manifest", "--dataset-dir", parquet_copy, "-o", manifest).returncode == 0
     failing = tokpipe("run", "--manifest", manifest, "--tokenizer", QWEN3, "--out", out)
     assert failing.returncode == 1 and "Traceback" not in failing.stderr
-    assert "FAILED data/train-00001-of-00002.parquet: SourceError:" in failing.stderr and "not a complete Parquet file" in failing.stderr
+    assert (
+        "FAILED data/train-00001-of-00002.parquet: SourceError:" in failing.stderr
+        and "not a complete Parquet file" in failing.stderr
+    )
     skipping = tokpipe("run", "--manifest", manifest, "--tokenizer", QWEN3, "--out", out, "--skip-failed")
     assert skipping.returncode == 0, skipping.stderr
     meta = json.loads((out / "meta.json").read_text())
-    assert list(meta["excluded"]) == ["data/train-00001-of-00002.parquet"] and meta["splits"]["validation"]["documents"] == 136
+    assert (
+        list(meta["excluded"]) == ["data/train-00001-of-00002.parquet"]
+        and meta["splits"]["validation"]["documents"] == 136
+    )

@@ -18,8 +18,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import (
+    EXAMPLE_CACHE,
+    QWEN3,
+    QWEN3_EOS,
+    assert_out_is,
+    held_out_texts,
+    plain_copy_of_example,
+    reference_tokens,
+    snapshot_files,
+    tokpipe,
+)
 
-from conftest import EXAMPLE_CACHE, QWEN3, QWEN3_EOS, assert_out_is, held_out_texts, plain_copy_of_example, reference_tokens, snapshot_files, tokpipe
 from tokpipe.manifest import build_manifest, write_manifest
 
 HF = ("--backend", "hf")  # the slow reference encoder: runs last long enough to be hit mid-way
@@ -118,7 +128,7 @@ def test_kill_9_of_the_whole_run_at_random_moments_with_changing_workers(dataset
     ]
     for workers, ready in zip((8, 2, 5), moments):
         proc = start(manifest, out, "--workers", workers, "--checkpoint-interval", "0.2", *HF)
-        wait_for(lambda: ready() or proc.poll() is not None)
+        wait_for(lambda: ready() or proc.poll() is not None)  # noqa: B023 (called at once)
         time.sleep(rng.uniform(0.1, 1.5))
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -155,10 +165,22 @@ def test_val_fraction_gives_the_same_val_bin_at_any_workers_with_a_kill_9_betwee
     rerun = tokpipe(*run_args(manifest, out, "--workers", "2", "--val-fraction", "0.05"))
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     snapshot = next(EXAMPLE_CACHE.glob("datasets--*/snapshots/*"))
-    train, holdout, tokenizer = snapshot_files(snapshot, "train"), snapshot_files(snapshot, "validation"), QWEN3 / "tokenizer.json"
-    val = np.concatenate([reference_tokens(train, tokenizer, QWEN3_EOS, texts=held_out_texts(0.05, True)), reference_tokens(holdout, tokenizer, QWEN3_EOS)])
+    train, holdout, tokenizer = (
+        snapshot_files(snapshot, "train"),
+        snapshot_files(snapshot, "validation"),
+        QWEN3 / "tokenizer.json",
+    )
+    val = np.concatenate(
+        [
+            reference_tokens(train, tokenizer, QWEN3_EOS, texts=held_out_texts(0.05, True)),
+            reference_tokens(holdout, tokenizer, QWEN3_EOS),
+        ]
+    )
     assert np.array_equal(np.fromfile(out / "val.bin", dtype=np.uint32), val)
-    assert np.array_equal(np.fromfile(out / "train.bin", dtype=np.uint32), reference_tokens(train, tokenizer, QWEN3_EOS, texts=held_out_texts(0.05, False)))
+    assert np.array_equal(
+        np.fromfile(out / "train.bin", dtype=np.uint32),
+        reference_tokens(train, tokenizer, QWEN3_EOS, texts=held_out_texts(0.05, False)),
+    )
     splits = json.loads((out / "meta.json").read_text())["splits"]
     assert splits["train"]["documents"] + splits["validation"]["documents"] == 293 + 136  # every document read, once
     assert tokpipe("verify", out).returncode == 0
@@ -168,12 +190,16 @@ def test_killed_workers_are_retried_and_a_shard_that_keeps_dying_is_reported(man
     out = tmp_path / "out"
     stop = threading.Event()
     killed = keep_killing("example_train_0", stop)
-    failing = tokpipe(*run_args(manifest, out, "--workers", "2", "--max-retries", "1", "--checkpoint-interval", "0.2", *HF))
+    failing = tokpipe(
+        *run_args(manifest, out, "--workers", "2", "--max-retries", "1", "--checkpoint-interval", "0.2", *HF)
+    )
     stop.set()
     assert failing.returncode == 1 and len(killed) == 2  # the first attempt and its one retry
     assert "FAILED train/chunk1/example_train_0.jsonl.zst" in failing.stderr and "Traceback" not in failing.stderr
     assert not (out / "meta.json").exists()
-    assert json.loads((out / "shards" / "validation" / "validation__chunk1__example_holdout_0.json").read_text())["done"]
+    assert json.loads((out / "shards" / "validation" / "validation__chunk1__example_holdout_0.json").read_text())[
+        "done"
+    ]
     assert "example_train_0" in json.loads((out / "logs" / "failed.json").read_text()).popitem()[0]
 
     # The rerun tries again; one of its workers is killed once mid-shard and Ray retries it from the checkpoint.
@@ -228,10 +254,14 @@ def test_a_rerun_with_other_inputs_is_refused_saying_what_differs(finished_copy,
 
     manifest = build_manifest(dataset)
     write_manifest(manifest, tmp_path / "m.json")
-    (finished_copy / "run.json").write_text(json.dumps(run_identity(manifest, load_tokenizer_info(QWEN3), RunOptions())))
+    (finished_copy / "run.json").write_text(
+        json.dumps(run_identity(manifest, load_tokenizer_info(QWEN3), RunOptions()))
+    )
     other_field = tokpipe(*run_args(tmp_path / "m.json", finished_copy, "--text-field", "body"))
     assert other_field.returncode == 2 and "text_field: was 'text', now 'body'" in other_field.stderr
-    other_tok = tokpipe("run", "--manifest", tmp_path / "m.json", "--tokenizer", small_tokenizer, "--out", finished_copy)
+    other_tok = tokpipe(
+        "run", "--manifest", tmp_path / "m.json", "--tokenizer", small_tokenizer, "--out", finished_copy
+    )
     assert other_tok.returncode == 2
     assert "tokenizer_sha256" in other_tok.stderr and "dtype: was 'uint32', now 'uint16'" in other_tok.stderr
     other_eos = tokpipe(*run_args(tmp_path / "m.json", finished_copy, "--eos", "<|im_end|>"))
@@ -280,7 +310,12 @@ def test_killed_finalize_is_redone_from_the_shards(finished_copy, example_refere
 
 def _mount_tmpfs(path: Path, size: str) -> bool:
     path.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True).returncode == 0
+    return (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+        ).returncode
+        == 0
+    )
 
 
 def test_disk_full_stops_the_shard_clearly_and_the_rerun_completes(manifest, tmp_path, example_reference):
@@ -309,14 +344,33 @@ def test_multi_node_cluster_with_a_node_removed_mid_run(manifest, tmp_path, exam
     try:
         out = tmp_path / "out"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tokpipe.cli", *map(str, run_args(manifest, out, "--address", cluster.address, "--workers", "2", "--checkpoint-interval", "0.2", *HF))],
+            [
+                sys.executable,
+                "-m",
+                "tokpipe.cli",
+                *map(
+                    str,
+                    run_args(
+                        manifest,
+                        out,
+                        "--address",
+                        cluster.address,
+                        "--workers",
+                        "2",
+                        "--checkpoint-interval",
+                        "0.2",
+                        *HF,
+                    ),
+                ),
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
         wait_for(lambda: any(not c["done"] for c in checkpoints(out)))  # mid-shard
         # Remove the node whose raylet runs a shard worker right now: a machine lost mid-shard.
-        parents = {int(next(l for l in Path(f"/proc/{pid}/status").read_text().splitlines() if l.startswith("PPid:")).split()[1]) for pid in shard_workers("")}
+        status = {pid: Path(f"/proc/{pid}/status").read_text().splitlines() for pid in shard_workers("")}
+        parents = {int(next(s for s in lines if s.startswith("PPid:")).split()[1]) for lines in status.values()}
         busy = next(n for n in nodes if n.all_processes["raylet"][0].process.pid in parents)
         assert proc.poll() is None and not (out / "meta.json").exists()
         cluster.remove_node(busy)

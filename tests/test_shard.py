@@ -5,10 +5,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import (
+    EXAMPLE_CACHE,
+    QWEN3,
+    QWEN3_EOS,
+    Crash,
+    crash_in_batch,
+    held_out_texts,
+    is_held_out,
+    reference_texts,
+    reference_tokens,
+    write_jsonl,
+)
 
-from conftest import EXAMPLE_CACHE, QWEN3, QWEN3_EOS, Crash, crash_in_batch, held_out_texts, is_held_out, reference_texts, reference_tokens, write_jsonl
-from tokpipe.manifest import Shard, build_manifest
 from tokpipe.layout import Checkpoint, ShardFiles
+from tokpipe.manifest import Shard, build_manifest
 from tokpipe.options import RunOptions
 from tokpipe.shard import EncodeSpec, to_dtype, tokenize_shard
 from tokpipe.tokenizer import load_tokenizer_info
@@ -65,7 +76,9 @@ def test_interrupted_shard_resumes_to_identical_bytes(tmp_path, read_ahead):
 
     # With read_ahead the crash comes while the next batch is already read: that one was never checkpointed.
     with pytest.raises(Crash):
-        tokenize_shard(HOLDOUT, cut_dir, EncodeSpec(**{**spec.__dict__, "read_ahead": read_ahead}), on_batch=crash_in_batch(5))
+        tokenize_shard(
+            HOLDOUT, cut_dir, EncodeSpec(**{**spec.__dict__, "read_ahead": read_ahead}), on_batch=crash_in_batch(5)
+        )
     files = ShardFiles.of(cut_dir, HOLDOUT)
     ckpt = Checkpoint.load(files.checkpoint)
     assert not ckpt.done and 0 < ckpt.lines < 139
@@ -136,15 +149,22 @@ def test_delimiters_are_placed_around_each_document_as_asked(tmp_path, bos_id, e
     spec = EncodeSpec(**{**spec_for(QWEN3).__dict__, "bos_id": bos_id, "eos_id": eos_id})
     result = tokenize_shard(HOLDOUT, tmp_path, spec)
     tokens, ends = read(tmp_path, HOLDOUT, np.uint32)
-    assert np.array_equal(tokens, reference_tokens([Path(HOLDOUT.path)], QWEN3 / "tokenizer.json", eos_id, bos_id=bos_id))
+    assert np.array_equal(
+        tokens, reference_tokens([Path(HOLDOUT.path)], QWEN3 / "tokenizer.json", eos_id, bos_id=bos_id)
+    )
     assert len(ends) == result.checkpoint.documents == 136 and ends[-1] == len(tokens) == result.checkpoint.tokens
     assert np.all(tokens[np.concatenate(([0], ends[:-1]))] == bos_id)  # the .idx ends tell where each document starts
 
 
 def test_no_eos_places_none_even_where_a_text_holds_its_string(tmp_path):
-    path = write_jsonl(tmp_path / "specials.jsonl", ['{"text": "a <|endoftext|> b"}', '{"text": "<|im_start|>user hi"}', '{"text": "plain"}'])
+    path = write_jsonl(
+        tmp_path / "specials.jsonl",
+        ['{"text": "a <|endoftext|> b"}', '{"text": "<|im_start|>user hi"}', '{"text": "plain"}'],
+    )
     shard = Shard("train", "specials.jsonl", str(path), path.stat().st_size, "specials")
-    tokenize_shard(shard, tmp_path / "out", EncodeSpec(**{**spec_for(QWEN3).__dict__, "bos_id": QWEN3_IM_START, "eos_id": None}))
+    tokenize_shard(
+        shard, tmp_path / "out", EncodeSpec(**{**spec_for(QWEN3).__dict__, "bos_id": QWEN3_IM_START, "eos_id": None})
+    )
     tokens, ends = read(tmp_path / "out", shard, np.uint32)
     assert QWEN3_EOS not in tokens
     assert np.array_equal(np.flatnonzero(tokens == QWEN3_IM_START), np.concatenate(([0], ends[:-1])))
@@ -157,7 +177,9 @@ def test_held_out_documents_are_chosen_by_their_text_and_survive_a_crash(tmp_pat
     fraction = 0.3
     spec = spec_for(QWEN3, batch_bytes=64 << 10, checkpoint_interval=0.0, val_fraction=fraction, bos_id=QWEN3_IM_START)
     with pytest.raises(Crash):
-        tokenize_shard(TRAIN, tmp_path, EncodeSpec(**{**spec.__dict__, "read_ahead": read_ahead}), on_batch=crash_in_batch(4))
+        tokenize_shard(
+            TRAIN, tmp_path, EncodeSpec(**{**spec.__dict__, "read_ahead": read_ahead}), on_batch=crash_in_batch(4)
+        )
     files = ShardFiles.of(tmp_path, TRAIN)
     partial = Checkpoint.load(files.checkpoint)
     assert partial.val_documents > 0 and not partial.done
@@ -170,10 +192,23 @@ def test_held_out_documents_are_chosen_by_their_text_and_survive_a_crash(tmp_pat
     held = [is_held_out(t, fraction) for t in reference_texts(Path(TRAIN.path))]
     kept_tokens, kept_ends = read(tmp_path, TRAIN, np.uint32)
     held_tokens, held_ends = np.fromfile(files.val_bin, dtype=np.uint32), np.fromfile(files.val_idx, dtype="<i8")
-    reference = [reference_tokens([Path(TRAIN.path)], QWEN3 / "tokenizer.json", QWEN3_EOS, bos_id=QWEN3_IM_START, texts=held_out_texts(fraction, h)) for h in (False, True)]
+    reference = [
+        reference_tokens(
+            [Path(TRAIN.path)],
+            QWEN3 / "tokenizer.json",
+            QWEN3_EOS,
+            bos_id=QWEN3_IM_START,
+            texts=held_out_texts(fraction, h),
+        )
+        for h in (False, True)
+    ]
     assert np.array_equal(kept_tokens, reference[0]) and np.array_equal(held_tokens, reference[1])
     ckpt = result.checkpoint
-    assert (ckpt.documents, ckpt.val_documents) == (len(kept_ends), len(held_ends)) == (held.count(False), held.count(True))
+    assert (
+        (ckpt.documents, ckpt.val_documents)
+        == (len(kept_ends), len(held_ends))
+        == (held.count(False), held.count(True))
+    )
     assert (ckpt.tokens, ckpt.val_tokens) == (kept_ends[-1], held_ends[-1])  # each part's ends counted within it
     assert ckpt.lines == ckpt.documents + ckpt.val_documents + sum(ckpt.skipped.values())
     tokenize_shard(HOLDOUT, tmp_path, spec)  # the validation split's own documents are never held out

@@ -5,8 +5,8 @@ from collections import Counter
 
 import pytest
 import zstandard
-
 from conftest import write_jsonl
+
 from tokpipe.errors import SourceError
 from tokpipe.source import format_of, read_batches
 
@@ -36,9 +36,23 @@ def test_compression_is_sniffed_not_taken_from_the_name(tmp_path, compression):
     assert format_of(str(path)) == compression
     texts, skipped, batches = all_of(path)
     assert texts == ["first", "second"]
-    assert dict(skipped) == {"blank": 1, "empty_text": 1, "invalid_json": 1, "not_object": 1, "no_text": 1, "text_not_string": 1}
+    assert dict(skipped) == {
+        "blank": 1,
+        "empty_text": 1,
+        "invalid_json": 1,
+        "not_object": 1,
+        "no_text": 1,
+        "text_not_string": 1,
+    }
     assert sum(b.lines for b in batches) == len(LINES)
-    assert [line for b in batches for line in b.skip_log] == [(2, "blank"), (3, "empty_text"), (4, "invalid_json"), (5, "not_object"), (6, "no_text"), (7, "text_not_string")]
+    assert [line for b in batches for line in b.skip_log] == [
+        (2, "blank"),
+        (3, "empty_text"),
+        (4, "invalid_json"),
+        (5, "not_object"),
+        (6, "no_text"),
+        (7, "text_not_string"),
+    ]
 
 
 def test_batches_are_cut_by_bytes_and_resume_exactly(tmp_path):
@@ -93,20 +107,39 @@ def test_lines_are_the_same_whatever_the_block_size(tmp_path, compression):
     # batch_bytes also caps the block the bytes are split in: 1 byte makes every line span blocks.
     data = b"\n".join(BLOCK_EDGE_LINES)
     path = tmp_path / "x.jsonl.zst"
-    path.write_bytes(zstandard.ZstdCompressor().compress(data) if compression == "zstd" else gzip.compress(data) if compression == "gzip" else data)
-    expected_texts = ["a BOM, then a line that spans blocks " + "x" * 300, "crlf", "bad \ufffd utf8", "lone \ufffd", "last, with no newline"]
+    path.write_bytes(
+        zstandard.ZstdCompressor().compress(data)
+        if compression == "zstd"
+        else gzip.compress(data)
+        if compression == "gzip"
+        else data
+    )
+    expected_texts = [
+        "a BOM, then a line that spans blocks " + "x" * 300,
+        "crlf",
+        "bad \ufffd utf8",
+        "lone \ufffd",
+        "last, with no newline",
+    ]
     for batch_bytes in (1, 7, 100, 4 << 20):
         texts, skipped, batches = all_of(path, batch_bytes=batch_bytes, max_line_bytes=500)
         assert texts == expected_texts, batch_bytes
         assert dict(skipped) == {"blank": 2, "too_long": 1, "invalid_json": 1}
-        assert [line for b in batches for line in b.skip_log] == [(2, "blank"), (3, "too_long"), (5, "invalid_json"), (8, "blank")]
+        assert [line for b in batches for line in b.skip_log] == [
+            (2, "blank"),
+            (3, "too_long"),
+            (5, "invalid_json"),
+            (8, "blank"),
+        ]
         assert sum((b.repaired for b in batches), start=Counter()) == {"bom": 1, "invalid_utf8": 1, "lone_surrogate": 1}
         assert sum(b.lines for b in batches) == len(BLOCK_EDGE_LINES)
         assert batches[-1].end_offset == len(data)
         # Resuming at any batch's end, as a checkpoint would, reads exactly the rest.
         for k in range(len(batches)):
             done = sum(b.lines for b in batches[: k + 1])
-            rest, _, _ = all_of(path, batch_bytes=batch_bytes, max_line_bytes=500, start_line=done, start_offset=batches[k].end_offset)
+            rest, _, _ = all_of(
+                path, batch_bytes=batch_bytes, max_line_bytes=500, start_line=done, start_offset=batches[k].end_offset
+            )
             assert rest == texts[sum(len(b.texts) for b in batches[: k + 1]) :]
 
 

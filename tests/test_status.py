@@ -8,13 +8,17 @@ import shutil
 import time
 
 import pytest
-
 from conftest import QWEN3, tokpipe
+
 from tokpipe.cli import parser
 from tokpipe.errors import UserError
 from tokpipe.status import duration, report, status
 
-TRAIN_0, TRAIN_1, HOLDOUT = "train/chunk1/example_train_0.jsonl.zst", "train/chunk1/example_train_1.jsonl.zst", "validation/chunk1/example_holdout_0.jsonl.zst"
+TRAIN_0, TRAIN_1, HOLDOUT = (
+    "train/chunk1/example_train_0.jsonl.zst",
+    "train/chunk1/example_train_1.jsonl.zst",
+    "validation/chunk1/example_holdout_0.jsonl.zst",
+)
 
 
 @pytest.fixture
@@ -34,7 +38,9 @@ def test_finished_run_says_verify_next(finished_example):
     assert st.next == f"tokpipe verify {finished_example}"
     result = tokpipe("status", finished_example)
     assert result.returncode == 0, result.stderr
-    assert f"{finished_example}: finished" in result.stdout and "3 done, 0 partial, 0 pending, 0 failed" in result.stdout
+    assert (
+        f"{finished_example}: finished" in result.stdout and "3 done, 0 partial, 0 pending, 0 failed" in result.stdout
+    )
     assert f"next: tokpipe verify {finished_example}" in result.stdout
 
 
@@ -92,7 +98,9 @@ def test_workers_left_over_from_a_killed_run_are_seen(killed):
 
 def test_failed_shards_are_named_with_their_error(killed):
     (killed / "logs").mkdir(exist_ok=True)
-    (killed / "logs" / "failed.json").write_text(json.dumps({HOLDOUT: "SourceError: truncated download", TRAIN_0: "stale: done since"}))
+    (killed / "logs" / "failed.json").write_text(
+        json.dumps({HOLDOUT: "SourceError: truncated download", TRAIN_0: "stale: done since"})
+    )
     st = status(killed)
     assert states(st) == {TRAIN_0: "done", TRAIN_1: "partial", HOLDOUT: "failed"}
     text = report(st)
@@ -123,4 +131,10 @@ def test_resume_command_gives_switches_without_a_value(killed):
     argv = shlex.split(status(killed).next)
     assert "--bos" in argv and "--no-eos" in argv and "True" not in argv
     args = parser().parse_args(argv[1:])
-    assert (args.bos, args.bos_token, args.no_eos, args.val_fraction, args.skip_failed) == (True, "<|im_start|>", True, 0.05, True)
+    assert (args.bos, args.bos_token, args.no_eos, args.val_fraction, args.skip_failed) == (
+        True,
+        "<|im_start|>",
+        True,
+        0.05,
+        True,
+    )

@@ -24,7 +24,10 @@ def _imports() -> dict[str, set[str]]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tokpipe"):
                 # `from tokpipe.source import batch` names a module; `from tokpipe.source import read_batches` does not
-                found.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module for a in node.names)
+                found.update(
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                    for a in node.names
+                )
             elif isinstance(node, ast.Import):
                 found.update(a.name for a in node.names if a.name.startswith("tokpipe"))
         graph[name] = {m for m in found if m in modules and m != name}
@@ -38,7 +41,7 @@ def test_no_import_cycle():
     def visit(module: str) -> None:
         if module in done:
             return
-        assert module not in visiting, f"import cycle: {' -> '.join(visiting[visiting.index(module):] + [module])}"
+        assert module not in visiting, f"import cycle: {' -> '.join(visiting[visiting.index(module) :] + [module])}"
         visiting.append(module)
         for dependency in sorted(graph[module]):
             visit(dependency)

@@ -4,10 +4,10 @@ import json
 
 import numpy as np
 import pytest
+from conftest import EXAMPLE_CACHE, QWEN3, QWEN3_EOS, reference_texts
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer
 
-from conftest import EXAMPLE_CACHE, QWEN3, QWEN3_EOS, reference_texts
 from tokpipe.errors import UserError
 from tokpipe.tokenizer import HARD_CASES, GigatokenEncoder, HFEncoder, choose_backend, dtype_for, load_tokenizer_info
 
@@ -23,7 +23,9 @@ def test_qwen3_info_matches_transformers():
     assert info.id.startswith("qwen3@sha256:") and len(info.sha256) == 64
 
 
-@pytest.mark.parametrize("vocab, dtype", [(256, "uint16"), (65535, "uint16"), (65536, "uint16"), (65537, "uint32"), (151669, "uint32")])
+@pytest.mark.parametrize(
+    "vocab, dtype", [(256, "uint16"), (65535, "uint16"), (65536, "uint16"), (65537, "uint32"), (151669, "uint32")]
+)
 def test_dtype_is_the_smallest_that_holds_every_id(vocab, dtype):
     assert dtype_for(vocab) == dtype
 

@@ -5,8 +5,8 @@ import json
 import pickle
 
 import numpy as np
-
 from conftest import tokpipe
+
 from tokpipe.layout import load_meta_pkl
 from tokpipe.verify import verify
 
@@ -68,13 +68,20 @@ def swap_two_tokens(out):
 def test_two_tokens_swapped_fail_the_checksum(out):
     swap_two_tokens(out)
     assert failed(out) == ["train: sha256 matches meta"]
-    assert failure(out, "sha256") == "the token bytes changed since finalize, in the range of train/chunk1/example_train_0.jsonl.zst"
+    assert (
+        failure(out, "sha256")
+        == "the token bytes changed since finalize, in the range of train/chunk1/example_train_0.jsonl.zst"
+    )
 
 
 def test_lost_eos_fails_count_and_boundaries(out):
     ends = np.fromfile(out / "val.idx", dtype="<i8")
     poke(out / "val.bin", ends[3] - 1, 42)
-    assert failed(out) == ["validation: sha256 matches meta", "validation: EOS count == documents", "validation: every document ends with EOS"]
+    assert failed(out) == [
+        "validation: sha256 matches meta",
+        "validation: EOS count == documents",
+        "validation: every document ends with EOS",
+    ]
 
 
 def test_idx_not_matching_fails(out):
@@ -116,7 +123,6 @@ def test_hostile_meta_pkl_executes_nothing(out):
     result = tokpipe("verify", out)
     assert result.returncode == 1 and "pwned" not in result.stdout
     assert "meta.pkl readable" in result.stdout and "builtins.print" in result.stdout
-
 
 
 def reseal(out, split):

@@ -34,9 +34,15 @@ __all__ = ["build_manifest", "run", "verify", "open_output", "Output", "Split", 
 
 
 def build_manifest(
-    dataset_dir: str | os.PathLike, output: str | os.PathLike | None = None, *, repo_id: str | None = None, revision: str | None = None, allow_outside: bool = False
+    dataset_dir: str | os.PathLike,
+    output: str | os.PathLike | None = None,
+    *,
+    repo_id: str | None = None,
+    revision: str | None = None,
+    allow_outside: bool = False,
 ) -> Manifest:
-    """`tokpipe manifest`: the dataset's shards, splits and order; also written to `output` when given (what `run` reads)."""
+    """`tokpipe manifest`: the dataset's shards, splits and order; also written to `output` when given
+    (what `run` reads)."""
     manifest = _build_manifest(dataset_dir, repo_id=repo_id, revision=revision, allow_outside=allow_outside)
     if output is not None:
         write_manifest(manifest, output)

@@ -21,13 +21,18 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 def _cmd_manifest(args) -> int:
     from tokpipe.manifest import build_manifest, write_manifest
 
-    manifest = build_manifest(args.dataset_dir, repo_id=args.repo_id, revision=args.revision, allow_outside=args.allow_outside)
+    manifest = build_manifest(
+        args.dataset_dir, repo_id=args.repo_id, revision=args.revision, allow_outside=args.allow_outside
+    )
     name = (manifest.repo_id or Path(manifest.root).name).replace("/", "--")
     dest = Path(args.output or Path("manifests") / f"{name}.json")
     write_manifest(manifest, dest)
     counts = manifest.counts
     where = f"{manifest.repo_id}@{manifest.revision[:12]}" if manifest.repo_id else manifest.root
-    print(f"{where}: {sum(counts.values())} shards ({', '.join(f'{k} {v}' for k, v in counts.items())}), {manifest.size / 2**20:,.1f} MiB -> {dest}")
+    print(
+        f"{where}: {sum(counts.values())} shards ({', '.join(f'{k} {v}' for k, v in counts.items())}), "
+        f"{manifest.size / 2**20:,.1f} MiB -> {dest}"
+    )
     return EXIT_OK
 
 
@@ -37,7 +42,11 @@ def _cmd_run(args) -> int:
     opts = RunOptions(**{f.name: getattr(args, f.name) for f in fields(RunOptions)})
     summary = run(args.manifest, args.tokenizer, args.out, opts)
     if not summary.finished:
-        print(f"{len(summary.failed)} shards failed; the rest are kept. Fix the cause and rerun the same command to retry them.", file=sys.stderr)
+        print(
+            f"{len(summary.failed)} shards failed; the rest are kept. Fix the cause and rerun the same command "
+            "to retry them.",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
     return EXIT_OK
 
@@ -79,7 +88,10 @@ def _cmd_export(args) -> int:
         paths = " ".join(f"{flags[e.path.stem]} {e.path.with_suffix('')}" for e in written)
         print(f"Megatron-LM: {paths} --tokenizer-type HuggingFaceTokenizer --tokenizer-model TOKENIZER_DIR (the run's)")
     else:
-        print(f"llm.c / modded-nanogpt: train on '{Path(args.dest) / 'train_*.bin'}', evaluate on '{Path(args.dest) / 'val_*.bin'}'")
+        print(
+            f"llm.c / modded-nanogpt: train on '{Path(args.dest) / 'train_*.bin'}', evaluate on "
+            f"'{Path(args.dest) / 'val_*.bin'}'"
+        )
     return EXIT_OK
 
 
@@ -94,12 +106,18 @@ def _add_options(p: argparse.ArgumentParser) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tokpipe", description="Parallel, resumable tokenization of JSONL corpora into flat token files.")
+    p = argparse.ArgumentParser(
+        prog="tokpipe", description="Parallel, resumable tokenization of JSONL corpora into flat token files."
+    )
     p.add_argument("--version", action="version", version=f"tokpipe {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     m = sub.add_parser("manifest", help="list a dataset's shards, splits and order into a manifest")
-    m.add_argument("--dataset-dir", required=True, help="HF cache root, datasets--ORG--NAME folder, snapshots/REV folder, or a folder of shards")
+    m.add_argument(
+        "--dataset-dir",
+        required=True,
+        help="HF cache root, datasets--ORG--NAME folder, snapshots/REV folder, or a folder of shards",
+    )
     m.add_argument("-o", "--output", help="manifest path (default: manifests/NAME.json)")
     m.add_argument("--repo-id", help="ORG/NAME, when the cache holds several datasets")
     m.add_argument("--revision", help="ref or commit of the snapshot (default: refs/main)")
@@ -116,7 +134,12 @@ def parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="check a finished OUT; exit 0 only when every check holds")
     v.add_argument("out")
     v.add_argument("--json", action="store_true", help="machine-readable report")
-    v.add_argument("--sample", type=positive(int), metavar="K", help="also re-tokenize K random source documents with tokenizers and compare")
+    v.add_argument(
+        "--sample",
+        type=positive(int),
+        metavar="K",
+        help="also re-tokenize K random source documents with tokenizers and compare",
+    )
     v.add_argument("--seed", type=int, default=0, help="which documents --sample picks (default: 0)")
     v.add_argument("--tokenizer", help="the run's tokenizer, if it moved since the run (default: the path in meta)")
     v.add_argument("--jobs", type=positive(int), help="threads checking checksums and ids (default: all cores)")
@@ -127,10 +150,17 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="machine-readable status")
     st.set_defaults(func=_cmd_status)
 
-    i = sub.add_parser("inspect", help="the eye test: decode random windows, flag broken token ids; exit 1 on a red flag")
+    i = sub.add_parser(
+        "inspect", help="the eye test: decode random windows, flag broken token ids; exit 1 on a red flag"
+    )
     i.add_argument("out")
     i.add_argument("--split", default="train", help="train, validation (or val), test (default: train)")
-    i.add_argument("-n", type=positive(int, zero_ok=True), default=5, help="windows to decode (default: 5; 0 for the id checks alone)")
+    i.add_argument(
+        "-n",
+        type=positive(int, zero_ok=True),
+        default=5,
+        help="windows to decode (default: 5; 0 for the id checks alone)",
+    )
     i.add_argument("--window", type=positive(int), default=64, help="tokens per window (default: 64)")
     i.add_argument("--seed", type=int, help="seed of the window positions (default: a new one, printed)")
     i.add_argument("--tokenizer", help="the run's tokenizer, if it is no longer where run.json says")
@@ -140,7 +170,9 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("out")
     e.add_argument("--format", required=True, choices=("megatron", "llmc"))
     e.add_argument("--dest", required=True, help="folder to write to (must be empty, unless --force)")
-    e.add_argument("--force", action="store_true", help="write into a non-empty --dest, replacing files of the same names")
+    e.add_argument(
+        "--force", action="store_true", help="write into a non-empty --dest, replacing files of the same names"
+    )
     e.set_defaults(func=_cmd_export)
     return p
 

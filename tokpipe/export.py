@@ -42,7 +42,16 @@ FORMATS = ("megatron", "llmc")
 CHUNK = 1 << 24  # tokens (or index entries) per numpy step
 
 MEGATRON_INDEX_HEADER = b"MMIDIDX\x00\x00"
-MEGATRON_DTYPE_CODES = {"uint8": 1, "int8": 2, "int16": 3, "int32": 4, "int64": 5, "float64": 6, "float32": 7, "uint16": 8}
+MEGATRON_DTYPE_CODES = {
+    "uint8": 1,
+    "int8": 2,
+    "int16": 3,
+    "int32": 4,
+    "int64": 5,
+    "float64": 6,
+    "float32": 7,
+    "uint16": 8,
+}
 
 LLMC_HEADER_INTS = 256
 LLMC_SHARD_TOKENS = 100_000_000  # the size of llm.c's and modded-nanogpt's fineweb shards
@@ -81,7 +90,9 @@ def _megatron_split(split: Split, prefix: Path, dtype: str) -> list[tuple[Path, 
     """Write PREFIX.bin/.idx under temporary names; returns (temporary, final) pairs, .bin first."""
     itemsize = np.dtype(dtype).itemsize
     n = len(split.ends)
-    pairs = [(prefix.with_name(prefix.name + ext + ".tmp"), prefix.with_name(prefix.name + ext)) for ext in (".bin", ".idx")]
+    pairs = [
+        (prefix.with_name(prefix.name + ext + ".tmp"), prefix.with_name(prefix.name + ext)) for ext in (".bin", ".idx")
+    ]
     with open(pairs[0][0], "wb") as f:
         _write_tokens(f, split.tokens, 0, len(split.tokens), dtype)
         _finish(f)
@@ -123,7 +134,9 @@ def llmc_cuts(ends: np.ndarray, total: int, shard_tokens: int) -> list[int]:
     return cuts
 
 
-def _llmc_split(split: Split, dest: Path, stem: str, dtype: str, shard_tokens: int) -> list[tuple[Path, Path, int, int]]:
+def _llmc_split(
+    split: Split, dest: Path, stem: str, dtype: str, shard_tokens: int
+) -> list[tuple[Path, Path, int, int]]:
     magic, version = LLMC_VERSIONS[dtype]
     written, start = [], 0
     for k, cut in enumerate(llmc_cuts(split.ends, len(split.tokens), shard_tokens)):
@@ -135,7 +148,9 @@ def _llmc_split(split: Split, dest: Path, stem: str, dtype: str, shard_tokens: i
             f.write(header.tobytes())
             _write_tokens(f, split.tokens, start, cut, dtype)
             _finish(f)
-        documents = int(np.searchsorted(split.ends, cut, side="right") - np.searchsorted(split.ends, start, side="right"))
+        documents = int(
+            np.searchsorted(split.ends, cut, side="right") - np.searchsorted(split.ends, start, side="right")
+        )
         written.append((tmp, final, cut - start, documents))
         start = cut
     return written
@@ -145,11 +160,19 @@ def _prepare(dest: Path, force: bool) -> None:
     if dest.exists() and not dest.is_dir():
         raise UserError(f"--dest {dest} is a file, not a folder")
     if dest.is_dir() and any(dest.iterdir()) and not force:
-        raise UserError(f"--dest {dest} is not empty: choose an empty folder, or pass --force to overwrite what is there")
+        raise UserError(
+            f"--dest {dest} is not empty: choose an empty folder, or pass --force to overwrite what is there"
+        )
     dest.mkdir(parents=True, exist_ok=True)
 
 
-def export(out: str | os.PathLike, fmt: str, dest: str | os.PathLike, force: bool = False, shard_tokens: int = LLMC_SHARD_TOKENS) -> list[Exported]:
+def export(
+    out: str | os.PathLike,
+    fmt: str,
+    dest: str | os.PathLike,
+    force: bool = False,
+    shard_tokens: int = LLMC_SHARD_TOKENS,
+) -> list[Exported]:
     """Write every split of a finished OUT into DEST in `fmt`; returns what was written."""
     if fmt not in FORMATS:
         raise UserError(f"unknown format {fmt!r}: one of {', '.join(FORMATS)}")

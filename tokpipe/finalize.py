@@ -1,4 +1,5 @@
-"""Finished shards -> OUT/<stem>.bin, .idx and .parts per split, then meta.pkl, then meta.json (last: it marks a finished run).
+"""Finished shards -> OUT/<stem>.bin, .idx and .parts per split, then meta.pkl, then meta.json (last:
+it marks a finished run).
 
 A split file is assembled in place, not concatenated at the end: a shard's tokens go to their offset
 as soon as that offset is known, i.e. once every shard before it in the split is done. So the done
@@ -58,7 +59,9 @@ def _copy_range(src_path: str, dst_fd: int, length: int, dst_offset: int) -> Non
         done = 0
         try:
             while done < length:
-                copied = os.copy_file_range(src.fileno(), dst_fd, min(length - done, COPY_CHUNK), done, dst_offset + done)
+                copied = os.copy_file_range(
+                    src.fileno(), dst_fd, min(length - done, COPY_CHUNK), done, dst_offset + done
+                )
                 if copied == 0:
                     raise RuntimeError(f"{src_path} ended {length - done} bytes before its checkpoint says it does")
                 done += copied
@@ -67,7 +70,9 @@ def _copy_range(src_path: str, dst_fd: int, length: int, dst_offset: int) -> Non
             while done < length:
                 got = os.preadv(src.fileno(), [memoryview(buffer)[: min(len(buffer), length - done)]], done)
                 if got == 0:
-                    raise RuntimeError(f"{src_path} ended {length - done} bytes before its checkpoint says it does") from None
+                    raise RuntimeError(
+                        f"{src_path} ended {length - done} bytes before its checkpoint says it does"
+                    ) from None
                 os.pwrite(dst_fd, memoryview(buffer)[:got], dst_offset + done)
                 done += got
 
@@ -131,7 +136,9 @@ class Assembler:
         self.out, self.itemsize, self.val_fraction = Path(out), itemsize, val_fraction
         # Done shards not yet scheduled (the few that finished out of order), with how many parts still need them.
         self.finished: dict[str, tuple[Checkpoint, int]] = {}
-        self.splits = [self._resume(manifest, split_file_stem(split)) for split in output_splits(manifest, val_fraction)]
+        self.splits = [
+            self._resume(manifest, split_file_stem(split)) for split in output_splits(manifest, val_fraction)
+        ]
 
     def _resume(self, manifest: Manifest, stem: str) -> _Split:
         """Keep what an earlier attempt assembled, if it is still the start of the split; else start empty."""
@@ -144,13 +151,19 @@ class Assembler:
                     record = orjson.loads(line)
                 except orjson.JSONDecodeError:  # a line cut by the crash: its fsync never returned
                     break
-                if state.head is None or (record.get("shard"), record.get("part") == "held-out") != (state.head[0].relpath, state.head[1]):
+                if state.head is None or (record.get("shard"), record.get("part") == "held-out") != (
+                    state.head[0].relpath,
+                    state.head[1],
+                ):
                     break  # the split changed before this shard (an append, a shard excluded or back)
                 kept.append(record)
                 state.tokens += record["tokens"]
                 state.documents += record["documents"]
                 state.advance()
-            if bin_tmp.stat().st_size < state.tokens * self.itemsize or idx_tmp.stat().st_size < state.documents * IDX_DTYPE.itemsize:
+            if (
+                bin_tmp.stat().st_size < state.tokens * self.itemsize
+                or idx_tmp.stat().st_size < state.documents * IDX_DTYPE.itemsize
+            ):
                 kept = []  # cut since they were listed: trust none of it
         if not kept:
             state = _Split.start(stem, sources(manifest, stem, self.val_fraction))
@@ -186,7 +199,15 @@ class Assembler:
                     break
                 files = ShardFiles.of(self.out, shard)
                 bin_path, idx_path = (files.val_bin, files.val_idx) if held else (files.bin, files.idx)
-                part = Part(s.stem, s.scheduled, s.tokens, s.documents, part_record(shard, ckpt, held), str(bin_path), str(idx_path))
+                part = Part(
+                    s.stem,
+                    s.scheduled,
+                    s.tokens,
+                    s.documents,
+                    part_record(shard, ckpt, held),
+                    str(bin_path),
+                    str(idx_path),
+                )
                 parts.append(part)
                 s.scheduled += 1
                 s.tokens += part.tokens
@@ -227,7 +248,11 @@ class Assembler:
                 size += part.record["tokens"] * self.itemsize
         if not self.complete:
             head = next((s.head for s in self.splits if s.head is not None), None)
-            raise RuntimeError(f"cannot finalize: shard {head[0].relpath} is unfinished" if head else "cannot finalize: parts handed out to copy were never placed")
+            raise RuntimeError(
+                f"cannot finalize: shard {head[0].relpath} is unfinished"
+                if head
+                else "cannot finalize: parts handed out to copy were never placed"
+            )
 
     def finish(self) -> dict[str, dict]:
         """Cut, fsync and rename every split's files; returns meta's `splits` (in manifest order of splits)."""

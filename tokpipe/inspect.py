@@ -20,7 +20,16 @@ from pathlib import Path
 import numpy as np
 
 from tokpipe.errors import UserError
-from tokpipe.layout import IDX_DTYPE, Checkpoint, ShardFiles, delimiters, load_run, output_splits, sources, split_file_stem
+from tokpipe.layout import (
+    IDX_DTYPE,
+    Checkpoint,
+    ShardFiles,
+    delimiters,
+    load_run,
+    output_splits,
+    sources,
+    split_file_stem,
+)
 from tokpipe.manifest import load_manifest
 from tokpipe.output import open_output
 from tokpipe.tokenizer import encoder, load_tokenizer_info
@@ -42,7 +51,9 @@ EOS_MIN_EXPECTED = 10  # ... judged only when at least this many EOS are expecte
 # this many tokens is what a 16-bit wrap leaves.
 HIGH_IDS_MIN_SCANNED = 100_000
 COMMON_IDS = 8
-CONTROL_CHARS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # all but \t and \n: a web page's ESC must not drive the terminal
+CONTROL_CHARS = re.compile(
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f]"
+)  # all but \t and \n: a web page's ESC must not drive the terminal
 
 
 @dataclass(frozen=True)
@@ -163,10 +174,16 @@ def load_decoder(source: Source, tokenizer: str | None) -> tuple[Callable[[np.nd
     """(decode, where the tokenizer is). Only the run's own tokenizer: another one decodes to plausible nonsense."""
     path = tokenizer or source.tokenizer_path
     if path is None:
-        raise UserError(f"this OUT's run.json does not record where its tokenizer is: pass it with --tokenizer (the run used {source.tokenizer})")
+        raise UserError(
+            "this OUT's run.json does not record where its tokenizer is: pass it with --tokenizer (the run "
+            f"used {source.tokenizer})"
+        )
     info = load_tokenizer_info(path, source.eos_token)
     if info.sha256 != source.tokenizer_sha256:
-        raise UserError(f"{path} is tokenizer {info.id}, but OUT was made with {source.tokenizer}: pass the run's tokenizer with --tokenizer")
+        raise UserError(
+            f"{path} is tokenizer {info.id}, but OUT was made with {source.tokenizer}: pass the run's tokenizer "
+            "with --tokenizer"
+        )
     return encoder("hf", info.path).decode, info.path
 
 
@@ -196,7 +213,9 @@ def _printable(text: str) -> str:
     return CONTROL_CHARS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
-def render(ids: np.ndarray, decode: Callable[[np.ndarray], str], eos_id: int, vocab_size: int, bos_id: int | None = None) -> str:
+def render(
+    ids: np.ndarray, decode: Callable[[np.ndarray], str], eos_id: int, vocab_size: int, bos_id: int | None = None
+) -> str:
     """Decoded text with EOS shown as ⟨EOS⟩ and a line break, BOS (when placed) as a line break and ⟨BOS⟩,
     and ids outside the vocabulary shown (a decoder drops them)."""
     pieces, start = [], 0
@@ -267,7 +286,11 @@ def red_flags(source: Source, scan: IdScan) -> list[Check]:
             "max id < vocab_size",
             scan.max_id < source.vocab_size,
             f"max id {scan.max_id:,}, vocab_size {source.vocab_size:,}"
-            + ("" if scan.max_id < source.vocab_size else f": the file is not {source.dtype.name}, or not this tokenizer's"),
+            + (
+                ""
+                if scan.max_id < source.vocab_size
+                else f": the file is not {source.dtype.name}, or not this tokenizer's"
+            ),
         ),
     ]
     zero_share = scan.zeros / n
@@ -276,7 +299,8 @@ def red_flags(source: Source, scan: IdScan) -> list[Check]:
         Check(
             "share of id 0",
             zeros_ok,
-            f"{zero_share:.3%}" + ("" if zeros_ok else f" (> {ZERO_SHARE_MAX:.0%}): a uint32 file read as uint16, or zero-filled bytes"),
+            f"{zero_share:.3%}"
+            + ("" if zeros_ok else f" (> {ZERO_SHARE_MAX:.0%}): a uint32 file read as uint16, or zero-filled bytes"),
         )
     )
     expected_share = source.documents / source.tokens if source.tokens else 0.0
@@ -288,7 +312,8 @@ def red_flags(source: Source, scan: IdScan) -> list[Check]:
         Check(
             f"share of {name} (id {boundary_id})",
             eos_ok,
-            f"{eos_share:.3%}, expected {expected_share:.3%} from {source.documents:,} documents in {source.tokens:,} tokens"
+            f"{eos_share:.3%}, expected {expected_share:.3%} from {source.documents:,} documents in "
+            f"{source.tokens:,} tokens"
             + ("" if eos_ok else f": document boundaries are lost (ids wrapped? another {name}?)"),
         )
     )
@@ -307,7 +332,13 @@ def red_flags(source: Source, scan: IdScan) -> list[Check]:
             Check(
                 "ids ≥ 65,536 present",
                 high_ok,
-                f"{scan.high / n:.2%}" + ("" if high_ok else f" of {scan.scanned:,} tokens with a {source.vocab_size:,}-id vocabulary: looks wrapped to 16 bits (Phantom Zero)"),
+                f"{scan.high / n:.2%}"
+                + (
+                    ""
+                    if high_ok
+                    else f" of {scan.scanned:,} tokens with a {source.vocab_size:,}-id vocabulary:"
+                    " looks wrapped to 16 bits (Phantom Zero)"
+                ),
             )
         )
     return checks
@@ -329,10 +360,19 @@ class Inspection:
         return all(c.ok for c in self.flags)
 
 
-def inspect(out: str | os.PathLike, split: str = "train", n: int = 5, window: int = 64, seed: int | None = None, tokenizer: str | None = None) -> Inspection:
+def inspect(
+    out: str | os.PathLike,
+    split: str = "train",
+    n: int = 5,
+    window: int = 64,
+    seed: int | None = None,
+    tokenizer: str | None = None,
+) -> Inspection:
     source = open_source(out, split)
     if not source.tokens:
-        raise UserError(f"no tokens of split {source.split} are written yet: see where the run stands with tokpipe status {out}")
+        raise UserError(
+            f"no tokens of split {source.split} are written yet: see where the run stands with tokpipe status {out}"
+        )
     decode, tokenizer_path = load_decoder(source, tokenizer)
     # A short seed, printed, so the same windows can be looked at again (or by a colleague).
     seed = secrets.randbelow(1_000_000) if seed is None else seed
@@ -340,7 +380,10 @@ def inspect(out: str | os.PathLike, split: str = "train", n: int = 5, window: in
     scan = scan_ids(source)
     n_scanned = max(scan.scanned, 1)
     common = [(i, decode(np.array([i])) if i < source.vocab_size else "?", c / n_scanned) for i, c in scan.common]
-    texts = [render(w.ids, decode, source.eos_id if source.eos_written else None, source.vocab_size, source.bos_id) for w in windows]
+    texts = [
+        render(w.ids, decode, source.eos_id if source.eos_written else None, source.vocab_size, source.bos_id)
+        for w in windows
+    ]
     return Inspection(source, tokenizer_path, seed, windows, texts, scan, red_flags(source, scan), common)
 
 
@@ -353,11 +396,23 @@ def report(ins: Inspection) -> str:
         f"tokenizer: {ins.tokenizer_path} ({src.tokenizer}, the run's own)",
     ]
     if ins.windows:
-        lines.append(f"{len(ins.windows)} windows of up to {max(len(w.ids) for w in ins.windows)} tokens, seed {ins.seed} (--seed {ins.seed} shows them again)")
+        lines.append(
+            f"{len(ins.windows)} windows of up to {max(len(w.ids) for w in ins.windows)} tokens, seed "
+            f"{ins.seed} (--seed {ins.seed} shows them again)"
+        )
     for k, (w, text) in enumerate(zip(ins.windows, ins.texts), 1):
         end = w.start + len(w.ids)
-        lines += ["", f"── {k}/{len(ins.windows)}  {w.file.name}[{w.start:,}:{end:,}], in document {w.document + 1:,} of {len(w.file.ends):,} ──", text]
-    scanned = f"the whole split, {ins.scan.scanned:,} tokens" if ins.scan.whole else f"{ins.scan.scanned:,} tokens in {SCAN_BLOCKS} blocks spread over the split"
+        lines += [
+            "",
+            f"── {k}/{len(ins.windows)}  {w.file.name}[{w.start:,}:{end:,}], in document {w.document + 1:,} of "
+            f"{len(w.file.ends):,} ──",
+            text,
+        ]
+    scanned = (
+        f"the whole split, {ins.scan.scanned:,} tokens"
+        if ins.scan.whole
+        else f"{ins.scan.scanned:,} tokens in {SCAN_BLOCKS} blocks spread over the split"
+    )
     *checks, verdict = verify_report(ins.flags).splitlines()
     lines += ["", f"── token ids: {scanned} ──", *checks]
     lines.append("most common: " + ", ".join(f"{i} {text!r} {share:.1%}" for i, text, share in ins.common))

@@ -1,16 +1,16 @@
 """Every rule of OUT's files, in the one module that every writer and reader of OUT imports.
 
-    OUT/run.json                     what the run is (its identity), where its tokenizer was, the options given
-    OUT/manifest.json                the manifest's copy that the run (and status, verify --sample) reads
-    OUT/.lock                        flock-ed by the live run, holding "pid N on HOST"
-    OUT/shards/<split>/<key>.bin     a shard's tokens; .idx its document ends (from the shard's start);
-                                     .json its checkpoint; .lock held by the worker writing it
-    OUT/shards/train/held-out/<key>  the .bin/.idx of what a train shard held out for val.bin (--val-fraction)
-    OUT/<stem>.bin, .idx, .parts     a split file (stem: train, val, test), its document ends, and its
-                                     parts list: one JSON line per part, with its counts and checksums
-    OUT/<stem>.*.tmp                 the same three while the split is assembled
-    OUT/meta.pkl, OUT/meta.json      written last, meta.json last of all: its presence marks a finished run
-    OUT/logs/                        run.log, progress.json, failed.json, skipped.json, stall dumps (below)
+OUT/run.json                     what the run is (its identity), where its tokenizer was, the options given
+OUT/manifest.json                the manifest's copy that the run (and status, verify --sample) reads
+OUT/.lock                        flock-ed by the live run, holding "pid N on HOST"
+OUT/shards/<split>/<key>.bin     a shard's tokens; .idx its document ends (from the shard's start);
+                                 .json its checkpoint; .lock held by the worker writing it
+OUT/shards/train/held-out/<key>  the .bin/.idx of what a train shard held out for val.bin (--val-fraction)
+OUT/<stem>.bin, .idx, .parts     a split file (stem: train, val, test), its document ends, and its
+                                 parts list: one JSON line per part, with its counts and checksums
+OUT/<stem>.*.tmp                 the same three while the split is assembled
+OUT/meta.pkl, OUT/meta.json      written last, meta.json last of all: its presence marks a finished run
+OUT/logs/                        run.log, progress.json, failed.json, skipped.json, stall dumps (below)
 """
 
 from __future__ import annotations
@@ -171,10 +171,22 @@ def part_record(shard: Shard, ckpt: Checkpoint, held: bool) -> dict:
     The accounting (lines, skips, repairs) goes with a shard's own part; `held_out` there counts the
     documents it sent to val.bin instead, `held_in` on the held-out part the documents val.bin got."""
     if held:
-        record = {"shard": shard.relpath, "part": "held-out", "tokens": ckpt.val_tokens, "documents": ckpt.val_documents, "held_in": ckpt.val_documents}
+        record = {
+            "shard": shard.relpath,
+            "part": "held-out",
+            "tokens": ckpt.val_tokens,
+            "documents": ckpt.val_documents,
+            "held_in": ckpt.val_documents,
+        }
         record.update(sha256=ckpt.val_sha256, idx_sha256=ckpt.val_idx_sha256)
         return record
-    record = {"shard": shard.relpath, "tokens": ckpt.tokens, "documents": ckpt.documents, "lines": ckpt.lines, "held_out": ckpt.val_documents}
+    record = {
+        "shard": shard.relpath,
+        "tokens": ckpt.tokens,
+        "documents": ckpt.documents,
+        "lines": ckpt.lines,
+        "held_out": ckpt.val_documents,
+    }
     record.update(skipped=ckpt.skipped, repaired=ckpt.repaired, sha256=ckpt.sha256, idx_sha256=ckpt.idx_sha256)
     if ckpt.skip_log:
         record["first_skipped"] = ckpt.skip_log
@@ -211,7 +223,16 @@ def assembly_files(out: Path, stem: str) -> tuple[Path, Path, Path]:
 
 def split_entry(stem: str, parts_path: Path) -> dict:
     """meta's entry for a split, summed from its parts list."""
-    entry = {"file": f"{stem}.bin", "idx": f"{stem}.idx", "parts": f"{stem}.parts", "tokens": 0, "documents": 0, "lines": 0, "held_out": 0, "held_in": 0}
+    entry = {
+        "file": f"{stem}.bin",
+        "idx": f"{stem}.idx",
+        "parts": f"{stem}.parts",
+        "tokens": 0,
+        "documents": 0,
+        "lines": 0,
+        "held_out": 0,
+        "held_in": 0,
+    }
     skipped, repaired, shards = Counter(), Counter(), 0
     raw = parts_path.read_bytes()
     for record in map(orjson.loads, raw.splitlines()):
@@ -278,7 +299,9 @@ def lock_out(out: Path):
     except BlockingIOError:
         f.seek(0)
         holder = f.read().strip() or "another process"
-        raise UserError(f"{out} is in use by another tokpipe run ({holder}); wait for it to finish or stop it") from None
+        raise UserError(
+            f"{out} is in use by another tokpipe run ({holder}); wait for it to finish or stop it"
+        ) from None
     f.truncate(0)
     f.write(f"pid {os.getpid()} on {os.uname().nodename}")
     f.flush()

@@ -143,7 +143,10 @@ def _resolve_pointer(path: Path, blobs_dir: Path | None) -> Path:
 def _check_inside(shard_path: str, relpath: str, base: str) -> None:
     # normpath first: "base/../elsewhere" is outside, whatever its first component says.
     if not os.path.normpath(shard_path).startswith(os.path.join(base, "")):
-        raise UserError(f"{relpath} resolves to {shard_path}, outside the dataset folder {base}; pass --allow-outside if that is intended")
+        raise UserError(
+            f"{relpath} resolves to {shard_path}, outside the dataset folder {base}; pass --allow-outside if "
+            "that is intended"
+        )
 
 
 def _shards_under(root: Path, blobs_dir: Path | None, base: Path, allow_outside: bool) -> list[Shard]:
@@ -203,7 +206,9 @@ def _pick_revision(repo, revision: str | None) -> tuple[str, Path]:
     return chosen.commit_hash, Path(chosen.snapshot_path)
 
 
-def _locate(dataset_dir: Path, repo_id: str | None, revision: str | None) -> tuple[Path, Path | None, str | None, str | None]:
+def _locate(
+    dataset_dir: Path, repo_id: str | None, revision: str | None
+) -> tuple[Path, Path | None, str | None, str | None]:
     """(shard root, blobs dir, repo id, revision) for any of the accepted layouts."""
     if not dataset_dir.is_dir():
         raise UserError(f"--dataset-dir {dataset_dir} is not a directory; " + _layout_hint(dataset_dir.parent))
@@ -228,7 +233,9 @@ def _locate(dataset_dir: Path, repo_id: str | None, revision: str | None) -> tup
     if repo_id is not None:
         repos = [r for r in repos if r.repo_id == repo_id]
         if not repos:
-            raise UserError(f"no dataset {repo_id!r} in the Hugging Face cache at {cache_root}; " + _layout_hint(cache_root))
+            raise UserError(
+                f"no dataset {repo_id!r} in the Hugging Face cache at {cache_root}; " + _layout_hint(cache_root)
+            )
     if not repos:
         raise UserError(f"no dataset repos in the Hugging Face cache at {cache_root}; " + _layout_hint(cache_root))
     if len(repos) > 1:
@@ -239,7 +246,9 @@ def _locate(dataset_dir: Path, repo_id: str | None, revision: str | None) -> tup
     return root, Path(repo.repo_path) / "blobs", repo.repo_id, rev
 
 
-def build_manifest(dataset_dir: str | os.PathLike, repo_id: str | None = None, revision: str | None = None, allow_outside: bool = False) -> Manifest:
+def build_manifest(
+    dataset_dir: str | os.PathLike, repo_id: str | None = None, revision: str | None = None, allow_outside: bool = False
+) -> Manifest:
     """The ordered shard list of a dataset. Shards whose bytes lie outside it (through symlinks) are
     refused unless allow_outside: a manifest must not quietly read files from elsewhere."""
     root, blobs_dir, repo_id, revision = _locate(Path(dataset_dir).absolute(), repo_id, revision)
@@ -253,7 +262,17 @@ def build_manifest(dataset_dir: str | os.PathLike, repo_id: str | None = None, r
         if other != shard.relpath:
             raise UserError(f"{other} and {shard.relpath} would be written to the same shard file: rename one")
     counts = dict(Counter(s.split for s in shards))
-    return Manifest(str(root), str(base), allow_outside, repo_id, revision, fingerprint_of(shards), counts, sum(s.size for s in shards), tuple(shards))
+    return Manifest(
+        str(root),
+        str(base),
+        allow_outside,
+        repo_id,
+        revision,
+        fingerprint_of(shards),
+        counts,
+        sum(s.size for s in shards),
+        tuple(shards),
+    )
 
 
 def write_manifest(manifest: Manifest, path: str | os.PathLike) -> None:
@@ -291,11 +310,27 @@ def load_manifest(path: str | os.PathLike) -> Manifest:
         if header.get("version") != MANIFEST_VERSION:
             raise ValueError(f"version {header.get('version')!r}, expected {MANIFEST_VERSION}")
         fingerprint = fingerprint_of(tallied(_read_shards(path), header))
-        manifest = Manifest(header["root"], header["base"], header["allow_outside"], header["repo_id"], header["revision"], header["fingerprint"], dict(counts), size, path)
+        manifest = Manifest(
+            header["root"],
+            header["base"],
+            header["allow_outside"],
+            header["repo_id"],
+            header["revision"],
+            header["fingerprint"],
+            dict(counts),
+            size,
+            path,
+        )
     except FileNotFoundError:
-        raise UserError(f"manifest {path} does not exist: create it with `tokpipe manifest --dataset-dir DIR -o {path}`") from None
+        raise UserError(
+            f"manifest {path} does not exist: create it with `tokpipe manifest --dataset-dir DIR -o {path}`"
+        ) from None
     except (ValueError, KeyError, TypeError, AttributeError, ijson.JSONError) as e:
-        raise UserError(f"manifest {path} is not a tokpipe manifest ({type(e).__name__}: {e}): rebuild it with `tokpipe manifest`") from None
+        raise UserError(
+            f"manifest {path} is not a tokpipe manifest ({type(e).__name__}: {e}): rebuild it with `tokpipe manifest`"
+        ) from None
     if fingerprint != manifest.fingerprint:
-        raise UserError(f"manifest {path} was edited by hand (its fingerprint no longer matches its shards): rebuild it")
+        raise UserError(
+            f"manifest {path} was edited by hand (its fingerprint no longer matches its shards): rebuild it"
+        )
     return manifest

@@ -48,13 +48,20 @@ class RunOptions:
         type=positive(float, zero_ok=True),
         metavar="F",
     )
-    checkpoint_interval: float = option(30.0, "seconds between shard checkpoints (default: %(default)g)", type=positive(float))
-    stall_timeout: float = option(600.0, "cancel and retry a shard with no progress for this long (default: %(default)g)", type=positive(float))
+    checkpoint_interval: float = option(
+        30.0, "seconds between shard checkpoints (default: %(default)g)", type=positive(float)
+    )
+    stall_timeout: float = option(
+        600.0, "cancel and retry a shard with no progress for this long (default: %(default)g)", type=positive(float)
+    )
     max_retries: int = option(3, "retries of a shard whose worker died or stalled (default: %(default)s)", type=int)
     skip_failed: bool = option(False, "finalize without shards that fail (recorded in meta as excluded)")
     # 128 workers of 768 MiB fit a 128 GiB node.
     worker_memory: int = option(
-        768, "RSS each worker stays under, by dropping the encoder's word cache (default: %(default)s)", type=positive(int), metavar="MIB"
+        768,
+        "RSS each worker stays under, by dropping the encoder's word cache (default: %(default)s)",
+        type=positive(int),
+        metavar="MIB",
     )
 
     @property

@@ -50,7 +50,9 @@ def _memmap(path: Path, dtype: np.dtype, count: int, what: str) -> np.ndarray:
     try:
         size = path.stat().st_size
     except FileNotFoundError:
-        raise UserError(f"{path} is missing though meta lists it: the output is damaged (tokpipe verify {path.parent})") from None
+        raise UserError(
+            f"{path} is missing though meta lists it: the output is damaged (tokpipe verify {path.parent})"
+        ) from None
     if size != count * dtype.itemsize:
         raise UserError(
             f"{path} holds {size:,} bytes, meta says {count:,} {what} of {dtype.itemsize} bytes: "
@@ -69,9 +71,13 @@ def open_output(out: str | os.PathLike) -> Output:
     try:
         meta = load_meta_pkl(out / "meta.pkl")
     except FileNotFoundError:
-        raise UserError(f"{out} is not a finished tokpipe output (no meta.pkl): see where it stands with tokpipe status {out}") from None
+        raise UserError(
+            f"{out} is not a finished tokpipe output (no meta.pkl): see where it stands with tokpipe status {out}"
+        ) from None
     except Exception as e:  # a hostile or damaged pickle: the restricted unpickler refused it
-        raise UserError(f"{out / 'meta.pkl'} cannot be read safely ({type(e).__name__}: {e}): tokpipe verify {out}") from None
+        raise UserError(
+            f"{out / 'meta.pkl'} cannot be read safely ({type(e).__name__}: {e}): tokpipe verify {out}"
+        ) from None
     dtype = np.dtype(meta["dtype"])
     splits = {}
     for name, info in meta["splits"].items():

@@ -68,7 +68,9 @@ def to_dtype(ids: np.ndarray, dtype: str) -> np.ndarray:
     return ids.astype(dtype, copy=False)
 
 
-def delimit(flat: np.ndarray, lengths: np.ndarray, bos_id: int | None, eos_id: int | None, base: int) -> tuple[np.ndarray, np.ndarray]:
+def delimit(
+    flat: np.ndarray, lengths: np.ndarray, bos_id: int | None, eos_id: int | None, base: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Documents' ids with BOS before and/or EOS after each, and each document's end (exclusive) counted from `base`."""
     extra = (bos_id is not None) + (eos_id is not None)
     ends = np.cumsum(lengths + extra)
@@ -90,7 +92,15 @@ def held_out(texts: list[str], fraction: float) -> np.ndarray:
     workers, crashes, resumes or shard order; a document that appears twice goes the same way twice.
     """
     limit = int(fraction * 2**64)
-    return np.fromiter((int.from_bytes(hashlib.blake2b(t.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little") < limit for t in texts), dtype=bool, count=len(texts))
+    return np.fromiter(
+        (
+            int.from_bytes(hashlib.blake2b(t.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
+            < limit
+            for t in texts
+        ),
+        dtype=bool,
+        count=len(texts),
+    )
 
 
 def read_ahead(batches: Iterator[Batch]) -> Iterator[Batch]:
@@ -136,7 +146,11 @@ class MemoryGuard:
         self.floor: int | None = None  # RSS with a freshly loaded encoder
 
     def encoder(self):
-        if self.limit and self.floor is not None and resident_bytes() > self.floor + max((self.limit - self.floor) // 3, BATCH_HEADROOM):
+        if (
+            self.limit
+            and self.floor is not None
+            and resident_bytes() > self.floor + max((self.limit - self.floor) // 3, BATCH_HEADROOM)
+        ):
             drop_encoder(self.backend, self.tokenizer_json)
             self.resets += 1
             self.floor = None
@@ -164,7 +178,9 @@ def _open_at(path: Path, length: int, hasher) -> tuple[object, int]:
     size = os.fstat(f.fileno()).st_size
     if size < length:
         f.close()
-        raise RuntimeError(f"{path} holds {size} bytes but its checkpoint covers {length}: the shard's files were altered")
+        raise RuntimeError(
+            f"{path} holds {size} bytes but its checkpoint covers {length}: the shard's files were altered"
+        )
     f.truncate(length)
     f.seek(length)
     hash_range(f.fileno(), 0, length, hasher, bytearray(min(HASH_CHUNK, max(length, 1))))
@@ -220,7 +236,11 @@ def tokenize_shard(
         resumed = ckpt.tokens
         main = PartWriter(files.bin, files.idx, ckpt.tokens, ckpt.documents, spec.dtype)
         holding_out = spec.val_fraction > 0 and shard.split == "train"
-        held = PartWriter(files.val_bin, files.val_idx, ckpt.val_tokens, ckpt.val_documents, spec.dtype) if holding_out else None
+        held = (
+            PartWriter(files.val_bin, files.val_idx, ckpt.val_tokens, ckpt.val_documents, spec.dtype)
+            if holding_out
+            else None
+        )
         parts = [main] if held is None else [main, held]
         try:
             memory = memory_guard(spec)
@@ -243,14 +263,20 @@ def tokenize_shard(
                 texts, val_texts = batch.texts, []
                 if held is not None:
                     to_val = held_out(texts, spec.val_fraction)
-                    texts, val_texts = [t for t, v in zip(texts, to_val) if not v], [t for t, v in zip(texts, to_val) if v]
+                    texts, val_texts = (
+                        [t for t, v in zip(texts, to_val) if not v],
+                        [t for t, v in zip(texts, to_val) if v],
+                    )
                 tokens = 0
                 for part, part_texts in ((main, texts), (held, val_texts)):
                     if not part_texts:
                         continue
                     flat, lengths = memory.encoder().encode(part_texts)
                     if flat.size and int(flat.max()) >= spec.vocab_size:
-                        raise ValueError(f"{shard.relpath}: the encoder produced id {int(flat.max())} >= vocab_size {spec.vocab_size}")
+                        raise ValueError(
+                            f"{shard.relpath}: the encoder produced id {int(flat.max())} >= vocab_size "
+                            f"{spec.vocab_size}"
+                        )
                     tokens += part.append(flat, lengths, spec)
                 ckpt.lines += batch.lines
                 ckpt.offset = batch.end_offset
@@ -273,4 +299,12 @@ def tokenize_shard(
         finally:
             for part in parts:
                 part.close()
-    return ShardResult(shard.split, shard.key, ckpt, resumed, main.cut // np.dtype(spec.dtype).itemsize, time.monotonic() - started, memory.resets - resets_before)
+    return ShardResult(
+        shard.split,
+        shard.key,
+        ckpt,
+        resumed,
+        main.cut // np.dtype(spec.dtype).itemsize,
+        time.monotonic() - started,
+        memory.resets - resets_before,
+    )

@@ -18,7 +18,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tokpipe.errors import UserError
-from tokpipe.layout import FAILED, PROGRESS, RUN_LOG, Checkpoint, ShardFiles, load_json, load_meta_json, load_run, lock_holder, log_file
+from tokpipe.layout import (
+    FAILED,
+    PROGRESS,
+    RUN_LOG,
+    Checkpoint,
+    ShardFiles,
+    load_json,
+    load_meta_json,
+    load_run,
+    lock_holder,
+    log_file,
+)
 from tokpipe.manifest import load_manifest
 
 # progress.json is rewritten every 2 s while shards run; older than this, the live run is doing
@@ -65,7 +76,16 @@ class RunStatus:
 
 def resume_command(out: str, run: dict) -> str:
     """The `tokpipe run` that continues OUT: its manifest copy, the recorded tokenizer and options."""
-    args = ["tokpipe", "run", "--manifest", os.path.join(out, "manifest.json"), "--tokenizer", run.get("tokenizer_path") or "TOKENIZER", "--out", out]
+    args = [
+        "tokpipe",
+        "run",
+        "--manifest",
+        os.path.join(out, "manifest.json"),
+        "--tokenizer",
+        run.get("tokenizer_path") or "TOKENIZER",
+        "--out",
+        out,
+    ]
     # run.json keeps the options given other than their defaults, by RunOptions field name; the CLI
     # flags are those names with dashes.
     for name, value in run.get("options", {}).items():
@@ -78,7 +98,10 @@ def status(out: str | os.PathLike) -> RunStatus:
     out = os.fspath(out)
     path = Path(out)
     if not (path / "manifest.json").is_file():
-        raise UserError(f"{out} holds no tokpipe run (no manifest.json): start one with tokpipe run --manifest M --tokenizer T --out {out}")
+        raise UserError(
+            f"{out} holds no tokpipe run (no manifest.json): start one with tokpipe run --manifest M "
+            f"--tokenizer T --out {out}"
+        )
     manifest = load_manifest(path / "manifest.json")
     run = load_run(path)
     meta = load_meta_json(path)
@@ -103,11 +126,18 @@ def status(out: str | os.PathLike) -> RunStatus:
         error = failures.get(shard.relpath) if state == "failed" else None
         # A shard's committed work includes the documents it holds out for val.bin (--val-fraction).
         tokens, documents = ckpt.tokens + ckpt.val_tokens, ckpt.documents + ckpt.val_documents
-        shards.append(ShardStatus(shard.split, shard.relpath, state, shard.size, read, tokens, documents, error, writing))
+        shards.append(
+            ShardStatus(shard.split, shard.relpath, state, shard.size, read, tokens, documents, error, writing)
+        )
 
     progress = load_json(log_file(path, PROGRESS))
     age = time.time() - progress["updated_at"] if progress else None
-    live = holder is not None and progress is not None and age < PROGRESS_FRESH_S and holder.startswith(f"pid {progress['pid']} ")
+    live = (
+        holder is not None
+        and progress is not None
+        and age < PROGRESS_FRESH_S
+        and holder.startswith(f"pid {progress['pid']} ")
+    )
     if meta is not None and meta.get("manifest_sha256") == manifest.fingerprint:
         state, next_step = "finished", f"tokpipe verify {shlex.quote(out)}"
     elif holder is not None:
@@ -118,7 +148,8 @@ def status(out: str | os.PathLike) -> RunStatus:
         if failures:
             next_step = f"fix the cause of the failures above (details in {log_file(out, RUN_LOG)}), then: {next_step}"
         if not run.get("tokenizer_path"):
-            next_step += f"   (TOKENIZER: the one with sha256 {run.get('tokenizer_sha256', '?')[:16]}…; this run.json does not record its path)"
+            sha = run.get("tokenizer_sha256", "?")[:16]
+            next_step += f"   (TOKENIZER: the one with sha256 {sha}…; this run.json does not record its path)"
     return RunStatus(out, state, shards, holder, progress if live else None, age, next_step)
 
 
@@ -135,16 +166,27 @@ def report(st: RunStatus) -> str:
     elif st.state == "running" and st.count("done") == len(st.shards):
         lines.append(f"{st.out}: finalizing ({st.holder}): every shard is done, the split files are being written")
     elif st.state == "running" and st.progress:
-        lines.append(f"{st.out}: running ({st.holder}), started {duration(time.time() - st.progress['started_at'])} ago")
+        lines.append(
+            f"{st.out}: running ({st.holder}), started {duration(time.time() - st.progress['started_at'])} ago"
+        )
     elif st.state == "running":
-        lines.append(f"{st.out}: a run holds it ({st.holder}) but is not tokenizing now: starting up, or stuck (see its logs/run.log)")
+        lines.append(
+            f"{st.out}: a run holds it ({st.holder}) but is not tokenizing now: starting up, or stuck (see its "
+            "logs/run.log)"
+        )
     else:
-        why = f"{st.count('failed')} shards failed in the last run" if st.count("failed") else "no run holds it (killed or crashed)"
+        why = (
+            f"{st.count('failed')} shards failed in the last run"
+            if st.count("failed")
+            else "no run holds it (killed or crashed)"
+        )
         since = f"; last progress report {duration(st.last_report_age)} ago" if st.last_report_age is not None else ""
         lines.append(f"{st.out}: stopped before finishing: {why}{since}")
     orphans = sum(s.writing for s in st.shards) if st.state == "stopped" else 0
     if orphans:
-        lines.append(f"  {orphans} shards are still being written by workers of the stopped run; a rerun waits for them")
+        lines.append(
+            f"  {orphans} shards are still being written by workers of the stopped run; a rerun waits for them"
+        )
     states = ("done", "partial", "pending", "failed")
     lines.append(f"shards: {', '.join(f'{st.count(s)} {s}' for s in states)} (of {len(st.shards)})")
     for split in dict.fromkeys(s.split for s in st.shards):
@@ -154,7 +196,10 @@ def report(st: RunStatus) -> str:
             f"{sum(s.tokens for s in mine):>15,} tokens  {sum(s.documents for s in mine):>12,} documents"
         )
     tokens, documents = sum(s.tokens for s in st.shards), sum(s.documents for s in st.shards)
-    lines.append(f"committed: {tokens:,} tokens, {documents:,} documents; {100 * read / size if size else 100:.1f}% of {_mib(size)} read")
+    lines.append(
+        f"committed: {tokens:,} tokens, {documents:,} documents; {100 * read / size if size else 100:.1f}% of "
+        f"{_mib(size)} read"
+    )
     if st.progress:
         p = st.progress
         eta = f"ETA {duration(p['eta_s'])}" if p.get("eta_s") is not None else "ETA unknown"
@@ -162,7 +207,11 @@ def report(st: RunStatus) -> str:
     for state, label in (("partial", "partial"), ("failed", "FAILED ")):
         listed = [s for s in st.shards if s.state == state]
         for s in listed[:LIST_AT_MOST]:
-            what = f"{s.error}" if s.error else f"{100 * s.read / s.size if s.size else 0:.0f}% read, {s.tokens:,} tokens committed"
+            what = (
+                f"{s.error}"
+                if s.error
+                else f"{100 * s.read / s.size if s.size else 0:.0f}% read, {s.tokens:,} tokens committed"
+            )
             lines.append(f"  {label} {s.relpath}: {what}")
         if len(listed) > LIST_AT_MOST:
             lines.append(f"  … and {len(listed) - LIST_AT_MOST} more {state}")

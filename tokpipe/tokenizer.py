@@ -81,7 +81,9 @@ def tokenizer_json_path(path: str | os.PathLike) -> Path:
     return candidate
 
 
-def load_tokenizer_info(path: str | os.PathLike, eos_token: str | None = None, bos_token: str | None = None) -> TokenizerInfo:
+def load_tokenizer_info(
+    path: str | os.PathLike, eos_token: str | None = None, bos_token: str | None = None
+) -> TokenizerInfo:
     json_path = tokenizer_json_path(path)
     raw = json_path.read_bytes()
     try:
@@ -103,7 +105,9 @@ def load_tokenizer_info(path: str | os.PathLike, eos_token: str | None = None, b
     if eos not in vocab:
         raise UserError(f"EOS token {eos!r} is not in the tokenizer's vocabulary: pass the right one with --eos")
     if bos_token is not None and bos_token not in vocab:
-        raise UserError(f"BOS token {bos_token!r} is not in the tokenizer's vocabulary: pass the right one with --bos-token")
+        raise UserError(
+            f"BOS token {bos_token!r} is not in the tokenizer's vocabulary: pass the right one with --bos-token"
+        )
     bos = bos_token or _token_content(config.get("bos_token"))
     name = json_path.parent.name if json_path.name == "tokenizer.json" else json_path.stem
     info = TokenizerInfo(
@@ -207,5 +211,7 @@ def choose_backend(requested: str, tokenizer_json: str, sample_texts: list[str])
     if np.array_equal(fast_lengths, ref_lengths) and np.array_equal(fast_ids, ref_ids):
         return "gigatoken", f"matched tokenizers on {len(texts)} texts ({sum(map(len, texts)):,} chars)"
     if requested == "gigatoken":
-        raise UserError("--backend gigatoken does not reproduce tokenizers' ids for this tokenizer and data: use --backend hf")
+        raise UserError(
+            "--backend gigatoken does not reproduce tokenizers' ids for this tokenizer and data: use --backend hf"
+        )
     return "hf", "gigatoken's ids differ from tokenizers' on the sample"

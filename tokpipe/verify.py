@@ -11,8 +11,8 @@ import json
 import os
 import random
 import threading
-from dataclasses import asdict, dataclass, field
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +45,15 @@ class PartScan:
 _buffers = threading.local()
 
 
-def _scan_parts(bin_fd: int, tokens: np.ndarray, ends: np.ndarray, parts: list[Part], dtype: np.dtype, eos_id: int, bos_id: int | None) -> PartScan:
+def _scan_parts(
+    bin_fd: int,
+    tokens: np.ndarray,
+    ends: np.ndarray,
+    parts: list[Part],
+    dtype: np.dtype,
+    eos_id: int,
+    bos_id: int | None,
+) -> PartScan:
     """Hash and scan parts, reading each byte once (a thread per group: hashlib and numpy drop the GIL).
     Ends in the .idx are hashed relative to the part's first token."""
     scan = PartScan()
@@ -69,10 +77,15 @@ def _scan_parts(bin_fd: int, tokens: np.ndarray, ends: np.ndarray, parts: list[P
             scan.bad_bin.append(r.name)
         range_ends = np.asarray(ends[r.doc_offset : r.doc_end])
         relative = range_ends - r.token_offset
-        if r.record["idx_sha256"] is not None and hashlib.sha256(memoryview(relative)).hexdigest() != r.record["idx_sha256"]:
+        if (
+            r.record["idx_sha256"] is not None
+            and hashlib.sha256(memoryview(relative)).hexdigest() != r.record["idx_sha256"]
+        ):
             scan.bad_idx.append(r.name)
         if len(range_ends):
-            scan.increasing &= bool(relative[0] > 0 and np.all(np.diff(range_ends) > 0) and range_ends[-1] <= len(tokens))
+            scan.increasing &= bool(
+                relative[0] > 0 and np.all(np.diff(range_ends) > 0) and range_ends[-1] <= len(tokens)
+            )
             if scan.increasing:
                 scan.not_eos_ended += int(np.count_nonzero(np.asarray(tokens[range_ends - 1]) != eos_id))
                 if bos_id is not None:
@@ -86,7 +99,13 @@ def _parts(out: Path, split: str, info: dict, check) -> list[Part] | None:
     part for an OUT of tokpipe 0.1; None when the parts list cannot be trusted."""
     tokens, documents = int(info["tokens"]), int(info["documents"])
     if "parts" not in info:
-        whole = {"shard": info["file"], "tokens": tokens, "documents": documents, "sha256": info.get("sha256"), "idx_sha256": info.get("idx_sha256")}
+        whole = {
+            "shard": info["file"],
+            "tokens": tokens,
+            "documents": documents,
+            "sha256": info.get("sha256"),
+            "idx_sha256": info.get("idx_sha256"),
+        }
         return [Part(split, 0, 0, 0, whole)]
     path = out / info["parts"]
     if not check(f"{split}: parts list present", path.is_file(), str(path)):
@@ -97,7 +116,11 @@ def _parts(out: Path, split: str, info: dict, check) -> list[Part] | None:
         return None
     parts = parts_of(split, raw)
     t, d = (parts[-1].token_end, parts[-1].doc_end) if parts else (0, 0)
-    check(f"{split}: parts add up to meta", (t, d) == (tokens, documents), f"parts: {t:,} tokens, {d:,} documents; meta: {tokens:,}, {documents:,}")
+    check(
+        f"{split}: parts add up to meta",
+        (t, d) == (tokens, documents),
+        f"parts: {t:,} tokens, {d:,} documents; meta: {tokens:,}, {documents:,}",
+    )
     return parts if (t, d) == (tokens, documents) else None
 
 
@@ -127,7 +150,9 @@ def verify(out: str | os.PathLike, jobs: int | None = None) -> list[Check]:
     try:
         meta = load_meta_pkl(out / "meta.pkl")
     except FileNotFoundError:
-        check("meta.pkl present", False, f"{out / 'meta.pkl'} is missing: the run has not finished (tokpipe status {out})")
+        check(
+            "meta.pkl present", False, f"{out / 'meta.pkl'} is missing: the run has not finished (tokpipe status {out})"
+        )
         return checks
     except Exception as e:
         check("meta.pkl readable", False, f"{type(e).__name__}: {e}")
@@ -161,21 +186,47 @@ def verify(out: str | os.PathLike, jobs: int | None = None) -> list[Check]:
     return checks
 
 
-def _verify_split(out: Path, split: str, info: dict, dtype: np.dtype, vocab_size: int, eos_id: int, check, jobs: int, bos_id: int | None, eos_written: bool) -> None:
+def _verify_split(
+    out: Path,
+    split: str,
+    info: dict,
+    dtype: np.dtype,
+    vocab_size: int,
+    eos_id: int,
+    check,
+    jobs: int,
+    bos_id: int | None,
+    eos_written: bool,
+) -> None:
     path = out / info["file"]
     tokens_expected, docs_expected = int(info["tokens"]), int(info["documents"])
     if "lines" in info:
         skipped = sum(info.get("skipped", {}).values())
         # --val-fraction moves documents from train (held_out) to validation (held_in).
         read = docs_expected - info.get("held_in", 0) + info.get("held_out", 0)
-        moved = f" (held out {info['held_out']:,}, held in {info['held_in']:,})" if info.get("held_out") or info.get("held_in") else ""
-        check(f"{split}: documents + skipped == lines", read + skipped == info["lines"], f"{read:,} + {skipped:,} vs {info['lines']:,}{moved}")
+        moved = (
+            f" (held out {info['held_out']:,}, held in {info['held_in']:,})"
+            if info.get("held_out") or info.get("held_in")
+            else ""
+        )
+        check(
+            f"{split}: documents + skipped == lines",
+            read + skipped == info["lines"],
+            f"{read:,} + {skipped:,} vs {info['lines']:,}{moved}",
+        )
     if not check(f"{split}: file present", path.is_file(), str(path)):
         return
     size = path.stat().st_size
     n = size // dtype.itemsize
     if size != tokens_expected * dtype.itemsize:
-        other = next((d for d in ("uint16", "uint32", "int32", "int64") if d != dtype.name and size == tokens_expected * np.dtype(d).itemsize), None)
+        other = next(
+            (
+                d
+                for d in ("uint16", "uint32", "int32", "int64")
+                if d != dtype.name and size == tokens_expected * np.dtype(d).itemsize
+            ),
+            None,
+        )
         if size == 0:
             detail = f"the file is empty; meta says {tokens_expected:,} tokens"
         elif other:
@@ -191,7 +242,11 @@ def _verify_split(out: Path, split: str, info: dict, dtype: np.dtype, vocab_size
     if not check(f"{split}: idx present", idx_path.is_file(), str(idx_path)):
         return
     idx_size = idx_path.stat().st_size
-    if not check(f"{split}: idx entries == documents", idx_size == 8 * docs_expected, f"{idx_size / 8:,.0f} entries, {docs_expected:,} documents"):
+    if not check(
+        f"{split}: idx entries == documents",
+        idx_size == 8 * docs_expected,
+        f"{idx_size / 8:,.0f} entries, {docs_expected:,} documents",
+    ):
         return
     parts = _parts(out, split, info, check)
     if parts is None:
@@ -199,11 +254,20 @@ def _verify_split(out: Path, split: str, info: dict, dtype: np.dtype, vocab_size
     tokens = np.memmap(path, dtype=dtype, mode="r") if n else np.zeros(0, dtype)
     ends = np.memmap(idx_path, dtype=IDX_DTYPE, mode="r") if docs_expected else np.zeros(0, IDX_DTYPE)
     with open(path, "rb") as f, ThreadPoolExecutor(jobs) as pool:
-        scans = list(pool.map(lambda group: _scan_parts(f.fileno(), tokens, ends, group, dtype, eos_id, bos_id), _groups(parts, dtype.itemsize, jobs)))
+        scans = list(
+            pool.map(
+                lambda group: _scan_parts(f.fileno(), tokens, ends, group, dtype, eos_id, bos_id),
+                _groups(parts, dtype.itemsize, jobs),
+            )
+        )
     bad_bin = [name for s in scans for name in s.bad_bin]
     bad_idx = [name for s in scans for name in s.bad_idx]
     if any(r.record["sha256"] for r in parts):
-        check(f"{split}: sha256 matches meta", not bad_bin, f"the token bytes changed since finalize{_where(bad_bin, parts)}" if bad_bin else "")
+        check(
+            f"{split}: sha256 matches meta",
+            not bad_bin,
+            f"the token bytes changed since finalize{_where(bad_bin, parts)}" if bad_bin else "",
+        )
     top, eos = max((s.top for s in scans), default=0), sum(s.eos for s in scans)
     check(f"{split}: ids < vocab_size", top < vocab_size, f"max id {top:,}, vocab_size {vocab_size:,}")
     if eos_written:
@@ -214,7 +278,11 @@ def _verify_split(out: Path, split: str, info: dict, dtype: np.dtype, vocab_size
         bos = sum(s.bos for s in scans)
         check(f"{split}: BOS count == documents", bos == docs_expected, f"BOS {bos:,}, documents {docs_expected:,}")
     if any(r.record["idx_sha256"] for r in parts):
-        check(f"{split}: idx sha256 matches meta", not bad_idx, f"the index changed since finalize{_where(bad_idx, parts)}" if bad_idx else "")
+        check(
+            f"{split}: idx sha256 matches meta",
+            not bad_idx,
+            f"the index changed since finalize{_where(bad_idx, parts)}" if bad_idx else "",
+        )
     increasing = all(s.increasing for s in scans)
     check(f"{split}: idx strictly increasing", increasing)
     last = int(ends[-1]) if docs_expected else 0
@@ -250,7 +318,13 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
     meta = load_meta_pkl(out / "meta.pkl")
     json_path = tokenizer_json_path(tokenizer or meta["tokenizer_path"])
     if hashlib.sha256(json_path.read_bytes()).hexdigest() != meta["tokenizer_sha256"]:
-        return [Check("sample: tokenizer is the run's", False, f"{json_path} is not the tokenizer this run used (sha256 differs); pass --tokenizer")]
+        return [
+            Check(
+                "sample: tokenizer is the run's",
+                False,
+                f"{json_path} is not the tokenizer this run used (sha256 differs); pass --tokenizer",
+            )
+        ]
     reference = Tokenizer.from_file(str(json_path))
     reference.encode_special_tokens = True
     manifest = load_manifest(out / "manifest.json")
@@ -301,12 +375,18 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
                     got = tokens[start : int(ends[d])]
                     results.setdefault(split, []).append(d)
                     if len(got) != len(expected) or not np.array_equal(got, expected):
-                        mismatches.setdefault(split, []).append(f"document {d} ({shard.relpath}{', held out' if held else ''}, its document {seen})")
+                        mismatches.setdefault(split, []).append(
+                            f"document {d} ({shard.relpath}{', held out' if held else ''}, its document {seen})"
+                        )
                 seen += 1
             if seen > max(needed):
                 break
     return [
-        Check(f"{split}: {len(docs)} sampled documents re-tokenized by tokenizers match", not mismatches.get(split), "; ".join(mismatches.get(split, [])[:5]))
+        Check(
+            f"{split}: {len(docs)} sampled documents re-tokenized by tokenizers match",
+            not mismatches.get(split),
+            "; ".join(mismatches.get(split, [])[:5]),
+        )
         for split, docs in results.items()
     ]
 

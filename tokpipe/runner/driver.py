@@ -66,7 +66,10 @@ def _plan(out: Path, manifest: Manifest, info: TokenizerInfo, log: RunLog, manif
         f"manifest {manifest.repo_id or manifest.root}: {shards} shards, {manifest.size / 2**20:,.1f} MiB; "
         f"{done} done, {partial} partial, {shards - done - partial} to start"
     )
-    log(f"run: manifest {manifest_path} ({manifest.fingerprint[:16]}), tokenizer {info.id}, {shards} shards: {done} done, {partial} partial")
+    log(
+        f"run: manifest {manifest_path} ({manifest.fingerprint[:16]}), tokenizer {info.id}, {shards} shards: "
+        f"{done} done, {partial} partial"
+    )
     return Plan(shards, done, partial, done_bytes)
 
 
@@ -88,7 +91,13 @@ def _start_ray(opts: RunOptions) -> tuple[int, bool]:
     read_ahead = 2 * workers <= cpus and widest >= 2
     if not address:
         # address="local": never attach to some other Ray instance that happens to run on this machine.
-        ray.init(address="local", num_cpus=workers * (2 if read_ahead else 1), include_dashboard=False, object_store_memory=128 << 20, **common)
+        ray.init(
+            address="local",
+            num_cpus=workers * (2 if read_ahead else 1),
+            include_dashboard=False,
+            object_store_memory=128 << 20,
+            **common,
+        )
     return workers, read_ahead
 
 
@@ -107,7 +116,16 @@ def _sample_texts(manifest: Manifest, text_field: str) -> list[str]:
     return texts
 
 
-def _tokenize(manifest: Manifest, out: Path, info: TokenizerInfo, opts: RunOptions, assembler: Assembler, log: RunLog, plan: Plan, clock: Timeline) -> tuple[dict[str, str], list[ShardResult]]:
+def _tokenize(
+    manifest: Manifest,
+    out: Path,
+    info: TokenizerInfo,
+    opts: RunOptions,
+    assembler: Assembler,
+    log: RunLog,
+    plan: Plan,
+    clock: Timeline,
+) -> tuple[dict[str, str], list[ShardResult]]:
     """Tokenize every unfinished shard on Ray, assembling the split files as shards finish; returns
     (failures, shards that resumed). Ray is up when it returns: what finalize has left is the last copies."""
     with ThreadPoolExecutor(1) as pool:
@@ -117,9 +135,17 @@ def _tokenize(manifest: Manifest, out: Path, info: TokenizerInfo, opts: RunOptio
         backend, why = choice.result()
     print(f"backend {backend}: {why}")
     log(f"backend {backend}: {why}")
-    where = f"cluster {ray.get_runtime_context().gcs_address}" if opts.address or os.environ.get("RAY_ADDRESS") else "embedded local instance"
+    where = (
+        f"cluster {ray.get_runtime_context().gcs_address}"
+        if opts.address or os.environ.get("RAY_ADDRESS")
+        else "embedded local instance"
+    )
     nodes = sum(1 for n in ray.nodes() if n["Alive"])
-    print(f"ray: {where}, {workers} workers" + (" (2 CPUs each: reading overlaps encoding)" if read_ahead else "") + (f" on {nodes} nodes" if nodes > 1 else ""))
+    print(
+        f"ray: {where}, {workers} workers"
+        + (" (2 CPUs each: reading overlaps encoding)" if read_ahead else "")
+        + (f" on {nodes} nodes" if nodes > 1 else "")
+    )
     spec = opts.encode_spec(info, backend, read_ahead)
     progress = Progress(out, manifest.size, plan.done_bytes, plan.shards)
     copies = Copies(assembler, out, np.dtype(info.dtype).itemsize, nodes)
@@ -135,15 +161,23 @@ def _tokenize(manifest: Manifest, out: Path, info: TokenizerInfo, opts: RunOptio
     # Failed shards block their split's assembly; with --skip-failed it goes on without them.
     copies.drain(frozenset(scheduler.failed) if opts.skip_failed else frozenset())
     if nodes > 1:
-        log("assembled by node: " + ", ".join(f"{node[:8]} {size / 1e6:,.1f} MB" for node, size in copies.bytes_by_node.most_common()))
+        log(
+            "assembled by node: "
+            + ", ".join(f"{node[:8]} {size / 1e6:,.1f} MB" for node, size in copies.bytes_by_node.most_common())
+        )
     return scheduler.failed, scheduler.resumed
 
 
-def _report_failures(out: Path, failed: dict[str, str], resumed: list[ShardResult], opts: RunOptions, log: RunLog) -> bool:
+def _report_failures(
+    out: Path, failed: dict[str, str], resumed: list[ShardResult], opts: RunOptions, log: RunLog
+) -> bool:
     """Say what resumed and what failed; returns whether to finalize."""
     if resumed:
         kept, redone = sum(r.resumed_tokens for r in resumed), sum(r.redone_tokens for r in resumed)
-        print(f"resumed {len(resumed)} shards from their checkpoints: {kept:,} tokens kept, {redone:,} tokens written after the last checkpoints redone")
+        print(
+            f"resumed {len(resumed)} shards from their checkpoints: {kept:,} tokens kept, {redone:,} tokens "
+            "written after the last checkpoints redone"
+        )
     failures_file = log_file(out, FAILED)
     if not failed:
         failures_file.unlink(missing_ok=True)
@@ -154,7 +188,9 @@ def _report_failures(out: Path, failed: dict[str, str], resumed: list[ShardResul
     if not opts.skip_failed:
         log(f"{len(failed)} shards failed; not finalized")
         return False
-    print(f"--skip-failed: finalizing without these {len(failed)} shards; meta records them as excluded", file=sys.stderr)
+    print(
+        f"--skip-failed: finalizing without these {len(failed)} shards; meta records them as excluded", file=sys.stderr
+    )
     log(f"{len(failed)} shards failed; finalizing without them (--skip-failed)")
     return True
 
@@ -163,15 +199,29 @@ def _print_summary(meta: dict, out: Path, seconds: float, phases: str) -> None:
     for split, s in meta["splits"].items():
         skipped = sum(s["skipped"].values())
         why = ", ".join(f"{k} {v}" for k, v in s["skipped"].items())
-        print(f"{split}: {s['tokens']:,} tokens, {s['documents']:,} documents, {skipped:,} lines skipped{' (' + why + ')' if why else ''} -> {out / s['file']}")
+        print(
+            f"{split}: {s['tokens']:,} tokens, {s['documents']:,} documents, {skipped:,} lines "
+            f"skipped{' (' + why + ')' if why else ''} -> {out / s['file']}"
+        )
     if meta["excluded"]:
-        print(f"EXCLUDED {len(meta['excluded'])} failed shards (recorded in meta['excluded']): {', '.join(meta['excluded'])}")
+        print(
+            f"EXCLUDED {len(meta['excluded'])} failed shards (recorded in meta['excluded']): "
+            f"{', '.join(meta['excluded'])}"
+        )
     tokens = sum(s["tokens"] for s in meta["splits"].values())
     print(phases)
-    print(f"done in {seconds:.1f}s ({tokens / seconds / 1e6:.2f}M tokens/s overall); meta: {out / 'meta.pkl'}. Next: tokpipe verify {out}")
+    print(
+        f"done in {seconds:.1f}s ({tokens / seconds / 1e6:.2f}M tokens/s overall); meta: {out / 'meta.pkl'}. "
+        f"Next: tokpipe verify {out}"
+    )
 
 
-def run(manifest_path: str | os.PathLike, tokenizer: str | os.PathLike, out: str | os.PathLike, opts: RunOptions = RunOptions()) -> RunSummary:
+def run(
+    manifest_path: str | os.PathLike,
+    tokenizer: str | os.PathLike,
+    out: str | os.PathLike,
+    opts: RunOptions = RunOptions(),
+) -> RunSummary:
     clock = Timeline(time.monotonic())
     manifest = load_manifest(manifest_path)
     info = load_tokenizer_info(tokenizer, opts.eos, opts.bos_token)
@@ -186,7 +236,9 @@ def run(manifest_path: str | os.PathLike, tokenizer: str | os.PathLike, out: str
         log = RunLog(out)
         meta = load_meta_json(out)
         if meta is not None and meta.get("manifest_sha256") == manifest.fingerprint and not meta.get("excluded"):
-            print(f"{out} is already finished ({out / 'meta.json'}); nothing to do. Check it with: tokpipe verify {out}")
+            print(
+                f"{out} is already finished ({out / 'meta.json'}); nothing to do. Check it with: tokpipe verify {out}"
+            )
             return RunSummary(True, {}, meta, 0, time.monotonic() - clock.start)
         plan = _plan(out, manifest, info, log, manifest_path)
         assembler = Assembler(out, manifest, np.dtype(info.dtype).itemsize, opts.val_fraction)

@@ -38,11 +38,17 @@ def run_identity(manifest: Manifest, info: TokenizerInfo, opts: RunOptions) -> d
 def check_options(opts: RunOptions, info: TokenizerInfo, tokenizer) -> None:
     """Refuse documents no trainer could tell apart, a BOS the tokenizer does not have, a share that is no share."""
     if opts.no_eos and not opts.bos:
-        raise UserError("--no-eos without --bos would write documents back to back with nothing between them: add --bos, or drop --no-eos")
+        raise UserError(
+            "--no-eos without --bos would write documents back to back with nothing between them: add --bos, or "
+            "drop --no-eos"
+        )
     if opts.bos_token and not opts.bos:
         raise UserError("--bos-token names the BOS that --bos places: add --bos")
     if opts.bos and info.bos_id is None:
-        raise UserError(f"{tokenizer} names no bos_token (tokenizer_config.json): pass --bos-token TOKEN (e.g. --bos-token '<|endoftext|>')")
+        raise UserError(
+            f"{tokenizer} names no bos_token (tokenizer_config.json): pass --bos-token TOKEN (e.g. --bos-token "
+            "'<|endoftext|>')"
+        )
     if not 0 <= opts.val_fraction < 1:
         raise UserError(f"--val-fraction must be at least 0 and below 1, got {opts.val_fraction}")
 
@@ -53,13 +59,18 @@ def record_run(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOpti
     path = out / "run.json"
     identity = run_identity(manifest, info, opts)
     if path.exists():
-        previous = {**IDENTITY_DEFAULTS, **{k: v for k, v in json.loads(path.read_text()).items() if k not in LAST_RUN_KEYS}}
+        previous = {
+            **IDENTITY_DEFAULTS,
+            **{k: v for k, v in json.loads(path.read_text()).items() if k not in LAST_RUN_KEYS},
+        }
         differs = [k for k in sorted(set(identity) | set(previous)) if identity.get(k) != previous.get(k)]
         if differs == ["manifest_sha256"] and (out / "manifest.json").exists():
             _check_append(out, load_manifest(out / "manifest.json"), manifest)
         elif differs:
             what = "; ".join(f"{k}: was {previous.get(k)!r}, now {identity.get(k)!r}" for k in differs)
-            raise UserError(f"{out} holds a run with other inputs ({what}); use a new --out, or the original inputs to resume")
+            raise UserError(
+                f"{out} holds a run with other inputs ({what}); use a new --out, or the original inputs to resume"
+            )
     defaults = asdict(RunOptions())
     options = {k: v for k, v in asdict(opts).items() if v != defaults[k]}
     write_json_atomic(path, {**identity, "tokenizer_path": info.path, "options": options})

@@ -55,7 +55,9 @@ class Progress:
                 bar_format="{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt}iB, ETA {remaining}{postfix}",
             )
 
-    def update(self, file_bytes: int, documents: int, tokens: int, done: int, running: int, failed: int, final: bool = False) -> None:
+    def update(
+        self, file_bytes: int, documents: int, tokens: int, done: int, running: int, failed: int, final: bool = False
+    ) -> None:
         now = time.monotonic()
         elapsed = max(now - self.t0, 1e-9)
         # Workers report the compressed bytes they have read, and a shard's last report may miss the
@@ -72,9 +74,16 @@ class Progress:
         elif final or now - self.last_line >= self.every:
             self.last_line = now
             pct = 100 * read / self.total if self.total else 100.0
-            when = f" in {duration(elapsed)}" if final else f", ETA {duration(eta)}" if eta is not None else ", ETA unknown"
+            when = (
+                f" in {duration(elapsed)}"
+                if final
+                else f", ETA {duration(eta)}"
+                if eta is not None
+                else ", ETA unknown"
+            )
             print(
-                f"[tokpipe] {pct:5.1f}% of {self.total / 2**20:,.1f} MiB read{when} | {done}/{self.shards} shards done{failures}, {running} running, {rates}",
+                f"[tokpipe] {pct:5.1f}% of {self.total / 2**20:,.1f} MiB read{when} | {done}/{self.shards} "
+                f"shards done{failures}, {running} running, {rates}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -118,8 +127,12 @@ class Timeline:
         token_bytes = sum(s["tokens"] for s in meta["splits"].values()) * np.dtype(meta["dtype"]).itemsize
         tokenize_s, finalize_s = tokenized - planned, finished - tokenized
         return (
-            f"phases: plan {planned - self.start:.1f}s | tokenize {tokenize_s:.1f}s, {self.read_bytes / 1e6:,.1f} MB of input read"
-            f" ({self.read_bytes / 1e6 / max(tokenize_s, 1e-9):.1f} MB/s) | finalize {finalize_s:.2f}s ({100 * finalize_s / max(tokenize_s, 1e-9):.0f}% of tokenize):"
-            f" {token_bytes / 1e6:,.1f} MB of tokens, {self.assembled_bytes / 1e6:,.1f} MB of them assembled while tokenizing,"
-            f" {(token_bytes - self.assembled_bytes) / 1e6:,.1f} MB after ({(token_bytes - self.assembled_bytes) / 1e9 / max(finalize_s, 1e-9):.2f} GB/s)"
+            f"phases: plan {planned - self.start:.1f}s | tokenize {tokenize_s:.1f}s, "
+            f"{self.read_bytes / 1e6:,.1f} MB of input read"
+            f" ({self.read_bytes / 1e6 / max(tokenize_s, 1e-9):.1f} MB/s) | finalize {finalize_s:.2f}s "
+            f"({100 * finalize_s / max(tokenize_s, 1e-9):.0f}% of tokenize):"
+            f" {token_bytes / 1e6:,.1f} MB of tokens, {self.assembled_bytes / 1e6:,.1f} MB of them assembled "
+            "while tokenizing,"
+            f" {(token_bytes - self.assembled_bytes) / 1e6:,.1f} MB after "
+            f"({(token_bytes - self.assembled_bytes) / 1e9 / max(finalize_s, 1e-9):.2f} GB/s)"
         )

@@ -43,7 +43,9 @@ class Copies:
         self.remote = nodes > 1
         self.slots = 2 * nodes
         if self.remote:
-            self.task = ray.remote(num_cpus=0, max_retries=3, scheduling_strategy="SPREAD", name="tokpipe copy")(copy_task)
+            self.task = ray.remote(num_cpus=0, max_retries=3, scheduling_strategy="SPREAD", name="tokpipe copy")(
+                copy_task
+            )
         else:
             self.threads = ThreadPoolExecutor(self.slots)
         self.queue: deque[Part] = deque()
@@ -65,9 +67,13 @@ class Copies:
         if not self.running:
             return
         if self.remote:
-            done, _ = ray.wait(list(self.running), num_returns=1 if block else len(self.running), timeout=None if block else 0)
+            done, _ = ray.wait(
+                list(self.running), num_returns=1 if block else len(self.running), timeout=None if block else 0
+            )
         else:
-            done = wait(self.running, return_when=FIRST_COMPLETED)[0] if block else [f for f in self.running if f.done()]
+            done = (
+                wait(self.running, return_when=FIRST_COMPLETED)[0] if block else [f for f in self.running if f.done()]
+            )
         for handle in done:
             parts = self.running.pop(handle)
             node, records = ray.get(handle) if self.remote else handle.result()
@@ -84,7 +90,6 @@ class Copies:
             self.threads.shutdown()
 
 
-
 class Scheduler:
     """Runs every unfinished shard to completion or failure, copying finished ones into place as their
     offsets become known. Afterwards `failed` (relpath -> error) and `resumed` (results of shards
@@ -97,7 +102,12 @@ class Scheduler:
     def __init__(self, manifest: Manifest, out: Path, spec: EncodeSpec, opts: RunOptions, workers: int, log: RunLog):
         self.out, self.spec, self.opts, self.workers, self.log = out, spec, opts, workers, log
         # One task name for all: the driver keeps state per distinct name (~1.8 MiB per 1k names, measured).
-        self.task = ray.remote(num_cpus=2 if spec.read_ahead else 1, max_retries=opts.max_retries, retry_exceptions=False, name="tokpipe shard")(shard_task)
+        self.task = ray.remote(
+            num_cpus=2 if spec.read_ahead else 1,
+            max_retries=opts.max_retries,
+            retry_exceptions=False,
+            name="tokpipe shard",
+        )(shard_task)
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         self.board = ProgressBoard.options(scheduling_strategy=here).remote()
         self.unfinished = (shard for shard in manifest.shards() if not _finished(out, shard))
@@ -128,7 +138,9 @@ class Scheduler:
                 continue
             last_look = now
             self._read_board()
-            progress.update(*self.totals, done=done, running=len(self.running) + len(self.stalled), failed=len(self.failed))
+            progress.update(
+                *self.totals, done=done, running=len(self.running) + len(self.stalled), failed=len(self.failed)
+            )
             self._cancel_stalled(now)
         self._read_board()
         progress.update(*self.totals, done=done, running=0, failed=len(self.failed), final=True)
@@ -156,9 +168,14 @@ class Scheduler:
         assembler.done(shard, result.checkpoint)
         if result.resumed_tokens or result.redone_tokens:
             self.resumed.append(result)
-            self.log(f"shard {shard.relpath}: resumed at {result.resumed_tokens:,} tokens, redid {result.redone_tokens:,}")
+            self.log(
+                f"shard {shard.relpath}: resumed at {result.resumed_tokens:,} tokens, redid {result.redone_tokens:,}"
+            )
         if result.encoder_resets:
-            self.log(f"shard {shard.relpath}: encoder cache dropped {result.encoder_resets} times to stay under {self.spec.memory_limit >> 20} MiB")
+            self.log(
+                f"shard {shard.relpath}: encoder cache dropped {result.encoder_resets} times to stay under "
+                f"{self.spec.memory_limit >> 20} MiB"
+            )
         return 1
 
     def _cancel_stalled(self, now: float) -> None:
@@ -173,7 +190,9 @@ class Scheduler:
             if stalls < self.opts.max_retries:
                 self.stalled.append((shard, stalls + 1))
             else:
-                self.failed[shard.relpath] = f"stalled {stalls + 1} times (no progress for {self.opts.stall_timeout:.0f}s); stacks in {dump}"
+                self.failed[shard.relpath] = (
+                    f"stalled {stalls + 1} times (no progress for {self.opts.stall_timeout:.0f}s); stacks in {dump}"
+                )
 
     def _read_board(self) -> None:
         try:

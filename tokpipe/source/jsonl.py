@@ -176,7 +176,9 @@ def _parse(lines: list, first_line_no: int, text_field: str, batch: Batch) -> No
             batch.skip(first_line_no + i + 1, doc[1])
 
 
-def read_jsonl_batches(path: str, kind: str, text_field: str, start_line: int, start_offset: int, batch_bytes: int, max_line_bytes: int) -> Iterator[Batch]:
+def read_jsonl_batches(
+    path: str, kind: str, text_field: str, start_line: int, start_offset: int, batch_bytes: int, max_line_bytes: int
+) -> Iterator[Batch]:
     """Batches of about `batch_bytes` of input, resuming after `start_line` lines / `start_offset` bytes."""
     blocks = _from_offset(decompressed_blocks(path, kind, min(BLOCK, batch_bytes)), start_offset, path)
     line_no, offset = start_line, start_offset

@@ -38,10 +38,15 @@ def _open(path: str) -> pq.ParquetFile:
     try:
         return pq.ParquetFile(path, page_checksum_verification=True)
     except (pa.ArrowException, OSError) as e:
-        raise SourceError(f"{path}: not a complete Parquet file, its footer is missing or broken (truncated download?): {_one_line(e)}") from None
+        raise SourceError(
+            f"{path}: not a complete Parquet file, its footer is missing or broken (truncated download?): "
+            f"{_one_line(e)}"
+        ) from None
 
 
-def _pieces(parquet: pq.ParquetFile, path: str, text_field: str, start_row: int, piece_bytes: int) -> Iterator[tuple[pa.Array, int, int]]:
+def _pieces(
+    parquet: pq.ParquetFile, path: str, text_field: str, start_row: int, piece_bytes: int
+) -> Iterator[tuple[pa.Array, int, int]]:
     """The text column from row `start_row` on, a piece at a time: (values, number of the first row, file bytes read).
 
     File bytes read is for progress only: the file's size in proportion to the row groups' data read
@@ -55,7 +60,9 @@ def _pieces(parquet: pq.ParquetFile, path: str, text_field: str, start_row: int,
             rows_per_piece = max(1, piece_bytes * group.num_rows // max(1, group.total_byte_size))
             read = row
             try:
-                for piece in parquet.iter_batches(rows_per_piece, row_groups=[number], columns=[text_field], use_threads=False):
+                for piece in parquet.iter_batches(
+                    rows_per_piece, row_groups=[number], columns=[text_field], use_threads=False
+                ):
                     values, first = piece.column(0), read
                     read += len(values)
                     if read <= start_row:
@@ -65,7 +72,10 @@ def _pieces(parquet: pq.ParquetFile, path: str, text_field: str, start_row: int,
                     data_read = data_before + group.total_byte_size * (read - row) // group.num_rows
                     yield values, first, file_size * data_read // data_size
             except (pa.ArrowException, OSError) as e:
-                raise SourceError(f"{path}: row group {number} (of {len(groups)}) does not decode, the file is corrupt: {_one_line(e)}") from None
+                raise SourceError(
+                    f"{path}: row group {number} (of {len(groups)}) does not decode, the file is corrupt: "
+                    f"{_one_line(e)}"
+                ) from None
         row += group.num_rows
         data_before += group.total_byte_size
 
@@ -78,7 +88,9 @@ def _parse(values: pa.Array, first_row: int, max_text_bytes: int, batch: Batch) 
         sizes = pc.binary_length(values).fill_null(0).to_pylist()
         try:
             texts = values.to_pylist()
-        except UnicodeDecodeError:  # pyarrow does not check UTF-8 when reading: take the bytes, decoded row by row below
+        except (
+            UnicodeDecodeError
+        ):  # pyarrow does not check UTF-8 when reading: take the bytes, decoded row by row below
             texts = values.cast(pa.large_binary()).to_pylist()
     else:
         sizes, texts = [0] * len(values), [None] * len(values)  # every row text_not_string, below
@@ -98,17 +110,24 @@ def _parse(values: pa.Array, first_row: int, max_text_bytes: int, batch: Batch) 
     batch.text_bytes += sum(sizes)
 
 
-def read_parquet_batches(path: str, text_field: str, start_line: int, batch_bytes: int, max_text_bytes: int) -> Iterator[Batch]:
-    """Batches of about `batch_bytes` of text, resuming after `start_line` rows (a checkpoint's offset is the same number)."""
+def read_parquet_batches(
+    path: str, text_field: str, start_line: int, batch_bytes: int, max_text_bytes: int
+) -> Iterator[Batch]:
+    """Batches of about `batch_bytes` of text, resuming after `start_line` rows (a checkpoint's offset
+    is the same number)."""
     with _open(path) as parquet:
         columns = parquet.schema_arrow.names
         if text_field not in columns:
             shown = ", ".join(columns[:10]) + (", ..." if len(columns) > 10 else "")
-            raise SourceError(f"{path} has no column {text_field!r} (its columns: {shown}); name the text column with --text-field")
+            raise SourceError(
+                f"{path} has no column {text_field!r} (its columns: {shown}); name the text column with --text-field"
+            )
         if start_line > parquet.metadata.num_rows:
             raise SourceError(f"{path} has fewer rows than its checkpoint says: the file changed since the run began")
         batch = Batch([], 0, start_line, 0, 0)
-        for values, first_row, source_pos in _pieces(parquet, path, text_field, start_line, min(PIECE_BYTES, batch_bytes)):
+        for values, first_row, source_pos in _pieces(
+            parquet, path, text_field, start_line, min(PIECE_BYTES, batch_bytes)
+        ):
             _parse(values, first_row, max_text_bytes, batch)
             batch.end_offset, batch.source_pos = first_row + len(values), source_pos
             if batch.text_bytes >= batch_bytes:
