@@ -1,8 +1,13 @@
-"""finalize: split files assembled from shards in any order, surviving a crash at any point, to the reference bytes."""
+"""finalize: split files assembled from shards in any order, surviving a crash at any point, to the
+reference bytes; a placed shard's own token files removed, so the tokens are on disk once."""
 
 import hashlib
 import json
 import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +19,7 @@ from tokpipe.manifest import build_manifest
 from tokpipe.options import RunOptions
 from tokpipe.shard import tokenize_shard
 from tokpipe.tokenizer import load_tokenizer_info
+from tokpipe.verify import verify
 
 MANIFEST = build_manifest(EXAMPLE_CACHE)
 INFO = load_tokenizer_info(QWEN3)
@@ -106,7 +112,7 @@ def test_every_range_carries_the_checksums_of_the_worker_that_wrote_it(out):
     assert meta["splits"]["train"]["parts_sha256"] == hashlib.sha256((out / "train.parts").read_bytes()).hexdigest()
 
 
-def test_shards_finished_by_an_earlier_tokpipe_are_hashed_when_placed(out, tokenized):
+def test_shards_finished_by_an_earlier_tokpipe_are_hashed_when_placed(out, tokenized, tmp_path):
     # Checkpoints written before workers hashed their shards have no sha256.
     for shard in MANIFEST.shards():
         path = ShardFiles.of(out, shard).checkpoint
@@ -114,8 +120,8 @@ def test_shards_finished_by_an_earlier_tokpipe_are_hashed_when_placed(out, token
         del ckpt["sha256"], ckpt["idx_sha256"]
         path.write_text(json.dumps(ckpt))
     finalize(out, MANIFEST, INFO, OPTIONS)
-    fresh = finalize(tokenized, MANIFEST, INFO, OPTIONS)
-    assert (out / "train.parts").read_bytes() == (tokenized / "train.parts").read_bytes()
+    fresh = finalize(shutil.copytree(tokenized, tmp_path / "fresh"), MANIFEST, INFO, OPTIONS)
+    assert (out / "train.parts").read_bytes() == (tmp_path / "fresh" / "train.parts").read_bytes()
     assert json.loads((out / "meta.json").read_text())["splits"] == fresh["splits"]
 
 
@@ -128,3 +134,119 @@ def test_an_unfinished_shard_stops_finalize_and_skip_failed_leaves_it_out(out):
     meta = finalize(out, MANIFEST, INFO, OPTIONS, excluded={holdout.relpath: "SourceError: truncated"})
     assert meta["splits"]["validation"]["tokens"] == 0 and (out / "val.bin").stat().st_size == 0
     assert meta["excluded"] == {holdout.relpath: "SourceError: truncated"}
+
+
+def shard_token_files(out) -> list[str]:
+    return sorted(str(p.relative_to(out)) for p in (out / "shards").rglob("*") if p.suffix in (".bin", ".idx"))
+
+
+def test_a_placed_shard_gives_its_space_back_and_keeps_its_checkpoint(out, example_reference):
+    assembler = Assembler(out, MANIFEST, 4)
+    train_0, train_1, val_0 = assembler.ready()
+    assembler.placed([train_1], place(out, [train_1], 4))
+    assert Path(train_1.bin).exists()  # copied, but not listed: a crash now copies it again
+    assembler.placed([train_0], place(out, [train_0], 4))
+    assert shard_token_files(out) == [
+        "shards/validation/validation__chunk1__example_holdout_0.bin",
+        "shards/validation/validation__chunk1__example_holdout_0.idx",
+    ]
+    assert ShardFiles.of(out, MANIFEST.shards().__next__()).checkpoint.exists()
+    assembler.placed([val_0], place(out, [val_0], 4))
+    finalize(out, MANIFEST, INFO, OPTIONS, assembler=assembler)
+    assert_out_is(out, example_reference)
+    assert shard_token_files(out) == []
+    assert sorted(p.name for p in out.iterdir()) == [
+        "logs",
+        "meta.json",
+        "meta.pkl",
+        "shards",
+        "train.bin",
+        "train.idx",
+        "train.parts",
+        "val.bin",
+        "val.idx",
+        "val.parts",
+    ]
+
+
+# A real kill -9 of a process finalizing, at each step of place-then-remove: (what to wrap, which of
+# its calls kills, counting only calls whose first argument names a shard's token file when "shards").
+KILL_POINTS = {
+    "while copying a part": ("tokpipe.finalize._copy_range", 2, ""),
+    "after the copies are fsynced, before they are listed": ("tokpipe.finalize.Assembler.placed", 1, ""),
+    "after the listing, before the part's .bin is removed": ("pathlib.Path.unlink", 1, "/shards/"),
+    "between removing a part's .bin and its .idx": ("pathlib.Path.unlink", 2, "/shards/"),
+    "after the removal, before the split files are renamed": ("tokpipe.finalize.Assembler.finish", 1, ""),
+}
+
+KILLED_FINALIZE = """
+import importlib, os, signal, sys
+module_name, _, attr = sys.argv[2].rpartition(".")
+owner_name, _, cls = module_name.rpartition(".") if module_name.endswith(("Assembler", "Path")) else ("", "", "")
+owner = getattr(importlib.import_module(owner_name), cls) if cls else importlib.import_module(module_name)
+original, calls = getattr(owner, attr), []
+def killing(*args, **kw):
+    if sys.argv[6] not in str(args[0]):
+        return original(*args, **kw)
+    calls.append(args[0])
+    if len(calls) == int(sys.argv[3]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return original(*args, **kw)
+setattr(owner, attr, killing)
+from tokpipe.finalize import finalize
+from tokpipe.manifest import build_manifest
+from tokpipe.options import RunOptions
+from tokpipe.tokenizer import load_tokenizer_info
+finalize(sys.argv[1], build_manifest(sys.argv[4]), load_tokenizer_info(sys.argv[5]), RunOptions())
+"""
+
+
+@pytest.mark.parametrize("point", KILL_POINTS)
+def test_a_kill_9_anywhere_in_place_then_remove_loses_and_leaks_nothing(out, example_reference, point):
+    target, call, which = KILL_POINTS[point]
+    argv = [str(out), target, str(call), str(EXAMPLE_CACHE), str(QWEN3), which]
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_FINALIZE, *argv],
+        capture_output=True,
+        text=True,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert not (out / "meta.json").exists()
+    finalize(out, MANIFEST, INFO, OPTIONS)  # the rerun
+    assert_out_is(out, example_reference)
+    assert shard_token_files(out) == []
+    assert [c.name for c in verify(out) if not c.ok] == []
+
+
+def test_placed_shards_whose_place_was_not_kept_are_tokenized_again(out, example_reference):
+    first_run = Assembler(out, MANIFEST, 4)
+    parts = first_run.ready()
+    first_run.placed(parts[:2], place(out, parts[:2], 4))
+    with open(out / "train.bin.tmp", "r+b") as f:
+        f.truncate(1000)  # damaged since: nothing listed can be trusted, and the shards' own files are gone
+    rerun = Assembler(out, MANIFEST, 4)
+    assert rerun.lost == ["train/chunk1/example_train_0.jsonl.zst", "train/chunk1/example_train_1.jsonl.zst"]
+    assert [(p.stem, p.seq) for p in rerun.ready()] == [("val", 0)]  # train waits for them
+    spec = OPTIONS.encode_spec(INFO, "gigatoken")
+    for shard in MANIFEST.shards():
+        tokenize_shard(shard, out, spec)
+    finalize(out, MANIFEST, INFO, OPTIONS)
+    assert_out_is(out, example_reference)
+
+
+def test_no_concat_lists_the_shards_own_files_in_order_and_copies_nothing(out, example_reference):
+    options = RunOptions(no_concat=True)
+    meta = finalize(out, MANIFEST, INFO, options)
+    assert meta["concat"] is False
+    for split, stem in (("train", "train"), ("validation", "val")):
+        files = meta["splits"][split]["files"]
+        assert all(set(f) == {"bin", "idx", "tokens", "documents"} for f in files)
+        tokens = np.concatenate([np.fromfile(out / f["bin"], dtype=np.uint32) for f in files])
+        assert np.array_equal(tokens, example_reference[stem])
+        assert [f["tokens"] for f in files] == [len(np.fromfile(out / f["bin"], dtype=np.uint32)) for f in files]
+        assert not (out / f"{stem}.bin").exists()
+    assert [f["bin"] for f in meta["splits"]["train"]["files"]] == [
+        "shards/train/train__chunk1__example_train_0.bin",
+        "shards/train/train__chunk1__example_train_1.bin",
+    ]
+    assert [c.name for c in verify(out) if not c.ok] == []

@@ -139,7 +139,8 @@ def _llmc_split(
 ) -> list[tuple[Path, Path, int, int]]:
     magic, version = LLMC_VERSIONS[dtype]
     written, start = [], 0
-    for k, cut in enumerate(llmc_cuts(split.ends, len(split.tokens), shard_tokens)):
+    ends = split.ends[:]  # searchsorted needs one array: a view of a memmap; of --no-concat files, a copy
+    for k, cut in enumerate(llmc_cuts(ends, len(split.tokens), shard_tokens)):
         final = dest / f"{stem}_{k:06d}.bin"
         tmp = final.with_name(final.name + ".tmp")
         header = np.zeros(LLMC_HEADER_INTS, dtype="<i4")
@@ -148,9 +149,7 @@ def _llmc_split(
             f.write(header.tobytes())
             _write_tokens(f, split.tokens, start, cut, dtype)
             _finish(f)
-        documents = int(
-            np.searchsorted(split.ends, cut, side="right") - np.searchsorted(split.ends, start, side="right")
-        )
+        documents = int(np.searchsorted(ends, cut, side="right") - np.searchsorted(ends, start, side="right"))
         written.append((tmp, final, cut - start, documents))
         start = cut
     return written

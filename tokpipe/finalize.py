@@ -20,6 +20,7 @@ file ever runs on one core.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from tokpipe.layout import (
     output_splits,
     part_record,
     parts_line,
+    remove_placed_leftovers,
     sources,
     split_entry,
     split_file_stem,
@@ -115,7 +117,7 @@ class _Split:
     tokens: int = 0  # offsets of the next part
     documents: int = 0
     listed: int = 0  # parts in .parts.tmp (fsynced, in order)
-    waiting: dict[int, dict] = field(default_factory=dict)  # seq -> record of parts copied before an earlier one
+    waiting: dict[int, tuple[Part, dict]] = field(default_factory=dict)  # seq -> parts placed before an earlier one
 
     @classmethod
     def start(cls, stem: str, shards: Iterator[tuple[Shard, bool]]) -> _Split:
@@ -130,22 +132,36 @@ class Assembler:
 
     Feed it finished shards (`done`), hand what `ready` returns to `place` (anywhere, any order, in
     batches), report what came back (`placed`); `finish` when `complete`.
+
+    Tokens are kept once: a part's own files are removed as soon as its line in .parts.tmp is
+    fsynced (its bytes were fsynced in the split file before). Its checkpoint stays, with the
+    checksums and accounting that resume, status and verify read. With --no-concat (`opts.no_concat`)
+    nothing is copied: a split is its parts' own files, listed in order, and they stay.
     """
 
-    def __init__(self, out: str | os.PathLike, manifest: Manifest, itemsize: int, val_fraction: float = 0.0):
-        self.out, self.itemsize, self.val_fraction = Path(out), itemsize, val_fraction
+    def __init__(self, out: str | os.PathLike, manifest: Manifest, itemsize: int, opts: RunOptions = RunOptions()):
+        self.out, self.itemsize = Path(out), itemsize
+        self.val_fraction, self.concat = opts.val_fraction, not opts.no_concat
         # Done shards not yet scheduled (the few that finished out of order), with how many parts still need them.
         self.finished: dict[str, tuple[Checkpoint, int]] = {}
+        self.lost: list[str] = []  # shards tokenized again: their placed files were gone, their place not kept
         self.splits = [
-            self._resume(manifest, split_file_stem(split)) for split in output_splits(manifest, val_fraction)
+            self._resume(manifest, split_file_stem(split)) for split in output_splits(manifest, self.val_fraction)
         ]
 
     def _resume(self, manifest: Manifest, stem: str) -> _Split:
         """Keep what an earlier attempt assembled, if it is still the start of the split; else start empty."""
         bin_tmp, idx_tmp, parts_tmp = assembly_files(self.out, stem)
+        finished = [path.with_suffix("") for path in (parts_tmp, bin_tmp, idx_tmp)[: 3 if self.concat else 1]]
+        if not parts_tmp.exists() and all(path.exists() for path in finished):
+            # A split finished by an earlier finalize, that this run extends (an append, an excluded
+            # shard back): its placed shards' files are gone, so it is the start to keep.
+            (self.out / "meta.json").unlink(missing_ok=True)  # OUT is unfinished while its split files change
+            for path in finished:
+                os.replace(path, path.with_name(path.name + ".tmp"))
         state = _Split.start(stem, sources(manifest, stem, self.val_fraction))
         kept = []
-        if bin_tmp.exists() and idx_tmp.exists() and parts_tmp.exists():
+        if parts_tmp.exists() and (not self.concat or bin_tmp.exists() and idx_tmp.exists()):
             for line in parts_tmp.read_bytes().splitlines():
                 try:
                     record = orjson.loads(line)
@@ -160,18 +176,33 @@ class Assembler:
                 state.tokens += record["tokens"]
                 state.documents += record["documents"]
                 state.advance()
-            if (
+            if self.concat and (
                 bin_tmp.stat().st_size < state.tokens * self.itemsize
                 or idx_tmp.stat().st_size < state.documents * IDX_DTYPE.itemsize
             ):
                 kept = []  # cut since they were listed: trust none of it
         if not kept:
             state = _Split.start(stem, sources(manifest, stem, self.val_fraction))
-            for path in (bin_tmp, idx_tmp):
-                open(path, "wb").close()
+            if self.concat:
+                for path in (bin_tmp, idx_tmp):
+                    open(path, "wb").close()
         write_atomic(parts_tmp, b"".join(map(parts_line, kept)))
         state.scheduled = state.listed = len(kept)
+        if self.concat:
+            self._tokenize_again(sources(manifest, stem, self.val_fraction), len(kept))
         return state
+
+    def _tokenize_again(self, parts: Iterator[tuple[Shard, bool]], kept: int) -> None:
+        """Shards done whose placed files are gone but whose place in the split was not kept (the split
+        changed before them, or its file was cut): their checkpoints go, so this run tokenizes them again."""
+        for shard, held in itertools.islice(parts, kept, None):
+            files = ShardFiles.of(self.out, shard)
+            if (files.val_bin if held else files.bin).exists():
+                continue
+            ckpt = Checkpoint.load(files.checkpoint)
+            if ckpt is not None and ckpt.done:
+                files.checkpoint.unlink()
+                self.lost.append(shard.relpath)
 
     def done(self, shard: Shard, ckpt: Checkpoint) -> None:
         """A shard finished in this run (its checkpoint as its task returned it)."""
@@ -199,15 +230,10 @@ class Assembler:
                     break
                 files = ShardFiles.of(self.out, shard)
                 bin_path, idx_path = (files.val_bin, files.val_idx) if held else (files.bin, files.idx)
-                part = Part(
-                    s.stem,
-                    s.scheduled,
-                    s.tokens,
-                    s.documents,
-                    part_record(shard, ckpt, held),
-                    str(bin_path),
-                    str(idx_path),
-                )
+                record = part_record(shard, ckpt, held)
+                if not self.concat:  # the part's files are the split's: meta lists them
+                    record.update(bin=str(bin_path.relative_to(self.out)), idx=str(idx_path.relative_to(self.out)))
+                part = Part(s.stem, s.scheduled, s.tokens, s.documents, record, str(bin_path), str(idx_path))
                 parts.append(part)
                 s.scheduled += 1
                 s.tokens += part.tokens
@@ -216,20 +242,25 @@ class Assembler:
         return parts
 
     def placed(self, parts: list[Part], records: list[dict]) -> None:
-        """Parts are on disk (fsynced): list them in .parts.tmp, in split order, as far as no part is missing."""
+        """Parts are on disk (fsynced): list them in .parts.tmp, in split order, as far as no part is
+        missing; then the listed parts' own files go (with --no-concat they are the split: they stay)."""
         for part, record in zip(parts, records):
             s = next(s for s in self.splits if s.stem == part.stem)
-            s.waiting[part.seq] = record
+            s.waiting[part.seq] = (part, record)
         for s in self.splits:
-            lines = []
+            listed = []
             while s.listed in s.waiting:
-                lines.append(parts_line(s.waiting.pop(s.listed)))
+                listed.append(s.waiting.pop(s.listed))
                 s.listed += 1
-            if lines:
+            if listed:
                 with open(assembly_files(self.out, s.stem)[2], "ab") as f:
-                    f.write(b"".join(lines))
+                    f.write(b"".join(parts_line(record) for _, record in listed))
                     f.flush()
                     os.fsync(f.fileno())
+                if self.concat:
+                    for part, _ in listed:
+                        Path(part.bin).unlink(missing_ok=True)
+                        Path(part.idx).unlink(missing_ok=True)
 
     @property
     def complete(self) -> bool:
@@ -241,7 +272,7 @@ class Assembler:
         batch, size = [], 0
         for part in parts + [None]:
             if batch and (part is None or part.stem != batch[0].stem or size >= COPY_BATCH_BYTES):
-                self.placed(batch, place(self.out, batch, self.itemsize))
+                self.placed(batch, place(self.out, batch, self.itemsize) if self.concat else [p.record for p in batch])
                 batch, size = [], 0
             if part is not None:
                 batch.append(part)
@@ -254,19 +285,29 @@ class Assembler:
                 else "cannot finalize: parts handed out to copy were never placed"
             )
 
-    def finish(self) -> dict[str, dict]:
-        """Cut, fsync and rename every split's files; returns meta's `splits` (in manifest order of splits)."""
+    def finish(self, excluded: frozenset[str]) -> dict[str, dict]:
+        """Cut, fsync and rename every split's files; returns meta's `splits` (in manifest order of splits).
+        Shard token files that a crash left behind after their part was listed go too (not those of
+        `excluded` shards: a rerun resumes them)."""
         entries = {}
         for s in self.splits:
             bin_tmp, idx_tmp, parts_tmp = assembly_files(self.out, s.stem)
-            for path, length in ((bin_tmp, s.tokens * self.itemsize), (idx_tmp, s.documents * IDX_DTYPE.itemsize)):
-                with open(path, "r+b") as f:
-                    f.truncate(length)  # bytes beyond: copies of a layout that changed since
-                    os.fsync(f.fileno())
-            entries[s.stem] = split_entry(s.stem, parts_tmp)
-            for path in (bin_tmp, idx_tmp, parts_tmp):
+            renamed = [parts_tmp]
+            if self.concat:
+                for path, length in (
+                    (bin_tmp, s.tokens * self.itemsize),
+                    (idx_tmp, s.documents * IDX_DTYPE.itemsize),
+                ):
+                    with open(path, "r+b") as f:
+                        f.truncate(length)  # bytes beyond: copies of a layout that changed since
+                        os.fsync(f.fileno())
+                renamed += [bin_tmp, idx_tmp]
+            entries[s.stem] = split_entry(s.stem, parts_tmp, self.concat)
+            for path in renamed:
                 os.replace(path, path.with_suffix(""))
         fsync_dir(self.out)
+        if self.concat:
+            remove_placed_leftovers(self.out, excluded)
         return entries
 
 
@@ -288,9 +329,9 @@ def finalize(
     out = Path(out)
     (out / "meta.json").unlink(missing_ok=True)  # OUT is unfinished while its split files change
     excluded = excluded or {}
-    assembler = assembler or Assembler(out, manifest, np.dtype(info.dtype).itemsize, opts.val_fraction)
+    assembler = assembler or Assembler(out, manifest, np.dtype(info.dtype).itemsize, opts)
     assembler.place_here(frozenset(excluded))
-    stems = assembler.finish()
+    stems = assembler.finish(frozenset(excluded))
     splits = {split: stems[split_file_stem(split)] for split in output_splits(manifest, opts.val_fraction)}
     write_skip_log(out, splits)
     meta = {
@@ -302,6 +343,7 @@ def finalize(
         "bos_token": info.bos_token,
         "delimiters": opts.delimiters,
         "val_fraction": opts.val_fraction,
+        "concat": not opts.no_concat,
         "tokenizer": info.id,
         "tokenizer_sha256": info.sha256,
         "tokenizer_path": info.path,

@@ -24,14 +24,17 @@ from tokpipe.layout import (
     IDX_DTYPE,
     Checkpoint,
     ShardFiles,
+    assembly_files,
     delimiters,
+    is_held_part,
     load_run,
     output_splits,
+    parts_of,
     sources,
     split_file_stem,
 )
 from tokpipe.manifest import load_manifest
-from tokpipe.output import open_output
+from tokpipe.output import TokenFile, open_output
 from tokpipe.tokenizer import encoder, load_tokenizer_info
 from tokpipe.verify import Check
 from tokpipe.verify import report as verify_report
@@ -54,13 +57,6 @@ COMMON_IDS = 8
 CONTROL_CHARS = re.compile(
     "[\x00-\x08\x0b-\x1f\x7f-\x9f]"
 )  # all but \t and \n: a web page's ESC must not drive the terminal
-
-
-@dataclass(frozen=True)
-class TokenFile:
-    name: str  # for a window's heading: train.bin, or shards/train/<key>.bin for an unfinished run
-    tokens: np.ndarray
-    ends: np.ndarray  # document ends within the file
 
 
 @dataclass(frozen=True)
@@ -129,7 +125,7 @@ def open_source(out: str | os.PathLike, split: str) -> Source:
             tokenizer_sha256=data.meta["tokenizer_sha256"],
             tokenizer_path=run.get("tokenizer_path"),
             documents=len(s.ends),
-            files=[TokenFile(s.path.name, s.tokens, s.ends)],
+            files=s.files,
             **_delimiters(data.meta),
         )
     if not run or not (out / "manifest.json").is_file():
@@ -139,8 +135,14 @@ def open_source(out: str | os.PathLike, split: str) -> Source:
     name = _split_name(split, output_splits(manifest, val_fraction))
     dtype = np.dtype(run["dtype"])
     files, documents = [], 0
+    stem = split_file_stem(name)
+    placed = _placed(out, stem, dtype)
     # The parts the split file will be made of (with --val-fraction, val's include the train shards' held-out ones).
-    for shard, held in sources(manifest, split_file_stem(name), val_fraction):
+    for shard, held in sources(manifest, stem, val_fraction):
+        if (shard.relpath, held) in placed:  # copied into the split file, its own files gone
+            files.append(placed[shard.relpath, held])
+            documents += len(files[-1].ends)
+            continue
         paths = ShardFiles.of(out, shard)
         ckpt = Checkpoint.load(paths.checkpoint)
         if ckpt is None:
@@ -168,6 +170,27 @@ def open_source(out: str | os.PathLike, split: str) -> Source:
         files=files,
         **_delimiters(run),
     )
+
+
+def _placed(out: Path, stem: str, dtype: np.dtype) -> dict[tuple[str, bool], TokenFile]:
+    """The parts of a split being assembled that are in its file already (listed in <stem>.parts.tmp)."""
+    bin_tmp, idx_tmp, parts_tmp = assembly_files(out, stem)
+    if not (parts_tmp.is_file() and bin_tmp.is_file()):
+        return {}
+    raw = parts_tmp.read_bytes()
+    whole = raw[: raw.rfind(b"\n") + 1]  # a line a crash cut short was never fsynced: not placed
+    placed = {}
+    for part in parts_of(stem, whole):
+        if not part.tokens:
+            continue
+        tokens = np.memmap(
+            bin_tmp, dtype=dtype, mode="r", offset=part.token_offset * dtype.itemsize, shape=(part.tokens,)
+        )
+        ends = np.fromfile(idx_tmp, IDX_DTYPE, part.documents, offset=part.doc_offset * IDX_DTYPE.itemsize)
+        placed[part.name, is_held_part(part.record)] = TokenFile(
+            f"{bin_tmp.name}@{part.token_offset}", tokens, ends - part.token_offset
+        )
+    return placed
 
 
 def load_decoder(source: Source, tokenizer: str | None) -> tuple[Callable[[np.ndarray], str], str]:

@@ -31,7 +31,7 @@ import orjson
 
 from tokpipe.durability import write_atomic, write_json_atomic
 from tokpipe.errors import UserError
-from tokpipe.manifest import Manifest, Shard
+from tokpipe.manifest import Manifest, Shard, shard_key
 
 IDX_DTYPE = np.dtype("<i8")  # document ends, cumulative token counts
 
@@ -41,7 +41,7 @@ RUN_FORMAT = 1
 # given. `tokpipe status` prints the resume command from them, `tokpipe inspect` decodes with that tokenizer.
 LAST_RUN_KEYS = ("tokenizer_path", "options")
 # What a run.json written before these entries existed meant by their absence.
-IDENTITY_DEFAULTS = {"delimiters": {"bos": False, "eos": True}, "val_fraction": 0.0}
+IDENTITY_DEFAULTS = {"delimiters": {"bos": False, "eos": True}, "val_fraction": 0.0, "concat": True}
 
 
 def split_file_stem(split: str) -> str:
@@ -221,11 +221,11 @@ def assembly_files(out: Path, stem: str) -> tuple[Path, Path, Path]:
     return tuple(out / f"{stem}.{ext}.tmp" for ext in ("bin", "idx", "parts"))
 
 
-def split_entry(stem: str, parts_path: Path) -> dict:
-    """meta's entry for a split, summed from its parts list."""
-    entry = {
-        "file": f"{stem}.bin",
-        "idx": f"{stem}.idx",
+def split_entry(stem: str, parts_path: Path, concat: bool) -> dict:
+    """meta's entry for a split, summed from its parts list. A split of --no-concat has no file of its
+    own: `files` lists its parts' files in order (their lines in the parts list name them)."""
+    entry = {"file": f"{stem}.bin", "idx": f"{stem}.idx"} if concat else {"files": []}
+    entry |= {
         "parts": f"{stem}.parts",
         "tokens": 0,
         "documents": 0,
@@ -238,12 +238,33 @@ def split_entry(stem: str, parts_path: Path) -> dict:
     for record in map(orjson.loads, raw.splitlines()):
         for key in ("tokens", "documents", "lines", "held_out", "held_in"):
             entry[key] += record.get(key, 0)
+        if not concat:
+            entry["files"].append({k: record[k] for k in ("bin", "idx", "tokens", "documents")})
         skipped.update(record.get("skipped", {}))
         repaired.update(record.get("repaired", {}))
         shards += not is_held_part(record)
     entry.update(skipped=dict(sorted(skipped.items())), repaired=dict(sorted(repaired.items())), shards=shards)
     entry["parts_sha256"] = hashlib.sha256(raw).hexdigest()
     return entry
+
+
+def split_files(out: Path, entry: dict) -> list[tuple[Path, Path, int, int]]:
+    """The files a finished split is read from, in order: (tokens, document ends, tokens, documents).
+    One for a concatenated split; its parts' own files for a split of --no-concat."""
+    if "files" in entry:
+        return [(out / f["bin"], out / f["idx"], int(f["tokens"]), int(f["documents"])) for f in entry["files"]]
+    idx = entry.get("idx", Path(entry["file"]).with_suffix(".idx").name)  # tokpipe 0.1 did not name it
+    return [(out / entry["file"], out / idx, int(entry["tokens"]), int(entry["documents"]))]
+
+
+def remove_placed_leftovers(out: Path, excluded: frozenset[str]) -> None:
+    """Remove the shard token files left after their parts were copied into place and listed (a crash
+    between the listing and the removal), keeping those of `excluded` shards, which a rerun resumes."""
+    keep = {shard_key(relpath) for relpath in excluded}
+    for folder in (out / "shards").glob("**/"):
+        for path in folder.iterdir():
+            if path.suffix in (".bin", ".idx") and path.stem not in keep:
+                path.unlink()
 
 
 # -- meta --------------------------------------------------------------------------------------------

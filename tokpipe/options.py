@@ -42,6 +42,9 @@ class RunOptions:
     bos: bool = option(False, "place BOS before every document (the tokenizer's bos_token, or --bos-token)")
     bos_token: str | None = option(None, "the BOS token --bos places (default: the tokenizer's bos_token)")
     no_eos: bool = option(False, "no EOS after documents (with --bos: BOS-delimited documents)")
+    no_concat: bool = option(
+        False, "keep each split as its shards' token files in order (listed in meta), never copied into one file"
+    )
     val_fraction: float = option(
         0.0,
         "hold out this share of train documents for val.bin, chosen by a hash of their text (default: %(default)g)",

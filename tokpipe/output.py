@@ -1,4 +1,4 @@
-"""Read a finished OUT as a trainer does: its meta, and each split as a read-only memmap with its document ends.
+"""Read a finished OUT as a trainer does: its meta, and each split as read-only memmaps with document ends.
 
 Opening checks only what is cheap and would otherwise mislead silently (files present, sizes agreeing
 with meta); `tokpipe verify` proves the rest.
@@ -13,18 +13,67 @@ from pathlib import Path
 import numpy as np
 
 from tokpipe.errors import UserError
-from tokpipe.layout import IDX_DTYPE, load_meta_pkl
+from tokpipe.layout import IDX_DTYPE, load_meta_pkl, split_files
+
+
+@dataclass(frozen=True)
+class TokenFile:
+    """One file of a split: the whole split, or (--no-concat, or an unfinished run) one shard's part."""
+
+    name: str  # its path relative to OUT
+    tokens: np.ndarray  # read-only memmap
+    ends: np.ndarray  # document ends, counted from the file's first token
+
+
+class Chain:
+    """Several arrays read as one: len() and [i] / [a:b] (a copy, for a slice across files). `shifts`
+    are added to each array's values (document ends of a file, to count from the split's start)."""
+
+    def __init__(self, arrays: list[np.ndarray], shifts: list[int] | None = None):
+        self.arrays, self.shifts = arrays, shifts or [0] * len(arrays)
+        self.starts = np.cumsum([0] + [len(a) for a in arrays])
+        self.dtype = arrays[0].dtype if arrays else np.dtype("<i8")
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            start, stop, _ = key.indices(len(self))
+            first = int(np.searchsorted(self.starts, start, side="right")) - 1
+            pieces = []
+            for i in range(max(first, 0), len(self.arrays)):
+                if self.starts[i] >= stop:
+                    break
+                a = self.arrays[i][max(start - self.starts[i], 0) : stop - self.starts[i]]
+                pieces.append(np.asarray(a) + self.shifts[i] if self.shifts[i] else np.asarray(a))
+            return np.concatenate(pieces) if pieces else np.zeros(0, self.dtype)
+        index = key + len(self) if key < 0 else key
+        i = int(np.searchsorted(self.starts, index, side="right")) - 1
+        return self.arrays[i][index - self.starts[i]] + self.shifts[i]
 
 
 @dataclass(frozen=True)
 class Split:
     name: str  # as in meta: train | validation | test
-    path: Path  # the .bin
-    tokens: np.ndarray  # read-only np.memmap of meta['dtype']
-    ends: np.ndarray  # read-only int64 memmap: document i is tokens[ends[i-1]:ends[i]] (ends[-1] == len(tokens))
+    files: list[TokenFile]  # one; with --no-concat, its shards' parts in order
+
+    @property
+    def tokens(self) -> np.ndarray | Chain:
+        """The split's tokens: the file's read-only memmap, or a Chain over a --no-concat split's files."""
+        return self.files[0].tokens if len(self.files) == 1 else Chain([f.tokens for f in self.files])
+
+    @property
+    def ends(self) -> np.ndarray | Chain:
+        """Document ends counted from the split's start: document i is tokens[ends[i-1]:ends[i]]."""
+        if len(self.files) == 1:
+            return self.files[0].ends
+        shifts = np.cumsum([0] + [len(f.tokens) for f in self.files[:-1]])
+        return Chain([f.ends for f in self.files], [int(x) for x in shifts])
 
     def document(self, i: int) -> np.ndarray:
-        return self.tokens[self.ends[i - 1] if i else 0 : self.ends[i]]
+        ends = self.ends
+        return np.asarray(self.tokens[ends[i - 1] if i else 0 : ends[i]])
 
 
 @dataclass(frozen=True)
@@ -81,11 +130,13 @@ def open_output(out: str | os.PathLike) -> Output:
     dtype = np.dtype(meta["dtype"])
     splits = {}
     for name, info in meta["splits"].items():
-        bin_path = out / info["file"]
-        splits[name] = Split(
-            name=name,
-            path=bin_path,
-            tokens=_memmap(bin_path, dtype, int(info["tokens"]), "tokens"),
-            ends=_memmap(out / info["idx"], IDX_DTYPE, int(info["documents"]), "document ends"),
-        )
+        files = [
+            TokenFile(
+                str(bin_path.relative_to(out)),
+                _memmap(bin_path, dtype, tokens, "tokens"),
+                _memmap(idx_path, IDX_DTYPE, documents, "document ends"),
+            )
+            for bin_path, idx_path, tokens, documents in split_files(out, info)
+        ]
+        splits[name] = Split(name, files)
     return Output(out, meta, splits)

@@ -69,6 +69,7 @@ class RunStatus:
     progress: dict | None  # the live run's progress.json, while fresh
     last_report_age: float | None  # seconds since progress.json was last written, by any run
     next: str  # what to run next
+    disk: dict | None = None  # the last run's projection of the output's size (progress.json), free space now
 
     def count(self, state: str, split: str | None = None) -> int:
         return sum(1 for s in self.shards if s.state == state and split in (None, s.split))
@@ -150,7 +151,44 @@ def status(out: str | os.PathLike) -> RunStatus:
         if not run.get("tokenizer_path"):
             sha = run.get("tokenizer_sha256", "?")[:16]
             next_step += f"   (TOKENIZER: the one with sha256 {sha}…; this run.json does not record its path)"
-    return RunStatus(out, state, shards, holder, progress if live else None, age, next_step)
+    disk = progress.get("disk") if progress and state != "finished" else None
+    if disk:
+        disk = {**disk, "free_bytes": free_bytes(out)}
+    return RunStatus(out, state, shards, holder, progress if live else None, age, next_step, disk)
+
+
+def size(n: float) -> str:
+    """4.7 MB, 2.50 TB: decimal units, as disks are sold and df -H shows."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}" if scale == 1e12 else f"{n / scale:,.1f} {unit}"
+    return f"{n / 1e3:,.1f} kB"
+
+
+def free_bytes(path: str | os.PathLike) -> int:
+    """Bytes an unprivileged writer may still use on path's file system."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def disk_line(disk: dict, tokens_per_byte: float | None = None, input_bytes: int = 0, itemsize: int = 0) -> str:
+    """Whether the output fits: its projected size, what is still to write, the free space."""
+    how = (
+        f" ({tokens_per_byte:.3f} tokens per input byte so far x {size(input_bytes)} of input x {itemsize} bytes)"
+        if tokens_per_byte is not None
+        else ""
+    )
+    fits = disk["to_write_bytes"] <= disk["free_bytes"]
+    verdict = (
+        "fits"
+        if fits
+        else f"WILL NOT FIT: free {size(disk['to_write_bytes'] - disk['free_bytes'])} more, or use another --out; "
+        "a full disk stops the run, and rerunning the same command resumes it"
+    )
+    return (
+        f"disk: output projected at {size(disk['projected_bytes'])}{how}; {size(disk['to_write_bytes'])} still to"
+        f" write, {size(disk['free_bytes'])} free on OUT's file system: {verdict}"
+    )
 
 
 def _mib(n: int) -> str:
@@ -215,6 +253,8 @@ def report(st: RunStatus) -> str:
             lines.append(f"  {label} {s.relpath}: {what}")
         if len(listed) > LIST_AT_MOST:
             lines.append(f"  … and {len(listed) - LIST_AT_MOST} more {state}")
+    if st.disk:
+        lines.append(disk_line(st.disk))
     lines.append(f"next: {st.next}")
     return "\n".join(lines)
 

@@ -12,13 +12,13 @@ import os
 import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from tokpipe.durability import HASH_CHUNK
-from tokpipe.layout import IDX_DTYPE, Part, delimiters, load_meta_pkl, parts_of
+from tokpipe.layout import IDX_DTYPE, Part, delimiters, load_meta_pkl, parts_of, split_files
 
 
 @dataclass
@@ -40,6 +40,7 @@ class PartScan:
     increasing: bool = True  # every end > the one before (the part's first token before the first)
     not_eos_ended: int = 0  # documents whose last token is not EOS
     not_bos_started: int = 0  # documents whose first token is not BOS
+    end: tuple[int, int] = (0, 0)  # the file's last document end, and its token count
 
 
 _buffers = threading.local()
@@ -198,7 +199,6 @@ def _verify_split(
     bos_id: int | None,
     eos_written: bool,
 ) -> None:
-    path = out / info["file"]
     tokens_expected, docs_expected = int(info["tokens"]), int(info["documents"])
     if "lines" in info:
         skipped = sum(info.get("skipped", {}).values())
@@ -214,52 +214,32 @@ def _verify_split(
             read + skipped == info["lines"],
             f"{read:,} + {skipped:,} vs {info['lines']:,}{moved}",
         )
-    if not check(f"{split}: file present", path.is_file(), str(path)):
-        return
-    size = path.stat().st_size
-    n = size // dtype.itemsize
-    if size != tokens_expected * dtype.itemsize:
-        other = next(
-            (
-                d
-                for d in ("uint16", "uint32", "int32", "int64")
-                if d != dtype.name and size == tokens_expected * np.dtype(d).itemsize
-            ),
-            None,
-        )
-        if size == 0:
-            detail = f"the file is empty; meta says {tokens_expected:,} tokens"
-        elif other:
-            detail = f"{size:,} bytes hold {tokens_expected:,} tokens of {other}, but meta says dtype {dtype.name}"
-        elif size % dtype.itemsize:
-            detail = f"{size:,} bytes is not a whole number of {dtype.name} tokens: the file was cut"
-        else:
-            detail = f"file {n:,} tokens, meta {tokens_expected:,}"
-        check(f"{split}: size matches meta ({tokens_expected:,} {dtype.name})", False, detail)
-        return
-    check(f"{split}: size matches meta ({tokens_expected:,} {dtype.name})", True)
-    idx_path = out / info.get("idx", Path(info["file"]).with_suffix(".idx").name)
-    if not check(f"{split}: idx present", idx_path.is_file(), str(idx_path)):
-        return
-    idx_size = idx_path.stat().st_size
-    if not check(
-        f"{split}: idx entries == documents",
-        idx_size == 8 * docs_expected,
-        f"{idx_size / 8:,.0f} entries, {docs_expected:,} documents",
-    ):
-        return
+    files = split_files(out, info)
+    problems = [_file_problems(*f, dtype) for f in files]
+    if len(files) == 1:  # the whole split in one file: each check on its own line, as ever
+        names = ("file present", f"size matches meta ({tokens_expected:,} {dtype.name})", "idx present")
+        names += ("idx entries == documents",)
+        for name, problem in zip(names, problems[0]):
+            if not check(f"{split}: {name}", problem is None, problem or ""):
+                return
+    else:  # --no-concat: one line per check over all the split's files
+        names = ("files present", "sizes match meta", "idx files present", "idx entries == documents")
+        for k, name in enumerate(names):
+            bad = [(f[0].relative_to(out), p[k]) for f, p in zip(files, problems) if p[k] is not None]
+            where = (
+                f"{len(bad)} of {len(files):,} files, e.g. {bad[0][0]}: {bad[0][1]}" if bad else f"{len(files):,} files"
+            )
+            if not check(f"{split}: {name}", not bad, where):
+                return
     parts = _parts(out, split, info, check)
     if parts is None:
         return
-    tokens = np.memmap(path, dtype=dtype, mode="r") if n else np.zeros(0, dtype)
-    ends = np.memmap(idx_path, dtype=IDX_DTYPE, mode="r") if docs_expected else np.zeros(0, IDX_DTYPE)
-    with open(path, "rb") as f, ThreadPoolExecutor(jobs) as pool:
-        scans = list(
-            pool.map(
-                lambda group: _scan_parts(f.fileno(), tokens, ends, group, dtype, eos_id, bos_id),
-                _groups(parts, dtype.itemsize, jobs),
-            )
-        )
+    if len(files) == 1:
+        jobs_parts = [(files[0], group) for group in _groups(parts, dtype.itemsize, jobs)]
+    else:  # each part in a file of its own, from its first token
+        jobs_parts = [(f, [replace(part, token_offset=0, doc_offset=0)]) for f, part in zip(files, parts)]
+    with ThreadPoolExecutor(jobs) as pool:
+        scans = list(pool.map(lambda job: _scan_file(*job, dtype, eos_id, bos_id), jobs_parts))
     bad_bin = [name for s in scans for name in s.bad_bin]
     bad_idx = [name for s in scans for name in s.bad_idx]
     if any(r.record["sha256"] for r in parts):
@@ -285,15 +265,51 @@ def _verify_split(
         )
     increasing = all(s.increasing for s in scans)
     check(f"{split}: idx strictly increasing", increasing)
-    last = int(ends[-1]) if docs_expected else 0
-    check(f"{split}: idx ends at token count", last == n, f"last end {last:,}, tokens {n:,}")
-    if increasing and last == n and docs_expected:
+    short = [s.end for s in scans if s.end[0] != s.end[1]]
+    last, n = short[0] if short else (scans[-1].end if scans else (0, 0))
+    check(f"{split}: idx ends at token count", not short, f"last end {last:,}, tokens {n:,}")
+    if increasing and not short and docs_expected:
         if eos_written:
             not_ended = sum(s.not_eos_ended for s in scans)
             check(f"{split}: every document ends with EOS", not not_ended, f"{not_ended} do not")
         if bos_id is not None:
             not_started = sum(s.not_bos_started for s in scans)
             check(f"{split}: every document starts with BOS", not not_started, f"{not_started} do not")
+
+
+def _file_problems(path: Path, idx_path: Path, tokens: int, documents: int, dtype: np.dtype) -> list[str | None]:
+    """What is wrong with one file of a split and its index, check by check (None: holds); after the
+    first problem the rest are not looked at."""
+    if not path.is_file():
+        return [str(path), None, None, None]
+    size = path.stat().st_size
+    if size != tokens * dtype.itemsize:
+        widths = ("uint16", "uint32", "int32", "int64")
+        other = next((d for d in widths if d != dtype.name and size == tokens * np.dtype(d).itemsize), None)
+        if size == 0:
+            detail = f"the file is empty; meta says {tokens:,} tokens"
+        elif other:
+            detail = f"{size:,} bytes hold {tokens:,} tokens of {other}, but meta says dtype {dtype.name}"
+        elif size % dtype.itemsize:
+            detail = f"{size:,} bytes is not a whole number of {dtype.name} tokens: the file was cut"
+        else:
+            detail = f"file {size // dtype.itemsize:,} tokens, meta {tokens:,}"
+        return [None, detail, None, None]
+    if not idx_path.is_file():
+        return [None, None, str(idx_path), None]
+    idx_size = idx_path.stat().st_size
+    entries = None if idx_size == 8 * documents else f"{idx_size / 8:,.0f} entries, {documents:,} documents"
+    return [None, None, None, entries]
+
+
+def _scan_file(file: tuple[Path, Path, int, int], parts: list[Part], dtype, eos_id, bos_id) -> PartScan:
+    path, idx_path, n, documents = file
+    tokens = np.memmap(path, dtype=dtype, mode="r") if n else np.zeros(0, dtype)
+    ends = np.memmap(idx_path, dtype=IDX_DTYPE, mode="r") if documents else np.zeros(0, IDX_DTYPE)
+    with open(path, "rb") as f:
+        scan = _scan_parts(f.fileno(), tokens, ends, parts, dtype, eos_id, bos_id)
+    scan.end = (int(ends[-1]) if documents else 0, n)
+    return scan
 
 
 def _where(names: list[str], parts: list[Part]) -> str:
@@ -310,6 +326,7 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
 
     from tokpipe.layout import Checkpoint, sources, split_file_stem
     from tokpipe.manifest import load_manifest
+    from tokpipe.output import open_output
     from tokpipe.shard import held_out
     from tokpipe.source import read_batches
     from tokpipe.tokenizer import tokenizer_json_path
@@ -353,14 +370,12 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
         i = int(np.searchsorted(starts, doc, side="right")) - 1
         picks.setdefault(i, []).append((doc - int(starts[i]), population[i][3] + doc - int(starts[i])))
 
-    dtype = np.dtype(meta["dtype"])
+    data = open_output(out)
     results: dict[str, list[int]] = {}
     mismatches: dict[str, list[str]] = {}
     for i, docs in picks.items():
         split, shard, held, _, _ = population[i]
-        info = meta["splits"][split]
-        tokens = np.memmap(out / info["file"], dtype=dtype, mode="r")
-        ends = np.memmap(out / info["idx"], dtype=IDX_DTYPE, mode="r")
+        tokens, ends = data.splits[split].tokens, data.splits[split].ends
         needed = dict(docs)
         seen = 0  # documents of this part read so far
         for batch in read_batches(shard.path, meta["text_field"]):

@@ -147,7 +147,7 @@ def _tokenize(
         + (f" on {nodes} nodes" if nodes > 1 else "")
     )
     spec = opts.encode_spec(info, backend, read_ahead)
-    progress = Progress(out, manifest.size, plan.done_bytes, plan.shards)
+    progress = Progress(out, manifest.size, plan, np.dtype(info.dtype).itemsize)
     copies = Copies(assembler, out, np.dtype(info.dtype).itemsize, nodes)
     scheduler = Scheduler(manifest, out, spec, opts, workers, log)
     clock.planned = time.monotonic()
@@ -195,13 +195,20 @@ def _report_failures(
     return True
 
 
+def _where(out: Path, split: dict) -> str:
+    if "files" in split:  # --no-concat
+        n = len(split["files"])
+        return f"{n:,} file{'s' if n != 1 else ''} listed in {out / 'meta.json'}"
+    return str(out / split["file"])
+
+
 def _print_summary(meta: dict, out: Path, seconds: float, phases: str) -> None:
     for split, s in meta["splits"].items():
         skipped = sum(s["skipped"].values())
         why = ", ".join(f"{k} {v}" for k, v in s["skipped"].items())
         print(
             f"{split}: {s['tokens']:,} tokens, {s['documents']:,} documents, {skipped:,} lines "
-            f"skipped{' (' + why + ')' if why else ''} -> {out / s['file']}"
+            f"skipped{' (' + why + ')' if why else ''} -> {_where(out, s)}"
         )
     if meta["excluded"]:
         print(
@@ -240,8 +247,13 @@ def run(
                 f"{out} is already finished ({out / 'meta.json'}); nothing to do. Check it with: tokpipe verify {out}"
             )
             return RunSummary(True, {}, meta, 0, time.monotonic() - clock.start)
+        # Before the plan: it may find placed shards whose place is not kept, to tokenize again.
+        assembler = Assembler(out, manifest, np.dtype(info.dtype).itemsize, opts)
+        if assembler.lost:
+            what = f"{len(assembler.lost)} shards (e.g. {assembler.lost[0]})"
+            print(f"the split files changed before {what} whose own files were already removed: tokenizing them again")
+            log(f"tokenizing again: {', '.join(assembler.lost)}")
         plan = _plan(out, manifest, info, log, manifest_path)
-        assembler = Assembler(out, manifest, np.dtype(info.dtype).itemsize, opts.val_fraction)
         failed, resumed = {}, []
         try:
             if plan.done < plan.shards:

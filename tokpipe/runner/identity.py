@@ -32,6 +32,7 @@ def run_identity(manifest: Manifest, info: TokenizerInfo, opts: RunOptions) -> d
         "text_field": opts.text_field,
         "delimiters": opts.delimiters,
         "val_fraction": opts.val_fraction,
+        "concat": not opts.no_concat,
     }
 
 

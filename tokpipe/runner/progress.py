@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from tokpipe.durability import write_json_atomic
 from tokpipe.layout import PROGRESS, RUN_LOG, log_file
-from tokpipe.status import duration
+from tokpipe.status import disk_line, duration, free_bytes
 
 
 class RunLog:
@@ -36,9 +36,11 @@ class Progress:
     Also keeps OUT/logs/progress.json current, so `tokpipe status` can tell rate and ETA from files alone.
     """
 
-    def __init__(self, out: Path, total_bytes: int, done_bytes: int, shards: int, every: float = 30.0):
-        self.out, self.total, self.shards = out, total_bytes, shards
+    def __init__(self, out: Path, total_bytes: int, plan, itemsize: int, every: float = 30.0):
+        self.out, self.total, self.shards, self.itemsize = out, total_bytes, plan.shards, itemsize
+        done_bytes, self.done_before = plan.done_bytes, plan.done
         self.start_bytes, self.t0, self.started_at, self.every = done_bytes, time.monotonic(), time.time(), every
+        self.disk: dict | None = None  # the output's projected size, once a shard of this run is done
         self.last_line = self.last_file = 0.0
         self.read_this_run = 0
         self.bar = None
@@ -66,6 +68,8 @@ class Progress:
         self.read_this_run = read - self.start_bytes
         rate = file_bytes / elapsed
         eta = (self.total - read) / rate if rate > 0 else None
+        if self.disk is None and done > self.done_before and file_bytes and tokens:
+            self.disk = self._project_disk(file_bytes, tokens, read)
         failures = f" ({failed} FAILED)" if failed else ""
         rates = f"{documents:,} docs, {tokens / elapsed / 1e6:.2f}M tok/s"
         if self.bar is not None:
@@ -102,8 +106,21 @@ class Progress:
                     "tokens_per_s": tokens / elapsed,
                     "eta_s": eta,
                     "shards": {"total": self.shards, "done": done, "running": running, "failed": failed},
+                    "disk": self.disk,
                 },
             )
+
+    def _project_disk(self, file_bytes: int, tokens: int, read: int) -> dict:
+        """The output's size from the tokens per input byte so far, beside the free space of OUT's file
+        system; said once, when the first shard of this run is done, so that a disk too small is known
+        hours before it fills (a full disk stops the run; it resumes once space is freed)."""
+        disk = {
+            "projected_bytes": int(tokens / file_bytes * self.total * self.itemsize),
+            "to_write_bytes": int(tokens / file_bytes * (self.total - read) * self.itemsize),
+            "free_bytes": free_bytes(self.out),
+        }
+        print(disk_line(disk, tokens / file_bytes, self.total, self.itemsize), flush=True)
+        return disk
 
     def close(self) -> None:
         if self.bar is not None:

@@ -53,6 +53,10 @@ class Copies:
         self.bytes_by_node: Counter = Counter()
 
     def feed(self, excluded: frozenset[str] = frozenset()) -> None:
+        if not self.assembler.concat:  # --no-concat: nothing to copy, a part is listed as it is
+            parts = self.assembler.ready(excluded)
+            self.assembler.placed(parts, [p.record for p in parts])
+            return
         self.queue.extend(self.assembler.ready(excluded))
         while self.queue and len(self.running) < self.slots:
             batch, size, stem = [], 0, self.queue[0].stem
