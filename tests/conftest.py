@@ -131,7 +131,7 @@ def write_jsonl(path: Path, lines: list[bytes | str], compression: str = "none")
     return path
 
 
-def build_out(out: Path, tokenizer: Path, backend: str = "gigatoken", options=None) -> Path:
+def build_out(out: Path, tokenizer: Path, backend: str = "fastokens", options=None) -> Path:
     """OUT as `tokpipe run` leaves it (manifest.json, run.json, shards, split files, meta), built stage
     by stage without Ray."""
     from tokpipe.finalize import finalize

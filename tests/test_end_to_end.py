@@ -61,7 +61,7 @@ def test_run_reports_the_effective_vocab_and_a_summary(example_run):
         and "eos '<|endoftext|>' = 151643" in run.stdout
         and "dtype uint32" in run.stdout
     )
-    assert "3 shards" in run.stdout and "backend gigatoken" in run.stdout
+    assert "3 shards" in run.stdout and "backend fastokens" in run.stdout
     assert "train:" in run.stdout and "293 documents" in run.stdout
     assert "phases: plan" in run.stdout and "| tokenize" in run.stdout and "| finalize" in run.stdout
     assert (

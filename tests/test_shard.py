@@ -38,7 +38,9 @@ def read(out, shard, dtype):
     return np.fromfile(files.bin, dtype=dtype), np.fromfile(files.idx, dtype="<i8")
 
 
-@pytest.mark.parametrize("backend, read_ahead", [("gigatoken", False), ("gigatoken", True), ("hf", False)])
+@pytest.mark.parametrize(
+    "backend, read_ahead", [("fastokens", False), ("fastokens", True), ("gigatoken", False), ("hf", False)]
+)
 def test_qwen3_shard_is_the_reference_in_uint32(tmp_path, backend, read_ahead):
     result = tokenize_shard(HOLDOUT, tmp_path, spec_for(QWEN3, backend, read_ahead=read_ahead))
     tokens, ends = read(tmp_path, HOLDOUT, np.uint32)
