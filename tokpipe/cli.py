@@ -40,7 +40,7 @@ def _cmd_run(args) -> int:
     from tokpipe.runner.driver import run
 
     opts = RunOptions(**{f.name: getattr(args, f.name) for f in fields(RunOptions)})
-    summary = run(args.manifest, args.tokenizer, args.out, opts)
+    summary = run(args.manifest, args.tokenizer, args.out, opts, wait_for_ray=False)
     if not summary.finished:
         print(
             f"{len(summary.failed)} shards failed; the rest are kept. Fix the cause and rerun the same command "

@@ -222,8 +222,10 @@ def tokenize_shard(
     out: str | os.PathLike,
     spec: EncodeSpec,
     on_batch: Callable[[int, int, int], None] | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> ShardResult:
-    """Tokenize (the rest of) one shard. `on_batch(file_bytes, documents, tokens)` follows progress."""
+    """Tokenize (the rest of) one shard. `on_batch(file_bytes, documents, tokens)` follows progress;
+    `stop()`, asked after each batch, ends the shard early, checkpointed (its result not done)."""
     started = time.monotonic()
     files = ShardFiles.of(out, shard)
     files.bin.parent.mkdir(parents=True, exist_ok=True)
@@ -292,10 +294,14 @@ def tokenize_shard(
                 ckpt.skip_log.extend([line, reason] for line, reason in batch.skip_log[:room])
                 if on_batch is not None:
                     on_batch(source_read, len(batch.texts), tokens)
+                if stop is not None and stop():
+                    commit()
+                    break
                 if time.monotonic() - last_commit >= spec.checkpoint_interval:
                     commit()
                     last_commit = time.monotonic()
-            commit(done=True)
+            else:
+                commit(done=True)
         finally:
             for part in parts:
                 part.close()

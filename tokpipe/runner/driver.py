@@ -4,29 +4,27 @@ Ray while finished ones are copied into their split files, report failures, fina
 
 from __future__ import annotations
 
-import logging
 import os
 import stat
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-import ray
 
 from tokpipe.durability import write_json_atomic
-from tokpipe.errors import SourceError
+from tokpipe.errors import SourceError, UserError
 from tokpipe.finalize import Assembler, finalize
 from tokpipe.layout import FAILED, Checkpoint, load_meta_json, lock_out, log_file
 from tokpipe.manifest import Manifest, load_manifest, write_manifest
 from tokpipe.options import RunOptions
+from tokpipe.runner.cluster import Cluster
 from tokpipe.runner.identity import check_options, record_run
 from tokpipe.runner.progress import Progress, RunLog, Timeline
-from tokpipe.runner.schedule import Copies, Scheduler
-from tokpipe.shard import ShardResult
-from tokpipe.source import read_batches
+from tokpipe.runner.schedule import Copies, Scheduler, Tally, tokenize_while
+from tokpipe.source import fields_of, read_batches
 from tokpipe.tokenizer import TokenizerInfo, choose_backend, load_tokenizer_info
 
 SAMPLE_BYTES = 256 << 10  # of input per split, to prove the fast backend exact on this data (with HARD_CASES)
@@ -73,46 +71,30 @@ def _plan(out: Path, manifest: Manifest, info: TokenizerInfo, log: RunLog, manif
     return Plan(shards, done, partial, done_bytes)
 
 
-def _start_ray(opts: RunOptions) -> tuple[int, bool]:
-    """Join the cluster, or start an embedded local Ray; returns (shard tasks to run at once, read ahead).
-
-    With at least twice as many CPUs as tasks, a task takes 2 and reads its next batch on the second
-    while it encodes (EncodeSpec.read_ahead); Ray keeps that core free for it.
-    """
-    address = opts.address or os.environ.get("RAY_ADDRESS")
-    common = dict(logging_level=logging.ERROR, log_to_driver=False)
-    if address:
-        ray.init(address=address, **common)
-        cpus = int(ray.cluster_resources().get("CPU", 1))
-        widest = max((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]), default=0)
-    else:
-        cpus = widest = os.cpu_count() or 1
-    workers = opts.workers or cpus
-    read_ahead = 2 * workers <= cpus and widest >= 2
-    if not address:
-        # address="local": never attach to some other Ray instance that happens to run on this machine.
-        ray.init(
-            address="local",
-            num_cpus=workers * (2 if read_ahead else 1),
-            include_dashboard=False,
-            object_store_memory=128 << 20,
-            **common,
-        )
-    return workers, read_ahead
-
-
 def _sample_texts(manifest: Manifest, text_field: str) -> list[str]:
-    texts = []
+    """The first documents of each split's first shard: what the backend is checked on. Refuses, before
+    anything is tokenized, a --text-field that none of those shards has."""
+    texts, fields = [], Counter()
     for split in manifest.counts:
         path = next(manifest.shards(split)).path
         if not stat.S_ISREG(os.stat(path).st_mode):  # a pipe or device: reading could block the driver
             continue
         try:
-            first = next(read_batches(path, text_field, batch_bytes=SAMPLE_BYTES), None)
+            found = fields_of(path)
+            first = (
+                next(read_batches(path, text_field, batch_bytes=SAMPLE_BYTES), None) if text_field in found else None
+            )
         except SourceError:  # an unreadable first shard: its own task reports it
             continue
-        if first is not None:  # None: an empty shard
+        if text_field in found and first is not None:  # None: an empty shard
             texts += first.texts
+        fields.update(found)
+    if fields and text_field not in fields:
+        likely = max(fields, key=fields.get)
+        raise UserError(
+            f"no document has a {text_field!r} field in the first lines of each split's first shard; their fields:"
+            f" {', '.join(sorted(fields))}: pass --text-field NAME (e.g. --text-field {likely})"
+        )
     return texts
 
 
@@ -125,53 +107,51 @@ def _tokenize(
     log: RunLog,
     plan: Plan,
     clock: Timeline,
-) -> tuple[dict[str, str], list[ShardResult]]:
-    """Tokenize every unfinished shard on Ray, assembling the split files as shards finish; returns
-    (failures, shards that resumed). Ray is up when it returns: what finalize has left is the last copies."""
-    with ThreadPoolExecutor(1) as pool:
-        # The backend's self-check and Ray's start-up take seconds each: do them at the same time.
-        choice = pool.submit(choose_backend, opts.backend, info.path, _sample_texts(manifest, opts.text_field))
-        workers, read_ahead = _start_ray(opts)
-        backend, why = choice.result()
+    cluster: Cluster,
+) -> Tally:
+    """Tokenize every unfinished shard, assembling the split files as shards finish: in this process
+    while Ray starts, then on Ray. What finalize has left is the last copies."""
+    backend, why = choose_backend(opts.backend, info.path, _sample_texts(manifest, opts.text_field))
     print(f"backend {backend}: {why}")
     log(f"backend {backend}: {why}")
-    where = (
-        f"cluster {ray.get_runtime_context().gcs_address}"
-        if opts.address or os.environ.get("RAY_ADDRESS")
-        else "embedded local instance"
-    )
-    nodes = sum(1 for n in ray.nodes() if n["Alive"])
-    print(
-        f"ray: {where}, {workers} workers"
-        + (" (2 CPUs each: reading overlaps encoding)" if read_ahead else "")
-        + (f" on {nodes} nodes" if nodes > 1 else "")
-    )
-    spec = opts.encode_spec(info, backend, read_ahead)
+    cluster.warm(backend, info.path)
     progress = Progress(out, manifest.size, plan, np.dtype(info.dtype).itemsize)
-    copies = Copies(assembler, out, np.dtype(info.dtype).itemsize, nodes)
-    scheduler = Scheduler(manifest, out, spec, opts, workers, log)
+    tally = Tally(opts.worker_memory << 20)
     clock.planned = time.monotonic()
     try:
-        scheduler.run(progress, copies, plan.done)
+        spec = opts.encode_spec(info, backend)
+        busy = (lambda: not cluster.ready.is_set()) if not cluster.address else (lambda: False)
+        done = plan.done + tokenize_while(manifest, out, spec, busy, progress, tally, log)
+        if done < plan.shards:
+            shape = cluster.wait()
+            if shape.note:
+                print(shape.note)
+                log(shape.note)
+            both = " (2 CPUs each: reading overlaps encoding)" if shape.read_ahead else ""
+            nodes = f" on {shape.nodes} nodes" if shape.nodes > 1 else ""
+            print(f"ray: {shape.where}, {shape.workers} workers{both}{nodes}")
+            spec = opts.encode_spec(info, backend, shape.read_ahead)
+            copies = Copies(assembler, out, np.dtype(info.dtype).itemsize, shape.nodes)
+            Scheduler(manifest, out, spec, opts, shape.workers, log, tally).run(progress, copies, done)
+            clock.assembled_bytes = sum(copies.bytes_by_node.values())
+            # Failed shards block their split's assembly; with --skip-failed it goes on without them.
+            copies.drain(frozenset(tally.failed) if opts.skip_failed else frozenset())
+            if shape.nodes > 1:
+                by_node = copies.bytes_by_node.most_common()
+                log("assembled by node: " + ", ".join(f"{node[:8]} {size / 1e6:,.1f} MB" for node, size in by_node))
+        else:
+            print("ray: not needed, every shard was tokenized here while it started")
+            progress.update(0, 0, 0, done=done, running=0, failed=0, final=True)
     finally:
         progress.close()
     clock.tokenized = time.monotonic()
     clock.read_bytes = progress.read_this_run
-    clock.assembled_bytes = sum(copies.bytes_by_node.values())
-    # Failed shards block their split's assembly; with --skip-failed it goes on without them.
-    copies.drain(frozenset(scheduler.failed) if opts.skip_failed else frozenset())
-    if nodes > 1:
-        log(
-            "assembled by node: "
-            + ", ".join(f"{node[:8]} {size / 1e6:,.1f} MB" for node, size in copies.bytes_by_node.most_common())
-        )
-    return scheduler.failed, scheduler.resumed
+    return tally
 
 
-def _report_failures(
-    out: Path, failed: dict[str, str], resumed: list[ShardResult], opts: RunOptions, log: RunLog
-) -> bool:
+def _report_failures(out: Path, tally: Tally, opts: RunOptions, log: RunLog) -> bool:
     """Say what resumed and what failed; returns whether to finalize."""
+    failed, resumed = tally.failed, tally.resumed
     if resumed:
         kept, redone = sum(r.resumed_tokens for r in resumed), sum(r.redone_tokens for r in resumed)
         print(
@@ -202,7 +182,7 @@ def _where(out: Path, split: dict) -> str:
     return str(out / split["file"])
 
 
-def _print_summary(meta: dict, out: Path, seconds: float, phases: str) -> None:
+def _print_summary(meta: dict, out: Path, seconds: float, phases: str, tally: Tally, text_field: str) -> None:
     for split, s in meta["splits"].items():
         skipped = sum(s["skipped"].values())
         why = ", ".join(f"{k} {v}" for k, v in s["skipped"].items())
@@ -214,6 +194,12 @@ def _print_summary(meta: dict, out: Path, seconds: float, phases: str) -> None:
         print(
             f"EXCLUDED {len(meta['excluded'])} failed shards (recorded in meta['excluded']): "
             f"{', '.join(meta['excluded'])}"
+        )
+    if tally.lacking:
+        shard, missing, lines = tally.lacking[0]
+        print(
+            f"NOTE: {len(tally.lacking)} shards have no {text_field!r} field on most lines (e.g. {shard}: {missing:,}"
+            f" of {lines:,} lines): is --text-field right for them?"
         )
     tokens = sum(s["tokens"] for s in meta["splits"].values())
     print(phases)
@@ -228,15 +214,25 @@ def run(
     tokenizer: str | os.PathLike,
     out: str | os.PathLike,
     opts: RunOptions = RunOptions(),
+    *,
+    wait_for_ray: bool = True,
 ) -> RunSummary:
+    """`wait_for_ray=False` (the CLI, whose process exits next): Ray's processes are killed at the end
+    instead of shut down (1.4 s here), and the caller must exit without Ray's own exit handler."""
     clock = Timeline(time.monotonic())
+    cluster = Cluster(opts)  # Ray starts now, while the driver plans
+    try:
+        return _run(manifest_path, tokenizer, Path(out), opts, clock, cluster)
+    finally:
+        cluster.stop(wait=wait_for_ray)
+
+
+def _run(manifest_path, tokenizer, out: Path, opts: RunOptions, clock: Timeline, cluster: Cluster) -> RunSummary:
     manifest = load_manifest(manifest_path)
     info = load_tokenizer_info(tokenizer, opts.eos, opts.bos_token)
     check_options(opts, info, tokenizer)
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    lock = lock_out(out)
-    try:
+    with lock_out(out):
         record_run(out, manifest, info, opts)
         write_manifest(manifest, out / "manifest.json")  # what `verify --sample` and `status` read
         manifest = replace(manifest, source=out / "manifest.json")  # from here on, its shards stream from OUT's copy
@@ -254,21 +250,16 @@ def run(
             print(f"the split files changed before {what} whose own files were already removed: tokenizing them again")
             log(f"tokenizing again: {', '.join(assembler.lost)}")
         plan = _plan(out, manifest, info, log, manifest_path)
-        failed, resumed = {}, []
-        try:
-            if plan.done < plan.shards:
-                failed, resumed = _tokenize(manifest, out, info, opts, assembler, log, plan, clock)
-            redone = sum(r.redone_tokens for r in resumed)
-            if not _report_failures(out, failed, resumed, opts, log):
-                return RunSummary(False, failed, None, redone, time.monotonic() - clock.start)
-            meta = finalize(out, manifest, info, opts, failed, assembler)
-            seconds = time.monotonic() - clock.start
-            phases = clock.report(time.monotonic(), meta)
-            _print_summary(meta, out, seconds, phases)
-            log(phases)
-            log(f"finished: {sum(s['tokens'] for s in meta['splits'].values()):,} tokens in {seconds:.1f}s")
-            return RunSummary(True, failed, meta, redone, seconds)
-        finally:
-            ray.shutdown()  # after the summary: the run is done before Ray's stop (~1.3 s here) is paid
-    finally:
-        lock.close()
+        tally = Tally(opts.worker_memory << 20)
+        if plan.done < plan.shards:
+            tally = _tokenize(manifest, out, info, opts, assembler, log, plan, clock, cluster)
+        redone = sum(r.redone_tokens for r in tally.resumed)
+        if not _report_failures(out, tally, opts, log):
+            return RunSummary(False, tally.failed, None, redone, time.monotonic() - clock.start)
+        meta = finalize(out, manifest, info, opts, tally.failed, assembler)
+        seconds = time.monotonic() - clock.start
+        phases = clock.report(time.monotonic(), meta)
+        _print_summary(meta, out, seconds, phases, tally, opts.text_field)
+        log(phases)
+        log(f"finished: {sum(s['tokens'] for s in meta['splits'].values()):,} tokens in {seconds:.1f}s")
+        return RunSummary(True, tally.failed, meta, redone, seconds)

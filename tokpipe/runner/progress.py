@@ -41,6 +41,7 @@ class Progress:
         done_bytes, self.done_before = plan.done_bytes, plan.done
         self.start_bytes, self.t0, self.started_at, self.every = done_bytes, time.monotonic(), time.time(), every
         self.disk: dict | None = None  # the output's projected size, once a shard of this run is done
+        self.base = [0, 0, 0]  # file bytes, documents, tokens of this run before its Ray tasks (the driver's)
         self.last_line = self.last_file = 0.0
         self.read_this_run = 0
         self.bar = None
@@ -60,6 +61,7 @@ class Progress:
     def update(
         self, file_bytes: int, documents: int, tokens: int, done: int, running: int, failed: int, final: bool = False
     ) -> None:
+        file_bytes, documents, tokens = (a + b for a, b in zip(self.base, (file_bytes, documents, tokens)))
         now = time.monotonic()
         elapsed = max(now - self.t0, 1e-9)
         # Workers report the compressed bytes they have read, and a shard's last report may miss the

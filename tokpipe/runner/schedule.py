@@ -9,9 +9,13 @@ nothing for `stall_timeout` seconds (the worker dumps its stacks to OUT/logs fir
 
 from __future__ import annotations
 
+import os
+import stat
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
@@ -23,7 +27,7 @@ from tokpipe.manifest import Manifest, Shard
 from tokpipe.options import RunOptions
 from tokpipe.runner.progress import Progress, RunLog
 from tokpipe.runner.task import ProgressBoard, copy_task, shard_task
-from tokpipe.shard import EncodeSpec, ShardResult
+from tokpipe.shard import EncodeSpec, ShardResult, tokenize_shard
 
 POLL_EVERY = 0.5  # seconds between looks at progress and stalls
 
@@ -103,8 +107,10 @@ class Scheduler:
     list), checkpoints read again at that moment: a shard a leftover worker finished meanwhile is skipped.
     """
 
-    def __init__(self, manifest: Manifest, out: Path, spec: EncodeSpec, opts: RunOptions, workers: int, log: RunLog):
-        self.out, self.spec, self.opts, self.workers, self.log = out, spec, opts, workers, log
+    def __init__(
+        self, manifest: Manifest, out: Path, spec: EncodeSpec, opts: RunOptions, workers: int, log: RunLog, tally: Tally
+    ):
+        self.out, self.spec, self.opts, self.workers, self.log, self.tally = out, spec, opts, workers, log, tally
         # One task name for all: the driver keeps state per distinct name (~1.8 MiB per 1k names, measured).
         self.task = ray.remote(
             num_cpus=2 if spec.read_ahead else 1,
@@ -117,12 +123,11 @@ class Scheduler:
         self.unfinished = (shard for shard in manifest.shards() if not _finished(out, shard))
         self.stalled: deque = deque()  # (shard, stall retries) cancelled for a stall, to submit again
         self.running: dict = {}  # ObjectRef -> (shard, stall retries, submitted at)
-        self.failed: dict[str, str] = {}
-        self.resumed: list[ShardResult] = []
+        self.failed = tally.failed
         self.totals, self.beats = [0, 0, 0], {}  # the board's last snapshot
 
     def run(self, progress: Progress, copies: Copies, done: int) -> None:
-        """`done`: shards finished before this run, for the progress counts."""
+        """`done`: shards finished before (this run's Ray tasks), for the progress counts."""
         last_look = 0.0  # when progress and stalls were last looked at
         copies.feed()  # what earlier runs finished and did not place
         while True:
@@ -170,16 +175,7 @@ class Scheduler:
             self.log(f"shard {shard.relpath} FAILED: {self.failed[shard.relpath]}")
             return 0
         assembler.done(shard, result.checkpoint)
-        if result.resumed_tokens or result.redone_tokens:
-            self.resumed.append(result)
-            self.log(
-                f"shard {shard.relpath}: resumed at {result.resumed_tokens:,} tokens, redid {result.redone_tokens:,}"
-            )
-        if result.encoder_resets:
-            self.log(
-                f"shard {shard.relpath}: encoder cache dropped {result.encoder_resets} times to stay under "
-                f"{self.spec.memory_limit >> 20} MiB"
-            )
+        self.tally.add(shard, result, self.log)
         return 1
 
     def _cancel_stalled(self, now: float) -> None:
@@ -203,6 +199,59 @@ class Scheduler:
             self.totals, self.beats = ray.get(self.board.snapshot.remote(), timeout=30)
         except ray.exceptions.RayError:  # board restarting: keep the last view; stall clocks run from submission
             pass
+
+
+@dataclass
+class Tally:
+    """What became of the shards this run worked on."""
+
+    memory_limit: int  # of a worker, for the log
+    failed: dict[str, str] = field(default_factory=dict)  # shard relpath -> last error
+    resumed: list[ShardResult] = field(default_factory=list)  # shards that went on from a checkpoint
+    lacking: list[tuple[str, int, int]] = field(default_factory=list)  # (shard, lines without the text, lines)
+
+    def add(self, shard: Shard, result: ShardResult, log: RunLog) -> None:
+        ckpt = result.checkpoint
+        if result.resumed_tokens or result.redone_tokens:
+            self.resumed.append(result)
+            log(f"shard {shard.relpath}: resumed at {result.resumed_tokens:,} tokens, redid {result.redone_tokens:,}")
+        if result.encoder_resets:
+            log(
+                f"shard {shard.relpath}: encoder cache dropped {result.encoder_resets} times to stay under "
+                f"{self.memory_limit >> 20} MiB"
+            )
+        if 2 * ckpt.skipped.get("no_text", 0) > ckpt.lines:
+            self.lacking.append((shard.relpath, ckpt.skipped["no_text"], ckpt.lines))
+
+
+def tokenize_while(
+    manifest: Manifest, out: Path, spec: EncodeSpec, busy: Callable[[], bool], progress: Progress, tally: Tally, log
+) -> int:
+    """Tokenize shards in this process while `busy()` (Ray starting): each shard stops at its next batch
+    once Ray is up, checkpointed, and a worker goes on from there. Returns the shards finished.
+
+    Ray's start takes seconds that the driver would otherwise wait through; a corpus of a few small
+    shards is done before it is up. Only regular files: a pipe could block the driver, which alone
+    watches for stalls."""
+    done, totals = 0, [0, 0, 0]
+
+    def on_batch(file_bytes: int, documents: int, tokens: int) -> None:
+        totals[0] += file_bytes
+        totals[1] += documents
+        totals[2] += tokens
+        progress.update(*totals, done=progress.done_before + done, running=1, failed=0)
+
+    for shard in manifest.shards():
+        if not busy():
+            break
+        if _finished(out, shard) or not stat.S_ISREG(os.stat(shard.path).st_mode):
+            continue
+        result = tokenize_shard(shard, out, spec, on_batch, stop=lambda: not busy())
+        if result.checkpoint.done:
+            done += 1
+            tally.add(shard, result, log)
+    progress.base = totals
+    return done
 
 
 def _describe_failure(error: Exception) -> str:

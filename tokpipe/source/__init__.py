@@ -7,10 +7,11 @@ batch.py, the one place where a line becomes a document, a counted skip or a cou
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 
 from tokpipe.source.batch import Batch
-from tokpipe.source.jsonl import GZIP_MAGIC, ZSTD_MAGIC, read_jsonl_batches
+from tokpipe.source.jsonl import GZIP_MAGIC, ZSTD_MAGIC, jsonl_fields, read_jsonl_batches
 
 PARQUET_MAGIC = b"PAR1"
 
@@ -26,6 +27,17 @@ def format_of(path: str) -> str:
     if head.startswith(PARQUET_MAGIC):
         return "parquet"
     return "none"
+
+
+def fields_of(path: str) -> Counter:
+    """The fields documents of this shard have, each weighted by how much text it holds in the first
+    lines (JSONL), or the columns (Parquet, string columns weighing more): what --text-field can name."""
+    kind = format_of(path)
+    if kind == "parquet":
+        from tokpipe.source.parquet import parquet_fields
+
+        return parquet_fields(path)
+    return jsonl_fields(path, kind)
 
 
 def read_batches(

@@ -176,6 +176,21 @@ def _parse(lines: list, first_line_no: int, text_field: str, batch: Batch) -> No
             batch.skip(first_line_no + i + 1, doc[1])
 
 
+def jsonl_fields(path: str, kind: str, sample_bytes: int = 1 << 20) -> Counter:
+    """Keys of the JSON objects in the first `sample_bytes` of the shard, by the characters of text they hold."""
+    fields = Counter()
+    for lines, _, _ in _lines(decompressed_blocks(path, kind, sample_bytes), sample_bytes):
+        for line in lines[:-1] if len(lines) > 1 else lines:  # the last may be cut by the sample's end
+            try:
+                obj = orjson.loads(line)
+            except (orjson.JSONDecodeError, TypeError):
+                continue
+            if isinstance(obj, dict):
+                fields.update({key: 1 + (len(value) if isinstance(value, str) else 0) for key, value in obj.items()})
+        break
+    return fields
+
+
 def read_jsonl_batches(
     path: str, kind: str, text_field: str, start_line: int, start_offset: int, batch_bytes: int, max_line_bytes: int
 ) -> Iterator[Batch]:

@@ -17,6 +17,7 @@ consumed (its offset the same number), and the footer's row counts per row group
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterator
 
 import pyarrow as pa
@@ -108,6 +109,11 @@ def _parse(values: pa.Array, first_row: int, max_text_bytes: int, batch: Batch) 
         batch.skip(first_row + i + 1, reason)
     batch.lines += len(texts)
     batch.text_bytes += sum(sizes)
+
+
+def parquet_fields(path: str) -> Counter:
+    with _open(path) as parquet:
+        return Counter({f.name: 2 if f.type in TEXT_TYPES else 1 for f in parquet.schema_arrow})
 
 
 def read_parquet_batches(

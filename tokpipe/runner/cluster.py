@@ -1,0 +1,219 @@
+"""Ray for one run: how many workers fit, started at once in a thread so that the driver plans (and
+tokenizes) meanwhile, workers that load the encoder before their first shard, and a stop that does
+not wait for what need not be waited for.
+
+Measured here (2 vCPUs): `ray.init` of an embedded instance 2.5-5 s, `ray.shutdown` 1.4 s, a
+worker's first task 0.4-0.6 s, loading the fast encoder in a worker 0.8-1.2 s.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import logging
+import math
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+
+from tokpipe.options import RunOptions
+from tokpipe.tokenizer import encoder
+
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+
+
+def available_cpus() -> int:
+    """The CPUs this process may use: its affinity and its cgroup's quota (what Slurm and containers
+    set), not os.cpu_count(), which counts the machine's."""
+    cpus = len(os.sched_getaffinity(0))
+    quota = _cgroup("cpu.max", "cpu.cfs_quota_us")
+    if quota and quota[0] not in ("max", "-1"):
+        period = quota[1] if len(quota) > 1 else (_cgroup("cpu.cfs_period_us", "cpu.cfs_period_us") or ["100000"])[0]
+        cpus = min(cpus, max(1, math.ceil(int(quota[0]) / int(period))))
+    return cpus
+
+
+def available_memory() -> int:
+    """Bytes the run's processes may use: the machine's memory, or less where the cgroup limits it;
+    95% of it, where Ray's memory monitor starts killing workers."""
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemTotal:"))
+    limit = _cgroup("memory.max", "memory.limit_in_bytes")
+    if limit and limit[0].isdigit():
+        total = min(total, int(limit[0]))
+    return int(total * 0.95)
+
+
+def _cgroup(v2: str, v1: str) -> list[str] | None:
+    for path in (Path("/sys/fs/cgroup") / v2, Path("/sys/fs/cgroup/cpu") / v1, Path("/sys/fs/cgroup/memory") / v1):
+        try:
+            return path.read_text().split()
+        except OSError:
+            continue
+    return None
+
+
+def fit_workers(asked: int | None, cpus: int, memory: int, worker_memory_mib: int, where: str) -> tuple[int, str]:
+    """(workers to run, what to tell the user): at most one per CPU, and as many as their memory
+    budget lets fit; `where` names what the CPUs and memory are of."""
+    workers = asked or cpus
+    notes = []
+    if workers > cpus:
+        notes.append(f"--workers {workers} is more than the {cpus} CPUs {where}: running {cpus}")
+        workers = cpus
+    fit = max(1, memory // (worker_memory_mib << 20))
+    if workers > fit:
+        notes.append(
+            f"{workers} workers x --worker-memory {worker_memory_mib} MiB would exceed the {memory / 2**30:,.1f} GiB"
+            f" Ray can use {where}: running {fit}"
+        )
+        workers = fit
+    return workers, "; ".join(notes)
+
+
+@ray.remote(num_cpus=1)
+def _load_encoder(backend: str, tokenizer_json: str) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    encoder(backend, tokenizer_json)
+
+
+@dataclass
+class Shape:
+    """What the started Ray gives this run."""
+
+    workers: int  # shard tasks at once
+    read_ahead: bool  # a task takes 2 CPUs and reads its next batch on the second while it encodes
+    nodes: int
+    where: str  # for the "ray:" line
+    note: str  # why fewer workers than asked, if so
+
+
+class Cluster:
+    """Ray for this run, started in a thread at once: `ready` is set when it is up (or failed to start).
+
+    With at least twice as many CPUs as tasks, a task takes 2 and reads its next batch on the second
+    while it encodes (EncodeSpec.read_ahead); Ray keeps that core free for it.
+    """
+
+    def __init__(self, opts: RunOptions):
+        self.opts = opts
+        self.address = opts.address or os.environ.get("RAY_ADDRESS")
+        self.ready = threading.Event()
+        self.shape: Shape | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._warm: tuple[str, str] | None = None  # (backend, tokenizer) to load in every worker, once known
+        if not self.address:
+            # Processes Ray starts and then orphans (its agents, when the raylet dies) come back to this
+            # process, not to init: stop() finds them all.
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
+        self._thread = threading.Thread(target=self._start, name="tokpipe ray start", daemon=True)
+        self._thread.start()
+
+    def _start(self) -> None:
+        try:
+            common = dict(logging_level=logging.ERROR, log_to_driver=False)
+            if self.address:
+                ray.init(address=self.address, **common)
+                alive = [n for n in ray.nodes() if n["Alive"]]
+                cpus = int(ray.cluster_resources().get("CPU", 1))
+                widest = max((n["Resources"].get("CPU", 0) for n in alive), default=0)
+                memory = int(sum(n["Resources"].get("memory", 0) for n in alive))
+                workers, note = fit_workers(self.opts.workers, cpus, memory, self.opts.worker_memory, "of the cluster")
+                where = f"cluster {ray.get_runtime_context().gcs_address}"
+            else:
+                cpus = widest = available_cpus()
+                workers, note = fit_workers(
+                    self.opts.workers, cpus, available_memory(), self.opts.worker_memory, "this process may use"
+                )
+                read_ahead = 2 * workers <= cpus and widest >= 2
+                # address="local": never attach to some other Ray instance that happens to run on this machine.
+                ray.init(
+                    address="local",
+                    num_cpus=workers * (2 if read_ahead else 1),
+                    include_dashboard=False,
+                    object_store_memory=128 << 20,
+                    **common,
+                )
+                alive = [n for n in ray.nodes() if n["Alive"]]
+                where = "embedded local instance"
+            self.shape = Shape(workers, 2 * workers <= cpus and widest >= 2, len(alive), where, note)
+            with self._lock:
+                self.ready.set()
+                warm = self._warm
+            if warm:
+                self._load_in_workers(*warm)
+        except BaseException as e:  # handed to the driver's thread by wait()
+            self._error = e
+            self.ready.set()
+
+    def warm(self, backend: str, tokenizer_json: str) -> None:
+        """Have every worker load the encoder now, before its first shard (at once if Ray is up, else
+        as soon as it is)."""
+        with self._lock:
+            self._warm = (backend, tokenizer_json)
+            up = self.ready.is_set() and self.shape is not None
+        if up:
+            self._load_in_workers(backend, tokenizer_json)
+
+    def _load_in_workers(self, backend: str, tokenizer_json: str) -> None:
+        # Fire and forget: the shard tasks queue behind these on the same workers.
+        for _ in range(self.shape.workers):
+            _load_encoder.remote(backend, tokenizer_json)
+
+    def wait(self) -> Shape:
+        self.ready.wait()
+        if self._error is not None:
+            raise self._error
+        return self.shape
+
+    def stop(self, wait: bool = True) -> None:
+        """With `wait`, Ray's own shutdown (~1.4 s here; what a Python caller of tokpipe.run gets, whose
+        process goes on). Without, for a process about to exit with its work durable: every process
+        this one started (Ray's and its workers) is killed at once."""
+        if wait:
+            self._thread.join()
+            ray.shutdown()
+            return
+        # Until two looks find none: Ray may still be starting, and a process it started just before
+        # its parent was killed comes back to this one (the subreaper), not to init.
+        quiet = 0
+        while quiet < 2:
+            pids = _descendants(os.getpid())
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            quiet = 0 if pids else quiet + 1
+            time.sleep(0.02)
+            with contextlib.suppress(ChildProcessError):
+                while os.waitpid(-1, os.WNOHANG)[0]:  # collect the children that died
+                    pass
+        # Ray's exit handler would shut down what is gone; the process exits without it.
+        atexit.unregister(ray.shutdown)
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                stat = Path(entry.path, "stat").read_text()
+            except OSError:
+                continue
+            state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]  # the name in parentheses may hold spaces
+            if state != "Z":  # dead already, its parent yet to collect it
+                children.setdefault(int(ppid), []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
