@@ -17,7 +17,7 @@ import numpy as np
 import ray
 
 from tokpipe.durability import write_json_atomic
-from tokpipe.errors import SourceError
+from tokpipe.errors import SourceError, hold_sigterm, terminate_on_sigterm
 from tokpipe.finalize import Assembler, finalize
 from tokpipe.layout import FAILED, Checkpoint, load_meta_json, lock_out, log_file
 from tokpipe.manifest import Manifest, load_manifest, write_manifest
@@ -79,6 +79,9 @@ def _start_ray(opts: RunOptions) -> tuple[int, bool]:
     With at least twice as many CPUs as tasks, a task takes 2 and reads its next batch on the second
     while it encodes (EncodeSpec.read_ahead); Ray keeps that core free for it.
     """
+    # ray.init would install SIGTERM handlers that exit halfway through its start, leaving its agents
+    # running: a SIGTERM then is held, and raised once Ray is up (tokpipe's stop shuts Ray down, exit 143).
+    ray._private.utils.set_sigterm_handler = hold_sigterm
     address = opts.address or os.environ.get("RAY_ADDRESS")
     common = dict(logging_level=logging.ERROR, log_to_driver=False)
     if address:
@@ -98,6 +101,7 @@ def _start_ray(opts: RunOptions) -> tuple[int, bool]:
             object_store_memory=128 << 20,
             **common,
         )
+    terminate_on_sigterm()  # over the C++ handler Ray's core worker installed (it prints a stack, exits 1)
     return workers, read_ahead
 
 
@@ -231,7 +235,7 @@ def run(
 ) -> RunSummary:
     clock = Timeline(time.monotonic())
     manifest = load_manifest(manifest_path)
-    info = load_tokenizer_info(tokenizer, opts.eos, opts.bos_token)
+    info = load_tokenizer_info(tokenizer, opts.eos, opts.bos_token, opts.tokenizer_revision)
     check_options(opts, info, tokenizer)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
