@@ -1,4 +1,5 @@
-"""tokpipe: a parallel, resumable tokenization pipeline for LLM pretraining data.
+"""tokpipe: a parallel, resumable tokenization pipeline for LLM pretraining data: JSONL, zstd- or
+gzip-compressed JSONL, Parquet (a Hugging Face cache or a plain folder) into flat token files.
 
 The Python API mirrors the commands:
 

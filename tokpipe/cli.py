@@ -1,7 +1,8 @@
 """`tokpipe` command line: argument parsing, messages, exit codes — nothing else.
 
 Exit codes: 0 success; 1 the work failed (a shard failed, a verify check failed); 2 bad usage or input
-(one readable line, no traceback); 130 interrupted.
+(one readable line, no traceback); 130 interrupted (Ctrl-C); 143 terminated (SIGTERM, as Slurm, Kubernetes
+and systemd stop a job).
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 from tokpipe._version import __version__
-from tokpipe.errors import UserError
+from tokpipe.errors import UserError, terminate_on_sigterm, terminated
 from tokpipe.options import RunOptions, positive
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 
 
 def _cmd_manifest(args) -> int:
@@ -107,7 +108,11 @@ def _add_options(p: argparse.ArgumentParser) -> None:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="tokpipe", description="Parallel, resumable tokenization of JSONL corpora into flat token files."
+        prog="tokpipe",
+        description="Parallel, resumable tokenization of pretraining corpora into flat token files\n"
+        "a trainer memory-maps. Reads JSONL, zstd- or gzip-compressed JSONL, Parquet:\n"
+        "shards in a Hugging Face cache or a plain folder.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"tokpipe {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -126,7 +131,12 @@ def parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="tokenize a manifest into OUT (rerun the same command to resume)")
     r.add_argument("--manifest", required=True)
-    r.add_argument("--tokenizer", required=True, help="local tokenizer folder or tokenizer.json (never downloaded)")
+    r.add_argument(
+        "--tokenizer",
+        required=True,
+        help="local tokenizer folder or tokenizer.json, or a hub name ORG/NAME already in the Hugging Face cache "
+        "(never downloaded)",
+    )
     r.add_argument("--out", required=True)
     _add_options(r)
     r.set_defaults(func=_cmd_run)
@@ -179,6 +189,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    terminate_on_sigterm()  # SIGTERM stops any command as Ctrl-C does (the run keeps it so while Ray starts)
     try:
         return args.func(args)
     except UserError as e:
@@ -187,7 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # disk full, permissions, a vanished mount: the cause is outside tokpipe
         print(f"tokpipe {args.command}: error: {e}; fix the cause and rerun the same command", file=sys.stderr)
         return EXIT_FAILED
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        if terminated(e):
+            print(f"tokpipe {args.command}: terminated (SIGTERM); rerun the same command to resume", file=sys.stderr)
+            return EXIT_TERMINATED
         print(f"tokpipe {args.command}: interrupted; rerun the same command to resume", file=sys.stderr)
         return EXIT_INTERRUPTED
 

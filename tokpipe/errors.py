@@ -1,4 +1,7 @@
-"""Errors that reach the user as one readable line instead of a traceback."""
+"""Errors that reach the user as one readable line instead of a traceback; SIGTERM as one of them."""
+
+import signal
+import threading
 
 
 class UserError(Exception):
@@ -7,3 +10,48 @@ class UserError(Exception):
 
 class SourceError(Exception):
     """A shard's bytes cannot be read to the end (truncated or corrupt download). Names file and place."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (how Slurm, Kubernetes and systemd stop a job before they kill it): stopped as Ctrl-C
+    stops a run, through the same path (checkpoints kept, Ray shut down, one line). Exit code 143."""
+
+
+_received = threading.Event()  # a SIGTERM came, at any time
+_held = threading.Event()  # one came while Ray was starting, not raised yet
+
+
+def _terminate(signum, frame):
+    _received.set()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one is enough: a second must not cut the cleanup short
+    raise Terminated()
+
+
+def _hold(signum, frame):
+    _received.set()
+    _held.set()
+
+
+def terminate_on_sigterm() -> None:
+    """Make SIGTERM raise Terminated in the main thread, as SIGINT raises KeyboardInterrupt; raise it
+    now if one was held while Ray started (`hold_sigterm`)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
+        if _held.is_set():
+            _held.clear()
+            raise Terminated()
+
+
+def hold_sigterm(_ray_handler=None) -> None:
+    """Note a SIGTERM without raising it (Ray's start is not to be cut in the middle: its agents
+    would outlive the run); `terminate_on_sigterm` raises it once Ray is up. Takes the place of Ray's
+    `set_sigterm_handler` in the driver, so that `ray.init` does not install its own handlers
+    (sys.exit, then one that exits 1)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _hold)
+
+
+def terminated(interrupt: KeyboardInterrupt) -> bool:
+    """Whether an interrupt is a SIGTERM's: Ray's waits turn an exception that a signal handler raises
+    into a plain KeyboardInterrupt, so what the handler noted says it."""
+    return isinstance(interrupt, Terminated) or _received.is_set()

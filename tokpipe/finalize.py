@@ -31,12 +31,15 @@ import orjson
 
 from tokpipe._version import __version__
 from tokpipe.durability import HASH_CHUNK, fsync_dir, hash_range, write_atomic
+from tokpipe.errors import UserError
 from tokpipe.layout import (
     IDX_DTYPE,
+    SKIPPED,
     Checkpoint,
     Part,
     ShardFiles,
     assembly_files,
+    log_file,
     output_splits,
     part_record,
     parts_line,
@@ -311,6 +314,23 @@ class Assembler:
         return entries
 
 
+def _refuse_empty_splits(out: Path, splits: dict[str, dict], text_field: str) -> None:
+    """A split whose lines were read but none became a document is no success (a code dataset with its
+    text under `content` read as `text`): one line, and no meta, so OUT stays unfinished. A split with no
+    lines at all (its only shard failed and was excluded, an empty file) is not refused."""
+    empty = []
+    for name, s in splits.items():
+        own_documents = s["documents"] - s["held_in"] + s["held_out"]  # those its lines became, wherever they went
+        if s["lines"] > 0 and own_documents == 0:
+            why = ", ".join(f"{reason} {n:,}" for reason, n in s["skipped"].items())
+            empty.append(f"split {name}: {s['lines']:,} lines read, none became a document (skipped: {why})")
+    if empty:
+        raise UserError(
+            f"{'; '.join(empty)}: is the text in another field than {text_field!r}? Rerun with --text-field FIELD "
+            f"and a new --out; the first skipped lines are in {log_file(out, SKIPPED)}"
+        )
+
+
 def finalize(
     out: str | os.PathLike,
     manifest: Manifest,
@@ -334,6 +354,7 @@ def finalize(
     stems = assembler.finish(frozenset(excluded))
     splits = {split: stems[split_file_stem(split)] for split in output_splits(manifest, opts.val_fraction)}
     write_skip_log(out, splits)
+    _refuse_empty_splits(out, splits, opts.text_field)
     meta = {
         "dtype": info.dtype,
         "vocab_size": info.vocab_size,
@@ -346,6 +367,8 @@ def finalize(
         "concat": not opts.no_concat,
         "tokenizer": info.id,
         "tokenizer_sha256": info.sha256,
+        "tokenizer_repo_id": info.repo_id,  # ORG/NAME and its commit, for a tokenizer from the HF cache
+        "tokenizer_revision": info.revision,
         "tokenizer_path": info.path,
         "text_field": opts.text_field,
         "splits": splits,

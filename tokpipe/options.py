@@ -34,6 +34,11 @@ def option(default, help: str, **cli):
 
 @dataclass(frozen=True)
 class RunOptions:
+    tokenizer_revision: str | None = option(
+        None,
+        "branch, tag or commit of a hub --tokenizer ORG/NAME in the Hugging Face cache (default: main)",
+        metavar="REV",
+    )
     workers: int | None = option(None, "shard tasks at once (default: all CPUs)", type=positive(int))
     address: str | None = option(None, "Ray cluster address (default: $RAY_ADDRESS, else an embedded local Ray)")
     backend: str = option("auto", "encoder; all give the same bytes (default: %(default)s)", choices=BACKENDS)

@@ -23,6 +23,7 @@ import gc
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +63,8 @@ class TokenizerInfo:
     bos_token: str | None
     bos_id: int | None
     dtype: str  # uint16 | uint32
+    repo_id: str | None = None  # ORG/NAME when --tokenizer named a hub repository (found in the HF cache)
+    revision: str | None = None  # the commit of that repository's snapshot it was read from
 
     @property
     def id(self) -> str:
@@ -79,21 +82,91 @@ def _token_content(value) -> str | None:
     return value
 
 
-def tokenizer_json_path(path: str | os.PathLike) -> Path:
-    path = Path(path)
-    candidate = path / "tokenizer.json" if path.is_dir() else path
-    if not candidate.is_file():
+HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+")  # ORG/NAME, as the hub names a repository
+
+
+def _download_command(repo_id: str, revision: str | None) -> str:
+    """How to put a repository's tokenizer into the cache, with the CLI this huggingface_hub ships
+    (`hf` since 0.34; before, `huggingface-cli`)."""
+    import huggingface_hub
+
+    version = tuple(int(part) for part in re.findall(r"\d+", huggingface_hub.__version__)[:2])
+    cli = "hf" if version >= (0, 34) else "huggingface-cli"
+    return f"{cli} download {repo_id}{f' --revision {revision}' if revision else ''} --include 'tokenizer*'"
+
+
+def _from_hub_cache(repo_id: str, revision: str | None) -> Path:
+    """tokenizer.json of a hub repository's snapshot in the local Hugging Face cache, found as
+    huggingface_hub finds it (HF_HUB_CACHE or HF_HOME; refs/REV or snapshots/COMMIT), never downloaded."""
+    from huggingface_hub import constants, hf_hub_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        found = hf_hub_download(repo_id, "tokenizer.json", revision=revision, local_files_only=True)
+    except LocalEntryNotFoundError:
         raise UserError(
-            f"no tokenizer at {path}: pass a local folder holding tokenizer.json (as saved by save_pretrained) "
-            "or the tokenizer.json itself; tokpipe never downloads"
-        )
-    return candidate
+            f"no tokenizer {repo_id} (revision {revision or 'main'}) in the Hugging Face cache "
+            f"{constants.HF_HUB_CACHE} (set by HF_HUB_CACHE or HF_HOME), and no local folder of that name: "
+            f"fetch it with `{_download_command(repo_id, revision)}`; tokpipe never downloads"
+        ) from None
+    return Path(os.path.abspath(found))  # the snapshot's path, not its blob's: the folder holds the config too
+
+
+def _is_hub_name(text: str) -> bool:
+    if not HUB_NAME.fullmatch(text):
+        return False
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(text)
+    except HFValidationError:  # e.g. ./qwen3, a--b/c: a path, not a name
+        return False
+    return True
+
+
+def _cache_snapshot(json_path: Path) -> tuple[str, str] | None:
+    """(ORG/NAME, commit) of a tokenizer.json inside a Hugging Face cache snapshot
+    (models--ORG--NAME/snapshots/COMMIT/), as `status` prints a hub run's resume command; else None."""
+    snapshot = json_path.parent
+    repo = snapshot.parent.parent.name
+    if snapshot.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo.removeprefix("models--").replace("--", "/", 1), snapshot.name
+    return None
+
+
+def _resolve(path: str | os.PathLike, revision: str | None = None) -> tuple[Path, str | None, str | None]:
+    """(tokenizer.json, hub repo id, commit): a local path that exists wins over a hub name; the repo
+    id and commit are None for a folder outside the Hugging Face cache."""
+    local = Path(path)
+    if local.exists() or not _is_hub_name(str(path)):
+        candidate = local / "tokenizer.json" if local.is_dir() else local
+        if not candidate.is_file():
+            raise UserError(
+                f"no tokenizer at {path}: pass a local folder holding tokenizer.json (as saved by save_pretrained), "
+                "the tokenizer.json itself, or a hub name ORG/NAME in your Hugging Face cache; tokpipe never downloads"
+            )
+        hub = _cache_snapshot(Path(os.path.abspath(candidate)))
+        if revision is not None and hub is None:
+            raise UserError(
+                f"--tokenizer-revision picks a revision of a hub name ORG/NAME; {path} is a local path: drop the option"
+            )
+        return (Path(os.path.abspath(candidate)), *hub) if hub else (candidate, None, None)
+    found = _from_hub_cache(str(path), revision)
+    return found, str(path), found.parent.name  # snapshots/<commit>/tokenizer.json
+
+
+def tokenizer_json_path(path: str | os.PathLike, revision: str | None = None) -> Path:
+    """The tokenizer.json that `path` names: a folder, the file, or a hub name ORG/NAME in the HF cache."""
+    return _resolve(path, revision)[0]
 
 
 def load_tokenizer_info(
-    path: str | os.PathLike, eos_token: str | None = None, bos_token: str | None = None
+    path: str | os.PathLike, eos_token: str | None = None, bos_token: str | None = None, revision: str | None = None
 ) -> TokenizerInfo:
-    json_path = tokenizer_json_path(path)
+    """What the output depends on, from a local tokenizer (folder or tokenizer.json) or a hub name
+    ORG/NAME found in the local Hugging Face cache (at `revision`, default main)."""
+    json_path, repo_id, commit = _resolve(path, revision)
     raw = json_path.read_bytes()
     try:
         tok = Tokenizer.from_str(raw.decode("utf-8"))
@@ -118,9 +191,9 @@ def load_tokenizer_info(
             f"BOS token {bos_token!r} is not in the tokenizer's vocabulary: pass the right one with --bos-token"
         )
     bos = bos_token or _token_content(config.get("bos_token"))
-    name = json_path.parent.name if json_path.name == "tokenizer.json" else json_path.stem
+    name = repo_id or (json_path.parent.name if json_path.name == "tokenizer.json" else json_path.stem)
     info = TokenizerInfo(
-        path=str(json_path.resolve()),
+        path=str(json_path if repo_id else json_path.resolve()),  # a snapshot's path, not its blob's
         name=name,
         sha256=hashlib.sha256(raw).hexdigest(),
         vocab_size=vocab_size,
@@ -129,6 +202,8 @@ def load_tokenizer_info(
         bos_token=bos,
         bos_id=vocab.get(bos) if bos else None,
         dtype=dtype_for(vocab_size),
+        repo_id=repo_id,
+        revision=commit,
     )
     # What follows the info (the backend check, inspect's decoding) encodes with the reference:
     # this load serves it, instead of a second one of the same file.

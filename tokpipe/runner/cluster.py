@@ -22,6 +22,7 @@ from pathlib import Path
 
 import ray
 
+from tokpipe.errors import hold_sigterm
 from tokpipe.options import RunOptions
 from tokpipe.tokenizer import encoder
 
@@ -117,6 +118,9 @@ class Cluster:
         self._thread.start()
 
     def _start(self) -> None:
+        # ray.init would install SIGTERM handlers that exit halfway through its start: tokpipe's own
+        # (tokpipe.errors) stays, and the driver puts it back over Ray's C++ one once Ray is up.
+        ray._private.utils.set_sigterm_handler = hold_sigterm
         try:
             common = dict(logging_level=logging.ERROR, log_to_driver=False)
             if self.address:

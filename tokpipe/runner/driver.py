@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from tokpipe.durability import write_json_atomic
-from tokpipe.errors import SourceError, UserError
+from tokpipe.errors import SourceError, UserError, terminate_on_sigterm
 from tokpipe.finalize import Assembler, finalize
 from tokpipe.layout import FAILED, Checkpoint, load_meta_json, lock_out, log_file
 from tokpipe.manifest import Manifest, load_manifest, write_manifest
@@ -124,6 +124,7 @@ def _tokenize(
         done = plan.done + tokenize_while(manifest, out, spec, busy, progress, tally, log)
         if done < plan.shards:
             shape = cluster.wait()
+            terminate_on_sigterm()  # over the C++ handler Ray's core worker installed (it prints a stack, exits 1)
             if shape.note:
                 print(shape.note)
                 log(shape.note)
@@ -229,7 +230,7 @@ def run(
 
 def _run(manifest_path, tokenizer, out: Path, opts: RunOptions, clock: Timeline, cluster: Cluster) -> RunSummary:
     manifest = load_manifest(manifest_path)
-    info = load_tokenizer_info(tokenizer, opts.eos, opts.bos_token)
+    info = load_tokenizer_info(tokenizer, opts.eos, opts.bos_token, opts.tokenizer_revision)
     check_options(opts, info, tokenizer)
     out.mkdir(parents=True, exist_ok=True)
     with lock_out(out):
