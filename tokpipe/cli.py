@@ -8,6 +8,7 @@ and systemd stop a job).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import MISSING, fields
 from pathlib import Path
@@ -190,6 +191,17 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     terminate_on_sigterm()  # SIGTERM stops any command as Ctrl-C does (the run keeps it so while Ray starts)
+    code = _command(args)
+    if args.command == "run":
+        # The run killed Ray's processes once its work was durable (runner/cluster.py): the interpreter's
+        # teardown would run Ray's with them gone (measured: a segfault now and then). Leave at once.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _command(args) -> int:
     try:
         return args.func(args)
     except UserError as e:

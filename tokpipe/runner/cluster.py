@@ -60,19 +60,21 @@ def _cgroup(v2: str, v1: str) -> list[str] | None:
     return None
 
 
-def fit_workers(asked: int | None, cpus: int, memory: int, worker_memory_mib: int, where: str) -> tuple[int, str]:
+def fit_workers(asked: int | None, cpus: int, memory: int, worker_memory_mib: int, cluster: bool) -> tuple[int, str]:
     """(workers to run, what to tell the user): at most one per CPU, and as many as their memory
-    budget lets fit; `where` names what the CPUs and memory are of."""
+    budget lets fit."""
     workers = asked or cpus
     notes = []
     if workers > cpus:
+        where = "of the cluster" if cluster else "this process may use (its CPU affinity and cgroup quota)"
         notes.append(f"--workers {workers} is more than the {cpus} CPUs {where}: running {cpus}")
         workers = cpus
     fit = max(1, memory // (worker_memory_mib << 20))
     if workers > fit:
+        where = "in the cluster" if cluster else "here"
         notes.append(
-            f"{workers} workers x --worker-memory {worker_memory_mib} MiB would exceed the {memory / 2**30:,.1f} GiB"
-            f" Ray can use {where}: running {fit}"
+            f"{workers} workers x --worker-memory {worker_memory_mib} MiB do not fit the"
+            f" {memory / 2**30:,.1f} GiB Ray can use {where}: running {fit}"
         )
         workers = fit
     return workers, "; ".join(notes)
@@ -106,7 +108,11 @@ class Cluster:
         self.opts = opts
         self.address = opts.address or os.environ.get("RAY_ADDRESS")
         self.ready = threading.Event()
+        self._done = threading.Event()  # the run no longer needs Ray
         self.shape: Shape | None = None
+        if not self.address:  # known before Ray starts: said at once
+            self.cpus = available_cpus()
+            self.fit = fit_workers(opts.workers, self.cpus, available_memory(), opts.worker_memory, cluster=False)
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._warm: tuple[str, str] | None = None  # (backend, tokenizer) to load in every worker, once known
@@ -129,13 +135,11 @@ class Cluster:
                 cpus = int(ray.cluster_resources().get("CPU", 1))
                 widest = max((n["Resources"].get("CPU", 0) for n in alive), default=0)
                 memory = int(sum(n["Resources"].get("memory", 0) for n in alive))
-                workers, note = fit_workers(self.opts.workers, cpus, memory, self.opts.worker_memory, "of the cluster")
+                workers, note = fit_workers(self.opts.workers, cpus, memory, self.opts.worker_memory, cluster=True)
                 where = f"cluster {ray.get_runtime_context().gcs_address}"
             else:
-                cpus = widest = available_cpus()
-                workers, note = fit_workers(
-                    self.opts.workers, cpus, available_memory(), self.opts.worker_memory, "this process may use"
-                )
+                cpus = widest = self.cpus
+                workers, note = self.fit
                 read_ahead = 2 * workers <= cpus and widest >= 2
                 # address="local": never attach to some other Ray instance that happens to run on this machine.
                 ray.init(
@@ -156,6 +160,9 @@ class Cluster:
         except BaseException as e:  # handed to the driver's thread by wait()
             self._error = e
             self.ready.set()
+        # Ray starts its GCS and raylet with PR_SET_PDEATHSIG, which fires when the *thread* that
+        # started them ends, not the process: this one lives as long as the run.
+        self._done.wait()
 
     def warm(self, backend: str, tokenizer_json: str) -> None:
         """Have every worker load the encoder now, before its first shard (at once if Ray is up, else
@@ -182,11 +189,15 @@ class Cluster:
         process goes on). Without, for a process about to exit with its work durable: every process
         this one started (Ray's and its workers) is killed at once."""
         if wait:
-            self._thread.join()
+            self.ready.wait()
             ray.shutdown()
+            self._done.set()
+            self._thread.join()
             return
-        # Until two looks find none: Ray may still be starting, and a process it started just before
-        # its parent was killed comes back to this one (the subreaper), not to init.
+        # Not while Ray starts: its client would wait a minute for the GCS it lost, holding the GIL.
+        self.ready.wait()
+        # Until two looks find none: a process Ray started just before its parent was killed comes
+        # back to this one (the subreaper), not to init.
         quiet = 0
         while quiet < 2:
             pids = _descendants(os.getpid())
@@ -202,6 +213,7 @@ class Cluster:
                     pass
         # Ray's exit handler would shut down what is gone; the process exits without it.
         atexit.unregister(ray.shutdown)
+        self._done.set()
 
 
 def _descendants(root: int) -> list[int]:

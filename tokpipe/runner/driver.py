@@ -120,12 +120,15 @@ def _tokenize(
     clock.planned = time.monotonic()
     try:
         spec = opts.encode_spec(info, backend)
+        if not cluster.address and cluster.fit[1]:
+            print(cluster.fit[1])
+            log(cluster.fit[1])
         busy = (lambda: not cluster.ready.is_set()) if not cluster.address else (lambda: False)
         done = plan.done + tokenize_while(manifest, out, spec, busy, progress, tally, log)
         if done < plan.shards:
             shape = cluster.wait()
             terminate_on_sigterm()  # over the C++ handler Ray's core worker installed (it prints a stack, exits 1)
-            if shape.note:
+            if shape.note and cluster.address:  # an embedded Ray's was said before it started
                 print(shape.note)
                 log(shape.note)
             both = " (2 CPUs each: reading overlaps encoding)" if shape.read_ahead else ""

@@ -120,7 +120,8 @@ class Scheduler:
         )(shard_task)
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         self.board = ProgressBoard.options(scheduling_strategy=here).remote()
-        self.unfinished = (shard for shard in manifest.shards() if not _finished(out, shard))
+        # Not those that failed in this process already (tokenize_while).
+        self.unfinished = (s for s in manifest.shards() if not _finished(out, s) and s.relpath not in tally.failed)
         self.stalled: deque = deque()  # (shard, stall retries) cancelled for a stall, to submit again
         self.running: dict = {}  # ObjectRef -> (shard, stall retries, submitted at)
         self.failed = tally.failed
@@ -246,7 +247,12 @@ def tokenize_while(
             break
         if _finished(out, shard) or not stat.S_ISREG(os.stat(shard.path).st_mode):
             continue
-        result = tokenize_shard(shard, out, spec, on_batch, stop=lambda: not busy())
+        try:
+            result = tokenize_shard(shard, out, spec, on_batch, stop=lambda: not busy())
+        except Exception as e:  # what a task's failure would be: the shard is failed, the others go on
+            tally.failed[shard.relpath] = _describe_failure(e)
+            log(f"shard {shard.relpath} FAILED: {tally.failed[shard.relpath]}")
+            continue
         if result.checkpoint.done:
             done += 1
             tally.add(shard, result, log)

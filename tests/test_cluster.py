@@ -1,0 +1,107 @@
+"""runner/cluster: as many workers as the machine (or the cluster) has CPUs for and memory for, said
+in one line; `--text-field` checked against the data before anything is tokenized; a run leaves no
+process of its own behind."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import QWEN3, assert_out_is, plain_copy_of_example, tokpipe, write_jsonl
+
+from tokpipe.manifest import build_manifest, write_manifest
+from tokpipe.runner import cluster
+from tokpipe.runner.cluster import available_cpus, fit_workers
+
+GIB = 1 << 30
+
+
+def test_workers_are_capped_by_the_cpus_and_by_their_memory():
+    assert fit_workers(None, 16, 64 * GIB, 768, cluster=False) == (16, "")
+    assert fit_workers(128, 2, 64 * GIB, 768, cluster=False) == (
+        2,
+        "--workers 128 is more than the 2 CPUs this process may use (its CPU affinity and cgroup quota): running 2",
+    )
+    # 128 workers of 768 MiB on a 64 GiB machine: 96 GiB asked for.
+    assert fit_workers(128, 128, 64 * GIB, 768, cluster=False) == (
+        85,
+        "128 workers x --worker-memory 768 MiB do not fit the 64.0 GiB Ray can use here: running 85",
+    )
+    assert fit_workers(300, 256, 100 * GIB, 768, cluster=True) == (
+        133,
+        "--workers 300 is more than the 256 CPUs of the cluster: running 256; "
+        "256 workers x --worker-memory 768 MiB do not fit the 100.0 GiB Ray can use in the cluster: running 133",
+    )
+
+
+def test_available_cpus_follow_affinity_and_the_cgroup_quota(monkeypatch, tmp_path):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
+    monkeypatch.setattr(cluster, "_cgroup", lambda v2, v1: None)
+    assert available_cpus() == 8
+    monkeypatch.setattr(cluster, "_cgroup", lambda v2, v1: ["250000", "100000"] if v2 == "cpu.max" else None)
+    assert available_cpus() == 3  # Slurm --cpus-per-task=2.5, or a container's --cpus
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert available_cpus() == 2
+
+
+def run_args(manifest, out, *extra):
+    return ("run", "--manifest", str(manifest), "--tokenizer", str(QWEN3), "--out", str(out), *extra)
+
+
+def test_more_workers_than_cpus_run_with_the_cpus_and_say_so(tmp_path, example_reference):
+    write_manifest(build_manifest(plain_copy_of_example(tmp_path / "data")), tmp_path / "m.json")
+    result = tokpipe(*run_args(tmp_path / "m.json", tmp_path / "out", "--workers", "128"))
+    assert result.returncode == 0, result.stderr
+    cpus = len(os.sched_getaffinity(0))
+    assert (
+        f"--workers 128 is more than the {cpus} CPUs this process may use (its CPU affinity and cgroup quota):"
+        f" running {cpus}" in result.stdout.splitlines()
+    )
+    assert_out_is(tmp_path / "out", example_reference)
+
+
+def test_a_text_field_no_document_has_stops_the_run_before_tokenizing(tmp_path):
+    lines = [json.dumps({"content": f"def f{i}(): pass", "lang": "python"}) for i in range(3)]
+    write_jsonl(tmp_path / "data" / "train" / "code.jsonl", lines)
+    write_manifest(build_manifest(tmp_path / "data"), tmp_path / "m.json")
+    result = tokpipe(*run_args(tmp_path / "m.json", tmp_path / "out"))
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "tokpipe run: error: no document has a 'text' field in the first lines of each split's first shard;"
+        " their fields: content, lang: pass --text-field NAME (e.g. --text-field content)"
+    )
+    assert not list((tmp_path / "out").glob("shards/*/*.json"))  # nothing tokenized
+
+
+def test_a_shard_mostly_without_the_text_field_is_named(tmp_path):
+    write_jsonl(tmp_path / "data" / "train" / "a.jsonl", [json.dumps({"text": "prose here"})] * 4)
+    write_jsonl(tmp_path / "data" / "train" / "b.jsonl", [json.dumps({"content": "x = 1"})] * 3 + ['{"text": "y"}'])
+    write_manifest(build_manifest(tmp_path / "data"), tmp_path / "m.json")
+    result = tokpipe(*run_args(tmp_path / "m.json", tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    assert (
+        "NOTE: 1 shards have no 'text' field on most lines (e.g. train/b.jsonl: 3 of 4 lines):"
+        " is --text-field right for them?" in result.stdout.splitlines()
+    )
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_a_finished_run_leaves_no_process_behind(tmp_path):
+    write_manifest(build_manifest(plain_copy_of_example(tmp_path / "data")), tmp_path / "m.json")
+    command = [sys.executable, "-m", "tokpipe.cli", *run_args(tmp_path / "m.json", tmp_path / "out")]
+    # A fresh session: every process the run starts carries its session id, whoever adopts it.
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr.decode()
+    left = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                stat = open(f"/proc/{entry.name}/stat").read()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(fields[3]) == proc.pid and fields[0] != "Z":  # its session
+                left.append(stat[: stat.rindex(")") + 1])
+    assert left == []
