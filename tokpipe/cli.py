@@ -97,6 +97,14 @@ def _cmd_export(args) -> int:
     return EXIT_OK
 
 
+def _cmd_report(args) -> int:
+    from tokpipe.report import write_report
+
+    path, size = write_report(args.out, args.output, args.tokenizer)
+    print(f"{path}: {size / 1e6:,.2f} MB, one self-contained page (opens offline in any browser)")
+    return EXIT_OK
+
+
 def _add_options(p: argparse.ArgumentParser) -> None:
     """One flag per RunOptions field, with the field's default and help (a False default: a switch)."""
     for f in fields(RunOptions):
@@ -176,6 +184,16 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--seed", type=int, help="seed of the window positions (default: a new one, printed)")
     i.add_argument("--tokenizer", help="the run's tokenizer, if it is no longer where run.json says")
     i.set_defaults(func=_cmd_inspect)
+
+    rp = sub.add_parser(
+        "report", help="draw a run (finished, running, killed or failed) on one self-contained HTML page"
+    )
+    rp.add_argument("out")
+    rp.add_argument("-o", "--output", metavar="FILE", help="where to write the page (default: OUT/report.html)")
+    rp.add_argument(
+        "--tokenizer", help="the run's tokenizer, if it is no longer where run.json says (to decode the common ids)"
+    )
+    rp.set_defaults(func=_cmd_report)
 
     e = sub.add_parser("export", help="write a finished OUT as Megatron-LM or llm.c training files")
     e.add_argument("out")

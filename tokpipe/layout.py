@@ -114,6 +114,10 @@ class Checkpoint:
     val_tokens: int = 0
     val_sha256: str | None = None
     val_idx_sha256: str | None = None
+    # For `tokpipe report`: decompressed input bytes consumed (Batch.text_bytes summed), and seconds
+    # spent, summed over attempts (an interrupted attempt counts up to its last checkpoint).
+    text_bytes: int = 0
+    seconds: float = field(default=0.0, compare=False)  # not content: two runs of the same shard differ here
 
     @classmethod
     def load(cls, path: Path) -> Checkpoint | None:
@@ -353,6 +357,7 @@ RUN_LOG = "run.log"  # the effective configuration, shard failures, stalls, the 
 PROGRESS = "progress.json"  # rewritten every 2 s while shards run: rate, ETA, shard counts
 FAILED = "failed.json"  # the last run's failures, shard relpath -> error
 SKIPPED = "skipped.json"  # per shard with skips or repairs: their counts and the first lines skipped
+SERIES = "series.jsonl"  # a compact time series of the run's progress, for `tokpipe report` (series.py)
 
 
 def log_file(out: str | os.PathLike, name: str) -> Path:

@@ -253,13 +253,15 @@ def tokenize_shard(
                 for part in parts:
                     part.sync()
                 ckpt.skipped, ckpt.repaired, ckpt.done = dict(skipped), dict(repaired), done
+                ckpt.seconds = round(seconds_before + time.monotonic() - began, 3)
                 if done:
                     ckpt.sha256, ckpt.idx_sha256 = main.bin_hash.hexdigest(), main.idx_hash.hexdigest()
                     if held is not None:
                         ckpt.val_sha256, ckpt.val_idx_sha256 = held.bin_hash.hexdigest(), held.idx_hash.hexdigest()
                 write_json_atomic(files.checkpoint, asdict(ckpt))
 
-            last_commit = time.monotonic()
+            last_commit = began = time.monotonic()
+            seconds_before = ckpt.seconds
             batches = read_batches(shard.path, spec.text_field, ckpt.lines, ckpt.offset, spec.batch_bytes)
             for batch in read_ahead(batches) if spec.read_ahead else batches:
                 texts, val_texts = batch.texts, []
@@ -282,6 +284,7 @@ def tokenize_shard(
                     tokens += part.append(flat, lengths, spec)
                 ckpt.lines += batch.lines
                 ckpt.offset = batch.end_offset
+                ckpt.text_bytes += batch.text_bytes
                 source_read, ckpt.source_pos = batch.source_pos - ckpt.source_pos, batch.source_pos
                 ckpt.documents += len(texts)
                 ckpt.tokens = main.tokens

@@ -24,6 +24,7 @@ from tokpipe.runner.cluster import Cluster
 from tokpipe.runner.identity import check_options, record_run
 from tokpipe.runner.progress import Progress, RunLog, Timeline
 from tokpipe.runner.schedule import Copies, Scheduler, Tally, tokenize_while
+from tokpipe.series import Series
 from tokpipe.source import fields_of, read_batches
 from tokpipe.tokenizer import TokenizerInfo, choose_backend, load_tokenizer_info
 
@@ -115,9 +116,10 @@ def _tokenize(
     print(f"backend {backend}: {why}")
     log(f"backend {backend}: {why}")
     cluster.warm(backend, info.path)
-    progress = Progress(out, manifest.size, plan, np.dtype(info.dtype).itemsize)
+    progress = Progress(out, manifest.size, plan, np.dtype(info.dtype).itemsize, clock.series)
     tally = Tally(opts.worker_memory << 20)
     clock.planned = time.monotonic()
+    clock.series.mark("tokenize")
     try:
         spec = opts.encode_spec(info, backend)
         if not cluster.address and cluster.fit[1]:
@@ -149,6 +151,7 @@ def _tokenize(
     finally:
         progress.close()
     clock.tokenized = time.monotonic()
+    clock.series.mark("finalize")
     clock.read_bytes = progress.read_this_run
     return tally
 
@@ -253,16 +256,20 @@ def _run(manifest_path, tokenizer, out: Path, opts: RunOptions, clock: Timeline,
             what = f"{len(assembler.lost)} shards (e.g. {assembler.lost[0]})"
             print(f"the split files changed before {what} whose own files were already removed: tokenizing them again")
             log(f"tokenizing again: {', '.join(assembler.lost)}")
+        clock.series = Series(out)
         plan = _plan(out, manifest, info, log, manifest_path)
         tally = Tally(opts.worker_memory << 20)
         if plan.done < plan.shards:
             tally = _tokenize(manifest, out, info, opts, assembler, log, plan, clock, cluster)
         redone = sum(r.redone_tokens for r in tally.resumed)
         if not _report_failures(out, tally, opts, log):
+            clock.series.mark("failed")
             return RunSummary(False, tally.failed, None, redone, time.monotonic() - clock.start)
+        clock.series.mark("finalize")
         meta = finalize(out, manifest, info, opts, tally.failed, assembler)
         seconds = time.monotonic() - clock.start
         phases = clock.report(time.monotonic(), meta)
+        clock.series.mark("finished")
         _print_summary(meta, out, seconds, phases, tally, opts.text_field)
         log(phases)
         log(f"finished: {sum(s['tokens'] for s in meta['splits'].values()):,} tokens in {seconds:.1f}s")

@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from tokpipe.durability import write_json_atomic
 from tokpipe.layout import PROGRESS, RUN_LOG, log_file
+from tokpipe.series import Series
 from tokpipe.status import disk_line, duration, free_bytes
 
 
@@ -36,8 +37,8 @@ class Progress:
     Also keeps OUT/logs/progress.json current, so `tokpipe status` can tell rate and ETA from files alone.
     """
 
-    def __init__(self, out: Path, total_bytes: int, plan, itemsize: int, every: float = 30.0):
-        self.out, self.total, self.shards, self.itemsize = out, total_bytes, plan.shards, itemsize
+    def __init__(self, out: Path, total_bytes: int, plan, itemsize: int, series: Series, every: float = 30.0):
+        self.out, self.total, self.shards, self.itemsize, self.series = out, total_bytes, plan.shards, itemsize, series
         done_bytes, self.done_before = plan.done_bytes, plan.done
         self.start_bytes, self.t0, self.started_at, self.every = done_bytes, time.monotonic(), time.time(), every
         self.disk: dict | None = None  # the output's projected size, once a shard of this run is done
@@ -73,6 +74,7 @@ class Progress:
         if self.disk is None and done > self.done_before and file_bytes and tokens:
             self.disk = self._project_disk(file_bytes, tokens, read)
         failures = f" ({failed} FAILED)" if failed else ""
+        self.series.point(read, tokens, documents, running, done, final)
         rates = f"{documents:,} docs, {tokens / elapsed / 1e6:.2f}M tok/s"
         if self.bar is not None:
             self.bar.set_postfix_str(f"{done}/{self.shards} shards{failures}, {rates}", refresh=False)
@@ -139,6 +141,7 @@ class Timeline:
     tokenized: float | None = None
     read_bytes: int = 0  # of input, by this run's workers
     assembled_bytes: int = 0  # of tokens, copied into place while shards tokenized
+    series: Series | None = None  # OUT/logs/series.jsonl, for `tokpipe report`: gets a mark at each phase
 
     def report(self, finished: float, meta: dict) -> str:
         planned = self.planned or finished
