@@ -67,12 +67,13 @@ def parse_size(text: str) -> int:
 def source_lines(source: str) -> tuple[list[bytes], list[int]]:
     """(every JSONL line of the source in manifest order, each line's text bytes or 0 for a non-document)."""
     from tokpipe.manifest import build_manifest
-    from tokpipe.source import decompressed_blocks
+    from tokpipe.source import format_of
+    from tokpipe.source.jsonl import decompressed_blocks
 
     manifest = build_manifest(source)
     lines: list[bytes] = []
     for shard in manifest.shards():
-        data = b"".join(block for block, _ in decompressed_blocks(shard.path))
+        data = b"".join(block for block, _ in decompressed_blocks(shard.path, format_of(shard.path)))
         lines += [line + b"\n" for line in data.splitlines() if line.strip()]
     text_bytes = []
     for line in lines:

@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -196,6 +197,12 @@ class Cluster:
             return
         # Not while Ray starts: its client would wait a minute for the GCS it lost, holding the GIL.
         self.ready.wait()
+        # Ray's C++ side logs, on this process's stderr, the tasks it loses to the kill (the encoder
+        # warm-ups, say): noise about a kill that is meant. tokpipe's own lines go on to the terminal.
+        sys.stderr.flush()
+        terminal = os.dup(2)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+        sys.stderr = open(terminal, "w", buffering=1, closefd=False)
         # Until two looks find none: a process Ray started just before its parent was killed comes
         # back to this one (the subreaper), not to init.
         quiet = 0

@@ -1,0 +1,143 @@
+"""The machinery's price: `tokpipe run` against the pipeline a user would write by hand (handwritten.py),
+same distinct corpus, same encoder (the one tokpipe's `auto` picks), same workers, runs alternating.
+
+Prints, best of --repeats: the fixed cost of each (a 20-document corpus, from the command's start to
+its exit), the marginal cost (full corpus minus tiny), their ratio, the whole-run ratio, and where
+tokpipe's time goes (from the timestamps of its own output lines), with both sides' CPU seconds.
+
+    python benchmarks/price.py --size 250MB --workers 2
+"""
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import zstandard
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from corpus import build_distinct_corpus, parse_size  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared" / "data" / "hf-cache"
+TOKENIZER = REPO / "examples" / "tokenizers" / "qwen3"
+MARKS = {  # tokpipe's output line that starts with this -> the moment it stands for
+    "tokenizer ": "tokenizer loaded",
+    "backend ": "backend checked",
+    "ray: ": "ray up (or not needed)",
+    "phases: ": "tokenized and finalized",
+}
+
+
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed(command: list[str]) -> dict:
+    """Run a command; its wall seconds from start to exit, CPU seconds of it and its children (Ray's
+    processes are its children), and when each of its output lines came."""
+    cpu, started = children_cpu(), time.monotonic()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    lines = [(time.monotonic() - started, line.rstrip()) for line in proc.stdout]
+    proc.wait()
+    wall = time.monotonic() - started
+    if proc.returncode:
+        raise SystemExit(f"{command[:4]} failed:\n" + "\n".join(line for _, line in lines[-20:]))
+    return {"wall": wall, "cpu": children_cpu() - cpu, "lines": lines}
+
+
+def tokpipe_run(manifest: Path, out: Path, workers: int, *extra: str) -> dict:
+    shutil.rmtree(out, ignore_errors=True)
+    command = [sys.executable, "-m", "tokpipe.cli", "run", "--manifest", str(manifest), "--tokenizer", str(TOKENIZER)]
+    run = timed([*command, "--out", str(out), "--workers", str(workers), *extra])
+    marks = {name: t for t, line in run["lines"] for prefix, name in MARKS.items() if line.startswith(prefix)}
+    phases = next(line for _, line in run["lines"] if line.startswith("phases: "))
+    run |= {"marks": marks, "phases": phases, "tokens": _meta_tokens(out)}
+    return run
+
+
+def handwritten_run(manifest: Path, out: Path, workers: int, backend: str) -> dict:
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    script = [sys.executable, str(REPO / "benchmarks" / "handwritten.py"), str(manifest), str(TOKENIZER / "tokenizer.json")]
+    run = timed([*script, str(out), "--workers", str(workers), "--backend", backend])
+    run["tokens"] = int(run["lines"][-1][1].split()[1])
+    return run
+
+
+def _meta_tokens(out: Path) -> int:
+    return sum(s["tokens"] for s in json.loads((out / "meta.json").read_text())["splits"].values())
+
+
+def tiny_corpus(work_dir: Path) -> Path:
+    """20 short documents in one zstd shard."""
+    folder = work_dir / "corpora" / "price-tiny"
+    (folder / "train").mkdir(parents=True, exist_ok=True)
+    lines = b"".join(orjson.dumps({"text": f"document {i}: the quick brown fox jumps over the lazy dog."}) + b"\n" for i in range(20))
+    (folder / "train" / "part-00000.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines))
+    return folder
+
+
+def manifest_of(folder: Path, work_dir: Path) -> Path:
+    path = work_dir / f"{folder.name}.manifest.json"
+    subprocess.run([sys.executable, "-m", "tokpipe.cli", "manifest", "--dataset-dir", str(folder), "-o", str(path)], check=True, capture_output=True)
+    return path
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="250MB", help="JSONL bytes of distinct text (default: 250MB)")
+    p.add_argument("--shards", type=int, default=12)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--backend", default=None, help="the encoder (default: what tokpipe's auto picks)")
+    p.add_argument("--work-dir", type=Path, default=Path("/tmp/tokpipe-bench"))
+    args = p.parse_args()
+    size = parse_size(args.size)
+    corpus = build_distinct_corpus(str(SHARED), size, args.workers, -(-size // args.shards), args.work_dir)
+    manifests = {"tiny": manifest_of(tiny_corpus(args.work_dir), args.work_dir), "full": manifest_of(Path(corpus.path), args.work_dir)}
+    out = args.work_dir / "price-out"
+    runs: dict[str, list[dict]] = {}
+    backend = args.backend
+    for _ in range(args.repeats):
+        for corpus_name in ("tiny", "full"):
+            tp = tokpipe_run(manifests[corpus_name], out / "tokpipe", args.workers)
+            backend = backend or next(line for _, line in tp["lines"] if line.startswith("backend ")).split()[1].rstrip(":")
+            hw = handwritten_run(manifests[corpus_name], out / "handwritten", args.workers, backend)
+            if tp["tokens"] != hw["tokens"]:
+                raise SystemExit(f"{corpus_name}: tokpipe wrote {tp['tokens']:,} tokens, the hand-written script {hw['tokens']:,}")
+            runs.setdefault(f"tokpipe {corpus_name}", []).append(tp)
+            runs.setdefault(f"handwritten {corpus_name}", []).append(hw)
+    best = {name: min(rs, key=lambda r: r["wall"]) for name, rs in runs.items()}
+    w = {name: r["wall"] for name, r in best.items()}
+    marginal = {who: w[f"{who} full"] - w[f"{who} tiny"] for who in ("tokpipe", "handwritten")}
+    full_tp = best["tokpipe full"]
+    result = {
+        "corpus": {"text_MB": corpus.text_bytes / 1e6, "documents": corpus.documents, "shards": len(corpus.shards)},
+        "backend": backend,
+        "workers": args.workers,
+        "repeats": args.repeats,
+        "wall_s": {name: [round(r["wall"], 2) for r in rs] for name, rs in runs.items()},
+        "cpu_s": {name: round(r["cpu"], 2) for name, r in best.items()},
+        "fixed_s": {"tokpipe": round(w["tokpipe tiny"], 2), "handwritten": round(w["handwritten tiny"], 2)},
+        "marginal_s": {k: round(v, 2) for k, v in marginal.items()},
+        "marginal_ratio": round(marginal["tokpipe"] / marginal["handwritten"], 3),
+        "whole_run_ratio": round(w["tokpipe full"] / w["handwritten full"], 3),
+        "tokpipe_full_marks_s": {k: round(v, 2) for k, v in full_tp["marks"].items()} | {"exit": round(full_tp["wall"], 2)},
+        "tokpipe_tiny_marks_s": {k: round(v, 2) for k, v in best["tokpipe tiny"]["marks"].items()} | {"exit": round(w["tokpipe tiny"], 2)},
+        "tokpipe_full_phases": full_tp["phases"],
+        "tokens_full": full_tp["tokens"],
+    }
+    (args.work_dir / "price.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
