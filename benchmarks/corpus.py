@@ -11,7 +11,7 @@ Same arguments, same bytes: a corpus is cached under the work dir and reused whi
 
 Beware: a repeated corpus is easier for gigatoken than fresh text. Its pretoken cache (per process)
 learns the source's words on the first pass and hits on every repeat; the raw-encoder measurement in
-bench.py encodes the same repeated text so the two stay comparable, and reports the cold first pass
+encoders.py measures cold (first pass) and warm passes
 separately.
 """
 
@@ -108,7 +108,13 @@ def build_corpus(source: str, size: int, workers: int, shard_bytes: int, work_di
     """A corpus of about `size` JSONL bytes under work_dir/corpora/, built once and reused."""
     shards = max(workers, -(-size // shard_bytes))
     shards = -(-shards // workers) * workers  # a multiple of the workers: every worker gets as many
-    recipe = {"format": CORPUS_FORMAT, "source": str(Path(source).resolve()), "size": size, "shards": shards, "zstd_level": ZSTD_LEVEL}
+    recipe = {
+        "format": CORPUS_FORMAT,
+        "source": str(Path(source).resolve()),
+        "size": size,
+        "shards": shards,
+        "zstd_level": ZSTD_LEVEL,
+    }
     folder = work_dir / "corpora" / f"{size // 10**6}MB-{shards}shards"
     if (cached := _cached(folder, recipe)) is not None:
         return cached
@@ -158,7 +164,9 @@ def tiny_shards(count: int, work_dir: Path) -> Path:
         sub = folder / "train" / f"d{k // 1000:04d}"
         if k % 1000 == 0:
             sub.mkdir(parents=True)
-        (sub / f"s{k:07d}.jsonl").write_bytes(orjson.dumps({"text": f"tiny shard {k}: the quick brown fox jumps over the lazy dog."}) + b"\n")
+        (sub / f"s{k:07d}.jsonl").write_bytes(
+            orjson.dumps({"text": f"tiny shard {k}: the quick brown fox jumps over the lazy dog."}) + b"\n"
+        )
     marker.write_text("ok\n")
     return folder
 
@@ -166,7 +174,9 @@ def tiny_shards(count: int, work_dir: Path) -> Path:
 def rss_shard(work_dir: Path, source: str, shard_bytes: int, doc_bytes: int | None) -> Path:
     """One zstd JSONL shard of about `shard_bytes`: the source's documents, or (doc_bytes) documents
     made by joining source texts until each holds about doc_bytes of text. For the worker-memory probe."""
-    name = f"shard-{shard_bytes // 10**6}MB-docs-{'source' if doc_bytes is None else f'{doc_bytes // 10**6}MB'}.jsonl.zst"
+    name = (
+        f"shard-{shard_bytes // 10**6}MB-docs-{'source' if doc_bytes is None else f'{doc_bytes // 10**6}MB'}.jsonl.zst"
+    )
     path = work_dir / "rss" / name
     if path.is_file():
         return path
@@ -197,7 +207,27 @@ def rss_shard(work_dir: Path, source: str, shard_bytes: int, doc_bytes: int | No
 # Where distinct real text lies on any machine that has tokpipe installed: the sources and docs of the
 # installed packages and of Python itself. Each file is one document, taken once (by content).
 DISTINCT_ROOTS = (sys.prefix, sys.base_prefix, "/usr/share/doc", "/usr/lib/python3", "/usr/include")
-DISTINCT_SUFFIXES = (".py", ".pyi", ".md", ".rst", ".txt", ".c", ".h", ".cc", ".cpp", ".hpp", ".js", ".ts", ".html", ".tex", ".rs", ".go", ".java", ".sh", ".css")
+DISTINCT_SUFFIXES = (
+    ".py",
+    ".pyi",
+    ".md",
+    ".rst",
+    ".txt",
+    ".c",
+    ".h",
+    ".cc",
+    ".cpp",
+    ".hpp",
+    ".js",
+    ".ts",
+    ".html",
+    ".tex",
+    ".rs",
+    ".go",
+    ".java",
+    ".sh",
+    ".css",
+)
 
 
 def distinct_texts(source: str, roots=DISTINCT_ROOTS) -> Iterator[str]:
@@ -245,12 +275,21 @@ def with_unique_ids(text: str, rng: random.Random, every: int = IDS_EVERY) -> st
     return " ".join(words)
 
 
-def build_distinct_corpus(source: str, size: int, workers: int, shard_bytes: int, work_dir: Path, long_tail: bool = False) -> Corpus:
+def build_distinct_corpus(
+    source: str, size: int, workers: int, shard_bytes: int, work_dir: Path, long_tail: bool = False
+) -> Corpus:
     """About `size` bytes of JSONL in which no document appears twice (`long_tail`: with unique
     identifiers spliced in, so an encoder's word cache meets new words to the end), built once."""
     shards = max(workers, -(-size // shard_bytes))
     shards = -(-shards // workers) * workers
-    recipe = {"format": CORPUS_FORMAT, "source": str(Path(source).resolve()), "size": size, "shards": shards, "distinct": True, "long_tail": long_tail and IDS_EVERY}
+    recipe = {
+        "format": CORPUS_FORMAT,
+        "source": str(Path(source).resolve()),
+        "size": size,
+        "shards": shards,
+        "distinct": True,
+        "long_tail": long_tail and IDS_EVERY,
+    }
     folder = work_dir / "corpora" / f"{'longtail' if long_tail else 'distinct'}-{size // 10**6}MB-{shards}shards"
     if (cached := _cached(folder, recipe)) is not None:
         return cached
@@ -275,5 +314,7 @@ def build_distinct_corpus(source: str, size: int, workers: int, shard_bytes: int
         compressed += (folder / name).stat().st_size
         names.append(name)
         shard_text.append(text_size)
-    corpus = Corpus(str(folder), written, sum(shard_text), docs, names, shard_text, compressed, recipe["source"], written)
+    corpus = Corpus(
+        str(folder), written, sum(shard_text), docs, names, shard_text, compressed, recipe["source"], written
+    )
     return _save(folder, recipe, corpus)

@@ -58,7 +58,10 @@ def main() -> None:
     started = time.monotonic()
     with open(args.manifest) as f:
         paths = [shard["path"] for shard in json.load(f)["shards"]]
-    jobs = [(k, paths[k :: args.workers], args.backend, args.tokenizer_json, args.eos, args.out_dir) for k in range(args.workers)]
+    jobs = [
+        (k, paths[k :: args.workers], args.backend, args.tokenizer_json, args.eos, args.out_dir)
+        for k in range(args.workers)
+    ]
     with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
         tokens = sum(pool.starmap(work, jobs))
     print(f"handwritten: {tokens} tokens in {time.monotonic() - started:.2f}s")

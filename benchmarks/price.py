@@ -10,7 +10,6 @@ tokpipe's time goes (from the timestamps of its own output lines), with both sid
 
 import argparse
 import json
-import os
 import resource
 import shutil
 import subprocess
@@ -66,7 +65,12 @@ def tokpipe_run(manifest: Path, out: Path, workers: int, *extra: str) -> dict:
 def handwritten_run(manifest: Path, out: Path, workers: int, backend: str) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    script = [sys.executable, str(REPO / "benchmarks" / "handwritten.py"), str(manifest), str(TOKENIZER / "tokenizer.json")]
+    script = [
+        sys.executable,
+        str(REPO / "benchmarks" / "handwritten.py"),
+        str(manifest),
+        str(TOKENIZER / "tokenizer.json"),
+    ]
     run = timed([*script, str(out), "--workers", str(workers), "--backend", backend])
     run["tokens"] = int(run["lines"][-1][1].split()[1])
     return run
@@ -80,14 +84,20 @@ def tiny_corpus(work_dir: Path) -> Path:
     """20 short documents in one zstd shard."""
     folder = work_dir / "corpora" / "price-tiny"
     (folder / "train").mkdir(parents=True, exist_ok=True)
-    lines = b"".join(orjson.dumps({"text": f"document {i}: the quick brown fox jumps over the lazy dog."}) + b"\n" for i in range(20))
+    lines = b"".join(
+        orjson.dumps({"text": f"document {i}: the quick brown fox jumps over the lazy dog."}) + b"\n" for i in range(20)
+    )
     (folder / "train" / "part-00000.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines))
     return folder
 
 
 def manifest_of(folder: Path, work_dir: Path) -> Path:
     path = work_dir / f"{folder.name}.manifest.json"
-    subprocess.run([sys.executable, "-m", "tokpipe.cli", "manifest", "--dataset-dir", str(folder), "-o", str(path)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "tokpipe.cli", "manifest", "--dataset-dir", str(folder), "-o", str(path)],
+        check=True,
+        capture_output=True,
+    )
     return path
 
 
@@ -102,17 +112,24 @@ def main() -> None:
     args = p.parse_args()
     size = parse_size(args.size)
     corpus = build_distinct_corpus(str(SHARED), size, args.workers, -(-size // args.shards), args.work_dir)
-    manifests = {"tiny": manifest_of(tiny_corpus(args.work_dir), args.work_dir), "full": manifest_of(Path(corpus.path), args.work_dir)}
+    manifests = {
+        "tiny": manifest_of(tiny_corpus(args.work_dir), args.work_dir),
+        "full": manifest_of(Path(corpus.path), args.work_dir),
+    }
     out = args.work_dir / "price-out"
     runs: dict[str, list[dict]] = {}
     backend = args.backend
     for _ in range(args.repeats):
         for corpus_name in ("tiny", "full"):
             tp = tokpipe_run(manifests[corpus_name], out / "tokpipe", args.workers)
-            backend = backend or next(line for _, line in tp["lines"] if line.startswith("backend ")).split()[1].rstrip(":")
+            backend = backend or next(line for _, line in tp["lines"] if line.startswith("backend ")).split()[1].rstrip(
+                ":"
+            )
             hw = handwritten_run(manifests[corpus_name], out / "handwritten", args.workers, backend)
             if tp["tokens"] != hw["tokens"]:
-                raise SystemExit(f"{corpus_name}: tokpipe wrote {tp['tokens']:,} tokens, the hand-written script {hw['tokens']:,}")
+                raise SystemExit(
+                    f"{corpus_name}: tokpipe wrote {tp['tokens']:,} tokens, the hand-written script {hw['tokens']:,}"
+                )
             runs.setdefault(f"tokpipe {corpus_name}", []).append(tp)
             runs.setdefault(f"handwritten {corpus_name}", []).append(hw)
     best = {name: min(rs, key=lambda r: r["wall"]) for name, rs in runs.items()}
@@ -130,8 +147,10 @@ def main() -> None:
         "marginal_s": {k: round(v, 2) for k, v in marginal.items()},
         "marginal_ratio": round(marginal["tokpipe"] / marginal["handwritten"], 3),
         "whole_run_ratio": round(w["tokpipe full"] / w["handwritten full"], 3),
-        "tokpipe_full_marks_s": {k: round(v, 2) for k, v in full_tp["marks"].items()} | {"exit": round(full_tp["wall"], 2)},
-        "tokpipe_tiny_marks_s": {k: round(v, 2) for k, v in best["tokpipe tiny"]["marks"].items()} | {"exit": round(w["tokpipe tiny"], 2)},
+        "tokpipe_full_marks_s": {k: round(v, 2) for k, v in full_tp["marks"].items()}
+        | {"exit": round(full_tp["wall"], 2)},
+        "tokpipe_tiny_marks_s": {k: round(v, 2) for k, v in best["tokpipe tiny"]["marks"].items()}
+        | {"exit": round(w["tokpipe tiny"], 2)},
         "tokpipe_full_phases": full_tp["phases"],
         "tokens_full": full_tp["tokens"],
     }

@@ -39,7 +39,14 @@ def tokpipe(tree: Path, *args, monitor: bool = False) -> tuple[float, dict | Non
     env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"}
     started = time.monotonic()
     # cwd too: `python -m` puts the working directory first on sys.path, before PYTHONPATH.
-    proc = subprocess.Popen([sys.executable, "-m", "tokpipe.cli", *map(str, args)], cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tokpipe.cli", *map(str, args)],
+        cwd=tree,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     if monitor:
         with TreeMonitor(proc.pid) as mon:
             output = proc.communicate()[0]
@@ -56,7 +63,11 @@ def phases_from_files(out: Path) -> dict:
     checkpoints = [p.stat().st_mtime for p in (out / "shards").rglob("*.json")]
     first, last = min(locks), max(checkpoints)
     tail = (out / "meta.json").stat().st_mtime - last
-    return {"tokenize_s": round(last - first, 2), "finalize_tail_s": round(tail, 3), "tail_share": round(tail / (last - first), 3)}
+    return {
+        "tokenize_s": round(last - first, 2),
+        "finalize_tail_s": round(tail, 3),
+        "tail_share": round(tail / (last - first), 3),
+    }
 
 
 def sha256(path: Path) -> str:
@@ -68,7 +79,20 @@ def run_once(tree: Path, corpus_dir: str, out: Path, workers: int, *extra, monit
     subprocess.run(["rm", "-rf", str(out)], check=True)
     manifest = out.with_name(out.name + ".manifest.json")
     tokpipe(tree, "manifest", "--dataset-dir", corpus_dir, "-o", manifest)
-    wall, stats = tokpipe(tree, "run", "--manifest", manifest, "--tokenizer", TOKENIZER, "--out", out, "--workers", workers, *extra, monitor=monitor)
+    wall, stats = tokpipe(
+        tree,
+        "run",
+        "--manifest",
+        manifest,
+        "--tokenizer",
+        TOKENIZER,
+        "--out",
+        out,
+        "--workers",
+        workers,
+        *extra,
+        monitor=monitor,
+    )
     result = {"wall_s": round(wall, 2), **phases_from_files(out), "train_sha256": sha256(out / "train.bin")[:16]}
     if stats is not None:
         tasks = [s for s in stats.values() if s.kind == "task"]
@@ -78,23 +102,44 @@ def run_once(tree: Path, corpus_dir: str, out: Path, workers: int, *extra, monit
 
 
 def cmd_tail(args) -> list[dict]:
-    corpus = build_distinct_corpus(str(SOURCE), parse_size(args.size), args.workers, parse_size(args.shard_size), args.work_dir)
+    corpus = build_distinct_corpus(
+        str(SOURCE), parse_size(args.size), args.workers, parse_size(args.shard_size), args.work_dir
+    )
     results = []
     for repeat in range(args.repeats):
         for name, tree in args.trees:
             r = run_once(tree, corpus.path, args.work_dir / f"tail-{name}", args.workers)
-            results.append({"measure": "tail", "tree": name, "repeat": repeat, "text_mb": round(corpus.text_bytes / 1e6, 1), "shards": len(corpus.shards), **r})
+            results.append(
+                {
+                    "measure": "tail",
+                    "tree": name,
+                    "repeat": repeat,
+                    "text_mb": round(corpus.text_bytes / 1e6, 1),
+                    "shards": len(corpus.shards),
+                    **r,
+                }
+            )
             print(json.dumps(results[-1]), flush=True)
     return results
 
 
 def cmd_memory(args) -> list[dict]:
-    corpus = build_distinct_corpus(str(SOURCE), parse_size(args.size), args.workers, parse_size(args.shard_size), args.work_dir, long_tail=True)
+    corpus = build_distinct_corpus(
+        str(SOURCE), parse_size(args.size), args.workers, parse_size(args.shard_size), args.work_dir, long_tail=True
+    )
     results = []
     for name, tree in args.trees:
         r = run_once(tree, corpus.path, args.work_dir / f"memory-{name}", args.workers, monitor=True)
         del r["stats"]
-        results.append({"measure": "memory", "tree": name, "text_mb": round(corpus.text_bytes / 1e6, 1), "documents": corpus.documents, **r})
+        results.append(
+            {
+                "measure": "memory",
+                "tree": name,
+                "text_mb": round(corpus.text_bytes / 1e6, 1),
+                "documents": corpus.documents,
+                **r,
+            }
+        )
         print(json.dumps(results[-1]), flush=True)
     return results
 
@@ -104,7 +149,8 @@ def cmd_rates(args) -> list[dict]:
     import numpy as np
 
     from tokpipe.durability import HASH_CHUNK, hash_range
-    from tokpipe.finalize import Part, place
+    from tokpipe.finalize import place
+    from tokpipe.layout import Part
     from tokpipe.tokenizer import GigatokenEncoder
     from tokpipe.verify import verify
 
@@ -129,7 +175,14 @@ def cmd_rates(args) -> list[dict]:
     for label in ("encode_cold", "encode_warm"):
         started = time.process_time()
         tokens = sum(len(enc.encode(b)[0]) for b in batches)
-        results.append({"measure": label, "mb_per_core_s": round(size / 1e6 / (time.process_time() - started), 1), "text_mb": round(size / 1e6, 1), "tokens": tokens})
+        results.append(
+            {
+                "measure": label,
+                "mb_per_core_s": round(size / 1e6 / (time.process_time() - started), 1),
+                "text_mb": round(size / 1e6, 1),
+                "tokens": tokens,
+            }
+        )
 
     out = args.work_dir / "tail-after"  # a finished OUT of the tail measurement
     meta = json.loads((out / "meta.json").read_text())
@@ -140,10 +193,17 @@ def cmd_rates(args) -> list[dict]:
     (scratch / "train.bin.tmp").write_bytes(b"")
     np.zeros(0, "<i8").tofile(scratch / "train.idx.tmp")
     (scratch / "empty.idx").write_bytes(b"")
-    part = Part("train", 0, str(train), str(scratch / "empty.idx"), 0, 0, {"tokens": nbytes // 4, "documents": 0, "sha256": "-", "idx_sha256": "-"})
+    record = {"tokens": nbytes // 4, "documents": 0, "sha256": "-", "idx_sha256": "-"}
+    part = Part("train", 0, 0, 0, record, str(train), str(scratch / "empty.idx"))
     started = time.monotonic()
     place(scratch, [part], 4)
-    results.append({"measure": "copy_into_place", "gb_per_s": round(nbytes / 1e9 / (time.monotonic() - started), 2), "gb": round(nbytes / 1e9, 2)})
+    results.append(
+        {
+            "measure": "copy_into_place",
+            "gb_per_s": round(nbytes / 1e9 / (time.monotonic() - started), 2),
+            "gb": round(nbytes / 1e9, 2),
+        }
+    )
     hasher, started = hashlib.sha256(), time.process_time()
     with open(train, "rb") as f:
         hash_range(f.fileno(), 0, nbytes, hasher, bytearray(HASH_CHUNK))
@@ -151,7 +211,9 @@ def cmd_rates(args) -> list[dict]:
     for jobs in (1, os.cpu_count()):
         started = time.monotonic()
         assert all(c.ok for c in verify(out, jobs=jobs))
-        results.append({"measure": f"verify_jobs_{jobs}", "gb_per_s": round(nbytes / 1e9 / (time.monotonic() - started), 2)})
+        results.append(
+            {"measure": f"verify_jobs_{jobs}", "gb_per_s": round(nbytes / 1e9 / (time.monotonic() - started), 2)}
+        )
     for r in results:
         print(json.dumps(r), flush=True)
     return results
@@ -167,7 +229,11 @@ def cmd_driver(args) -> list[dict]:
         out = args.work_dir / f"driver-{name}"
         r = run_once(tree, folder, out, args.workers, monitor=True)
         driver = next(s for s in r.pop("stats").values() if s.kind == "driver")
-        r.update(driver_cpu_s=round(driver.cpu, 1), driver_ms_per_shard=round(1000 * driver.cpu / args.shards, 2), driver_peak_rss_mib=round(driver.hwm / 2**20))
+        r.update(
+            driver_cpu_s=round(driver.cpu, 1),
+            driver_ms_per_shard=round(1000 * driver.cpu / args.shards, 2),
+            driver_peak_rss_mib=round(driver.hwm / 2**20),
+        )
         r["shards_per_s"] = round(args.shards / r["tokenize_s"], 1)
         results.append({"measure": "driver", "tree": name, "shards": args.shards, **r})
         print(json.dumps(results[-1]), flush=True)
@@ -188,7 +254,14 @@ def cmd_cluster(args) -> list[dict]:
         cluster.shutdown()
     log = (out / "logs" / "run.log").read_text().splitlines()
     local = run_once(Path(HERE.parent), corpus.path, args.work_dir / "cluster-local", 2)
-    r = {"measure": "cluster", "nodes": 2, **r, "assembled_by_node": next((line.split("assembled by node: ")[1] for line in log if "assembled by node" in line), None)}
+    r = {
+        "measure": "cluster",
+        "nodes": 2,
+        **r,
+        "assembled_by_node": next(
+            (line.split("assembled by node: ")[1] for line in log if "assembled by node" in line), None
+        ),
+    }
     r["same_bytes_as_local_run"] = r["train_sha256"] == local["train_sha256"]
     print(json.dumps(r), flush=True)
     return [r]
@@ -207,7 +280,13 @@ def main() -> None:
     args = p.parse_args()
     args.trees = [(name, Path(path).resolve()) for name, path in (t.split("=", 1) for t in args.trees.split(","))]
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    results = {"tail": cmd_tail, "memory": cmd_memory, "rates": cmd_rates, "driver": cmd_driver, "cluster": cmd_cluster}[args.command](args)
+    results = {
+        "tail": cmd_tail,
+        "memory": cmd_memory,
+        "rates": cmd_rates,
+        "driver": cmd_driver,
+        "cluster": cmd_cluster,
+    }[args.command](args)
     (args.work_dir / f"scale-{args.command}.json").write_text(json.dumps(results, indent=1))
 
 

@@ -42,7 +42,11 @@ def tokpipe(*args) -> list[str]:
 
 
 def shard_states(out: Path) -> str:
-    states = [json.loads(p.read_text())["done"] for p in (out / "shards").rglob("*.json")] if (out / "shards").exists() else []
+    states = (
+        [json.loads(p.read_text())["done"] for p in (out / "shards").rglob("*.json")]
+        if (out / "shards").exists()
+        else []
+    )
     return f"{sum(states)} shards done, {len(states) - sum(states)} partial"
 
 
@@ -62,7 +66,16 @@ def main() -> int:
     data, manifest = work / "data", work / "m.json"
     build_corpus(args.source, data, args.copies)
     subprocess.run(tokpipe("manifest", "--dataset-dir", data, "-o", manifest), check=True)
-    common = ("--manifest", manifest, "--tokenizer", args.tokenizer, "--backend", args.backend, "--checkpoint-interval", args.checkpoint_interval)
+    common = (
+        "--manifest",
+        manifest,
+        "--tokenizer",
+        args.tokenizer,
+        "--backend",
+        args.backend,
+        "--checkpoint-interval",
+        args.checkpoint_interval,
+    )
 
     reference = work / "uninterrupted"
     shutil.rmtree(reference, ignore_errors=True)
@@ -77,22 +90,40 @@ def main() -> int:
     for attempt, workers in enumerate(args.workers.split(","), 1):
         # Early enough that five attempts do not finish the job between them (each spends ~8 s starting up).
         delay = rng.uniform(2, full_seconds / 2.5)
-        proc = subprocess.Popen(tokpipe("run", *common, "--out", out, "--workers", workers), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            tokpipe("run", *common, "--out", out, "--workers", workers),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         time.sleep(delay)
         os.killpg(proc.pid, signal.SIGKILL)
         output = proc.communicate()[0]
         resumed = [line for line in output.splitlines() if line.startswith(("resumed", "manifest", str(out)))]
-        print(f"attempt {attempt}: --workers {workers}, kill -9 of the process group after {delay:.1f}s -> {shard_states(out)}; it said: {' | '.join(resumed)}")
+        print(
+            f"attempt {attempt}: --workers {workers}, kill -9 of the process group after {delay:.1f}s -> "
+            f"{shard_states(out)}; it said: {' | '.join(resumed)}"
+        )
         leftovers = subprocess.run(["pgrep", "-f", "ray::tokpipe"], capture_output=True, text=True).stdout.split()
         if leftovers:
             print(f"  leftover shard workers right after the kill: {leftovers}")
 
     final = subprocess.run(tokpipe("run", *common, "--out", out, "--workers", "2"), capture_output=True, text=True)
-    print("final rerun:", " | ".join(line for line in final.stdout.splitlines() if line.startswith(("manifest", "resumed", "train", "validation", "done"))))
+    print(
+        "final rerun:",
+        " | ".join(
+            line
+            for line in final.stdout.splitlines()
+            if line.startswith(("manifest", "resumed", "train", "validation", "done"))
+        ),
+    )
     if final.returncode != 0:
         print(final.stderr)
         return 1
-    names = sorted(p.name for p in reference.iterdir() if p.suffix in (".bin", ".idx", ".pkl", ".json") and p.name != "run.json")
+    names = sorted(
+        p.name for p in reference.iterdir() if p.suffix in (".bin", ".idx", ".pkl", ".json") and p.name != "run.json"
+    )
     same = {name: filecmp.cmp(reference / name, out / name, shallow=False) for name in names}
     print("byte-identical to the uninterrupted run:", ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in same.items()))
     verify = subprocess.run(tokpipe("verify", out), capture_output=True, text=True)

@@ -1,0 +1,106 @@
+"""Tokens written once: OUT's peak disk use during a run against its final output, and the bytes the
+run's processes sent to storage per output byte, with and without --no-concat, on distinct text.
+
+OUT is walked every 50 ms (allocated blocks of every file); write_bytes comes from /proc/PID/io of
+the run's processes (its session), each process's last reading kept when it exits.
+
+    python benchmarks/disk.py --size 110MB --shards 11 --workers 2
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from corpus import build_distinct_corpus, parse_size  # noqa: E402
+from price import REPO, SHARED, TOKENIZER, manifest_of  # noqa: E402
+
+
+def allocated(root: Path) -> int:
+    total = 0
+    for folder, _, files in os.walk(root):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(folder, name)).st_blocks * 512
+            except FileNotFoundError:  # removed while we looked
+                pass
+    return total
+
+
+def session_writes(sid: int, seen: dict[int, int]) -> None:
+    """Update pid -> write_bytes for every live process of session `sid`."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+            if int(stat[stat.rindex(")") + 2 :].split()[3]) != sid:
+                continue
+            io = Path(entry.path, "io").read_text()
+        except (OSError, ValueError):
+            continue
+        seen[int(entry.name)] = int(next(line.split()[1] for line in io.splitlines() if line.startswith("write_bytes")))
+
+
+def output_bytes(out: Path) -> int:
+    meta = json.loads((out / "meta.json").read_text())
+    total = 0
+    for split in meta["splits"].values():
+        files = split.get("files") or [{"bin": split["file"], "idx": split["idx"]}]
+        total += sum((out / f["bin"]).stat().st_size + (out / f["idx"]).stat().st_size for f in files)
+    return total
+
+
+def measure(manifest: Path, out: Path, workers: int, *extra: str) -> dict:
+    shutil.rmtree(out, ignore_errors=True)
+    command = [sys.executable, "-m", "tokpipe.cli", "run", "--manifest", str(manifest), "--tokenizer", str(TOKENIZER)]
+    command += ["--out", str(out), "--workers", str(workers), *extra]
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
+    peak, writes = 0, {}
+    while proc.poll() is None:
+        peak = max(peak, allocated(out))
+        session_writes(proc.pid, writes)
+        time.sleep(0.05)
+    if proc.returncode:
+        raise SystemExit(proc.stderr.read().decode()[-2000:])
+    final = output_bytes(out)
+    at_end = allocated(out)
+    return {
+        "mode": " ".join(extra) or "concat",
+        "seconds": round(time.monotonic() - started, 2),
+        "output_MB": round(final / 1e6, 1),
+        "peak_OUT_MB": round(max(peak, at_end) / 1e6, 1),
+        "peak_ratio": round(max(peak, at_end) / final, 3),
+        "finished_OUT_MB": round(at_end / 1e6, 1),
+        "written_MB": round(sum(writes.values()) / 1e6, 1),
+        "written_per_output_byte": round(sum(writes.values()) / final, 3),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="110MB")
+    p.add_argument("--shards", type=int, default=11)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--work-dir", type=Path, default=Path("/tmp/tokpipe-bench"))
+    args = p.parse_args()
+    size = parse_size(args.size)
+    # workers=1 for the builder: it rounds the shard count up to a multiple of it.
+    corpus = build_distinct_corpus(str(SHARED), size, 1, -(-size // args.shards), args.work_dir)
+    manifest = manifest_of(Path(corpus.path), args.work_dir)
+    rows = [measure(manifest, args.work_dir / "disk-out", args.workers, *extra) for extra in ((), ("--no-concat",))]
+    result = {"corpus": {"text_MB": round(corpus.text_bytes / 1e6, 1), "shards": len(corpus.shards)}, "runs": rows}
+    (args.work_dir / "disk.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
