@@ -147,6 +147,7 @@ class Assembler:
         self.val_fraction, self.concat = opts.val_fraction, not opts.no_concat
         # Done shards not yet scheduled (the few that finished out of order), with how many parts still need them.
         self.finished: dict[str, tuple[Checkpoint, int]] = {}
+        self.placed_tokens = 0  # copied into the split files by this process's placements, and listed
         self.lost: list[str] = []  # shards tokenized again: their placed files were gone, their place not kept
         self.splits = [
             self._resume(manifest, split_file_stem(split)) for split in output_splits(manifest, self.val_fraction)
@@ -261,6 +262,7 @@ class Assembler:
                     f.flush()
                     os.fsync(f.fileno())
                 if self.concat:
+                    self.placed_tokens += sum(record["tokens"] for _, record in listed)
                     for part, _ in listed:
                         Path(part.bin).unlink(missing_ok=True)
                         Path(part.idx).unlink(missing_ok=True)
@@ -271,6 +273,17 @@ class Assembler:
 
     def place_here(self, excluded: frozenset[str]) -> None:
         """Place whatever is left, in this process (all of it without Ray; nothing after a run that placed it)."""
+        self.place_ready(excluded)
+        if not self.complete:
+            head = next((s.head for s in self.splits if s.head is not None), None)
+            raise RuntimeError(
+                f"cannot finalize: shard {head[0].relpath} is unfinished"
+                if head
+                else "cannot finalize: parts handed out to copy were never placed"
+            )
+
+    def place_ready(self, excluded: frozenset[str] = frozenset()) -> None:
+        """Place, in this process, the parts whose place is known now."""
         parts = self.ready(excluded)
         batch, size = [], 0
         for part in parts + [None]:
@@ -280,13 +293,6 @@ class Assembler:
             if part is not None:
                 batch.append(part)
                 size += part.record["tokens"] * self.itemsize
-        if not self.complete:
-            head = next((s.head for s in self.splits if s.head is not None), None)
-            raise RuntimeError(
-                f"cannot finalize: shard {head[0].relpath} is unfinished"
-                if head
-                else "cannot finalize: parts handed out to copy were never placed"
-            )
 
     def finish(self, excluded: frozenset[str]) -> dict[str, dict]:
         """Cut, fsync and rename every split's files; returns meta's `splits` (in manifest order of splits).

@@ -117,6 +117,7 @@ class Cluster:
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._warm: tuple[str, str] | None = None  # (backend, tokenizer) to load in every worker, once known
+        self._loading: list = []  # those loads, as tasks
         if not self.address:
             # Processes Ray starts and then orphans (its agents, when the raylet dies) come back to this
             # process, not to init: stop() finds them all.
@@ -154,10 +155,9 @@ class Cluster:
                 where = "embedded local instance"
             self.shape = Shape(workers, 2 * workers <= cpus and widest >= 2, len(alive), where, note)
             with self._lock:
+                if self._warm:
+                    self._load_in_workers(*self._warm)
                 self.ready.set()
-                warm = self._warm
-            if warm:
-                self._load_in_workers(*warm)
         except BaseException as e:  # handed to the driver's thread by wait()
             self._error = e
             self.ready.set()
@@ -175,9 +175,17 @@ class Cluster:
             self._load_in_workers(backend, tokenizer_json)
 
     def _load_in_workers(self, backend: str, tokenizer_json: str) -> None:
-        # Fire and forget: the shard tasks queue behind these on the same workers.
-        for _ in range(self.shape.workers):
-            _load_encoder.remote(backend, tokenizer_json)
+        # The shard tasks queue behind these on the same workers.
+        self._loading = [_load_encoder.remote(backend, tokenizer_json) for _ in range(self.shape.workers)]
+
+    def working(self) -> bool:
+        """Whether Ray's workers are up, their encoders loaded (starting them and loading took 1-2 s
+        after Ray was up, measured: the driver tokenizes until then)."""
+        if not self.ready.is_set():
+            return False
+        if self._error is not None or not self._loading:
+            return True
+        return len(ray.wait(self._loading, num_returns=len(self._loading), timeout=0)[0]) == len(self._loading)
 
     def wait(self) -> Shape:
         self.ready.wait()

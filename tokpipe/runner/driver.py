@@ -125,8 +125,8 @@ def _tokenize(
         if not cluster.address and cluster.fit[1]:
             print(cluster.fit[1])
             log(cluster.fit[1])
-        busy = (lambda: not cluster.ready.is_set()) if not cluster.address else (lambda: False)
-        done = plan.done + tokenize_while(manifest, out, spec, busy, progress, tally, log)
+        busy = (lambda: not cluster.working()) if not cluster.address else (lambda: False)
+        done = plan.done + tokenize_while(manifest, out, spec, busy, progress, tally, log, assembler)
         if done < plan.shards:
             shape = cluster.wait()
             terminate_on_sigterm()  # over the C++ handler Ray's core worker installed (it prints a stack, exits 1)
@@ -139,7 +139,7 @@ def _tokenize(
             spec = opts.encode_spec(info, backend, shape.read_ahead)
             copies = Copies(assembler, out, np.dtype(info.dtype).itemsize, shape.nodes)
             Scheduler(manifest, out, spec, opts, shape.workers, log, tally).run(progress, copies, done)
-            clock.assembled_bytes = sum(copies.bytes_by_node.values())
+            clock.tokenized_now(assembler.placed_tokens * np.dtype(info.dtype).itemsize)
             # Failed shards block their split's assembly; with --skip-failed it goes on without them.
             copies.drain(frozenset(tally.failed) if opts.skip_failed else frozenset())
             if shape.nodes > 1:
@@ -148,10 +148,9 @@ def _tokenize(
         else:
             print("ray: not needed, every shard was tokenized here while it started")
             progress.update(0, 0, 0, done=done, running=0, failed=0, final=True)
+            clock.tokenized_now(assembler.placed_tokens * np.dtype(info.dtype).itemsize)
     finally:
         progress.close()
-    clock.tokenized = time.monotonic()
-    clock.series.mark("finalize")
     clock.read_bytes = progress.read_this_run
     return tally
 

@@ -143,6 +143,11 @@ class Timeline:
     assembled_bytes: int = 0  # of tokens, copied into place while shards tokenized
     series: Series | None = None  # OUT/logs/series.jsonl, for `tokpipe report`: gets a mark at each phase
 
+    def tokenized_now(self, assembled_bytes: int) -> None:
+        """The last shard is done: the tokenize phase ends, finalize's begins."""
+        self.tokenized, self.assembled_bytes = time.monotonic(), assembled_bytes
+        self.series.mark("finalize")
+
     def report(self, finished: float, meta: dict) -> str:
         planned = self.planned or finished
         tokenized = self.tokenized or planned

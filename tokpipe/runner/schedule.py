@@ -226,7 +226,14 @@ class Tally:
 
 
 def tokenize_while(
-    manifest: Manifest, out: Path, spec: EncodeSpec, busy: Callable[[], bool], progress: Progress, tally: Tally, log
+    manifest: Manifest,
+    out: Path,
+    spec: EncodeSpec,
+    busy: Callable[[], bool],
+    progress: Progress,
+    tally: Tally,
+    log,
+    assembler: Assembler,
 ) -> int:
     """Tokenize shards in this process while `busy()` (Ray starting): each shard stops at its next batch
     once Ray is up, checkpointed, and a worker goes on from there. Returns the shards finished.
@@ -256,6 +263,7 @@ def tokenize_while(
         if result.checkpoint.done:
             done += 1
             tally.add(shard, result, log)
+            assembler.place_ready()  # into the split file now, as a Ray run's copies do: no tail at the end
     progress.base = totals
     return done
 
