@@ -18,6 +18,7 @@ separately.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -294,7 +295,8 @@ def build_distinct_corpus(
     if (cached := _cached(folder, recipe)) is not None:
         return cached
     rng = random.Random(0)
-    texts = distinct_texts(source)
+    # A long tail may pass over the texts more than once: the spliced identifiers keep every document new.
+    texts = itertools.chain.from_iterable(distinct_texts(source) for _ in range(3 if long_tail else 1))
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
     names, shard_text, written, docs, compressed = [], [], 0, 0, 0
     for k in range(shards):

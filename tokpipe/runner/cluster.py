@@ -99,7 +99,9 @@ class Shape:
 
 
 class Cluster:
-    """Ray for this run, started in a thread at once: `ready` is set when it is up (or failed to start).
+    """Ray for this run, started in a thread by `start` (and by `wait`, if need be): `ready` is set when
+    it is up (or failed to start). Until it is started, nothing of Ray runs: a run the driver finishes
+    alone never pays for it.
 
     With at least twice as many CPUs as tasks, a task takes 2 and reads its next batch on the second
     while it encodes (EncodeSpec.read_ahead); Ray keeps that core free for it.
@@ -123,7 +125,14 @@ class Cluster:
             # process, not to init: stop() finds them all.
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
         self._thread = threading.Thread(target=self._start, name="tokpipe ray start", daemon=True)
-        self._thread.start()
+
+    @property
+    def started(self) -> bool:
+        return self._thread.is_alive() or self.ready.is_set()
+
+    def start(self) -> None:
+        if not self.started:
+            self._thread.start()
 
     def _start(self) -> None:
         # ray.init would install SIGTERM handlers that exit halfway through its start: tokpipe's own
@@ -188,6 +197,7 @@ class Cluster:
         return len(ray.wait(self._loading, num_returns=len(self._loading), timeout=0)[0]) == len(self._loading)
 
     def wait(self) -> Shape:
+        self.start()
         self.ready.wait()
         if self._error is not None:
             raise self._error
@@ -197,6 +207,8 @@ class Cluster:
         """With `wait`, Ray's own shutdown (~1.4 s here; what a Python caller of tokpipe.run gets, whose
         process goes on). Without, for a process about to exit with its work durable: every process
         this one started (Ray's and its workers) is killed at once."""
+        if not self.started:
+            return
         if wait:
             self.ready.wait()
             ray.shutdown()

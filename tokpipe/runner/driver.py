@@ -28,6 +28,11 @@ from tokpipe.series import Series
 from tokpipe.source import fields_of, read_batches
 from tokpipe.tokenizer import TokenizerInfo, choose_backend, load_tokenizer_info
 
+# Ray's start costs 2.5-5 s and several CPU-seconds here; the driver tokenizes 10-15 MB/s of
+# compressed input. Less than this much input, or less than a second and a half of the driver's
+# work, and the run ends before Ray would be up: it is started only past these.
+EAGER_RAY_BYTES = 16 << 20
+LOCAL_SECONDS = 1.5
 SAMPLE_BYTES = 256 << 10  # of input per split, to prove the fast backend exact on this data (with HARD_CASES)
 
 
@@ -125,7 +130,17 @@ def _tokenize(
         if not cluster.address and cluster.fit[1]:
             print(cluster.fit[1])
             log(cluster.fit[1])
-        busy = (lambda: not cluster.working()) if not cluster.address else (lambda: False)
+        local_since = time.monotonic()
+
+        def busy() -> bool:
+            """Whether the driver goes on tokenizing: while there is no Ray ready to take over. Ray is
+            started once the driver has worked LOCAL_SECONDS without finishing."""
+            if cluster.address:
+                return False
+            if not cluster.started and time.monotonic() - local_since > LOCAL_SECONDS:
+                cluster.start()
+            return not cluster.working()
+
         done = plan.done + tokenize_while(manifest, out, spec, busy, progress, tally, log, assembler)
         if done < plan.shards:
             shape = cluster.wait()
@@ -146,7 +161,7 @@ def _tokenize(
                 by_node = copies.bytes_by_node.most_common()
                 log("assembled by node: " + ", ".join(f"{node[:8]} {size / 1e6:,.1f} MB" for node, size in by_node))
         else:
-            print("ray: not needed, every shard was tokenized here while it started")
+            print(f"ray: not needed, every shard was tokenized here{' while it started' if cluster.started else ''}")
             progress.update(0, 0, 0, done=done, running=0, failed=0, final=True)
             clock.tokenized_now(assembler.placed_tokens * np.dtype(info.dtype).itemsize)
     finally:
@@ -226,7 +241,7 @@ def run(
     """`wait_for_ray=False` (the CLI, whose process exits next): Ray's processes are killed at the end
     instead of shut down (1.4 s here), and the caller must exit without Ray's own exit handler."""
     clock = Timeline(time.monotonic())
-    cluster = Cluster(opts)  # Ray starts now, while the driver plans
+    cluster = Cluster(opts)
     try:
         return _run(manifest_path, tokenizer, Path(out), opts, clock, cluster)
     finally:
@@ -235,6 +250,8 @@ def run(
 
 def _run(manifest_path, tokenizer, out: Path, opts: RunOptions, clock: Timeline, cluster: Cluster) -> RunSummary:
     manifest = load_manifest(manifest_path)
+    if cluster.address or manifest.size > EAGER_RAY_BYTES:
+        cluster.start()  # now, while the driver plans: a cluster to join, or more than the driver does alone
     info = load_tokenizer_info(tokenizer, opts.eos, opts.bos_token, opts.tokenizer_revision)
     check_options(opts, info, tokenizer)
     out.mkdir(parents=True, exist_ok=True)
