@@ -118,7 +118,8 @@ def _killed_out(tmp_path: Path) -> Path:
     """OUT of a run stopped after some shards: one done, one cut after its first checkpoint, one never started;
     a series of two attempts, the second's last line torn as a kill -9 leaves it."""
     from tokpipe.manifest import build_manifest, write_manifest
-    from tokpipe.runner import RunOptions, record_run
+    from tokpipe.options import RunOptions
+    from tokpipe.runner.identity import record_run
     from tokpipe.shard import tokenize_shard
     from tokpipe.tokenizer import load_tokenizer_info
 
@@ -141,11 +142,15 @@ def _killed_out(tmp_path: Path) -> Path:
     with pytest.raises(KeyboardInterrupt):
         tokenize_shard(second, out, spec, killed)
     lines = [
-        {"attempt": 1, "t": 1000.0, "every": 1.0}, {"a": 1, "t": 1002.0, "phase": "tokenize"},
-        {"a": 1, "t": 1003.0, "b": 0, "k": 0, "d": 0, "r": 2, "s": 0}, {"a": 1, "t": 1005.0, "b": 200_000, "k": 150_000, "d": 40, "r": 2, "s": 0},
-        {"attempt": 2, "t": 2000.0, "every": 1.0}, {"a": 2, "t": 2001.0, "phase": "tokenize"},
-        {"a": 2, "t": 2002.0, "b": 200_000, "k": 0, "d": 0, "r": 2, "s": 0}, {"a": 2, "t": 2004.0, "b": 600_000, "k": 400_000, "d": 150, "r": 1, "s": 1},
-    ]  # fmt: skip
+        {"attempt": 1, "t": 1000.0, "every": 1.0},
+        {"a": 1, "t": 1002.0, "phase": "tokenize"},
+        {"a": 1, "t": 1003.0, "b": 0, "k": 0, "d": 0, "r": 2, "s": 0},
+        {"a": 1, "t": 1005.0, "b": 200_000, "k": 150_000, "d": 40, "r": 2, "s": 0},
+        {"attempt": 2, "t": 2000.0, "every": 1.0},
+        {"a": 2, "t": 2001.0, "phase": "tokenize"},
+        {"a": 2, "t": 2002.0, "b": 200_000, "k": 0, "d": 0, "r": 2, "s": 0},
+        {"a": 2, "t": 2004.0, "b": 600_000, "k": 400_000, "d": 150, "r": 1, "s": 1},
+    ]
     (out / "logs").mkdir(exist_ok=True)
     (out / "logs" / "series.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"a":2,"t":2005.0,"b":7')
     return out
@@ -233,6 +238,9 @@ def test_cli_errors_and_matplotlib_stays_out_of_the_cli(tmp_path):
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "does not exist" in missing.stderr
     empty = tokpipe("report", tmp_path)
     assert empty.returncode == 2 and empty.stderr.count("\n") == 1 and "holds no tokpipe run" in empty.stderr
-    code = "import sys, tokpipe, tokpipe.cli; tokpipe.cli.parser().parse_args(['report', 'X']); assert 'matplotlib' not in sys.modules"
+    code = (
+        "import sys, tokpipe, tokpipe.cli; tokpipe.cli.parser().parse_args(['report', 'X']); "
+        "assert 'matplotlib' not in sys.modules"
+    )
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO, check=False).returncode == 0
     assert "report" in tokpipe("--help").stdout

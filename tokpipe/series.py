@@ -55,7 +55,8 @@ def read_series(out: str | os.PathLike) -> list[dict]:
 
 
 class Series:
-    """The writer, one per attempt: `point` as often as you like (it keeps one per `every` s), `mark` at phase starts."""
+    """The writer, one per attempt: `point` as often as you like (it keeps one per `every` s), `mark` at phase
+    starts."""
 
     def __init__(self, out: str | os.PathLike):
         self.out, self.path = out, series_path(out)

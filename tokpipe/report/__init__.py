@@ -3,8 +3,9 @@
 For a finished run and for one still running, killed or failed: the summary a trainer needs, document
 lengths, per-shard tokens / bytes per token / time / skips, throughput over time with the phases and
 attempts, token-id health as `inspect` judges it, and where an unfinished run stands with the command
-that resumes it. `data` computes it from OUT's files (a `Report`); `page` draws it (matplotlib, imported
-only here, so `tokpipe --help` and `import tokpipe` never load it).
+that resumes it. `data` computes it from OUT's files (a `Report`); `page` writes the HTML around the
+figures `charts` draws (matplotlib, imported only when a page is drawn, so `tokpipe --help` and
+`import tokpipe` never load it).
 """
 
 from __future__ import annotations

@@ -198,24 +198,36 @@ def _split_stats(out: Path, meta: dict | None, manifest, val_fraction: float) ->
                 )
                 skipped.update(ckpt.skipped)
                 repaired.update(ckpt.repaired)
-        stats.append(SplitStats(name, f"{stem}.bin", n["tokens"], n["documents"], n["lines"], dict(sorted(skipped.items())),
-                                dict(sorted(repaired.items())), n["held_out"], n["held_in"], n["shards"]))  # fmt: skip
+        stats.append(
+            SplitStats(
+                name,
+                f"{stem}.bin",
+                n["tokens"],
+                n["documents"],
+                n["lines"],
+                dict(sorted(skipped.items())),
+                dict(sorted(repaired.items())),
+                n["held_out"],
+                n["held_in"],
+                n["shards"],
+            )
+        )
     return stats
 
 
 def _lengths(out: Path, split: str) -> Lengths | None:
     source = open_source(out, split)
-    total = sum(len(s.ends) for s in source.segments)
+    total = sum(len(s.ends) for s in source.files)
     if total == 0:
         return None
     if total <= LENGTH_SAMPLE:
-        pieces = [np.diff(np.asarray(s.ends), prepend=0) for s in source.segments if len(s.ends)]
+        pieces = [np.diff(np.asarray(s.ends), prepend=0) for s in source.files if len(s.ends)]
     else:  # evenly spread blocks of consecutive documents, across segments
         block, pieces = LENGTH_SAMPLE // LENGTH_BLOCKS, []
-        starts = np.cumsum([0] + [len(s.ends) for s in source.segments])
+        starts = np.cumsum([0] + [len(s.ends) for s in source.files])
         for pos in np.linspace(0, total - block, LENGTH_BLOCKS).astype(np.int64):
             i = int(np.searchsorted(starts, pos, side="right")) - 1
-            seg, first = source.segments[i], int(pos - starts[i])
+            seg, first = source.files[i], int(pos - starts[i])
             ends = np.asarray(seg.ends[max(first - 1, 0) : first + block])
             pieces.append(np.diff(ends, prepend=0) if first == 0 else np.diff(ends))
     lengths = np.concatenate(pieces)
@@ -244,8 +256,21 @@ def _shards(out: Path, st: RunStatus, meta: dict | None, manifest) -> Shards:
         p = parts.get(shard.relpath)
         if p is None:  # an unfinished run, or a shard excluded from a finished one
             p = {"tokens": s.tokens, "documents": s.documents, "lines": ckpt.lines, "skipped": ckpt.skipped}
-        rows.append(ShardRow(shard.split, shard.relpath, s.state, shard.size, p["tokens"], p["documents"], p["lines"],
-                             dict(p["skipped"]), ckpt.text_bytes, round(ckpt.seconds, 3), s.error))  # fmt: skip
+        rows.append(
+            ShardRow(
+                shard.split,
+                shard.relpath,
+                s.state,
+                shard.size,
+                p["tokens"],
+                p["documents"],
+                p["lines"],
+                dict(p["skipped"]),
+                ckpt.text_bytes,
+                round(ckpt.seconds, 3),
+                s.error,
+            )
+        )
     bpt = np.array([r.bytes_per_token for r in rows if r.bytes_per_token is not None])
     median = float(np.median(bpt)) if len(bpt) else None
     outliers = [
@@ -326,14 +351,16 @@ def build(out: str | os.PathLike, tokenizer: str | None = None) -> Report:
             lengths.append(found)
             if found.sampled < found.documents:
                 notes.append(
-                    f"{s.name}: document lengths from {found.sampled:,} of {found.documents:,} documents ({LENGTH_BLOCKS} evenly spread blocks)"
+                    f"{s.name}: document lengths from {found.sampled:,} of {found.documents:,} documents"
+                    f" ({LENGTH_BLOCKS} evenly spread blocks)"
                 )
         if (h := _health(out, s.name, tokenizer)) is not None:
             health.append(h)
     shards = _shards(out, st, meta, manifest)
     if not shards.all_listed:
         notes.append(
-            f"{shards.count:,} shards: the page's data lists {len(shards.listed):,} of them (outliers, failed and partial); the charts draw all"
+            f"{shards.count:,} shards: the page's data lists {len(shards.listed):,} of them"
+            " (outliers, failed and partial); the charts draw all"
         )
     series = read_series(out)
     return Report(
