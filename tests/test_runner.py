@@ -191,7 +191,9 @@ def test_killed_workers_are_retried_and_a_shard_that_keeps_dying_is_reported(man
     stop = threading.Event()
     killed = keep_killing("example_train_0", stop)
     failing = tokpipe(
-        *run_args(manifest, out, "--workers", "2", "--max-retries", "1", "--checkpoint-interval", "0.2", *HF)
+        *run_args(
+            manifest, out, "--workers", "2", "--max-retries", "1", "--checkpoint-interval", "0.2", "--ray-only", *HF
+        )
     )
     stop.set()
     assert failing.returncode == 1 and len(killed) == 2  # the first attempt and its one retry
@@ -294,15 +296,29 @@ def test_a_manifest_that_only_gained_shards_resumes_as_an_append(dataset, tmp_pa
 
 
 def test_killed_finalize_is_redone_from_the_shards(finished_copy, example_reference):
-    # What a kill -9 during finalize can leave: a half-copied temp file, the old split file cut, no meta.
+    # What a kill -9 during finalize can leave: no meta, and a split's files halfway through their
+    # renames (train.parts renamed, train.bin and train.idx not yet).
     (finished_copy / "meta.json").unlink()
     (finished_copy / "meta.pkl").unlink()
-    (finished_copy / "train.bin.tmp").write_bytes(b"\0" * 1000)
-    with open(finished_copy / "train.bin", "r+b") as f:
-        f.truncate(4000)
+    for name in ("train.bin", "train.idx"):
+        os.replace(finished_copy / name, finished_copy / f"{name}.tmp")
     result = tokpipe(*run_args(finished_copy / "manifest.json", finished_copy))
     assert result.returncode == 0, result.stderr
-    assert "ray:" not in result.stdout  # every shard was done: finalize only, no workers started
+    assert "ray:" not in result.stdout  # every shard was done: finalize only, nothing tokenized again
+    assert_out_is(finished_copy, example_reference)
+
+
+def test_a_split_file_damaged_after_its_shards_were_removed_is_tokenized_again(finished_copy, example_reference):
+    (finished_copy / "meta.json").unlink()
+    (finished_copy / "meta.pkl").unlink()
+    with open(finished_copy / "train.bin", "r+b") as f:
+        f.truncate(4000)  # cut by something outside tokpipe: the shards' own files are gone since placed
+    result = tokpipe(*run_args(finished_copy / "manifest.json", finished_copy))
+    assert result.returncode == 0, result.stderr
+    assert (
+        "the split files changed before 2 shards (e.g. train/chunk1/example_train_0.jsonl.zst) whose own files"
+        " were already removed: tokenizing them again" in result.stdout.splitlines()
+    )
     assert_out_is(finished_copy, example_reference)
     assert not (finished_copy / "train.bin.tmp").exists()
     assert tokpipe("verify", finished_copy).returncode == 0

@@ -45,7 +45,7 @@ def alive(pid: int, started: str) -> bool:
 def test_sigterm_keeps_checkpoints_says_one_line_exits_143_and_the_rerun_is_exact(tmp_path, example_reference):
     manifest, out = tmp_path / "m.json", tmp_path / "out"
     write_manifest(build_manifest(plain_copy_of_example(tmp_path / "data")), manifest)
-    args = ["run", "--manifest", manifest, "--tokenizer", QWEN3, "--out", out, "--workers", "1"]
+    args = ["run", "--manifest", manifest, "--tokenizer", QWEN3, "--out", out, "--workers", "1", "--ray-only"]
     slow = ["--backend", "hf", "--checkpoint-interval", "0.2"]  # the reference encoder: seconds of tokenizing
     proc = subprocess.Popen(
         [sys.executable, "-m", "tokpipe.cli", *map(str, args + slow)],

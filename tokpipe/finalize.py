@@ -156,13 +156,13 @@ class Assembler:
     def _resume(self, manifest: Manifest, stem: str) -> _Split:
         """Keep what an earlier attempt assembled, if it is still the start of the split; else start empty."""
         bin_tmp, idx_tmp, parts_tmp = assembly_files(self.out, stem)
-        finished = [path.with_suffix("") for path in (parts_tmp, bin_tmp, idx_tmp)[: 3 if self.concat else 1]]
-        if not parts_tmp.exists() and all(path.exists() for path in finished):
-            # A split finished by an earlier finalize, that this run extends (an append, an excluded
-            # shard back): its placed shards' files are gone, so it is the start to keep.
-            (self.out / "meta.json").unlink(missing_ok=True)  # OUT is unfinished while its split files change
-            for path in finished:
-                os.replace(path, path.with_name(path.name + ".tmp"))
+        for tmp in (parts_tmp, bin_tmp, idx_tmp)[: 3 if self.concat else 1]:
+            # A split finished by an earlier finalize (fully, or killed between its renames), that this
+            # run extends (an append, an excluded shard back): its placed shards' files are gone, so
+            # it is the start to keep.
+            if not tmp.exists() and tmp.with_suffix("").exists():
+                (self.out / "meta.json").unlink(missing_ok=True)  # OUT is unfinished while its split files change
+                os.replace(tmp.with_suffix(""), tmp)
         state = _Split.start(stem, sources(manifest, stem, self.val_fraction))
         kept = []
         if parts_tmp.exists() and (not self.concat or bin_tmp.exists() and idx_tmp.exists()):

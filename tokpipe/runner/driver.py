@@ -135,7 +135,7 @@ def _tokenize(
         def busy() -> bool:
             """Whether the driver goes on tokenizing: while there is no Ray ready to take over. Ray is
             started once the driver has worked LOCAL_SECONDS without finishing."""
-            if cluster.address:
+            if cluster.address or opts.ray_only:
                 return False
             if not cluster.started and time.monotonic() - local_since > LOCAL_SECONDS:
                 cluster.start()
@@ -250,7 +250,7 @@ def run(
 
 def _run(manifest_path, tokenizer, out: Path, opts: RunOptions, clock: Timeline, cluster: Cluster) -> RunSummary:
     manifest = load_manifest(manifest_path)
-    if cluster.address or manifest.size > EAGER_RAY_BYTES:
+    if cluster.address or opts.ray_only or manifest.size > EAGER_RAY_BYTES:
         cluster.start()  # now, while the driver plans: a cluster to join, or more than the driver does alone
     info = load_tokenizer_info(tokenizer, opts.eos, opts.bos_token, opts.tokenizer_revision)
     check_options(opts, info, tokenizer)
