@@ -54,7 +54,8 @@ def main() -> None:
         name = f"data/{shard.split}-{seen[shard.split]:05d}-of-{per_split[shard.split]:05d}.parquet"
         seen[shard.split] += 1
         tmp = repo / "blobs" / "tmp.parquet"
-        pq.write_table(pa.table({"text": pa.array(rows_of(shard.path), pa.string())}), tmp, row_group_size=args.row_group, compression="zstd")
+        table = pa.table({"text": pa.array(rows_of(shard.path), pa.string())})
+        pq.write_table(table, tmp, row_group_size=args.row_group, compression="zstd")
         blob = hashlib.sha256(tmp.read_bytes()).hexdigest()
         tmp.rename(repo / "blobs" / blob)
         files[name] = blob

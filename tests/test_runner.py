@@ -207,7 +207,7 @@ def test_killed_workers_are_retried_and_a_shard_that_keeps_dying_is_reported(man
     # The rerun tries again; one of its workers is killed once mid-shard and Ray retries it from the checkpoint.
     stop = threading.Event()
     killed = keep_killing("example_train_0", stop, once=True)
-    rerun = tokpipe(*run_args(manifest, out, "--workers", "2", "--checkpoint-interval", "0.2", *HF))
+    rerun = tokpipe(*run_args(manifest, out, "--workers", "2", "--checkpoint-interval", "0.2", "--ray-only", *HF))
     stop.set()
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert len(killed) == 1
