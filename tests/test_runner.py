@@ -80,10 +80,16 @@ def keep_killing(name_part: str, stop: threading.Event, once: bool = False) -> l
     """SIGKILL every worker on a matching shard until `stop` (or the first, with once); returns the PIDs killed."""
     killed = []
 
+    seen: dict[int, float] = {}
+
     def loop():
         while not stop.is_set():
-            # A killed worker stays in /proc until Ray reaps it; count each process once.
+            # A killed worker stays in /proc until Ray reaps it; count each process once. A worker is
+            # killed once it has run its shard for a moment: one killed as its task starts may not
+            # count as an attempt yet (the driver has not heard it began), and Ray tries it again.
             for pid in set(shard_workers(name_part)) - set(killed):
+                if time.monotonic() - seen.setdefault(pid, time.monotonic()) < 0.5:
+                    continue
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
