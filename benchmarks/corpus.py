@@ -105,10 +105,15 @@ def _save(folder: Path, recipe: dict, corpus: Corpus) -> Corpus:
     return corpus
 
 
+def shard_count(size: int, shard_bytes: int, workers: int) -> int:
+    """Shards of about shard_bytes, at least one per worker, a multiple of the workers: every worker gets as many."""
+    shards = max(workers, -(-size // shard_bytes))
+    return -(-shards // workers) * workers
+
+
 def build_corpus(source: str, size: int, workers: int, shard_bytes: int, work_dir: Path) -> Corpus:
     """A corpus of about `size` JSONL bytes under work_dir/corpora/, built once and reused."""
-    shards = max(workers, -(-size // shard_bytes))
-    shards = -(-shards // workers) * workers  # a multiple of the workers: every worker gets as many
+    shards = shard_count(size, shard_bytes, workers)
     recipe = {
         "format": CORPUS_FORMAT,
         "source": str(Path(source).resolve()),
@@ -281,8 +286,7 @@ def build_distinct_corpus(
 ) -> Corpus:
     """About `size` bytes of JSONL in which no document appears twice (`long_tail`: with unique
     identifiers spliced in, so an encoder's word cache meets new words to the end), built once."""
-    shards = max(workers, -(-size // shard_bytes))
-    shards = -(-shards // workers) * workers
+    shards = shard_count(size, shard_bytes, workers)
     recipe = {
         "format": CORPUS_FORMAT,
         "source": str(Path(source).resolve()),
