@@ -382,18 +382,20 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
             texts = batch.texts
             if val_fraction and shard.split == "train":  # the part's documents only: held out, or kept
                 texts = [t for t, h in zip(texts, held_out(texts, val_fraction)) if h == held]
-            for text in texts:
-                if seen in needed:
-                    d = needed[seen]
-                    start = int(ends[d - 1]) if d else 0
-                    expected = before + reference.encode(text, add_special_tokens=False).ids + after
-                    got = tokens[start : int(ends[d])]
-                    results.setdefault(split, []).append(d)
-                    if len(got) != len(expected) or not np.array_equal(got, expected):
-                        mismatches.setdefault(split, []).append(
-                            f"document {d} ({shard.relpath}{', held out' if held else ''}, its document {seen})"
-                        )
-                seen += 1
+            picked = [(seen + i, text) for i, text in enumerate(texts) if seen + i in needed]
+            seen += len(texts)
+            # A batch's picks in one call: tokenizers encodes them on all cores.
+            encoded = reference.encode_batch([text for _, text in picked], add_special_tokens=False)
+            for (number, _), encoding in zip(picked, encoded):
+                d = needed[number]
+                start = int(ends[d - 1]) if d else 0
+                expected = before + encoding.ids + after
+                got = tokens[start : int(ends[d])]
+                results.setdefault(split, []).append(d)
+                if len(got) != len(expected) or not np.array_equal(got, expected):
+                    mismatches.setdefault(split, []).append(
+                        f"document {d} ({shard.relpath}{', held out' if held else ''}, its document {number})"
+                    )
             if seen > max(needed):
                 break
     return [

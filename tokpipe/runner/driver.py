@@ -142,7 +142,9 @@ def _tokenize(
             return not cluster.working()
 
         done = plan.done + tokenize_while(manifest, out, spec, busy, progress, tally, log, assembler)
-        if done < plan.shards:
+        # A shard that failed here failed as a task would after its retries (what raised here, a source
+        # error or a full disk, raises again on a worker): it is no reason to start Ray.
+        if done + len(tally.failed) < plan.shards:
             shape = cluster.wait()
             terminate_on_sigterm()  # over the C++ handler Ray's core worker installed (it prints a stack, exits 1)
             if shape.note and cluster.address:  # an embedded Ray's was said before it started
@@ -161,8 +163,9 @@ def _tokenize(
                 by_node = copies.bytes_by_node.most_common()
                 log("assembled by node: " + ", ".join(f"{node[:8]} {size / 1e6:,.1f} MB" for node, size in by_node))
         else:
-            print(f"ray: not needed, every shard was tokenized here{' while it started' if cluster.started else ''}")
-            progress.update(0, 0, 0, done=done, running=0, failed=0, final=True)
+            what = "tokenized (or failed)" if tally.failed else "tokenized"
+            print(f"ray: not needed, every shard was {what} here{' while it started' if cluster.started else ''}")
+            progress.update(0, 0, 0, done=done, running=0, failed=len(tally.failed), final=True)
             clock.tokenized_now(assembler.placed_tokens * np.dtype(info.dtype).itemsize)
     finally:
         progress.close()
