@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from corpus import build_distinct_corpus, parse_size  # noqa: E402
+from harness import build_distinct_corpus, parse_size  # noqa: E402
 from price import REPO, SHARED, TOKENIZER, manifest_of  # noqa: E402
 
 

@@ -18,7 +18,7 @@ import orjson
 import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from corpus import build_distinct_corpus, parse_size  # noqa: E402
+from harness import build_distinct_corpus, parse_size  # noqa: E402
 from price import SHARED, TOKENIZER, manifest_of, tokpipe_run  # noqa: E402
 
 BACKENDS = ("fastokens", "gigatoken", "hf")

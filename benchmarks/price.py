@@ -21,7 +21,7 @@ import orjson
 import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from corpus import build_distinct_corpus, parse_size  # noqa: E402
+from harness import build_distinct_corpus, parse_size  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared" / "data" / "hf-cache"

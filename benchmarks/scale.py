@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from corpus import build_distinct_corpus, parse_size  # noqa: E402
+from harness import build_distinct_corpus, parse_size  # noqa: E402
 from procmon import TreeMonitor  # noqa: E402
 
 TOKENIZER = HERE.parent / "examples" / "tokenizers" / "qwen3"
@@ -221,7 +221,7 @@ def cmd_rates(args) -> list[dict]:
 
 def cmd_driver(args) -> list[dict]:
     """The driver's CPU per shard (scheduling, progress, placement) on one-document shards, and the run's shards/s."""
-    from corpus import tiny_shards
+    from harness import tiny_shards
 
     folder = tiny_shards(args.shards, args.work_dir)
     results = []
