@@ -7,18 +7,17 @@ the run's processes (its session), each process's last reading kept when it exit
     python benchmarks/disk.py --size 110MB --shards 11 --workers 2
 """
 
+from __future__ import annotations
+
 import argparse
 import json
 import os
-import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import build_distinct_corpus, parse_size  # noqa: E402
-from price import REPO, SHARED, TOKENIZER, manifest_of  # noqa: E402
+from harness import SHARED, build_distinct_corpus, manifest_of, parse_size, tokpipe_run  # noqa: E402
+from procmon import Poller  # noqa: E402
 
 
 def allocated(root: Path) -> int:
@@ -56,26 +55,27 @@ def output_bytes(out: Path) -> int:
     return total
 
 
+class DiskWatch(Poller):
+    """While a run lasts, every 50 ms: OUT's allocated bytes (`peak`) and the write_bytes of the processes
+    of its session (`writes`, pid -> its last reading)."""
+
+    def __init__(self, out: Path, sid: int):
+        super().__init__(0.05)
+        self.out, self.sid, self.peak, self.writes = out, sid, 0, {}
+
+    def poll(self) -> None:
+        self.peak = max(self.peak, allocated(self.out))
+        session_writes(self.sid, self.writes)
+
+
 def measure(manifest: Path, out: Path, workers: int, *extra: str) -> dict:
-    shutil.rmtree(out, ignore_errors=True)
-    command = [sys.executable, "-m", "tokpipe.cli", "run", "--manifest", str(manifest), "--tokenizer", str(TOKENIZER)]
-    command += ["--out", str(out), "--workers", str(workers), *extra]
-    started = time.monotonic()
-    proc = subprocess.Popen(
-        command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
-    )
-    peak, writes = 0, {}
-    while proc.poll() is None:
-        peak = max(peak, allocated(out))
-        session_writes(proc.pid, writes)
-        time.sleep(0.05)
-    if proc.returncode:
-        raise SystemExit(proc.stderr.read().decode()[-2000:])
+    run = tokpipe_run(manifest, out, workers, *extra, watch=lambda pid: DiskWatch(out, pid))
+    peak, writes = run["watch"].peak, run["watch"].writes
     final = output_bytes(out)
     at_end = allocated(out)
     return {
         "mode": " ".join(extra) or "concat",
-        "seconds": round(time.monotonic() - started, 2),
+        "seconds": round(run["wall"], 2),
         "output_MB": round(final / 1e6, 1),
         "peak_OUT_MB": round(max(peak, at_end) / 1e6, 1),
         "peak_ratio": round(max(peak, at_end) / final, 3),

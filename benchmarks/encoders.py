@@ -8,44 +8,29 @@ then tokpipe's tokenize phase with each backend on the same corpus.
 import argparse
 import json
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-import orjson
-import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import build_distinct_corpus, parse_size  # noqa: E402
-from price import SHARED, TOKENIZER, manifest_of, tokpipe_run  # noqa: E402
+from harness import (  # noqa: E402
+    SHARED,
+    TOKENIZER,
+    batches,
+    build_distinct_corpus,
+    load_texts,
+    manifest_of,
+    parse_size,
+    phases,
+    timed,
+    tokpipe_run,
+)
 
 BACKENDS = ("fastokens", "gigatoken", "hf")
 HF_MB = 6  # tokenizers runs ~2 MB/s a core: it gets a sample
 CHECK_MB = 4  # of text whose ids each fast backend must match tokenizers' on
-
-
-def load_texts(corpus_path: str, limit: int | None = None) -> list[str]:
-    texts, size = [], 0
-    for path in sorted(Path(corpus_path).rglob("*.jsonl.zst")):
-        for line in zstandard.ZstdDecompressor().decompress(path.read_bytes()).splitlines():
-            texts.append(orjson.loads(line)["text"])
-            size += len(texts[-1].encode())
-            if limit and size >= limit:
-                return texts
-    return texts
-
-
-def batches(texts: list[str], size: int = 1 << 20) -> list[list[str]]:
-    out, batch, n = [], [], 0
-    for t in texts:
-        batch.append(t)
-        n += len(t)
-        if n >= size:
-            out.append(batch)
-            batch, n = [], 0
-    return out + ([batch] if batch else [])
 
 
 def one(backend: str, corpus_path: str) -> dict:
@@ -104,14 +89,14 @@ def main() -> None:
     corpus = build_distinct_corpus(str(SHARED), size, args.workers, -(-size // args.shards), args.work_dir)
     raw = []
     for backend in BACKENDS:
-        command = [sys.executable, __file__, "--one", backend, "--corpus", corpus.path]
-        raw.append(json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout))
+        run = timed([sys.executable, Path(__file__), "--one", backend, "--corpus", Path(corpus.path)])
+        raw.append(json.loads(next(line for _, line in reversed(run["lines"]) if line.startswith("{"))))
     manifest = manifest_of(Path(corpus.path), args.work_dir)
     phase = {}
     for backend in BACKENDS[:2]:  # hf would take most of an hour
         run = tokpipe_run(manifest, args.work_dir / "encoders-out", args.workers, "--backend", backend)
         phase[backend] = {
-            "tokenize_s": float(run["phases"].split("tokenize ")[1].split("s,")[0]),
+            "tokenize_s": phases(run)["tokenize_s"],
             "wall_s": round(run["wall"], 2),
         }
     phase["ratio_fastokens_to_gigatoken"] = round(

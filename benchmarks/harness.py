@@ -1,39 +1,180 @@
-"""Benchmark corpora: plain folders of zstd JSONL shards of a requested size.
+"""The one harness of the benchmarks: where things are, the one way to run tokpipe and read its phases,
+the one text loader, and the corpora.
 
-`build_corpus` repeats a source; `build_distinct_corpus` takes every document once (the source's,
-then the text files of the installed packages), optionally with unique identifiers spliced in.
+Running: `timed` runs a command of a tokpipe checkout (this one, or an older one's worktree: its cwd and
+PYTHONPATH, for its Ray workers too) to its exit, with its wall and CPU seconds and its output lines as
+they came; `cli` builds the command line of `tokpipe ARGS`, `tokpipe_run` and `manifest_of` the two
+commands a benchmark runs; `phases` reads a run's phases from its output, `phases_from_files` from its
+OUT alone (the same way for every version, old ones too).
 
-The source is anything `tokpipe manifest` accepts (an HF cache, a snapshot, a folder of shards): its
-lines are read in manifest order and written again and again, in that order, until the requested
-number of uncompressed JSONL bytes is reached. The shard count is a multiple of the worker count and
-shards are equally sized, so no worker idles at the end while another finishes a big last shard.
-Same arguments, same bytes: a corpus is cached under the work dir and reused while its recipe holds.
+Text: `load_texts` reads the documents of anything `tokpipe manifest` accepts (an HF cache, a snapshot, a
+folder of shards, a corpus below); `batches` cuts them into an encoder's ~1 MiB calls.
 
-Beware: a repeated corpus is easier for gigatoken than fresh text. Its pretoken cache (per process)
-learns the source's words on the first pass and hits on every repeat; the raw-encoder measurement in
-encoders.py measures cold (first pass) and warm passes
-separately.
+Corpora, plain folders of JSONL shards under the work dir: `build_distinct_corpus` takes every document
+once (the source's, then the text files of the installed packages), optionally with unique identifiers
+spliced in; its shard count is a multiple of the worker count and shards are equally sized, so no worker
+idles at the end while another finishes a big last shard; same arguments, same bytes: it is cached and
+reused while its recipe holds. `tiny_corpus` (20 documents), `tiny_shards` (one document a shard) and
+`build_repeated_corpus` (the source's shards copied N times, for the crash soak) are the others.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
 import os
 import random
+import resource
 import shutil
+import signal
 import string
+import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import orjson
 import zstandard
 
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared" / "data" / "hf-cache"  # the source every corpus is built from
+TOKENIZER = REPO / "examples" / "tokenizers" / "qwen3"
+# tokpipe imported here (the text loader, scale.py's rates) is this checkout's, as in the commands run.
+sys.path.insert(0, str(REPO))
+
 CORPUS_FORMAT = 2
 ZSTD_LEVEL = 3
+
+
+def spawn(command: list, tree: Path = REPO, **popen) -> subprocess.Popen:
+    """Start a command of the checkout `tree`: PYTHONPATH (its Ray workers inherit it) and cwd (`python -m`
+    puts the working directory first on sys.path, before PYTHONPATH) are the tree. Path arguments are made
+    absolute first, as the command runs elsewhere."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"}
+    command = [str(a.resolve()) if isinstance(a, Path) else str(a) for a in command]
+    return subprocess.Popen(command, cwd=tree, env=env, **popen)
+
+
+def cli(*args) -> list:
+    """The command line of `tokpipe ARGS`: the CLI of the checkout it is spawned in."""
+    return [sys.executable, "-m", "tokpipe.cli", *args]
+
+
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed(command: list, *, tree: Path = REPO, watch: Callable | None = None, check: bool = True) -> dict:
+    """Run a command of `tree` (see spawn) to its exit. Returns its wall seconds from start to exit
+    (`wall`), the CPU seconds of it and its children (`cpu`: Ray's processes are its children), its
+    output lines, stdout and stderr, each with the seconds since the start it came at (`lines`), its
+    `returncode`, and `watch`: what `watch(pid)`, a context manager such as procmon.TreeMonitor, made
+    of it while it ran (the command is a session of its own: its pid is the session's id).
+    A command that fails ends the benchmark with its last lines, unless check=False."""
+    cpu, started = children_cpu(), time.monotonic()
+    proc = spawn(command, tree, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        with watch(proc.pid) if watch else contextlib.nullcontext() as watcher:
+            lines = [(time.monotonic() - started, line.rstrip()) for line in proc.stdout]
+            proc.wait()
+            wall = time.monotonic() - started
+    except BaseException:  # Ctrl-C (which no longer reaches its session), or the watch failed
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+        proc.communicate()
+        raise
+    if check and proc.returncode:
+        shown = " ".join(map(str, command[:4]))
+        raise SystemExit(
+            f"{shown} in {tree} failed (exit {proc.returncode}):\n" + "\n".join(line for _, line in lines[-20:])
+        )
+    return {"wall": wall, "cpu": children_cpu() - cpu, "lines": lines, "returncode": proc.returncode, "watch": watcher}
+
+
+def tokpipe_run(manifest: Path, out: Path, workers: int, *extra, tree: Path = REPO, watch=None) -> dict:
+    """`tokpipe run` of a manifest with the benchmarks' tokenizer into a fresh OUT: what `timed` returns."""
+    shutil.rmtree(out, ignore_errors=True)
+    command = cli("run", "--manifest", manifest, "--tokenizer", TOKENIZER, "--out", out, "--workers", workers, *extra)
+    return timed(command, tree=tree, watch=watch)
+
+
+def manifest_of(folder: Path, work_dir: Path, tree: Path = REPO) -> Path:
+    """`tokpipe manifest` of a folder, written to WORK_DIR/FOLDER-NAME.manifest.json."""
+    path = work_dir / f"{folder.name}.manifest.json"
+    timed(cli("manifest", "--dataset-dir", folder, "-o", path), tree=tree)
+    return path
+
+
+MARKS = {  # tokpipe's output line that starts with this -> the moment it stands for
+    "tokenizer ": "tokenizer loaded",
+    "backend ": "backend checked",
+    "ray: ": "ray up (or not needed)",
+    "phases: ": "tokenized and finalized",
+}
+
+
+def phases(run: dict) -> dict:
+    """A `tokpipe run`'s phases from its output: `marks`, the seconds from the command's start at which each
+    of the MARKS lines came; `phases`, its `phases:` line; `tokenize_s`, the tokenize phase's seconds in it."""
+    marks = {name: t for t, line in run["lines"] for prefix, name in MARKS.items() if line.startswith(prefix)}
+    line = next(line for _, line in run["lines"] if line.startswith("phases: "))
+    return {"marks": marks, "phases": line, "tokenize_s": float(line.split("tokenize ")[1].split("s,")[0])}
+
+
+def phases_from_files(out: Path) -> dict:
+    """A finished run's phases from OUT's files alone, the same way for every version (older ones print no
+    `phases:` line): tokenizing from the first shard lock created to the last checkpoint written, the
+    finalize tail from then to meta.json."""
+    locks = [p.stat().st_mtime for p in (out / "shards").rglob("*.lock")]
+    checkpoints = [p.stat().st_mtime for p in (out / "shards").rglob("*.json")]
+    first, last = min(locks), max(checkpoints)
+    tail = (out / "meta.json").stat().st_mtime - last
+    return {
+        "tokenize_s": round(last - first, 2),
+        "finalize_tail_s": round(tail, 3),
+        "tail_share": round(tail / (last - first), 3),
+    }
+
+
+def load_texts(source: str | Path, limit: int | None = None) -> list[str]:
+    """The documents' texts of a source (anything `tokpipe manifest` accepts) in manifest order; with a
+    `limit`, the first ones, up to the one that reaches `limit` UTF-8 bytes of text. A line without a
+    non-empty string "text" is no document."""
+    from tokpipe.manifest import build_manifest
+    from tokpipe.source import format_of
+    from tokpipe.source.jsonl import decompressed_blocks
+
+    found, size = [], 0
+    for shard in build_manifest(str(source)).shards():
+        data = b"".join(block for block, _ in decompressed_blocks(shard.path, format_of(shard.path)))
+        for line in data.splitlines():
+            try:
+                text = orjson.loads(line).get("text")
+            except (orjson.JSONDecodeError, AttributeError):
+                continue
+            if isinstance(text, str) and text:
+                found.append(text)
+                size += len(text.encode("utf-8", "replace"))
+                if limit is not None and size >= limit:
+                    return found
+    return found
+
+
+def batches(texts: list[str], size: int = 1 << 20) -> list[list[str]]:
+    """The texts in an encoder's calls of about `size` characters each."""
+    out, batch, n = [], [], 0
+    for t in texts:
+        batch.append(t)
+        n += len(t)
+        if n >= size:
+            out.append(batch)
+            batch, n = [], 0
+    return out + ([batch] if batch else [])
 
 
 @dataclass
@@ -65,27 +206,6 @@ def parse_size(text: str) -> int:
     return int(text)
 
 
-def source_lines(source: str) -> tuple[list[bytes], list[int]]:
-    """(every JSONL line of the source in manifest order, each line's text bytes or 0 for a non-document)."""
-    from tokpipe.manifest import build_manifest
-    from tokpipe.source import format_of
-    from tokpipe.source.jsonl import decompressed_blocks
-
-    manifest = build_manifest(source)
-    lines: list[bytes] = []
-    for shard in manifest.shards():
-        data = b"".join(block for block, _ in decompressed_blocks(shard.path, format_of(shard.path)))
-        lines += [line + b"\n" for line in data.splitlines() if line.strip()]
-    text_bytes = []
-    for line in lines:
-        try:
-            text = orjson.loads(line).get("text")
-        except (orjson.JSONDecodeError, AttributeError):
-            text = None
-        text_bytes.append(len(text.encode("utf-8", "replace")) if isinstance(text, str) else 0)
-    return lines, text_bytes
-
-
 def _cached(folder: Path, recipe: dict) -> Corpus | None:
     """The corpus built in `folder` by this recipe; else None, with the folder emptied for a new one."""
     marker = folder / "corpus.json"
@@ -111,53 +231,6 @@ def shard_count(size: int, shard_bytes: int, workers: int) -> int:
     return -(-shards // workers) * workers
 
 
-def build_corpus(source: str, size: int, workers: int, shard_bytes: int, work_dir: Path) -> Corpus:
-    """A corpus of about `size` JSONL bytes under work_dir/corpora/, built once and reused."""
-    shards = shard_count(size, shard_bytes, workers)
-    recipe = {
-        "format": CORPUS_FORMAT,
-        "source": str(Path(source).resolve()),
-        "size": size,
-        "shards": shards,
-        "zstd_level": ZSTD_LEVEL,
-    }
-    folder = work_dir / "corpora" / f"{size // 10**6}MB-{shards}shards"
-    if (cached := _cached(folder, recipe)) is not None:
-        return cached
-
-    lines, text_bytes = source_lines(source)
-    per_shard = size / shards
-    cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-    names, shard_text, written, docs, i, compressed = [], [], 0, 0, 0, 0
-    for k in range(shards):
-        name = f"train/part-{k:05d}.jsonl.zst"
-        target = round(per_shard * (k + 1))
-        chunk, text = [], 0
-        while written < target:
-            line = lines[i % len(lines)]
-            chunk.append(line)
-            written += len(line)
-            text += text_bytes[i % len(lines)]
-            docs += text_bytes[i % len(lines)] > 0
-            i += 1
-        (folder / name).write_bytes(cctx.compress(b"".join(chunk)))
-        compressed += (folder / name).stat().st_size
-        names.append(name)
-        shard_text.append(text)
-    corpus = Corpus(
-        path=str(folder),
-        jsonl_bytes=written,
-        text_bytes=sum(shard_text),
-        documents=docs,
-        shards=names,
-        shard_text_bytes=shard_text,
-        compressed_bytes=compressed,
-        source=recipe["source"],
-        source_jsonl_bytes=sum(map(len, lines)),
-    )
-    return _save(folder, recipe, corpus)
-
-
 def tiny_shards(count: int, work_dir: Path) -> Path:
     """A folder of `count` one-document plain JSONL shards (1,000 per sub-folder), for driver scaling."""
     folder = work_dir / "tiny" / f"{count}"
@@ -177,37 +250,31 @@ def tiny_shards(count: int, work_dir: Path) -> Path:
     return folder
 
 
-def rss_shard(work_dir: Path, source: str, shard_bytes: int, doc_bytes: int | None) -> Path:
-    """One zstd JSONL shard of about `shard_bytes`: the source's documents, or (doc_bytes) documents
-    made by joining source texts until each holds about doc_bytes of text. For the worker-memory probe."""
-    name = (
-        f"shard-{shard_bytes // 10**6}MB-docs-{'source' if doc_bytes is None else f'{doc_bytes // 10**6}MB'}.jsonl.zst"
+def tiny_corpus(work_dir: Path) -> Path:
+    """20 short documents in one zstd shard."""
+    folder = work_dir / "corpora" / "price-tiny"
+    (folder / "train").mkdir(parents=True, exist_ok=True)
+    lines = b"".join(
+        orjson.dumps({"text": f"document {i}: the quick brown fox jumps over the lazy dog."}) + b"\n" for i in range(20)
     )
-    path = work_dir / "rss" / name
-    if path.is_file():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lines, _ = source_lines(source)
-    texts = [t for t in (orjson.loads(line).get("text") for line in lines) if isinstance(t, str) and t]
-    cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-    tmp = path.with_name(path.name + ".tmp")
-    written, i = 0, 0
-    with open(tmp, "wb") as raw, cctx.stream_writer(raw) as out:
-        while written < shard_bytes:
-            if doc_bytes is None:
-                line = lines[i % len(lines)]
-                i += 1
-            else:
-                parts, size = [], 0
-                while size < doc_bytes:
-                    parts.append(texts[i % len(texts)])
-                    size += len(parts[-1].encode("utf-8", "replace"))
-                    i += 1
-                line = orjson.dumps({"text": "\n\n".join(parts)}) + b"\n"
-            out.write(line)
-            written += len(line)
-    os.replace(tmp, path)
-    return path
+    (folder / "train" / "part-00000.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines))
+    return folder
+
+
+def build_repeated_corpus(source: str, dest: Path, copies: int) -> None:
+    """The source's shard files copied `copies` times as a plain folder (train/chunk1..N/,
+    validation/chunk1..N/), unless dest exists. For crash tests, not speed: repeated documents keep an
+    encoder's word cache warm."""
+    from tokpipe.manifest import build_manifest
+
+    if dest.exists():
+        return
+    for shard in build_manifest(source).shards():
+        top, *rest = shard.relpath.split("/")
+        for i in range(1, copies + 1):
+            target = dest / top / f"chunk{i}" / "/".join(rest[1:] if rest[0].startswith("chunk") else rest)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(shard.path, target)
 
 
 # Where distinct real text lies on any machine that has tokpipe installed: the sources and docs of the
@@ -247,13 +314,11 @@ def distinct_texts(source: str, roots=DISTINCT_ROOTS) -> Iterator[str]:
         seen.add(digest)
         return True
 
-    lines, text_bytes = source_lines(source)
-    for line, size in zip(lines, text_bytes):
-        if size and once(text := orjson.loads(line)["text"]):
+    for text in load_texts(source):
+        if once(text):
             yield text
     for root in roots:
-        for folder, dirs, files in sorted(os.walk(root)):
-            dirs.sort()
+        for folder, _, files in sorted(os.walk(root)):
             for name in sorted(files):
                 path = os.path.join(folder, name)
                 if not name.endswith(DISTINCT_SUFFIXES) or os.path.islink(path):

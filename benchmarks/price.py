@@ -10,95 +10,35 @@ tokpipe's time goes (from the timestamps of its own output lines), with both sid
 
 import argparse
 import json
-import resource
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import orjson
-import zstandard
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import build_distinct_corpus, parse_size  # noqa: E402
-
-REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared" / "data" / "hf-cache"
-TOKENIZER = REPO / "examples" / "tokenizers" / "qwen3"
-MARKS = {  # tokpipe's output line that starts with this -> the moment it stands for
-    "tokenizer ": "tokenizer loaded",
-    "backend ": "backend checked",
-    "ray: ": "ray up (or not needed)",
-    "phases: ": "tokenized and finalized",
-}
-
-
-def children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
-def timed(command: list[str]) -> dict:
-    """Run a command; its wall seconds from start to exit, CPU seconds of it and its children (Ray's
-    processes are its children), and when each of its output lines came."""
-    cpu, started = children_cpu(), time.monotonic()
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
-    lines = [(time.monotonic() - started, line.rstrip()) for line in proc.stdout]
-    proc.wait()
-    wall = time.monotonic() - started
-    if proc.returncode:
-        raise SystemExit(f"{command[:4]} failed:\n" + "\n".join(line for _, line in lines[-20:]))
-    return {"wall": wall, "cpu": children_cpu() - cpu, "lines": lines}
-
-
-def tokpipe_run(manifest: Path, out: Path, workers: int, *extra: str) -> dict:
-    shutil.rmtree(out, ignore_errors=True)
-    command = [sys.executable, "-m", "tokpipe.cli", "run", "--manifest", str(manifest), "--tokenizer", str(TOKENIZER)]
-    run = timed([*command, "--out", str(out), "--workers", str(workers), *extra])
-    marks = {name: t for t, line in run["lines"] for prefix, name in MARKS.items() if line.startswith(prefix)}
-    phases = next(line for _, line in run["lines"] if line.startswith("phases: "))
-    run |= {"marks": marks, "phases": phases, "tokens": _meta_tokens(out)}
-    return run
+from harness import (  # noqa: E402
+    SHARED,
+    TOKENIZER,
+    build_distinct_corpus,
+    manifest_of,
+    parse_size,
+    phases,
+    timed,
+    tiny_corpus,
+    tokpipe_run,
+)
 
 
 def handwritten_run(manifest: Path, out: Path, workers: int, backend: str) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    script = [
-        sys.executable,
-        str(REPO / "benchmarks" / "handwritten.py"),
-        str(manifest),
-        str(TOKENIZER / "tokenizer.json"),
-    ]
-    run = timed([*script, str(out), "--workers", str(workers), "--backend", backend])
+    script = [sys.executable, Path(__file__).with_name("handwritten.py"), manifest, TOKENIZER / "tokenizer.json"]
+    run = timed([*script, out, "--workers", workers, "--backend", backend])
     run["tokens"] = int(run["lines"][-1][1].split()[1])
     return run
 
 
 def _meta_tokens(out: Path) -> int:
     return sum(s["tokens"] for s in json.loads((out / "meta.json").read_text())["splits"].values())
-
-
-def tiny_corpus(work_dir: Path) -> Path:
-    """20 short documents in one zstd shard."""
-    folder = work_dir / "corpora" / "price-tiny"
-    (folder / "train").mkdir(parents=True, exist_ok=True)
-    lines = b"".join(
-        orjson.dumps({"text": f"document {i}: the quick brown fox jumps over the lazy dog."}) + b"\n" for i in range(20)
-    )
-    (folder / "train" / "part-00000.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines))
-    return folder
-
-
-def manifest_of(folder: Path, work_dir: Path) -> Path:
-    path = work_dir / f"{folder.name}.manifest.json"
-    subprocess.run(
-        [sys.executable, "-m", "tokpipe.cli", "manifest", "--dataset-dir", str(folder), "-o", str(path)],
-        check=True,
-        capture_output=True,
-    )
-    return path
 
 
 def main() -> None:
@@ -122,6 +62,7 @@ def main() -> None:
     for _ in range(args.repeats):
         for corpus_name in ("tiny", "full"):
             tp = tokpipe_run(manifests[corpus_name], out / "tokpipe", args.workers)
+            tp |= phases(tp) | {"tokens": _meta_tokens(out / "tokpipe")}
             backend = backend or next(line for _, line in tp["lines"] if line.startswith("backend ")).split()[1].rstrip(
                 ":"
             )

@@ -18,56 +18,27 @@ import argparse
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
 
-from harness import build_distinct_corpus, parse_size  # noqa: E402
+from harness import (  # noqa: E402
+    REPO,
+    SHARED,
+    TOKENIZER,
+    batches,
+    build_distinct_corpus,
+    load_texts,
+    manifest_of,
+    parse_size,
+    phases_from_files,
+    tiny_shards,
+    tokpipe_run,
+)
 from procmon import TreeMonitor  # noqa: E402
-
-TOKENIZER = HERE.parent / "examples" / "tokenizers" / "qwen3"
-SOURCE = HERE.parent.parent / "shared" / "data" / "hf-cache"
-
-
-def tokpipe(tree: Path, *args, monitor: bool = False) -> tuple[float, dict | None]:
-    """Run the CLI of `tree`; returns (wall seconds, the process tree's stats when monitored)."""
-    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"}
-    started = time.monotonic()
-    # cwd too: `python -m` puts the working directory first on sys.path, before PYTHONPATH.
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tokpipe.cli", *map(str, args)],
-        cwd=tree,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    if monitor:
-        with TreeMonitor(proc.pid) as mon:
-            output = proc.communicate()[0]
-        stats = mon.stats
-    else:
-        output, stats = proc.communicate()[0], None
-    if proc.returncode:
-        raise SystemExit(f"tokpipe {args[0]} in {tree} failed:\n{output}")
-    return time.monotonic() - started, stats
-
-
-def phases_from_files(out: Path) -> dict:
-    locks = [p.stat().st_mtime for p in (out / "shards").rglob("*.lock")]
-    checkpoints = [p.stat().st_mtime for p in (out / "shards").rglob("*.json")]
-    first, last = min(locks), max(checkpoints)
-    tail = (out / "meta.json").stat().st_mtime - last
-    return {
-        "tokenize_s": round(last - first, 2),
-        "finalize_tail_s": round(tail, 3),
-        "tail_share": round(tail / (last - first), 3),
-    }
 
 
 def sha256(path: Path) -> str:
@@ -75,26 +46,12 @@ def sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def run_once(tree: Path, corpus_dir: str, out: Path, workers: int, *extra, monitor: bool = False) -> dict:
-    subprocess.run(["rm", "-rf", str(out)], check=True)
-    manifest = out.with_name(out.name + ".manifest.json")
-    tokpipe(tree, "manifest", "--dataset-dir", corpus_dir, "-o", manifest)
-    wall, stats = tokpipe(
-        tree,
-        "run",
-        "--manifest",
-        manifest,
-        "--tokenizer",
-        TOKENIZER,
-        "--out",
-        out,
-        "--workers",
-        workers,
-        *extra,
-        monitor=monitor,
-    )
-    result = {"wall_s": round(wall, 2), **phases_from_files(out), "train_sha256": sha256(out / "train.bin")[:16]}
-    if stats is not None:
+def run_once(tree: Path, corpus_dir: str | Path, out: Path, workers: int, *extra, monitor: bool = False) -> dict:
+    manifest = manifest_of(Path(corpus_dir), out.parent, tree)
+    run = tokpipe_run(manifest, out, workers, *extra, tree=tree, watch=TreeMonitor if monitor else None)
+    result = {"wall_s": round(run["wall"], 2), **phases_from_files(out), "train_sha256": sha256(out / "train.bin")[:16]}
+    if monitor:
+        stats = run["watch"].stats
         tasks = [s for s in stats.values() if s.kind == "task"]
         result["task_worker_peak_rss_mib"] = sorted(round(s.hwm / 2**20) for s in tasks)
         result["stats"] = stats
@@ -103,7 +60,7 @@ def run_once(tree: Path, corpus_dir: str, out: Path, workers: int, *extra, monit
 
 def cmd_tail(args) -> list[dict]:
     corpus = build_distinct_corpus(
-        str(SOURCE), parse_size(args.size), args.workers, parse_size(args.shard_size), args.work_dir
+        str(SHARED), parse_size(args.size), args.workers, parse_size(args.shard_size), args.work_dir
     )
     results = []
     for repeat in range(args.repeats):
@@ -125,7 +82,7 @@ def cmd_tail(args) -> list[dict]:
 
 def cmd_memory(args) -> list[dict]:
     corpus = build_distinct_corpus(
-        str(SOURCE), parse_size(args.size), args.workers, parse_size(args.shard_size), args.work_dir, long_tail=True
+        str(SHARED), parse_size(args.size), args.workers, parse_size(args.shard_size), args.work_dir, long_tail=True
     )
     results = []
     for name, tree in args.trees:
@@ -154,27 +111,16 @@ def cmd_rates(args) -> list[dict]:
     from tokpipe.tokenizer import GigatokenEncoder
     from tokpipe.verify import verify
 
-    corpus = build_distinct_corpus(str(SOURCE), parse_size(args.size), 2, parse_size(args.shard_size), args.work_dir)
+    corpus = build_distinct_corpus(str(SHARED), parse_size(args.size), 2, parse_size(args.shard_size), args.work_dir)
     results = []
-    import orjson
-    import zstandard
-
-    texts = []
-    for name in corpus.shards[: max(1, len(corpus.shards) // 4)]:
-        data = zstandard.ZstdDecompressor().stream_reader(open(Path(corpus.path) / name, "rb")).read()
-        texts += [orjson.loads(line)["text"] for line in data.splitlines()]
+    # the first quarter of the shards: the loader stops at the text that ends them
+    texts = load_texts(corpus.path, sum(corpus.shard_text_bytes[: max(1, len(corpus.shards) // 4)]))
     size = sum(len(t.encode()) for t in texts)
-    batches, batch, n = [], [], 0
-    for t in texts:
-        batch.append(t)
-        n += len(t)
-        if n >= 1 << 20:
-            batches.append(batch)
-            batch, n = [], 0
+    calls = batches(texts)
     enc = GigatokenEncoder(str(TOKENIZER / "tokenizer.json"))
     for label in ("encode_cold", "encode_warm"):
         started = time.process_time()
-        tokens = sum(len(enc.encode(b)[0]) for b in batches)
+        tokens = sum(len(enc.encode(b)[0]) for b in calls)
         results.append(
             {
                 "measure": label,
@@ -221,8 +167,6 @@ def cmd_rates(args) -> list[dict]:
 
 def cmd_driver(args) -> list[dict]:
     """The driver's CPU per shard (scheduling, progress, placement) on one-document shards, and the run's shards/s."""
-    from harness import tiny_shards
-
     folder = tiny_shards(args.shards, args.work_dir)
     results = []
     for name, tree in args.trees:
@@ -244,16 +188,16 @@ def cmd_cluster(args) -> list[dict]:
     """Two Ray nodes on 127.0.0.1: shards and copy tasks land on both (run.log names the nodes that copied)."""
     from ray.cluster_utils import Cluster
 
-    corpus = build_distinct_corpus(str(SOURCE), parse_size(args.size), 2, parse_size(args.shard_size), args.work_dir)
+    corpus = build_distinct_corpus(str(SHARED), parse_size(args.size), 2, parse_size(args.shard_size), args.work_dir)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     cluster.add_node(num_cpus=1)
     try:
         out = args.work_dir / "cluster"
-        r = run_once(Path(HERE.parent), corpus.path, out, 2, "--address", cluster.address)
+        r = run_once(REPO, corpus.path, out, 2, "--address", cluster.address)
     finally:
         cluster.shutdown()
     log = (out / "logs" / "run.log").read_text().splitlines()
-    local = run_once(Path(HERE.parent), corpus.path, args.work_dir / "cluster-local", 2)
+    local = run_once(REPO, corpus.path, args.work_dir / "cluster-local", 2)
     r = {
         "measure": "cluster",
         "nodes": 2,
@@ -271,7 +215,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", choices=("tail", "memory", "rates", "driver", "cluster"))
     p.add_argument("--shards", type=int, default=5000, help="driver: one-document shards")
-    p.add_argument("--trees", default=f"after={HERE.parent}", help="name=path,... of tokpipe checkouts")
+    p.add_argument("--trees", default=f"after={REPO}", help="name=path,... of tokpipe checkouts")
     p.add_argument("--size", default="250MB")
     p.add_argument("--shard-size", default="20MB")
     p.add_argument("--workers", type=int, default=2)

@@ -23,22 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-from tokpipe.manifest import build_manifest
-
-
-def build_corpus(source: str, dest: Path, copies: int) -> None:
-    if dest.exists():
-        return
-    for shard in build_manifest(source).shards():
-        top, *rest = shard.relpath.split("/")
-        for i in range(1, copies + 1):
-            target = dest / top / f"chunk{i}" / "/".join(rest[1:] if rest[0].startswith("chunk") else rest)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(shard.path, target)
-
-
-def tokpipe(*args) -> list[str]:
-    return [sys.executable, "-m", "tokpipe.cli", *map(str, args)]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import build_repeated_corpus, cli, manifest_of, spawn, timed  # noqa: E402
 
 
 def shard_states(out: Path) -> str:
@@ -62,15 +48,15 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
 
-    work = Path(args.work)
-    data, manifest = work / "data", work / "m.json"
-    build_corpus(args.source, data, args.copies)
-    subprocess.run(tokpipe("manifest", "--dataset-dir", data, "-o", manifest), check=True)
+    work = Path(args.work).resolve()  # tokpipe names OUT as an absolute path
+    data = work / "data"
+    build_repeated_corpus(args.source, data, args.copies)
+    manifest = manifest_of(data, work)
     common = (
         "--manifest",
         manifest,
         "--tokenizer",
-        args.tokenizer,
+        Path(args.tokenizer),
         "--backend",
         args.backend,
         "--checkpoint-interval",
@@ -79,9 +65,7 @@ def main() -> int:
 
     reference = work / "uninterrupted"
     shutil.rmtree(reference, ignore_errors=True)
-    started = time.monotonic()
-    subprocess.run(tokpipe("run", *common, "--out", reference, "--workers", "2"), check=True, stdout=subprocess.DEVNULL)
-    full_seconds = time.monotonic() - started
+    full_seconds = timed(cli("run", *common, "--out", reference, "--workers", "2"))["wall"]
     print(f"uninterrupted run: {full_seconds:.1f}s")
 
     out = work / "killed"
@@ -90,8 +74,8 @@ def main() -> int:
     for attempt, workers in enumerate(args.workers.split(","), 1):
         # Early enough that five attempts do not finish the job between them (each spends ~8 s starting up).
         delay = rng.uniform(2, full_seconds / 2.5)
-        proc = subprocess.Popen(
-            tokpipe("run", *common, "--out", out, "--workers", workers),
+        proc = spawn(
+            cli("run", *common, "--out", out, "--workers", workers),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -109,26 +93,26 @@ def main() -> int:
         if leftovers:
             print(f"  leftover shard workers right after the kill: {leftovers}")
 
-    final = subprocess.run(tokpipe("run", *common, "--out", out, "--workers", "2"), capture_output=True, text=True)
+    final = timed(cli("run", *common, "--out", out, "--workers", "2"), check=False)
+    final_lines = [line for _, line in final["lines"]]
     print(
         "final rerun:",
         " | ".join(
-            line
-            for line in final.stdout.splitlines()
-            if line.startswith(("manifest", "resumed", "train", "validation", "done"))
+            line for line in final_lines if line.startswith(("manifest", "resumed", "train", "validation", "done"))
         ),
     )
-    if final.returncode != 0:
-        print(final.stderr)
+    if final["returncode"] != 0:
+        print("\n".join(final_lines))
         return 1
     names = sorted(
         p.name for p in reference.iterdir() if p.suffix in (".bin", ".idx", ".pkl", ".json") and p.name != "run.json"
     )
     same = {name: filecmp.cmp(reference / name, out / name, shallow=False) for name in names}
     print("byte-identical to the uninterrupted run:", ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in same.items()))
-    verify = subprocess.run(tokpipe("verify", out), capture_output=True, text=True)
-    print("tokpipe verify:", verify.stdout.strip().splitlines()[-1], f"(exit {verify.returncode})")
-    return 0 if all(same.values()) and verify.returncode == 0 else 1
+    verify = timed(cli("verify", out), check=False)
+    last = next((line for _, line in reversed(verify["lines"]) if line.strip()), "")
+    print("tokpipe verify:", last.strip(), f"(exit {verify['returncode']})")
+    return 0 if all(same.values()) and verify["returncode"] == 0 else 1
 
 
 if __name__ == "__main__":
