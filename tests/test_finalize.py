@@ -6,7 +6,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import EXAMPLE_CACHE, QWEN3, assert_out_is
+from helpers import EXAMPLE_CACHE, QWEN3, assert_out_is
 
 from tokpipe.finalize import Assembler, finalize, place
 from tokpipe.layout import ShardFiles

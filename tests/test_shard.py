@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import (
+from helpers import (
     EXAMPLE_CACHE,
     QWEN3,
     QWEN3_EOS,

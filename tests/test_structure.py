@@ -1,5 +1,6 @@
 """The package's shape: data flows one way (no import cycle), every module reads in one sitting, and
-neither `import tokpipe` nor the CLI's start pays for Ray, pyarrow or gigatoken."""
+neither `import tokpipe` nor the CLI's start pays for Ray, pyarrow or gigatoken. And the tests' own shape:
+they share code through helpers.py and conftest.py's fixtures, never by importing one another."""
 
 import ast
 import subprocess
@@ -69,3 +70,15 @@ def test_import_and_help_load_no_heavy_dependency():
     )
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert loaded == "[]"
+
+
+def test_tests_share_code_through_helpers_and_conftest_only():
+    tests = Path(__file__).resolve().parent
+    imported = {
+        (path.name, node.module if isinstance(node, ast.ImportFrom) else alias.name)
+        for path in tests.glob("test_*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    }
+    assert {(name, module) for name, module in imported if module and module.startswith(("test_", "conftest"))} == set()

@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import EXAMPLE_CACHE, QWEN3, QWEN3_EOS, reference_texts
+from helpers import EXAMPLE_HOLDOUT_FILES, QWEN3, QWEN3_EOS, reference_ids, reference_texts
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer
 
@@ -38,17 +38,11 @@ def test_missing_tokenizer_and_unknown_eos_are_user_errors(tmp_path):
     assert load_tokenizer_info(QWEN3 / "tokenizer.json", eos_token="<|im_end|>").eos_id == 151645
 
 
-def _reference(texts):
-    tok = Tokenizer.from_file(str(QWEN3 / "tokenizer.json"))
-    tok.encode_special_tokens = True
-    return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
-
-
 @pytest.mark.parametrize("encoder_class", [HFEncoder, GigatokenEncoder])
 def test_backends_give_the_reference_ids(encoder_class):
-    texts = HARD_CASES + reference_texts(next(EXAMPLE_CACHE.rglob("example_holdout_0.jsonl.zst")))
+    texts = HARD_CASES + reference_texts(EXAMPLE_HOLDOUT_FILES[0])
     flat, lengths = encoder_class(str(QWEN3 / "tokenizer.json")).encode(texts)
-    expected = _reference(texts)
+    expected = reference_ids(texts)
     assert lengths.tolist() == [len(ids) for ids in expected]
     assert np.array_equal(flat, np.concatenate([np.array(ids, dtype=np.uint32) for ids in expected]))
 
