@@ -1,106 +1,133 @@
-"""Shared test fixtures, and the independent reference that tokpipe's bytes are compared against.
-
-The reference is written from DESIGN.md alone, in the most obvious way, sharing no code with tokpipe:
-files in sorted path order per split, lines through io.TextIOWrapper and json.loads, the text
-encoded by `tokenizers.Tokenizer` with `encode_special_tokens = True` and no added special tokens,
-EOS appended.
-"""
+"""The suite's fixtures: OUTs built once per session (copy before changing them), and the one Ray
+cluster that every `tokpipe run` not testing Ray's own start joins. Helpers and the independent
+reference are in helpers.py."""
 
 from __future__ import annotations
 
-import gzip
-import hashlib
-import io
 import json
 import os
+import select
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
-import zstandard
+from helpers import (
+    EXAMPLE_CACHE,
+    EXAMPLE_HOLDOUT_FILES,
+    EXAMPLE_TRAIN_FILES,
+    QWEN3,
+    QWEN3_EOS,
+    SESSION_RAY_ENV,
+    SESSION_RAYS,
+    Crash,
+    build_out,
+    crash_in_batch,
+    plain_copy_of_example,
+    reference_texts,
+    reference_tokens,
+    shard_workers,
+)
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-REPO = Path(__file__).resolve().parent.parent
-EXAMPLE_CACHE = REPO / "examples" / "hf-cache"
-QWEN3 = REPO / "examples" / "tokenizers" / "qwen3"
-SHARED_CACHE = REPO.parent / "shared" / "data" / "hf-cache"
-QWEN3_EOS = 151643
+# The session's Ray: started by a helper process that holds it (an `address="local"` ray.init, so it
+# never joins another Ray on this machine, in a temp dir of its own) and ends it, with every Ray
+# process it started, when its stdin closes: at the session's end, or when pytest itself dies. Under
+# pytest-xdist each worker is a session of its own, with its own holder, Ray and temp dir; the workers
+# of a run are told apart by the temp dir in their environment (helpers.SESSION_RAY_ENV).
+RAY_HOLDER = """
+import sys, ray
+ray.init(address="local", num_cpus=int(sys.argv[2]), include_dashboard=False, object_store_memory=128 << 20,
+         _temp_dir=sys.argv[1], configure_logging=False, log_to_driver=False)
+print(ray.get_runtime_context().gcs_address, flush=True)
+sys.stdin.read()
+ray.shutdown()
+"""
 
 
-def reference_texts(path: Path, text_field: str = "text") -> list[str]:
-    """Document texts of one shard file, the way a careful user would read them by hand."""
-    raw = path.read_bytes()
-    if raw[:4] == b"\x28\xb5\x2f\xfd":
-        raw = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw), read_across_frames=True).read()
-    elif raw[:2] == b"\x1f\x8b":
-        raw = gzip.decompress(raw)
-    texts = []
-    for line in io.TextIOWrapper(io.BytesIO(raw), encoding="utf-8-sig", errors="replace"):
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(obj, dict) and isinstance(obj.get(text_field), str) and obj[text_field]:
-            # A lone surrogate from a JSON escape ("\ud800") is not text: one U+FFFD each, per DESIGN.
-            texts.append("".join("\ufffd" if 0xD800 <= ord(c) <= 0xDFFF else c for c in obj[text_field]))
-    return texts
-
-
-def reference_tokens(
-    paths: list[Path],
-    tokenizer_json: Path,
-    eos_id: int | None,
-    dtype=np.uint32,
-    bos_id: int | None = None,
-    texts=reference_texts,
-) -> np.ndarray:
-    """Each document's ids, with BOS before (bos_id) and EOS after (eos_id None: none).
-    `texts` reads a shard's documents."""
-    tok = Tokenizer.from_file(str(tokenizer_json))
-    tok.encode_special_tokens = True
-    out = []
-    for path in paths:
-        for enc in tok.encode_batch(texts(path), add_special_tokens=False):
-            out.extend(([] if bos_id is None else [bos_id]) + enc.ids + ([] if eos_id is None else [eos_id]))
-    return np.array(out, dtype=dtype)
-
-
-def is_held_out(text: str, fraction: float) -> bool:
-    """README's rule: a document goes to val.bin when the blake2b-64 of its UTF-8 text, little-endian,
-    is below fraction * 2**64."""
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little") < fraction * 2**64
-
-
-def held_out_texts(fraction: float, held: bool):
-    """For reference_tokens: a shard's documents that --val-fraction sends to val.bin (held) or keeps."""
-    return lambda path: [t for t in reference_texts(path) if is_held_out(t, fraction) == held]
-
-
-def snapshot_files(snapshot: Path, split_folder: str) -> list[Path]:
-    """A split's shard files in plain string order of their path, symlinks (or pointer files) followed."""
-    files = sorted(p for p in (snapshot / split_folder).rglob("*.jsonl*"))
-    resolved = []
-    for p in files:
-        if not p.is_symlink() and p.stat().st_size < 512 and p.read_bytes().startswith(b"../"):
-            p = (p.parent / p.read_text().strip()).resolve()  # a symlink stored as a text file
-        resolved.append(p.resolve())
-    return resolved
-
-
-def tokpipe(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """The CLI as a user runs it: a separate process, exit code and output captured."""
-    return subprocess.run(
-        [sys.executable, "-m", "tokpipe.cli", *map(str, args)],
-        cwd=cwd,
-        capture_output=True,
+def _start_ray_holder() -> tuple[subprocess.Popen, str]:
+    temp = tempfile.mkdtemp(prefix="tpray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    holder = subprocess.Popen(
+        [sys.executable, "-c", RAY_HOLDER, temp, str(os.cpu_count() or 1)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
         text=True,
-        timeout=timeout,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        # A local ray.init turns token authentication on, which drivers joining by address lack.
+        env={**os.environ, "RAY_AUTH_MODE": "disabled", SESSION_RAY_ENV: temp},
     )
+    return holder, temp
+
+
+_ray_holder: list = []  # (holder, temp dir), started once per session
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """When a collected test will join the session's Ray, start it now: it comes up while the tests before
+    the first that needs it run."""
+    if any("ray_cluster" in item.fixturenames for item in items) and not _ray_holder:
+        _ray_holder.append(_start_ray_holder())
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """The address of a local Ray with this machine's CPUs (so a run on it gets the workers an embedded Ray
+    would), shared by the session: a run joins it in ~1 s instead of starting its own (3-5 s)."""
+    if not _ray_holder:
+        _ray_holder.append(_start_ray_holder())
+    holder, temp = _ray_holder[0]
+    ready, _, _ = select.select([holder.stdout], [], [], 180)  # Ray's start, on a loaded machine
+    address = holder.stdout.readline().strip() if ready else ""
+    assert address, "the session's Ray did not start"
+    SESSION_RAYS[address] = temp
+    return address
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The session's Ray, if started, ends with the session: its holder stops every process of it; a holder
+    that does not within a minute is killed, and so is every process left with its marker."""
+    while _ray_holder:
+        holder, temp = _ray_holder.pop()
+        holder.stdin.close()
+        try:
+            holder.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            holder.kill()
+            holder.wait()
+        for pid in _processes_of(temp):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _processes_of(temp: str) -> list[int]:
+    """PIDs of the processes started with this session's Ray marker (SESSION_RAY_ENV=temp) still running."""
+    marker = f"{SESSION_RAY_ENV}={temp}\0".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if marker in (entry / "environ").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+@pytest.fixture
+def ray_address(ray_cluster):
+    """The session's Ray, once no shard task of an earlier test (a killed driver's) still runs on it."""
+    deadline = time.monotonic() + 30
+    while shard_workers("", ray_cluster) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return ray_cluster
 
 
 @pytest.fixture(scope="session")
@@ -113,45 +140,10 @@ def small_tokenizer(tmp_path_factory) -> Path:
     trainer = trainers.BpeTrainer(
         vocab_size=600, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    corpus = reference_texts(next((EXAMPLE_CACHE).rglob("example_holdout_0.jsonl.zst")))
-    tok.train_from_iterator(corpus, trainer)
+    tok.train_from_iterator(reference_texts(EXAMPLE_HOLDOUT_FILES[0]), trainer)
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
     return folder
-
-
-def write_jsonl(path: Path, lines: list[bytes | str], compression: str = "none") -> Path:
-    data = b"".join((line.encode() if isinstance(line, str) else line) + b"\n" for line in lines)
-    if compression == "zstd":
-        data = zstandard.ZstdCompressor().compress(data)
-    elif compression == "gzip":
-        data = gzip.compress(data)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
-    return path
-
-
-def build_out(out: Path, tokenizer: Path, backend: str = "fastokens", options=None) -> Path:
-    """OUT as `tokpipe run` leaves it (manifest.json, run.json, shards, split files, meta), built stage
-    by stage without Ray."""
-    from tokpipe.finalize import finalize
-    from tokpipe.manifest import build_manifest, write_manifest
-    from tokpipe.options import RunOptions
-    from tokpipe.runner.identity import record_run
-    from tokpipe.shard import tokenize_shard
-    from tokpipe.tokenizer import load_tokenizer_info
-
-    options = options or RunOptions()
-    manifest = build_manifest(EXAMPLE_CACHE)
-    info = load_tokenizer_info(tokenizer, options.eos, options.bos_token)
-    out.mkdir(parents=True)
-    record_run(out, manifest, info, options)
-    write_manifest(manifest, out / "manifest.json")
-    spec = options.encode_spec(info, backend)
-    for shard in manifest.shards():
-        tokenize_shard(shard, out, spec)
-    finalize(out, manifest, info, options)
-    return out
 
 
 @pytest.fixture(scope="session")
@@ -166,21 +158,13 @@ def finished_small(tmp_path_factory, small_tokenizer) -> Path:
     return build_out(tmp_path_factory.mktemp("finished_small") / "out", small_tokenizer, backend="hf")
 
 
-class Crash(Exception):
-    pass
+@pytest.fixture(scope="session")
+def finished_bos(tmp_path_factory) -> Path:
+    """A finished OUT of the example with --bos --bos-token '<|im_start|>' (and EOS). Copy before changing it."""
+    from tokpipe.options import RunOptions
 
-
-def crash_in_batch(n: int):
-    """An `on_batch` callback that raises Crash in batch n: after its bytes are written, before they
-    are checkpointed."""
-    seen = []
-
-    def on_batch(*_):
-        seen.append(1)
-        if len(seen) == n:
-            raise Crash()
-
-    return on_batch
+    options = RunOptions(bos=True, bos_token="<|im_start|>")
+    return build_out(tmp_path_factory.mktemp("finished_bos") / "out", QWEN3, options=options)
 
 
 @pytest.fixture
@@ -219,24 +203,23 @@ def killed_example(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def example_reference() -> dict[str, np.ndarray]:
     """The reference tokens of the shipped example, per output file stem (train, val)."""
-    snapshot = next(EXAMPLE_CACHE.glob("datasets--*/snapshots/*"))
     return {
-        stem: reference_tokens(snapshot_files(snapshot, split), QWEN3 / "tokenizer.json", QWEN3_EOS)
-        for split, stem in (("train", "train"), ("validation", "val"))
+        "train": reference_tokens(EXAMPLE_TRAIN_FILES, QWEN3 / "tokenizer.json", QWEN3_EOS),
+        "val": reference_tokens(EXAMPLE_HOLDOUT_FILES, QWEN3 / "tokenizer.json", QWEN3_EOS),
     }
 
 
-def plain_copy_of_example(dest: Path) -> Path:
-    """The example's shards as a plain folder (same relative paths, so the same reference bytes)."""
-    snapshot = next(EXAMPLE_CACHE.glob("datasets--*/snapshots/*"))
-    for link in snapshot.rglob("*.jsonl.zst"):
-        target = dest / link.relative_to(snapshot)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(link.read_bytes())
-    return dest
+@pytest.fixture
+def dataset(tmp_path) -> Path:
+    """The example's shards as a plain folder that a test may change."""
+    return plain_copy_of_example(tmp_path / "data")
 
 
-def assert_out_is(out: Path, reference: dict[str, np.ndarray]) -> None:
-    for stem, expected in reference.items():
-        got = np.fromfile(out / f"{stem}.bin", dtype=expected.dtype)
-        assert np.array_equal(got, expected), f"{stem}.bin differs from the reference"
+@pytest.fixture
+def manifest(dataset, tmp_path) -> Path:
+    """A manifest of `dataset`."""
+    from tokpipe.manifest import build_manifest, write_manifest
+
+    path = tmp_path / "m.json"
+    write_manifest(build_manifest(dataset), path)
+    return path

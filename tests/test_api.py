@@ -1,39 +1,13 @@
-"""The Python API mirrors the commands; open_output reads a finished OUT as a trainer does."""
+"""The Python API (tokpipe/__init__.py) mirrors the commands: build_manifest, run, verify, open_output (whose
+own behaviour is documented in test_output.py), with run's options by the names RunOptions gives them."""
 
 import json
 
-import numpy as np
 import pytest
-from conftest import EXAMPLE_CACHE, QWEN3_EOS
+from helpers import EXAMPLE_CACHE
 
 import tokpipe
-from tokpipe.errors import UserError
 from tokpipe.manifest import load_manifest
-
-
-def test_open_output_gives_meta_and_read_only_memmaps(finished_example):
-    data = tokpipe.open_output(finished_example)
-    assert data.meta == json.loads((finished_example / "meta.json").read_text())
-    assert data.vocab_size == 151669 and data.eos_id == QWEN3_EOS and data.dtype == np.uint32
-    assert set(data.splits) == {"train", "validation"}
-    train = data.splits["train"]
-    assert isinstance(train.tokens, np.memmap) and train.tokens.dtype == np.uint32 and not train.tokens.flags.writeable
-    assert np.array_equal(train.tokens, np.fromfile(finished_example / "train.bin", dtype=np.uint32))
-    assert np.array_equal(train.ends, np.fromfile(finished_example / "train.idx", dtype="<i8"))
-    assert len(train.ends) == data.meta["splits"]["train"]["documents"]
-    first, last = train.document(0), train.document(len(train.ends) - 1)
-    assert first[-1] == last[-1] == QWEN3_EOS and QWEN3_EOS not in first[:-1]
-    with pytest.raises(ValueError):
-        train.tokens[0] = 1
-
-
-def test_open_output_refuses_unfinished_and_mismatched_outputs(killed_example, out):
-    with pytest.raises(UserError, match="tokpipe status"):
-        tokpipe.open_output(killed_example)
-    with open(out / "val.bin", "ab") as f:
-        f.write(b"\0\0\0\0")
-    with pytest.raises(UserError, match="val.bin holds .* meta says"):
-        tokpipe.open_output(out)
 
 
 def test_api_mirrors_the_commands(out, tmp_path):

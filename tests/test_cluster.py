@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import QWEN3, assert_out_is, plain_copy_of_example, tokpipe, write_jsonl
+from helpers import assert_out_is, plain_copy_of_example, run_args, tokpipe, write_jsonl
 
 from tokpipe.manifest import build_manifest, write_manifest
 from tokpipe.runner import cluster
@@ -43,10 +43,6 @@ def test_available_cpus_follow_affinity_and_the_cgroup_quota(monkeypatch, tmp_pa
     assert available_cpus() == 3  # Slurm --cpus-per-task=2.5, or a container's --cpus
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     assert available_cpus() == 2
-
-
-def run_args(manifest, out, *extra):
-    return ("run", "--manifest", str(manifest), "--tokenizer", str(QWEN3), "--out", str(out), *extra)
 
 
 def test_more_workers_than_cpus_run_with_the_cpus_and_say_so(tmp_path, example_reference):
@@ -89,7 +85,7 @@ def test_a_shard_mostly_without_the_text_field_is_named(tmp_path):
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 def test_a_finished_run_leaves_no_process_behind(tmp_path):
     write_manifest(build_manifest(plain_copy_of_example(tmp_path / "data")), tmp_path / "m.json")
-    command = [sys.executable, "-m", "tokpipe.cli", *run_args(tmp_path / "m.json", tmp_path / "out")]
+    command = [sys.executable, "-m", "tokpipe.cli", *map(str, run_args(tmp_path / "m.json", tmp_path / "out"))]
     # A fresh session: every process the run starts carries its session id, whoever adopts it.
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     _, stderr = proc.communicate(timeout=300)

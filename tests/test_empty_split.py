@@ -4,7 +4,7 @@ line naming the split, its lines, its skip reasons and --text-field; exit 2; no 
 import json
 
 import pytest
-from conftest import QWEN3, tokpipe, write_jsonl
+from helpers import QWEN3, tokpipe, write_jsonl
 
 from tokpipe.errors import UserError
 from tokpipe.finalize import finalize

@@ -5,7 +5,7 @@ import struct
 
 import numpy as np
 import pytest
-from conftest import tokpipe
+from helpers import tokpipe
 
 from tokpipe.errors import UserError
 from tokpipe.export import export
@@ -67,7 +67,10 @@ def test_megatron_reads_back_document_by_document(fixture, dtype, request, tmp_p
     out = request.getfixturevalue(fixture)
     result = tokpipe("export", out, "--format", "megatron", "--dest", tmp_path / "mg")
     assert result.returncode == 0, result.stderr
-    assert f"--train-data-path {tmp_path / 'mg' / 'train'} --valid-data-path {tmp_path / 'mg' / 'val'}" in result.stdout
+    assert result.stdout.splitlines()[-1] == (
+        f"Megatron-LM: --train-data-path {tmp_path / 'mg' / 'train'} --valid-data-path {tmp_path / 'mg' / 'val'} "
+        "--tokenizer-type HuggingFaceTokenizer --tokenizer-model TOKENIZER_DIR (the run's)"
+    )
     for stem in ("train", "val"):
         meta, tokens, ends = tokpipe_split(out, stem)
         got_dtype, sequences, document_indices = read_megatron(tmp_path / "mg" / stem)
@@ -129,7 +132,7 @@ def test_unfinished_out_cannot_be_exported(killed_example, tmp_path):
 
 
 def test_exports_keep_the_delimiters_the_run_placed(tmp_path):
-    from conftest import QWEN3, build_out
+    from helpers import QWEN3, build_out
 
     from tokpipe.options import RunOptions
 

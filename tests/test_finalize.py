@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import EXAMPLE_CACHE, QWEN3, assert_out_is
+from helpers import EXAMPLE_CACHE, QWEN3, assert_out_is
 
 from tokpipe.finalize import Assembler, finalize, place
 from tokpipe.layout import ShardFiles

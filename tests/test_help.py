@@ -1,7 +1,7 @@
 """What tokpipe reads is said where a user first looks: `tokpipe --help`, the package's description."""
 
-from conftest import REPO
-from conftest import tokpipe as run_cli
+from helpers import REPO
+from helpers import tokpipe as run_cli
 
 import tokpipe
 

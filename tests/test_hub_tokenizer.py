@@ -8,7 +8,7 @@ import shutil
 
 import huggingface_hub.constants
 import pytest
-from conftest import EXAMPLE_CACHE, QWEN3, assert_out_is, tokpipe
+from helpers import EXAMPLE_CACHE, QWEN3, assert_out_is, tokpipe
 
 from tokpipe.errors import UserError
 from tokpipe.tokenizer import load_tokenizer_info

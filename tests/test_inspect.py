@@ -5,7 +5,7 @@ import pickle
 
 import numpy as np
 import pytest
-from conftest import QWEN3, QWEN3_EOS, tokpipe
+from helpers import QWEN3, QWEN3_EOS, tokpipe
 
 from tokpipe.errors import UserError
 from tokpipe.inspect import EOS_MARK, Source, TokenFile, inspect, red_flags, render, scan_ids
@@ -37,9 +37,9 @@ def test_good_output_has_no_red_flags_and_same_seed_same_windows(finished_exampl
     ]
     result = tokpipe("inspect", finished_example, "--split", "val", "-n", "2", "--seed", "5")
     assert result.returncode == 0, result.stderr
-    assert (
-        "validation:" in result.stdout and "── 1/2  val.bin[" in result.stdout and "all 6 checks hold" in result.stdout
-    )
+    lines = result.stdout.splitlines()
+    assert "validation:" in result.stdout and "── 1/2  val.bin[" in result.stdout and lines[-1] == "all 6 checks hold"
+    assert sum(line.startswith("── ") and "val.bin[" in line for line in lines) == 2
 
 
 def test_windows_mark_every_document_boundary(finished_example):

@@ -1,199 +1,141 @@
-"""How documents are laid out: BOS and/or EOS around each, and a validation split held out by hash."""
+"""layout: every rule of OUT's files, in one module. Where a shard's files and its held-out part go, what a
+checkpoint holds, a parts list (one JSON line per part) and the offsets and meta sums it gives, the
+split files' names, meta.pkl read without executing anything, and OUT's lock: held by the live run,
+naming it, refusing a second run, dropped by the kernel when the run dies."""
 
+import fcntl
 import json
-import shutil
+import os
+import pickle
+from dataclasses import asdict
+from pathlib import Path
 
-import numpy as np
 import pytest
-from conftest import (
-    EXAMPLE_CACHE,
-    QWEN3,
-    QWEN3_EOS,
-    build_out,
-    held_out_texts,
-    is_held_out,
-    reference_texts,
-    reference_tokens,
-    snapshot_files,
-    tokpipe,
+from helpers import EXAMPLE_CACHE, run_args, tokpipe
+
+from tokpipe.errors import UserError
+from tokpipe.layout import (
+    Checkpoint,
+    ShardFiles,
+    load_meta_pkl,
+    lock_holder,
+    lock_out,
+    output_splits,
+    parts_line,
+    parts_of,
+    read_parts,
+    sources,
+    split_entry,
+    split_file_stem,
 )
+from tokpipe.manifest import build_manifest
 
-from tokpipe.inspect import BOS_MARK, inspect
-from tokpipe.options import RunOptions
-from tokpipe.verify import verify, verify_sample
-
-IM_START = 151644  # Qwen3's <|im_start|>; its tokenizer_config names no bos_token
-SNAPSHOT = next(EXAMPLE_CACHE.glob("datasets--*/snapshots/*"))
-TRAIN, HOLDOUT = snapshot_files(SNAPSHOT, "train"), snapshot_files(SNAPSHOT, "validation")
+MANIFEST = build_manifest(EXAMPLE_CACHE)
+TRAIN_0, TRAIN_1, HOLDOUT = MANIFEST.shards()
 
 
-def tokens(out, stem):
-    return np.fromfile(out / f"{stem}.bin", dtype=np.uint32)
-
-
-def failed(out):
-    return [c.name for c in verify(out) if not c.ok]
-
-
-@pytest.fixture(scope="module")
-def bos_out(tmp_path_factory):
-    return build_out(
-        tmp_path_factory.mktemp("bos") / "out", QWEN3, options=RunOptions(bos=True, bos_token="<|im_start|>")
+def test_a_shard_s_files_are_named_by_its_split_and_key(tmp_path):
+    files = ShardFiles.of(tmp_path, TRAIN_1)
+    base = tmp_path / "shards" / "train" / "train__chunk1__example_train_1"
+    assert (files.bin, files.idx, files.checkpoint, files.lock) == tuple(
+        Path(f"{base}{ext}") for ext in (".bin", ".idx", ".json", ".lock")
     )
+    held = tmp_path / "shards" / "train" / "held-out" / "train__chunk1__example_train_1"
+    assert (files.val_bin, files.val_idx) == (Path(f"{held}.bin"), Path(f"{held}.idx"))
 
 
-def test_bos_then_text_then_eos_for_every_document(bos_out):
-    reference = reference_tokens(TRAIN, QWEN3 / "tokenizer.json", QWEN3_EOS, bos_id=IM_START)
-    assert np.array_equal(tokens(bos_out, "train"), reference)
-    meta = json.loads((bos_out / "meta.json").read_text())
-    assert (
-        meta["delimiters"] == {"bos": True, "eos": True}
-        and meta["bos_token_id"] == IM_START
-        and meta["bos_token"] == "<|im_start|>"
-    )
-    ends = np.fromfile(bos_out / "train.idx", dtype="<i8")
-    assert ends[-1] == len(reference) and tokens(bos_out, "train")[np.concatenate([[0], ends[:-1]])].tolist() == [
-        IM_START
-    ] * len(ends)
-    assert failed(bos_out) == [] and all(c.ok for c in verify_sample(bos_out, 50))
-    checks = [c.name for c in verify(bos_out)]
-    assert "train: every document starts with BOS" in checks and "train: BOS count == documents" in checks
+def test_a_checkpoint_round_trips_and_a_missing_one_is_none(tmp_path):
+    assert Checkpoint.of(tmp_path, HOLDOUT) is None
+    ckpt = Checkpoint(lines=5, offset=100, documents=4, tokens=40, skipped={"blank": 1}, skip_log=[[3, "blank"]])
+    path = ShardFiles.of(tmp_path, HOLDOUT).checkpoint
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(asdict(ckpt)))
+    assert Checkpoint.of(tmp_path, HOLDOUT) == ckpt
 
 
-def test_bos_without_eos_places_no_eos_anywhere(tmp_path):
-    out = build_out(tmp_path / "out", QWEN3, options=RunOptions(bos=True, bos_token="<|im_start|>", no_eos=True))
-    assert np.array_equal(
-        tokens(out, "train"), reference_tokens(TRAIN, QWEN3 / "tokenizer.json", None, bos_id=IM_START)
-    )
-    assert not np.any(tokens(out, "train") == QWEN3_EOS) and not np.any(tokens(out, "val") == QWEN3_EOS)
-    assert failed(out) == [] and "train: no EOS anywhere (--no-eos)" in [c.name for c in verify(out)]
-    assert all(c.ok for c in verify_sample(out, 20))
-    result = inspect(out, n=2, window=10_000, seed=1)  # longer than any document here: each window crosses a start
-    assert result.ok and any(BOS_MARK in text for text in result.texts)
-    assert "share of BOS (id 151644)" in [c.name for c in result.flags]
-
-
-def test_verify_names_a_document_that_lost_its_bos(bos_out, tmp_path):
-    out = tmp_path / "out"
-    shutil.copytree(bos_out, out)
-    ends = np.fromfile(out / "val.idx", dtype="<i8")
-    damaged = np.memmap(out / "val.bin", dtype=np.uint32, mode="r+")
-    damaged[ends[4]] = 42
-    damaged.flush()
-    assert failed(out) == [
-        "validation: sha256 matches meta",
-        "validation: BOS count == documents",
-        "validation: every document starts with BOS",
+def test_split_files_are_named_by_stem_and_val_fraction_adds_a_validation_split():
+    assert [split_file_stem(s) for s in ("train", "validation", "test")] == ["train", "val", "test"]
+    assert output_splits(MANIFEST, 0.0) == output_splits(MANIFEST, 0.1) == ["train", "validation"]
+    train_only = build_manifest(EXAMPLE_CACHE.parent / "hf-cache-parquet")
+    assert output_splits(train_only, 0.0) == ["train", "validation"]  # it has its own
+    # val.bin with --val-fraction: the held-out part of every train shard, in manifest order, then its own.
+    assert [(s.relpath, held) for s, held in sources(MANIFEST, "val", 0.1)] == [
+        (TRAIN_0.relpath, True),
+        (TRAIN_1.relpath, True),
+        (HOLDOUT.relpath, False),
     ]
+    assert [(s.relpath, held) for s, held in sources(MANIFEST, "val", 0.0)] == [(HOLDOUT.relpath, False)]
 
 
-def test_delimiters_nobody_could_split_or_a_bos_the_tokenizer_lacks_are_refused(tmp_path):
-    manifest = tmp_path / "m.json"
-    assert tokpipe("manifest", "--dataset-dir", EXAMPLE_CACHE, "-o", manifest).returncode == 0
-    run = ("run", "--manifest", manifest, "--tokenizer", QWEN3, "--out", tmp_path / "out")
-    no_bos = tokpipe(*run, "--bos")
-    assert (
-        no_bos.returncode == 2
-        and "names no bos_token" in no_bos.stderr
-        and "--bos-token" in no_bos.stderr
-        and "Traceback" not in no_bos.stderr
-    )
-    nothing = tokpipe(*run, "--no-eos")
-    assert nothing.returncode == 2 and "add --bos" in nothing.stderr
-    unknown = tokpipe(*run, "--bos", "--bos-token", "<|no such token|>")
-    assert unknown.returncode == 2 and "not in the tokenizer's vocabulary" in unknown.stderr
+def test_a_parts_list_gives_each_part_its_offsets_and_meta_its_sums(tmp_path):
+    records = [
+        {"shard": "a", "tokens": 10, "documents": 2, "lines": 3, "held_out": 1, "skipped": {"blank": 1}},
+        {"shard": "a", "part": "held-out", "tokens": 4, "documents": 1, "held_in": 1},
+        {"shard": "b", "tokens": 7, "documents": 1, "lines": 1, "held_out": 0, "repaired": {"bom": 1}},
+    ]
+    raw = b"".join(parts_line(r) for r in records)
+    assert raw.count(b"\n") == 3
+    (tmp_path / "val.parts").write_bytes(raw)
+    assert list(read_parts(tmp_path / "val.parts")) == records
+    parts = parts_of("val", raw)
+    assert [(p.seq, p.token_offset, p.doc_offset, p.token_end, p.doc_end) for p in parts] == [
+        (0, 0, 0, 10, 2),
+        (1, 10, 2, 14, 3),
+        (2, 14, 3, 21, 4),
+    ]
+    entry = split_entry("val", tmp_path / "val.parts", concat=True)
+    assert {k: v for k, v in entry.items() if k != "parts_sha256"} == {
+        "file": "val.bin",
+        "idx": "val.idx",
+        "parts": "val.parts",
+        "tokens": 21,
+        "documents": 4,
+        "lines": 4,
+        "held_out": 1,
+        "held_in": 1,
+        "skipped": {"blank": 1},
+        "repaired": {"bom": 1},
+        "shards": 2,  # a held-out part is no shard of its own
+    }
 
 
-def test_a_resume_with_other_delimiters_is_refused_and_an_earlier_run_json_is_the_same_run(
-    bos_out, finished_example, tmp_path
-):
-    out = tmp_path / "bos"
-    shutil.copytree(bos_out, out)
-    other = tokpipe("run", "--manifest", out / "manifest.json", "--tokenizer", QWEN3, "--out", out)
-    assert (
-        other.returncode == 2
-        and "delimiters: was {'bos': True, 'eos': True}, now {'bos': False, 'eos': True}" in other.stderr
-    )
-    # An OUT of tokpipe 0.1, unfinished: its run.json has no delimiters or val_fraction, meaning EOS only.
-    old = tmp_path / "old"
-    shutil.copytree(finished_example, old)
-    run = json.loads((old / "run.json").read_text())
-    del run["delimiters"], run["val_fraction"]
-    (old / "run.json").write_text(json.dumps(run))
-    (old / "meta.json").unlink()
-    again = tokpipe("run", "--manifest", old / "manifest.json", "--tokenizer", QWEN3, "--out", old)
-    assert again.returncode == 0, again.stderr
-    assert json.loads((old / "meta.json").read_text())["delimiters"] == {"bos": False, "eos": True}
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
 
 
-def test_val_fraction_holds_out_train_documents_chosen_by_their_text(tmp_path):
-    out = build_out(tmp_path / "out", QWEN3, options=RunOptions(val_fraction=0.2))
-    tokenizer = QWEN3 / "tokenizer.json"
-    kept = reference_tokens(TRAIN, tokenizer, QWEN3_EOS, texts=held_out_texts(0.2, False))
-    # val.bin: each shard's part in manifest order, train/ before validation/: the held-out train
-    # documents, then the holdout shard.
-    val = np.concatenate(
-        [
-            reference_tokens(TRAIN, tokenizer, QWEN3_EOS, texts=held_out_texts(0.2, True)),
-            reference_tokens(HOLDOUT, tokenizer, QWEN3_EOS),
-        ]
-    )
-    assert np.array_equal(tokens(out, "train"), kept) and np.array_equal(tokens(out, "val"), val)
-    meta = json.loads((out / "meta.json").read_text())
-    train, validation = meta["splits"]["train"], meta["splits"]["validation"]
-    held = sum(is_held_out(t, 0.2) for path in TRAIN for t in reference_texts(path))
-    assert 0 < held < 293 and meta["val_fraction"] == 0.2
-    assert train["held_out"] == validation["held_in"] == held and train["documents"] + held == 293
-    assert train["documents"] + train["held_out"] + sum(train["skipped"].values()) == train["lines"] == 295
-    assert failed(out) == [] and all(c.ok for c in verify_sample(out, 500))
+def test_meta_pkl_is_read_without_executing_anything(tmp_path):
+    (tmp_path / "meta.pkl").write_bytes(pickle.dumps({"dtype": "uint32", "splits": {"train": {"tokens": 1}}}))
+    assert load_meta_pkl(tmp_path / "meta.pkl") == {"dtype": "uint32", "splits": {"train": {"tokens": 1}}}
+    (tmp_path / "meta.pkl").write_bytes(pickle.dumps({"dtype": Evil()}))
+    with pytest.raises(pickle.UnpicklingError, match="refers to posix.system; a tokpipe meta holds only plain values"):
+        load_meta_pkl(tmp_path / "meta.pkl")
+    (tmp_path / "meta.pkl").write_bytes(pickle.dumps([1, 2]))
+    with pytest.raises(pickle.UnpicklingError, match="meta.pkl holds a list, not a dict"):
+        load_meta_pkl(tmp_path / "meta.pkl")
 
 
-def test_val_fraction_makes_a_validation_split_when_the_dataset_has_none(tmp_path):
-    from tokpipe.finalize import finalize
-    from tokpipe.manifest import build_manifest
-    from tokpipe.shard import tokenize_shard
-    from tokpipe.tokenizer import load_tokenizer_info
+def test_the_lock_names_the_live_run_and_is_gone_when_it_is(tmp_path):
+    assert lock_holder(tmp_path / ".lock") is None
+    held = lock_out(tmp_path)
+    assert lock_holder(tmp_path / ".lock") == f"pid {os.getpid()} on {os.uname().nodename}"
+    with pytest.raises(UserError, match=rf"in use by another tokpipe run \(pid {os.getpid()} on "):
+        lock_out(tmp_path)
+    held.close()  # as the kernel does when the run dies
+    assert lock_holder(tmp_path / ".lock") is None
+    lock_out(tmp_path).close()
 
-    data = tmp_path / "data" / "train"
-    data.mkdir(parents=True)
-    for i, path in enumerate(TRAIN):
-        shutil.copy(path, data / f"part-{i}.jsonl.zst")
-    manifest, info, options = (
-        build_manifest(tmp_path / "data"),
-        load_tokenizer_info(QWEN3),
-        RunOptions(val_fraction=0.5),
-    )
+
+def test_a_second_run_on_the_same_out_is_refused_while_the_first_holds_it(manifest, tmp_path):
     out = tmp_path / "out"
-    for shard in manifest.shards():
-        tokenize_shard(shard, out, options.encode_spec(info, "gigatoken"))
-    meta = finalize(out, manifest, info, options)
-    assert list(meta["splits"]) == ["train", "validation"] and meta["splits"]["validation"]["file"] == "val.bin"
-    assert meta["splits"]["train"]["documents"] + meta["splits"]["validation"]["documents"] == 293
-
-
-def test_an_unfinished_run_is_inspected_with_its_held_out_documents_in_val(tmp_path):
-    from tokpipe.manifest import build_manifest, write_manifest
-    from tokpipe.runner.identity import record_run
-    from tokpipe.shard import tokenize_shard
-    from tokpipe.tokenizer import load_tokenizer_info
-
-    # A dataset with no validation split, tokenized with --val-fraction and not finalized: val.bin is yet to be.
-    data = tmp_path / "data" / "train"
-    data.mkdir(parents=True)
-    for i, path in enumerate(TRAIN):
-        shutil.copy(path, data / f"part-{i}.jsonl.zst")
-    manifest, info, options, out = (
-        build_manifest(tmp_path / "data"),
-        load_tokenizer_info(QWEN3),
-        RunOptions(val_fraction=0.2),
-        tmp_path / "out",
-    )
     out.mkdir()
-    record_run(out, manifest, info, options)
-    write_manifest(manifest, out / "manifest.json")
-    for shard in manifest.shards():
-        tokenize_shard(shard, out, options.encode_spec(info, "gigatoken"))
-    held = sum(is_held_out(t, 0.2) for path in TRAIN for t in reference_texts(path))
-    val = inspect(out, split="val", n=1, seed=0)
-    assert not val.source.finished and val.source.documents == held and val.source.split == "validation"
-    assert inspect(out, split="train", n=1, seed=0).source.documents == 293 - held
+    with open(out / ".lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write("pid 4242 on elsewhere")
+        held.flush()
+        result = tokpipe(*run_args(manifest, out))
+    assert result.returncode == 2
+    assert result.stderr == (
+        f"tokpipe run: error: {out} is in use by another tokpipe run (pid 4242 on elsewhere); wait for it to "
+        "finish or stop it\n"
+    )

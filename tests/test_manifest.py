@@ -6,7 +6,7 @@ import shutil
 from dataclasses import replace
 
 import pytest
-from conftest import EXAMPLE_CACHE, tokpipe, write_jsonl
+from helpers import EXAMPLE_CACHE, tokpipe, write_jsonl
 
 from tokpipe.errors import UserError
 from tokpipe.manifest import build_manifest, load_manifest, split_of, write_manifest
@@ -167,7 +167,10 @@ def test_cli_wrong_dataset_dir_says_what_it_found_and_expected(tmp_path, make):
 def test_cli_writes_the_manifest_and_reports_it(tmp_path):
     result = tokpipe("manifest", "--dataset-dir", EXAMPLE_CACHE, "-o", tmp_path / "m.json")
     assert result.returncode == 0, result.stderr
-    assert "3 shards (train 2, validation 1)" in result.stdout
+    assert result.stdout == (
+        f"tokpipe-realdata/slimpajama-mini@{REVISION[:12]}: 3 shards (train 2, validation 1), 1.1 MiB -> "
+        f"{tmp_path / 'm.json'}\n"
+    )
     assert load_manifest(tmp_path / "m.json").repo_id == "tokpipe-realdata/slimpajama-mini"
 
 

@@ -6,7 +6,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import EXAMPLE_CACHE, QWEN3, build_out
+from helpers import EXAMPLE_CACHE, QWEN3, build_out
 
 from tokpipe.errors import UserError
 from tokpipe.export import export

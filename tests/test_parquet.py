@@ -1,20 +1,33 @@
 """parquet: Parquet shards give the same tokens as the same documents in JSONL; every row is a document or
 a counted skip, as JSONL would count it; resumable at any row; memory bounded by a row group; a cut or
-corrupt file fails by name. (The reader's tests here came from a second implementation of this issue.)"""
+corrupt file fails by name; through `tokpipe run` (on the session's Ray), a kill -9 mid-file resumes to the
+same bytes and a cut shard fails by name. (The reader's tests here came from a second implementation of
+this issue.)"""
 
 import json
 import os
 import shutil
-import signal
 from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import QWEN3, REPO, Crash, assert_out_is, crash_in_batch, tokpipe, write_jsonl
-from test_runner import start, wait_for
-from test_source import all_of
+from helpers import (
+    PARQUET_CACHE,
+    QWEN3,
+    VAL_DOCUMENTS,
+    Crash,
+    assert_out_is,
+    crash_in_batch,
+    kill_9,
+    read_all,
+    run_args,
+    start,
+    tokpipe,
+    wait_for,
+    write_jsonl,
+)
 
 from tokpipe.errors import SourceError
 from tokpipe.finalize import finalize
@@ -25,7 +38,6 @@ from tokpipe.shard import tokenize_shard
 from tokpipe.source import read_batches
 from tokpipe.tokenizer import load_tokenizer_info
 
-PARQUET_CACHE = REPO / "examples" / "hf-cache-parquet"
 MANIFEST = build_manifest(PARQUET_CACHE)
 INFO = load_tokenizer_info(QWEN3)
 ROW_GROUP = 64  # rows per row group in the example (examples/make_parquet_example.py --row-group 64)
@@ -58,12 +70,12 @@ def test_rows_are_documents_or_skips_counted_as_the_same_values_in_jsonl(tmp_pat
     jsonl = write_jsonl(
         tmp_path / "x.jsonl", ['{"text": "first"}', '{"text": null}', '{"text": ""}', '{"text": "second"}']
     )
-    texts, skipped, batches = all_of(parquet)
+    texts, skipped, batches = read_all(parquet)
     assert texts == ["first", "second"]
     assert dict(skipped) == {"text_not_string": 1, "empty_text": 1}
     assert [entry for b in batches for entry in b.skip_log] == [(2, "text_not_string"), (3, "empty_text")]
     assert sum(b.lines for b in batches) == len(values)
-    jsonl_texts, jsonl_skipped, jsonl_batches = all_of(jsonl)
+    jsonl_texts, jsonl_skipped, jsonl_batches = read_all(jsonl)
     assert (texts, skipped) == (jsonl_texts, jsonl_skipped)
     assert [e for b in batches for e in b.skip_log] == [e for b in jsonl_batches for e in b.skip_log]
 
@@ -94,7 +106,7 @@ def test_rows_are_documents_or_skips_counted_as_the_same_values_in_jsonl(tmp_pat
 )
 def test_column_types(tmp_path, column, texts, skipped, repaired):
     path = write_parquet(tmp_path / "x.parquet", {"text": column})
-    got, got_skipped, batches = all_of(path)
+    got, got_skipped, batches = read_all(path)
     assert got == texts and dict(got_skipped) == skipped
     assert sum((b.repaired for b in batches), start=Counter()) == repaired
     assert sum(b.lines for b in batches) == len(column)
@@ -103,15 +115,15 @@ def test_column_types(tmp_path, column, texts, skipped, repaired):
 def test_the_format_is_sniffed_not_taken_from_the_name(tmp_path):
     parquet_named_jsonl = write_parquet(tmp_path / "x.jsonl.zst", {"text": ["from parquet"]})
     jsonl_named_parquet = write_jsonl(tmp_path / "y.parquet", ['{"text": "from jsonl"}'])
-    assert all_of(parquet_named_jsonl)[0] == ["from parquet"]
-    assert all_of(jsonl_named_parquet)[0] == ["from jsonl"]
+    assert read_all(parquet_named_jsonl)[0] == ["from parquet"]
+    assert read_all(jsonl_named_parquet)[0] == ["from jsonl"]
 
 
 def test_batches_are_cut_by_bytes_and_resume_at_any_row(tmp_path):
     texts = [f"document {i} " + "word " * (i % 37) for i in range(200)]
     path = write_parquet(tmp_path / "x.parquet", {"text": texts}, row_group_size=16)
     for batch_bytes in (1, 700, 4 << 20):
-        got, _, batches = all_of(path, batch_bytes=batch_bytes)
+        got, _, batches = read_all(path, batch_bytes=batch_bytes)
         assert got == texts, batch_bytes
         assert all(b.text_bytes >= batch_bytes for b in batches[:-1])
         assert [b.end_offset for b in batches] == [sum(b.lines for b in batches[: k + 1]) for k in range(len(batches))]
@@ -119,12 +131,12 @@ def test_batches_are_cut_by_bytes_and_resume_at_any_row(tmp_path):
         assert positions == sorted(positions) and positions[-1] == os.path.getsize(path)
         for b in batches:  # a checkpoint after any batch: the rest follows
             assert (
-                all_of(path, batch_bytes=batch_bytes, start_line=b.end_offset, start_offset=b.end_offset)[0]
+                read_all(path, batch_bytes=batch_bytes, start_line=b.end_offset, start_offset=b.end_offset)[0]
                 == texts[b.end_offset :]
             )
     # Rows inside a row group, at its edges, and at the end.
     for row in (0, 5, 15, 16, 17, 199, 200):
-        rest, _, batches = all_of(path, batch_bytes=700, start_line=row, start_offset=row)
+        rest, _, batches = read_all(path, batch_bytes=700, start_line=row, start_offset=row)
         assert rest == texts[row:] and sum(b.lines for b in batches) == 200 - row
 
 
@@ -144,8 +156,8 @@ def test_a_missing_column_fails_naming_the_file_and_the_column(tmp_path):
         SourceError,
         match=r"x.parquet has no column 'text' \(its columns: body, id\); name the text column with --text-field",
     ):
-        all_of(path)
-    assert all_of(path, text_field="body")[0] == ["a"]
+        read_all(path)
+    assert read_all(path, text_field="body")[0] == ["a"]
 
 
 def test_a_cut_download_fails_naming_the_file(tmp_path):
@@ -153,7 +165,7 @@ def test_a_cut_download_fails_naming_the_file(tmp_path):
     path = tmp_path / "cut.parquet"
     path.write_bytes(data[: len(data) * 6 // 10])
     with pytest.raises(SourceError, match=r"cut.parquet: not a complete Parquet file.*truncated download"):
-        all_of(path)
+        read_all(path)
 
 
 def test_a_corrupt_page_fails_naming_the_row_group(tmp_path):
@@ -172,13 +184,13 @@ def test_a_corrupt_page_fails_naming_the_row_group(tmp_path):
     data[end - 48 : end - 32] = b"\xff" * 16
     path.write_bytes(bytes(data))
     with pytest.raises(SourceError, match=r"x.parquet: row group 2 \(of 4\) does not decode"):
-        all_of(path)
+        read_all(path)
 
 
 def test_a_checkpoint_past_the_last_row_is_an_error(tmp_path):
     path = write_parquet(tmp_path / "x.parquet", {"text": ["short"]})
     with pytest.raises(SourceError, match="fewer rows than its checkpoint"):
-        all_of(path, start_line=5, start_offset=5)
+        read_all(path, start_line=5, start_offset=5)
 
 
 def test_a_shard_interrupted_inside_a_row_group_resumes_to_identical_bytes(tmp_path):
@@ -209,11 +221,11 @@ def parquet_copy(tmp_path) -> Path:
 
 
 def test_kill_9_mid_file_at_one_worker_then_two_workers_gives_identical_bytes(
-    parquet_copy, tmp_path, example_reference
+    parquet_copy, tmp_path, example_reference, ray_address
 ):
     manifest, out = tmp_path / "m.json", tmp_path / "out"
     assert tokpipe("manifest", "--dataset-dir", parquet_copy, "-o", manifest).returncode == 0
-    proc = start(manifest, out, "--workers", "1", "--checkpoint-interval", "0.2", "--backend", "hf")
+    proc = start(manifest, out, "--workers", "1", "--checkpoint-interval", "0.2", "--backend", "hf", ray=ray_address)
     checkpoints = out / "shards" / "train"
     wait_for(
         lambda: (
@@ -224,29 +236,28 @@ def test_kill_9_mid_file_at_one_worker_then_two_workers_gives_identical_bytes(
             or proc.poll() is not None
         )
     )
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    rerun = tokpipe("run", "--manifest", manifest, "--tokenizer", QWEN3, "--out", out, "--workers", "2")
+    kill_9(proc)
+    rerun = tokpipe(*run_args(manifest, out, "--workers", "2"), ray=ray_address)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert_out_is(out, example_reference)
     assert tokpipe("verify", out, "--sample", "50").returncode == 0
 
 
-def test_a_cut_parquet_shard_fails_by_name_and_skip_failed_finalizes_without_it(parquet_copy, tmp_path):
+def test_a_cut_parquet_shard_fails_by_name_and_skip_failed_finalizes_without_it(parquet_copy, tmp_path, ray_address):
     cut = parquet_copy / "data" / "train-00001-of-00002.parquet"
     cut.write_bytes(cut.read_bytes()[: cut.stat().st_size * 6 // 10])
     manifest, out = tmp_path / "m.json", tmp_path / "out"
     assert tokpipe("manifest", "--dataset-dir", parquet_copy, "-o", manifest).returncode == 0
-    failing = tokpipe("run", "--manifest", manifest, "--tokenizer", QWEN3, "--out", out)
+    failing = tokpipe(*run_args(manifest, out), ray=ray_address)
     assert failing.returncode == 1 and "Traceback" not in failing.stderr
     assert (
         "FAILED data/train-00001-of-00002.parquet: SourceError:" in failing.stderr
         and "not a complete Parquet file" in failing.stderr
     )
-    skipping = tokpipe("run", "--manifest", manifest, "--tokenizer", QWEN3, "--out", out, "--skip-failed")
+    skipping = tokpipe(*run_args(manifest, out, "--skip-failed"), ray=ray_address)
     assert skipping.returncode == 0, skipping.stderr
     meta = json.loads((out / "meta.json").read_text())
     assert (
         list(meta["excluded"]) == ["data/train-00001-of-00002.parquet"]
-        and meta["splits"]["validation"]["documents"] == 136
+        and meta["splits"]["validation"]["documents"] == VAL_DOCUMENTS
     )

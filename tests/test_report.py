@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import EXAMPLE_CACHE, QWEN3, REPO, tokpipe
+from helpers import EXAMPLE_CACHE, QWEN3, REPO, tokpipe
 
 from tokpipe import series as series_mod
 from tokpipe.series import Series, read_series

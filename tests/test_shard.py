@@ -5,13 +5,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import (
+from helpers import (
     EXAMPLE_CACHE,
     QWEN3,
     QWEN3_EOS,
     Crash,
     crash_in_batch,
-    held_out_texts,
+    held_out,
     is_held_out,
     reference_texts,
     reference_tokens,
@@ -200,7 +200,7 @@ def test_held_out_documents_are_chosen_by_their_text_and_survive_a_crash(tmp_pat
             QWEN3 / "tokenizer.json",
             QWEN3_EOS,
             bos_id=QWEN3_IM_START,
-            texts=held_out_texts(fraction, h),
+            keep=held_out(fraction, h),
         )
         for h in (False, True)
     ]

@@ -1,48 +1,24 @@
 """SIGTERM (what Slurm, Kubernetes and systemd send before they kill) stops a run as Ctrl-C does: the
 running shards keep their checkpoints, one line says how to resume, exit 143, no Ray stack on stderr,
-no process of the run left behind; the rerun gives the bytes of an uninterrupted run."""
+no process of the run left behind; the rerun gives the bytes of an uninterrupted run. The stopped run starts
+its own embedded Ray (whose processes must all end); the rerun joins the session's Ray."""
 
 import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-from conftest import QWEN3, assert_out_is, plain_copy_of_example, tokpipe
+from helpers import QWEN3, alive, assert_out_is, descendants, plain_copy_of_example, tokpipe
 
 from tokpipe.manifest import build_manifest, write_manifest
 
 MESSAGE = "tokpipe run: terminated (SIGTERM); rerun the same command to resume"
 
 
-def descendants(root: int) -> set[tuple[int, str]]:
-    """(pid, start time) of every process below root, from /proc (the start time tells a reused pid)."""
-    children: dict[int, list[tuple[int, str]]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            children.setdefault(int(fields[1]), []).append((int(entry.name), fields[19]))
-    found, todo = set(), [root]
-    while todo:
-        for pid, started in children.get(todo.pop(), []):
-            found.add((pid, started))
-            todo.append(pid)
-    return found
-
-
-def alive(pid: int, started: str) -> bool:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return fields[19] == started and fields[0] != "Z"  # a zombie has exited; its parent has yet to reap it
-
-
-def test_sigterm_keeps_checkpoints_says_one_line_exits_143_and_the_rerun_is_exact(tmp_path, example_reference):
+def test_sigterm_keeps_checkpoints_says_one_line_exits_143_and_the_rerun_is_exact(
+    tmp_path, example_reference, ray_address
+):
     manifest, out = tmp_path / "m.json", tmp_path / "out"
     write_manifest(build_manifest(plain_copy_of_example(tmp_path / "data")), manifest)
     args = ["run", "--manifest", manifest, "--tokenizer", QWEN3, "--out", out, "--workers", "1", "--ray-only"]
@@ -73,7 +49,7 @@ def test_sigterm_keeps_checkpoints_says_one_line_exits_143_and_the_rerun_is_exac
         time.sleep(0.1)
     assert not (out / "meta.json").exists()
 
-    rerun = tokpipe(*args)
+    rerun = tokpipe(*args, ray=ray_address)  # the stopped run started its own Ray; the rerun joins the session's
     assert rerun.returncode == 0, rerun.stderr
     assert "0 done, 0 partial" not in rerun.stdout  # it resumed from what the stopped run kept
     assert_out_is(out, example_reference)

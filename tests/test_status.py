@@ -8,17 +8,11 @@ import shutil
 import time
 
 import pytest
-from conftest import QWEN3, tokpipe
+from helpers import HOLDOUT, QWEN3, TRAIN_0, TRAIN_1, tokpipe
 
 from tokpipe.cli import parser
 from tokpipe.errors import UserError
 from tokpipe.status import duration, report, status
-
-TRAIN_0, TRAIN_1, HOLDOUT = (
-    "train/chunk1/example_train_0.jsonl.zst",
-    "train/chunk1/example_train_1.jsonl.zst",
-    "validation/chunk1/example_holdout_0.jsonl.zst",
-)
 
 
 @pytest.fixture
@@ -38,10 +32,14 @@ def test_finished_run_says_verify_next(finished_example):
     assert st.next == f"tokpipe verify {finished_example}"
     result = tokpipe("status", finished_example)
     assert result.returncode == 0, result.stderr
-    assert (
-        f"{finished_example}: finished" in result.stdout and "3 done, 0 partial, 0 pending, 0 failed" in result.stdout
-    )
-    assert f"next: tokpipe verify {finished_example}" in result.stdout
+    assert result.stdout.splitlines() == [
+        f"{finished_example}: finished",
+        "shards: 3 done, 0 partial, 0 pending, 0 failed (of 3)",
+        "  train       2/2 done          859,703 tokens           293 documents",
+        "  validation  1/1 done          303,964 tokens           136 documents",
+        "committed: 1,163,667 tokens, 429 documents; 100.0% of 1.1 MiB read",
+        f"next: tokpipe verify {finished_example}",
+    ]
 
 
 def test_killed_run_shows_what_is_committed_and_the_resume_command(killed):
@@ -114,6 +112,7 @@ def test_not_a_run_is_one_line_exit_2(tmp_path):
         status(tmp_path)
     result = tokpipe("status", tmp_path / "nope")
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"tokpipe status: error: {tmp_path / 'nope'}")
 
 
 def test_json_and_durations(killed):

@@ -1,5 +1,6 @@
 """The package's shape: data flows one way (no import cycle), every module reads in one sitting, and
-neither `import tokpipe` nor the CLI's start pays for Ray, pyarrow or gigatoken."""
+neither `import tokpipe` nor the CLI's start pays for Ray, pyarrow or gigatoken. And the tests' own shape:
+they share code through helpers.py and conftest.py's fixtures, never by importing one another."""
 
 import ast
 import subprocess
@@ -69,3 +70,28 @@ def test_import_and_help_load_no_heavy_dependency():
     )
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert loaded == "[]"
+
+
+def test_tests_share_code_through_helpers_and_conftest_only():
+    tests = Path(__file__).resolve().parent
+    imported = {
+        (path.name, node.module if isinstance(node, ast.ImportFrom) else alias.name)
+        for path in tests.glob("test_*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    }
+    assert {(name, module) for name, module in imported if module and module.startswith(("test_", "conftest"))} == set()
+
+
+def test_the_reference_in_helpers_imports_nothing_of_tokpipe():
+    # helpers.py: the independent reference first, then the ways the tests drive tokpipe, below this line.
+    source = (Path(__file__).resolve().parent / "helpers.py").read_text()
+    [line] = [i for i, text in enumerate(source.splitlines(), 1) if text.startswith("# -- tokpipe as a user runs it")]
+    above = {
+        node.module if isinstance(node, ast.ImportFrom) else alias.name
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Import | ast.ImportFrom) and node.lineno < line
+        for alias in node.names
+    }
+    assert above and not [m for m in above if m and m.split(".")[0] == "tokpipe"]

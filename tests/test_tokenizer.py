@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import EXAMPLE_CACHE, QWEN3, QWEN3_EOS, reference_texts
+from helpers import EXAMPLE_HOLDOUT_FILES, QWEN3, QWEN3_EOS, reference_ids, reference_texts
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer
 
@@ -50,18 +50,12 @@ def test_missing_tokenizer_and_unknown_eos_are_user_errors(tmp_path):
     assert load_tokenizer_info(QWEN3 / "tokenizer.json", eos_token="<|im_end|>").eos_id == 151645
 
 
-def _reference(texts):
-    tok = Tokenizer.from_file(str(QWEN3 / "tokenizer.json"))
-    tok.encode_special_tokens = True
-    return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
-
-
 @pytest.mark.parametrize("encoder_class", [HFEncoder, FastokensEncoder, GigatokenEncoder])
 def test_backends_give_the_reference_ids(encoder_class):
     hard = [t for t in HARD_CASES if encoder_class is not GigatokenEncoder or t != GIGATOKEN_REORDERS]
-    texts = hard + reference_texts(next(EXAMPLE_CACHE.rglob("example_holdout_0.jsonl.zst")))
+    texts = hard + reference_texts(EXAMPLE_HOLDOUT_FILES[0])
     flat, lengths = encoder_class(str(QWEN3 / "tokenizer.json")).encode(texts)
-    expected = _reference(texts)
+    expected = reference_ids(texts)
     assert lengths.tolist() == [len(ids) for ids in expected]
     assert np.array_equal(flat, np.concatenate([np.array(ids, dtype=np.uint32) for ids in expected]))
 
@@ -70,12 +64,12 @@ def test_backends_give_the_reference_ids(encoder_class):
 def test_special_token_strings_in_text_are_text(encoder_class):
     # What tokbench counts as fastokens differing (its adapter left specials as text): here, the reference.
     flat, _ = encoder_class(str(QWEN3 / "tokenizer.json")).encode(["a <|endoftext|> b <|im_start|>"])
-    assert flat.tolist() == _reference(["a <|endoftext|> b <|im_start|>"])[0]
+    assert flat.tolist() == reference_ids(["a <|endoftext|> b <|im_start|>"])[0]
     assert QWEN3_EOS not in flat and 151644 not in flat
 
 
 def test_gigatoken_reorders_two_combining_marks_that_the_reference_keeps():
-    reference = _reference([GIGATOKEN_REORDERS])[0]
+    reference = reference_ids([GIGATOKEN_REORDERS])[0]
     assert reference == [123934, 112, 100, 123934, 121, 228]
     assert FastokensEncoder(str(QWEN3 / "tokenizer.json")).encode([GIGATOKEN_REORDERS])[0].tolist() == reference
     assert GigatokenEncoder(str(QWEN3 / "tokenizer.json")).encode([GIGATOKEN_REORDERS])[0].tolist() == [

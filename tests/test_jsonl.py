@@ -1,14 +1,16 @@
-"""source: compression from magic bytes, every line accounted for, resumable at a line/byte offset."""
+"""source/jsonl.py (through tokpipe.source.read_batches): JSONL plain, zstd or gzip, the compression sniffed from
+its magic bytes (source/__init__.py) never its name; every line accounted for, the same lines whatever the
+block size; resumable at a line/byte offset; a truncated download fails by name."""
 
 import gzip
 from collections import Counter
 
 import pytest
 import zstandard
-from conftest import write_jsonl
+from helpers import read_all, write_jsonl
 
 from tokpipe.errors import SourceError
-from tokpipe.source import format_of, read_batches
+from tokpipe.source import format_of
 
 LINES = [
     '{"text": "first"}',
@@ -22,19 +24,12 @@ LINES = [
 ]
 
 
-def all_of(path, **kw):
-    batches = list(read_batches(str(path), **kw))
-    texts = [t for b in batches for t in b.texts]
-    skipped = sum((b.skipped for b in batches), start=Counter())
-    return texts, skipped, batches
-
-
 @pytest.mark.parametrize("compression", ["none", "zstd", "gzip"])
 def test_compression_is_sniffed_not_taken_from_the_name(tmp_path, compression):
     # Every file is named .jsonl.zst, as the Dolma file that is really plain JSONL.
     path = write_jsonl(tmp_path / "x.jsonl.zst", LINES, compression)
     assert format_of(str(path)) == compression
-    texts, skipped, batches = all_of(path)
+    texts, skipped, batches = read_all(path)
     assert texts == ["first", "second"]
     assert dict(skipped) == {
         "blank": 1,
@@ -58,11 +53,11 @@ def test_compression_is_sniffed_not_taken_from_the_name(tmp_path, compression):
 def test_batches_are_cut_by_bytes_and_resume_exactly(tmp_path):
     lines = [f'{{"text": "doc {i} ' + "x" * (i % 50) + '"}' for i in range(1000)]
     path = write_jsonl(tmp_path / "x.jsonl.zst", lines, "zstd")
-    whole, _, batches = all_of(path, batch_bytes=4096)
+    whole, _, batches = read_all(path, batch_bytes=4096)
     assert len(batches) > 5 and all(b.text_bytes >= 4096 for b in batches[:-1])
     # Resume after the third batch: the same documents follow.
     consumed_lines = sum(b.lines for b in batches[:3])
-    rest, _, _ = all_of(path, batch_bytes=4096, start_line=consumed_lines, start_offset=batches[2].end_offset)
+    rest, _, _ = read_all(path, batch_bytes=4096, start_line=consumed_lines, start_offset=batches[2].end_offset)
     assert rest == whole[consumed_lines:]
 
 
@@ -72,19 +67,19 @@ def test_truncated_zstd_download_fails_loudly_naming_the_file(tmp_path):
     path = tmp_path / "cut.jsonl.zst"
     path.write_bytes(compressed[: len(compressed) // 2])
     with pytest.raises(SourceError, match="cut.jsonl.zst.*truncated"):
-        all_of(path)
+        read_all(path)
 
 
 def test_multi_frame_zstd_reads_every_frame(tmp_path):
     c = zstandard.ZstdCompressor()
     path = tmp_path / "frames.jsonl.zst"
     path.write_bytes(c.compress(b'{"text": "a"}\n') + c.compress(b'{"text": "b"}\n'))
-    assert all_of(path)[0] == ["a", "b"]
+    assert read_all(path)[0] == ["a", "b"]
 
 
 def test_over_long_line_is_skipped_without_being_held(tmp_path):
     path = write_jsonl(tmp_path / "x.jsonl", ['{"text": "' + "y" * 10000 + '"}', '{"text": "after"}'])
-    texts, skipped, batches = all_of(path, max_line_bytes=1000)
+    texts, skipped, batches = read_all(path, max_line_bytes=1000)
     assert texts == ["after"] and skipped == {"too_long": 1}
     assert batches[-1].end_offset == path.stat().st_size
 
@@ -122,7 +117,7 @@ def test_lines_are_the_same_whatever_the_block_size(tmp_path, compression):
         "last, with no newline",
     ]
     for batch_bytes in (1, 7, 100, 4 << 20):
-        texts, skipped, batches = all_of(path, batch_bytes=batch_bytes, max_line_bytes=500)
+        texts, skipped, batches = read_all(path, batch_bytes=batch_bytes, max_line_bytes=500)
         assert texts == expected_texts, batch_bytes
         assert dict(skipped) == {"blank": 2, "too_long": 1, "invalid_json": 1}
         assert [line for b in batches for line in b.skip_log] == [
@@ -137,7 +132,7 @@ def test_lines_are_the_same_whatever_the_block_size(tmp_path, compression):
         # Resuming at any batch's end, as a checkpoint would, reads exactly the rest.
         for k in range(len(batches)):
             done = sum(b.lines for b in batches[: k + 1])
-            rest, _, _ = all_of(
+            rest, _, _ = read_all(
                 path, batch_bytes=batch_bytes, max_line_bytes=500, start_line=done, start_offset=batches[k].end_offset
             )
             assert rest == texts[sum(len(b.texts) for b in batches[: k + 1]) :]
@@ -146,4 +141,4 @@ def test_lines_are_the_same_whatever_the_block_size(tmp_path, compression):
 def test_a_checkpoint_past_the_end_of_the_file_is_an_error(tmp_path):
     path = write_jsonl(tmp_path / "x.jsonl", ['{"text": "short"}'])
     with pytest.raises(SourceError, match="shorter than its checkpoint"):
-        all_of(path, start_line=5, start_offset=1000)
+        read_all(path, start_line=5, start_offset=1000)

@@ -1,0 +1,406 @@
+"""Everything the tests share that is not a fixture (fixtures are in conftest.py): `import helpers`.
+
+First the independent reference that tokpipe's bytes are compared against. It is written from
+DESIGN.md alone, in the most obvious way, sharing no code with tokpipe: files in sorted path order
+per split, lines through io.TextIOWrapper and json.loads, the text encoded by `tokenizers.Tokenizer`
+with `encode_special_tokens = True` and no added special tokens, EOS appended. The tokenizer is loaded,
+and each file encoded, once per process (functools.cache), however many tests compare against it.
+Nothing above the "tokpipe as a user runs it" line imports tokpipe.
+
+Then the ways the tests drive tokpipe: the CLI as a subprocess (`tokpipe`), a `tokpipe run` in its own
+process group to kill (`start`), an OUT built stage by stage without Ray (`build_out`), and the
+watchers of a running run (`wait_for`, `checkpoints`, `shard_workers`, `keep_killing`, `descendants`).
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import hashlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import zstandard
+from tokenizers import Tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE_CACHE = REPO / "examples" / "hf-cache"
+EXAMPLE_SNAPSHOT = next(EXAMPLE_CACHE.glob("datasets--*/snapshots/*"))
+PARQUET_CACHE = REPO / "examples" / "hf-cache-parquet"
+QWEN3 = REPO / "examples" / "tokenizers" / "qwen3"
+QWEN3_EOS = 151643  # <|endoftext|>
+QWEN3_IM_START = 151644  # <|im_start|>; Qwen3's tokenizer_config names no bos_token
+QWEN3_IM_END = 151645
+QWEN3_VOCAB = 151669
+SHARED_CACHE = REPO.parent / "shared" / "data" / "hf-cache"
+
+# The example's shards (tokpipe's relpaths) and its counts, as meta and status report them.
+TRAIN_0, TRAIN_1, HOLDOUT = (
+    "train/chunk1/example_train_0.jsonl.zst",
+    "train/chunk1/example_train_1.jsonl.zst",
+    "validation/chunk1/example_holdout_0.jsonl.zst",
+)
+TRAIN_DOCUMENTS, TRAIN_LINES, VAL_DOCUMENTS = 293, 295, 136
+
+
+# -- the reference -----------------------------------------------------------------------------------
+
+
+@functools.cache
+def reference_tokenizer(tokenizer_json: Path) -> Tokenizer:
+    """`tokenizers.Tokenizer` of a tokenizer.json, special-token strings in text encoded as text; loaded
+    once per process (Qwen3's takes ~0.5 s)."""
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    tok.encode_special_tokens = True
+    return tok
+
+
+def reference_texts(path: Path, text_field: str = "text") -> list[str]:
+    """Document texts of one shard file, the way a careful user would read them by hand."""
+    raw = path.read_bytes()
+    if raw[:4] == b"\x28\xb5\x2f\xfd":
+        raw = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw), read_across_frames=True).read()
+    elif raw[:2] == b"\x1f\x8b":
+        raw = gzip.decompress(raw)
+    texts = []
+    for line in io.TextIOWrapper(io.BytesIO(raw), encoding="utf-8-sig", errors="replace"):
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict) and isinstance(obj.get(text_field), str) and obj[text_field]:
+            # A lone surrogate from a JSON escape ("\ud800") is not text: one U+FFFD each, per DESIGN.
+            texts.append("".join("\ufffd" if 0xD800 <= ord(c) <= 0xDFFF else c for c in obj[text_field]))
+    return texts
+
+
+def reference_ids(texts: list[str], tokenizer_json: Path = QWEN3 / "tokenizer.json") -> list[list[int]]:
+    """Each text's ids, no special tokens added."""
+    tok = reference_tokenizer(Path(tokenizer_json).resolve())
+    return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
+
+
+def reference_documents(
+    path: Path, tokenizer_json: Path, text_field: str = "text"
+) -> tuple[tuple[str, np.ndarray], ...]:
+    """(text, ids) of each document of one shard file, ids a read-only uint32 array without BOS or EOS.
+    Encoded once per process for a file, tokenizer and text field (_encoded_documents), however many tests
+    compare against it; a file or tokenizer.json rewritten since (its size or mtime) is encoded again."""
+    path, tokenizer_json = Path(path).resolve(), Path(tokenizer_json).resolve()
+    return _encoded_documents(path, tokenizer_json, text_field, _stamp(path), _stamp(tokenizer_json))
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns
+
+
+@functools.cache
+def _encoded_documents(path: Path, tokenizer_json: Path, text_field: str, *_stamps) -> tuple:
+    texts = reference_texts(path, text_field)
+    documents = []
+    for text, ids in zip(texts, reference_ids(texts, tokenizer_json)):
+        array = np.array(ids, dtype=np.uint32)
+        array.flags.writeable = False  # shared by every caller
+        documents.append((text, array))
+    return tuple(documents)
+
+
+def reference_tokens(
+    paths: list[Path],
+    tokenizer_json: Path,
+    eos_id: int | None,
+    dtype=np.uint32,
+    bos_id: int | None = None,
+    keep=None,
+    text_field: str = "text",
+) -> np.ndarray:
+    """Each document's ids, with BOS before (bos_id) and EOS after (eos_id None: none), the files in the
+    order given. `keep(text)`, if given, picks the documents (e.g. held_out(fraction, held))."""
+    bos = [] if bos_id is None else [np.array([bos_id], dtype=np.int64)]
+    eos = [] if eos_id is None else [np.array([eos_id], dtype=np.int64)]
+    parts = [np.zeros(0, dtype=np.int64)]
+    for path in paths:
+        for text, ids in reference_documents(path, tokenizer_json, text_field):
+            if keep is None or keep(text):
+                parts += [*bos, ids, *eos]
+    tokens = np.concatenate(parts)
+    if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(dtype).max):
+        raise OverflowError(f"reference ids out of range for {np.dtype(dtype)}")
+    return tokens.astype(dtype)
+
+
+def is_held_out(text: str, fraction: float) -> bool:
+    """README's rule: a document goes to val.bin when the blake2b-64 of its UTF-8 text, little-endian,
+    is below fraction * 2**64."""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little") < fraction * 2**64
+
+
+def held_out(fraction: float, held: bool):
+    """For reference_tokens(keep=): the documents that --val-fraction sends to val.bin (held) or keeps in
+    train.bin (not held), chosen by their text."""
+    return lambda text: is_held_out(text, fraction) == held
+
+
+def snapshot_files(snapshot: Path, split_folder: str) -> list[Path]:
+    """A split's shard files in plain string order of their path, symlinks (or pointer files) followed."""
+    files = sorted(p for p in (snapshot / split_folder).rglob("*.jsonl*"))
+    resolved = []
+    for p in files:
+        if not p.is_symlink() and p.stat().st_size < 512 and p.read_bytes().startswith(b"../"):
+            p = (p.parent / p.read_text().strip()).resolve()  # a symlink stored as a text file
+        resolved.append(p.resolve())
+    return resolved
+
+
+EXAMPLE_TRAIN_FILES = snapshot_files(EXAMPLE_SNAPSHOT, "train")
+EXAMPLE_HOLDOUT_FILES = snapshot_files(EXAMPLE_SNAPSHOT, "validation")
+
+
+def assert_out_is(out: Path, reference: dict[str, np.ndarray]) -> None:
+    """Each split file of OUT (by stem: train, val) holds exactly the reference tokens."""
+    for stem, expected in reference.items():
+        got = np.fromfile(out / f"{stem}.bin", dtype=expected.dtype)
+        assert np.array_equal(got, expected), f"{stem}.bin differs from the reference"
+
+
+def write_jsonl(path: Path, lines: list[bytes | str], compression: str = "none") -> Path:
+    data = b"".join((line.encode() if isinstance(line, str) else line) + b"\n" for line in lines)
+    if compression == "zstd":
+        data = zstandard.ZstdCompressor().compress(data)
+    elif compression == "gzip":
+        data = gzip.compress(data)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def plain_copy_of_example(dest: Path) -> Path:
+    """The example's shards as a plain folder (same relative paths, so the same reference bytes)."""
+    for link in EXAMPLE_SNAPSHOT.rglob("*.jsonl.zst"):
+        target = dest / link.relative_to(EXAMPLE_SNAPSHOT)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(link.read_bytes())
+    return dest
+
+
+# -- tokpipe as a user runs it -----------------------------------------------------------------------
+
+
+def tokpipe(
+    *args, cwd: Path | None = None, timeout: float = 300, ray: str | None = None
+) -> subprocess.CompletedProcess:
+    """The CLI as a user runs it: a separate process, exit code and output captured. `ray`: the address
+    of the session's Ray cluster (the `ray_address` fixture) for a run to join as $RAY_ADDRESS; without
+    it a run that tokenizes starts an embedded Ray of its own."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return subprocess.run(
+        [sys.executable, "-m", "tokpipe.cli", *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**env, "PYTHONUNBUFFERED": "1", **({"RAY_ADDRESS": ray} if ray else {})},
+    )
+
+
+def run_args(manifest, out, *extra, tokenizer=QWEN3) -> tuple:
+    return ("run", "--manifest", manifest, "--tokenizer", tokenizer, "--out", out, *extra)
+
+
+# The "ray:" line of a run on its own with --workers 2 (a regular expression): the driver tokenizes while an
+# embedded Ray would start, and starts it only once it has worked 1.5 s unfinished, so a small run on a fast
+# backend usually needs none; on a busy machine Ray may start, or even take over.
+EMBEDDED_RAY_2_WORKERS = (
+    r"ray: (not needed, every shard was tokenized here( while it started)?|embedded local instance, 2 workers)"
+)
+
+
+def start(manifest, out, *extra, ray: str | None = None) -> subprocess.Popen:
+    """`tokpipe run` in its own process group, as a shell would start it; its output goes to `proc.log`, beside
+    OUT. `ray` as for `tokpipe`."""
+    log = Path(out).parent / f"run-{time.monotonic_ns()}.log"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    with open(log, "w") as output:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tokpipe.cli", *map(str, run_args(manifest, out, *extra))],
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**env, "PYTHONUNBUFFERED": "1", **({"RAY_ADDRESS": ray} if ray else {})},
+        )
+    proc.log = log  # its stdout and stderr
+    return proc
+
+
+def kill_9(proc: subprocess.Popen) -> None:
+    """SIGKILL a `start`ed run's whole process group (the driver, and an embedded Ray's processes), as
+    `kill -9 -PGID` does; a driver on the shared cluster leaves its workers to Ray, which ends them."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def wait_for(condition, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting for the run to get there"
+        time.sleep(0.05)
+
+
+def checkpoints(out: Path) -> list[dict]:
+    """Every shard checkpoint in OUT, as JSON."""
+    return [json.loads(p.read_text()) for p in (out / "shards").rglob("*.json")] if (out / "shards").exists() else []
+
+
+# Set in the environment of the session's Ray (conftest.ray_cluster), which its workers inherit: the workers
+# of this session's runs are told apart from those of other test sessions on the same machine.
+SESSION_RAY_ENV = "TOKPIPE_TESTS_RAY"
+SESSION_RAYS: dict[str, str] = {}  # the session's Ray address -> the value of SESSION_RAY_ENV there
+
+
+def shard_workers(name_part: str, session_ray: str | None = None) -> list[int]:
+    """PIDs of Ray workers running a tokpipe shard task (their process title names the shard); with
+    `session_ray` (the session's Ray address), only those of the session's Ray."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                title = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                if not (title.startswith("ray::tokpipe") and name_part in title):
+                    continue
+                if session_ray:
+                    marker = f"{SESSION_RAY_ENV}={SESSION_RAYS[session_ray]}\0".encode()
+                    if marker not in (entry / "environ").read_bytes():
+                        continue
+            except OSError:
+                continue
+            pids.append(int(entry.name))
+    return pids
+
+
+def keep_killing(name_part: str, stop: threading.Event, once: bool = False, session_ray: str | None = None):
+    """SIGKILL every worker on a matching shard (of the session's Ray, with `session_ray`) until `stop` (or
+    the first, with once); returns the list of PIDs killed, filled as they are."""
+    killed = []
+    seen: dict[int, float] = {}
+
+    def loop():
+        while not stop.is_set():
+            # A killed worker stays in /proc until Ray reaps it; count each process once. A worker is
+            # killed once it has run its shard for a moment: one killed as its task starts may not
+            # count as an attempt yet (the driver has not heard it began), and Ray tries it again.
+            for pid in set(shard_workers(name_part, session_ray)) - set(killed):
+                if time.monotonic() - seen.setdefault(pid, time.monotonic()) < 0.5:
+                    continue
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    continue
+                killed.append(pid)
+                if once:
+                    return
+            time.sleep(0.05)
+
+    threading.Thread(target=loop, daemon=True).start()
+    return killed
+
+
+def descendants(root: int) -> set[tuple[int, str]]:
+    """(pid, start time) of every process below root, from /proc (the start time tells a reused pid)."""
+    children: dict[int, list[tuple[int, str]]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append((int(entry.name), fields[19]))
+    found, todo = set(), [root]
+    while todo:
+        for pid, started in children.get(todo.pop(), []):
+            found.add((pid, started))
+            todo.append(pid)
+    return found
+
+
+def alive(pid: int, started: str) -> bool:
+    """Whether the process `descendants` saw as (pid, started) still runs."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[19] == started and fields[0] != "Z"  # a zombie has exited; its parent has yet to reap it
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of a running process; None once it is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+
+
+def read_all(path, **kw):
+    """(texts, skipped counts, batches) of tokpipe.source.read_batches over a whole file."""
+    from tokpipe.source import read_batches
+
+    batches = list(read_batches(str(path), **kw))
+    texts = [t for b in batches for t in b.texts]
+    skipped = sum((b.skipped for b in batches), start=Counter())
+    return texts, skipped, batches
+
+
+def failed_checks(out) -> list[str]:
+    """Names of the verify checks that fail on OUT."""
+    from tokpipe.verify import verify
+
+    return [c.name for c in verify(out) if not c.ok]
+
+
+class Crash(Exception):
+    pass
+
+
+def crash_in_batch(n: int):
+    """An `on_batch` callback that raises Crash in batch n: after its bytes are written, before they
+    are checkpointed."""
+    seen = []
+
+    def on_batch(*_):
+        seen.append(1)
+        if len(seen) == n:
+            raise Crash()
+
+    return on_batch
+
+
+def build_out(out: Path, tokenizer: Path, backend: str = "fastokens", options=None, dataset: Path = EXAMPLE_CACHE):
+    """OUT as `tokpipe run` leaves it (manifest.json, run.json, shards, split files, meta), built stage
+    by stage without Ray."""
+    from tokpipe.finalize import finalize
+    from tokpipe.manifest import build_manifest, write_manifest
+    from tokpipe.options import RunOptions
+    from tokpipe.runner.identity import record_run
+    from tokpipe.shard import tokenize_shard
+    from tokpipe.tokenizer import load_tokenizer_info
+
+    options = options or RunOptions()
+    manifest = build_manifest(dataset)
+    info = load_tokenizer_info(tokenizer, options.eos, options.bos_token)
+    out.mkdir(parents=True)
+    record_run(out, manifest, info, options)
+    write_manifest(manifest, out / "manifest.json")
+    spec = options.encode_spec(info, backend)
+    for shard in manifest.shards():
+        tokenize_shard(shard, out, spec)
+    finalize(out, manifest, info, options)
+    return out

@@ -1,0 +1,194 @@
+"""options: what each option of `tokpipe run` does to OUT, documented option by option. Every option is
+defined once in options.py (default, help, parsing) and the CLI's flags come from there; run.json records
+those given other than their defaults. --bos and --no-eos place BOS and/or EOS around every document (and
+verify and inspect check them); --val-fraction holds out train documents chosen by the hash of their text,
+making a validation split where the dataset has none. (The refusals of impossible delimiters are
+runner/identity's: test_runner_identity.py.)"""
+
+import argparse
+import json
+import shutil
+from dataclasses import fields
+
+import numpy as np
+import pytest
+from helpers import (
+    EXAMPLE_HOLDOUT_FILES,
+    EXAMPLE_TRAIN_FILES,
+    QWEN3,
+    QWEN3_EOS,
+    QWEN3_IM_START,
+    TRAIN_DOCUMENTS,
+    TRAIN_LINES,
+    build_out,
+    failed_checks,
+    held_out,
+    is_held_out,
+    reference_texts,
+    reference_tokens,
+)
+
+from tokpipe.cli import parser
+from tokpipe.inspect import BOS_MARK, inspect
+from tokpipe.options import RunOptions
+from tokpipe.verify import verify, verify_sample
+
+IM_START = QWEN3_IM_START
+TRAIN, HOLDOUT = EXAMPLE_TRAIN_FILES, EXAMPLE_HOLDOUT_FILES
+
+
+def tokens(out, stem):
+    return np.fromfile(out / f"{stem}.bin", dtype=np.uint32)
+
+
+def run_flags() -> dict:
+    """`tokpipe run`'s flags -> their argparse actions."""
+    commands = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {a.option_strings[-1]: a for a in commands.choices["run"]._actions if a.dest != "help"}
+
+
+def test_every_option_is_a_flag_with_its_default_and_help():
+    flags = run_flags()
+    assert sorted(flags) == sorted(
+        ["--manifest", "--tokenizer", "--out"] + [f"--{f.name.replace('_', '-')}" for f in fields(RunOptions)]
+    )
+    for f in fields(RunOptions):
+        action = flags[f"--{f.name.replace('_', '-')}"]
+        assert action.dest == f.name and action.default == f.default and action.help == f.metadata["help"]
+        assert (action.nargs == 0) == (f.default is False)  # a False default makes a switch
+    args = parser().parse_args(["run", "--manifest", "m", "--tokenizer", "t", "--out", "o", "--val-fraction", "0.1"])
+    assert args.val_fraction == 0.1 and args.workers is None and args.checkpoint_interval == 30.0
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--workers", "0", "must be > 0, got 0"),
+        ("--val-fraction", "-0.1", "must be >= 0, got -0.1"),
+        ("--checkpoint-interval", "0", "must be > 0, got 0"),
+        ("--backend", "fast", "invalid choice: 'fast' (choose from 'auto', 'fastokens', 'gigatoken', 'hf')"),
+    ],
+)
+def test_a_value_an_option_cannot_take_is_a_usage_error(flag, value, message, capsys):
+    with pytest.raises(SystemExit) as exit:
+        parser().parse_args(["run", "--manifest", "m", "--tokenizer", "t", "--out", "o", flag, value])
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"tokpipe run: error: argument {flag}: {message}"
+
+
+def test_bos_then_text_then_eos_for_every_document(finished_bos):
+    reference = reference_tokens(TRAIN, QWEN3 / "tokenizer.json", QWEN3_EOS, bos_id=IM_START)
+    assert np.array_equal(tokens(finished_bos, "train"), reference)
+    meta = json.loads((finished_bos / "meta.json").read_text())
+    assert (
+        meta["delimiters"] == {"bos": True, "eos": True}
+        and meta["bos_token_id"] == IM_START
+        and meta["bos_token"] == "<|im_start|>"
+    )
+    ends = np.fromfile(finished_bos / "train.idx", dtype="<i8")
+    assert ends[-1] == len(reference) and tokens(finished_bos, "train")[np.concatenate([[0], ends[:-1]])].tolist() == [
+        IM_START
+    ] * len(ends)
+    assert failed_checks(finished_bos) == [] and all(c.ok for c in verify_sample(finished_bos, 50))
+    checks = [c.name for c in verify(finished_bos)]
+    assert "train: every document starts with BOS" in checks and "train: BOS count == documents" in checks
+
+
+def test_bos_without_eos_places_no_eos_anywhere(tmp_path):
+    out = build_out(tmp_path / "out", QWEN3, options=RunOptions(bos=True, bos_token="<|im_start|>", no_eos=True))
+    assert np.array_equal(
+        tokens(out, "train"), reference_tokens(TRAIN, QWEN3 / "tokenizer.json", None, bos_id=IM_START)
+    )
+    assert not np.any(tokens(out, "train") == QWEN3_EOS) and not np.any(tokens(out, "val") == QWEN3_EOS)
+    assert failed_checks(out) == [] and "train: no EOS anywhere (--no-eos)" in [c.name for c in verify(out)]
+    assert all(c.ok for c in verify_sample(out, 20))
+    result = inspect(out, n=2, window=10_000, seed=1)  # longer than any document here: each window crosses a start
+    assert result.ok and any(BOS_MARK in text for text in result.texts)
+    assert "share of BOS (id 151644)" in [c.name for c in result.flags]
+
+
+def test_verify_names_a_document_that_lost_its_bos(finished_bos, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(finished_bos, out)
+    ends = np.fromfile(out / "val.idx", dtype="<i8")
+    damaged = np.memmap(out / "val.bin", dtype=np.uint32, mode="r+")
+    damaged[ends[4]] = 42
+    damaged.flush()
+    assert failed_checks(out) == [
+        "validation: sha256 matches meta",
+        "validation: BOS count == documents",
+        "validation: every document starts with BOS",
+    ]
+
+
+def test_val_fraction_holds_out_train_documents_chosen_by_their_text(tmp_path):
+    out = build_out(tmp_path / "out", QWEN3, options=RunOptions(val_fraction=0.2))
+    tokenizer = QWEN3 / "tokenizer.json"
+    kept = reference_tokens(TRAIN, tokenizer, QWEN3_EOS, keep=held_out(0.2, False))
+    # val.bin: each shard's part in manifest order, train/ before validation/: the held-out train
+    # documents, then the holdout shard.
+    val = np.concatenate(
+        [
+            reference_tokens(TRAIN, tokenizer, QWEN3_EOS, keep=held_out(0.2, True)),
+            reference_tokens(HOLDOUT, tokenizer, QWEN3_EOS),
+        ]
+    )
+    assert np.array_equal(tokens(out, "train"), kept) and np.array_equal(tokens(out, "val"), val)
+    meta = json.loads((out / "meta.json").read_text())
+    train, validation = meta["splits"]["train"], meta["splits"]["validation"]
+    held = sum(is_held_out(t, 0.2) for path in TRAIN for t in reference_texts(path))
+    assert 0 < held < TRAIN_DOCUMENTS and meta["val_fraction"] == 0.2
+    assert train["held_out"] == validation["held_in"] == held and train["documents"] + held == TRAIN_DOCUMENTS
+    assert train["documents"] + train["held_out"] + sum(train["skipped"].values()) == train["lines"] == TRAIN_LINES
+    assert failed_checks(out) == [] and all(c.ok for c in verify_sample(out, 500))
+
+
+def test_val_fraction_makes_a_validation_split_when_the_dataset_has_none(tmp_path):
+    from tokpipe.finalize import finalize
+    from tokpipe.manifest import build_manifest
+    from tokpipe.shard import tokenize_shard
+    from tokpipe.tokenizer import load_tokenizer_info
+
+    data = tmp_path / "data" / "train"
+    data.mkdir(parents=True)
+    for i, path in enumerate(TRAIN):
+        shutil.copy(path, data / f"part-{i}.jsonl.zst")
+    manifest, info, options = (
+        build_manifest(tmp_path / "data"),
+        load_tokenizer_info(QWEN3),
+        RunOptions(val_fraction=0.5),
+    )
+    out = tmp_path / "out"
+    for shard in manifest.shards():
+        tokenize_shard(shard, out, options.encode_spec(info, "gigatoken"))
+    meta = finalize(out, manifest, info, options)
+    assert list(meta["splits"]) == ["train", "validation"] and meta["splits"]["validation"]["file"] == "val.bin"
+    assert meta["splits"]["train"]["documents"] + meta["splits"]["validation"]["documents"] == TRAIN_DOCUMENTS
+
+
+def test_an_unfinished_run_is_inspected_with_its_held_out_documents_in_val(tmp_path):
+    from tokpipe.manifest import build_manifest, write_manifest
+    from tokpipe.runner.identity import record_run
+    from tokpipe.shard import tokenize_shard
+    from tokpipe.tokenizer import load_tokenizer_info
+
+    # A dataset with no validation split, tokenized with --val-fraction and not finalized: val.bin is yet to be.
+    data = tmp_path / "data" / "train"
+    data.mkdir(parents=True)
+    for i, path in enumerate(TRAIN):
+        shutil.copy(path, data / f"part-{i}.jsonl.zst")
+    manifest, info, options, out = (
+        build_manifest(tmp_path / "data"),
+        load_tokenizer_info(QWEN3),
+        RunOptions(val_fraction=0.2),
+        tmp_path / "out",
+    )
+    out.mkdir()
+    record_run(out, manifest, info, options)
+    write_manifest(manifest, out / "manifest.json")
+    for shard in manifest.shards():
+        tokenize_shard(shard, out, options.encode_spec(info, "gigatoken"))
+    held = sum(is_held_out(t, 0.2) for path in TRAIN for t in reference_texts(path))
+    val = inspect(out, split="val", n=1, seed=0)
+    assert not val.source.finished and val.source.documents == held and val.source.split == "validation"
+    assert inspect(out, split="train", n=1, seed=0).source.documents == TRAIN_DOCUMENTS - held

@@ -1,0 +1,250 @@
+"""runner/driver.py, the story of a run: a kill -9 at any moment (start-up, mid-shard, while the split files
+are assembled, during finalize), a full disk, a Ray node lost mid-run and a Ctrl-C never change the bytes;
+the rerun of the same command resumes and ends at the reference, tokenizing again only what it must (a split
+file damaged after its shards' own files were removed).
+
+Every test here really does the thing: kill -9 of process groups, a full tmpfs, a Ray node removed.
+Runs join the session's Ray (the `ray_address` fixture), except where Ray's own start is part of what
+is tested: the kills at random moments (the first during start-up), Ctrl-C, and a cluster of two nodes.
+"""
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import (
+    EMBEDDED_RAY_2_WORKERS,
+    EXAMPLE_HOLDOUT_FILES,
+    EXAMPLE_TRAIN_FILES,
+    QWEN3,
+    QWEN3_EOS,
+    TRAIN_DOCUMENTS,
+    VAL_DOCUMENTS,
+    assert_out_is,
+    checkpoints,
+    held_out,
+    kill_9,
+    parent_pid,
+    reference_tokens,
+    run_args,
+    shard_workers,
+    start,
+    tokpipe,
+    wait_for,
+)
+
+from tokpipe.manifest import build_manifest, write_manifest
+
+HF = ("--backend", "hf")  # the slow reference encoder: runs last long enough to be hit mid-way
+
+
+def test_kill_9_of_the_whole_run_at_random_moments_with_changing_workers(dataset, tmp_path, example_reference):
+    # Three copies of the example (chunk1..3): enough work that no attempt finishes before its kill,
+    # however quiet the machine. Each split's reference is then its example reference three times.
+    for split in ("train", "validation"):
+        for copy in ("chunk2", "chunk3"):
+            shutil.copytree(dataset / split / "chunk1", dataset / split / copy)
+    manifest = tmp_path / "m3.json"
+    write_manifest(build_manifest(dataset), manifest)
+    expected = {stem: np.concatenate([tokens] * 3) for stem, tokens in example_reference.items()}
+    out = tmp_path / "out"
+    rng = random.Random(7)
+    # The moments: during start-up (before Ray is up), just after a checkpoint, and with a shard
+    # finished and others partial; each plus a random delay. --workers changes on every resume.
+    moments = [
+        lambda: True,
+        lambda: len(checkpoints(out)) >= 1,
+        lambda: any(c["done"] for c in checkpoints(out)) and len(checkpoints(out)) >= 2,
+    ]
+    for workers, ready in zip((8, 2, 5), moments):
+        proc = start(manifest, out, "--workers", workers, "--checkpoint-interval", "0.2", *HF)
+        wait_for(lambda: ready() or proc.poll() is not None)  # noqa: B023 (called at once)
+        time.sleep(rng.uniform(0.1, 1.5))
+        kill_9(proc)
+    assert not (out / "meta.json").exists()
+    # The resume encodes with the fast backend: a shard begun by another backend continues to the same bytes.
+    final = tokpipe(*run_args(manifest, out, "--workers", "2", "--checkpoint-interval", "0.2"))
+    assert final.returncode == 0, final.stdout + final.stderr
+    done, partial = map(
+        int, re.search(r": 9 shards, .*; (\d+) done, (\d+) partial, \d+ to start$", final.stdout, re.M).groups()
+    )
+    assert done + partial > 0  # it resumed from what the killed runs left
+    assert re.search(f"^{EMBEDDED_RAY_2_WORKERS}$", final.stdout, re.M), final.stdout
+    assert_out_is(out, expected)
+    assert tokpipe("verify", out).returncode == 0
+
+
+def test_kill_9_while_split_files_are_assembled_then_rerun_gives_the_same_bytes(
+    manifest, tmp_path, example_reference, ray_address
+):
+    out = tmp_path / "out"
+    listed = out / "train.parts.tmp"
+    proc = start(manifest, out, "--workers", "1", "--checkpoint-interval", "0.2", *HF, ray=ray_address)
+    # One shard at a time: the first train shard is copied into train.bin.tmp while the next one tokenizes.
+    wait_for(lambda: (listed.exists() and listed.stat().st_size > 0) or proc.poll() is not None)
+    kill_9(proc)
+    assert not (out / "meta.json").exists() and (out / "train.bin.tmp").stat().st_size > 0
+    rerun = tokpipe(*run_args(manifest, out, "--workers", "2"), ray=ray_address)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert_out_is(out, example_reference)
+    assert tokpipe("verify", out).returncode == 0
+
+
+def test_val_fraction_gives_the_same_val_bin_at_any_workers_with_a_kill_9_between(manifest, tmp_path, ray_address):
+    out = tmp_path / "out"
+    proc = start(
+        manifest, out, "--workers", "1", "--val-fraction", "0.05", "--checkpoint-interval", "0.2", *HF, ray=ray_address
+    )
+    wait_for(lambda: any(c["documents"] for c in checkpoints(out)) or proc.poll() is not None)
+    kill_9(proc)
+    assert not (out / "meta.json").exists()
+    rerun = tokpipe(*run_args(manifest, out, "--workers", "2", "--val-fraction", "0.05"), ray=ray_address)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    train, holdout, tokenizer = EXAMPLE_TRAIN_FILES, EXAMPLE_HOLDOUT_FILES, QWEN3 / "tokenizer.json"
+    val = np.concatenate(
+        [
+            reference_tokens(train, tokenizer, QWEN3_EOS, keep=held_out(0.05, True)),
+            reference_tokens(holdout, tokenizer, QWEN3_EOS),
+        ]
+    )
+    assert np.array_equal(np.fromfile(out / "val.bin", dtype=np.uint32), val)
+    assert np.array_equal(
+        np.fromfile(out / "train.bin", dtype=np.uint32),
+        reference_tokens(train, tokenizer, QWEN3_EOS, keep=held_out(0.05, False)),
+    )
+    splits = json.loads((out / "meta.json").read_text())["splits"]
+    assert (
+        splits["train"]["documents"] + splits["validation"]["documents"] == TRAIN_DOCUMENTS + VAL_DOCUMENTS
+    )  # every document read, once
+    assert tokpipe("verify", out).returncode == 0
+
+
+def test_killed_finalize_is_redone_from_the_shards(out, example_reference):
+    # What a kill -9 during finalize can leave: no meta, and a split's files halfway through their
+    # renames (train.parts renamed, train.bin and train.idx not yet).
+    (out / "meta.json").unlink()
+    (out / "meta.pkl").unlink()
+    for name in ("train.bin", "train.idx"):
+        os.replace(out / name, out / f"{name}.tmp")
+    result = tokpipe(*run_args(out / "manifest.json", out))
+    assert result.returncode == 0, result.stderr
+    assert "ray:" not in result.stdout  # every shard was done: finalize only, nothing tokenized again
+    assert_out_is(out, example_reference)
+    assert not (out / "train.bin.tmp").exists()
+    assert tokpipe("verify", out).returncode == 0
+
+
+def test_a_split_file_damaged_after_its_shards_were_removed_is_tokenized_again(out, example_reference):
+    (out / "meta.json").unlink()
+    (out / "meta.pkl").unlink()
+    with open(out / "train.bin", "r+b") as f:
+        f.truncate(4000)  # cut by something outside tokpipe: the shards' own files are gone since placed
+    result = tokpipe(*run_args(out / "manifest.json", out))
+    assert result.returncode == 0, result.stderr
+    assert (
+        "the split files changed before 2 shards (e.g. train/chunk1/example_train_0.jsonl.zst) whose own files"
+        " were already removed: tokenizing them again" in result.stdout.splitlines()
+    )
+    assert_out_is(out, example_reference)
+    assert not (out / "train.bin.tmp").exists()
+    assert tokpipe("verify", out).returncode == 0
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    return (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+        ).returncode
+        == 0
+    )
+
+
+def test_disk_full_stops_the_shard_clearly_and_the_rerun_completes(manifest, tmp_path, example_reference, ray_address):
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "3m"):
+        pytest.skip("cannot mount a tmpfs here (needs root); the write-error path is also covered in test_shard")
+    try:
+        out = disk / "out"
+        full = tokpipe(*run_args(manifest, out, "--checkpoint-interval", "0.2"), ray=ray_address)
+        assert full.returncode == 1
+        assert "No space left on device" in full.stderr and "Traceback" not in full.stderr
+        assert not (out / "meta.json").exists()
+        subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)  # space freed
+        rerun = tokpipe(*run_args(manifest, out), ray=ray_address)
+        assert rerun.returncode == 0, rerun.stderr
+        assert_out_is(out, example_reference)
+    finally:
+        subprocess.run(["umount", "-l", str(disk)])
+
+
+def test_multi_node_cluster_with_a_node_removed_mid_run(manifest, tmp_path, example_reference):
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
+    try:
+        out = tmp_path / "out"
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tokpipe.cli",
+                *map(
+                    str,
+                    run_args(
+                        manifest,
+                        out,
+                        "--address",
+                        cluster.address,
+                        "--workers",
+                        "2",
+                        "--checkpoint-interval",
+                        "0.2",
+                        *HF,
+                    ),
+                ),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        wait_for(lambda: any(not c["done"] for c in checkpoints(out)))  # mid-shard
+        # Remove the node whose raylet runs a shard worker right now: a machine lost mid-shard.
+        # (Workers of other runs on this machine, another xdist worker's, have other parents, or are gone.)
+        parents = {parent_pid(pid) for pid in shard_workers("")}
+        busy = next(n for n in nodes if n.all_processes["raylet"][0].process.pid in parents)
+        assert proc.poll() is None and not (out / "meta.json").exists()
+        cluster.remove_node(busy)
+        cluster.add_node(num_cpus=1)
+        output, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, output
+        assert re.search(rf"^ray: cluster {re.escape(cluster.address)}, 2 workers on 3 nodes$", output, re.M), output
+        assert_out_is(out, example_reference)
+    finally:
+        cluster.shutdown()
+
+
+def test_ctrl_c_stops_the_run_with_exit_130_and_the_same_command_resumes(
+    manifest, tmp_path, example_reference, ray_address
+):
+    # Ctrl-C in a terminal: SIGINT to the run's whole process group, the embedded Ray's processes included.
+    out = tmp_path / "out"
+    proc = start(manifest, out, "--workers", "1", "--checkpoint-interval", "0.2", *HF)
+    wait_for(lambda: any(c["lines"] for c in checkpoints(out)) or proc.poll() is not None)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=60) == 130
+    assert proc.log.read_text().splitlines()[-1] == "tokpipe run: interrupted; rerun the same command to resume"
+    assert not (out / "meta.json").exists()
+    rerun = tokpipe(*run_args(manifest, out, "--workers", "1", "--checkpoint-interval", "0.2"), ray=ray_address)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert_out_is(out, example_reference)

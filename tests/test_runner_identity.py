@@ -1,0 +1,117 @@
+"""runner/identity.py: what a run is. run.json records the inputs OUT's bytes depend on; a rerun with other
+inputs (text field, tokenizer, EOS, delimiters) is refused saying what differs, and so are delimiters no
+trainer could split documents by; a manifest that only gained shards resumes as an append, keeping the
+finished shards; an earlier tokpipe's run.json is the same run."""
+
+import json
+import re
+import shutil
+
+from helpers import EXAMPLE_CACHE, QWEN3, assert_out_is, run_args, tokpipe
+
+from tokpipe.manifest import build_manifest, write_manifest
+from tokpipe.options import RunOptions
+from tokpipe.runner.identity import run_identity
+from tokpipe.tokenizer import load_tokenizer_info
+
+
+def test_delimiters_nobody_could_split_or_a_bos_the_tokenizer_lacks_are_refused(tmp_path):
+    manifest = tmp_path / "m.json"
+    assert tokpipe("manifest", "--dataset-dir", EXAMPLE_CACHE, "-o", manifest).returncode == 0
+    run = run_args(manifest, tmp_path / "out")
+    no_bos = tokpipe(*run, "--bos")
+    assert no_bos.returncode == 2
+    assert no_bos.stderr == (
+        f"tokpipe run: error: {QWEN3} names no bos_token (tokenizer_config.json): pass --bos-token TOKEN "
+        "(e.g. --bos-token '<|endoftext|>')\n"
+    )
+    nothing = tokpipe(*run, "--no-eos")
+    assert nothing.returncode == 2
+    assert nothing.stderr == (
+        "tokpipe run: error: --no-eos without --bos would write documents back to back with nothing between "
+        "them: add --bos, or drop --no-eos\n"
+    )
+    unknown = tokpipe(*run, "--bos", "--bos-token", "<|no such token|>")
+    assert unknown.returncode == 2 and "not in the tokenizer's vocabulary" in unknown.stderr
+    assert unknown.stderr.count("\n") == 1 and unknown.stderr.startswith("tokpipe run: error: ")
+    assert not (tmp_path / "out").exists()  # refused before anything is written
+
+
+def test_a_resume_with_other_delimiters_is_refused_and_an_earlier_run_json_is_the_same_run(
+    finished_bos, finished_example, tmp_path
+):
+    out = tmp_path / "bos"
+    shutil.copytree(finished_bos, out)
+    other = tokpipe(*run_args(out / "manifest.json", out))
+    assert other.returncode == 2
+    assert other.stderr == (
+        f"tokpipe run: error: {out} holds a run with other inputs (bos_token_id: was 151644, now None; delimiters: "
+        "was {'bos': True, 'eos': True}, now {'bos': False, 'eos': True}); use a new --out, or the original inputs "
+        "to resume\n"
+    )
+    # An OUT of tokpipe 0.1, unfinished: its run.json has no delimiters or val_fraction, meaning EOS only.
+    old = tmp_path / "old"
+    shutil.copytree(finished_example, old)
+    run = json.loads((old / "run.json").read_text())
+    del run["delimiters"], run["val_fraction"]
+    (old / "run.json").write_text(json.dumps(run))
+    (old / "meta.json").unlink()
+    again = tokpipe(*run_args(old / "manifest.json", old))
+    assert again.returncode == 0, again.stderr
+    assert json.loads((old / "meta.json").read_text())["delimiters"] == {"bos": False, "eos": True}
+
+
+def test_a_rerun_with_other_inputs_is_refused_saying_what_differs(out, tmp_path, small_tokenizer, dataset):
+    manifest = build_manifest(dataset)
+    write_manifest(manifest, tmp_path / "m.json")
+    (out / "run.json").write_text(json.dumps(run_identity(manifest, load_tokenizer_info(QWEN3), RunOptions())))
+    other_field = tokpipe(*run_args(tmp_path / "m.json", out, "--text-field", "body"))
+    assert other_field.returncode == 2
+    assert other_field.stderr == (
+        f"tokpipe run: error: {out} holds a run with other inputs (text_field: was 'text', now 'body'); "
+        "use a new --out, or the original inputs to resume\n"
+    )
+    other_tok = tokpipe("run", "--manifest", tmp_path / "m.json", "--tokenizer", small_tokenizer, "--out", out)
+    assert other_tok.returncode == 2
+    assert "tokenizer_sha256" in other_tok.stderr and "dtype: was 'uint32', now 'uint16'" in other_tok.stderr
+    other_eos = tokpipe(*run_args(tmp_path / "m.json", out, "--eos", "<|im_end|>"))
+    assert other_eos.returncode == 2
+    assert other_eos.stderr == (
+        f"tokpipe run: error: {out} holds a run with other inputs (eos_token: was '<|endoftext|>', now "
+        "'<|im_end|>'; eos_token_id: was 151643, now 151645); use a new --out, or the original inputs to resume\n"
+    )
+
+
+def test_a_manifest_that_only_gained_shards_resumes_as_an_append(dataset, tmp_path, example_reference, ray_address):
+    held_back = dataset / "validation" / "chunk1" / "example_holdout_0.jsonl.zst"
+    data = held_back.read_bytes()
+    held_back.unlink()
+    out = tmp_path / "out"
+    write_manifest(build_manifest(dataset), tmp_path / "small.json")
+    assert tokpipe(*run_args(tmp_path / "small.json", out)).returncode == 0
+    train_done_at = (out / "shards" / "train" / "train__chunk1__example_train_0.json").stat().st_mtime_ns
+
+    held_back.write_bytes(data)
+    write_manifest(build_manifest(dataset), tmp_path / "full.json")
+    result = tokpipe(*run_args(tmp_path / "full.json", out), ray=ray_address)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert (
+        lines[0] == f"the manifest gained 1 shards since {out} was started: appending them (finished shards are kept)"
+    )
+    assert re.fullmatch(
+        rf"manifest {re.escape(str(dataset))}: 3 shards, 1\.1 MiB; 2 done, 0 partial, 1 to start", lines[2]
+    )
+    assert (out / "shards" / "train" / "train__chunk1__example_train_0.json").stat().st_mtime_ns == train_done_at
+    assert_out_is(out, example_reference)
+
+    # A shard that changed is not an append: refused.
+    write_jsonl_path = dataset / "train" / "chunk1" / "example_train_1.jsonl.zst"
+    write_jsonl_path.write_bytes(write_jsonl_path.read_bytes()[:-10])
+    write_manifest(build_manifest(dataset), tmp_path / "changed.json")
+    refused = tokpipe(*run_args(tmp_path / "changed.json", out))
+    assert refused.returncode == 2
+    assert refused.stderr == (
+        f"tokpipe run: error: {out} was started from another manifest: 1 of its shards are changed or gone in this "
+        "one (e.g. train/train/chunk1/example_train_1.jsonl.zst); use a new --out, or the original manifest to resume\n"
+    )
