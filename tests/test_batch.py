@@ -64,11 +64,11 @@ def reference_lines(zst: bytes) -> list[bytes]:
 
 
 @pytest.fixture(scope="module")
-def runs(corpus, tmp_path_factory, ray_cluster):
+def runs(corpus, tmp_path_factory):
     work = tmp_path_factory.mktemp("dirty-run")
     write_manifest(build_manifest(corpus), work / "m.json")
     args = ("run", "--manifest", work / "m.json", "--tokenizer", QWEN3, "--out", work / "out", "--workers", "2")
-    return work / "out", tokpipe(*args, ray=ray_cluster), tokpipe(*args, "--skip-failed", ray=ray_cluster)
+    return work / "out", tokpipe(*args), tokpipe(*args, "--skip-failed")
 
 
 def test_truncated_download_fails_by_name_and_nothing_is_finalized(runs):

@@ -237,24 +237,24 @@ def test_kill_9_mid_file_at_one_worker_then_two_workers_gives_identical_bytes(
         )
     )
     kill_9(proc)
-    rerun = tokpipe(*run_args(manifest, out, "--workers", "2"), ray=ray_address)
+    rerun = tokpipe(*run_args(manifest, out, "--workers", "2"))
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert_out_is(out, example_reference)
     assert tokpipe("verify", out, "--sample", "50").returncode == 0
 
 
-def test_a_cut_parquet_shard_fails_by_name_and_skip_failed_finalizes_without_it(parquet_copy, tmp_path, ray_address):
+def test_a_cut_parquet_shard_fails_by_name_and_skip_failed_finalizes_without_it(parquet_copy, tmp_path):
     cut = parquet_copy / "data" / "train-00001-of-00002.parquet"
     cut.write_bytes(cut.read_bytes()[: cut.stat().st_size * 6 // 10])
     manifest, out = tmp_path / "m.json", tmp_path / "out"
     assert tokpipe("manifest", "--dataset-dir", parquet_copy, "-o", manifest).returncode == 0
-    failing = tokpipe(*run_args(manifest, out), ray=ray_address)
+    failing = tokpipe(*run_args(manifest, out))
     assert failing.returncode == 1 and "Traceback" not in failing.stderr
     assert (
         "FAILED data/train-00001-of-00002.parquet: SourceError:" in failing.stderr
         and "not a complete Parquet file" in failing.stderr
     )
-    skipping = tokpipe(*run_args(manifest, out, "--skip-failed"), ray=ray_address)
+    skipping = tokpipe(*run_args(manifest, out, "--skip-failed"))
     assert skipping.returncode == 0, skipping.stderr
     meta = json.loads((out / "meta.json").read_text())
     assert (

@@ -82,7 +82,7 @@ def test_a_rerun_with_other_inputs_is_refused_saying_what_differs(out, tmp_path,
     )
 
 
-def test_a_manifest_that_only_gained_shards_resumes_as_an_append(dataset, tmp_path, example_reference, ray_address):
+def test_a_manifest_that_only_gained_shards_resumes_as_an_append(dataset, tmp_path, example_reference):
     held_back = dataset / "validation" / "chunk1" / "example_holdout_0.jsonl.zst"
     data = held_back.read_bytes()
     held_back.unlink()
@@ -93,7 +93,7 @@ def test_a_manifest_that_only_gained_shards_resumes_as_an_append(dataset, tmp_pa
 
     held_back.write_bytes(data)
     write_manifest(build_manifest(dataset), tmp_path / "full.json")
-    result = tokpipe(*run_args(tmp_path / "full.json", out), ray=ray_address)
+    result = tokpipe(*run_args(tmp_path / "full.json", out))
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert (

@@ -65,7 +65,9 @@ class RunOptions:
         30.0, "seconds between shard checkpoints (default: %(default)g)", type=positive(float)
     )
     stall_timeout: float = option(
-        600.0, "cancel and retry a shard with no progress for this long (default: %(default)g)", type=positive(float)
+        600.0,
+        "cancel and retry a shard with no progress for this long once a worker has taken it (default: %(default)g)",
+        type=positive(float),
     )
     max_retries: int = option(3, "retries of a shard whose worker died or stalled (default: %(default)s)", type=int)
     skip_failed: bool = option(False, "finalize without shards that fail (recorded in meta as excluded)")

@@ -181,7 +181,12 @@ class Scheduler:
 
     def _cancel_stalled(self, now: float) -> None:
         for ref, (shard, stalls, submitted) in list(self.running.items()):
-            quiet = now - max(self.beats.get(f"{shard.split}/{shard.key}", 0.0), submitted)
+            beat = self.beats.get(f"{shard.split}/{shard.key}", 0.0)
+            # A task's clock starts at its first beat: until then it waits for a worker process (1-3 s
+            # here, over 5 s under load; whose failure to start Ray reports), which is no stall of the shard.
+            if beat < submitted:
+                continue
+            quiet = now - beat
             if quiet < self.opts.stall_timeout:
                 continue
             del self.running[ref]
@@ -198,7 +203,7 @@ class Scheduler:
     def _read_board(self) -> None:
         try:
             self.totals, self.beats = ray.get(self.board.snapshot.remote(), timeout=30)
-        except ray.exceptions.RayError:  # board restarting: keep the last view; stall clocks run from submission
+        except ray.exceptions.RayError:  # board restarting: keep the last view; stall clocks wait for new beats
             pass
 
 

@@ -12,7 +12,7 @@ import ray
 from tokpipe.finalize import place
 from tokpipe.layout import Part, stall_dump
 from tokpipe.manifest import Shard
-from tokpipe.shard import EncodeSpec, ShardResult, tokenize_shard
+from tokpipe.shard import EncodeSpec, ShardResult, memory_guard, tokenize_shard
 
 REPORT_EVERY = 1.0  # seconds between a worker's progress reports
 
@@ -51,7 +51,7 @@ def shard_task(shard: Shard, out: str, spec: EncodeSpec, board, stall_timeout: f
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one worker per core: no thread pool inside each
     dump_path = stall_dump(out, shard)
     pending = [0, 0, 0]
-    last_report = time.monotonic()
+    last_report = 0.0  # the first batch is reported at once: the beat that says the shard is moving
 
     with open(dump_path, "a") as dump:
 
@@ -70,6 +70,11 @@ def shard_task(shard: Shard, out: str, spec: EncodeSpec, board, stall_timeout: f
                 pending[:] = [0, 0, 0]
                 last_report = time.monotonic()
 
+        board.report.remote(tag, 0, 0, 0)  # started: the stall clock runs from here, not from submission
+        arm_dump()
+        # The encoder is loaded before the shard is opened, and its load counts as progress: 1-2 s per
+        # worker here, more on a busy machine, which a short --stall-timeout took for a stall.
+        memory_guard(spec).encoder()
         board.report.remote(tag, 0, 0, 0)
         arm_dump()
         try:
