@@ -42,6 +42,7 @@ from helpers import (
     start,
     tokpipe,
     wait_for,
+    write_jsonl,
 )
 
 from tokpipe.manifest import build_manifest, write_manifest
@@ -248,3 +249,16 @@ def test_ctrl_c_stops_the_run_with_exit_130_and_the_same_command_resumes(manifes
     rerun = tokpipe(*run_args(manifest, out, "--workers", "1", "--checkpoint-interval", "0.2"))
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert_out_is(out, example_reference)
+
+
+def test_a_run_the_driver_finishes_alone_never_imports_ray(tmp_path):
+    # Importing Ray costs ~0.7 CPU-s here: a run with nothing for Ray to do does not pay it.
+    write_jsonl(tmp_path / "data" / "train" / "a.jsonl", ['{"text": "one document"}', '{"text": "and another"}'])
+    write_manifest(build_manifest(tmp_path / "data"), tmp_path / "m.json")
+    code = (
+        "import sys, tokpipe\n"
+        f"summary = tokpipe.run({str(tmp_path / 'm.json')!r}, {str(QWEN3)!r}, {str(tmp_path / 'out')!r})\n"
+        "print(summary.finished, 'ray' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.splitlines()[-1] == "True False", result.stdout + result.stderr

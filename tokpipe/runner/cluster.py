@@ -21,8 +21,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import ray
-
 from tokpipe.errors import hold_sigterm
 from tokpipe.options import RunOptions
 from tokpipe.tokenizer import encoder
@@ -81,7 +79,6 @@ def fit_workers(asked: int | None, cpus: int, memory: int, worker_memory_mib: in
     return workers, "; ".join(notes)
 
 
-@ray.remote(num_cpus=1)
 def _load_encoder(backend: str, tokenizer_json: str) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     encoder(backend, tokenizer_json)
@@ -135,6 +132,8 @@ class Cluster:
             self._thread.start()
 
     def _start(self) -> None:
+        import ray  # here, in the thread that starts it: a run the driver finishes alone never imports it (0.7 s)
+
         # ray.init would install SIGTERM handlers that exit halfway through its start: tokpipe's own
         # (tokpipe.errors) stays, and the driver puts it back over Ray's C++ one once Ray is up.
         ray._private.utils.set_sigterm_handler = hold_sigterm
@@ -185,7 +184,10 @@ class Cluster:
 
     def _load_in_workers(self, backend: str, tokenizer_json: str) -> None:
         # The shard tasks queue behind these on the same workers.
-        self._loading = [_load_encoder.remote(backend, tokenizer_json) for _ in range(self.shape.workers)]
+        import ray
+
+        load = ray.remote(num_cpus=1)(_load_encoder)
+        self._loading = [load.remote(backend, tokenizer_json) for _ in range(self.shape.workers)]
 
     def working(self) -> bool:
         """Whether Ray's workers are up, their encoders loaded (starting them and loading took 1-2 s
@@ -194,6 +196,8 @@ class Cluster:
             return False
         if self._error is not None or not self._loading:
             return True
+        import ray
+
         return len(ray.wait(self._loading, num_returns=len(self._loading), timeout=0)[0]) == len(self._loading)
 
     def wait(self) -> Shape:
@@ -209,6 +213,8 @@ class Cluster:
         this one started (Ray's and its workers) is killed at once."""
         if not self.started:
             return
+        import ray
+
         if wait:
             self.ready.wait()
             ray.shutdown()

@@ -22,8 +22,8 @@ from tokpipe.manifest import Manifest, load_manifest, write_manifest
 from tokpipe.options import RunOptions
 from tokpipe.runner.cluster import Cluster
 from tokpipe.runner.identity import check_options, record_run
+from tokpipe.runner.local import Tally, tokenize_while
 from tokpipe.runner.progress import Progress, RunLog, Timeline
-from tokpipe.runner.schedule import Copies, Scheduler, Tally, tokenize_while
 from tokpipe.series import Series
 from tokpipe.source import fields_of, read_batches
 from tokpipe.tokenizer import TokenizerInfo, choose_backend, load_tokenizer_info
@@ -145,6 +145,8 @@ def _tokenize(
         # A shard that failed here failed as a task would after its retries (what raised here, a source
         # error or a full disk, raises again on a worker): it is no reason to start Ray.
         if done + len(tally.failed) < plan.shards:
+            from tokpipe.runner.schedule import Copies, Scheduler  # with Ray's import: only for runs that use it
+
             shape = cluster.wait()
             terminate_on_sigterm()  # over the C++ handler Ray's core worker installed (it prints a stack, exits 1)
             if shape.note and cluster.address:  # an embedded Ray's was said before it started

@@ -9,25 +9,22 @@ nothing for `stall_timeout` seconds (the worker dumps its stacks to OUT/logs fir
 
 from __future__ import annotations
 
-import os
-import stat
 import time
 from collections import Counter, deque
-from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tokpipe.finalize import COPY_BATCH_BYTES, Assembler
-from tokpipe.layout import Checkpoint, Part, stall_dump
-from tokpipe.manifest import Manifest, Shard
+from tokpipe.layout import Part, stall_dump
+from tokpipe.manifest import Manifest
 from tokpipe.options import RunOptions
+from tokpipe.runner.local import Tally, describe_failure, finished
 from tokpipe.runner.progress import Progress, RunLog
 from tokpipe.runner.task import ProgressBoard, copy_task, shard_task
-from tokpipe.shard import EncodeSpec, ShardResult, tokenize_shard
+from tokpipe.shard import EncodeSpec, ShardResult
 
 POLL_EVERY = 0.5  # seconds between looks at progress and stalls
 
@@ -121,7 +118,7 @@ class Scheduler:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         self.board = ProgressBoard.options(scheduling_strategy=here).remote()
         # Not those that failed in this process already (tokenize_while).
-        self.unfinished = (s for s in manifest.shards() if not _finished(out, s) and s.relpath not in tally.failed)
+        self.unfinished = (s for s in manifest.shards() if not finished(out, s) and s.relpath not in tally.failed)
         self.stalled: deque = deque()  # (shard, stall retries) cancelled for a stall, to submit again
         self.running: dict = {}  # ObjectRef -> (shard, stall retries, submitted at)
         self.failed = tally.failed
@@ -172,7 +169,7 @@ class Scheduler:
         try:
             result: ShardResult = ray.get(ref)
         except (ray.exceptions.RayError, OSError) as e:
-            self.failed[shard.relpath] = _describe_failure(e)
+            self.failed[shard.relpath] = describe_failure(e)
             self.log(f"shard {shard.relpath} FAILED: {self.failed[shard.relpath]}")
             return 0
         assembler.done(shard, result.checkpoint)
@@ -205,80 +202,3 @@ class Scheduler:
             self.totals, self.beats = ray.get(self.board.snapshot.remote(), timeout=30)
         except ray.exceptions.RayError:  # board restarting: keep the last view; stall clocks wait for new beats
             pass
-
-
-@dataclass
-class Tally:
-    """What became of the shards this run worked on."""
-
-    memory_limit: int  # of a worker, for the log
-    failed: dict[str, str] = field(default_factory=dict)  # shard relpath -> last error
-    resumed: list[ShardResult] = field(default_factory=list)  # shards that went on from a checkpoint
-    lacking: list[tuple[str, int, int]] = field(default_factory=list)  # (shard, lines without the text, lines)
-
-    def add(self, shard: Shard, result: ShardResult, log: RunLog) -> None:
-        ckpt = result.checkpoint
-        if result.resumed_tokens or result.redone_tokens:
-            self.resumed.append(result)
-            log(f"shard {shard.relpath}: resumed at {result.resumed_tokens:,} tokens, redid {result.redone_tokens:,}")
-        if result.encoder_resets:
-            log(
-                f"shard {shard.relpath}: encoder cache dropped {result.encoder_resets} times to stay under "
-                f"{self.memory_limit >> 20} MiB"
-            )
-        if 2 * ckpt.skipped.get("no_text", 0) > ckpt.lines:
-            self.lacking.append((shard.relpath, ckpt.skipped["no_text"], ckpt.lines))
-
-
-def tokenize_while(
-    manifest: Manifest,
-    out: Path,
-    spec: EncodeSpec,
-    busy: Callable[[], bool],
-    progress: Progress,
-    tally: Tally,
-    log,
-    assembler: Assembler,
-) -> int:
-    """Tokenize shards in this process while `busy()` (Ray starting): each shard stops at its next batch
-    once Ray is up, checkpointed, and a worker goes on from there. Returns the shards finished.
-
-    Ray's start takes seconds that the driver would otherwise wait through; a corpus of a few small
-    shards is done before it is up. Only regular files: a pipe could block the driver, which alone
-    watches for stalls."""
-    done, totals = 0, [0, 0, 0]
-
-    def on_batch(file_bytes: int, documents: int, tokens: int) -> None:
-        totals[0] += file_bytes
-        totals[1] += documents
-        totals[2] += tokens
-        progress.update(*totals, done=progress.done_before + done, running=1, failed=0)
-
-    for shard in manifest.shards():
-        if not busy():
-            break
-        if _finished(out, shard) or not stat.S_ISREG(os.stat(shard.path).st_mode):
-            continue
-        try:
-            result = tokenize_shard(shard, out, spec, on_batch, stop=lambda: not busy())
-        except Exception as e:  # what a task's failure would be: the shard is failed, the others go on
-            tally.failed[shard.relpath] = _describe_failure(e)
-            log(f"shard {shard.relpath} FAILED: {tally.failed[shard.relpath]}")
-            continue
-        if result.checkpoint.done:
-            done += 1
-            tally.add(shard, result, log)
-            assembler.place_ready()  # into the split file now, as a Ray run's copies do: no tail at the end
-    progress.base = totals
-    return done
-
-
-def _describe_failure(error: Exception) -> str:
-    cause = getattr(error, "cause", None) or error
-    text = str(cause).strip().splitlines()
-    return f"{type(cause).__name__}: {text[-1] if text else ''}"
-
-
-def _finished(out: Path, shard: Shard) -> bool:
-    ckpt = Checkpoint.of(out, shard)
-    return ckpt is not None and ckpt.done
