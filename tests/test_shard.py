@@ -128,13 +128,25 @@ def test_a_write_error_stops_the_shard_and_a_rerun_completes_identically(tmp_pat
 
 def test_a_worker_over_its_memory_limit_drops_the_encoder_cache_and_writes_the_same_bytes(tmp_path, monkeypatch):
     import tokpipe.shard
+    import tokpipe.tokenizer
     from tokpipe.tokenizer import encoder
 
     spec = spec_for(QWEN3, batch_bytes=64 << 10, memory_limit=512 << 20)
     tokenize_shard(HOLDOUT, tmp_path / "unbounded", spec_for(QWEN3, memory_limit=0))
-    # RSS as a long-tail corpus grows it: 100 MiB more per batch, whatever the cache holds.
-    rss = iter(range(300 << 20, 1 << 40, 100 << 20))
-    monkeypatch.setattr(tokpipe.shard, "resident_bytes", lambda: next(rss))
+    # RSS as a long-tail corpus grows it: 40 MiB more at each look (a look per batch), given back when the
+    # cache is dropped.
+    grown = [0]
+
+    def resident_bytes() -> int:
+        grown[0] += 40 << 20
+        return (300 << 20) + grown[0]
+
+    def drop_encoder(*args) -> None:
+        grown[0] = 0
+        tokpipe.tokenizer.drop_encoder(*args)
+
+    monkeypatch.setattr(tokpipe.shard, "resident_bytes", resident_bytes)
+    monkeypatch.setattr(tokpipe.shard, "drop_encoder", drop_encoder)
     before = encoder(spec.backend, spec.tokenizer_json)
     result = tokenize_shard(HOLDOUT, tmp_path / "bounded", spec)
     assert result.encoder_resets >= 3 and encoder(spec.backend, spec.tokenizer_json) is not before
