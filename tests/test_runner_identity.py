@@ -113,5 +113,5 @@ def test_a_manifest_that_only_gained_shards_resumes_as_an_append(dataset, tmp_pa
     assert refused.returncode == 2
     assert refused.stderr == (
         f"tokpipe run: error: {out} was started from another manifest: 1 of its shards are changed or gone in this "
-        "one (e.g. train/train/chunk1/example_train_1.jsonl.zst); use a new --out, or the original manifest to resume\n"
+        "one (e.g. train/chunk1/example_train_1.jsonl.zst); use a new --out, or the original manifest to resume\n"
     )

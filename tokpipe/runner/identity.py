@@ -88,7 +88,7 @@ def _check_append(out: Path, old_manifest: Manifest, manifest: Manifest) -> None
             while candidate is not None and candidate.relpath < shard.relpath:
                 candidate = next(new, None)
             if candidate is None or candidate.relpath != shard.relpath or candidate.size != shard.size:
-                changed.append(f"{split}/{shard.relpath}")
+                changed.append(shard.relpath)
     if changed:
         raise UserError(
             f"{out} was started from another manifest: {len(changed)} of its shards are changed or gone in this one "
