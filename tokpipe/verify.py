@@ -377,6 +377,7 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
         split, shard, held, _, _ = population[i]
         tokens, ends = data.splits[split].tokens, data.splits[split].ends
         needed = dict(docs)
+        last = max(needed)
         seen = 0  # documents of this part read so far
         for batch in read_batches(shard.path, meta["text_field"]):
             texts = batch.texts
@@ -396,7 +397,7 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
                     mismatches.setdefault(split, []).append(
                         f"document {d} ({shard.relpath}{', held out' if held else ''}, its document {number})"
                     )
-            if seen > max(needed):
+            if seen > last:
                 break
     return [
         Check(

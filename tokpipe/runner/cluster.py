@@ -146,11 +146,11 @@ class Cluster:
                 widest = max((n["Resources"].get("CPU", 0) for n in alive), default=0)
                 memory = int(sum(n["Resources"].get("memory", 0) for n in alive))
                 workers, note = fit_workers(self.opts.workers, cpus, memory, self.opts.worker_memory, cluster=True)
+                read_ahead = 2 * workers <= cpus and widest >= 2
                 where = f"cluster {ray.get_runtime_context().gcs_address}"
             else:
-                cpus = widest = self.cpus
                 workers, note = self.fit
-                read_ahead = 2 * workers <= cpus and widest >= 2
+                read_ahead = 2 * workers <= self.cpus  # one node: its widest is all of it
                 # address="local": never attach to some other Ray instance that happens to run on this machine.
                 ray.init(
                     address="local",
@@ -161,7 +161,7 @@ class Cluster:
                 )
                 alive = [n for n in ray.nodes() if n["Alive"]]
                 where = "embedded local instance"
-            self.shape = Shape(workers, 2 * workers <= cpus and widest >= 2, len(alive), where, note)
+            self.shape = Shape(workers, read_ahead, len(alive), where, note)
             with self._lock:
                 if self._warm:
                     self._load_in_workers(*self._warm)
