@@ -13,7 +13,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +32,7 @@ from helpers import (
     reference_texts,
     reference_tokens,
     shard_workers,
+    unguarded,
 )
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -192,7 +192,7 @@ def killed_example(tmp_path_factory) -> Path:
     info = load_tokenizer_info(QWEN3)
     record_run(out, manifest, info, RunOptions(workers=2, checkpoint_interval=1.0))
     write_manifest(manifest, out / "manifest.json")
-    spec = replace(RunOptions().encode_spec(info, "gigatoken"), batch_bytes=64 << 10, checkpoint_interval=0.0)
+    spec = unguarded(RunOptions().encode_spec(info, "gigatoken"), batch_bytes=64 << 10, checkpoint_interval=0.0)
     first, second, *_ = manifest.shards()
     tokenize_shard(first, out, spec)
     with pytest.raises(Crash):

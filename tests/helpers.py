@@ -20,6 +20,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -64,6 +65,9 @@ def reference_tokenizer(tokenizer_json: Path) -> Tokenizer:
     return tok
 
 
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def reference_texts(path: Path, text_field: str = "text") -> list[str]:
     """Document texts of one shard file, the way a careful user would read them by hand."""
     raw = path.read_bytes()
@@ -79,7 +83,7 @@ def reference_texts(path: Path, text_field: str = "text") -> list[str]:
             continue
         if isinstance(obj, dict) and isinstance(obj.get(text_field), str) and obj[text_field]:
             # A lone surrogate from a JSON escape ("\ud800") is not text: one U+FFFD each, per DESIGN.
-            texts.append("".join("\ufffd" if 0xD800 <= ord(c) <= 0xDFFF else c for c in obj[text_field]))
+            texts.append(SURROGATE.sub("\ufffd", obj[text_field]))
     return texts
 
 
@@ -237,9 +241,16 @@ def start(manifest, out, *extra, ray: str | None = None) -> subprocess.Popen:
             stderr=subprocess.STDOUT,
             start_new_session=True,
             env={**env, "PYTHONUNBUFFERED": "1", **({"RAY_ADDRESS": ray} if ray else {})},
+            preexec_fn=_hears_ctrl_c,
         )
     proc.log = log  # its stdout and stderr
     return proc
+
+
+def _hears_ctrl_c() -> None:
+    # As a terminal's foreground job does. A shell starts a background job (`&` in a script, nohup) with
+    # SIGINT ignored and children inherit that: a suite started so would run tokpipe deaf to its Ctrl-C.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def kill_9(proc: subprocess.Popen) -> None:
@@ -383,6 +394,16 @@ def crash_in_batch(n: int):
     return on_batch
 
 
+def unguarded(spec, **changes):
+    """The spec with no memory limit (and `changes`), for tokenizing in the test process itself. That process
+    holds several encoders, the references and OUTs, so its RSS says nothing of one encoder's word cache: the
+    guard would drop and reload the encoder over and over (2-3 s a load). The guard has its own test (test_shard).
+    """
+    from dataclasses import replace
+
+    return replace(spec, **{"memory_limit": 0, **changes})
+
+
 def build_out(out: Path, tokenizer: Path, backend: str = "fastokens", options=None, dataset: Path = EXAMPLE_CACHE):
     """OUT as `tokpipe run` leaves it (manifest.json, run.json, shards, split files, meta), built stage
     by stage without Ray."""
@@ -399,7 +420,7 @@ def build_out(out: Path, tokenizer: Path, backend: str = "fastokens", options=No
     out.mkdir(parents=True)
     record_run(out, manifest, info, options)
     write_manifest(manifest, out / "manifest.json")
-    spec = options.encode_spec(info, backend)
+    spec = unguarded(options.encode_spec(info, backend))
     for shard in manifest.shards():
         tokenize_shard(shard, out, spec)
     finalize(out, manifest, info, options)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import EXAMPLE_CACHE, QWEN3, assert_out_is
+from helpers import EXAMPLE_CACHE, QWEN3, assert_out_is, unguarded
 
 from tokpipe.finalize import Assembler, finalize, place
 from tokpipe.layout import ShardFiles
@@ -30,7 +30,7 @@ OPTIONS = RunOptions()
 def tokenized(tmp_path_factory):
     """OUT with every shard of the example tokenized and nothing assembled. Copy before changing it."""
     out = tmp_path_factory.mktemp("tokenized") / "out"
-    spec = OPTIONS.encode_spec(INFO, "gigatoken")
+    spec = unguarded(OPTIONS.encode_spec(INFO, "gigatoken"))
     for shard in MANIFEST.shards():
         tokenize_shard(shard, out, spec)
     return out
@@ -227,7 +227,7 @@ def test_placed_shards_whose_place_was_not_kept_are_tokenized_again(out, example
     rerun = Assembler(out, MANIFEST, 4)
     assert rerun.lost == ["train/chunk1/example_train_0.jsonl.zst", "train/chunk1/example_train_1.jsonl.zst"]
     assert [(p.stem, p.seq) for p in rerun.ready()] == [("val", 0)]  # train waits for them
-    spec = OPTIONS.encode_spec(INFO, "gigatoken")
+    spec = unguarded(OPTIONS.encode_spec(INFO, "gigatoken"))
     for shard in MANIFEST.shards():
         tokenize_shard(shard, out, spec)
     finalize(out, MANIFEST, INFO, OPTIONS)

@@ -26,6 +26,7 @@ from helpers import (
     is_held_out,
     reference_texts,
     reference_tokens,
+    unguarded,
 )
 
 from tokpipe.cli import parser
@@ -160,7 +161,7 @@ def test_val_fraction_makes_a_validation_split_when_the_dataset_has_none(tmp_pat
     )
     out = tmp_path / "out"
     for shard in manifest.shards():
-        tokenize_shard(shard, out, options.encode_spec(info, "gigatoken"))
+        tokenize_shard(shard, out, unguarded(options.encode_spec(info, "gigatoken")))
     meta = finalize(out, manifest, info, options)
     assert list(meta["splits"]) == ["train", "validation"] and meta["splits"]["validation"]["file"] == "val.bin"
     assert meta["splits"]["train"]["documents"] + meta["splits"]["validation"]["documents"] == TRAIN_DOCUMENTS
@@ -187,7 +188,7 @@ def test_an_unfinished_run_is_inspected_with_its_held_out_documents_in_val(tmp_p
     record_run(out, manifest, info, options)
     write_manifest(manifest, out / "manifest.json")
     for shard in manifest.shards():
-        tokenize_shard(shard, out, options.encode_spec(info, "gigatoken"))
+        tokenize_shard(shard, out, unguarded(options.encode_spec(info, "gigatoken")))
     held = sum(is_held_out(t, 0.2) for path in TRAIN for t in reference_texts(path))
     val = inspect(out, split="val", n=1, seed=0)
     assert not val.source.finished and val.source.documents == held and val.source.split == "validation"

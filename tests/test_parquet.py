@@ -25,6 +25,7 @@ from helpers import (
     run_args,
     start,
     tokpipe,
+    unguarded,
     wait_for,
     write_jsonl,
 )
@@ -50,7 +51,7 @@ def test_the_parquet_example_gives_the_bytes_of_the_same_documents_in_jsonl(tmp_
         ("train", "data/train-00001-of-00002.parquet"),
         ("validation", "data/validation-00000-of-00001.parquet"),
     ]
-    spec = RunOptions().encode_spec(INFO, "gigatoken")
+    spec = unguarded(RunOptions().encode_spec(INFO, "gigatoken"))
     for shard in MANIFEST.shards():
         tokenize_shard(shard, tmp_path, spec)
     meta = finalize(tmp_path, MANIFEST, INFO, RunOptions())
@@ -195,7 +196,7 @@ def test_a_checkpoint_past_the_last_row_is_an_error(tmp_path):
 
 def test_a_shard_interrupted_inside_a_row_group_resumes_to_identical_bytes(tmp_path):
     shard = MANIFEST.source[1]
-    spec = RunOptions().encode_spec(INFO, "gigatoken")
+    spec = unguarded(RunOptions().encode_spec(INFO, "gigatoken"))
     small = type(spec)(**{**spec.__dict__, "batch_bytes": 16 << 10, "checkpoint_interval": 0.0})
     tokenize_shard(shard, tmp_path / "whole", small)
     with pytest.raises(Crash):

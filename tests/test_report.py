@@ -7,12 +7,11 @@ import json
 import re
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import EXAMPLE_CACHE, QWEN3, REPO, tokpipe
+from helpers import EXAMPLE_CACHE, QWEN3, REPO, tokpipe, unguarded
 
 from tokpipe import series as series_mod
 from tokpipe.series import Series, read_series
@@ -129,7 +128,7 @@ def _killed_out(tmp_path: Path) -> Path:
     info = load_tokenizer_info(QWEN3)
     record_run(out, manifest, info, RunOptions())
     write_manifest(manifest, out / "manifest.json")
-    spec = replace(RunOptions().encode_spec(info, "gigatoken"), batch_bytes=64 << 10, checkpoint_interval=0.0)
+    spec = unguarded(RunOptions().encode_spec(info, "gigatoken"), batch_bytes=64 << 10, checkpoint_interval=0.0)
     first, second, _ = manifest.shards()
     tokenize_shard(first, out, spec)
     calls = []

@@ -1,6 +1,5 @@
 """shard: one shard -> .bin/.idx equal to the reference; checkpoints make any interruption harmless."""
 
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,7 @@ from helpers import (
     is_held_out,
     reference_texts,
     reference_tokens,
+    unguarded,
     write_jsonl,
 )
 
@@ -30,7 +30,7 @@ HOLDOUT = SHARDS[-1]
 
 def spec_for(tokenizer_dir, backend="gigatoken", **kw) -> EncodeSpec:
     info = load_tokenizer_info(tokenizer_dir)
-    return replace(RunOptions().encode_spec(info, backend), **kw)
+    return unguarded(RunOptions().encode_spec(info, backend), **kw)
 
 
 def read(out, shard, dtype):

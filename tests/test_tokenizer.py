@@ -13,15 +13,14 @@ from tokpipe import tokenizer
 from tokpipe.errors import UserError
 from tokpipe.tokenizer import (
     HARD_CASES,
-    FastokensEncoder,
-    GigatokenEncoder,
-    HFEncoder,
     choose_backend,
     dtype_for,
+    encoder,
     load_tokenizer_info,
 )
 
 GIGATOKEN_REORDERS = "\U00010d27\U00010f46"  # the hard case gigatoken 0.10 gets wrong
+TOKENIZER_JSON = str(QWEN3 / "tokenizer.json")
 
 
 def test_qwen3_info_matches_transformers():
@@ -50,20 +49,21 @@ def test_missing_tokenizer_and_unknown_eos_are_user_errors(tmp_path):
     assert load_tokenizer_info(QWEN3 / "tokenizer.json", eos_token="<|im_end|>").eos_id == 151645
 
 
-@pytest.mark.parametrize("encoder_class", [HFEncoder, FastokensEncoder, GigatokenEncoder])
-def test_backends_give_the_reference_ids(encoder_class):
-    hard = [t for t in HARD_CASES if encoder_class is not GigatokenEncoder or t != GIGATOKEN_REORDERS]
+# The process's encoders (tokenizer.encoder), as a run's worker uses them: loaded once for all these tests.
+@pytest.mark.parametrize("backend", ["hf", "fastokens", "gigatoken"])
+def test_backends_give_the_reference_ids(backend):
+    hard = [t for t in HARD_CASES if backend != "gigatoken" or t != GIGATOKEN_REORDERS]
     texts = hard + reference_texts(EXAMPLE_HOLDOUT_FILES[0])
-    flat, lengths = encoder_class(str(QWEN3 / "tokenizer.json")).encode(texts)
+    flat, lengths = encoder(backend, TOKENIZER_JSON).encode(texts)
     expected = reference_ids(texts)
     assert lengths.tolist() == [len(ids) for ids in expected]
     assert np.array_equal(flat, np.concatenate([np.array(ids, dtype=np.uint32) for ids in expected]))
 
 
-@pytest.mark.parametrize("encoder_class", [FastokensEncoder, GigatokenEncoder])
-def test_special_token_strings_in_text_are_text(encoder_class):
+@pytest.mark.parametrize("backend", ["fastokens", "gigatoken"])
+def test_special_token_strings_in_text_are_text(backend):
     # What tokbench counts as fastokens differing (its adapter left specials as text): here, the reference.
-    flat, _ = encoder_class(str(QWEN3 / "tokenizer.json")).encode(["a <|endoftext|> b <|im_start|>"])
+    flat, _ = encoder(backend, TOKENIZER_JSON).encode(["a <|endoftext|> b <|im_start|>"])
     assert flat.tolist() == reference_ids(["a <|endoftext|> b <|im_start|>"])[0]
     assert QWEN3_EOS not in flat and 151644 not in flat
 
@@ -71,8 +71,8 @@ def test_special_token_strings_in_text_are_text(encoder_class):
 def test_gigatoken_reorders_two_combining_marks_that_the_reference_keeps():
     reference = reference_ids([GIGATOKEN_REORDERS])[0]
     assert reference == [123934, 112, 100, 123934, 121, 228]
-    assert FastokensEncoder(str(QWEN3 / "tokenizer.json")).encode([GIGATOKEN_REORDERS])[0].tolist() == reference
-    assert GigatokenEncoder(str(QWEN3 / "tokenizer.json")).encode([GIGATOKEN_REORDERS])[0].tolist() == [
+    assert encoder("fastokens", TOKENIZER_JSON).encode([GIGATOKEN_REORDERS])[0].tolist() == reference
+    assert encoder("gigatoken", TOKENIZER_JSON).encode([GIGATOKEN_REORDERS])[0].tolist() == [
         123934,
         121,
         228,
@@ -83,11 +83,11 @@ def test_gigatoken_reorders_two_combining_marks_that_the_reference_keeps():
 
 
 def test_auto_picks_fastokens_after_it_matched():
-    assert choose_backend("auto", str(QWEN3 / "tokenizer.json"), ["hello world"]) == (
+    assert choose_backend("auto", TOKENIZER_JSON, ["hello world"]) == (
         "fastokens",
         "fastokens matched tokenizers on 9 texts (11 chars of sample)",
     )
-    assert choose_backend("hf", str(QWEN3 / "tokenizer.json"), []) == ("hf", "requested")
+    assert choose_backend("hf", TOKENIZER_JSON, []) == ("hf", "requested")
 
 
 def test_auto_passes_over_a_backend_that_misses_a_hard_case(monkeypatch):
@@ -95,8 +95,8 @@ def test_auto_passes_over_a_backend_that_misses_a_hard_case(monkeypatch):
         raise ValueError("normalizer error: unsupported normalizer type: NFKC")
 
     monkeypatch.setitem(tokenizer._ENCODER_CLASSES, "fastokens", cannot_load)
-    monkeypatch.setattr(tokenizer, "_encoders", {})
-    assert choose_backend("auto", str(QWEN3 / "tokenizer.json"), ["hello world"]) == (
+    monkeypatch.delitem(tokenizer._encoders, ("fastokens", TOKENIZER_JSON), raising=False)  # back after the test
+    assert choose_backend("auto", TOKENIZER_JSON, ["hello world"]) == (
         "hf",
         "fastokens cannot load this tokenizer (ValueError: normalizer error: unsupported normalizer type: NFKC); "
         "gigatoken's ids differ from tokenizers' on 0 sampled and 1 hard-case texts",
@@ -104,14 +104,14 @@ def test_auto_passes_over_a_backend_that_misses_a_hard_case(monkeypatch):
 
 
 def test_a_backend_asked_for_runs_and_says_which_hard_case_it_misses():
-    backend, why = choose_backend("gigatoken", str(QWEN3 / "tokenizer.json"), ["hello world"])
+    backend, why = choose_backend("gigatoken", TOKENIZER_JSON, ["hello world"])
     assert backend == "gigatoken"
     assert why == (
         "requested; matched tokenizers on the sample, but NOT on 1 known hard case(s), e.g. '\\U00010d27\\U00010f46': "
         "its ids differ where such text occurs (--backend auto picks an exact backend)"
     )
     with pytest.raises(UserError, match="does not reproduce tokenizers' ids"):
-        choose_backend("gigatoken", str(QWEN3 / "tokenizer.json"), [GIGATOKEN_REORDERS])
+        choose_backend("gigatoken", TOKENIZER_JSON, [GIGATOKEN_REORDERS])
 
 
 def test_auto_falls_back_to_hf_when_no_fast_backend_can_load_the_tokenizer(tmp_path):
