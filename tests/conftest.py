@@ -68,11 +68,8 @@ _ray_holder: list = []  # (holder, temp dir), started once per session
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """The slow tests first (in file order otherwise): pytest-xdist deals the first quarter of the tests out
-    to its workers in turn, so they are shared evenly, and no worker is left running one alone at the end
-    (the slow ones are the last files by name). When a collected test will join the session's Ray, start it
-    now: it comes up while the tests before the first that needs it run."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """When a collected test will join the session's Ray, start it now: it comes up while the tests before
+    the first that needs it run."""
     if any("ray_cluster" in item.fixturenames for item in items) and not _ray_holder:
         _ray_holder.append(_start_ray_holder())
 

@@ -221,7 +221,6 @@ def parquet_copy(tmp_path) -> Path:
     return tmp_path / "data"
 
 
-@pytest.mark.slow
 def test_kill_9_mid_file_at_one_worker_then_two_workers_gives_identical_bytes(
     parquet_copy, tmp_path, example_reference, ray_address
 ):
@@ -245,7 +244,6 @@ def test_kill_9_mid_file_at_one_worker_then_two_workers_gives_identical_bytes(
     assert tokpipe("verify", out, "--sample", "50").returncode == 0
 
 
-@pytest.mark.slow
 def test_a_cut_parquet_shard_fails_by_name_and_skip_failed_finalizes_without_it(parquet_copy, tmp_path):
     cut = parquet_copy / "data" / "train-00001-of-00002.parquet"
     cut.write_bytes(cut.read_bytes()[: cut.stat().st_size * 6 // 10])

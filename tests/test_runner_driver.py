@@ -50,7 +50,6 @@ from tokpipe.manifest import build_manifest, write_manifest
 HF = ("--backend", "hf")  # the slow reference encoder: runs last long enough to be hit mid-way
 
 
-@pytest.mark.slow
 def test_kill_9_of_the_whole_run_at_random_moments_with_changing_workers(dataset, tmp_path, example_reference):
     # Three copies of the example (chunk1..3): enough work that no attempt finishes before its kill,
     # however quiet the machine. Each split's reference is then its example reference three times.
@@ -87,7 +86,6 @@ def test_kill_9_of_the_whole_run_at_random_moments_with_changing_workers(dataset
     assert tokpipe("verify", out).returncode == 0
 
 
-@pytest.mark.slow
 def test_kill_9_while_split_files_are_assembled_then_rerun_gives_the_same_bytes(
     manifest, tmp_path, example_reference, ray_address
 ):
@@ -104,7 +102,6 @@ def test_kill_9_while_split_files_are_assembled_then_rerun_gives_the_same_bytes(
     assert tokpipe("verify", out).returncode == 0
 
 
-@pytest.mark.slow
 def test_val_fraction_gives_the_same_val_bin_at_any_workers_with_a_kill_9_between(manifest, tmp_path, ray_address):
     out = tmp_path / "out"
     proc = start(
@@ -175,7 +172,6 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
     )
 
 
-@pytest.mark.slow
 def test_disk_full_stops_the_shard_clearly_and_the_rerun_completes(manifest, tmp_path, example_reference):
     disk = tmp_path / "disk"
     if not _mount_tmpfs(disk, "3m"):
@@ -194,7 +190,6 @@ def test_disk_full_stops_the_shard_clearly_and_the_rerun_completes(manifest, tmp
         subprocess.run(["umount", "-l", str(disk)])
 
 
-@pytest.mark.slow
 def test_multi_node_cluster_with_a_node_removed_mid_run(manifest, tmp_path, example_reference):
     from ray.cluster_utils import Cluster
 
@@ -242,7 +237,6 @@ def test_multi_node_cluster_with_a_node_removed_mid_run(manifest, tmp_path, exam
         cluster.shutdown()
 
 
-@pytest.mark.slow
 def test_ctrl_c_stops_the_run_with_exit_130_and_the_same_command_resumes(manifest, tmp_path, example_reference):
     # Ctrl-C in a terminal: SIGINT to the run's whole process group, the embedded Ray's processes included.
     out = tmp_path / "out"

@@ -7,7 +7,6 @@ import json
 import re
 import shutil
 
-import pytest
 from helpers import EXAMPLE_CACHE, QWEN3, assert_out_is, run_args, tokpipe
 
 from tokpipe.manifest import build_manifest, write_manifest
@@ -83,7 +82,6 @@ def test_a_rerun_with_other_inputs_is_refused_saying_what_differs(out, tmp_path,
     )
 
 
-@pytest.mark.slow
 def test_a_manifest_that_only_gained_shards_resumes_as_an_append(dataset, tmp_path, example_reference):
     held_back = dataset / "validation" / "chunk1" / "example_holdout_0.jsonl.zst"
     data = held_back.read_bytes()

@@ -9,7 +9,6 @@ import json
 import os
 import threading
 
-import pytest
 from helpers import assert_out_is, keep_killing, run_args, tokpipe
 
 from tokpipe.manifest import build_manifest, write_manifest
@@ -17,7 +16,6 @@ from tokpipe.manifest import build_manifest, write_manifest
 HF = ("--backend", "hf")  # the slow reference encoder: runs last long enough to be hit mid-way
 
 
-@pytest.mark.slow
 def test_killed_workers_are_retried_and_a_shard_that_keeps_dying_is_reported(
     manifest, tmp_path, example_reference, ray_address
 ):
@@ -52,7 +50,6 @@ def test_killed_workers_are_retried_and_a_shard_that_keeps_dying_is_reported(
     assert not (out / "logs" / "failed.json").exists()
 
 
-@pytest.mark.slow
 def test_a_stuck_shard_is_cancelled_with_a_stack_dump_and_reported(dataset, tmp_path, ray_address):
     os.mkfifo(dataset / "train" / "zz_stuck.jsonl")  # opening it for reading blocks forever
     write_manifest(build_manifest(dataset), tmp_path / "m.json")

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 from helpers import QWEN3, alive, assert_out_is, descendants, plain_copy_of_example, tokpipe
 
 from tokpipe.manifest import build_manifest, write_manifest
@@ -17,7 +16,6 @@ from tokpipe.manifest import build_manifest, write_manifest
 MESSAGE = "tokpipe run: terminated (SIGTERM); rerun the same command to resume"
 
 
-@pytest.mark.slow
 def test_sigterm_keeps_checkpoints_says_one_line_exits_143_and_the_rerun_is_exact(
     tmp_path, example_reference, ray_address
 ):

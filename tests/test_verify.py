@@ -5,7 +5,6 @@ import json
 import pickle
 
 import numpy as np
-import pytest
 from helpers import failed_checks, tokpipe
 
 from tokpipe.layout import load_meta_pkl
@@ -139,7 +138,6 @@ def reseal(out, split):
     (out / "meta.json").write_text(json.dumps(meta))
 
 
-@pytest.mark.slow
 def test_sample_re_tokenizes_source_documents_and_catches_a_self_consistent_wrong_id(out):
     from tokpipe.verify import verify_sample
 
