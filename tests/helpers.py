@@ -207,15 +207,17 @@ def tokpipe(
     """The CLI as a user runs it: a separate process, exit code and output captured. `ray`: the address
     of the session's Ray cluster (the `ray_address` fixture) for a run to join as $RAY_ADDRESS; without
     it a run that tokenizes starts an embedded Ray of its own."""
+    return subprocess.run(_cli(args), cwd=cwd, capture_output=True, text=True, timeout=timeout, env=_env(ray))
+
+
+def _cli(args) -> list[str]:
+    return [sys.executable, "-m", "tokpipe.cli", *map(str, args)]
+
+
+def _env(ray: str | None) -> dict[str, str]:
+    """This environment, output unbuffered, $RAY_ADDRESS only where a run is to join the session's Ray."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    return subprocess.run(
-        [sys.executable, "-m", "tokpipe.cli", *map(str, args)],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**env, "PYTHONUNBUFFERED": "1", **({"RAY_ADDRESS": ray} if ray else {})},
-    )
+    return {**env, "PYTHONUNBUFFERED": "1", **({"RAY_ADDRESS": ray} if ray else {})}
 
 
 def run_args(manifest, out, *extra, tokenizer=QWEN3) -> tuple:
@@ -234,14 +236,13 @@ def start(manifest, out, *extra, ray: str | None = None) -> subprocess.Popen:
     """`tokpipe run` in its own process group, as a shell would start it; its output goes to `proc.log`, beside
     OUT. `ray` as for `tokpipe`."""
     log = Path(out).parent / f"run-{time.monotonic_ns()}.log"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     with open(log, "w") as output:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tokpipe.cli", *map(str, run_args(manifest, out, *extra))],
+            _cli(run_args(manifest, out, *extra)),
             stdout=output,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env={**env, "PYTHONUNBUFFERED": "1", **({"RAY_ADDRESS": ray} if ray else {})},
+            env=_env(ray),
             preexec_fn=_hears_ctrl_c,
         )
     proc.log = log  # its stdout and stderr
@@ -334,15 +335,20 @@ def keep_killing(name_part: str, stop: threading.Event, once: bool = False, sess
     return killed
 
 
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state, parent, ..., start time at [19]); None
+    once the process is gone. The name is cut at its last ")": it may hold spaces and parentheses."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
 def descendants(root: int) -> set[tuple[int, str]]:
     """(pid, start time) of every process below root, from /proc (the start time tells a reused pid)."""
     children: dict[int, list[tuple[int, str]]] = {}
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
+        if entry.name.isdigit() and (fields := _stat(entry.name)) is not None:
             children.setdefault(int(fields[1]), []).append((int(entry.name), fields[19]))
     found, todo = set(), [root]
     while todo:
@@ -354,19 +360,15 @@ def descendants(root: int) -> set[tuple[int, str]]:
 
 def alive(pid: int, started: str) -> bool:
     """Whether the process `descendants` saw as (pid, started) still runs."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return fields[19] == started and fields[0] != "Z"  # a zombie has exited; its parent has yet to reap it
+    fields = _stat(pid)
+    # A zombie ("Z") has exited; its parent has yet to reap it.
+    return fields is not None and fields[19] == started and fields[0] != "Z"
 
 
 def parent_pid(pid: int) -> int | None:
     """The parent of a running process; None once it is gone."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        return None
+    fields = _stat(pid)
+    return None if fields is None else int(fields[1])
 
 
 def read_all(path, **kw):
@@ -413,9 +415,17 @@ def unguarded(spec, **changes):
     return replace(spec, **{"memory_limit": 0, **changes})
 
 
-def build_out(out: Path, tokenizer: Path, backend: str = "fastokens", options=None, dataset: Path = EXAMPLE_CACHE):
+def build_out(
+    out: Path,
+    tokenizer: Path,
+    backend: str = "fastokens",
+    options=None,
+    dataset: Path = EXAMPLE_CACHE,
+    finalized: bool = True,
+):
     """OUT as `tokpipe run` leaves it (manifest.json, run.json, shards, split files, meta), built stage
-    by stage without Ray."""
+    by stage without Ray; with finalized=False, as a run stopped after its last shard leaves it (no split
+    files, no meta)."""
     from tokpipe.finalize import finalize
     from tokpipe.manifest import build_manifest, write_manifest
     from tokpipe.options import RunOptions
@@ -432,5 +442,6 @@ def build_out(out: Path, tokenizer: Path, backend: str = "fastokens", options=No
     spec = unguarded(options.encode_spec(info, backend))
     for shard in manifest.shards():
         tokenize_shard(shard, out, spec)
-    finalize(out, manifest, info, options)
+    if finalized:
+        finalize(out, manifest, info, options)
     return out

@@ -9,6 +9,7 @@ import argparse
 import json
 import shutil
 from dataclasses import fields
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,7 +27,6 @@ from helpers import (
     is_held_out,
     reference_texts,
     reference_tokens,
-    unguarded,
 )
 
 from tokpipe.cli import parser
@@ -144,51 +144,27 @@ def test_val_fraction_holds_out_train_documents_chosen_by_their_text(tmp_path):
     assert failed_checks(out) == [] and all(c.ok for c in verify_sample(out, 500))
 
 
-def test_val_fraction_makes_a_validation_split_when_the_dataset_has_none(tmp_path):
-    from tokpipe.finalize import finalize
-    from tokpipe.manifest import build_manifest
-    from tokpipe.shard import tokenize_shard
-    from tokpipe.tokenizer import load_tokenizer_info
-
-    data = tmp_path / "data" / "train"
+def train_only(root: Path) -> Path:
+    """The example's train shards alone, in a dataset with no validation split."""
+    data = root / "data" / "train"
     data.mkdir(parents=True)
     for i, path in enumerate(TRAIN):
         shutil.copy(path, data / f"part-{i}.jsonl.zst")
-    manifest, info, options = (
-        build_manifest(tmp_path / "data"),
-        load_tokenizer_info(QWEN3),
-        RunOptions(val_fraction=0.5),
-    )
-    out = tmp_path / "out"
-    for shard in manifest.shards():
-        tokenize_shard(shard, out, unguarded(options.encode_spec(info, "gigatoken")))
-    meta = finalize(out, manifest, info, options)
+    return root / "data"
+
+
+def test_val_fraction_makes_a_validation_split_when_the_dataset_has_none(tmp_path):
+    options = RunOptions(val_fraction=0.5)
+    out = build_out(tmp_path / "out", QWEN3, "gigatoken", options, dataset=train_only(tmp_path))
+    meta = json.loads((out / "meta.json").read_text())
     assert list(meta["splits"]) == ["train", "validation"] and meta["splits"]["validation"]["file"] == "val.bin"
     assert meta["splits"]["train"]["documents"] + meta["splits"]["validation"]["documents"] == TRAIN_DOCUMENTS
 
 
 def test_an_unfinished_run_is_inspected_with_its_held_out_documents_in_val(tmp_path):
-    from tokpipe.manifest import build_manifest, write_manifest
-    from tokpipe.runner.identity import record_run
-    from tokpipe.shard import tokenize_shard
-    from tokpipe.tokenizer import load_tokenizer_info
-
     # A dataset with no validation split, tokenized with --val-fraction and not finalized: val.bin is yet to be.
-    data = tmp_path / "data" / "train"
-    data.mkdir(parents=True)
-    for i, path in enumerate(TRAIN):
-        shutil.copy(path, data / f"part-{i}.jsonl.zst")
-    manifest, info, options, out = (
-        build_manifest(tmp_path / "data"),
-        load_tokenizer_info(QWEN3),
-        RunOptions(val_fraction=0.2),
-        tmp_path / "out",
-    )
-    out.mkdir()
-    record_run(out, manifest, info, options)
-    write_manifest(manifest, out / "manifest.json")
-    for shard in manifest.shards():
-        tokenize_shard(shard, out, unguarded(options.encode_spec(info, "gigatoken")))
+    options = RunOptions(val_fraction=0.2)
+    out = build_out(tmp_path / "out", QWEN3, "gigatoken", options, dataset=train_only(tmp_path), finalized=False)
     held = sum(is_held_out(t, 0.2) for path in TRAIN for t in reference_texts(path))
     val = inspect(out, split="val", n=1, seed=0)
     assert not val.source.finished and val.source.documents == held and val.source.split == "validation"

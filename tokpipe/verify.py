@@ -383,7 +383,7 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
             texts = batch.texts
             if val_fraction and shard.split == "train":  # the part's documents only: held out, or kept
                 texts = [t for t, h in zip(texts, held_out(texts, val_fraction)) if h == held]
-            picked = [(seen + i, text) for i, text in enumerate(texts) if seen + i in needed]
+            picked = [(number, text) for number, text in enumerate(texts, start=seen) if number in needed]
             seen += len(texts)
             # A batch's picks in one call: tokenizers encodes them on all cores.
             encoded = reference.encode_batch([text for _, text in picked], add_special_tokens=False)
