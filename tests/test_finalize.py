@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from helpers import EXAMPLE_CACHE, QWEN3, assert_out_is, unguarded
 
-from tokpipe.finalize import Assembler, finalize, place
+from tokpipe.assembly import Assembler, place
+from tokpipe.finalize import finalize
 from tokpipe.layout import ShardFiles
 from tokpipe.manifest import build_manifest
 from tokpipe.options import RunOptions
@@ -172,11 +173,11 @@ def test_a_placed_shard_gives_its_space_back_and_keeps_its_checkpoint(out, examp
 # A real kill -9 of a process finalizing, at each step of place-then-remove: (what to wrap, which of
 # its calls kills, counting only calls whose first argument names a shard's token file when "shards").
 KILL_POINTS = {
-    "while copying a part": ("tokpipe.finalize._copy_range", 2, ""),
-    "after the copies are fsynced, before they are listed": ("tokpipe.finalize.Assembler.placed", 1, ""),
+    "while copying a part": ("tokpipe.assembly._copy_range", 2, ""),
+    "after the copies are fsynced, before they are listed": ("tokpipe.assembly.Assembler.placed", 1, ""),
     "after the listing, before the part's .bin is removed": ("pathlib.Path.unlink", 1, "/shards/"),
     "between removing a part's .bin and its .idx": ("pathlib.Path.unlink", 2, "/shards/"),
-    "after the removal, before the split files are renamed": ("tokpipe.finalize.Assembler.finish", 1, ""),
+    "after the removal, before the split files are renamed": ("tokpipe.assembly.Assembler.finish", 1, ""),
 }
 
 KILLED_FINALIZE = """

@@ -3,6 +3,7 @@
 import hashlib
 import json
 import pickle
+import shutil
 
 import numpy as np
 from helpers import failed_checks, tokpipe
@@ -188,3 +189,20 @@ def test_checks_give_the_same_verdicts_on_one_thread_and_on_many(out):
     poke(out / "val.bin", ends[3] - 1, 42)
     one = [(c.name, c.ok, c.detail) for c in verify(out, jobs=1)]
     assert one == [(c.name, c.ok, c.detail) for c in verify(out, jobs=8)] and not all(ok for _, ok, _ in one)
+
+
+def test_a_grouped_output_is_verified_group_by_group(finished_grouped, tmp_path):
+    """--group-by: every group's file is checked against its parts' checksums, and the groups against the
+    split; a byte changed in one group's file fails the checksum, naming the shard whose range it is in."""
+    assert not failed_checks(finished_grouped)
+    names = [c.name for c in verify(finished_grouped)]
+    assert "train: groups add up to meta" in names and "validation: groups add up to meta" in names
+    out = shutil.copytree(finished_grouped, tmp_path / "out")
+    with open(out / "train" / "RedPajamaGithub.bin", "r+b") as f:
+        f.seek(4 * 100)
+        f.write((7).to_bytes(4, "little"))
+    failed = {c.name: c.detail for c in verify(out) if not c.ok}
+    assert failed == {
+        "train: sha256 matches meta": "the token bytes changed since finalize, in the range of "
+        "train/chunk1/example_train_0.jsonl.zst"
+    }

@@ -8,6 +8,10 @@ class UserError(Exception):
     """Bad input or usage: the message says what was wrong and what to do. Exit code 2."""
 
 
+class TooManyGroups(UserError):
+    """--group-by named a field with more distinct values than a split may have groups (each group gets files)."""
+
+
 class SourceError(Exception):
     """A shard's bytes cannot be read to the end (truncated or corrupt download). Names file and place."""
 

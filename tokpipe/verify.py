@@ -116,12 +116,20 @@ def _parts(out: Path, split: str, info: dict, check) -> list[Part] | None:
     if not check(f"{split}: parts list sha256 matches meta", same, "" if same else f"{path} changed since finalize"):
         return None
     parts = parts_of(split, raw)
-    t, d = (parts[-1].token_end, parts[-1].doc_end) if parts else (0, 0)
+    t, d = sum(p.tokens for p in parts), sum(p.documents for p in parts)
     check(
         f"{split}: parts add up to meta",
         (t, d) == (tokens, documents),
         f"parts: {t:,} tokens, {d:,} documents; meta: {tokens:,}, {documents:,}",
     )
+    if "groups" in info:  # --group-by: each group's parts (where its last one ends) add up to its entry
+        counts = {p.group: (p.token_end, p.doc_end) for p in parts if p.group is not None}
+        wanted = {g: (int(e["tokens"]), int(e["documents"])) for g, e in info["groups"].items()}
+        wrong = sorted(g for g in set(counts) | set(wanted) if counts.get(g) != wanted.get(g))
+        first = wrong[0] if wrong else None
+        detail = f"{len(wrong)} differ, e.g. {first!r}: parts {counts.get(first)}, meta {wanted.get(first)}"
+        if not check(f"{split}: groups add up to meta", not wrong, detail if wrong else f"{len(counts):,} groups"):
+            return None
     return parts if (t, d) == (tokens, documents) else None
 
 
@@ -234,7 +242,17 @@ def _verify_split(
     parts = _parts(out, split, info, check)
     if parts is None:
         return
-    if len(files) == 1:
+    if "groups" in info:  # the parts with tokens (not a shard's accounting line), group by group as meta lists them
+        order = {group: i for i, group in enumerate(info["groups"])}
+        parts = sorted((p for p in parts if p.group is not None), key=lambda p: order[p.group])
+    if "groups" in info and all("file" in g for g in info["groups"].values()):  # a file per group, holding its parts
+        by_group = dict(zip(info["groups"], files))
+        jobs_parts = [
+            (by_group[g], chunk)
+            for g in info["groups"]
+            for chunk in _groups([p for p in parts if p.group == g], dtype.itemsize, jobs)
+        ]
+    elif len(files) == 1:
         jobs_parts = [(files[0], group) for group in _groups(parts, dtype.itemsize, jobs)]
     else:  # each part in a file of its own, from its first token
         jobs_parts = [(f, [replace(part, token_offset=0, doc_offset=0)]) for f, part in zip(files, parts)]
@@ -351,36 +369,47 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
     after = [meta["eos_token_id"]] if written["eos"] else []
     val_fraction = meta.get("val_fraction", 0.0)
 
-    # Every document of the output as (split, shard, held-out part or not, number within split), a part at a time.
+    group_by = meta.get("group_by")
+
+    # Every document of the output as (split, shard, held-out part or not, group, number within split), a part
+    # at a time. With --group-by a split is its groups one after the other, in meta's order.
     population = []
-    for split in meta["splits"]:
-        base = 0
+    for split, entry in meta["splits"].items():
+        groups = entry.get("groups", {None: entry})
+        base = dict(zip(groups, np.cumsum([0] + [g["documents"] for g in groups.values()]).tolist()))
         for shard, held in sources(manifest, split_file_stem(split), val_fraction):
             if shard.relpath in excluded:
                 continue
             ckpt = Checkpoint.of(out, shard)
-            documents = ckpt.val_documents if held else ckpt.documents
-            population.append((split, shard, held, base, documents))
-            base += documents
-    total = sum(p[4] for p in population)
+            if group_by is None:
+                parts = {None: ckpt.val_documents if held else ckpt.documents}
+            else:
+                parts = {g: c["documents"] for g, c in (ckpt.val_groups if held else ckpt.groups).items()}
+            for group, documents in parts.items():
+                population.append((split, shard, held, group, base[group], documents))
+                base[group] += documents
+    total = sum(p[5] for p in population)
     wanted = sorted(random.Random(seed).sample(range(total), min(k, total)))
-    starts = np.cumsum([0] + [p[4] for p in population])  # first document of each part, over all splits
+    starts = np.cumsum([0] + [p[5] for p in population])  # first document of each part, over all splits
     picks: dict[int, list[tuple[int, int]]] = {}  # population index -> [(doc in part, doc in split)]
     for doc in wanted:
         i = int(np.searchsorted(starts, doc, side="right")) - 1
-        picks.setdefault(i, []).append((doc - int(starts[i]), population[i][3] + doc - int(starts[i])))
+        picks.setdefault(i, []).append((doc - int(starts[i]), population[i][4] + doc - int(starts[i])))
 
     data = open_output(out)
     results: dict[str, list[int]] = {}
     mismatches: dict[str, list[str]] = {}
     for i, docs in picks.items():
-        split, shard, held, _, _ = population[i]
+        split, shard, held, group, _, _ = population[i]
         tokens, ends = data.splits[split].tokens, data.splits[split].ends
         needed = dict(docs)
         last = max(needed)
         seen = 0  # documents of this part read so far
-        for batch in read_batches(shard.path, meta["text_field"]):
+        for batch in read_batches(shard.path, meta["text_field"], group_by=group_by):
             texts = batch.texts
+            if group_by is not None:  # the part's documents only: of its group
+                keep = [g == group for g in batch.groups]
+                texts = [t for t, k in zip(texts, keep) if k]
             if val_fraction and shard.split == "train":  # the part's documents only: held out, or kept
                 texts = [t for t, h in zip(texts, held_out(texts, val_fraction)) if h == held]
             picked = [(number, text) for number, text in enumerate(texts, start=seen) if number in needed]

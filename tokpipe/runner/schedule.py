@@ -17,7 +17,8 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from tokpipe.finalize import COPY_BATCH_BYTES, Assembler
+from tokpipe.assembly import COPY_BATCH_BYTES, Assembler
+from tokpipe.errors import TooManyGroups
 from tokpipe.layout import Part, stall_dump
 from tokpipe.manifest import Manifest
 from tokpipe.options import RunOptions
@@ -169,6 +170,8 @@ class Scheduler:
         try:
             result: ShardResult = ray.get(ref)
         except (ray.exceptions.RayError, OSError) as e:
+            if isinstance(getattr(e, "cause", None), TooManyGroups):  # no shard of this run can do better: stop now
+                raise e.cause from None
             self.failed[shard.relpath] = describe_failure(e)
             self.log(f"shard {shard.relpath} FAILED: {self.failed[shard.relpath]}")
             return 0

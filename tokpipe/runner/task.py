@@ -9,7 +9,7 @@ import time
 
 import ray
 
-from tokpipe.finalize import place
+from tokpipe.assembly import place
 from tokpipe.layout import Part, stall_dump
 from tokpipe.manifest import Shard
 from tokpipe.shard import EncodeSpec, ShardResult, memory_guard, tokenize_shard
@@ -88,5 +88,5 @@ def shard_task(shard: Shard, out: str, spec: EncodeSpec, board, stall_timeout: f
 
 
 def copy_task(out: str, parts: list[Part], itemsize: int) -> tuple[str, list[dict]]:
-    """The Ray task around finalize.place; says which node it ran on (on a cluster, every node copies)."""
+    """The Ray task around assembly.place; says which node it ran on (on a cluster, every node copies)."""
     return ray.get_runtime_context().get_node_id(), place(out, parts, itemsize)
