@@ -80,15 +80,14 @@ def _cmd_inspect(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    from tokpipe.export import export
+    from tokpipe.export import export, megatron_flags
 
     written = export(args.out, args.format, args.dest, force=args.force)
     for e in written:
         print(f"{e.path}: {e.tokens:,} tokens, {e.documents:,} documents")
     if args.format == "megatron":
-        flags = {"train": "--train-data-path", "val": "--valid-data-path", "test": "--test-data-path"}
-        paths = " ".join(f"{flags[e.path.stem]} {e.path.with_suffix('')}" for e in written)
-        print(f"Megatron-LM: {paths} --tokenizer-type HuggingFaceTokenizer --tokenizer-model TOKENIZER_DIR (the run's)")
+        tokenizer = "--tokenizer-type HuggingFaceTokenizer --tokenizer-model TOKENIZER_DIR (the run's)"
+        print(f"Megatron-LM: {megatron_flags(written)} {tokenizer}")
     else:
         print(
             f"llm.c / modded-nanogpt: train on '{Path(args.dest) / 'train_*.bin'}', evaluate on "
