@@ -320,7 +320,7 @@ def _where(names: list[str], parts: list[Part]) -> str:
 
 
 def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str | None = None) -> list[Check]:
-    """Re-tokenize k random documents from the source with `tokenizers` (the DESIGN reference) and
+    """Re-tokenize k random documents from the source with `tokenizers` (the reference: docs/design.md) and
     compare them with their span in the bins: an independent check of the backend and of the offsets."""
     from tokenizers import Tokenizer
 
