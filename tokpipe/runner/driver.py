@@ -17,7 +17,7 @@ import numpy as np
 from tokpipe.durability import write_json_atomic
 from tokpipe.errors import SourceError, UserError, terminate_on_sigterm
 from tokpipe.finalize import Assembler, finalize
-from tokpipe.layout import FAILED, Checkpoint, load_meta_json, lock_out, log_file
+from tokpipe.layout import FAILED, Checkpoint, load_meta_json, lock_out, log_file, out_folder
 from tokpipe.manifest import Manifest, load_manifest, write_manifest
 from tokpipe.options import RunOptions
 from tokpipe.runner.cluster import Cluster
@@ -248,7 +248,7 @@ def run(
     clock = Timeline(time.monotonic())
     cluster = Cluster(opts)
     try:
-        return _run(manifest_path, tokenizer, Path(out), opts, clock, cluster)
+        return _run(manifest_path, tokenizer, out_folder(out, new_ok=True), opts, clock, cluster)
     finally:
         cluster.stop(wait=wait_for_ray)
 
