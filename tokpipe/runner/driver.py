@@ -148,7 +148,9 @@ def _tokenize(
             from tokpipe.runner.schedule import Copies, Scheduler  # with Ray's import: only for runs that use it
 
             shape = cluster.wait()
-            terminate_on_sigterm()  # over the C++ handler Ray's core worker installed (it prints a stack, exits 1)
+            # Over the C++ handler of Ray's core worker, where Ray was imported before the run could
+            # switch it off (a Python caller's process; runner/cluster.py, Cluster._start).
+            terminate_on_sigterm()
             if shape.note and cluster.address:  # an embedded Ray's was said before it started
                 print(shape.note)
                 log(shape.note)
