@@ -301,6 +301,19 @@ def load_meta_pkl(path: str | os.PathLike) -> dict:
     return meta
 
 
+def out_folder(out: str | os.PathLike, *, new_ok: bool = False) -> Path:
+    """OUT as a command names it: a folder (for `run`, `new_ok`, one it may create). A UserError (one line,
+    exit 2) when the path, or a folder above it, is a file, or when a reader's OUT does not exist."""
+    out = Path(out)
+    found = next(p for p in (out, *out.parents) if p.exists())  # "/" or "." at the last
+    if not found.is_dir():
+        above = "" if found == out else f" (on the way to {out})"
+        raise UserError(f"{found} is a file, not a folder{above}: OUT is a folder, a new one or a tokpipe run's")
+    if found != out and not new_ok:
+        raise UserError(f"{out} does not exist: give the --out folder of a tokpipe run")
+    return out
+
+
 # -- run.json, the lock, logs --------------------------------------------------------------------------
 
 
