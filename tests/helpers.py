@@ -1,7 +1,7 @@
 """Everything the tests share that is not a fixture (fixtures are in conftest.py): `import helpers`.
 
 First the independent reference that tokpipe's bytes are compared against. It is written from
-DESIGN.md alone, in the most obvious way, sharing no code with tokpipe: files in sorted path order
+docs/design.md alone, in the most obvious way, sharing no code with tokpipe: files in sorted path order
 per split, lines through io.TextIOWrapper and json.loads, the text encoded by `tokenizers.Tokenizer`
 with `encode_special_tokens = True` and no added special tokens, EOS appended. The tokenizer is loaded,
 and each file encoded, once per process (functools.cache), however many tests compare against it.
@@ -83,7 +83,7 @@ def reference_texts(path: Path, text_field: str = "text") -> list[str]:
         except ValueError:
             continue
         if isinstance(obj, dict) and isinstance(obj.get(text_field), str) and obj[text_field]:
-            # A lone surrogate from a JSON escape ("\ud800") is not text: one U+FFFD each, per DESIGN.
+            # A lone surrogate from a JSON escape ("\ud800") is not text: one U+FFFD each (docs/design.md).
             texts.append(SURROGATE.sub("\ufffd", obj[text_field]))
     return texts
 
@@ -184,7 +184,7 @@ def reference_tokens(
 
 
 def is_held_out(text: str, fraction: float) -> bool:
-    """README's rule: a document goes to val.bin when the blake2b-64 of its UTF-8 text, little-endian,
+    """docs/design.md's rule: a document goes to val.bin when the blake2b-64 of its UTF-8 text, little-endian,
     is below fraction * 2**64."""
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little") < fraction * 2**64
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import assert_out_is, plain_copy_of_example, run_args, tokpipe, write_jsonl
+from helpers import REPO, assert_out_is, plain_copy_of_example, run_args, tokpipe, write_jsonl
 
 from tokpipe.manifest import build_manifest, write_manifest
 from tokpipe.runner import cluster
@@ -101,3 +101,37 @@ def test_a_finished_run_leaves_no_process_behind(tmp_path):
             if int(fields[3]) == proc.pid and fields[0] != "Z":  # its session
                 left.append(stat[: stat.rindex(")") + 1])
     assert left == []
+
+
+def test_the_private_ray_that_tokpipe_touches_is_there_in_the_pinned_version():
+    """pyproject pins ray to the versions tokpipe was tested with, because tokpipe reaches past Ray's public
+    API in three places (runner/cluster.py, runner/task.py). A Ray without one of them fails here, loudly,
+    rather than in a run: SIGTERM printing Ray's stack again, or ray.init failing in its thread."""
+    import importlib.metadata
+    import inspect
+    import re
+
+    import ray
+    import ray._private.node
+    import ray._private.utils
+    import ray._private.worker
+    from packaging.requirements import Requirement
+
+    pin = Requirement(re.search(r'^    "(ray[<>=].*)",$', (REPO / "pyproject.toml").read_text(), re.M)[1])
+    assert pin.specifier.contains(importlib.metadata.version("ray")), f"ray {ray.__version__} is not in {pin}"
+
+    # Cluster._start replaces this function; ray.init's Node and worker look it up on the module when they
+    # call it, so the replacement is what they call (from a thread, where the original raises ValueError).
+    assert list(inspect.signature(ray._private.utils.set_sigterm_handler).parameters) == ["sigterm_handler"]
+    for module in (ray._private.node, ray._private.worker):
+        assert "ray._private.utils.set_sigterm_handler(sigterm_handler)" in inspect.getsource(module)
+    # The switch Cluster._start sets before Ray's import, as Ray reads it.
+    read = subprocess.run(
+        [sys.executable, "-c", "import ray._private.ray_constants as c; print(c.RAY_DISABLE_FAILURE_SIGNAL_HANDLER)"],
+        env={**os.environ, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER": "1"},
+        capture_output=True,
+        text=True,
+    )
+    assert read.stdout == "True\n", read.stderr
+    # The shard tasks' process titles (`ps`, and the tests' worker killers, find workers by them).
+    assert callable(ray._raylet.setproctitle)

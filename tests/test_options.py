@@ -70,6 +70,17 @@ def test_every_option_is_a_flag_with_its_default_and_help():
     assert args.val_fraction == 0.1 and args.workers is None and args.checkpoint_interval == 30.0
 
 
+def test_ray_only_is_parsed_but_not_in_run_help(capsys):
+    """--ray-only is for tests of Ray's own paths: it parses, and `run --help` does not offer it."""
+    args = parser().parse_args(["run", "--manifest", "m", "--tokenizer", "t", "--out", "o", "--ray-only"])
+    assert args.ray_only is True
+    with pytest.raises(SystemExit) as exit:
+        parser().parse_args(["run", "--help"])
+    assert exit.value.code == 0
+    shown = capsys.readouterr().out
+    assert "--stall-timeout" in shown and "--ray-only" not in shown and "ray_only" not in shown
+
+
 @pytest.mark.parametrize(
     "flag, value, message",
     [

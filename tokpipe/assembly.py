@@ -40,12 +40,11 @@ from tokpipe.layout import (
     output_splits,
     part_record,
     parts_line,
-    remove_placed_leftovers,
     sources,
     split_entry,
     split_file_stem,
 )
-from tokpipe.manifest import Manifest, Shard
+from tokpipe.manifest import Manifest, Shard, shard_key
 from tokpipe.options import RunOptions
 
 COPY_CHUNK = 1 << 30
@@ -424,3 +423,13 @@ class Assembler:
         if self.concat:
             remove_placed_leftovers(self.out, excluded)
         return entries
+
+
+def remove_placed_leftovers(out: Path, excluded: frozenset[str]) -> None:
+    """Remove the shard token files left after their parts were copied into place and listed (a crash
+    between the listing and the removal), keeping those of `excluded` shards, which a rerun resumes."""
+    keep = {shard_key(relpath) for relpath in excluded}
+    for folder in (out / "shards").glob("**/"):
+        for path in folder.iterdir():
+            if path.suffix in (".bin", ".idx") and path.stem not in keep:
+                path.unlink()

@@ -22,7 +22,6 @@ class Terminated(KeyboardInterrupt):
 
 
 _received = threading.Event()  # a SIGTERM came, at any time
-_held = threading.Event()  # one came while Ray was starting, not raised yet
 
 
 def _terminate(signum, frame):
@@ -31,28 +30,17 @@ def _terminate(signum, frame):
     raise Terminated()
 
 
-def _hold(signum, frame):
-    _received.set()
-    _held.set()
-
-
 def terminate_on_sigterm() -> None:
-    """Make SIGTERM raise Terminated in the main thread, as SIGINT raises KeyboardInterrupt; raise it
-    now if one was held while Ray started (`hold_sigterm`)."""
-    if threading.current_thread() is threading.main_thread():
+    """Make SIGTERM raise Terminated in the main thread, as SIGINT raises KeyboardInterrupt."""
+    if threading.current_thread() is threading.main_thread() and not _received.is_set():
         signal.signal(signal.SIGTERM, _terminate)
-        if _held.is_set():
-            _held.clear()
-            raise Terminated()
 
 
-def hold_sigterm(_ray_handler=None) -> None:
-    """Note a SIGTERM without raising it (Ray's start is not to be cut in the middle: its agents
-    would outlive the run); `terminate_on_sigterm` raises it once Ray is up. Takes the place of Ray's
-    `set_sigterm_handler` in the driver, so that `ray.init` does not install its own handlers
-    (sys.exit, then one that exits 1)."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _hold)
+def keep_sigterm(_ray_handler) -> None:
+    """Takes the place of Ray's `set_sigterm_handler` in the driver: tokpipe's handler stays. Ray's start
+    is not cut in the middle by a SIGTERM either way (its agents would outlive the run): Terminated is
+    raised in the main thread, whose cleanup waits for the start to end before it kills Ray's processes
+    (runner/cluster.py, Cluster.stop)."""
 
 
 def terminated(interrupt: KeyboardInterrupt) -> bool:

@@ -28,6 +28,7 @@ from tokpipe.layout import (
     delimiters,
     is_held_part,
     load_run,
+    out_folder,
     output_splits,
     parts_of,
     sources,
@@ -108,7 +109,7 @@ def _delimiters(meta: dict) -> dict:
 
 
 def open_source(out: str | os.PathLike, split: str) -> Source:
-    out = Path(out)
+    out = out_folder(out)
     run = load_run(out)
     if (out / "meta.json").is_file():
         data = open_output(out)

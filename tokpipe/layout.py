@@ -34,7 +34,7 @@ import orjson
 
 from tokpipe.durability import write_atomic, write_json_atomic
 from tokpipe.errors import UserError
-from tokpipe.manifest import Manifest, Shard, shard_key
+from tokpipe.manifest import Manifest, Shard
 
 IDX_DTYPE = np.dtype("<i8")  # document ends, cumulative token counts
 
@@ -50,6 +50,7 @@ IDENTITY_DEFAULTS = {"delimiters": {"bos": False, "eos": True}, "val_fraction": 
 # --group-by: a split may have at most this many groups, since each has files of its own in every
 # shard and in the split (a field with one value per document, an id or a url, would make a file per document).
 MAX_GROUPS = 1000
+GROUP_COUNTS = ("tokens", "documents", "text_bytes")  # of a group, in meta: text_bytes are its texts' UTF-8
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -215,8 +216,7 @@ def part_record(shard: Shard, ckpt: Checkpoint, held: bool, group: str | None = 
     if group is not None:
         counts = (ckpt.val_groups if held else ckpt.groups)[group]
         record = {"shard": shard.relpath, "group": group} | ({"part": "held-out"} if held else {})
-        record |= {k: counts[k] for k in GROUP_COUNTS}
-        record |= {"held_in": counts["documents"]} if held else {}
+        record |= {k: counts[k] for k in GROUP_COUNTS} | ({"held_in": counts["documents"]} if held else {})
         return record | {"sha256": counts.get("sha256"), "idx_sha256": counts.get("idx_sha256")}
     if held:
         record = {
@@ -276,9 +276,6 @@ def _file_entry(out_name: str, concat: bool) -> dict:
     return {"file": f"{out_name}.bin", "idx": f"{out_name}.idx"} if concat else {"files": []}
 
 
-GROUP_COUNTS = ("tokens", "documents", "text_bytes")  # of a group, in meta: text_bytes are its texts' UTF-8
-
-
 def split_entry(stem: str, parts_path: Path, concat: bool, grouped: bool = False) -> dict:
     """meta's entry for a split, summed from its parts list. A split of --no-concat has no file of its
     own: `files` lists its parts' files in order (their lines in the parts list name them).
@@ -330,16 +327,6 @@ def split_files(out: Path, entry: dict) -> list[tuple[Path, Path, int, int]]:
     return [(out / entry["file"], out / idx, int(entry["tokens"]), int(entry["documents"]))]
 
 
-def remove_placed_leftovers(out: Path, excluded: frozenset[str]) -> None:
-    """Remove the shard token files left after their parts were copied into place and listed (a crash
-    between the listing and the removal), keeping those of `excluded` shards, which a rerun resumes."""
-    keep = {shard_key(relpath) for relpath in excluded}
-    for folder in (out / "shards").glob("**/"):
-        for path in folder.iterdir():
-            if path.suffix in (".bin", ".idx") and path.stem not in keep:
-                path.unlink()
-
-
 # -- meta --------------------------------------------------------------------------------------------
 
 
@@ -368,6 +355,19 @@ def load_meta_pkl(path: str | os.PathLike) -> dict:
     if not isinstance(meta, dict):
         raise pickle.UnpicklingError(f"meta.pkl holds a {type(meta).__name__}, not a dict")
     return meta
+
+
+def out_folder(out: str | os.PathLike, *, new_ok: bool = False) -> Path:
+    """OUT as a command names it: a folder (for `run`, `new_ok`, one it may create). A UserError (one line,
+    exit 2) when the path, or a folder above it, is a file, or when a reader's OUT does not exist."""
+    out = Path(out)
+    found = next(p for p in (out, *out.parents) if p.exists())  # "/" or "." at the last
+    if not found.is_dir():
+        above = "" if found == out else f" (on the way to {out})"
+        raise UserError(f"{found} is a file, not a folder{above}: OUT is a folder, a new one or a tokpipe run's")
+    if found != out and not new_ok:
+        raise UserError(f"{out} does not exist: give the --out folder of a tokpipe run")
+    return out
 
 
 # -- run.json, the lock, logs --------------------------------------------------------------------------

@@ -170,7 +170,7 @@ def _shards_under(root: Path, blobs_dir: Path | None, base: Path, allow_outside:
                     key=shard_key(relpath),
                 )
             )
-    # DESIGN order: per split, plain string order of the path relative to the snapshot root.
+    # The order of docs/design.md: per split, plain string order of the path relative to the snapshot root.
     shards.sort(key=lambda s: s.relpath)
     return shards
 

@@ -64,11 +64,10 @@ class RunOptions:
         type=positive(float, zero_ok=True),
         metavar="F",
     )
-    ray_only: bool = option(
-        False,
-        "every shard on Ray's workers, none in the driver (default: the driver tokenizes until Ray's workers are"
-        " ready, and a run it finishes alone never starts Ray)",
-    )
+    # Every shard on Ray's workers, none in the driver (by default the driver tokenizes until Ray's workers
+    # are ready, and a run it finishes alone never starts Ray): for the tests of Ray's own paths (stalls,
+    # retries, SIGTERM while workers run), so not in `run --help`.
+    ray_only: bool = option(False, argparse.SUPPRESS)
     checkpoint_interval: float = option(
         30.0, "seconds between shard checkpoints (default: %(default)g)", type=positive(float)
     )

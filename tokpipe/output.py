@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from tokpipe.errors import UserError
-from tokpipe.layout import IDX_DTYPE, load_meta_pkl, split_files
+from tokpipe.layout import IDX_DTYPE, load_meta_pkl, out_folder, split_files
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def _memmap(path: Path, dtype: np.dtype, count: int, what: str) -> np.ndarray:
 
 def open_output(out: str | os.PathLike) -> Output:
     """A finished OUT, ready to train from. UserError when OUT is not finished or does not match its meta."""
-    out = Path(out)
+    out = out_folder(out)
     try:
         meta = load_meta_pkl(out / "meta.pkl")
     except FileNotFoundError:

@@ -15,7 +15,6 @@ import os
 import shlex
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from tokpipe.errors import UserError
 from tokpipe.layout import (
@@ -29,6 +28,7 @@ from tokpipe.layout import (
     load_run,
     lock_holder,
     log_file,
+    out_folder,
 )
 from tokpipe.manifest import load_manifest
 
@@ -99,7 +99,7 @@ def resume_command(out: str, run: dict) -> str:
 
 def status(out: str | os.PathLike) -> RunStatus:
     out = os.fspath(out)
-    path = Path(out)
+    path = out_folder(out)
     if not (path / "manifest.json").is_file():
         raise UserError(
             f"{out} holds no tokpipe run (no manifest.json): start one with tokpipe run --manifest M "

@@ -1,8 +1,8 @@
 """Load a tokenizer offline, resolve what the output depends on (eos, vocab, dtype, identity), and encode.
 
-The reference encoding (DESIGN) is `tokenizers.Tokenizer` with `encode_special_tokens = True` and no
-added special tokens: literal "<|endoftext|>" in a web page is text, and the only special ids in the
-output are the EOS ids tokpipe places. Two backends produce it:
+The reference encoding (docs/design.md, "Semantics") is `tokenizers.Tokenizer` with
+`encode_special_tokens = True` and no added special tokens: literal "<|endoftext|>" in a web page is
+text, and the only special ids in the output are the EOS ids tokpipe places. Two backends produce it:
 
 - `hf`: tokenizers itself (~2 MB/s a core here).
 - `fastokens`: a Rust BPE that loads the same tokenizer.json and encodes special-token strings as

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from tokpipe.durability import HASH_CHUNK
-from tokpipe.layout import IDX_DTYPE, Part, delimiters, load_meta_pkl, parts_of, split_files
+from tokpipe.layout import IDX_DTYPE, Part, delimiters, load_meta_pkl, out_folder, parts_of, split_files
 
 
 @dataclass
@@ -148,7 +148,7 @@ def _groups(parts: list[Part], itemsize: int, jobs: int) -> list[list[Part]]:
 
 def verify(out: str | os.PathLike, jobs: int | None = None) -> list[Check]:
     """Every check on a finished OUT. Checksums and id scans run on `jobs` threads (default: all cores)."""
-    out = Path(out)
+    out = out_folder(out)
     jobs = jobs or os.cpu_count() or 1
     checks: list[Check] = []
 
@@ -338,7 +338,7 @@ def _where(names: list[str], parts: list[Part]) -> str:
 
 
 def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str | None = None) -> list[Check]:
-    """Re-tokenize k random documents from the source with `tokenizers` (the DESIGN reference) and
+    """Re-tokenize k random documents from the source with `tokenizers` (the reference: docs/design.md) and
     compare them with their span in the bins: an independent check of the backend and of the offsets."""
     from tokenizers import Tokenizer
 

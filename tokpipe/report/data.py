@@ -25,6 +25,7 @@ from tokpipe.layout import (
     Checkpoint,
     ShardFiles,
     load_meta_json,
+    out_folder,
     output_splits,
     read_parts,
     sources,
@@ -370,9 +371,7 @@ def _progress(st: RunStatus, series: list[dict]) -> Progress:
 
 def build(out: str | os.PathLike, tokenizer: str | None = None) -> Report:
     """Everything the page shows. UserError when OUT holds no tokpipe run."""
-    out = Path(out)
-    if not out.is_dir():
-        raise UserError(f"{out} does not exist: give the --out folder of a tokpipe run")
+    out = out_folder(out)
     st = status(out)  # UserError for a folder without a run
     meta = load_meta_json(out) if st.state == "finished" else None
     try:

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokpipe.errors import hold_sigterm
+from tokpipe.errors import keep_sigterm
 from tokpipe.options import RunOptions
 from tokpipe.tokenizer import encoder
 
@@ -132,11 +132,22 @@ class Cluster:
             self._thread.start()
 
     def _start(self) -> None:
+        # Ray's core worker, made in this process by ray.init, installs absl's failure-signal handler
+        # over tokpipe's for SIGTERM too (RayLog::InstallFailureSignalHandler, call_previous_handler): a
+        # SIGTERM once it was up printed 5-8 lines (`*** SIGTERM received at time=...`, `PC: @ 0x7f...`,
+        # again through logging.cc; the frames "(unknown)": no symbols) and, measured here, the run died
+        # of SIGABRT (-6) instead of exiting 143. RAY_DISABLE_FAILURE_SIGNAL_HANDLER is Ray's own switch
+        # for it (read by ray._private.ray_constants on import, so set before; Ray's docs give it for the
+        # JVM's signal conflicts). Without the handler, SIGTERM stays tokpipe's at every moment that
+        # tests/test_sigterm.py tries. Ray's processes inherit it: a crashing worker still has Python's
+        # faulthandler (Ray enables it) and loses only those unsymbolized frames.
+        os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
         import ray  # here, in the thread that starts it: a run the driver finishes alone never imports it (0.7 s)
 
-        # ray.init would install SIGTERM handlers that exit halfway through its start: tokpipe's own
-        # (tokpipe.errors) stays, and the driver puts it back over Ray's C++ one once Ray is up.
-        ray._private.utils.set_sigterm_handler = hold_sigterm
+        # ray.init sets SIGTERM handlers of its own: Node's calls signal.signal from this thread, which
+        # Python refuses off the main thread (ValueError), and either would sys.exit halfway through the
+        # start. tokpipe's own (tokpipe.errors) stays.
+        ray._private.utils.set_sigterm_handler = keep_sigterm
         try:
             common = dict(logging_level=logging.ERROR, log_to_driver=False)
             if self.address:
@@ -221,7 +232,12 @@ class Cluster:
             self._done.set()
             self._thread.join()
             return
+        if threading.current_thread() is threading.main_thread():
+            # A SIGTERM from here on would cut the kill short and leave Ray's processes behind; the
+            # process exits next anyway, with the run's own exit code (143 if a SIGTERM stopped it).
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         # Not while Ray starts: its client would wait a minute for the GCS it lost, holding the GIL.
+        # (Measured: 3-5 s; up to 43 s on this 2-core machine with a load average of 10-13.)
         self.ready.wait()
         # Ray's C++ side logs, on this process's stderr, the tasks it loses to the kill (the encoder
         # warm-ups, say): noise about a kill that is meant. tokpipe's own lines go on to the terminal.

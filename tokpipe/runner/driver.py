@@ -18,7 +18,7 @@ from tokpipe.assembly import Assembler
 from tokpipe.durability import write_json_atomic
 from tokpipe.errors import SourceError, TooManyGroups, UserError, terminate_on_sigterm
 from tokpipe.finalize import finalize
-from tokpipe.layout import FAILED, MAX_GROUPS, Checkpoint, load_meta_json, lock_out, log_file
+from tokpipe.layout import FAILED, MAX_GROUPS, Checkpoint, load_meta_json, lock_out, log_file, out_folder
 from tokpipe.manifest import Manifest, load_manifest, write_manifest
 from tokpipe.options import RunOptions
 from tokpipe.runner.cluster import Cluster
@@ -178,7 +178,9 @@ def _tokenize(
             from tokpipe.runner.schedule import Copies, Scheduler  # with Ray's import: only for runs that use it
 
             shape = cluster.wait()
-            terminate_on_sigterm()  # over the C++ handler Ray's core worker installed (it prints a stack, exits 1)
+            # Over the C++ handler of Ray's core worker, where Ray was imported before the run could
+            # switch it off (a Python caller's process; runner/cluster.py, Cluster._start).
+            terminate_on_sigterm()
             if shape.note and cluster.address:  # an embedded Ray's was said before it started
                 print(shape.note)
                 log(shape.note)
@@ -292,7 +294,7 @@ def run(
     clock = Timeline(time.monotonic())
     cluster = Cluster(opts)
     try:
-        return _run(manifest_path, tokenizer, Path(out), opts, clock, cluster)
+        return _run(manifest_path, tokenizer, out_folder(out, new_ok=True), opts, clock, cluster)
     finally:
         cluster.stop(wait=wait_for_ray)
 

@@ -81,7 +81,7 @@ def record_run(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOpti
 
 def _check_append(out: Path, old_manifest: Manifest, manifest: Manifest) -> None:
     """Every shard of the old manifest must be in the new one, the same size. Both list a split's shards
-    in path order (DESIGN), so one merged pass per split compares them, holding neither manifest."""
+    in path order (docs/design.md), so one merged pass per split compares them, holding neither manifest."""
     changed = []
     for split in old_manifest.counts:
         new = manifest.shards(split)
