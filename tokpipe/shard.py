@@ -279,26 +279,17 @@ def _part_keys(batch: Batch, spec: EncodeSpec, holding_out: bool) -> list[Key] |
     return list(zip(held, batch.groups if spec.group_by is not None else [None] * len(held)))
 
 
-def _by_part(
-    keys: list[Key] | None, flat: np.ndarray, lengths: np.ndarray
-) -> Iterator[tuple[Key, np.ndarray, np.ndarray]]:
-    """A batch's ids and document lengths, part by part, each part's documents in their order: one
-    encode call per batch, its ids moved by a stable sort (numpy), not a Python pass per part."""
+def _by_part(keys: list[Key] | None, texts: list[str]) -> Iterator[tuple[Key, list[str]]]:
+    """A batch's texts by the part they go to, each part's in their order. Each part is encoded in a call of
+    its own: a text is encoded alone either way, and moving one call's ids into parts took a stable argsort
+    of every id (measured: 0.11 s of a worker's 1.16 s on the shared SlimPajama-style cache, 4 groups)."""
     if keys is None:
-        yield (False, None), flat, lengths
+        yield (False, None), texts
         return
-    index: dict[Key, int] = {}
-    doc_part = np.fromiter((index.setdefault(k, len(index)) for k in keys), dtype=np.int64, count=len(keys))
-    if len(index) == 1:
-        yield keys[0], flat, lengths
-        return
-    flat = flat[np.argsort(np.repeat(doc_part, lengths), kind="stable")]
-    lengths = lengths[np.argsort(doc_part, kind="stable")]
-    doc_ends = np.cumsum(np.bincount(doc_part, minlength=len(index)))
-    token_ends = np.concatenate([[0], np.cumsum(lengths)])
-    for key, p in index.items():
-        first, last = (doc_ends[p - 1] if p else 0), doc_ends[p]
-        yield key, flat[token_ends[first] : token_ends[last]], lengths[first:last]
+    parts: dict[Key, list[str]] = {}
+    for key, text in zip(keys, texts):
+        parts.setdefault(key, []).append(text)
+    yield from parts.items()
 
 
 def _count(ckpt: Checkpoint, parts: dict[Key, PartWriter], grouped: bool, done: bool) -> None:
@@ -364,21 +355,20 @@ def tokenize_shard(
             )
             for batch in read_ahead(batches) if spec.read_ahead else batches:
                 tokens = 0
-                if batch.texts:
-                    flat, lengths = memory.encoder().encode(batch.texts)
+                for key, texts in _by_part(_part_keys(batch, spec, holding_out), batch.texts):
+                    if not texts:
+                        continue
+                    flat, lengths = memory.encoder().encode(texts)
                     if flat.size and int(flat.max()) >= spec.vocab_size:
                         raise ValueError(
                             f"{shard.relpath}: the encoder produced id {int(flat.max())} >= vocab_size "
                             f"{spec.vocab_size}"
                         )
-                    keys = _part_keys(batch, spec, holding_out)
-                    for key, part_flat, part_lengths in _by_part(keys, flat, lengths):
-                        if key not in parts:  # a group this shard had not met
-                            parts[key] = _group_writer(files, key, parts, spec, shard)
-                        tokens += parts[key].append(part_flat, part_lengths, spec)
+                    if key not in parts:  # a group this shard had not met
+                        parts[key] = _group_writer(files, key, parts, spec, shard)
+                    tokens += parts[key].append(flat, lengths, spec)
                     if spec.group_by is not None:
-                        for key, text in zip(keys, batch.texts):
-                            parts[key].text_bytes += len(text.encode("utf-8", "surrogatepass"))
+                        parts[key].text_bytes += sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
                 ckpt.lines += batch.lines
                 ckpt.offset = batch.end_offset
                 ckpt.text_bytes += batch.text_bytes
