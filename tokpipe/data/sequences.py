@@ -33,6 +33,7 @@ from tokpipe.layout import load_meta_json
 from tokpipe.output import open_output
 
 STATE_FORMAT = 1
+AHEAD = 4096  # a rank's windows looked up at once: a Permutation lookup costs per call, not per window
 
 
 @dataclass(frozen=True)
@@ -102,8 +103,11 @@ class Sequences:
                 f"split {split} of {out} has {tokens:,} tokens: {self.len} windows of seq_len {self.seq_len}, "
                 f"fewer than world_size {self.world_size:,}"
             )
+        self.tokens = [f.tokens.view(np.ndarray) for f in self.files]  # slicing a memmap costs 2x a plain view
+        self.ends = [f.ends.view(np.ndarray) for f in self.files]
         self.epoch, self.offset = 0, 0
         self._order = Permutation(self.len, epoch_seed(self.seed, 0))
+        self._ahead = np.zeros(0, np.int64)  # this rank's next windows of the epoch, from `offset` on
 
     def __len__(self) -> int:
         return self.len
@@ -119,13 +123,13 @@ class Sequences:
 
     def _read(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of the split, across files where a window crosses from one into the next."""
-        if len(self.files) == 1:
-            return self.files[0].tokens[start:stop]
+        if len(self.tokens) == 1:
+            return self.tokens[0][start:stop]
         f = int(np.searchsorted(self.file_starts, start, side="right")) - 1
         pieces = []
         while start < stop:
             base = int(self.file_starts[f])
-            piece = self.files[f].tokens[start - base : stop - base]
+            piece = self.tokens[f][start - base : stop - base]
             pieces.append(piece)
             start += len(piece)
             f += 1
@@ -135,9 +139,12 @@ class Sequences:
         """The next `count` window numbers of this rank (across epochs), advancing the position."""
         taken = []
         while count:
-            n = min(count, (self.len - self.offset) // self.world_size)
-            positions = self.offset + self.rank + self.world_size * np.arange(n, dtype=np.int64)
-            taken.append(self._order[positions])
+            if not self._ahead.size:
+                n = min(AHEAD, (self.len - self.offset) // self.world_size)
+                self._ahead = self._order[self.offset + self.rank + self.world_size * np.arange(n, dtype=np.int64)]
+            n = min(count, self._ahead.size)
+            taken.append(self._ahead[:n])
+            self._ahead = self._ahead[n:]
             self.offset += n * self.world_size
             count -= n
             self._next_epoch_if_done()
@@ -147,6 +154,7 @@ class Sequences:
         if (self.len - self.offset) // self.world_size == 0:
             self.epoch, self.offset = self.epoch + 1, 0
             self._order = Permutation(self.len, epoch_seed(self.seed, self.epoch))
+            self._ahead = np.zeros(0, np.int64)
 
     def batch_of(self, windows: np.ndarray) -> Batch:
         """These windows' tokens and document starts (no position advanced)."""
@@ -162,8 +170,8 @@ class Sequences:
     def _doc_starts(self, starts: np.ndarray) -> list[np.ndarray]:
         """Per window, where documents start in it: the split's document ends in [start, start + seq_len]
         (a document starts where the one before ends), and 0 for the window at the split's start."""
-        if len(self.files) == 1:
-            ends = self.files[0].ends
+        if len(self.ends) == 1:
+            ends = self.ends[0]
             lo = np.searchsorted(ends, starts, side="left")
             hi = np.searchsorted(ends, starts + self.seq_len, side="right")
             counts = hi - lo
@@ -190,7 +198,7 @@ class Sequences:
         last = int(np.searchsorted(self.file_starts[:-1], stop, side="left"))
         found = []
         for f in range(first, last):
-            base, ends = int(self.file_starts[f]), self.files[f].ends
+            base, ends = int(self.file_starts[f]), self.ends[f]
             lo, hi = np.searchsorted(ends, start - base, side="left"), np.searchsorted(ends, stop - base, side="right")
             found.append(np.asarray(ends[lo:hi], dtype=np.int64) + (base - start))
         return np.concatenate(found) if found else np.zeros(0, np.int64)
@@ -231,4 +239,5 @@ class Sequences:
             )
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
         self._order = Permutation(self.len, epoch_seed(self.seed, self.epoch))
+        self._ahead = np.zeros(0, np.int64)
         self._next_epoch_if_done()
