@@ -5,8 +5,9 @@ nanoGPT's get_batch (train.py), with numpy where it has torch: a fresh np.memmap
 call (nanoGPT does so against a memory leak), 64 random offsets with replacement, x and y stacked as
 int64. `get_batch (memmap kept)` is the same with the memmap opened once: the faster baseline.
 Each method runs in a fresh process (alternating, `--rounds` times): its batches per second over
-`--batches` batches after 50 of warm-up, and from /proc/self/status its RssAnon (what the process
-holds) and RssFile (the split's pages it touched: page cache, reclaimable).
+`--batches` batches after 50 of warm-up (on a synthetic split, one round of `--synthetic-batches`), and
+from /proc/self/status its RssAnon (what the process holds) and RssFile (the split's pages it touched:
+page cache, reclaimable).
 
 The real OUT is `tokpipe run` of the shared data (cached under --work-dir). The growing ones are
 synthetic: a sparse train.bin (reads as zeros) of 10^8..10^11 tokens, a document every 4,096 tokens in
@@ -70,9 +71,9 @@ def measure(method: str, out: Path, seq_len: int, batch: int, batches: int) -> d
     return {"method": method, "batches_per_s": batches / seconds, **memory()}
 
 
-def in_child(method: str, out: Path, args) -> dict:
+def in_child(method: str, out: Path, args, batches: int) -> dict:
     command = [sys.executable, __file__, "--child", method, "--out", str(out), "--seq-len", str(args.seq_len)]
-    command += ["--batch", str(args.batch), "--batches", str(args.batches)]
+    command += ["--batch", str(args.batch), "--batches", str(batches)]
     return json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
 
 
@@ -102,11 +103,11 @@ def real_out(work_dir: Path) -> Path:
     return out
 
 
-def compare(out: Path, args, methods=METHODS) -> dict:
+def compare(out: Path, args, methods=METHODS, rounds: int = 1, batches: int = 2000) -> dict:
     runs = {m: [] for m in methods}
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         for m in methods:
-            runs[m].append(in_child(m, out, args))
+            runs[m].append(in_child(m, out, args, batches))
     return {
         m: {
             "batches_per_s": [round(r["batches_per_s"]) for r in rs],
@@ -127,6 +128,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sizes", default="1e8,1e10,1e11", help="synthetic split sizes in tokens")
+    parser.add_argument(
+        "--synthetic-batches", type=int, default=300, help="per run on a synthetic split (each row faults in pages)"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -135,16 +139,18 @@ def main() -> None:
     args.work_dir.mkdir(parents=True, exist_ok=True)
     out = args.out or real_out(args.work_dir)
     tokens = json.loads((out / "meta.json").read_text())["splits"]["train"]["tokens"]
-    results = {"out": str(out), "tokens": tokens, "real": compare(out, args)}
+    results = {"out": str(out), "tokens": tokens, "real": compare(out, args, rounds=args.rounds, batches=args.batches)}
     real = results["real"]
     for baseline in METHODS[:2]:
-        ratio = real[baseline]["median"] / real["next_batch"]["median"]
-        print(f"next_batch takes {ratio:.2f}x the time of {baseline}")
+        ratio = real["next_batch"]["median"] / real[baseline]["median"]
+        print(f"next_batch: {ratio:.2f}x the batches per second of {baseline}", flush=True)
+    print(json.dumps(real, indent=1), flush=True)
     results["synthetic"] = {}
     for size in args.sizes.split(","):
         synthetic = synthetic_out(args.work_dir, int(float(size)))
-        results["synthetic"][size] = compare(synthetic, args, methods=("get_batch (memmap kept)", "next_batch"))
-    print(json.dumps(results, indent=1))
+        methods = ("get_batch (memmap kept)", "next_batch")
+        results["synthetic"][size] = compare(synthetic, args, methods, batches=args.synthetic_batches)
+        print(size, json.dumps(results["synthetic"][size]), flush=True)
     (args.work_dir / "loader.json").write_text(json.dumps(results, indent=1))
 
 

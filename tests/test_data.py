@@ -232,6 +232,11 @@ def test_a_state_from_other_content_seq_len_seed_or_split_is_refused_naming_what
         assert "\n" not in str(refused.value)
     with pytest.raises(ValueError, match="the data changed since the state was saved"):
         Sequences(finished_bos, seq_len=L).load_state_dict(state)
+    with pytest.raises(
+        ValueError,
+        match=r"loader state of format 1 \(format 1, missing split, seq_len, seed, fingerprint, offset\)",
+    ):
+        Sequences(finished_example, seq_len=L).load_state_dict({"format": 1, "epoch": 0})
 
 
 # -- Mixture -----------------------------------------------------------------------------------------------

@@ -218,9 +218,11 @@ class Sequences:
     def load_state_dict(self, state: dict) -> None:
         """Continue where `state` was saved, under this world_size. Refused (ValueError) when it was saved
         on other data, seq_len, seed or split."""
-        if state.get("format") != STATE_FORMAT:
+        missing = [key for key in self.state_dict() if key not in state]
+        if state.get("format") != STATE_FORMAT or missing:
             raise ValueError(
-                f"loader state of format {state.get('format')!r}; this tokpipe reads format {STATE_FORMAT}"
+                f"not a Sequences loader state of format {STATE_FORMAT} (format {state.get('format')!r}, "
+                f"missing {', '.join(missing) or 'nothing'})"
             )
         differ = []
         if state["fingerprint"] != self.fingerprint:
