@@ -77,6 +77,12 @@ def test_a_node_checks_out_the_tokenizer_and_a_shard_of_each_folder(tmp_path, mo
 
 # -- a cluster whose second node does not see OUT ---------------------------------------------------------
 
+HF = ("--backend", "hf")  # no backend check to wait for: seconds per run on a busy machine
+
+
+def _text(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
 
 def _can_make_mount_namespaces() -> bool:
     probe = subprocess.run(["unshare", "-m", "true"], capture_output=True) if shutil.which("unshare") else None
@@ -117,8 +123,9 @@ def test_with_address_a_node_that_cannot_see_out_stops_the_run_naming_node_and_p
 
         # A node that joins mid-run was not probed at the start: it checks itself at its first shard.
         late_out = node_local / "late"
-        late = start(tmp_path / "m.json", late_out, "--workers", "1", ray=address)
-        wait_for(lambda: "ray: cluster" in late.log.read_text() or late.poll() is not None, timeout=120)
+        late = start(tmp_path / "m.json", late_out, *HF, ray=address)
+        probed = late_out / "logs" / "run.log"
+        wait_for(lambda: "node check: 1 nodes see" in _text(probed) or late.poll() is not None, timeout=120)
         inner = (
             f"mount -t tmpfs none {node_local} && exec {ray} start --address {address} --node-ip-address 127.0.0.2"
             " --num-cpus 1 --block"
@@ -140,7 +147,7 @@ def test_with_address_a_node_that_cannot_see_out_stops_the_run_naming_node_and_p
         # With that node in the cluster from the start, the run refuses before any shard is tokenized.
         out = node_local / "out"
         began = time.monotonic()
-        refused = tokpipe(*run_args(tmp_path / "m.json", out, "--address", address), timeout=180)
+        refused = tokpipe(*run_args(tmp_path / "m.json", out, "--address", address, *HF), timeout=180)
         seconds = time.monotonic() - began
         assert refused.returncode == 2, refused.stdout + refused.stderr
         assert refused.stderr.splitlines() == [f"tokpipe run: error: {blind} {out} (No such file or directory){advice}"]
