@@ -369,10 +369,10 @@ def stall_dump(out: str | os.PathLike, shard: Shard) -> Path:
     return log_file(out, f"stall-{shard.split}-{shard.key}.txt")
 
 
-def node_check_file(out: str | os.PathLike, node_id: str | None = None) -> Path:
+def node_check_file(out: str | os.PathLike, who: str | None = None) -> Path:
     """The token a cluster run's driver writes for its nodes to read back (runner/nodes.py); with
-    `node_id`, the file that node writes, fsyncs and removes to prove it can write under OUT."""
-    return log_file(out, "node-check.txt" if node_id is None else f"node-check-{node_id}.tmp")
+    `who` (a node, a worker), the file it writes, fsyncs and removes to prove it can write under OUT."""
+    return log_file(out, "node-check.txt" if who is None else f"node-check-{who}.tmp")
 
 
 def write_skip_log(out: Path, splits: dict[str, dict]) -> None:
