@@ -358,6 +358,18 @@ def descendants(root: int) -> set[tuple[int, str]]:
     return found
 
 
+def session_processes(session: int) -> list[int]:
+    """PIDs of the live processes of a session (a process started with start_new_session=True is its
+    leader): all that a `ray start` there started, daemons and workers, whoever adopted them and in
+    whatever mount namespace. Not their environment: Ray's agents overwrite it with their titles."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (fields := _stat(entry.name)) is not None:
+            if int(fields[3]) == session and fields[0] != "Z":
+                pids.append(int(entry.name))
+    return pids
+
+
 def alive(pid: int, started: str) -> bool:
     """Whether the process `descendants` saw as (pid, started) still runs."""
     fields = _stat(pid)

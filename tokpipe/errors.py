@@ -8,6 +8,11 @@ class UserError(Exception):
     """Bad input or usage: the message says what was wrong and what to do. Exit code 2."""
 
 
+class NodeError(UserError):
+    """A cluster node cannot see, at the driver's path, what the run needs (runner/nodes.py): raised in a
+    task, it stops the run with its one line. Exit code 2."""
+
+
 class SourceError(Exception):
     """A shard's bytes cannot be read to the end (truncated or corrupt download). Names file and place."""
 

@@ -10,7 +10,8 @@ OUT/<stem>.bin, .idx, .parts     a split file (stem: train, val, test), its docu
                                  parts list: one JSON line per part, with its counts and checksums
 OUT/<stem>.*.tmp                 the same three while the split is assembled
 OUT/meta.pkl, OUT/meta.json      written last, meta.json last of all: its presence marks a finished run
-OUT/logs/                        run.log, progress.json, failed.json, skipped.json, stall dumps (below)
+OUT/logs/                        run.log, progress.json, failed.json, skipped.json, stall dumps (below),
+                                 node-check.txt (a cluster run's token that every node reads back)
 """
 
 from __future__ import annotations
@@ -379,6 +380,12 @@ def log_file(out: str | os.PathLike, name: str) -> Path:
 
 def stall_dump(out: str | os.PathLike, shard: Shard) -> Path:
     return log_file(out, f"stall-{shard.split}-{shard.key}.txt")
+
+
+def node_check_file(out: str | os.PathLike, who: str | None = None) -> Path:
+    """The token a cluster run's driver writes for its nodes to read back (runner/nodes.py); with
+    `who` (a node, a worker), the file it writes, fsyncs and removes to prove it can write under OUT."""
+    return log_file(out, "node-check.txt" if who is None else f"node-check-{who}.tmp")
 
 
 def write_skip_log(out: Path, splits: dict[str, dict]) -> None:

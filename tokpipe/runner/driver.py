@@ -157,9 +157,14 @@ def _tokenize(
             both = " (2 CPUs each: reading overlaps encoding)" if shape.read_ahead else ""
             nodes = f" on {shape.nodes} nodes" if shape.nodes > 1 else ""
             print(f"ray: {shape.where}, {shape.workers} workers{both}{nodes}")
+            check = None
+            if cluster.address:  # every node sees the shards, the tokenizer and OUT, or the run stops here
+                from tokpipe.runner.nodes import check_nodes
+
+                check = check_nodes(manifest, info, out, log)
             spec = opts.encode_spec(info, backend, shape.read_ahead)
-            copies = Copies(assembler, out, np.dtype(info.dtype).itemsize, shape.nodes)
-            Scheduler(manifest, out, spec, opts, shape.workers, log, tally).run(progress, copies, done)
+            copies = Copies(assembler, out, np.dtype(info.dtype).itemsize, shape.nodes, check)
+            Scheduler(manifest, out, spec, opts, shape.workers, log, tally, check).run(progress, copies, done)
             clock.tokenized_now(assembler.placed_tokens * np.dtype(info.dtype).itemsize)
             # Failed shards block their split's assembly; with --skip-failed it goes on without them.
             copies.drain(frozenset(tally.failed) if opts.skip_failed else frozenset())
