@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 import pytest
-from helpers import EXAMPLE_TRAIN_FILES, QWEN3, reference_texts, reference_tokenizer
+from helpers import QWEN3, long_document, reference_tokenizer
 from tokenizers import Tokenizer
 
 from tokpipe.pieces import CUT, LLAMA3_PATTERN, PIECE_CHARS, piece_tokens, pieces
@@ -107,8 +107,7 @@ def test_real_text_in_pieces_is_the_whole_document(tokenizer):
     """A quarter of a megabyte of the example's real documents as one document, cut every ~1,000
     characters (where the text happens to allow it), against one whole encode."""
     tok, config = tokenizer
-    texts = reference_texts(EXAMPLE_TRAIN_FILES[0])
-    text = ("\n".join(texts) + TRICKY)[:500_000]
+    text = long_document(250_000 - len(TRICKY)) + TRICKY
     bounds = pieces(text, piece_tokens(config), size=1000)
     assert len(bounds) > 200 and all(e - s >= 1000 for s, e in bounds[:-1])
     assert piecewise_ids(tok, text, bounds) == tok.encode(text, add_special_tokens=False).ids

@@ -1,18 +1,18 @@
 """Where a long document may be cut into pieces that a tokenizer encodes one after the other to
 exactly the ids of the whole.
 
-One encode call needs ~350 bytes per character in `tokenizers` and ~17 in fastokens (measured): a
-62 MB document in one call took 19 GiB with the reference. A piece ends only where the tokenizer's
-own pre-tokenizer must end a pre-token whatever follows (CUT), and BPE never merges across
-pre-tokens, so the ids of the pieces, joined, are the ids of the whole (tests/test_pieces.py checks
-it on real text against one whole-document encode).
+One encode call needs 150-350 bytes per character in `tokenizers` and ~10 in fastokens and gigatoken
+(measured, benchmarks/README.md): a 62 MB document in one call took a run to 19 GiB with the
+reference. A piece ends only where the tokenizer's own pre-tokenizer must end a pre-token whatever
+follows (CUT), and BPE never merges across pre-tokens, so the ids of the pieces, joined, are the ids
+of the whole (tests/test_pieces.py checks it on real text against one whole-document encode).
 """
 
 from __future__ import annotations
 
 import re
 
-PIECE_CHARS = 1 << 18  # a piece is at least this long (up to the next CUT): ~90 MB in `tokenizers`' encode
+PIECE_CHARS = 1 << 18  # a piece is at least this long (up to the next CUT): ~40-90 MB in `tokenizers`' encode
 # Where a piece may end (the zero-width match), for the pre-tokenizer regexes of PIECE_PATTERNS:
 # - after a newline between two non-whitespace characters: no alternative joins a newline to what
 #   follows it, and the pre-token holding the newline is the same whether text follows or not;

@@ -323,7 +323,7 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
     """Re-tokenize k random documents from the source with `tokenizers` (the DESIGN reference) and
     compare them with their span in the bins: an independent check of the backend and of the offsets.
     A document over PIECE_CHARS is re-encoded a piece at a time, exactly as whole (tokenizer.Encoder),
-    so the check's memory is a piece's, not the document's: `tokenizers` needs ~350 bytes a character."""
+    so the check's memory is a piece's, not the document's: `tokenizers` needs 150-350 bytes a character."""
     from tokpipe.layout import Checkpoint, sources, split_file_stem
     from tokpipe.manifest import load_manifest
     from tokpipe.output import open_output
