@@ -88,6 +88,12 @@ def reference_texts(path: Path, text_field: str = "text") -> list[str]:
     return texts
 
 
+def long_document(chars: int) -> str:
+    """One document of `chars` characters of real text: the example's train documents joined by newlines
+    (2.09 M characters), for what tokpipe does with a document longer than its pieces (tokpipe.pieces)."""
+    return "\n".join(text for path in EXAMPLE_TRAIN_FILES for text in reference_texts(path))[:chars]
+
+
 def reference_ids(texts: list[str], tokenizer_json: Path = QWEN3 / "tokenizer.json") -> list[list[int]]:
     """Each text's ids, no special tokens added."""
     tok = reference_tokenizer(Path(tokenizer_json).resolve())

@@ -34,6 +34,9 @@ from tokpipe.tokenizer import TokenizerInfo, choose_backend, load_tokenizer_info
 EAGER_RAY_BYTES = 16 << 20
 LOCAL_SECONDS = 1.5
 SAMPLE_BYTES = 256 << 10  # of input per split, to prove the fast backend exact on this data (with HARD_CASES)
+# A longer line is passed over by the sample (said in the backend's line), not read whole: the driver's
+# memory does not grow with a document's size. Books (~0.5 MB) are sampled.
+SAMPLE_LINE_BYTES = 4 << 20
 
 
 @dataclass
@@ -77,10 +80,11 @@ def _plan(out: Path, manifest: Manifest, info: TokenizerInfo, log: RunLog, manif
     return Plan(shards, done, partial, done_bytes)
 
 
-def _sample_texts(manifest: Manifest, text_field: str) -> list[str]:
-    """The first documents of each split's first shard: what the backend is checked on. Refuses, before
-    anything is tokenized, a --text-field that none of those shards has."""
-    texts, fields = [], Counter()
+def _sample_texts(manifest: Manifest, text_field: str) -> tuple[list[str], int]:
+    """The first documents of each split's first shard: what the backend is checked on, and how many
+    lines over SAMPLE_LINE_BYTES it passed over. Refuses, before anything is tokenized, a --text-field
+    that none of those shards has."""
+    texts, fields, passed_over = [], Counter(), 0
     for split in manifest.counts:
         path = next(manifest.shards(split)).path
         if not stat.S_ISREG(os.stat(path).st_mode):  # a pipe or device: reading could block the driver
@@ -88,12 +92,15 @@ def _sample_texts(manifest: Manifest, text_field: str) -> list[str]:
         try:
             found = fields_of(path)
             first = (
-                next(read_batches(path, text_field, batch_bytes=SAMPLE_BYTES), None) if text_field in found else None
+                next(read_batches(path, text_field, batch_bytes=SAMPLE_BYTES, max_line_bytes=SAMPLE_LINE_BYTES), None)
+                if text_field in found
+                else None
             )
         except SourceError:  # an unreadable first shard: its own task reports it
             continue
         if text_field in found and first is not None:  # None: an empty shard
             texts += first.texts
+            passed_over += first.skipped["too_long"]
         fields.update(found)
     if fields and text_field not in fields:
         likely = max(fields, key=fields.get)
@@ -101,7 +108,7 @@ def _sample_texts(manifest: Manifest, text_field: str) -> list[str]:
             f"no document has a {text_field!r} field in the first lines of each split's first shard; their fields:"
             f" {', '.join(sorted(fields))}: pass --text-field NAME (e.g. --text-field {likely})"
         )
-    return texts
+    return texts, passed_over
 
 
 def _tokenize(
@@ -117,7 +124,13 @@ def _tokenize(
 ) -> Tally:
     """Tokenize every unfinished shard, assembling the split files as shards finish: in this process
     while Ray starts, then on Ray. What finalize has left is the last copies."""
-    backend, why = choose_backend(opts.backend, info.path, _sample_texts(manifest, opts.text_field))
+    sample, passed_over = _sample_texts(manifest, opts.text_field)
+    backend, why = choose_backend(opts.backend, info.path, sample)
+    if passed_over and backend != "hf":
+        why += (
+            f"; the sample passed over {passed_over} line(s) over {SAMPLE_LINE_BYTES >> 20} MiB"
+            " (verify --sample re-encodes such documents with tokenizers)"
+        )
     print(f"backend {backend}: {why}")
     log(f"backend {backend}: {why}")
     cluster.warm(backend, info.path)
