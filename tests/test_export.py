@@ -322,6 +322,12 @@ def test_a_shuffled_no_concat_split_gives_the_bytes_of_a_concatenated_one(finish
     assert all((tmp_path / "files" / n).read_bytes() == (tmp_path / "concat" / n).read_bytes() for n in names)
 
 
+def test_token_positions_of_documents_one_after_another():
+    starts, lengths = np.array([50, 7, 90, 0, 3]), np.array([3, 2, 0, 4, 1])
+    expected = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
+    assert export_module._positions(starts, lengths).tolist() == expected.tolist()
+
+
 def test_a_shuffled_export_holds_chunks_not_the_split(finished_example, tmp_path, monkeypatch):
     # Small steps, so the split is many of them: the peak is a step's, whatever the split's size.
     monkeypatch.setattr(export_module, "SHUFFLE_DOCUMENTS", 16)
