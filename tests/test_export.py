@@ -272,6 +272,7 @@ def test_shuffled_llmc_holds_every_document_once_whole_in_the_seeds_order(fixtur
     limit = 50_000
     result = tokpipe("export", out, "--format", "llmc", "--dest", tmp_path / "s1", "--shuffle", "1")
     assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1].endswith("(documents in the order of --shuffle 1)")
     export(out, "llmc", tmp_path / "s1again", shard_tokens=limit, shuffle=1)
     export(out, "llmc", tmp_path / "s2", shard_tokens=limit, shuffle=2)
     for stem in ("train", "val"):

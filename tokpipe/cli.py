@@ -93,6 +93,7 @@ def _cmd_export(args) -> int:
         print(
             f"llm.c / modded-nanogpt: train on '{Path(args.dest) / 'train_*.bin'}', evaluate on "
             f"'{Path(args.dest) / 'val_*.bin'}'"
+            + (f" (documents in the order of --shuffle {args.shuffle})" if args.shuffle is not None else "")
         )
     return EXIT_OK
 

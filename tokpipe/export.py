@@ -1,11 +1,11 @@
 """A finished OUT -> the files other trainers read: Megatron-LM's indexed dataset, or llm.c's shards.
 
 Megatron's .bin holds the split file's bytes whenever the widths agree (uint16 with uint16; tokpipe's
-uint32 with Megatron's int32, since ids are below 2**31): it is a hard link to the split file (no
-byte copied, no block used: a 2.5 TB split exports in milliseconds), else a reflink, else a copy in
-the kernel (copy_file_range), and through a buffer only where the file systems allow nothing else.
-tokpipe never writes into a finished split file in place without first giving it an inode of its
-own (durability.own_inode: an append rewrites the split), so the link cannot change under Megatron.
+uint32 with Megatron's int32, since ids are below 2**31): it is a hard link to the split file (no byte
+copied, no block used; measured 0.05-0.10 s for 1.5 GB, the .idx all of it), else a reflink, else a
+copy in the kernel (copy_file_range), and through a buffer only where the file systems allow nothing
+else. tokpipe never writes into a finished split file in place without first giving it an inode of
+its own (durability.own_inode: an append rewrites the split), so the link cannot change under Megatron.
 Everything else goes through numpy a chunk at a time (memory stays flat on a multi-TB split), and
 every id is checked to fit the target type on the way: an id that does not fit is an error, never a
 wrap. Files are written under a temporary name and renamed into place once all are complete, so a
