@@ -144,6 +144,11 @@ def test_non_empty_dest_needs_force_and_force_leaves_no_stale_shards(finished_sm
     assert len(many) > 2 and not list(dest.glob("*.tmp"))
 
 
+def test_out_itself_is_no_dest(finished_small):
+    with pytest.raises(UserError, match="is OUT itself"):
+        export(finished_small, "megatron", finished_small, force=True)
+
+
 def test_unfinished_out_cannot_be_exported(killed_example, tmp_path):
     with pytest.raises(UserError, match="not a finished tokpipe output"):
         export(killed_example, "megatron", tmp_path / "d")

@@ -371,6 +371,8 @@ def export(
         raise UserError("--shuffle is for --format llmc: Megatron-LM shuffles its samples itself (its shuffle index)")
     data: Output = open_output(out)
     dest = Path(dest)
+    if dest.resolve() == data.path.resolve():
+        raise UserError(f"--dest {dest} is OUT itself: Megatron's .idx would replace OUT's; choose another folder")
     _prepare(dest, force)
     renames, exported = [], []
     for name, split in data.splits.items():
