@@ -30,7 +30,7 @@ import numpy as np
 import orjson
 
 from tokpipe._version import __version__
-from tokpipe.durability import HASH_CHUNK, fsync_dir, hash_range, write_atomic
+from tokpipe.durability import HASH_CHUNK, copy_range, fsync_dir, hash_range, own_inode, write_atomic
 from tokpipe.errors import UserError
 from tokpipe.layout import (
     IDX_DTYPE,
@@ -54,32 +54,7 @@ from tokpipe.manifest import Manifest, Shard
 from tokpipe.options import RunOptions
 from tokpipe.tokenizer import TokenizerInfo
 
-COPY_CHUNK = 1 << 30
 COPY_BATCH_BYTES = 1 << 30  # of tokens per copy task: one fsync covers many small shards
-
-
-def _copy_range(src_path: str, dst_fd: int, length: int, dst_offset: int) -> None:
-    """Write the first `length` bytes of src at `dst_offset` of dst, in the kernel, not through Python objects."""
-    with open(src_path, "rb") as src:
-        done = 0
-        try:
-            while done < length:
-                copied = os.copy_file_range(
-                    src.fileno(), dst_fd, min(length - done, COPY_CHUNK), done, dst_offset + done
-                )
-                if copied == 0:
-                    raise RuntimeError(f"{src_path} ended {length - done} bytes before its checkpoint says it does")
-                done += copied
-        except OSError:  # file systems without copy_file_range: through a buffer, in pieces
-            buffer = bytearray(HASH_CHUNK)
-            while done < length:
-                got = os.preadv(src.fileno(), [memoryview(buffer)[: min(len(buffer), length - done)]], done)
-                if got == 0:
-                    raise RuntimeError(
-                        f"{src_path} ended {length - done} bytes before its checkpoint says it does"
-                    ) from None
-                os.pwrite(dst_fd, memoryview(buffer)[:got], dst_offset + done)
-                done += got
 
 
 def place(out: str | os.PathLike, parts: list[Part], itemsize: int) -> list[dict]:
@@ -95,7 +70,7 @@ def place(out: str | os.PathLike, parts: list[Part], itemsize: int) -> list[dict
     with open(out / f"{stem}.bin.tmp", "r+b") as bin_f, open(out / f"{stem}.idx.tmp", "r+b") as idx_f:
         for part in parts:
             record = dict(part.record)
-            _copy_range(part.bin, bin_f.fileno(), record["tokens"] * itemsize, part.token_offset * itemsize)
+            copy_range(part.bin, bin_f.fileno(), record["tokens"] * itemsize, part.token_offset * itemsize)
             relative = np.fromfile(part.idx, dtype=IDX_DTYPE, count=record["documents"])
             os.pwrite(idx_f.fileno(), memoryview(relative + part.token_offset), part.doc_offset * IDX_DTYPE.itemsize)
             if record["sha256"] is None:  # a shard finished by an earlier tokpipe, which hashed only whole files
@@ -189,7 +164,11 @@ class Assembler:
             state = _Split.start(stem, sources(manifest, stem, self.val_fraction))
             if self.concat:
                 for path in (bin_tmp, idx_tmp):
-                    open(path, "wb").close()
+                    path.unlink(missing_ok=True)  # a new empty file, not a truncate: see own_inode
+                    open(path, "xb").close()
+        elif self.concat:
+            for path in (bin_tmp, idx_tmp):
+                own_inode(path)  # the split is written in place from here on
         write_atomic(parts_tmp, b"".join(map(parts_line, kept)))
         state.scheduled = state.listed = len(kept)
         if self.concat:
