@@ -60,7 +60,7 @@ def _read(pid: int) -> tuple[str, dict[str, int], float] | None:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key == "VmHWM":
+                if key in ("VmHWM", "VmRSS"):
                     status[key] = int(value.split()[0]) * 1024
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
@@ -112,12 +112,14 @@ class Poller:
 
 
 class TreeMonitor(Poller):
-    """with TreeMonitor(pid) as mon: ...; mon.stats -> {pid: ProcStats}."""
+    """with TreeMonitor(pid) as mon: ...; mon.stats -> {pid: ProcStats}; mon.peak_sum: the most RSS the
+    whole tree held at once, as sampled (the sum of the per-process peaks bounds it from above)."""
 
     def __init__(self, root: int, interval: float = 0.1):
         super().__init__(interval)
         self.root = root
         self.stats: dict[int, ProcStats] = {}
+        self.peak_sum = 0  # bytes
 
     def poll(self) -> None:
         children = _children_map()
@@ -126,11 +128,13 @@ class TreeMonitor(Poller):
             pid = todo.pop()
             seen.append(pid)
             todo += children.get(pid, [])
+        now = 0
         for pid in seen:
             got = _read(pid)
             if got is None:
                 continue
             cmd, status, cpu = got
+            now += status.get("VmRSS", 0)
             st = self.stats.get(pid)
             if st is None:
                 st = self.stats[pid] = ProcStats(pid)
@@ -141,3 +145,4 @@ class TreeMonitor(Poller):
                 st.names.append(name)
             st.hwm = max(st.hwm, status.get("VmHWM", 0))
             st.cpu = cpu
+        self.peak_sum = max(self.peak_sum, now)

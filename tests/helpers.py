@@ -127,6 +127,12 @@ def reference_by_group(
     }
 
 
+def long_document(chars: int) -> str:
+    """One document of `chars` characters of real text: the example's train documents joined by newlines
+    (2.09 M characters), for what tokpipe does with a document longer than its pieces (tokpipe.pieces)."""
+    return "\n".join(text for path in EXAMPLE_TRAIN_FILES for text in reference_texts(path))[:chars]
+
+
 def reference_ids(texts: list[str], tokenizer_json: Path = QWEN3 / "tokenizer.json") -> list[list[int]]:
     """Each text's ids, no special tokens added."""
     tok = reference_tokenizer(Path(tokenizer_json).resolve())
@@ -419,6 +425,18 @@ def descendants(root: int) -> set[tuple[int, str]]:
             found.add((pid, started))
             todo.append(pid)
     return found
+
+
+def session_processes(session: int) -> list[int]:
+    """PIDs of the live processes of a session (a process started with start_new_session=True is its
+    leader): all that a `ray start` there started, daemons and workers, whoever adopted them and in
+    whatever mount namespace. Not their environment: Ray's agents overwrite it with their titles."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (fields := _stat(entry.name)) is not None:
+            if int(fields[3]) == session and fields[0] != "Z":
+                pids.append(int(entry.name))
+    return pids
 
 
 def alive(pid: int, started: str) -> bool:

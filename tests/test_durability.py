@@ -9,7 +9,7 @@ import os
 import pytest
 
 from tokpipe import durability
-from tokpipe.durability import hash_range, write_atomic, write_json_atomic
+from tokpipe.durability import copy_file, hash_range, own_inode, write_atomic, write_json_atomic
 
 
 def test_write_atomic_replaces_the_whole_file_and_fsyncs_data_then_directory(tmp_path, monkeypatch):
@@ -54,3 +54,33 @@ def test_hash_range_is_the_sha256_of_exactly_those_bytes(tmp_path, start, end, b
             hash_range(fd, 99_000, 100_001, hashlib.sha256(), bytearray(buffer))
     finally:
         os.close(fd)
+
+
+def test_own_inode_parts_a_file_from_its_other_names_before_it_is_written(tmp_path):
+    path, other = tmp_path / "train.bin.tmp", tmp_path / "export.bin"
+    path.write_bytes(b"tokens" * 1000)
+    os.link(path, other)
+    own_inode(path)
+    assert os.stat(path).st_ino != os.stat(other).st_ino and os.stat(other).st_nlink == 1
+    with open(path, "r+b") as f:
+        f.truncate(3)
+    assert other.read_bytes() == b"tokens" * 1000 and path.read_bytes() == b"tok"
+    alone = os.stat(path).st_ino
+    own_inode(path)  # one name already: nothing copied
+    assert os.stat(path).st_ino == alone and not list(tmp_path.glob("*.own"))
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_copy_file_copies_every_byte_in_the_kernel_or_through_a_buffer(tmp_path, monkeypatch, kernel):
+    if not kernel:
+
+        def refuse(*args):
+            raise OSError(18, "Invalid cross-device link")
+
+        monkeypatch.setattr(os, "copy_file_range", refuse)
+    monkeypatch.setattr(durability, "reflink", lambda src_fd, dst_fd: False)
+    src = tmp_path / "src"
+    src.write_bytes(os.urandom(3 * durability.HASH_CHUNK + 5))
+    (tmp_path / "dst").write_bytes(b"stale")
+    assert copy_file(src, tmp_path / "dst") == ("copy_file_range" if kernel else "buffer")
+    assert (tmp_path / "dst").read_bytes() == src.read_bytes()

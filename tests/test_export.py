@@ -1,12 +1,22 @@
 """export: Megatron-LM and llm.c files that read back, with readers written here from the published
-formats (not tokpipe's writer), as exactly the tokpipe bins, document boundaries intact."""
+formats (not tokpipe's writer), as exactly the tokpipe bins, document boundaries intact. Megatron's
+.bin is the split file itself (a hard link) where it can be, and a copy that says so where it cannot;
+llm.c's shards can hold the documents in a seeded order, each once and whole, in bounded memory."""
 
+import errno
+import os
+import shutil
 import struct
+import tracemalloc
+from collections import Counter
 
 import numpy as np
 import pytest
 from helpers import tokpipe
 
+from tokpipe import durability
+from tokpipe import export as export_module
+from tokpipe.data import Permutation
 from tokpipe.errors import UserError
 from tokpipe.export import export
 from tokpipe.layout import load_meta_pkl
@@ -62,6 +72,14 @@ def tokpipe_split(out, stem):
     return meta, tokens, ends
 
 
+def documents_of(tokens, ends) -> list[np.ndarray]:
+    return [tokens[a:b] for a, b in zip(np.concatenate(([0], ends[:-1])), ends)]
+
+
+def llmc_tokens(folder, stem) -> list[np.ndarray]:
+    return [read_llmc(f)[2] for f in sorted(folder.glob(f"{stem}_*.bin"))]
+
+
 @pytest.mark.parametrize("fixture, dtype", [("finished_example", np.int32), ("finished_small", np.uint16)])
 def test_megatron_reads_back_document_by_document(fixture, dtype, request, tmp_path):
     out = request.getfixturevalue(fixture)
@@ -81,6 +99,7 @@ def test_megatron_reads_back_document_by_document(fixture, dtype, request, tmp_p
         assert np.array_equal(np.concatenate(sequences).astype(np.int64), tokens.astype(np.int64))
         assert all(s[-1] == meta["eos_token_id"] for s in sequences)
     assert sorted(p.name for p in (tmp_path / "mg").iterdir()) == ["train.bin", "train.idx", "val.bin", "val.idx"]
+    assert result.stdout.splitlines()[0].endswith(" documents; hard link to the split file (no copy)")
 
 
 @pytest.mark.parametrize(
@@ -126,6 +145,11 @@ def test_non_empty_dest_needs_force_and_force_leaves_no_stale_shards(finished_sm
     assert len(many) > 2 and not list(dest.glob("*.tmp"))
 
 
+def test_out_itself_is_no_dest(finished_small):
+    with pytest.raises(UserError, match="is OUT itself"):
+        export(finished_small, "megatron", finished_small, force=True)
+
+
 def test_unfinished_out_cannot_be_exported(killed_example, tmp_path):
     with pytest.raises(UserError, match="not a finished tokpipe output"):
         export(killed_example, "megatron", tmp_path / "d")
@@ -168,3 +192,170 @@ def test_a_grouped_output_exports_a_megatron_prefix_per_group_and_its_token_weig
             assert struct.unpack("<Q", idx[18:26])[0] == documents
             flags += [f"{len(tokens) / total:.6f}", str(dest / stem / group)]
     assert f"Megatron-LM: {' '.join(flags)} --tokenizer-type" in result.stdout
+
+
+# -- megatron: the split file's bytes, linked where they can be ------------------------------------------
+
+
+def test_megatron_bin_is_the_split_file_itself(out, tmp_path):
+    written = export(out, "megatron", tmp_path / "mg")
+    for stem in ("train", "val"):
+        split, exported = os.stat(out / f"{stem}.bin"), os.stat(tmp_path / "mg" / f"{stem}.bin")
+        assert (exported.st_ino, exported.st_nlink) == (split.st_ino, 2)  # no byte copied, no block used
+    assert {e.how for e in written} == {"hard link to the split file (no copy)"}
+    export(out, "megatron", tmp_path / "mg", force=True)  # again: still one link, no .tmp left beside it
+    assert os.stat(out / "train.bin").st_nlink == 2 and not list((tmp_path / "mg").glob("*.tmp"))
+
+
+def test_across_file_systems_the_bin_is_copied_and_says_so(out, tmp_path, monkeypatch):
+    def no_link(src, dst):
+        raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+
+    monkeypatch.setattr(os, "link", no_link)
+    monkeypatch.setattr(durability, "reflink", lambda src_fd, dst_fd: False)
+    written = export(out, "megatron", tmp_path / "mg")
+    assert {e.how for e in written} == {
+        "copied in the kernel (copy_file_range) (OUT and --dest are on different file systems)"
+    }
+    for stem in ("train", "val"):
+        assert os.stat(tmp_path / "mg" / f"{stem}.bin").st_nlink == 1
+        assert (tmp_path / "mg" / f"{stem}.bin").read_bytes() == (out / f"{stem}.bin").read_bytes()
+        _, sequences, _ = read_megatron(tmp_path / "mg" / stem)
+        _, tokens, ends = tokpipe_split(out, stem)
+        assert all(np.array_equal(s, d) for s, d in zip(sequences, documents_of(tokens, ends), strict=True))
+
+
+def test_on_another_file_system_for_real(out):
+    shm = "/dev/shm"
+    if not os.path.isdir(shm) or os.stat(shm).st_dev == os.stat(out).st_dev:
+        pytest.skip("no second file system here")
+    dest = __import__("tempfile").mkdtemp(dir=shm)
+    try:
+        written = export(out, "megatron", dest)
+        assert written[0].how.endswith("(OUT and --dest are on different file systems)")
+        assert open(f"{dest}/train.bin", "rb").read() == (out / "train.bin").read_bytes()
+    finally:
+        shutil.rmtree(dest)
+
+
+def test_ids_of_another_width_are_converted_and_read_back(finished_small, tmp_path, monkeypatch):
+    # A vocabulary of 65,500 to 65,536 ids: tokpipe's uint16, Megatron's int32. Stood in for by the small one.
+    monkeypatch.setattr(export_module, "megatron_dtype", lambda vocab_size: "int32")
+    written = export(finished_small, "megatron", tmp_path / "mg")
+    assert written[0].how == "converted uint16 to int32 (a copy: Megatron stores 600 ids as int32)"
+    _, tokens, ends = tokpipe_split(finished_small, "train")
+    dtype, sequences, _ = read_megatron(tmp_path / "mg" / "train")
+    assert dtype == np.int32 and [s.tolist() for s in sequences] == [d.tolist() for d in documents_of(tokens, ends)]
+
+
+def test_a_killed_exports_link_is_never_written_through(finished_small, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    shutil.copytree(finished_small, out)
+    before = (out / "train.bin").read_bytes()
+    (tmp_path / "mg").mkdir()
+    os.link(out / "train.bin", tmp_path / "mg" / "train.bin.tmp")  # killed between the link and the rename
+    monkeypatch.setattr(export_module, "megatron_dtype", lambda vocab_size: "int32")  # this export converts
+    export(out, "megatron", tmp_path / "mg", force=True)
+    assert (out / "train.bin").read_bytes() == before
+    assert len((tmp_path / "mg" / "train.bin").read_bytes()) == 2 * len(before)
+
+
+def test_a_no_concat_split_is_joined_into_one_bin(tmp_path):
+    from helpers import QWEN3, build_out
+
+    from tokpipe.options import RunOptions
+
+    out = build_out(tmp_path / "out", QWEN3, options=RunOptions(no_concat=True))
+    written = export(out, "megatron", tmp_path / "mg")
+    assert written[0].how == "2 --no-concat files joined by copy_file_range (a copy)"
+    files = [out / f["bin"] for f in load_meta_pkl(out / "meta.pkl")["splits"]["train"]["files"]]
+    assert (tmp_path / "mg" / "train.bin").read_bytes() == b"".join(f.read_bytes() for f in files)
+
+
+# -- llmc --shuffle: every document once, whole, in a seeded order ------------------------------------------
+
+
+# The order is tokpipe.data.Permutation's (a bijection: tests/test_data.py).
+
+
+@pytest.mark.parametrize("fixture", ["finished_example", "finished_small"])
+def test_shuffled_llmc_holds_every_document_once_whole_in_the_seeds_order(fixture, request, tmp_path):
+    out = request.getfixturevalue(fixture)
+    limit = 50_000
+    result = tokpipe("export", out, "--format", "llmc", "--dest", tmp_path / "s1", "--shuffle", "1")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1].endswith("(documents in the order of --shuffle 1)")
+    export(out, "llmc", tmp_path / "s1again", shard_tokens=limit, shuffle=1)
+    export(out, "llmc", tmp_path / "s2", shard_tokens=limit, shuffle=2)
+    for stem in ("train", "val"):
+        meta, tokens, ends = tokpipe_split(out, stem)
+        documents = documents_of(tokens, ends)
+        shards = llmc_tokens(tmp_path / "s1again", stem)
+        got = np.concatenate(shards)
+        # Read back by EOS alone (no document of these holds one inside): the same documents, each once.
+        assert np.count_nonzero(tokens == meta["eos_token_id"]) == len(documents)
+        cuts = np.flatnonzero(got == meta["eos_token_id"]) + 1
+        read = np.split(got, cuts[:-1])
+        assert Counter(d.tobytes() for d in read) == Counter(d.tobytes() for d in documents)
+        # In the order of Permutation(documents, seed), which is a bijection (tested above).
+        order = Permutation(len(documents), 1)[np.arange(len(documents))]
+        assert all(np.array_equal(r, documents[i]) for r, i in zip(read, order))
+        assert [r.tobytes() for r in read] != [d.tobytes() for d in documents]
+        # llm.c's shard sizes: each shard ends at the last document that fits, the next would not; only a
+        # document longer than a whole shard is cut, at the shard's end.
+        lengths = [len(documents[i]) for i in order]
+        doc_ends = np.cumsum(lengths)
+        assert all(len(s) <= limit for s in shards)
+        for k, end in enumerate(np.cumsum([len(s) for s in shards])[:-1]):
+            i = int(np.searchsorted(doc_ends, end))
+            if doc_ends[i] == end:
+                assert len(shards[k]) + lengths[i + 1] > limit
+            else:
+                assert len(shards[k]) == limit and lengths[i] > limit
+        # The same seed, the same bytes; another seed, another order of the same tokens.
+        again = np.concatenate(llmc_tokens(tmp_path / "s1", stem))
+        other = np.concatenate(llmc_tokens(tmp_path / "s2", stem))
+        assert np.array_equal(again, got) and not np.array_equal(other, got)
+        assert np.array_equal(np.sort(other), np.sort(tokens))
+    export(out, "llmc", tmp_path / "s1thrice", shard_tokens=limit, shuffle=1)
+    files = sorted((tmp_path / "s1again").iterdir())
+    assert [p.read_bytes() for p in files] == [(tmp_path / "s1thrice" / p.name).read_bytes() for p in files]
+
+
+def test_a_shuffled_no_concat_split_gives_the_bytes_of_a_concatenated_one(finished_example, tmp_path):
+    from helpers import QWEN3, build_out
+
+    from tokpipe.options import RunOptions
+
+    files_out = build_out(tmp_path / "out", QWEN3, options=RunOptions(no_concat=True))
+    export(files_out, "llmc", tmp_path / "files", shard_tokens=30_000, shuffle=5)
+    export(finished_example, "llmc", tmp_path / "concat", shard_tokens=30_000, shuffle=5)
+    names = sorted(p.name for p in (tmp_path / "concat").iterdir())
+    assert len(names) > 4 and names == sorted(p.name for p in (tmp_path / "files").iterdir())
+    assert all((tmp_path / "files" / n).read_bytes() == (tmp_path / "concat" / n).read_bytes() for n in names)
+
+
+def test_token_positions_of_documents_one_after_another():
+    starts, lengths = np.array([50, 7, 90, 0, 3]), np.array([3, 2, 0, 4, 1])
+    expected = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
+    assert export_module._positions(starts, lengths).tolist() == expected.tolist()
+
+
+def test_a_shuffled_export_holds_chunks_not_the_split(finished_example, tmp_path, monkeypatch):
+    # Small steps, so the split is many of them: the peak is a step's, whatever the split's size.
+    monkeypatch.setattr(export_module, "SHUFFLE_DOCUMENTS", 16)
+    monkeypatch.setattr(export_module, "SHUFFLE_TOKENS", 4096)
+    split_bytes = (finished_example / "train.bin").stat().st_size
+    tracemalloc.start()
+    export(finished_example, "llmc", tmp_path, shuffle=3)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert split_bytes > 3_000_000 and peak < 400_000  # measured: 167 kB
+
+
+def test_shuffle_is_for_llmc(finished_small, tmp_path):
+    result = tokpipe("export", finished_small, "--format", "megatron", "--dest", tmp_path, "--shuffle", "1")
+    assert result.returncode == 2 and result.stderr.strip() == (
+        "tokpipe export: error: --shuffle is for --format llmc: Megatron-LM shuffles its samples itself "
+        "(its shuffle index)"
+    )

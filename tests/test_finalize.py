@@ -3,6 +3,7 @@ reference bytes; a placed shard's own token files removed, so the tokens are on 
 
 import hashlib
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -173,7 +174,7 @@ def test_a_placed_shard_gives_its_space_back_and_keeps_its_checkpoint(out, examp
 # A real kill -9 of a process finalizing, at each step of place-then-remove: (what to wrap, which of
 # its calls kills, counting only calls whose first argument names a shard's token file when "shards").
 KILL_POINTS = {
-    "while copying a part": ("tokpipe.assembly._copy_range", 2, ""),
+    "while copying a part": ("tokpipe.assembly.copy_range", 2, ""),
     "after the copies are fsynced, before they are listed": ("tokpipe.assembly.Assembler.placed", 1, ""),
     "after the listing, before the part's .bin is removed": ("pathlib.Path.unlink", 1, "/shards/"),
     "between removing a part's .bin and its .idx": ("pathlib.Path.unlink", 2, "/shards/"),
@@ -251,3 +252,25 @@ def test_no_concat_lists_the_shards_own_files_in_order_and_copies_nothing(out, e
         "shards/train/train__chunk1__example_train_1.bin",
     ]
     assert [c.name for c in verify(out) if not c.ok] == []
+
+
+TRAIN_0, TRAIN_1 = "train/chunk1/example_train_0.jsonl.zst", "train/chunk1/example_train_1.jsonl.zst"
+
+
+@pytest.mark.parametrize("left_out", [TRAIN_1, TRAIN_0])
+def test_a_split_rewritten_later_leaves_its_exported_links_alone(out, example_reference, tmp_path, left_out):
+    # `export --format megatron` hard-links a finished split file. A run that extends the split (a shard
+    # excluded, then back) writes it again: after the kept start (TRAIN_1 back), or from empty (TRAIN_0 back,
+    # the start not kept). Neither may write through the export's name.
+    finalize(out, MANIFEST, INFO, OPTIONS, excluded={left_out: "failed"})
+    exported = tmp_path / "megatron.bin"
+    os.link(out / "train.bin", exported)
+    before = exported.read_bytes()
+    if left_out == TRAIN_0:  # TRAIN_1's place was not kept: tokenized again, as the run does
+        assert Assembler(out, MANIFEST, 4).lost == [TRAIN_1]
+        spec = unguarded(OPTIONS.encode_spec(INFO, "gigatoken"))
+        for shard in MANIFEST.shards("train"):
+            tokenize_shard(shard, out, spec)
+    finalize(out, MANIFEST, INFO, OPTIONS)
+    assert_out_is(out, example_reference)
+    assert exported.read_bytes() == before and os.stat(exported).st_nlink == 1

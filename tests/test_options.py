@@ -41,7 +41,8 @@ from tokpipe.inspect import BOS_MARK, inspect
 from tokpipe.layout import group_stem
 from tokpipe.manifest import build_manifest, write_manifest
 from tokpipe.options import RunOptions
-from tokpipe.verify import verify, verify_sample
+from tokpipe.sample import verify_sample
+from tokpipe.verify import verify
 
 IM_START = QWEN3_IM_START
 TRAIN, HOLDOUT = EXAMPLE_TRAIN_FILES, EXAMPLE_HOLDOUT_FILES

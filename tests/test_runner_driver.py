@@ -38,6 +38,7 @@ from helpers import (
     kill_9,
     parent_pid,
     reference_by_group,
+    reference_ids,
     reference_tokens,
     run_args,
     shard_workers,
@@ -287,3 +288,22 @@ def test_group_by_kill_9_mid_shard_then_rerun_gives_each_groups_reference_files(
     token_files = {str(p.relative_to(out)) for p in out.rglob("*") if p.suffix in (".bin", ".idx", ".tmp")}
     assert token_files == expected  # no shard's part left, no file of an earlier attempt
     assert tokpipe("verify", out).returncode == 0
+
+
+def test_a_document_too_long_for_the_backend_sample_is_passed_over_in_one_line_and_written_exactly(tmp_path):
+    # The backend check reads no line over SAMPLE_LINE_BYTES (4 MiB) whole; the run still writes it, in pieces.
+    words = (4 << 20) // len("word ") + 1
+    lines = [{"text": "first"}, {"text": "word " * words}, {"text": "third"}]
+    write_jsonl(tmp_path / "data" / "train" / "a.jsonl", [json.dumps(line) for line in lines])
+    write_manifest(build_manifest(tmp_path / "data"), tmp_path / "m.json")
+    result = tokpipe(*run_args(tmp_path / "m.json", tmp_path / "out"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    backend = next(line for line in result.stdout.splitlines() if line.startswith("backend "))
+    assert backend.endswith(
+        "; the sample passed over 1 line(s) over 4 MiB (verify --sample re-encodes such documents with tokenizers)"
+    )
+    # "word word ... word " is "word", then " word" each, then the last space alone (tokenizers, on 3 words)
+    first, again, space = reference_ids(["word word "])[0]
+    expected = [*reference_ids(["first"])[0], QWEN3_EOS, first, *[again] * (words - 1), space, QWEN3_EOS]
+    expected += [*reference_ids(["third"])[0], QWEN3_EOS]
+    assert np.array_equal(np.fromfile(tmp_path / "out" / "train.bin", dtype=np.uint32), expected)

@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 import pytest
-from helpers import EXAMPLE_HOLDOUT_FILES, QWEN3, QWEN3_EOS, reference_ids, reference_texts
+from helpers import EXAMPLE_HOLDOUT_FILES, QWEN3, QWEN3_EOS, long_document, reference_ids, reference_texts
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer
 
@@ -13,6 +13,7 @@ from tokpipe import tokenizer
 from tokpipe.errors import UserError
 from tokpipe.tokenizer import (
     HARD_CASES,
+    PIECE_CHARS,
     choose_backend,
     dtype_for,
     encoder,
@@ -125,3 +126,41 @@ def test_auto_falls_back_to_hf_when_no_fast_backend_can_load_the_tokenizer(tmp_p
     for fast in ("fastokens", "gigatoken"):
         with pytest.raises(UserError, match=f"--backend {fast} cannot load this tokenizer"):
             choose_backend(fast, str(tmp_path / "tokenizer.json"), ["ab a"])
+
+
+@pytest.fixture(scope="module")
+def long_batch():
+    """A batch with a document over PIECE_CHARS between two short ones, and each text's reference ids,
+    the long one's from one whole-document encode (~350 bytes a character: 0.2 GB here)."""
+    texts = ["a short one", long_document(PIECE_CHARS + 5_000), "another <think> short one"]
+    return texts, reference_ids(texts)
+
+
+def largest_encode_call(monkeypatch, enc) -> list[int]:
+    """Records the characters of every call the encoder makes to its backend."""
+    sizes, encode = [], enc._encode
+    monkeypatch.setattr(enc, "_encode", lambda texts: sizes.append(sum(map(len, texts))) or encode(texts))
+    return sizes
+
+
+@pytest.mark.parametrize("backend", ["hf", "fastokens", "gigatoken"])
+def test_a_long_document_is_encoded_in_pieces_to_the_ids_of_the_whole(backend, long_batch, monkeypatch):
+    texts, reference = long_batch
+    enc = encoder(backend, TOKENIZER_JSON)
+    calls = largest_encode_call(monkeypatch, enc)
+    flat, lengths = enc.encode(texts)
+    assert lengths.tolist() == [len(ids) for ids in reference]
+    assert np.array_equal(flat, np.concatenate([np.asarray(ids, np.uint32) for ids in reference]))
+    # short texts in calls of their own; the long one in two pieces: no call holds the document
+    assert len(calls) == 4 and max(calls) < PIECE_CHARS + 100
+
+
+def test_the_backend_check_looks_at_a_long_documents_beginning_and_says_so(long_batch, monkeypatch):
+    texts, _ = long_batch
+    calls = largest_encode_call(monkeypatch, encoder("hf", TOKENIZER_JSON))
+    backend, why = choose_backend("auto", TOKENIZER_JSON, texts)
+    assert backend == "fastokens" and why.endswith(
+        f"({PIECE_CHARS + 36:,} chars of sample); 1 longer document(s) of the sample checked on their first "
+        "262,144 chars"
+    )
+    assert max(calls) <= PIECE_CHARS + 36  # the reference never sees the whole document

@@ -6,7 +6,7 @@ import pickle
 import shutil
 
 import numpy as np
-from helpers import failed_checks, tokpipe
+from helpers import QWEN3, build_out, failed_checks, long_document, tokpipe, write_jsonl
 
 from tokpipe.layout import load_meta_pkl
 from tokpipe.verify import verify
@@ -140,7 +140,7 @@ def reseal(out, split):
 
 
 def test_sample_re_tokenizes_source_documents_and_catches_a_self_consistent_wrong_id(out):
-    from tokpipe.verify import verify_sample
+    from tokpipe.sample import verify_sample
 
     checks = verify_sample(out, 1000)
     assert all(c.ok for c in checks) and len(checks) == 2
@@ -206,3 +206,50 @@ def test_a_grouped_output_is_verified_group_by_group(finished_grouped, tmp_path)
         "train: sha256 matches meta": "the token bytes changed since finalize, in the range of "
         "train/chunk1/example_train_0.jsonl.zst"
     }
+
+
+def test_sample_re_encodes_a_long_document_a_piece_at_a_time(tmp_path, monkeypatch):
+    from tokpipe.sample import verify_sample
+    from tokpipe.tokenizer import PIECE_CHARS, HFEncoder
+
+    texts = ["a short one", long_document(PIECE_CHARS + 5_000), "another short one"]
+    write_jsonl(tmp_path / "data" / "train" / "part.jsonl", [json.dumps({"text": t}) for t in texts])
+    out = build_out(tmp_path / "out", QWEN3, dataset=tmp_path / "data")
+    calls, encode = [], HFEncoder._encode
+    monkeypatch.setattr(HFEncoder, "_encode", lambda self, t: calls.append(sum(map(len, t))) or encode(self, t))
+    checks = verify_sample(out, 3)
+    assert [(c.name, c.ok, c.detail) for c in checks] == [
+        (
+            "train: 3 sampled documents re-tokenized by tokenizers match",
+            True,
+            "1 of them over 262,144 characters, re-encoded in pieces",
+        )
+    ]
+    assert max(calls) < PIECE_CHARS + 100  # the reference never holds the whole document
+    # and it still sees a wrong id inside that document, past its first piece
+    ends = np.fromfile(out / "train.idx", dtype="<i8")
+    poke(out / "train.bin", ends[1] - 10, 12345)
+    reseal(out, "train")
+    assert [c.ok for c in verify_sample(out, 3)] == [False]
+
+
+def test_sample_passes_over_a_long_document_of_a_tokenizer_it_cannot_cut_and_says_so(tmp_path):
+    from tokpipe.sample import verify_sample
+    from tokpipe.tokenizer import PIECE_CHARS
+
+    tokenizer = tmp_path / "tokenizer"
+    shutil.copytree(QWEN3, tokenizer)
+    config = json.loads((tokenizer / "tokenizer.json").read_text())
+    config["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = r"\S+|\s+"  # not one tokpipe/pieces.py knows
+    (tokenizer / "tokenizer.json").write_text(json.dumps(config))
+    texts = ["a short one", long_document(PIECE_CHARS + 5_000), "another short one"]
+    write_jsonl(tmp_path / "data" / "train" / "part.jsonl", [json.dumps({"text": t}) for t in texts])
+    out = build_out(tmp_path / "out", tokenizer, backend="hf", dataset=tmp_path / "data")
+    assert [(c.name, c.ok, c.detail) for c in verify_sample(out, 3)] == [
+        (
+            "train: 2 sampled documents re-tokenized by tokenizers match",
+            True,
+            "1 more passed over, not checked: over 262,144 characters, and this tokenizer's pre-tokenizer is not"
+            " one tokpipe can cut exactly (tokpipe/pieces.py)",
+        )
+    ]

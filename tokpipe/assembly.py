@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from tokpipe.durability import HASH_CHUNK, fsync_dir, hash_range, write_atomic
+from tokpipe.durability import HASH_CHUNK, copy_range, fsync_dir, hash_range, own_inode, write_atomic
 from tokpipe.errors import TooManyGroups
 from tokpipe.layout import (
     IDX_DTYPE,
@@ -47,32 +47,7 @@ from tokpipe.layout import (
 from tokpipe.manifest import Manifest, Shard, shard_key
 from tokpipe.options import RunOptions
 
-COPY_CHUNK = 1 << 30
 COPY_BATCH_BYTES = 1 << 30  # of tokens per copy task: one fsync covers many small shards
-
-
-def _copy_range(src_path: str, dst_fd: int, length: int, dst_offset: int) -> None:
-    """Write the first `length` bytes of src at `dst_offset` of dst, in the kernel, not through Python objects."""
-    with open(src_path, "rb") as src:
-        done = 0
-        try:
-            while done < length:
-                copied = os.copy_file_range(
-                    src.fileno(), dst_fd, min(length - done, COPY_CHUNK), done, dst_offset + done
-                )
-                if copied == 0:
-                    raise RuntimeError(f"{src_path} ended {length - done} bytes before its checkpoint says it does")
-                done += copied
-        except OSError:  # file systems without copy_file_range: through a buffer, in pieces
-            buffer = bytearray(HASH_CHUNK)
-            while done < length:
-                got = os.preadv(src.fileno(), [memoryview(buffer)[: min(len(buffer), length - done)]], done)
-                if got == 0:
-                    raise RuntimeError(
-                        f"{src_path} ended {length - done} bytes before its checkpoint says it does"
-                    ) from None
-                os.pwrite(dst_fd, memoryview(buffer)[:got], dst_offset + done)
-                done += got
 
 
 def place(out: str | os.PathLike, parts: list[Part], itemsize: int) -> list[dict]:
@@ -95,7 +70,7 @@ def place(out: str | os.PathLike, parts: list[Part], itemsize: int) -> list[dict
                 bin_tmp, idx_tmp, _ = assembly_files(out, part.stem, part.group)
                 opened[part.group] = (open(bin_tmp, "r+b"), open(idx_tmp, "r+b"))
             bin_f, idx_f = opened[part.group]
-            _copy_range(part.bin, bin_f.fileno(), record["tokens"] * itemsize, part.token_offset * itemsize)
+            copy_range(part.bin, bin_f.fileno(), record["tokens"] * itemsize, part.token_offset * itemsize)
             relative = np.fromfile(part.idx, dtype=IDX_DTYPE, count=record["documents"])
             os.pwrite(idx_f.fileno(), memoryview(relative + part.token_offset), part.doc_offset * IDX_DTYPE.itemsize)
             if record["sha256"] is None:  # a shard finished by an earlier tokpipe, which hashed only whole files
@@ -256,12 +231,17 @@ class Assembler:
             state = _Split.start(stem, sources(manifest, stem, self.val_fraction))
             if self.concat and self.group_by is None:
                 for path in assembly_files(self.out, stem)[:2]:
-                    open(path, "wb").close()
+                    path.unlink(missing_ok=True)  # a new empty file, not a truncate: see own_inode
+                    open(path, "xb").close()
         if self.concat and self.group_by is not None:  # group files of no kept part: a rerun's are made anew
             keep = {path for pair in self._files(stem, state.offsets).values() for path in pair}
             for path in (self.out / stem).glob("*.tmp"):
                 if path not in keep:
                     path.unlink()
+        if self.concat and kept:
+            for pair in self._files(stem, state.offsets).values():
+                for path in pair:
+                    own_inode(path)  # the split is written in place from here on
         write_atomic(parts_tmp, b"".join(map(parts_line, kept)))
         state.scheduled = state.listed = len(kept)
         if self.concat:
@@ -341,7 +321,8 @@ class Assembler:
                     if self.concat and group is not None and group not in s.offsets:  # a group's first part
                         for path in assembly_files(self.out, s.stem, group)[:2]:
                             path.parent.mkdir(exist_ok=True)
-                            open(path, "wb").close()
+                            path.unlink(missing_ok=True)  # a new empty file, not a truncate: see own_inode
+                            open(path, "xb").close()
                     where = (str(bin_path), str(idx_path)) if bin_path is not None else ("", "")
                     parts.append(Part(s.stem, s.scheduled, *s.add(group, record), record, *where))
                     s.scheduled += 1

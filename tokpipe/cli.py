@@ -55,7 +55,8 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_verify(args) -> int:
-    from tokpipe.verify import as_json, report, verify, verify_sample
+    from tokpipe.sample import verify_sample
+    from tokpipe.verify import as_json, report, verify
 
     checks = verify(args.out, args.jobs)
     if args.sample and all(c.ok for c in checks):
@@ -83,9 +84,9 @@ def _cmd_inspect(args) -> int:
 def _cmd_export(args) -> int:
     from tokpipe.export import export, megatron_flags
 
-    written = export(args.out, args.format, args.dest, force=args.force)
+    written = export(args.out, args.format, args.dest, force=args.force, shuffle=args.shuffle)
     for e in written:
-        print(f"{e.path}: {e.tokens:,} tokens, {e.documents:,} documents")
+        print(f"{e.path}: {e.tokens:,} tokens, {e.documents:,} documents{'; ' + e.how if e.how else ''}")
     if args.format == "megatron":
         tokenizer = "--tokenizer-type HuggingFaceTokenizer --tokenizer-model TOKENIZER_DIR (the run's)"
         print(f"Megatron-LM: {megatron_flags(written)} {tokenizer}")
@@ -93,6 +94,7 @@ def _cmd_export(args) -> int:
         print(
             f"llm.c / modded-nanogpt: train on '{Path(args.dest) / 'train_*.bin'}', evaluate on "
             f"'{Path(args.dest) / 'val_*.bin'}'"
+            + (f" (documents in the order of --shuffle {args.shuffle})" if args.shuffle is not None else "")
         )
     return EXIT_OK
 
@@ -201,6 +203,12 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--dest", required=True, help="folder to write to (must be empty, unless --force)")
     e.add_argument(
         "--force", action="store_true", help="write into a non-empty --dest, replacing files of the same names"
+    )
+    e.add_argument(
+        "--shuffle",
+        type=int,
+        metavar="SEED",
+        help="llmc: write the documents in an order drawn from SEED (each once, whole), not the split's order",
     )
     e.set_defaults(func=_cmd_export)
     return p

@@ -7,11 +7,14 @@ that points at it is swapped in, and the directory entry is fsynced after.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from pathlib import Path
 
 HASH_CHUNK = 8 << 20  # bytes read per call when hashing a file range
+COPY_CHUNK = 1 << 30  # bytes per copy_file_range call
+FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int), a copy-on-write clone of a whole file
 
 
 def fsync_dir(path: Path) -> None:
@@ -47,3 +50,65 @@ def hash_range(fd: int, start: int, end: int, hasher, buffer: bytearray) -> None
             raise RuntimeError(f"file ended at byte {start}, expected {end}")
         hasher.update(view[:got])  # hashlib drops the GIL on large updates
         start += got
+
+
+def copy_range(src_path: str | os.PathLike, dst_fd: int, length: int, dst_offset: int) -> str:
+    """Write the first `length` bytes of src at `dst_offset` of dst, in the kernel, not through Python
+    objects; returns how: "copy_file_range", or "buffer" where the file systems cannot (some refuse
+    a copy from another file system)."""
+    with open(src_path, "rb") as src:
+        done = 0
+        try:
+            while done < length:
+                copied = os.copy_file_range(
+                    src.fileno(), dst_fd, min(length - done, COPY_CHUNK), done, dst_offset + done
+                )
+                if copied == 0:
+                    raise RuntimeError(f"{src_path} ended {length - done} bytes before the {length} expected")
+                done += copied
+            return "copy_file_range"
+        except OSError:  # through a buffer, in pieces
+            buffer = bytearray(HASH_CHUNK)
+            while done < length:
+                got = os.preadv(src.fileno(), [memoryview(buffer)[: min(len(buffer), length - done)]], done)
+                if got == 0:
+                    raise RuntimeError(f"{src_path} ended {length - done} bytes before the {length} expected") from None
+                os.pwrite(dst_fd, memoryview(buffer)[:got], dst_offset + done)
+                done += got
+            return "buffer"
+
+
+def reflink(src_fd: int, dst_fd: int) -> bool:
+    """Make dst a copy-on-write clone of src (btrfs, XFS with reflink, bcachefs...): no byte copied, no
+    block used until either file changes. False where the file system cannot (ext4, another file system)."""
+    try:
+        fcntl.ioctl(dst_fd, FICLONE, src_fd)
+        return True
+    except OSError:
+        return False
+
+
+def copy_file(src: Path, dst: Path) -> str:
+    """dst as a new file with src's bytes, fsynced, as cheaply as the file systems allow; returns how:
+    "reflink", "copy_file_range" or "buffer"."""
+    dst.unlink(missing_ok=True)  # a new inode: never write through a name that may be another file's link
+    with open(src, "rb") as s, open(dst, "xb") as d:
+        how = (
+            "reflink"
+            if reflink(s.fileno(), d.fileno())
+            else copy_range(src, d.fileno(), os.fstat(s.fileno()).st_size, 0)
+        )
+        os.fsync(d.fileno())
+    return how
+
+
+def own_inode(path: Path) -> None:
+    """Give `path` an inode of its own before anything writes into it in place. A finished split file may
+    have other names: `tokpipe export --format megatron` hard-links it as Megatron's .bin, and bytes written
+    here would change (or a truncate would empty) that export too. Atomic: a crash leaves the old link."""
+    if path.stat().st_nlink == 1:
+        return
+    own = path.with_name(path.name + ".own")
+    copy_file(path, own)
+    os.replace(own, path)
+    fsync_dir(path.parent)

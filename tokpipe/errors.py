@@ -12,6 +12,11 @@ class TooManyGroups(UserError):
     """--group-by named a field with more distinct values than a split may have groups (each group gets files)."""
 
 
+class NodeError(UserError):
+    """A cluster node cannot see, at the driver's path, what the run needs (runner/nodes.py): raised in a
+    task, it stops the run with its one line. Exit code 2."""
+
+
 class SourceError(Exception):
     """A shard's bytes cannot be read to the end (truncated or corrupt download). Names file and place."""
 

@@ -8,6 +8,7 @@ every range against its sha256 on all cores, and no pass over a whole split file
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -15,18 +16,25 @@ import numpy as np
 
 from tokpipe._version import __version__
 from tokpipe.assembly import Assembler
+from tokpipe.durability import write_atomic
 from tokpipe.errors import UserError
-from tokpipe.layout import (
-    SKIPPED,
-    log_file,
-    output_splits,
-    split_file_stem,
-    write_meta,
-    write_skip_log,
-)
+from tokpipe.layout import SKIPPED, log_file, output_splits, read_parts, split_file_stem, write_meta
 from tokpipe.manifest import Manifest
 from tokpipe.options import RunOptions
 from tokpipe.tokenizer import TokenizerInfo
+
+
+def write_skip_log(out: Path, splits: dict[str, dict]) -> None:
+    """OUT/logs/skipped.json, from the split files' parts lists."""
+    entries = []
+    for entry in splits.values():
+        for r in read_parts(out / entry["parts"]):
+            if r.get("skipped") or r.get("repaired"):
+                fields = {k: r[k] for k in ("shard", "lines", "documents", "skipped", "repaired")}
+                entries.append(json.dumps({**fields, "first": r.get("first_skipped", [])}))
+    path = log_file(out, SKIPPED)
+    path.parent.mkdir(exist_ok=True)
+    write_atomic(path, ('{"shards": [' + ",".join("\n" + e for e in entries) + "\n]}\n").encode())
 
 
 def _refuse_empty_splits(out: Path, splits: dict[str, dict], text_field: str) -> None:

@@ -12,7 +12,8 @@ OUT/<stem>.bin, .idx, .parts     a split file (stem: train, val, test), its docu
 OUT/<stem>/<group>.bin, .idx     with --group-by: a group's file of the split (the .parts lists them all)
 OUT/<stem>.*.tmp                 the same three while the split is assembled (<stem>/<group>.*.tmp)
 OUT/meta.pkl, OUT/meta.json      written last, meta.json last of all: its presence marks a finished run
-OUT/logs/                        run.log, progress.json, failed.json, skipped.json, stall dumps (below)
+OUT/logs/                        run.log, progress.json, failed.json, skipped.json, stall dumps (below),
+                                 node-check.txt (a cluster run's token that every node reads back)
 """
 
 from __future__ import annotations
@@ -437,14 +438,7 @@ def stall_dump(out: str | os.PathLike, shard: Shard) -> Path:
     return log_file(out, f"stall-{shard.split}-{shard.key}.txt")
 
 
-def write_skip_log(out: Path, splits: dict[str, dict]) -> None:
-    """OUT/logs/skipped.json, from the split files' parts lists."""
-    entries = []
-    for entry in splits.values():
-        for r in read_parts(out / entry["parts"]):
-            if r.get("skipped") or r.get("repaired"):
-                fields = {k: r[k] for k in ("shard", "lines", "documents", "skipped", "repaired")}
-                entries.append(json.dumps({**fields, "first": r.get("first_skipped", [])}))
-    path = log_file(out, SKIPPED)
-    path.parent.mkdir(exist_ok=True)
-    write_atomic(path, ('{"shards": [' + ",".join("\n" + e for e in entries) + "\n]}\n").encode())
+def node_check_file(out: str | os.PathLike, who: str | None = None) -> Path:
+    """The token a cluster run's driver writes for its nodes to read back (runner/nodes.py); with
+    `who` (a node, a worker), the file it writes, fsyncs and removes to prove it can write under OUT."""
+    return log_file(out, "node-check.txt" if who is None else f"node-check-{who}.tmp")

@@ -36,6 +36,9 @@ from tokpipe.tokenizer import TokenizerInfo, choose_backend, load_tokenizer_info
 EAGER_RAY_BYTES = 16 << 20
 LOCAL_SECONDS = 1.5
 SAMPLE_BYTES = 256 << 10  # of input per split, to prove the fast backend exact on this data (with HARD_CASES)
+# A longer line is passed over by the sample (said in the backend's line), not read whole: the driver's
+# memory does not grow with a document's size. Books (~0.5 MB) are sampled.
+SAMPLE_LINE_BYTES = 4 << 20
 GROUP_SAMPLE_BYTES = 16 << 20  # of input per split read for --group-by's values before any tokenizing (~0.2 s)
 
 
@@ -80,10 +83,11 @@ def _plan(out: Path, manifest: Manifest, info: TokenizerInfo, log: RunLog, manif
     return Plan(shards, done, partial, done_bytes)
 
 
-def _sample_texts(manifest: Manifest, text_field: str) -> list[str]:
-    """The first documents of each split's first shard: what the backend is checked on. Refuses, before
-    anything is tokenized, a --text-field that none of those shards has."""
-    texts, fields = [], Counter()
+def _sample_texts(manifest: Manifest, text_field: str) -> tuple[list[str], int]:
+    """The first documents of each split's first shard: what the backend is checked on, and how many
+    lines over SAMPLE_LINE_BYTES it passed over. Refuses, before anything is tokenized, a --text-field
+    that none of those shards has."""
+    texts, fields, passed_over = [], Counter(), 0
     for split in manifest.counts:
         path = next(manifest.shards(split)).path
         if not stat.S_ISREG(os.stat(path).st_mode):  # a pipe or device: reading could block the driver
@@ -91,12 +95,15 @@ def _sample_texts(manifest: Manifest, text_field: str) -> list[str]:
         try:
             found = fields_of(path)
             first = (
-                next(read_batches(path, text_field, batch_bytes=SAMPLE_BYTES), None) if text_field in found else None
+                next(read_batches(path, text_field, batch_bytes=SAMPLE_BYTES, max_line_bytes=SAMPLE_LINE_BYTES), None)
+                if text_field in found
+                else None
             )
         except SourceError:  # an unreadable first shard: its own task reports it
             continue
         if text_field in found and first is not None:  # None: an empty shard
             texts += first.texts
+            passed_over += first.skipped["too_long"]
         fields.update(found)
     if fields and text_field not in fields:
         likely = max(fields, key=fields.get)
@@ -104,7 +111,7 @@ def _sample_texts(manifest: Manifest, text_field: str) -> list[str]:
             f"no document has a {text_field!r} field in the first lines of each split's first shard; their fields:"
             f" {', '.join(sorted(fields))}: pass --text-field NAME (e.g. --text-field {likely})"
         )
-    return texts
+    return texts, passed_over
 
 
 def _count_groups(manifest: Manifest, text_field: str, group_by: str) -> None:
@@ -145,7 +152,13 @@ def _tokenize(
 ) -> Tally:
     """Tokenize every unfinished shard, assembling the split files as shards finish: in this process
     while Ray starts, then on Ray. What finalize has left is the last copies."""
-    backend, why = choose_backend(opts.backend, info.path, _sample_texts(manifest, opts.text_field))
+    sample, passed_over = _sample_texts(manifest, opts.text_field)
+    backend, why = choose_backend(opts.backend, info.path, sample)
+    if passed_over and backend != "hf":
+        why += (
+            f"; the sample passed over {passed_over} line(s) over {SAMPLE_LINE_BYTES >> 20} MiB"
+            " (verify --sample re-encodes such documents with tokenizers)"
+        )
     if opts.group_by is not None:
         _count_groups(manifest, opts.text_field, opts.group_by)
     print(f"backend {backend}: {why}")
@@ -187,9 +200,14 @@ def _tokenize(
             both = " (2 CPUs each: reading overlaps encoding)" if shape.read_ahead else ""
             nodes = f" on {shape.nodes} nodes" if shape.nodes > 1 else ""
             print(f"ray: {shape.where}, {shape.workers} workers{both}{nodes}")
+            check = None
+            if cluster.address:  # every node sees the shards, the tokenizer and OUT, or the run stops here
+                from tokpipe.runner.nodes import check_nodes
+
+                check = check_nodes(manifest, info, out, log)
             spec = opts.encode_spec(info, backend, shape.read_ahead)
-            copies = Copies(assembler, out, np.dtype(info.dtype).itemsize, shape.nodes)
-            Scheduler(manifest, out, spec, opts, shape.workers, log, tally).run(progress, copies, done)
+            copies = Copies(assembler, out, np.dtype(info.dtype).itemsize, shape.nodes, check)
+            Scheduler(manifest, out, spec, opts, shape.workers, log, tally, check).run(progress, copies, done)
             clock.tokenized_now(assembler.placed_tokens * np.dtype(info.dtype).itemsize)
             # Failed shards block their split's assembly; with --skip-failed it goes on without them.
             copies.drain(frozenset(tally.failed) if opts.skip_failed else frozenset())

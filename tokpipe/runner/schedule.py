@@ -18,7 +18,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tokpipe.assembly import COPY_BATCH_BYTES, Assembler
-from tokpipe.errors import TooManyGroups
+from tokpipe.errors import NodeError, TooManyGroups
 from tokpipe.layout import Part, stall_dump
 from tokpipe.manifest import Manifest
 from tokpipe.options import RunOptions
@@ -28,6 +28,17 @@ from tokpipe.runner.task import ProgressBoard, copy_task, shard_task
 from tokpipe.shard import EncodeSpec, ShardResult
 
 POLL_EVERY = 0.5  # seconds between looks at progress and stalls
+
+
+def _get(ref):
+    """ray.get; a node's NodeError, or a shard's TooManyGroups (--group-by), raised as itself: its one line,
+    not Ray's traceback around it. Either stops the run: no other shard or node can do better."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, (NodeError, TooManyGroups)):
+            raise e.cause from None
+        raise
 
 
 class Copies:
@@ -40,8 +51,8 @@ class Copies:
     next copy takes all of them: with thousands of tiny shards, one copy and one fsync cover many.
     """
 
-    def __init__(self, assembler: Assembler, out: Path, itemsize: int, nodes: int):
-        self.assembler, self.out, self.itemsize = assembler, out, itemsize
+    def __init__(self, assembler: Assembler, out: Path, itemsize: int, nodes: int, check: ray.ObjectRef | None):
+        self.assembler, self.out, self.itemsize, self.check = assembler, out, itemsize, check
         self.remote = nodes > 1
         self.slots = 2 * nodes
         if self.remote:
@@ -66,7 +77,9 @@ class Copies:
                 batch.append(self.queue.popleft())
                 size += batch[-1].record["tokens"] * self.itemsize
             args = (str(self.out), batch, self.itemsize)
-            self.running[self.task.remote(*args) if self.remote else self.threads.submit(copy_task, *args)] = batch
+            self.running[
+                self.task.remote(*args, self.check) if self.remote else self.threads.submit(copy_task, *args, None)
+            ] = batch
 
     def collect(self, block: bool = False) -> None:
         """List the copies that are done (with `block`, after waiting for one), then start the next."""
@@ -82,7 +95,7 @@ class Copies:
             )
         for handle in done:
             parts = self.running.pop(handle)
-            node, records = ray.get(handle) if self.remote else handle.result()
+            node, records = _get(handle) if self.remote else handle.result()
             self.assembler.placed(parts, records)
             self.bytes_by_node[node] += sum(r["tokens"] for r in records) * self.itemsize
         self.feed()
@@ -106,9 +119,18 @@ class Scheduler:
     """
 
     def __init__(
-        self, manifest: Manifest, out: Path, spec: EncodeSpec, opts: RunOptions, workers: int, log: RunLog, tally: Tally
+        self,
+        manifest: Manifest,
+        out: Path,
+        spec: EncodeSpec,
+        opts: RunOptions,
+        workers: int,
+        log: RunLog,
+        tally: Tally,
+        check: ray.ObjectRef | None,
     ):
         self.out, self.spec, self.opts, self.workers, self.log, self.tally = out, spec, opts, workers, log, tally
+        self.check = check  # on a cluster: the NodeCheck (an ObjectRef) a node the driver did not probe runs
         # One task name for all: the driver keeps state per distinct name (~1.8 MiB per 1k names, measured).
         self.task = ray.remote(
             num_cpus=2 if spec.read_ahead else 1,
@@ -161,17 +183,18 @@ class Scheduler:
                 stalls = 0
             else:
                 return
-            ref = self.task.remote(shard, str(self.out), self.spec, self.board, self.opts.stall_timeout)
+            ref = self.task.remote(shard, str(self.out), self.spec, self.board, self.opts.stall_timeout, self.check)
             self.running[ref] = (shard, stalls, time.time())
 
     def _collect(self, ref, assembler: Assembler) -> int:
         """Take a finished task's result; returns 1 when its shard is done, 0 when it failed."""
         shard, _, _ = self.running.pop(ref)
         try:
-            result: ShardResult = ray.get(ref)
+            result: ShardResult = _get(ref)
+        except NodeError as e:  # a node the driver did not probe: it stops the run
+            self.log(f"node check: {e}")
+            raise
         except (ray.exceptions.RayError, OSError) as e:
-            if isinstance(getattr(e, "cause", None), TooManyGroups):  # no shard of this run can do better: stop now
-                raise e.cause from None
             self.failed[shard.relpath] = describe_failure(e)
             self.log(f"shard {shard.relpath} FAILED: {self.failed[shard.relpath]}")
             return 0

@@ -12,6 +12,7 @@ import ray
 from tokpipe.assembly import place
 from tokpipe.layout import Part, stall_dump
 from tokpipe.manifest import Shard
+from tokpipe.runner.nodes import NodeCheck, ensure_seen
 from tokpipe.shard import EncodeSpec, ShardResult, memory_guard, tokenize_shard
 
 REPORT_EVERY = 1.0  # seconds between a worker's progress reports
@@ -42,8 +43,12 @@ class ProgressBoard:
         return self.totals, self.beats
 
 
-def shard_task(shard: Shard, out: str, spec: EncodeSpec, board, stall_timeout: float) -> ShardResult:
-    """The Ray task around tokenize_shard: progress reports, and a stack dump if it stops moving."""
+def shard_task(
+    shard: Shard, out: str, spec: EncodeSpec, board, stall_timeout: float, check: NodeCheck | None
+) -> ShardResult:
+    """The Ray task around tokenize_shard: progress reports, and a stack dump if it stops moving. On a
+    node the driver did not probe, first the paths the run needs (NodeError: not the stall dump's)."""
+    ensure_seen(check)
     tag = f"{shard.split}/{shard.key}"
     # `ps` shows which shard each worker is on (Ray sets the title back to ray::IDLE after the task).
     # Ray's own setter, as it uses for task names; the task name itself is the same for every shard.
@@ -87,6 +92,7 @@ def shard_task(shard: Shard, out: str, spec: EncodeSpec, board, stall_timeout: f
     return result
 
 
-def copy_task(out: str, parts: list[Part], itemsize: int) -> tuple[str, list[dict]]:
+def copy_task(out: str, parts: list[Part], itemsize: int, check: NodeCheck | None) -> tuple[str, list[dict]]:
     """The Ray task around assembly.place; says which node it ran on (on a cluster, every node copies)."""
+    ensure_seen(check)
     return ray.get_runtime_context().get_node_id(), place(out, parts, itemsize)

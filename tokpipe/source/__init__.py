@@ -46,7 +46,7 @@ def read_batches(
     start_line: int = 0,
     start_offset: int = 0,
     batch_bytes: int = 4 << 20,
-    max_line_bytes: int = 64 << 20,  # worker memory grows ~12 MiB per MB of line: keeps it under 1 GiB
+    max_line_bytes: int = 64 << 20,  # a line costs its process ~8 bytes a byte (bytes, text, ids): under 0.5 GiB
     group_by: str | None = None,
 ) -> Iterator[Batch]:
     """Batches of about `batch_bytes` of input, resuming after `start_line` lines / `start_offset` bytes

@@ -1,0 +1,295 @@
+"""tokpipe.data: the windows of a finished OUT, every one once per epoch, split between ranks, resumed exactly.
+
+Tokens are compared with the reference encoding of the example (helpers), document starts with the
+reference documents' lengths and with the .idx read by hand; the orders with the contract's rules
+written out here (rank r of W reads global positions r, r+W, ... of the epoch's order).
+"""
+
+import json
+import time
+import tracemalloc
+
+import numpy as np
+import pytest
+from helpers import EXAMPLE_TRAIN_FILES, QWEN3, build_out, reference_documents
+
+from tokpipe.data import Mixture, Permutation, Sequences
+from tokpipe.options import RunOptions
+
+L = 512  # seq_len: the example's train split (859,703 tokens) has 1,679 windows of it
+
+
+@pytest.fixture(scope="module")
+def no_concat_out(tmp_path_factory):
+    return build_out(tmp_path_factory.mktemp("data_no_concat") / "out", QWEN3, options=RunOptions(no_concat=True))
+
+
+@pytest.fixture(scope="module")
+def reference_doc_starts() -> np.ndarray:
+    """Where each document of the example's train split starts: its reference ids plus EOS, one after another."""
+    lengths = [
+        len(ids) + 1 for path in EXAMPLE_TRAIN_FILES for _, ids in reference_documents(path, QWEN3 / "tokenizer.json")
+    ]
+    return np.cumsum([0] + lengths[:-1])
+
+
+def global_order(out, seq_len, seed, epochs=1) -> list[np.ndarray]:
+    """Each epoch's order of all windows, as one rank of world size 1 reads it."""
+    s = Sequences(out, seq_len=seq_len, seed=seed)
+    return [s.next_batch(len(s)).windows for _ in range(epochs)]
+
+
+# -- Permutation --------------------------------------------------------------------------------------
+
+
+def test_permutation_is_a_bijection_at_a_million_and_at_small_sizes():
+    assert np.array_equal(np.sort(Permutation(10**6, 7)[np.arange(10**6)]), np.arange(10**6))
+    for n in [*range(1, 18), 63, 64, 65, 1000, 4**5 + 1]:
+        p = Permutation(n, n)
+        assert sorted(p[np.arange(n)].tolist()) == list(range(n)), n
+        assert [p[i] for i in range(n)] == p[np.arange(n)].tolist()  # an int for an int, the same image
+    assert type(Permutation(5, 0)[3]) is int and Permutation(5, 0)[np.arange(5)].dtype == np.int64
+    assert len(Permutation(0, 0)) == 0 and Permutation(0, 0)[np.zeros(0, np.int64)].size == 0
+    for bad in (-1, 5):
+        with pytest.raises(IndexError, match=f"index {bad} is out of range for a Permutation of 5"):
+            Permutation(5, 0)[bad]
+
+
+def test_permutation_at_10_12_is_fast_and_holds_nothing_per_element():
+    n = 10**12
+    lookups = np.arange(10**6) * 999_983 + 12_345  # distinct, spread over range(n)
+    tracemalloc.start()
+    started = time.perf_counter()
+    p = Permutation(n, 3)
+    images = p[lookups]
+    seconds = time.perf_counter() - started
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert seconds < 3
+    assert peak < 20 * lookups.nbytes  # working arrays of the million lookups, nothing of n
+    assert sum(a.nbytes for a in vars(p).values() if isinstance(a, np.ndarray)) <= 64  # its round keys
+    images.sort()  # (np.unique of a million int64 takes 3.5 s with numpy 2.4 here; a sort 0.06 s)
+    assert images[0] >= 0 and images[-1] < n and np.all(np.diff(images) > 0)
+
+
+def test_different_seeds_give_unrelated_orders():
+    n = 100_000
+    orders = [Permutation(n, seed)[np.arange(n)] for seed in range(4)]
+    for a in range(4):
+        # Two unrelated permutations agree in ~1 place (Poisson); ranks correlate ~0 (sd 1/sqrt(n) = 0.003).
+        assert np.count_nonzero(orders[a] == np.arange(n)) < 10
+        for b in range(a + 1, 4):
+            assert np.count_nonzero(orders[a] == orders[b]) < 10
+            assert abs(np.corrcoef(orders[a], orders[b])[0, 1]) < 0.02
+
+
+# -- Sequences: windows, epochs, ranks -----------------------------------------------------------------
+
+
+def test_one_epoch_over_4_ranks_covers_every_window_once_with_exact_tokens(finished_example, example_reference):
+    reference = example_reference["train"].astype(np.int64)
+    ranks = [Sequences(finished_example, seq_len=L, seed=1, rank=r, world_size=4) for r in range(4)]
+    n = len(ranks[0])
+    assert n == (len(reference) - 1) // L == 1679
+    batches = [s.next_batch(n // 4) for s in ranks]
+    taken = np.concatenate([b.windows for b in batches])
+    assert len(taken) == len(set(taken.tolist())) == n - n % 4  # 419 each; 3 windows of the epoch skipped
+    for b in batches:
+        assert b.tokens.dtype == np.int64 and b.tokens.shape == (n // 4, L + 1)
+        for row, w in zip(b.tokens, b.windows):
+            assert np.array_equal(row, reference[w * L : w * L + L + 1])
+        assert np.shares_memory(b.inputs, b.tokens) and np.array_equal(b.inputs, b.tokens[:, :-1])
+        assert np.array_equal(b.targets, b.tokens[:, 1:])
+    # The contract's rule: rank r reads positions r, r+4, ... of the epoch's order, which does not
+    # depend on the world size.
+    [order] = global_order(finished_example, L, seed=1)
+    for r, b in enumerate(batches):
+        assert np.array_equal(b.windows, order[r : n - n % 4 : 4])
+    assert {s.epoch for s in ranks} == {1}
+
+
+def test_window_i_is_its_tokens_as_int64(finished_example, example_reference):
+    s = Sequences(finished_example, seq_len=L)
+    reference = example_reference["train"]
+    for i in (0, 1, 838, len(s) - 1):
+        assert s.window(i).dtype == np.int64 and np.array_equal(s.window(i), reference[i * L : i * L + L + 1])
+    with pytest.raises(IndexError, match="window 1679 is out of range: split train has 1679 windows of seq_len 512"):
+        s.window(1679)
+
+
+def test_each_epoch_has_its_own_order_from_seed_and_epoch_alone(finished_example):
+    first, second = global_order(finished_example, L, seed=5, epochs=2)
+    assert sorted(first.tolist()) == sorted(second.tolist()) == list(range(1679))
+    assert np.count_nonzero(first == second) < 10
+    again = global_order(finished_example, L, seed=5, epochs=2)
+    assert np.array_equal(again[0], first) and np.array_equal(again[1], second)
+    assert np.count_nonzero(global_order(finished_example, L, seed=6)[0] == first) < 10
+    # A batch may straddle two epochs; s.epoch is that of the next window.
+    s = Sequences(finished_example, seq_len=L, seed=5)
+    s.next_batch(1670)
+    straddling = s.next_batch(20)
+    assert s.epoch == 1 and s.state_dict()["offset"] == 11
+    assert np.array_equal(straddling.windows, np.concatenate([first[1670:], second[:11]]))
+
+
+def test_doc_starts_agree_with_the_idx(finished_example, reference_doc_starts):
+    ends = np.fromfile(finished_example / "train.idx", dtype="<i8")
+    assert np.array_equal(np.concatenate([[0], ends[:-1]]), reference_doc_starts)
+    s = Sequences(finished_example, seq_len=L)
+    windows = np.concatenate([np.arange(1679), [0, 1678]])  # every window, and the two ends of the split
+    batch = s.batch_of(windows)
+    assert len(batch.doc_starts) == len(windows)
+    for w, found in zip(batch.windows, batch.doc_starts):
+        inside = reference_doc_starts[(reference_doc_starts >= w * L) & (reference_doc_starts <= w * L + L)]
+        assert found.dtype == np.int64 and np.array_equal(found, inside - w * L)
+    assert batch.doc_starts[0][0] == 0  # the first document starts the split
+    assert sum(len(d) for d in batch.doc_starts[:1679]) >= 293  # every document start is in some window
+
+
+def test_no_concat_gives_the_windows_of_a_concatenated_out(no_concat_out, finished_example):
+    files = Sequences(no_concat_out, seq_len=L, seed=2, world_size=2, rank=1)
+    concat = Sequences(finished_example, seq_len=L, seed=2, world_size=2, rank=1)
+    assert len(files.files) == 2 and len(files.file_starts) == 3  # one entry per file, nothing per window
+    cut = int(files.file_starts[1])
+    crossing = cut // L
+    assert crossing * L < cut < crossing * L + L  # a window across the two files
+    every = np.arange(len(concat))
+    a, b = files.batch_of(every), concat.batch_of(every)
+    assert np.array_equal(a.tokens, b.tokens)
+    assert all(np.array_equal(x, y) for x, y in zip(a.doc_starts, b.doc_starts))
+    for _ in range(3):
+        a, b = files.next_batch(64), concat.next_batch(64)
+        assert np.array_equal(a.windows, b.windows) and np.array_equal(a.tokens, b.tokens)
+
+
+# -- state_dict and load_state_dict ----------------------------------------------------------------------
+
+
+def test_a_resume_is_exact_at_any_step(finished_example):
+    seq_len = 4096  # 209 windows: a few batches cross an epoch
+    for steps in (0, 1, 5, 13, 29, 30, 31, 61):
+        running = Sequences(finished_example, seq_len=seq_len, seed=9, rank=2, world_size=3)
+        for _ in range(steps):
+            running.next_batch(7)
+        state = json.loads(json.dumps(running.state_dict()))
+        assert set(state) >= {"epoch", "offset", "seed", "seq_len", "split", "fingerprint"}
+        resumed = Sequences(finished_example, seq_len=seq_len, seed=9, rank=2, world_size=3)
+        resumed.load_state_dict(state)
+        for _ in range(40):
+            a, b = running.next_batch(7), resumed.next_batch(7)
+            assert np.array_equal(a.windows, b.windows) and np.array_equal(a.tokens, b.tokens)
+            assert resumed.epoch == running.epoch
+
+
+def test_under_another_world_size_a_resume_continues_at_the_same_global_position(finished_example):
+    [order] = global_order(finished_example, L, seed=4)
+    four = [Sequences(finished_example, seq_len=L, seed=4, rank=r, world_size=4) for r in range(4)]
+    before = [s.next_batch(51).windows for s in four]
+    states = [json.dumps(s.state_dict()) for s in four]
+    assert len(set(states)) == 1 and json.loads(states[0])["offset"] == 204  # one state for every rank
+    three = [Sequences(finished_example, seq_len=L, seed=4, rank=r, world_size=3) for r in range(3)]
+    for s in three:
+        s.load_state_dict(json.loads(states[0]))
+    left = (1679 - 204) // 3  # 491 each; the 2 windows that do not divide evenly are skipped
+    after = [s.next_batch(left).windows for s in three]
+    for r in range(3):
+        assert np.array_equal(after[r], order[204 + r : 204 + 3 * left : 3])
+    epoch = np.concatenate(before + after)
+    assert len(set(epoch.tolist())) == len(epoch) == 1679 - 2
+    assert {s.epoch for s in three} == {1} and {s.state_dict()["offset"] for s in three} == {0}
+
+
+def test_an_unfinished_out_is_refused(out):
+    (out / "meta.json").unlink()  # what finalize does before it changes the split files
+    with pytest.raises(ValueError, match=f"^{out} is not a finished tokpipe output \\(no meta.json\\)"):
+        Sequences(out)
+
+
+def test_a_damaged_out_or_a_missing_split_or_too_few_windows_is_refused(out):
+    with pytest.raises(ValueError, match="has no split 'test'; its splits: train, validation"):
+        Sequences(out, "test")
+    with pytest.raises(ValueError, match="303,964 tokens: 593 windows of seq_len 512, fewer than world_size 2,000"):
+        Sequences(out, "validation", seq_len=512, world_size=2000)
+    with open(out / "train.bin", "ab") as f:
+        f.write(b"\0\0\0\0")
+    with pytest.raises(ValueError, match="train.bin holds 3,438,816 bytes, meta says 859,703 tokens"):
+        Sequences(out)
+
+
+def test_a_state_from_other_content_seq_len_seed_or_split_is_refused_naming_what_differs(
+    finished_example, finished_bos
+):
+    state = Sequences(finished_example, seq_len=L, seed=0).state_dict()
+    refusals = {
+        "the content of the split differs": Sequences(finished_bos, seq_len=L, seed=0),
+        "seq_len differs \\(512 saved, 1024 here\\)": Sequences(finished_example, seq_len=1024, seed=0),
+        "seed differs \\(0 saved, 1 here\\)": Sequences(finished_example, seq_len=L, seed=1),
+        "split differs \\('train' saved, 'validation' here\\)": Sequences(finished_example, "validation", seq_len=L),
+    }
+    for what, other in refusals.items():
+        with pytest.raises(ValueError, match=f"^cannot load this loader state: .*{what}") as refused:
+            other.load_state_dict(state)
+        assert "\n" not in str(refused.value)
+    with pytest.raises(ValueError, match="the data changed since the state was saved"):
+        Sequences(finished_bos, seq_len=L).load_state_dict(state)
+    with pytest.raises(
+        ValueError,
+        match=r"loader state of format 1 \(format 1, missing split, seq_len, seed, fingerprint, offset\)",
+    ):
+        Sequences(finished_example, seq_len=L).load_state_dict({"format": 1, "epoch": 0})
+
+
+# -- Mixture -----------------------------------------------------------------------------------------------
+
+
+def test_a_mixtures_counts_stay_within_1_with_exact_rows(finished_example, example_reference):
+    seq_len = 2048  # validation: 138 windows, train 419: the smaller source goes through several epochs
+    weights = {"train": 0.55, "validation": 0.45}
+    mix = Mixture(
+        {split: Sequences(finished_example, split, seq_len=seq_len, seed=3) for split in weights},
+        weights=weights,
+    )
+    sources = []
+    references = {"train": example_reference["train"], "validation": example_reference["val"]}
+    for size in (1, 7, 64, 64, 64, 64, 100, 200):
+        batch = mix.next_batch(size)
+        sources += batch.sources
+        for name, row, w in zip(batch.sources, batch.tokens, batch.windows):
+            assert np.array_equal(row, references[name][w * seq_len : w * seq_len + seq_len + 1])
+    for k in range(1, len(sources) + 1):
+        for name, w in weights.items():
+            assert abs(sources[:k].count(name) - k * w / sum(weights.values())) <= 1, (k, name)
+    assert mix.sources["validation"].epoch >= 1 and mix.sources["train"].epoch == 0  # each its own epochs
+
+
+def test_a_mixture_resumes_exactly(finished_example):
+    def mixture():
+        splits = ("train", "validation")
+        return Mixture(
+            {s: Sequences(finished_example, s, seq_len=2048, seed=1) for s in splits}, {s: 1 for s in splits}
+        )
+
+    running = mixture()
+    for _ in range(5):
+        running.next_batch(33)
+    resumed = mixture()
+    resumed.load_state_dict(json.loads(json.dumps(running.state_dict())))
+    for _ in range(10):
+        a, b = running.next_batch(33), resumed.next_batch(33)
+        assert a.sources == b.sources and np.array_equal(a.tokens, b.tokens)
+
+
+def test_a_mixture_refuses_other_tokenizers_and_other_seq_lens(finished_example, finished_small):
+    with pytest.raises(
+        ValueError,
+        match=r"different tokenizers \(a: qwen3@sha256:\w+ \(vocab_size 151669\), "
+        r"b: small_tokenizer0@sha256:\w+ \(vocab_size 600\)\): their ids mean different tokens$",
+    ):
+        Mixture(
+            {"a": Sequences(finished_example, seq_len=64), "b": Sequences(finished_small, seq_len=64)}, {"a": 1, "b": 1}
+        )
+    with pytest.raises(ValueError, match="sources differ in seq_len: {'a': 64, 'b': 128}"):
+        Mixture(
+            {"a": Sequences(finished_example, seq_len=64), "b": Sequences(finished_example, seq_len=128)},
+            {"a": 1, "b": 1},
+        )

@@ -1,0 +1,167 @@
+"""runner/nodes: with --address, every node must see the shards, the tokenizer and OUT at the driver's
+paths. What a node checks, one path at a time; then a real two-node cluster on this machine whose
+second node runs in a mount namespace of its own, with a tmpfs over OUT's parent folder (a node-local
+disk at the same path): the run refuses before any shard is tokenized, in one line naming the node and
+the path, and a node that joins mid-run stops the run with the same line at its first shard."""
+
+import contextlib
+import hashlib
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from helpers import QWEN3, checkpoints, kill_9, run_args, session_processes, start, tokpipe, wait_for, write_jsonl
+
+from tokpipe.layout import node_check_file
+from tokpipe.manifest import build_manifest, write_manifest
+from tokpipe.runner import nodes
+from tokpipe.runner.nodes import NodeCheck, unseen
+from tokpipe.tokenizer import load_tokenizer_info
+
+
+def test_a_node_checks_out_the_tokenizer_and_a_shard_of_each_folder(tmp_path, monkeypatch):
+    data = tmp_path / "data"
+    for name in ("a/1", "a/2", "b/1", "b/2", "c/1"):
+        write_jsonl(data / "train" / f"{name}.jsonl", ['{"text": "hello"}'] * int(name[-1]))
+    manifest = build_manifest(data)
+    shutil.copytree(QWEN3, tmp_path / "tok")
+    info = load_tokenizer_info(tmp_path / "tok")
+    out = tmp_path / "out"
+    (out / "logs").mkdir(parents=True)
+    monkeypatch.setattr(nodes, "SAMPLE", 2)  # every second shard of five
+    monkeypatch.setattr(nodes, "MAX_FOLDERS", 2)  # the first shard of every second folder of three
+    check = NodeCheck.of(manifest, info, out)
+    shard = {name: (str(data / "train" / f"{name}.jsonl"), 18) for name in ("a/1", "b/1", "c/1")}
+    assert check.shards == (shard["a/1"], shard["c/1"], shard["b/1"])  # folders a and c, then shards 0, 2, 4
+    assert (check.out, check.tokenizer, check.tokenizer_sha256) == (str(out), info.path, info.sha256)
+
+    node_check_file(out).write_text(check.token)  # what the driver writes
+    assert unseen(check, "n1") is None
+    assert sorted(p.name for p in (out / "logs").iterdir()) == ["node-check.txt"]  # the node's own file removed
+
+    node_check_file(out).write_text("another run's token")  # a folder of the node's own at OUT's path
+    assert unseen(check, "n1") == (
+        f"sees another folder at OUT {out} than the driver's (without this run's node-check.txt)"
+    )
+    node_check_file(out).write_text(check.token)
+    node_check_file(out, "n1").mkdir()  # its write fails
+    assert unseen(check, "n1") == f"cannot write under OUT {out} (Is a directory)"
+    node_check_file(out, "n1").rmdir()
+    out.rename(tmp_path / "elsewhere")
+    assert unseen(check, "n1") == f"cannot see OUT {out} (No such file or directory)"
+    (tmp_path / "elsewhere").rename(out)
+
+    tokenizer = Path(info.path)
+    original = tokenizer.read_bytes()
+    tokenizer.write_bytes(original + b" ")
+    theirs = hashlib.sha256(original + b" ").hexdigest()
+    assert unseen(check, "n1") == (
+        f"sees another tokenizer at {tokenizer} (sha256 {theirs[:16]}, not the run's {info.sha256[:16]})"
+    )
+    tokenizer.unlink()
+    assert unseen(check, "n1") == f"cannot read the tokenizer {tokenizer} (No such file or directory)"
+    tokenizer.write_bytes(original)
+
+    Path(shard["c/1"][0]).write_text("")  # truncated
+    assert unseen(check, "n1") == f"sees the shard {shard['c/1'][0]} with 0 bytes, not the manifest's 18"
+    (data / "train" / "c").rename(tmp_path / "c")  # a folder not mounted there
+    assert unseen(check, "n1") == f"cannot read the shard {shard['c/1'][0]} (No such file or directory)"
+
+
+# -- a cluster whose second node does not see OUT ---------------------------------------------------------
+
+HF = ("--backend", "hf")  # no backend check to wait for: seconds per run on a busy machine
+
+
+def _text(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+def _can_make_mount_namespaces() -> bool:
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True) if shutil.which("unshare") else None
+    return os.geteuid() == 0 and probe is not None and probe.returncode == 0
+
+
+@pytest.mark.skipif(not _can_make_mount_namespaces(), reason="needs root and unshare -m")
+def test_with_address_a_node_that_cannot_see_out_stops_the_run_naming_node_and_path(tmp_path):
+    # A folder of the same name on the second node's own disk: a tmpfs over OUT's parent, in its namespace.
+    node_local = tmp_path / "node-local"
+    node_local.mkdir()
+    write_jsonl(tmp_path / "data" / "train" / "a.jsonl", ['{"text": "one document"}'] * 3)
+    write_jsonl(tmp_path / "data" / "train" / "b.jsonl", ['{"text": "another"}'] * 3)
+    write_manifest(build_manifest(tmp_path / "data"), tmp_path / "m.json")
+    ray = str(Path(sys.executable).parent / "ray")
+    temp = tempfile.mkdtemp(prefix="tpnodes-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    address = f"127.0.0.1:{random.randint(20000, 29999)}"
+    node_id = "ab" * 28  # Ray's testing hook names the second node, for the exact line
+    blind = f"node 127.0.0.2 ({node_id}) cannot see OUT"
+    advice = (
+        ": every node must see the shards, the tokenizer and OUT at the driver's paths (storage they all mount"
+        " alike); mount it there or take the node out of the cluster, and rerun the same command"
+    )
+    late = second = None
+    sessions = []
+    try:
+        # A head with no CPUs (as large clusters run theirs): a shard waits for a node that has some.
+        head = [ray, "start", "--head", "--port", address.split(":")[1], "--node-ip-address", "127.0.0.1"]
+        head += ["--num-cpus", "0", "--include-dashboard", "false", "--temp-dir", temp, "--disable-usage-stats"]
+        # In sessions of their own: every process of the cluster is found at the end, and stopped.
+        first = subprocess.Popen(
+            head, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        sessions.append(first.pid)
+        assert first.wait(timeout=120) == 0, first.stdout.read()
+
+        # A node that joins mid-run was not probed at the start: it checks itself at its first shard.
+        late_out = node_local / "late"
+        late = start(tmp_path / "m.json", late_out, *HF, ray=address)
+        probed = late_out / "logs" / "run.log"
+        wait_for(lambda: "node check: 1 nodes see" in _text(probed) or late.poll() is not None, timeout=120)
+        inner = (
+            f"mount -t tmpfs none {node_local} && exec {ray} start --address {address} --node-ip-address 127.0.0.2"
+            " --num-cpus 1 --block"
+        )
+        second = subprocess.Popen(
+            ["unshare", "-m", "--propagation", "private", "bash", "-c", inner],
+            env={**env, "RAY_OVERRIDE_NODE_ID_FOR_TESTING": node_id},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        sessions.append(second.pid)
+        assert late.wait(timeout=180) == 2, late.log.read_text()
+        output = late.log.read_text().splitlines()
+        assert output[-1] == f"tokpipe run: error: {blind} {late_out} (No such file or directory){advice}"
+        assert not any(line.startswith(("FAILED", "Traceback")) for line in output), output
+        assert checkpoints(late_out) == []
+
+        # With that node in the cluster from the start, the run refuses before any shard is tokenized.
+        out = node_local / "out"
+        began = time.monotonic()
+        refused = tokpipe(*run_args(tmp_path / "m.json", out, "--address", address, *HF), timeout=180)
+        seconds = time.monotonic() - began
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        assert refused.stderr.splitlines() == [f"tokpipe run: error: {blind} {out} (No such file or directory){advice}"]
+        assert seconds < 60
+        assert not (out / "shards").exists()
+        assert second.poll() is None  # the node was there all along
+    finally:
+        if late is not None and late.poll() is None:
+            kill_9(late)
+        for session in sessions:  # the head's, the second node's (in its namespace), their workers
+            for pid in session_processes(session):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        if second is not None:
+            second.wait()
+        wait_for(lambda: not any(session_processes(session) for session in sessions), timeout=30)
+        shutil.rmtree(temp, ignore_errors=True)

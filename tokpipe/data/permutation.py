@@ -1,0 +1,76 @@
+"""A seeded bijection of range(n) that holds no index array: a keyed Feistel network, cycle-walked.
+
+The Qwen3 incident log's loader needed a shuffled order of every window and `torch.randperm` over them
+ran out of memory (an int64 a window: 5 GB for the 625 million windows of 2,048 tokens in 1.28 T
+tokens, on every rank). Here an order costs six 64-bit round keys whatever n is.
+
+x in range(2**b), the smallest power of 2 >= n, splits into a high and a low half (b - b//2 and b//2
+bits); six rounds mix one half into the other in turn (an unbalanced Feistel network, each round
+invertible), with splitmix64's multiply-xorshift under a round key. A value that lands at n or above is
+encrypted again (cycle walking) until it lands below n: that stays a bijection of range(n), and since
+2**b < 2n, takes fewer than 2 passes on average.
+
+A lookup's cost is per numpy call, not per element (0.4 ms for one pass over 64 or over 4,096 values on
+this machine): callers look up many at once (Sequences takes 4,096 of a rank's windows at a time).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+ROUNDS = 6  # each half mixed into the other 3 times: Luby-Rackoff's 4 balanced rounds, with margin
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S1, _S2 = np.uint64(31), np.uint64(29)
+
+
+class Permutation:
+    """p = Permutation(n, seed): p[i] is i's image in a bijection of range(n), an int for an int and an
+    int64 array for an integer array. Different seeds give unrelated orders."""
+
+    def __init__(self, n: int, seed: int):
+        if n < 0:
+            raise ValueError(f"Permutation of {n} elements: n must be >= 0")
+        self.n, self.seed = int(n), int(seed)
+        bits = max(2, (self.n - 1).bit_length())
+        self.shift = np.uint64(bits // 2)  # the low half's bits
+        self.low_mask = np.uint64((1 << (bits // 2)) - 1)
+        self.high_mask = np.uint64((1 << (bits - bits // 2)) - 1)
+        digest = hashlib.blake2b(f"tokpipe.data.Permutation {self.seed}".encode(), digest_size=8 * ROUNDS).digest()
+        self.keys = np.frombuffer(digest, dtype="<u8").astype(np.uint64)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _encrypt(self, x: np.ndarray) -> np.ndarray:
+        high, low = x >> self.shift, x & self.low_mask
+        for i, key in enumerate(self.keys):
+            source = low if i % 2 == 0 else high
+            z = (source ^ key) * _M1  # splitmix64's finalizer (its first xorshift only mixes the key)
+            z ^= z >> _S1
+            z *= _M2
+            z ^= z >> _S2
+            if i % 2 == 0:
+                high ^= z & self.high_mask
+            else:
+                low ^= z & self.low_mask
+        return (high << self.shift) | low
+
+    def __getitem__(self, i):
+        scalar = np.ndim(i) == 0
+        x = np.asarray(i)
+        if x.dtype.kind not in "iu":
+            raise TypeError(f"Permutation indices must be integers, not {x.dtype}")
+        if x.size and (x.min() < 0 or x.max() >= self.n):
+            bad = x.min() if x.min() < 0 else x.max()
+            raise IndexError(f"index {int(bad)} is out of range for a Permutation of {self.n}")
+        y = self._encrypt(x.astype(np.uint64).reshape(-1))
+        outside = np.flatnonzero(y >= self.n)
+        while outside.size:  # only the values still outside range(n) take another pass
+            y[outside] = self._encrypt(y[outside])
+            outside = outside[y[outside] >= self.n]
+        return int(y[0]) if scalar else y.astype(np.int64).reshape(x.shape)
+
+    def __repr__(self) -> str:
+        return f"Permutation({self.n}, seed={self.seed})"

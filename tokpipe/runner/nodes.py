@@ -1,0 +1,177 @@
+"""On a cluster (--address), every node must see the shards, the tokenizer and OUT at the driver's
+paths: storage that all of them mount alike. That is checked before any shard is tokenized, by a
+zero-CPU probe task pinned to each alive node; a node that joins later (or whose probe did not answer
+in time) checks itself in its first task, once per worker process. A node that cannot see a path
+stops the run with one line naming the node and the path (exit 2). Unchecked, such a node failed
+every shard it took on whichever file of OUT it opened first (a stall dump's), or worse, wrote
+shards to a disk of its own where the driver never sees them.
+
+What a node checks (`unseen`), and why that is enough:
+- OUT: it reads back the token the driver wrote there for this run (a folder of the node's own at
+  the same path lacks it), then writes, fsyncs and removes a file of its own beside it.
+- the tokenizer.json, read whole: its sha256 must be the run's (a copy of another version would
+  encode other ids). Workers read no other file of the tokenizer.
+- the shards: one in each folder the manifest's shards lie in (at most MAX_FOLDERS, spread evenly)
+  and SAMPLE more spread over the manifest, each opened, its size the manifest's. Every file of a
+  folder lies on that folder's mount, so one per folder reaches every mount the shards are on; the
+  sample catches a partial copy. Not every shard: 60,000 shards on hundreds of nodes would be
+  millions of round trips to the shared storage, for what a few hundred prove.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import stat
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from tokpipe.durability import write_atomic
+from tokpipe.errors import NodeError, UserError
+from tokpipe.layout import RUN_LOG, node_check_file
+from tokpipe.manifest import Manifest
+from tokpipe.tokenizer import TokenizerInfo
+
+MAX_FOLDERS = 256  # of the shards' folders, one shard each
+SAMPLE = 32  # shards more, spread over the manifest
+PROBE_SECONDS = 30  # a node that has not answered by then checks itself in its first task
+
+
+@dataclass(frozen=True)
+class NodeCheck:
+    """What every node must see, at these paths."""
+
+    out: str
+    token: str  # this run's, in OUT's node-check file
+    tokenizer: str  # the tokenizer.json
+    tokenizer_sha256: str
+    shards: tuple[tuple[str, int], ...]  # (path, size) of the shards each node opens
+    checked: frozenset[str] = frozenset()  # ids of the nodes whose probe passed
+
+    @classmethod
+    def of(cls, manifest: Manifest, info: TokenizerInfo, out: Path) -> NodeCheck:
+        """The shards to open (one pass over the manifest) and a new token."""
+        step = max(1, sum(manifest.counts.values()) // SAMPLE)
+        firsts: dict[str, tuple[str, int]] = {}  # folder -> its first shard
+        sample = []
+        for i, shard in enumerate(manifest.shards()):
+            firsts.setdefault(os.path.dirname(shard.path), (shard.path, shard.size))
+            if i % step == 0:
+                sample.append((shard.path, shard.size))
+        folders = list(firsts.values())
+        folders = folders[:: -(-len(folders) // MAX_FOLDERS)]
+        shards = tuple(dict.fromkeys(folders + sample))
+        return cls(str(out), secrets.token_hex(16), info.path, info.sha256, shards)
+
+
+def unseen(check: NodeCheck, who: str) -> str | None:
+    """What this machine cannot see of what the run needs, in a few words; None when it sees it all.
+    `who` names the file it writes under OUT (unique among the processes that check at once)."""
+    out = Path(check.out)
+    try:
+        token = node_check_file(out).read_text()
+    except OSError as e:
+        if not out.is_dir():
+            return f"cannot see OUT {out} ({e.strerror})"
+        token = None
+    if token != check.token:
+        return f"sees another folder at OUT {out} than the driver's (without this run's {node_check_file(out).name})"
+    mine = node_check_file(out, who)
+    try:
+        with open(mine, "wb") as f:
+            f.write(check.token.encode())
+            os.fsync(f.fileno())
+        mine.unlink()
+    except OSError as e:
+        return f"cannot write under OUT {out} ({e.strerror})"
+    try:
+        digest = hashlib.sha256(Path(check.tokenizer).read_bytes()).hexdigest()
+    except OSError as e:
+        return f"cannot read the tokenizer {check.tokenizer} ({e.strerror})"
+    if digest != check.tokenizer_sha256:
+        theirs = f"sha256 {digest[:16]}, not the run's {check.tokenizer_sha256[:16]}"
+        return f"sees another tokenizer at {check.tokenizer} ({theirs})"
+    for path, size in check.shards:
+        try:
+            if not stat.S_ISREG(os.stat(path).st_mode):  # a pipe: opening it would wait for a writer
+                continue
+            with open(path, "rb") as f:
+                found = os.fstat(f.fileno()).st_size
+        except OSError as e:
+            return f"cannot read the shard {path} ({e.strerror})"
+        if found != size:
+            return f"sees the shard {path} with {found:,} bytes, not the manifest's {size:,}"
+    return None
+
+
+def refusal(problems: list[str]) -> str:
+    """The one line that stops the run: the first node's problem, how many more, what to do."""
+    more = f" (and {len(problems) - 1} more nodes, in OUT/logs/{RUN_LOG})" if len(problems) > 1 else ""
+    return (
+        f"{problems[0]}{more}: every node must see the shards, the tokenizer and OUT at the driver's paths"
+        " (storage they all mount alike); mount it there or take the node out of the cluster, and rerun the"
+        " same command"
+    )
+
+
+def _node() -> str:
+    return f"node {ray.util.get_node_ip_address()} ({ray.get_runtime_context().get_node_id()})"
+
+
+def _probe(check: NodeCheck) -> str | None:
+    problem = unseen(check, ray.get_runtime_context().get_node_id())
+    return problem and f"{_node()} {problem}"
+
+
+def check_nodes(manifest: Manifest, info: TokenizerInfo, out: Path, log) -> ray.ObjectRef:
+    """Probe every alive node; refuse (UserError) if one cannot see what the run needs. Returns the
+    NodeCheck, in Ray's object store, that the tasks take (and check on a node not probed here)."""
+    check = NodeCheck.of(manifest, info, out)
+    write_atomic(node_check_file(out), check.token.encode())
+    probe = ray.remote(num_cpus=0, max_retries=0, name="tokpipe node check")(_probe)
+    nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    refs = {
+        probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(check): node
+        for node in nodes
+    }
+    answered, late = ray.wait(list(refs), num_returns=len(refs), timeout=PROBE_SECONDS)
+    problems, passed = [], set()
+    for ref in answered:
+        try:
+            problem = ray.get(ref)
+        except ray.exceptions.RayError:  # the node (or its worker) died meanwhile: it checks itself if back
+            continue
+        if problem:
+            problems.append(problem)
+        else:
+            passed.add(refs[ref])
+    for ref in late:
+        ray.cancel(ref)
+    for problem in problems:
+        log(f"node check: {problem}")
+    if problems:
+        raise UserError(refusal(problems))
+    unchecked = f"; {len(nodes) - len(passed)} did not answer in {PROBE_SECONDS}s, checked at their first task"
+    log(
+        f"node check: {len(passed)} nodes see OUT, the tokenizer and {len(check.shards)} shards"
+        f"{unchecked if len(passed) < len(nodes) else ''}"
+    )
+    return ray.put(replace(check, checked=frozenset(passed)))
+
+
+_passed: set[str] = set()  # tokens of the checks this worker process passed
+
+
+def ensure_seen(check: NodeCheck | None) -> None:
+    """In a task, before it touches a path: a node the driver did not probe checks itself, once per
+    worker process, and raises NodeError if it cannot see what the run needs."""
+    if check is None or check.token in _passed:
+        return
+    node = ray.get_runtime_context().get_node_id()
+    if node not in check.checked and (problem := unseen(check, f"{node}-{os.getpid()}")):
+        raise NodeError(refusal([f"{_node()} {problem}"]))
+    _passed.add(check.token)
