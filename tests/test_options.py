@@ -223,6 +223,11 @@ def test_group_by_keeps_each_group_in_files_of_its_own_with_exact_counts(tmp_pat
         assert meta["splits"][split]["documents"] == sum(d for _, d, _ in reference.values())
         missing = reference["__missing__"][1]
         assert f"{missing:,} documents without {GROUP_FIELD} are in group __missing__" in result.stdout
+    skipped = json.loads((out / "logs" / "skipped.json").read_text())["shards"]  # each shard's documents
+    by_shard = {path.name: len(reference_texts(path)) for path in snapshot_files(dataset, "train")}
+    assert {
+        s["shard"].rsplit("/", 1)[1]: s["documents"] for s in skipped if s["shard"].startswith("train/")
+    } == by_shard
     assert not failed_checks(out)
     assert all(c.ok for c in verify_sample(out, 40))
 

@@ -31,6 +31,9 @@ def write_skip_log(out: Path, splits: dict[str, dict]) -> None:
         for r in read_parts(out / entry["parts"]):
             if r.get("skipped") or r.get("repaired"):
                 fields = {k: r[k] for k in ("shard", "lines", "documents", "skipped", "repaired")}
+                # the shard's documents, wherever they went (its own part's count without --group-by; with it,
+                # the accounting line has none of its own): lines = documents + skipped + held out
+                fields["documents"] = r["lines"] - sum(r["skipped"].values()) - r.get("held_out", 0)
                 entries.append(json.dumps({**fields, "first": r.get("first_skipped", [])}))
     path = log_file(out, SKIPPED)
     path.parent.mkdir(exist_ok=True)
