@@ -274,3 +274,22 @@ def test_a_split_rewritten_later_leaves_its_exported_links_alone(out, example_re
     finalize(out, MANIFEST, INFO, OPTIONS)
     assert_out_is(out, example_reference)
     assert exported.read_bytes() == before and os.stat(exported).st_nlink == 1
+
+
+def test_a_split_with_more_groups_than_allowed_is_refused_as_its_shards_show_it(tmp_path, monkeypatch):
+    """--group-by: shards with few values each can add up to more than a split may have groups; the
+    assembly refuses the split as soon as the done shards show it, naming the field and a few values."""
+    from helpers import GROUP_FIELD, build_out
+
+    from tokpipe.errors import TooManyGroups
+
+    options = RunOptions(group_by=GROUP_FIELD)
+    out = build_out(tmp_path / "out", QWEN3, options=options, finalized=False)
+    monkeypatch.setattr("tokpipe.assembly.MAX_GROUPS", 3)
+    with pytest.raises(
+        TooManyGroups,
+        match=r"^--group-by meta.redpajama_set_name: split train has more than 3 distinct values \(e.g. 'RedPajamaC4',"
+        r" 'RedPajamaCommonCrawl', 'RedPajamaGithub'\)",
+    ):
+        finalize(out, MANIFEST, INFO, options)
+    assert not (out / "meta.json").exists()
