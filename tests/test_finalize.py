@@ -293,3 +293,40 @@ def test_a_split_with_more_groups_than_allowed_is_refused_as_its_shards_show_it(
     ):
         finalize(out, MANIFEST, INFO, options)
     assert not (out / "meta.json").exists()
+
+
+@pytest.mark.parametrize("part_gone", [False, True])
+def test_a_grouped_split_resumes_after_some_of_a_shards_group_parts_were_listed(tmp_path, grouped_reference, part_gone):
+    """--group-by: a crash after some of a shard's parts were placed and listed (its accounting line and two
+    of its groups) and the rest not: the rerun keeps exactly those, places the others at their offsets in
+    their groups' files, and every group's file is its reference. If a part not yet placed lost its file,
+    the shard is tokenized again, and its listed parts stay where they are."""
+    from helpers import GROUP_FIELD, build_out
+
+    options = RunOptions(group_by=GROUP_FIELD)
+    out = build_out(tmp_path / "out", QWEN3, options=options, finalized=False)
+    first = Assembler(out, MANIFEST, 4, options)
+    parts = first.ready()
+    assert [(p.name, p.group) for p in parts[:5]] == [
+        (TRAIN_0, None),
+        (TRAIN_0, "RedPajamaC4"),
+        (TRAIN_0, "RedPajamaCommonCrawl"),
+        (TRAIN_0, "RedPajamaGithub"),
+        (TRAIN_0, "RedPajamaWikipedia"),
+    ]
+    first.placed(parts[:3], place(out, parts[:3], 4))  # then the process dies
+    assert len((out / "train.parts.tmp").read_bytes().splitlines()) == 3
+    if part_gone:
+        ShardFiles.of(out, next(MANIFEST.shards())).group(False, "RedPajamaGithub")[0].unlink()
+    resumed = Assembler(out, MANIFEST, 4, options)
+    assert resumed.lost == ([TRAIN_0] if part_gone else []) and resumed.splits[0].listed == 3
+    if part_gone:  # as the run does: the shard again, to the same bytes
+        tokenize_shard(next(MANIFEST.shards()), out, unguarded(options.encode_spec(INFO, "gigatoken")))
+    assert [p.group for p in resumed.ready()][:2] == ["RedPajamaGithub", "RedPajamaWikipedia"]
+    meta = finalize(out, MANIFEST, INFO, options)
+    for split, stem in (("train", "train"), ("validation", "val")):
+        for group, (tokens, documents, _) in grouped_reference[stem].items():
+            entry = meta["splits"][split]["groups"][group]
+            assert (entry["tokens"], entry["documents"]) == (len(tokens), documents)
+            assert np.array_equal(np.fromfile(out / entry["file"], dtype=np.uint32), tokens)
+    assert [c.name for c in verify(out) if not c.ok] == []
