@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -129,23 +130,27 @@ def main() -> None:
     parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "tokpipe-bench")
     args = parser.parse_args()
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    seconds = throughput(args.source, args.work_dir, args.runs, args.workers)
-    for name, runs in seconds.items():
+    result = {"runs": throughput(args.source, args.work_dir, args.runs, args.workers)}
+    for name, runs in result["runs"].items():
         tokenize = [t for t, _ in runs]
         print(
             f"{name:8} tokenize {statistics.median(tokenize):.2f} s median of {', '.join(f'{t:.2f}' for t in tokenize)}"
             f"; wall {statistics.median(w for _, w in runs):.1f} s"
         )
-    for name, seconds in worker_cost(args.source, args.work_dir, args.runs).items():
+    result["worker_s"] = worker_cost(args.source, args.work_dir, args.runs)
+    for name, seconds in result["worker_s"].items():
         print(f"{name:8} one worker, every shard in process: {seconds:.2f} s (fastest of {args.runs})")
+    result["part_ms"], result["assembly_ms"] = {}, {}
     with tempfile.TemporaryDirectory(dir=args.work_dir) as folder:
         for size in (4 << 10, 1 << 20):
-            cost = part_cost(Path(folder), args.parts, size)
-            print(f"per extra part of {size >> 10} KiB: {cost * 1e3:.2f} ms (create, write, 2 fsyncs, copy, unlink)")
+            result["part_ms"][size] = 1e3 * part_cost(Path(folder), args.parts, size)
+            what = "create, write, 2 fsyncs, copy, unlink"
+            print(f"per extra part of {size >> 10} KiB: {result['part_ms'][size]:.2f} ms ({what})")
     for groups in (0, 7):
         with tempfile.TemporaryDirectory(dir=args.work_dir) as folder:
-            cost = assembly_cost(Path(folder), args.parts, groups)
-            print(f"driver's assembly per shard, {groups or 'no'} groups: {cost * 1e3:.2f} ms")
+            result["assembly_ms"][groups] = 1e3 * assembly_cost(Path(folder), args.parts, groups)
+            print(f"driver's assembly per shard, {groups or 'no'} groups: {result['assembly_ms'][groups]:.2f} ms")
+    (args.work_dir / "groups.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -55,11 +55,12 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_verify(args) -> int:
-    from tokpipe.sample import verify_sample
     from tokpipe.verify import as_json, report, verify
 
     checks = verify(args.out, args.jobs)
     if args.sample and all(c.ok for c in checks):
+        from tokpipe.sample import verify_sample  # the reference encoder and the sources: only for --sample
+
         checks += verify_sample(args.out, args.sample, args.seed, args.tokenizer)
     print(as_json(checks) if args.json else report(checks))
     return EXIT_OK if all(c.ok for c in checks) else EXIT_FAILED

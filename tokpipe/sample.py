@@ -12,7 +12,12 @@ from pathlib import Path
 
 import numpy as np
 
-from tokpipe.layout import delimiters, load_meta_pkl
+from tokpipe.layout import Checkpoint, delimiters, load_meta_pkl, sources, split_file_stem
+from tokpipe.manifest import load_manifest
+from tokpipe.output import open_output
+from tokpipe.shard import held_out
+from tokpipe.source import read_batches
+from tokpipe.tokenizer import PIECE_CHARS, HFEncoder, tokenizer_json_path
 from tokpipe.verify import Check
 
 
@@ -21,13 +26,6 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
     compare them with their span in the bins: an independent check of the backend and of the offsets.
     A document over PIECE_CHARS is re-encoded a piece at a time, exactly as whole (tokenizer.Encoder),
     so the check's memory is a piece's, not the document's: `tokenizers` needs 150-350 bytes a character."""
-    from tokpipe.layout import Checkpoint, sources, split_file_stem
-    from tokpipe.manifest import load_manifest
-    from tokpipe.output import open_output
-    from tokpipe.shard import held_out
-    from tokpipe.source import read_batches
-    from tokpipe.tokenizer import PIECE_CHARS, HFEncoder, tokenizer_json_path
-
     out = Path(out)
     meta = load_meta_pkl(out / "meta.pkl")
     json_path = tokenizer_json_path(tokenizer or meta["tokenizer_path"])
