@@ -21,6 +21,7 @@ from helpers import (
     EXAMPLE_CACHE,
     EXAMPLE_HOLDOUT_FILES,
     EXAMPLE_TRAIN_FILES,
+    GROUP_FIELD,
     QWEN3,
     QWEN3_EOS,
     SESSION_RAY_ENV,
@@ -29,6 +30,7 @@ from helpers import (
     build_out,
     crash_in_batch,
     plain_copy_of_example,
+    reference_by_group,
     reference_texts,
     reference_tokens,
     shard_workers,
@@ -165,6 +167,26 @@ def finished_bos(tmp_path_factory) -> Path:
 
     options = RunOptions(bos=True, bos_token="<|im_start|>")
     return build_out(tmp_path_factory.mktemp("finished_bos") / "out", QWEN3, options=options)
+
+
+@pytest.fixture(scope="session")
+def finished_grouped(tmp_path_factory) -> Path:
+    """A finished OUT of the example with --group-by meta.redpajama_set_name (4 groups a split). Copy before
+    changing it."""
+    from tokpipe.options import RunOptions
+
+    options = RunOptions(group_by=GROUP_FIELD)
+    return build_out(tmp_path_factory.mktemp("finished_grouped") / "out", QWEN3, options=options)
+
+
+@pytest.fixture(scope="session")
+def grouped_reference() -> dict[str, dict[str, tuple]]:
+    """The example's groups by meta.redpajama_set_name, per split stem: group -> (tokens, documents, text bytes)."""
+    tokenizer = QWEN3 / "tokenizer.json"
+    return {
+        stem: reference_by_group(files, tokenizer, GROUP_FIELD, QWEN3_EOS)
+        for stem, files in (("train", EXAMPLE_TRAIN_FILES), ("val", EXAMPLE_HOLDOUT_FILES))
+    }
 
 
 @pytest.fixture

@@ -88,6 +88,45 @@ def reference_texts(path: Path, text_field: str = "text") -> list[str]:
     return texts
 
 
+def reference_groups(path: Path, field: str, text_field: str = "text") -> list[str]:
+    """Each document's --group-by group, in the order of reference_texts: the value at the dotted path as
+    a string (another JSON value as its JSON text), "__missing__" where the path leads nowhere or to null."""
+    raw = path.read_bytes()
+    if raw[:4] == b"\x28\xb5\x2f\xfd":
+        raw = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw), read_across_frames=True).read()
+    groups = []
+    for line in io.TextIOWrapper(io.BytesIO(raw), encoding="utf-8-sig", errors="replace"):
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict) and isinstance(obj.get(text_field), str) and obj[text_field]:
+            value = obj
+            for key in field.split("."):
+                value = value.get(key) if isinstance(value, dict) else None
+            if value is None:
+                groups.append("__missing__")
+            else:
+                groups.append(value if isinstance(value, str) else json.dumps(value, separators=(",", ":")))
+    return groups
+
+
+def reference_by_group(
+    paths: list[Path], tokenizer_json: Path, field: str, eos_id: int, keep=None
+) -> dict[str, tuple[np.ndarray, int, int]]:
+    """group -> (its tokens, its documents, their texts' UTF-8 bytes): each document's ids and EOS, the files
+    in the order given, a group's documents in file order; `keep(text)` as for reference_tokens."""
+    found: dict[str, list] = {}
+    for path in paths:
+        for (text, ids), group in zip(reference_documents(path, tokenizer_json), reference_groups(path, field)):
+            if keep is None or keep(text):
+                found.setdefault(group, []).append((np.append(ids, eos_id).astype(np.uint32), len(text.encode())))
+    return {
+        group: (np.concatenate([t for t, _ in docs]), len(docs), sum(b for _, b in docs))
+        for group, docs in sorted(found.items())
+    }
+
+
 def long_document(chars: int) -> str:
     """One document of `chars` characters of real text: the example's train documents joined by newlines
     (2.09 M characters), for what tokpipe does with a document longer than its pieces (tokpipe.pieces)."""
@@ -201,6 +240,30 @@ def plain_copy_of_example(dest: Path) -> Path:
         target = dest / link.relative_to(EXAMPLE_SNAPSHOT)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(link.read_bytes())
+    return dest
+
+
+GROUP_FIELD = "meta.redpajama_set_name"  # the example's source of each document (SlimPajama's field)
+
+
+def grouped_copy_of_example(dest: Path) -> Path:
+    """The example's shards as a plain folder with harder groups: every 5th document's source is renamed to
+    a value no file name may hold as it is ("Web/Forum ö"), every 7th loses its meta (group __missing__)."""
+    for link in EXAMPLE_SNAPSHOT.rglob("*.jsonl.zst"):
+        raw = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(link.read_bytes()), read_across_frames=True)
+        lines = []
+        for i, line in enumerate(raw.read().splitlines()):
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                lines.append(line)
+                continue
+            if i % 7 == 3:
+                del obj["meta"]
+            elif i % 5 == 1:
+                obj["meta"]["redpajama_set_name"] = "Web/Forum ö"
+            lines.append(json.dumps(obj))
+        write_jsonl(dest / link.relative_to(EXAMPLE_SNAPSHOT), lines, "zstd")
     return dest
 
 

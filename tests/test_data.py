@@ -293,3 +293,33 @@ def test_a_mixture_refuses_other_tokenizers_and_other_seq_lens(finished_example,
             {"a": Sequences(finished_example, seq_len=64), "b": Sequences(finished_example, seq_len=128)},
             {"a": 1, "b": 1},
         )
+
+
+# -- groups (--group-by) ---------------------------------------------------------------------------------
+
+
+def test_a_group_alone_gives_the_windows_of_its_reference_tokens(finished_grouped, grouped_reference):
+    """Sequences(..., group=VALUE): the windows of one group of the split, as if it were a split of its own."""
+    for group, (tokens, _, _) in grouped_reference["train"].items():
+        s = Sequences(finished_grouped, "train", seq_len=64, group=group)
+        assert len(s) == (len(tokens) - 1) // 64
+        batch = s.next_batch(len(s))
+        for row, w in zip(batch.tokens, batch.windows):
+            assert np.array_equal(row, tokens[w * 64 : w * 64 + 65])
+    with pytest.raises(ValueError, match=r"^split train of .* has no group 'Books'; its groups: RedPajamaC4, "):
+        Sequences(finished_grouped, "train", seq_len=64, group="Books")
+
+
+def test_a_mixture_of_one_outs_groups_mixes_them_at_any_weights_without_tokenizing_again(
+    finished_grouped, grouped_reference
+):
+    reference = grouped_reference["train"]
+    weights = {"RedPajamaCommonCrawl": 1, "RedPajamaGithub": 2, "RedPajamaWikipedia": 1}  # not the token shares
+    mix = Mixture({g: Sequences(finished_grouped, "train", seq_len=128, seed=5, group=g) for g in weights}, weights)
+    batch = mix.next_batch(200)
+    for name, row, w in zip(batch.sources, batch.tokens, batch.windows):
+        assert np.array_equal(row, reference[name][0][w * 128 : w * 128 + 129])
+    assert [batch.sources.count(g) for g in weights] == [50, 100, 50]
+    state = Sequences(finished_grouped, "train", seq_len=128, group="RedPajamaGithub").state_dict()
+    with pytest.raises(ValueError, match="fingerprint"):  # a group's state is no other group's
+        Sequences(finished_grouped, "train", seq_len=128, group="RedPajamaWikipedia").load_state_dict(state)

@@ -173,6 +173,27 @@ def test_exports_keep_the_delimiters_the_run_placed(tmp_path):
         assert all(t[0] == 151644 for t in shards)  # each llm.c shard starts where a document does
 
 
+def test_a_grouped_output_exports_a_megatron_prefix_per_group_and_its_token_weighted_blend(
+    finished_grouped, grouped_reference, tmp_path
+):
+    """--group-by: Megatron gets DEST/<split>/<group>.bin/.idx per group, and the command line weighs each
+    group by its share of the split's tokens: `--train-data-path W1 PREFIX1 W2 PREFIX2 ...`."""
+    dest = tmp_path / "megatron"
+    result = tokpipe("export", finished_grouped, "--format", "megatron", "--dest", dest)
+    assert result.returncode == 0, result.stderr
+    flags = []
+    for stem, flag in (("train", "--train-data-path"), ("val", "--valid-data-path")):
+        reference = grouped_reference[stem]
+        total = sum(len(t) for t, _, _ in reference.values())
+        flags.append(flag)
+        for group, (tokens, documents, _) in reference.items():
+            assert np.array_equal(np.fromfile(dest / stem / f"{group}.bin", dtype=np.int32), tokens)
+            idx = (dest / stem / f"{group}.idx").read_bytes()
+            assert struct.unpack("<Q", idx[18:26])[0] == documents
+            flags += [f"{len(tokens) / total:.6f}", str(dest / stem / group)]
+    assert f"Megatron-LM: {' '.join(flags)} --tokenizer-type" in result.stdout
+
+
 # -- megatron: the split file's bytes, linked where they can be ------------------------------------------
 
 

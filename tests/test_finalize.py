@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from helpers import EXAMPLE_CACHE, QWEN3, assert_out_is, unguarded
 
-from tokpipe.finalize import Assembler, finalize, place
+from tokpipe.assembly import Assembler, place
+from tokpipe.finalize import finalize
 from tokpipe.layout import ShardFiles
 from tokpipe.manifest import build_manifest
 from tokpipe.options import RunOptions
@@ -173,11 +174,11 @@ def test_a_placed_shard_gives_its_space_back_and_keeps_its_checkpoint(out, examp
 # A real kill -9 of a process finalizing, at each step of place-then-remove: (what to wrap, which of
 # its calls kills, counting only calls whose first argument names a shard's token file when "shards").
 KILL_POINTS = {
-    "while copying a part": ("tokpipe.finalize.copy_range", 2, ""),
-    "after the copies are fsynced, before they are listed": ("tokpipe.finalize.Assembler.placed", 1, ""),
+    "while copying a part": ("tokpipe.assembly.copy_range", 2, ""),
+    "after the copies are fsynced, before they are listed": ("tokpipe.assembly.Assembler.placed", 1, ""),
     "after the listing, before the part's .bin is removed": ("pathlib.Path.unlink", 1, "/shards/"),
     "between removing a part's .bin and its .idx": ("pathlib.Path.unlink", 2, "/shards/"),
-    "after the removal, before the split files are renamed": ("tokpipe.finalize.Assembler.finish", 1, ""),
+    "after the removal, before the split files are renamed": ("tokpipe.assembly.Assembler.finish", 1, ""),
 }
 
 KILLED_FINALIZE = """
@@ -273,3 +274,59 @@ def test_a_split_rewritten_later_leaves_its_exported_links_alone(out, example_re
     finalize(out, MANIFEST, INFO, OPTIONS)
     assert_out_is(out, example_reference)
     assert exported.read_bytes() == before and os.stat(exported).st_nlink == 1
+
+
+def test_a_split_with_more_groups_than_allowed_is_refused_as_its_shards_show_it(tmp_path, monkeypatch):
+    """--group-by: shards with few values each can add up to more than a split may have groups; the
+    assembly refuses the split as soon as the done shards show it, naming the field and a few values."""
+    from helpers import GROUP_FIELD, build_out
+
+    from tokpipe.errors import TooManyGroups
+
+    options = RunOptions(group_by=GROUP_FIELD)
+    out = build_out(tmp_path / "out", QWEN3, options=options, finalized=False)
+    monkeypatch.setattr("tokpipe.assembly.MAX_GROUPS", 3)
+    with pytest.raises(
+        TooManyGroups,
+        match=r"^--group-by meta.redpajama_set_name: split train has more than 3 distinct values \(e.g. 'RedPajamaC4',"
+        r" 'RedPajamaCommonCrawl', 'RedPajamaGithub'\)",
+    ):
+        finalize(out, MANIFEST, INFO, options)
+    assert not (out / "meta.json").exists()
+
+
+@pytest.mark.parametrize("part_gone", [False, True])
+def test_a_grouped_split_resumes_after_some_of_a_shards_group_parts_were_listed(tmp_path, grouped_reference, part_gone):
+    """--group-by: a crash after some of a shard's parts were placed and listed (its accounting line and two
+    of its groups) and the rest not: the rerun keeps exactly those, places the others at their offsets in
+    their groups' files, and every group's file is its reference. If a part not yet placed lost its file,
+    the shard is tokenized again, and its listed parts stay where they are."""
+    from helpers import GROUP_FIELD, build_out
+
+    options = RunOptions(group_by=GROUP_FIELD)
+    out = build_out(tmp_path / "out", QWEN3, options=options, finalized=False)
+    first = Assembler(out, MANIFEST, 4, options)
+    parts = first.ready()
+    assert [(p.name, p.group) for p in parts[:5]] == [
+        (TRAIN_0, None),
+        (TRAIN_0, "RedPajamaC4"),
+        (TRAIN_0, "RedPajamaCommonCrawl"),
+        (TRAIN_0, "RedPajamaGithub"),
+        (TRAIN_0, "RedPajamaWikipedia"),
+    ]
+    first.placed(parts[:3], place(out, parts[:3], 4))  # then the process dies
+    assert len((out / "train.parts.tmp").read_bytes().splitlines()) == 3
+    if part_gone:
+        ShardFiles.of(out, next(MANIFEST.shards())).group(False, "RedPajamaGithub")[0].unlink()
+    resumed = Assembler(out, MANIFEST, 4, options)
+    assert resumed.lost == ([TRAIN_0] if part_gone else []) and resumed.splits[0].listed == 3
+    if part_gone:  # as the run does: the shard again, to the same bytes
+        tokenize_shard(next(MANIFEST.shards()), out, unguarded(options.encode_spec(INFO, "gigatoken")))
+    assert [p.group for p in resumed.ready()][:2] == ["RedPajamaGithub", "RedPajamaWikipedia"]
+    meta = finalize(out, MANIFEST, INFO, options)
+    for split, stem in (("train", "train"), ("validation", "val")):
+        for group, (tokens, documents, _) in grouped_reference[stem].items():
+            entry = meta["splits"][split]["groups"][group]
+            assert (entry["tokens"], entry["documents"]) == (len(tokens), documents)
+            assert np.array_equal(np.fromfile(out / entry["file"], dtype=np.uint32), tokens)
+    assert [c.name for c in verify(out) if not c.ok] == []

@@ -133,3 +133,23 @@ def test_wrong_or_missing_tokenizer_is_a_user_error(out, small_tokenizer):
     assert result.returncode == 2 and "pass it with --tokenizer" in result.stderr
     assert tokpipe("inspect", out, "-n", "1", "--tokenizer", QWEN3).returncode == 0
     assert "there are: train, validation" in tokpipe("inspect", out, "--split", "dev", "--tokenizer", QWEN3).stderr
+
+
+def test_an_unfinished_grouped_run_is_inspected_through_each_shards_group_parts(tmp_path, grouped_reference):
+    """--group-by, before finalize: a split is read from its shards' parts of every group, as far as their
+    checkpoints cover them."""
+    from helpers import GROUP_FIELD, build_out
+
+    from tokpipe.inspect import open_source
+    from tokpipe.options import RunOptions
+
+    out = build_out(tmp_path / "out", QWEN3, options=RunOptions(group_by=GROUP_FIELD), finalized=False)
+    for stem, reference in grouped_reference.items():
+        source = open_source(out, stem)
+        assert not source.finished and len(source.files) == {"train": 7, "val": 4}[stem]  # (shard, group) parts
+        assert source.tokens == sum(len(t) for t, _, _ in reference.values())
+        assert source.documents == sum(d for _, d, _ in reference.values())
+        assert np.array_equal(
+            np.sort(np.concatenate([f.tokens for f in source.files])),
+            np.sort(np.concatenate([t for t, _, _ in reference.values()])),
+        )

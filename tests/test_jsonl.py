@@ -142,3 +142,38 @@ def test_a_checkpoint_past_the_end_of_the_file_is_an_error(tmp_path):
     path = write_jsonl(tmp_path / "x.jsonl", ['{"text": "short"}'])
     with pytest.raises(SourceError, match="shorter than its checkpoint"):
         read_all(path, start_line=5, start_offset=1000)
+
+
+def test_group_by_takes_each_documents_value_at_a_dotted_path_as_a_string(tmp_path):
+    """--group-by: the value at the path, a string as it is and any other value as its JSON text; a line
+    without it (or with null there) is in group __missing__; skipped lines have no group."""
+    path = write_jsonl(
+        tmp_path / "g.jsonl",
+        [
+            '{"text": "a", "meta": {"set": "Books"}}',
+            '{"text": "", "meta": {"set": "Skipped"}}',
+            '{"text": "b", "meta": {"set": 5}}',
+            '{"text": "c", "meta": {}}',
+            '{"text": "d"}',
+            '{"text": "e", "meta": {"set": null}}',
+            '{"text": "f", "meta": "flat"}',
+            '{"text": "g", "meta.set": "dotted key"}',
+            '{"text": "h", "meta": {"set": ["x", 1]}}',
+            b'{"text": "i \xff", "meta": {"set": "repaired line"}}',
+        ],
+    )
+    texts, skipped, batches = read_all(path, group_by="meta.set", batch_bytes=40)
+    assert texts == ["a", "b", "c", "d", "e", "f", "g", "h", "i \ufffd"]
+    assert [g for b in batches for g in b.groups] == [
+        "Books",
+        "5",
+        "__missing__",
+        "__missing__",
+        "__missing__",
+        "__missing__",
+        "dotted key",
+        '["x",1]',
+        "repaired line",
+    ]
+    assert skipped == Counter(empty_text=1)
+    assert all(b.groups == [] for b in read_all(path)[2])  # without --group-by

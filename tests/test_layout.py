@@ -4,6 +4,7 @@ split files' names, meta.pkl read without executing anything, and OUT's lock: he
 naming it, refusing a second run, dropped by the kernel when the run dies."""
 
 import fcntl
+import hashlib
 import json
 import os
 import pickle
@@ -139,3 +140,18 @@ def test_a_second_run_on_the_same_out_is_refused_while_the_first_holds_it(manife
         f"tokpipe run: error: {out} is in use by another tokpipe run (pid 4242 on elsewhere); wait for it to "
         "finish or stop it\n"
     )
+
+
+def test_a_group_value_becomes_a_safe_file_name_and_no_two_values_share_one():
+    """--group-by: a value that is a safe name names its files as it is; any other gets its unsafe
+    characters made `_` and 8 hex digits of its sha256, so "a/b", "a b" and "a_b" stay apart."""
+    from tokpipe.layout import group_stem
+
+    assert group_stem("RedPajamaCommonCrawl") == "RedPajamaCommonCrawl"
+    assert group_stem("__missing__") == "__missing__"
+    values = ["a/b", "a b", "a_b", "..", ".", "", "../../etc", "Ελληνικά", "x" * 300, "a\\b", "-"]
+    stems = [group_stem(v) for v in values]
+    assert len(set(stems)) == len(values)
+    assert stems[0] == "a_b-" + hashlib.sha256(b"a/b").hexdigest()[:8]
+    for stem in stems:
+        assert "/" not in stem and "\\" not in stem and not stem.startswith(".") and stem and len(stem) <= 73

@@ -15,9 +15,10 @@ from tokpipe.manifest import build_manifest
 from tokpipe.options import RunOptions
 from tokpipe.output import open_output
 from tokpipe.runner.identity import record_run
+from tokpipe.sample import verify_sample
 from tokpipe.status import status
 from tokpipe.tokenizer import load_tokenizer_info
-from tokpipe.verify import verify, verify_sample
+from tokpipe.verify import verify
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import pytest
 from helpers import (
     EXAMPLE_HOLDOUT_FILES,
     EXAMPLE_TRAIN_FILES,
+    GROUP_FIELD,
     QWEN3,
     QWEN3_EOS,
     QWEN3_IM_START,
@@ -23,16 +24,25 @@ from helpers import (
     TRAIN_LINES,
     build_out,
     failed_checks,
+    grouped_copy_of_example,
     held_out,
     is_held_out,
+    reference_by_group,
     reference_texts,
     reference_tokens,
+    run_args,
+    snapshot_files,
+    tokpipe,
+    write_jsonl,
 )
 
 from tokpipe.cli import parser
 from tokpipe.inspect import BOS_MARK, inspect
+from tokpipe.layout import group_stem
+from tokpipe.manifest import build_manifest, write_manifest
 from tokpipe.options import RunOptions
-from tokpipe.verify import verify, verify_sample
+from tokpipe.sample import verify_sample
+from tokpipe.verify import verify
 
 IM_START = QWEN3_IM_START
 TRAIN, HOLDOUT = EXAMPLE_TRAIN_FILES, EXAMPLE_HOLDOUT_FILES
@@ -180,3 +190,64 @@ def test_an_unfinished_run_is_inspected_with_its_held_out_documents_in_val(tmp_p
     val = inspect(out, split="val", n=1, seed=0)
     assert not val.source.finished and val.source.documents == held and val.source.split == "validation"
     assert inspect(out, split="train", n=1, seed=0).source.documents == TRAIN_DOCUMENTS - held
+
+
+def test_group_by_keeps_each_group_in_files_of_its_own_with_exact_counts(tmp_path):
+    """--group-by FIELD: each split's documents by their value of FIELD, each group in its own file, in
+    manifest order; meta's counts per group are those of an independent count (json, the reference
+    encoder); groups in the order of their values. A resume with another field is refused."""
+    dataset = grouped_copy_of_example(tmp_path / "dataset")
+    manifest = tmp_path / "manifest.json"
+    write_manifest(build_manifest(dataset), manifest)
+    out = tmp_path / "out"
+    result = tokpipe(*run_args(manifest, out, "--group-by", GROUP_FIELD))
+    assert result.returncode == 0, result.stdout + result.stderr
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["group_by"] == GROUP_FIELD
+    tokenizer = QWEN3 / "tokenizer.json"
+    for split, stem, folder in (("train", "train", "train"), ("validation", "val", "validation")):
+        files = snapshot_files(dataset, folder)
+        reference = reference_by_group(files, tokenizer, GROUP_FIELD, QWEN3_EOS)
+        groups = meta["splits"][split]["groups"]
+        assert list(groups) == sorted(reference)  # in the order of their values
+        assert "Web/Forum ö" in groups and "__missing__" in groups
+        for value, (tokens, documents, text_bytes) in reference.items():
+            assert groups[value] == {
+                "file": f"{stem}/{group_stem(value)}.bin",
+                "idx": f"{stem}/{group_stem(value)}.idx",
+                "tokens": len(tokens),
+                "documents": documents,
+                "text_bytes": text_bytes,
+            }
+            assert np.array_equal(np.fromfile(out / groups[value]["file"], dtype=np.uint32), tokens)
+        assert meta["splits"][split]["documents"] == sum(d for _, d, _ in reference.values())
+        missing = reference["__missing__"][1]
+        assert f"{missing:,} documents without {GROUP_FIELD} are in group __missing__" in result.stdout
+    skipped = json.loads((out / "logs" / "skipped.json").read_text())["shards"]  # each shard's documents
+    by_shard = {path.name: len(reference_texts(path)) for path in snapshot_files(dataset, "train")}
+    assert {
+        s["shard"].rsplit("/", 1)[1]: s["documents"] for s in skipped if s["shard"].startswith("train/")
+    } == by_shard
+    assert not failed_checks(out)
+    assert all(c.ok for c in verify_sample(out, 40))
+
+    other = tokpipe(*run_args(manifest, out, "--group-by", "meta.other"))
+    assert other.returncode == 2
+    assert f"group_by: was '{GROUP_FIELD}', now 'meta.other'" in other.stderr
+
+
+def test_group_by_a_field_with_a_value_per_document_is_refused_before_tokenizing(tmp_path):
+    """At most 1,000 groups per split: a field such as an id is refused in one line, before any shard is
+    tokenized, naming the field and a few of its values."""
+    lines = [json.dumps({"text": f"document {i}", "id": f"doc-{i:05d}"}) for i in range(1_200)]
+    write_jsonl(tmp_path / "dataset" / "train" / "a.jsonl", lines)
+    manifest = tmp_path / "manifest.json"
+    write_manifest(build_manifest(tmp_path / "dataset"), manifest)
+    result = tokpipe(*run_args(manifest, tmp_path / "out", "--group-by", "id"))
+    assert result.returncode == 2
+    assert result.stderr == (
+        "tokpipe run: error: --group-by id: split train has more than 1,000 distinct values in its first shard alone"
+        " (e.g. 'doc-00000', 'doc-00001', 'doc-00002'), and a split may have at most 1,000 groups: group by a field"
+        " with a few values (a source, a language), not one per document (an id, a url)\n"
+    )
+    assert not list((tmp_path / "out").glob("shards/**/*.json"))  # nothing tokenized

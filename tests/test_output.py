@@ -34,3 +34,21 @@ def test_open_output_refuses_unfinished_and_mismatched_outputs(killed_example, o
         f.write(b"\0\0\0\0")
     with pytest.raises(UserError, match="val.bin holds .* meta says"):
         tokpipe.open_output(out)
+
+
+def test_a_grouped_split_is_its_groups_one_after_the_other_in_the_order_of_their_values(
+    finished_grouped, grouped_reference
+):
+    """--group-by: open_output gives each split as its groups in meta's order (sorted by value), and each
+    group alone in `groups`."""
+    data = tokpipe.open_output(finished_grouped)
+    for name, stem in (("train", "train"), ("validation", "val")):
+        split, reference = data.splits[name], grouped_reference[stem]
+        assert list(split.groups) == sorted(reference) == list(data.meta["splits"][name]["groups"])
+        whole = np.concatenate([tokens for tokens, _, _ in reference.values()])
+        assert np.array_equal(split.tokens[:], whole)
+        assert len(split.ends) == sum(documents for _, documents, _ in reference.values())
+        for group, (tokens, documents, _) in reference.items():
+            alone = split.groups[group]
+            assert np.array_equal(alone.tokens[:], tokens) and len(alone.ends) == documents
+            assert np.array_equal(alone.document(documents - 1)[-1:], [QWEN3_EOS])

@@ -262,3 +262,25 @@ def test_a_cut_parquet_shard_fails_by_name_and_skip_failed_finalizes_without_it(
         list(meta["excluded"]) == ["data/train-00001-of-00002.parquet"]
         and meta["splits"]["validation"]["documents"] == VAL_DOCUMENTS
     )
+
+
+def test_group_by_reads_a_column_or_a_structs_field_by_dot(tmp_path):
+    """--group-by on Parquet: a column, or a struct column's field by dot; a file without it puts every
+    document in group __missing__, as JSON lines without the field are."""
+    path = tmp_path / "g.parquet"
+    meta = pa.array([{"set": "Books"}, {"set": None}, None, {"set": "Web"}], pa.struct([("set", pa.string())]))
+    table = pa.table({"text": ["a", "b", "", "d"], "lang": ["en", "de", "fr", None], "meta": meta})
+    pq.write_table(table, path, row_group_size=2)
+    for group_by, expected in [
+        ("meta.set", ["Books", "__missing__", "Web"]),
+        ("lang", ["en", "de", "__missing__"]),
+        ("meta.nothing", ["__missing__"] * 3),
+        ("absent", ["__missing__"] * 3),
+    ]:
+        texts, skipped, batches = read_all(path, group_by=group_by, batch_bytes=1)
+        assert texts == ["a", "b", "d"] and skipped == Counter(empty_text=1)
+        assert [g for b in batches for g in b.groups] == expected, group_by
+    # resumed after a row: the groups stay in step with the texts
+    batches = list(read_batches(str(path), start_line=1, group_by="meta.set"))
+    assert [t for b in batches for t in b.texts] == ["b", "d"]
+    assert [g for b in batches for g in b.groups] == ["__missing__", "Web"]

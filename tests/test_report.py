@@ -243,3 +243,19 @@ def test_cli_errors_and_matplotlib_stays_out_of_the_cli(tmp_path):
     )
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO, check=False).returncode == 0
     assert "report" in tokpipe("--help").stdout
+
+
+def test_report_shows_each_groups_tokens_documents_and_bytes_per_token(finished_grouped, grouped_reference):
+    """--group-by: a table and a chart of each split's groups, their text's UTF-8 bytes per token exact."""
+    from tokpipe.report.data import build
+    from tokpipe.report.page import render
+
+    r = build(finished_grouped)
+    expected = [
+        (split, group, len(tokens), documents, round(text_bytes / len(tokens), 6))
+        for split, stem in (("train", "train"), ("validation", "val"))
+        for group, (tokens, documents, text_bytes) in grouped_reference[stem].items()
+    ]
+    assert [(g.split, g.group, g.tokens, g.documents, round(g.bytes_per_token, 6)) for g in r.groups] == expected
+    page = render(r)
+    assert "<h2>Groups (<code>--group-by meta.redpajama_set_name</code>)</h2>" in page

@@ -27,6 +27,7 @@ from helpers import (
     EMBEDDED_RAY_2_WORKERS,
     EXAMPLE_HOLDOUT_FILES,
     EXAMPLE_TRAIN_FILES,
+    GROUP_FIELD,
     QWEN3,
     QWEN3_EOS,
     TRAIN_DOCUMENTS,
@@ -36,6 +37,7 @@ from helpers import (
     held_out,
     kill_9,
     parent_pid,
+    reference_by_group,
     reference_ids,
     reference_tokens,
     run_args,
@@ -263,6 +265,29 @@ def test_a_run_the_driver_finishes_alone_never_imports_ray(tmp_path):
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.stdout.splitlines()[-1] == "True False", result.stdout + result.stderr
+
+
+def test_group_by_kill_9_mid_shard_then_rerun_gives_each_groups_reference_files(manifest, tmp_path, ray_address):
+    """--group-by: a kill -9 while a shard has written parts of some groups (one begun after its last
+    checkpoint, maybe) and a rerun leave each group's file equal to the reference, and nothing else."""
+    out = tmp_path / "out"
+    extra = ("--group-by", GROUP_FIELD, "--checkpoint-interval", "0.2")
+    proc = start(manifest, out, "--workers", "1", *extra, *HF, ray=ray_address)
+    wait_for(lambda: any(c["groups"] and not c["done"] for c in checkpoints(out)) or proc.poll() is not None)
+    time.sleep(random.uniform(0, 0.4))
+    kill_9(proc)
+    assert not (out / "meta.json").exists()
+    rerun = tokpipe(*run_args(manifest, out, "--workers", "2", *extra))
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    tokenizer = QWEN3 / "tokenizer.json"
+    expected = set()
+    for stem, files in (("train", EXAMPLE_TRAIN_FILES), ("val", EXAMPLE_HOLDOUT_FILES)):
+        for group, (tokens, _, _) in reference_by_group(files, tokenizer, GROUP_FIELD, QWEN3_EOS).items():
+            assert np.array_equal(np.fromfile(out / stem / f"{group}.bin", dtype=np.uint32), tokens), group
+            expected |= {f"{stem}/{group}.bin", f"{stem}/{group}.idx"}
+    token_files = {str(p.relative_to(out)) for p in out.rglob("*") if p.suffix in (".bin", ".idx", ".tmp")}
+    assert token_files == expected  # no shard's part left, no file of an earlier attempt
+    assert tokpipe("verify", out).returncode == 0
 
 
 def test_a_document_too_long_for_the_backend_sample_is_passed_over_in_one_line_and_written_exactly(tmp_path):

@@ -12,12 +12,14 @@ from helpers import (
     crash_in_batch,
     held_out,
     is_held_out,
+    reference_by_group,
     reference_texts,
     reference_tokens,
     unguarded,
     write_jsonl,
 )
 
+from tokpipe.errors import TooManyGroups
 from tokpipe.layout import Checkpoint, ShardFiles
 from tokpipe.manifest import Shard, build_manifest
 from tokpipe.options import RunOptions
@@ -227,3 +229,61 @@ def test_held_out_documents_are_chosen_by_their_text_and_survive_a_crash(tmp_pat
     assert ckpt.lines == ckpt.documents + ckpt.val_documents + sum(ckpt.skipped.values())
     tokenize_shard(HOLDOUT, tmp_path, spec)  # the validation split's own documents are never held out
     assert not ShardFiles.of(tmp_path, HOLDOUT).val_bin.exists()
+
+
+GROUP_BY = "meta.redpajama_set_name"
+
+
+def _files_under(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.suffix in (".bin", ".idx")}
+
+
+def test_group_by_writes_a_part_per_group_that_survives_a_crash(tmp_path):
+    """--group-by: a shard's documents go to one part per group, in file order within each; after a crash,
+    each part is cut back to the checkpoint, a group's files begun after it are removed, and the rerun
+    leaves exactly the files of a shard never interrupted."""
+    spec = spec_for(QWEN3, batch_bytes=32 << 10, checkpoint_interval=0.0, group_by=GROUP_BY)
+    whole = tokenize_shard(TRAIN, tmp_path / "whole", spec).checkpoint
+    out = tmp_path / "crashed"
+    with pytest.raises(Crash):
+        tokenize_shard(TRAIN, out, spec, on_batch=crash_in_batch(3))
+    files = ShardFiles.of(out, TRAIN)
+    partial = Checkpoint.load(files.checkpoint)
+    assert partial.groups and not partial.done
+    for group in partial.groups:  # bytes written after the last checkpoint: cut and redone
+        with open(files.group(False, group)[0], "ab") as f:
+            f.write(np.arange(100, dtype=np.uint32).tobytes())
+    stray = files.group(False, "begun after the checkpoint")[0]
+    stray.parent.mkdir(parents=True)
+    stray.write_bytes(b"\0" * 8)
+    result = tokenize_shard(TRAIN, out, spec)
+    assert result.redone_tokens >= 100 * len(partial.groups)
+    assert _files_under(out) == _files_under(tmp_path / "whole")
+
+    reference = reference_by_group([Path(TRAIN.path)], QWEN3 / "tokenizer.json", GROUP_BY, QWEN3_EOS)
+    ckpt = result.checkpoint
+    assert (
+        list(ckpt.groups)
+        == list(reference)
+        == ["RedPajamaC4", "RedPajamaCommonCrawl", "RedPajamaGithub", "RedPajamaWikipedia"]
+    )
+    for group, (tokens, documents, text_bytes) in reference.items():
+        bin_path, idx_path = files.group(False, group)
+        assert np.array_equal(np.fromfile(bin_path, dtype=np.uint32), tokens)
+        assert np.fromfile(idx_path, dtype="<i8")[-1] == len(tokens)
+        counts = ckpt.groups[group]
+        assert (counts["tokens"], counts["documents"], counts["text_bytes"]) == (len(tokens), documents, text_bytes)
+    assert ckpt.groups == whole.groups  # checksums included
+    assert ckpt.documents == sum(d for _, d, _ in reference.values()) and ckpt.lines == ckpt.documents + 1
+
+
+def test_group_by_refuses_a_shard_with_more_values_than_a_split_may_have_groups(tmp_path, monkeypatch):
+    monkeypatch.setattr("tokpipe.shard.MAX_GROUPS", 3)
+    path = write_jsonl(tmp_path / "ids.jsonl", [f'{{"text": "t{i}", "id": "doc-{i}"}}' for i in range(10)])
+    shard = Shard("train", "ids.jsonl", str(path), path.stat().st_size, "ids")
+    with pytest.raises(
+        TooManyGroups,
+        match=r"^--group-by id: shard ids.jsonl alone has more than 3 distinct values "
+        r"\(e.g. 'doc-0', 'doc-1', 'doc-2'\)",
+    ):
+        tokenize_shard(shard, tmp_path / "out", spec_for(QWEN3, group_by="id"))

@@ -137,3 +137,14 @@ def test_resume_command_gives_switches_without_a_value(killed):
         0.05,
         True,
     )
+
+
+def test_status_counts_each_groups_committed_tokens(finished_grouped, grouped_reference):
+    """--group-by: status adds up each split's groups from the shard checkpoints, as they are committed."""
+    st = status(finished_grouped)
+    for split, stem in (("train", "train"), ("validation", "val")):
+        assert st.groups[split] == {g: [len(t), d] for g, (t, d, _) in grouped_reference[stem].items()}
+    assert (
+        "  train       4 groups, tokens: RedPajamaCommonCrawl 559,471, RedPajamaGithub 210,435, "
+        "RedPajamaWikipedia 89,542, RedPajamaC4 255"
+    ) in report(st).splitlines()

@@ -140,7 +140,7 @@ def reseal(out, split):
 
 
 def test_sample_re_tokenizes_source_documents_and_catches_a_self_consistent_wrong_id(out):
-    from tokpipe.verify import verify_sample
+    from tokpipe.sample import verify_sample
 
     checks = verify_sample(out, 1000)
     assert all(c.ok for c in checks) and len(checks) == 2
@@ -191,9 +191,26 @@ def test_checks_give_the_same_verdicts_on_one_thread_and_on_many(out):
     assert one == [(c.name, c.ok, c.detail) for c in verify(out, jobs=8)] and not all(ok for _, ok, _ in one)
 
 
+def test_a_grouped_output_is_verified_group_by_group(finished_grouped, tmp_path):
+    """--group-by: every group's file is checked against its parts' checksums, and the groups against the
+    split; a byte changed in one group's file fails the checksum, naming the shard whose range it is in."""
+    assert not failed_checks(finished_grouped)
+    names = [c.name for c in verify(finished_grouped)]
+    assert "train: groups add up to meta" in names and "validation: groups add up to meta" in names
+    out = shutil.copytree(finished_grouped, tmp_path / "out")
+    with open(out / "train" / "RedPajamaGithub.bin", "r+b") as f:
+        f.seek(4 * 100)
+        f.write((7).to_bytes(4, "little"))
+    failed = {c.name: c.detail for c in verify(out) if not c.ok}
+    assert failed == {
+        "train: sha256 matches meta": "the token bytes changed since finalize, in the range of "
+        "train/chunk1/example_train_0.jsonl.zst"
+    }
+
+
 def test_sample_re_encodes_a_long_document_a_piece_at_a_time(tmp_path, monkeypatch):
+    from tokpipe.sample import verify_sample
     from tokpipe.tokenizer import PIECE_CHARS, HFEncoder
-    from tokpipe.verify import verify_sample
 
     texts = ["a short one", long_document(PIECE_CHARS + 5_000), "another short one"]
     write_jsonl(tmp_path / "data" / "train" / "part.jsonl", [json.dumps({"text": t}) for t in texts])
@@ -217,8 +234,8 @@ def test_sample_re_encodes_a_long_document_a_piece_at_a_time(tmp_path, monkeypat
 
 
 def test_sample_passes_over_a_long_document_of_a_tokenizer_it_cannot_cut_and_says_so(tmp_path):
+    from tokpipe.sample import verify_sample
     from tokpipe.tokenizer import PIECE_CHARS
-    from tokpipe.verify import verify_sample
 
     tokenizer = tmp_path / "tokenizer"
     shutil.copytree(QWEN3, tokenizer)

@@ -55,10 +55,12 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_verify(args) -> int:
-    from tokpipe.verify import as_json, report, verify, verify_sample
+    from tokpipe.verify import as_json, report, verify
 
     checks = verify(args.out, args.jobs)
     if args.sample and all(c.ok for c in checks):
+        from tokpipe.sample import verify_sample  # the reference encoder and the sources: only for --sample
+
         checks += verify_sample(args.out, args.sample, args.seed, args.tokenizer)
     print(as_json(checks) if args.json else report(checks))
     return EXIT_OK if all(c.ok for c in checks) else EXIT_FAILED
@@ -81,15 +83,14 @@ def _cmd_inspect(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    from tokpipe.export import export
+    from tokpipe.export import export, megatron_flags
 
     written = export(args.out, args.format, args.dest, force=args.force, shuffle=args.shuffle)
     for e in written:
         print(f"{e.path}: {e.tokens:,} tokens, {e.documents:,} documents{'; ' + e.how if e.how else ''}")
     if args.format == "megatron":
-        flags = {"train": "--train-data-path", "val": "--valid-data-path", "test": "--test-data-path"}
-        paths = " ".join(f"{flags[e.path.stem]} {e.path.with_suffix('')}" for e in written)
-        print(f"Megatron-LM: {paths} --tokenizer-type HuggingFaceTokenizer --tokenizer-model TOKENIZER_DIR (the run's)")
+        tokenizer = "--tokenizer-type HuggingFaceTokenizer --tokenizer-model TOKENIZER_DIR (the run's)"
+        print(f"Megatron-LM: {megatron_flags(written)} {tokenizer}")
     else:
         print(
             f"llm.c / modded-nanogpt: train on '{Path(args.dest) / 'train_*.bin'}', evaluate on "

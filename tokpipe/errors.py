@@ -8,6 +8,10 @@ class UserError(Exception):
     """Bad input or usage: the message says what was wrong and what to do. Exit code 2."""
 
 
+class TooManyGroups(UserError):
+    """--group-by named a field with more distinct values than a split may have groups (each group gets files)."""
+
+
 class NodeError(UserError):
     """A cluster node cannot see, at the driver's path, what the run needs (runner/nodes.py): raised in a
     task, it stops the run with its one line. Exit code 2."""

@@ -31,6 +31,10 @@ Formats, as their writers define them:
   the magic, header[1] the version, header[2] the token count (< 2**31), then the tokens: magic
   20240520 version 1 with uint16 tokens ("gpt-2"), or 20240801 version 7 with uint32 ("llama-3").
   Files are named like modded-nanogpt's and llm.c's fineweb shards: <split>_NNNNNN.bin.
+
+An OUT made with --group-by is exported to Megatron as a prefix per group (DEST/<split>/<group>, named
+as in OUT), and `megatron_flags` gives the blend, each group weighted by its share of the split's tokens;
+llm.c has no blend, so its shards hold the split's groups one after the other (open_output's order).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ import numpy as np
 from tokpipe.data import Permutation
 from tokpipe.durability import copy_file, copy_range, fsync_dir
 from tokpipe.errors import UserError
-from tokpipe.layout import split_file_stem
+from tokpipe.layout import group_file, split_file_stem
 from tokpipe.output import Output, Split, open_output
 from tokpipe.shard import to_dtype
 
@@ -82,6 +86,8 @@ class Exported:
     tokens: int
     documents: int  # whole documents in the file; llmc: a document cut at the end counts where it ends
     how: str = ""  # how a Megatron .bin got its bytes: "hard link (no copy)", "reflink ...", "copied ..."
+    stem: str = ""  # of the split: train, val, test
+    group: str | None = None  # megatron, --group-by: the group the file holds
 
 
 def megatron_dtype(vocab_size: int) -> str:
@@ -336,9 +342,12 @@ def export(
     for name, split in data.splits.items():
         stem = split_file_stem(name)
         if fmt == "megatron":
-            pairs, how = _megatron_split(data, split, dest / stem, megatron_dtype(data.vocab_size))
-            renames += pairs
-            exported.append(Exported(pairs[0][1], len(split.tokens), len(split.ends), how))
+            for group, part in split.groups.items() if split.groups else [(None, split)]:
+                prefix = group_file(dest, stem, group)
+                prefix.parent.mkdir(exist_ok=True)
+                pairs, how = _megatron_split(data, part, prefix, megatron_dtype(data.vocab_size))
+                renames += pairs
+                exported.append(Exported(pairs[0][1], len(part.tokens), len(part.ends), how, stem, group))
         else:
             shards = LlmcShards(dest, stem, llmc_dtype(data.vocab_size), shard_tokens)
             for tokens, lengths in _in_order(split) if shuffle is None else _shuffled(split, shuffle):
@@ -357,3 +366,19 @@ def export(
                 old.unlink()
     fsync_dir(dest)
     return exported
+
+
+def megatron_flags(exported: list[Exported]) -> str:
+    """Megatron-LM's data flags for what `export` wrote: a prefix per split, or with --group-by each split's
+    blend, `--train-data-path W1 PREFIX1 W2 PREFIX2 ...`, the weights the groups' shares of the split's tokens."""
+    flags = {"train": "--train-data-path", "val": "--valid-data-path", "test": "--test-data-path"}
+    words = []
+    for stem in dict.fromkeys(e.stem for e in exported):
+        mine = [e for e in exported if e.stem == stem]
+        words.append(flags[stem])
+        if mine[0].group is None:
+            words.append(str(mine[0].path.with_suffix("")))
+            continue
+        total = max(sum(e.tokens for e in mine), 1)
+        words += [f"{e.tokens / total:.6f} {e.path.with_suffix('')}" for e in mine]
+    return " ".join(words)

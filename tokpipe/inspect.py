@@ -138,25 +138,25 @@ def open_source(out: str | os.PathLike, split: str) -> Source:
     files, documents = [], 0
     stem = split_file_stem(name)
     placed = _placed(out, stem, dtype)
-    # The parts the split file will be made of (with --val-fraction, val's include the train shards' held-out ones).
+    # The parts the split file will be made of (with --val-fraction, val's include the train shards' held-out
+    # ones; with --group-by, a shard has a part per group).
     for shard, held in sources(manifest, stem, val_fraction):
-        if (shard.relpath, held) in placed:  # copied into the split file, its own files gone
-            files.append(placed[shard.relpath, held])
-            documents += len(files[-1].ends)
-            continue
         paths = ShardFiles.of(out, shard)
-        ckpt = Checkpoint.load(paths.checkpoint)
-        if ckpt is None:
-            continue
-        n_tokens, n_documents = (ckpt.val_tokens, ckpt.val_documents) if held else (ckpt.tokens, ckpt.documents)
-        if n_tokens == 0:
-            continue
-        bin_path, idx_path = (paths.val_bin, paths.val_idx) if held else (paths.bin, paths.idx)
-        # Only what the checkpoint covers: a live worker may be appending beyond it.
-        tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(n_tokens,))
-        ends = np.memmap(idx_path, dtype=IDX_DTYPE, mode="r", shape=(n_documents,))
-        files.append(TokenFile(str(bin_path.relative_to(out)), tokens, ends))
-        documents += n_documents
+        ckpt = Checkpoint.load(paths.checkpoint) or Checkpoint()
+        if run.get("group_by") is None:
+            counts = (ckpt.val_tokens, ckpt.val_documents) if held else (ckpt.tokens, ckpt.documents)
+            parts = [(None, *counts, *((paths.val_bin, paths.val_idx) if held else (paths.bin, paths.idx)))]
+        else:
+            groups = (ckpt.val_groups if held else ckpt.groups).items()
+            parts = [(g, c["tokens"], c["documents"], *paths.group(held, g)) for g, c in groups]
+        for group, n_tokens, n_documents, bin_path, idx_path in parts:
+            if (shard.relpath, held, group) in placed:  # copied into the split file, its own files gone
+                files.append(placed[shard.relpath, held, group])
+            elif n_tokens:  # only what the checkpoint covers: a live worker may be appending beyond it
+                tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(n_tokens,))
+                ends = np.memmap(idx_path, dtype=IDX_DTYPE, mode="r", shape=(n_documents,))
+                files.append(TokenFile(str(bin_path.relative_to(out)), tokens, ends))
+            documents += n_documents if n_tokens else 0
     return Source(
         split=name,
         finished=False,
@@ -173,22 +173,23 @@ def open_source(out: str | os.PathLike, split: str) -> Source:
     )
 
 
-def _placed(out: Path, stem: str, dtype: np.dtype) -> dict[tuple[str, bool], TokenFile]:
+def _placed(out: Path, stem: str, dtype: np.dtype) -> dict[tuple[str, bool, str | None], TokenFile]:
     """The parts of a split being assembled that are in its file already (listed in <stem>.parts.tmp)."""
-    bin_tmp, idx_tmp, parts_tmp = assembly_files(out, stem)
-    if not (parts_tmp.is_file() and bin_tmp.is_file()):
+    parts_tmp = assembly_files(out, stem)[2]
+    if not parts_tmp.is_file():
         return {}
     raw = parts_tmp.read_bytes()
     whole = raw[: raw.rfind(b"\n") + 1]  # a line a crash cut short was never fsynced: not placed
     placed = {}
     for part in parts_of(stem, whole):
-        if not part.tokens:
+        bin_tmp, idx_tmp, _ = assembly_files(out, stem, part.group)
+        if not part.tokens or not bin_tmp.is_file():
             continue
         tokens = np.memmap(
             bin_tmp, dtype=dtype, mode="r", offset=part.token_offset * dtype.itemsize, shape=(part.tokens,)
         )
         ends = np.fromfile(idx_tmp, IDX_DTYPE, part.documents, offset=part.doc_offset * IDX_DTYPE.itemsize)
-        placed[part.name, is_held_part(part.record)] = TokenFile(
+        placed[part.name, is_held_part(part.record), part.group] = TokenFile(
             f"{bin_tmp.name}@{part.token_offset}", tokens, ends - part.token_offset
         )
     return placed

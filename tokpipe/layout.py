@@ -6,9 +6,11 @@ OUT/.lock                        flock-ed by the live run, holding "pid N on HOS
 OUT/shards/<split>/<key>.bin     a shard's tokens; .idx its document ends (from the shard's start);
                                  .json its checkpoint; .lock held by the worker writing it
 OUT/shards/train/held-out/<key>  the .bin/.idx of what a train shard held out for val.bin (--val-fraction)
+OUT/shards/<split>/[held-out/]groups/<group>/<key>   with --group-by: a shard's part of one group
 OUT/<stem>.bin, .idx, .parts     a split file (stem: train, val, test), its document ends, and its
                                  parts list: one JSON line per part, with its counts and checksums
-OUT/<stem>.*.tmp                 the same three while the split is assembled
+OUT/<stem>/<group>.bin, .idx     with --group-by: a group's file of the split (the .parts lists them all)
+OUT/<stem>.*.tmp                 the same three while the split is assembled (<stem>/<group>.*.tmp)
 OUT/meta.pkl, OUT/meta.json      written last, meta.json last of all: its presence marks a finished run
 OUT/logs/                        run.log, progress.json, failed.json, skipped.json, stall dumps (below),
                                  node-check.txt (a cluster run's token that every node reads back)
@@ -22,6 +24,7 @@ import io
 import json
 import os
 import pickle
+import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,7 +35,7 @@ import orjson
 
 from tokpipe.durability import write_atomic, write_json_atomic
 from tokpipe.errors import UserError
-from tokpipe.manifest import Manifest, Shard, shard_key
+from tokpipe.manifest import Manifest, Shard
 
 IDX_DTYPE = np.dtype("<i8")  # document ends, cumulative token counts
 
@@ -42,7 +45,28 @@ RUN_FORMAT = 1
 # given. `tokpipe status` prints the resume command from them, `tokpipe inspect` decodes with that tokenizer.
 LAST_RUN_KEYS = ("tokenizer_path", "options")
 # What a run.json written before these entries existed meant by their absence.
-IDENTITY_DEFAULTS = {"delimiters": {"bos": False, "eos": True}, "val_fraction": 0.0, "concat": True}
+IDENTITY_DEFAULTS = {"delimiters": {"bos": False, "eos": True}, "val_fraction": 0.0, "concat": True, "group_by": None}
+
+
+# --group-by: a split may have at most this many groups, since each has files of its own in every
+# shard and in the split (a field with one value per document, an id or a url, would make a file per document).
+MAX_GROUPS = 1000
+GROUP_COUNTS = ("tokens", "documents", "text_bytes")  # of a group, in meta: text_bytes are its texts' UTF-8
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def group_stem(value: str) -> str:
+    """A group's file name: the value itself when it is a safe name, else with every other character `_` (64 kept,
+    no leading dot) and 8 hex digits of its sha256, so no two values share files; meta keeps the value."""
+    stem = _UNSAFE.sub("_", value)[:64].lstrip(".")
+    if stem == value and value:
+        return value
+    return f"{stem}-{hashlib.sha256(value.encode('utf-8', 'surrogatepass')).hexdigest()[:8]}"
+
+
+def group_file(out: Path, stem: str, group: str | None) -> Path:
+    """A split's file, without its suffix: OUT/<stem>, or a group's OUT/<stem>/<group>."""
+    return out / stem if group is None else out / stem / group_stem(group)
 
 
 def split_file_stem(split: str) -> str:
@@ -92,6 +116,11 @@ class ShardFiles:
         own = (base.with_name(base.name + ext) for ext in (".bin", ".idx", ".json", ".lock"))
         return cls(*own, *(held.with_name(held.name + ext) for ext in (".bin", ".idx")))
 
+    def group(self, held: bool, group: str) -> tuple[Path, Path]:
+        """The .bin/.idx of the shard's part of a group (--group-by), held out or not: a folder per group."""
+        base = (self.val_bin if held else self.bin).parent / "groups" / group_stem(group) / self.bin.name[:-4]
+        return base.with_name(base.name + ".bin"), base.with_name(base.name + ".idx")
+
 
 @dataclass
 class Checkpoint:
@@ -115,6 +144,10 @@ class Checkpoint:
     val_tokens: int = 0
     val_sha256: str | None = None
     val_idx_sha256: str | None = None
+    # With --group-by: each group's part, value -> {tokens, documents, and when done sha256, idx_sha256},
+    # in value order; the counts above are then their sums (and sha256 None: there is no one file).
+    groups: dict[str, dict] = field(default_factory=dict)
+    val_groups: dict[str, dict] = field(default_factory=dict)  # its held-out documents' parts, the same way
     # For `tokpipe report`: decompressed input bytes consumed (Batch.text_bytes summed), and seconds
     # spent, summed over attempts (an interrupted attempt counts up to its last checkpoint).
     text_bytes: int = 0
@@ -154,6 +187,10 @@ class Part:
         return self.record["shard"]
 
     @property
+    def group(self) -> str | None:
+        return self.record.get("group")
+
+    @property
     def tokens(self) -> int:
         return self.record["tokens"]
 
@@ -170,11 +207,18 @@ class Part:
         return self.doc_offset + self.documents
 
 
-def part_record(shard: Shard, ckpt: Checkpoint, held: bool) -> dict:
+def part_record(shard: Shard, ckpt: Checkpoint, held: bool, group: str | None = None, grouped: bool = False) -> dict:
     """A part's line in <stem>.parts: a shard's documents, or (held) those it held out for val.bin.
 
     The accounting (lines, skips, repairs) goes with a shard's own part; `held_out` there counts the
-    documents it sent to val.bin instead, `held_in` on the held-out part the documents val.bin got."""
+    documents it sent to val.bin instead, `held_in` on the held-out part the documents val.bin got.
+    With --group-by (`grouped`) a shard's documents are in one part per group, each line naming its
+    `group`; the accounting then has a line of its own before them, with no group and no tokens."""
+    if group is not None:
+        counts = (ckpt.val_groups if held else ckpt.groups)[group]
+        record = {"shard": shard.relpath, "group": group} | ({"part": "held-out"} if held else {})
+        record |= {k: counts[k] for k in GROUP_COUNTS} | ({"held_in": counts["documents"]} if held else {})
+        return record | {"sha256": counts.get("sha256"), "idx_sha256": counts.get("idx_sha256")}
     if held:
         record = {
             "shard": shard.relpath,
@@ -187,8 +231,8 @@ def part_record(shard: Shard, ckpt: Checkpoint, held: bool) -> dict:
         return record
     record = {
         "shard": shard.relpath,
-        "tokens": ckpt.tokens,
-        "documents": ckpt.documents,
+        "tokens": 0 if grouped else ckpt.tokens,
+        "documents": 0 if grouped else ckpt.documents,
         "lines": ckpt.lines,
         "held_out": ckpt.val_documents,
     }
@@ -213,23 +257,34 @@ def read_parts(path: Path) -> Iterator[dict]:
 
 
 def parts_of(stem: str, raw: bytes) -> list[Part]:
-    """The parts listed in a .parts file's bytes, at the offsets their order gives them."""
-    parts, tokens, documents = [], 0, 0
+    """The parts listed in a .parts file's bytes, at the offsets their order gives them in their file
+    (the split's, or their group's)."""
+    parts, offsets = [], {}
     for seq, record in enumerate(map(orjson.loads, raw.splitlines())):
+        tokens, documents = offsets.get(record.get("group"), (0, 0))
         parts.append(Part(stem, seq, tokens, documents, record))
-        tokens, documents = tokens + record["tokens"], documents + record["documents"]
+        offsets[record.get("group")] = (tokens + record["tokens"], documents + record["documents"])
     return parts
 
 
-def assembly_files(out: Path, stem: str) -> tuple[Path, Path, Path]:
-    """A split's .bin, .idx and .parts while it is assembled; renamed without .tmp when it is done."""
-    return tuple(out / f"{stem}.{ext}.tmp" for ext in ("bin", "idx", "parts"))
+def assembly_files(out: Path, stem: str, group: str | None = None) -> tuple[Path, Path, Path]:
+    """A split's .bin, .idx (or its group's) and .parts while it is assembled; renamed without .tmp when done."""
+    base = group_file(out, stem, group)
+    return base.with_name(base.name + ".bin.tmp"), base.with_name(base.name + ".idx.tmp"), out / f"{stem}.parts.tmp"
 
 
-def split_entry(stem: str, parts_path: Path, concat: bool) -> dict:
+def _file_entry(out_name: str, concat: bool) -> dict:
+    return {"file": f"{out_name}.bin", "idx": f"{out_name}.idx"} if concat else {"files": []}
+
+
+def split_entry(stem: str, parts_path: Path, concat: bool, grouped: bool = False) -> dict:
     """meta's entry for a split, summed from its parts list. A split of --no-concat has no file of its
-    own: `files` lists its parts' files in order (their lines in the parts list name them)."""
-    entry = {"file": f"{stem}.bin", "idx": f"{stem}.idx"} if concat else {"files": []}
+    own: `files` lists its parts' files in order (their lines in the parts list name them).
+
+    With --group-by (`grouped`), `groups` holds each group's entry, in the order of their values: its
+    tokens and documents, and its file (or files) as a split's; the split has none of its own."""
+    entry = {} if grouped else _file_entry(stem, concat)
+    groups: dict[str, dict] = {}
     entry |= {
         "parts": f"{stem}.parts",
         "tokens": 0,
@@ -243,33 +298,34 @@ def split_entry(stem: str, parts_path: Path, concat: bool) -> dict:
     for record in map(orjson.loads, raw.splitlines()):
         for key in ("tokens", "documents", "lines", "held_out", "held_in"):
             entry[key] += record.get(key, 0)
-        if not concat:
-            entry["files"].append({k: record[k] for k in ("bin", "idx", "tokens", "documents")})
+        into = entry
+        if grouped and "group" in record:
+            name = str(group_file(Path(), stem, record["group"]))
+            into = groups.setdefault(record["group"], _file_entry(name, concat) | dict.fromkeys(GROUP_COUNTS, 0))
+            for key in GROUP_COUNTS:
+                into[key] += record[key]
+        if not concat and (not grouped or "group" in record):
+            into["files"].append({k: record[k] for k in ("bin", "idx", "tokens", "documents")})
         skipped.update(record.get("skipped", {}))
         repaired.update(record.get("repaired", {}))
-        shards += not is_held_part(record)
+        shards += not is_held_part(record) and "group" not in record
     entry.update(skipped=dict(sorted(skipped.items())), repaired=dict(sorted(repaired.items())), shards=shards)
+    if grouped:
+        entry["groups"] = dict(sorted(groups.items()))
     entry["parts_sha256"] = hashlib.sha256(raw).hexdigest()
     return entry
 
 
 def split_files(out: Path, entry: dict) -> list[tuple[Path, Path, int, int]]:
     """The files a finished split is read from, in order: (tokens, document ends, tokens, documents).
-    One for a concatenated split; its parts' own files for a split of --no-concat."""
+    One for a concatenated split; its parts' own files for a split of --no-concat; with --group-by,
+    those of each group in turn, in meta's order (their values')."""
+    if "groups" in entry:
+        return [f for group in entry["groups"].values() for f in split_files(out, group)]
     if "files" in entry:
         return [(out / f["bin"], out / f["idx"], int(f["tokens"]), int(f["documents"])) for f in entry["files"]]
     idx = entry.get("idx", Path(entry["file"]).with_suffix(".idx").name)  # tokpipe 0.1 did not name it
     return [(out / entry["file"], out / idx, int(entry["tokens"]), int(entry["documents"]))]
-
-
-def remove_placed_leftovers(out: Path, excluded: frozenset[str]) -> None:
-    """Remove the shard token files left after their parts were copied into place and listed (a crash
-    between the listing and the removal), keeping those of `excluded` shards, which a rerun resumes."""
-    keep = {shard_key(relpath) for relpath in excluded}
-    for folder in (out / "shards").glob("**/"):
-        for path in folder.iterdir():
-            if path.suffix in (".bin", ".idx") and path.stem not in keep:
-                path.unlink()
 
 
 # -- meta --------------------------------------------------------------------------------------------
@@ -386,16 +442,3 @@ def node_check_file(out: str | os.PathLike, who: str | None = None) -> Path:
     """The token a cluster run's driver writes for its nodes to read back (runner/nodes.py); with
     `who` (a node, a worker), the file it writes, fsyncs and removes to prove it can write under OUT."""
     return log_file(out, "node-check.txt" if who is None else f"node-check-{who}.tmp")
-
-
-def write_skip_log(out: Path, splits: dict[str, dict]) -> None:
-    """OUT/logs/skipped.json, from the split files' parts lists."""
-    entries = []
-    for entry in splits.values():
-        for r in read_parts(out / entry["parts"]):
-            if r.get("skipped") or r.get("repaired"):
-                fields = {k: r[k] for k in ("shard", "lines", "documents", "skipped", "repaired")}
-                entries.append(json.dumps({**fields, "first": r.get("first_skipped", [])}))
-    path = log_file(out, SKIPPED)
-    path.parent.mkdir(exist_ok=True)
-    write_atomic(path, ('{"shards": [' + ",".join("\n" + e for e in entries) + "\n]}\n").encode())

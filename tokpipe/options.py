@@ -11,6 +11,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from tokpipe.shard import EncodeSpec
+from tokpipe.source.batch import MISSING_GROUP
 from tokpipe.tokenizer import BACKENDS, TokenizerInfo
 
 
@@ -43,6 +44,13 @@ class RunOptions:
     address: str | None = option(None, "Ray cluster address (default: $RAY_ADDRESS, else an embedded local Ray)")
     backend: str = option("auto", "encoder; all give the same bytes (default: %(default)s)", choices=BACKENDS)
     text_field: str = option("text", "JSON field holding the document text (default: %(default)s)")
+    group_by: str | None = option(
+        None,
+        "keep each split's documents by this field's value, each group in files of its own: a dotted path into"
+        " each JSON line (meta.redpajama_set_name), or a Parquet column (a struct's field by dot); documents"
+        f" without it go to group {MISSING_GROUP}",
+        metavar="FIELD",
+    )
     eos: str | None = option(None, "EOS token (default: the tokenizer's eos_token)")
     bos: bool = option(False, "place BOS before every document (the tokenizer's bos_token, or --bos-token)")
     bos_token: str | None = option(None, "the BOS token --bos places (default: the tokenizer's bos_token)")
@@ -97,4 +105,5 @@ class RunOptions:
             memory_limit=self.worker_memory << 20,
             val_fraction=self.val_fraction,
             read_ahead=read_ahead,
+            group_by=self.group_by,
         )

@@ -7,7 +7,7 @@ with meta); `tokpipe verify` proves the rest.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -55,8 +55,12 @@ class Chain:
 
 @dataclass(frozen=True)
 class Split:
+    """A split's tokens and document ends. With --group-by, the split is its groups one after the other,
+    in meta's order (by value, as Python sorts strings), and `groups` has each group alone."""
+
     name: str  # as in meta: train | validation | test
-    files: list[TokenFile]  # one; with --no-concat, its shards' parts in order
+    files: list[TokenFile]  # one; with --no-concat, its shards' parts in order; with --group-by, its groups'
+    groups: dict[str, Split] = field(default_factory=dict)  # --group-by: value -> the group's documents alone
 
     @property
     def tokens(self) -> np.ndarray | Chain:
@@ -130,13 +134,19 @@ def open_output(out: str | os.PathLike) -> Output:
     dtype = np.dtype(meta["dtype"])
     splits = {}
     for name, info in meta["splits"].items():
-        files = [
-            TokenFile(
-                str(bin_path.relative_to(out)),
-                _memmap(bin_path, dtype, tokens, "tokens"),
-                _memmap(idx_path, IDX_DTYPE, documents, "document ends"),
-            )
-            for bin_path, idx_path, tokens, documents in split_files(out, info)
-        ]
-        splits[name] = Split(name, files)
+        groups = {value: Split(name, _files(out, group, dtype)) for value, group in info.get("groups", {}).items()}
+        files = [f for group in groups.values() for f in group.files] if "groups" in info else _files(out, info, dtype)
+        splits[name] = Split(name, files, groups)
     return Output(out, meta, splits)
+
+
+def _files(out: Path, entry: dict, dtype: np.dtype) -> list[TokenFile]:
+    """The files of a split (or of a group) as meta lists them, memory-mapped."""
+    return [
+        TokenFile(
+            str(bin_path.relative_to(out)),
+            _memmap(bin_path, dtype, tokens, "tokens"),
+            _memmap(idx_path, IDX_DTYPE, documents, "document ends"),
+        )
+        for bin_path, idx_path, tokens, documents in split_files(out, entry)
+    ]

@@ -9,6 +9,7 @@ cut off and redone. A shard resumed any number of times ends byte-identical to o
 from __future__ import annotations
 
 import fcntl
+import glob
 import hashlib
 import os
 import time
@@ -21,7 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from tokpipe.durability import HASH_CHUNK, hash_range, write_json_atomic
-from tokpipe.layout import IDX_DTYPE, Checkpoint, ShardFiles
+from tokpipe.errors import TooManyGroups
+from tokpipe.layout import IDX_DTYPE, MAX_GROUPS, Checkpoint, ShardFiles, group_stem
 from tokpipe.manifest import Shard
 from tokpipe.source import read_batches
 from tokpipe.source.batch import SKIP_LOG_CAP, Batch
@@ -47,6 +49,7 @@ class EncodeSpec:
     val_fraction: float  # share of train documents held out for val.bin, chosen by held_out()
     read_ahead: bool = False  # read the next batch on a second thread: for a task with a core to spare
     batch_bytes: int = 1 << 20  # of input text per encode call: bounds memory, paces progress reports
+    group_by: str | None = None  # --group-by: the field whose value is a document's group
 
 
 @dataclass
@@ -188,10 +191,12 @@ def _open_at(path: Path, length: int, hasher) -> tuple[object, int]:
 
 
 class PartWriter:
-    """Appends a shard's part (its documents, or those it holds out) to its .bin/.idx, hashing as it writes."""
+    """Appends a shard's part (its documents, or those it holds out, or those of a group) to its .bin/.idx,
+    hashing as it writes."""
 
     def __init__(self, bin_path: Path, idx_path: Path, tokens: int, documents: int, dtype: str):
-        self.dtype, self.tokens = dtype, tokens
+        self.dtype, self.tokens, self.documents = dtype, tokens, documents
+        self.text_bytes = 0  # UTF-8 bytes of the texts (--group-by: a group's bytes per token, for the report)
         self.bin_hash, self.idx_hash = hashlib.sha256(), hashlib.sha256()
         self.bin, self.cut = _open_at(bin_path, tokens * np.dtype(dtype).itemsize, self.bin_hash)
         self.idx, _ = _open_at(idx_path, documents * IDX_DTYPE.itemsize, self.idx_hash)
@@ -205,7 +210,13 @@ class PartWriter:
         self.bin_hash.update(token_bytes)
         self.idx_hash.update(end_bytes)
         self.tokens += len(tokens)
+        self.documents += len(lengths)
         return len(tokens)
+
+    def counts(self, done: bool) -> dict:
+        """A group's entry in the checkpoint; its checksums once the shard is done."""
+        hashes = {"sha256": self.bin_hash.hexdigest(), "idx_sha256": self.idx_hash.hexdigest()} if done else {}
+        return {"tokens": self.tokens, "documents": self.documents, "text_bytes": self.text_bytes} | hashes
 
     def sync(self) -> None:
         for f in (self.bin, self.idx):
@@ -215,6 +226,91 @@ class PartWriter:
     def close(self) -> None:
         self.bin.close()
         self.idx.close()
+
+
+Key = tuple[bool, str | None]  # a part of a shard: (held out for val.bin, group); group None without --group-by
+
+
+def _writers(files: ShardFiles, ckpt: Checkpoint, spec: EncodeSpec, holding_out: bool) -> dict[Key, PartWriter]:
+    """The shard's parts as far as its checkpoint covers them. Without --group-by: its own documents and
+    (holding out) its held-out ones. With it: each group the checkpoint names; files of a group begun after
+    the last checkpoint go, so a resumed shard leaves exactly the files of one never interrupted."""
+    if spec.group_by is None:
+        parts = {(False, None): PartWriter(files.bin, files.idx, ckpt.tokens, ckpt.documents, spec.dtype)}
+        if holding_out:
+            parts[True, None] = PartWriter(
+                files.val_bin, files.val_idx, ckpt.val_tokens, ckpt.val_documents, spec.dtype
+            )
+        return parts
+    parts = {}
+    for held, groups in ((False, ckpt.groups), (True, ckpt.val_groups)):
+        for group, counts in groups.items():
+            parts[held, group] = PartWriter(
+                *files.group(held, group), counts["tokens"], counts["documents"], spec.dtype
+            )
+            parts[held, group].text_bytes = counts["text_bytes"]
+        kept = {group_stem(group) for group in groups}
+        folder = (files.val_bin if held else files.bin).parent / "groups"
+        key = files.bin.name[:-4]
+        for path in folder.glob(f"*/{glob.escape(key)}.*") if folder.is_dir() else ():
+            if path.parent.name not in kept and path.name in (key + ".bin", key + ".idx"):
+                path.unlink()
+    return parts
+
+
+def _group_writer(files: ShardFiles, key: Key, parts: dict[Key, PartWriter], spec: EncodeSpec, shard: Shard):
+    """The part of a group the shard meets for the first time; refused past MAX_GROUPS values (see layout)."""
+    values = {group for _, group in parts} | {key[1]}
+    if len(values) > MAX_GROUPS:
+        shown = ", ".join(repr(v) for v in sorted(values)[:3])
+        raise TooManyGroups(
+            f"--group-by {spec.group_by}: shard {shard.relpath} alone has more than {MAX_GROUPS:,} distinct values"
+            f" (e.g. {shown}), and a split may have at most {MAX_GROUPS:,} groups: group by a field with a few values"
+            " (a source, a language), not one per document (an id, a url)"
+        )
+    return PartWriter(*files.group(*key), 0, 0, spec.dtype)
+
+
+def _part_keys(batch: Batch, spec: EncodeSpec, holding_out: bool) -> list[Key] | None:
+    """Each document's part; None when all go to the shard's own (no --group-by, nothing held out)."""
+    if spec.group_by is None and not holding_out:
+        return None
+    held = held_out(batch.texts, spec.val_fraction).tolist() if holding_out else [False] * len(batch.texts)
+    return list(zip(held, batch.groups if spec.group_by is not None else [None] * len(held)))
+
+
+def _by_part(keys: list[Key] | None, texts: list[str]) -> Iterator[tuple[Key, list[str]]]:
+    """A batch's texts by the part they go to, each part's in their order. Each part is encoded in a call of
+    its own: a text is encoded alone either way, and moving one call's ids into parts took a stable argsort
+    of every id (measured: 0.11 s of a worker's 1.16 s on the shared SlimPajama-style cache, 4-5 groups a shard)."""
+    if keys is None:
+        yield (False, None), texts
+        return
+    parts: dict[Key, list[str]] = {}
+    for key, text in zip(keys, texts):
+        parts.setdefault(key, []).append(text)
+    yield from parts.items()
+
+
+def _count(ckpt: Checkpoint, parts: dict[Key, PartWriter], grouped: bool, done: bool) -> None:
+    """The parts' counts (and once done, checksums) into the checkpoint."""
+    if not grouped:
+        own, held = parts[False, None], parts.get((True, None))
+        ckpt.tokens, ckpt.documents = own.tokens, own.documents
+        if done:
+            ckpt.sha256, ckpt.idx_sha256 = own.bin_hash.hexdigest(), own.idx_hash.hexdigest()
+        if held is not None:
+            ckpt.val_tokens, ckpt.val_documents = held.tokens, held.documents
+            if done:
+                ckpt.val_sha256, ckpt.val_idx_sha256 = held.bin_hash.hexdigest(), held.idx_hash.hexdigest()
+        return
+    for held in (False, True):
+        groups = {group: part.counts(done) for (h, group), part in sorted(parts.items()) if h == held}
+        tokens, documents = sum(g["tokens"] for g in groups.values()), sum(g["documents"] for g in groups.values())
+        if held:
+            ckpt.val_groups, ckpt.val_tokens, ckpt.val_documents = groups, tokens, documents
+        else:
+            ckpt.groups, ckpt.tokens, ckpt.documents = groups, tokens, documents
 
 
 def tokenize_shard(
@@ -236,61 +332,48 @@ def tokenize_shard(
         if ckpt.done:
             return ShardResult(shard.split, shard.key, ckpt, ckpt.tokens, 0, time.monotonic() - started)
         resumed = ckpt.tokens
-        main = PartWriter(files.bin, files.idx, ckpt.tokens, ckpt.documents, spec.dtype)
         holding_out = spec.val_fraction > 0 and shard.split == "train"
-        held = (
-            PartWriter(files.val_bin, files.val_idx, ckpt.val_tokens, ckpt.val_documents, spec.dtype)
-            if holding_out
-            else None
-        )
-        parts = [main] if held is None else [main, held]
+        parts = _writers(files, ckpt, spec, holding_out)
+        cut = sum(part.cut for part in parts.values())
         try:
             memory = memory_guard(spec)
             resets_before = memory.resets
             skipped, repaired = Counter(ckpt.skipped), Counter(ckpt.repaired)
 
             def commit(done: bool = False) -> None:
-                for part in parts:
+                for part in parts.values():
                     part.sync()
                 ckpt.skipped, ckpt.repaired, ckpt.done = dict(skipped), dict(repaired), done
                 ckpt.seconds = round(seconds_before + time.monotonic() - began, 3)
-                if done:
-                    ckpt.sha256, ckpt.idx_sha256 = main.bin_hash.hexdigest(), main.idx_hash.hexdigest()
-                    if held is not None:
-                        ckpt.val_sha256, ckpt.val_idx_sha256 = held.bin_hash.hexdigest(), held.idx_hash.hexdigest()
+                _count(ckpt, parts, spec.group_by is not None, done)
                 write_json_atomic(files.checkpoint, asdict(ckpt))
 
             last_commit = began = time.monotonic()
             seconds_before = ckpt.seconds
-            batches = read_batches(shard.path, spec.text_field, ckpt.lines, ckpt.offset, spec.batch_bytes)
+            batches = read_batches(
+                shard.path, spec.text_field, ckpt.lines, ckpt.offset, spec.batch_bytes, group_by=spec.group_by
+            )
             for batch in read_ahead(batches) if spec.read_ahead else batches:
-                texts, val_texts = batch.texts, []
-                if held is not None:
-                    to_val = held_out(texts, spec.val_fraction)
-                    texts, val_texts = (
-                        [t for t, v in zip(texts, to_val) if not v],
-                        [t for t, v in zip(texts, to_val) if v],
-                    )
                 tokens = 0
-                for part, part_texts in ((main, texts), (held, val_texts)):
-                    if not part_texts:
+                for key, texts in _by_part(_part_keys(batch, spec, holding_out), batch.texts):
+                    if not texts:
                         continue
-                    flat, lengths = memory.encoder().encode(part_texts)
+                    flat, lengths = memory.encoder().encode(texts)
                     if flat.size and int(flat.max()) >= spec.vocab_size:
                         raise ValueError(
                             f"{shard.relpath}: the encoder produced id {int(flat.max())} >= vocab_size "
                             f"{spec.vocab_size}"
                         )
-                    tokens += part.append(flat, lengths, spec)
+                    if key not in parts:  # a group this shard had not met
+                        parts[key] = _group_writer(files, key, parts, spec, shard)
+                    tokens += parts[key].append(flat, lengths, spec)
+                    if spec.group_by is not None:
+                        parts[key].text_bytes += sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
                 ckpt.lines += batch.lines
                 ckpt.offset = batch.end_offset
                 ckpt.text_bytes += batch.text_bytes
                 source_read, ckpt.source_pos = batch.source_pos - ckpt.source_pos, batch.source_pos
-                ckpt.documents += len(texts)
-                ckpt.tokens = main.tokens
-                if held is not None:
-                    ckpt.val_documents += len(val_texts)
-                    ckpt.val_tokens = held.tokens
+                _count(ckpt, parts, spec.group_by is not None, done=False)
                 skipped.update(batch.skipped)
                 repaired.update(batch.repaired)
                 room = SKIP_LOG_CAP - len(ckpt.skip_log)
@@ -306,14 +389,14 @@ def tokenize_shard(
             else:
                 commit(done=True)
         finally:
-            for part in parts:
+            for part in parts.values():
                 part.close()
     return ShardResult(
         shard.split,
         shard.key,
         ckpt,
         resumed,
-        main.cut // np.dtype(spec.dtype).itemsize,
+        cut // np.dtype(spec.dtype).itemsize,
         time.monotonic() - started,
         memory.resets - resets_before,
     )

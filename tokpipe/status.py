@@ -14,7 +14,7 @@ import json
 import os
 import shlex
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from tokpipe.errors import UserError
 from tokpipe.layout import (
@@ -70,6 +70,8 @@ class RunStatus:
     last_report_age: float | None  # seconds since progress.json was last written, by any run
     next: str  # what to run next
     disk: dict | None = None  # the last run's projection of the output's size (progress.json), free space now
+    # --group-by: split -> group -> [tokens, documents] committed (held-out documents under validation)
+    groups: dict[str, dict[str, list[int]]] = field(default_factory=dict)
 
     def count(self, state: str, split: str | None = None) -> int:
         return sum(1 for s in self.shards if s.state == state and split in (None, s.split))
@@ -110,7 +112,7 @@ def status(out: str | os.PathLike) -> RunStatus:
     # failed.json is the last finished attempt's verdict; a live run is retrying those shards.
     failures = {} if holder else load_json(log_file(path, FAILED)) or {}
 
-    shards = []
+    shards, groups = [], {}
     for shard in manifest.shards():
         files = ShardFiles.of(path, shard)
         found = Checkpoint.load(files.checkpoint)
@@ -130,6 +132,11 @@ def status(out: str | os.PathLike) -> RunStatus:
         shards.append(
             ShardStatus(shard.split, shard.relpath, state, shard.size, read, tokens, documents, error, writing)
         )
+        for split, counts in ((shard.split, ckpt.groups), ("validation", ckpt.val_groups)):
+            for group, c in counts.items():
+                committed = groups.setdefault(split, {}).setdefault(group, [0, 0])
+                committed[0] += c["tokens"]
+                committed[1] += c["documents"]
 
     progress = load_json(log_file(path, PROGRESS))
     age = time.time() - progress["updated_at"] if progress else None
@@ -154,7 +161,8 @@ def status(out: str | os.PathLike) -> RunStatus:
     disk = progress.get("disk") if progress and state != "finished" else None
     if disk:
         disk = {**disk, "free_bytes": free_bytes(out)}
-    return RunStatus(out, state, shards, holder, progress if live else None, age, next_step, disk)
+    groups = {split: dict(sorted(g.items())) for split, g in groups.items()}
+    return RunStatus(out, state, shards, holder, progress if live else None, age, next_step, disk, groups)
 
 
 def size(n: float) -> str:
@@ -233,6 +241,11 @@ def report(st: RunStatus) -> str:
             f"  {split:<11} {st.count('done', split)}/{len(mine)} done  "
             f"{sum(s.tokens for s in mine):>15,} tokens  {sum(s.documents for s in mine):>12,} documents"
         )
+    for split, groups in st.groups.items():
+        largest = sorted(groups.items(), key=lambda g: -g[1][0])
+        shown = ", ".join(f"{value} {n:,}" for value, (n, _) in largest[:LIST_AT_MOST])
+        more = f", … and {len(largest) - LIST_AT_MOST} more" if len(largest) > LIST_AT_MOST else ""
+        lines.append(f"  {split:<11} {len(groups):,} groups, tokens: {shown}{more}")
     tokens, documents = sum(s.tokens for s in st.shards), sum(s.documents for s in st.shards)
     lines.append(
         f"committed: {tokens:,} tokens, {documents:,} documents; {100 * read / size if size else 100:.1f}% of "

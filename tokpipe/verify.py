@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
@@ -116,12 +115,20 @@ def _parts(out: Path, split: str, info: dict, check) -> list[Part] | None:
     if not check(f"{split}: parts list sha256 matches meta", same, "" if same else f"{path} changed since finalize"):
         return None
     parts = parts_of(split, raw)
-    t, d = (parts[-1].token_end, parts[-1].doc_end) if parts else (0, 0)
+    t, d = sum(p.tokens for p in parts), sum(p.documents for p in parts)
     check(
         f"{split}: parts add up to meta",
         (t, d) == (tokens, documents),
         f"parts: {t:,} tokens, {d:,} documents; meta: {tokens:,}, {documents:,}",
     )
+    if "groups" in info:  # --group-by: each group's parts (where its last one ends) add up to its entry
+        counts = {p.group: (p.token_end, p.doc_end) for p in parts if p.group is not None}
+        wanted = {g: (int(e["tokens"]), int(e["documents"])) for g, e in info["groups"].items()}
+        wrong = sorted(g for g in set(counts) | set(wanted) if counts.get(g) != wanted.get(g))
+        first = wrong[0] if wrong else None
+        detail = f"{len(wrong)} differ, e.g. {first!r}: parts {counts.get(first)}, meta {wanted.get(first)}"
+        if not check(f"{split}: groups add up to meta", not wrong, detail if wrong else f"{len(counts):,} groups"):
+            return None
     return parts if (t, d) == (tokens, documents) else None
 
 
@@ -234,7 +241,17 @@ def _verify_split(
     parts = _parts(out, split, info, check)
     if parts is None:
         return
-    if len(files) == 1:
+    if "groups" in info:  # the parts with tokens (not a shard's accounting line), group by group as meta lists them
+        order = {group: i for i, group in enumerate(info["groups"])}
+        parts = sorted((p for p in parts if p.group is not None), key=lambda p: order[p.group])
+    if "groups" in info and all("file" in g for g in info["groups"].values()):  # a file per group, holding its parts
+        by_group = dict(zip(info["groups"], files))
+        jobs_parts = [
+            (by_group[g], chunk)
+            for g in info["groups"]
+            for chunk in _groups([p for p in parts if p.group == g], dtype.itemsize, jobs)
+        ]
+    elif len(files) == 1:
         jobs_parts = [(files[0], group) for group in _groups(parts, dtype.itemsize, jobs)]
     else:  # each part in a file of its own, from its first token
         jobs_parts = [(f, [replace(part, token_offset=0, doc_offset=0)]) for f, part in zip(files, parts)]
@@ -317,118 +334,6 @@ def _where(names: list[str], parts: list[Part]) -> str:
         return ""
     shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
     return f", in the range of {shown}" if len(names) == 1 else f", in the ranges of {len(names)} shards: {shown}"
-
-
-def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str | None = None) -> list[Check]:
-    """Re-tokenize k random documents from the source with `tokenizers` (the reference: docs/design.md) and
-    compare them with their span in the bins: an independent check of the backend and of the offsets.
-    A document over PIECE_CHARS is re-encoded a piece at a time, exactly as whole (tokenizer.Encoder),
-    so the check's memory is a piece's, not the document's: `tokenizers` needs 150-350 bytes a character."""
-    from tokpipe.layout import Checkpoint, sources, split_file_stem
-    from tokpipe.manifest import load_manifest
-    from tokpipe.output import open_output
-    from tokpipe.shard import held_out
-    from tokpipe.source import read_batches
-    from tokpipe.tokenizer import PIECE_CHARS, HFEncoder, tokenizer_json_path
-
-    out = Path(out)
-    meta = load_meta_pkl(out / "meta.pkl")
-    json_path = tokenizer_json_path(tokenizer or meta["tokenizer_path"])
-    if hashlib.sha256(json_path.read_bytes()).hexdigest() != meta["tokenizer_sha256"]:
-        return [
-            Check(
-                "sample: tokenizer is the run's",
-                False,
-                f"{json_path} is not the tokenizer this run used (sha256 differs); pass --tokenizer",
-            )
-        ]
-    reference = HFEncoder(str(json_path))
-    manifest = load_manifest(out / "manifest.json")
-    excluded = meta.get("excluded", {})
-    written = delimiters(meta)
-    before = [meta["bos_token_id"]] if written["bos"] else []
-    after = [meta["eos_token_id"]] if written["eos"] else []
-    val_fraction = meta.get("val_fraction", 0.0)
-
-    # Every document of the output as (split, shard, held-out part or not, number within split), a part at a time.
-    population = []
-    for split in meta["splits"]:
-        base = 0
-        for shard, held in sources(manifest, split_file_stem(split), val_fraction):
-            if shard.relpath in excluded:
-                continue
-            ckpt = Checkpoint.of(out, shard)
-            documents = ckpt.val_documents if held else ckpt.documents
-            population.append((split, shard, held, base, documents))
-            base += documents
-    total = sum(p[4] for p in population)
-    wanted = sorted(random.Random(seed).sample(range(total), min(k, total)))
-    starts = np.cumsum([0] + [p[4] for p in population])  # first document of each part, over all splits
-    picks: dict[int, list[tuple[int, int]]] = {}  # population index -> [(doc in part, doc in split)]
-    for doc in wanted:
-        i = int(np.searchsorted(starts, doc, side="right")) - 1
-        picks.setdefault(i, []).append((doc - int(starts[i]), population[i][3] + doc - int(starts[i])))
-
-    data = open_output(out)
-    results: dict[str, list[int]] = {}
-    mismatches: dict[str, list[str]] = {}
-    in_pieces: dict[str, int] = {}  # split -> sampled documents re-encoded a piece at a time
-    passed_over: dict[str, int] = {}  # split -> sampled documents too long to re-encode whole, not checked
-    for i, docs in picks.items():
-        split, shard, held, _, _ = population[i]
-        tokens, ends = data.splits[split].tokens, data.splits[split].ends
-        needed = dict(docs)
-        last = max(needed)
-        seen = 0  # documents of this part read so far
-        for batch in read_batches(shard.path, meta["text_field"]):
-            texts = batch.texts
-            if val_fraction and shard.split == "train":  # the part's documents only: held out, or kept
-                texts = [t for t, h in zip(texts, held_out(texts, val_fraction)) if h == held]
-            picked = [(number, text) for number, text in enumerate(texts, start=seen) if number in needed]
-            seen += len(texts)
-            if reference.piece_tokens is None:  # a tokenizer tokpipe cannot cut: a long document is passed over
-                passed_over[split] = passed_over.get(split, 0) + sum(len(text) > PIECE_CHARS for _, text in picked)
-                picked = [(number, text) for number, text in picked if len(text) <= PIECE_CHARS]
-            # A batch's picks in one call: tokenizers encodes them on all cores.
-            flat, lengths = reference.encode([text for _, text in picked])
-            for (number, text), length, end in zip(picked, lengths, np.cumsum(lengths)):
-                d = needed[number]
-                start = int(ends[d - 1]) if d else 0
-                got = tokens[start : int(ends[d])]
-                results.setdefault(split, []).append(d)
-                in_pieces[split] = in_pieces.get(split, 0) + (
-                    len(text) > PIECE_CHARS and reference.piece_tokens is not None
-                )
-                if (
-                    len(got) != len(before) + length + len(after)
-                    or list(got[: len(before)]) != before
-                    or list(got[len(got) - len(after) :]) != after
-                    or not np.array_equal(got[len(before) : len(got) - len(after)], flat[end - length : end])
-                ):
-                    mismatches.setdefault(split, []).append(
-                        f"document {d} ({shard.relpath}{', held out' if held else ''}, its document {number})"
-                    )
-            if seen > last:
-                break
-    checks = []
-    for split in {**results, **passed_over}:
-        notes = mismatches.get(split, [])[:5]
-        if in_pieces.get(split) and not notes:
-            notes.append(f"{in_pieces[split]} of them over {PIECE_CHARS:,} characters, re-encoded in pieces")
-        if passed_over.get(split):
-            notes.append(
-                f"{passed_over[split]} more passed over, not checked: over {PIECE_CHARS:,} characters, and this"
-                " tokenizer's pre-tokenizer is not one tokpipe can cut exactly (tokpipe/pieces.py)"
-            )
-        docs = len(results.get(split, []))
-        checks.append(
-            Check(
-                f"{split}: {docs} sampled documents re-tokenized by tokenizers match",
-                not mismatches.get(split),
-                "; ".join(notes),
-            )
-        )
-    return checks
 
 
 def report(checks: list[Check]) -> str:

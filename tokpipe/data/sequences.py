@@ -13,8 +13,12 @@ ranks took together, so the state is the same on every rank, and a state loaded 
 size continues at the same global position: the ranks split what is left of the epoch, and the fewer
 than W windows at its end that do not divide evenly are skipped, as at the end of every epoch.
 
-The state's fingerprint is meta's `parts_sha256` of the split (the sha256 of its .parts list, whose
-lines hold each part's token sha256, idx sha256 and counts): a state saved on other data is refused
+With `group` (an OUT made with --group-by), the windows are those of one group of the split alone: a
+Mixture of one OUT's groups mixes its sources at any weights without tokenizing again.
+
+The state's fingerprint is meta's `parts_sha256` of the split (the sha256 of its .parts list, whose lines
+hold each part's token sha256, idx sha256 and counts; of a group, hashed with the group's value): a state
+saved on other data (another group) is refused
 (Open-Sora's saved loader state outlived a dataset change: batches repeated and training diverged).
 """
 
@@ -59,7 +63,7 @@ def epoch_seed(seed: int, epoch: int) -> int:
 
 
 class Sequences:
-    """The windows of one split of a finished OUT, for rank `rank` of `world_size`."""
+    """The windows of one split (or of one group of it) of a finished OUT, for rank `rank` of `world_size`."""
 
     def __init__(
         self,
@@ -70,6 +74,7 @@ class Sequences:
         seed: int = 0,
         rank: int = 0,
         world_size: int = 1,
+        group: str | None = None,
     ):
         if seq_len < 1 or world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(
@@ -94,7 +99,14 @@ class Sequences:
             raise ValueError(
                 f"{out}'s meta holds no checksum of split {split}: a loader state could not be checked against it"
             )
-        self.files = data.splits[split].files
+        chosen = data.splits[split]
+        if group is not None:
+            if group not in chosen.groups:
+                have = f"its groups: {', '.join(chosen.groups)}" if chosen.groups else "it was made without --group-by"
+                raise ValueError(f"split {split} of {out} has no group {group!r}; {have}")
+            chosen = chosen.groups[group]
+            self.fingerprint = hashlib.sha256(f"{self.fingerprint} group {group}".encode()).hexdigest()
+        self.files = chosen.files
         self.file_starts = np.cumsum([0] + [len(f.tokens) for f in self.files])  # one entry per file
         tokens = int(self.file_starts[-1])
         self.len = max(tokens - 1, 0) // self.seq_len

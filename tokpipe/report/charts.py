@@ -334,3 +334,29 @@ def progress(p: Progress) -> str:
     ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False, fontsize=9)
     fig.tight_layout()
     return _svg(fig)
+
+
+def groups(found: list) -> str:
+    """Tokens per group, one panel per split, each bar labelled with its documents and bytes per token."""
+    plt = _plt()
+    splits = list(dict.fromkeys(g.split for g in found))
+    rows = [len([g for g in found if g.split == s]) for s in splits]
+    fig, axes = plt.subplots(len(splits), 1, figsize=(WIDTH, 0.8 + 0.32 * sum(rows) + 0.5 * len(splits)), squeeze=False)
+    for ax, split in zip(axes[:, 0], splits):
+        mine = [g for g in found if g.split == split]
+        y = np.arange(len(mine))[::-1]
+        ax.barh(y, [g.tokens for g in mine], color="#1f77b4", height=0.6)
+        for yy, g in zip(y, mine):
+            ax.annotate(
+                f" {g.documents:,} docs, {g.bytes_per_token or 0:.2f} B/token",
+                (g.tokens, yy),
+                va="center",
+                fontsize=8,
+                color="#444",
+            )
+        ax.set_yticks(y, [_short(g.group, 28) for g in mine])
+        ax.set_title(f"{split}: tokens per group")
+        _axis(ax)
+        ax.set_xlim(0, max(g.tokens for g in mine) * 1.45 or 1)
+    fig.tight_layout()
+    return _svg(fig)

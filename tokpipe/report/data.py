@@ -58,6 +58,40 @@ class SplitStats:
 
 
 @dataclass(frozen=True)
+class GroupStats:
+    """One group of a split (--group-by)."""
+
+    split: str
+    group: str
+    tokens: int
+    documents: int
+    text_bytes: int  # UTF-8 bytes of its documents' texts
+
+    @property
+    def bytes_per_token(self) -> float | None:
+        return self.text_bytes / self.tokens if self.tokens else None
+
+
+def _group_stats(out: Path, meta: dict | None, manifest) -> list[GroupStats]:
+    """Each split's groups: meta's (exact), or what the checkpoints have committed (held-out ones in validation)."""
+    if meta is not None:
+        return [
+            GroupStats(split, group, g["tokens"], g["documents"], g["text_bytes"])
+            for split, s in meta["splits"].items()
+            for group, g in s.get("groups", {}).items()
+        ]
+    found: dict[tuple[str, str], Counter] = {}
+    for shard in manifest.shards():
+        ckpt = Checkpoint.load(ShardFiles.of(out, shard).checkpoint) or Checkpoint()
+        for split, groups in ((shard.split, ckpt.groups), ("validation", ckpt.val_groups)):
+            for group, g in groups.items():
+                found.setdefault((split, group), Counter()).update(
+                    {k: g[k] for k in ("tokens", "documents", "text_bytes")}
+                )
+    return [GroupStats(*key, n["tokens"], n["documents"], n["text_bytes"]) for key, n in sorted(found.items())]
+
+
+@dataclass(frozen=True)
 class Lengths:
     split: str
     documents: int  # in the split
@@ -142,6 +176,7 @@ class Report:
     finished: bool
     summary: dict  # what a trainer needs: meta's (run.json's while unfinished) keys, exactly
     splits: list[SplitStats]
+    groups: list[GroupStats]  # --group-by: each split's groups, in order of their values
     lengths: list[Lengths]
     shards: Shards
     health: list[Health]
@@ -162,7 +197,7 @@ class Report:
 
 SUMMARY_KEYS = (
     "dtype", "vocab_size", "eos_token", "eos_token_id", "bos_token", "bos_token_id", "delimiters", "val_fraction",
-    "tokenizer", "tokenizer_sha256", "tokenizer_path", "text_field", "excluded",
+    "tokenizer", "tokenizer_sha256", "tokenizer_path", "text_field", "group_by", "excluded",
 )  # fmt: skip
 
 
@@ -179,7 +214,10 @@ def _summary(meta: dict | None, run: dict) -> dict:
 def _split_stats(out: Path, meta: dict | None, manifest, val_fraction: float) -> list[SplitStats]:
     if meta is not None:
         keys = ("tokens", "documents", "lines", "skipped", "repaired", "held_out", "held_in", "shards")
-        return [SplitStats(name, s["file"], *(s[k] for k in keys)) for name, s in meta["splits"].items()]
+        return [
+            SplitStats(name, s.get("file", f"{split_file_stem(name)}/"), *(s[k] for k in keys))
+            for name, s in meta["splits"].items()
+        ]
     stats = []
     for name in output_splits(manifest, val_fraction):
         stem = split_file_stem(name)
@@ -249,7 +287,7 @@ def _shards(out: Path, st: RunStatus, meta: dict | None, manifest) -> Shards:
                 mine = parts.setdefault(r["shard"], {"tokens": 0, "documents": 0, "lines": 0, "skipped": {}})
                 mine["tokens"] += r["tokens"]
                 mine["documents"] += r["documents"]
-                if r.get("part") != "held-out":
+                if "lines" in r:  # a shard's own part (with --group-by, its accounting line)
                     mine.update(lines=r["lines"], skipped=r.get("skipped", {}))
     rows = []
     for shard, s in zip(manifest.shards(), st.shards):
@@ -368,6 +406,7 @@ def build(out: str | os.PathLike, tokenizer: str | None = None) -> Report:
         meta is not None,
         summary,
         splits,
+        _group_stats(out, meta, manifest),
         lengths,
         shards,
         health,

@@ -135,6 +135,22 @@ def _summary(r: Report) -> str:
     return f"<h2>Summary</h2><p class=note>{what}</p>{facts}{_table(head, split_rows, {2, 3, 4, 5, 8, 9, 10})}"
 
 
+def _groups(r: Report) -> str:
+    if not r.groups:
+        return ""
+    rows = [
+        [_e(g.split), _e(g.group), _n(g.tokens), _n(g.documents), _n(g.text_bytes), f"{g.bytes_per_token or 0:.2f}"]
+        for g in r.groups
+    ]
+    head = ["split", "group", "tokens", "documents", "text bytes", "bytes per token"]
+    what = "meta.json: exact" if r.finished else "committed so far (shard checkpoints)"
+    return (
+        f"<h2>Groups (<code>--group-by {_e(r.summary.get('group_by'))}</code>)</h2><p class=note>{what}; bytes per"
+        f" token are the UTF-8 bytes of the group's texts per token</p>{_table(head, rows, {2, 3, 4, 5})}"
+        f"{charts.groups(r.groups)}"
+    )
+
+
 def _lengths(r: Report) -> str:
     if not r.lengths:
         return "<h2>Document lengths</h2><p>No documents written yet.</p>"
@@ -263,7 +279,7 @@ def render(r: Report) -> str:
     generated = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.generated_at))
     blob = json.dumps(r.as_json(), separators=(",", ":"), ensure_ascii=True).replace("</", "<\\/")
     notes = "".join(f"<li>{_e(n)}</li>" for n in r.notes)
-    sections = [_summary(r), _lengths(r), _shards(r), _throughput(r), _health(r), _progress(r)]
+    sections = [_summary(r), _groups(r), _lengths(r), _shards(r), _throughput(r), _health(r), _progress(r)]
     if state != "finished":  # what an unfinished run needs first: where it stands and how to go on
         sections = [sections[-1], *sections[:-1]]
     return (

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
+from tokpipe.assembly import Assembler
 from tokpipe.durability import write_json_atomic
-from tokpipe.errors import SourceError, UserError, terminate_on_sigterm
-from tokpipe.finalize import Assembler, finalize
-from tokpipe.layout import FAILED, Checkpoint, load_meta_json, lock_out, log_file, out_folder
+from tokpipe.errors import SourceError, TooManyGroups, UserError, terminate_on_sigterm
+from tokpipe.finalize import finalize
+from tokpipe.layout import FAILED, MAX_GROUPS, Checkpoint, load_meta_json, lock_out, log_file, out_folder
 from tokpipe.manifest import Manifest, load_manifest, write_manifest
 from tokpipe.options import RunOptions
 from tokpipe.runner.cluster import Cluster
@@ -26,6 +27,7 @@ from tokpipe.runner.local import Tally, tokenize_while
 from tokpipe.runner.progress import Progress, RunLog, Timeline
 from tokpipe.series import Series
 from tokpipe.source import fields_of, read_batches
+from tokpipe.source.batch import MISSING_GROUP
 from tokpipe.tokenizer import TokenizerInfo, choose_backend, load_tokenizer_info
 
 # Ray's start costs 2.5-5 s and several CPU-seconds here; the driver tokenizes 10-15 MB/s of
@@ -37,6 +39,7 @@ SAMPLE_BYTES = 256 << 10  # of input per split, to prove the fast backend exact 
 # A longer line is passed over by the sample (said in the backend's line), not read whole: the driver's
 # memory does not grow with a document's size. Books (~0.5 MB) are sampled.
 SAMPLE_LINE_BYTES = 4 << 20
+GROUP_SAMPLE_BYTES = 16 << 20  # of input per split read for --group-by's values before any tokenizing (~0.2 s)
 
 
 @dataclass
@@ -111,6 +114,31 @@ def _sample_texts(manifest: Manifest, text_field: str) -> tuple[list[str], int]:
     return texts, passed_over
 
 
+def _count_groups(manifest: Manifest, text_field: str, group_by: str) -> None:
+    """Refuse, before anything is tokenized, a --group-by field with more values than a split may have
+    groups, as far as each split's first shard shows it (an id or a url shows it in its first thousand
+    documents); workers and the assembly refuse what this could not see."""
+    for split in manifest.counts:
+        path, values, read = next(manifest.shards(split)).path, set(), 0
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            continue
+        try:
+            for batch in read_batches(path, text_field, group_by=group_by):
+                values.update(batch.groups)
+                read += batch.text_bytes
+                if len(values) > MAX_GROUPS or read >= GROUP_SAMPLE_BYTES:
+                    break
+        except SourceError:  # an unreadable first shard: its own task reports it
+            continue
+        if len(values) > MAX_GROUPS:
+            shown = ", ".join(repr(v) for v in sorted(values)[:3])
+            raise TooManyGroups(
+                f"--group-by {group_by}: split {split} has more than {MAX_GROUPS:,} distinct values in its first shard"
+                f" alone (e.g. {shown}), and a split may have at most {MAX_GROUPS:,} groups: group by a field with a"
+                " few values (a source, a language), not one per document (an id, a url)"
+            )
+
+
 def _tokenize(
     manifest: Manifest,
     out: Path,
@@ -131,6 +159,8 @@ def _tokenize(
             f"; the sample passed over {passed_over} line(s) over {SAMPLE_LINE_BYTES >> 20} MiB"
             " (verify --sample re-encodes such documents with tokenizers)"
         )
+    if opts.group_by is not None:
+        _count_groups(manifest, opts.text_field, opts.group_by)
     print(f"backend {backend}: {why}")
     log(f"backend {backend}: {why}")
     cluster.warm(backend, info.path)
@@ -222,10 +252,22 @@ def _report_failures(out: Path, tally: Tally, opts: RunOptions, log: RunLog) -> 
 
 
 def _where(out: Path, split: dict) -> str:
+    if "groups" in split:  # --group-by
+        n = len(split["groups"])
+        return f"the files of {n:,} group{'s' if n != 1 else ''} listed in {out / 'meta.json'}"
     if "files" in split:  # --no-concat
         n = len(split["files"])
         return f"{n:,} file{'s' if n != 1 else ''} listed in {out / 'meta.json'}"
     return str(out / split["file"])
+
+
+def _groups_line(group_by: str, groups: dict) -> str:
+    """A split's groups in one line: how many, the largest, and how many documents lacked the field."""
+    largest = sorted(groups.items(), key=lambda g: -g[1]["tokens"])
+    shown = ", ".join(f"{value} {g['tokens']:,}" for value, g in largest[:5]) + (", ..." if len(largest) > 5 else "")
+    missing = groups.get(MISSING_GROUP, {}).get("documents", 0)
+    lacking = f"; {missing:,} documents without {group_by} are in group {MISSING_GROUP}" if missing else ""
+    return f"  {len(groups):,} groups by {group_by} (tokens: {shown}){lacking}"
 
 
 def _print_summary(meta: dict, out: Path, seconds: float, phases: str, tally: Tally, text_field: str) -> None:
@@ -236,6 +278,8 @@ def _print_summary(meta: dict, out: Path, seconds: float, phases: str, tally: Ta
             f"{split}: {s['tokens']:,} tokens, {s['documents']:,} documents, {skipped:,} lines "
             f"skipped{' (' + why + ')' if why else ''} -> {_where(out, s)}"
         )
+        if "groups" in s:
+            print(_groups_line(meta["group_by"], s["groups"]))
     if meta["excluded"]:
         print(
             f"EXCLUDED {len(meta['excluded'])} failed shards (recorded in meta['excluded']): "

@@ -33,7 +33,7 @@ def run_identity(manifest: Manifest, info: TokenizerInfo, opts: RunOptions) -> d
         "delimiters": opts.delimiters,
         "val_fraction": opts.val_fraction,
         "concat": not opts.no_concat,
-    }
+    } | ({"group_by": opts.group_by} if opts.group_by is not None else {})
 
 
 def check_options(opts: RunOptions, info: TokenizerInfo, tokenizer) -> None:
@@ -50,6 +50,8 @@ def check_options(opts: RunOptions, info: TokenizerInfo, tokenizer) -> None:
             f"{tokenizer} names no bos_token (tokenizer_config.json): pass --bos-token TOKEN (e.g. --bos-token "
             "'<|endoftext|>')"
         )
+    if opts.group_by is not None and not opts.group_by.strip("."):
+        raise UserError("--group-by needs a field name (e.g. --group-by meta.redpajama_set_name)")
     if not 0 <= opts.val_fraction < 1:
         raise UserError(f"--val-fraction must be at least 0 and below 1, got {opts.val_fraction}")
 

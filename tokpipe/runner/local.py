@@ -12,7 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tokpipe.finalize import Assembler
+from tokpipe.assembly import Assembler
+from tokpipe.errors import TooManyGroups
 from tokpipe.layout import Checkpoint
 from tokpipe.manifest import Manifest, Shard
 from tokpipe.runner.progress import Progress, RunLog
@@ -73,6 +74,8 @@ def tokenize_while(
             continue
         try:
             result = tokenize_shard(shard, out, spec, on_batch, stop=lambda: not busy())
+        except TooManyGroups:  # no shard of this run can do better: the run stops here
+            raise
         except Exception as e:  # what a task's failure would be: the shard is failed, the others go on
             tally.failed[shard.relpath] = describe_failure(e)
             log(f"shard {shard.relpath} FAILED: {tally.failed[shard.relpath]}")

@@ -17,8 +17,8 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from tokpipe.errors import NodeError
-from tokpipe.finalize import COPY_BATCH_BYTES, Assembler
+from tokpipe.assembly import COPY_BATCH_BYTES, Assembler
+from tokpipe.errors import NodeError, TooManyGroups
 from tokpipe.layout import Part, stall_dump
 from tokpipe.manifest import Manifest
 from tokpipe.options import RunOptions
@@ -31,11 +31,12 @@ POLL_EVERY = 0.5  # seconds between looks at progress and stalls
 
 
 def _get(ref):
-    """ray.get; a node's NodeError raised as itself: its one line, not Ray's traceback around it."""
+    """ray.get; a node's NodeError, or a shard's TooManyGroups (--group-by), raised as itself: its one line,
+    not Ray's traceback around it. Either stops the run: no other shard or node can do better."""
     try:
         return ray.get(ref)
     except ray.exceptions.RayTaskError as e:
-        if isinstance(e.cause, NodeError):
+        if isinstance(e.cause, (NodeError, TooManyGroups)):
             raise e.cause from None
         raise
 

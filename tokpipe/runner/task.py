@@ -9,7 +9,7 @@ import time
 
 import ray
 
-from tokpipe.finalize import place
+from tokpipe.assembly import place
 from tokpipe.layout import Part, stall_dump
 from tokpipe.manifest import Shard
 from tokpipe.runner.nodes import NodeCheck, ensure_seen
@@ -93,6 +93,6 @@ def shard_task(
 
 
 def copy_task(out: str, parts: list[Part], itemsize: int, check: NodeCheck | None) -> tuple[str, list[dict]]:
-    """The Ray task around finalize.place; says which node it ran on (on a cluster, every node copies)."""
+    """The Ray task around assembly.place; says which node it ran on (on a cluster, every node copies)."""
     ensure_seen(check)
     return ray.get_runtime_context().get_node_id(), place(out, parts, itemsize)

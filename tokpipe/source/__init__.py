@@ -47,13 +47,17 @@ def read_batches(
     start_offset: int = 0,
     batch_bytes: int = 4 << 20,
     max_line_bytes: int = 64 << 20,  # a line costs its process ~8 bytes a byte (bytes, text, ids): under 0.5 GiB
+    group_by: str | None = None,
 ) -> Iterator[Batch]:
     """Batches of about `batch_bytes` of input, resuming after `start_line` lines / `start_offset` bytes
-    (for Parquet, a row is a line and the offset is in rows)."""
+    (for Parquet, a row is a line and the offset is in rows). With `group_by` (a dotted path into a JSON
+    line, or a Parquet column or a struct column's field by dot), each batch says each document's group."""
     kind = format_of(path)
     if kind == "parquet":
         from tokpipe.source.parquet import read_parquet_batches  # pyarrow is imported only where Parquet is read
 
-        yield from read_parquet_batches(path, text_field, start_line, batch_bytes, max_line_bytes)
+        yield from read_parquet_batches(path, text_field, start_line, batch_bytes, max_line_bytes, group_by)
     else:
-        yield from read_jsonl_batches(path, kind, text_field, start_line, start_offset, batch_bytes, max_line_bytes)
+        yield from read_jsonl_batches(
+            path, kind, text_field, start_line, start_offset, batch_bytes, max_line_bytes, group_by
+        )

@@ -21,7 +21,7 @@ import orjson
 import zstandard
 
 from tokpipe.errors import SourceError
-from tokpipe.source.batch import Batch, decode_utf8
+from tokpipe.source.batch import Batch, decode_utf8, field_at, group_value
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 GZIP_MAGIC = b"\x1f\x8b"
@@ -128,8 +128,8 @@ def _lines(blocks: Iterator[tuple[bytes, int]], max_line_bytes: int) -> Iterator
         yield [carried if carried > max_line_bytes else b"".join(carry)], carried, source_pos
 
 
-def _document(line: bytes, text_field: str, repaired: Counter) -> str | tuple[None, str]:
-    """The line's text, or (None, reason)."""
+def _document(line: bytes, text_field: str, repaired: Counter) -> tuple[str, dict] | tuple[None, str]:
+    """The line's (text, object), or (None, reason)."""
     if not line.strip():
         return None, "blank"
     fallback = False
@@ -155,25 +155,30 @@ def _document(line: bytes, text_field: str, repaired: Counter) -> str | tuple[No
     if fallback and LONE_SURROGATE.search(text):  # orjson rejects lone surrogates: only json lets them through
         text = LONE_SURROGATE.sub("\ufffd", text)
         repaired["lone_surrogate"] += 1
-    return text
+    return text, obj
 
 
-def _parse(lines: list, first_line_no: int, text_field: str, batch: Batch) -> None:
-    """Add each line's text to the batch, or count the line as skipped."""
-    append, loads = batch.texts.append, orjson.loads
+def _parse(lines: list, first_line_no: int, text_field: str, batch: Batch, group_by: str | None = None) -> None:
+    """Add each line's text (and with `group_by`, its group) to the batch, or count the line as skipped."""
+    append, loads, group = batch.texts.append, orjson.loads, batch.groups.append
     for i, line in enumerate(lines):
         try:  # the common case, one orjson call: a JSON object whose text is a non-empty string
-            text = loads(line)[text_field]
+            obj = loads(line)
+            text = obj[text_field]
             if type(text) is str and text:
+                if group_by is not None:
+                    group(group_value(field_at(obj, group_by)))
                 append(text)
                 continue
         except Exception:  # anything else is sorted out below, exactly
             pass
-        doc = (None, "too_long") if type(line) is int else _document(line, text_field, batch.repaired)
-        if isinstance(doc, str):
-            append(doc)
-        else:
-            batch.skip(first_line_no + i + 1, doc[1])
+        text, obj = (None, "too_long") if type(line) is int else _document(line, text_field, batch.repaired)
+        if text is None:
+            batch.skip(first_line_no + i + 1, obj)
+            continue
+        append(text)
+        if group_by is not None:
+            group(group_value(field_at(obj, group_by)))
 
 
 def jsonl_fields(path: str, kind: str, sample_bytes: int = 1 << 20) -> Counter:
@@ -192,7 +197,14 @@ def jsonl_fields(path: str, kind: str, sample_bytes: int = 1 << 20) -> Counter:
 
 
 def read_jsonl_batches(
-    path: str, kind: str, text_field: str, start_line: int, start_offset: int, batch_bytes: int, max_line_bytes: int
+    path: str,
+    kind: str,
+    text_field: str,
+    start_line: int,
+    start_offset: int,
+    batch_bytes: int,
+    max_line_bytes: int,
+    group_by: str | None = None,
 ) -> Iterator[Batch]:
     """Batches of about `batch_bytes` of input, resuming after `start_line` lines / `start_offset` bytes."""
     blocks = _from_offset(decompressed_blocks(path, kind, min(BLOCK, batch_bytes)), start_offset, path)
@@ -202,7 +214,7 @@ def read_jsonl_batches(
         if offset == 0 and type(lines[0]) is bytes and lines[0].startswith(BOM):
             lines[0] = lines[0][len(BOM) :]
             batch.repaired["bom"] += 1
-        _parse(lines, line_no, text_field, batch)
+        _parse(lines, line_no, text_field, batch, group_by)
         line_no += len(lines)
         offset += consumed
         batch.lines += len(lines)

@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tokpipe.errors import SourceError
-from tokpipe.source.batch import Batch, decode_utf8
+from tokpipe.source.batch import MISSING_GROUP, Batch, decode_utf8, group_value
 
 PIECE_BYTES = 1 << 20  # about this much of a row group is decoded at a time
 TEXT_TYPES = (pa.string(), pa.large_string(), pa.binary(), pa.large_binary())
@@ -46,9 +46,9 @@ def _open(path: str) -> pq.ParquetFile:
 
 
 def _pieces(
-    parquet: pq.ParquetFile, path: str, text_field: str, start_row: int, piece_bytes: int
-) -> Iterator[tuple[pa.Array, int, int]]:
-    """The text column from row `start_row` on, a piece at a time: (values, number of the first row, file bytes read).
+    parquet: pq.ParquetFile, path: str, columns: list[str], start_row: int, piece_bytes: int
+) -> Iterator[tuple[pa.RecordBatch, int, int]]:
+    """The columns from row `start_row` on, a piece at a time: (values, number of the first row, file bytes read).
 
     File bytes read is for progress only: the file's size in proportion to the row groups' data read
     (the footer's sizes, interpolated by rows inside a row group), so that it ends at the file size.
@@ -61,10 +61,10 @@ def _pieces(
             rows_per_piece = max(1, piece_bytes * group.num_rows // max(1, group.total_byte_size))
             read = row
             try:
-                for piece in parquet.iter_batches(
-                    rows_per_piece, row_groups=[number], columns=[text_field], use_threads=False
+                for values in parquet.iter_batches(
+                    rows_per_piece, row_groups=[number], columns=columns, use_threads=False
                 ):
-                    values, first = piece.column(0), read
+                    first = read
                     read += len(values)
                     if read <= start_row:
                         continue
@@ -81,8 +81,34 @@ def _pieces(
         data_before += group.total_byte_size
 
 
-def _parse(values: pa.Array, first_row: int, max_text_bytes: int, batch: Batch) -> None:
-    """Add each row's text to the batch, or count the row as skipped."""
+def _group_column(schema: pa.Schema, group_by: str) -> tuple[str, list[str]] | None:
+    """Where --group-by's values are: (the column read, the struct fields down to them), or None when the file
+    has no such column (every row's group is then MISSING_GROUP, as a JSON line without the field)."""
+    if group_by in schema.names:
+        return group_by, []
+    column, *fields = group_by.split(".")
+    if column not in schema.names:
+        return None
+    kind = schema.field(column).type
+    for name in fields:
+        if not pa.types.is_struct(kind) or kind.get_field_index(name) < 0:
+            return None
+        kind = kind.field(name).type
+    return column, fields
+
+
+def _groups(values: pa.Array, fields: list[str]) -> list[str]:
+    for name in fields:
+        values = pc.struct_field(values, name)
+    if pa.types.is_dictionary(values.type):
+        values = values.dictionary_decode()
+    return [group_value(v) for v in values.to_pylist()]
+
+
+def _parse(
+    values: pa.Array, first_row: int, max_text_bytes: int, batch: Batch, groups: list[str] | None = None
+) -> None:
+    """Add each row's text (and its group, from `groups`, one per row) to the batch, or count the row as skipped."""
     if pa.types.is_dictionary(values.type):  # a column written from a pandas category
         values = values.dictionary_decode()
     if values.type in TEXT_TYPES:
@@ -104,6 +130,8 @@ def _parse(values: pa.Array, first_row: int, max_text_bytes: int, batch: Batch) 
                 text = decode_utf8(text, batch.repaired)
             if type(text) is str and text:
                 append(text)
+                if groups is not None:
+                    batch.groups.append(groups[i])
                 continue
             reason = "empty_text" if text == "" else "text_not_string"
         batch.skip(first_row + i + 1, reason)
@@ -117,7 +145,7 @@ def parquet_fields(path: str) -> Counter:
 
 
 def read_parquet_batches(
-    path: str, text_field: str, start_line: int, batch_bytes: int, max_text_bytes: int
+    path: str, text_field: str, start_line: int, batch_bytes: int, max_text_bytes: int, group_by: str | None = None
 ) -> Iterator[Batch]:
     """Batches of about `batch_bytes` of text, resuming after `start_line` rows (a checkpoint's offset
     is the same number)."""
@@ -130,11 +158,15 @@ def read_parquet_batches(
             )
         if start_line > parquet.metadata.num_rows:
             raise SourceError(f"{path} has fewer rows than its checkpoint says: the file changed since the run began")
+        where = _group_column(parquet.schema_arrow, group_by) if group_by is not None else None
+        columns = [text_field] + ([where[0]] if where and where[0] != text_field else [])
         batch = Batch([], 0, start_line, 0, 0)
-        for values, first_row, source_pos in _pieces(
-            parquet, path, text_field, start_line, min(PIECE_BYTES, batch_bytes)
-        ):
-            _parse(values, first_row, max_text_bytes, batch)
+        for piece, first_row, source_pos in _pieces(parquet, path, columns, start_line, min(PIECE_BYTES, batch_bytes)):
+            values = piece.column(text_field)
+            groups = None
+            if group_by is not None:
+                groups = _groups(piece.column(where[0]), where[1]) if where else [MISSING_GROUP] * len(values)
+            _parse(values, first_row, max_text_bytes, batch, groups)
             batch.end_offset, batch.source_pos = first_row + len(values), source_pos
             if batch.text_bytes >= batch_bytes:
                 yield batch

@@ -1,0 +1,416 @@
+"""Finished shards -> their split files, assembled in place while later shards still tokenize.
+
+A split file is assembled in place, not concatenated at the end: a shard's tokens go to their offset
+as soon as that offset is known, i.e. once every shard before it in the split is done. So the done
+prefix of each split is assembled while later shards still tokenize (the runner sends the copies to
+Ray tasks on every node), and when the last shard is done only the last few copies remain.
+
+While a split is assembled, OUT/<stem>.bin.tmp and .idx.tmp receive the copies, and
+OUT/<stem>.parts.tmp lists, in split order, the shards whose bytes are in them: one JSON line per
+shard with its token and document counts, its accounting and the sha256 of its ranges (computed by
+the worker that wrote the shard). A line is appended only after its copy is fsynced, so after a
+crash the list describes a prefix of what is on disk; a rerun keeps the prefix that is still the
+start of the split in manifest order and copies the rest again, to the same offsets: the same bytes.
+With --group-by each group of a split has such a file (OUT/<stem>/<group>.bin.tmp), and the one
+parts list of the split says which part went into which. `finalize` renames them when all is placed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+from tokpipe.durability import HASH_CHUNK, copy_range, fsync_dir, hash_range, own_inode, write_atomic
+from tokpipe.errors import TooManyGroups
+from tokpipe.layout import (
+    IDX_DTYPE,
+    MAX_GROUPS,
+    Checkpoint,
+    Part,
+    ShardFiles,
+    assembly_files,
+    is_held_part,
+    output_splits,
+    part_record,
+    parts_line,
+    sources,
+    split_entry,
+    split_file_stem,
+)
+from tokpipe.manifest import Manifest, Shard, shard_key
+from tokpipe.options import RunOptions
+
+COPY_BATCH_BYTES = 1 << 30  # of tokens per copy task: one fsync covers many small shards
+
+
+def place(out: str | os.PathLike, parts: list[Part], itemsize: int) -> list[dict]:
+    """Copy parts of one split to their offsets, fsync, and return their records (checksums filled in).
+
+    Plain Python: the runner runs it in Ray tasks on every node of a cluster (OUT is on storage they
+    all see) or in threads of the driver on one machine; finalize runs it for what is left.
+    Idempotent: a part copied twice is the same bytes.
+    """
+    out = Path(out)
+    records = []
+    opened: dict[str | None, tuple] = {}  # group -> its file's .bin.tmp and .idx.tmp (without --group-by: the split's)
+    try:
+        for part in parts:
+            record = dict(part.record)
+            if not part.bin:  # a shard's accounting line (--group-by): no tokens of its own
+                records.append(record)
+                continue
+            if part.group not in opened:
+                bin_tmp, idx_tmp, _ = assembly_files(out, part.stem, part.group)
+                opened[part.group] = (open(bin_tmp, "r+b"), open(idx_tmp, "r+b"))
+            bin_f, idx_f = opened[part.group]
+            copy_range(part.bin, bin_f.fileno(), record["tokens"] * itemsize, part.token_offset * itemsize)
+            relative = np.fromfile(part.idx, dtype=IDX_DTYPE, count=record["documents"])
+            os.pwrite(idx_f.fileno(), memoryview(relative + part.token_offset), part.doc_offset * IDX_DTYPE.itemsize)
+            if record["sha256"] is None:  # a shard finished by an earlier tokpipe, which hashed only whole files
+                bin_hash = hashlib.sha256()
+                with open(part.bin, "rb") as src:
+                    hash_range(src.fileno(), 0, record["tokens"] * itemsize, bin_hash, bytearray(HASH_CHUNK))
+                record.update(sha256=bin_hash.hexdigest(), idx_sha256=hashlib.sha256(memoryview(relative)).hexdigest())
+            records.append(record)
+        for f in itertools.chain(*opened.values()):
+            os.fdatasync(f.fileno())
+    finally:
+        for f in itertools.chain(*opened.values()):
+            f.close()
+    return records
+
+
+@dataclass
+class _Split:
+    """The assembly of one split file (with --group-by, of its groups' files): what is scheduled, and what
+    is on disk and listed in .parts.tmp."""
+
+    stem: str
+    shards: Iterator[tuple[Shard, bool]]  # sources() of the split file, after the head
+    head: tuple[Shard, bool] | None = None  # the next shard (and part) to schedule
+    # With --group-by, once the head is done: its parts still to schedule (None: its accounting line, then
+    # its groups in value order), and its checkpoint.
+    head_parts: list[str | None] | None = None
+    head_ckpt: Checkpoint | None = None
+    scheduled: int = 0  # parts handed out
+    offsets: dict[str | None, tuple[int, int]] = field(default_factory=dict)  # file (group) -> tokens, documents
+    listed: int = 0  # parts in .parts.tmp (fsynced, in order)
+    waiting: dict[int, tuple[Part, dict]] = field(default_factory=dict)  # seq -> parts placed before an earlier one
+
+    @classmethod
+    def start(cls, stem: str, shards: Iterator[tuple[Shard, bool]]) -> _Split:
+        return cls(stem, shards, next(shards, None))
+
+    def advance(self) -> None:
+        self.head, self.head_parts, self.head_ckpt = next(self.shards, None), None, None
+
+    def add(self, group: str | None, record: dict) -> tuple[int, int]:
+        """A part goes next in its file: returns its offsets there."""
+        tokens, documents = self.offsets.get(group, (0, 0))
+        self.offsets[group] = (tokens + record["tokens"], documents + record["documents"])
+        return tokens, documents
+
+
+class Assembler:
+    """Decides which shard goes where in its split file, and keeps the list of what is there (.parts.tmp).
+
+    Feed it finished shards (`done`), hand what `ready` returns to `place` (anywhere, any order, in
+    batches), report what came back (`placed`); `finish` when `complete`.
+
+    Tokens are kept once: a part's own files are removed as soon as its line in .parts.tmp is
+    fsynced (its bytes were fsynced in the split file before). Its checkpoint stays, with the
+    checksums and accounting that resume, status and verify read. With --no-concat (`opts.no_concat`)
+    nothing is copied: a split is its parts' own files, listed in order, and they stay.
+
+    With --group-by a shard has a part per group, each copied into its group's file of the split at
+    that file's offset; one parts list per split holds them all, a shard's in value order.
+    """
+
+    def __init__(self, out: str | os.PathLike, manifest: Manifest, itemsize: int, opts: RunOptions = RunOptions()):
+        self.out, self.itemsize = Path(out), itemsize
+        self.val_fraction, self.concat = opts.val_fraction, not opts.no_concat
+        self.group_by = opts.group_by
+        self.values: dict[str, set[str]] = {}  # split stem -> the groups met (--group-by), for MAX_GROUPS
+        # Done shards not yet scheduled (the few that finished out of order), with how many parts still need them.
+        self.finished: dict[str, tuple[Checkpoint, int]] = {}
+        self.placed_tokens = 0  # copied into the split files by this process's placements, and listed
+        self.lost: list[str] = []  # shards tokenized again: their placed files were gone, their place not kept
+        self.splits = [
+            self._resume(manifest, split_file_stem(split)) for split in output_splits(manifest, self.val_fraction)
+        ]
+
+    def _expand(self, state: _Split, ckpt: Checkpoint) -> list[str | None]:
+        """The parts of the head source, done: its one part; with --group-by its accounting line and groups."""
+        if self.group_by is None:
+            return [None]
+        held = state.head[1]
+        self._meet(state.stem, ckpt.val_groups if held else ckpt.groups)
+        return list(ckpt.val_groups) if held else [None, *ckpt.groups]
+
+    def _meet(self, stem: str, groups) -> None:
+        """Refuse a split that has more groups than MAX_GROUPS, as soon as its done shards show it."""
+        values = self.values.setdefault(stem, set())
+        values.update(groups)
+        if len(values) > MAX_GROUPS:
+            shown = ", ".join(repr(v) for v in sorted(values)[:3])
+            raise TooManyGroups(
+                f"--group-by {self.group_by}: split {stem} has more than {MAX_GROUPS:,} distinct values (e.g. {shown})"
+                f" and may have at most {MAX_GROUPS:,} groups: group by a field with a few values (a source, a"
+                " language), not one per document (an id, a url)"
+            )
+
+    def _files(self, stem: str, offsets: dict) -> dict[str | None, tuple[Path, Path]]:
+        """The split's files being assembled: its one file, or (--group-by) those of the groups in `offsets`."""
+        groups = [g for g in offsets if g is not None] if self.group_by is not None else [None]
+        return {g: assembly_files(self.out, stem, g)[:2] for g in groups}
+
+    def _resume(self, manifest: Manifest, stem: str) -> _Split:
+        """Keep what an earlier attempt assembled, if it is still the start of the split; else start empty."""
+        parts_tmp = assembly_files(self.out, stem)[2]
+        finished = [self.out / f"{stem}.parts"]
+        if self.concat:
+            finished += (
+                [self.out / f"{stem}.{ext}" for ext in ("bin", "idx")]
+                if self.group_by is None
+                else sorted((self.out / stem).glob("*.bin")) + sorted((self.out / stem).glob("*.idx"))
+            )
+        for done in finished:
+            # A split finished by an earlier finalize (fully, or killed between its renames), that this
+            # run extends (an append, an excluded shard back): its placed shards' files are gone, so
+            # it is the start to keep.
+            tmp = done.with_name(done.name + ".tmp")
+            if not tmp.exists() and done.exists():
+                (self.out / "meta.json").unlink(missing_ok=True)  # OUT is unfinished while its split files change
+                os.replace(done, tmp)
+        state = _Split.start(stem, sources(manifest, stem, self.val_fraction))
+        kept = []
+        if parts_tmp.exists():
+            for line in parts_tmp.read_bytes().splitlines():
+                try:
+                    record = orjson.loads(line)
+                except orjson.JSONDecodeError:  # a line cut by the crash: its fsync never returned
+                    break
+                while state.head is not None and state.head_parts is None and self.group_by is not None:
+                    ckpt = Checkpoint.of(self.out, state.head[0])
+                    if ckpt is None or not ckpt.done:
+                        break
+                    state.head_ckpt, state.head_parts = ckpt, self._expand(state, ckpt)
+                    if not state.head_parts:  # a held-out source with no documents: no part at all
+                        state.advance()
+                if state.head is None or (self.group_by is not None and state.head_parts is None):
+                    break
+                group = state.head_parts[0] if state.head_parts else None
+                if (record.get("shard"), is_held_part(record), record.get("group")) != (
+                    state.head[0].relpath,
+                    state.head[1],
+                    group,
+                ):
+                    break  # the split changed before this shard (an append, a shard excluded or back)
+                kept.append(record)
+                state.add(group, record)
+                if state.head_parts:
+                    state.head_parts.pop(0)
+                if not state.head_parts:
+                    state.advance()
+            if self.concat and any(
+                not bin_tmp.exists()
+                or not idx_tmp.exists()
+                or bin_tmp.stat().st_size < state.offsets.get(g, (0, 0))[0] * self.itemsize
+                or idx_tmp.stat().st_size < state.offsets.get(g, (0, 0))[1] * IDX_DTYPE.itemsize
+                for g, (bin_tmp, idx_tmp) in self._files(stem, state.offsets).items()
+            ):
+                kept = []  # cut since they were listed: trust none of it
+        if not kept:
+            state = _Split.start(stem, sources(manifest, stem, self.val_fraction))
+            if self.concat and self.group_by is None:
+                for path in assembly_files(self.out, stem)[:2]:
+                    path.unlink(missing_ok=True)  # a new empty file, not a truncate: see own_inode
+                    open(path, "xb").close()
+        if self.concat and self.group_by is not None:  # group files of no kept part: a rerun's are made anew
+            keep = {path for pair in self._files(stem, state.offsets).values() for path in pair}
+            for path in (self.out / stem).glob("*.tmp"):
+                if path not in keep:
+                    path.unlink()
+        if self.concat and kept:
+            for pair in self._files(stem, state.offsets).values():
+                for path in pair:
+                    own_inode(path)  # the split is written in place from here on
+        write_atomic(parts_tmp, b"".join(map(parts_line, kept)))
+        state.scheduled = state.listed = len(kept)
+        if self.concat:
+            self._tokenize_again(manifest, state, len(kept))
+        return state
+
+    def _tokenize_again(self, manifest: Manifest, state: _Split, kept: int) -> None:
+        """Shards done whose placed files are gone but whose place in the split was not kept (the split
+        changed before them, or its file was cut): their checkpoints go, so this run tokenizes them again.
+        The head's parts already kept (--group-by) stay kept: tokenized again, its other parts are the same."""
+        rest = sources(manifest, state.stem, self.val_fraction)
+        if self.group_by is None:
+            rest = itertools.islice(rest, kept, None)
+        else:
+            rest = itertools.dropwhile(lambda source: source != state.head, rest)
+        for shard, held in rest:
+            files = ShardFiles.of(self.out, shard)
+            ckpt = Checkpoint.load(files.checkpoint)
+            if ckpt is None or not ckpt.done:
+                continue
+            if self.group_by is None:
+                needed = [files.val_bin if held else files.bin]
+            else:  # of the head, only its parts not kept yet
+                head = (shard, held) == state.head and state.head_parts is not None
+                groups = state.head_parts if head else ckpt.val_groups if held else ckpt.groups
+                needed = [files.group(held, g)[0] for g in groups if g is not None]
+            if all(path.exists() for path in needed):
+                continue
+            files.checkpoint.unlink()
+            self.lost.append(shard.relpath)
+            if (shard, held) == state.head:
+                state.head_ckpt = None  # its parts wait for it to be done again
+
+    def done(self, shard: Shard, ckpt: Checkpoint) -> None:
+        """A shard finished in this run (its checkpoint as its task returned it)."""
+        if self.group_by is not None:
+            self._meet(split_file_stem(shard.split), ckpt.groups)
+            if ckpt.val_groups:
+                self._meet("val", ckpt.val_groups)
+        self.finished[shard.relpath] = (ckpt, 2 if self.val_fraction and shard.split == "train" else 1)
+
+    def _checkpoint(self, shard: Shard) -> Checkpoint | None:
+        if shard.relpath not in self.finished:
+            return Checkpoint.load(ShardFiles.of(self.out, shard).checkpoint)
+        ckpt, uses = self.finished.pop(shard.relpath)
+        if uses > 1:  # its other part has yet to be scheduled
+            self.finished[shard.relpath] = (ckpt, uses - 1)
+        return ckpt
+
+    def ready(self, excluded: frozenset[str] = frozenset()) -> list[Part]:
+        """Parts whose offsets are now known: each split's next shards, while they are done (or excluded)."""
+        parts = []
+        for s in self.splits:
+            while s.head is not None:
+                shard, held = s.head
+                if s.head_parts is None and shard.relpath in excluded:
+                    s.advance()
+                    continue
+                if s.head_ckpt is None:
+                    ckpt = self._checkpoint(shard)
+                    if ckpt is None or not ckpt.done:
+                        break
+                    s.head_ckpt = ckpt
+                    if s.head_parts is None:
+                        s.head_parts = self._expand(s, ckpt)
+                files = ShardFiles.of(self.out, shard)
+                for group in s.head_parts:
+                    if group is not None:
+                        bin_path, idx_path = files.group(held, group)
+                    elif self.group_by is None:
+                        bin_path, idx_path = (files.val_bin, files.val_idx) if held else (files.bin, files.idx)
+                    else:  # the accounting line: no file
+                        bin_path = idx_path = None
+                    record = part_record(shard, s.head_ckpt, held, group, self.group_by is not None)
+                    if not self.concat and bin_path is not None:  # the part's files are the split's: meta lists them
+                        record.update(bin=str(bin_path.relative_to(self.out)), idx=str(idx_path.relative_to(self.out)))
+                    if self.concat and group is not None and group not in s.offsets:  # a group's first part
+                        for path in assembly_files(self.out, s.stem, group)[:2]:
+                            path.parent.mkdir(exist_ok=True)
+                            path.unlink(missing_ok=True)  # a new empty file, not a truncate: see own_inode
+                            open(path, "xb").close()
+                    where = (str(bin_path), str(idx_path)) if bin_path is not None else ("", "")
+                    parts.append(Part(s.stem, s.scheduled, *s.add(group, record), record, *where))
+                    s.scheduled += 1
+                s.advance()
+        return parts
+
+    def placed(self, parts: list[Part], records: list[dict]) -> None:
+        """Parts are on disk (fsynced): list them in .parts.tmp, in split order, as far as no part is
+        missing; then the listed parts' own files go (with --no-concat they are the split: they stay)."""
+        for part, record in zip(parts, records):
+            s = next(s for s in self.splits if s.stem == part.stem)
+            s.waiting[part.seq] = (part, record)
+        for s in self.splits:
+            listed = []
+            while s.listed in s.waiting:
+                listed.append(s.waiting.pop(s.listed))
+                s.listed += 1
+            if listed:
+                with open(assembly_files(self.out, s.stem)[2], "ab") as f:
+                    f.write(b"".join(parts_line(record) for _, record in listed))
+                    f.flush()
+                    os.fsync(f.fileno())
+                if self.concat:
+                    self.placed_tokens += sum(record["tokens"] for _, record in listed)
+                    for part, _ in listed:
+                        if part.bin:
+                            Path(part.bin).unlink(missing_ok=True)
+                            Path(part.idx).unlink(missing_ok=True)
+
+    @property
+    def complete(self) -> bool:
+        return all(s.head is None and s.listed == s.scheduled for s in self.splits)
+
+    def place_here(self, excluded: frozenset[str]) -> None:
+        """Place whatever is left, in this process (all of it without Ray; nothing after a run that placed it)."""
+        self.place_ready(excluded)
+        if not self.complete:
+            head = next((s.head for s in self.splits if s.head is not None), None)
+            raise RuntimeError(
+                f"cannot finalize: shard {head[0].relpath} is unfinished"
+                if head
+                else "cannot finalize: parts handed out to copy were never placed"
+            )
+
+    def place_ready(self, excluded: frozenset[str] = frozenset()) -> None:
+        """Place, in this process, the parts whose place is known now."""
+        parts = self.ready(excluded)
+        batch, size = [], 0
+        for part in parts + [None]:
+            if batch and (part is None or part.stem != batch[0].stem or size >= COPY_BATCH_BYTES):
+                self.placed(batch, place(self.out, batch, self.itemsize) if self.concat else [p.record for p in batch])
+                batch, size = [], 0
+            if part is not None:
+                batch.append(part)
+                size += part.record["tokens"] * self.itemsize
+
+    def finish(self, excluded: frozenset[str]) -> dict[str, dict]:
+        """Cut, fsync and rename every split's files; returns meta's `splits` (in manifest order of splits).
+        Shard token files that a crash left behind after their part was listed go too (not those of
+        `excluded` shards: a rerun resumes them)."""
+        entries = {}
+        for s in self.splits:
+            parts_tmp = assembly_files(self.out, s.stem)[2]
+            renamed = [parts_tmp]
+            if self.concat:
+                for group, (bin_tmp, idx_tmp) in self._files(s.stem, s.offsets).items():
+                    tokens, documents = s.offsets.get(group, (0, 0))
+                    for path, length in ((bin_tmp, tokens * self.itemsize), (idx_tmp, documents * IDX_DTYPE.itemsize)):
+                        with open(path, "r+b") as f:
+                            f.truncate(length)  # bytes beyond: copies of a layout that changed since
+                            os.fsync(f.fileno())
+                    renamed += [bin_tmp, idx_tmp]
+            entries[s.stem] = split_entry(s.stem, parts_tmp, self.concat, self.group_by is not None)
+            for path in renamed:
+                os.replace(path, path.with_suffix(""))
+            if self.concat and self.group_by is not None and s.offsets:
+                fsync_dir(self.out / s.stem)
+        fsync_dir(self.out)
+        if self.concat:
+            remove_placed_leftovers(self.out, excluded)
+        return entries
+
+
+def remove_placed_leftovers(out: Path, excluded: frozenset[str]) -> None:
+    """Remove the shard token files left after their parts were copied into place and listed (a crash
+    between the listing and the removal), keeping those of `excluded` shards, which a rerun resumes."""
+    keep = {shard_key(relpath) for relpath in excluded}
+    for folder in (out / "shards").glob("**/"):
+        for path in folder.iterdir():
+            if path.suffix in (".bin", ".idx") and path.stem not in keep:
+                path.unlink()
