@@ -121,7 +121,7 @@ class _Split:
 class Assembler:
     """Decides which shard goes where in its split file, and keeps the list of what is there (.parts.tmp).
 
-    Feed it finished shards (`done`), hand what `ready` returns to `place` (anywhere, any order, in
+    `resume` first; then feed it finished shards (`done`), hand what `ready` returns to `place` (anywhere, any order, in
     batches), report what came back (`placed`); `finish` when `complete`.
 
     Tokens are kept once: a part's own files are removed as soon as its line in .parts.tmp is
@@ -133,7 +133,7 @@ class Assembler:
     that file's offset; one parts list per split holds them all, a shard's in value order.
     """
 
-    def __init__(self, out: str | os.PathLike, manifest: Manifest, itemsize: int, opts: RunOptions = RunOptions()):
+    def __init__(self, out: str | os.PathLike, itemsize: int, opts: RunOptions = RunOptions()):
         self.out, self.itemsize = Path(out), itemsize
         self.val_fraction, self.concat = opts.val_fraction, not opts.no_concat
         self.group_by = opts.group_by
@@ -142,6 +142,13 @@ class Assembler:
         self.finished: dict[str, tuple[Checkpoint, int]] = {}
         self.placed_tokens = 0  # copied into the split files by this process's placements, and listed
         self.lost: list[str] = []  # shards tokenized again: their placed files were gone, their place not kept
+        self.splits: list[_Split] = []  # by `resume`
+
+    def resume(self, manifest: Manifest) -> None:
+        """Take up OUT's split files where an earlier attempt left them, before anything is tokenized or
+        placed: a split finalized before is renamed back to .tmp (and meta.json goes), the listed parts that
+        are still the start of their split are kept, the rest of the files is made anew, and the checkpoints
+        of shards whose placed files are gone but whose place was not kept go (`lost`: tokenized again)."""
         self.splits = [
             self._resume(manifest, split_file_stem(split)) for split in output_splits(manifest, self.val_fraction)
         ]

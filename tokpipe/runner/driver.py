@@ -83,6 +83,18 @@ def _plan(out: Path, manifest: Manifest, info: TokenizerInfo, log: RunLog, manif
     return Plan(shards, done, partial, done_bytes)
 
 
+def _resume(out: Path, manifest: Manifest, itemsize: int, opts: RunOptions, log: RunLog) -> Assembler:
+    """Take up OUT's split files where an earlier attempt left them (Assembler.resume), and say which
+    shards are tokenized again for it."""
+    assembler = Assembler(out, itemsize, opts)
+    assembler.resume(manifest)
+    if assembler.lost:
+        what = f"{len(assembler.lost)} shards (e.g. {assembler.lost[0]})"
+        print(f"the split files changed before {what} whose own files were already removed: tokenizing them again")
+        log(f"tokenizing again: {', '.join(assembler.lost)}")
+    return assembler
+
+
 def _sample_texts(manifest: Manifest, text_field: str) -> tuple[list[str], int]:
     """The first documents of each split's first shard: what the backend is checked on, and how many
     lines over SAMPLE_LINE_BYTES it passed over. Refuses, before anything is tokenized, a --text-field
@@ -336,11 +348,7 @@ def _run(manifest_path, tokenizer, out: Path, opts: RunOptions, clock: Timeline,
             )
             return RunSummary(True, {}, meta, 0, time.monotonic() - clock.start)
         # Before the plan: it may find placed shards whose place is not kept, to tokenize again.
-        assembler = Assembler(out, manifest, np.dtype(info.dtype).itemsize, opts)
-        if assembler.lost:
-            what = f"{len(assembler.lost)} shards (e.g. {assembler.lost[0]})"
-            print(f"the split files changed before {what} whose own files were already removed: tokenizing them again")
-            log(f"tokenizing again: {', '.join(assembler.lost)}")
+        assembler = _resume(out, manifest, np.dtype(info.dtype).itemsize, opts, log)
         clock.series = Series(out)
         plan = _plan(out, manifest, info, log, manifest_path)
         tally = Tally(opts.worker_memory << 20)
