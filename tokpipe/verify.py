@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tokpipe.durability import HASH_CHUNK
+from tokpipe.durability import HASH_CHUNK, ShortRead, read_range
 from tokpipe.layout import IDX_DTYPE, Part, delimiters, load_meta_pkl, out_folder, parts_of, split_files
 
 
@@ -62,17 +62,16 @@ def _scan_parts(
     for r in parts:
         hasher = hashlib.sha256()
         start, end = r.token_offset * dtype.itemsize, r.token_end * dtype.itemsize
-        while start < end:
-            got = os.preadv(bin_fd, [memoryview(buffer)[: min(len(buffer), end - start)]], start)
-            if not got:
-                raise RuntimeError(f"the file ended at byte {start} while its size said {end}")
-            chunk = np.frombuffer(buffer, dtype=dtype, count=got // dtype.itemsize)
-            hasher.update(memoryview(buffer)[:got])
-            if chunk.size:
-                scan.top = max(scan.top, int(chunk.max()))
-                scan.eos += int(np.count_nonzero(chunk == eos_id))
-                scan.bos += int(np.count_nonzero(chunk == bos_id)) if bos_id is not None else 0
-            start += got
+        try:
+            for view in read_range(bin_fd, start, end, buffer):
+                chunk = np.frombuffer(view, dtype=dtype, count=len(view) // dtype.itemsize)
+                hasher.update(view)
+                if chunk.size:
+                    scan.top = max(scan.top, int(chunk.max()))
+                    scan.eos += int(np.count_nonzero(chunk == eos_id))
+                    scan.bos += int(np.count_nonzero(chunk == bos_id)) if bos_id is not None else 0
+        except ShortRead as short:
+            raise RuntimeError(f"the file ended at byte {short.at} while its size said {end}") from None
         if r.record["sha256"] is not None and hasher.hexdigest() != r.record["sha256"]:
             scan.bad_bin.append(r.name)
         range_ends = np.asarray(ends[r.doc_offset : r.doc_end])
