@@ -112,7 +112,8 @@ def assembly_cost(folder: Path, shards: int, groups: int) -> float:
         path = ShardFiles.of(folder, shard).checkpoint
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, asdict(ckpt))
-    assembler = Assembler(folder, manifest, 4, opts)
+    assembler = Assembler(folder, 4, opts)
+    assembler.resume(manifest)
     started = time.perf_counter()
     for shard in source:
         assembler.done(shard, ckpt)

@@ -45,12 +45,19 @@ def out(tokenized, tmp_path):
     return copy
 
 
+def reopened(out, options=OPTIONS) -> Assembler:
+    """An Assembler that took up OUT's split files, as a run's resume step does."""
+    assembler = Assembler(out, 4, options)
+    assembler.resume(MANIFEST)
+    return assembler
+
+
 def listed(out, stem) -> list[str]:
     return [json.loads(line)["shard"] for line in (out / f"{stem}.parts.tmp").read_text().splitlines()]
 
 
 def test_parts_copied_in_any_order_are_listed_in_split_order(out, example_reference):
-    assembler = Assembler(out, MANIFEST, 4)
+    assembler = reopened(out)
     parts = assembler.ready()
     assert [(p.stem, p.seq) for p in parts] == [("train", 0), ("train", 1), ("val", 0)]
     assert parts[1].token_offset == parts[0].record["tokens"] and parts[1].doc_offset == parts[0].record["documents"]
@@ -67,19 +74,19 @@ def test_parts_copied_in_any_order_are_listed_in_split_order(out, example_refere
 
 
 def test_a_rerun_keeps_what_was_listed_and_recopies_what_was_not(out, example_reference):
-    first_run = Assembler(out, MANIFEST, 4)
+    first_run = reopened(out)
     train_0, train_1, _ = first_run.ready()
     first_run.placed([train_0], place(out, [train_0], 4))
     place(out, [train_1], 4)  # copied, then killed before it was listed
     with open(out / "train.parts.tmp", "ab") as f:
         f.write(b'{"shard": "train/chunk1/exa')  # and a line cut by the crash
-    rerun = Assembler(out, MANIFEST, 4)
+    rerun = reopened(out)
     assert [(p.stem, p.seq) for p in rerun.ready()] == [("train", 1), ("val", 0)]
     assert listed(out, "train") == ["train/chunk1/example_train_0.jsonl.zst"]  # the cut line is gone
 
 
 def test_a_rerun_finishes_an_assembly_killed_midway_to_the_reference(out, example_reference):
-    first_run = Assembler(out, MANIFEST, 4)
+    first_run = reopened(out)
     train_0, *_ = first_run.ready()
     first_run.placed([train_0], place(out, [train_0], 4))
     (out / "train.bin.tmp").open("ab").write(b"\xff" * 1000)  # stray bytes past what is listed
@@ -88,12 +95,12 @@ def test_a_rerun_finishes_an_assembly_killed_midway_to_the_reference(out, exampl
 
 
 def test_a_listed_shard_that_is_no_longer_first_in_the_split_is_copied_again(out, example_reference):
-    first_run = Assembler(out, MANIFEST, 4)
+    first_run = reopened(out)
     train_0, train_1, _ = first_run.ready()
     place(out, [train_1], 4)
     # As if an earlier layout (before an append, or with train_0 excluded) had put train_1 first.
     (out / "train.parts.tmp").write_text(json.dumps(train_1.record) + "\n")
-    assert [(p.stem, p.seq) for p in Assembler(out, MANIFEST, 4).ready()] == [("train", 0), ("train", 1), ("val", 0)]
+    assert [(p.stem, p.seq) for p in reopened(out).ready()] == [("train", 0), ("train", 1), ("val", 0)]
     finalize(out, MANIFEST, INFO, OPTIONS)
     assert_out_is(out, example_reference)
 
@@ -143,7 +150,7 @@ def shard_token_files(out) -> list[str]:
 
 
 def test_a_placed_shard_gives_its_space_back_and_keeps_its_checkpoint(out, example_reference):
-    assembler = Assembler(out, MANIFEST, 4)
+    assembler = reopened(out)
     train_0, train_1, val_0 = assembler.ready()
     assembler.placed([train_1], place(out, [train_1], 4))
     assert Path(train_1.bin).exists()  # copied, but not listed: a crash now copies it again
@@ -221,12 +228,12 @@ def test_a_kill_9_anywhere_in_place_then_remove_loses_and_leaks_nothing(out, exa
 
 
 def test_placed_shards_whose_place_was_not_kept_are_tokenized_again(out, example_reference):
-    first_run = Assembler(out, MANIFEST, 4)
+    first_run = reopened(out)
     parts = first_run.ready()
     first_run.placed(parts[:2], place(out, parts[:2], 4))
     with open(out / "train.bin.tmp", "r+b") as f:
         f.truncate(1000)  # damaged since: nothing listed can be trusted, and the shards' own files are gone
-    rerun = Assembler(out, MANIFEST, 4)
+    rerun = reopened(out)
     assert rerun.lost == ["train/chunk1/example_train_0.jsonl.zst", "train/chunk1/example_train_1.jsonl.zst"]
     assert [(p.stem, p.seq) for p in rerun.ready()] == [("val", 0)]  # train waits for them
     spec = unguarded(OPTIONS.encode_spec(INFO, "gigatoken"))
@@ -267,7 +274,7 @@ def test_a_split_rewritten_later_leaves_its_exported_links_alone(out, example_re
     os.link(out / "train.bin", exported)
     before = exported.read_bytes()
     if left_out == TRAIN_0:  # TRAIN_1's place was not kept: tokenized again, as the run does
-        assert Assembler(out, MANIFEST, 4).lost == [TRAIN_1]
+        assert reopened(out).lost == [TRAIN_1]
         spec = unguarded(OPTIONS.encode_spec(INFO, "gigatoken"))
         for shard in MANIFEST.shards("train"):
             tokenize_shard(shard, out, spec)
@@ -305,7 +312,7 @@ def test_a_grouped_split_resumes_after_some_of_a_shards_group_parts_were_listed(
 
     options = RunOptions(group_by=GROUP_FIELD)
     out = build_out(tmp_path / "out", QWEN3, options=options, finalized=False)
-    first = Assembler(out, MANIFEST, 4, options)
+    first = reopened(out, options)
     parts = first.ready()
     assert [(p.name, p.group) for p in parts[:5]] == [
         (TRAIN_0, None),
@@ -318,7 +325,7 @@ def test_a_grouped_split_resumes_after_some_of_a_shards_group_parts_were_listed(
     assert len((out / "train.parts.tmp").read_bytes().splitlines()) == 3
     if part_gone:
         ShardFiles.of(out, next(MANIFEST.shards())).group(False, "RedPajamaGithub")[0].unlink()
-    resumed = Assembler(out, MANIFEST, 4, options)
+    resumed = reopened(out, options)
     assert resumed.lost == ([TRAIN_0] if part_gone else []) and resumed.splits[0].listed == 3
     if part_gone:  # as the run does: the shard again, to the same bytes
         tokenize_shard(next(MANIFEST.shards()), out, unguarded(options.encode_spec(INFO, "gigatoken")))

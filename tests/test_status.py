@@ -12,7 +12,8 @@ from helpers import HOLDOUT, QWEN3, TRAIN_0, TRAIN_1, tokpipe
 
 from tokpipe.cli import parser
 from tokpipe.errors import UserError
-from tokpipe.status import duration, report, status
+from tokpipe.fmt import duration
+from tokpipe.status import report, status
 
 
 @pytest.fixture

@@ -121,7 +121,7 @@ class _Split:
 class Assembler:
     """Decides which shard goes where in its split file, and keeps the list of what is there (.parts.tmp).
 
-    Feed it finished shards (`done`), hand what `ready` returns to `place` (anywhere, any order, in
+    `resume` first; then feed it finished shards (`done`), hand what `ready` returns to `place` (anywhere, any order, in
     batches), report what came back (`placed`); `finish` when `complete`.
 
     Tokens are kept once: a part's own files are removed as soon as its line in .parts.tmp is
@@ -133,7 +133,7 @@ class Assembler:
     that file's offset; one parts list per split holds them all, a shard's in value order.
     """
 
-    def __init__(self, out: str | os.PathLike, manifest: Manifest, itemsize: int, opts: RunOptions = RunOptions()):
+    def __init__(self, out: str | os.PathLike, itemsize: int, opts: RunOptions = RunOptions()):
         self.out, self.itemsize = Path(out), itemsize
         self.val_fraction, self.concat = opts.val_fraction, not opts.no_concat
         self.group_by = opts.group_by
@@ -142,6 +142,13 @@ class Assembler:
         self.finished: dict[str, tuple[Checkpoint, int]] = {}
         self.placed_tokens = 0  # copied into the split files by this process's placements, and listed
         self.lost: list[str] = []  # shards tokenized again: their placed files were gone, their place not kept
+        self.splits: list[_Split] = []  # by `resume`
+
+    def resume(self, manifest: Manifest) -> None:
+        """Take up OUT's split files where an earlier attempt left them, before anything is tokenized or
+        placed: a split finalized before is renamed back to .tmp (and meta.json goes), the listed parts that
+        are still the start of their split are kept, the rest of the files is made anew, and the checkpoints
+        of shards whose placed files are gone but whose place was not kept go (`lost`: tokenized again)."""
         self.splits = [
             self._resume(manifest, split_file_stem(split)) for split in output_splits(manifest, self.val_fraction)
         ]
@@ -174,6 +181,25 @@ class Assembler:
     def _resume(self, manifest: Manifest, stem: str) -> _Split:
         """Keep what an earlier attempt assembled, if it is still the start of the split; else start empty."""
         parts_tmp = assembly_files(self.out, stem)[2]
+        self._reopen_finished(stem)
+        state = _Split.start(stem, sources(manifest, stem, self.val_fraction))
+        kept = self._kept(parts_tmp, state) if parts_tmp.exists() else []
+        if kept and self.concat and self._cut(state):
+            kept = []  # cut since they were listed: trust none of it
+        if not kept:
+            state = _Split.start(stem, sources(manifest, stem, self.val_fraction))
+        if self.concat:
+            self._prepare_files(state, bool(kept))
+        write_atomic(parts_tmp, b"".join(map(parts_line, kept)))
+        state.scheduled = state.listed = len(kept)
+        if self.concat:
+            self._tokenize_again(manifest, state, len(kept))
+        return state
+
+    def _reopen_finished(self, stem: str) -> None:
+        """A split finished by an earlier finalize (fully, or killed between its renames), that this run
+        extends (an append, an excluded shard back): its placed shards' files are gone, so it is the start
+        to keep. Its files are renamed back to .tmp."""
         finished = [self.out / f"{stem}.parts"]
         if self.concat:
             finished += (
@@ -182,71 +208,73 @@ class Assembler:
                 else sorted((self.out / stem).glob("*.bin")) + sorted((self.out / stem).glob("*.idx"))
             )
         for done in finished:
-            # A split finished by an earlier finalize (fully, or killed between its renames), that this
-            # run extends (an append, an excluded shard back): its placed shards' files are gone, so
-            # it is the start to keep.
             tmp = done.with_name(done.name + ".tmp")
             if not tmp.exists() and done.exists():
                 (self.out / "meta.json").unlink(missing_ok=True)  # OUT is unfinished while its split files change
                 os.replace(done, tmp)
-        state = _Split.start(stem, sources(manifest, stem, self.val_fraction))
+
+    def _kept(self, parts_tmp: Path, state: _Split) -> list[dict]:
+        """The records of .parts.tmp that are still the start of the split, in order; `state` is advanced
+        past them."""
         kept = []
-        if parts_tmp.exists():
-            for line in parts_tmp.read_bytes().splitlines():
-                try:
-                    record = orjson.loads(line)
-                except orjson.JSONDecodeError:  # a line cut by the crash: its fsync never returned
-                    break
-                while state.head is not None and state.head_parts is None and self.group_by is not None:
-                    ckpt = Checkpoint.of(self.out, state.head[0])
-                    if ckpt is None or not ckpt.done:
-                        break
-                    state.head_ckpt, state.head_parts = ckpt, self._expand(state, ckpt)
-                    if not state.head_parts:  # a held-out source with no documents: no part at all
-                        state.advance()
-                if state.head is None or (self.group_by is not None and state.head_parts is None):
-                    break
-                group = state.head_parts[0] if state.head_parts else None
-                if (record.get("shard"), is_held_part(record), record.get("group")) != (
-                    state.head[0].relpath,
-                    state.head[1],
-                    group,
-                ):
-                    break  # the split changed before this shard (an append, a shard excluded or back)
-                kept.append(record)
-                state.add(group, record)
-                if state.head_parts:
-                    state.head_parts.pop(0)
-                if not state.head_parts:
-                    state.advance()
-            if self.concat and any(
-                not bin_tmp.exists()
-                or not idx_tmp.exists()
-                or bin_tmp.stat().st_size < state.offsets.get(g, (0, 0))[0] * self.itemsize
-                or idx_tmp.stat().st_size < state.offsets.get(g, (0, 0))[1] * IDX_DTYPE.itemsize
-                for g, (bin_tmp, idx_tmp) in self._files(stem, state.offsets).items()
+        for line in parts_tmp.read_bytes().splitlines():
+            try:
+                record = orjson.loads(line)
+            except orjson.JSONDecodeError:  # a line cut by the crash: its fsync never returned
+                break
+            if not self._head_known(state):
+                break
+            group = state.head_parts[0] if state.head_parts else None
+            if (record.get("shard"), is_held_part(record), record.get("group")) != (
+                state.head[0].relpath,
+                state.head[1],
+                group,
             ):
-                kept = []  # cut since they were listed: trust none of it
-        if not kept:
-            state = _Split.start(stem, sources(manifest, stem, self.val_fraction))
-            if self.concat and self.group_by is None:
-                for path in assembly_files(self.out, stem)[:2]:
-                    path.unlink(missing_ok=True)  # a new empty file, not a truncate: see own_inode
-                    open(path, "xb").close()
-        if self.concat and self.group_by is not None:  # group files of no kept part: a rerun's are made anew
-            keep = {path for pair in self._files(stem, state.offsets).values() for path in pair}
-            for path in (self.out / stem).glob("*.tmp"):
+                break  # the split changed before this shard (an append, a shard excluded or back)
+            kept.append(record)
+            state.add(group, record)
+            if state.head_parts:
+                state.head_parts.pop(0)
+            if not state.head_parts:
+                state.advance()
+        return kept
+
+    def _head_known(self, state: _Split) -> bool:
+        """Whether there is a head whose parts are known (with --group-by, once its checkpoint is done)."""
+        while state.head is not None and state.head_parts is None and self.group_by is not None:
+            ckpt = Checkpoint.of(self.out, state.head[0])
+            if ckpt is None or not ckpt.done:
+                break
+            state.head_ckpt, state.head_parts = ckpt, self._expand(state, ckpt)
+            if not state.head_parts:  # a held-out source with no documents: no part at all
+                state.advance()
+        return state.head is not None and (self.group_by is None or state.head_parts is not None)
+
+    def _cut(self, state: _Split) -> bool:
+        """Whether a file being assembled is shorter than the parts listed in it."""
+        return any(
+            not bin_tmp.exists()
+            or not idx_tmp.exists()
+            or bin_tmp.stat().st_size < state.offsets.get(g, (0, 0))[0] * self.itemsize
+            or idx_tmp.stat().st_size < state.offsets.get(g, (0, 0))[1] * IDX_DTYPE.itemsize
+            for g, (bin_tmp, idx_tmp) in self._files(state.stem, state.offsets).items()
+        )
+
+    def _prepare_files(self, state: _Split, kept: bool) -> None:
+        """The files the split is assembled into from here: those of the kept parts, else new empty ones."""
+        if not kept and self.group_by is None:
+            for path in assembly_files(self.out, state.stem)[:2]:
+                path.unlink(missing_ok=True)  # a new empty file, not a truncate: see own_inode
+                open(path, "xb").close()
+        if self.group_by is not None:  # group files of no kept part: a rerun's are made anew
+            keep = {path for pair in self._files(state.stem, state.offsets).values() for path in pair}
+            for path in (self.out / state.stem).glob("*.tmp"):
                 if path not in keep:
                     path.unlink()
-        if self.concat and kept:
-            for pair in self._files(stem, state.offsets).values():
+        if kept:
+            for pair in self._files(state.stem, state.offsets).values():
                 for path in pair:
                     own_inode(path)  # the split is written in place from here on
-        write_atomic(parts_tmp, b"".join(map(parts_line, kept)))
-        state.scheduled = state.listed = len(kept)
-        if self.concat:
-            self._tokenize_again(manifest, state, len(kept))
-        return state
 
     def _tokenize_again(self, manifest: Manifest, state: _Split, kept: int) -> None:
         """Shards done whose placed files are gone but whose place in the split was not kept (the split

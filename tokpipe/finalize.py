@@ -75,7 +75,9 @@ def finalize(
     out = Path(out)
     (out / "meta.json").unlink(missing_ok=True)  # OUT is unfinished while its split files change
     excluded = excluded or {}
-    assembler = assembler or Assembler(out, manifest, np.dtype(info.dtype).itemsize, opts)
+    if assembler is None:
+        assembler = Assembler(out, np.dtype(info.dtype).itemsize, opts)
+        assembler.resume(manifest)
     assembler.place_here(frozenset(excluded))
     stems = assembler.finish(frozenset(excluded))
     splits = {split: stems[split_file_stem(split)] for split in output_splits(manifest, opts.val_fraction)}

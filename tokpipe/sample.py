@@ -39,38 +39,13 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
         ]
     reference = HFEncoder(str(json_path))
     manifest = load_manifest(out / "manifest.json")
-    excluded = meta.get("excluded", {})
     written = delimiters(meta)
     before = [meta["bos_token_id"]] if written["bos"] else []
     after = [meta["eos_token_id"]] if written["eos"] else []
     val_fraction = meta.get("val_fraction", 0.0)
-
     group_by = meta.get("group_by")
-
-    # Every document of the output as (split, shard, held-out part or not, group, number within split), a part
-    # at a time. With --group-by a split is its groups one after the other, in meta's order.
-    population = []
-    for split, entry in meta["splits"].items():
-        groups = entry.get("groups", {None: entry})
-        base = dict(zip(groups, np.cumsum([0] + [g["documents"] for g in groups.values()]).tolist()))
-        for shard, held in sources(manifest, split_file_stem(split), val_fraction):
-            if shard.relpath in excluded:
-                continue
-            ckpt = Checkpoint.of(out, shard)
-            if group_by is None:
-                parts = {None: ckpt.val_documents if held else ckpt.documents}
-            else:
-                parts = {g: c["documents"] for g, c in (ckpt.val_groups if held else ckpt.groups).items()}
-            for group, documents in parts.items():
-                population.append((split, shard, held, group, base[group], documents))
-                base[group] += documents
-    total = sum(p[5] for p in population)
-    wanted = sorted(random.Random(seed).sample(range(total), min(k, total)))
-    starts = np.cumsum([0] + [p[5] for p in population])  # first document of each part, over all splits
-    picks: dict[int, list[tuple[int, int]]] = {}  # population index -> [(doc in part, doc in split)]
-    for doc in wanted:
-        i = int(np.searchsorted(starts, doc, side="right")) - 1
-        picks.setdefault(i, []).append((doc - int(starts[i]), population[i][4] + doc - int(starts[i])))
+    population = _population(out, meta, manifest)
+    picks = _picks(population, k, seed)
 
     data = open_output(out)
     results: dict[str, list[int]] = {}
@@ -105,17 +80,68 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
                 in_pieces[split] = in_pieces.get(split, 0) + (
                     len(text) > PIECE_CHARS and reference.piece_tokens is not None
                 )
-                if (
-                    len(got) != len(before) + length + len(after)
-                    or list(got[: len(before)]) != before
-                    or list(got[len(got) - len(after) :]) != after
-                    or not np.array_equal(got[len(before) : len(got) - len(after)], flat[end - length : end])
-                ):
+                if not _matches(got, before, flat[end - length : end], after):
                     mismatches.setdefault(split, []).append(
                         f"document {d} ({shard.relpath}{', held out' if held else ''}, its document {number})"
                     )
             if seen > last:
                 break
+    return _checks(results, mismatches, in_pieces, passed_over)
+
+
+def _population(out: Path, meta: dict, manifest) -> list[tuple]:
+    """Every document of the output as (split, shard, held-out part or not, group, number within split), a part
+    at a time. With --group-by a split is its groups one after the other, in meta's order."""
+    excluded = meta.get("excluded", {})
+    val_fraction = meta.get("val_fraction", 0.0)
+    group_by = meta.get("group_by")
+    population = []
+    for split, entry in meta["splits"].items():
+        groups = entry.get("groups", {None: entry})
+        base = dict(zip(groups, np.cumsum([0] + [g["documents"] for g in groups.values()]).tolist()))
+        for shard, held in sources(manifest, split_file_stem(split), val_fraction):
+            if shard.relpath in excluded:
+                continue
+            ckpt = Checkpoint.of(out, shard)
+            if group_by is None:
+                parts = {None: ckpt.val_documents if held else ckpt.documents}
+            else:
+                parts = {g: c["documents"] for g, c in (ckpt.val_groups if held else ckpt.groups).items()}
+            for group, documents in parts.items():
+                population.append((split, shard, held, group, base[group], documents))
+                base[group] += documents
+    return population
+
+
+def _picks(population: list[tuple], k: int, seed: int) -> dict[int, list[tuple[int, int]]]:
+    """k documents drawn at random: population index -> [(doc in part, doc in split)]."""
+    total = sum(p[5] for p in population)
+    wanted = sorted(random.Random(seed).sample(range(total), min(k, total)))
+    starts = np.cumsum([0] + [p[5] for p in population])  # first document of each part, over all splits
+    picks: dict[int, list[tuple[int, int]]] = {}
+    for doc in wanted:
+        i = int(np.searchsorted(starts, doc, side="right")) - 1
+        picks.setdefault(i, []).append((doc - int(starts[i]), population[i][4] + doc - int(starts[i])))
+    return picks
+
+
+def _matches(got: np.ndarray, before: list[int], encoded: np.ndarray, after: list[int]) -> bool:
+    """A document's span in the split file is the reference's tokens between the delimiters written."""
+    return (
+        len(got) == len(before) + len(encoded) + len(after)
+        and list(got[: len(before)]) == before
+        and list(got[len(got) - len(after) :]) == after
+        and np.array_equal(got[len(before) : len(got) - len(after)], encoded)
+    )
+
+
+def _checks(
+    results: dict[str, list[int]],
+    mismatches: dict[str, list[str]],
+    in_pieces: dict[str, int],
+    passed_over: dict[str, int],
+) -> list[Check]:
+    """One check per split sampled."""
     checks = []
     for split in {**results, **passed_over}:
         notes = mismatches.get(split, [])[:5]

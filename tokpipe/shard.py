@@ -25,7 +25,7 @@ from tokpipe.durability import HASH_CHUNK, hash_range, write_json_atomic
 from tokpipe.errors import TooManyGroups
 from tokpipe.layout import IDX_DTYPE, MAX_GROUPS, Checkpoint, ShardFiles, group_stem
 from tokpipe.manifest import Shard
-from tokpipe.source import read_batches
+from tokpipe.source import BATCH_BYTES, read_batches
 from tokpipe.source.batch import SKIP_LOG_CAP, Batch
 from tokpipe.tokenizer import drop_encoder, encoder
 
@@ -48,7 +48,7 @@ class EncodeSpec:
     memory_limit: int  # bytes of RSS; past it the encoder's word cache is dropped (0: never)
     val_fraction: float  # share of train documents held out for val.bin, chosen by held_out()
     read_ahead: bool = False  # read the next batch on a second thread: for a task with a core to spare
-    batch_bytes: int = 1 << 20  # of input text per encode call: bounds memory, paces progress reports
+    batch_bytes: int = BATCH_BYTES
     group_by: str | None = None  # --group-by: the field whose value is a document's group
 
 

@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from tokpipe.errors import UserError
+from tokpipe.fmt import disk_line, duration, free_bytes
 from tokpipe.layout import (
     FAILED,
     PROGRESS,
@@ -36,15 +37,6 @@ from tokpipe.manifest import load_manifest
 # something else (starting Ray, finalizing) or is stuck.
 PROGRESS_FRESH_S = 10.0
 LIST_AT_MOST = 10  # partial and failed shards listed by name; the rest are counted
-
-
-def duration(seconds: float) -> str:
-    """42s, 7m03s, 2h05m, 3d04h: readable at a glance, for ETAs of minutes or of days."""
-    s = int(round(seconds))
-    for big, big_s, small, small_s in (("d", 86400, "h", 3600), ("h", 3600, "m", 60), ("m", 60, "s", 1)):
-        if s >= big_s:
-            return f"{s // big_s}{big}{s % big_s // small_s:02d}{small}"
-    return f"{s}s"
 
 
 @dataclass(frozen=True)
@@ -163,40 +155,6 @@ def status(out: str | os.PathLike) -> RunStatus:
         disk = {**disk, "free_bytes": free_bytes(out)}
     groups = {split: dict(sorted(g.items())) for split, g in groups.items()}
     return RunStatus(out, state, shards, holder, progress if live else None, age, next_step, disk, groups)
-
-
-def size(n: float) -> str:
-    """4.7 MB, 2.50 TB: decimal units, as disks are sold and df -H shows."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
-        if n >= scale:
-            return f"{n / scale:,.2f} {unit}" if scale == 1e12 else f"{n / scale:,.1f} {unit}"
-    return f"{n / 1e3:,.1f} kB"
-
-
-def free_bytes(path: str | os.PathLike) -> int:
-    """Bytes an unprivileged writer may still use on path's file system."""
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-
-
-def disk_line(disk: dict, tokens_per_byte: float | None = None, input_bytes: int = 0, itemsize: int = 0) -> str:
-    """Whether the output fits: its projected size, what is still to write, the free space."""
-    how = (
-        f" ({tokens_per_byte:.3f} tokens per input byte so far x {size(input_bytes)} of input x {itemsize} bytes)"
-        if tokens_per_byte is not None
-        else ""
-    )
-    fits = disk["to_write_bytes"] <= disk["free_bytes"]
-    verdict = (
-        "fits"
-        if fits
-        else f"WILL NOT FIT: free {size(disk['to_write_bytes'] - disk['free_bytes'])} more, or use another --out; "
-        "a full disk stops the run, and rerunning the same command resumes it"
-    )
-    return (
-        f"disk: output projected at {size(disk['projected_bytes'])}{how}; {size(disk['to_write_bytes'])} still to"
-        f" write, {size(disk['free_bytes'])} free on OUT's file system: {verdict}"
-    )
 
 
 def _mib(n: int) -> str:

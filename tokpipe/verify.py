@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tokpipe.durability import HASH_CHUNK
+from tokpipe.durability import HASH_CHUNK, ShortRead, read_range
 from tokpipe.layout import IDX_DTYPE, Part, delimiters, load_meta_pkl, out_folder, parts_of, split_files
 
 
@@ -62,17 +62,16 @@ def _scan_parts(
     for r in parts:
         hasher = hashlib.sha256()
         start, end = r.token_offset * dtype.itemsize, r.token_end * dtype.itemsize
-        while start < end:
-            got = os.preadv(bin_fd, [memoryview(buffer)[: min(len(buffer), end - start)]], start)
-            if not got:
-                raise RuntimeError(f"the file ended at byte {start} while its size said {end}")
-            chunk = np.frombuffer(buffer, dtype=dtype, count=got // dtype.itemsize)
-            hasher.update(memoryview(buffer)[:got])
-            if chunk.size:
-                scan.top = max(scan.top, int(chunk.max()))
-                scan.eos += int(np.count_nonzero(chunk == eos_id))
-                scan.bos += int(np.count_nonzero(chunk == bos_id)) if bos_id is not None else 0
-            start += got
+        try:
+            for view in read_range(bin_fd, start, end, buffer):
+                chunk = np.frombuffer(view, dtype=dtype, count=len(view) // dtype.itemsize)
+                hasher.update(view)
+                if chunk.size:
+                    scan.top = max(scan.top, int(chunk.max()))
+                    scan.eos += int(np.count_nonzero(chunk == eos_id))
+                    scan.bos += int(np.count_nonzero(chunk == bos_id)) if bos_id is not None else 0
+        except ShortRead as short:
+            raise RuntimeError(f"the file ended at byte {short.at} while its size said {end}") from None
         if r.record["sha256"] is not None and hasher.hexdigest() != r.record["sha256"]:
             scan.bad_bin.append(r.name)
         range_ends = np.asarray(ends[r.doc_offset : r.doc_end])
@@ -206,55 +205,19 @@ def _verify_split(
     bos_id: int | None,
     eos_written: bool,
 ) -> None:
-    tokens_expected, docs_expected = int(info["tokens"]), int(info["documents"])
+    docs_expected = int(info["documents"])
     if "lines" in info:
-        skipped = sum(info.get("skipped", {}).values())
-        # --val-fraction moves documents from train (held_out) to validation (held_in).
-        read = docs_expected - info.get("held_in", 0) + info.get("held_out", 0)
-        moved = (
-            f" (held out {info['held_out']:,}, held in {info['held_in']:,})"
-            if info.get("held_out") or info.get("held_in")
-            else ""
-        )
-        check(
-            f"{split}: documents + skipped == lines",
-            read + skipped == info["lines"],
-            f"{read:,} + {skipped:,} vs {info['lines']:,}{moved}",
-        )
+        _check_lines(split, info, check)
     files = split_files(out, info)
-    problems = [_file_problems(*f, dtype) for f in files]
-    if len(files) == 1:  # the whole split in one file: each check on its own line, as ever
-        names = ("file present", f"size matches meta ({tokens_expected:,} {dtype.name})", "idx present")
-        names += ("idx entries == documents",)
-        for name, problem in zip(names, problems[0]):
-            if not check(f"{split}: {name}", problem is None, problem or ""):
-                return
-    else:  # --no-concat: one line per check over all the split's files
-        names = ("files present", "sizes match meta", "idx files present", "idx entries == documents")
-        for k, name in enumerate(names):
-            bad = [(f[0].relative_to(out), p[k]) for f, p in zip(files, problems) if p[k] is not None]
-            where = (
-                f"{len(bad)} of {len(files):,} files, e.g. {bad[0][0]}: {bad[0][1]}" if bad else f"{len(files):,} files"
-            )
-            if not check(f"{split}: {name}", not bad, where):
-                return
+    if not _check_files(out, split, info, files, dtype, check):
+        return
     parts = _parts(out, split, info, check)
     if parts is None:
         return
     if "groups" in info:  # the parts with tokens (not a shard's accounting line), group by group as meta lists them
         order = {group: i for i, group in enumerate(info["groups"])}
         parts = sorted((p for p in parts if p.group is not None), key=lambda p: order[p.group])
-    if "groups" in info and all("file" in g for g in info["groups"].values()):  # a file per group, holding its parts
-        by_group = dict(zip(info["groups"], files))
-        jobs_parts = [
-            (by_group[g], chunk)
-            for g in info["groups"]
-            for chunk in _groups([p for p in parts if p.group == g], dtype.itemsize, jobs)
-        ]
-    elif len(files) == 1:
-        jobs_parts = [(files[0], group) for group in _groups(parts, dtype.itemsize, jobs)]
-    else:  # each part in a file of its own, from its first token
-        jobs_parts = [(f, [replace(part, token_offset=0, doc_offset=0)]) for f, part in zip(files, parts)]
+    jobs_parts = _scan_jobs(info, files, parts, dtype, jobs)
     with ThreadPoolExecutor(jobs) as pool:
         scans = list(pool.map(lambda job: _scan_file(*job, dtype, eos_id, bos_id), jobs_parts))
     bad_bin = [name for s in scans for name in s.bad_bin]
@@ -292,6 +255,58 @@ def _verify_split(
         if bos_id is not None:
             not_started = sum(s.not_bos_started for s in scans)
             check(f"{split}: every document starts with BOS", not not_started, f"{not_started} do not")
+
+
+def _check_lines(split: str, info: dict, check) -> None:
+    """Every line of the split's sources is a document or a skipped line."""
+    skipped = sum(info.get("skipped", {}).values())
+    # --val-fraction moves documents from train (held_out) to validation (held_in).
+    read = int(info["documents"]) - info.get("held_in", 0) + info.get("held_out", 0)
+    moved = (
+        f" (held out {info['held_out']:,}, held in {info['held_in']:,})"
+        if info.get("held_out") or info.get("held_in")
+        else ""
+    )
+    check(
+        f"{split}: documents + skipped == lines",
+        read + skipped == info["lines"],
+        f"{read:,} + {skipped:,} vs {info['lines']:,}{moved}",
+    )
+
+
+def _check_files(out: Path, split: str, info: dict, files: list, dtype: np.dtype, check) -> bool:
+    """The split's files are there, of meta's sizes; returns whether they are (the scan reads them next)."""
+    problems = [_file_problems(*f, dtype) for f in files]
+    if len(files) == 1:  # the whole split in one file: each check on its own line, as ever
+        names = ("file present", f"size matches meta ({int(info['tokens']):,} {dtype.name})", "idx present")
+        names += ("idx entries == documents",)
+        for name, problem in zip(names, problems[0]):
+            if not check(f"{split}: {name}", problem is None, problem or ""):
+                return False
+        return True
+    # --no-concat: one line per check over all the split's files
+    names = ("files present", "sizes match meta", "idx files present", "idx entries == documents")
+    for k, name in enumerate(names):
+        bad = [(f[0].relative_to(out), p[k]) for f, p in zip(files, problems) if p[k] is not None]
+        where = f"{len(bad)} of {len(files):,} files, e.g. {bad[0][0]}: {bad[0][1]}" if bad else f"{len(files):,} files"
+        if not check(f"{split}: {name}", not bad, where):
+            return False
+    return True
+
+
+def _scan_jobs(info: dict, files: list, parts: list, dtype: np.dtype, jobs: int) -> list:
+    """The split's parts cut into scans: (file, the parts of it one thread reads)."""
+    if "groups" in info and all("file" in g for g in info["groups"].values()):  # a file per group, holding its parts
+        by_group = dict(zip(info["groups"], files))
+        return [
+            (by_group[g], chunk)
+            for g in info["groups"]
+            for chunk in _groups([p for p in parts if p.group == g], dtype.itemsize, jobs)
+        ]
+    if len(files) == 1:
+        return [(files[0], group) for group in _groups(parts, dtype.itemsize, jobs)]
+    # each part in a file of its own, from its first token
+    return [(f, [replace(part, token_offset=0, doc_offset=0)]) for f, part in zip(files, parts)]
 
 
 def _file_problems(path: Path, idx_path: Path, tokens: int, documents: int, dtype: np.dtype) -> list[str | None]:

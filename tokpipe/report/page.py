@@ -12,10 +12,10 @@ import html
 import json
 import time
 
+from tokpipe.fmt import duration
 from tokpipe.report import charts
 from tokpipe.report.charts import GREEN, GREY, ORANGE, PHASE_COLOURS, RED, SPLIT_COLOURS, STATE_COLOURS
 from tokpipe.report.data import STATES, Report
-from tokpipe.status import duration
 
 STYLE = (
     "\n"

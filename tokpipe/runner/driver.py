@@ -9,7 +9,7 @@ import stat
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -61,7 +61,42 @@ class Plan:
     done_bytes: int  # of input already covered by checkpoints
 
 
-def _plan(out: Path, manifest: Manifest, info: TokenizerInfo, log: RunLog, manifest_path) -> Plan:
+@dataclass(frozen=True)
+class _Run:
+    """What the steps of one run share: its inputs, options, and where it tells and times what it does."""
+
+    manifest: Manifest  # OUT's copy, which its shards stream from
+    out: Path
+    info: TokenizerInfo
+    opts: RunOptions
+    log: RunLog
+    clock: Timeline
+    cluster: Cluster
+
+
+@dataclass
+class _Handover:
+    """The driver tokenizes until Ray can take over. Ray is started once the driver has worked
+    LOCAL_SECONDS without finishing; `driver_goes_on` is asked between batches."""
+
+    cluster: Cluster
+    ray_only: bool
+    since: float = field(default_factory=time.monotonic)
+
+    def start_ray_if_due(self) -> None:
+        if not self.cluster.started and time.monotonic() - self.since > LOCAL_SECONDS:
+            self.cluster.start()
+
+    def driver_goes_on(self) -> bool:
+        """Start Ray if it is due; then whether the driver goes on: while there is no Ray ready to take over."""
+        if self.cluster.address or self.ray_only:
+            return False
+        self.start_ray_if_due()
+        return not self.cluster.working()
+
+
+def _plan(run: _Run, manifest_path) -> Plan:
+    out, manifest, info, log = run.out, run.manifest, run.info, run.log
     shards, done, partial, done_bytes = sum(manifest.counts.values()), 0, 0, 0
     for shard in manifest.shards():  # one checkpoint in memory at a time: manifests may hold 100,000s of shards
         ckpt = Checkpoint.of(out, shard)
@@ -81,6 +116,18 @@ def _plan(out: Path, manifest: Manifest, info: TokenizerInfo, log: RunLog, manif
         f"{done} done, {partial} partial"
     )
     return Plan(shards, done, partial, done_bytes)
+
+
+def _resume(run: _Run) -> Assembler:
+    """Take up OUT's split files where an earlier attempt left them (Assembler.resume), and say which
+    shards are tokenized again for it."""
+    assembler = Assembler(run.out, np.dtype(run.info.dtype).itemsize, run.opts)
+    assembler.resume(run.manifest)
+    if assembler.lost:
+        what = f"{len(assembler.lost)} shards (e.g. {assembler.lost[0]})"
+        print(f"the split files changed before {what} whose own files were already removed: tokenizing them again")
+        run.log(f"tokenizing again: {', '.join(assembler.lost)}")
+    return assembler
 
 
 def _sample_texts(manifest: Manifest, text_field: str) -> tuple[list[str], int]:
@@ -139,90 +186,89 @@ def _count_groups(manifest: Manifest, text_field: str, group_by: str) -> None:
             )
 
 
-def _tokenize(
-    manifest: Manifest,
-    out: Path,
-    info: TokenizerInfo,
-    opts: RunOptions,
-    assembler: Assembler,
-    log: RunLog,
-    plan: Plan,
-    clock: Timeline,
-    cluster: Cluster,
-) -> Tally:
-    """Tokenize every unfinished shard, assembling the split files as shards finish: in this process
-    while Ray starts, then on Ray. What finalize has left is the last copies."""
-    sample, passed_over = _sample_texts(manifest, opts.text_field)
-    backend, why = choose_backend(opts.backend, info.path, sample)
+def _choose_backend(run: _Run) -> str:
+    """The encoder, proven exact on the first documents of each split; --group-by's field checked first."""
+    sample, passed_over = _sample_texts(run.manifest, run.opts.text_field)
+    backend, why = choose_backend(run.opts.backend, run.info.path, sample)
     if passed_over and backend != "hf":
         why += (
             f"; the sample passed over {passed_over} line(s) over {SAMPLE_LINE_BYTES >> 20} MiB"
             " (verify --sample re-encodes such documents with tokenizers)"
         )
-    if opts.group_by is not None:
-        _count_groups(manifest, opts.text_field, opts.group_by)
+    if run.opts.group_by is not None:
+        _count_groups(run.manifest, run.opts.text_field, run.opts.group_by)
     print(f"backend {backend}: {why}")
-    log(f"backend {backend}: {why}")
-    cluster.warm(backend, info.path)
-    progress = Progress(out, manifest.size, plan, np.dtype(info.dtype).itemsize, clock.series)
-    tally = Tally(opts.worker_memory << 20)
-    clock.planned = time.monotonic()
-    clock.series.mark("tokenize")
+    run.log(f"backend {backend}: {why}")
+    return backend
+
+
+def _tokenize(run: _Run, assembler: Assembler, plan: Plan) -> Tally:
+    """Tokenize every unfinished shard, assembling the split files as shards finish: in this process
+    while Ray starts, then on Ray. What finalize has left is the last copies."""
+    backend = _choose_backend(run)
+    run.cluster.warm(backend, run.info.path)
+    itemsize = np.dtype(run.info.dtype).itemsize
+    progress = Progress(run.out, run.manifest.size, plan, itemsize, run.clock.series)
+    tally = Tally(run.opts.worker_memory << 20)
+    run.clock.planned = time.monotonic()
+    run.clock.series.mark("tokenize")
     try:
-        spec = opts.encode_spec(info, backend)
-        if not cluster.address and cluster.fit[1]:
-            print(cluster.fit[1])
-            log(cluster.fit[1])
-        local_since = time.monotonic()
-
-        def busy() -> bool:
-            """Whether the driver goes on tokenizing: while there is no Ray ready to take over. Ray is
-            started once the driver has worked LOCAL_SECONDS without finishing."""
-            if cluster.address or opts.ray_only:
-                return False
-            if not cluster.started and time.monotonic() - local_since > LOCAL_SECONDS:
-                cluster.start()
-            return not cluster.working()
-
-        done = plan.done + tokenize_while(manifest, out, spec, busy, progress, tally, log, assembler)
+        spec = run.opts.encode_spec(run.info, backend)
+        if not run.cluster.address and run.cluster.fit[1]:
+            print(run.cluster.fit[1])
+            run.log(run.cluster.fit[1])
+        handover = _Handover(run.cluster, run.opts.ray_only)
+        done = plan.done + tokenize_while(
+            run.manifest, run.out, spec, handover.driver_goes_on, progress, tally, run.log, assembler
+        )
         # A shard that failed here failed as a task would after its retries (what raised here, a source
         # error or a full disk, raises again on a worker): it is no reason to start Ray.
         if done + len(tally.failed) < plan.shards:
-            from tokpipe.runner.schedule import Copies, Scheduler  # with Ray's import: only for runs that use it
-
-            shape = cluster.wait()
-            # Over the C++ handler of Ray's core worker, where Ray was imported before the run could
-            # switch it off (a Python caller's process; runner/cluster.py, Cluster._start).
-            terminate_on_sigterm()
-            if shape.note and cluster.address:  # an embedded Ray's was said before it started
-                print(shape.note)
-                log(shape.note)
-            both = " (2 CPUs each: reading overlaps encoding)" if shape.read_ahead else ""
-            nodes = f" on {shape.nodes} nodes" if shape.nodes > 1 else ""
-            print(f"ray: {shape.where}, {shape.workers} workers{both}{nodes}")
-            check = None
-            if cluster.address:  # every node sees the shards, the tokenizer and OUT, or the run stops here
-                from tokpipe.runner.nodes import check_nodes
-
-                check = check_nodes(manifest, info, out, log)
-            spec = opts.encode_spec(info, backend, shape.read_ahead)
-            copies = Copies(assembler, out, np.dtype(info.dtype).itemsize, shape.nodes, check)
-            Scheduler(manifest, out, spec, opts, shape.workers, log, tally, check).run(progress, copies, done)
-            clock.tokenized_now(assembler.placed_tokens * np.dtype(info.dtype).itemsize)
-            # Failed shards block their split's assembly; with --skip-failed it goes on without them.
-            copies.drain(frozenset(tally.failed) if opts.skip_failed else frozenset())
-            if shape.nodes > 1:
-                by_node = copies.bytes_by_node.most_common()
-                log("assembled by node: " + ", ".join(f"{node[:8]} {size / 1e6:,.1f} MB" for node, size in by_node))
+            _tokenize_on_ray(run, backend, assembler, progress, tally, done)
         else:
             what = "tokenized (or failed)" if tally.failed else "tokenized"
-            print(f"ray: not needed, every shard was {what} here{' while it started' if cluster.started else ''}")
+            here = " while it started" if run.cluster.started else ""
+            print(f"ray: not needed, every shard was {what} here{here}")
             progress.update(0, 0, 0, done=done, running=0, failed=len(tally.failed), final=True)
-            clock.tokenized_now(assembler.placed_tokens * np.dtype(info.dtype).itemsize)
+            run.clock.tokenized_now(assembler.placed_tokens * itemsize)
     finally:
         progress.close()
-    clock.read_bytes = progress.read_this_run
+    run.clock.read_bytes = progress.read_this_run
     return tally
+
+
+def _tokenize_on_ray(
+    run: _Run, backend: str, assembler: Assembler, progress: Progress, tally: Tally, done: int
+) -> None:
+    """The shards the driver did not finish, on Ray's workers; their copies into the split files too."""
+    from tokpipe.runner.schedule import Copies, Scheduler  # with Ray's import: only for runs that use it
+
+    shape = run.cluster.wait()
+    # Over the C++ handler of Ray's core worker, where Ray was imported before the run could
+    # switch it off (a Python caller's process; runner/cluster.py, Cluster._start).
+    terminate_on_sigterm()
+    if shape.note and run.cluster.address:  # an embedded Ray's was said before it started
+        print(shape.note)
+        run.log(shape.note)
+    both = " (2 CPUs each: reading overlaps encoding)" if shape.read_ahead else ""
+    nodes = f" on {shape.nodes} nodes" if shape.nodes > 1 else ""
+    print(f"ray: {shape.where}, {shape.workers} workers{both}{nodes}")
+    check = None
+    if run.cluster.address:  # every node sees the shards, the tokenizer and OUT, or the run stops here
+        from tokpipe.runner.nodes import check_nodes
+
+        check = check_nodes(run.manifest, run.info, run.out, run.log)
+    spec = run.opts.encode_spec(run.info, backend, shape.read_ahead)
+    itemsize = np.dtype(run.info.dtype).itemsize
+    copies = Copies(assembler, run.out, itemsize, shape.nodes, check)
+    scheduler = Scheduler(run.manifest, run.out, spec, run.opts, shape.workers, run.log, tally, check)
+    scheduler.run(progress, copies, done)
+    run.clock.tokenized_now(assembler.placed_tokens * itemsize)
+    # Failed shards block their split's assembly; with --skip-failed it goes on without them.
+    copies.drain(frozenset(tally.failed) if run.opts.skip_failed else frozenset())
+    if shape.nodes > 1:
+        by_node = copies.bytes_by_node.most_common()
+        run.log("assembled by node: " + ", ".join(f"{node[:8]} {size / 1e6:,.1f} MB" for node, size in by_node))
 
 
 def _report_failures(out: Path, tally: Tally, opts: RunOptions, log: RunLog) -> bool:
@@ -325,10 +371,8 @@ def _run(manifest_path, tokenizer, out: Path, opts: RunOptions, clock: Timeline,
     check_options(opts, info, tokenizer)
     out.mkdir(parents=True, exist_ok=True)
     with lock_out(out):
-        record_run(out, manifest, info, opts)
-        write_manifest(manifest, out / "manifest.json")  # what `verify --sample` and `status` read
-        manifest = replace(manifest, source=out / "manifest.json")  # from here on, its shards stream from OUT's copy
-        log = RunLog(out)
+        manifest = _record(out, manifest, info, opts)
+        run = _Run(manifest, out, info, opts, RunLog(out), clock, cluster)
         meta = load_meta_json(out)
         if meta is not None and meta.get("manifest_sha256") == manifest.fingerprint and not meta.get("excluded"):
             print(
@@ -336,26 +380,33 @@ def _run(manifest_path, tokenizer, out: Path, opts: RunOptions, clock: Timeline,
             )
             return RunSummary(True, {}, meta, 0, time.monotonic() - clock.start)
         # Before the plan: it may find placed shards whose place is not kept, to tokenize again.
-        assembler = Assembler(out, manifest, np.dtype(info.dtype).itemsize, opts)
-        if assembler.lost:
-            what = f"{len(assembler.lost)} shards (e.g. {assembler.lost[0]})"
-            print(f"the split files changed before {what} whose own files were already removed: tokenizing them again")
-            log(f"tokenizing again: {', '.join(assembler.lost)}")
+        assembler = _resume(run)
         clock.series = Series(out)
-        plan = _plan(out, manifest, info, log, manifest_path)
-        tally = Tally(opts.worker_memory << 20)
-        if plan.done < plan.shards:
-            tally = _tokenize(manifest, out, info, opts, assembler, log, plan, clock, cluster)
+        plan = _plan(run, manifest_path)
+        tally = _tokenize(run, assembler, plan) if plan.done < plan.shards else Tally(opts.worker_memory << 20)
         redone = sum(r.redone_tokens for r in tally.resumed)
-        if not _report_failures(out, tally, opts, log):
+        if not _report_failures(out, tally, opts, run.log):
             clock.series.mark("failed")
             return RunSummary(False, tally.failed, None, redone, time.monotonic() - clock.start)
-        clock.series.mark("finalize")
-        meta = finalize(out, manifest, info, opts, tally.failed, assembler)
-        seconds = time.monotonic() - clock.start
-        phases = clock.report(time.monotonic(), meta)
-        clock.series.mark("finished")
-        _print_summary(meta, out, seconds, phases, tally, opts.text_field)
-        log(phases)
-        log(f"finished: {sum(s['tokens'] for s in meta['splits'].values()):,} tokens in {seconds:.1f}s")
+        meta, seconds = _finalize(run, assembler, tally)
         return RunSummary(True, tally.failed, meta, redone, seconds)
+
+
+def _record(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOptions) -> Manifest:
+    """Record this run in OUT (run.json, a copy of the manifest); returns the manifest of OUT's copy."""
+    record_run(out, manifest, info, opts)
+    write_manifest(manifest, out / "manifest.json")  # what `verify --sample` and `status` read
+    return replace(manifest, source=out / "manifest.json")  # from here on, its shards stream from OUT's copy
+
+
+def _finalize(run: _Run, assembler: Assembler, tally: Tally) -> tuple[dict, float]:
+    """The last copies and meta; then what the run made, said. Returns meta and the run's seconds."""
+    run.clock.series.mark("finalize")
+    meta = finalize(run.out, run.manifest, run.info, run.opts, tally.failed, assembler)
+    seconds = time.monotonic() - run.clock.start
+    phases = run.clock.report(time.monotonic(), meta)
+    run.clock.series.mark("finished")
+    _print_summary(meta, run.out, seconds, phases, tally, run.opts.text_field)
+    run.log(phases)
+    run.log(f"finished: {sum(s['tokens'] for s in meta['splits'].values()):,} tokens in {seconds:.1f}s")
+    return meta, seconds

@@ -13,9 +13,9 @@ import numpy as np
 from tqdm import tqdm
 
 from tokpipe.durability import write_json_atomic
+from tokpipe.fmt import disk_line, duration, free_bytes
 from tokpipe.layout import PROGRESS, RUN_LOG, log_file
 from tokpipe.series import Series
-from tokpipe.status import disk_line, duration, free_bytes
 
 
 class RunLog:

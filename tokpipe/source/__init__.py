@@ -14,6 +14,7 @@ from tokpipe.source.batch import Batch
 from tokpipe.source.jsonl import GZIP_MAGIC, ZSTD_MAGIC, jsonl_fields, read_jsonl_batches
 
 PARQUET_MAGIC = b"PAR1"
+BATCH_BYTES = 1 << 20  # of input text per batch (per encode call of a shard): bounds memory, paces progress reports
 
 
 def format_of(path: str) -> str:
@@ -45,7 +46,7 @@ def read_batches(
     text_field: str = "text",
     start_line: int = 0,
     start_offset: int = 0,
-    batch_bytes: int = 4 << 20,
+    batch_bytes: int = BATCH_BYTES,
     max_line_bytes: int = 64 << 20,  # a line costs its process ~8 bytes a byte (bytes, text, ids): under 0.5 GiB
     group_by: str | None = None,
 ) -> Iterator[Batch]:
