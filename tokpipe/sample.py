@@ -1,5 +1,5 @@
 """`tokpipe verify --sample K`: K random documents of OUT re-tokenized from the source with `tokenizers` (the
-DESIGN reference) and compared with their span in the split files: an independent check of the encoder that
+reference: docs/design.md) and compared with their span in the split files: an independent check of the encoder that
 wrote them and of the offsets where they went. `tokpipe verify`'s other checks are tokpipe/verify.py's.
 """
 
