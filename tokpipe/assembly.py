@@ -28,7 +28,7 @@ import numpy as np
 import orjson
 
 from tokpipe.durability import HASH_CHUNK, copy_range, fsync_dir, hash_range, own_inode, write_atomic
-from tokpipe.errors import TooManyGroups
+from tokpipe.errors import too_many_groups
 from tokpipe.layout import (
     IDX_DTYPE,
     MAX_GROUPS,
@@ -166,12 +166,7 @@ class Assembler:
         values = self.values.setdefault(stem, set())
         values.update(groups)
         if len(values) > MAX_GROUPS:
-            shown = ", ".join(repr(v) for v in sorted(values)[:3])
-            raise TooManyGroups(
-                f"--group-by {self.group_by}: split {stem} has more than {MAX_GROUPS:,} distinct values (e.g. {shown})"
-                f" and may have at most {MAX_GROUPS:,} groups: group by a field with a few values (a source, a"
-                " language), not one per document (an id, a url)"
-            )
+            raise too_many_groups(self.group_by, f"split {stem}", values, MAX_GROUPS)
 
     def _files(self, stem: str, offsets: dict) -> dict[str | None, tuple[Path, Path]]:
         """The split's files being assembled: its one file, or (--group-by) those of the groups in `offsets`."""

@@ -12,6 +12,17 @@ class TooManyGroups(UserError):
     """--group-by named a field with more distinct values than a split may have groups (each group gets files)."""
 
 
+def too_many_groups(group_by: str, where: str, values, limit: int, within: str = "") -> TooManyGroups:
+    """The one refusal of a field with too many values, wherever it is seen first (the driver's look at a first
+    shard, a worker's shard, the assembly of a split); a few of the values shown."""
+    shown = ", ".join(repr(v) for v in sorted(values)[:3])
+    return TooManyGroups(
+        f"--group-by {group_by}: {where} has more than {limit:,} distinct values{within} (e.g. {shown}), and a split"
+        f" may have at most {limit:,} groups: group by a field with a few values (a source, a language), not one per"
+        " document (an id, a url)"
+    )
+
+
 class NodeError(UserError):
     """A cluster node cannot see, at the driver's path, what the run needs (runner/nodes.py): raised in a
     task, it stops the run with its one line. Exit code 2."""

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from tokpipe.durability import HASH_CHUNK, hash_range, write_json_atomic
-from tokpipe.errors import TooManyGroups
+from tokpipe.errors import too_many_groups
 from tokpipe.layout import IDX_DTYPE, MAX_GROUPS, Checkpoint, ShardFiles, group_stem
 from tokpipe.manifest import Shard
 from tokpipe.source import BATCH_BYTES, read_batches
@@ -262,12 +262,7 @@ def _group_writer(files: ShardFiles, key: Key, parts: dict[Key, PartWriter], spe
     """The part of a group the shard meets for the first time; refused past MAX_GROUPS values (see layout)."""
     values = {group for _, group in parts} | {key[1]}
     if len(values) > MAX_GROUPS:
-        shown = ", ".join(repr(v) for v in sorted(values)[:3])
-        raise TooManyGroups(
-            f"--group-by {spec.group_by}: shard {shard.relpath} alone has more than {MAX_GROUPS:,} distinct values"
-            f" (e.g. {shown}), and a split may have at most {MAX_GROUPS:,} groups: group by a field with a few values"
-            " (a source, a language), not one per document (an id, a url)"
-        )
+        raise too_many_groups(spec.group_by, f"shard {shard.relpath} alone", values, MAX_GROUPS)
     return PartWriter(*files.group(*key), 0, 0, spec.dtype)
 
 

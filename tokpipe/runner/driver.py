@@ -16,7 +16,7 @@ import numpy as np
 
 from tokpipe.assembly import Assembler
 from tokpipe.durability import write_json_atomic
-from tokpipe.errors import SourceError, TooManyGroups, UserError, terminate_on_sigterm
+from tokpipe.errors import SourceError, UserError, terminate_on_sigterm, too_many_groups
 from tokpipe.finalize import finalize
 from tokpipe.layout import FAILED, MAX_GROUPS, Checkpoint, load_meta_json, lock_out, log_file, out_folder
 from tokpipe.manifest import Manifest, load_manifest, write_manifest
@@ -178,12 +178,7 @@ def _count_groups(manifest: Manifest, text_field: str, group_by: str) -> None:
         except SourceError:  # an unreadable first shard: its own task reports it
             continue
         if len(values) > MAX_GROUPS:
-            shown = ", ".join(repr(v) for v in sorted(values)[:3])
-            raise TooManyGroups(
-                f"--group-by {group_by}: split {split} has more than {MAX_GROUPS:,} distinct values in its first shard"
-                f" alone (e.g. {shown}), and a split may have at most {MAX_GROUPS:,} groups: group by a field with a"
-                " few values (a source, a language), not one per document (an id, a url)"
-            )
+            raise too_many_groups(group_by, f"split {split}", values, MAX_GROUPS, within=" in its first shard alone")
 
 
 def _choose_backend(run: _Run) -> str:
