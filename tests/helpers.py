@@ -69,45 +69,42 @@ def reference_tokenizer(tokenizer_json: Path) -> Tokenizer:
 SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def reference_texts(path: Path, text_field: str = "text") -> list[str]:
-    """Document texts of one shard file, the way a careful user would read them by hand."""
+def reference_objects(path: Path, text_field: str = "text") -> list[dict]:
+    """The JSON objects of one shard file that are documents (a non-empty string under text_field), the way a
+    careful user would read them by hand."""
     raw = path.read_bytes()
     if raw[:4] == b"\x28\xb5\x2f\xfd":
         raw = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw), read_across_frames=True).read()
     elif raw[:2] == b"\x1f\x8b":
         raw = gzip.decompress(raw)
-    texts = []
+    documents = []
     for line in io.TextIOWrapper(io.BytesIO(raw), encoding="utf-8-sig", errors="replace"):
         try:
             obj = json.loads(line)
         except ValueError:
             continue
         if isinstance(obj, dict) and isinstance(obj.get(text_field), str) and obj[text_field]:
-            # A lone surrogate from a JSON escape ("\ud800") is not text: one U+FFFD each (docs/design.md).
-            texts.append(SURROGATE.sub("\ufffd", obj[text_field]))
-    return texts
+            documents.append(obj)
+    return documents
+
+
+def reference_texts(path: Path, text_field: str = "text") -> list[str]:
+    """Document texts of one shard file."""
+    # A lone surrogate from a JSON escape ("\ud800") is not text: one U+FFFD each (docs/design.md).
+    return [SURROGATE.sub("\ufffd", obj[text_field]) for obj in reference_objects(path, text_field)]
 
 
 def reference_groups(path: Path, field: str, text_field: str = "text") -> list[str]:
     """Each document's --group-by group, in the order of reference_texts: the value at the dotted path as
     a string (another JSON value as its JSON text), "__missing__" where the path leads nowhere or to null."""
-    raw = path.read_bytes()
-    if raw[:4] == b"\x28\xb5\x2f\xfd":
-        raw = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw), read_across_frames=True).read()
     groups = []
-    for line in io.TextIOWrapper(io.BytesIO(raw), encoding="utf-8-sig", errors="replace"):
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(obj, dict) and isinstance(obj.get(text_field), str) and obj[text_field]:
-            value = obj
-            for key in field.split("."):
-                value = value.get(key) if isinstance(value, dict) else None
-            if value is None:
-                groups.append("__missing__")
-            else:
-                groups.append(value if isinstance(value, str) else json.dumps(value, separators=(",", ":")))
+    for value in reference_objects(path, text_field):
+        for key in field.split("."):
+            value = value.get(key) if isinstance(value, dict) else None
+        if value is None:
+            groups.append("__missing__")
+        else:
+            groups.append(value if isinstance(value, str) else json.dumps(value, separators=(",", ":")))
     return groups
 
 
