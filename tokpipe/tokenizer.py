@@ -232,8 +232,9 @@ class Encoder:
 
     name: str
 
-    def __init__(self, tokenizer_json: str):
-        self.piece_tokens = piece_tokens(orjson.loads(Path(tokenizer_json).read_bytes()))
+    def __init__(self, tokenizer_json: str, config: dict | None = None):
+        # `config`: the tokenizer.json a backend has parsed already (11 MB for Qwen3), not read twice.
+        self.piece_tokens = piece_tokens(config or orjson.loads(Path(tokenizer_json).read_bytes()))
 
     def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """(flat uint32 ids of all texts, int64 token count per text)."""
@@ -291,8 +292,8 @@ class GigatokenEncoder(Encoder):
     def __init__(self, tokenizer_json: str):
         import gigatoken
 
-        super().__init__(tokenizer_json)
         config = orjson.loads(Path(tokenizer_json).read_bytes())
+        super().__init__(tokenizer_json, config)  # before gigatoken's copy drops the special added tokens
         config["added_tokens"] = [t for t in config.get("added_tokens", []) if not t.get("special")]
         self._tok = gigatoken.Tokenizer.from_json(orjson.dumps(config))
 
