@@ -1,8 +1,11 @@
 """Tokens written once: OUT's peak disk use during a run against its final output, and the bytes the
-run's processes sent to storage per output byte, with and without --no-concat, on distinct text.
+run sent to storage per output byte, with and without --no-concat, on distinct text.
 
 OUT is walked every 50 ms (allocated blocks of every file); write_bytes comes from /proc/PID/io of
-the run's processes (its session), each process's last reading kept when it exits.
+the run's processes (its session), each process's last reading kept when it exits. `device_MB` is what
+the block device under OUT took, from its counters in /sys/block (sync before the run and after it:
+what the page cache still held counts, what was deleted before it reached the disk does not); the
+machine should run nothing else meanwhile.
 
     python benchmarks/disk.py --size 110MB --shards 11 --workers 2
 """
@@ -16,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import SHARED, build_distinct_corpus, manifest_of, parse_size, tokpipe_run  # noqa: E402
+from harness import REPO, SHARED, build_distinct_corpus, manifest_of, parse_size, tokpipe_run  # noqa: E402
 from procmon import Poller  # noqa: E402
 
 
@@ -68,8 +71,25 @@ class DiskWatch(Poller):
         session_writes(self.sid, self.writes)
 
 
-def measure(manifest: Path, out: Path, workers: int, *extra: str) -> dict:
-    run = tokpipe_run(manifest, out, workers, *extra, watch=lambda pid: DiskWatch(out, pid))
+def device_of(path: Path) -> Path:
+    """/sys/block/DEV of the whole disk under `path` (a partition's counters live in its disk's folder)."""
+    dev = os.stat(path).st_dev
+    block = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}").resolve()
+    return block if (block / "stat").exists() and not (block / "partition").exists() else block.parent
+
+
+def sectors_written(block: Path) -> int:
+    return int((block / "stat").read_text().split()[6])  # field 7: sectors written, 512 bytes each
+
+
+def measure(manifest: Path, out: Path, workers: int, *extra: str, tree: Path = REPO) -> dict:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    block = device_of(out.parent)
+    os.sync()
+    before = sectors_written(block)
+    run = tokpipe_run(manifest, out, workers, *extra, tree=tree, watch=lambda pid: DiskWatch(out, pid))
+    os.sync()
+    device = (sectors_written(block) - before) * 512
     peak, writes = run["watch"].peak, run["watch"].writes
     final = output_bytes(out)
     at_end = allocated(out)
@@ -82,6 +102,9 @@ def measure(manifest: Path, out: Path, workers: int, *extra: str) -> dict:
         "finished_OUT_MB": round(at_end / 1e6, 1),
         "written_MB": round(sum(writes.values()) / 1e6, 1),
         "written_per_output_byte": round(sum(writes.values()) / final, 3),
+        "device_MB": round(device / 1e6, 1),
+        "device_per_output_byte": round(device / final, 3),
+        "phases": next(line for _, line in run["lines"] if line.startswith("phases: ")),
     }
 
 
@@ -91,12 +114,15 @@ def main() -> None:
     p.add_argument("--shards", type=int, default=11)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/tokpipe-bench"))
+    p.add_argument("--tree", type=Path, default=None, help="the tokpipe checkout to run (default: this one)")
     args = p.parse_args()
     size = parse_size(args.size)
     # workers=1 for the builder: it rounds the shard count up to a multiple of it.
     corpus = build_distinct_corpus(str(SHARED), size, 1, -(-size // args.shards), args.work_dir)
     manifest = manifest_of(Path(corpus.path), args.work_dir)
-    rows = [measure(manifest, args.work_dir / "disk-out", args.workers, *extra) for extra in ((), ("--no-concat",))]
+    tree = args.tree or REPO
+    out = args.work_dir / "disk-out"
+    rows = [measure(manifest, out, args.workers, *extra, tree=tree) for extra in ((), ("--no-concat",))]
     result = {"corpus": {"text_MB": round(corpus.text_bytes / 1e6, 1), "shards": len(corpus.shards)}, "runs": rows}
     (args.work_dir / "disk.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))

@@ -340,6 +340,12 @@ def checkpoints(out: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in (out / "shards").rglob("*.json")] if (out / "shards").exists() else []
 
 
+def shards_begun(out: Path) -> int:
+    """Shards some attempt has begun (each takes its lock first); those with no done checkpoint are under way
+    (a shard that buffers its parts writes its checkpoint only once they are placed)."""
+    return len(list((out / "shards").rglob("*.lock"))) if (out / "shards").exists() else 0
+
+
 # Set in the environment of the session's Ray (conftest.ray_cluster), which its workers inherit: the workers
 # of this session's runs are told apart from those of other test sessions on the same machine.
 SESSION_RAY_ENV = "TOKPIPE_TESTS_RAY"
@@ -487,10 +493,12 @@ def unguarded(spec, **changes):
     """The spec with no memory limit (and `changes`), for tokenizing in the test process itself. That process
     holds several encoders, the references and OUTs, so its RSS says nothing of one encoder's word cache: the
     guard would drop and reload the encoder over and over (2-3 s a load). The guard has its own test (test_shard).
+    Its shards go to their own files as they go, checkpointed (buffer_bytes 0), as a resumed shard's do: what the
+    tests of a shard's files and of finalize read; a run buffers them (tested in test_shard and end to end).
     """
     from dataclasses import replace
 
-    return replace(spec, **{"memory_limit": 0, **changes})
+    return replace(spec, **{"memory_limit": 0, "buffer_bytes": 0, **changes})
 
 
 def build_out(

@@ -213,7 +213,7 @@ def test_series_is_bounded_keeps_attempts_and_survives_a_torn_line(tmp_path, mon
     s = Series(tmp_path)
     s.mark("tokenize")
     for i in range(101):
-        s.point(i * 10, i * 7, i, 2, i // 10, final=True)
+        s.point(i * 10, i * 7, i, 2, i // 10, 4, final=True)
     s.close()
     records = read_series(tmp_path)
     points = [r for r in records if "b" in r]
@@ -225,7 +225,7 @@ def test_series_is_bounded_keeps_attempts_and_survives_a_torn_line(tmp_path, mon
         f.write(b'{"a":1,"t":12')  # kill -9 mid-line
     assert read_series(tmp_path) == records
     again = Series(tmp_path)
-    again.point(2000, 1, 1, 1, 1, final=True)
+    again.point(2000, 1, 1, 1, 1, 1, final=True)
     again.close()
     after = read_series(tmp_path)
     assert after[: len(records)] == records and after[len(records)]["attempt"] == 2 and after[-1]["b"] == 2000

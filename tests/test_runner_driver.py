@@ -42,6 +42,7 @@ from helpers import (
     reference_tokens,
     run_args,
     shard_workers,
+    shards_begun,
     start,
     tokpipe,
     wait_for,
@@ -157,12 +158,45 @@ def test_a_split_file_damaged_after_its_shards_were_removed_is_tokenized_again(o
     result = tokpipe(*run_args(out / "manifest.json", out))
     assert result.returncode == 0, result.stderr
     assert (
-        "the split files changed before 2 shards (e.g. train/chunk1/example_train_0.jsonl.zst) whose own files"
-        " were already removed: tokenizing them again" in result.stdout.splitlines()
+        "tokenizing again 2 shards (e.g. train/chunk1/example_train_0.jsonl.zst): their tokens are in no file a"
+        " rerun can keep (placed but not yet listed when the last run stopped, or in a split file that changed"
+        " since)" in result.stdout.splitlines()
     )
     assert_out_is(out, example_reference)
     assert not (out / "train.bin.tmp").exists()
     assert tokpipe("verify", out).returncode == 0
+
+
+def _unlist_all_but_the_first_train_part(out: Path) -> None:
+    """What a kill between the placing of train's later parts and their lines in .parts leaves: the shards
+    buffered their tokens, so those are nowhere but in the split file, and no line lists them."""
+    (out / "meta.json").unlink()
+    (out / "meta.pkl").unlink()
+    for name in ("train.bin", "train.idx"):
+        os.replace(out / name, out / f"{name}.tmp")
+    (out / "train.parts.tmp").write_bytes((out / "train.parts").read_bytes().splitlines(keepends=True)[0])
+    (out / "train.parts").unlink()
+
+
+def test_parts_placed_but_not_listed_when_the_run_stopped_are_kept_by_their_checksums(out, example_reference):
+    _unlist_all_but_the_first_train_part(out)
+    result = tokpipe(*run_args(out / "manifest.json", out))
+    assert result.returncode == 0, result.stderr
+    assert "tokenizing again" not in result.stdout and "ray:" not in result.stdout  # nothing tokenized again
+    assert_out_is(out, example_reference)
+    assert tokpipe("verify", out).returncode == 0
+
+
+def test_an_unlisted_part_whose_bytes_do_not_match_its_checksum_is_tokenized_again(out, example_reference):
+    _unlist_all_but_the_first_train_part(out)
+    first = json.loads((out / "train.parts.tmp").read_text())
+    with open(out / "train.bin.tmp", "r+b") as f:  # a byte of the second part changed under tokpipe
+        f.seek(first["tokens"] * 4 + 8)
+        f.write(b"\xff")
+    result = tokpipe(*run_args(out / "manifest.json", out))
+    assert result.returncode == 0, result.stderr
+    assert "tokenizing again 1 shard (e.g. train/chunk1/example_train_1.jsonl.zst)" in result.stdout
+    assert_out_is(out, example_reference)
 
 
 def _mount_tmpfs(path: Path, size: str) -> bool:
@@ -224,7 +258,7 @@ def test_multi_node_cluster_with_a_node_removed_mid_run(manifest, tmp_path, exam
             stderr=subprocess.STDOUT,
             text=True,
         )
-        wait_for(lambda: any(not c["done"] for c in checkpoints(out)))  # mid-shard
+        wait_for(lambda: shards_begun(out) > sum(c["done"] for c in checkpoints(out)))  # mid-shard
         # Remove the node whose raylet runs a shard worker right now: a machine lost mid-shard.
         # (Workers of other runs on this machine, another xdist worker's, have other parents, or are gone.)
         parents = {parent_pid(pid) for pid in shard_workers("")}
@@ -272,7 +306,8 @@ def test_group_by_kill_9_mid_shard_then_rerun_gives_each_groups_reference_files(
     checkpoint, maybe) and a rerun leave each group's file equal to the reference, and nothing else."""
     out = tmp_path / "out"
     extra = ("--group-by", GROUP_FIELD, "--checkpoint-interval", "0.2")
-    proc = start(manifest, out, "--workers", "1", *extra, *HF, ray=ray_address)
+    # --shard-buffer 0: a shard's parts go to its own files as it goes, checkpointed (as one past its buffer).
+    proc = start(manifest, out, "--workers", "1", *extra, "--shard-buffer", "0", *HF, ray=ray_address)
     wait_for(lambda: any(c["groups"] and not c["done"] for c in checkpoints(out)) or proc.poll() is not None)
     time.sleep(random.uniform(0, 0.4))
     kill_9(proc)

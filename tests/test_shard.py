@@ -287,3 +287,60 @@ def test_group_by_refuses_a_shard_with_more_values_than_a_split_may_have_groups(
         r"\(e.g. 'doc-0', 'doc-1', 'doc-2'\)",
     ):
         tokenize_shard(shard, tmp_path / "out", spec_for(QWEN3, group_by="id"))
+
+
+def _joined(buffered) -> tuple[np.ndarray, np.ndarray]:
+    tokens, ends = buffered
+    return np.concatenate(tokens), np.concatenate(ends)
+
+
+def test_a_shard_begun_afresh_keeps_its_parts_in_memory_and_writes_nothing(tmp_path):
+    """A run's shard keeps its tokens in memory until the runner writes them into place: the shard's own
+    files are never written, nor its checkpoint (nothing on disk covers the tokens yet), and a stale file
+    of an earlier attempt goes."""
+    fraction = 0.3
+    spec = spec_for(QWEN3, batch_bytes=64 << 10, checkpoint_interval=0.0, val_fraction=fraction, buffer_bytes=1 << 30)
+    files = ShardFiles.of(tmp_path, TRAIN)
+    files.bin.parent.mkdir(parents=True)
+    files.bin.write_bytes(b"left by an attempt that never checkpointed")
+    result = tokenize_shard(TRAIN, tmp_path, spec)
+    assert sorted(result.buffered) == [(False, None), (True, None)]
+    for held in (False, True):
+        tokens, ends = _joined(result.buffered[held, None])
+        expected = reference_tokens(
+            [Path(TRAIN.path)], QWEN3 / "tokenizer.json", QWEN3_EOS, keep=held_out(fraction, held)
+        )
+        assert np.array_equal(tokens, expected) and ends[-1] == len(expected) and tokens.dtype == np.uint32
+    assert result.checkpoint.done and result.checkpoint.tokens == len(_joined(result.buffered[False, None])[0])
+    assert [p.name for p in files.bin.parent.rglob("*") if p.is_file()] == [files.lock.name]
+
+
+def test_a_shard_past_its_buffer_goes_on_in_its_own_files_and_survives_a_crash(tmp_path):
+    """Past buffer_bytes, what was in memory goes to the shard's own files, checkpointed at once, and the shard
+    goes on there: a crash after that resumes from the checkpoint to the bytes of one whole run."""
+    spec = spec_for(QWEN3, batch_bytes=64 << 10, buffer_bytes=256 << 10)
+    with pytest.raises(Crash):
+        tokenize_shard(HOLDOUT, tmp_path, spec, on_batch=crash_in_batch(5))
+    files = ShardFiles.of(tmp_path, HOLDOUT)
+    spilled = Checkpoint.load(files.checkpoint)
+    assert not spilled.done and spilled.tokens > 0 and files.bin.stat().st_size >= spilled.tokens * 4
+    result = tokenize_shard(HOLDOUT, tmp_path, spec)
+    assert result.buffered is None and result.resumed_tokens == spilled.tokens
+    tokens, ends = read(tmp_path, HOLDOUT, np.uint32)
+    assert np.array_equal(tokens, reference_tokens([Path(HOLDOUT.path)], QWEN3 / "tokenizer.json", QWEN3_EOS))
+    assert Checkpoint.load(files.checkpoint) == result.checkpoint and len(ends) == 136
+
+
+def test_a_buffering_shard_asked_to_stop_leaves_a_checkpoint_a_worker_goes_on_from(tmp_path):
+    """The driver stops its shard once Ray is up: what it buffered goes to the shard's files, checkpointed, and
+    the worker that takes the shard over ends with the bytes of one whole run."""
+    spec = spec_for(QWEN3, batch_bytes=64 << 10, buffer_bytes=1 << 30)
+    batches = []
+    stopped = tokenize_shard(
+        HOLDOUT, tmp_path, spec, on_batch=lambda *a: batches.append(a), stop=lambda: len(batches) == 2
+    )
+    assert stopped.buffered is None and not stopped.checkpoint.done
+    assert Checkpoint.load(ShardFiles.of(tmp_path, HOLDOUT).checkpoint) == stopped.checkpoint
+    tokenize_shard(HOLDOUT, tmp_path, spec)
+    tokens, _ = read(tmp_path, HOLDOUT, np.uint32)
+    assert np.array_equal(tokens, reference_tokens([Path(HOLDOUT.path)], QWEN3 / "tokenizer.json", QWEN3_EOS))

@@ -21,13 +21,22 @@ import hashlib
 import itertools
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import orjson
 
-from tokpipe.durability import HASH_CHUNK, copy_range, fsync_dir, hash_range, own_inode, write_atomic
+from tokpipe.durability import (
+    HASH_CHUNK,
+    copy_range,
+    fsync_dir,
+    hash_range,
+    own_inode,
+    write_at,
+    write_atomic,
+    write_json_atomic,
+)
 from tokpipe.errors import too_many_groups
 from tokpipe.layout import (
     IDX_DTYPE,
@@ -51,11 +60,13 @@ COPY_BATCH_BYTES = 1 << 30  # of tokens per copy task: one fsync covers many sma
 
 
 def place(out: str | os.PathLike, parts: list[Part], itemsize: int) -> list[dict]:
-    """Copy parts of one split to their offsets, fsync, and return their records (checksums filled in).
+    """Write parts of one split at their offsets, fsync, and return their records (checksums filled in).
+    A part is copied from its shard's own files, or written from the memory it waited in (`buffered`);
+    the checkpoints such parts carry are written after the fsync, when the disk covers them.
 
     Plain Python: the runner runs it in Ray tasks on every node of a cluster (OUT is on storage they
-    all see) or in threads of the driver on one machine; finalize runs it for what is left.
-    Idempotent: a part copied twice is the same bytes.
+    all see) or in the driver on one machine; finalize runs it for what is left.
+    Idempotent: a part written twice is the same bytes.
     """
     out = Path(out)
     records = []
@@ -63,27 +74,34 @@ def place(out: str | os.PathLike, parts: list[Part], itemsize: int) -> list[dict
     try:
         for part in parts:
             record = dict(part.record)
-            if not part.bin:  # a shard's accounting line (--group-by): no tokens of its own
-                records.append(record)
+            records.append(record)
+            if not part.bin and part.buffered is None:  # a shard's accounting line (--group-by): no tokens of its own
                 continue
             if part.group not in opened:
                 bin_tmp, idx_tmp, _ = assembly_files(out, part.stem, part.group)
                 opened[part.group] = (open(bin_tmp, "r+b"), open(idx_tmp, "r+b"))
             bin_f, idx_f = opened[part.group]
-            copy_range(part.bin, bin_f.fileno(), record["tokens"] * itemsize, part.token_offset * itemsize)
-            relative = np.fromfile(part.idx, dtype=IDX_DTYPE, count=record["documents"])
+            if part.buffered is not None:
+                parts_of_shard, key = part.buffered
+                tokens, ends = parts_of_shard[key]
+                write_at(bin_f.fileno(), tokens, part.token_offset * itemsize)
+                relative = np.concatenate(ends) if ends else np.empty(0, IDX_DTYPE)
+            else:
+                copy_range(part.bin, bin_f.fileno(), record["tokens"] * itemsize, part.token_offset * itemsize)
+                relative = np.fromfile(part.idx, dtype=IDX_DTYPE, count=record["documents"])
             os.pwrite(idx_f.fileno(), memoryview(relative + part.token_offset), part.doc_offset * IDX_DTYPE.itemsize)
             if record["sha256"] is None:  # a shard finished by an earlier tokpipe, which hashed only whole files
                 bin_hash = hashlib.sha256()
                 with open(part.bin, "rb") as src:
                     hash_range(src.fileno(), 0, record["tokens"] * itemsize, bin_hash, bytearray(HASH_CHUNK))
                 record.update(sha256=bin_hash.hexdigest(), idx_sha256=hashlib.sha256(memoryview(relative)).hexdigest())
-            records.append(record)
         for f in itertools.chain(*opened.values()):
             os.fdatasync(f.fileno())
     finally:
         for f in itertools.chain(*opened.values()):
             f.close()
+    for path, fields in dict(part.checkpoint for part in parts if part.checkpoint).items():
+        write_json_atomic(Path(path), fields)
     return records
 
 
@@ -99,6 +117,7 @@ class _Split:
     # its groups in value order), and its checkpoint.
     head_parts: list[str | None] | None = None
     head_ckpt: Checkpoint | None = None
+    head_buffered: object = None  # the parts the head kept in memory (Assembler.done), if it did
     scheduled: int = 0  # parts handed out
     offsets: dict[str | None, tuple[int, int]] = field(default_factory=dict)  # file (group) -> tokens, documents
     listed: int = 0  # parts in .parts.tmp (fsynced, in order)
@@ -109,7 +128,7 @@ class _Split:
         return cls(stem, shards, next(shards, None))
 
     def advance(self) -> None:
-        self.head, self.head_parts, self.head_ckpt = next(self.shards, None), None, None
+        self.head, self.head_parts, self.head_ckpt, self.head_buffered = next(self.shards, None), None, None, None
 
     def add(self, group: str | None, record: dict) -> tuple[int, int]:
         """A part goes next in its file: returns its offsets there."""
@@ -138,8 +157,9 @@ class Assembler:
         self.val_fraction, self.concat = opts.val_fraction, not opts.no_concat
         self.group_by = opts.group_by
         self.values: dict[str, set[str]] = {}  # split stem -> the groups met (--group-by), for MAX_GROUPS
-        # Done shards not yet scheduled (the few that finished out of order), with how many parts still need them.
-        self.finished: dict[str, tuple[Checkpoint, int]] = {}
+        # Done shards not yet scheduled (those that finished out of order), with how many parts still need them
+        # and the parts they kept in memory.
+        self.finished: dict[str, tuple[Checkpoint, int, object]] = {}
         self.placed_tokens = 0  # copied into the split files by this process's placements, and listed
         self.lost: list[str] = []  # shards tokenized again: their placed files were gone, their place not kept
         self.splits: list[_Split] = []  # by `resume`
@@ -183,6 +203,8 @@ class Assembler:
             kept = []  # cut since they were listed: trust none of it
         if not kept:
             state = _Split.start(stem, sources(manifest, stem, self.val_fraction))
+        if self.concat and self.group_by is None:
+            kept += self._recover(state)
         if self.concat:
             self._prepare_files(state, bool(kept))
         write_atomic(parts_tmp, b"".join(map(parts_line, kept)))
@@ -245,6 +267,42 @@ class Assembler:
                 state.advance()
         return state.head is not None and (self.group_by is None or state.head_parts is not None)
 
+    def _recover(self, state: _Split) -> list[dict]:
+        """The parts written into place after the listed ones but not yet listed when the run stopped (a shard
+        that buffered its tokens has no other copy of them): kept, in order, as far as each one's checkpoint is
+        done and its bytes in the split file match the checksums the worker took; `state` is advanced past them.
+        (With --group-by such parts are tokenized again.)"""
+        bin_tmp, idx_tmp, _ = assembly_files(self.out, state.stem)
+        if not (bin_tmp.exists() and idx_tmp.exists()):
+            return []
+        recovered, buffer = [], bytearray(HASH_CHUNK)
+        with open(bin_tmp, "rb") as bin_f, open(idx_tmp, "rb") as idx_f:
+            while state.head is not None:
+                shard, held = state.head
+                ckpt = Checkpoint.of(self.out, shard)
+                files = ShardFiles.of(self.out, shard)
+                if ckpt is None or not ckpt.done or (files.val_bin if held else files.bin).exists():
+                    break  # not done, or in its own files still: placed from them as usual
+                record = part_record(shard, ckpt, held)
+                tokens, documents = state.offsets.get(None, (0, 0))
+                start, end = tokens * self.itemsize, (tokens + record["tokens"]) * self.itemsize
+                ends_at = documents * IDX_DTYPE.itemsize
+                if record["sha256"] is None or os.fstat(bin_f.fileno()).st_size < end:
+                    break
+                bin_hash = hashlib.sha256()
+                hash_range(bin_f.fileno(), start, end, bin_hash, buffer)
+                raw = os.pread(idx_f.fileno(), record["documents"] * IDX_DTYPE.itemsize, ends_at)
+                relative = np.frombuffer(raw, IDX_DTYPE) - tokens
+                if len(relative) != record["documents"] or (bin_hash.hexdigest(), sha256_of(relative)) != (
+                    record["sha256"],
+                    record["idx_sha256"],
+                ):
+                    break
+                recovered.append(record)
+                state.add(None, record)
+                state.advance()
+        return recovered
+
     def _cut(self, state: _Split) -> bool:
         """Whether a file being assembled is shorter than the parts listed in it."""
         return any(
@@ -298,21 +356,23 @@ class Assembler:
             if (shard, held) == state.head:
                 state.head_ckpt = None  # its parts wait for it to be done again
 
-    def done(self, shard: Shard, ckpt: Checkpoint) -> None:
-        """A shard finished in this run (its checkpoint as its task returned it)."""
+    def done(self, shard: Shard, ckpt: Checkpoint, buffered: object = None) -> None:
+        """A shard finished in this run (its checkpoint as its task returned it); `buffered`: the parts it kept
+        in memory (ShardResult.buffered, or on Ray the reference to them), to be written into place."""
         if self.group_by is not None:
             self._meet(split_file_stem(shard.split), ckpt.groups)
             if ckpt.val_groups:
                 self._meet("val", ckpt.val_groups)
-        self.finished[shard.relpath] = (ckpt, 2 if self.val_fraction and shard.split == "train" else 1)
+        self.finished[shard.relpath] = (ckpt, 2 if self.val_fraction and shard.split == "train" else 1, buffered)
 
-    def _checkpoint(self, shard: Shard) -> Checkpoint | None:
+    def _checkpoint(self, shard: Shard) -> tuple[Checkpoint | None, object]:
+        """The shard's checkpoint, and its buffered parts if it kept them in memory (None: in its own files)."""
         if shard.relpath not in self.finished:
-            return Checkpoint.load(ShardFiles.of(self.out, shard).checkpoint)
-        ckpt, uses = self.finished.pop(shard.relpath)
+            return Checkpoint.load(ShardFiles.of(self.out, shard).checkpoint), None
+        ckpt, uses, buffered = self.finished.pop(shard.relpath)
         if uses > 1:  # its other part has yet to be scheduled
-            self.finished[shard.relpath] = (ckpt, uses - 1)
-        return ckpt
+            self.finished[shard.relpath] = (ckpt, uses - 1, buffered)
+        return ckpt, buffered
 
     def ready(self, excluded: frozenset[str] = frozenset()) -> list[Part]:
         """Parts whose offsets are now known: each split's next shards, while they are done (or excluded)."""
@@ -324,33 +384,42 @@ class Assembler:
                     s.advance()
                     continue
                 if s.head_ckpt is None:
-                    ckpt = self._checkpoint(shard)
+                    ckpt, s.head_buffered = self._checkpoint(shard)
                     if ckpt is None or not ckpt.done:
                         break
                     s.head_ckpt = ckpt
                     if s.head_parts is None:
                         s.head_parts = self._expand(s, ckpt)
-                files = ShardFiles.of(self.out, shard)
-                for group in s.head_parts:
-                    if group is not None:
-                        bin_path, idx_path = files.group(held, group)
-                    elif self.group_by is None:
-                        bin_path, idx_path = (files.val_bin, files.val_idx) if held else (files.bin, files.idx)
-                    else:  # the accounting line: no file
-                        bin_path = idx_path = None
-                    record = part_record(shard, s.head_ckpt, held, group, self.group_by is not None)
-                    if not self.concat and bin_path is not None:  # the part's files are the split's: meta lists them
-                        record.update(bin=str(bin_path.relative_to(self.out)), idx=str(idx_path.relative_to(self.out)))
-                    if self.concat and group is not None and group not in s.offsets:  # a group's first part
-                        for path in assembly_files(self.out, s.stem, group)[:2]:
-                            path.parent.mkdir(exist_ok=True)
-                            path.unlink(missing_ok=True)  # a new empty file, not a truncate: see own_inode
-                            open(path, "xb").close()
-                    where = (str(bin_path), str(idx_path)) if bin_path is not None else ("", "")
-                    parts.append(Part(s.stem, s.scheduled, *s.add(group, record), record, *where))
-                    s.scheduled += 1
+                parts += [self._part(s, shard, held, group) for group in s.head_parts]
                 s.advance()
         return parts
+
+    def _part(self, s: _Split, shard: Shard, held: bool, group: str | None) -> Part:
+        """The head's part of `group` (None: its one part, or with --group-by its accounting line), next in its file."""
+        files = ShardFiles.of(self.out, shard)
+        if group is not None:
+            bin_path, idx_path = files.group(held, group)
+        elif self.group_by is None:
+            bin_path, idx_path = (files.val_bin, files.val_idx) if held else (files.bin, files.idx)
+        else:  # the accounting line: no file
+            bin_path = idx_path = None
+        record = part_record(shard, s.head_ckpt, held, group, self.group_by is not None)
+        if not self.concat and bin_path is not None:  # the part's files are the split's: meta lists them
+            record.update(bin=str(bin_path.relative_to(self.out)), idx=str(idx_path.relative_to(self.out)))
+        if self.concat and group is not None and group not in s.offsets:  # a group's first part
+            for path in assembly_files(self.out, s.stem, group)[:2]:
+                path.parent.mkdir(exist_ok=True)
+                path.unlink(missing_ok=True)  # a new empty file, not a truncate: see own_inode
+                open(path, "xb").close()
+        seq, (tokens, documents) = s.scheduled, s.add(group, record)
+        s.scheduled += 1
+        if s.head_buffered is not None:
+            key = (held, group)
+            buffered = (s.head_buffered, key) if bin_path is not None else None
+            checkpoint = (str(files.checkpoint), asdict(s.head_ckpt))
+            return Part(s.stem, seq, tokens, documents, record, buffered=buffered, checkpoint=checkpoint)
+        where = (str(bin_path), str(idx_path)) if bin_path is not None else ("", "")
+        return Part(s.stem, seq, tokens, documents, record, *where)
 
     def placed(self, parts: list[Part], records: list[dict]) -> None:
         """Parts are on disk (fsynced): list them in .parts.tmp, in split order, as far as no part is
@@ -427,6 +496,10 @@ class Assembler:
         if self.concat:
             remove_placed_leftovers(self.out, excluded)
         return entries
+
+
+def sha256_of(array: np.ndarray) -> str:
+    return hashlib.sha256(memoryview(np.ascontiguousarray(array))).hexdigest()
 
 
 def remove_placed_leftovers(out: Path, excluded: frozenset[str]) -> None:

@@ -41,6 +41,19 @@ def write_json_atomic(path: Path, data: dict) -> None:
     write_atomic(path, json.dumps(data).encode())
 
 
+def write_at(fd: int, buffers, offset: int) -> int:
+    """Write byte-like `buffers` one after another from `offset` of an open file (pwrite may write less
+    than asked: it is called until all is written); returns the bytes written."""
+    written = 0
+    for buffer in buffers:
+        view = memoryview(buffer).cast("B")
+        while view:
+            n = os.pwrite(fd, view, offset + written)
+            view = view[n:]
+            written += n
+    return written
+
+
 class ShortRead(RuntimeError):
     """A file ended before the range read from it: at byte `at`, of `end` expected."""
 

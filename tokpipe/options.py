@@ -86,10 +86,25 @@ class RunOptions:
         metavar="MIB",
     )
 
+    shard_buffer: int | None = option(
+        None,
+        "MiB of tokens a shard keeps in memory until its place in the split file is known, to be written once,"
+        " there; a larger shard goes on in files of its own, checkpointed, and is copied into place"
+        " (default: a quarter of --worker-memory; 0: every shard so)",
+        type=positive(int, zero_ok=True),
+        metavar="MIB",
+    )
+
     @property
     def delimiters(self) -> dict:
         """What goes around every document, as run.json and meta record it."""
         return {"bos": self.bos, "eos": not self.no_eos}
+
+    @property
+    def buffer_mib(self) -> int:
+        """--shard-buffer, by default a quarter of the worker's memory: its encoder and word cache keep the rest
+        (shard.MemoryGuard). --no-concat's shards are written to their own files, which are its output."""
+        return self.worker_memory // 4 if self.shard_buffer is None else self.shard_buffer
 
     def encode_spec(self, info: TokenizerInfo, backend: str, read_ahead: bool = False) -> EncodeSpec:
         """What every worker of this run needs to write its shards' bytes."""
@@ -104,6 +119,7 @@ class RunOptions:
             checkpoint_interval=self.checkpoint_interval,
             memory_limit=self.worker_memory << 20,
             val_fraction=self.val_fraction,
+            buffer_bytes=0 if self.no_concat else self.buffer_mib << 20,
             read_ahead=read_ahead,
             group_by=self.group_by,
         )

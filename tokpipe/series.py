@@ -4,7 +4,7 @@ One JSON object a line, appended by the driver:
   {"attempt": 2, "t": 1764000000.0, "every": 4.0}                  an attempt (a `tokpipe run`) starts
   {"a": 2, "t": ..., "phase": "tokenize"}                           a phase starts: plan (with the attempt),
                                                                     tokenize, finalize, finished, failed
-  {"a": 2, "t": ..., "b": bytes, "k": tokens, "d": docs, "r": running, "s": done}   a point
+  {"a": 2, "t": ..., "b": bytes, "k": tokens, "d": docs, "r": running, "s": done, "w": workers}   a point
 
 `t` is wall-clock (Unix seconds), so attempts share one time axis. `b` (input bytes read) and `s`
 (shards done) count the whole run, earlier attempts included; `k` and `d` count this attempt only.
@@ -84,7 +84,10 @@ class Series:
             self.phase = phase
             self._write({"a": self.attempt, "t": round(time.time(), 2), "phase": phase})
 
-    def point(self, bytes_read: int, tokens: int, documents: int, running: int, done: int, final: bool = False) -> None:
+    def point(
+        self, bytes_read: int, tokens: int, documents: int, running: int, done: int, workers: int, final: bool = False
+    ) -> None:
+        """`running`: shards under way now, of `workers` that could be (the driver alone: 1)."""
         now = time.time()
         if not final and now - self.last < self.every:
             return
@@ -98,6 +101,7 @@ class Series:
                 "d": documents,
                 "r": running,
                 "s": done,
+                "w": workers,
             }
         )
         self.points += 1

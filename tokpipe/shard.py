@@ -9,7 +9,6 @@ cut off and redone. A shard resumed any number of times ends byte-identical to o
 from __future__ import annotations
 
 import fcntl
-import glob
 import hashlib
 import os
 import time
@@ -30,6 +29,8 @@ from tokpipe.source.batch import SKIP_LOG_CAP, Batch
 from tokpipe.tokenizer import drop_encoder, encoder
 
 BATCH_HEADROOM = 64 << 20  # least room the word cache gets before it is dropped
+# A part's tokens and its document ends (counted from the part's start), as the arrays they were encoded in.
+Buffered = tuple[list[np.ndarray], list[np.ndarray]]
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,10 @@ class EncodeSpec:
     read_ahead: bool = False  # read the next batch on a second thread: for a task with a core to spare
     batch_bytes: int = BATCH_BYTES
     group_by: str | None = None  # --group-by: the field whose value is a document's group
+    # A shard begun afresh keeps its tokens in memory up to this many bytes, to be written once, into the
+    # split file, when the shard is done (0: into its own files as it goes, e.g. --no-concat, whose output
+    # they are). Past it they go to its own files, checkpointed from then on, and are copied into place.
+    buffer_bytes: int = 0
 
 
 @dataclass
@@ -61,6 +66,11 @@ class ShardResult:
     redone_tokens: int  # tokens written after the last checkpoint by an interrupted attempt, now redone
     seconds: float
     encoder_resets: int = 0  # times the encoder's cache was dropped to keep the worker under its memory limit
+    # The parts of a shard that kept them in memory (EncodeSpec.buffer_bytes): the runner writes them into
+    # place (assembly.place), and writes the checkpoint, which nothing on disk covered until then.
+    buffered: dict[Key, Buffered] | None = None
+    # On Ray, where the buffered parts wait (the node's object store; they travel apart from the result).
+    buffered_on: str | None = None
 
 
 def to_dtype(ids: np.ndarray, dtype: str) -> np.ndarray:
@@ -120,10 +130,13 @@ def read_ahead(batches: Iterator[Batch]) -> Iterator[Batch]:
 
 
 def resident_bytes() -> int:
-    """This process's RSS now (Linux); 0 where /proc is missing, which turns the memory limit off."""
+    """This process's RSS now, less its shared pages (Linux); 0 where /proc is missing, which turns the memory
+    limit off. Not the shared pages: on Ray they include the object store's, which a worker maps and touches
+    when it returns a shard's buffered parts, and which are not its to keep down."""
     try:
         with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            resident, shared = f.read().split()[1:3]
+            return (int(resident) - int(shared)) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return 0
 
@@ -148,11 +161,13 @@ class MemoryGuard:
         self.resets = 0
         self.floor: int | None = None  # RSS with a freshly loaded encoder
 
-    def encoder(self):
+    def encoder(self, beside: int = 0):
+        """The encoder, its cache dropped first if the process is past its room; `beside`: bytes it holds that
+        are not the cache (a shard's buffered parts)."""
         if (
             self.limit
             and self.floor is not None
-            and resident_bytes() > self.floor + max((self.limit - self.floor) // 3, BATCH_HEADROOM)
+            and resident_bytes() - beside > self.floor + max((self.limit - self.floor) // 3, BATCH_HEADROOM)
         ):
             drop_encoder(self.backend, self.tokenizer_json)
             self.resets += 1
@@ -191,27 +206,44 @@ def _open_at(path: Path, length: int, hasher) -> tuple[object, int]:
 
 
 class PartWriter:
-    """Appends a shard's part (its documents, or those it holds out, or those of a group) to its .bin/.idx,
-    hashing as it writes."""
+    """Appends a shard's part (its documents, or those it holds out, or those of a group), hashing as it
+    writes: to the part's own .bin/.idx, or, while `buffered`, to memory until its place in the split file is
+    known (tokenize_shard's buffering), so that its tokens are written to storage once, there."""
 
-    def __init__(self, bin_path: Path, idx_path: Path, tokens: int, documents: int, dtype: str):
+    def __init__(self, dtype: str, files: tuple[Path, Path] | None = None, tokens: int = 0, documents: int = 0):
         self.dtype, self.tokens, self.documents = dtype, tokens, documents
         self.text_bytes = 0  # UTF-8 bytes of the texts (--group-by: a group's bytes per token, for the report)
         self.bin_hash, self.idx_hash = hashlib.sha256(), hashlib.sha256()
-        self.bin, self.cut = _open_at(bin_path, tokens * np.dtype(dtype).itemsize, self.bin_hash)
-        self.idx, _ = _open_at(idx_path, documents * IDX_DTYPE.itemsize, self.idx_hash)
+        self.buffered: Buffered | None = None if files else ([], [])
+        self.buffered_bytes, self.cut = 0, 0
+        if files:
+            self.bin, self.cut = _open_at(files[0], tokens * np.dtype(dtype).itemsize, self.bin_hash)
+            self.idx, _ = _open_at(files[1], documents * IDX_DTYPE.itemsize, self.idx_hash)
 
     def append(self, flat: np.ndarray, lengths: np.ndarray, spec: EncodeSpec) -> int:
         """Write documents (ids and lengths as the encoder gave them); returns the tokens written."""
         tokens, ends = delimit(flat, lengths, spec.bos_id, spec.eos_id, self.tokens)
-        token_bytes, end_bytes = memoryview(to_dtype(tokens, self.dtype)), memoryview(ends.astype(IDX_DTYPE))
-        self.bin.write(token_bytes)
-        self.idx.write(end_bytes)
-        self.bin_hash.update(token_bytes)
-        self.idx_hash.update(end_bytes)
+        tokens, ends = to_dtype(tokens, self.dtype), ends.astype(IDX_DTYPE)
+        if self.buffered is None:
+            self.bin.write(memoryview(tokens))
+            self.idx.write(memoryview(ends))
+        else:
+            self.buffered[0].append(tokens)
+            self.buffered[1].append(ends)
+            self.buffered_bytes += tokens.nbytes + ends.nbytes
+        self.bin_hash.update(memoryview(tokens))
+        self.idx_hash.update(memoryview(ends))
         self.tokens += len(tokens)
         self.documents += len(lengths)
         return len(tokens)
+
+    def spill(self, bin_path: Path, idx_path: Path) -> None:
+        """From memory to the part's own files: what was buffered, and from here on what comes (checkpointed)."""
+        self.bin, _ = _open_at(bin_path, 0, hashlib.sha256())
+        self.idx, _ = _open_at(idx_path, 0, hashlib.sha256())
+        self.bin.writelines(map(memoryview, self.buffered[0]))
+        self.idx.writelines(map(memoryview, self.buffered[1]))
+        self.buffered, self.buffered_bytes = None, 0
 
     def counts(self, done: bool) -> dict:
         """A group's entry in the checkpoint; its checksums once the shard is done."""
@@ -219,51 +251,60 @@ class PartWriter:
         return {"tokens": self.tokens, "documents": self.documents, "text_bytes": self.text_bytes} | hashes
 
     def sync(self) -> None:
-        for f in (self.bin, self.idx):
-            f.flush()
-            os.fsync(f.fileno())
+        if self.buffered is None:
+            for f in (self.bin, self.idx):
+                f.flush()
+                os.fsync(f.fileno())
 
     def close(self) -> None:
-        self.bin.close()
-        self.idx.close()
+        if self.buffered is None:
+            self.bin.close()
+            self.idx.close()
 
 
 Key = tuple[bool, str | None]  # a part of a shard: (held out for val.bin, group); group None without --group-by
 
 
-def _writers(files: ShardFiles, ckpt: Checkpoint, spec: EncodeSpec, holding_out: bool) -> dict[Key, PartWriter]:
+def _writers(
+    files: ShardFiles, ckpt: Checkpoint, spec: EncodeSpec, holding_out: bool, buffering: bool
+) -> dict[Key, PartWriter]:
     """The shard's parts as far as its checkpoint covers them. Without --group-by: its own documents and
     (holding out) its held-out ones. With it: each group the checkpoint names; files of a group begun after
-    the last checkpoint go, so a resumed shard leaves exactly the files of one never interrupted."""
+    the last checkpoint go, so a resumed shard leaves exactly the files of one never interrupted.
+    `buffering` (a shard begun afresh): in memory, and whatever files an earlier attempt began go."""
+    if buffering:
+        for path in files.token_files():
+            path.unlink()
+        if spec.group_by is not None:  # a group's part begins when the shard meets the group
+            return {}
+        return {(False, None): PartWriter(spec.dtype)} | ({(True, None): PartWriter(spec.dtype)} if holding_out else {})
     if spec.group_by is None:
-        parts = {(False, None): PartWriter(files.bin, files.idx, ckpt.tokens, ckpt.documents, spec.dtype)}
+        parts = {(False, None): PartWriter(spec.dtype, (files.bin, files.idx), ckpt.tokens, ckpt.documents)}
         if holding_out:
             parts[True, None] = PartWriter(
-                files.val_bin, files.val_idx, ckpt.val_tokens, ckpt.val_documents, spec.dtype
+                spec.dtype, (files.val_bin, files.val_idx), ckpt.val_tokens, ckpt.val_documents
             )
         return parts
     parts = {}
     for held, groups in ((False, ckpt.groups), (True, ckpt.val_groups)):
         for group, counts in groups.items():
-            parts[held, group] = PartWriter(
-                *files.group(held, group), counts["tokens"], counts["documents"], spec.dtype
-            )
+            parts[held, group] = PartWriter(spec.dtype, files.group(held, group), counts["tokens"], counts["documents"])
             parts[held, group].text_bytes = counts["text_bytes"]
         kept = {group_stem(group) for group in groups}
-        folder = (files.val_bin if held else files.bin).parent / "groups"
-        key = files.bin.name[:-4]
-        for path in folder.glob(f"*/{glob.escape(key)}.*") if folder.is_dir() else ():
-            if path.parent.name not in kept and path.name in (key + ".bin", key + ".idx"):
+        for path in files.group_files(held):
+            if path.parent.name not in kept:
                 path.unlink()
     return parts
 
 
-def _group_writer(files: ShardFiles, key: Key, parts: dict[Key, PartWriter], spec: EncodeSpec, shard: Shard):
+def _group_writer(
+    files: ShardFiles, key: Key, parts: dict[Key, PartWriter], spec: EncodeSpec, shard: Shard, buffering: bool
+):
     """The part of a group the shard meets for the first time; refused past MAX_GROUPS values (see layout)."""
     values = {group for _, group in parts} | {key[1]}
     if len(values) > MAX_GROUPS:
         raise too_many_groups(spec.group_by, f"shard {shard.relpath} alone", values, MAX_GROUPS)
-    return PartWriter(*files.group(*key), 0, 0, spec.dtype)
+    return PartWriter(spec.dtype, None if buffering else files.group(*key))
 
 
 def _part_keys(batch: Batch, spec: EncodeSpec, holding_out: bool) -> list[Key] | None:
@@ -316,7 +357,11 @@ def tokenize_shard(
     stop: Callable[[], bool] | None = None,
 ) -> ShardResult:
     """Tokenize (the rest of) one shard. `on_batch(file_bytes, documents, tokens)` follows progress;
-    `stop()`, asked after each batch, ends the shard early, checkpointed (its result not done)."""
+    `stop()`, asked after each batch, ends the shard early, checkpointed (its result not done).
+
+    A shard begun afresh keeps its parts in memory (up to spec.buffer_bytes) and returns them in its result,
+    with no checkpoint written: nothing on disk covers them until the runner has placed them. Past that size,
+    or when stopped, they go to the shard's own files, and it checkpoints from then on as any resumed shard."""
     started = time.monotonic()
     files = ShardFiles.of(out, shard)
     files.bin.parent.mkdir(parents=True, exist_ok=True)
@@ -328,12 +373,19 @@ def tokenize_shard(
             return ShardResult(shard.split, shard.key, ckpt, ckpt.tokens, 0, time.monotonic() - started)
         resumed = ckpt.tokens
         holding_out = spec.val_fraction > 0 and shard.split == "train"
-        parts = _writers(files, ckpt, spec, holding_out)
+        buffering = spec.buffer_bytes > 0 and ckpt.lines == 0
+        parts = _writers(files, ckpt, spec, holding_out, buffering)
         cut = sum(part.cut for part in parts.values())
         try:
             memory = memory_guard(spec)
             resets_before = memory.resets
             skipped, repaired = Counter(ckpt.skipped), Counter(ckpt.repaired)
+
+            def spill() -> None:
+                nonlocal buffering
+                for key, part in parts.items():
+                    part.spill(*(files.group(*key) if key[1] is not None else _own_files(files, key[0])))
+                buffering = False
 
             def commit(done: bool = False) -> None:
                 for part in parts.values():
@@ -341,7 +393,11 @@ def tokenize_shard(
                 ckpt.skipped, ckpt.repaired, ckpt.done = dict(skipped), dict(repaired), done
                 ckpt.seconds = round(seconds_before + time.monotonic() - began, 3)
                 _count(ckpt, parts, spec.group_by is not None, done)
-                write_json_atomic(files.checkpoint, asdict(ckpt))
+                if not buffering:  # a buffering shard's checkpoint is the runner's to write, once it is placed
+                    write_json_atomic(files.checkpoint, asdict(ckpt))
+
+            def new_part(key: Key) -> PartWriter:
+                return _group_writer(files, key, parts, spec, shard, buffering)
 
             last_commit = began = time.monotonic()
             seconds_before = ckpt.seconds
@@ -349,21 +405,7 @@ def tokenize_shard(
                 shard.path, spec.text_field, ckpt.lines, ckpt.offset, spec.batch_bytes, group_by=spec.group_by
             )
             for batch in read_ahead(batches) if spec.read_ahead else batches:
-                tokens = 0
-                for key, texts in _by_part(_part_keys(batch, spec, holding_out), batch.texts):
-                    if not texts:
-                        continue
-                    flat, lengths = memory.encoder().encode(texts)
-                    if flat.size and int(flat.max()) >= spec.vocab_size:
-                        raise ValueError(
-                            f"{shard.relpath}: the encoder produced id {int(flat.max())} >= vocab_size "
-                            f"{spec.vocab_size}"
-                        )
-                    if key not in parts:  # a group this shard had not met
-                        parts[key] = _group_writer(files, key, parts, spec, shard)
-                    tokens += parts[key].append(flat, lengths, spec)
-                    if spec.group_by is not None:
-                        parts[key].text_bytes += sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+                tokens = _encode(batch, parts, memory, spec, holding_out, new_part, shard)
                 ckpt.lines += batch.lines
                 ckpt.offset = batch.end_offset
                 ckpt.text_bytes += batch.text_bytes
@@ -375,7 +417,11 @@ def tokenize_shard(
                 ckpt.skip_log.extend([line, reason] for line, reason in batch.skip_log[:room])
                 if on_batch is not None:
                     on_batch(source_read, len(batch.texts), tokens)
-                if stop is not None and stop():
+                stopping = stop is not None and stop()
+                if buffering and (stopping or sum(p.buffered_bytes for p in parts.values()) > spec.buffer_bytes):
+                    spill()
+                    last_commit = 0.0  # checkpointed at once: what was in memory is now covered on disk
+                if stopping:
                     commit()
                     break
                 if time.monotonic() - last_commit >= spec.checkpoint_interval:
@@ -394,4 +440,37 @@ def tokenize_shard(
         cut // np.dtype(spec.dtype).itemsize,
         time.monotonic() - started,
         memory.resets - resets_before,
+        {key: part.buffered for key, part in parts.items()} if buffering else None,
     )
+
+
+def _encode(
+    batch: Batch,
+    parts: dict[Key, PartWriter],
+    memory: MemoryGuard,
+    spec: EncodeSpec,
+    holding_out: bool,
+    new_part: Callable[[Key], PartWriter],
+    shard: Shard,
+) -> int:
+    """A batch's documents encoded and appended to their parts (`new_part` for a group met for the first
+    time); returns the tokens written."""
+    tokens = 0
+    for key, texts in _by_part(_part_keys(batch, spec, holding_out), batch.texts):
+        if not texts:
+            continue
+        flat, lengths = memory.encoder(sum(part.buffered_bytes for part in parts.values())).encode(texts)
+        if flat.size and int(flat.max()) >= spec.vocab_size:
+            raise ValueError(
+                f"{shard.relpath}: the encoder produced id {int(flat.max())} >= vocab_size {spec.vocab_size}"
+            )
+        if key not in parts:
+            parts[key] = new_part(key)
+        tokens += parts[key].append(flat, lengths, spec)
+        if spec.group_by is not None:
+            parts[key].text_bytes += sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+    return tokens
+
+
+def _own_files(files: ShardFiles, held: bool) -> tuple[Path, Path]:
+    return (files.val_bin, files.val_idx) if held else (files.bin, files.idx)

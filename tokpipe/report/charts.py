@@ -166,11 +166,17 @@ def _short(relpath: str, width: int = 34) -> str:
 
 
 def _rates(points: list[dict]) -> tuple[np.ndarray, ...]:
-    """Per interval between consecutive points of one attempt: (midpoint time, tokens/s, MB/s, shards running)."""
+    """Per interval between consecutive points of one attempt: (midpoint time, tokens/s, MB/s, workers busy %)."""
     t = np.array([p["t"] for p in points], dtype=float)
     k, b = np.array([p["k"] for p in points], dtype=float), np.array([p["b"] for p in points], dtype=float)
     dt = np.maximum(np.diff(t), 1e-9)
-    return t, np.diff(k) / dt, np.diff(b) / dt / 1e6, np.array([p["r"] for p in points])
+    return t, np.diff(k) / dt, np.diff(b) / dt / 1e6, np.array([_busy(p) for p in points])
+
+
+def _busy(point: dict) -> float:
+    """The share of the workers on a shard at a point, in %; a series of a tokpipe that did not record its
+    workers ("w") counts the driver alone."""
+    return 100 * min(point["r"] / max(point.get("w", 1), 1), 1.0)
 
 
 def attempts(series: list[dict]) -> list:
@@ -179,7 +185,7 @@ def attempts(series: list[dict]) -> list:
 
 
 def throughput(series: list[dict], state: str) -> str:
-    """Tokens/s, input MB/s and shards running over time, with the phases shaded and each attempt marked."""
+    """Tokens/s, input MB/s and the workers' busy share over time, with the phases shaded and each attempt marked."""
     plt = _plt()
     t0 = min(x["t"] for x in series)
     span = max(x["t"] for x in series) - t0
@@ -236,11 +242,11 @@ def throughput(series: list[dict], state: str) -> str:
             axes[1].stairs(mb, x, color="#00897b", linewidth=1.4, baseline=None)
             axes[2].step(x, running, where="post", color=ORANGE, linewidth=1.4)
         elif points:
-            axes[2].plot([(points[0]["t"] - t0) / scale], [points[0]["r"]], "o", color=ORANGE)
-    for ax, label in zip(axes, ("M tokens/s", "input MB/s", "shards running")):
+            axes[2].plot([(points[0]["t"] - t0) / scale], [_busy(points[0])], "o", color=ORANGE)
+    for ax, label in zip(axes, ("M tokens/s", "input MB/s", "workers busy %")):
         ax.set_ylabel(label)
         ax.set_ylim(bottom=0)
-    axes[2].yaxis.get_major_locator().set_params(integer=True)
+    axes[2].set_ylim(0, 105)
     axes[-1].set_xlabel(f"{unit} since the first attempt started")
     fig.tight_layout()
     return _svg(fig)

@@ -163,11 +163,14 @@ class Cluster:
                 workers, note = self.fit
                 read_ahead = 2 * workers <= self.cpus  # one node: its widest is all of it
                 # address="local": never attach to some other Ray instance that happens to run on this machine.
+                # The object store holds the shards done before their place in the split is known, each up
+                # to --shard-buffer (EncodeSpec.buffer_bytes): room for two per worker.
+                room = 2 * workers * (self.opts.buffer_mib << 20)
                 ray.init(
                     address="local",
                     num_cpus=workers * (2 if read_ahead else 1),
                     include_dashboard=False,
-                    object_store_memory=128 << 20,
+                    object_store_memory=max(128 << 20, min(room, available_memory() * 3 // 10)),
                     **common,
                 )
                 alive = [n for n in ray.nodes() if n["Alive"]]

@@ -124,8 +124,12 @@ def _resume(run: _Run) -> Assembler:
     assembler = Assembler(run.out, np.dtype(run.info.dtype).itemsize, run.opts)
     assembler.resume(run.manifest)
     if assembler.lost:
-        what = f"{len(assembler.lost)} shards (e.g. {assembler.lost[0]})"
-        print(f"the split files changed before {what} whose own files were already removed: tokenizing them again")
+        n = len(assembler.lost)
+        what = f"{n} shard{'s' if n != 1 else ''} (e.g. {assembler.lost[0]})"
+        print(
+            f"tokenizing again {what}: their tokens are in no file a rerun can keep (placed but not yet listed"
+            " when the last run stopped, or in a split file that changed since)"
+        )
         run.log(f"tokenizing again: {', '.join(assembler.lost)}")
     return assembler
 
@@ -228,7 +232,7 @@ def _tokenize(run: _Run, assembler: Assembler, plan: Plan) -> Tally:
             run.clock.tokenized_now(assembler.placed_tokens * itemsize)
     finally:
         progress.close()
-    run.clock.read_bytes = progress.read_this_run
+    run.clock.read_bytes, run.clock.shard_seconds = progress.read_this_run, tally.shard_seconds
     return tally
 
 
@@ -255,6 +259,7 @@ def _tokenize_on_ray(
         check = check_nodes(run.manifest, run.info, run.out, run.log)
     spec = run.opts.encode_spec(run.info, backend, shape.read_ahead)
     itemsize = np.dtype(run.info.dtype).itemsize
+    progress.workers = run.clock.workers = shape.workers
     copies = Copies(assembler, run.out, itemsize, shape.nodes, check)
     scheduler = Scheduler(run.manifest, run.out, spec, run.opts, shape.workers, run.log, tally, check)
     scheduler.run(progress, copies, done)

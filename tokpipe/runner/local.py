@@ -25,12 +25,15 @@ class Tally:
     """What became of the shards this run worked on."""
 
     memory_limit: int  # of a worker, for the log
+    shard_seconds: float = 0.0  # that shards took in this run, whether done or stopped (ShardResult.seconds)
     failed: dict[str, str] = field(default_factory=dict)  # shard relpath -> last error
     resumed: list[ShardResult] = field(default_factory=list)  # shards that went on from a checkpoint
     lacking: list[tuple[str, int, int]] = field(default_factory=list)  # (shard, lines without the text, lines)
 
     def add(self, shard: Shard, result: ShardResult, log: RunLog) -> None:
+        """A shard done."""
         ckpt = result.checkpoint
+        self.shard_seconds += result.seconds
         if result.resumed_tokens or result.redone_tokens:
             self.resumed.append(result)
             log(f"shard {shard.relpath}: resumed at {result.resumed_tokens:,} tokens, redid {result.redone_tokens:,}")
@@ -80,9 +83,12 @@ def tokenize_while(
             tally.failed[shard.relpath] = describe_failure(e)
             log(f"shard {shard.relpath} FAILED: {tally.failed[shard.relpath]}")
             continue
-        if result.checkpoint.done:
+        if not result.checkpoint.done:  # stopped for Ray's workers, which go on from its checkpoint
+            tally.shard_seconds += result.seconds
+        else:
             done += 1
             tally.add(shard, result, log)
+            assembler.done(shard, result.checkpoint, result.buffered)
             assembler.place_ready()  # into the split file now, as a Ray run's copies do: no tail at the end
     progress.base = totals
     return done

@@ -43,6 +43,7 @@ class Progress:
         self.start_bytes, self.t0, self.started_at, self.every = done_bytes, time.monotonic(), time.time(), every
         self.disk: dict | None = None  # the output's projected size, once a shard of this run is done
         self.base = [0, 0, 0]  # file bytes, documents, tokens of this run before its Ray tasks (the driver's)
+        self.workers = 1  # that tokenize at once: the driver alone, until Ray's workers take over
         self.last_line = self.last_file = 0.0
         self.read_this_run = 0
         self.bar = None
@@ -74,7 +75,7 @@ class Progress:
         if self.disk is None and done > self.done_before and file_bytes and tokens:
             self.disk = self._project_disk(file_bytes, tokens, read)
         failures = f" ({failed} FAILED)" if failed else ""
-        self.series.point(read, tokens, documents, running, done, final)
+        self.series.point(read, tokens, documents, running, done, self.workers, final)
         rates = f"{documents:,} docs, {tokens / elapsed / 1e6:.2f}M tok/s"
         if self.bar is not None:
             self.bar.set_postfix_str(f"{done}/{self.shards} shards{failures}, {rates}", refresh=False)
@@ -141,6 +142,8 @@ class Timeline:
     tokenized: float | None = None
     read_bytes: int = 0  # of input, by this run's workers
     assembled_bytes: int = 0  # of tokens, copied into place while shards tokenized
+    workers: int = 1  # that tokenized at once (the driver alone, without Ray)
+    shard_seconds: float = 0.0  # that this run's shards took, summed over them (ShardResult.seconds)
     series: Series | None = None  # OUT/logs/series.jsonl, for `tokpipe report`: gets a mark at each phase
 
     def tokenized_now(self, assembled_bytes: int) -> None:
@@ -153,10 +156,12 @@ class Timeline:
         tokenized = self.tokenized or planned
         token_bytes = sum(s["tokens"] for s in meta["splits"].values()) * np.dtype(meta["dtype"]).itemsize
         tokenize_s, finalize_s = tokenized - planned, finished - tokenized
+        busy = self.shard_seconds / max(self.workers * tokenize_s, 1e-9)
         return (
             f"phases: plan {planned - self.start:.1f}s | tokenize {tokenize_s:.1f}s, "
             f"{self.read_bytes / 1e6:,.1f} MB of input read"
-            f" ({self.read_bytes / 1e6 / max(tokenize_s, 1e-9):.1f} MB/s) | finalize {finalize_s:.2f}s "
+            f" ({self.read_bytes / 1e6 / max(tokenize_s, 1e-9):.1f} MB/s), workers busy {100 * min(busy, 1):.0f}%"
+            f" ({self.workers} x {tokenize_s:.1f}s, {self.shard_seconds:.1f}s on shards) | finalize {finalize_s:.2f}s "
             f"({100 * finalize_s / max(tokenize_s, 1e-9):.0f}% of tokenize):"
             f" {token_bytes / 1e6:,.1f} MB of tokens, {self.assembled_bytes / 1e6:,.1f} MB of them assembled "
             "while tokenizing,"

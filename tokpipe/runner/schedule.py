@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import ray
@@ -24,7 +23,7 @@ from tokpipe.manifest import Manifest
 from tokpipe.options import RunOptions
 from tokpipe.runner.local import Tally, describe_failure, finished
 from tokpipe.runner.progress import Progress, RunLog
-from tokpipe.runner.task import ProgressBoard, copy_task, shard_task
+from tokpipe.runner.task import ProgressBoard, Stored, copy_task, shard_task
 from tokpipe.shard import EncodeSpec, ShardResult
 
 POLL_EVERY = 0.5  # seconds between looks at progress and stalls
@@ -42,27 +41,21 @@ def _get(ref):
 
 
 class Copies:
-    """Copies that assemble the split files while shards still tokenize; what goes where is the Assembler's.
+    """The writes that assemble the split files while shards still tokenize; what goes where is the Assembler's.
 
-    On a cluster they are Ray tasks spread over the nodes, so every node copies (OUT is on storage all
-    of them see). On one machine they are threads of the driver: the copy and the fsync run in the
-    kernel without the GIL, and no worker process has to start for them (two extra workers cost
-    ~1 s of tokenizing on 2 cores, measured). Parts wait in a queue while every slot is busy, so the
-    next copy takes all of them: with thousands of tiny shards, one copy and one fsync cover many.
+    Ray tasks that take no CPU of the shards': a shard's buffered parts are written on the node whose
+    object store holds them (never through the driver, whose own CPU stays per shard, not per byte), the
+    parts copied from shards' own files on any node (OUT is on storage all of them see). Parts wait in a
+    queue while every slot is busy, so the next task takes all of them: with thousands of tiny shards, one
+    task and one fsync cover many.
     """
 
     def __init__(self, assembler: Assembler, out: Path, itemsize: int, nodes: int, check: ray.ObjectRef | None):
         self.assembler, self.out, self.itemsize, self.check = assembler, out, itemsize, check
-        self.remote = nodes > 1
         self.slots = 2 * nodes
-        if self.remote:
-            self.task = ray.remote(num_cpus=0, max_retries=3, scheduling_strategy="SPREAD", name="tokpipe copy")(
-                copy_task
-            )
-        else:
-            self.threads = ThreadPoolExecutor(self.slots)
+        self.task = ray.remote(num_cpus=0, max_retries=3, name="tokpipe copy")(copy_task)
         self.queue: deque[Part] = deque()
-        self.running: dict = {}  # ObjectRef or Future -> its parts
+        self.running: dict = {}  # ObjectRef -> its parts
         self.bytes_by_node: Counter = Counter()
 
     def feed(self, excluded: frozenset[str] = frozenset()) -> None:
@@ -72,30 +65,24 @@ class Copies:
             return
         self.queue.extend(self.assembler.ready(excluded))
         while self.queue and len(self.running) < self.slots:
-            batch, size, stem = [], 0, self.queue[0].stem
-            while self.queue and self.queue[0].stem == stem and size < COPY_BATCH_BYTES:
+            batch, size, (stem, node) = [], 0, _where(self.queue[0])
+            while self.queue and _where(self.queue[0]) == (stem, node) and size < COPY_BATCH_BYTES:
                 batch.append(self.queue.popleft())
                 size += batch[-1].record["tokens"] * self.itemsize
-            args = (str(self.out), batch, self.itemsize)
-            self.running[
-                self.task.remote(*args, self.check) if self.remote else self.threads.submit(copy_task, *args, None)
-            ] = batch
+            where = NodeAffinitySchedulingStrategy(node, soft=True) if node else "SPREAD"
+            task = self.task.options(scheduling_strategy=where).remote(str(self.out), batch, self.itemsize, self.check)
+            self.running[task] = batch
 
     def collect(self, block: bool = False) -> None:
         """List the copies that are done (with `block`, after waiting for one), then start the next."""
         if not self.running:
             return
-        if self.remote:
-            done, _ = ray.wait(
-                list(self.running), num_returns=1 if block else len(self.running), timeout=None if block else 0
-            )
-        else:
-            done = (
-                wait(self.running, return_when=FIRST_COMPLETED)[0] if block else [f for f in self.running if f.done()]
-            )
+        done, _ = ray.wait(
+            list(self.running), num_returns=1 if block else len(self.running), timeout=None if block else 0
+        )
         for handle in done:
             parts = self.running.pop(handle)
-            node, records = _get(handle) if self.remote else handle.result()
+            node, records = _get(handle)
             self.assembler.placed(parts, records)
             self.bytes_by_node[node] += sum(r["tokens"] for r in records) * self.itemsize
         self.feed()
@@ -105,8 +92,11 @@ class Copies:
         self.feed(excluded)
         while self.running:
             self.collect(block=True)
-        if not self.remote:
-            self.threads.shutdown()
+
+
+def _where(part: Part) -> tuple[str, str | None]:
+    """A part's split file, and the node whose object store holds its tokens (None: they are in files)."""
+    return part.stem, part.buffered[0].node if part.buffered else None
 
 
 class Scheduler:
@@ -134,6 +124,7 @@ class Scheduler:
         # One task name for all: the driver keeps state per distinct name (~1.8 MiB per 1k names, measured).
         self.task = ray.remote(
             num_cpus=2 if spec.read_ahead else 1,
+            num_returns=2,  # the result, and the shard's buffered parts (task.shard_task)
             max_retries=opts.max_retries,
             retry_exceptions=False,
             name="tokpipe shard",
@@ -143,7 +134,7 @@ class Scheduler:
         # Not those that failed in this process already (tokenize_while).
         self.unfinished = (s for s in manifest.shards() if not finished(out, s) and s.relpath not in tally.failed)
         self.stalled: deque = deque()  # (shard, stall retries) cancelled for a stall, to submit again
-        self.running: dict = {}  # ObjectRef -> (shard, stall retries, submitted at)
+        self.running: dict = {}  # result's ObjectRef -> (shard, stall retries, submitted at, buffered parts' ref)
         self.failed = tally.failed
         self.totals, self.beats = [0, 0, 0], {}  # the board's last snapshot
 
@@ -168,9 +159,8 @@ class Scheduler:
                 continue
             last_look = now
             self._read_board()
-            progress.update(
-                *self.totals, done=done, running=len(self.running) + len(self.stalled), failed=len(self.failed)
-            )
+            # Running: the shards whose workers have begun them (a beat), not those submitted and queued.
+            progress.update(*self.totals, done=done, running=len(self.beats), failed=len(self.failed))
             self._cancel_stalled(now)
         self._read_board()
         progress.update(*self.totals, done=done, running=0, failed=len(self.failed), final=True)
@@ -183,12 +173,14 @@ class Scheduler:
                 stalls = 0
             else:
                 return
-            ref = self.task.remote(shard, str(self.out), self.spec, self.board, self.opts.stall_timeout, self.check)
-            self.running[ref] = (shard, stalls, time.time())
+            ref, buffered = self.task.remote(
+                shard, str(self.out), self.spec, self.board, self.opts.stall_timeout, self.check
+            )
+            self.running[ref] = (shard, stalls, time.time(), buffered)
 
     def _collect(self, ref, assembler: Assembler) -> int:
         """Take a finished task's result; returns 1 when its shard is done, 0 when it failed."""
-        shard, _, _ = self.running.pop(ref)
+        shard, _, _, buffered = self.running.pop(ref)
         try:
             result: ShardResult = _get(ref)
         except NodeError as e:  # a node the driver did not probe: it stops the run
@@ -198,12 +190,12 @@ class Scheduler:
             self.failed[shard.relpath] = describe_failure(e)
             self.log(f"shard {shard.relpath} FAILED: {self.failed[shard.relpath]}")
             return 0
-        assembler.done(shard, result.checkpoint)
+        assembler.done(shard, result.checkpoint, Stored(buffered, result.buffered_on) if result.buffered_on else None)
         self.tally.add(shard, result, self.log)
         return 1
 
     def _cancel_stalled(self, now: float) -> None:
-        for ref, (shard, stalls, submitted) in list(self.running.items()):
+        for ref, (shard, stalls, submitted, _) in list(self.running.items()):
             beat = self.beats.get(f"{shard.split}/{shard.key}", 0.0)
             # A task's clock starts at its first beat: until then it waits for a worker process (1-3 s
             # here, over 5 s under load; whose failure to start Ray reports), which is no stall of the shard.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import time
+from dataclasses import dataclass, replace
 
 import ray
 
@@ -45,9 +46,11 @@ class ProgressBoard:
 
 def shard_task(
     shard: Shard, out: str, spec: EncodeSpec, board, stall_timeout: float, check: NodeCheck | None
-) -> ShardResult:
+) -> tuple[ShardResult, dict | None]:
     """The Ray task around tokenize_shard: progress reports, and a stack dump if it stops moving. On a
-    node the driver did not probe, first the paths the run needs (NodeError: not the stall dump's)."""
+    node the driver did not probe, first the paths the run needs (NodeError: not the stall dump's).
+    Two returns: the result, and apart from it the parts the shard kept in memory, which stay in this
+    node's object store until a copy task here writes them into place (the driver never fetches them)."""
     ensure_seen(check)
     tag = f"{shard.split}/{shard.key}"
     # `ps` shows which shard each worker is on (Ray sets the title back to ray::IDLE after the task).
@@ -89,10 +92,28 @@ def shard_task(
             board.report.remote(tag, *pending, finished=True)
     if dump_path.stat().st_size == 0:
         dump_path.unlink()
-    return result
+    if result.buffered is None:
+        return result, None
+    node = ray.get_runtime_context().get_node_id()
+    return replace(result, buffered=None, buffered_on=node), result.buffered
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A shard's buffered parts in the object store of `node` (the second return of its shard_task)."""
+
+    ref: ray.ObjectRef
+    node: str
 
 
 def copy_task(out: str, parts: list[Part], itemsize: int, check: NodeCheck | None) -> tuple[str, list[dict]]:
-    """The Ray task around assembly.place; says which node it ran on (on a cluster, every node copies)."""
+    """The Ray task around assembly.place; says which node it ran on (on a cluster, every node copies).
+    Buffered parts are read from the object store here, on their node: zero-copy, never through the driver."""
     ensure_seen(check)
+    stored = {part.buffered[0].ref for part in parts if part.buffered is not None}
+    values = dict(zip(stored, ray.get(list(stored))))
+    parts = [
+        replace(part, buffered=(values[part.buffered[0].ref], part.buffered[1])) if part.buffered else part
+        for part in parts
+    ]
     return ray.get_runtime_context().get_node_id(), place(out, parts, itemsize)
