@@ -5,6 +5,7 @@
     python benchmarks/scale.py rates   --size 250MB
     python benchmarks/scale.py driver  --trees before=/tmp/wt-old,after=. --shards 5000
     python benchmarks/scale.py cluster --size 100MB
+    python benchmarks/scale.py cores   --size 250MB --shard-size 12.5MB
 
 Each tree is a tokpipe checkout run with PYTHONPATH set to it (its Ray workers too), so an older
 commit is measured from a worktree of it. Phases are read from OUT's files alone, the same way for
@@ -184,6 +185,48 @@ def cmd_driver(args) -> list[dict]:
     return results
 
 
+def cmd_cores(args) -> list[dict]:
+    """The worker curve against benchmarks/handwritten.py: 1, 2, 4, ... workers up to the CPUs this process may
+    use, the two alternated on one corpus of distinct text. Per row: wall and CPU seconds of each (the CPU of
+    the command and its children), their ratios, tokpipe's phases line (workers busy), and, from a run with
+    --ray-only (the driver tokenizes nothing itself), the driver's own CPU seconds per GB of input."""
+    from price import handwritten_run
+
+    cpus = len(os.sched_getaffinity(0))
+    corpus = build_distinct_corpus(str(SHARED), parse_size(args.size), 1, parse_size(args.shard_size), args.work_dir)
+    manifest = manifest_of(Path(corpus.path), args.work_dir)
+    input_gb = sum(os.path.getsize(Path(corpus.path) / name) for name in corpus.shards) / 1e9
+    results = []
+    for workers in [w for w in (1, 2, 4, 8, 16, 32, 64, 128) if w <= cpus]:
+        for repeat in range(args.repeats):
+            out = args.work_dir / "cores-out"
+            tp = tokpipe_run(manifest, out / "tokpipe", workers)
+            backend = next(line for _, line in tp["lines"] if line.startswith("backend ")).split()[1].rstrip(":")
+            hw = handwritten_run(manifest, out / "handwritten", workers, backend)
+            alone = tokpipe_run(manifest, out / "ray-only", workers, "--ray-only", watch=TreeMonitor)
+            driver = next(s for s in alone["watch"].stats.values() if s.kind == "driver")
+            results.append(
+                {
+                    "measure": "cores",
+                    "workers": workers,
+                    "repeat": repeat,
+                    "text_mb": round(corpus.text_bytes / 1e6, 1),
+                    "input_mb": round(input_gb * 1e3, 1),
+                    "shards": len(corpus.shards),
+                    "handwritten_s": round(hw["wall"], 2),
+                    "tokpipe_s": round(tp["wall"], 2),
+                    "wall_ratio": round(tp["wall"] / hw["wall"], 3),
+                    "handwritten_cpu_s": round(hw["cpu"], 1),
+                    "tokpipe_cpu_s": round(tp["cpu"], 1),
+                    "cpu_ratio": round(tp["cpu"] / hw["cpu"], 3),
+                    "phases": next(line for _, line in tp["lines"] if line.startswith("phases: ")),
+                    "driver_cpu_s_per_input_gb": round(driver.cpu / input_gb, 3),
+                }
+            )
+            print(json.dumps(results[-1]), flush=True)
+    return results
+
+
 def cmd_cluster(args) -> list[dict]:
     """Two Ray nodes on 127.0.0.1: shards and copy tasks land on both (run.log names the nodes that copied)."""
     from ray.cluster_utils import Cluster
@@ -213,7 +256,7 @@ def cmd_cluster(args) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=("tail", "memory", "rates", "driver", "cluster"))
+    p.add_argument("command", choices=("tail", "memory", "rates", "driver", "cluster", "cores"))
     p.add_argument("--shards", type=int, default=5000, help="driver: one-document shards")
     p.add_argument("--trees", default=f"after={REPO}", help="name=path,... of tokpipe checkouts")
     p.add_argument("--size", default="250MB")
@@ -230,6 +273,7 @@ def main() -> None:
         "rates": cmd_rates,
         "driver": cmd_driver,
         "cluster": cmd_cluster,
+        "cores": cmd_cores,
     }[args.command](args)
     (args.work_dir / f"scale-{args.command}.json").write_text(json.dumps(results, indent=1))
 
