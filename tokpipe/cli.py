@@ -142,14 +142,20 @@ def parser() -> argparse.ArgumentParser:
     m.set_defaults(func=_cmd_manifest)
 
     r = sub.add_parser("run", help="tokenize a manifest into OUT (rerun the same command to resume)")
-    r.add_argument("--manifest", required=True)
+    r.add_argument("--manifest", required=True, metavar="M", help="the shards to tokenize: a `tokpipe manifest` file")
     r.add_argument(
         "--tokenizer",
         required=True,
+        metavar="T",
         help="local tokenizer folder or tokenizer.json, or a hub name ORG/NAME already in the Hugging Face cache "
         "(never downloaded)",
     )
-    r.add_argument("--out", required=True)
+    r.add_argument(
+        "--out",
+        required=True,
+        metavar="OUT",
+        help="the output folder: a new one, or this run's to resume it (`tokpipe status OUT` says where it stands)",
+    )
     _add_options(r)
     r.set_defaults(func=_cmd_run)
 
