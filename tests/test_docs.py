@@ -19,7 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import REPO
+from helpers import EXAMPLE_CACHE, QWEN3, REPO
+
+from tokpipe.manifest import build_manifest
+from tokpipe.options import RunOptions
+from tokpipe.runner.identity import run_identity
+from tokpipe.tokenizer import load_tokenizer_info
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 # A fence, indented or not (a block inside a list item), its language, its lines up to the closing fence.
@@ -141,3 +146,43 @@ def test_a_broken_block_fails(reader):
 def test_every_not_run_block_says_why():
     assert all(b.not_run.strip() for b in BLOCKS if b.not_run is not None)
     assert len(RUN) >= 5  # the README's example and loader, Parquet, the two readers of trainers.md
+
+
+def test_the_glossary_lists_the_run_identity_the_code_checks():
+    """glossary.md is the one list of what a run is: the keys it names are run_identity's, --group-by's too."""
+    entry = (REPO / "docs" / "glossary.md").read_text().split("**run identity**")[1].split("\n\n")[0]
+    listed = re.findall(r"`(\w+)`", entry.split("run.json's keys:")[1].split(")")[0])
+    identity = run_identity(build_manifest(EXAMPLE_CACHE), load_tokenizer_info(QWEN3), RunOptions(group_by="meta"))
+    assert listed == list(identity)
+
+
+def test_design_names_every_module():
+    """design.md's shape of the code names each module and package of tokpipe/."""
+    design = (REPO / "docs" / "design.md").read_text().split("## Shape of the code")[1].split("```")[1]
+    package = REPO / "tokpipe"
+    names = {p.name for p in package.glob("*.py")} - {"__init__.py", "_version.py"}
+    names |= {f"{p.name}/" for p in package.iterdir() if (p / "__init__.py").exists()}
+    assert sorted(n for n in names if n not in design) == []
+
+
+def _anchors(doc: Path) -> set[str]:
+    """A page's anchors as GitHub makes them: each heading, lowercased, punctuation dropped, spaces as dashes;
+    and every <a id>."""
+    text = doc.read_text()
+    headings = re.findall(r"^#+ (.+)$", text, re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings} | set(
+        re.findall(r'<a id="([^"]+)">', text)
+    )
+
+
+def test_every_link_between_the_docs_leads_somewhere():
+    broken = []
+    for doc in [*DOCS, REPO / "benchmarks" / "README.md"]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if re.match(r"\w+:", target):
+                continue  # https:, mailto:
+            path, _, anchor = target.partition("#")
+            page = (doc.parent / path).resolve() if path else doc
+            if not page.exists() or (anchor and page.suffix == ".md" and anchor not in _anchors(page)):
+                broken.append(f"{doc.relative_to(REPO)}: {target}")
+    assert broken == []
