@@ -1,13 +1,15 @@
 """runner/identity.py: what a run is. run.json records the inputs OUT's bytes depend on; a rerun with other
 inputs (text field, tokenizer, EOS, delimiters) is refused saying what differs, and so are delimiters no
 trainer could split documents by; a manifest that only gained shards resumes as an append, keeping the
-finished shards; an earlier tokpipe's run.json is the same run."""
+finished shards; an earlier tokpipe's run.json is the same run. An OUT that holds no token yet (every
+refusal comes before the first) is no run: the corrected command starts it over, and status names it."""
 
 import json
 import re
 import shutil
+from pathlib import Path
 
-from helpers import EXAMPLE_CACHE, QWEN3, assert_out_is, run_args, tokpipe
+from helpers import EXAMPLE_CACHE, QWEN3, QWEN3_EOS, assert_out_is, reference_tokens, run_args, tokpipe, write_jsonl
 
 from tokpipe.manifest import build_manifest, write_manifest
 from tokpipe.options import RunOptions
@@ -115,3 +117,84 @@ def test_a_manifest_that_only_gained_shards_resumes_as_an_append(dataset, tmp_pa
         f"tokpipe run: error: {out} was started from another manifest: 1 of its shards are changed or gone in this "
         "one (e.g. train/chunk1/example_train_1.jsonl.zst); use a new --out, or the original manifest to resume\n"
     )
+
+
+def _files(out: Path) -> dict[str, bytes | None]:
+    """OUT's files, and the bytes of those that say what, not when (not the logs, the lock and the shard
+    checkpoints, which time their shard)."""
+    paths = (p.relative_to(out) for p in sorted(out.rglob("*")) if p.is_file())
+    return {str(p): None if p.parts[0] in ("logs", ".lock", "shards") else (out / p).read_bytes() for p in paths}
+
+
+def test_a_refused_run_leaves_out_to_the_corrected_command(tmp_path, monkeypatch):
+    """A newcomer's first tries on one OUT, each refused before the first token, then the command that works:
+    it runs on that OUT, and gives the bytes of a fresh run. Once OUT holds tokens, other inputs are refused."""
+    first = "Sogdian \U00010d27\U00010f46 marks"  # a hard case: gigatoken's ids differ from tokenizers' here
+    lines = [json.dumps({"id": i, "text": first if i == 0 else f"document number {i}"}) for i in range(1100)]
+    shard = write_jsonl(tmp_path / "data" / "train" / "a.jsonl", lines)
+    manifest, out = tmp_path / "m.json", tmp_path / "out"
+    assert tokpipe("manifest", "--dataset-dir", tmp_path / "data", "-o", manifest).returncode == 0
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # a hub name that is in no cache
+    command = f"tokpipe run --manifest {out}/manifest.json --tokenizer {QWEN3}/tokenizer.json --out {out}"
+
+    workers = tokpipe(*run_args(manifest, out, "--workers", "0"))
+    assert (workers.returncode, workers.stderr.splitlines()[-1]) == (
+        2,
+        "tokpipe run: error: argument --workers: must be > 0, got 0",
+    )
+    hub = tokpipe(*run_args(manifest, out, tokenizer="nobody/nothing"))
+    assert (hub.returncode, hub.stderr) == (
+        2,
+        f"tokpipe run: error: no tokenizer nobody/nothing (revision main) in the Hugging Face cache {tmp_path / 'hub'}"
+        " (set by HF_HUB_CACHE or HF_HOME), and no local folder of that name: fetch it with `hf download"
+        " nobody/nothing --include 'tokenizer*'`; tokpipe never downloads\n",
+    )
+    assert not out.exists()
+    refusals = [
+        (
+            ["--text-field", "body"],
+            "",
+            "no document has a 'body' field in the first lines of each split's first shard; their fields: id, text:"
+            " pass --text-field NAME (e.g. --text-field text)",
+            f"{command} --text-field text",
+        ),
+        (
+            ["--backend", "gigatoken"],
+            f"{out} holds no token yet: starting it over with these inputs (text_field: was 'body', now 'text')\n",
+            "--backend gigatoken does not reproduce tokenizers' ids on this tokenizer and data: use --backend auto",
+            f"{command} --backend auto",
+        ),
+        (
+            ["--group-by", "id"],
+            f"{out} holds no token yet: starting it over with these inputs (group_by: was None, now 'id')\n",
+            "--group-by id: split train has more than 1,000 distinct values in its first shard alone (e.g. '0', '1',"
+            " '10'), and a split may have at most 1,000 groups: group by a field with a few values (a source, a"
+            " language), not one per document (an id, a url)",
+            command,
+        ),
+    ]
+    for extra, replaced, error, works in refusals:
+        refused = tokpipe(*run_args(manifest, out, *extra))
+        assert (refused.returncode, refused.stderr) == (2, f"tokpipe run: error: {error}\n")
+        assert refused.stdout.startswith(replaced + "tokenizer qwen3@sha256:")
+        status = tokpipe("status", out).stdout.splitlines()
+        assert status[0] == f"{out}: holds no token yet; the last run was refused: {error}"
+        assert status[-1] == f"next: {works}"
+
+    corrected = tokpipe(*run_args(manifest, out))
+    assert corrected.returncode == 0, corrected.stderr
+    assert corrected.stdout.splitlines()[0] == (
+        f"{out} holds no token yet: starting it over with these inputs (group_by: was 'id', now None)"
+    )
+    assert_out_is(out, {"train": reference_tokens([shard], QWEN3 / "tokenizer.json", QWEN3_EOS)})
+    assert tokpipe(*run_args(manifest, tmp_path / "fresh")).returncode == 0
+    assert _files(out) == _files(tmp_path / "fresh")
+
+    # Tokens committed: from here on OUT is a run, and other inputs are refused.
+    again = tokpipe(*run_args(manifest, out, "--text-field", "body"))
+    assert (again.returncode, again.stderr) == (
+        2,
+        f"tokpipe run: error: {out} holds a run with other inputs (text_field: was 'text', now 'body'); use a new"
+        " --out, or the original inputs to resume\n",
+    )
+    assert tokpipe("status", out).stdout.splitlines()[0] == f"{out}: finished"

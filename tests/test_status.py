@@ -8,12 +8,16 @@ import shutil
 import time
 
 import pytest
-from helpers import HOLDOUT, QWEN3, TRAIN_0, TRAIN_1, tokpipe
+from helpers import EXAMPLE_CACHE, HOLDOUT, QWEN3, TRAIN_0, TRAIN_1, tokpipe
 
 from tokpipe.cli import parser
 from tokpipe.errors import UserError
 from tokpipe.fmt import duration
+from tokpipe.manifest import build_manifest, write_manifest
+from tokpipe.options import RunOptions
+from tokpipe.runner.identity import record_run, refusals_noted
 from tokpipe.status import report, status
+from tokpipe.tokenizer import load_tokenizer_info
 
 
 @pytest.fixture
@@ -149,3 +153,24 @@ def test_status_counts_each_groups_committed_tokens(finished_grouped, grouped_re
         "  train       4 groups, tokens: RedPajamaCommonCrawl 559,471, RedPajamaGithub 210,435, "
         "RedPajamaWikipedia 89,542, RedPajamaC4 255"
     ) in report(st).splitlines()
+
+
+def test_a_run_refused_before_its_first_token_is_said_with_what_to_change(tmp_path):
+    """A refusal that names no option to change (a cluster node that cannot see OUT): status repeats it, and the
+    command to run once it is fixed; with other inputs too, since OUT holds no token yet. (A refusal that names
+    the option, put into the command: tests/test_runner_identity.py.)"""
+    out = tmp_path / "out"
+    out.mkdir()
+    manifest = build_manifest(EXAMPLE_CACHE)
+    record_run(out, manifest, load_tokenizer_info(QWEN3), RunOptions(workers=2))
+    write_manifest(manifest, out / "manifest.json")
+    error = "node 10.0.0.7 cannot see OUT: mount it there, and rerun the same command"
+    with pytest.raises(UserError), refusals_noted(out):
+        raise UserError(error)
+    st = status(out)
+    assert (st.state, st.refused) == ("stopped", error)
+    assert report(st).splitlines()[0] == f"{out}: holds no token yet; the last run was refused: {error}"
+    assert st.next == (
+        f"what the refusal above says, then: tokpipe run --manifest {out}/manifest.json --tokenizer "
+        f"{QWEN3}/tokenizer.json --out {out} --workers 2 (with other inputs: OUT holds no token yet)"
+    )

@@ -1,9 +1,9 @@
 """`tokpipe` command line: argument parsing, messages, exit codes — nothing else.
 
-Exit codes: 0 success; 1 the work failed (a shard failed, a verify check failed); 2 bad usage or input
-(one readable line, no traceback); 130 interrupted (Ctrl-C); 141 the reader of stdout went away (`tokpipe
-status OUT | head -1`: quiet, as `yes | head -1` is); 143 terminated (SIGTERM, as Slurm, Kubernetes and systemd
-stop a job).
+Exit codes (docs/commands.md#exit-codes): 0 success; 1 the work failed (a shard failed, a verify check
+failed); 2 bad usage or input (one readable line, no traceback); 130 interrupted (Ctrl-C); 143 terminated
+(SIGTERM, as Slurm, Kubernetes and systemd stop a job). A reader of stdout that goes away (`tokpipe status OUT |
+head -1`) changes none of them: the command goes on, its output going nowhere.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tokpipe._version import __version__
 from tokpipe.errors import UserError, terminate_on_sigterm, terminated
 from tokpipe.options import RunOptions, positive
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_PIPE, EXIT_TERMINATED = 0, 1, 2, 130, 141, 143
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 
 
 def _cmd_manifest(args) -> int:
@@ -142,14 +142,20 @@ def parser() -> argparse.ArgumentParser:
     m.set_defaults(func=_cmd_manifest)
 
     r = sub.add_parser("run", help="tokenize a manifest into OUT (rerun the same command to resume)")
-    r.add_argument("--manifest", required=True)
+    r.add_argument("--manifest", required=True, metavar="M", help="the shards to tokenize: a `tokpipe manifest` file")
     r.add_argument(
         "--tokenizer",
         required=True,
+        metavar="T",
         help="local tokenizer folder or tokenizer.json, or a hub name ORG/NAME already in the Hugging Face cache "
         "(never downloaded)",
     )
-    r.add_argument("--out", required=True)
+    r.add_argument(
+        "--out",
+        required=True,
+        metavar="OUT",
+        help="the output folder: a new one, or this run's to resume it (`tokpipe status OUT` says where it stands)",
+    )
     _add_options(r)
     r.set_defaults(func=_cmd_run)
 
@@ -215,21 +221,47 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = None
-    try:
+class _ReaderMayLeave:
+    """stdout for a reader that may go away (`| head -1`). Python ignores SIGPIPE, so a write to a pipe whose
+    reader is gone raises, at whichever print or flush comes after it left: with `head` a race, which made the
+    exit status 141 one time and 0 the next, and could stop a run halfway. Here the reader's leaving changes
+    nothing: what is written from then on goes nowhere (devnull over the file descriptor) and the command
+    ends as it would have, with its own exit status."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
         try:
-            args = parser().parse_args(argv)  # --help and --version write to stdout, then raise SystemExit
-            terminate_on_sigterm()  # SIGTERM stops any command as Ctrl-C does (the run keeps it so while Ray starts)
-            code = _command(args)
-        finally:
-            sys.stdout.flush()  # here, not at exit: a closed pipe is seen while it can still be caught
-    except BrokenPipeError:
-        # Python ignores SIGPIPE, so a write to a pipe whose reader is gone raises. As the shell's own
-        # tools do, stop quietly: what is still buffered goes nowhere (devnull over stdout, else Python
-        # tries again at exit and prints "Exception ignored"), and exit 128 + SIGPIPE.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        code = EXIT_PIPE
+            return self.stream.write(text)
+        except BrokenPipeError:
+            self._gone()
+            return self.stream.write(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            self._gone()
+            self.stream.flush()  # what was buffered, to devnull: else Python tries again at exit and complains
+
+    def _gone(self) -> None:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+
+    def __getattr__(self, name):  # fileno, encoding, isatty, buffer: the stream's
+        return getattr(self.stream, name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, stdout = None, sys.stdout
+    sys.stdout = _ReaderMayLeave(stdout)
+    try:
+        args = parser().parse_args(argv)  # --help and --version write to stdout, then raise SystemExit
+        terminate_on_sigterm()  # SIGTERM stops any command as Ctrl-C does (the run keeps it so while Ray starts)
+        code = _command(args)
+    finally:
+        sys.stdout.flush()
+        sys.stdout = stdout
     if args is not None and args.command == "run":
         # The run killed Ray's processes once its work was durable (runner/cluster.py): the interpreter's
         # teardown would run Ray's with them gone (measured: a segfault now and then). Leave at once.
@@ -245,8 +277,6 @@ def _command(args) -> int:
     except UserError as e:
         print(f"tokpipe {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except BrokenPipeError:  # stdout's reader went away: main's concern, not an error of the command
-        raise
     except OSError as e:  # disk full, permissions, a vanished mount: the cause is outside tokpipe
         print(f"tokpipe {args.command}: error: {e}; fix the cause and rerun the same command", file=sys.stderr)
         return EXIT_FAILED

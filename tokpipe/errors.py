@@ -5,7 +5,13 @@ import threading
 
 
 class UserError(Exception):
-    """Bad input or usage: the message says what was wrong and what to do. Exit code 2."""
+    """Bad input or usage: the message says what was wrong and what to do. Exit code 2. `fix`: the run
+    options (RunOptions field -> value, None to drop it) that make the command work, where the message
+    names them: `tokpipe status` puts them into the command it prints."""
+
+    def __init__(self, message: str, fix: dict | None = None):
+        super().__init__(message)
+        self.fix = fix or {}
 
 
 class TooManyGroups(UserError):
@@ -19,7 +25,8 @@ def too_many_groups(group_by: str, where: str, values, limit: int, within: str =
     return TooManyGroups(
         f"--group-by {group_by}: {where} has more than {limit:,} distinct values{within} (e.g. {shown}), and a split"
         f" may have at most {limit:,} groups: group by a field with a few values (a source, a language), not one per"
-        " document (an id, a url)"
+        " document (an id, a url)",
+        fix={"group_by": None},
     )
 
 

@@ -443,6 +443,7 @@ def lock_holder(lock: Path) -> str | None:
 RUN_LOG = "run.log"  # the effective configuration, shard failures, stalls, the outcome
 PROGRESS = "progress.json"  # rewritten every 2 s while shards run: rate, ETA, shard counts
 FAILED = "failed.json"  # the last run's failures, shard relpath -> error
+REFUSED = "refused.json"  # the refusal of a run that stopped before OUT held a token (runner/identity.py)
 SKIPPED = "skipped.json"  # per shard with skips or repairs: their counts and the first lines skipped
 SERIES = "series.jsonl"  # a compact time series of the run's progress, for `tokpipe report` (series.py)
 

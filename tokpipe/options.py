@@ -40,10 +40,17 @@ class RunOptions:
         "branch, tag or commit of a hub --tokenizer ORG/NAME in the Hugging Face cache (default: main)",
         metavar="REV",
     )
-    workers: int | None = option(None, "shard tasks at once (default: all CPUs)", type=positive(int))
+    workers: int | None = option(
+        None,
+        "shard tasks at once (default: the CPUs this process may use: its CPU affinity and cgroup quota)",
+        type=positive(int),
+        metavar="N",
+    )
     address: str | None = option(None, "Ray cluster address (default: $RAY_ADDRESS, else an embedded local Ray)")
     backend: str = option("auto", "encoder; all give the same bytes (default: %(default)s)", choices=BACKENDS)
-    text_field: str = option("text", "JSON field holding the document text (default: %(default)s)")
+    text_field: str = option(
+        "text", "JSON field or Parquet column holding the document text (default: %(default)s)", metavar="NAME"
+    )
     group_by: str | None = option(
         None,
         "keep each split's documents by this field's value, each group in files of its own: a dotted path into"

@@ -4,8 +4,9 @@ Works the same on a running, a killed, a failed and a finished run, because ever
 `tokpipe run` keeps current: OUT/manifest.json (the shards), each shard's checkpoint (what is
 committed), OUT/.lock (flock-ed by a live run; the kernel drops it when the run dies, however it
 dies), OUT/logs/progress.json (rate and ETA, rewritten every 2 s while shards run),
-OUT/logs/failed.json (the last run's failures), OUT/run.json (the tokenizer and options to resume
-with) and OUT/meta.json (written last: the run finished).
+OUT/logs/failed.json (the last run's failures), OUT/logs/refused.json (a run refused before OUT
+held a token: the command that works is then the corrected one), OUT/run.json (the tokenizer and
+options to resume with) and OUT/meta.json (written last: the run finished).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tokpipe.fmt import disk_line, duration, free_bytes
 from tokpipe.layout import (
     FAILED,
     PROGRESS,
+    REFUSED,
     RUN_LOG,
     Checkpoint,
     ShardFiles,
@@ -64,13 +66,16 @@ class RunStatus:
     disk: dict | None = None  # the last run's projection of the output's size (progress.json), free space now
     # --group-by: split -> group -> [tokens, documents] committed (held-out documents under validation)
     groups: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    refused: str | None = None  # why the last run stopped before OUT held a token
+
 
     def count(self, state: str, split: str | None = None) -> int:
         return sum(1 for s in self.shards if s.state == state and split in (None, s.split))
 
 
-def resume_command(out: str, run: dict) -> str:
-    """The `tokpipe run` that continues OUT: its manifest copy, the recorded tokenizer and options."""
+def resume_command(out: str, run: dict, fix: dict | None = None) -> str:
+    """The `tokpipe run` that continues OUT: its manifest copy, the recorded tokenizer and options, with
+    `fix` (option -> value, None: without it) over them."""
     args = [
         "tokpipe",
         "run",
@@ -83,7 +88,9 @@ def resume_command(out: str, run: dict) -> str:
     ]
     # run.json keeps the options given other than their defaults, by RunOptions field name; the CLI
     # flags are those names with dashes.
-    for name, value in run.get("options", {}).items():
+    for name, value in {**run.get("options", {}), **(fix or {})}.items():
+        if value is None:
+            continue
         flag = f"--{name.replace('_', '-')}"
         args += [flag] if value is True else [flag, str(value)]  # a switch (--bos, --skip-failed) takes no value
     return shlex.join(args)
@@ -103,6 +110,7 @@ def status(out: str | os.PathLike) -> RunStatus:
     holder = lock_holder(path / ".lock")
     # failed.json is the last finished attempt's verdict; a live run is retrying those shards.
     failures = {} if holder else load_json(log_file(path, FAILED)) or {}
+    refused = None if holder else load_json(log_file(path, REFUSED))
 
     shards, groups = [], {}
     for shard in manifest.shards():
@@ -144,7 +152,9 @@ def status(out: str | os.PathLike) -> RunStatus:
         state, next_step = "running", f"nothing yet; check again with: tokpipe status {shlex.quote(out)}"
     else:
         state = "stopped"
-        next_step = resume_command(out, run)
+        next_step = resume_command(out, run, refused and refused["fix"])
+        if refused and not refused["fix"]:
+            next_step = f"what the refusal above says, then: {next_step} (with other inputs: OUT holds no token yet)"
         if failures:
             next_step = f"fix the cause of the failures above (details in {log_file(out, RUN_LOG)}), then: {next_step}"
         if not run.get("tokenizer_path"):
@@ -154,7 +164,8 @@ def status(out: str | os.PathLike) -> RunStatus:
     if disk:
         disk = {**disk, "free_bytes": free_bytes(out)}
     groups = {split: dict(sorted(g.items())) for split, g in groups.items()}
-    return RunStatus(out, state, shards, holder, progress if live else None, age, next_step, disk, groups)
+    why = refused and refused["error"]
+    return RunStatus(out, state, shards, holder, progress if live else None, age, next_step, disk, groups, why)
 
 
 def _mib(n: int) -> str:
@@ -178,6 +189,8 @@ def report(st: RunStatus) -> str:
             f"{st.out}: a run holds it ({st.holder}) but is not tokenizing now: starting up, or stuck (see its "
             "logs/run.log)"
         )
+    elif st.refused:
+        lines.append(f"{st.out}: holds no token yet; the last run was refused: {st.refused}")
     else:
         why = (
             f"{st.count('failed')} shards failed in the last run"

@@ -384,7 +384,8 @@ def choose_backend(requested: str, tokenizer_json: str, sample_texts: list[str])
         except Exception as e:  # unsupported tokenizer types raise from the Rust loaders
             if requested != "auto":
                 raise UserError(
-                    f"--backend {backend} cannot load this tokenizer ({e}): use --backend auto or hf"
+                    f"--backend {backend} cannot load this tokenizer ({e}): use --backend auto or hf",
+                    fix={"backend": "auto"},
                 ) from None
             passed_over.append(f"{backend} cannot load this tokenizer ({type(e).__name__}: {e})")
             continue
@@ -401,7 +402,9 @@ def choose_backend(requested: str, tokenizer_json: str, sample_texts: list[str])
             passed_over.append(f"{backend}'s ids differ from tokenizers' on {differ}")
         elif on_sample:
             raise UserError(
-                f"--backend {backend} does not reproduce tokenizers' ids on this tokenizer and data: use --backend auto"
+                f"--backend {backend} does not reproduce tokenizers' ids on this tokenizer and data: use"
+                " --backend auto",
+                fix={"backend": "auto"},
             )
         elif on_hard:
             example = ascii(HARD_CASES[on_hard[0]][:40])

@@ -22,7 +22,7 @@ from tokpipe.layout import FAILED, MAX_GROUPS, Checkpoint, load_meta_json, lock_
 from tokpipe.manifest import Manifest, load_manifest, write_manifest
 from tokpipe.options import RunOptions
 from tokpipe.runner.cluster import Cluster
-from tokpipe.runner.identity import check_options, record_run
+from tokpipe.runner.identity import check_options, record_run, refusals_noted
 from tokpipe.runner.local import Tally, tokenize_while
 from tokpipe.runner.progress import Progress, RunLog, Timeline
 from tokpipe.series import Series
@@ -160,7 +160,8 @@ def _sample_texts(manifest: Manifest, text_field: str) -> tuple[list[str], int]:
         likely = max(fields, key=fields.get)
         raise UserError(
             f"no document has a {text_field!r} field in the first lines of each split's first shard; their fields:"
-            f" {', '.join(sorted(fields))}: pass --text-field NAME (e.g. --text-field {likely})"
+            f" {', '.join(sorted(fields))}: pass --text-field NAME (e.g. --text-field {likely})",
+            fix={"text_field": likely},
         )
     return texts, passed_over
 
@@ -370,7 +371,7 @@ def _run(manifest_path, tokenizer, out: Path, opts: RunOptions, clock: Timeline,
     info = load_tokenizer_info(tokenizer, opts.eos, opts.bos_token, opts.tokenizer_revision)
     check_options(opts, info, tokenizer)
     out.mkdir(parents=True, exist_ok=True)
-    with lock_out(out):
+    with lock_out(out), refusals_noted(out):
         manifest = _record(out, manifest, info, opts)
         run = _Run(manifest, out, info, opts, RunLog(out), clock, cluster)
         meta = load_meta_json(out)
