@@ -106,9 +106,9 @@ def cmd_rates(args) -> list[dict]:
     """Per-core rates the model multiplies out: encode (cold and warm), copy into place, sha256, verify."""
     import numpy as np
 
-    from tokpipe.assembly import place
     from tokpipe.durability import HASH_CHUNK, hash_range
     from tokpipe.layout import Part
+    from tokpipe.place import place
     from tokpipe.tokenizer import GigatokenEncoder
     from tokpipe.verify import verify
 

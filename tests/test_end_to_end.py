@@ -98,7 +98,8 @@ def test_run_reports_the_effective_vocab_and_a_summary(example_run):
         re.escape(
             f"validation: {val['tokens']:,} tokens, 136 documents, 3 lines skipped (empty_text 3) -> {out / 'val.bin'}"
         ),
-        r"phases: plan [\d.]+s \| tokenize [\d.]+s, [\d.]+ MB of input read \([\d.]+ MB/s\) \| finalize .+",
+        r"phases: plan [\d.]+s \| tokenize [\d.]+s, [\d.]+ MB of input read \([\d.]+ MB/s\), workers busy \d+% "
+        r"\(\d+ x [\d.]+s, [\d.]+s on shards\) \| finalize .+",
         r"done in [\d.]+s \([\d.]+M tokens/s overall\); meta: "
         + re.escape(f"{out / 'meta.pkl'}. Next: tokpipe verify {out}"),
     ]

@@ -226,7 +226,9 @@ def test_kill_9_mid_file_at_one_worker_then_two_workers_gives_identical_bytes(
 ):
     manifest, out = tmp_path / "m.json", tmp_path / "out"
     assert tokpipe("manifest", "--dataset-dir", parquet_copy, "-o", manifest).returncode == 0
-    proc = start(manifest, out, "--workers", "1", "--checkpoint-interval", "0.2", "--backend", "hf", ray=ray_address)
+    # --shard-buffer 0: the shard writes its own files as it goes, checkpointed: the kill lands mid-file after one.
+    extra = ("--checkpoint-interval", "0.2", "--shard-buffer", "0", "--backend", "hf")
+    proc = start(manifest, out, "--workers", "1", *extra, ray=ray_address)
     checkpoints = out / "shards" / "train"
     wait_for(
         lambda: (

@@ -128,34 +128,6 @@ def test_a_write_error_stops_the_shard_and_a_rerun_completes_identically(tmp_pat
         assert np.array_equal(a, b)
 
 
-def test_a_worker_over_its_memory_limit_drops_the_encoder_cache_and_writes_the_same_bytes(tmp_path, monkeypatch):
-    import tokpipe.shard
-    import tokpipe.tokenizer
-    from tokpipe.tokenizer import encoder
-
-    spec = spec_for(QWEN3, batch_bytes=64 << 10, memory_limit=512 << 20)
-    tokenize_shard(HOLDOUT, tmp_path / "unbounded", spec_for(QWEN3, memory_limit=0))
-    # RSS as a long-tail corpus grows it: 40 MiB more at each look (a look per batch), given back when the
-    # cache is dropped.
-    grown = [0]
-
-    def resident_bytes() -> int:
-        grown[0] += 40 << 20
-        return (300 << 20) + grown[0]
-
-    def drop_encoder(*args) -> None:
-        grown[0] = 0
-        tokpipe.tokenizer.drop_encoder(*args)
-
-    monkeypatch.setattr(tokpipe.shard, "resident_bytes", resident_bytes)
-    monkeypatch.setattr(tokpipe.shard, "drop_encoder", drop_encoder)
-    before = encoder(spec.backend, spec.tokenizer_json)
-    result = tokenize_shard(HOLDOUT, tmp_path / "bounded", spec)
-    assert result.encoder_resets >= 3 and encoder(spec.backend, spec.tokenizer_json) is not before
-    for a, b in zip(read(tmp_path / "unbounded", HOLDOUT, np.uint32), read(tmp_path / "bounded", HOLDOUT, np.uint32)):
-        assert np.array_equal(a, b)
-
-
 QWEN3_IM_START = 151644
 TRAIN = SHARDS[0]
 

@@ -2,40 +2,35 @@
 
 A split file is assembled in place, not concatenated at the end: a shard's tokens go to their offset
 as soon as that offset is known, i.e. once every shard before it in the split is done. So the done
-prefix of each split is assembled while later shards still tokenize (the runner sends the copies to
-Ray tasks on every node), and when the last shard is done only the last few copies remain.
+prefix of each split is assembled while later shards still tokenize (the runner sends the writes to
+Ray tasks on the nodes that hold the tokens), and when the last shard is done only the last few remain.
+This module decides what goes where; place.py writes it.
 
-While a split is assembled, OUT/<stem>.bin.tmp and .idx.tmp receive the copies, and
+While a split is assembled, OUT/<stem>.bin.tmp and .idx.tmp receive the parts, and
 OUT/<stem>.parts.tmp lists, in split order, the shards whose bytes are in them: one JSON line per
 shard with its token and document counts, its accounting and the sha256 of its ranges (computed by
-the worker that wrote the shard). A line is appended only after its copy is fsynced, so after a
-crash the list describes a prefix of what is on disk; a rerun keeps the prefix that is still the
-start of the split in manifest order and copies the rest again, to the same offsets: the same bytes.
+the worker that encoded the shard). A line is appended only after its bytes are fsynced, so after a
+crash the list describes a prefix of what is on disk; a rerun keeps that prefix where it is still the
+start of the split in manifest order, and the parts after it that match their checksums, and writes
+the rest again, to the same offsets: the same bytes.
 With --group-by each group of a split has such a file (OUT/<stem>/<group>.bin.tmp), and the one
 parts list of the split says which part went into which. `finalize` renames them when all is placed.
 """
-
 from __future__ import annotations
 
-import hashlib
 import itertools
 import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import orjson
 
 from tokpipe.durability import (
     HASH_CHUNK,
-    copy_range,
     fsync_dir,
-    hash_range,
     own_inode,
-    write_at,
     write_atomic,
-    write_json_atomic,
 )
 from tokpipe.errors import too_many_groups
 from tokpipe.layout import (
@@ -55,54 +50,9 @@ from tokpipe.layout import (
 )
 from tokpipe.manifest import Manifest, Shard, shard_key
 from tokpipe.options import RunOptions
+from tokpipe.place import is_in_place, place
 
 COPY_BATCH_BYTES = 1 << 30  # of tokens per copy task: one fsync covers many small shards
-
-
-def place(out: str | os.PathLike, parts: list[Part], itemsize: int) -> list[dict]:
-    """Write parts of one split at their offsets, fsync, and return their records (checksums filled in).
-    A part is copied from its shard's own files, or written from the memory it waited in (`buffered`);
-    the checkpoints such parts carry are written after the fsync, when the disk covers them.
-
-    Plain Python: the runner runs it in Ray tasks on every node of a cluster (OUT is on storage they
-    all see) or in the driver on one machine; finalize runs it for what is left.
-    Idempotent: a part written twice is the same bytes.
-    """
-    out = Path(out)
-    records = []
-    opened: dict[str | None, tuple] = {}  # group -> its file's .bin.tmp and .idx.tmp (without --group-by: the split's)
-    try:
-        for part in parts:
-            record = dict(part.record)
-            records.append(record)
-            if not part.bin and part.buffered is None:  # a shard's accounting line (--group-by): no tokens of its own
-                continue
-            if part.group not in opened:
-                bin_tmp, idx_tmp, _ = assembly_files(out, part.stem, part.group)
-                opened[part.group] = (open(bin_tmp, "r+b"), open(idx_tmp, "r+b"))
-            bin_f, idx_f = opened[part.group]
-            if part.buffered is not None:
-                parts_of_shard, key = part.buffered
-                tokens, ends = parts_of_shard[key]
-                write_at(bin_f.fileno(), tokens, part.token_offset * itemsize)
-                relative = np.concatenate(ends) if ends else np.empty(0, IDX_DTYPE)
-            else:
-                copy_range(part.bin, bin_f.fileno(), record["tokens"] * itemsize, part.token_offset * itemsize)
-                relative = np.fromfile(part.idx, dtype=IDX_DTYPE, count=record["documents"])
-            os.pwrite(idx_f.fileno(), memoryview(relative + part.token_offset), part.doc_offset * IDX_DTYPE.itemsize)
-            if record["sha256"] is None:  # a shard finished by an earlier tokpipe, which hashed only whole files
-                bin_hash = hashlib.sha256()
-                with open(part.bin, "rb") as src:
-                    hash_range(src.fileno(), 0, record["tokens"] * itemsize, bin_hash, bytearray(HASH_CHUNK))
-                record.update(sha256=bin_hash.hexdigest(), idx_sha256=hashlib.sha256(memoryview(relative)).hexdigest())
-        for f in itertools.chain(*opened.values()):
-            os.fdatasync(f.fileno())
-    finally:
-        for f in itertools.chain(*opened.values()):
-            f.close()
-    for path, fields in dict(part.checkpoint for part in parts if part.checkpoint).items():
-        write_json_atomic(Path(path), fields)
-    return records
 
 
 @dataclass
@@ -284,19 +234,7 @@ class Assembler:
                 if ckpt is None or not ckpt.done or (files.val_bin if held else files.bin).exists():
                     break  # not done, or in its own files still: placed from them as usual
                 record = part_record(shard, ckpt, held)
-                tokens, documents = state.offsets.get(None, (0, 0))
-                start, end = tokens * self.itemsize, (tokens + record["tokens"]) * self.itemsize
-                ends_at = documents * IDX_DTYPE.itemsize
-                if record["sha256"] is None or os.fstat(bin_f.fileno()).st_size < end:
-                    break
-                bin_hash = hashlib.sha256()
-                hash_range(bin_f.fileno(), start, end, bin_hash, buffer)
-                raw = os.pread(idx_f.fileno(), record["documents"] * IDX_DTYPE.itemsize, ends_at)
-                relative = np.frombuffer(raw, IDX_DTYPE) - tokens
-                if len(relative) != record["documents"] or (bin_hash.hexdigest(), sha256_of(relative)) != (
-                    record["sha256"],
-                    record["idx_sha256"],
-                ):
+                if not is_in_place(bin_f, idx_f, record, *state.offsets.get(None, (0, 0)), self.itemsize, buffer):
                     break
                 recovered.append(record)
                 state.add(None, record)
@@ -496,10 +434,6 @@ class Assembler:
         if self.concat:
             remove_placed_leftovers(self.out, excluded)
         return entries
-
-
-def sha256_of(array: np.ndarray) -> str:
-    return hashlib.sha256(memoryview(np.ascontiguousarray(array))).hexdigest()
 
 
 def remove_placed_leftovers(out: Path, excluded: frozenset[str]) -> None:

@@ -19,7 +19,6 @@ OUT/logs/                        run.log, progress.json, failed.json, skipped.js
 from __future__ import annotations
 
 import fcntl
-import glob
 import hashlib
 import io
 import json
@@ -122,17 +121,6 @@ class ShardFiles:
         base = (self.val_bin if held else self.bin).parent / "groups" / group_stem(group) / self.bin.name[:-4]
         return base.with_name(base.name + ".bin"), base.with_name(base.name + ".idx")
 
-    def group_files(self, held: bool) -> list[Path]:
-        """The .bin/.idx files of the shard's group parts (held out or not) that exist."""
-        folder, key = (self.val_bin if held else self.bin).parent / "groups", self.bin.name[:-4]
-        found = folder.glob(f"*/{glob.escape(key)}.*") if folder.is_dir() else ()
-        return [path for path in found if path.name in (key + ".bin", key + ".idx")]
-
-    def token_files(self) -> list[Path]:
-        """Every token file of the shard that exists: its own, its held-out part's, its groups'."""
-        own = [path for path in (self.bin, self.idx, self.val_bin, self.val_idx) if path.exists()]
-        return own + self.group_files(False) + self.group_files(True)
-
 
 @dataclass
 class Checkpoint:
@@ -193,9 +181,8 @@ class Part:
     record: dict
     bin: str = ""
     idx: str = ""
-    # Of a shard that kept its parts in memory (shard.ShardResult.buffered): those parts (on Ray, the
-    # reference to them) and this part's key among them; and its checkpoint (path, fields), written once
-    # the part is placed, since nothing on disk covered the shard before.
+    # A buffered shard's parts (on Ray, the reference to them) with this part's key; its checkpoint (path,
+    # fields), written once placed: nothing on disk covered the shard before (shard.ShardResult.buffered).
     buffered: tuple | None = None
     checkpoint: tuple[str, dict] | None = None
 

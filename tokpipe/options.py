@@ -110,7 +110,7 @@ class RunOptions:
     @property
     def buffer_mib(self) -> int:
         """--shard-buffer, by default a quarter of the worker's memory: its encoder and word cache keep the rest
-        (shard.MemoryGuard). --no-concat's shards are written to their own files, which are its output."""
+        (memory.MemoryGuard). --no-concat's shards are written to their own files, which are its output."""
         return self.worker_memory // 4 if self.shard_buffer is None else self.shard_buffer
 
     def encode_spec(self, info: TokenizerInfo, backend: str, read_ahead: bool = False) -> EncodeSpec:

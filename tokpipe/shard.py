@@ -9,6 +9,7 @@ cut off and redone. A shard resumed any number of times ends byte-identical to o
 from __future__ import annotations
 
 import fcntl
+import glob
 import hashlib
 import os
 import time
@@ -24,11 +25,10 @@ from tokpipe.durability import HASH_CHUNK, hash_range, write_json_atomic
 from tokpipe.errors import too_many_groups
 from tokpipe.layout import IDX_DTYPE, MAX_GROUPS, Checkpoint, ShardFiles, group_stem
 from tokpipe.manifest import Shard
+from tokpipe.memory import MemoryGuard, memory_guard
 from tokpipe.source import BATCH_BYTES, read_batches
 from tokpipe.source.batch import SKIP_LOG_CAP, Batch
-from tokpipe.tokenizer import drop_encoder, encoder
 
-BATCH_HEADROOM = 64 << 20  # least room the word cache gets before it is dropped
 # A part's tokens and its document ends (counted from the part's start), as the arrays they were encoded in.
 Buffered = tuple[list[np.ndarray], list[np.ndarray]]
 
@@ -67,7 +67,7 @@ class ShardResult:
     seconds: float
     encoder_resets: int = 0  # times the encoder's cache was dropped to keep the worker under its memory limit
     # The parts of a shard that kept them in memory (EncodeSpec.buffer_bytes): the runner writes them into
-    # place (assembly.place), and writes the checkpoint, which nothing on disk covered until then.
+    # place (place.place), and writes the checkpoint, which nothing on disk covered until then.
     buffered: dict[Key, Buffered] | None = None
     # On Ray, where the buffered parts wait (the node's object store; they travel apart from the result).
     buffered_on: str | None = None
@@ -127,65 +127,6 @@ def read_ahead(batches: Iterator[Batch]) -> Iterator[Batch]:
         while (batch := upcoming.result()) is not None:
             upcoming = reader.submit(next, batches, None)
             yield batch
-
-
-def resident_bytes() -> int:
-    """This process's RSS now, less its shared pages (Linux); 0 where /proc is missing, which turns the memory
-    limit off. Not the shared pages: on Ray they include the object store's, which a worker maps and touches
-    when it returns a shard's buffered parts, and which are not its to keep down."""
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            resident, shared = f.read().split()[1:3]
-            return (int(resident) - int(shared)) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
-
-
-class MemoryGuard:
-    """Keeps a worker process under `limit` bytes of RSS by dropping the encoder's word cache in time.
-
-    gigatoken caches every distinct pretoken it has encoded and never evicts (~85 bytes each): a worker
-    that reads hashes, handles and session ids for hours grows until the node kills it. Dropping the
-    encoder frees the cache; the next batch reloads it (~0.4 s) and re-misses the words it had cached.
-    The ids are the same either way.
-
-    The cache is let grow to a third of the room between the floor (the RSS just after the encoder
-    was loaded) and the limit, not to the limit: its hash table doubles when full, and while it
-    rehashes the old and the new table are both alive, a spike of up to ~0.85x the cache within one
-    batch (measured: RSS 633 -> 905 MiB in one batch, a 1,188 MiB peak). One guard per process, since
-    the cache outlives the shard that filled it.
-    """
-
-    def __init__(self, limit: int, backend: str, tokenizer_json: str):
-        self.limit, self.backend, self.tokenizer_json = limit, backend, tokenizer_json
-        self.resets = 0
-        self.floor: int | None = None  # RSS with a freshly loaded encoder
-
-    def encoder(self, beside: int = 0):
-        """The encoder, its cache dropped first if the process is past its room; `beside`: bytes it holds that
-        are not the cache (a shard's buffered parts)."""
-        if (
-            self.limit
-            and self.floor is not None
-            and resident_bytes() - beside > self.floor + max((self.limit - self.floor) // 3, BATCH_HEADROOM)
-        ):
-            drop_encoder(self.backend, self.tokenizer_json)
-            self.resets += 1
-            self.floor = None
-        enc = encoder(self.backend, self.tokenizer_json)
-        if self.floor is None:
-            self.floor = resident_bytes()
-        return enc
-
-
-_guards: dict[tuple[int, str, str], MemoryGuard] = {}
-
-
-def memory_guard(spec: EncodeSpec) -> MemoryGuard:
-    key = (spec.memory_limit, spec.backend, spec.tokenizer_json)
-    if key not in _guards:
-        _guards[key] = MemoryGuard(*key)
-    return _guards[key]
 
 
 def _open_at(path: Path, length: int, hasher) -> tuple[object, int]:
@@ -273,7 +214,7 @@ def _writers(
     the last checkpoint go, so a resumed shard leaves exactly the files of one never interrupted.
     `buffering` (a shard begun afresh): in memory, and whatever files an earlier attempt began go."""
     if buffering:
-        for path in files.token_files():
+        for path in _token_files(files):
             path.unlink()
         if spec.group_by is not None:  # a group's part begins when the shard meets the group
             return {}
@@ -291,7 +232,7 @@ def _writers(
             parts[held, group] = PartWriter(spec.dtype, files.group(held, group), counts["tokens"], counts["documents"])
             parts[held, group].text_bytes = counts["text_bytes"]
         kept = {group_stem(group) for group in groups}
-        for path in files.group_files(held):
+        for path in _group_files(files, held):
             if path.parent.name not in kept:
                 path.unlink()
     return parts
@@ -377,7 +318,7 @@ def tokenize_shard(
         parts = _writers(files, ckpt, spec, holding_out, buffering)
         cut = sum(part.cut for part in parts.values())
         try:
-            memory = memory_guard(spec)
+            memory = memory_guard(spec.memory_limit, spec.backend, spec.tokenizer_json)
             resets_before = memory.resets
             skipped, repaired = Counter(ckpt.skipped), Counter(ckpt.repaired)
 
@@ -470,6 +411,19 @@ def _encode(
         if spec.group_by is not None:
             parts[key].text_bytes += sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
     return tokens
+
+
+def _group_files(files: ShardFiles, held: bool) -> list[Path]:
+    """The .bin/.idx files of the shard's group parts (held out or not) that exist."""
+    folder, key = (files.val_bin if held else files.bin).parent / "groups", files.bin.name[:-4]
+    found = folder.glob(f"*/{glob.escape(key)}.*") if folder.is_dir() else ()
+    return [path for path in found if path.name in (key + ".bin", key + ".idx")]
+
+
+def _token_files(files: ShardFiles) -> list[Path]:
+    """Every token file of the shard that exists: its own, its held-out part's, its groups'."""
+    own = [path for path in (files.bin, files.idx, files.val_bin, files.val_idx) if path.exists()]
+    return own + _group_files(files, False) + _group_files(files, True)
 
 
 def _own_files(files: ShardFiles, held: bool) -> tuple[Path, Path]:

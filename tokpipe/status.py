@@ -68,7 +68,6 @@ class RunStatus:
     groups: dict[str, dict[str, list[int]]] = field(default_factory=dict)
     refused: str | None = None  # why the last run stopped before OUT held a token
 
-
     def count(self, state: str, split: str | None = None) -> int:
         return sum(1 for s in self.shards if s.state == state and split in (None, s.split))
 

@@ -10,7 +10,7 @@ text, and the only special ids in the output are the EOS ids tokpipe places. Two
   Python; memory bounded (measured: 269 MiB flat over 500 MB of long-tail text). ~130 MB/s a core
   on distinct text here.
 - `gigatoken`: another Rust BPE (~90 MB/s a core on distinct text), given the tokenizer without its
-  special tokens so that their strings stay text; its word cache never evicts (shard.MemoryGuard),
+  special tokens so that their strings stay text; its word cache never evicts (memory.MemoryGuard),
   and it swaps the tokens of some rare-script pairs (HARD_CASES).
 `auto` takes the first of FAST_BACKENDS that gives exactly the reference ids on the known hard
 cases and on a sample of the actual data, else `hf`.

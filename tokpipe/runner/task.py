@@ -10,11 +10,12 @@ from dataclasses import dataclass, replace
 
 import ray
 
-from tokpipe.assembly import place
 from tokpipe.layout import Part, stall_dump
 from tokpipe.manifest import Shard
+from tokpipe.memory import memory_guard
+from tokpipe.place import place
 from tokpipe.runner.nodes import NodeCheck, ensure_seen
-from tokpipe.shard import EncodeSpec, ShardResult, memory_guard, tokenize_shard
+from tokpipe.shard import EncodeSpec, ShardResult, tokenize_shard
 
 REPORT_EVERY = 1.0  # seconds between a worker's progress reports
 
@@ -82,7 +83,7 @@ def shard_task(
         arm_dump()
         # The encoder is loaded before the shard is opened, and its load counts as progress: 1-2 s per
         # worker here, more on a busy machine, which a short --stall-timeout took for a stall.
-        memory_guard(spec).encoder()
+        memory_guard(spec.memory_limit, spec.backend, spec.tokenizer_json).encoder()
         board.report.remote(tag, 0, 0, 0)
         arm_dump()
         try:
@@ -107,7 +108,7 @@ class Stored:
 
 
 def copy_task(out: str, parts: list[Part], itemsize: int, check: NodeCheck | None) -> tuple[str, list[dict]]:
-    """The Ray task around assembly.place; says which node it ran on (on a cluster, every node copies).
+    """The Ray task around place.place; says which node it ran on (on a cluster, every node copies).
     Buffered parts are read from the object store here, on their node: zero-copy, never through the driver."""
     ensure_seen(check)
     stored = {part.buffered[0].ref for part in parts if part.buffered is not None}

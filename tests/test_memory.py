@@ -1,0 +1,54 @@
+"""memory: a worker stays under its limit by dropping the encoder's word cache, not the tokens it holds."""
+
+import numpy as np
+from helpers import QWEN3
+from test_shard import HOLDOUT, read, spec_for
+
+from tokpipe.memory import MemoryGuard
+from tokpipe.shard import tokenize_shard
+
+
+def test_a_worker_over_its_memory_limit_drops_the_encoder_cache_and_writes_the_same_bytes(tmp_path, monkeypatch):
+    import tokpipe.memory
+    import tokpipe.tokenizer
+    from tokpipe.tokenizer import encoder
+
+    spec = spec_for(QWEN3, batch_bytes=64 << 10, memory_limit=512 << 20)
+    tokenize_shard(HOLDOUT, tmp_path / "unbounded", spec_for(QWEN3, memory_limit=0))
+    # RSS as a long-tail corpus grows it: 40 MiB more at each look (a look per batch), given back when the
+    # cache is dropped.
+    grown = [0]
+
+    def resident_bytes() -> int:
+        grown[0] += 40 << 20
+        return (300 << 20) + grown[0]
+
+    def drop_encoder(*args) -> None:
+        grown[0] = 0
+        tokpipe.tokenizer.drop_encoder(*args)
+
+    monkeypatch.setattr(tokpipe.memory, "resident_bytes", resident_bytes)
+    monkeypatch.setattr(tokpipe.memory, "drop_encoder", drop_encoder)
+    before = encoder(spec.backend, spec.tokenizer_json)
+    result = tokenize_shard(HOLDOUT, tmp_path / "bounded", spec)
+    assert result.encoder_resets >= 3 and encoder(spec.backend, spec.tokenizer_json) is not before
+    for a, b in zip(read(tmp_path / "unbounded", HOLDOUT, np.uint32), read(tmp_path / "bounded", HOLDOUT, np.uint32)):
+        assert np.array_equal(a, b)
+
+
+def test_the_tokens_a_shard_buffers_are_no_reason_to_drop_the_cache(monkeypatch):
+    """A shard's buffered parts (up to a quarter of the limit) are work, not cache: `beside` leaves them out."""
+    import tokpipe.memory
+
+    dropped = []
+    monkeypatch.setattr(tokpipe.memory, "encoder", lambda *args: object())
+    monkeypatch.setattr(tokpipe.memory, "drop_encoder", lambda *args: dropped.append(args))
+    rss = [300 << 20]
+    monkeypatch.setattr(tokpipe.memory, "resident_bytes", lambda: rss[0])
+    guard = MemoryGuard(768 << 20, "fastokens", "tokenizer.json")
+    guard.encoder()  # the floor: 300 MiB; the cache's room: a third of the 468 MiB left, 156 MiB
+    rss[0] += 192 << 20  # a full buffer of tokens
+    guard.encoder(beside=192 << 20)
+    assert dropped == [] and guard.resets == 0
+    guard.encoder(beside=0)  # the same RSS as cache: past its room
+    assert dropped == [("fastokens", "tokenizer.json")] and guard.resets == 1
