@@ -489,6 +489,22 @@ def crash_in_batch(n: int):
     return on_batch
 
 
+def shard_spec(tokenizer_dir, backend="gigatoken", **changes):
+    """A run's EncodeSpec for tests of one shard: default options, `unguarded`, with `changes`."""
+    from tokpipe.options import RunOptions
+    from tokpipe.tokenizer import load_tokenizer_info
+
+    return unguarded(RunOptions().encode_spec(load_tokenizer_info(tokenizer_dir), backend), **changes)
+
+
+def read_shard(out, shard, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """A shard's own .bin (in `dtype`) and .idx."""
+    from tokpipe.layout import ShardFiles
+
+    files = ShardFiles.of(out, shard)
+    return np.fromfile(files.bin, dtype=dtype), np.fromfile(files.idx, dtype="<i8")
+
+
 def unguarded(spec, **changes):
     """The spec with no memory limit (and `changes`), for tokenizing in the test process itself. That process
     holds several encoders, the references and OUTs, so its RSS says nothing of one encoder's word cache: the

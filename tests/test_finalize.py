@@ -182,7 +182,7 @@ def test_a_placed_shard_gives_its_space_back_and_keeps_its_checkpoint(out, examp
 # A real kill -9 of a process finalizing, at each step of place-then-remove: (what to wrap, which of
 # its calls kills, counting only calls whose first argument names a shard's token file when "shards").
 KILL_POINTS = {
-    "while copying a part": ("tokpipe.assembly.copy_range", 2, ""),
+    "while copying a part": ("tokpipe.place.copy_range", 2, ""),
     "after the copies are fsynced, before they are listed": ("tokpipe.assembly.Assembler.placed", 1, ""),
     "after the listing, before the part's .bin is removed": ("pathlib.Path.unlink", 1, "/shards/"),
     "between removing a part's .bin and its .idx": ("pathlib.Path.unlink", 2, "/shards/"),

@@ -1,11 +1,15 @@
 """memory: a worker stays under its limit by dropping the encoder's word cache, not the tokens it holds."""
 
 import numpy as np
-from helpers import QWEN3
-from test_shard import HOLDOUT, read, spec_for
+from helpers import EXAMPLE_CACHE, QWEN3
+from helpers import read_shard as read
+from helpers import shard_spec as spec_for
 
+from tokpipe.manifest import build_manifest
 from tokpipe.memory import MemoryGuard
 from tokpipe.shard import tokenize_shard
+
+HOLDOUT = list(build_manifest(EXAMPLE_CACHE).shards())[-1]
 
 
 def test_a_worker_over_its_memory_limit_drops_the_encoder_cache_and_writes_the_same_bytes(tmp_path, monkeypatch):

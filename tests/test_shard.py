@@ -15,29 +15,22 @@ from helpers import (
     reference_by_group,
     reference_texts,
     reference_tokens,
-    unguarded,
     write_jsonl,
+)
+from helpers import (
+    read_shard as read,
+)
+from helpers import (
+    shard_spec as spec_for,
 )
 
 from tokpipe.errors import TooManyGroups
 from tokpipe.layout import Checkpoint, ShardFiles
 from tokpipe.manifest import Shard, build_manifest
-from tokpipe.options import RunOptions
 from tokpipe.shard import EncodeSpec, to_dtype, tokenize_shard
-from tokpipe.tokenizer import load_tokenizer_info
 
 SHARDS = list(build_manifest(EXAMPLE_CACHE).shards())
 HOLDOUT = SHARDS[-1]
-
-
-def spec_for(tokenizer_dir, backend="gigatoken", **kw) -> EncodeSpec:
-    info = load_tokenizer_info(tokenizer_dir)
-    return unguarded(RunOptions().encode_spec(info, backend), **kw)
-
-
-def read(out, shard, dtype):
-    files = ShardFiles.of(out, shard)
-    return np.fromfile(files.bin, dtype=dtype), np.fromfile(files.idx, dtype="<i8")
 
 
 @pytest.mark.parametrize(
