@@ -6,6 +6,7 @@ Nothing here imports Ray: a run that never needs it never pays for its import (0
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import stat
 from collections.abc import Callable
@@ -55,43 +56,154 @@ def tokenize_while(
     tally: Tally,
     log,
     assembler: Assembler,
+    helpers: int = 0,
 ) -> int:
-    """Tokenize shards in this process while `busy()` (Ray starting): each shard stops at its next batch
-    once Ray is up, checkpointed, and a worker goes on from there. Returns the shards finished.
+    """Tokenize shards in this process, and in `helpers` processes beside it, while `busy()` (Ray starting):
+    each shard stops at its next batch once Ray is up, checkpointed, and a worker goes on from there. Returns
+    the shards finished.
 
-    Ray's start takes seconds that the driver would otherwise wait through; a corpus of a few small
-    shards is done before it is up. Only regular files: a pipe could block the driver, which alone
-    watches for stalls."""
-    done, totals = 0, [0, 0, 0]
+    Ray's start takes seconds that the driver would otherwise wait through, and with it the machine's cores: a
+    corpus of a few small shards is done before it is up, and a large one has its first shards done on every
+    core. Only regular files: a pipe could block the driver, which alone watches for stalls."""
+    here = _Here(out, spec, busy, progress, tally, log, assembler)
+    shards = (s for s in manifest.shards() if not finished(out, s) and stat.S_ISREG(os.stat(s.path).st_mode))
+    here.pool = _Helpers(helpers, out, spec) if helpers else None
+    try:
+        here.tend(shards)
+        while busy() and (shard := next(shards, None)) is not None:
+            try:
+                result = tokenize_shard(shard, out, spec, lambda *read: here.on_batch(shards, read), stop=here.stopping)
+            except TooManyGroups:  # no shard of this run can do better: the run stops here
+                raise
+            except Exception as e:  # what a task's failure would be: the shard is failed, the others go on
+                here.take(shard, e)
+                continue
+            here.take(shard, (result, [0, 0, 0]))
+            here.tend(shards)
+        while here.pool is not None and here.pool.running:
+            here.tend(shards, wait=True)
+    finally:
+        if here.pool is not None:
+            here.pool.close()
+    progress.base = here.totals
+    return here.done
 
-    def on_batch(file_bytes: int, documents: int, tokens: int) -> None:
-        totals[0] += file_bytes
-        totals[1] += documents
-        totals[2] += tokens
-        progress.update(*totals, done=progress.done_before + done, running=1, failed=0)
 
-    for shard in manifest.shards():
-        if not busy():
-            break
-        if finished(out, shard) or not stat.S_ISREG(os.stat(shard.path).st_mode):
-            continue
-        try:
-            result = tokenize_shard(shard, out, spec, on_batch, stop=lambda: not busy())
-        except TooManyGroups:  # no shard of this run can do better: the run stops here
-            raise
-        except Exception as e:  # what a task's failure would be: the shard is failed, the others go on
-            tally.failed[shard.relpath] = describe_failure(e)
-            log(f"shard {shard.relpath} FAILED: {tally.failed[shard.relpath]}")
-            continue
+@dataclass
+class _Here:
+    """What tokenize_while keeps while the driver (and its helpers) tokenize."""
+
+    out: Path
+    spec: EncodeSpec
+    busy: Callable[[], bool]
+    progress: Progress
+    tally: Tally
+    log: Callable[[str], None]
+    assembler: Assembler
+    pool: _Helpers | None = None
+    done: int = 0
+    totals: list[int] = field(default_factory=lambda: [0, 0, 0])  # input bytes, documents, tokens read here
+
+    def stopping(self) -> bool:
+        return not self.busy()
+
+    def take(self, shard: Shard, outcome) -> None:
+        """A shard's outcome, here or in a helper ((result, read), or its exception): placed if done, counted
+        either way. TooManyGroups stops the run: no shard of it can do better."""
+        if isinstance(outcome, TooManyGroups):
+            raise outcome
+        if isinstance(outcome, BaseException):
+            self.tally.failed[shard.relpath] = describe_failure(outcome)
+            self.log(f"shard {shard.relpath} FAILED: {self.tally.failed[shard.relpath]}")
+            return
+        result, read = outcome
+        self.totals[:] = [a + b for a, b in zip(self.totals, read)]
         if not result.checkpoint.done:  # stopped for Ray's workers, which go on from its checkpoint
-            tally.shard_seconds += result.seconds
-        else:
-            done += 1
-            tally.add(shard, result, log)
-            assembler.done(shard, result.checkpoint, result.buffered)
-            assembler.place_ready()  # into the split file now, as a Ray run's copies do: no tail at the end
-    progress.base = totals
-    return done
+            self.tally.shard_seconds += result.seconds
+            return
+        self.done += 1
+        self.tally.add(shard, result, self.log)
+        self.assembler.done(shard, result.checkpoint, result.buffered)
+        self.assembler.place_ready()  # into the split file now, as a Ray run's copies do: no tail at the end
+
+    def tend(self, shards, wait: bool = False) -> None:
+        """The helpers' ended shards taken, new ones handed out while Ray is not up (else all told to stop)."""
+        if self.pool is None:
+            return
+        if not self.busy():
+            self.pool.stop.set()
+        for shard, outcome in self.pool.ended(wait):
+            self.take(shard, outcome)
+        while not self.pool.stop.is_set() and self.pool.has_room() and (shard := next(shards, None)) is not None:
+            self.pool.submit(shard)
+
+    def on_batch(self, shards, read: tuple[int, int, int]) -> None:
+        """After each of the driver's batches: its progress, and the helpers tended."""
+        self.totals[:] = [a + b for a, b in zip(self.totals, read)]
+        self.tend(shards)
+        running = 1 + (len(self.pool.running) if self.pool else 0)
+        self.progress.update(
+            *self.totals, done=self.progress.done_before + self.done, running=running, failed=len(self.tally.failed)
+        )
+
+
+class _Helpers:
+    """Processes beside the driver that tokenize while Ray starts (multiprocessing's pool: Ray is not up to
+    run them). Told to stop, each stops its shard at the next batch, checkpointed, as the driver does."""
+
+    def __init__(self, processes: int, out: Path, spec: EncodeSpec):
+        # forkserver: not a fork of the driver, whose threads (Ray's start) a fork would copy mid-step.
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["tokpipe.shard"])
+        self.stop = context.Event()
+        self.pool = context.Pool(processes, _helper_start, (self.stop,))
+        self.processes, self.out, self.spec = processes, out, spec
+        self.running: dict = {}  # AsyncResult -> shard
+
+    def has_room(self) -> bool:
+        return len(self.running) < self.processes
+
+    def submit(self, shard: Shard) -> None:
+        self.running[self.pool.apply_async(_helper_shard, (shard, str(self.out), self.spec))] = shard
+
+    def ended(self, wait: bool) -> list[tuple[Shard, object]]:
+        """(shard, (result, read) or the exception it raised) of each helper's shard that ended; with `wait`,
+        after waiting a moment for one."""
+        if wait and self.running:
+            next(iter(self.running)).wait(0.05)
+        outcomes = []
+        for r in [r for r in self.running if r.ready()]:
+            shard = self.running.pop(r)
+            try:
+                outcomes.append((shard, r.get()))
+            except Exception as e:  # the shard's failure, raised in the helper
+                outcomes.append((shard, e))
+        return outcomes
+
+    def close(self) -> None:
+        """Ended: every shard handed out has come back (or the run is stopping, and they are killed)."""
+        self.pool.terminate()
+        self.pool.join()
+
+
+_stop = None  # in a helper: the event that tells it to stop
+
+
+def _helper_start(stop) -> None:
+    global _stop
+    _stop = stop
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core: no thread pool inside each
+
+
+def _helper_shard(shard: Shard, out: str, spec: EncodeSpec) -> tuple[ShardResult, list[int]]:
+    """tokenize_shard in a helper, with what it read (input bytes, documents, tokens) for the driver's progress."""
+    read = [0, 0, 0]
+
+    def on_batch(*counts: int) -> None:
+        for i, n in enumerate(counts):
+            read[i] += n
+
+    return tokenize_shard(shard, out, spec, on_batch, stop=_stop.is_set), read
 
 
 def describe_failure(error: Exception) -> str:
