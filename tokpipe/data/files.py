@@ -33,6 +33,9 @@ from tokpipe.layout import IDX_DTYPE
 
 OPEN_FILES = 64  # 128 maps and descriptors at most: a tenth of the common `ulimit -n` of 1024
 SPARSE = 512  # ends per block: one 4 KB page of an .idx
+SMALL = 64 * SPARSE  # an .idx of at most 64 pages is searched whole: ~5 us a batch against ~30 us by blocks
+SUB_BLOCKS = np.arange(1, 8) * (SPARSE // 8) - 1  # the last end of each sub-block of a block but the last
+IN_SUB_BLOCK = np.arange(SPARSE // 8 - 1)
 
 
 class TokenFiles:
@@ -61,10 +64,9 @@ class TokenFiles:
                 return self._open[f]
         bin_path, idx_path = self.paths[f]
         tokens, ends = _map(bin_path, self.dtype, random=True), _map(idx_path, IDX_DTYPE)
-        sparse = ends[SPARSE - 1 :: SPARSE].copy() if f not in self._sparse else None
+        sparse = ends[SPARSE - 1 :: SPARSE].copy() if len(ends) > SMALL and f not in self._sparse else None
         with self._lock:
-            if sparse is not None:
-                self._sparse.setdefault(f, sparse)
+            self._sparse.setdefault(f, sparse)
             self._open[f] = tokens, ends
             while len(self._open) > OPEN_FILES:
                 self._open.popitem(last=False)  # its maps close with their last reference
@@ -96,66 +98,78 @@ class TokenFiles:
 
     def windows(self, starts: np.ndarray, seq_len: int) -> np.ndarray:
         """The seq_len + 1 tokens from each of `starts` (multiples of seq_len), as an int64 (B, seq_len + 1)."""
-        out = np.empty((len(starts), seq_len + 1), dtype=np.int64)
         groups, crossing = self.by_file(starts, seq_len + 1)
+        if len(groups) == 1 and not crossing.size:  # one file: no rows to place
+            return self._rows(groups[0][0], starts, seq_len).astype(np.int64)
+        out = np.empty((len(starts), seq_len + 1), dtype=np.int64)
         for f, rows in groups:
-            tokens, base = self._file(f)[0], int(self.starts[f])
-            skip = -base % seq_len  # the file's first token that starts a window
-            count = max(len(tokens) - skip - 1, 0) // seq_len
-            view = np.lib.stride_tricks.as_strided(
-                tokens[skip:], (count, seq_len + 1), (seq_len * tokens.itemsize, tokens.itemsize), writeable=False
-            )
-            out[rows] = view[(starts[rows] - base - skip) // seq_len]
+            out[rows] = self._rows(f, starts[rows], seq_len)
         for row in crossing.tolist():
             out[row] = self.read(int(starts[row]), int(starts[row]) + seq_len + 1)
         return out
 
-    def doc_ends(self, starts: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-        """The document ends e with start <= e <= start + seq_len for each of `starts`, as (rows, e - start)
-        in row order (a document starts where the one before it ends)."""
+    def _rows(self, f: int, starts: np.ndarray, seq_len: int) -> np.ndarray:
+        """The windows from `starts`, all inside file f: rows of a strided view of its tokens."""
+        tokens, base = self._file(f)[0], int(self.starts[f])
+        skip = -base % seq_len  # the file's first token that starts a window
+        count = max(len(tokens) - skip - 1, 0) // seq_len
+        step = tokens.itemsize
+        view = np.lib.stride_tricks.as_strided(tokens[skip:], (count, seq_len + 1), (seq_len * step, step))
+        return view[(starts - base - skip) // seq_len]
+
+    def doc_starts(self, starts: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """Where documents start in the seq_len + 1 tokens from each of `starts`, as (offsets, bounds): row
+        j's are offsets[bounds[j]:bounds[j + 1]], ascending. They are each file's start and each document's
+        end (a document starts where the one before ends; a file holds whole documents), each place once."""
         rows, found = [], []
         groups, crossing = self.by_file(starts, seq_len + 1)
         for f, members in groups:
-            base = int(self.starts[f])
-            local = starts[members] - base
-            first, last = self._search(f, local, local + seq_len)
-            counts = last - first
+            local = starts[members] - int(self.starts[f])
+            at = self._search(f, np.concatenate([local, local + seq_len + 1]))
+            first, counts = at[: len(local)], at[len(local) :] - at[: len(local)]
             picked = np.arange(counts.sum()) + np.repeat(first - (np.cumsum(counts) - counts), counts)
             rows.append(np.repeat(members, counts))
             found.append(self._file(f)[1][picked] - np.repeat(local, counts))
+            if not local.all():  # a window at the file's start: a document starts there
+                rows.append(members[local == 0])
+                found.append(np.zeros(len(rows[-1]), np.int64))
         for row in crossing.tolist():  # a window across a file boundary: a few per file
             start = int(starts[row])
             f = int(np.searchsorted(self.starts, start, side="right")) - 1
             while f < len(self.paths) and self.starts[f] <= start + seq_len:
                 ends, base = self._file(f)[1], int(self.starts[f])
-                a = np.searchsorted(ends, start - base, "left")
-                b = np.searchsorted(ends, start + seq_len - base, "right")
-                rows.append(np.full(b - a, row))
-                found.append(ends[a:b] + (base - start))
+                a, b = np.searchsorted(ends, [start - base, start + seq_len - base + 1])
+                places = ends[a:b] + (base - start)
+                rows.append(np.full(len(places) + (base >= start), row))
+                found.append(np.concatenate([[base - start], places]) if base >= start else places)
                 f += 1
-        if not rows:
-            return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        rows, found = np.concatenate(rows), np.concatenate(found)
-        order = np.argsort(rows, kind="stable")
-        return rows[order], found[order]
+        if len(rows) > 1:  # pieces to put in order
+            rows, found = np.concatenate(rows), np.concatenate(found)
+            order = np.lexsort((found, rows))
+            rows, found = rows[order], found[order]
+        else:
+            rows, found = rows[0] if rows else np.zeros(0, np.int64), found[0] if found else np.zeros(0, np.int64)
+        bounds = np.searchsorted(rows, np.arange(len(starts) + 1))
+        # An empty document's end repeats the one before: no document's first token sits there twice.
+        repeated = found[1:] == found[:-1]
+        repeated[bounds[(bounds > 0) & (bounds < len(found))] - 1] = False  # a row's first repeats no other
+        if repeated.any():
+            keep = np.concatenate([[True], ~repeated])
+            found, bounds = found[keep], np.searchsorted(rows[keep], np.arange(len(starts) + 1))
+        return found, bounds
 
-    def _search(self, f: int, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """np.searchsorted(ends, lo, "left") and (ends, hi, "right") of file f, reading only the blocks of
-        SPARSE ends that hold the answers: found in the file's sparse ends, gathered in block order (so
-        one sorted array) and searched there."""
-        ends = self._file(f)[1]
-        sparse = self._sparse[f]
-        blocks = np.sort(np.concatenate([np.searchsorted(sparse, lo, "left"), np.searchsorted(sparse, hi, "right")]))
-        full = len(ends) // SPARSE
-        tiled = ends[: full * SPARSE].reshape(full, SPARSE)
-        cut = int(np.searchsorted(blocks, full))
-        gathered = tiled[blocks[:cut]].reshape(-1)
-        if cut < len(blocks):  # the file's last block, short: padded past every key
-            tail = np.full(SPARSE, np.iinfo(np.int64).max)
-            tail[: len(ends) - full * SPARSE] = ends[full * SPARSE :]
-            gathered = np.concatenate([gathered, np.tile(tail, len(blocks) - cut)])
-        first, last = np.searchsorted(gathered, lo, "left"), np.searchsorted(gathered, hi, "right")
-        return blocks[first // SPARSE] * SPARSE + first % SPARSE, blocks[last // SPARSE] * SPARSE + last % SPARSE
+    def _search(self, f: int, keys: np.ndarray) -> np.ndarray:
+        """np.searchsorted(ends, keys) of file f, reading one page of its ends a key: the block of SPARSE ends
+        from the sparse ends in memory, then in it the 8 ends that close its sub-blocks of 64, then the
+        sub-block's 64."""
+        ends, sparse = self._file(f)[1], self._sparse[f]
+        if sparse is None:  # a small .idx: its pages stay in memory after a few batches
+            return np.searchsorted(ends, keys)
+        position, column, last = np.searchsorted(sparse, keys) * SPARSE, keys[:, None], len(ends) - 1
+        for step, probes in ((SPARSE // 8, SUB_BLOCKS), (1, IN_SUB_BLOCK)):
+            found = ends[np.minimum(position[:, None] + probes, last)]  # past the end: the last end, >= every key
+            position += step * np.count_nonzero(found < column, axis=1)
+        return position
 
 
 def _check_size(path: Path, size: int, what: str) -> None:

@@ -224,19 +224,10 @@ class Sequences:
         return Batch(self.files.windows(starts, self.seq_len), windows, self._doc_starts(starts), state=state)
 
     def _doc_starts(self, starts: np.ndarray) -> list[np.ndarray]:
-        """Per window, where documents start in it: the split's document ends in [start, start + seq_len]
-        (a document starts where the one before ends), and 0 for the window at the split's start."""
-        rows, found = self.files.doc_ends(starts, self.seq_len)
-        # An empty document's end repeats the one before: no document's first token sits there twice.
-        keep = np.ones(len(found), dtype=bool)
-        keep[1:] = (found[1:] != found[:-1]) | (rows[1:] != rows[:-1])
-        rows, found = rows[keep], found[keep]
-        bounds = np.searchsorted(rows, np.arange(len(starts) + 1)).tolist()
-        result = [found[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-        for row in np.flatnonzero(starts == 0).tolist():
-            if not (result[row].size and result[row][0] == 0):
-                result[row] = np.concatenate([[0], result[row]])
-        return result
+        """Per window, the offsets in it where a document's first token sits."""
+        found, bounds = self.files.doc_starts(starts, self.seq_len)
+        bounds = bounds.tolist()
+        return [found[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
     def _state(self) -> dict:
         return {
