@@ -49,15 +49,16 @@ class TokenFiles:
         self.paths = [(bin_path, idx_path) for bin_path, idx_path, _, _ in entries]
         self.starts = np.cumsum([0] + [tokens for _, _, tokens, _ in entries])  # one entry per file
         self.tokens = int(self.starts[-1])
-        self._open: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._open: OrderedDict[int, tuple[np.ndarray, np.ndarray, dict]] = OrderedDict()
         self._sparse: dict[int, np.ndarray] = {}  # kept when the file's maps are dropped
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self.paths)
 
-    def _file(self, f: int) -> tuple[np.ndarray, np.ndarray]:
-        """File f's tokens and document ends, mapped (the least recently read file's maps dropped)."""
+    def _file(self, f: int) -> tuple[np.ndarray, np.ndarray, dict]:
+        """File f's tokens, document ends and its windows' strided views by seq_len, mapped (the least
+        recently read file's maps dropped)."""
         with self._lock:
             if f in self._open:
                 self._open.move_to_end(f)
@@ -67,10 +68,10 @@ class TokenFiles:
         sparse = ends[SPARSE - 1 :: SPARSE].copy() if len(ends) > SMALL and f not in self._sparse else None
         with self._lock:
             self._sparse.setdefault(f, sparse)
-            self._open[f] = tokens, ends
+            mapped = self._open[f] = tokens, ends, {}
             while len(self._open) > OPEN_FILES:
                 self._open.popitem(last=False)  # its maps close with their last reference
-        return tokens, ends
+        return mapped
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of the stream, across files where they cross from one into the next."""
@@ -110,29 +111,34 @@ class TokenFiles:
 
     def _rows(self, f: int, starts: np.ndarray, seq_len: int) -> np.ndarray:
         """The windows from `starts`, all inside file f: rows of a strided view of its tokens."""
-        tokens, base = self._file(f)[0], int(self.starts[f])
+        tokens, _, views = self._file(f)
+        base = int(self.starts[f])
         skip = -base % seq_len  # the file's first token that starts a window
-        count = max(len(tokens) - skip - 1, 0) // seq_len
-        step = tokens.itemsize
-        view = np.lib.stride_tricks.as_strided(tokens[skip:], (count, seq_len + 1), (seq_len * step, step))
-        return view[(starts - base - skip) // seq_len]
+        if seq_len not in views:  # made once per map (as_strided costs ~7 us)
+            count, step = max(len(tokens) - skip - 1, 0) // seq_len, tokens.itemsize
+            views[seq_len] = np.lib.stride_tricks.as_strided(
+                tokens[skip:], (count, seq_len + 1), (seq_len * step, step)
+            )
+        return views[seq_len][(starts - base - skip) // seq_len]
 
     def doc_starts(self, starts: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
         """Where documents start in the seq_len + 1 tokens from each of `starts`, as (offsets, bounds): row
         j's are offsets[bounds[j]:bounds[j + 1]], ascending. They are each file's start and each document's
         end (a document starts where the one before ends; a file holds whole documents), each place once."""
-        rows, found = [], []
+        if not len(starts):
+            return np.zeros(0, np.int64), np.zeros(1, np.int64)
         groups, crossing = self.by_file(starts, seq_len + 1)
+        if len(groups) == 1 and not crossing.size and starts.all():  # one file, no window at its start
+            f = groups[0][0]
+            found, bounds = self._ends_in(f, starts - int(self.starts[f]), seq_len)
+            repeated = found[1:] == found[:-1]  # (rarely, also one row's last and the next row's first)
+            return (found, bounds) if not repeated.any() else _unrepeated(found, bounds, repeated)
+        rows, found = [], []
         for f, members in groups:
             local = starts[members] - int(self.starts[f])
-            at = self._search(f, np.concatenate([local, local + seq_len + 1]))
-            first, counts = at[: len(local)], at[len(local) :] - at[: len(local)]
-            picked = np.arange(counts.sum()) + np.repeat(first - (np.cumsum(counts) - counts), counts)
-            rows.append(np.repeat(members, counts))
-            found.append(self._file(f)[1][picked] - np.repeat(local, counts))
-            if not local.all():  # a window at the file's start: a document starts there
-                rows.append(members[local == 0])
-                found.append(np.zeros(len(rows[-1]), np.int64))
+            in_file, bounds = self._ends_in(f, local, seq_len)
+            rows += [np.repeat(members, np.diff(bounds)), members[local == 0]]
+            found += [in_file, np.zeros(len(rows[-1]), np.int64)]  # a file's start starts a document
         for row in crossing.tolist():  # a window across a file boundary: a few per file
             start = int(starts[row])
             f = int(np.searchsorted(self.starts, start, side="right")) - 1
@@ -143,20 +149,23 @@ class TokenFiles:
                 rows.append(np.full(len(places) + (base >= start), row))
                 found.append(np.concatenate([[base - start], places]) if base >= start else places)
                 f += 1
-        if len(rows) > 1:  # pieces to put in order
-            rows, found = np.concatenate(rows), np.concatenate(found)
-            order = np.lexsort((found, rows))
-            rows, found = rows[order], found[order]
-        else:
-            rows, found = rows[0] if rows else np.zeros(0, np.int64), found[0] if found else np.zeros(0, np.int64)
+        rows, found = np.concatenate(rows), np.concatenate(found)
+        order = np.lexsort((found, rows))
+        rows, found = rows[order], found[order]
         bounds = np.searchsorted(rows, np.arange(len(starts) + 1))
-        # An empty document's end repeats the one before: no document's first token sits there twice.
         repeated = found[1:] == found[:-1]
-        repeated[bounds[(bounds > 0) & (bounds < len(found))] - 1] = False  # a row's first repeats no other
-        if repeated.any():
-            keep = np.concatenate([[True], ~repeated])
-            found, bounds = found[keep], np.searchsorted(rows[keep], np.arange(len(starts) + 1))
-        return found, bounds
+        return (found, bounds) if not repeated.any() else _unrepeated(found, bounds, repeated)
+
+    def _ends_in(self, f: int, local: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """For windows of file f from `local` (counted from its first token): its document ends in them,
+        counted from their window's start, window by window, as (found, bounds): window j's are
+        found[bounds[j]:bounds[j + 1]]."""
+        at = self._search(f, np.concatenate([local, local + seq_len + 1]))
+        first, counts = at[: len(local)], at[len(local) :] - at[: len(local)]
+        bounds = np.zeros(len(local) + 1, dtype=np.int64)
+        np.cumsum(counts, out=bounds[1:])
+        picked = np.arange(bounds[-1]) + np.repeat(first - bounds[:-1], counts)
+        return self._file(f)[1][picked] - np.repeat(local, counts), bounds
 
     def _search(self, f: int, keys: np.ndarray) -> np.ndarray:
         """np.searchsorted(ends, keys) of file f, reading one page of its ends a key: the block of SPARSE ends
@@ -170,6 +179,14 @@ class TokenFiles:
             found = ends[np.minimum(position[:, None] + probes, last)]  # past the end: the last end, >= every key
             position += step * np.count_nonzero(found < column, axis=1)
         return position
+
+
+def _unrepeated(found: np.ndarray, bounds: np.ndarray, repeated: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Without the places a row holds twice (an empty document's end repeats the one before it)."""
+    repeated[bounds[(bounds > 0) & (bounds < len(found))] - 1] = False  # a row's first repeats no other row's
+    keep = np.concatenate([[True], ~repeated])
+    kept_before = np.concatenate([[0], np.cumsum(keep)])
+    return found[keep], kept_before[bounds]
 
 
 def _check_size(path: Path, size: int, what: str) -> None:

@@ -10,10 +10,11 @@ invertible), with splitmix64's multiply-xorshift under a round key. A value that
 encrypted again (cycle walking) until it lands below n: that stays a bijection of range(n), and since
 2**b < 2n, takes fewer than 2 passes on average.
 
-An array lookup's cost is per numpy call, not per element (0.4 ms for one pass over 64 or over 4,096
-values on this machine): callers look up many at once (Sequences takes 4,096 of a rank's windows at a
-time). A single index takes the same rounds in Python integers instead: ~4 us against numpy's ~135 us
-for one element (the numpy call overheads of 6 rounds), the same image.
+An array lookup's cost is mostly per numpy call (~50 us a pass here, 70 us over 4,096 values): callers
+look up many at once (Sequences takes 16,384 of a rank's windows at a time). Where n is just above a
+power of 2, half the values need a second pass, a quarter a third...: at n = 16,615, 4,096 lookups took
+12 passes (0.85 ms); the last few values now walk on in Python integers (0.47 ms). A single index takes
+that path too: ~4 us against numpy's ~135 us (six rounds of numpy calls on one element), the same image.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import hashlib
 
 import numpy as np
 
+WALK_IN_PYTHON = 8  # the last values of a cycle walk go on one at a time (~4 us a pass each)
 ROUNDS = 6  # each half mixed into the other 3 times: Luby-Rackoff's 4 balanced rounds, with margin
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _S1, _S2 = np.uint64(31), np.uint64(29)
@@ -91,9 +93,11 @@ class Permutation:
             raise IndexError(f"index {int(bad)} is out of range for a Permutation of {self.n}")
         y = self._encrypt(x.astype(np.uint64).reshape(-1))
         outside = np.flatnonzero(y >= self.n)
-        while outside.size:  # only the values still outside range(n) take another pass
+        while outside.size > WALK_IN_PYTHON:  # only the values still outside range(n) take another pass
             y[outside] = self._encrypt(y[outside])
             outside = outside[y[outside] >= self.n]
+        for i in outside.tolist():  # a pass costs ~50 us of numpy calls however few values it has
+            y[i] = self._encrypt_int(int(y[i]))
         return int(y[0]) if scalar else y.astype(np.int64).reshape(x.shape)
 
     def __repr__(self) -> str:

@@ -31,6 +31,7 @@ pickles as a reference (OUT, options, position; under 1 KB): a DataLoader worker
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import threading
@@ -45,14 +46,15 @@ from tokpipe.data.permutation import Permutation
 from tokpipe.layout import load_meta_json, load_meta_pkl, split_files
 
 STATE_FORMAT = 2  # 1: the fingerprint was meta's parts_sha256
-AHEAD = 4096  # a rank's windows looked up at once: a Permutation lookup costs per call, not per window
+AHEAD = 16384  # a rank's windows looked up at once: a Permutation lookup costs mostly per call (its passes)
 
 
 @dataclass(frozen=True)
 class Batch:
     tokens: np.ndarray  # (B, seq_len + 1) int64
     windows: np.ndarray  # (B,) window numbers in their source
-    doc_starts: list[np.ndarray]  # per row, int64 offsets j in [0, seq_len] where a document's first token sits
+    doc_offsets: np.ndarray  # int64 offsets j in [0, seq_len] where a document's first token sits, row by row
+    doc_bounds: np.ndarray  # (B + 1,) row i's are doc_offsets[doc_bounds[i]:doc_bounds[i + 1]] (varlen's cu_seqlens)
     sources: list[str] | None = None  # per row, its source's name (Mixture only)
     state: dict | None = None  # the loader's state right after this batch: save it to resume from here
 
@@ -63,6 +65,12 @@ class Batch:
     @property
     def targets(self) -> np.ndarray:
         return self.tokens[:, 1:]
+
+    @functools.cached_property
+    def doc_starts(self) -> list[np.ndarray]:
+        """Per row, its document starts (views of doc_offsets), made on first use (~10 us a batch of 64)."""
+        bounds = self.doc_bounds.tolist()
+        return [self.doc_offsets[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def integer(value, what: str, minimum: int | None = 0) -> int:
@@ -221,13 +229,8 @@ class Sequences:
         """These windows' tokens and document starts (no position advanced)."""
         windows = np.asarray(windows, dtype=np.int64)
         starts = windows * self.seq_len
-        return Batch(self.files.windows(starts, self.seq_len), windows, self._doc_starts(starts), state=state)
-
-    def _doc_starts(self, starts: np.ndarray) -> list[np.ndarray]:
-        """Per window, the offsets in it where a document's first token sits."""
-        found, bounds = self.files.doc_starts(starts, self.seq_len)
-        bounds = bounds.tolist()
-        return [found[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        offsets, bounds = self.files.doc_starts(starts, self.seq_len)
+        return Batch(self.files.windows(starts, self.seq_len), windows, offsets, bounds, state=state)
 
     def _state(self) -> dict:
         return {
