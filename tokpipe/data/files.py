@@ -161,18 +161,19 @@ class TokenFiles:
         """For windows of file f from `local` (counted from its first token): its document ends in them,
         counted from their window's start, window by window, as (found, bounds): window j's are
         found[bounds[j]:bounds[j + 1]]."""
-        at = self._search(f, np.concatenate([local, local + seq_len + 1]))
+        ends = self._file(f)[1]
+        at = self._search(f, ends, np.concatenate([local, local + seq_len + 1]))
         first, counts = at[: len(local)], at[len(local) :] - at[: len(local)]
         bounds = np.zeros(len(local) + 1, dtype=np.int64)
         np.cumsum(counts, out=bounds[1:])
         picked = np.arange(bounds[-1]) + np.repeat(first - bounds[:-1], counts)
-        return self._file(f)[1][picked] - np.repeat(local, counts), bounds
+        return ends[picked] - np.repeat(local, counts), bounds
 
-    def _search(self, f: int, keys: np.ndarray) -> np.ndarray:
-        """np.searchsorted(ends, keys) of file f, reading one page of its ends a key: the block of SPARSE ends
+    def _search(self, f: int, ends: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        """np.searchsorted(ends, keys) of file f's ends, reading one page of its ends a key: the block of SPARSE ends
         from the sparse ends in memory, then in it the 8 ends that close its sub-blocks of 64, then the
         sub-block's 64."""
-        ends, sparse = self._file(f)[1], self._sparse[f]
+        sparse = self._sparse[f]
         if sparse is None:  # a small .idx: its pages stay in memory after a few batches
             return np.searchsorted(ends, keys)
         position, column, last = np.searchsorted(sparse, keys) * SPARSE, keys[:, None], len(ends) - 1

@@ -222,7 +222,7 @@ class Sequences:
         with self._lock:
             taken = self._advance(batch_size, keep=True)
             state = self._state()
-        windows = np.concatenate(taken) if taken else np.zeros(0, np.int64)
+        windows = taken[0] if len(taken) == 1 else np.concatenate(taken) if taken else np.zeros(0, np.int64)
         return self.batch_of(windows, state)
 
     def batch_of(self, windows: np.ndarray, state: dict | None = None) -> Batch:
