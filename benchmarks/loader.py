@@ -1,26 +1,32 @@
-"""tokpipe.data's Sequences.next_batch against nanoGPT's get_batch on the same OUT: batches per second and
-the process's memory, then the same as the split grows to 10^11 tokens.
+"""tokpipe.data's next_batch against a careful random-offset reader in the same process: batches per
+second on the shared data (a concatenated split, --no-concat, a Mixture of 3 groups), then milliseconds a
+batch on synthetic splits up to 10^11 tokens with their pages cold.
 
-nanoGPT's get_batch (train.py), with numpy where it has torch: a fresh np.memmap of the split file each
-call (nanoGPT does so against a memory leak), 64 random offsets with replacement, x and y stacked as
-int64. `get_batch (memmap kept)` is the same with the memmap opened once: the faster baseline.
-Each method runs in a fresh process (alternating, `--rounds` times): its batches per second over
-`--batches` batches after 50 of warm-up (on a synthetic split, one round of `--synthetic-batches`), and
-from /proc/self/status its RssAnon (what the process holds) and RssFile (the split's pages it touched:
-page cache, reclaimable).
+The random-offset reader is the fastest plain way to read a split: its memmap kept open, 64 random
+offsets, one fancy-index gather of 64 x (seq_len + 1) tokens per batch, cast to int64 (nanoGPT's
+get_batch slices and stacks per row instead: 3-4x slower, measured at issue 28). It has no epochs, no
+ranks and no document starts; next_batch has all three.
 
-The real OUT is `tokpipe run` of the shared data (cached under --work-dir). The growing ones are
-synthetic: a sparse train.bin (reads as zeros) of 10^8..10^11 tokens, a document every 4,096 tokens in
-train.idx, and a meta.json/meta.pkl as finalize writes them; what they measure is that nothing held
-grows with the split.
+Warm (`--rounds`): one process per kind of OUT; in it, the reader and next_batch alternate, `--batches`
+batches each after 50 of warm-up, on distinct data (the permutation's windows, random offsets); the
+ratio is of their medians. Each batch's rows are read whole (their sum taken), so nothing is measured
+that a trainer would not wait for; next_batch's doc_starts are built (`batch.doc_starts`) for the same
+reason.
 
-    python benchmarks/loader.py --rounds 3
+Cold (`--sizes`): a sparse train.bin (reads as zeros) of 10^8..10^11 tokens, a document every 4,096
+tokens in a real train.idx (195 MB at 10^11), meta as finalize writes it. In a fresh process per
+method and round: open the loader (next_batch's first batch builds its sparse ends: timed apart), drop
+the files' pages from the page cache (posix_fadvise DONTNEED), then time `--cold-batches` batches.
+
+    python benchmarks/loader.py --rounds 5
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -32,48 +38,87 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import SHARED, manifest_of, tokpipe_run  # noqa: E402
 
-METHODS = ("get_batch", "get_batch (memmap kept)", "next_batch")
 SYNTHETIC_DOCUMENT = 4096
+GROUPS = ("RedPajamaC4", "RedPajamaCommonCrawl", "RedPajamaGithub")
 
 
-def memory() -> dict:
-    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
-    return {k: int(fields[k].split()[0]) // 1024 for k in ("RssAnon", "RssFile", "VmHWM")}  # MiB
-
-
-def measure(method: str, out: Path, seq_len: int, batch: int, batches: int) -> dict:
-    """In this process: `batches` batches of `method` after 50 of warm-up."""
+def random_reader(out: Path, seq_len: int, batch: int):
+    """One batch of the random-offset reader: a kept memmap, one gather, int64."""
     meta = json.loads((out / "meta.json").read_text())
-    path = out / meta["splits"]["train"]["file"]
-    dtype = np.dtype(meta["dtype"])
-    kept = np.memmap(path, dtype=dtype, mode="r")
+    data = np.memmap(out / meta["splits"]["train"]["file"], dtype=meta["dtype"], mode="r")
+    offsets = np.arange(seq_len + 1)
+    rng = np.random.default_rng()
+    return lambda: data[rng.integers(0, len(data) - seq_len - 1, batch)[:, None] + offsets].astype(np.int64)
 
-    def get_batch():
-        data = kept if method == "get_batch (memmap kept)" else np.memmap(path, dtype=dtype, mode="r")
-        ix = np.random.randint(len(data) - seq_len, size=batch)
-        x = np.stack([data[i : i + seq_len].astype(np.int64) for i in ix])
-        y = np.stack([data[i + 1 : i + 1 + seq_len].astype(np.int64) for i in ix])
-        return x, y
 
-    if method == "next_batch":
-        from tokpipe.data import Sequences
+def tokpipe_reader(out: Path, kind: str, seq_len: int, batch: int):
+    from tokpipe.data import Mixture, Sequences
 
-        sequences = Sequences(out, seq_len=seq_len, seed=1)
-        step = lambda: sequences.next_batch(batch)  # noqa: E731
+    if kind == "mixture":
+        sources = {g: Sequences(out, seq_len=seq_len, seed=1, group=g) for g in GROUPS}
+        loader = Mixture(sources, {"RedPajamaC4": 0.5, "RedPajamaCommonCrawl": 0.3, "RedPajamaGithub": 0.2})
     else:
-        step = get_batch
-    for _ in range(50):
-        step()
+        loader = Sequences(out, seq_len=seq_len, seed=1)
+
+    def step():
+        b = loader.next_batch(batch)
+        b.doc_starts  # noqa: B018 (built, as a trainer that uses them pays for)
+        return b.tokens
+
+    return step
+
+
+def rate(step, batches: int) -> float:
     started = time.perf_counter()
     for _ in range(batches):
-        step()
-    seconds = time.perf_counter() - started
-    return {"method": method, "batches_per_s": batches / seconds, **memory()}
+        step().sum()
+    return batches / (time.perf_counter() - started)
 
 
-def in_child(method: str, out: Path, args, batches: int) -> dict:
-    command = [sys.executable, __file__, "--child", method, "--out", str(out), "--seq-len", str(args.seq_len)]
-    command += ["--batch", str(args.batch), "--batches", str(batches)]
+def warm(kind: str, out: Path, reader_out: Path, args) -> dict:
+    """In this process: the random-offset reader and next_batch, alternating, `args.rounds` times."""
+    methods = {"random offsets": random_reader(reader_out, args.seq_len, args.batch)}
+    methods["next_batch"] = tokpipe_reader(out, kind, args.seq_len, args.batch)
+    runs = {m: [] for m in methods}
+    for step in methods.values():
+        rate(step, 50)
+    for _ in range(args.rounds):
+        for m, step in methods.items():
+            runs[m].append(rate(step, args.batches))
+    medians = {m: statistics.median(r) for m, r in runs.items()}
+    return {
+        "kind": kind,
+        **{m: [round(r) for r in rs] for m, rs in runs.items()},
+        "medians": {m: round(v) for m, v in medians.items()},
+        "ratio": round(medians["next_batch"] / medians["random offsets"], 2),
+    }
+
+
+def drop_pages(*paths: Path) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def cold(method: str, out: Path, args) -> dict:
+    """In this (fresh) process: ms a batch of `method` on `out` with its pages dropped first."""
+    started = time.perf_counter()
+    if method == "random offsets":
+        step = random_reader(out, args.seq_len, args.batch)
+    else:
+        step = tokpipe_reader(out, "concat", args.seq_len, args.batch)
+        step()  # builds the sparse ends of train.idx
+    opened = time.perf_counter() - started
+    drop_pages(out / "train.bin", out / "train.idx")
+    started = time.perf_counter()
+    for _ in range(args.cold_batches):
+        step().sum()
+    return {"ms_per_batch": 1000 * (time.perf_counter() - started) / args.cold_batches, "open_s": opened}
+
+
+def child(*extra: str) -> dict:
+    command = [sys.executable, __file__, *extra]
     return json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
 
 
@@ -90,67 +135,69 @@ def synthetic_out(folder: Path, tokens: int) -> Path:
     documents = -(-tokens // SYNTHETIC_DOCUMENT)
     ends = np.minimum(np.arange(1, documents + 1, dtype="<i8") * SYNTHETIC_DOCUMENT, tokens)
     ends.tofile(out / "train.idx")
-    split = {"file": "train.bin", "idx": "train.idx", "parts": "train.parts", "parts_sha256": "synthetic"}
-    split |= {"tokens": tokens, "documents": documents}
+    part = {"shard": "synthetic", "tokens": tokens, "documents": documents, "sha256": "synthetic (zeros)"}
+    raw = (json.dumps(part) + "\n").encode()
+    (out / "train.parts").write_bytes(raw)
+    split = {"file": "train.bin", "idx": "train.idx", "parts": "train.parts"}
+    split |= {"parts_sha256": hashlib.sha256(raw).hexdigest(), "tokens": tokens, "documents": documents}
     write_meta(out, {"dtype": "uint32", "vocab_size": 151669, "eos_token_id": 0, "splits": {"train": split}})
     return out
 
 
-def real_out(work_dir: Path) -> Path:
-    out = work_dir / "loader-shared-out"
-    if not (out / "meta.json").exists():
-        tokpipe_run(manifest_of(SHARED, work_dir), out, 2)
-    return out
-
-
-def compare(out: Path, args, methods=METHODS, rounds: int = 1, batches: int = 2000) -> dict:
-    runs = {m: [] for m in methods}
-    for _ in range(rounds):
-        for m in methods:
-            runs[m].append(in_child(m, out, args, batches))
-    return {
-        m: {
-            "batches_per_s": [round(r["batches_per_s"]) for r in rs],
-            "median": round(statistics.median(r["batches_per_s"] for r in rs)),
-            "RssAnon_MiB": max(r["RssAnon"] for r in rs),
-            "RssFile_MiB": max(r["RssFile"] for r in rs),
-        }
-        for m, rs in runs.items()
-    }
+def shared_outs(work_dir: Path) -> dict[str, Path]:
+    """`tokpipe run` of the shared data: concatenated, --no-concat, --group-by (cached under work_dir)."""
+    flags = {"concat": [], "no-concat": ["--no-concat"], "mixture": ["--group-by", "meta.redpajama_set_name"]}
+    outs = {}
+    for kind, extra in flags.items():
+        out = outs[kind] = work_dir / f"loader-shared-{kind}"
+        if not (out / "meta.json").exists():
+            tokpipe_run(manifest_of(SHARED, work_dir), out, 2, *extra)
+    return outs
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/tokpipe-bench"))
-    parser.add_argument("--out", type=Path, help="an OUT to compare on (default: tokpipe run of the shared data)")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--batches", type=int, default=2000)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--sizes", default="1e8,1e10,1e11", help="synthetic split sizes in tokens")
-    parser.add_argument(
-        "--synthetic-batches", type=int, default=300, help="per run on a synthetic split (each row faults in pages)"
-    )
-    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--cold-rounds", type=int, default=3)
+    parser.add_argument("--cold-batches", type=int, default=30, help="per process on a cold synthetic split")
+    parser.add_argument("--warm", nargs=3, help=argparse.SUPPRESS)  # KIND OUT READER_OUT: one warm process
+    parser.add_argument("--cold", nargs=2, help=argparse.SUPPRESS)  # METHOD OUT: one cold process
     args = parser.parse_args()
-    if args.child:
-        print(json.dumps(measure(args.child, args.out, args.seq_len, args.batch, args.batches)))
+    if args.warm:
+        kind, out, reader_out = args.warm
+        print(json.dumps(warm(kind, Path(out), Path(reader_out), args)))
+        return
+    if args.cold:
+        print(json.dumps(cold(args.cold[0], Path(args.cold[1]), args)))
         return
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    out = args.out or real_out(args.work_dir)
-    tokens = json.loads((out / "meta.json").read_text())["splits"]["train"]["tokens"]
-    results = {"out": str(out), "tokens": tokens, "real": compare(out, args, rounds=args.rounds, batches=args.batches)}
-    real = results["real"]
-    for baseline in METHODS[:2]:
-        ratio = real["next_batch"]["median"] / real[baseline]["median"]
-        print(f"next_batch: {ratio:.2f}x the batches per second of {baseline}", flush=True)
-    print(json.dumps(real, indent=1), flush=True)
-    results["synthetic"] = {}
+    outs = shared_outs(args.work_dir)
+    common = ["--seq-len", str(args.seq_len), "--batch", str(args.batch), "--batches", str(args.batches)]
+    common += ["--rounds", str(args.rounds), "--cold-batches", str(args.cold_batches)]
+    results = {"warm": {}, "cold": {}}
+    for kind, out in outs.items():
+        results["warm"][kind] = child("--warm", kind, str(out), str(outs["concat"]), *common)
+        print(json.dumps(results["warm"][kind]), flush=True)
     for size in args.sizes.split(","):
-        synthetic = synthetic_out(args.work_dir, int(float(size)))
-        methods = ("get_batch (memmap kept)", "next_batch")
-        results["synthetic"][size] = compare(synthetic, args, methods, batches=args.synthetic_batches)
-        print(size, json.dumps(results["synthetic"][size]), flush=True)
+        out = synthetic_out(args.work_dir, int(float(size)))
+        runs = {m: [] for m in ("random offsets", "next_batch")}
+        for _ in range(args.cold_rounds):
+            for m in runs:
+                runs[m].append(child("--cold", m, str(out), *common))
+        results["cold"][size] = {
+            m: {
+                "ms_per_batch": [round(r["ms_per_batch"], 1) for r in rs],
+                "median": round(statistics.median(r["ms_per_batch"] for r in rs), 1),
+                "open_s": round(max(r["open_s"] for r in rs), 2),
+            }
+            for m, rs in runs.items()
+        }
+        print(size, json.dumps(results["cold"][size]), flush=True)
     (args.work_dir / "loader.json").write_text(json.dumps(results, indent=1))
 
 

@@ -167,20 +167,29 @@ def cmd_rates(args) -> list[dict]:
 
 
 def cmd_driver(args) -> list[dict]:
-    """The driver's CPU per shard (scheduling, progress, placement) on one-document shards, and the run's shards/s."""
-    folder = tiny_shards(args.shards, args.work_dir)
+    """The driver's own CPU per shard (scheduling, progress, placement; --ray-only: it tokenizes nothing itself)
+    on one-document shards, and the run's shards/s: at a fifth of --shards and at --shards, so that the
+    difference is the marginal cost per shard, without the fixed start (Ray's client, the backend check)."""
     results = []
     for name, tree in args.trees:
-        out = args.work_dir / f"driver-{name}"
-        r = run_once(tree, folder, out, args.workers, monitor=True)
-        driver = next(s for s in r.pop("stats").values() if s.kind == "driver")
-        r.update(
-            driver_cpu_s=round(driver.cpu, 1),
-            driver_ms_per_shard=round(1000 * driver.cpu / args.shards, 2),
-            driver_peak_rss_mib=round(driver.hwm / 2**20),
-        )
-        r["shards_per_s"] = round(args.shards / r["tokenize_s"], 1)
-        results.append({"measure": "driver", "tree": name, "shards": args.shards, **r})
+        cpu = {}
+        for count in (args.shards // 5, args.shards):
+            folder = tiny_shards(count, args.work_dir)
+            out = args.work_dir / f"driver-{name}"
+            r = run_once(tree, folder, out, args.workers, "--ray-only", monitor=True)
+            driver = next(s for s in r.pop("stats").values() if s.kind == "driver")
+            cpu[count] = driver.cpu
+            r.update(
+                driver_cpu_s=round(driver.cpu, 2),
+                driver_ms_per_shard=round(1000 * driver.cpu / count, 2),
+                driver_peak_rss_mib=round(driver.hwm / 2**20),
+                shards_per_s=round(count / r["tokenize_s"], 1),
+            )
+            results.append({"measure": "driver", "tree": name, "shards": count, **r})
+            print(json.dumps(results[-1]), flush=True)
+        small, large = args.shards // 5, args.shards
+        marginal = 1000 * (cpu[large] - cpu[small]) / (large - small)
+        results.append({"measure": "driver marginal", "tree": name, "ms_per_shard": round(marginal, 2)})
         print(json.dumps(results[-1]), flush=True)
     return results
 

@@ -16,6 +16,7 @@ the rest again, to the same offsets: the same bytes.
 With --group-by each group of a split has such a file (OUT/<stem>/<group>.bin.tmp), and the one
 parts list of the split says which part went into which. `finalize` renames them when all is placed.
 """
+
 from __future__ import annotations
 
 import itertools

@@ -10,25 +10,45 @@ Shares are exact fractions of the weights (integers over a common denominator): 
 Every source is a Sequences of the same rank and world size, so each reads its own share of its split's
 epochs, rank-sharded as it is alone; all ranks draw the same sequence of sources, so the k-th row of
 every rank comes from the same source, and the Mixture's state is the same on every rank.
+
+Sources must be read the same way: made with one tokenizer (its content: a re-indented tokenizer.json
+is the same tokenizer) and one document convention (EOS after each document, BOS before, or both),
+else the model would learn two. A state is loaded all or nothing: every source's state and the
+drawn/counts pair (counts summing to drawn, each within 1 of its share) are checked before any moves.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import threading
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 
-from tokpipe.data.sequences import STATE_FORMAT, Batch, Sequences
+from tokpipe.data.sequences import STATE_FORMAT, Batch, Sequences, integer
 
 
 class Mixture:
     def __init__(self, sources: dict[str, Sequences], weights: dict[str, float]):
-        if not sources or set(sources) != set(weights):
+        if (
+            not isinstance(sources, dict)
+            or not isinstance(weights, dict)
+            or not sources
+            or set(sources) != set(weights)
+        ):
             raise ValueError(f"weights name {sorted(weights)}, sources {sorted(sources)}: name every source once")
-        bad = {name: w for name, w in weights.items() if not (math.isfinite(w) and w > 0)}
+        bad = {
+            name: w
+            for name, w in weights.items()
+            if isinstance(w, bool)
+            or not isinstance(w, (int, float, np.integer, np.floating))
+            or not (math.isfinite(w) and w > 0)
+        }
         if bad:
-            raise ValueError(f"weights must be positive and finite: {bad}")
+            raise ValueError(f"weights must be positive finite numbers: {bad}")
         self.names = sorted(sources)
         self.sources = {name: sources[name] for name in self.names}
         first = self.sources[self.names[0]]
@@ -37,51 +57,82 @@ class Mixture:
             if len(set(values.values())) > 1:
                 raise ValueError(f"sources differ in {what}: {values}")
         self.seq_len = first.seq_len
-        tokenizers = {
-            name: (s.meta.get("tokenizer"), s.meta.get("tokenizer_sha256"), s.meta.get("vocab_size"))
-            for name, s in self.sources.items()
-        }
-        if len({sha for _, sha, _ in tokenizers.values()}) > 1 or len({v for _, _, v in tokenizers.values()}) > 1:
-            named = ", ".join(f"{n}: {t or f'sha256 {sha}'} (vocab_size {v})" for n, (t, sha, v) in tokenizers.items())
-            raise ValueError(f"sources were made with different tokenizers ({named}): their ids mean different tokens")
+        _check_same_tokenizer(self.sources)
+        conventions = {name: _convention(s.meta) for name, s in self.sources.items()}
+        if len(set(conventions.values())) > 1:
+            named = ", ".join(f"{n}: {c}" for n, c in conventions.items())
+            raise ValueError(f"sources delimit documents differently ({named}): a model would learn both conventions")
         self.weights = {name: weights[name] for name in self.names}
         exact = [Fraction(weights[name]) for name in self.names]
         scale = math.lcm(*(w.denominator for w in exact))
         self._shares = [int(w * scale) for w in exact]  # integer weights, in proportion
         self._total = sum(self._shares)
+        self._lock = threading.Lock()  # the draw and the sources' positions move together under it
         self.drawn = 0
         self.counts = [0] * len(self.names)
 
-    def _draw(self, rows: int) -> list[int]:
-        """The source index of each of the next `rows` rows (advancing the counts)."""
-        picks = []
-        for _ in range(rows):
-            best, best_deadline = None, None
-            for i, (w, c) in enumerate(zip(self._shares, self.counts)):
-                if self.drawn >= c * self._total // w:  # released: its next row is due from here on
-                    deadline = -(-(c + 1) * self._total // w)
-                    if best is None or deadline < best_deadline:
-                        best, best_deadline = i, deadline
+    def __reduce__(self):
+        """Pickled as references to its sources (each a reference to its OUT) and its position."""
+        return _remix, (self.sources, self.weights, self.state_dict())
+
+    def _draw(self, rows: int) -> np.ndarray:
+        """The source index of each of the next `rows` rows (advancing the counts). Each source's next
+        release and deadline are kept between rows: only the picked source's change (2.3x faster than
+        computing every source's each row, ~1 us a row for 3 sources)."""
+        shares, total, counts, first = self._shares, self._total, self.counts, self.drawn
+        release = [c * total // w for w, c in zip(shares, counts)]  # its next row is due from here on
+        deadline = [-(-(c + 1) * total // w) for w, c in zip(shares, counts)]  # and by here
+        sources, picks = range(len(shares)), []
+        for drawn in range(first, first + rows):
+            best = -1
+            for i in sources:
+                if drawn >= release[i] and (best < 0 or deadline[i] < deadline[best]):  # ties: the first
+                    best = i
             picks.append(best)
-            self.counts[best] += 1
-            self.drawn += 1
-        return picks
+            c = counts[best] = counts[best] + 1
+            release[best], deadline[best] = c * total // shares[best], -(-(c + 1) * total // shares[best])
+        self.drawn += rows
+        return np.array(picks, dtype=np.int64)
+
+    def _take(self, rows: int) -> tuple[np.ndarray, dict[str, np.ndarray], dict]:
+        """Under the lock: the next rows' sources, each source's windows for them, the state after."""
+        with self._lock:
+            picks = self._draw(rows)
+            windows = {
+                name: self.sources[name].take(int(n))
+                for name, n in zip(self.names, np.bincount(picks, minlength=len(self.names)))
+            }
+            return picks, windows, self._state()
+
+    def skip(self, rows: int) -> None:
+        """Advance past the next `rows` rows without reading them (a DataLoader worker skips the others')."""
+        rows = integer(rows, "rows")
+        with self._lock:
+            picks = self._draw(rows)
+            for name, n in zip(self.names, np.bincount(picks, minlength=len(self.names)).tolist()):
+                self.sources[name].skip(n)
 
     def next_batch(self, batch_size: int) -> Batch:
-        picks = np.array(self._draw(batch_size), dtype=np.int64)
+        batch_size = integer(batch_size, "batch_size")
+        picks, windows, state = self._take(batch_size)
         tokens = np.empty((batch_size, self.seq_len + 1), dtype=np.int64)
-        windows = np.empty(batch_size, dtype=np.int64)
-        doc_starts = [None] * batch_size
+        numbers, counts, parts = np.empty(batch_size, dtype=np.int64), np.zeros(batch_size, np.int64), []
         for i, name in enumerate(self.names):
             rows = np.flatnonzero(picks == i)
             if rows.size:
-                part = self.sources[name].next_batch(rows.size)
-                tokens[rows], windows[rows] = part.tokens, part.windows
-                for row, starts in zip(rows.tolist(), part.doc_starts):
-                    doc_starts[row] = starts
-        return Batch(tokens, windows, doc_starts, [self.names[i] for i in picks.tolist()])
+                part = self.sources[name].batch_of(windows[name])
+                tokens[rows], numbers[rows], counts[rows] = part.tokens, part.windows, np.diff(part.doc_bounds)
+                parts.append((rows, part))
+        bounds = np.concatenate([[0], np.cumsum(counts)])
+        offsets = np.empty(bounds[-1], dtype=np.int64)
+        for rows, part in parts:  # each row's document starts to where the row's go
+            per_row = np.diff(part.doc_bounds)
+            offsets[np.repeat(bounds[rows] - part.doc_bounds[:-1], per_row) + np.arange(len(part.doc_offsets))] = (
+                part.doc_offsets
+            )
+        return Batch(tokens, numbers, offsets, bounds, [self.names[i] for i in picks.tolist()], state)
 
-    def state_dict(self) -> dict:
+    def _state(self) -> dict:
         return {
             "format": STATE_FORMAT,
             "weights": self.weights,
@@ -90,23 +141,93 @@ class Mixture:
             "sources": {name: s.state_dict() for name, s in self.sources.items()},
         }
 
+    def state_dict(self) -> dict:
+        with self._lock:
+            return self._state()
+
     def load_state_dict(self, state: dict) -> None:
-        """Continue where `state` was saved; refused (ValueError) for other sources or weights, and as
-        each Sequences refuses its own."""
-        if state.get("format") != STATE_FORMAT or "sources" not in state:
+        """Continue where `state` was saved; refused (ValueError) for other sources or weights, as each
+        Sequences refuses its own, and for a drawn/counts pair the draw cannot reach. All or nothing."""
+        if not isinstance(state, dict) or state.get("format") not in (1, STATE_FORMAT) or "sources" not in state:
             raise ValueError(f"not a Mixture's loader state of format {STATE_FORMAT}")
-        if sorted(state["sources"]) != self.names:
+        if not isinstance(state["sources"], dict) or sorted(state["sources"]) != self.names:
+            saved = sorted(state["sources"]) if isinstance(state["sources"], dict) else state["sources"]
+            raise ValueError(f"cannot load this loader state: sources differ ({saved} saved, {self.names} here)")
+        if state.get("weights") != self.weights:
             raise ValueError(
-                f"cannot load this loader state: sources differ ({sorted(state['sources'])} saved, {self.names} here)"
+                f"cannot load this loader state: weights differ ({state.get('weights')} saved, {self.weights} here)"
             )
-        if state["weights"] != self.weights:
-            raise ValueError(
-                f"cannot load this loader state: weights differ ({state['weights']} saved, {self.weights} here)"
-            )
+        positions = {}
         for name, s in self.sources.items():
             try:
-                s.load_state_dict(state["sources"][name])
+                positions[name] = s.check_state(state["sources"][name])
             except ValueError as e:
                 raise ValueError(f"source {name}: {e}") from None
-        self.drawn = int(state["drawn"])
-        self.counts = [int(state["counts"][name]) for name in self.names]
+        drawn = integer(state.get("drawn"), "loader state's drawn")
+        if not isinstance(state.get("counts"), dict) or sorted(state["counts"]) != self.names:
+            raise ValueError(f"loader state's counts {state.get('counts')!r}: need one count per source")
+        counts = [integer(state["counts"][name], f"loader state's counts[{name!r}]") for name in self.names]
+        # The draw keeps every count strictly within 1 of drawn * share (exactly on it when that is whole).
+        if sum(counts) != drawn or any(
+            abs(c * self._total - drawn * w) >= self._total for c, w in zip(counts, self._shares)
+        ):
+            raise ValueError(
+                f"loader state's counts {dict(zip(self.names, counts))} after {drawn} rows: the draw never gives "
+                f"them (they sum to drawn, each within 1 of drawn x its share)"
+            )
+        with self._lock:
+            for name, s in self.sources.items():
+                s.load_state_dict(state["sources"][name])
+            self.drawn, self.counts = drawn, counts
+
+
+def _remix(sources: dict, weights: dict, state: dict) -> Mixture:
+    mixture = Mixture(sources, weights)
+    mixture.load_state_dict(state)
+    return mixture
+
+
+def _convention(meta: dict) -> str:
+    """How a source's documents are delimited, in words."""
+    delimiters, said = meta.get("delimiters", {"bos": False, "eos": True}), []
+    if delimiters["bos"]:
+        said.append(f"BOS {meta['bos_token']} ({meta['bos_token_id']}) before")
+    if delimiters["eos"]:
+        said.append(f"EOS {meta['eos_token']} ({meta['eos_token_id']}) after")
+    return " and ".join(said) + " each document" if said else "no delimiter"
+
+
+def _check_same_tokenizer(sources: dict[str, Sequences]) -> None:
+    """One tokenizer: the same tokenizer.json bytes, or else the same JSON content (read from where each
+    was recorded, when the file there is still the one the OUT was made with), and the same vocab_size."""
+    metas = {name: s.meta for name, s in sources.items()}
+    if len({m.get("vocab_size") for m in metas.values()}) == 1:
+        if len({m.get("tokenizer_sha256") for m in metas.values()}) == 1:
+            return
+        contents = {name: _content(m) for name, m in metas.items()}
+        if None not in contents.values() and len(set(contents.values())) == 1:
+            return
+    named = ", ".join(
+        f"{n}: {m.get('tokenizer') or m.get('tokenizer_sha256')} (vocab_size {m.get('vocab_size')})"
+        for n, m in metas.items()
+    )
+    unread = [f"{m.get('tokenizer_path')} ({n})" for n, m in metas.items() if _content(m) is None]
+    if unread and len({m.get("vocab_size") for m in metas.values()}) == 1:
+        raise ValueError(
+            f"sources were made with different tokenizer.json files ({named}), and {', '.join(unread)} is no "
+            f"longer the file recorded to compare their content: put it back, or tokenize again with one tokenizer"
+        )
+    raise ValueError(f"sources were made with different tokenizers ({named}): their ids mean different tokens")
+
+
+def _content(meta: dict) -> str | None:
+    """The sha256 of a source's tokenizer.json as parsed JSON (keys sorted, no spacing), or None when the
+    file recorded in meta is gone or no longer the one the OUT was made with."""
+    try:
+        raw = Path(meta.get("tokenizer_path") or "").read_bytes()
+    except OSError:
+        return None
+    if hashlib.sha256(raw).hexdigest() != meta.get("tokenizer_sha256"):
+        return None
+    parsed = json.loads(raw)
+    return hashlib.sha256(json.dumps(parsed, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

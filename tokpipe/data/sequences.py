@@ -16,36 +16,47 @@ than W windows at its end that do not divide evenly are skipped, as at the end o
 With `group` (an OUT made with --group-by), the windows are those of one group of the split alone: a
 Mixture of one OUT's groups mixes its sources at any weights without tokenizing again.
 
-The state's fingerprint is meta's `parts_sha256` of the split (the sha256 of its .parts list, whose lines
-hold each part's token sha256, idx sha256 and counts; of a group, hashed with the group's value): a state
-saved on other data (another group) is refused
-(Open-Sora's saved loader state outlived a dataset change: batches repeated and training diverged).
+The state's fingerprint is that of the token stream: the sha256 of the dtype and, in order, each part's
+token count and token sha256 from the split's .parts list (of a group: its parts alone). A state saved
+on other tokens is refused, naming what differs (Open-Sora's saved loader state outlived a dataset
+change: batches repeated and training diverged); one saved on the same tokens is taken whatever the
+files are called or however they are laid out (--no-concat or not). States of format 1 held meta's
+parts_sha256 instead (which names the files too) and are checked against it.
+
+Inputs are checked as a long run needs them: every number an integer (numpy's too, stored as int; a
+bool or a float is refused, never truncated), every refusal one line naming the field, a state loaded
+all or nothing. One Sequences may be shared by threads (its position moves under a lock), and it
+pickles as a reference (OUT, options, position; under 1 KB): a DataLoader worker reopens the files.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import orjson
 
+from tokpipe.data.files import TokenFiles
 from tokpipe.data.permutation import Permutation
-from tokpipe.errors import UserError
-from tokpipe.layout import load_meta_json
-from tokpipe.output import open_output
+from tokpipe.layout import load_meta_json, load_meta_pkl, split_files
 
-STATE_FORMAT = 1
-AHEAD = 4096  # a rank's windows looked up at once: a Permutation lookup costs per call, not per window
+STATE_FORMAT = 2  # 1: the fingerprint was meta's parts_sha256
+AHEAD = 16384  # a rank's windows looked up at once: a Permutation lookup costs mostly per call (its passes)
 
 
 @dataclass(frozen=True)
 class Batch:
     tokens: np.ndarray  # (B, seq_len + 1) int64
     windows: np.ndarray  # (B,) window numbers in their source
-    doc_starts: list[np.ndarray]  # per row, int64 offsets j in [0, seq_len] where a document's first token sits
+    doc_offsets: np.ndarray  # int64 offsets j in [0, seq_len] where a document's first token sits, row by row
+    doc_bounds: np.ndarray  # (B + 1,) row i's are doc_offsets[doc_bounds[i]:doc_bounds[i + 1]] (varlen's cu_seqlens)
     sources: list[str] | None = None  # per row, its source's name (Mixture only)
+    state: dict | None = None  # the loader's state right after this batch: save it to resume from here
 
     @property
     def inputs(self) -> np.ndarray:
@@ -55,11 +66,45 @@ class Batch:
     def targets(self) -> np.ndarray:
         return self.tokens[:, 1:]
 
+    @functools.cached_property
+    def doc_starts(self) -> list[np.ndarray]:
+        """Per row, its document starts (views of doc_offsets), made on first use (~10 us a batch of 64)."""
+        bounds = self.doc_bounds.tolist()
+        return [self.doc_offsets[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def integer(value, what: str, minimum: int | None = 0) -> int:
+    """`value` as an int when it is an integer (Python's or numpy's) >= minimum; else a ValueError naming it."""
+    if (
+        isinstance(value, (bool, np.bool_))
+        or not isinstance(value, (int, np.integer))
+        or (minimum is not None and value < minimum)
+    ):
+        need = "an integer" + (f" >= {minimum}" if minimum is not None else "")
+        raise ValueError(f"{what} {value!r}: need {need}")
+    return int(value)
+
 
 def epoch_seed(seed: int, epoch: int) -> int:
     return int.from_bytes(
         hashlib.blake2b(f"tokpipe.data epoch {seed} {epoch}".encode(), digest_size=8).digest(), "little"
     )
+
+
+def stream_fingerprint(out: Path, entry: dict, dtype: str, group: str | None) -> str:
+    """The sha256 of the dtype and each part's (token count, token sha256), in order: the same for the same
+    tokens however the files are named or laid out. A tokpipe 0.1 OUT's split has no parts list: its
+    file's sha256."""
+    if "parts_sha256" not in entry:
+        return entry["sha256"]
+    raw = (out / entry["parts"]).read_bytes()
+    if hashlib.sha256(raw).hexdigest() != entry["parts_sha256"]:
+        raise ValueError(f"{out / entry['parts']} is not the parts list meta describes: tokpipe verify {out}")
+    digest = hashlib.sha256(f"tokpipe token stream {dtype}\n".encode())
+    for record in map(orjson.loads, raw.splitlines()):
+        if record["tokens"] and (group is None or record.get("group") == group):
+            digest.update(f"{record['tokens']} {record['sha256']}\n".encode())
+    return digest.hexdigest()
 
 
 class Sequences:
@@ -76,182 +121,183 @@ class Sequences:
         world_size: int = 1,
         group: str | None = None,
     ):
-        if seq_len < 1 or world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(
-                f"seq_len {seq_len}, rank {rank} of world_size {world_size}: need seq_len >= 1, 0 <= rank < world_size"
-            )
-        self.out, self.split, self.seq_len = Path(out), split, int(seq_len)
-        self.seed, self.rank, self.world_size = int(seed), int(rank), int(world_size)
+        self.seq_len = integer(seq_len, "seq_len", 1)
+        self.seed = integer(seed, "seed", None)
+        self.world_size = integer(world_size, "world_size", 1)
+        self.rank = integer(rank, "rank")
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {rank} of world_size {world_size}: need 0 <= rank < world_size")
+        self.out, self.split, self.group = Path(out), split, group
         if load_meta_json(self.out) is None:  # meta.json is the last file a run writes
             raise ValueError(
                 f"{out} is not a finished tokpipe output (no meta.json): see where it stands with tokpipe status {out}"
             )
         try:
-            data = open_output(self.out)
-        except UserError as e:
-            raise ValueError(str(e)) from None
-        if split not in data.splits:
-            raise ValueError(f"{out} has no split {split!r}; its splits: {', '.join(data.splits)}")
-        self.meta = data.meta
-        info = data.meta["splits"][split]
-        self.fingerprint = info.get("parts_sha256") or info.get("sha256")  # the latter: a tokpipe 0.1 OUT's
-        if self.fingerprint is None:
-            raise ValueError(
-                f"{out}'s meta holds no checksum of split {split}: a loader state could not be checked against it"
-            )
-        chosen = data.splits[split]
+            self.meta = load_meta_pkl(self.out / "meta.pkl")
+        except Exception as e:  # a hostile or damaged pickle: the restricted unpickler refused it
+            raise ValueError(f"{self.out / 'meta.pkl'} cannot be read safely ({e}): tokpipe verify {out}") from None
+        if split not in self.meta["splits"]:
+            raise ValueError(f"{out} has no split {split!r}; its splits: {', '.join(self.meta['splits'])}")
+        entry = self.meta["splits"][split]
+        self._legacy_fingerprint = entry.get("parts_sha256") or entry.get("sha256")  # of format 1 states
         if group is not None:
-            if group not in chosen.groups:
-                have = f"its groups: {', '.join(chosen.groups)}" if chosen.groups else "it was made without --group-by"
+            groups = entry.get("groups", {})
+            if group not in groups:
+                have = f"its groups: {', '.join(groups)}" if groups else "it was made without --group-by"
                 raise ValueError(f"split {split} of {out} has no group {group!r}; {have}")
-            chosen = chosen.groups[group]
-            self.fingerprint = hashlib.sha256(f"{self.fingerprint} group {group}".encode()).hexdigest()
-        self.files = chosen.files
-        self.file_starts = np.cumsum([0] + [len(f.tokens) for f in self.files])  # one entry per file
-        tokens = int(self.file_starts[-1])
-        self.len = max(tokens - 1, 0) // self.seq_len
+            legacy = f"{self._legacy_fingerprint} group {group}"
+            self._legacy_fingerprint = hashlib.sha256(legacy.encode()).hexdigest()
+        self.fingerprint = stream_fingerprint(self.out, entry, self.meta["dtype"], group)
+        self.files = TokenFiles(split_files(self.out, groups[group] if group else entry), self.meta["dtype"])
+        self.len = max(self.files.tokens - 1, 0) // self.seq_len
         if self.len < self.world_size:
             raise ValueError(
-                f"split {split} of {out} has {tokens:,} tokens: {self.len} windows of seq_len {self.seq_len}, "
-                f"fewer than world_size {self.world_size:,}"
+                f"split {split} of {out} has {self.files.tokens:,} tokens: {self.len} windows of seq_len "
+                f"{self.seq_len}, fewer than world_size {self.world_size:,}"
             )
-        self.tokens = [f.tokens.view(np.ndarray) for f in self.files]  # slicing a memmap costs 2x a plain view
-        self.ends = [f.ends.view(np.ndarray) for f in self.files]
-        self.epoch, self.offset = 0, 0
-        self._order = Permutation(self.len, epoch_seed(self.seed, 0))
-        self._ahead = np.zeros(0, np.int64)  # this rank's next windows of the epoch, from `offset` on
+        self._lock = threading.Lock()  # the position (epoch, offset, _ahead) moves under it
+        self._set_position(0, 0)
 
     def __len__(self) -> int:
         return self.len
 
+    def __reduce__(self):
+        """Pickled as a reference: where the OUT is, the options and the position (a DataLoader's spawned
+        worker reopens the files instead of receiving the split)."""
+        options = dict(split=self.split, seq_len=self.seq_len, seed=self.seed, rank=self.rank)
+        options |= dict(world_size=self.world_size, group=self.group)
+        return _reopen, (str(self.out), options, self.state_dict())
+
     def window(self, i: int) -> np.ndarray:
         """Window i: tokens [i*seq_len, i*seq_len + seq_len + 1), as int64."""
-        if not 0 <= i < self.len:
+        if not isinstance(i, (int, np.integer)) or not 0 <= i < self.len:
             raise IndexError(
                 f"window {i} is out of range: split {self.split} has {self.len} windows of seq_len {self.seq_len}"
             )
         start = int(i) * self.seq_len
-        return self._read(start, start + self.seq_len + 1).astype(np.int64)
+        return self.files.read(start, start + self.seq_len + 1).astype(np.int64)
 
-    def _read(self, start: int, stop: int) -> np.ndarray:
-        """Tokens [start, stop) of the split, across files where a window crosses from one into the next."""
-        if len(self.tokens) == 1:
-            return self.tokens[0][start:stop]
-        f = int(np.searchsorted(self.file_starts, start, side="right")) - 1
-        pieces = []
-        while start < stop:
-            base = int(self.file_starts[f])
-            piece = self.tokens[f][start - base : stop - base]
-            pieces.append(piece)
-            start += len(piece)
-            f += 1
-        return np.concatenate(pieces)
+    def _set_position(self, epoch: int, offset: int) -> None:
+        self.epoch, self.offset = epoch, offset
+        self._order = Permutation(self.len, epoch_seed(self.seed, epoch))
+        self._ahead = np.zeros(0, np.int64)  # this rank's next windows of the epoch, from `offset` on
+        if (self.len - self.offset) // self.world_size == 0:
+            self._set_position(epoch + 1, 0)
 
-    def take(self, count: int) -> np.ndarray:
-        """The next `count` window numbers of this rank (across epochs), advancing the position."""
+    def _advance(self, count: int, keep: bool) -> list[np.ndarray]:
+        """Move this rank `count` windows on, across epochs (under the lock); with keep, their numbers."""
         taken = []
         while count:
-            if not self._ahead.size:
+            if keep and not self._ahead.size:
                 n = min(AHEAD, (self.len - self.offset) // self.world_size)
                 self._ahead = self._order[self.offset + self.rank + self.world_size * np.arange(n, dtype=np.int64)]
-            n = min(count, self._ahead.size)
-            taken.append(self._ahead[:n])
+            n = min(count, (self.len - self.offset) // self.world_size)
+            if keep:
+                n = min(n, self._ahead.size)
+                taken.append(self._ahead[:n])
             self._ahead = self._ahead[n:]
             self.offset += n * self.world_size
             count -= n
-            self._next_epoch_if_done()
+            if (self.len - self.offset) // self.world_size == 0:
+                self._set_position(self.epoch + 1, 0)
+        return taken
+
+    def take(self, count: int) -> np.ndarray:
+        """The next `count` window numbers of this rank (across epochs), advancing the position."""
+        count = integer(count, "count")
+        with self._lock:
+            taken = self._advance(count, keep=True)
         return np.concatenate(taken) if taken else np.zeros(0, np.int64)
 
-    def _next_epoch_if_done(self) -> None:
-        if (self.len - self.offset) // self.world_size == 0:
-            self.epoch, self.offset = self.epoch + 1, 0
-            self._order = Permutation(self.len, epoch_seed(self.seed, self.epoch))
-            self._ahead = np.zeros(0, np.int64)
-
-    def batch_of(self, windows: np.ndarray) -> Batch:
-        """These windows' tokens and document starts (no position advanced)."""
-        starts = windows * self.seq_len
-        tokens = np.empty((len(windows), self.seq_len + 1), dtype=np.int64)
-        for row, start in enumerate(starts.tolist()):
-            tokens[row] = self._read(start, start + self.seq_len + 1)
-        return Batch(tokens, windows, self._doc_starts(starts))
+    def skip(self, count: int) -> None:
+        """Advance the position by `count` of this rank's windows without reading them (a DataLoader
+        worker skips the batches of the others)."""
+        count = integer(count, "count")
+        with self._lock:
+            self._advance(count, keep=False)
 
     def next_batch(self, batch_size: int) -> Batch:
-        return self.batch_of(self.take(batch_size))
+        """This rank's next `batch_size` windows (0: an empty batch), with the state right after them."""
+        batch_size = integer(batch_size, "batch_size")
+        with self._lock:
+            taken = self._advance(batch_size, keep=True)
+            state = self._state()
+        windows = taken[0] if len(taken) == 1 else np.concatenate(taken) if taken else np.zeros(0, np.int64)
+        return self.batch_of(windows, state)
 
-    def _doc_starts(self, starts: np.ndarray) -> list[np.ndarray]:
-        """Per window, where documents start in it: the split's document ends in [start, start + seq_len]
-        (a document starts where the one before ends), and 0 for the window at the split's start."""
-        if len(self.ends) == 1:
-            ends = self.ends[0]
-            lo = np.searchsorted(ends, starts, side="left")
-            hi = np.searchsorted(ends, starts + self.seq_len, side="right")
-            counts = hi - lo
-            first = np.cumsum(counts) - counts
-            picked = np.arange(counts.sum()) + np.repeat(lo - first, counts)
-            rows = np.repeat(np.arange(len(starts)), counts)
-            found = np.asarray(ends[picked], dtype=np.int64) - np.repeat(starts, counts)
-        else:
-            per_row = [self._doc_starts_across_files(int(s)) for s in starts]
-            rows = np.repeat(np.arange(len(starts)), [len(p) for p in per_row])
-            found = np.concatenate(per_row) if per_row else np.zeros(0, np.int64)
-        # An empty document's end repeats the one before: no document's first token sits there twice.
-        keep = np.ones(len(found), dtype=bool)
-        keep[1:] = (found[1:] != found[:-1]) | (rows[1:] != rows[:-1])
-        result = np.split(found[keep], np.cumsum(np.bincount(rows[keep], minlength=len(starts)))[:-1])
-        for row in np.flatnonzero(starts == 0):
-            result[row] = np.unique(np.concatenate([[0], result[row]]))
-        return result
+    def batch_of(self, windows: np.ndarray, state: dict | None = None) -> Batch:
+        """These windows' tokens and document starts (no position advanced)."""
+        windows = np.asarray(windows, dtype=np.int64)
+        starts = windows * self.seq_len
+        offsets, bounds = self.files.doc_starts(starts, self.seq_len)
+        return Batch(self.files.windows(starts, self.seq_len), windows, offsets, bounds, state=state)
 
-    def _doc_starts_across_files(self, start: int) -> np.ndarray:
-        """The split's document ends in [start, start + seq_len], from the files whose ends can hold them."""
-        stop = start + self.seq_len
-        first = int(np.searchsorted(self.file_starts[1:], start, side="left"))
-        last = int(np.searchsorted(self.file_starts[:-1], stop, side="left"))
-        found = []
-        for f in range(first, last):
-            base, ends = int(self.file_starts[f]), self.ends[f]
-            lo, hi = np.searchsorted(ends, start - base, side="left"), np.searchsorted(ends, stop - base, side="right")
-            found.append(np.asarray(ends[lo:hi], dtype=np.int64) + (base - start))
-        return np.concatenate(found) if found else np.zeros(0, np.int64)
-
-    def state_dict(self) -> dict:
-        """Where the ranks are, the same on every rank: save it beside the model's checkpoint."""
+    def _state(self) -> dict:
         return {
             "format": STATE_FORMAT,
             "split": self.split,
             "seq_len": self.seq_len,
             "seed": self.seed,
+            "tokens": self.files.tokens,
             "fingerprint": self.fingerprint,
             "epoch": self.epoch,
             "offset": self.offset,
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        """Continue where `state` was saved, under this world_size. Refused (ValueError) when it was saved
-        on other data, seq_len, seed or split."""
-        missing = [key for key in self.state_dict() if key not in state]
-        if state.get("format") != STATE_FORMAT or missing:
+    def state_dict(self) -> dict:
+        """Where the ranks are, the same on every rank: save it beside the model's checkpoint."""
+        with self._lock:
+            return self._state()
+
+    def check_state(self, state) -> tuple[int, int]:
+        """The (epoch, offset) that `state` holds, when it can be loaded here; a one-line ValueError naming
+        what differs or what is wrong when not. Nothing moves."""
+        if not isinstance(state, dict):
+            raise ValueError(f"a loader state is a dict (Sequences.state_dict()), not a {type(state).__name__}")
+        keys = [k for k in self._state() if k != "tokens" or state.get("format") != 1]
+        missing = [k for k in keys if k not in state]
+        if state.get("format") not in (1, STATE_FORMAT) or missing:
             raise ValueError(
                 f"not a Sequences loader state of format {STATE_FORMAT} (format {state.get('format')!r}, "
                 f"missing {', '.join(missing) or 'nothing'})"
             )
+        for key in ("seq_len", "seed", "epoch", "offset") + (("tokens",) if state["format"] != 1 else ()):
+            integer(state[key], f"loader state's {key}", 1 if key == "seq_len" else 0 if key != "seed" else None)
         differ = []
-        if state["fingerprint"] != self.fingerprint:
+        if state["format"] == 1 and state["fingerprint"] != self._legacy_fingerprint:
             differ.append(
-                f"the content of the split differs (fingerprint {state['fingerprint'][:12]} saved, "
-                f"{self.fingerprint[:12]} in {self.out}: the data changed since the state was saved)"
+                f"the content of the split differs (fingerprint {str(state['fingerprint'])[:12]} saved, "
+                f"{self._legacy_fingerprint[:12]} in {self.out}: the data changed since the state was saved)"
+            )
+        elif state["format"] != 1 and state["tokens"] != self.files.tokens:
+            differ.append(
+                f"the split holds other tokens ({state['tokens']:,} saved, {self.files.tokens:,} in {self.out}: "
+                f"the data changed since the state was saved)"
+            )
+        elif state["format"] != 1 and state["fingerprint"] != self.fingerprint:
+            differ.append(
+                f"the split's tokens differ (as many, {self.files.tokens:,}, but fingerprint "
+                f"{str(state['fingerprint'])[:12]} saved, {self.fingerprint[:12]} in {self.out}: "
+                f"the data changed since the state was saved)"
             )
         for key in ("seq_len", "seed", "split"):
             if state[key] != getattr(self, key):
                 differ.append(f"{key} differs ({state[key]!r} saved, {getattr(self, key)!r} here)")
         if differ:
             raise ValueError(f"cannot load this loader state: {'; '.join(differ)}")
-        if not (isinstance(state["offset"], int) and 0 <= state["offset"] <= self.len and state["epoch"] >= 0):
-            raise ValueError(
-                f"loader state at epoch {state['epoch']}, offset {state['offset']}: out of {self.len} windows"
-            )
-        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
-        self._order = Permutation(self.len, epoch_seed(self.seed, self.epoch))
-        self._ahead = np.zeros(0, np.int64)
-        self._next_epoch_if_done()
+        if state["offset"] > self.len:
+            raise ValueError(f"loader state's offset {state['offset']}: out of {self.len} windows")
+        return int(state["epoch"]), int(state["offset"])
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue where `state` was saved, under this world_size. Refused (ValueError) when it was saved
+        on other tokens, seq_len, seed or split, or is not a loader state; then nothing moves."""
+        epoch, offset = self.check_state(state)
+        with self._lock:
+            self._set_position(epoch, offset)
+
+
+def _reopen(out: str, options: dict, state: dict) -> Sequences:
+    sequences = Sequences(out, **options)
+    sequences.load_state_dict(state)
+    return sequences

@@ -23,7 +23,7 @@ from tokpipe.manifest import Manifest
 from tokpipe.options import RunOptions
 from tokpipe.runner.local import Tally, describe_failure, finished
 from tokpipe.runner.progress import Progress, RunLog
-from tokpipe.runner.task import ProgressBoard, Stored, copy_task, shard_task
+from tokpipe.runner.task import Placer, ProgressBoard, Stored, shard_task
 from tokpipe.shard import EncodeSpec, ShardResult
 
 POLL_EVERY = 0.5  # seconds between looks at progress and stalls
@@ -43,20 +43,32 @@ def _get(ref):
 class Copies:
     """The writes that assemble the split files while shards still tokenize; what goes where is the Assembler's.
 
-    Ray tasks that take no CPU of the shards': a shard's buffered parts are written on the node whose
-    object store holds them (never through the driver, whose own CPU stays per shard, not per byte), the
-    parts copied from shards' own files on any node (OUT is on storage all of them see). Parts wait in a
-    queue while every slot is busy, so the next task takes all of them: with thousands of tiny shards, one
-    task and one fsync cover many.
+    A Placer actor on each node that holds tokens (task.Placer) takes no CPU of the shards': a shard's
+    buffered parts are written on the node whose object store holds them (never through the driver, whose
+    own CPU stays per shard, not per byte), the parts copied from shards' own files by the placers in turn
+    (OUT is on storage all of them see). Parts wait in a queue while every slot is busy, so the next call
+    takes all of them: with thousands of tiny shards, one call and one fsync cover many.
     """
 
     def __init__(self, assembler: Assembler, out: Path, itemsize: int, nodes: int, check: ray.ObjectRef | None):
         self.assembler, self.out, self.itemsize, self.check = assembler, out, itemsize, check
         self.slots = 2 * nodes
-        self.task = ray.remote(num_cpus=0, max_retries=3, name="tokpipe copy")(copy_task)
+        self.here = ray.get_runtime_context().get_node_id()
+        self.placers: dict[str, ray.actor.ActorHandle] = {}  # node -> its Placer, made when first needed
+        self.turn = 0  # which placer copies the next parts from files
         self.queue: deque[Part] = deque()
         self.running: dict = {}  # ObjectRef -> its parts
         self.bytes_by_node: Counter = Counter()
+
+    def _placer(self, node: str | None) -> ray.actor.ActorHandle:
+        if node is None:  # tokens in files: any node's placer, in turn
+            placers = list(self.placers.values()) or [self._placer(self.here)]
+            self.turn += 1
+            return placers[self.turn % len(placers)]
+        if node not in self.placers:
+            where = NodeAffinitySchedulingStrategy(node, soft=True)
+            self.placers[node] = Placer.options(scheduling_strategy=where).remote(self.check)
+        return self.placers[node]
 
     def feed(self, excluded: frozenset[str] = frozenset()) -> None:
         if not self.assembler.concat:  # --no-concat: nothing to copy, a part is listed as it is
@@ -69,9 +81,7 @@ class Copies:
             while self.queue and _where(self.queue[0]) == (stem, node) and size < COPY_BATCH_BYTES:
                 batch.append(self.queue.popleft())
                 size += batch[-1].record["tokens"] * self.itemsize
-            where = NodeAffinitySchedulingStrategy(node, soft=True) if node else "SPREAD"
-            task = self.task.options(scheduling_strategy=where).remote(str(self.out), batch, self.itemsize, self.check)
-            self.running[task] = batch
+            self.running[self._placer(node).place.remote(str(self.out), batch, self.itemsize)] = batch
 
     def collect(self, block: bool = False) -> None:
         """List the copies that are done (with `block`, after waiting for one), then start the next."""

@@ -1,0 +1,111 @@
+"""tokpipe.data.Mixture at the edges: a state loaded all or nothing, the drawn/counts pair checked, sources
+that must be read the same way (one tokenizer by content, one document convention), and a Mixture that
+pickles as references to its sources."""
+
+import json
+import pickle
+import shutil
+
+import numpy as np
+import pytest
+from helpers import QWEN3, build_out
+
+from tokpipe.data import Mixture, Sequences
+
+SPLITS = ("train", "validation")
+
+
+def mixture(out, seed=1, weights=None) -> Mixture:
+    return Mixture({s: Sequences(out, s, seq_len=2048, seed=seed) for s in SPLITS}, weights or {s: 1 for s in SPLITS})
+
+
+def test_a_state_is_loaded_all_or_nothing(finished_example):
+    running = mixture(finished_example)
+    for _ in range(3):
+        running.next_batch(33)
+    state = json.loads(json.dumps(running.state_dict()))
+    assert state["drawn"] == 99 and state["counts"] == {"train": 50, "validation": 49}
+    fresh = mixture(finished_example)
+    before = fresh.state_dict()
+    broken = json.loads(json.dumps(state))
+    broken["sources"]["validation"]["seq_len"] = 1024  # train, loaded first, would have moved
+    with pytest.raises(
+        ValueError,
+        match=r"^source validation: cannot load this loader state: seq_len differs \(1024 saved, 2048 here\)$",
+    ):
+        fresh.load_state_dict(broken)
+    assert fresh.state_dict() == before
+    fresh.load_state_dict(state)
+    a, b = running.next_batch(40), fresh.next_batch(40)
+    assert a.sources == b.sources and np.array_equal(a.tokens, b.tokens) and b.state == running.state_dict()
+
+
+def test_a_drawn_and_counts_pair_the_draw_never_gives_is_refused(finished_example):
+    state = mixture(finished_example).state_dict()
+    fresh = mixture(finished_example)
+    for drawn, counts in ((5, {"train": 0, "validation": 0}), (5, {"train": 5, "validation": 0})):
+        with pytest.raises(
+            ValueError,
+            match=rf"^loader state's counts {{'train': {counts['train']}, 'validation': 0}} after 5 rows: the draw "
+            r"never gives them \(they sum to drawn, each within 1 of drawn x its share\)$",
+        ):
+            fresh.load_state_dict(state | {"drawn": drawn, "counts": counts})
+    with pytest.raises(ValueError, match=r"^loader state's drawn 2.5: need an integer >= 0$"):
+        fresh.load_state_dict(state | {"drawn": 2.5})
+    with pytest.raises(ValueError, match=r"^loader state's counts\['train'\] True: need an integer >= 0$"):
+        fresh.load_state_dict(state | {"drawn": 1, "counts": {"train": True, "validation": 0}})
+    assert fresh.state_dict() == state
+    fresh.load_state_dict(state | {"drawn": 3, "counts": {"train": 2, "validation": 1}})  # what the draw gives
+    assert fresh.next_batch(1).sources == ["validation"]
+
+
+def test_weights_are_positive_finite_numbers(finished_example):
+    sources = {s: Sequences(finished_example, s, seq_len=2048) for s in SPLITS}
+    for bad in (True, "1", float("nan"), 0, -1.5):
+        with pytest.raises(ValueError, match=r"^weights must be positive finite numbers: \{'train': "):
+            Mixture(sources, {"train": bad, "validation": 1})
+
+
+def test_sources_with_other_document_conventions_are_refused_naming_both(finished_example, finished_bos):
+    with pytest.raises(
+        ValueError,
+        match=r"^sources delimit documents differently \(bos: BOS <\|im_start\|> \(151644\) before and EOS "
+        r"<\|endoftext\|> \(151643\) after each document, eos: EOS <\|endoftext\|> \(151643\) after each "
+        r"document\): a model would learn both conventions$",
+    ):
+        Mixture(
+            {"eos": Sequences(finished_example, seq_len=64), "bos": Sequences(finished_bos, seq_len=64)},
+            {"eos": 1, "bos": 1},
+        )
+
+
+def test_a_re_indented_tokenizer_json_is_the_same_tokenizer(finished_example, tmp_path):
+    tokenizer = tmp_path / "qwen3-indented"
+    shutil.copytree(QWEN3, tokenizer)
+    (tokenizer / "tokenizer.json").write_text(json.dumps(json.loads((QWEN3 / "tokenizer.json").read_text()), indent=3))
+    indented = build_out(tmp_path / "out", tokenizer)
+    assert (
+        json.loads((indented / "meta.json").read_text())["tokenizer_sha256"]
+        != json.loads((finished_example / "meta.json").read_text())["tokenizer_sha256"]
+    )
+    sources = {"a": Sequences(finished_example, seq_len=64), "b": Sequences(indented, seq_len=64)}
+    batch = Mixture(sources, {"a": 1, "b": 1}).next_batch(4)
+    assert batch.sources == ["a", "b", "a", "b"]
+    (tokenizer / "tokenizer.json").unlink()  # then their content cannot be compared: refused, saying why
+    with pytest.raises(
+        ValueError,
+        match=r"^sources were made with different tokenizer.json files \(a: qwen3@sha256:\w+ \(vocab_size 151669\), "
+        r"b: qwen3-indented@sha256:\w+ \(vocab_size 151669\)\), and .*qwen3-indented/tokenizer.json \(b\) is no "
+        r"longer the file recorded to compare their content: put it back, or tokenize again with one tokenizer$",
+    ):
+        Mixture(sources, {"a": 1, "b": 1})
+
+
+def test_a_mixture_pickles_as_references_and_resumes_there(finished_example):
+    running = mixture(finished_example, seed=3, weights={"train": 0.7, "validation": 0.3})
+    running.next_batch(21)
+    raw = pickle.dumps(running)
+    assert len(raw) < 10_000
+    copy = pickle.loads(raw)
+    a, b = copy.next_batch(30), running.next_batch(30)
+    assert a.sources == b.sources and np.array_equal(a.tokens, b.tokens)
