@@ -74,16 +74,12 @@ def test_permutation_at_10_12_is_fast_and_holds_nothing_per_element():
     assert images[0] >= 0 and images[-1] < n and np.all(np.diff(images) > 0)
 
 
-def test_one_index_at_a_time_takes_microseconds_and_gives_the_arrays_image():
+def test_one_index_at_a_time_gives_the_arrays_image_as_an_int():
+    # Its speed (~4 us a lookup against numpy's ~135 us) is benchmarks/loader.py's to measure, not a test's.
     p = Permutation(10**12 + 39, 5)  # 2**40 > n: about 1.1 passes a lookup
     indices = list(range(7, 10**12, 10**12 // 2_000))
-    rounds = []
-    for _ in range(5):  # the fastest round: the machine is shared
-        started = time.perf_counter()
-        images = [p[i] for i in indices]
-        rounds.append((time.perf_counter() - started) / len(indices))
+    images = [p[i] for i in indices]
     assert images == p[np.array(indices)].tolist() and type(images[0]) is int
-    assert min(rounds) < 20e-6  # ~4 us on one idle core here; numpy's path took ~135 us for one index
     assert p[np.int64(7)] == images[0] and type(p[np.uint32(7)]) is int
     with pytest.raises(TypeError, match="Permutation indices must be integers, not bool"):
         p[True]
