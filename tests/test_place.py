@@ -1,7 +1,6 @@
 """place: a shard's buffered tokens are written once, at their offset, then its checkpoint, then its line in
 .parts; a kill -9 of the run at each of those steps loses nothing, and a rerun keeps what is in place."""
 
-import json
 import re
 import signal
 import subprocess
@@ -66,7 +65,7 @@ def test_a_kill_9_at_each_step_of_placing_a_buffered_shard_loses_nothing(tmp_pat
 def test_a_buffered_part_is_written_at_its_offset_and_its_checkpoint_after(tmp_path):
     """place() of a part from memory: the tokens at the part's offset, its document ends moved by it, and the
     checkpoint it carries written once the bytes are fsynced."""
-    from tokpipe.layout import Part, assembly_files
+    from tokpipe.layout import Checkpoint, Part, assembly_files
     from tokpipe.place import place
 
     bin_tmp, idx_tmp, _ = assembly_files(tmp_path, "train")
@@ -75,11 +74,11 @@ def test_a_buffered_part_is_written_at_its_offset_and_its_checkpoint_after(tmp_p
     tokens = [np.array([7, 8, 9], dtype=np.uint32), np.array([10], dtype=np.uint32)]
     ends = [np.array([3], dtype="<i8"), np.array([4], dtype="<i8")]
     record = {"shard": "train/b.jsonl", "tokens": 4, "documents": 2, "sha256": "x", "idx_sha256": "y"}
-    checkpoint = (str(tmp_path / "b.json"), {"done": True, "tokens": 4})
+    checkpoint = (str(tmp_path / "b.json"), Checkpoint(tokens=4, documents=2, done=True))
     part = Part(
         "train", 1, 5, 2, record, buffered=({(False, None): (tokens, ends)}, (False, None)), checkpoint=checkpoint
     )
     assert place(tmp_path, [part], 4) == [record]
     assert np.fromfile(bin_tmp, dtype=np.uint32).tolist() == [0, 1, 2, 3, 4, 7, 8, 9, 10]
     assert np.fromfile(idx_tmp, dtype="<i8").tolist() == [2, 5, 8, 9]
-    assert json.loads((tmp_path / "b.json").read_text()) == {"done": True, "tokens": 4}
+    assert Checkpoint.load(tmp_path / "b.json") == checkpoint[1]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
@@ -355,7 +355,7 @@ class Assembler:
         if s.head_buffered is not None:
             key = (held, group)
             buffered = (s.head_buffered, key) if bin_path is not None else None
-            checkpoint = (str(files.checkpoint), asdict(s.head_ckpt))
+            checkpoint = (str(files.checkpoint), s.head_ckpt)
             return Part(s.stem, seq, tokens, documents, record, buffered=buffered, checkpoint=checkpoint)
         where = (str(bin_path), str(idx_path)) if bin_path is not None else ("", "")
         return Part(s.stem, seq, tokens, documents, record, *where)

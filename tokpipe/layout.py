@@ -182,9 +182,9 @@ class Part:
     bin: str = ""
     idx: str = ""
     # A buffered shard's parts (on Ray, the reference to them) with this part's key; its checkpoint (path,
-    # fields), written once placed: nothing on disk covered the shard before (shard.ShardResult.buffered).
+    # Checkpoint), written once placed: nothing on disk covered the shard before (shard.ShardResult.buffered).
     buffered: tuple | None = None
-    checkpoint: tuple[str, dict] | None = None
+    checkpoint: tuple[str, Checkpoint] | None = None
 
     @property
     def name(self) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -60,8 +61,8 @@ def place(out: str | os.PathLike, parts: list[Part], itemsize: int) -> list[dict
     finally:
         for f in itertools.chain(*opened.values()):
             f.close()
-    for path, fields in dict(part.checkpoint for part in parts if part.checkpoint).items():
-        write_json_atomic(Path(path), fields)
+    for path, ckpt in dict(part.checkpoint for part in parts if part.checkpoint).items():
+        write_json_atomic(Path(path), asdict(ckpt))
     return records
 
 

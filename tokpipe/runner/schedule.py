@@ -21,12 +21,20 @@ from tokpipe.errors import NodeError, TooManyGroups
 from tokpipe.layout import Part, stall_dump
 from tokpipe.manifest import Manifest
 from tokpipe.options import RunOptions
-from tokpipe.runner.local import Tally, describe_failure, finished
+from tokpipe.runner.local import Finished, Tally, describe_failure
 from tokpipe.runner.progress import Progress, RunLog
 from tokpipe.runner.task import Placer, ProgressBoard, Stored, shard_task
 from tokpipe.shard import EncodeSpec, ShardResult
 
 POLL_EVERY = 0.5  # seconds between looks at progress and stalls
+# Shard tasks in flight per worker: one running, one queued in Ray, so that a worker that finishes starts its
+# next shard at once and the driver can take finished ones in batches.
+QUEUED = 2
+# Once a task is done, how long the driver lets others finish before it takes them all: its cost is per wake-up
+# (a wait over the running tasks, one placing call, one fsync of the parts list), not per shard. Measured
+# (2,500 one-document shards, 16 workers on 2 cores): 3.1 ms of the driver's CPU per shard when it woke for
+# each one.
+GATHER = 0.02
 
 
 def _get(ref):
@@ -141,8 +149,10 @@ class Scheduler:
         )(shard_task)
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         self.board = ProgressBoard.options(scheduling_strategy=here).remote()
+        self.common = ray.put((str(out), spec, self.board, opts.stall_timeout))  # see task.shard_task
         # Not those that failed in this process already (tokenize_while).
-        self.unfinished = (s for s in manifest.shards() if not finished(out, s) and s.relpath not in tally.failed)
+        finished = Finished(out)
+        self.unfinished = (s for s in manifest.shards() if not finished(s) and s.relpath not in tally.failed)
         self.stalled: deque = deque()  # (shard, stall retries) cancelled for a stall, to submit again
         self.running: dict = {}  # result's ObjectRef -> (shard, stall retries, submitted at, buffered parts' ref)
         self.failed = tally.failed
@@ -156,10 +166,10 @@ class Scheduler:
             self._submit()
             if not self.running:
                 break
-            # Wake on the first finished task (small shards finish in milliseconds), then take all that are done.
+            # Wake on the first finished task, then take all that are done GATHER later.
             ready, _ = ray.wait(list(self.running), num_returns=1, timeout=POLL_EVERY)
             if ready:
-                ready, _ = ray.wait(list(self.running), num_returns=len(self.running), timeout=0)
+                ready, _ = ray.wait(list(self.running), num_returns=len(self.running), timeout=GATHER)
             copies.collect()
             for ref in ready:
                 done += self._collect(ref, copies.assembler)
@@ -176,16 +186,14 @@ class Scheduler:
         progress.update(*self.totals, done=done, running=0, failed=len(self.failed), final=True)
 
     def _submit(self) -> None:
-        while len(self.running) < self.workers:
+        while len(self.running) < QUEUED * self.workers:
             if self.stalled:
                 shard, stalls = self.stalled.popleft()
             elif (shard := next(self.unfinished, None)) is not None:
                 stalls = 0
             else:
                 return
-            ref, buffered = self.task.remote(
-                shard, str(self.out), self.spec, self.board, self.opts.stall_timeout, self.check
-            )
+            ref, buffered = self.task.remote(shard, self.common, self.check)
             self.running[ref] = (shard, stalls, time.time(), buffered)
 
     def _collect(self, ref, assembler: Assembler) -> int:

@@ -15,7 +15,7 @@ from tokpipe.manifest import Shard
 from tokpipe.memory import memory_guard
 from tokpipe.place import place
 from tokpipe.runner.nodes import NodeCheck, ensure_seen
-from tokpipe.shard import EncodeSpec, ShardResult, tokenize_shard
+from tokpipe.shard import ShardResult, tokenize_shard
 
 REPORT_EVERY = 1.0  # seconds between a worker's progress reports
 
@@ -45,13 +45,15 @@ class ProgressBoard:
         return self.totals, self.beats
 
 
-def shard_task(
-    shard: Shard, out: str, spec: EncodeSpec, board, stall_timeout: float, check: NodeCheck | None
-) -> tuple[ShardResult, dict | None]:
+def shard_task(shard: Shard, common: tuple, check: NodeCheck | None) -> tuple[ShardResult, dict | None]:
     """The Ray task around tokenize_shard: progress reports, and a stack dump if it stops moving. On a
     node the driver did not probe, first the paths the run needs (NodeError: not the stall dump's).
+    `common`: what every shard task of the run takes (OUT, the EncodeSpec, the ProgressBoard, the stall
+    timeout), put in the object store once: serialized for every task, it was a third of the driver's cost
+    of submitting one; `check` comes apart (Ray resolves a reference only as an argument of its own).
     Two returns: the result, and apart from it the parts the shard kept in memory, which stay in this
-    node's object store until a copy task here writes them into place (the driver never fetches them)."""
+    node's object store until a Placer here writes them into place (the driver never fetches them)."""
+    out, spec, board, stall_timeout = common
     ensure_seen(check)
     tag = f"{shard.split}/{shard.key}"
     # `ps` shows which shard each worker is on (Ray sets the title back to ray::IDLE after the task).
