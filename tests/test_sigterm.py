@@ -106,12 +106,16 @@ def _threads(pid: int) -> list[str]:
 def test_while_ray_starts_and_the_driver_tokenizes(tmp_path, ray_address):
     """The moment Ray's C++ side printed its failure-signal handler's stack at (`*** SIGTERM received at ...`,
     `PC: @ ...`, twice): Ray's core worker is up in the driver (its `worker.io` thread runs), Ray has not
-    taken over from the driver yet. The example three times over (symlinks to its files: the reference of
-    each file is encoded once) keeps the driver tokenizing with the reference encoder well past it."""
+    taken over from the driver yet. The example five times over (symlinks to its files: the reference of
+    each file is encoded once) keeps the driver tokenizing with the reference encoder well past it (three
+    times over, the driver had finished under load from other tests: Ray's start took 9 s)."""
     data = tmp_path / "data"
-    train = [data / f"train/copy{i}/part{k}.jsonl.zst" for i in range(3) for k in range(len(EXAMPLE_TRAIN_FILES))]
-    val = [data / f"validation/copy{i}/part{k}.jsonl.zst" for i in range(3) for k in range(len(EXAMPLE_HOLDOUT_FILES))]
-    for link, target in zip(train + val, 3 * EXAMPLE_TRAIN_FILES + 3 * EXAMPLE_HOLDOUT_FILES):
+    copies = 5
+    train = [data / f"train/copy{i}/part{k}.jsonl.zst" for i in range(copies) for k in range(len(EXAMPLE_TRAIN_FILES))]
+    val = [
+        data / f"validation/copy{i}/part{k}.jsonl.zst" for i in range(copies) for k in range(len(EXAMPLE_HOLDOUT_FILES))
+    ]
+    for link, target in zip(train + val, copies * EXAMPLE_TRAIN_FILES + copies * EXAMPLE_HOLDOUT_FILES):
         link.parent.mkdir(parents=True, exist_ok=True)
         link.symlink_to(target)
     manifest, out = tmp_path / "m.json", tmp_path / "out"
@@ -125,8 +129,8 @@ def test_while_ray_starts_and_the_driver_tokenizes(tmp_path, ray_address):
     assert not (out / "meta.json").exists()
     eos = QWEN3_EOS
     reference = {
-        "train": reference_tokens(3 * EXAMPLE_TRAIN_FILES, QWEN3 / "tokenizer.json", eos),
-        "val": reference_tokens(3 * EXAMPLE_HOLDOUT_FILES, QWEN3 / "tokenizer.json", eos),
+        "train": reference_tokens(copies * EXAMPLE_TRAIN_FILES, QWEN3 / "tokenizer.json", eos),
+        "val": reference_tokens(copies * EXAMPLE_HOLDOUT_FILES, QWEN3 / "tokenizer.json", eos),
     }
     assert_rerun_is_exact(run_args(manifest, out), out, reference, ray_address)
 

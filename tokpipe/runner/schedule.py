@@ -75,7 +75,7 @@ class Copies:
             return placers[self.turn % len(placers)]
         if node not in self.placers:
             where = NodeAffinitySchedulingStrategy(node, soft=True)
-            self.placers[node] = Placer.options(scheduling_strategy=where).remote(self.check)
+            self.placers[node] = Placer.options(scheduling_strategy=where).remote()
         return self.placers[node]
 
     def feed(self, excluded: frozenset[str] = frozenset()) -> None:
@@ -89,7 +89,7 @@ class Copies:
             while self.queue and _where(self.queue[0]) == (stem, node) and size < COPY_BATCH_BYTES:
                 batch.append(self.queue.popleft())
                 size += batch[-1].record["tokens"] * self.itemsize
-            self.running[self._placer(node).place.remote(str(self.out), batch, self.itemsize)] = batch
+            self.running[self._placer(node).place.remote(str(self.out), batch, self.itemsize, self.check)] = batch
 
     def collect(self, block: bool = False) -> None:
         """List the copies that are done (with `block`, after waiting for one), then start the next."""

@@ -118,12 +118,13 @@ class Placer:
     (measured: 2,500 one-document shards took 72 s of tokenizing against 29 s). Two calls at once: one writes
     while the other waits on its fsync."""
 
-    def __init__(self, check: NodeCheck | None):
-        self.check, self.node = check, ray.get_runtime_context().get_node_id()
+    def __init__(self):
+        self.node = ray.get_runtime_context().get_node_id()
 
-    def place(self, out: str, parts: list[Part], itemsize: int) -> tuple[str, list[dict]]:
-        """place.place, after reading the buffered parts; says which node wrote them."""
-        ensure_seen(self.check)
+    def place(self, out: str, parts: list[Part], itemsize: int, check: NodeCheck | None) -> tuple[str, list[dict]]:
+        """place.place, after reading the buffered parts; says which node wrote them. `check`: a call's argument,
+        not the actor's: Ray could not restart an actor whose constructor took a reference that went."""
+        ensure_seen(check)
         stored = {part.buffered[0].ref for part in parts if part.buffered is not None}
         values = dict(zip(stored, ray.get(list(stored))))
         parts = [
