@@ -49,13 +49,22 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--backend", default=None, help="the encoder (default: what tokpipe's auto picks)")
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/tokpipe-bench"))
+    p.add_argument(
+        "--base",
+        default=None,
+        help="the smaller run of the marginal: a distinct corpus of this size in shards of the same size"
+        " (default: 20 documents, which makes the marginal the whole run's less the fixed cost)",
+    )
     args = p.parse_args()
     size = parse_size(args.size)
-    corpus = build_distinct_corpus(str(SHARED), size, args.workers, -(-size // args.shards), args.work_dir)
-    manifests = {
-        "tiny": manifest_of(tiny_corpus(args.work_dir), args.work_dir),
-        "full": manifest_of(Path(corpus.path), args.work_dir),
-    }
+    shard_bytes = -(-size // args.shards)
+    corpus = build_distinct_corpus(str(SHARED), size, args.workers, shard_bytes, args.work_dir)
+    base = (
+        Path(build_distinct_corpus(str(SHARED), parse_size(args.base), args.workers, shard_bytes, args.work_dir).path)
+        if args.base
+        else tiny_corpus(args.work_dir)
+    )
+    manifests = {"tiny": manifest_of(base, args.work_dir), "full": manifest_of(Path(corpus.path), args.work_dir)}
     out = args.work_dir / "price-out"
     runs: dict[str, list[dict]] = {}
     backend = args.backend
