@@ -37,12 +37,11 @@ class Permutation:
         if n < 0:
             raise ValueError(f"Permutation of {n} elements: n must be >= 0")
         self.n, self.seed = int(n), int(seed)
-        bits = max(2, (self.n - 1).bit_length())
+        self.bits = bits = max(2, (self.n - 1).bit_length())
         self.shift = np.uint64(bits // 2)  # the low half's bits
         self.low_mask = np.uint64((1 << (bits // 2)) - 1)
         self.high_mask = np.uint64((1 << (bits - bits // 2)) - 1)
-        digest = hashlib.blake2b(f"tokpipe.data.Permutation {self.seed}".encode(), digest_size=8 * ROUNDS).digest()
-        self.keys = np.frombuffer(digest, dtype="<u8").astype(np.uint64)
+        self.keys = np.frombuffer(_round_keys(self.seed), dtype="<u8").astype(np.uint64)
         self._key_pairs = tuple(zip(self.keys[0::2].tolist(), self.keys[1::2].tolist()))  # the scalar path's
 
     def __len__(self) -> int:
@@ -100,5 +99,42 @@ class Permutation:
             y[i] = self._encrypt_int(int(y[i]))
         return int(y[0]) if scalar else y.astype(np.int64).reshape(x.shape)
 
+    @classmethod
+    def orders(cls, n: int, seeds: list[int]) -> np.ndarray:
+        """Row k: Permutation(n, seeds[k])[np.arange(n)], for every seed at once, where n is small (its
+        power of 2 times len(seeds) a few 10^4 at most). A round mixes one half's value into the other,
+        and a half holds few values: each round's function of each value, every seed's, is one table,
+        made by one pass of numpy calls; every value of range(2**b) goes through the tables; the values
+        at n or above walk on by lookups in the result."""
+        p = cls(n, 0)
+        keys = np.frombuffer(b"".join(map(_round_keys, seeds)), dtype="<u8").reshape(len(seeds), ROUNDS, 1)
+        size, domain = int(p.high_mask) + 1, np.arange(1 << int(p.bits), dtype=np.int64)
+        z = (np.arange(size, dtype=np.uint64) ^ keys) * _M1  # (seeds, rounds, size): _encrypt's rounds
+        z ^= z >> _S1
+        z *= _M2
+        z ^= z >> _S2
+        z[:, 0::2] &= p.high_mask
+        z[:, 1::2] &= p.low_mask
+        tables, rows = z.astype(np.int64), np.arange(len(seeds))[:, None] * size
+        high, low = np.tile(domain >> int(p.shift), (len(seeds), 1)), np.tile(domain & int(p.low_mask), (len(seeds), 1))
+        for i in range(ROUNDS):
+            table = tables[:, i].reshape(-1)
+            if i % 2 == 0:
+                high ^= table[rows + low]
+            else:
+                low ^= table[rows + high]
+        encrypted = ((high << int(p.shift)) | low).reshape(-1)
+        images = encrypted.reshape(len(seeds), -1)[:, :n].copy()
+        flat, width = images.reshape(-1), len(domain)
+        outside = np.flatnonzero(flat >= n)
+        while outside.size:
+            flat[outside] = encrypted[outside // n * width + flat[outside]]
+            outside = outside[flat[outside] >= n]
+        return images
+
     def __repr__(self) -> str:
         return f"Permutation({self.n}, seed={self.seed})"
+
+
+def _round_keys(seed: int) -> bytes:
+    return hashlib.blake2b(f"tokpipe.data.Permutation {seed}".encode(), digest_size=8 * ROUNDS).digest()
