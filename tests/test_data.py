@@ -13,7 +13,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from helpers import EXAMPLE_TRAIN_FILES, QWEN3, build_out, reference_documents
+from helpers import EXAMPLE_TRAIN_FILES, QWEN3, QWEN3_EOS, build_out, reference_documents
 
 from tokpipe.data import Mixture, Permutation, Sequences
 from tokpipe.data.sequences import epoch_seed
@@ -345,8 +345,13 @@ def test_a_mixture_of_one_outs_groups_mixes_them_at_any_weights_without_tokenizi
     weights = {"RedPajamaCommonCrawl": 1, "RedPajamaGithub": 2, "RedPajamaWikipedia": 1}  # not the token shares
     mix = Mixture({g: Sequences(finished_grouped, "train", seq_len=128, seed=5, group=g) for g in weights}, weights)
     batch = mix.next_batch(200)
-    for name, row, w in zip(batch.sources, batch.tokens, batch.windows):
-        assert np.array_equal(row, reference[name][0][w * 128 : w * 128 + 129])
+    # Read through the groups' files joined: each row's tokens and document starts are its own group's.
+    ends = {g: np.flatnonzero(reference[g][0] == QWEN3_EOS) + 1 for g in weights}  # each document ends in EOS
+    for name, row, w, found in zip(batch.sources, batch.tokens, batch.windows, batch.doc_starts):
+        start = w * 128
+        assert np.array_equal(row, reference[name][0][start : start + 129])
+        inside = ends[name][(ends[name] >= start) & (ends[name] <= start + 128)] - start
+        assert found.tolist() == sorted(set(inside.tolist()) | ({0} if start == 0 else set())), (name, w)
     assert [batch.sources.count(g) for g in weights] == [50, 100, 50]
     state = Sequences(finished_grouped, "train", seq_len=128, group="RedPajamaGithub").state_dict()
     with pytest.raises(ValueError, match=r"holds other tokens \(210,435 saved, 89,542 in"):  # no other group's
