@@ -205,8 +205,11 @@ class Sequences:
         taken = []
         while count:
             if keep and not self._ahead.size:
-                n = min(AHEAD, (self.len - self.offset) // self.world_size)
-                self._ahead = self._order[self.offset + self.rank + self.world_size * np.arange(n, dtype=np.int64)]
+                n, first = min(AHEAD, (self.len - self.offset) // self.world_size), self.offset + self.rank
+                if isinstance(self._order, np.ndarray):  # a whole order: this rank's part is every W-th from first
+                    self._ahead = self._order[first : first + self.world_size * n : self.world_size].copy()
+                else:
+                    self._ahead = self._order[first + self.world_size * np.arange(n, dtype=np.int64)]
             n = min(count, (self.len - self.offset) // self.world_size)
             if keep:
                 n = min(n, self._ahead.size)
@@ -223,7 +226,7 @@ class Sequences:
         count = integer(count, "count")
         with self._lock:
             taken = self._advance(count, keep=True)
-        return np.concatenate(taken) if taken else np.zeros(0, np.int64)
+        return _joined(taken)
 
     def skip(self, count: int) -> None:
         """Advance the position by `count` of this rank's windows without reading them (a DataLoader
@@ -238,8 +241,7 @@ class Sequences:
         with self._lock:
             taken = self._advance(batch_size, keep=True)
             state = self._state()
-        windows = taken[0] if len(taken) == 1 else np.concatenate(taken) if taken else np.zeros(0, np.int64)
-        return self.batch_of(windows, state)
+        return self.batch_of(_joined(taken), state)
 
     def batch_of(self, windows: np.ndarray, state: dict | None = None) -> Batch:
         """These windows' tokens and document starts (no position advanced)."""
@@ -311,6 +313,10 @@ class Sequences:
         epoch, offset = self.check_state(state)
         with self._lock:
             self._set_position(epoch, offset)
+
+
+def _joined(taken: list[np.ndarray]) -> np.ndarray:
+    return taken[0] if len(taken) == 1 else np.concatenate(taken) if taken else np.zeros(0, np.int64)
 
 
 def _reopen(out: str, options: dict, state: dict) -> Sequences:
