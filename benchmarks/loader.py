@@ -209,7 +209,7 @@ def main() -> None:
     for kind, out in outs.items():
         results["warm"][kind] = child("--warm", kind, str(out), str(outs["concat"]), *common)
         print(json.dumps(results["warm"][kind]), flush=True)
-    for size in args.sizes.split(","):
+    for size in filter(None, args.sizes.split(",")):  # --sizes "": no cold runs
         out = synthetic_out(args.work_dir, int(float(size)))
         runs = {m: [] for m in ("random offsets", "next_batch")}
         for _ in range(args.cold_rounds):

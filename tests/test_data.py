@@ -86,6 +86,12 @@ def test_one_index_at_a_time_gives_the_arrays_image_as_an_int():
         p[True]
 
 
+def test_lookups_by_tables_give_the_arithmetics_images():
+    for n in (16_615, 2**24, 2**24 + 1):  # tables up to 24 bits, the arithmetic above
+        p, sample = Permutation(n, 3), np.arange(0, n, n // 3_000)
+        assert p[sample].tolist() == [p[i] for i in sample.tolist()], n  # an int's image is the arithmetic's
+
+
 def test_orders_made_at_once_are_each_seeds_permutation():
     for n in (1, 2, 3, 5, 17, 20, 64, 65, 1000, 4096):
         seeds = list(range(-2, 30))
