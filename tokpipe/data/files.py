@@ -7,18 +7,23 @@ descriptors for 2,000 files (`ulimit -n 1024` refuses them) and past the kernel'
 Here a file is mapped when a batch first reads it, and the least recently read is dropped once
 OPEN_FILES are mapped; sizes are checked against meta up front, with stat alone.
 
-Windows: window i starts at token i*seq_len, so a file's windows are the rows of a strided view of its
-tokens (row stride seq_len, row length seq_len + 1) and a batch is one row gather per file: 2.4x the
-rate of a fancy-index gather of every token (26,000 against 11,000 batches of 64 x 513 a second).
-Token maps are madvise(MADV_RANDOM): a window faults in its own pages, not the kernel's 128 KB
-readahead around each.
+Windows: window i starts at token i*seq_len (in a Mixture's files joined, from its source's first
+token), so a file's windows are the rows of a strided view of its tokens (row stride seq_len, row length
+seq_len + 1) and a batch is one row gather per file it touches, each into its rows of the batch (one
+searchsorted and one argsort group them): a gather is 2.4x the rate of a fancy-index gather of every
+token (26,000 against 11,000 batches of 64 x 513 a second), and each more file a batch touches costs
+~5 us (a gather and a scatter of its rows: 7 files 59 us a batch, one 27 us). Token maps are
+madvise(MADV_RANDOM): a window faults in its own pages, not the kernel's 128 KB readahead around each.
 
 Document ends: a binary search of an .idx probes ~log2(documents) entries; cold, each new page it
 touches is a read (2-4 a search beyond the window's own, measured at issue 28). For a file of more
 than SMALL documents, every SPARSE-th end is kept in memory (1/512 of the .idx: 380 KB at 10^11
 tokens, read once when the file is first read); a search finds its block of SPARSE ends there, then
 within the block (one 4 KB page: ends are 8 bytes from offset 0) compares with the 8 ends that close its
-sub-blocks of 64, then with the sub-block's 64: one page a key, ~30 us a batch of 64 windows.
+sub-blocks of 64, then with the sub-block's 64: one page a key, ~30 us a batch of 64 windows. That is
+per file a batch touches; a split of at most MERGED documents (16 MB of ends) instead keeps every place
+a document starts, all files' merged (each file's start, each end), in memory: one search a batch
+whatever files it touches (~16 us a batch of 64, 7 files or one).
 """
 
 from __future__ import annotations

@@ -11,6 +11,10 @@ Every source is a Sequences of the same rank and world size, so each reads its o
 epochs, rank-sharded as it is alone; all ranks draw the same sequence of sources, so the k-th row of
 every rank comes from the same source, and the Mixture's state is the same on every rank.
 
+A batch takes each source's windows from its Sequences, then reads them through all the sources' files
+joined (TokenFiles.joined): one search for document starts and one gather per file the batch touches,
+as a Sequences batch, where a Sequences batch per source merged row by row cost 3x the calls.
+
 Sources must be read the same way: made with one tokenizer (its content: a re-indented tokenizer.json
 is the same tokenizer) and one document convention (EOS after each document, BOS before, or both),
 else the model would learn two. A state is loaded all or nothing: every source's state and the
