@@ -18,6 +18,8 @@ tokens in a real train.idx (195 MB at 10^11), meta as finalize writes it. In a f
 method and round: open the loader (next_batch's first batch builds its sparse ends: timed apart), drop
 the files' pages from the page cache (posix_fadvise DONTNEED), then time `--cold-batches` batches.
 
+First (`--scalar`: only), the microseconds of a scalar `Permutation(n)[i]` lookup, the issue's bound 5 us.
+
     python benchmarks/loader.py --rounds 5
 """
 
@@ -94,6 +96,25 @@ def warm(kind: str, out: Path, reader_out: Path, args) -> dict:
     }
 
 
+def scalar_permutation(rounds: int) -> dict:
+    """Microseconds a scalar `Permutation(n)[i]` takes (the issue's bound: 5 us), at n = 10^12 + 39 (2^40 > n:
+    ~1.1 cycle-walk passes a lookup) and n = 16,615 (just above 2^14: ~2 passes), median of `rounds` rounds of
+    20,000 distinct indices each."""
+    from tokpipe.data import Permutation
+
+    results = {}
+    for n in (10**12 + 39, 16_615):
+        p, runs = Permutation(n, 5), []
+        for r in range(rounds):
+            indices = [(r * 20_000 + k) * 7_919 % n for k in range(20_000)]
+            started = time.perf_counter()
+            for i in indices:
+                p[i]
+            runs.append(1e6 * (time.perf_counter() - started) / len(indices))
+        results[f"{n:,}"] = {"us": [round(u, 2) for u in runs], "median": round(statistics.median(runs), 2)}
+    return results
+
+
 def drop_pages(*paths: Path) -> None:
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
@@ -167,6 +188,7 @@ def main() -> None:
     parser.add_argument("--cold-batches", type=int, default=30, help="per process on a cold synthetic split")
     parser.add_argument("--warm", nargs=3, help=argparse.SUPPRESS)  # KIND OUT READER_OUT: one warm process
     parser.add_argument("--cold", nargs=2, help=argparse.SUPPRESS)  # METHOD OUT: one cold process
+    parser.add_argument("--scalar", action="store_true", help="only the scalar Permutation lookup")
     args = parser.parse_args()
     if args.warm:
         kind, out, reader_out = args.warm
@@ -175,15 +197,19 @@ def main() -> None:
     if args.cold:
         print(json.dumps(cold(args.cold[0], Path(args.cold[1]), args)))
         return
+    results = {"scalar_permutation": scalar_permutation(args.rounds)}
+    print("scalar Permutation(n)[i]", json.dumps(results["scalar_permutation"]), flush=True)
+    if args.scalar:
+        return
     args.work_dir.mkdir(parents=True, exist_ok=True)
     outs = shared_outs(args.work_dir)
     common = ["--seq-len", str(args.seq_len), "--batch", str(args.batch), "--batches", str(args.batches)]
     common += ["--rounds", str(args.rounds), "--cold-batches", str(args.cold_batches)]
-    results = {"warm": {}, "cold": {}}
+    results |= {"warm": {}, "cold": {}}
     for kind, out in outs.items():
         results["warm"][kind] = child("--warm", kind, str(out), str(outs["concat"]), *common)
         print(json.dumps(results["warm"][kind]), flush=True)
-    for size in args.sizes.split(","):
+    for size in filter(None, args.sizes.split(",")):  # --sizes "": no cold runs
         out = synthetic_out(args.work_dir, int(float(size)))
         runs = {m: [] for m in ("random offsets", "next_batch")}
         for _ in range(args.cold_rounds):

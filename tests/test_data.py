@@ -13,9 +13,10 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from helpers import EXAMPLE_TRAIN_FILES, QWEN3, build_out, reference_documents
+from helpers import EXAMPLE_TRAIN_FILES, QWEN3, QWEN3_EOS, build_out, reference_documents
 
 from tokpipe.data import Mixture, Permutation, Sequences
+from tokpipe.data.sequences import epoch_seed
 from tokpipe.options import RunOptions
 
 L = 512  # seq_len: the example's train split (859,703 tokens) has 1,679 windows of it
@@ -85,6 +86,19 @@ def test_one_index_at_a_time_gives_the_arrays_image_as_an_int():
         p[True]
 
 
+def test_lookups_by_tables_give_the_arithmetics_images():
+    for n in (16_615, 2**24, 2**24 + 1):  # tables up to 24 bits, the arithmetic above
+        p, sample = Permutation(n, 3), np.arange(0, n, n // 3_000)
+        assert p[sample].tolist() == [p[i] for i in sample.tolist()], n  # an int's image is the arithmetic's
+
+
+def test_orders_made_at_once_are_each_seeds_permutation():
+    for n in (1, 2, 3, 5, 17, 20, 64, 65, 1000, 4096):
+        seeds = list(range(-2, 30))
+        expected = np.stack([Permutation(n, seed)[np.arange(n)] for seed in seeds])
+        assert np.array_equal(Permutation.orders(n, seeds), expected), n
+
+
 def test_different_seeds_give_unrelated_orders():
     n = 100_000
     orders = [Permutation(n, seed)[np.arange(n)] for seed in range(4)]
@@ -128,6 +142,13 @@ def test_window_i_is_its_tokens_as_int64(finished_example, example_reference):
         assert s.window(i).dtype == np.int64 and np.array_equal(s.window(i), reference[i * L : i * L + L + 1])
     with pytest.raises(IndexError, match="window 1679 is out of range: split train has 1679 windows of seq_len 512"):
         s.window(1679)
+
+
+@pytest.mark.parametrize("seq_len", [L, 64])  # 1,679 windows: orders made 32 epochs at once; 13,432: looked up
+def test_epoch_e_is_the_permutation_of_its_seed(finished_example, seq_len):
+    n = len(Sequences(finished_example, seq_len=seq_len))
+    for e, order in enumerate(global_order(finished_example, seq_len, seed=9, epochs=3)):
+        assert np.array_equal(order, Permutation(n, epoch_seed(9, e))[np.arange(n)])
 
 
 def test_each_epoch_has_its_own_order_from_seed_and_epoch_alone(finished_example):
@@ -330,8 +351,13 @@ def test_a_mixture_of_one_outs_groups_mixes_them_at_any_weights_without_tokenizi
     weights = {"RedPajamaCommonCrawl": 1, "RedPajamaGithub": 2, "RedPajamaWikipedia": 1}  # not the token shares
     mix = Mixture({g: Sequences(finished_grouped, "train", seq_len=128, seed=5, group=g) for g in weights}, weights)
     batch = mix.next_batch(200)
-    for name, row, w in zip(batch.sources, batch.tokens, batch.windows):
-        assert np.array_equal(row, reference[name][0][w * 128 : w * 128 + 129])
+    # Read through the groups' files joined: each row's tokens and document starts are its own group's.
+    ends = {g: np.flatnonzero(reference[g][0] == QWEN3_EOS) + 1 for g in weights}  # each document ends in EOS
+    for name, row, w, found in zip(batch.sources, batch.tokens, batch.windows, batch.doc_starts):
+        start = w * 128
+        assert np.array_equal(row, reference[name][0][start : start + 129])
+        inside = ends[name][(ends[name] >= start) & (ends[name] <= start + 128)] - start
+        assert found.tolist() == sorted(set(inside.tolist()) | ({0} if start == 0 else set())), (name, w)
     assert [batch.sources.count(g) for g in weights] == [50, 100, 50]
     state = Sequences(finished_grouped, "train", seq_len=128, group="RedPajamaGithub").state_dict()
     with pytest.raises(ValueError, match=r"holds other tokens \(210,435 saved, 89,542 in"):  # no other group's

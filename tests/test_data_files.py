@@ -14,7 +14,7 @@ import resource
 import numpy as np
 import pytest
 
-from tokpipe.data import Sequences
+from tokpipe.data import Sequences, files
 from tokpipe.data.files import OPEN_FILES, SMALL, SPARSE
 from tokpipe.layout import write_meta
 
@@ -61,7 +61,10 @@ def doc_starts_by_hand(ends: np.ndarray, start: int, seq_len: int) -> list[int]:
     return sorted(set(inside.tolist()) | ({0} if start == 0 else set()))
 
 
-def test_a_split_of_2000_files_reads_with_at_most_64_open_under_ulimit_256(tmp_path):
+@pytest.mark.parametrize("merged", [True, False])
+def test_a_split_of_2000_files_reads_with_at_most_64_open_under_ulimit_256(tmp_path, merged, monkeypatch):
+    if not merged:
+        monkeypatch.setattr(files, "MERGED", 0)
     rng = np.random.default_rng(1)
     lengths = [rng.integers(0, 120, rng.integers(0, 9)) for _ in range(2000)]  # empty files and documents too
     out, tokens, ends = hand_made_out(tmp_path / "out", lengths, concat=False)
@@ -82,10 +85,14 @@ def test_a_split_of_2000_files_reads_with_at_most_64_open_under_ulimit_256(tmp_p
         assert found.tolist() == doc_starts_by_hand(ends, w * seq_len, seq_len), w
 
 
+@pytest.mark.parametrize("merged", [True, False])
 @pytest.mark.parametrize("concat", [True, False])
-def test_document_starts_through_the_sparse_index_are_those_of_the_lengths(tmp_path, concat):
+def test_document_starts_through_the_sparse_index_are_those_of_the_lengths(tmp_path, concat, merged, monkeypatch):
     """Files of tens of thousands of documents (searched by blocks of 512 ends, a short last block) and of
-    fewer (searched whole), lengths 0 to 40."""
+    fewer (searched whole), lengths 0 to 40; their ends merged in memory, or (a split of more than MERGED
+    documents) searched file by file."""
+    if not merged:
+        monkeypatch.setattr(files, "MERGED", 0)
     rng = np.random.default_rng(3)
     lengths = [rng.integers(0, 41, n) for n in (SMALL + 5 * SPARSE + 17, 3 * SPARSE, 1, SMALL + 2 * SPARSE - 1)]
     out, tokens, ends = hand_made_out(tmp_path / "out", lengths, concat=concat, seed=4)

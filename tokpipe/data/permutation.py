@@ -15,6 +15,11 @@ look up many at once (Sequences takes 16,384 of a rank's windows at a time). Whe
 power of 2, half the values need a second pass, a quarter a third...: at n = 16,615, 4,096 lookups took
 12 passes (0.85 ms); the last few values now walk on in Python integers (0.47 ms). A single index takes
 that path too: ~4 us against numpy's ~135 us (six rounds of numpy calls on one element), the same image.
+
+Where x has at most TABLE_BITS bits (n up to 16.7 M), a half holds at most 4,096 values: each round's
+function of every value is computed once, as a table, and a round is a lookup and an xor (16,384
+lookups at n = 16,615: 0.75 ms against 1.6). Permutation.orders does the same for many seeds at once:
+the whole orders of a split of few windows, for its next epochs.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import hashlib
 import numpy as np
 
 WALK_IN_PYTHON = 8  # the last values of a cycle walk go on one at a time (~4 us a pass each)
+TABLE_BITS = 24  # up to here, rounds by table lookups: tables of 6 x 2^12 values (196 KB) at most
 ROUNDS = 6  # each half mixed into the other 3 times: Luby-Rackoff's 4 balanced rounds, with margin
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _S1, _S2 = np.uint64(31), np.uint64(29)
@@ -37,18 +43,22 @@ class Permutation:
         if n < 0:
             raise ValueError(f"Permutation of {n} elements: n must be >= 0")
         self.n, self.seed = int(n), int(seed)
-        bits = max(2, (self.n - 1).bit_length())
+        self.bits = bits = max(2, (self.n - 1).bit_length())
         self.shift = np.uint64(bits // 2)  # the low half's bits
         self.low_mask = np.uint64((1 << (bits // 2)) - 1)
         self.high_mask = np.uint64((1 << (bits - bits // 2)) - 1)
-        digest = hashlib.blake2b(f"tokpipe.data.Permutation {self.seed}".encode(), digest_size=8 * ROUNDS).digest()
-        self.keys = np.frombuffer(digest, dtype="<u8").astype(np.uint64)
+        self.keys = np.frombuffer(_round_keys(self.seed), dtype="<u8").astype(np.uint64)
+        self._table = None  # of a small n (bits <= TABLE_BITS): the rounds' functions, made on the first lookup
         self._key_pairs = tuple(zip(self.keys[0::2].tolist(), self.keys[1::2].tolist()))  # the scalar path's
 
     def __len__(self) -> int:
         return self.n
 
     def _encrypt(self, x: np.ndarray) -> np.ndarray:
+        if self.bits <= TABLE_BITS:  # x as int64
+            if self._table is None:
+                self._table = self._tables(self.keys[None])
+            return self._through(self._table, x)
         high, low = x >> self.shift, x & self.low_mask
         for i, key in enumerate(self.keys):
             source = low if i % 2 == 0 else high
@@ -91,7 +101,7 @@ class Permutation:
         if x.size and (x.min() < 0 or x.max() >= self.n):
             bad = x.min() if x.min() < 0 else x.max()
             raise IndexError(f"index {int(bad)} is out of range for a Permutation of {self.n}")
-        y = self._encrypt(x.astype(np.uint64).reshape(-1))
+        y = self._encrypt(x.astype(np.int64 if self.bits <= TABLE_BITS else np.uint64).reshape(-1))
         outside = np.flatnonzero(y >= self.n)
         while outside.size > WALK_IN_PYTHON:  # only the values still outside range(n) take another pass
             y[outside] = self._encrypt(y[outside])
@@ -100,5 +110,52 @@ class Permutation:
             y[i] = self._encrypt_int(int(y[i]))
         return int(y[0]) if scalar else y.astype(np.int64).reshape(x.shape)
 
+    @classmethod
+    def orders(cls, n: int, seeds: list[int]) -> np.ndarray:
+        """Row k: Permutation(n, seeds[k])[np.arange(n)], for every seed at once, where n is small (its
+        power of 2 times len(seeds) a few 10^4 at most): every value of range(2**b) through each seed's
+        tables (_tables), then the values at n or above walk on by lookups in the result."""
+        p = cls(n, 0)
+        keys = np.frombuffer(b"".join(map(_round_keys, seeds)), dtype="<u8").reshape(len(seeds), ROUNDS)
+        domain = np.tile(np.arange(1 << p.bits, dtype=np.int64), (len(seeds), 1))
+        encrypted = p._through(p._tables(keys), domain).reshape(-1)
+        images = encrypted.reshape(len(seeds), -1)[:, :n].copy()
+        flat, width = images.reshape(-1), 1 << p.bits
+        outside = np.flatnonzero(flat >= n)
+        while outside.size:
+            flat[outside] = encrypted[outside // n * width + flat[outside]]
+            outside = outside[flat[outside] >= n]
+        return images
+
+    def _tables(self, keys: np.ndarray) -> np.ndarray:
+        """A round mixes one half's value into the other, and a half of b <= TABLE_BITS bits holds few
+        values: round i's function of every value, for each row of keys, as an int64 (len(keys), ROUNDS,
+        2**high bits), made by one pass of numpy calls."""
+        z = (np.arange(int(self.high_mask) + 1, dtype=np.uint64) ^ keys[:, :, None]) * _M1  # _encrypt's rounds
+        z ^= z >> _S1
+        z *= _M2
+        z ^= z >> _S2
+        z[:, 0::2] &= self.high_mask
+        z[:, 1::2] &= self.low_mask
+        return z.astype(np.int64)
+
+    def _through(self, tables: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """_encrypt of x (int64, one row per row of tables) by table lookups: a lookup and an xor a round
+        against the arithmetic's 8 numpy calls (16,384 values: 0.30 ms a pass against 0.50)."""
+        size = tables.shape[2]
+        rows = np.arange(len(tables))[:, None] * size
+        high, low = x >> int(self.shift), x & int(self.low_mask)
+        for i in range(ROUNDS):
+            table = tables[:, i].reshape(-1)
+            if i % 2 == 0:
+                high ^= table[rows + low] if len(tables) > 1 else table[low]
+            else:
+                low ^= table[rows + high] if len(tables) > 1 else table[high]
+        return (high << int(self.shift)) | low
+
     def __repr__(self) -> str:
         return f"Permutation({self.n}, seed={self.seed})"
+
+
+def _round_keys(seed: int) -> bytes:
+    return hashlib.blake2b(f"tokpipe.data.Permutation {seed}".encode(), digest_size=8 * ROUNDS).digest()
