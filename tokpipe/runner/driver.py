@@ -224,7 +224,8 @@ def _tokenize(run: _Run, assembler: Assembler, plan: Plan) -> Tally:
         # start contending with the driver).
         eager = run.cluster.started and not run.cluster.address and not run.opts.ray_only
         helpers = max(run.cluster.fit[0] - 2, 0) if eager else 0
-        progress.workers = run.clock.workers = 1 + helpers
+        # The busy share counts the workers the run will have from its start: the cores that wait for Ray show.
+        progress.workers = run.clock.workers = 1 if run.cluster.address else max(run.cluster.fit[0], 1 + helpers)
         done = plan.done + tokenize_while(
             run.manifest, run.out, spec, handover.driver_goes_on, progress, tally, run.log, assembler, helpers
         )
