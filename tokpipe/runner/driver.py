@@ -220,7 +220,7 @@ def _tokenize(run: _Run, assembler: Assembler, plan: Plan) -> Tally:
         handover = _Handover(run.cluster, run.opts.ray_only)
         # An embedded Ray started at once (a large input) takes seconds to come up: the machine's cores tokenize
         # meanwhile, in helper processes beside the driver, but for one that Ray's start keeps busy (on 2 cores a
-        # helper made the run slower: 9.7-12.5 s against 7.9-8.8 s on 107 MB, its encoder's load and Ray's
+        # helper made the run slower: 8.9-12.1 s against 7.4-10.5 s on 241 MB, its encoder's load and Ray's
         # start contending with the driver).
         eager = run.cluster.started and not run.cluster.address and not run.opts.ray_only
         helpers = max(run.cluster.fit[0] - 2, 0) if eager else 0
