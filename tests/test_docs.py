@@ -128,7 +128,8 @@ def test_the_readme_starts_with_what_a_newcomer_runs():
         "validation: 303,964 tokens, 136 documents, 3 lines skipped (empty_text 3) -> out/example/val.bin",
         "all 33 checks hold",
     )
-    assert readme[2].expected == ("859703 uint32 151669",)
+    assert "from tokpipe.data import Sequences" in readme[2].code
+    assert readme[2].expected == ("(8, 1024) int64 151669",)
 
 
 def test_a_broken_block_fails(reader):
