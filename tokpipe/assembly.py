@@ -3,7 +3,7 @@
 A split file is assembled in place, not concatenated at the end: a shard's tokens go to their offset
 as soon as that offset is known, i.e. once every shard before it in the split is done. So the done
 prefix of each split is assembled while later shards still tokenize (the runner sends the writes to
-Ray tasks on the nodes that hold the tokens), and when the last shard is done only the last few remain.
+Placer actors on the nodes that hold the tokens), and when the last shard is done only the last few remain.
 This module decides what goes where; place.py writes it.
 
 While a split is assembled, OUT/<stem>.bin.tmp and .idx.tmp receive the parts, and
@@ -53,7 +53,7 @@ from tokpipe.manifest import Manifest, Shard, shard_key
 from tokpipe.options import RunOptions
 from tokpipe.place import is_in_place, place
 
-COPY_BATCH_BYTES = 1 << 30  # of tokens per copy task: one fsync covers many small shards
+COPY_BATCH_BYTES = 1 << 30  # of tokens per placing call: one fsync covers many small shards
 
 
 @dataclass

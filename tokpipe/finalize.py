@@ -67,7 +67,7 @@ def finalize(
 ) -> dict:
     """Finish assembling every split in manifest order and write meta; returns the meta dict.
 
-    `assembler` is the run's, whose copy tasks placed (nearly) everything while shards tokenized;
+    `assembler` is the run's, whose Placer actors placed (nearly) everything while shards tokenized;
     without one, everything is placed here. `excluded` (relpath -> error) are failed shards left out
     on purpose (`run --skip-failed`); meta records them, so a partial output is never mistaken for a whole one.
     `opts` are the run's: how it wrote documents, for meta.
