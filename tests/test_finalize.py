@@ -325,7 +325,7 @@ def test_a_grouped_split_resumes_after_some_of_a_shards_group_parts_were_listed(
     first.placed(parts[:3], place(out, parts[:3], 4))  # then the process dies
     assert len((out / "train.parts.tmp").read_bytes().splitlines()) == 3
     if part_gone:
-        ShardFiles.of(out, next(MANIFEST.shards())).group(False, "RedPajamaGithub")[0].unlink()
+        ShardFiles.of(out, next(MANIFEST.shards())).part(False, "RedPajamaGithub")[0].unlink()
     resumed = reopened(out, options)
     assert resumed.lost == ([TRAIN_0] if part_gone else []) and resumed.splits[0].listed == 3
     if part_gone:  # as the run does: the shard again, to the same bytes

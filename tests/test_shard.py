@@ -216,9 +216,9 @@ def test_group_by_writes_a_part_per_group_that_survives_a_crash(tmp_path):
     partial = Checkpoint.load(files.checkpoint)
     assert partial.groups and not partial.done
     for group in partial.groups:  # bytes written after the last checkpoint: cut and redone
-        with open(files.group(False, group)[0], "ab") as f:
+        with open(files.part(False, group)[0], "ab") as f:
             f.write(np.arange(100, dtype=np.uint32).tobytes())
-    stray = files.group(False, "begun after the checkpoint")[0]
+    stray = files.part(False, "begun after the checkpoint")[0]
     stray.parent.mkdir(parents=True)
     stray.write_bytes(b"\0" * 8)
     result = tokenize_shard(TRAIN, out, spec)
@@ -233,7 +233,7 @@ def test_group_by_writes_a_part_per_group_that_survives_a_crash(tmp_path):
         == ["RedPajamaC4", "RedPajamaCommonCrawl", "RedPajamaGithub", "RedPajamaWikipedia"]
     )
     for group, (tokens, documents, text_bytes) in reference.items():
-        bin_path, idx_path = files.group(False, group)
+        bin_path, idx_path = files.part(False, group)
         assert np.array_equal(np.fromfile(bin_path, dtype=np.uint32), tokens)
         assert np.fromfile(idx_path, dtype="<i8")[-1] == len(tokens)
         counts = ckpt.groups[group]

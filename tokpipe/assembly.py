@@ -27,12 +27,7 @@ from pathlib import Path
 
 import orjson
 
-from tokpipe.durability import (
-    HASH_CHUNK,
-    fsync_dir,
-    own_inode,
-    write_atomic,
-)
+from tokpipe.durability import HASH_CHUNK, fsync_dir, own_inode, write_atomic
 from tokpipe.errors import too_many_groups
 from tokpipe.layout import (
     IDX_DTYPE,
@@ -230,9 +225,9 @@ class Assembler:
         with open(bin_tmp, "rb") as bin_f, open(idx_tmp, "rb") as idx_f:
             while state.head is not None:
                 shard, held = state.head
-                ckpt = Checkpoint.of(self.out, shard)
                 files = ShardFiles.of(self.out, shard)
-                if ckpt is None or not ckpt.done or (files.val_bin if held else files.bin).exists():
+                ckpt = Checkpoint.load(files.checkpoint)
+                if ckpt is None or not ckpt.done or files.part(held, None)[0].exists():
                     break  # not done, or in its own files still: placed from them as usual
                 record = part_record(shard, ckpt, held)
                 if not is_in_place(bin_f, idx_f, record, *state.offsets.get(None, (0, 0)), self.itemsize, buffer):
@@ -283,11 +278,11 @@ class Assembler:
             if ckpt is None or not ckpt.done:
                 continue
             if self.group_by is None:
-                needed = [files.val_bin if held else files.bin]
+                needed = [files.part(held, None)[0]]
             else:  # of the head, only its parts not kept yet
                 head = (shard, held) == state.head and state.head_parts is not None
                 groups = state.head_parts if head else ckpt.val_groups if held else ckpt.groups
-                needed = [files.group(held, g)[0] for g in groups if g is not None]
+                needed = [files.part(held, g)[0] for g in groups if g is not None]
             if all(path.exists() for path in needed):
                 continue
             files.checkpoint.unlink()
@@ -336,12 +331,10 @@ class Assembler:
     def _part(self, s: _Split, shard: Shard, held: bool, group: str | None) -> Part:
         """The head's part of `group` (None: its one part, or with --group-by its accounting line), next in its file."""
         files = ShardFiles.of(self.out, shard)
-        if group is not None:
-            bin_path, idx_path = files.group(held, group)
-        elif self.group_by is None:
-            bin_path, idx_path = (files.val_bin, files.val_idx) if held else (files.bin, files.idx)
-        else:  # the accounting line: no file
+        if group is None and self.group_by is not None:  # the accounting line: no file
             bin_path = idx_path = None
+        else:
+            bin_path, idx_path = files.part(held, group)
         record = part_record(shard, s.head_ckpt, held, group, self.group_by is not None)
         if not self.concat and bin_path is not None:  # the part's files are the split's: meta lists them
             record.update(bin=str(bin_path.relative_to(self.out)), idx=str(idx_path.relative_to(self.out)))

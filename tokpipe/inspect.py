@@ -148,7 +148,7 @@ def open_source(out: str | os.PathLike, split: str) -> Source:
             parts = [(None, *counts, *((paths.val_bin, paths.val_idx) if held else (paths.bin, paths.idx)))]
         else:
             groups = (ckpt.val_groups if held else ckpt.groups).items()
-            parts = [(g, c["tokens"], c["documents"], *paths.group(held, g)) for g, c in groups]
+            parts = [(g, c["tokens"], c["documents"], *paths.part(held, g)) for g, c in groups]
         for group, n_tokens, n_documents, bin_path, idx_path in parts:
             if (shard.relpath, held, group) in placed:  # copied into the split file, its own files gone
                 files.append(placed[shard.relpath, held, group])

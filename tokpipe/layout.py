@@ -116,8 +116,10 @@ class ShardFiles:
         own = (base.with_name(base.name + ext) for ext in (".bin", ".idx", ".json", ".lock"))
         return cls(*own, *(held.with_name(held.name + ext) for ext in (".bin", ".idx")))
 
-    def group(self, held: bool, group: str) -> tuple[Path, Path]:
-        """The .bin/.idx of the shard's part of a group (--group-by), held out or not: a folder per group."""
+    def part(self, held: bool, group: str | None) -> tuple[Path, Path]:
+        """The .bin/.idx of a part: the shard's documents or those it held out; with --group-by a group's."""
+        if group is None:
+            return (self.val_bin, self.val_idx) if held else (self.bin, self.idx)
         base = (self.val_bin if held else self.bin).parent / "groups" / group_stem(group) / self.bin.name[:-4]
         return base.with_name(base.name + ".bin"), base.with_name(base.name + ".idx")
 
@@ -170,9 +172,8 @@ class Checkpoint:
 
 @dataclass(frozen=True)
 class Part:
-    """A shard's documents in a split file (or the documents a train shard held out for val.bin), at
-    its token and document offsets there. `record` is its line in <stem>.parts; `bin` and `idx` are
-    the shard's own files it is copied from, or `buffered` where its tokens wait in memory."""
+    """A shard's documents in a split file (or those a train shard held out for val.bin), at its offsets there.
+    `record` is its line in <stem>.parts; `bin`, `idx` the shard's own files, or `buffered` the memory it is in."""
 
     stem: str
     seq: int  # its place among the split's parts

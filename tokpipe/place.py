@@ -1,8 +1,8 @@
 """A split file's parts written at their offsets: from the memory a shard kept them in, or copied from its own
 files; and, after a crash, whether a part found there unlisted is the part its worker made.
 
-Plain Python: the runner calls `place` in Ray tasks on the node whose object store holds the tokens (on a
-cluster every node writes: OUT is on storage they all see), in the driver for what it tokenized itself, and
+Plain Python: the runner calls `place` in a Placer actor on the node whose object store holds the tokens (on
+a cluster every node writes: OUT is on storage they all see), in the driver for what it tokenized itself, and
 finalize for what is left. assembly.py decides what goes where; this module only writes and checks.
 """
 
@@ -23,11 +23,8 @@ from tokpipe.layout import IDX_DTYPE, Part, assembly_files
 def place(out: str | os.PathLike, parts: list[Part], itemsize: int) -> list[dict]:
     """Write parts of one split at their offsets, fsync, and return their records (checksums filled in).
     A part is copied from its shard's own files, or written from the memory it waited in (`buffered`);
-    the checkpoints such parts carry are written after the fsync, when the disk covers them.
-
-    Plain Python: the runner runs it in Ray tasks on every node of a cluster (OUT is on storage they
-    all see) or in the driver on one machine; finalize runs it for what is left.
-    Idempotent: a part written twice is the same bytes.
+    the checkpoints such parts carry are written after the fsync, when the disk covers them. Idempotent: a
+    part written twice is the same bytes.
     """
     out = Path(out)
     records = []

@@ -87,7 +87,7 @@ class Series:
     def point(
         self, bytes_read: int, tokens: int, documents: int, running: int, done: int, workers: int, final: bool = False
     ) -> None:
-        """`running`: shards under way now, of `workers` that could be (the driver alone: 1)."""
+        """`running`: shards under way now, of the run's `workers`."""
         now = time.time()
         if not final and now - self.last < self.every:
             return

@@ -220,16 +220,14 @@ def _writers(
             return {}
         return {(False, None): PartWriter(spec.dtype)} | ({(True, None): PartWriter(spec.dtype)} if holding_out else {})
     if spec.group_by is None:
-        parts = {(False, None): PartWriter(spec.dtype, (files.bin, files.idx), ckpt.tokens, ckpt.documents)}
+        parts = {(False, None): PartWriter(spec.dtype, files.part(False, None), ckpt.tokens, ckpt.documents)}
         if holding_out:
-            parts[True, None] = PartWriter(
-                spec.dtype, (files.val_bin, files.val_idx), ckpt.val_tokens, ckpt.val_documents
-            )
+            parts[True, None] = PartWriter(spec.dtype, files.part(True, None), ckpt.val_tokens, ckpt.val_documents)
         return parts
     parts = {}
     for held, groups in ((False, ckpt.groups), (True, ckpt.val_groups)):
         for group, counts in groups.items():
-            parts[held, group] = PartWriter(spec.dtype, files.group(held, group), counts["tokens"], counts["documents"])
+            parts[held, group] = PartWriter(spec.dtype, files.part(held, group), counts["tokens"], counts["documents"])
             parts[held, group].text_bytes = counts["text_bytes"]
         kept = {group_stem(group) for group in groups}
         for path in _group_files(files, held):
@@ -245,7 +243,7 @@ def _group_writer(
     values = {group for _, group in parts} | {key[1]}
     if len(values) > MAX_GROUPS:
         raise too_many_groups(spec.group_by, f"shard {shard.relpath} alone", values, MAX_GROUPS)
-    return PartWriter(spec.dtype, None if buffering else files.group(*key))
+    return PartWriter(spec.dtype, None if buffering else files.part(*key))
 
 
 def _part_keys(batch: Batch, spec: EncodeSpec, holding_out: bool) -> list[Key] | None:
@@ -325,7 +323,7 @@ def tokenize_shard(
             def spill() -> None:
                 nonlocal buffering
                 for key, part in parts.items():
-                    part.spill(*(files.group(*key) if key[1] is not None else _own_files(files, key[0])))
+                    part.spill(*files.part(*key))
                 buffering = False
 
             def commit(done: bool = False) -> None:
@@ -424,7 +422,3 @@ def _token_files(files: ShardFiles) -> list[Path]:
     """Every token file of the shard that exists: its own, its held-out part's, its groups'."""
     own = [path for path in (files.bin, files.idx, files.val_bin, files.val_idx) if path.exists()]
     return own + _group_files(files, False) + _group_files(files, True)
-
-
-def _own_files(files: ShardFiles, held: bool) -> tuple[Path, Path]:
-    return (files.val_bin, files.val_idx) if held else (files.bin, files.idx)

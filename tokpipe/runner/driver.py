@@ -225,7 +225,7 @@ def _tokenize(run: _Run, assembler: Assembler, plan: Plan) -> Tally:
         eager = run.cluster.started and not run.cluster.address and not run.opts.ray_only
         helpers = max(run.cluster.fit[0] - 2, 0) if eager else 0
         # The busy share counts the workers the run will have from its start: the cores that wait for Ray show.
-        progress.workers = run.clock.workers = 1 if run.cluster.address else max(run.cluster.fit[0], 1 + helpers)
+        progress.workers = run.clock.workers = 1 if run.cluster.address else run.cluster.fit[0]
         done = plan.done + tokenize_while(
             run.manifest, run.out, spec, handover.driver_goes_on, progress, tally, run.log, assembler, helpers
         )

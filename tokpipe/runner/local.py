@@ -65,7 +65,7 @@ def tokenize_while(
     Ray's start takes seconds that the driver would otherwise wait through, and with it the machine's cores: a
     corpus of a few small shards is done before it is up, and a large one has its first shards done on every
     core. Only regular files: a pipe could block the driver, which alone watches for stalls."""
-    here = _Here(out, spec, busy, progress, tally, log, assembler)
+    here = _Here(busy, progress, tally, log, assembler)
     finished = Finished(out)
     shards = (s for s in manifest.shards() if not finished(s) and stat.S_ISREG(os.stat(s.path).st_mode))
     here.pool = _Helpers(helpers, out, spec) if helpers else None
@@ -94,8 +94,6 @@ def tokenize_while(
 class _Here:
     """What tokenize_while keeps while the driver (and its helpers) tokenize."""
 
-    out: Path
-    spec: EncodeSpec
     busy: Callable[[], bool]
     progress: Progress
     tally: Tally

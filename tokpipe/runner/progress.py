@@ -43,7 +43,7 @@ class Progress:
         self.start_bytes, self.t0, self.started_at, self.every = done_bytes, time.monotonic(), time.time(), every
         self.disk: dict | None = None  # the output's projected size, once a shard of this run is done
         self.base = [0, 0, 0]  # file bytes, documents, tokens of this run before its Ray tasks (the driver's)
-        self.workers = 1  # that tokenize at once: the driver alone, until Ray's workers take over
+        self.workers = 1  # that the run has (its busy share's denominator; the driver sets it)
         self.last_line = self.last_file = 0.0
         self.read_this_run = 0
         self.bar = None
@@ -142,7 +142,7 @@ class Timeline:
     tokenized: float | None = None
     read_bytes: int = 0  # of input, by this run's workers
     assembled_bytes: int = 0  # of tokens, copied into place while shards tokenized
-    workers: int = 1  # that tokenized at once (the driver alone, without Ray)
+    workers: int = 1  # that the run had from its start, whether at work or waiting for Ray
     shard_seconds: float = 0.0  # that this run's shards took, summed over them (ShardResult.seconds)
     series: Series | None = None  # OUT/logs/series.jsonl, for `tokpipe report`: gets a mark at each phase
 
