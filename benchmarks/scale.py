@@ -3,7 +3,7 @@
     python benchmarks/scale.py tail    --trees before=/tmp/wt-old,after=. --size 250MB --workers 2
     python benchmarks/scale.py memory  --trees before=/tmp/wt-old,after=. --size 550MB --workers 1
     python benchmarks/scale.py rates   --size 250MB
-    python benchmarks/scale.py driver  --trees before=/tmp/wt-old,after=. --shards 5000
+    python benchmarks/scale.py driver  --trees before=/tmp/wt-old,after=. --shards 5000 --pack-shards 1,64
     python benchmarks/scale.py cluster --size 100MB
     python benchmarks/scale.py cores   --size 250MB --shard-size 12.5MB
 
@@ -19,6 +19,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -36,6 +37,7 @@ from harness import (  # noqa: E402
     manifest_of,
     parse_size,
     phases_from_files,
+    timed,
     tiny_shards,
     tokpipe_run,
 )
@@ -166,31 +168,55 @@ def cmd_rates(args) -> list[dict]:
     return results
 
 
+# The CLI with schedule.PACK_SHARDS set from its first argument: 1 gives one task per shard, so that a run of
+# one-document shards measures the driver's cost per task, and the default its cost per shard in packs.
+PACKED_CLI = (
+    "import sys, tokpipe.runner.schedule as s; s.PACK_SHARDS = int(sys.argv.pop(1));"
+    " from tokpipe.cli import main; sys.exit(main())"
+)
+
+
 def cmd_driver(args) -> list[dict]:
     """The driver's own CPU per shard (scheduling, progress, placement; --ray-only: it tokenizes nothing itself)
     on one-document shards, and the run's shards/s: at a fifth of --shards and at --shards, so that the
-    difference is the marginal cost per shard, without the fixed start (Ray's client, the backend check)."""
+    difference is the marginal cost per shard, without the fixed start (Ray's client, the backend check).
+    Once per --pack-shards (at most that many shards to a task): with 1 the cost per task, with many per shard.
+    --address: a Ray cluster to join (e.g. 16 CPUs on these 2 cores: `ray start --head --num-cpus 16`)."""
     results = []
     for name, tree in args.trees:
-        cpu = {}
-        for count in (args.shards // 5, args.shards):
-            folder = tiny_shards(count, args.work_dir)
-            out = args.work_dir / f"driver-{name}"
-            r = run_once(tree, folder, out, args.workers, "--ray-only", monitor=True)
-            driver = next(s for s in r.pop("stats").values() if s.kind == "driver")
-            cpu[count] = driver.cpu
-            r.update(
-                driver_cpu_s=round(driver.cpu, 2),
-                driver_ms_per_shard=round(1000 * driver.cpu / count, 2),
-                driver_peak_rss_mib=round(driver.hwm / 2**20),
-                shards_per_s=round(count / r["tokenize_s"], 1),
+        for pack in args.pack_shards:
+            cpu = {}
+            for count in (args.shards // 5, args.shards):
+                folder = tiny_shards(count, args.work_dir)
+                out = args.work_dir / f"driver-{name}"
+                manifest = manifest_of(folder, args.work_dir, tree)
+                shutil.rmtree(out, ignore_errors=True)
+                extra = ("--address", args.address) if args.address else ("--ray-only",)
+                command = [sys.executable, "-c", PACKED_CLI, str(pack), "run", "--manifest", manifest]
+                command += ["--tokenizer", TOKENIZER, "--out", out, "--workers", args.workers, *extra]
+                run = timed(command, tree=tree, watch=TreeMonitor)
+                driver = next(s for s in run["watch"].stats.values() if s.kind == "driver")
+                cpu[count] = driver.cpu
+                results.append(
+                    {
+                        "measure": "driver",
+                        "tree": name,
+                        "pack_shards": pack,
+                        "shards": count,
+                        "wall_s": round(run["wall"], 2),
+                        "driver_cpu_s": round(driver.cpu, 2),
+                        "driver_ms_per_shard": round(1000 * driver.cpu / count, 2),
+                        "driver_peak_rss_mib": round(driver.hwm / 2**20),
+                        **phases_from_files(out),
+                    }
+                )
+                print(json.dumps(results[-1]), flush=True)
+            small, large = args.shards // 5, args.shards
+            marginal = 1000 * (cpu[large] - cpu[small]) / (large - small)
+            results.append(
+                {"measure": "driver marginal", "tree": name, "pack_shards": pack, "ms_per_shard": round(marginal, 3)}
             )
-            results.append({"measure": "driver", "tree": name, "shards": count, **r})
             print(json.dumps(results[-1]), flush=True)
-        small, large = args.shards // 5, args.shards
-        marginal = 1000 * (cpu[large] - cpu[small]) / (large - small)
-        results.append({"measure": "driver marginal", "tree": name, "ms_per_shard": round(marginal, 2)})
-        print(json.dumps(results[-1]), flush=True)
     return results
 
 
@@ -267,6 +293,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", choices=("tail", "memory", "rates", "driver", "cluster", "cores"))
     p.add_argument("--shards", type=int, default=5000, help="driver: one-document shards")
+    p.add_argument("--pack-shards", default="1,64", help="driver: at most this many shards to a task, each in turn")
+    p.add_argument("--address", help="driver: a Ray cluster to join instead of an embedded one (--ray-only)")
     p.add_argument("--trees", default=f"after={REPO}", help="name=path,... of tokpipe checkouts")
     p.add_argument("--size", default="250MB")
     p.add_argument("--shard-size", default="20MB")
@@ -274,6 +302,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/tokpipe-bench"))
     args = p.parse_args()
+    args.pack_shards = [int(n) for n in args.pack_shards.split(",")]
     args.trees = [(name, Path(path).resolve()) for name, path in (t.split("=", 1) for t in args.trees.split(","))]
     args.work_dir.mkdir(parents=True, exist_ok=True)
     results = {

@@ -14,7 +14,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from helpers import QWEN3, checkpoints, kill_9, run_args, session_processes, start, tokpipe, wait_for, write_jsonl
@@ -73,6 +75,22 @@ def test_a_node_checks_out_the_tokenizer_and_a_shard_of_each_folder(tmp_path, mo
     assert unseen(check, "n1") == f"sees the shard {shard['c/1'][0]} with 0 bytes, not the manifest's 18"
     (data / "train" / "c").rename(tmp_path / "c")  # a folder not mounted there
     assert unseen(check, "n1") == f"cannot read the shard {shard['c/1'][0]} (No such file or directory)"
+
+
+def test_threads_of_one_worker_that_check_a_node_at_once_all_pass(tmp_path, monkeypatch):
+    # A Placer runs two calls at once in one process; on a node the driver's probe missed, each checks it. With
+    # one file per process, one thread removed the file the other had just written: "cannot write under OUT".
+    write_jsonl(tmp_path / "data" / "train" / "a.jsonl", ['{"text": "hello"}'])
+    out = tmp_path / "out"
+    (out / "logs").mkdir(parents=True)
+    check = NodeCheck.of(build_manifest(tmp_path / "data"), load_tokenizer_info(QWEN3), out)
+    node_check_file(out).write_text(check.token)
+    monkeypatch.setattr(nodes.ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "n1"))
+    for _ in range(20):
+        nodes._passed.clear()
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(lambda _: nodes.ensure_seen(check), range(8))) == [None] * 8
+    assert sorted(p.name for p in (out / "logs").iterdir()) == ["node-check.txt"]
 
 
 # -- a cluster whose second node does not see OUT ---------------------------------------------------------

@@ -1,17 +1,32 @@
-"""runner/schedule.py: one Ray task per unfinished shard. A worker killed mid-shard is retried from the
-shard's checkpoint, and a shard whose workers keep dying is reported by name after --max-retries; a task
-that stops making progress for --stall-timeout is cancelled with a stack dump, retried, then reported,
-while the other shards finish. Workers are really SIGKILLed; the stuck shard is a FIFO nobody writes.
-Runs join the session's Ray (the `ray_address` fixture); those that kill workers run every shard on Ray's
-workers (--ray-only), none in the driver."""
+"""runner/schedule.py: one Ray task per unfinished shard, or per pack of consecutive small ones. A worker
+killed mid-shard is retried from the shard's checkpoint, and a shard whose workers keep dying is reported by
+name after --max-retries; a task that stops making progress for --stall-timeout is cancelled with a stack
+dump, retried, then reported, while the other shards finish. A pack that fails or stalls is not retried as
+one: its shards go again one by one, so only the shard at fault is reported. Workers are really SIGKILLed;
+the stuck shard is a FIFO nobody writes. Runs join the session's Ray (the `ray_address` fixture); those that
+kill workers run every shard on Ray's workers (--ray-only), none in the driver."""
 
 import json
 import os
 import threading
 
-from helpers import assert_out_is, keep_killing, run_args, tokpipe
+import numpy as np
+import zstandard
+from helpers import (
+    EXAMPLE_TRAIN_FILES,
+    QWEN3,
+    QWEN3_EOS,
+    assert_out_is,
+    keep_killing,
+    reference_texts,
+    reference_tokens,
+    run_args,
+    tokpipe,
+    write_jsonl,
+)
 
-from tokpipe.manifest import build_manifest, write_manifest
+from tokpipe.manifest import Shard, build_manifest, write_manifest
+from tokpipe.runner.schedule import PACK_SHARDS, packs
 
 HF = ("--backend", "hf")  # the slow reference encoder: runs last long enough to be hit mid-way
 
@@ -68,3 +83,42 @@ def test_a_stuck_shard_is_cancelled_with_a_stack_dump_and_reported(dataset, tmp_
     assert log.count("shard train/zz_stuck.jsonl: no progress for") == 2
     done = [json.loads(p.read_text())["done"] for p in (out / "shards").rglob("*.json")]
     assert done == [True, True, True]  # the other shards finished
+
+
+def test_consecutive_small_shards_go_in_packs_up_to_the_limit_and_a_large_one_alone():
+    sizes = [10, 20, 30, 5, 100, 0, 1, 40]
+    shards = [Shard("train", f"s{i}", f"/s{i}", size, f"s{i}") for i, size in enumerate(sizes)]
+    assert [[s.size for s in pack] for pack in packs(iter(shards), 40)] == [[10, 20], [30, 5], [100], [0, 1], [40]]
+    many = [Shard("train", f"t{i}", f"/t{i}", 0, f"t{i}") for i in range(PACK_SHARDS + 1)]
+    assert [len(pack) for pack in packs(iter(many), 40)] == [PACK_SHARDS, 1]
+
+
+def test_in_packs_a_failing_and_a_stuck_shard_are_reported_alone_and_the_rest_is_exact(tmp_path, ray_address):
+    # 16 shards of real words, all of one size S, a truncated download (T < S) among them and a FIFO nobody
+    # writes (0): with 2 workers a task takes the shards that fit an eighth of the input (a quarter of a worker's
+    # share), 2S + T/8. So: [s00 s01] [s02 s03] [s04 s05] [truncated s06] [s07 s08] [s09 s10 stuck] ...
+    words = " ".join(reference_texts(EXAMPLE_TRAIN_FILES[0]))
+    plain = "".join(c for c in words if c.isascii() and (c.isalnum() or c in " .,;:"))  # one byte a character
+    data = tmp_path / "data"
+    for k in range(16):
+        docs = [plain[1200 * k + 300 * d :][:300] for d in range(4)]
+        write_jsonl(data / "train" / f"s{k:02d}.jsonl", [json.dumps({"text": t}) for t in docs])
+    whole = zstandard.ZstdCompressor().compress((data / "train" / "s05.jsonl").read_bytes())
+    (data / "train" / "s05x_truncated.jsonl.zst").write_bytes(whole[: len(whole) // 2])
+    os.mkfifo(data / "train" / "s10x_stuck.jsonl")
+    write_manifest(build_manifest(data), tmp_path / "m.json")
+    out = tmp_path / "out"
+    args = ("--workers", "2", "--ray-only", "--stall-timeout", "5", "--max-retries", "1", "--skip-failed")
+    result = tokpipe(*run_args(tmp_path / "m.json", out, *args), ray=ray_address)
+
+    assert result.returncode == 0, result.stderr
+    log = (out / "logs" / "run.log").read_text()
+    assert "a pack of 2 shards (train/s05x_truncated.jsonl.zst ... train/s06.jsonl) failed (SourceError:" in log
+    assert "its shards go again one by one" in log
+    assert "a pack of 3 shards (train/s09.jsonl ... train/s10x_stuck.jsonl): no progress for" in log
+    assert log.count("shard train/s10x_stuck.jsonl: no progress for") == 2  # alone: the try and its one retry
+    meta = json.loads((out / "meta.json").read_text())
+    assert sorted(meta["excluded"]) == ["train/s05x_truncated.jsonl.zst", "train/s10x_stuck.jsonl"]
+    good = [data / "train" / f"s{k:02d}.jsonl" for k in range(16)]
+    expected = reference_tokens(good, QWEN3 / "tokenizer.json", QWEN3_EOS)
+    assert np.array_equal(np.fromfile(out / "train.bin", dtype=np.uint32), expected)

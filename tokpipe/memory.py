@@ -39,11 +39,13 @@ class MemoryGuard:
     def __init__(self, limit: int, backend: str, tokenizer_json: str):
         self.limit, self.backend, self.tokenizer_json = limit, backend, tokenizer_json
         self.resets = 0
-        self.floor: int | None = None  # RSS with a freshly loaded encoder
+        self.floor: int | None = None  # RSS with a freshly loaded encoder, less what it held beside
+        self.held = 0  # bytes held beside the cache for all encodes until set back (a pack's earlier shards' parts)
 
     def encoder(self, beside: int = 0):
         """The encoder, its cache dropped first if the process is past its room; `beside`: bytes it holds that
         are not the cache (a shard's buffered parts)."""
+        beside += self.held
         if (
             self.limit
             and self.floor is not None
@@ -54,7 +56,7 @@ class MemoryGuard:
             self.floor = None
         enc = encoder(self.backend, self.tokenizer_json)
         if self.floor is None:
-            self.floor = resident_bytes()
+            self.floor = resident_bytes() - beside
         return enc
 
 

@@ -24,6 +24,7 @@ import hashlib
 import os
 import secrets
 import stat
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -172,6 +173,7 @@ def ensure_seen(check: NodeCheck | None) -> None:
     if check is None or check.token in _passed:
         return
     node = ray.get_runtime_context().get_node_id()
-    if node not in check.checked and (problem := unseen(check, f"{node}-{os.getpid()}")):
+    # A Placer runs two calls at once in one process: each thread writes a file of its own.
+    if node not in check.checked and (problem := unseen(check, f"{node}-{os.getpid()}-{threading.get_ident()}")):
         raise NodeError(refusal([f"{_node()} {problem}"]))
     _passed.add(check.token)

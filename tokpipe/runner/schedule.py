@@ -1,5 +1,5 @@
-"""Scheduling on Ray: one task per unfinished shard, as many at once as there are workers; stalled
-tasks cancelled and submitted again; finished shards copied into their split files meanwhile.
+"""Scheduling on Ray: one task per unfinished shard (or per pack of small ones), two at once per worker;
+stalled tasks cancelled and submitted again; finished shards copied into their split files meanwhile.
 
 Ray does the scheduling and the retrying of tasks whose worker or node died (`max_retries`); a retry
 resumes the shard from its checkpoint. What Ray cannot see is a task that is alive but stuck: each
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from collections.abc import Iterator
 from pathlib import Path
 
 import ray
@@ -19,7 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tokpipe.assembly import COPY_BATCH_BYTES, Assembler
 from tokpipe.errors import NodeError, TooManyGroups
 from tokpipe.layout import Part, stall_dump
-from tokpipe.manifest import Manifest
+from tokpipe.manifest import Manifest, Shard
 from tokpipe.options import RunOptions
 from tokpipe.runner.local import Finished, Tally, describe_failure
 from tokpipe.runner.progress import Progress, RunLog
@@ -35,6 +36,12 @@ QUEUED = 2
 # (2,500 one-document shards, 16 workers on 2 cores): 3.1 ms of the driver's CPU per shard when it woke for
 # each one.
 GATHER = 0.02
+# A task takes consecutive shards while they come to at most this much input (or PACK_SHARDS of them), never
+# more than a quarter of a worker's share of the run. Ray's submit is most of the driver's cost per task
+# (0.66 of 1.29 ms, py-spy, 2,500 one-document shards, 16 workers on 2 cores), the rest is per shard; at
+# ~60 MB/s a core 32 MiB is half a second of a worker's tail.
+PACK_BYTES = 32 << 20
+PACK_SHARDS = 64
 
 
 def _get(ref):
@@ -112,6 +119,27 @@ class Copies:
             self.collect(block=True)
 
 
+def packs(shards: Iterator[Shard], limit: int) -> Iterator[list[Shard]]:
+    """The shards in order, one task's at a time: consecutive ones while they come to at most `limit` bytes and
+    PACK_SHARDS (a larger shard alone). Lazy: each is taken when the task before it is made."""
+    pack, size = [], 0
+    for shard in shards:
+        if pack and (size + shard.size > limit or len(pack) == PACK_SHARDS):
+            yield pack
+            pack, size = [], 0
+        pack.append(shard)
+        size += shard.size
+    if pack:
+        yield pack
+
+
+def _name(shards: list[Shard]) -> str:
+    """How the log names a task's shards: `shard X`, or `a pack of N shards (X ... Y)`."""
+    if len(shards) == 1:
+        return f"shard {shards[0].relpath}"
+    return f"a pack of {len(shards)} shards ({shards[0].relpath} ... {shards[-1].relpath})"
+
+
 def _where(part: Part) -> tuple[str, str | None]:
     """A part's split file, and the node whose object store holds its tokens (None: they are in files)."""
     return part.stem, part.buffered[0].node if part.buffered else None
@@ -142,19 +170,22 @@ class Scheduler:
         # One task name for all: the driver keeps state per distinct name (~1.8 MiB per 1k names, measured).
         self.task = ray.remote(
             num_cpus=2 if spec.read_ahead else 1,
-            num_returns=2,  # the result, and the shard's buffered parts (task.shard_task)
+            num_returns=2,  # the results, and the shards' buffered parts (task.shard_task)
             max_retries=opts.max_retries,
             retry_exceptions=False,
             name="tokpipe shard",
         )(shard_task)
+        # A pack that fails is not retried as one: its shards go again one by one, and the one at fault fails alone.
+        self.pack_task = self.task.options(max_retries=0)
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         self.board = ProgressBoard.options(scheduling_strategy=here).remote()
         self.common = ray.put((str(out), spec, self.board, opts.stall_timeout))  # see task.shard_task
         # Not those that failed in this process already (tokenize_while).
         finished = Finished(out)
-        self.unfinished = (s for s in manifest.shards() if not finished(s) and s.relpath not in tally.failed)
-        self.stalled: deque = deque()  # (shard, stall retries) cancelled for a stall, to submit again
-        self.running: dict = {}  # result's ObjectRef -> (shard, stall retries, submitted at, buffered parts' ref)
+        unfinished = (s for s in manifest.shards() if not finished(s) and s.relpath not in tally.failed)
+        self.packs = packs(unfinished, min(PACK_BYTES, manifest.size // (4 * workers)))
+        self.again: deque = deque()  # (shard, stall retries): cancelled for a stall, or of a pack that failed
+        self.running: dict = {}  # results' ObjectRef -> (shards, stall retries, submitted at, buffered parts' ref)
         self.failed = tally.failed
         self.totals, self.beats = [0, 0, 0], {}  # the board's last snapshot
 
@@ -187,34 +218,41 @@ class Scheduler:
 
     def _submit(self) -> None:
         while len(self.running) < QUEUED * self.workers:
-            if self.stalled:
-                shard, stalls = self.stalled.popleft()
-            elif (shard := next(self.unfinished, None)) is not None:
+            if self.again:
+                shard, stalls = self.again.popleft()
+                shards = [shard]
+            elif shards := next(self.packs, None):
                 stalls = 0
             else:
                 return
-            ref, buffered = self.task.remote(shard, self.common, self.check)
-            self.running[ref] = (shard, stalls, time.time(), buffered)
+            ref, buffered = (self.pack_task if len(shards) > 1 else self.task).remote(shards, self.common, self.check)
+            self.running[ref] = (shards, stalls, time.time(), buffered)
 
     def _collect(self, ref, assembler: Assembler) -> int:
-        """Take a finished task's result; returns 1 when its shard is done, 0 when it failed."""
-        shard, _, _, buffered = self.running.pop(ref)
+        """Take a finished task's results; returns how many shards it finished."""
+        shards, _, _, buffered = self.running.pop(ref)
         try:
-            result: ShardResult = _get(ref)
+            results: list[ShardResult] = _get(ref)
         except NodeError as e:  # a node the driver did not probe: it stops the run
             self.log(f"node check: {e}")
             raise
         except (ray.exceptions.RayError, OSError) as e:
-            self.failed[shard.relpath] = describe_failure(e)
-            self.log(f"shard {shard.relpath} FAILED: {self.failed[shard.relpath]}")
+            if len(shards) > 1:
+                self.log(f"{_name(shards)} failed ({describe_failure(e)}); its shards go again one by one")
+                self.again.extend((shard, 0) for shard in shards)
+                return 0
+            self.failed[shards[0].relpath] = describe_failure(e)
+            self.log(f"shard {shards[0].relpath} FAILED: {self.failed[shards[0].relpath]}")
             return 0
-        assembler.done(shard, result.checkpoint, Stored(buffered, result.buffered_on) if result.buffered_on else None)
-        self.tally.add(shard, result, self.log)
-        return 1
+        for index, (shard, result) in enumerate(zip(shards, results)):
+            stored = Stored(buffered, result.buffered_on, index) if result.buffered_on else None
+            assembler.done(shard, result.checkpoint, stored)
+            self.tally.add(shard, result, self.log)
+        return len(shards)
 
     def _cancel_stalled(self, now: float) -> None:
-        for ref, (shard, stalls, submitted, _) in list(self.running.items()):
-            beat = self.beats.get(f"{shard.split}/{shard.key}", 0.0)
+        for ref, (shards, stalls, submitted, _) in list(self.running.items()):
+            beat = self.beats.get(f"{shards[0].split}/{shards[0].key}", 0.0)
             # A task's clock starts at its first beat: until then it waits for a worker process (1-3 s
             # here, over 5 s under load; whose failure to start Ray reports), which is no stall of the shard.
             if beat < submitted:
@@ -224,10 +262,15 @@ class Scheduler:
                 continue
             del self.running[ref]
             ray.cancel(ref, force=True)
-            dump = stall_dump(self.out, shard)
-            self.log(f"shard {shard.relpath}: no progress for {quiet:.0f}s, cancelled (stack dump: {dump})")
+            # The dump of the shard it was on: a pack's shards before it removed their empty ones.
+            dump = next((d for s in shards if (d := stall_dump(self.out, s)).exists()), stall_dump(self.out, shards[0]))
+            self.log(f"{_name(shards)}: no progress for {quiet:.0f}s, cancelled (stack dump: {dump})")
+            if len(shards) > 1:  # which of them stalled is unknown: each goes again alone, with its own retries
+                self.again.extend((s, 0) for s in shards)
+                continue
+            shard = shards[0]
             if stalls < self.opts.max_retries:
-                self.stalled.append((shard, stalls + 1))
+                self.again.append((shard, stalls + 1))
             else:
                 self.failed[shard.relpath] = (
                     f"stalled {stalls + 1} times (no progress for {self.opts.stall_timeout:.0f}s); stacks in {dump}"

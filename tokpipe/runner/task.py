@@ -12,10 +12,10 @@ import ray
 
 from tokpipe.layout import Part, stall_dump
 from tokpipe.manifest import Shard
-from tokpipe.memory import memory_guard
+from tokpipe.memory import MemoryGuard, memory_guard
 from tokpipe.place import place
 from tokpipe.runner.nodes import NodeCheck, ensure_seen
-from tokpipe.shard import ShardResult, tokenize_shard
+from tokpipe.shard import EncodeSpec, ShardResult, tokenize_shard
 
 REPORT_EVERY = 1.0  # seconds between a worker's progress reports
 
@@ -45,21 +45,47 @@ class ProgressBoard:
         return self.totals, self.beats
 
 
-def shard_task(shard: Shard, common: tuple, check: NodeCheck | None) -> tuple[ShardResult, dict | None]:
-    """The Ray task around tokenize_shard: progress reports, and a stack dump if it stops moving. On a
-    node the driver did not probe, first the paths the run needs (NodeError: not the stall dump's).
+def shard_task(shards: list[Shard], common: tuple, check: NodeCheck | None) -> tuple[list[ShardResult], list]:
+    """The Ray task around tokenize_shard, for one shard or a pack of small ones in turn (Scheduler.pack):
+    progress reports, and a stack dump if it stops moving. On a node the driver did not probe, first the paths
+    the run needs (NodeError: not the stall dump's).
     `common`: what every shard task of the run takes (OUT, the EncodeSpec, the ProgressBoard, the stall
     timeout), put in the object store once: serialized for every task, it was a third of the driver's cost
     of submitting one; `check` comes apart (Ray resolves a reference only as an argument of its own).
-    Two returns: the result, and apart from it the parts the shard kept in memory, which stay in this
-    node's object store until a Placer here writes them into place (the driver never fetches them)."""
+    Two returns: the results, and apart from them each shard's parts kept in memory (None: in its files),
+    which stay in this node's object store until a Placer here writes them into place (the driver never
+    fetches them). The shards of a pack share one --shard-buffer: all of theirs wait here until the last."""
     out, spec, board, stall_timeout = common
     ensure_seen(check)
-    tag = f"{shard.split}/{shard.key}"
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one worker per core: no thread pool inside each
+    # The pack's progress goes under its first shard's name: the driver's stall clock is the task's.
+    tag = f"{shards[0].split}/{shards[0].key}"
+    board.report.remote(tag, 0, 0, 0)  # started: the stall clock runs from here, not from submission
+    guard = memory_guard(spec.memory_limit, spec.backend, spec.tokenizer_json)
+    results, buffers, room = [], [], spec.buffer_bytes
+    try:
+        for shard in shards:
+            guard.held = spec.buffer_bytes - room  # the pack's shards before this one keep theirs here
+            result = _one_shard(shard, out, replace(spec, buffer_bytes=room), guard, board, tag, stall_timeout)
+            if result.buffered is not None:
+                room = max(0, room - sum(a.nbytes for tokens, ends in result.buffered.values() for a in tokens + ends))
+            buffers.append(result.buffered)
+            results.append(replace(result, buffered=None))
+    finally:
+        guard.held = 0
+        board.report.remote(tag, 0, 0, 0, finished=True)
+    if any(b is not None for b in buffers):
+        node = ray.get_runtime_context().get_node_id()
+        results = [replace(r, buffered_on=node) if b is not None else r for r, b in zip(results, buffers)]
+    return results, buffers
+
+
+def _one_shard(
+    shard: Shard, out: str, spec: EncodeSpec, guard: MemoryGuard, board, tag: str, stall_timeout: float
+) -> ShardResult:
     # `ps` shows which shard each worker is on (Ray sets the title back to ray::IDLE after the task).
     # Ray's own setter, as it uses for task names; the task name itself is the same for every shard.
-    getattr(ray._raylet, "setproctitle", lambda title: None)(f"ray::tokpipe {tag}")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one worker per core: no thread pool inside each
+    getattr(ray._raylet, "setproctitle", lambda title: None)(f"ray::tokpipe {shard.split}/{shard.key}")
     dump_path = stall_dump(out, shard)
     pending = [0, 0, 0]
     last_report = 0.0  # the first batch is reported at once: the beat that says the shard is moving
@@ -81,32 +107,30 @@ def shard_task(shard: Shard, common: tuple, check: NodeCheck | None) -> tuple[Sh
                 pending[:] = [0, 0, 0]
                 last_report = time.monotonic()
 
-        board.report.remote(tag, 0, 0, 0)  # started: the stall clock runs from here, not from submission
         arm_dump()
         # The encoder is loaded before the shard is opened, and its load counts as progress: 1-2 s per
         # worker here, more on a busy machine, which a short --stall-timeout took for a stall.
-        memory_guard(spec.memory_limit, spec.backend, spec.tokenizer_json).encoder()
+        guard.encoder()
         board.report.remote(tag, 0, 0, 0)
         arm_dump()
         try:
             result = tokenize_shard(shard, out, spec, on_batch)
         finally:
             faulthandler.cancel_dump_traceback_later()
-            board.report.remote(tag, *pending, finished=True)
+            board.report.remote(tag, *pending)
     if dump_path.stat().st_size == 0:
         dump_path.unlink()
-    if result.buffered is None:
-        return result, None
-    node = ray.get_runtime_context().get_node_id()
-    return replace(result, buffered=None, buffered_on=node), result.buffered
+    return result
 
 
 @dataclass(frozen=True)
 class Stored:
-    """A shard's buffered parts in the object store of `node` (the second return of its shard_task)."""
+    """A shard's buffered parts in the object store of `node`: the `index`th of the second return of its
+    shard_task."""
 
     ref: ray.ObjectRef
     node: str
+    index: int
 
 
 @ray.remote(num_cpus=0, max_concurrency=2, max_restarts=-1, max_task_retries=3)
@@ -128,7 +152,9 @@ class Placer:
         stored = {part.buffered[0].ref for part in parts if part.buffered is not None}
         values = dict(zip(stored, ray.get(list(stored))))
         parts = [
-            replace(part, buffered=(values[part.buffered[0].ref], part.buffered[1])) if part.buffered else part
+            replace(part, buffered=(values[part.buffered[0].ref][part.buffered[0].index], part.buffered[1]))
+            if part.buffered
+            else part
             for part in parts
         ]
         return self.node, place(out, parts, itemsize)
