@@ -97,9 +97,10 @@ def assembly_cost(folder: Path, shards: int, groups: int) -> float:
 
     from tokpipe.assembly import Assembler
     from tokpipe.durability import write_json_atomic
-    from tokpipe.layout import Checkpoint, ShardFiles
     from tokpipe.manifest import Manifest, Shard
     from tokpipe.options import RunOptions
+    from tokpipe.out.files import ShardFiles
+    from tokpipe.out.records import Checkpoint
 
     source = tuple(Shard("train", f"s{i:06d}.jsonl", "/dev/null", 1, f"s{i:06d}") for i in range(shards))
     manifest = Manifest(str(folder), str(folder), False, None, None, "x", {"train": shards}, shards, source)

@@ -107,7 +107,7 @@ def cmd_rates(args) -> list[dict]:
     import numpy as np
 
     from tokpipe.durability import HASH_CHUNK, hash_range
-    from tokpipe.layout import Part
+    from tokpipe.out.records import Part
     from tokpipe.place import place
     from tokpipe.tokenizer import GigatokenEncoder
     from tokpipe.verify import verify

@@ -499,7 +499,7 @@ def shard_spec(tokenizer_dir, backend="gigatoken", **changes):
 
 def read_shard(out, shard, dtype) -> tuple[np.ndarray, np.ndarray]:
     """A shard's own .bin (in `dtype`) and .idx."""
-    from tokpipe.layout import ShardFiles
+    from tokpipe.out.files import ShardFiles
 
     files = ShardFiles.of(out, shard)
     return np.fromfile(files.bin, dtype=dtype), np.fromfile(files.idx, dtype="<i8")

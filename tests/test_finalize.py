@@ -16,9 +16,9 @@ from helpers import EXAMPLE_CACHE, QWEN3, assert_out_is, unguarded
 
 from tokpipe.assembly import Assembler
 from tokpipe.finalize import finalize
-from tokpipe.layout import ShardFiles
 from tokpipe.manifest import build_manifest
 from tokpipe.options import RunOptions
+from tokpipe.out.files import ShardFiles
 from tokpipe.place import place
 from tokpipe.shard import tokenize_shard
 from tokpipe.tokenizer import load_tokenizer_info

@@ -9,7 +9,7 @@ from helpers import QWEN3, QWEN3_EOS, tokpipe
 
 from tokpipe.errors import UserError
 from tokpipe.inspect import EOS_MARK, Source, TokenFile, inspect, red_flags, render, scan_ids
-from tokpipe.layout import load_meta_pkl
+from tokpipe.out.files import load_meta_pkl
 from tokpipe.tokenizer import encoder
 
 

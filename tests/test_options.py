@@ -38,9 +38,9 @@ from helpers import (
 
 from tokpipe.cli import parser
 from tokpipe.inspect import BOS_MARK, inspect
-from tokpipe.layout import group_stem
 from tokpipe.manifest import build_manifest, write_manifest
 from tokpipe.options import RunOptions
+from tokpipe.out.files import group_stem
 from tokpipe.sample import verify_sample
 from tokpipe.verify import verify
 

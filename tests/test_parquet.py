@@ -32,9 +32,10 @@ from helpers import (
 
 from tokpipe.errors import SourceError
 from tokpipe.finalize import finalize
-from tokpipe.layout import Checkpoint, ShardFiles
 from tokpipe.manifest import build_manifest
 from tokpipe.options import RunOptions
+from tokpipe.out.files import ShardFiles
+from tokpipe.out.records import Checkpoint
 from tokpipe.shard import tokenize_shard
 from tokpipe.source import read_batches
 from tokpipe.tokenizer import load_tokenizer_info

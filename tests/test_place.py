@@ -65,10 +65,11 @@ def test_a_kill_9_at_each_step_of_placing_a_buffered_shard_loses_nothing(tmp_pat
 def test_a_buffered_part_is_written_at_its_offset_and_its_checkpoint_after(tmp_path):
     """place() of a part from memory: the tokens at the part's offset, its document ends moved by it, and the
     checkpoint it carries written once the bytes are fsynced."""
-    from tokpipe.layout import Checkpoint, Part, assembly_files
+    from tokpipe.out.files import Out
+    from tokpipe.out.records import Checkpoint, Part
     from tokpipe.place import place
 
-    bin_tmp, idx_tmp, _ = assembly_files(tmp_path, "train")
+    bin_tmp, idx_tmp, _ = Out(tmp_path).assembly("train")
     bin_tmp.write_bytes(np.arange(5, dtype=np.uint32).tobytes())
     idx_tmp.write_bytes(np.array([2, 5], dtype="<i8").tobytes())
     tokens = [np.array([7, 8, 9], dtype=np.uint32), np.array([10], dtype=np.uint32)]

@@ -5,9 +5,9 @@ from helpers import EXAMPLE_CACHE, QWEN3, assert_out_is, run_args, tokpipe
 
 from tokpipe.assembly import Assembler
 from tokpipe.finalize import finalize
-from tokpipe.layout import Checkpoint
 from tokpipe.manifest import build_manifest, write_manifest
 from tokpipe.options import RunOptions
+from tokpipe.out.records import Checkpoint
 from tokpipe.runner.driver import Plan
 from tokpipe.runner.local import Tally, tokenize_while
 from tokpipe.runner.progress import Progress, RunLog

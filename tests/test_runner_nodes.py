@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from helpers import QWEN3, checkpoints, kill_9, run_args, session_processes, start, tokpipe, wait_for, write_jsonl
 
-from tokpipe.layout import node_check_file
 from tokpipe.manifest import build_manifest, write_manifest
+from tokpipe.out.files import Out
 from tokpipe.runner import nodes
 from tokpipe.runner.nodes import NodeCheck, unseen
 from tokpipe.tokenizer import load_tokenizer_info
@@ -42,18 +42,18 @@ def test_a_node_checks_out_the_tokenizer_and_a_shard_of_each_folder(tmp_path, mo
     assert check.shards == (shard["a/1"], shard["c/1"], shard["b/1"])  # folders a and c, then shards 0, 2, 4
     assert (check.out, check.tokenizer, check.tokenizer_sha256) == (str(out), info.path, info.sha256)
 
-    node_check_file(out).write_text(check.token)  # what the driver writes
+    Out(out).node_check().write_text(check.token)  # what the driver writes
     assert unseen(check, "n1") is None
     assert sorted(p.name for p in (out / "logs").iterdir()) == ["node-check.txt"]  # the node's own file removed
 
-    node_check_file(out).write_text("another run's token")  # a folder of the node's own at OUT's path
+    Out(out).node_check().write_text("another run's token")  # a folder of the node's own at OUT's path
     assert unseen(check, "n1") == (
         f"sees another folder at OUT {out} than the driver's (without this run's node-check.txt)"
     )
-    node_check_file(out).write_text(check.token)
-    node_check_file(out, "n1").mkdir()  # its write fails
+    Out(out).node_check().write_text(check.token)
+    Out(out).node_check("n1").mkdir()  # its write fails
     assert unseen(check, "n1") == f"cannot write under OUT {out} (Is a directory)"
-    node_check_file(out, "n1").rmdir()
+    Out(out).node_check("n1").rmdir()
     out.rename(tmp_path / "elsewhere")
     assert unseen(check, "n1") == f"cannot see OUT {out} (No such file or directory)"
     (tmp_path / "elsewhere").rename(out)

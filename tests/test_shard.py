@@ -25,8 +25,9 @@ from helpers import (
 )
 
 from tokpipe.errors import TooManyGroups
-from tokpipe.layout import Checkpoint, ShardFiles
 from tokpipe.manifest import Shard, build_manifest
+from tokpipe.out.files import ShardFiles
+from tokpipe.out.records import Checkpoint
 from tokpipe.shard import EncodeSpec, to_dtype, tokenize_shard
 
 SHARDS = list(build_manifest(EXAMPLE_CACHE).shards())

@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 from helpers import QWEN3, build_out, failed_checks, long_document, tokpipe, write_jsonl
 
-from tokpipe.layout import load_meta_pkl
+from tokpipe.out.files import load_meta_pkl
 from tokpipe.verify import verify
 
 

@@ -27,25 +27,22 @@ from pathlib import Path
 
 import orjson
 
-from tokpipe.durability import HASH_CHUNK, fsync_dir, own_inode, write_atomic
+from tokpipe.durability import HASH_CHUNK, fsync_dir, own_inode
 from tokpipe.errors import too_many_groups
-from tokpipe.layout import (
+from tokpipe.manifest import Manifest, Shard
+from tokpipe.options import RunOptions
+from tokpipe.out.files import Out, split_file_stem
+from tokpipe.out.records import (
     IDX_DTYPE,
     MAX_GROUPS,
     Checkpoint,
     Part,
-    ShardFiles,
-    assembly_files,
     is_held_part,
-    output_splits,
     part_record,
     parts_line,
-    sources,
     split_entry,
-    split_file_stem,
 )
-from tokpipe.manifest import Manifest, Shard, shard_key
-from tokpipe.options import RunOptions
+from tokpipe.out.run import output_splits, sources
 from tokpipe.place import is_in_place, place
 
 COPY_BATCH_BYTES = 1 << 30  # of tokens per placing call: one fsync covers many small shards
@@ -99,7 +96,7 @@ class Assembler:
     """
 
     def __init__(self, out: str | os.PathLike, itemsize: int, opts: RunOptions = RunOptions()):
-        self.out, self.itemsize = Path(out), itemsize
+        self.out, self.itemsize = Out(out), itemsize
         self.val_fraction, self.concat = opts.val_fraction, not opts.no_concat
         self.group_by = opts.group_by
         self.values: dict[str, set[str]] = {}  # split stem -> the groups met (--group-by), for MAX_GROUPS
@@ -137,12 +134,12 @@ class Assembler:
     def _files(self, stem: str, offsets: dict) -> dict[str | None, tuple[Path, Path]]:
         """The split's files being assembled: its one file, or (--group-by) those of the groups in `offsets`."""
         groups = [g for g in offsets if g is not None] if self.group_by is not None else [None]
-        return {g: assembly_files(self.out, stem, g)[:2] for g in groups}
+        return {g: self.out.assembly(stem, g)[:2] for g in groups}
 
     def _resume(self, manifest: Manifest, stem: str) -> _Split:
         """Keep what an earlier attempt assembled, if it is still the start of the split; else start empty."""
-        parts_tmp = assembly_files(self.out, stem)[2]
-        self._reopen_finished(stem)
+        parts_tmp = self.out.assembly(stem)[2]
+        self.out.reopen(stem, self.concat, self.group_by is not None)
         state = _Split.start(stem, sources(manifest, stem, self.val_fraction))
         kept = self._kept(parts_tmp, state) if parts_tmp.exists() else []
         if kept and self.concat and self._cut(state):
@@ -153,28 +150,11 @@ class Assembler:
             kept += self._recover(state)
         if self.concat:
             self._prepare_files(state, bool(kept))
-        write_atomic(parts_tmp, b"".join(map(parts_line, kept)))
+        self.out.start_parts_list(stem, b"".join(map(parts_line, kept)))
         state.scheduled = state.listed = len(kept)
         if self.concat:
             self._tokenize_again(manifest, state, len(kept))
         return state
-
-    def _reopen_finished(self, stem: str) -> None:
-        """A split finished by an earlier finalize (fully, or killed between its renames), that this run
-        extends (an append, an excluded shard back): its placed shards' files are gone, so it is the start
-        to keep. Its files are renamed back to .tmp."""
-        finished = [self.out / f"{stem}.parts"]
-        if self.concat:
-            finished += (
-                [self.out / f"{stem}.{ext}" for ext in ("bin", "idx")]
-                if self.group_by is None
-                else sorted((self.out / stem).glob("*.bin")) + sorted((self.out / stem).glob("*.idx"))
-            )
-        for done in finished:
-            tmp = done.with_name(done.name + ".tmp")
-            if not tmp.exists() and done.exists():
-                (self.out / "meta.json").unlink(missing_ok=True)  # OUT is unfinished while its split files change
-                os.replace(done, tmp)
 
     def _kept(self, parts_tmp: Path, state: _Split) -> list[dict]:
         """The records of .parts.tmp that are still the start of the split, in order; `state` is advanced
@@ -205,7 +185,7 @@ class Assembler:
     def _head_known(self, state: _Split) -> bool:
         """Whether there is a head whose parts are known (with --group-by, once its checkpoint is done)."""
         while state.head is not None and state.head_parts is None and self.group_by is not None:
-            ckpt = Checkpoint.of(self.out, state.head[0])
+            ckpt = Checkpoint.of(self.out.root, state.head[0])
             if ckpt is None or not ckpt.done:
                 break
             state.head_ckpt, state.head_parts = ckpt, self._expand(state, ckpt)
@@ -218,14 +198,14 @@ class Assembler:
         that buffered its tokens has no other copy of them): kept, in order, as far as each one's checkpoint is
         done and its bytes in the split file match the checksums the worker took; `state` is advanced past them.
         (With --group-by such parts are tokenized again.)"""
-        bin_tmp, idx_tmp, _ = assembly_files(self.out, state.stem)
+        bin_tmp, idx_tmp, _ = self.out.assembly(state.stem)
         if not (bin_tmp.exists() and idx_tmp.exists()):
             return []
         recovered, buffer = [], bytearray(HASH_CHUNK)
         with open(bin_tmp, "rb") as bin_f, open(idx_tmp, "rb") as idx_f:
             while state.head is not None:
                 shard, held = state.head
-                files = ShardFiles.of(self.out, shard)
+                files = self.out.shard(shard)
                 ckpt = Checkpoint.load(files.checkpoint)
                 if ckpt is None or not ckpt.done or files.part(held, None)[0].exists():
                     break  # not done, or in its own files still: placed from them as usual
@@ -250,12 +230,10 @@ class Assembler:
     def _prepare_files(self, state: _Split, kept: bool) -> None:
         """The files the split is assembled into from here: those of the kept parts, else new empty ones."""
         if not kept and self.group_by is None:
-            for path in assembly_files(self.out, state.stem)[:2]:
-                path.unlink(missing_ok=True)  # a new empty file, not a truncate: see own_inode
-                open(path, "xb").close()
+            self.out.new_assembly_files(state.stem)
         if self.group_by is not None:  # group files of no kept part: a rerun's are made anew
             keep = {path for pair in self._files(state.stem, state.offsets).values() for path in pair}
-            for path in (self.out / state.stem).glob("*.tmp"):
+            for path in self.out.group_assembly_files(state.stem):
                 if path not in keep:
                     path.unlink()
         if kept:
@@ -273,7 +251,7 @@ class Assembler:
         else:
             rest = itertools.dropwhile(lambda source: source != state.head, rest)
         for shard, held in rest:
-            files = ShardFiles.of(self.out, shard)
+            files = self.out.shard(shard)
             ckpt = Checkpoint.load(files.checkpoint)
             if ckpt is None or not ckpt.done:
                 continue
@@ -302,7 +280,7 @@ class Assembler:
     def _checkpoint(self, shard: Shard) -> tuple[Checkpoint | None, object]:
         """The shard's checkpoint, and its buffered parts if it kept them in memory (None: in its own files)."""
         if shard.relpath not in self.finished:
-            return Checkpoint.load(ShardFiles.of(self.out, shard).checkpoint), None
+            return Checkpoint.load(self.out.shard(shard).checkpoint), None
         ckpt, uses, buffered = self.finished.pop(shard.relpath)
         if uses > 1:  # its other part has yet to be scheduled
             self.finished[shard.relpath] = (ckpt, uses - 1, buffered)
@@ -330,19 +308,16 @@ class Assembler:
 
     def _part(self, s: _Split, shard: Shard, held: bool, group: str | None) -> Part:
         """The head's part of `group` (None: its one part, or with --group-by its accounting line), next in its file."""
-        files = ShardFiles.of(self.out, shard)
+        files = self.out.shard(shard)
         if group is None and self.group_by is not None:  # the accounting line: no file
             bin_path = idx_path = None
         else:
             bin_path, idx_path = files.part(held, group)
         record = part_record(shard, s.head_ckpt, held, group, self.group_by is not None)
         if not self.concat and bin_path is not None:  # the part's files are the split's: meta lists them
-            record.update(bin=str(bin_path.relative_to(self.out)), idx=str(idx_path.relative_to(self.out)))
+            record.update(bin=str(bin_path.relative_to(self.out.root)), idx=str(idx_path.relative_to(self.out.root)))
         if self.concat and group is not None and group not in s.offsets:  # a group's first part
-            for path in assembly_files(self.out, s.stem, group)[:2]:
-                path.parent.mkdir(exist_ok=True)
-                path.unlink(missing_ok=True)  # a new empty file, not a truncate: see own_inode
-                open(path, "xb").close()
+            self.out.new_assembly_files(s.stem, group)
         seq, (tokens, documents) = s.scheduled, s.add(group, record)
         s.scheduled += 1
         if s.head_buffered is not None:
@@ -365,10 +340,7 @@ class Assembler:
                 listed.append(s.waiting.pop(s.listed))
                 s.listed += 1
             if listed:
-                with open(assembly_files(self.out, s.stem)[2], "ab") as f:
-                    f.write(b"".join(parts_line(record) for _, record in listed))
-                    f.flush()
-                    os.fsync(f.fileno())
+                self.out.list_parts(s.stem, b"".join(parts_line(record) for _, record in listed))
                 if self.concat:
                     self.placed_tokens += sum(record["tokens"] for _, record in listed)
                     for part, _ in listed:
@@ -397,7 +369,9 @@ class Assembler:
         batch, size = [], 0
         for part in parts + [None]:
             if batch and (part is None or part.stem != batch[0].stem or size >= COPY_BATCH_BYTES):
-                self.placed(batch, place(self.out, batch, self.itemsize) if self.concat else [p.record for p in batch])
+                self.placed(
+                    batch, place(self.out.root, batch, self.itemsize) if self.concat else [p.record for p in batch]
+                )
                 batch, size = [], 0
             if part is not None:
                 batch.append(part)
@@ -409,8 +383,8 @@ class Assembler:
         `excluded` shards: a rerun resumes them)."""
         entries = {}
         for s in self.splits:
-            parts_tmp = assembly_files(self.out, s.stem)[2]
-            renamed = [parts_tmp]
+            parts_tmp = self.out.assembly(s.stem)[2]
+            assembled = []
             if self.concat:
                 for group, (bin_tmp, idx_tmp) in self._files(s.stem, s.offsets).items():
                     tokens, documents = s.offsets.get(group, (0, 0))
@@ -418,23 +392,10 @@ class Assembler:
                         with open(path, "r+b") as f:
                             f.truncate(length)  # bytes beyond: copies of a layout that changed since
                             os.fsync(f.fileno())
-                    renamed += [bin_tmp, idx_tmp]
+                    assembled += [bin_tmp, idx_tmp]
             entries[s.stem] = split_entry(s.stem, parts_tmp, self.concat, self.group_by is not None)
-            for path in renamed:
-                os.replace(path, path.with_suffix(""))
-            if self.concat and self.group_by is not None and s.offsets:
-                fsync_dir(self.out / s.stem)
-        fsync_dir(self.out)
+            self.out.finish_split(s.stem, assembled, self.group_by is not None)
+        fsync_dir(self.out.root)
         if self.concat:
-            remove_placed_leftovers(self.out, excluded)
+            self.out.remove_placed_leftovers(excluded)
         return entries
-
-
-def remove_placed_leftovers(out: Path, excluded: frozenset[str]) -> None:
-    """Remove the shard token files left after their parts were copied into place and listed (a crash
-    between the listing and the removal), keeping those of `excluded` shards, which a rerun resumes."""
-    keep = {shard_key(relpath) for relpath in excluded}
-    for folder in (out / "shards").glob("**/"):
-        for path in folder.iterdir():
-            if path.suffix in (".bin", ".idx") and path.stem not in keep:
-                path.unlink()

@@ -52,7 +52,7 @@ import numpy as np
 from tokpipe.data import Permutation
 from tokpipe.durability import copy_file, copy_range, fsync_dir
 from tokpipe.errors import UserError
-from tokpipe.layout import group_file, split_file_stem
+from tokpipe.out.files import Out, split_file_stem
 from tokpipe.output import Output, Split, open_output
 from tokpipe.shard import to_dtype
 
@@ -343,7 +343,7 @@ def export(
         stem = split_file_stem(name)
         if fmt == "megatron":
             for group, part in split.groups.items() if split.groups else [(None, split)]:
-                prefix = group_file(dest, stem, group)
+                prefix = Out(dest).split(stem, group)
                 prefix.parent.mkdir(exist_ok=True)
                 pairs, how = _megatron_split(data, part, prefix, megatron_dtype(data.vocab_size))
                 renames += pairs

@@ -18,9 +18,11 @@ from tokpipe._version import __version__
 from tokpipe.assembly import Assembler
 from tokpipe.durability import write_atomic
 from tokpipe.errors import UserError
-from tokpipe.layout import SKIPPED, log_file, output_splits, read_parts, split_file_stem, write_meta
 from tokpipe.manifest import Manifest
 from tokpipe.options import RunOptions
+from tokpipe.out.files import SKIPPED, Out, split_file_stem
+from tokpipe.out.records import read_parts
+from tokpipe.out.run import output_splits
 from tokpipe.tokenizer import TokenizerInfo
 
 
@@ -35,7 +37,7 @@ def write_skip_log(out: Path, splits: dict[str, dict]) -> None:
                 # the accounting line has none of its own): lines = documents + skipped + held out
                 fields["documents"] = r["lines"] - sum(r["skipped"].values()) - r.get("held_out", 0)
                 entries.append(json.dumps({**fields, "first": r.get("first_skipped", [])}))
-    path = log_file(out, SKIPPED)
+    path = Out(out).log(SKIPPED)
     path.parent.mkdir(exist_ok=True)
     write_atomic(path, ('{"shards": [' + ",".join("\n" + e for e in entries) + "\n]}\n").encode())
 
@@ -53,7 +55,7 @@ def _refuse_empty_splits(out: Path, splits: dict[str, dict], text_field: str) ->
     if empty:
         raise UserError(
             f"{'; '.join(empty)}: is the text in another field than {text_field!r}? Rerun with --text-field FIELD "
-            f"and a new --out; the first skipped lines are in {log_file(out, SKIPPED)}"
+            f"and a new --out; the first skipped lines are in {Out(out).log(SKIPPED)}"
         )
 
 
@@ -73,7 +75,7 @@ def finalize(
     `opts` are the run's: how it wrote documents, for meta.
     """
     out = Path(out)
-    (out / "meta.json").unlink(missing_ok=True)  # OUT is unfinished while its split files change
+    Out(out).unfinish()
     excluded = excluded or {}
     if assembler is None:
         assembler = Assembler(out, np.dtype(info.dtype).itemsize, opts)
@@ -105,5 +107,5 @@ def finalize(
         "manifest_sha256": manifest.fingerprint,
         "tokpipe_version": __version__,
     }
-    write_meta(out, meta)
+    Out(out).write_meta(meta)
     return meta

@@ -20,21 +20,10 @@ from pathlib import Path
 import numpy as np
 
 from tokpipe.errors import UserError
-from tokpipe.layout import (
-    IDX_DTYPE,
-    Checkpoint,
-    ShardFiles,
-    assembly_files,
-    delimiters,
-    is_held_part,
-    load_run,
-    out_folder,
-    output_splits,
-    parts_of,
-    sources,
-    split_file_stem,
-)
 from tokpipe.manifest import load_manifest
+from tokpipe.out.files import Out, out_folder, split_file_stem
+from tokpipe.out.records import IDX_DTYPE, Checkpoint, is_held_part, parts_of
+from tokpipe.out.run import delimiters, load_run, output_splits, sources
 from tokpipe.output import TokenFile, open_output
 from tokpipe.tokenizer import encoder, load_tokenizer_info
 from tokpipe.verify import Check
@@ -110,8 +99,8 @@ def _delimiters(meta: dict) -> dict:
 
 def open_source(out: str | os.PathLike, split: str) -> Source:
     out = out_folder(out)
-    run = load_run(out)
-    if (out / "meta.json").is_file():
+    run = load_run(Out(out))
+    if Out(out).meta_json.is_file():
         data = open_output(out)
         name = _split_name(split, list(data.splits))
         s = data.splits[name]
@@ -129,9 +118,9 @@ def open_source(out: str | os.PathLike, split: str) -> Source:
             files=s.files,
             **_delimiters(data.meta),
         )
-    if not run or not (out / "manifest.json").is_file():
+    if not run or not Out(out).manifest.is_file():
         raise UserError(f"{out} holds no tokpipe run (no meta.json, run.json or manifest.json)")
-    manifest = load_manifest(out / "manifest.json")
+    manifest = load_manifest(Out(out).manifest)
     val_fraction = run.get("val_fraction", 0.0)
     name = _split_name(split, output_splits(manifest, val_fraction))
     dtype = np.dtype(run["dtype"])
@@ -141,15 +130,10 @@ def open_source(out: str | os.PathLike, split: str) -> Source:
     # The parts the split file will be made of (with --val-fraction, val's include the train shards' held-out
     # ones; with --group-by, a shard has a part per group).
     for shard, held in sources(manifest, stem, val_fraction):
-        paths = ShardFiles.of(out, shard)
+        paths = Out(out).shard(shard)
         ckpt = Checkpoint.load(paths.checkpoint) or Checkpoint()
-        if run.get("group_by") is None:
-            counts = (ckpt.val_tokens, ckpt.val_documents) if held else (ckpt.tokens, ckpt.documents)
-            parts = [(None, *counts, *((paths.val_bin, paths.val_idx) if held else (paths.bin, paths.idx)))]
-        else:
-            groups = (ckpt.val_groups if held else ckpt.groups).items()
-            parts = [(g, c["tokens"], c["documents"], *paths.part(held, g)) for g, c in groups]
-        for group, n_tokens, n_documents, bin_path, idx_path in parts:
+        for group, (n_tokens, n_documents) in ckpt.parts(held, run.get("group_by") is not None).items():
+            bin_path, idx_path = paths.part(held, group)
             if (shard.relpath, held, group) in placed:  # copied into the split file, its own files gone
                 files.append(placed[shard.relpath, held, group])
             elif n_tokens:  # only what the checkpoint covers: a live worker may be appending beyond it
@@ -175,14 +159,14 @@ def open_source(out: str | os.PathLike, split: str) -> Source:
 
 def _placed(out: Path, stem: str, dtype: np.dtype) -> dict[tuple[str, bool, str | None], TokenFile]:
     """The parts of a split being assembled that are in its file already (listed in <stem>.parts.tmp)."""
-    parts_tmp = assembly_files(out, stem)[2]
+    parts_tmp = Out(out).assembly(stem)[2]
     if not parts_tmp.is_file():
         return {}
     raw = parts_tmp.read_bytes()
     whole = raw[: raw.rfind(b"\n") + 1]  # a line a crash cut short was never fsynced: not placed
     placed = {}
     for part in parts_of(stem, whole):
-        bin_tmp, idx_tmp, _ = assembly_files(out, stem, part.group)
+        bin_tmp, idx_tmp, _ = Out(out).assembly(stem, part.group)
         if not part.tokens or not bin_tmp.is_file():
             continue
         tokens = np.memmap(

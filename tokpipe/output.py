@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from tokpipe.errors import UserError
-from tokpipe.layout import IDX_DTYPE, load_meta_pkl, out_folder, split_files
+from tokpipe.out.files import Out, load_meta_pkl, out_folder
+from tokpipe.out.records import IDX_DTYPE, split_files
 
 
 @dataclass(frozen=True)
@@ -122,14 +123,14 @@ def open_output(out: str | os.PathLike) -> Output:
     """A finished OUT, ready to train from. UserError when OUT is not finished or does not match its meta."""
     out = out_folder(out)
     try:
-        meta = load_meta_pkl(out / "meta.pkl")
+        meta = load_meta_pkl(Out(out).meta_pkl)
     except FileNotFoundError:
         raise UserError(
             f"{out} is not a finished tokpipe output (no meta.pkl): see where it stands with tokpipe status {out}"
         ) from None
     except Exception as e:  # a hostile or damaged pickle: the restricted unpickler refused it
         raise UserError(
-            f"{out / 'meta.pkl'} cannot be read safely ({type(e).__name__}: {e}): tokpipe verify {out}"
+            f"{Out(out).meta_pkl} cannot be read safely ({type(e).__name__}: {e}): tokpipe verify {out}"
         ) from None
     dtype = np.dtype(meta["dtype"])
     splits = {}

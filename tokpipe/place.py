@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from tokpipe.durability import HASH_CHUNK, copy_range, hash_range, write_at, write_json_atomic
-from tokpipe.layout import IDX_DTYPE, Part, assembly_files
+from tokpipe.out.files import Out
+from tokpipe.out.records import IDX_DTYPE, Part
 
 
 def place(out: str | os.PathLike, parts: list[Part], itemsize: int) -> list[dict]:
@@ -36,7 +37,7 @@ def place(out: str | os.PathLike, parts: list[Part], itemsize: int) -> list[dict
             if not part.bin and part.buffered is None:  # a shard's accounting line (--group-by): no tokens of its own
                 continue
             if part.group not in opened:
-                bin_tmp, idx_tmp, _ = assembly_files(out, part.stem, part.group)
+                bin_tmp, idx_tmp, _ = Out(out).assembly(part.stem, part.group)
                 opened[part.group] = (open(bin_tmp, "r+b"), open(idx_tmp, "r+b"))
             bin_f, idx_f = opened[part.group]
             if part.buffered is not None:

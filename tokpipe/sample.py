@@ -12,8 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-from tokpipe.layout import Checkpoint, delimiters, load_meta_pkl, sources, split_file_stem
 from tokpipe.manifest import load_manifest
+from tokpipe.out.files import Out, load_meta_pkl, split_file_stem
+from tokpipe.out.records import Checkpoint
+from tokpipe.out.run import delimiters, sources
 from tokpipe.output import open_output
 from tokpipe.shard import held_out
 from tokpipe.source import read_batches
@@ -27,7 +29,7 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
     A document over PIECE_CHARS is re-encoded a piece at a time, exactly as whole (tokenizer.Encoder),
     so the check's memory is a piece's, not the document's: `tokenizers` needs 150-350 bytes a character."""
     out = Path(out)
-    meta = load_meta_pkl(out / "meta.pkl")
+    meta = load_meta_pkl(Out(out).meta_pkl)
     json_path = tokenizer_json_path(tokenizer or meta["tokenizer_path"])
     if hashlib.sha256(json_path.read_bytes()).hexdigest() != meta["tokenizer_sha256"]:
         return [
@@ -38,7 +40,7 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
             )
         ]
     reference = HFEncoder(str(json_path))
-    manifest = load_manifest(out / "manifest.json")
+    manifest = load_manifest(Out(out).manifest)
     written = delimiters(meta)
     before = [meta["bos_token_id"]] if written["bos"] else []
     after = [meta["eos_token_id"]] if written["eos"] else []
@@ -103,11 +105,7 @@ def _population(out: Path, meta: dict, manifest) -> list[tuple]:
             if shard.relpath in excluded:
                 continue
             ckpt = Checkpoint.of(out, shard)
-            if group_by is None:
-                parts = {None: ckpt.val_documents if held else ckpt.documents}
-            else:
-                parts = {g: c["documents"] for g, c in (ckpt.val_groups if held else ckpt.groups).items()}
-            for group, documents in parts.items():
+            for group, (_, documents) in ckpt.parts(held, group_by is not None).items():
                 population.append((split, shard, held, group, base[group], documents))
                 base[group] += documents
     return population

@@ -9,7 +9,6 @@ cut off and redone. A shard resumed any number of times ends byte-identical to o
 from __future__ import annotations
 
 import fcntl
-import glob
 import hashlib
 import os
 import time
@@ -23,9 +22,10 @@ import numpy as np
 
 from tokpipe.durability import HASH_CHUNK, hash_range, write_json_atomic
 from tokpipe.errors import too_many_groups
-from tokpipe.layout import IDX_DTYPE, MAX_GROUPS, Checkpoint, ShardFiles, group_stem
 from tokpipe.manifest import Shard
 from tokpipe.memory import MemoryGuard, memory_guard
+from tokpipe.out.files import ShardFiles, group_stem
+from tokpipe.out.records import IDX_DTYPE, MAX_GROUPS, Checkpoint
 from tokpipe.source import BATCH_BYTES, read_batches
 from tokpipe.source.batch import SKIP_LOG_CAP, Batch
 
@@ -214,7 +214,7 @@ def _writers(
     the last checkpoint go, so a resumed shard leaves exactly the files of one never interrupted.
     `buffering` (a shard begun afresh): in memory, and whatever files an earlier attempt began go."""
     if buffering:
-        for path in _token_files(files):
+        for path in files.token_files():
             path.unlink()
         if spec.group_by is not None:  # a group's part begins when the shard meets the group
             return {}
@@ -230,7 +230,7 @@ def _writers(
             parts[held, group] = PartWriter(spec.dtype, files.part(held, group), counts["tokens"], counts["documents"])
             parts[held, group].text_bytes = counts["text_bytes"]
         kept = {group_stem(group) for group in groups}
-        for path in _group_files(files, held):
+        for path in files.group_files(held):
             if path.parent.name not in kept:
                 path.unlink()
     return parts
@@ -411,14 +411,3 @@ def _encode(
     return tokens
 
 
-def _group_files(files: ShardFiles, held: bool) -> list[Path]:
-    """The .bin/.idx files of the shard's group parts (held out or not) that exist."""
-    folder, key = (files.val_bin if held else files.bin).parent / "groups", files.bin.name[:-4]
-    found = folder.glob(f"*/{glob.escape(key)}.*") if folder.is_dir() else ()
-    return [path for path in found if path.name in (key + ".bin", key + ".idx")]
-
-
-def _token_files(files: ShardFiles) -> list[Path]:
-    """Every token file of the shard that exists: its own, its held-out part's, its groups'."""
-    own = [path for path in (files.bin, files.idx, files.val_bin, files.val_idx) if path.exists()]
-    return own + _group_files(files, False) + _group_files(files, True)

@@ -19,21 +19,10 @@ from dataclasses import asdict, dataclass, field
 
 from tokpipe.errors import UserError
 from tokpipe.fmt import disk_line, duration, free_bytes
-from tokpipe.layout import (
-    FAILED,
-    PROGRESS,
-    REFUSED,
-    RUN_LOG,
-    Checkpoint,
-    ShardFiles,
-    load_json,
-    load_meta_json,
-    load_run,
-    lock_holder,
-    log_file,
-    out_folder,
-)
 from tokpipe.manifest import load_manifest
+from tokpipe.out.files import FAILED, PROGRESS, REFUSED, RUN_LOG, Out, load_json, lock_holder, out_folder
+from tokpipe.out.records import Checkpoint
+from tokpipe.out.run import load_run
 
 # progress.json is rewritten every 2 s while shards run; older than this, the live run is doing
 # something else (starting Ray, finalizing) or is stuck.
@@ -79,7 +68,7 @@ def resume_command(out: str, run: dict, fix: dict | None = None) -> str:
         "tokpipe",
         "run",
         "--manifest",
-        os.path.join(out, "manifest.json"),
+        os.path.join(out, Out(out).manifest.name),  # as OUT was named, not normalized
         "--tokenizer",
         run.get("tokenizer_path") or "TOKENIZER",
         "--out",
@@ -97,23 +86,23 @@ def resume_command(out: str, run: dict, fix: dict | None = None) -> str:
 
 def status(out: str | os.PathLike) -> RunStatus:
     out = os.fspath(out)
-    path = out_folder(out)
-    if not (path / "manifest.json").is_file():
+    folder = Out(out_folder(out))
+    if not folder.manifest.is_file():
         raise UserError(
             f"{out} holds no tokpipe run (no manifest.json): start one with tokpipe run --manifest M "
             f"--tokenizer T --out {out}"
         )
-    manifest = load_manifest(path / "manifest.json")
-    run = load_run(path)
-    meta = load_meta_json(path)
-    holder = lock_holder(path / ".lock")
+    manifest = load_manifest(folder.manifest)
+    run = load_run(folder)
+    meta = folder.load_meta_json()
+    holder = lock_holder(folder.lock_file)
     # failed.json is the last finished attempt's verdict; a live run is retrying those shards.
-    failures = {} if holder else load_json(log_file(path, FAILED)) or {}
-    refused = None if holder else load_json(log_file(path, REFUSED))
+    failures = {} if holder else load_json(folder.log(FAILED)) or {}
+    refused = None if holder else load_json(folder.log(REFUSED))
 
     shards, groups = [], {}
     for shard in manifest.shards():
-        files = ShardFiles.of(path, shard)
+        files = folder.shard(shard)
         found = Checkpoint.load(files.checkpoint)
         ckpt = found or Checkpoint()
         if ckpt.done:
@@ -131,13 +120,13 @@ def status(out: str | os.PathLike) -> RunStatus:
         shards.append(
             ShardStatus(shard.split, shard.relpath, state, shard.size, read, tokens, documents, error, writing)
         )
-        for split, counts in ((shard.split, ckpt.groups), ("validation", ckpt.val_groups)):
+        for split, counts in ckpt.groups_by_split(shard.split):
             for group, c in counts.items():
                 committed = groups.setdefault(split, {}).setdefault(group, [0, 0])
                 committed[0] += c["tokens"]
                 committed[1] += c["documents"]
 
-    progress = load_json(log_file(path, PROGRESS))
+    progress = load_json(folder.log(PROGRESS))
     age = time.time() - progress["updated_at"] if progress else None
     live = (
         holder is not None
@@ -155,7 +144,7 @@ def status(out: str | os.PathLike) -> RunStatus:
         if refused and not refused["fix"]:
             next_step = f"what the refusal above says, then: {next_step} (with other inputs: OUT holds no token yet)"
         if failures:
-            next_step = f"fix the cause of the failures above (details in {log_file(out, RUN_LOG)}), then: {next_step}"
+            next_step = f"fix the cause of the failures above (details in {Out(out).log(RUN_LOG)}), then: {next_step}"
         if not run.get("tokenizer_path"):
             sha = run.get("tokenizer_sha256", "?")[:16]
             next_step += f"   (TOKENIZER: the one with sha256 {sha}…; this run.json does not record its path)"

@@ -17,7 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from tokpipe.durability import HASH_CHUNK, ShortRead, read_range
-from tokpipe.layout import IDX_DTYPE, Part, delimiters, load_meta_pkl, out_folder, parts_of, split_files
+from tokpipe.out.files import Out, load_meta_pkl, out_folder
+from tokpipe.out.records import IDX_DTYPE, Part, parts_of, split_files
+from tokpipe.out.run import delimiters
 
 
 @dataclass
@@ -155,17 +157,19 @@ def verify(out: str | os.PathLike, jobs: int | None = None) -> list[Check]:
         return bool(ok)
 
     try:
-        meta = load_meta_pkl(out / "meta.pkl")
+        meta = load_meta_pkl(Out(out).meta_pkl)
     except FileNotFoundError:
         check(
-            "meta.pkl present", False, f"{out / 'meta.pkl'} is missing: the run has not finished (tokpipe status {out})"
+            "meta.pkl present",
+            False,
+            f"{Out(out).meta_pkl} is missing: the run has not finished (tokpipe status {out})",
         )
         return checks
     except Exception as e:
         check("meta.pkl readable", False, f"{type(e).__name__}: {e}")
         return checks
     try:
-        meta_json = json.loads((out / "meta.json").read_text())
+        meta_json = json.loads(Out(out).meta_json.read_text())
     except (FileNotFoundError, ValueError) as e:
         check("meta.json present", False, f"{type(e).__name__}: {e}")
         return checks

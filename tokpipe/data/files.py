@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tokpipe.layout import IDX_DTYPE
+from tokpipe.out.records import IDX_DTYPE
 
 OPEN_FILES = 64  # 128 maps and descriptors at most: a tenth of the common `ulimit -n` of 1024
 SPARSE = 512  # ends per block: one 4 KB page of an .idx

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from tokpipe.durability import write_atomic
+from tokpipe.out.files import Out
 from tokpipe.report.data import Report, build
 
 __all__ = ["Report", "build", "write_report"]
@@ -26,7 +27,7 @@ def write_report(
     from tokpipe.report.page import render
 
     report = build(out, tokenizer)
-    path = Path(dest) if dest is not None else Path(out) / "report.html"
+    path = Path(dest) if dest is not None else Out(out).report
     data = render(report).encode("utf-8")
     write_atomic(path, data)
     return path, len(data)

@@ -21,17 +21,10 @@ import numpy as np
 
 from tokpipe.errors import UserError
 from tokpipe.inspect import load_decoder, open_source, red_flags, scan_ids
-from tokpipe.layout import (
-    Checkpoint,
-    ShardFiles,
-    load_meta_json,
-    out_folder,
-    output_splits,
-    read_parts,
-    sources,
-    split_file_stem,
-)
 from tokpipe.manifest import load_manifest
+from tokpipe.out.files import Out, out_folder, split_bin_name, split_file_stem
+from tokpipe.out.records import Checkpoint, read_parts
+from tokpipe.out.run import output_splits, sources
 from tokpipe.series import read_series
 from tokpipe.status import RunStatus, status
 
@@ -82,8 +75,8 @@ def _group_stats(out: Path, meta: dict | None, manifest) -> list[GroupStats]:
         ]
     found: dict[tuple[str, str], Counter] = {}
     for shard in manifest.shards():
-        ckpt = Checkpoint.load(ShardFiles.of(out, shard).checkpoint) or Checkpoint()
-        for split, groups in ((shard.split, ckpt.groups), ("validation", ckpt.val_groups)):
+        ckpt = Checkpoint.of(out, shard) or Checkpoint()
+        for split, groups in ckpt.groups_by_split(shard.split):
             for group, g in groups.items():
                 found.setdefault((split, group), Counter()).update(
                     {k: g[k] for k in ("tokens", "documents", "text_bytes")}
@@ -224,7 +217,7 @@ def _split_stats(out: Path, meta: dict | None, manifest, val_fraction: float) ->
         n = Counter()
         skipped, repaired = Counter(), Counter()
         for shard, held in sources(manifest, stem, val_fraction):
-            ckpt = Checkpoint.load(ShardFiles.of(out, shard).checkpoint) or Checkpoint()
+            ckpt = Checkpoint.of(out, shard) or Checkpoint()
             if held:
                 n.update(tokens=ckpt.val_tokens, documents=ckpt.val_documents, held_in=ckpt.val_documents)
             else:
@@ -240,7 +233,7 @@ def _split_stats(out: Path, meta: dict | None, manifest, val_fraction: float) ->
         stats.append(
             SplitStats(
                 name,
-                f"{stem}.bin",
+                split_bin_name(stem),
                 n["tokens"],
                 n["documents"],
                 n["lines"],
@@ -291,7 +284,7 @@ def _shards(out: Path, st: RunStatus, meta: dict | None, manifest) -> Shards:
                     mine.update(lines=r["lines"], skipped=r.get("skipped", {}))
     rows = []
     for shard, s in zip(manifest.shards(), st.shards):
-        ckpt = Checkpoint.load(ShardFiles.of(out, shard).checkpoint) or Checkpoint()
+        ckpt = Checkpoint.of(out, shard) or Checkpoint()
         p = parts.get(shard.relpath)
         if p is None:  # an unfinished run, or a shard excluded from a finished one
             p = {"tokens": s.tokens, "documents": s.documents, "lines": ckpt.lines, "skipped": ckpt.skipped}
@@ -373,12 +366,12 @@ def build(out: str | os.PathLike, tokenizer: str | None = None) -> Report:
     """Everything the page shows. UserError when OUT holds no tokpipe run."""
     out = out_folder(out)
     st = status(out)  # UserError for a folder without a run
-    meta = load_meta_json(out) if st.state == "finished" else None
+    meta = Out(out).load_meta_json() if st.state == "finished" else None
     try:
-        run = json.loads((out / "run.json").read_text())
+        run = json.loads(Out(out).run_json.read_text())
     except FileNotFoundError:
         raise UserError(f"{out} has a manifest but no run.json: tokpipe run has not started there yet") from None
-    manifest = load_manifest(out / "manifest.json")
+    manifest = load_manifest(Out(out).manifest)
     summary = _summary(meta, run)
     splits = _split_stats(out, meta, manifest, summary["val_fraction"])
     notes = []

@@ -18,9 +18,10 @@ from tokpipe.assembly import Assembler
 from tokpipe.durability import write_json_atomic
 from tokpipe.errors import SourceError, UserError, terminate_on_sigterm, too_many_groups
 from tokpipe.finalize import finalize
-from tokpipe.layout import FAILED, MAX_GROUPS, Checkpoint, load_meta_json, lock_out, log_file, out_folder
 from tokpipe.manifest import Manifest, load_manifest, write_manifest
 from tokpipe.options import RunOptions
+from tokpipe.out.files import FAILED, Out, out_folder
+from tokpipe.out.records import MAX_GROUPS, Checkpoint
 from tokpipe.runner.cluster import Cluster
 from tokpipe.runner.identity import check_options, record_run, refusals_noted
 from tokpipe.runner.local import Tally, tokenize_while
@@ -289,7 +290,7 @@ def _report_failures(out: Path, tally: Tally, opts: RunOptions, log: RunLog) -> 
             f"resumed {len(resumed)} shards from their checkpoints: {kept:,} tokens kept, {redone:,} tokens "
             "written after the last checkpoints redone"
         )
-    failures_file = log_file(out, FAILED)
+    failures_file = Out(out).log(FAILED)
     if not failed:
         failures_file.unlink(missing_ok=True)
         return True
@@ -309,10 +310,10 @@ def _report_failures(out: Path, tally: Tally, opts: RunOptions, log: RunLog) -> 
 def _where(out: Path, split: dict) -> str:
     if "groups" in split:  # --group-by
         n = len(split["groups"])
-        return f"the files of {n:,} group{'s' if n != 1 else ''} listed in {out / 'meta.json'}"
+        return f"the files of {n:,} group{'s' if n != 1 else ''} listed in {Out(out).meta_json}"
     if "files" in split:  # --no-concat
         n = len(split["files"])
-        return f"{n:,} file{'s' if n != 1 else ''} listed in {out / 'meta.json'}"
+        return f"{n:,} file{'s' if n != 1 else ''} listed in {Out(out).meta_json}"
     return str(out / split["file"])
 
 
@@ -349,7 +350,7 @@ def _print_summary(meta: dict, out: Path, seconds: float, phases: str, tally: Ta
     tokens = sum(s["tokens"] for s in meta["splits"].values())
     print(phases)
     print(
-        f"done in {seconds:.1f}s ({tokens / seconds / 1e6:.2f}M tokens/s overall); meta: {out / 'meta.pkl'}. "
+        f"done in {seconds:.1f}s ({tokens / seconds / 1e6:.2f}M tokens/s overall); meta: {Out(out).meta_pkl}. "
         f"Next: tokpipe verify {out}"
     )
 
@@ -379,13 +380,13 @@ def _run(manifest_path, tokenizer, out: Path, opts: RunOptions, clock: Timeline,
     info = load_tokenizer_info(tokenizer, opts.eos, opts.bos_token, opts.tokenizer_revision)
     check_options(opts, info, tokenizer)
     out.mkdir(parents=True, exist_ok=True)
-    with lock_out(out), refusals_noted(out):
+    with Out(out).lock(), refusals_noted(out):
         manifest = _record(out, manifest, info, opts)
         run = _Run(manifest, out, info, opts, RunLog(out), clock, cluster)
-        meta = load_meta_json(out)
+        meta = Out(out).load_meta_json()
         if meta is not None and meta.get("manifest_sha256") == manifest.fingerprint and not meta.get("excluded"):
             print(
-                f"{out} is already finished ({out / 'meta.json'}); nothing to do. Check it with: tokpipe verify {out}"
+                f"{out} is already finished ({Out(out).meta_json}); nothing to do. Check it with: tokpipe verify {out}"
             )
             return RunSummary(True, {}, meta, 0, time.monotonic() - clock.start)
         # Before the plan: it may find placed shards whose place is not kept, to tokenize again.
@@ -404,8 +405,8 @@ def _run(manifest_path, tokenizer, out: Path, opts: RunOptions, clock: Timeline,
 def _record(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOptions) -> Manifest:
     """Record this run in OUT (run.json, a copy of the manifest); returns the manifest of OUT's copy."""
     record_run(out, manifest, info, opts)
-    write_manifest(manifest, out / "manifest.json")  # what `verify --sample` and `status` read
-    return replace(manifest, source=out / "manifest.json")  # from here on, its shards stream from OUT's copy
+    write_manifest(manifest, Out(out).manifest)  # what `verify --sample` and `status` read
+    return replace(manifest, source=Out(out).manifest)  # from here on, its shards stream from OUT's copy
 
 
 def _finalize(run: _Run, assembler: Assembler, tally: Tally) -> tuple[dict, float]:

@@ -8,16 +8,16 @@ after a refusal) starts it over.
 from __future__ import annotations
 
 import json
-import os
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
 from tokpipe.durability import write_json_atomic
 from tokpipe.errors import UserError
-from tokpipe.layout import IDENTITY_DEFAULTS, LAST_RUN_KEYS, REFUSED, RUN_FORMAT, log_file
 from tokpipe.manifest import Manifest, load_manifest
 from tokpipe.options import RunOptions
+from tokpipe.out.files import REFUSED, Out
+from tokpipe.out.run import IDENTITY_DEFAULTS, LAST_RUN_KEYS, RUN_FORMAT
 from tokpipe.tokenizer import TokenizerInfo
 
 
@@ -60,30 +60,6 @@ def check_options(opts: RunOptions, info: TokenizerInfo, tokenizer) -> None:
         raise UserError(f"--val-fraction must be at least 0 and below 1, got {opts.val_fraction}")
 
 
-# What a run writes before its first token: what it is (run.json, its manifest's copy), its lock, its logs;
-# and `tokpipe report`'s page. Every other file is the work of a run (a checkpoint, tokens, a parts line)
-# once it is not empty, and any file under shards/ is (a worker that holds a shard's lock may commit there).
-RECORD = frozenset({"run.json", "manifest.json", ".lock", "logs", "report.html"})
-
-
-def _made(out: Path):
-    """The paths of OUT outside RECORD, deepest first (a folder after what it holds)."""
-    for top in sorted(set(os.listdir(out)) - RECORD):
-        if (out / top).is_dir():
-            for folder, subfolders, files in os.walk(out / top, topdown=False):
-                yield from (Path(folder) / name for name in files + subfolders)
-        yield out / top
-
-
-def holds_tokens(out: Path) -> bool:
-    """Whether OUT holds anything made under its recorded identity: then a rerun with other inputs is
-    refused for good. Before that, the split files a run opened are empty and no shard has a file."""
-    for path in _made(out):
-        if not path.is_dir() and ("shards" == path.relative_to(out).parts[0] or path.stat().st_size):
-            return True
-    return False
-
-
 @contextmanager
 def refusals_noted(out: Path):
     """Note a refusal of this run in OUT (logs/refused.json) when OUT holds no token: the command that works
@@ -91,16 +67,15 @@ def refusals_noted(out: Path):
     try:
         yield
     except UserError as e:
-        if (out / "run.json").exists() and not holds_tokens(out):
-            log_file(out, REFUSED).parent.mkdir(exist_ok=True)
-            write_json_atomic(log_file(out, REFUSED), {"error": str(e), "fix": e.fix})
+        if Out(out).run_json.exists() and not Out(out).holds_tokens():
+            Out(out).write_log(REFUSED, {"error": str(e), "fix": e.fix})
         raise
 
 
 def record_run(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOptions) -> None:
     """Refuse an OUT that holds a run with other inputs (a manifest that only gained shards is an
     append; an OUT with no token yet is started over); then (re)write run.json for this run."""
-    path = out / "run.json"
+    path = Out(out).run_json
     identity = run_identity(manifest, info, opts)
     if path.exists():
         previous = {
@@ -109,20 +84,16 @@ def record_run(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOpti
         }
         differs = [k for k in sorted(set(identity) | set(previous)) if identity.get(k) != previous.get(k)]
         what = "; ".join(f"{k}: was {previous.get(k)!r}, now {identity.get(k)!r}" for k in differs)
-        if differs and not holds_tokens(out):
-            for made in _made(out):  # the empty files and folders the refused run opened
-                if made.is_dir():
-                    made.rmdir()
-                else:
-                    made.unlink()
+        if differs and not Out(out).holds_tokens():
+            Out(out).start_over()
             print(f"{out} holds no token yet: starting it over with these inputs ({what})")
-        elif differs == ["manifest_sha256"] and (out / "manifest.json").exists():
-            _check_append(out, load_manifest(out / "manifest.json"), manifest)
+        elif differs == ["manifest_sha256"] and Out(out).manifest.exists():
+            _check_append(out, load_manifest(Out(out).manifest), manifest)
         elif differs:
             raise UserError(
                 f"{out} holds a run with other inputs ({what}); use a new --out, or the original inputs to resume"
             )
-    log_file(out, REFUSED).unlink(missing_ok=True)
+    Out(out).log(REFUSED).unlink(missing_ok=True)
     defaults = asdict(RunOptions())
     options = {k: v for k, v in asdict(opts).items() if v != defaults[k]}
     write_json_atomic(path, {**identity, "tokenizer_path": info.path, "options": options})
@@ -147,4 +118,4 @@ def _check_append(out: Path, old_manifest: Manifest, manifest: Manifest) -> None
         )
     gained = sum(manifest.counts.values()) - sum(old_manifest.counts.values())
     print(f"the manifest gained {gained} shards since {out} was started: appending them (finished shards are kept)")
-    (out / "meta.json").unlink(missing_ok=True)  # OUT is unfinished again until the new finalize
+    Out(out).unfinish()  # until the new finalize

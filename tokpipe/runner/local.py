@@ -15,8 +15,9 @@ from pathlib import Path
 
 from tokpipe.assembly import Assembler
 from tokpipe.errors import TooManyGroups
-from tokpipe.layout import Checkpoint, ShardFiles
 from tokpipe.manifest import Manifest, Shard
+from tokpipe.out.files import ShardFiles
+from tokpipe.out.records import Checkpoint
 from tokpipe.runner.progress import Progress, RunLog
 from tokpipe.shard import EncodeSpec, ShardResult, tokenize_shard
 

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from tokpipe.durability import write_json_atomic
 from tokpipe.fmt import disk_line, duration, free_bytes
-from tokpipe.layout import PROGRESS, RUN_LOG, log_file
+from tokpipe.out.files import PROGRESS, RUN_LOG, Out
 from tokpipe.series import Series
 
 
@@ -22,7 +22,7 @@ class RunLog:
     """OUT/logs/run.log: the effective configuration, shard failures, stalls, the outcome."""
 
     def __init__(self, out: Path):
-        path = log_file(out, RUN_LOG)
+        path = Out(out).log(RUN_LOG)
         path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(path, "a")
 
@@ -99,7 +99,7 @@ class Progress:
         if final or now - self.last_file >= 2.0:
             self.last_file = now
             write_json_atomic(
-                log_file(self.out, PROGRESS),
+                Out(self.out).log(PROGRESS),
                 {
                     "pid": os.getpid(),
                     "started_at": self.started_at,

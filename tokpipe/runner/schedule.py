@@ -18,9 +18,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tokpipe.assembly import COPY_BATCH_BYTES, Assembler
 from tokpipe.errors import NodeError, TooManyGroups
-from tokpipe.layout import Part, stall_dump
 from tokpipe.manifest import Manifest
 from tokpipe.options import RunOptions
+from tokpipe.out.files import stall_dump
+from tokpipe.out.records import Part
 from tokpipe.runner.local import Finished, Tally, describe_failure
 from tokpipe.runner.progress import Progress, RunLog
 from tokpipe.runner.task import Placer, ProgressBoard, Stored, shard_task

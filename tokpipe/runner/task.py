@@ -10,9 +10,10 @@ from dataclasses import dataclass, replace
 
 import ray
 
-from tokpipe.layout import Part, stall_dump
 from tokpipe.manifest import Shard
 from tokpipe.memory import memory_guard
+from tokpipe.out.files import stall_dump
+from tokpipe.out.records import Part
 from tokpipe.place import place
 from tokpipe.runner.nodes import NodeCheck, ensure_seen
 from tokpipe.shard import ShardResult, tokenize_shard
