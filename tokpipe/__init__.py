@@ -50,14 +50,17 @@ def build_manifest(
     return manifest
 
 
-def run(manifest: str | os.PathLike, tokenizer: str | os.PathLike, out: str | os.PathLike, **options):
+def run(manifest: str | os.PathLike, tokenizer: str | os.PathLike, out: str | os.PathLike, *, tell=None, **options):
     """`tokpipe run`: tokenize on Ray (embedded, or the cluster at `address=`); rerun to resume.
 
     `options` are `tokpipe.options.RunOptions`' fields, the `run` command's flags by their Python
     names (workers, text_field, val_fraction, ...), with the same defaults. Returns a
-    `tokpipe.runner.driver.RunSummary`.
+    `tokpipe.runner.driver.RunSummary`: what the run did, as a value. Nothing is printed; `tell`, if given,
+    is called with each line the command would print as the run goes (`tokpipe.runner.events.Said`;
+    `tell=print` prints them).
     """
     from tokpipe.options import RunOptions
     from tokpipe.runner.driver import run as run_manifest  # Ray is imported only by who runs
+    from tokpipe.runner.events import silent
 
-    return run_manifest(manifest, tokenizer, out, RunOptions(**options))
+    return run_manifest(manifest, tokenizer, out, RunOptions(**options), tell=tell or silent)

@@ -17,6 +17,8 @@ from pathlib import Path
 from tokpipe._version import __version__
 from tokpipe.errors import UserError, terminate_on_sigterm, terminated
 from tokpipe.options import RunOptions, positive
+from tokpipe.out.files import Out
+from tokpipe.source.batch import MISSING_GROUP
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 
@@ -39,11 +41,71 @@ def _cmd_manifest(args) -> int:
     return EXIT_OK
 
 
+def _where(out: Path, split: dict) -> str:
+    if "groups" in split:  # --group-by
+        n = len(split["groups"])
+        return f"the files of {n:,} group{'s' if n != 1 else ''} listed in {Out(out).meta_json}"
+    if "files" in split:  # --no-concat
+        n = len(split["files"])
+        return f"{n:,} file{'s' if n != 1 else ''} listed in {Out(out).meta_json}"
+    return str(out / split["file"])
+
+
+def _groups_line(group_by: str, groups: dict) -> str:
+    """A split's groups in one line: how many, the largest, and how many documents lacked the field."""
+    largest = sorted(groups.items(), key=lambda g: -g[1]["tokens"])
+    shown = ", ".join(f"{value} {g['tokens']:,}" for value, g in largest[:5]) + (", ..." if len(largest) > 5 else "")
+    missing = groups.get(MISSING_GROUP, {}).get("documents", 0)
+    lacking = f"; {missing:,} documents without {group_by} are in group {MISSING_GROUP}" if missing else ""
+    return f"  {len(groups):,} groups by {group_by} (tokens: {shown}){lacking}"
+
+
+def summary_lines(summary) -> list[str]:
+    """What `tokpipe run` prints of a run that finalized OUT (a runner.driver.RunSummary): each split, what
+    was left out, where the time went, and what to do next."""
+    meta, out, lines = summary.meta, summary.out, []
+    for split, s in meta["splits"].items():
+        skipped = sum(s["skipped"].values())
+        why = ", ".join(f"{k} {v}" for k, v in s["skipped"].items())
+        lines.append(
+            f"{split}: {s['tokens']:,} tokens, {s['documents']:,} documents, {skipped:,} lines "
+            f"skipped{' (' + why + ')' if why else ''} -> {_where(out, s)}"
+        )
+        if "groups" in s:
+            lines.append(_groups_line(meta["group_by"], s["groups"]))
+    if meta["excluded"]:
+        lines.append(
+            f"EXCLUDED {len(meta['excluded'])} failed shards (recorded in meta['excluded']): "
+            f"{', '.join(meta['excluded'])}"
+        )
+    if summary.lacking:
+        shard, missing, read = summary.lacking[0]
+        lines.append(
+            f"NOTE: {len(summary.lacking)} shards have no {summary.text_field!r} field on most lines (e.g. {shard}:"
+            f" {missing:,} of {read:,} lines): is --text-field right for them?"
+        )
+    tokens = sum(s["tokens"] for s in meta["splits"].values())
+    seconds = summary.seconds
+    lines.append(summary.phases)
+    lines.append(
+        f"done in {seconds:.1f}s ({tokens / seconds / 1e6:.2f}M tokens/s overall); meta: {Out(out).meta_pkl}. "
+        f"Next: tokpipe verify {out}"
+    )
+    return lines
+
+
+def _print_event(event) -> None:
+    """How `tokpipe run` tells a runner.events.Said: one line, on stdout or stderr, at once."""
+    print(event.text, file=sys.stderr if event.stderr else sys.stdout, flush=True)
+
+
 def _cmd_run(args) -> int:
     from tokpipe.runner.driver import run
 
     opts = RunOptions(**{f.name: getattr(args, f.name) for f in fields(RunOptions)})
-    summary = run(args.manifest, args.tokenizer, args.out, opts, wait_for_ray=False)
+    summary = run(args.manifest, args.tokenizer, args.out, opts, wait_for_ray=False, tell=_print_event)
+    if summary.out is not None:
+        print("\n".join(summary_lines(summary)))
     if not summary.finished:
         print(
             f"{len(summary.failed)} shards failed; the rest are kept. Fix the cause and rerun the same command "

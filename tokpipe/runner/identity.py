@@ -18,6 +18,7 @@ from tokpipe.manifest import Manifest, load_manifest
 from tokpipe.options import RunOptions
 from tokpipe.out.files import REFUSED, Out
 from tokpipe.out.run import IDENTITY_DEFAULTS, LAST_RUN_KEYS, RUN_FORMAT
+from tokpipe.runner.events import Listener, Said, silent
 from tokpipe.tokenizer import TokenizerInfo
 
 
@@ -72,7 +73,7 @@ def refusals_noted(out: Path):
         raise
 
 
-def record_run(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOptions) -> None:
+def record_run(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOptions, tell: Listener = silent) -> None:
     """Refuse an OUT that holds a run with other inputs (a manifest that only gained shards is an
     append; an OUT with no token yet is started over); then (re)write run.json for this run."""
     path = Out(out).run_json
@@ -86,9 +87,9 @@ def record_run(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOpti
         what = "; ".join(f"{k}: was {previous.get(k)!r}, now {identity.get(k)!r}" for k in differs)
         if differs and not Out(out).holds_tokens():
             Out(out).start_over()
-            print(f"{out} holds no token yet: starting it over with these inputs ({what})")
+            tell(Said(f"{out} holds no token yet: starting it over with these inputs ({what})"))
         elif differs == ["manifest_sha256"] and Out(out).manifest.exists():
-            _check_append(out, load_manifest(Out(out).manifest), manifest)
+            _check_append(out, load_manifest(Out(out).manifest), manifest, tell)
         elif differs:
             raise UserError(
                 f"{out} holds a run with other inputs ({what}); use a new --out, or the original inputs to resume"
@@ -99,7 +100,7 @@ def record_run(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOpti
     write_json_atomic(path, {**identity, "tokenizer_path": info.path, "options": options})
 
 
-def _check_append(out: Path, old_manifest: Manifest, manifest: Manifest) -> None:
+def _check_append(out: Path, old_manifest: Manifest, manifest: Manifest, tell: Listener) -> None:
     """Every shard of the old manifest must be in the new one, the same size. Both list a split's shards
     in path order (docs/design.md), so one merged pass per split compares them, holding neither manifest."""
     changed = []
@@ -117,5 +118,7 @@ def _check_append(out: Path, old_manifest: Manifest, manifest: Manifest) -> None
             f"(e.g. {changed[0]}); use a new --out, or the original manifest to resume"
         )
     gained = sum(manifest.counts.values()) - sum(old_manifest.counts.values())
-    print(f"the manifest gained {gained} shards since {out} was started: appending them (finished shards are kept)")
+    tell(
+        Said(f"the manifest gained {gained} shards since {out} was started: appending them (finished shards are kept)")
+    )
     Out(out).unfinish()  # until the new finalize
