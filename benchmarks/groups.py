@@ -47,6 +47,7 @@ def worker_cost(source: Path, work_dir: Path, runs: int) -> dict:
 
     from tokpipe.manifest import build_manifest
     from tokpipe.options import RunOptions
+    from tokpipe.runner.identity import encode_spec
     from tokpipe.shard import tokenize_shard
     from tokpipe.tokenizer import load_tokenizer_info
 
@@ -55,7 +56,7 @@ def worker_cost(source: Path, work_dir: Path, runs: int) -> dict:
     best = {}
     for warm in range(runs + 1):  # pass 0 warms the encoder and the page cache
         for name, group_by in (("plain", None), ("grouped", GROUP_BY)):
-            spec = replace(RunOptions(group_by=group_by).encode_spec(info, "fastokens"), memory_limit=0)
+            spec = replace(encode_spec(RunOptions(group_by=group_by), info, "fastokens"), memory_limit=0)
             out = work_dir / f"worker-{name}"
             shutil.rmtree(out, ignore_errors=True)
             started = time.perf_counter()
@@ -113,7 +114,7 @@ def assembly_cost(folder: Path, shards: int, groups: int) -> float:
         path = ShardFiles.of(folder, shard).checkpoint
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, asdict(ckpt))
-    assembler = Assembler(folder, 4, opts)
+    assembler = Assembler(folder, 4, opts.output)
     assembler.resume(manifest)
     started = time.perf_counter()
     for shard in source:

@@ -492,9 +492,10 @@ def crash_in_batch(n: int):
 def shard_spec(tokenizer_dir, backend="gigatoken", **changes):
     """A run's EncodeSpec for tests of one shard: default options, `unguarded`, with `changes`."""
     from tokpipe.options import RunOptions
+    from tokpipe.runner.identity import encode_spec
     from tokpipe.tokenizer import load_tokenizer_info
 
-    return unguarded(RunOptions().encode_spec(load_tokenizer_info(tokenizer_dir), backend), **changes)
+    return unguarded(encode_spec(RunOptions(), load_tokenizer_info(tokenizer_dir), backend), **changes)
 
 
 def read_shard(out, shard, dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -531,7 +532,7 @@ def build_out(
     from tokpipe.finalize import finalize
     from tokpipe.manifest import build_manifest, write_manifest
     from tokpipe.options import RunOptions
-    from tokpipe.runner.identity import record_run
+    from tokpipe.runner.identity import encode_spec, record_run
     from tokpipe.shard import tokenize_shard
     from tokpipe.tokenizer import load_tokenizer_info
 
@@ -541,9 +542,9 @@ def build_out(
     out.mkdir(parents=True)
     record_run(out, manifest, info, options)
     write_manifest(manifest, out / "manifest.json")
-    spec = unguarded(options.encode_spec(info, backend))
+    spec = unguarded(encode_spec(options, info, backend))
     for shard in manifest.shards():
         tokenize_shard(shard, out, spec)
     if finalized:
-        finalize(out, manifest, info, options)
+        finalize(out, manifest, info, options.output)
     return out

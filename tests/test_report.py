@@ -118,7 +118,7 @@ def _killed_out(tmp_path: Path) -> Path:
     a series of two attempts, the second's last line torn as a kill -9 leaves it."""
     from tokpipe.manifest import build_manifest, write_manifest
     from tokpipe.options import RunOptions
-    from tokpipe.runner.identity import record_run
+    from tokpipe.runner.identity import encode_spec, record_run
     from tokpipe.shard import tokenize_shard
     from tokpipe.tokenizer import load_tokenizer_info
 
@@ -128,7 +128,7 @@ def _killed_out(tmp_path: Path) -> Path:
     info = load_tokenizer_info(QWEN3)
     record_run(out, manifest, info, RunOptions())
     write_manifest(manifest, out / "manifest.json")
-    spec = unguarded(RunOptions().encode_spec(info, "gigatoken"), batch_bytes=64 << 10, checkpoint_interval=0.0)
+    spec = unguarded(encode_spec(RunOptions(), info, "gigatoken"), batch_bytes=64 << 10, checkpoint_interval=0.0)
     first, second, _ = manifest.shards()
     tokenize_shard(first, out, spec)
     calls = []

@@ -30,7 +30,6 @@ import orjson
 from tokpipe.durability import HASH_CHUNK, fsync_dir, own_inode
 from tokpipe.errors import too_many_groups
 from tokpipe.manifest import Manifest, Shard
-from tokpipe.options import RunOptions
 from tokpipe.out.files import Out, split_file_stem
 from tokpipe.out.records import (
     IDX_DTYPE,
@@ -42,7 +41,7 @@ from tokpipe.out.records import (
     parts_line,
     split_entry,
 )
-from tokpipe.out.run import output_splits, sources
+from tokpipe.out.run import OutputSpec, output_splits, sources
 from tokpipe.place import is_in_place, place
 
 COPY_BATCH_BYTES = 1 << 30  # of tokens per placing call: one fsync covers many small shards
@@ -88,17 +87,16 @@ class Assembler:
 
     Tokens are kept once: a part's own files are removed as soon as its line in .parts.tmp is
     fsynced (its bytes were fsynced in the split file before). Its checkpoint stays, with the
-    checksums and accounting that resume, status and verify read. With --no-concat (`opts.no_concat`)
+    checksums and accounting that resume, status and verify read. With --no-concat (not `spec.concat`)
     nothing is copied: a split is its parts' own files, listed in order, and they stay.
 
     With --group-by a shard has a part per group, each copied into its group's file of the split at
     that file's offset; one parts list per split holds them all, a shard's in value order.
     """
 
-    def __init__(self, out: str | os.PathLike, itemsize: int, opts: RunOptions = RunOptions()):
+    def __init__(self, out: str | os.PathLike, itemsize: int, spec: OutputSpec = OutputSpec()):
         self.out, self.itemsize = Out(out), itemsize
-        self.val_fraction, self.concat = opts.val_fraction, not opts.no_concat
-        self.group_by = opts.group_by
+        self.val_fraction, self.concat, self.group_by = spec.val_fraction, spec.concat, spec.group_by
         self.values: dict[str, set[str]] = {}  # split stem -> the groups met (--group-by), for MAX_GROUPS
         # Done shards not yet scheduled (those that finished out of order), with how many parts still need them
         # and the parts they kept in memory.

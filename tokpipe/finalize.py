@@ -19,10 +19,9 @@ from tokpipe.assembly import Assembler
 from tokpipe.durability import write_atomic
 from tokpipe.errors import UserError
 from tokpipe.manifest import Manifest
-from tokpipe.options import RunOptions
 from tokpipe.out.files import SKIPPED, Out, split_file_stem
 from tokpipe.out.records import read_parts
-from tokpipe.out.run import output_splits
+from tokpipe.out.run import OutputSpec, output_splits
 from tokpipe.tokenizer import TokenizerInfo
 
 
@@ -63,7 +62,7 @@ def finalize(
     out: str | os.PathLike,
     manifest: Manifest,
     info: TokenizerInfo,
-    opts: RunOptions,
+    spec: OutputSpec,
     excluded: dict[str, str] | None = None,
     assembler: Assembler | None = None,
 ) -> dict:
@@ -72,19 +71,19 @@ def finalize(
     `assembler` is the run's, whose Placer actors placed (nearly) everything while shards tokenized;
     without one, everything is placed here. `excluded` (relpath -> error) are failed shards left out
     on purpose (`run --skip-failed`); meta records them, so a partial output is never mistaken for a whole one.
-    `opts` are the run's: how it wrote documents, for meta.
+    `spec`: what the run's options say of its files and meta.
     """
     out = Path(out)
     Out(out).unfinish()
     excluded = excluded or {}
     if assembler is None:
-        assembler = Assembler(out, np.dtype(info.dtype).itemsize, opts)
+        assembler = Assembler(out, np.dtype(info.dtype).itemsize, spec)
         assembler.resume(manifest)
     assembler.place_here(frozenset(excluded))
     stems = assembler.finish(frozenset(excluded))
-    splits = {split: stems[split_file_stem(split)] for split in output_splits(manifest, opts.val_fraction)}
+    splits = {split: stems[split_file_stem(split)] for split in output_splits(manifest, spec.val_fraction)}
     write_skip_log(out, splits)
-    _refuse_empty_splits(out, splits, opts.text_field)
+    _refuse_empty_splits(out, splits, spec.text_field)
     meta = {
         "dtype": info.dtype,
         "vocab_size": info.vocab_size,
@@ -92,16 +91,16 @@ def finalize(
         "eos_token": info.eos_token,
         "bos_token_id": info.bos_id,
         "bos_token": info.bos_token,
-        "delimiters": opts.delimiters,
-        "val_fraction": opts.val_fraction,
-        "concat": not opts.no_concat,
+        "delimiters": spec.delimiters,
+        "val_fraction": spec.val_fraction,
+        "concat": spec.concat,
         "tokenizer": info.id,
         "tokenizer_sha256": info.sha256,
         "tokenizer_repo_id": info.repo_id,  # ORG/NAME and its commit, for a tokenizer from the HF cache
         "tokenizer_revision": info.revision,
         "tokenizer_path": info.path,
-        "text_field": opts.text_field,
-        **({"group_by": opts.group_by} if opts.group_by is not None else {}),
+        "text_field": spec.text_field,
+        **({"group_by": spec.group_by} if spec.group_by is not None else {}),
         "splits": splits,
         "excluded": dict(sorted(excluded.items())),
         "manifest_sha256": manifest.fingerprint,

@@ -36,7 +36,7 @@ Buffered = tuple[list[np.ndarray], list[np.ndarray]]
 @dataclass(frozen=True)
 class EncodeSpec:
     """What a worker needs to turn text into the run's bytes (the same for every shard of a run).
-    The runner makes it from RunOptions (`RunOptions.encode_spec`), where the options' defaults are."""
+    The runner makes it from RunOptions (`runner.identity.encode_spec`), where the options' defaults are."""
 
     tokenizer_json: str
     backend: str

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from tokpipe.manifest import Manifest, Shard
 from tokpipe.out.files import Out, load_json, split_file_stem
@@ -14,6 +15,18 @@ RUN_FORMAT = 1
 LAST_RUN_KEYS = ("tokenizer_path", "options")
 # What a run.json written before these entries existed meant by their absence.
 IDENTITY_DEFAULTS = {"delimiters": {"bos": False, "eos": True}, "val_fraction": 0.0, "concat": True, "group_by": None}
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """What a run's options say of its output's files and meta, as plain values: what the write path (the
+    assembly, finalize) needs of them. The runner makes it from RunOptions (`RunOptions.output`)."""
+
+    text_field: str = "text"
+    delimiters: dict = field(default_factory=lambda: dict(IDENTITY_DEFAULTS["delimiters"]))  # meta's
+    val_fraction: float = 0.0
+    concat: bool = True  # False: --no-concat, a split is its parts' own files
+    group_by: str | None = None
 
 
 def load_run(out: Out) -> dict:

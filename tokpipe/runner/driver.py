@@ -23,7 +23,7 @@ from tokpipe.out.files import FAILED, Out, out_folder
 from tokpipe.out.records import MAX_GROUPS, Checkpoint
 from tokpipe.runner.cluster import Cluster
 from tokpipe.runner.events import Listener, Said, silent
-from tokpipe.runner.identity import check_options, record_run, refusals_noted
+from tokpipe.runner.identity import check_options, encode_spec, record_run, refusals_noted
 from tokpipe.runner.local import Tally, tokenize_while
 from tokpipe.runner.progress import Progress, RunLog, Timeline
 from tokpipe.series import Series
@@ -132,7 +132,7 @@ def _plan(run: _Run, manifest_path) -> Plan:
 def _resume(run: _Run) -> Assembler:
     """Take up OUT's split files where an earlier attempt left them (Assembler.resume), and say which
     shards are tokenized again for it."""
-    assembler = Assembler(run.out, np.dtype(run.info.dtype).itemsize, run.opts)
+    assembler = Assembler(run.out, np.dtype(run.info.dtype).itemsize, run.opts.output)
     assembler.resume(run.manifest)
     if assembler.lost:
         n = len(assembler.lost)
@@ -226,7 +226,7 @@ def _tokenize(run: _Run, assembler: Assembler, plan: Plan) -> Tally:
     run.clock.planned = time.monotonic()
     run.clock.series.mark("tokenize")
     try:
-        spec = run.opts.encode_spec(run.info, backend)
+        spec = encode_spec(run.opts, run.info, backend)
         if not run.cluster.address and run.cluster.fit[1]:
             run.tell(Said(run.cluster.fit[1]))
             run.log(run.cluster.fit[1])
@@ -279,7 +279,7 @@ def _tokenize_on_ray(
         from tokpipe.runner.nodes import check_nodes
 
         check = check_nodes(run.manifest, run.info, run.out, run.log)
-    spec = run.opts.encode_spec(run.info, backend, shape.read_ahead)
+    spec = encode_spec(run.opts, run.info, backend, shape.read_ahead)
     itemsize = np.dtype(run.info.dtype).itemsize
     progress.workers = run.clock.workers = shape.workers
     copies = Copies(assembler, run.out, itemsize, shape.nodes, check)
@@ -387,7 +387,7 @@ def _record(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOptions
 def _finalize(run: _Run, assembler: Assembler, tally: Tally, redone: int) -> RunSummary:
     """The last copies and meta; then what the run made, as a value."""
     run.clock.series.mark("finalize")
-    meta = finalize(run.out, run.manifest, run.info, run.opts, tally.failed, assembler)
+    meta = finalize(run.out, run.manifest, run.info, run.opts.output, tally.failed, assembler)
     seconds = time.monotonic() - run.clock.start
     phases = run.clock.report(time.monotonic(), meta)
     run.clock.series.mark("finished")

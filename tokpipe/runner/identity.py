@@ -19,6 +19,7 @@ from tokpipe.options import RunOptions
 from tokpipe.out.files import REFUSED, Out
 from tokpipe.out.run import IDENTITY_DEFAULTS, LAST_RUN_KEYS, RUN_FORMAT
 from tokpipe.runner.events import Listener, Said, silent
+from tokpipe.shard import EncodeSpec
 from tokpipe.tokenizer import TokenizerInfo
 
 
@@ -39,6 +40,25 @@ def run_identity(manifest: Manifest, info: TokenizerInfo, opts: RunOptions) -> d
         "val_fraction": opts.val_fraction,
         "concat": not opts.no_concat,
     } | ({"group_by": opts.group_by} if opts.group_by is not None else {})
+
+
+def encode_spec(opts: RunOptions, info: TokenizerInfo, backend: str, read_ahead: bool = False) -> EncodeSpec:
+    """What every worker of this run needs to write its shards' bytes."""
+    return EncodeSpec(
+        info.path,
+        backend,
+        eos_id=None if opts.no_eos else info.eos_id,
+        bos_id=info.bos_id if opts.bos else None,
+        vocab_size=info.vocab_size,
+        dtype=info.dtype,
+        text_field=opts.text_field,
+        checkpoint_interval=opts.checkpoint_interval,
+        memory_limit=opts.worker_memory << 20,
+        val_fraction=opts.val_fraction,
+        buffer_bytes=0 if opts.no_concat else opts.buffer_mib << 20,
+        read_ahead=read_ahead,
+        group_by=opts.group_by,
+    )
 
 
 def check_options(opts: RunOptions, info: TokenizerInfo, tokenizer) -> None:
