@@ -294,7 +294,7 @@ def test_a_split_with_more_groups_than_allowed_is_refused_as_its_shards_show_it(
 
     options = RunOptions(group_by=GROUP_FIELD)
     out = build_out(tmp_path / "out", QWEN3, options=options, finalized=False)
-    monkeypatch.setattr("tokpipe.assembly.MAX_GROUPS", 3)
+    monkeypatch.setattr("tokpipe.assembly.split.MAX_GROUPS", 3)
     with pytest.raises(
         TooManyGroups,
         match=r"^--group-by meta.redpajama_set_name: split train has more than 3 distinct values \(e.g. 'RedPajamaC4',"
