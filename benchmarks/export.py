@@ -30,8 +30,8 @@ from tokpipe.export import _in_order as in_order
 from tokpipe.export import _megatron_split as megatron_split
 from tokpipe.export import _shuffled as shuffled
 from tokpipe.export import export
+from tokpipe.out.tokens import to_dtype
 from tokpipe.output import Output, Split, TokenFile, open_output
-from tokpipe.shard import to_dtype
 
 
 def drop_cache(folder: Path) -> None:

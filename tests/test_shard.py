@@ -28,7 +28,8 @@ from tokpipe.errors import TooManyGroups
 from tokpipe.manifest import Shard, build_manifest
 from tokpipe.out.files import ShardFiles
 from tokpipe.out.records import Checkpoint
-from tokpipe.shard import EncodeSpec, to_dtype, tokenize_shard
+from tokpipe.out.tokens import to_dtype
+from tokpipe.shard import EncodeSpec, tokenize_shard
 
 SHARDS = list(build_manifest(EXAMPLE_CACHE).shards())
 HOLDOUT = SHARDS[-1]

@@ -53,8 +53,8 @@ from tokpipe.data import Permutation
 from tokpipe.durability import copy_file, copy_range, fsync_dir
 from tokpipe.errors import UserError
 from tokpipe.out.files import Out, split_file_stem
+from tokpipe.out.tokens import to_dtype
 from tokpipe.output import Output, Split, open_output
-from tokpipe.shard import to_dtype
 
 FORMATS = ("megatron", "llmc")
 CHUNK = 1 << 24  # tokens (or index entries) per numpy step

@@ -16,8 +16,8 @@ from tokpipe.manifest import load_manifest
 from tokpipe.out.files import Out, load_meta_pkl, split_file_stem
 from tokpipe.out.records import Checkpoint
 from tokpipe.out.run import delimiters, sources
+from tokpipe.out.tokens import held_out
 from tokpipe.output import open_output
-from tokpipe.shard import held_out
 from tokpipe.source import read_batches
 from tokpipe.tokenizer import PIECE_CHARS, HFEncoder, tokenizer_json_path
 from tokpipe.verify import Check

@@ -26,6 +26,7 @@ from tokpipe.manifest import Shard
 from tokpipe.memory import MemoryGuard, memory_guard
 from tokpipe.out.files import ShardFiles, group_stem
 from tokpipe.out.records import IDX_DTYPE, MAX_GROUPS, Checkpoint
+from tokpipe.out.tokens import held_out, to_dtype
 from tokpipe.source import BATCH_BYTES, read_batches
 from tokpipe.source.batch import SKIP_LOG_CAP, Batch
 
@@ -73,14 +74,6 @@ class ShardResult:
     buffered_on: str | None = None
 
 
-def to_dtype(ids: np.ndarray, dtype: str) -> np.ndarray:
-    """Cast token ids to the output dtype; an id that does not fit is an error, never a wrap."""
-    limit = np.iinfo(dtype).max
-    if ids.size and int(ids.max()) > limit:
-        raise OverflowError(f"token id {int(ids.max())} does not fit {dtype} (max {limit})")
-    return ids.astype(dtype, copy=False)
-
-
 def delimit(
     flat: np.ndarray, lengths: np.ndarray, bos_id: int | None, eos_id: int | None, base: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -96,24 +89,6 @@ def delimit(
         tokens[ends - 1], text[ends - 1] = eos_id, False
     tokens[text] = flat
     return tokens, base + ends
-
-
-def held_out(texts: list[str], fraction: float) -> np.ndarray:
-    """Which documents go to val.bin: those whose text hashes below `fraction` of the hash space.
-
-    A function of the text alone (blake2b-64 of its UTF-8), so the choice is the same whatever the
-    workers, crashes, resumes or shard order; a document that appears twice goes the same way twice.
-    """
-    limit = int(fraction * 2**64)
-    return np.fromiter(
-        (
-            int.from_bytes(hashlib.blake2b(t.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
-            < limit
-            for t in texts
-        ),
-        dtype=bool,
-        count=len(texts),
-    )
 
 
 def read_ahead(batches: Iterator[Batch]) -> Iterator[Batch]:
