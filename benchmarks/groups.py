@@ -45,11 +45,11 @@ def worker_cost(source: Path, work_dir: Path, runs: int) -> dict:
     """Seconds of one worker for every shard of `source`, plain and grouped: the fastest of `runs` passes."""
     from dataclasses import replace
 
-    from tokpipe.manifest import build_manifest
+    from tokpipe.inputs.manifest import build_manifest
+    from tokpipe.inputs.tokenizer import load_tokenizer_info
     from tokpipe.options import RunOptions
     from tokpipe.runner.identity import encode_spec
-    from tokpipe.shard import tokenize_shard
-    from tokpipe.tokenizer import load_tokenizer_info
+    from tokpipe.write.shard import tokenize_shard
 
     shards = list(build_manifest(next(source.glob("datasets--*"))).shards())
     info = load_tokenizer_info(TOKENIZER)
@@ -96,12 +96,12 @@ def assembly_cost(folder: Path, shards: int, groups: int) -> float:
     """Seconds of the driver per shard: Assembler.ready and .placed (--no-concat: no copy) as each shard is done."""
     from dataclasses import asdict, replace
 
-    from tokpipe.assembly import Assembler
     from tokpipe.durability import write_json_atomic
-    from tokpipe.manifest import Manifest, Shard
+    from tokpipe.inputs.manifest import Manifest, Shard
     from tokpipe.options import RunOptions
     from tokpipe.out.files import ShardFiles
     from tokpipe.out.records import Checkpoint
+    from tokpipe.write.assembly import Assembler
 
     source = tuple(Shard("train", f"s{i:06d}.jsonl", "/dev/null", 1, f"s{i:06d}") for i in range(shards))
     manifest = Manifest(str(folder), str(folder), False, None, None, "x", {"train": shards}, shards, source)

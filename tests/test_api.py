@@ -7,7 +7,7 @@ import pytest
 from helpers import EXAMPLE_CACHE
 
 import tokpipe
-from tokpipe.manifest import load_manifest
+from tokpipe.inputs.manifest import load_manifest
 
 
 def test_api_mirrors_the_commands(out, tmp_path, capsys):

@@ -7,12 +7,12 @@ import pytest
 from helpers import QWEN3, tokpipe, unguarded, write_jsonl
 
 from tokpipe.errors import UserError
-from tokpipe.finalize import finalize
-from tokpipe.manifest import build_manifest
+from tokpipe.inputs.manifest import build_manifest
+from tokpipe.inputs.tokenizer import load_tokenizer_info
 from tokpipe.options import RunOptions
 from tokpipe.runner.identity import encode_spec
-from tokpipe.shard import tokenize_shard
-from tokpipe.tokenizer import load_tokenizer_info
+from tokpipe.write.finalize import finalize
+from tokpipe.write.shard import tokenize_shard
 
 INFO = load_tokenizer_info(QWEN3)
 CODE = [json.dumps({"content": f"def f{i}():\n    return {i}\n", "lang": "python"}) for i in range(3)]

@@ -16,9 +16,9 @@ from helpers import tokpipe
 
 from tokpipe import durability
 from tokpipe import export as export_module
+from tokpipe.commands.export import export
 from tokpipe.data import Permutation
 from tokpipe.errors import UserError
-from tokpipe.export import export
 from tokpipe.out.files import load_meta_pkl
 
 # Megatron-LM megatron/core/datasets/indexed_dataset.py, _IndexReader: its DType codes.

@@ -14,16 +14,16 @@ import numpy as np
 import pytest
 from helpers import EXAMPLE_CACHE, QWEN3, assert_out_is, unguarded
 
-from tokpipe.assembly import Assembler
-from tokpipe.finalize import finalize
-from tokpipe.manifest import build_manifest
+from tokpipe.inputs.manifest import build_manifest
+from tokpipe.inputs.tokenizer import load_tokenizer_info
 from tokpipe.options import RunOptions
 from tokpipe.out.files import ShardFiles
-from tokpipe.place import place
+from tokpipe.read.verify import verify
 from tokpipe.runner.identity import encode_spec
-from tokpipe.shard import tokenize_shard
-from tokpipe.tokenizer import load_tokenizer_info
-from tokpipe.verify import verify
+from tokpipe.write.assembly import Assembler
+from tokpipe.write.finalize import finalize
+from tokpipe.write.place import place
+from tokpipe.write.shard import tokenize_shard
 
 MANIFEST = build_manifest(EXAMPLE_CACHE)
 INFO = load_tokenizer_info(QWEN3)
@@ -183,11 +183,11 @@ def test_a_placed_shard_gives_its_space_back_and_keeps_its_checkpoint(out, examp
 # A real kill -9 of a process finalizing, at each step of place-then-remove: (what to wrap, which of
 # its calls kills, counting only calls whose first argument names a shard's token file when "shards").
 KILL_POINTS = {
-    "while copying a part": ("tokpipe.place.copy_range", 2, ""),
-    "after the copies are fsynced, before they are listed": ("tokpipe.assembly.Assembler.placed", 1, ""),
+    "while copying a part": ("tokpipe.write.place.copy_range", 2, ""),
+    "after the copies are fsynced, before they are listed": ("tokpipe.write.assembly.Assembler.placed", 1, ""),
     "after the listing, before the part's .bin is removed": ("pathlib.Path.unlink", 1, "/shards/"),
     "between removing a part's .bin and its .idx": ("pathlib.Path.unlink", 2, "/shards/"),
-    "after the removal, before the split files are renamed": ("tokpipe.assembly.Assembler.finish", 1, ""),
+    "after the removal, before the split files are renamed": ("tokpipe.write.assembly.Assembler.finish", 1, ""),
 }
 
 KILLED_FINALIZE = """
@@ -204,10 +204,10 @@ def killing(*args, **kw):
         os.kill(os.getpid(), signal.SIGKILL)
     return original(*args, **kw)
 setattr(owner, attr, killing)
-from tokpipe.finalize import finalize
-from tokpipe.manifest import build_manifest
+from tokpipe.write.finalize import finalize
+from tokpipe.inputs.manifest import build_manifest
 from tokpipe.options import RunOptions
-from tokpipe.tokenizer import load_tokenizer_info
+from tokpipe.inputs.tokenizer import load_tokenizer_info
 finalize(sys.argv[1], build_manifest(sys.argv[4]), load_tokenizer_info(sys.argv[5]), RunOptions().output)
 """
 
@@ -294,7 +294,7 @@ def test_a_split_with_more_groups_than_allowed_is_refused_as_its_shards_show_it(
 
     options = RunOptions(group_by=GROUP_FIELD)
     out = build_out(tmp_path / "out", QWEN3, options=options, finalized=False)
-    monkeypatch.setattr("tokpipe.assembly.split.MAX_GROUPS", 3)
+    monkeypatch.setattr("tokpipe.write.assembly.split.MAX_GROUPS", 3)
     with pytest.raises(
         TooManyGroups,
         match=r"^--group-by meta.redpajama_set_name: split train has more than 3 distinct values \(e.g. 'RedPajamaC4',"

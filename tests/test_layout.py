@@ -1,4 +1,4 @@
-"""layout: every rule of OUT's files, in one module. Where a shard's files and its held-out part go, what a
+"""tokpipe/out: every rule of OUT's files, in one package. Where a shard's files and its held-out part go, what a
 checkpoint holds, a parts list (one JSON line per part) and the offsets and meta sums it gives, the
 split files' names, meta.pkl read without executing anything, and OUT's lock: held by the live run,
 naming it, refusing a second run, dropped by the kernel when the run dies."""
@@ -15,7 +15,7 @@ import pytest
 from helpers import EXAMPLE_CACHE, run_args, tokpipe
 
 from tokpipe.errors import UserError
-from tokpipe.manifest import build_manifest
+from tokpipe.inputs.manifest import build_manifest
 from tokpipe.out.files import Out, ShardFiles, load_meta_pkl, lock_holder, split_file_stem
 from tokpipe.out.records import Checkpoint, parts_line, parts_of, read_parts, split_entry
 from tokpipe.out.run import output_splits, sources

@@ -31,15 +31,15 @@ from helpers import (
 )
 
 from tokpipe.errors import SourceError
-from tokpipe.finalize import finalize
-from tokpipe.manifest import build_manifest
+from tokpipe.inputs.manifest import build_manifest
+from tokpipe.inputs.source import read_batches
+from tokpipe.inputs.tokenizer import load_tokenizer_info
 from tokpipe.options import RunOptions
 from tokpipe.out.files import ShardFiles
 from tokpipe.out.records import Checkpoint
 from tokpipe.runner.identity import encode_spec
-from tokpipe.shard import tokenize_shard
-from tokpipe.source import read_batches
-from tokpipe.tokenizer import load_tokenizer_info
+from tokpipe.write.finalize import finalize
+from tokpipe.write.shard import tokenize_shard
 
 MANIFEST = build_manifest(PARQUET_CACHE)
 INFO = load_tokenizer_info(QWEN3)

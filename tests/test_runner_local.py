@@ -3,17 +3,17 @@ back to the driver, which places it; told to stop, every shard stops at its next
 
 from helpers import EXAMPLE_CACHE, QWEN3, assert_out_is, run_args, tokpipe
 
-from tokpipe.assembly import Assembler
-from tokpipe.finalize import finalize
-from tokpipe.manifest import build_manifest, write_manifest
+from tokpipe.inputs.manifest import build_manifest, write_manifest
+from tokpipe.inputs.tokenizer import load_tokenizer_info
 from tokpipe.options import RunOptions
 from tokpipe.out.records import Checkpoint
+from tokpipe.out.series import Series
 from tokpipe.runner.driver import Plan
 from tokpipe.runner.identity import encode_spec
 from tokpipe.runner.local import Tally, tokenize_while
 from tokpipe.runner.progress import Progress, RunLog
-from tokpipe.series import Series
-from tokpipe.tokenizer import load_tokenizer_info
+from tokpipe.write.assembly import Assembler
+from tokpipe.write.finalize import finalize
 
 MANIFEST = build_manifest(EXAMPLE_CACHE)
 INFO = load_tokenizer_info(QWEN3)

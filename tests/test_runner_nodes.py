@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 from helpers import QWEN3, checkpoints, kill_9, run_args, session_processes, start, tokpipe, wait_for, write_jsonl
 
-from tokpipe.manifest import build_manifest, write_manifest
+from tokpipe.inputs.manifest import build_manifest, write_manifest
+from tokpipe.inputs.tokenizer import load_tokenizer_info
 from tokpipe.out.files import Out
 from tokpipe.runner import nodes
 from tokpipe.runner.nodes import NodeCheck, unseen
-from tokpipe.tokenizer import load_tokenizer_info
 
 
 def test_a_node_checks_out_the_tokenizer_and_a_shard_of_each_folder(tmp_path, monkeypatch):

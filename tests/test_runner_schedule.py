@@ -11,7 +11,7 @@ import threading
 
 from helpers import assert_out_is, keep_killing, run_args, tokpipe
 
-from tokpipe.manifest import build_manifest, write_manifest
+from tokpipe.inputs.manifest import build_manifest, write_manifest
 
 HF = ("--backend", "hf")  # the slow reference encoder: runs last long enough to be hit mid-way
 

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from tokpipe import tokenizer
 from tokpipe.errors import UserError
-from tokpipe.tokenizer import (
+from tokpipe.inputs.tokenizer import (
     HARD_CASES,
     PIECE_CHARS,
     choose_backend,

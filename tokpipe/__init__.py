@@ -22,14 +22,11 @@ from __future__ import annotations
 
 import os
 
-# `tokpipe.verify` is the function: it is bound here, after the submodule of that name has loaded,
-# and the import system sets a package attribute to a submodule only when it first loads it. The
-# module's other names: `from tokpipe.verify import ...`.
 from tokpipe._version import __version__
-from tokpipe.manifest import Manifest, write_manifest
-from tokpipe.manifest import build_manifest as _build_manifest
-from tokpipe.output import Output, Split, open_output
-from tokpipe.verify import verify
+from tokpipe.inputs.manifest import Manifest, write_manifest
+from tokpipe.inputs.manifest import build_manifest as _build_manifest
+from tokpipe.read.output import Output, Split, open_output
+from tokpipe.read.verify import verify
 
 __all__ = ["build_manifest", "run", "verify", "open_output", "Output", "Split", "Manifest", "__version__"]
 

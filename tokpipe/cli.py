@@ -16,15 +16,15 @@ from pathlib import Path
 
 from tokpipe._version import __version__
 from tokpipe.errors import UserError, terminate_on_sigterm, terminated
+from tokpipe.inputs.source.batch import MISSING_GROUP
 from tokpipe.options import RunOptions, positive
 from tokpipe.out.files import Out
-from tokpipe.source.batch import MISSING_GROUP
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 
 
 def _cmd_manifest(args) -> int:
-    from tokpipe.manifest import build_manifest, write_manifest
+    from tokpipe.inputs.manifest import build_manifest, write_manifest
 
     manifest = build_manifest(
         args.dataset_dir, repo_id=args.repo_id, revision=args.revision, allow_outside=args.allow_outside
@@ -117,11 +117,11 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_verify(args) -> int:
-    from tokpipe.verify import as_json, report, verify
+    from tokpipe.read.verify import as_json, report, verify
 
     checks = verify(args.out, args.jobs)
     if args.sample and all(c.ok for c in checks):
-        from tokpipe.sample import verify_sample  # the reference encoder and the sources: only for --sample
+        from tokpipe.commands.sample import verify_sample  # the reference encoder and the sources: only for --sample
 
         checks += verify_sample(args.out, args.sample, args.seed, args.tokenizer)
     print(as_json(checks) if args.json else report(checks))
@@ -129,7 +129,7 @@ def _cmd_verify(args) -> int:
 
 
 def _cmd_status(args) -> int:
-    from tokpipe.status import as_json, report, status
+    from tokpipe.commands.status import as_json, report, status
 
     st = status(args.out)
     print(as_json(st) if args.json else report(st))
@@ -137,7 +137,7 @@ def _cmd_status(args) -> int:
 
 
 def _cmd_inspect(args) -> int:
-    from tokpipe.inspect import inspect, report
+    from tokpipe.commands.inspect import inspect, report
 
     result = inspect(args.out, args.split, args.n, args.window, args.seed, args.tokenizer)
     print(report(result))
@@ -145,7 +145,7 @@ def _cmd_inspect(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    from tokpipe.export import export, megatron_flags
+    from tokpipe.commands.export import export, megatron_flags
 
     written = export(args.out, args.format, args.dest, force=args.force, shuffle=args.shuffle)
     for e in written:
@@ -163,7 +163,7 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_report(args) -> int:
-    from tokpipe.report import write_report
+    from tokpipe.commands.report import write_report
 
     path, size = write_report(args.out, args.output, args.tokenizer)
     print(f"{path}: {size / 1e6:,.2f} MB, one self-contained page (opens offline in any browser)")

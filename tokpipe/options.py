@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from tokpipe.inputs.source.batch import MISSING_GROUP
+from tokpipe.inputs.tokenizer import BACKENDS
 from tokpipe.out.run import OutputSpec
-from tokpipe.source.batch import MISSING_GROUP
-from tokpipe.tokenizer import BACKENDS
 
 
 def positive(kind, zero_ok: bool = False):

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from tokpipe.manifest import Shard
+from tokpipe.inputs.manifest import Shard
 from tokpipe.out.files import Out, ShardFiles, split_bin_name
 
 IDX_DTYPE = np.dtype("<i8")  # document ends, cumulative token counts

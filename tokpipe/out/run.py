@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from tokpipe.manifest import Manifest, Shard
+from tokpipe.inputs.manifest import Manifest, Shard
 from tokpipe.out.files import Out, load_json, split_file_stem
 
 RUN_FORMAT = 1

@@ -13,22 +13,22 @@ from pathlib import Path
 
 import numpy as np
 
-from tokpipe.assembly import Assembler
 from tokpipe.durability import write_json_atomic
 from tokpipe.errors import SourceError, UserError, terminate_on_sigterm, too_many_groups
-from tokpipe.finalize import finalize
-from tokpipe.manifest import Manifest, load_manifest, write_manifest
+from tokpipe.inputs.manifest import Manifest, load_manifest, write_manifest
+from tokpipe.inputs.source import fields_of, read_batches
+from tokpipe.inputs.tokenizer import TokenizerInfo, choose_backend, load_tokenizer_info
 from tokpipe.options import RunOptions
 from tokpipe.out.files import FAILED, Out, out_folder
 from tokpipe.out.records import MAX_GROUPS, Checkpoint
+from tokpipe.out.series import Series
 from tokpipe.runner.cluster import Cluster
 from tokpipe.runner.events import Listener, Said, silent
 from tokpipe.runner.identity import check_options, encode_spec, record_run, refusals_noted
 from tokpipe.runner.local import Tally, tokenize_while
 from tokpipe.runner.progress import Progress, RunLog, Timeline
-from tokpipe.series import Series
-from tokpipe.source import fields_of, read_batches
-from tokpipe.tokenizer import TokenizerInfo, choose_backend, load_tokenizer_info
+from tokpipe.write.assembly import Assembler
+from tokpipe.write.finalize import finalize
 
 # Ray's start costs 2.5-5 s and several CPU-seconds here; the driver tokenizes 10-15 MB/s of
 # compressed input. Less than this much input, or less than a second and a half of the driver's

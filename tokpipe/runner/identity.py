@@ -14,13 +14,13 @@ from pathlib import Path
 
 from tokpipe.durability import write_json_atomic
 from tokpipe.errors import UserError
-from tokpipe.manifest import Manifest, load_manifest
+from tokpipe.inputs.manifest import Manifest, load_manifest
+from tokpipe.inputs.tokenizer import TokenizerInfo
 from tokpipe.options import RunOptions
 from tokpipe.out.files import REFUSED, Out
 from tokpipe.out.run import IDENTITY_DEFAULTS, LAST_RUN_KEYS, RUN_FORMAT
 from tokpipe.runner.events import Listener, Said, silent
-from tokpipe.shard import EncodeSpec
-from tokpipe.tokenizer import TokenizerInfo
+from tokpipe.write.shard import EncodeSpec
 
 
 def run_identity(manifest: Manifest, info: TokenizerInfo, opts: RunOptions) -> dict:

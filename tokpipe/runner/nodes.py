@@ -32,9 +32,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tokpipe.durability import write_atomic
 from tokpipe.errors import NodeError, UserError
-from tokpipe.manifest import Manifest
+from tokpipe.inputs.manifest import Manifest
+from tokpipe.inputs.tokenizer import TokenizerInfo
 from tokpipe.out.files import RUN_LOG, Out
-from tokpipe.tokenizer import TokenizerInfo
 
 MAX_FOLDERS = 256  # of the shards' folders, one shard each
 SAMPLE = 32  # shards more, spread over the manifest

@@ -15,8 +15,8 @@ from tqdm import tqdm
 from tokpipe.durability import write_json_atomic
 from tokpipe.fmt import disk_line, duration, free_bytes
 from tokpipe.out.files import PROGRESS, RUN_LOG, Out
+from tokpipe.out.series import Series
 from tokpipe.runner.events import Listener, Said, silent
-from tokpipe.series import Series
 
 
 class RunLog:

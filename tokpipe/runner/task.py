@@ -10,13 +10,13 @@ from dataclasses import dataclass, replace
 
 import ray
 
-from tokpipe.manifest import Shard
-from tokpipe.memory import memory_guard
+from tokpipe.inputs.manifest import Shard
 from tokpipe.out.files import stall_dump
 from tokpipe.out.records import Part
-from tokpipe.place import place
 from tokpipe.runner.nodes import NodeCheck, ensure_seen
-from tokpipe.shard import ShardResult, tokenize_shard
+from tokpipe.write.memory import memory_guard
+from tokpipe.write.place import place
+from tokpipe.write.shard import ShardResult, tokenize_shard
 
 REPORT_EVERY = 1.0  # seconds between a worker's progress reports
 

@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import os
 
-from tokpipe.assembly.listing import Listing
-from tokpipe.assembly.plan import Plan
-from tokpipe.assembly.recovery import Recovery
-from tokpipe.assembly.split import Groups, SplitAssembly
-from tokpipe.manifest import Manifest, Shard
+from tokpipe.inputs.manifest import Manifest, Shard
 from tokpipe.out.files import Out
 from tokpipe.out.records import Checkpoint, Part
 from tokpipe.out.run import OutputSpec
-from tokpipe.place import place
+from tokpipe.write.assembly.listing import Listing
+from tokpipe.write.assembly.plan import Plan
+from tokpipe.write.assembly.recovery import Recovery
+from tokpipe.write.assembly.split import Groups, SplitAssembly
+from tokpipe.write.place import place
 
 COPY_BATCH_BYTES = 1 << 30  # of tokens per placing call: one fsync covers many small shards
 

@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-from tokpipe.assembly.split import Groups, SplitAssembly
-from tokpipe.manifest import Shard
+from tokpipe.inputs.manifest import Shard
 from tokpipe.out.files import Out, split_file_stem
 from tokpipe.out.records import Checkpoint, Part, part_record
 from tokpipe.out.run import OutputSpec
+from tokpipe.write.assembly.split import Groups, SplitAssembly
 
 
 class Plan:

@@ -20,14 +20,14 @@ from pathlib import Path
 import numpy as np
 
 from tokpipe.errors import UserError
-from tokpipe.manifest import load_manifest
+from tokpipe.inputs.manifest import load_manifest
+from tokpipe.inputs.tokenizer import encoder, load_tokenizer_info
 from tokpipe.out.files import Out, out_folder, split_file_stem
 from tokpipe.out.records import IDX_DTYPE, Checkpoint, is_held_part, parts_of
 from tokpipe.out.run import delimiters, load_run, output_splits, sources
-from tokpipe.output import TokenFile, open_output
-from tokpipe.tokenizer import encoder, load_tokenizer_info
-from tokpipe.verify import Check
-from tokpipe.verify import report as verify_report
+from tokpipe.read.output import TokenFile, open_output
+from tokpipe.read.verify import Check
+from tokpipe.read.verify import report as verify_report
 
 EOS_MARK = "⟨EOS⟩"
 BOS_MARK = "⟨BOS⟩"

@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tokpipe.errors import SourceError
-from tokpipe.source.batch import MISSING_GROUP, Batch, decode_utf8, group_value
+from tokpipe.inputs.source.batch import MISSING_GROUP, Batch, decode_utf8, group_value
 
 PIECE_BYTES = 1 << 20  # about this much of a row group is decoded at a time
 TEXT_TYPES = (pa.string(), pa.large_string(), pa.binary(), pa.large_binary())

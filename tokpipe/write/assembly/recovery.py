@@ -13,13 +13,13 @@ from pathlib import Path
 
 import orjson
 
-from tokpipe.assembly.split import Groups, SplitAssembly
 from tokpipe.durability import HASH_CHUNK, own_inode
-from tokpipe.manifest import Manifest
+from tokpipe.inputs.manifest import Manifest
 from tokpipe.out.files import Out, split_file_stem
 from tokpipe.out.records import IDX_DTYPE, Checkpoint, is_held_part, part_record, parts_line
 from tokpipe.out.run import OutputSpec, output_splits, sources
-from tokpipe.place import is_in_place
+from tokpipe.write.assembly.split import Groups, SplitAssembly
+from tokpipe.write.place import is_in_place
 
 
 class Recovery:

@@ -1,11 +1,11 @@
 """What `tokpipe report` shows, computed from OUT's files alone (no Ray), as small dataclasses.
 
 Sources, each the one the other readers of OUT use: meta.json (a finished run's totals, the same as
-`status` and `verify`), run.json (an unfinished run's tokenizer and options), `tokpipe.status.status()`
+`status` and `verify`), run.json (an unfinished run's tokenizer and options), `tokpipe.commands.status.status()`
 (shard states, the live progress, the resume command), each split's `.parts` lines (a finished
 split's per-shard accounting), the shard checkpoints (an unfinished run's accounting; text bytes and
-seconds of every shard), the `.idx` files (document lengths), `tokpipe.inspect` (token-id health)
-and OUT/logs/series.jsonl (throughput over time, `tokpipe.series`).
+seconds of every shard), the `.idx` files (document lengths), `tokpipe.commands.inspect` (token-id health)
+and OUT/logs/series.jsonl (throughput over time, `tokpipe.out.series`).
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from pathlib import Path
 
 import numpy as np
 
+from tokpipe.commands.inspect import load_decoder, open_source, red_flags, scan_ids
+from tokpipe.commands.status import RunStatus, status
 from tokpipe.errors import UserError
-from tokpipe.inspect import load_decoder, open_source, red_flags, scan_ids
-from tokpipe.manifest import load_manifest
+from tokpipe.inputs.manifest import load_manifest
 from tokpipe.out.files import Out, out_folder, split_bin_name, split_file_stem
 from tokpipe.out.records import Checkpoint, read_parts
 from tokpipe.out.run import output_splits, sources
-from tokpipe.series import read_series
-from tokpipe.status import RunStatus, status
+from tokpipe.out.series import read_series
 
 LENGTH_SAMPLE = 1 << 20  # documents whose lengths are read per split: all of a smaller split, else evenly spread blocks
 LENGTH_BLOCKS = 64

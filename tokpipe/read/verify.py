@@ -133,17 +133,17 @@ def _parts(out: Path, split: str, info: dict, check) -> list[Part] | None:
     return parts if (t, d) == (tokens, documents) else None
 
 
-def _groups(parts: list[Part], itemsize: int, jobs: int) -> list[list[Part]]:
-    """Consecutive parts in groups of similar size, several per job: small shards share a task."""
+def _size_chunks(parts: list[Part], itemsize: int, jobs: int) -> list[list[Part]]:
+    """Consecutive parts in chunks of similar size, several per job: small shards share a task."""
     target = max(sum(r.tokens for r in parts) * itemsize // (4 * jobs), HASH_CHUNK)
-    groups, size = [[]], 0
+    chunks, size = [[]], 0
     for r in parts:
         if size >= target:
-            groups.append([])
+            chunks.append([])
             size = 0
-        groups[-1].append(r)
+        chunks[-1].append(r)
         size += r.tokens * itemsize
-    return groups
+    return chunks
 
 
 def verify(out: str | os.PathLike, jobs: int | None = None) -> list[Check]:
@@ -305,10 +305,10 @@ def _scan_jobs(info: dict, files: list, parts: list, dtype: np.dtype, jobs: int)
         return [
             (by_group[g], chunk)
             for g in info["groups"]
-            for chunk in _groups([p for p in parts if p.group == g], dtype.itemsize, jobs)
+            for chunk in _size_chunks([p for p in parts if p.group == g], dtype.itemsize, jobs)
         ]
     if len(files) == 1:
-        return [(files[0], group) for group in _groups(parts, dtype.itemsize, jobs)]
+        return [(files[0], chunk) for chunk in _size_chunks(parts, dtype.itemsize, jobs)]
     # each part in a file of its own, from its first token
     return [(f, [replace(part, token_offset=0, doc_offset=0)]) for f, part in zip(files, parts)]
 

@@ -22,13 +22,13 @@ import numpy as np
 
 from tokpipe.durability import HASH_CHUNK, hash_range, write_json_atomic
 from tokpipe.errors import too_many_groups
-from tokpipe.manifest import Shard
-from tokpipe.memory import MemoryGuard, memory_guard
+from tokpipe.inputs.manifest import Shard
+from tokpipe.inputs.source import BATCH_BYTES, read_batches
+from tokpipe.inputs.source.batch import SKIP_LOG_CAP, Batch
 from tokpipe.out.files import ShardFiles, group_stem
 from tokpipe.out.records import IDX_DTYPE, MAX_GROUPS, Checkpoint
 from tokpipe.out.tokens import held_out, to_dtype
-from tokpipe.source import BATCH_BYTES, read_batches
-from tokpipe.source.batch import SKIP_LOG_CAP, Batch
+from tokpipe.write.memory import MemoryGuard, memory_guard
 
 # A part's tokens and its document ends (counted from the part's start), as the arrays they were encoded in.
 Buffered = tuple[list[np.ndarray], list[np.ndarray]]
@@ -214,7 +214,7 @@ def _writers(
 def _group_writer(
     files: ShardFiles, key: Key, parts: dict[Key, PartWriter], spec: EncodeSpec, shard: Shard, buffering: bool
 ):
-    """The part of a group the shard meets for the first time; refused past MAX_GROUPS values (see layout)."""
+    """The part of a group the shard meets for the first time; refused past MAX_GROUPS values (out/records.py)."""
     values = {group for _, group in parts} | {key[1]}
     if len(values) > MAX_GROUPS:
         raise too_many_groups(spec.group_by, f"shard {shard.relpath} alone", values, MAX_GROUPS)

@@ -21,7 +21,7 @@ import orjson
 import zstandard
 
 from tokpipe.errors import SourceError
-from tokpipe.source.batch import Batch, decode_utf8, field_at, group_value
+from tokpipe.inputs.source.batch import Batch, decode_utf8, field_at, group_value
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 GZIP_MAGIC = b"\x1f\x8b"
@@ -71,7 +71,7 @@ def _gzip_blocks(raw, path: str) -> Iterator[bytes]:
 
 def decompressed_blocks(path: str, kind: str, block_bytes: int = BLOCK) -> Iterator[tuple[bytes, int]]:
     """The shard's decompressed bytes in pieces of at most block_bytes, each with the bytes of the file read so far.
-    `kind`: its compression, as tokpipe.source.format_of sniffed it (zstd, gzip or none)."""
+    `kind`: its compression, as tokpipe.inputs.source.format_of sniffed it (zstd, gzip or none)."""
     with open(path, "rb", buffering=0) as raw:
         if kind == "zstd":
             blocks = _zstd_blocks(raw, path)

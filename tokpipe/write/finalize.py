@@ -1,7 +1,7 @@
 """Finished shards -> OUT/<stem>.bin, .idx and .parts per split, then meta.pkl, then meta.json (last:
 it marks a finished run).
 
-What tokpipe.assembly has not placed yet is placed here; then each split's files are renamed from
+What tokpipe.write.assembly has not placed yet is placed here; then each split's files are renamed from
 their .tmp names, and meta.pkl and meta.json are written. The .parts file stays: `verify` checks
 every range against its sha256 on all cores, and no pass over a whole split file ever runs on one core.
 """
@@ -15,14 +15,14 @@ from pathlib import Path
 import numpy as np
 
 from tokpipe._version import __version__
-from tokpipe.assembly import Assembler
 from tokpipe.durability import write_atomic
 from tokpipe.errors import UserError
-from tokpipe.manifest import Manifest
+from tokpipe.inputs.manifest import Manifest
+from tokpipe.inputs.tokenizer import TokenizerInfo
 from tokpipe.out.files import SKIPPED, Out, split_file_stem
 from tokpipe.out.records import read_parts
 from tokpipe.out.run import OutputSpec, output_splits
-from tokpipe.tokenizer import TokenizerInfo
+from tokpipe.write.assembly import Assembler
 
 
 def write_skip_log(out: Path, splits: dict[str, dict]) -> None:

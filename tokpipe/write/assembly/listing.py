@@ -6,11 +6,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tokpipe.assembly.split import SplitAssembly
 from tokpipe.durability import fsync_dir
 from tokpipe.out.files import Out
 from tokpipe.out.records import IDX_DTYPE, Part, parts_line, split_entry
 from tokpipe.out.run import OutputSpec
+from tokpipe.write.assembly.split import SplitAssembly
 
 
 class Listing:

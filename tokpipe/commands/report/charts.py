@@ -13,7 +13,7 @@ import logging
 
 import numpy as np
 
-from tokpipe.report.data import STATES, Health, Lengths, Progress, Shards
+from tokpipe.commands.report.data import STATES, Health, Lengths, Progress, Shards
 
 RED, ORANGE, GREY, GREEN, BLUE = "#c62828", "#ef6c00", "#9e9e9e", "#2e7d32", "#3b6ea8"
 SKIP = "#8d6e63"  # lines skipped: counted, not a failure

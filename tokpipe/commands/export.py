@@ -54,7 +54,7 @@ from tokpipe.durability import copy_file, copy_range, fsync_dir
 from tokpipe.errors import UserError
 from tokpipe.out.files import Out, split_file_stem
 from tokpipe.out.tokens import to_dtype
-from tokpipe.output import Output, Split, open_output
+from tokpipe.read.output import Output, Split, open_output
 
 FORMATS = ("megatron", "llmc")
 CHUNK = 1 << 24  # tokens (or index entries) per numpy step

@@ -12,10 +12,10 @@ import html
 import json
 import time
 
+from tokpipe.commands.report import charts
+from tokpipe.commands.report.charts import GREEN, GREY, ORANGE, PHASE_COLOURS, RED, SPLIT_COLOURS, STATE_COLOURS
+from tokpipe.commands.report.data import STATES, Report
 from tokpipe.fmt import duration
-from tokpipe.report import charts
-from tokpipe.report.charts import GREEN, GREY, ORANGE, PHASE_COLOURS, RED, SPLIT_COLOURS, STATE_COLOURS
-from tokpipe.report.data import STATES, Report
 
 STYLE = (
     "\n"

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 
-from tokpipe.source.batch import Batch
-from tokpipe.source.jsonl import GZIP_MAGIC, ZSTD_MAGIC, jsonl_fields, read_jsonl_batches
+from tokpipe.inputs.source.batch import Batch
+from tokpipe.inputs.source.jsonl import GZIP_MAGIC, ZSTD_MAGIC, jsonl_fields, read_jsonl_batches
 
 PARQUET_MAGIC = b"PAR1"
 BATCH_BYTES = 1 << 20  # of input text per batch (per encode call of a shard): bounds memory, paces progress reports
@@ -35,7 +35,7 @@ def fields_of(path: str) -> Counter:
     lines (JSONL), or the columns (Parquet, string columns weighing more): what --text-field can name."""
     kind = format_of(path)
     if kind == "parquet":
-        from tokpipe.source.parquet import parquet_fields
+        from tokpipe.inputs.source.parquet import parquet_fields
 
         return parquet_fields(path)
     return jsonl_fields(path, kind)
@@ -55,7 +55,7 @@ def read_batches(
     line, or a Parquet column or a struct column's field by dot), each batch says each document's group."""
     kind = format_of(path)
     if kind == "parquet":
-        from tokpipe.source.parquet import read_parquet_batches  # pyarrow is imported only where Parquet is read
+        from tokpipe.inputs.source.parquet import read_parquet_batches  # pyarrow is imported only where Parquet is read
 
         yield from read_parquet_batches(path, text_field, start_line, batch_bytes, max_line_bytes, group_by)
     else:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokpipe.errors import too_many_groups
-from tokpipe.manifest import Shard
+from tokpipe.inputs.manifest import Shard
 from tokpipe.out.files import Out
 from tokpipe.out.records import MAX_GROUPS, Checkpoint, Part
 

@@ -32,7 +32,7 @@ import orjson
 from tokenizers import Tokenizer
 
 from tokpipe.errors import UserError
-from tokpipe.pieces import PIECE_CHARS, piece_tokens, pieces
+from tokpipe.inputs.pieces import PIECE_CHARS, piece_tokens, pieces
 
 FAST_BACKENDS = ("fastokens", "gigatoken")  # auto's order of preference: the faster first
 BACKENDS = ("auto", *FAST_BACKENDS, "hf")

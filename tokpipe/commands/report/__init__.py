@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from tokpipe.commands.report.data import Report, build
 from tokpipe.durability import write_atomic
 from tokpipe.out.files import Out
-from tokpipe.report.data import Report, build
 
 __all__ = ["Report", "build", "write_report"]
 
@@ -24,7 +24,7 @@ def write_report(
     out: str | os.PathLike, dest: str | os.PathLike | None = None, tokenizer: str | None = None
 ) -> tuple[Path, int]:
     """Write the page; returns (its path, its size in bytes)."""
-    from tokpipe.report.page import render
+    from tokpipe.commands.report.page import render
 
     report = build(out, tokenizer)
     path = Path(dest) if dest is not None else Out(out).report

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 from tokpipe.errors import UserError
 from tokpipe.fmt import disk_line, duration, free_bytes
-from tokpipe.manifest import load_manifest
+from tokpipe.inputs.manifest import load_manifest
 from tokpipe.out.files import FAILED, PROGRESS, REFUSED, RUN_LOG, Out, load_json, lock_holder, out_folder
 from tokpipe.out.records import Checkpoint
 from tokpipe.out.run import load_run

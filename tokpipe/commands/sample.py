@@ -12,15 +12,15 @@ from pathlib import Path
 
 import numpy as np
 
-from tokpipe.manifest import load_manifest
+from tokpipe.inputs.manifest import load_manifest
+from tokpipe.inputs.source import read_batches
+from tokpipe.inputs.tokenizer import PIECE_CHARS, HFEncoder, tokenizer_json_path
 from tokpipe.out.files import Out, load_meta_pkl, split_file_stem
 from tokpipe.out.records import Checkpoint
 from tokpipe.out.run import delimiters, sources
 from tokpipe.out.tokens import held_out
-from tokpipe.output import open_output
-from tokpipe.source import read_batches
-from tokpipe.tokenizer import PIECE_CHARS, HFEncoder, tokenizer_json_path
-from tokpipe.verify import Check
+from tokpipe.read.output import open_output
+from tokpipe.read.verify import Check
 
 
 def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str | None = None) -> list[Check]:
