@@ -51,7 +51,7 @@ class Checkpoint:
     # in value order; the counts above are then their sums (and sha256 None: there is no one file).
     groups: dict[str, dict] = field(default_factory=dict)
     val_groups: dict[str, dict] = field(default_factory=dict)  # its held-out documents' parts, the same way
-    # For `tokpipe report`: decompressed input bytes consumed (Batch.text_bytes summed), and seconds
+    # For `tokpipe report`: decompressed input bytes consumed (TextBatch.text_bytes summed), and seconds
     # spent, summed over attempts (an interrupted attempt counts up to its last checkpoint).
     text_bytes: int = 0
     seconds: float = field(default=0.0, compare=False)  # not content: two runs of the same shard differ here

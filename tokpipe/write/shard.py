@@ -24,7 +24,7 @@ from tokpipe.durability import HASH_CHUNK, hash_range, write_json_atomic
 from tokpipe.errors import too_many_groups
 from tokpipe.inputs.manifest import Shard
 from tokpipe.inputs.source import BATCH_BYTES, read_batches
-from tokpipe.inputs.source.batch import SKIP_LOG_CAP, Batch
+from tokpipe.inputs.source.batch import SKIP_LOG_CAP, TextBatch
 from tokpipe.out.files import ShardFiles, group_stem
 from tokpipe.out.records import IDX_DTYPE, MAX_GROUPS, Checkpoint
 from tokpipe.out.tokens import held_out, to_dtype
@@ -91,7 +91,7 @@ def delimit(
     return tokens, base + ends
 
 
-def read_ahead(batches: Iterator[Batch]) -> Iterator[Batch]:
+def read_ahead(batches: Iterator[TextBatch]) -> Iterator[TextBatch]:
     """The same batches, each read on a second thread while the caller encodes the one before.
 
     zstd and the encoder release the GIL: with a core to spare a shard goes 1.3-1.5x faster. With
@@ -221,7 +221,7 @@ def _group_writer(
     return PartWriter(spec.dtype, None if buffering else files.part(*key))
 
 
-def _part_keys(batch: Batch, spec: EncodeSpec, holding_out: bool) -> list[Key] | None:
+def _part_keys(batch: TextBatch, spec: EncodeSpec, holding_out: bool) -> list[Key] | None:
     """Each document's part; None when all go to the shard's own (no --group-by, nothing held out)."""
     if spec.group_by is None and not holding_out:
         return None
@@ -359,7 +359,7 @@ def tokenize_shard(
 
 
 def _encode(
-    batch: Batch,
+    batch: TextBatch,
     parts: dict[Key, PartWriter],
     memory: MemoryGuard,
     spec: EncodeSpec,

@@ -13,7 +13,7 @@ import logging
 
 import numpy as np
 
-from tokpipe.commands.report.data import STATES, Health, Lengths, Progress, Shards
+from tokpipe.commands.report.data import STATES, Health, Lengths, ProgressStats, Shards
 
 RED, ORANGE, GREY, GREEN, BLUE = "#c62828", "#ef6c00", "#9e9e9e", "#2e7d32", "#3b6ea8"
 SKIP = "#8d6e63"  # lines skipped: counted, not a failure
@@ -309,7 +309,7 @@ def health(h: Health) -> str:
     return _svg(fig)
 
 
-def progress(p: Progress) -> str:
+def progress(p: ProgressStats) -> str:
     """Shards per split by state, stacked."""
     plt = _plt()
     splits = list(p.by_split)

@@ -149,7 +149,7 @@ class Health:
 
 
 @dataclass(frozen=True)
-class Progress:
+class ProgressStats:
     state: str  # finished | running | stopped (status's words)
     counts: dict[str, int]  # shards per state, all splits
     by_split: dict[str, dict[str, int]]
@@ -174,7 +174,7 @@ class Report:
     shards: Shards
     health: list[Health]
     series: list[dict]  # OUT/logs/series.jsonl, whole lines only
-    progress: Progress
+    progress: ProgressStats
     notes: list[str]
 
     def as_json(self) -> dict:
@@ -345,7 +345,7 @@ def _health(out: Path, split: str, tokenizer: str | None) -> Health | None:
     )  # fmt: skip
 
 
-def _progress(st: RunStatus, series: list[dict]) -> Progress:
+def _progress(st: RunStatus, series: list[dict]) -> ProgressStats:
     counts = {s: st.count(s) for s in STATES}
     by_split = {split: {s: st.count(s, split) for s in STATES} for split in dict.fromkeys(x.split for x in st.shards)}
     total, read = sum(s.size for s in st.shards), sum(s.read for s in st.shards)
@@ -359,7 +359,7 @@ def _progress(st: RunStatus, series: list[dict]) -> Progress:
         finish = st.progress["updated_at"] + eta
     elif st.state != "finished" and rate:  # stopped: what is left, at the last attempt's rate
         eta = (total - read) / (rate * 1e6)
-    return Progress(st.state, counts, by_split, total, read, rate, eta, finish, st.next, st.holder)
+    return ProgressStats(st.state, counts, by_split, total, read, rate, eta, finish, st.next, st.holder)
 
 
 def build(out: str | os.PathLike, tokenizer: str | None = None) -> Report:

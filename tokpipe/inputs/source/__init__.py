@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 
-from tokpipe.inputs.source.batch import Batch
+from tokpipe.inputs.source.batch import TextBatch
 from tokpipe.inputs.source.jsonl import GZIP_MAGIC, ZSTD_MAGIC, jsonl_fields, read_jsonl_batches
 
 PARQUET_MAGIC = b"PAR1"
@@ -49,7 +49,7 @@ def read_batches(
     batch_bytes: int = BATCH_BYTES,
     max_line_bytes: int = 64 << 20,  # a line costs its process ~8 bytes a byte (bytes, text, ids): under 0.5 GiB
     group_by: str | None = None,
-) -> Iterator[Batch]:
+) -> Iterator[TextBatch]:
     """Batches of about `batch_bytes` of input, resuming after `start_line` lines / `start_offset` bytes
     (for Parquet, a row is a line and the offset is in rows). With `group_by` (a dotted path into a JSON
     line, or a Parquet column or a struct column's field by dot), each batch says each document's group."""

@@ -1,6 +1,6 @@
 """What a source yields, and the one place where a line (or row) is counted: as a document, a skip, or a repair.
 
-Every format reports through `Batch`, so the accounting is the same whatever the shard's format:
+Every format reports through `TextBatch`, so the accounting is the same whatever the shard's format:
 documents + skipped == lines read, every skip with exactly one reason, every repair counted.
 """
 
@@ -20,7 +20,7 @@ SKIP_REASONS = ("blank", "invalid_json", "not_object", "no_text", "text_not_stri
 
 
 @dataclass
-class Batch:
+class TextBatch:
     texts: list[str]
     lines: int  # input lines this batch consumed (documents + skipped)
     end_offset: int  # decompressed byte offset just past this batch's last line (Parquet: rows)

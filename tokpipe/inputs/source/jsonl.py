@@ -21,7 +21,7 @@ import orjson
 import zstandard
 
 from tokpipe.errors import SourceError
-from tokpipe.inputs.source.batch import Batch, decode_utf8, field_at, group_value
+from tokpipe.inputs.source.batch import TextBatch, decode_utf8, field_at, group_value
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 GZIP_MAGIC = b"\x1f\x8b"
@@ -158,7 +158,7 @@ def _document(line: bytes, text_field: str, repaired: Counter) -> tuple[str, dic
     return text, obj
 
 
-def _parse(lines: list, first_line_no: int, text_field: str, batch: Batch, group_by: str | None = None) -> None:
+def _parse(lines: list, first_line_no: int, text_field: str, batch: TextBatch, group_by: str | None = None) -> None:
     """Add each line's text (and with `group_by`, its group) to the batch, or count the line as skipped."""
     append, loads, group = batch.texts.append, orjson.loads, batch.groups.append
     for i, line in enumerate(lines):
@@ -205,11 +205,11 @@ def read_jsonl_batches(
     batch_bytes: int,
     max_line_bytes: int,
     group_by: str | None = None,
-) -> Iterator[Batch]:
+) -> Iterator[TextBatch]:
     """Batches of about `batch_bytes` of input, resuming after `start_line` lines / `start_offset` bytes."""
     blocks = _from_offset(decompressed_blocks(path, kind, min(BLOCK, batch_bytes)), start_offset, path)
     line_no, offset = start_line, start_offset
-    batch = Batch([], 0, offset, 0, 0)
+    batch = TextBatch([], 0, offset, 0, 0)
     for lines, consumed, source_pos in _lines(blocks, max_line_bytes):
         if offset == 0 and type(lines[0]) is bytes and lines[0].startswith(BOM):
             lines[0] = lines[0][len(BOM) :]
@@ -223,7 +223,7 @@ def read_jsonl_batches(
         if batch.text_bytes >= batch_bytes:
             batch.end_offset, batch.source_pos = offset, source_pos
             yield batch
-            batch = Batch([], 0, offset, 0, 0)
+            batch = TextBatch([], 0, offset, 0, 0)
     if batch.lines:
         batch.end_offset, batch.source_pos = offset, source_pos
         yield batch

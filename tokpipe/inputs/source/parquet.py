@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tokpipe.errors import SourceError
-from tokpipe.inputs.source.batch import MISSING_GROUP, Batch, decode_utf8, group_value
+from tokpipe.inputs.source.batch import MISSING_GROUP, TextBatch, decode_utf8, group_value
 
 PIECE_BYTES = 1 << 20  # about this much of a row group is decoded at a time
 TEXT_TYPES = (pa.string(), pa.large_string(), pa.binary(), pa.large_binary())
@@ -106,7 +106,7 @@ def _groups(values: pa.Array, fields: list[str]) -> list[str]:
 
 
 def _parse(
-    values: pa.Array, first_row: int, max_text_bytes: int, batch: Batch, groups: list[str] | None = None
+    values: pa.Array, first_row: int, max_text_bytes: int, batch: TextBatch, groups: list[str] | None = None
 ) -> None:
     """Add each row's text (and its group, from `groups`, one per row) to the batch, or count the row as skipped."""
     if pa.types.is_dictionary(values.type):  # a column written from a pandas category
@@ -146,7 +146,7 @@ def parquet_fields(path: str) -> Counter:
 
 def read_parquet_batches(
     path: str, text_field: str, start_line: int, batch_bytes: int, max_text_bytes: int, group_by: str | None = None
-) -> Iterator[Batch]:
+) -> Iterator[TextBatch]:
     """Batches of about `batch_bytes` of text, resuming after `start_line` rows (a checkpoint's offset
     is the same number)."""
     with _open(path) as parquet:
@@ -160,7 +160,7 @@ def read_parquet_batches(
             raise SourceError(f"{path} has fewer rows than its checkpoint says: the file changed since the run began")
         where = _group_column(parquet.schema_arrow, group_by) if group_by is not None else None
         columns = [text_field] + ([where[0]] if where and where[0] != text_field else [])
-        batch = Batch([], 0, start_line, 0, 0)
+        batch = TextBatch([], 0, start_line, 0, 0)
         for piece, first_row, source_pos in _pieces(parquet, path, columns, start_line, min(PIECE_BYTES, batch_bytes)):
             values = piece.column(text_field)
             groups = None
@@ -170,6 +170,6 @@ def read_parquet_batches(
             batch.end_offset, batch.source_pos = first_row + len(values), source_pos
             if batch.text_bytes >= batch_bytes:
                 yield batch
-                batch = Batch([], 0, batch.end_offset, 0, 0)
+                batch = TextBatch([], 0, batch.end_offset, 0, 0)
         if batch.lines:
             yield batch
