@@ -15,7 +15,7 @@ import pytest
 from helpers import tokpipe
 
 from tokpipe import durability
-from tokpipe import export as export_module
+from tokpipe.commands import export as export_module
 from tokpipe.commands.export import export
 from tokpipe.data import Permutation
 from tokpipe.errors import UserError

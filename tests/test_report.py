@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from helpers import EXAMPLE_CACHE, QWEN3, REPO, tokpipe, unguarded
 
-from tokpipe import series as series_mod
+from tokpipe.out import series as series_mod
 from tokpipe.out.series import Series, read_series
 
 BLOB = re.compile(r'<script type="application/json" id="tokpipe-data">(.*?)</script>', re.DOTALL)

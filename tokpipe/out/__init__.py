@@ -1,6 +1,7 @@
 """OUT's contract: every name of its files and every change of its state (files.py), what its records hold
-(records.py: checkpoints, parts lists, meta's split entries) and what a run is (run.py: run.json, the splits
-written). Every writer and reader of OUT goes through this package; no other module spells a name of OUT's.
+(records.py: checkpoints, parts lists, meta's split entries), what a run is (run.py: run.json, the splits
+written), what its ids mean (tokens.py: the dtype, the held-out documents) and its progress over time
+(series.py). Every writer and reader of OUT goes through this package; no other module spells a name of OUT's.
 
 OUT/run.json                     what the run is (its identity), where its tokenizer was, the options given
 OUT/manifest.json                the manifest's copy that the run (and status, verify --sample) reads
