@@ -58,6 +58,8 @@ def run(manifest: str | os.PathLike, tokenizer: str | os.PathLike, out: str | os
     """
     from tokpipe.options import RunOptions
     from tokpipe.runner.driver import run as run_manifest  # Ray is imported only by who runs
-    from tokpipe.runner.events import silent
+    from tokpipe.runner.events import lines_only, silent
 
-    return run_manifest(manifest, tokenizer, out, RunOptions(**options), tell=tell or silent)
+    return run_manifest(
+        manifest, tokenizer, out, RunOptions(**options), tell=silent if tell is None else lines_only(tell)
+    )

@@ -95,8 +95,14 @@ def summary_lines(summary) -> list[str]:
 
 
 def _print_event(event) -> None:
-    """How `tokpipe run` tells a runner.events.Said: one line, on stdout or stderr, at once."""
-    print(event.text, file=sys.stderr if event.stderr else sys.stdout, flush=True)
+    """How `tokpipe run` tells what a run says (runner.events): a Said, one line on stdout or stderr, at once; a
+    Finished, the run's summary."""
+    from tokpipe.runner.events import Finished  # loaded already: by the run that tells it
+
+    if isinstance(event, Finished):
+        print("\n".join(summary_lines(event.summary)), flush=True)
+    else:
+        print(event.text, file=sys.stderr if event.stderr else sys.stdout, flush=True)
 
 
 def _cmd_run(args) -> int:
@@ -104,8 +110,6 @@ def _cmd_run(args) -> int:
 
     opts = RunOptions(**{f.name: getattr(args, f.name) for f in fields(RunOptions)})
     summary = run(args.manifest, args.tokenizer, args.out, opts, wait_for_ray=False, tell=_print_event)
-    if summary.out is not None:
-        print("\n".join(summary_lines(summary)))
     if not summary.finished:
         print(
             f"{len(summary.failed)} shards failed; the rest are kept. Fix the cause and rerun the same command "

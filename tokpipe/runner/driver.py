@@ -23,7 +23,7 @@ from tokpipe.out.files import FAILED, Out, out_folder
 from tokpipe.out.records import MAX_GROUPS, Checkpoint
 from tokpipe.out.series import Series
 from tokpipe.runner.cluster import Cluster
-from tokpipe.runner.events import Listener, Said, silent
+from tokpipe.runner.events import Finished, Listener, Said, silent
 from tokpipe.runner.identity import check_options, encode_spec, record_run, refusals_noted
 from tokpipe.runner.local import Tally, tokenize_while
 from tokpipe.runner.progress import Progress, RunLog, Timeline
@@ -374,7 +374,9 @@ def _run(
         if not _report_failures(run, tally):
             clock.series.mark("failed")
             return RunSummary(False, tally.failed, None, redone, time.monotonic() - clock.start)
-        return _finalize(run, assembler, tally, redone)
+        summary = _finalize(run, assembler, tally, redone)
+        tell(Finished(summary))  # before Ray's stop, which may wait for its start to end
+        return summary
 
 
 def _record(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOptions, tell: Listener) -> Manifest:
