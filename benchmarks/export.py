@@ -4,7 +4,7 @@ and llm.c's shards in order against --shuffle, on one OUT, with the page cache w
 OUT is `tokpipe run` of the shared data's shards copied --copies times (repeated text: the export reads
 tokens, and the text's variety does not change how fast it copies them). "cold": the OUT's files are
 dropped from the page cache first (posix_fadvise DONTNEED on those files alone, nothing else's), so
-the tokens come from the disk. Each variant runs in this process (`tokpipe.export.export`); the copy
+the tokens come from the disk. Each variant runs in this process (`tokpipe.commands.export.export`); the copy
 variants are the link's fallbacks forced (os.link refused as across file systems, no reflink on ext4,
 and copy_file_range refused for the buffer). The CLI's own start is timed once beside them.
 
@@ -26,12 +26,12 @@ import numpy as np
 from harness import SHARED, build_repeated_corpus, cli, manifest_of, timed, tokpipe_run
 
 from tokpipe import durability
-from tokpipe.export import _in_order as in_order
-from tokpipe.export import _megatron_split as megatron_split
-from tokpipe.export import _shuffled as shuffled
-from tokpipe.export import export
-from tokpipe.output import Output, Split, TokenFile, open_output
-from tokpipe.shard import to_dtype
+from tokpipe.commands.export import _in_order as in_order
+from tokpipe.commands.export import _megatron_split as megatron_split
+from tokpipe.commands.export import _shuffled as shuffled
+from tokpipe.commands.export import export
+from tokpipe.out.tokens import to_dtype
+from tokpipe.read.output import Output, Split, TokenFile, open_output
 
 
 def drop_cache(folder: Path) -> None:

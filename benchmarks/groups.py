@@ -45,17 +45,18 @@ def worker_cost(source: Path, work_dir: Path, runs: int) -> dict:
     """Seconds of one worker for every shard of `source`, plain and grouped: the fastest of `runs` passes."""
     from dataclasses import replace
 
-    from tokpipe.manifest import build_manifest
+    from tokpipe.inputs.manifest import build_manifest
+    from tokpipe.inputs.tokenizer import load_tokenizer_info
     from tokpipe.options import RunOptions
-    from tokpipe.shard import tokenize_shard
-    from tokpipe.tokenizer import load_tokenizer_info
+    from tokpipe.runner.identity import encode_spec
+    from tokpipe.write.shard import tokenize_shard
 
     shards = list(build_manifest(next(source.glob("datasets--*"))).shards())
     info = load_tokenizer_info(TOKENIZER)
     best = {}
     for warm in range(runs + 1):  # pass 0 warms the encoder and the page cache
         for name, group_by in (("plain", None), ("grouped", GROUP_BY)):
-            spec = replace(RunOptions(group_by=group_by).encode_spec(info, "fastokens"), memory_limit=0)
+            spec = replace(encode_spec(RunOptions(group_by=group_by), info, "fastokens"), memory_limit=0)
             out = work_dir / f"worker-{name}"
             shutil.rmtree(out, ignore_errors=True)
             started = time.perf_counter()
@@ -95,11 +96,12 @@ def assembly_cost(folder: Path, shards: int, groups: int) -> float:
     """Seconds of the driver per shard: Assembler.ready and .placed (--no-concat: no copy) as each shard is done."""
     from dataclasses import asdict, replace
 
-    from tokpipe.assembly import Assembler
     from tokpipe.durability import write_json_atomic
-    from tokpipe.layout import Checkpoint, ShardFiles
-    from tokpipe.manifest import Manifest, Shard
+    from tokpipe.inputs.manifest import Manifest, Shard
     from tokpipe.options import RunOptions
+    from tokpipe.out.files import ShardFiles
+    from tokpipe.out.records import Checkpoint
+    from tokpipe.write.assembly import Assembler
 
     source = tuple(Shard("train", f"s{i:06d}.jsonl", "/dev/null", 1, f"s{i:06d}") for i in range(shards))
     manifest = Manifest(str(folder), str(folder), False, None, None, "x", {"train": shards}, shards, source)
@@ -112,7 +114,7 @@ def assembly_cost(folder: Path, shards: int, groups: int) -> float:
         path = ShardFiles.of(folder, shard).checkpoint
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, asdict(ckpt))
-    assembler = Assembler(folder, 4, opts)
+    assembler = Assembler(folder, 4, opts.output)
     assembler.resume(manifest)
     started = time.perf_counter()
     for shard in source:

@@ -145,9 +145,9 @@ def load_texts(source: str | Path, limit: int | None = None) -> list[str]:
     """The documents' texts of a source (anything `tokpipe manifest` accepts) in manifest order; with a
     `limit`, the first ones, up to the one that reaches `limit` UTF-8 bytes of text. A line without a
     non-empty string "text" is no document."""
-    from tokpipe.manifest import build_manifest
-    from tokpipe.source import format_of
-    from tokpipe.source.jsonl import decompressed_blocks
+    from tokpipe.inputs.manifest import build_manifest
+    from tokpipe.inputs.source import format_of
+    from tokpipe.inputs.source.jsonl import decompressed_blocks
 
     found, size = [], 0
     for shard in build_manifest(str(source)).shards():
@@ -265,7 +265,7 @@ def build_repeated_corpus(source: str, dest: Path, copies: int) -> None:
     """The source's shard files copied `copies` times as a plain folder (train/chunk1..N/,
     validation/chunk1..N/), unless dest exists. For crash tests, not speed: repeated documents keep an
     encoder's word cache warm."""
-    from tokpipe.manifest import build_manifest
+    from tokpipe.inputs.manifest import build_manifest
 
     if dest.exists():
         return

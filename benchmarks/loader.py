@@ -145,7 +145,7 @@ def child(*extra: str) -> dict:
 
 def synthetic_out(folder: Path, tokens: int) -> Path:
     """An OUT's files for a train split of `tokens` zero tokens (a sparse file), a document every 4,096."""
-    from tokpipe.layout import write_meta
+    from tokpipe.out.files import Out
 
     out = folder / f"synthetic-{tokens:.0e}"
     if (out / "meta.json").exists():
@@ -161,7 +161,7 @@ def synthetic_out(folder: Path, tokens: int) -> Path:
     (out / "train.parts").write_bytes(raw)
     split = {"file": "train.bin", "idx": "train.idx", "parts": "train.parts"}
     split |= {"parts_sha256": hashlib.sha256(raw).hexdigest(), "tokens": tokens, "documents": documents}
-    write_meta(out, {"dtype": "uint32", "vocab_size": 151669, "eos_token_id": 0, "splits": {"train": split}})
+    Out(out).write_meta({"dtype": "uint32", "vocab_size": 151669, "eos_token_id": 0, "splits": {"train": split}})
     return out
 
 

@@ -109,10 +109,10 @@ def cmd_rates(args) -> list[dict]:
     import numpy as np
 
     from tokpipe.durability import HASH_CHUNK, hash_range
-    from tokpipe.layout import Part
-    from tokpipe.place import place
-    from tokpipe.tokenizer import GigatokenEncoder
-    from tokpipe.verify import verify
+    from tokpipe.inputs.tokenizer import GigatokenEncoder
+    from tokpipe.out.records import Part
+    from tokpipe.read.verify import verify
+    from tokpipe.write.place import place
 
     corpus = build_distinct_corpus(str(SHARED), parse_size(args.size), 2, parse_size(args.shard_size), args.work_dir)
     results = []

@@ -202,11 +202,11 @@ def killed_example(tmp_path_factory) -> Path:
     """An OUT as `kill -9` leaves it mid-run: the first train shard done, the second partial (with bytes
     written after its last checkpoint), the validation shard never started; run with --workers 2
     --checkpoint-interval 1. Copy before changing it."""
-    from tokpipe.manifest import build_manifest, write_manifest
+    from tokpipe.inputs.manifest import build_manifest, write_manifest
+    from tokpipe.inputs.tokenizer import load_tokenizer_info
     from tokpipe.options import RunOptions
-    from tokpipe.runner.identity import record_run
-    from tokpipe.shard import tokenize_shard
-    from tokpipe.tokenizer import load_tokenizer_info
+    from tokpipe.runner.identity import encode_spec, record_run
+    from tokpipe.write.shard import tokenize_shard
 
     out = tmp_path_factory.mktemp("killed") / "out"
     out.mkdir()
@@ -214,7 +214,7 @@ def killed_example(tmp_path_factory) -> Path:
     info = load_tokenizer_info(QWEN3)
     record_run(out, manifest, info, RunOptions(workers=2, checkpoint_interval=1.0))
     write_manifest(manifest, out / "manifest.json")
-    spec = unguarded(RunOptions().encode_spec(info, "gigatoken"), batch_bytes=64 << 10, checkpoint_interval=0.0)
+    spec = unguarded(encode_spec(RunOptions(), info, "gigatoken"), batch_bytes=64 << 10, checkpoint_interval=0.0)
     first, second, *_ = manifest.shards()
     tokenize_shard(first, out, spec)
     with pytest.raises(Crash):
@@ -240,7 +240,7 @@ def dataset(tmp_path) -> Path:
 @pytest.fixture
 def manifest(dataset, tmp_path) -> Path:
     """A manifest of `dataset`."""
-    from tokpipe.manifest import build_manifest, write_manifest
+    from tokpipe.inputs.manifest import build_manifest, write_manifest
 
     path = tmp_path / "m.json"
     write_manifest(build_manifest(dataset), path)

@@ -126,7 +126,7 @@ def reference_by_group(
 
 def long_document(chars: int) -> str:
     """One document of `chars` characters of real text: the example's train documents joined by newlines
-    (2.09 M characters), for what tokpipe does with a document longer than its pieces (tokpipe.pieces)."""
+    (2.09 M characters), for what tokpipe does with a document longer than its pieces (tokpipe.inputs.pieces)."""
     return "\n".join(text for path in EXAMPLE_TRAIN_FILES for text in reference_texts(path))[:chars]
 
 
@@ -456,8 +456,8 @@ def parent_pid(pid: int) -> int | None:
 
 
 def read_all(path, **kw):
-    """(texts, skipped counts, batches) of tokpipe.source.read_batches over a whole file."""
-    from tokpipe.source import read_batches
+    """(texts, skipped counts, batches) of tokpipe.inputs.source.read_batches over a whole file."""
+    from tokpipe.inputs.source import read_batches
 
     batches = list(read_batches(str(path), **kw))
     texts = [t for b in batches for t in b.texts]
@@ -467,7 +467,7 @@ def read_all(path, **kw):
 
 def failed_checks(out) -> list[str]:
     """Names of the verify checks that fail on OUT."""
-    from tokpipe.verify import verify
+    from tokpipe.read.verify import verify
 
     return [c.name for c in verify(out) if not c.ok]
 
@@ -491,15 +491,16 @@ def crash_in_batch(n: int):
 
 def shard_spec(tokenizer_dir, backend="gigatoken", **changes):
     """A run's EncodeSpec for tests of one shard: default options, `unguarded`, with `changes`."""
+    from tokpipe.inputs.tokenizer import load_tokenizer_info
     from tokpipe.options import RunOptions
-    from tokpipe.tokenizer import load_tokenizer_info
+    from tokpipe.runner.identity import encode_spec
 
-    return unguarded(RunOptions().encode_spec(load_tokenizer_info(tokenizer_dir), backend), **changes)
+    return unguarded(encode_spec(RunOptions(), load_tokenizer_info(tokenizer_dir), backend), **changes)
 
 
 def read_shard(out, shard, dtype) -> tuple[np.ndarray, np.ndarray]:
     """A shard's own .bin (in `dtype`) and .idx."""
-    from tokpipe.layout import ShardFiles
+    from tokpipe.out.files import ShardFiles
 
     files = ShardFiles.of(out, shard)
     return np.fromfile(files.bin, dtype=dtype), np.fromfile(files.idx, dtype="<i8")
@@ -528,12 +529,12 @@ def build_out(
     """OUT as `tokpipe run` leaves it (manifest.json, run.json, shards, split files, meta), built stage
     by stage without Ray; with finalized=False, as a run stopped after its last shard leaves it (no split
     files, no meta)."""
-    from tokpipe.finalize import finalize
-    from tokpipe.manifest import build_manifest, write_manifest
+    from tokpipe.inputs.manifest import build_manifest, write_manifest
+    from tokpipe.inputs.tokenizer import load_tokenizer_info
     from tokpipe.options import RunOptions
-    from tokpipe.runner.identity import record_run
-    from tokpipe.shard import tokenize_shard
-    from tokpipe.tokenizer import load_tokenizer_info
+    from tokpipe.runner.identity import encode_spec, record_run
+    from tokpipe.write.finalize import finalize
+    from tokpipe.write.shard import tokenize_shard
 
     options = options or RunOptions()
     manifest = build_manifest(dataset)
@@ -541,9 +542,9 @@ def build_out(
     out.mkdir(parents=True)
     record_run(out, manifest, info, options)
     write_manifest(manifest, out / "manifest.json")
-    spec = unguarded(options.encode_spec(info, backend))
+    spec = unguarded(encode_spec(options, info, backend))
     for shard in manifest.shards():
         tokenize_shard(shard, out, spec)
     if finalized:
-        finalize(out, manifest, info, options)
+        finalize(out, manifest, info, options.output)
     return out

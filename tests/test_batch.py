@@ -14,7 +14,7 @@ import pytest
 import zstandard
 from helpers import EXAMPLE_CACHE, QWEN3, QWEN3_EOS, reference_texts, reference_tokens, tokpipe, write_jsonl
 
-from tokpipe.manifest import build_manifest, write_manifest
+from tokpipe.inputs.manifest import build_manifest, write_manifest
 
 DIRTY_LINES = [
     b'\xef\xbb\xbf{"text": "starts with a BOM"}\r',  # BOM at the start of the file, CRLF endings

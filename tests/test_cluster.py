@@ -10,7 +10,7 @@ import sys
 import pytest
 from helpers import REPO, assert_out_is, plain_copy_of_example, run_args, tokpipe, write_jsonl
 
-from tokpipe.manifest import build_manifest, write_manifest
+from tokpipe.inputs.manifest import build_manifest, write_manifest
 from tokpipe.runner import cluster
 from tokpipe.runner.cluster import available_cpus, fit_workers
 

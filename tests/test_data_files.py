@@ -16,7 +16,7 @@ import pytest
 
 from tokpipe.data import Sequences, files
 from tokpipe.data.files import OPEN_FILES, SMALL, SPARSE
-from tokpipe.layout import write_meta
+from tokpipe.out.files import Out
 
 
 def hand_made_out(out, lengths_per_file: list[np.ndarray], concat: bool, seed: int = 0):
@@ -52,7 +52,7 @@ def hand_made_out(out, lengths_per_file: list[np.ndarray], concat: bool, seed: i
     else:
         entry["files"] = files
     meta = {"dtype": "uint16", "vocab_size": 600, "eos_token_id": 0, "delimiters": {"bos": False, "eos": True}}
-    write_meta(out, meta | {"concat": concat, "splits": {"train": entry}})
+    Out(out).write_meta(meta | {"concat": concat, "splits": {"train": entry}})
     return out, tokens.astype(np.int64), ends
 
 

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 from helpers import EXAMPLE_CACHE, QWEN3, REPO
 
-from tokpipe.manifest import build_manifest
+from tokpipe.inputs.manifest import build_manifest
+from tokpipe.inputs.tokenizer import load_tokenizer_info
 from tokpipe.options import RunOptions
 from tokpipe.runner.identity import run_identity
-from tokpipe.tokenizer import load_tokenizer_info
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 # A fence, indented or not (a block inside a list item), its language, its lines up to the closing fence.

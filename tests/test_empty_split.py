@@ -7,11 +7,12 @@ import pytest
 from helpers import QWEN3, tokpipe, unguarded, write_jsonl
 
 from tokpipe.errors import UserError
-from tokpipe.finalize import finalize
-from tokpipe.manifest import build_manifest
+from tokpipe.inputs.manifest import build_manifest
+from tokpipe.inputs.tokenizer import load_tokenizer_info
 from tokpipe.options import RunOptions
-from tokpipe.shard import tokenize_shard
-from tokpipe.tokenizer import load_tokenizer_info
+from tokpipe.runner.identity import encode_spec
+from tokpipe.write.finalize import finalize
+from tokpipe.write.shard import tokenize_shard
 
 INFO = load_tokenizer_info(QWEN3)
 CODE = [json.dumps({"content": f"def f{i}():\n    return {i}\n", "lang": "python"}) for i in range(3)]
@@ -24,7 +25,7 @@ def tokenized(tmp_path, shards: dict[str, list[str]], options=RunOptions(), skip
         write_jsonl(tmp_path / "data" / relpath, lines)
     manifest = build_manifest(tmp_path / "data")
     out = tmp_path / "out"
-    spec = unguarded(options.encode_spec(INFO, "hf"))
+    spec = unguarded(encode_spec(options, INFO, "hf"))
     for shard in manifest.shards():
         if shard.relpath not in skip:
             tokenize_shard(shard, out, spec)
@@ -34,7 +35,7 @@ def tokenized(tmp_path, shards: dict[str, list[str]], options=RunOptions(), skip
 def test_a_split_of_lines_without_documents_is_refused_and_meta_not_written(tmp_path):
     out, manifest = tokenized(tmp_path, {"train/code.jsonl": CODE, "validation/prose.jsonl": PROSE})
     with pytest.raises(UserError) as e:
-        finalize(out, manifest, INFO, RunOptions())
+        finalize(out, manifest, INFO, RunOptions().output)
     assert str(e.value) == (
         "split train: 3 lines read, none became a document (skipped: no_text 3): is the text in another field "
         f"than 'text'? Rerun with --text-field FIELD and a new --out; the first skipped lines are in "
@@ -43,14 +44,14 @@ def test_a_split_of_lines_without_documents_is_refused_and_meta_not_written(tmp_
     assert not (out / "meta.json").exists() and not (out / "meta.pkl").exists()
     # Finalizing again (a rerun of the same command) says the same, and still writes no meta.
     with pytest.raises(UserError, match="split train: 3 lines read, none became a document"):
-        finalize(out, manifest, INFO, RunOptions())
+        finalize(out, manifest, INFO, RunOptions().output)
     assert not (out / "meta.json").exists()
 
 
 def test_every_empty_split_is_named_in_the_one_line(tmp_path):
     out, manifest = tokenized(tmp_path, {"train/code.jsonl": CODE, "validation/code.jsonl": CODE[:1] + ["", "{"]})
     with pytest.raises(UserError) as e:
-        finalize(out, manifest, INFO, RunOptions())
+        finalize(out, manifest, INFO, RunOptions().output)
     assert str(e.value).startswith(
         "split train: 3 lines read, none became a document (skipped: no_text 3); split validation: 3 lines read, "
         "none became a document (skipped: blank 1, invalid_json 1, no_text 1): is the text in another field "
@@ -62,7 +63,8 @@ def test_a_split_left_empty_by_skip_failed_still_finishes(tmp_path):
     out, manifest = tokenized(
         tmp_path, {"train/prose.jsonl": PROSE, "validation/prose.jsonl": PROSE}, skip={"validation/prose.jsonl"}
     )
-    meta = finalize(out, manifest, INFO, RunOptions(), excluded={"validation/prose.jsonl": "SourceError: truncated"})
+    excluded = {"validation/prose.jsonl": "SourceError: truncated"}
+    meta = finalize(out, manifest, INFO, RunOptions().output, excluded=excluded)
     assert meta["splits"]["validation"]["lines"] == 0 and meta["splits"]["validation"]["documents"] == 0
     assert meta["splits"]["train"]["documents"] == 4 and (out / "meta.json").exists()
 
@@ -71,7 +73,7 @@ def test_a_train_split_whose_documents_all_went_to_val_is_not_empty(tmp_path):
     # --val-fraction near 1: every train document is held out for val.bin; they are documents all the same.
     options = RunOptions(val_fraction=0.999999)
     out, manifest = tokenized(tmp_path, {"train/prose.jsonl": PROSE}, options)
-    meta = finalize(out, manifest, INFO, options)
+    meta = finalize(out, manifest, INFO, options.output)
     train, val = meta["splits"]["train"], meta["splits"]["validation"]
     assert (train["lines"], train["documents"], train["held_out"], val["documents"]) == (4, 0, 4, 4)
 

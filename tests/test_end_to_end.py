@@ -24,7 +24,7 @@ from helpers import (
     tokpipe,
 )
 
-from tokpipe.tokenizer import load_tokenizer_info
+from tokpipe.inputs.tokenizer import load_tokenizer_info
 
 SHARED_SNAPSHOT = next(iter(SHARED_CACHE.glob("datasets--*/snapshots/*")), None)
 

@@ -15,11 +15,11 @@ import pytest
 from helpers import tokpipe
 
 from tokpipe import durability
-from tokpipe import export as export_module
+from tokpipe.commands import export as export_module
+from tokpipe.commands.export import export
 from tokpipe.data import Permutation
 from tokpipe.errors import UserError
-from tokpipe.export import export
-from tokpipe.layout import load_meta_pkl
+from tokpipe.out.files import load_meta_pkl
 
 # Megatron-LM megatron/core/datasets/indexed_dataset.py, _IndexReader: its DType codes.
 MEGATRON_DTYPES = {

@@ -14,15 +14,16 @@ import numpy as np
 import pytest
 from helpers import EXAMPLE_CACHE, QWEN3, assert_out_is, unguarded
 
-from tokpipe.assembly import Assembler
-from tokpipe.finalize import finalize
-from tokpipe.layout import ShardFiles
-from tokpipe.manifest import build_manifest
+from tokpipe.inputs.manifest import build_manifest
+from tokpipe.inputs.tokenizer import load_tokenizer_info
 from tokpipe.options import RunOptions
-from tokpipe.place import place
-from tokpipe.shard import tokenize_shard
-from tokpipe.tokenizer import load_tokenizer_info
-from tokpipe.verify import verify
+from tokpipe.out.files import ShardFiles
+from tokpipe.read.verify import verify
+from tokpipe.runner.identity import encode_spec
+from tokpipe.write.assembly import Assembler
+from tokpipe.write.finalize import finalize
+from tokpipe.write.place import place
+from tokpipe.write.shard import tokenize_shard
 
 MANIFEST = build_manifest(EXAMPLE_CACHE)
 INFO = load_tokenizer_info(QWEN3)
@@ -33,7 +34,7 @@ OPTIONS = RunOptions()
 def tokenized(tmp_path_factory):
     """OUT with every shard of the example tokenized and nothing assembled. Copy before changing it."""
     out = tmp_path_factory.mktemp("tokenized") / "out"
-    spec = unguarded(OPTIONS.encode_spec(INFO, "gigatoken"))
+    spec = unguarded(encode_spec(OPTIONS, INFO, "gigatoken"))
     for shard in MANIFEST.shards():
         tokenize_shard(shard, out, spec)
     return out
@@ -48,7 +49,7 @@ def out(tokenized, tmp_path):
 
 def reopened(out, options=OPTIONS) -> Assembler:
     """An Assembler that took up OUT's split files, as a run's resume step does."""
-    assembler = Assembler(out, 4, options)
+    assembler = Assembler(out, 4, options.output)
     assembler.resume(MANIFEST)
     return assembler
 
@@ -69,7 +70,7 @@ def test_parts_copied_in_any_order_are_listed_in_split_order(out, example_refere
     assert listed(out, "train") == ["train/chunk1/example_train_0.jsonl.zst", "train/chunk1/example_train_1.jsonl.zst"]
     assembler.placed([parts[2]], place(out, [parts[2]], 4))
     assert assembler.complete
-    finalize(out, MANIFEST, INFO, OPTIONS, assembler=assembler)
+    finalize(out, MANIFEST, INFO, OPTIONS.output, assembler=assembler)
     assert_out_is(out, example_reference)
     assert not list(out.glob("*.tmp"))
 
@@ -91,7 +92,7 @@ def test_a_rerun_finishes_an_assembly_killed_midway_to_the_reference(out, exampl
     train_0, *_ = first_run.ready()
     first_run.placed([train_0], place(out, [train_0], 4))
     (out / "train.bin.tmp").open("ab").write(b"\xff" * 1000)  # stray bytes past what is listed
-    finalize(out, MANIFEST, INFO, OPTIONS)  # a new process: assembles the rest here
+    finalize(out, MANIFEST, INFO, OPTIONS.output)  # a new process: assembles the rest here
     assert_out_is(out, example_reference)
 
 
@@ -102,12 +103,12 @@ def test_a_listed_shard_that_is_no_longer_first_in_the_split_is_copied_again(out
     # As if an earlier layout (before an append, or with train_0 excluded) had put train_1 first.
     (out / "train.parts.tmp").write_text(json.dumps(train_1.record) + "\n")
     assert [(p.stem, p.seq) for p in reopened(out).ready()] == [("train", 0), ("train", 1), ("val", 0)]
-    finalize(out, MANIFEST, INFO, OPTIONS)
+    finalize(out, MANIFEST, INFO, OPTIONS.output)
     assert_out_is(out, example_reference)
 
 
 def test_every_range_carries_the_checksums_of_the_worker_that_wrote_it(out):
-    meta = finalize(out, MANIFEST, INFO, OPTIONS)
+    meta = finalize(out, MANIFEST, INFO, OPTIONS.output)
     tokens = np.fromfile(out / "train.bin", dtype=np.uint32)
     ends = np.fromfile(out / "train.idx", dtype="<i8")
     start, first_doc = 0, 0
@@ -129,8 +130,8 @@ def test_shards_finished_by_an_earlier_tokpipe_are_hashed_when_placed(out, token
         ckpt = json.loads(path.read_text())
         del ckpt["sha256"], ckpt["idx_sha256"]
         path.write_text(json.dumps(ckpt))
-    finalize(out, MANIFEST, INFO, OPTIONS)
-    fresh = finalize(shutil.copytree(tokenized, tmp_path / "fresh"), MANIFEST, INFO, OPTIONS)
+    finalize(out, MANIFEST, INFO, OPTIONS.output)
+    fresh = finalize(shutil.copytree(tokenized, tmp_path / "fresh"), MANIFEST, INFO, OPTIONS.output)
     assert (out / "train.parts").read_bytes() == (tmp_path / "fresh" / "train.parts").read_bytes()
     assert json.loads((out / "meta.json").read_text())["splits"] == fresh["splits"]
 
@@ -140,8 +141,8 @@ def test_an_unfinished_shard_stops_finalize_and_skip_failed_leaves_it_out(out):
     checkpoint = ShardFiles.of(out, holdout).checkpoint
     checkpoint.write_text(json.dumps({**json.loads(checkpoint.read_text()), "done": False}))
     with pytest.raises(RuntimeError, match="example_holdout_0.jsonl.zst is unfinished"):
-        finalize(out, MANIFEST, INFO, OPTIONS)
-    meta = finalize(out, MANIFEST, INFO, OPTIONS, excluded={holdout.relpath: "SourceError: truncated"})
+        finalize(out, MANIFEST, INFO, OPTIONS.output)
+    meta = finalize(out, MANIFEST, INFO, OPTIONS.output, excluded={holdout.relpath: "SourceError: truncated"})
     assert meta["splits"]["validation"]["tokens"] == 0 and (out / "val.bin").stat().st_size == 0
     assert meta["excluded"] == {holdout.relpath: "SourceError: truncated"}
 
@@ -162,7 +163,7 @@ def test_a_placed_shard_gives_its_space_back_and_keeps_its_checkpoint(out, examp
     ]
     assert ShardFiles.of(out, MANIFEST.shards().__next__()).checkpoint.exists()
     assembler.placed([val_0], place(out, [val_0], 4))
-    finalize(out, MANIFEST, INFO, OPTIONS, assembler=assembler)
+    finalize(out, MANIFEST, INFO, OPTIONS.output, assembler=assembler)
     assert_out_is(out, example_reference)
     assert shard_token_files(out) == []
     assert sorted(p.name for p in out.iterdir()) == [
@@ -182,11 +183,11 @@ def test_a_placed_shard_gives_its_space_back_and_keeps_its_checkpoint(out, examp
 # A real kill -9 of a process finalizing, at each step of place-then-remove: (what to wrap, which of
 # its calls kills, counting only calls whose first argument names a shard's token file when "shards").
 KILL_POINTS = {
-    "while copying a part": ("tokpipe.place.copy_range", 2, ""),
-    "after the copies are fsynced, before they are listed": ("tokpipe.assembly.Assembler.placed", 1, ""),
+    "while copying a part": ("tokpipe.write.place.copy_range", 2, ""),
+    "after the copies are fsynced, before they are listed": ("tokpipe.write.assembly.Assembler.placed", 1, ""),
     "after the listing, before the part's .bin is removed": ("pathlib.Path.unlink", 1, "/shards/"),
     "between removing a part's .bin and its .idx": ("pathlib.Path.unlink", 2, "/shards/"),
-    "after the removal, before the split files are renamed": ("tokpipe.assembly.Assembler.finish", 1, ""),
+    "after the removal, before the split files are renamed": ("tokpipe.write.assembly.Assembler.finish", 1, ""),
 }
 
 KILLED_FINALIZE = """
@@ -203,11 +204,11 @@ def killing(*args, **kw):
         os.kill(os.getpid(), signal.SIGKILL)
     return original(*args, **kw)
 setattr(owner, attr, killing)
-from tokpipe.finalize import finalize
-from tokpipe.manifest import build_manifest
+from tokpipe.write.finalize import finalize
+from tokpipe.inputs.manifest import build_manifest
 from tokpipe.options import RunOptions
-from tokpipe.tokenizer import load_tokenizer_info
-finalize(sys.argv[1], build_manifest(sys.argv[4]), load_tokenizer_info(sys.argv[5]), RunOptions())
+from tokpipe.inputs.tokenizer import load_tokenizer_info
+finalize(sys.argv[1], build_manifest(sys.argv[4]), load_tokenizer_info(sys.argv[5]), RunOptions().output)
 """
 
 
@@ -222,7 +223,7 @@ def test_a_kill_9_anywhere_in_place_then_remove_loses_and_leaks_nothing(out, exa
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert not (out / "meta.json").exists()
-    finalize(out, MANIFEST, INFO, OPTIONS)  # the rerun
+    finalize(out, MANIFEST, INFO, OPTIONS.output)  # the rerun
     assert_out_is(out, example_reference)
     assert shard_token_files(out) == []
     assert [c.name for c in verify(out) if not c.ok] == []
@@ -237,16 +238,16 @@ def test_placed_shards_whose_place_was_not_kept_are_tokenized_again(out, example
     rerun = reopened(out)
     assert rerun.lost == ["train/chunk1/example_train_0.jsonl.zst", "train/chunk1/example_train_1.jsonl.zst"]
     assert [(p.stem, p.seq) for p in rerun.ready()] == [("val", 0)]  # train waits for them
-    spec = unguarded(OPTIONS.encode_spec(INFO, "gigatoken"))
+    spec = unguarded(encode_spec(OPTIONS, INFO, "gigatoken"))
     for shard in MANIFEST.shards():
         tokenize_shard(shard, out, spec)
-    finalize(out, MANIFEST, INFO, OPTIONS)
+    finalize(out, MANIFEST, INFO, OPTIONS.output)
     assert_out_is(out, example_reference)
 
 
 def test_no_concat_lists_the_shards_own_files_in_order_and_copies_nothing(out, example_reference):
     options = RunOptions(no_concat=True)
-    meta = finalize(out, MANIFEST, INFO, options)
+    meta = finalize(out, MANIFEST, INFO, options.output)
     assert meta["concat"] is False
     for split, stem in (("train", "train"), ("validation", "val")):
         files = meta["splits"][split]["files"]
@@ -270,16 +271,16 @@ def test_a_split_rewritten_later_leaves_its_exported_links_alone(out, example_re
     # `export --format megatron` hard-links a finished split file. A run that extends the split (a shard
     # excluded, then back) writes it again: after the kept start (TRAIN_1 back), or from empty (TRAIN_0 back,
     # the start not kept). Neither may write through the export's name.
-    finalize(out, MANIFEST, INFO, OPTIONS, excluded={left_out: "failed"})
+    finalize(out, MANIFEST, INFO, OPTIONS.output, excluded={left_out: "failed"})
     exported = tmp_path / "megatron.bin"
     os.link(out / "train.bin", exported)
     before = exported.read_bytes()
     if left_out == TRAIN_0:  # TRAIN_1's place was not kept: tokenized again, as the run does
         assert reopened(out).lost == [TRAIN_1]
-        spec = unguarded(OPTIONS.encode_spec(INFO, "gigatoken"))
+        spec = unguarded(encode_spec(OPTIONS, INFO, "gigatoken"))
         for shard in MANIFEST.shards("train"):
             tokenize_shard(shard, out, spec)
-    finalize(out, MANIFEST, INFO, OPTIONS)
+    finalize(out, MANIFEST, INFO, OPTIONS.output)
     assert_out_is(out, example_reference)
     assert exported.read_bytes() == before and os.stat(exported).st_nlink == 1
 
@@ -293,13 +294,13 @@ def test_a_split_with_more_groups_than_allowed_is_refused_as_its_shards_show_it(
 
     options = RunOptions(group_by=GROUP_FIELD)
     out = build_out(tmp_path / "out", QWEN3, options=options, finalized=False)
-    monkeypatch.setattr("tokpipe.assembly.MAX_GROUPS", 3)
+    monkeypatch.setattr("tokpipe.write.assembly.split.MAX_GROUPS", 3)
     with pytest.raises(
         TooManyGroups,
         match=r"^--group-by meta.redpajama_set_name: split train has more than 3 distinct values \(e.g. 'RedPajamaC4',"
         r" 'RedPajamaCommonCrawl', 'RedPajamaGithub'\)",
     ):
-        finalize(out, MANIFEST, INFO, options)
+        finalize(out, MANIFEST, INFO, options.output)
     assert not (out / "meta.json").exists()
 
 
@@ -329,9 +330,9 @@ def test_a_grouped_split_resumes_after_some_of_a_shards_group_parts_were_listed(
     resumed = reopened(out, options)
     assert resumed.lost == ([TRAIN_0] if part_gone else []) and resumed.splits[0].listed == 3
     if part_gone:  # as the run does: the shard again, to the same bytes
-        tokenize_shard(next(MANIFEST.shards()), out, unguarded(options.encode_spec(INFO, "gigatoken")))
+        tokenize_shard(next(MANIFEST.shards()), out, unguarded(encode_spec(options, INFO, "gigatoken")))
     assert [p.group for p in resumed.ready()][:2] == ["RedPajamaGithub", "RedPajamaWikipedia"]
-    meta = finalize(out, MANIFEST, INFO, options)
+    meta = finalize(out, MANIFEST, INFO, options.output)
     for split, stem in (("train", "train"), ("validation", "val")):
         for group, (tokens, documents, _) in grouped_reference[stem].items():
             entry = meta["splits"][split]["groups"][group]

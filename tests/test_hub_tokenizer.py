@@ -11,7 +11,7 @@ import pytest
 from helpers import EXAMPLE_CACHE, QWEN3, assert_out_is, tokpipe
 
 from tokpipe.errors import UserError
-from tokpipe.tokenizer import load_tokenizer_info
+from tokpipe.inputs.tokenizer import load_tokenizer_info
 
 MAIN = "a" * 40  # commits of the fake repository: refs/main, and refs/v1 (an older tokenizer_config)
 OLD = "b" * 40

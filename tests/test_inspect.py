@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from helpers import QWEN3, QWEN3_EOS, tokpipe
 
+from tokpipe.commands.inspect import EOS_MARK, Source, TokenFile, inspect, red_flags, render, scan_ids
 from tokpipe.errors import UserError
-from tokpipe.inspect import EOS_MARK, Source, TokenFile, inspect, red_flags, render, scan_ids
-from tokpipe.layout import load_meta_pkl
-from tokpipe.tokenizer import encoder
+from tokpipe.inputs.tokenizer import encoder
+from tokpipe.out.files import load_meta_pkl
 
 
 def failed(ins) -> list[str]:
@@ -140,7 +140,7 @@ def test_an_unfinished_grouped_run_is_inspected_through_each_shards_group_parts(
     checkpoints cover them."""
     from helpers import GROUP_FIELD, build_out
 
-    from tokpipe.inspect import open_source
+    from tokpipe.commands.inspect import open_source
     from tokpipe.options import RunOptions
 
     out = build_out(tmp_path / "out", QWEN3, options=RunOptions(group_by=GROUP_FIELD), finalized=False)

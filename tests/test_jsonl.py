@@ -1,4 +1,4 @@
-"""source/jsonl.py (through tokpipe.source.read_batches): JSONL plain, zstd or gzip, the compression sniffed from
+"""source/jsonl.py (through tokpipe.inputs.source.read_batches): JSONL plain, zstd or gzip, the compression sniffed from
 its magic bytes (source/__init__.py) never its name; every line accounted for, the same lines whatever the
 block size; resumable at a line/byte offset; a truncated download fails by name."""
 
@@ -10,7 +10,7 @@ import zstandard
 from helpers import read_all, write_jsonl
 
 from tokpipe.errors import SourceError
-from tokpipe.source import format_of
+from tokpipe.inputs.source import format_of
 
 LINES = [
     '{"text": "first"}',

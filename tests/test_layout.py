@@ -1,4 +1,4 @@
-"""layout: every rule of OUT's files, in one module. Where a shard's files and its held-out part go, what a
+"""tokpipe/out: every rule of OUT's files, in one package. Where a shard's files and its held-out part go, what a
 checkpoint holds, a parts list (one JSON line per part) and the offsets and meta sums it gives, the
 split files' names, meta.pkl read without executing anything, and OUT's lock: held by the live run,
 naming it, refusing a second run, dropped by the kernel when the run dies."""
@@ -15,21 +15,10 @@ import pytest
 from helpers import EXAMPLE_CACHE, run_args, tokpipe
 
 from tokpipe.errors import UserError
-from tokpipe.layout import (
-    Checkpoint,
-    ShardFiles,
-    load_meta_pkl,
-    lock_holder,
-    lock_out,
-    output_splits,
-    parts_line,
-    parts_of,
-    read_parts,
-    sources,
-    split_entry,
-    split_file_stem,
-)
-from tokpipe.manifest import build_manifest
+from tokpipe.inputs.manifest import build_manifest
+from tokpipe.out.files import Out, ShardFiles, load_meta_pkl, lock_holder, split_file_stem
+from tokpipe.out.records import Checkpoint, parts_line, parts_of, read_parts, split_entry
+from tokpipe.out.run import output_splits, sources
 
 MANIFEST = build_manifest(EXAMPLE_CACHE)
 TRAIN_0, TRAIN_1, HOLDOUT = MANIFEST.shards()
@@ -118,13 +107,13 @@ def test_meta_pkl_is_read_without_executing_anything(tmp_path):
 
 def test_the_lock_names_the_live_run_and_is_gone_when_it_is(tmp_path):
     assert lock_holder(tmp_path / ".lock") is None
-    held = lock_out(tmp_path)
+    held = Out(tmp_path).lock()
     assert lock_holder(tmp_path / ".lock") == f"pid {os.getpid()} on {os.uname().nodename}"
     with pytest.raises(UserError, match=rf"in use by another tokpipe run \(pid {os.getpid()} on "):
-        lock_out(tmp_path)
+        Out(tmp_path).lock()
     held.close()  # as the kernel does when the run dies
     assert lock_holder(tmp_path / ".lock") is None
-    lock_out(tmp_path).close()
+    Out(tmp_path).lock().close()
 
 
 def test_a_second_run_on_the_same_out_is_refused_while_the_first_holds_it(manifest, tmp_path):
@@ -145,7 +134,7 @@ def test_a_second_run_on_the_same_out_is_refused_while_the_first_holds_it(manife
 def test_a_group_value_becomes_a_safe_file_name_and_no_two_values_share_one():
     """--group-by: a value that is a safe name names its files as it is; any other gets its unsafe
     characters made `_` and 8 hex digits of its sha256, so "a/b", "a b" and "a_b" stay apart."""
-    from tokpipe.layout import group_stem
+    from tokpipe.out.files import group_stem
 
     assert group_stem("RedPajamaCommonCrawl") == "RedPajamaCommonCrawl"
     assert group_stem("__missing__") == "__missing__"

@@ -9,7 +9,7 @@ import pytest
 from helpers import EXAMPLE_CACHE, tokpipe, write_jsonl
 
 from tokpipe.errors import UserError
-from tokpipe.manifest import build_manifest, load_manifest, split_of, write_manifest
+from tokpipe.inputs.manifest import build_manifest, load_manifest, split_of, write_manifest
 
 REPO_DIR = EXAMPLE_CACHE / "datasets--tokpipe-realdata--slimpajama-mini"
 REVISION = (REPO_DIR / "refs" / "main").read_text().strip()

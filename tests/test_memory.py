@@ -5,17 +5,17 @@ from helpers import EXAMPLE_CACHE, QWEN3
 from helpers import read_shard as read
 from helpers import shard_spec as spec_for
 
-from tokpipe.manifest import build_manifest
-from tokpipe.memory import MemoryGuard
-from tokpipe.shard import tokenize_shard
+from tokpipe.inputs.manifest import build_manifest
+from tokpipe.write.memory import MemoryGuard
+from tokpipe.write.shard import tokenize_shard
 
 HOLDOUT = list(build_manifest(EXAMPLE_CACHE).shards())[-1]
 
 
 def test_a_worker_over_its_memory_limit_drops_the_encoder_cache_and_writes_the_same_bytes(tmp_path, monkeypatch):
-    import tokpipe.memory
-    import tokpipe.tokenizer
-    from tokpipe.tokenizer import encoder
+    import tokpipe.inputs.tokenizer
+    import tokpipe.write.memory
+    from tokpipe.inputs.tokenizer import encoder
 
     spec = spec_for(QWEN3, batch_bytes=64 << 10, memory_limit=512 << 20)
     tokenize_shard(HOLDOUT, tmp_path / "unbounded", spec_for(QWEN3, memory_limit=0))
@@ -29,10 +29,10 @@ def test_a_worker_over_its_memory_limit_drops_the_encoder_cache_and_writes_the_s
 
     def drop_encoder(*args) -> None:
         grown[0] = 0
-        tokpipe.tokenizer.drop_encoder(*args)
+        tokpipe.inputs.tokenizer.drop_encoder(*args)
 
-    monkeypatch.setattr(tokpipe.memory, "resident_bytes", resident_bytes)
-    monkeypatch.setattr(tokpipe.memory, "drop_encoder", drop_encoder)
+    monkeypatch.setattr(tokpipe.write.memory, "resident_bytes", resident_bytes)
+    monkeypatch.setattr(tokpipe.write.memory, "drop_encoder", drop_encoder)
     before = encoder(spec.backend, spec.tokenizer_json)
     result = tokenize_shard(HOLDOUT, tmp_path / "bounded", spec)
     assert result.encoder_resets >= 3 and encoder(spec.backend, spec.tokenizer_json) is not before
@@ -42,13 +42,13 @@ def test_a_worker_over_its_memory_limit_drops_the_encoder_cache_and_writes_the_s
 
 def test_the_tokens_a_shard_buffers_are_no_reason_to_drop_the_cache(monkeypatch):
     """A shard's buffered parts (up to a quarter of the limit) are work, not cache: `beside` leaves them out."""
-    import tokpipe.memory
+    import tokpipe.write.memory
 
     dropped = []
-    monkeypatch.setattr(tokpipe.memory, "encoder", lambda *args: object())
-    monkeypatch.setattr(tokpipe.memory, "drop_encoder", lambda *args: dropped.append(args))
+    monkeypatch.setattr(tokpipe.write.memory, "encoder", lambda *args: object())
+    monkeypatch.setattr(tokpipe.write.memory, "drop_encoder", lambda *args: dropped.append(args))
     rss = [300 << 20]
-    monkeypatch.setattr(tokpipe.memory, "resident_bytes", lambda: rss[0])
+    monkeypatch.setattr(tokpipe.write.memory, "resident_bytes", lambda: rss[0])
     guard = MemoryGuard(768 << 20, "fastokens", "tokenizer.json")
     guard.encoder()  # the floor: 300 MiB; the cache's room: a third of the 468 MiB left, 156 MiB
     rss[0] += 192 << 20  # a full buffer of tokens

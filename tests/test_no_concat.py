@@ -8,17 +8,17 @@ import numpy as np
 import pytest
 from helpers import EXAMPLE_CACHE, QWEN3, build_out
 
+from tokpipe.commands.export import export
+from tokpipe.commands.inspect import inspect
+from tokpipe.commands.sample import verify_sample
+from tokpipe.commands.status import status
 from tokpipe.errors import UserError
-from tokpipe.export import export
-from tokpipe.inspect import inspect
-from tokpipe.manifest import build_manifest
+from tokpipe.inputs.manifest import build_manifest
+from tokpipe.inputs.tokenizer import load_tokenizer_info
 from tokpipe.options import RunOptions
-from tokpipe.output import open_output
+from tokpipe.read.output import open_output
+from tokpipe.read.verify import verify
 from tokpipe.runner.identity import record_run
-from tokpipe.sample import verify_sample
-from tokpipe.status import status
-from tokpipe.tokenizer import load_tokenizer_info
-from tokpipe.verify import verify
 
 
 @pytest.fixture(scope="module")

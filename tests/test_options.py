@@ -37,12 +37,12 @@ from helpers import (
 )
 
 from tokpipe.cli import parser
-from tokpipe.inspect import BOS_MARK, inspect
-from tokpipe.layout import group_stem
-from tokpipe.manifest import build_manifest, write_manifest
+from tokpipe.commands.inspect import BOS_MARK, inspect
+from tokpipe.commands.sample import verify_sample
+from tokpipe.inputs.manifest import build_manifest, write_manifest
 from tokpipe.options import RunOptions
-from tokpipe.sample import verify_sample
-from tokpipe.verify import verify
+from tokpipe.out.files import group_stem
+from tokpipe.read.verify import verify
 
 IM_START = QWEN3_IM_START
 TRAIN, HOLDOUT = EXAMPLE_TRAIN_FILES, EXAMPLE_HOLDOUT_FILES

@@ -31,13 +31,15 @@ from helpers import (
 )
 
 from tokpipe.errors import SourceError
-from tokpipe.finalize import finalize
-from tokpipe.layout import Checkpoint, ShardFiles
-from tokpipe.manifest import build_manifest
+from tokpipe.inputs.manifest import build_manifest
+from tokpipe.inputs.source import read_batches
+from tokpipe.inputs.tokenizer import load_tokenizer_info
 from tokpipe.options import RunOptions
-from tokpipe.shard import tokenize_shard
-from tokpipe.source import read_batches
-from tokpipe.tokenizer import load_tokenizer_info
+from tokpipe.out.files import ShardFiles
+from tokpipe.out.records import Checkpoint
+from tokpipe.runner.identity import encode_spec
+from tokpipe.write.finalize import finalize
+from tokpipe.write.shard import tokenize_shard
 
 MANIFEST = build_manifest(PARQUET_CACHE)
 INFO = load_tokenizer_info(QWEN3)
@@ -51,10 +53,10 @@ def test_the_parquet_example_gives_the_bytes_of_the_same_documents_in_jsonl(tmp_
         ("train", "data/train-00001-of-00002.parquet"),
         ("validation", "data/validation-00000-of-00001.parquet"),
     ]
-    spec = unguarded(RunOptions().encode_spec(INFO, "gigatoken"))
+    spec = unguarded(encode_spec(RunOptions(), INFO, "gigatoken"))
     for shard in MANIFEST.shards():
         tokenize_shard(shard, tmp_path, spec)
-    meta = finalize(tmp_path, MANIFEST, INFO, RunOptions())
+    meta = finalize(tmp_path, MANIFEST, INFO, RunOptions().output)
     assert_out_is(tmp_path, example_reference)  # the reference reads the JSONL example by hand
     rows = sum(pq.ParquetFile(s.path).metadata.num_rows for s in MANIFEST.shards() if s.split == "train")
     assert meta["splits"]["train"]["lines"] == rows == 295 and meta["splits"]["train"]["skipped"] == {"empty_text": 2}
@@ -196,7 +198,7 @@ def test_a_checkpoint_past_the_last_row_is_an_error(tmp_path):
 
 def test_a_shard_interrupted_inside_a_row_group_resumes_to_identical_bytes(tmp_path):
     shard = MANIFEST.source[1]
-    spec = unguarded(RunOptions().encode_spec(INFO, "gigatoken"))
+    spec = unguarded(encode_spec(RunOptions(), INFO, "gigatoken"))
     small = type(spec)(**{**spec.__dict__, "batch_bytes": 16 << 10, "checkpoint_interval": 0.0})
     tokenize_shard(shard, tmp_path / "whole", small)
     with pytest.raises(Crash):

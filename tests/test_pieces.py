@@ -8,7 +8,7 @@ import pytest
 from helpers import QWEN3, long_document, reference_tokenizer
 from tokenizers import Tokenizer
 
-from tokpipe.pieces import CUT, LLAMA3_PATTERN, PIECE_CHARS, piece_tokens, pieces
+from tokpipe.inputs.pieces import CUT, LLAMA3_PATTERN, PIECE_CHARS, piece_tokens, pieces
 
 QWEN3_CONFIG = json.loads((QWEN3 / "tokenizer.json").read_text())
 

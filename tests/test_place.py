@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 from helpers import EXAMPLE_CACHE, QWEN3, assert_out_is, run_args, tokpipe
 
-from tokpipe.manifest import build_manifest, write_manifest
+from tokpipe.inputs.manifest import build_manifest, write_manifest
 
 # Which call of what kills the run (its driver tokenizes the example alone, Ray never started: every placing
 # happens in that one process, shard after shard: train's two, then validation's), and how many shards the
 # rerun finds done: train's first when it was listed, or in place with its checkpoint but unlisted (kept by
 # its checksums); none when the kill came before its checkpoint (its bytes in place are written again).
 KILL_POINTS = {
-    "while writing a part's tokens": ("tokpipe.place.write_at", 2, 1),
-    "after its bytes are fsynced, before its checkpoint": ("tokpipe.place.write_json_atomic", 1, 0),
-    "after its checkpoint, before its line in .parts": ("tokpipe.assembly.Assembler.placed", 1, 1),
+    "while writing a part's tokens": ("tokpipe.write.place.write_at", 2, 1),
+    "after its bytes are fsynced, before its checkpoint": ("tokpipe.write.place.write_json_atomic", 1, 0),
+    "after its checkpoint, before its line in .parts": ("tokpipe.write.assembly.Assembler.placed", 1, 1),
 }
 
 KILLED_RUN = """
@@ -65,10 +65,11 @@ def test_a_kill_9_at_each_step_of_placing_a_buffered_shard_loses_nothing(tmp_pat
 def test_a_buffered_part_is_written_at_its_offset_and_its_checkpoint_after(tmp_path):
     """place() of a part from memory: the tokens at the part's offset, its document ends moved by it, and the
     checkpoint it carries written once the bytes are fsynced."""
-    from tokpipe.layout import Checkpoint, Part, assembly_files
-    from tokpipe.place import place
+    from tokpipe.out.files import Out
+    from tokpipe.out.records import Checkpoint, Part
+    from tokpipe.write.place import place
 
-    bin_tmp, idx_tmp, _ = assembly_files(tmp_path, "train")
+    bin_tmp, idx_tmp, _ = Out(tmp_path).assembly("train")
     bin_tmp.write_bytes(np.arange(5, dtype=np.uint32).tobytes())
     idx_tmp.write_bytes(np.array([2, 5], dtype="<i8").tobytes())
     tokens = [np.array([7, 8, 9], dtype=np.uint32), np.array([10], dtype=np.uint32)]

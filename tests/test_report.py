@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from helpers import EXAMPLE_CACHE, QWEN3, REPO, tokpipe, unguarded
 
-from tokpipe import series as series_mod
-from tokpipe.series import Series, read_series
+from tokpipe.out import series as series_mod
+from tokpipe.out.series import Series, read_series
 
 BLOB = re.compile(r'<script type="application/json" id="tokpipe-data">(.*?)</script>', re.DOTALL)
 
@@ -116,11 +116,11 @@ def test_finished_run_page_matches_meta_parts_idx_and_bins(finished_example, tmp
 def _killed_out(tmp_path: Path) -> Path:
     """OUT of a run stopped after some shards: one done, one cut after its first checkpoint, one never started;
     a series of two attempts, the second's last line torn as a kill -9 leaves it."""
-    from tokpipe.manifest import build_manifest, write_manifest
+    from tokpipe.inputs.manifest import build_manifest, write_manifest
+    from tokpipe.inputs.tokenizer import load_tokenizer_info
     from tokpipe.options import RunOptions
-    from tokpipe.runner.identity import record_run
-    from tokpipe.shard import tokenize_shard
-    from tokpipe.tokenizer import load_tokenizer_info
+    from tokpipe.runner.identity import encode_spec, record_run
+    from tokpipe.write.shard import tokenize_shard
 
     out = tmp_path / "out"
     out.mkdir()
@@ -128,7 +128,7 @@ def _killed_out(tmp_path: Path) -> Path:
     info = load_tokenizer_info(QWEN3)
     record_run(out, manifest, info, RunOptions())
     write_manifest(manifest, out / "manifest.json")
-    spec = unguarded(RunOptions().encode_spec(info, "gigatoken"), batch_bytes=64 << 10, checkpoint_interval=0.0)
+    spec = unguarded(encode_spec(RunOptions(), info, "gigatoken"), batch_bytes=64 << 10, checkpoint_interval=0.0)
     first, second, _ = manifest.shards()
     tokenize_shard(first, out, spec)
     calls = []
@@ -156,9 +156,9 @@ def _killed_out(tmp_path: Path) -> Path:
 
 
 def test_killed_run_page_matches_checkpoints_and_status(tmp_path):
-    from tokpipe.report import build
-    from tokpipe.report.page import render
-    from tokpipe.status import status
+    from tokpipe.commands.report import build
+    from tokpipe.commands.report.page import render
+    from tokpipe.commands.status import status
 
     out = _killed_out(tmp_path)
     page = render(build(out))
@@ -247,8 +247,8 @@ def test_cli_errors_and_matplotlib_stays_out_of_the_cli(tmp_path):
 
 def test_report_shows_each_groups_tokens_documents_and_bytes_per_token(finished_grouped, grouped_reference):
     """--group-by: a table and a chart of each split's groups, their text's UTF-8 bytes per token exact."""
-    from tokpipe.report.data import build
-    from tokpipe.report.page import render
+    from tokpipe.commands.report.data import build
+    from tokpipe.commands.report.page import render
 
     r = build(finished_grouped)
     expected = [

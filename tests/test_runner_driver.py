@@ -49,7 +49,7 @@ from helpers import (
     write_jsonl,
 )
 
-from tokpipe.manifest import build_manifest, write_manifest
+from tokpipe.inputs.manifest import build_manifest, write_manifest
 
 HF = ("--backend", "hf")  # the slow reference encoder: runs last long enough to be hit mid-way
 

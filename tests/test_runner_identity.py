@@ -11,10 +11,10 @@ from pathlib import Path
 
 from helpers import EXAMPLE_CACHE, QWEN3, QWEN3_EOS, assert_out_is, reference_tokens, run_args, tokpipe, write_jsonl
 
-from tokpipe.manifest import build_manifest, write_manifest
+from tokpipe.inputs.manifest import build_manifest, write_manifest
+from tokpipe.inputs.tokenizer import load_tokenizer_info
 from tokpipe.options import RunOptions
 from tokpipe.runner.identity import run_identity
-from tokpipe.tokenizer import load_tokenizer_info
 
 
 def test_delimiters_nobody_could_split_or_a_bos_the_tokenizer_lacks_are_refused(tmp_path):

@@ -3,16 +3,17 @@ back to the driver, which places it; told to stop, every shard stops at its next
 
 from helpers import EXAMPLE_CACHE, QWEN3, assert_out_is, run_args, tokpipe
 
-from tokpipe.assembly import Assembler
-from tokpipe.finalize import finalize
-from tokpipe.layout import Checkpoint
-from tokpipe.manifest import build_manifest, write_manifest
+from tokpipe.inputs.manifest import build_manifest, write_manifest
+from tokpipe.inputs.tokenizer import load_tokenizer_info
 from tokpipe.options import RunOptions
+from tokpipe.out.records import Checkpoint
+from tokpipe.out.series import Series
 from tokpipe.runner.driver import Plan
+from tokpipe.runner.identity import encode_spec
 from tokpipe.runner.local import Tally, tokenize_while
 from tokpipe.runner.progress import Progress, RunLog
-from tokpipe.series import Series
-from tokpipe.tokenizer import load_tokenizer_info
+from tokpipe.write.assembly import Assembler
+from tokpipe.write.finalize import finalize
 
 MANIFEST = build_manifest(EXAMPLE_CACHE)
 INFO = load_tokenizer_info(QWEN3)
@@ -21,12 +22,12 @@ OPTIONS = RunOptions()
 
 def _tokenize_here(out, busy, helpers: int) -> tuple[int, Tally, Assembler]:
     out.mkdir()
-    assembler = Assembler(out, 4, OPTIONS)
+    assembler = Assembler(out, 4, OPTIONS.output)
     assembler.resume(MANIFEST)
     plan = Plan(shards=3, done=0, partial=0, done_bytes=0)
     progress = Progress(out, MANIFEST.size, plan, 4, Series(out))
     tally = Tally(0)
-    spec = OPTIONS.encode_spec(INFO, "fastokens")
+    spec = encode_spec(OPTIONS, INFO, "fastokens")
     done = tokenize_while(MANIFEST, out, spec, busy, progress, tally, RunLog(out), assembler, helpers)
     progress.close()
     return done, tally, assembler
@@ -37,7 +38,7 @@ def test_helpers_tokenize_beside_the_driver_and_the_driver_places_their_shards(t
     done, tally, assembler = _tokenize_here(out, lambda: True, helpers=2)
     assert done == 3 and tally.failed == {} and tally.shard_seconds > 0
     assert assembler.complete  # every shard placed as it came back, in split order
-    finalize(out, MANIFEST, INFO, OPTIONS, assembler=assembler)
+    finalize(out, MANIFEST, INFO, OPTIONS.output, assembler=assembler)
     assert_out_is(out, example_reference)
     assert not [p for p in (out / "shards").rglob("*") if p.suffix in (".bin", ".idx")]  # written once, in place
 

@@ -21,11 +21,11 @@ from types import SimpleNamespace
 import pytest
 from helpers import QWEN3, checkpoints, kill_9, run_args, session_processes, start, tokpipe, wait_for, write_jsonl
 
-from tokpipe.layout import node_check_file
-from tokpipe.manifest import build_manifest, write_manifest
+from tokpipe.inputs.manifest import build_manifest, write_manifest
+from tokpipe.inputs.tokenizer import load_tokenizer_info
+from tokpipe.out.files import Out
 from tokpipe.runner import nodes
 from tokpipe.runner.nodes import NodeCheck, unseen
-from tokpipe.tokenizer import load_tokenizer_info
 
 
 def test_a_node_checks_out_the_tokenizer_and_a_shard_of_each_folder(tmp_path, monkeypatch):
@@ -44,18 +44,18 @@ def test_a_node_checks_out_the_tokenizer_and_a_shard_of_each_folder(tmp_path, mo
     assert check.shards == (shard["a/1"], shard["c/1"], shard["b/1"])  # folders a and c, then shards 0, 2, 4
     assert (check.out, check.tokenizer, check.tokenizer_sha256) == (str(out), info.path, info.sha256)
 
-    node_check_file(out).write_text(check.token)  # what the driver writes
+    Out(out).node_check().write_text(check.token)  # what the driver writes
     assert unseen(check, "n1") is None
     assert sorted(p.name for p in (out / "logs").iterdir()) == ["node-check.txt"]  # the node's own file removed
 
-    node_check_file(out).write_text("another run's token")  # a folder of the node's own at OUT's path
+    Out(out).node_check().write_text("another run's token")  # a folder of the node's own at OUT's path
     assert unseen(check, "n1") == (
         f"sees another folder at OUT {out} than the driver's (without this run's node-check.txt)"
     )
-    node_check_file(out).write_text(check.token)
-    node_check_file(out, "n1").mkdir()  # its write fails
+    Out(out).node_check().write_text(check.token)
+    Out(out).node_check("n1").mkdir()  # its write fails
     assert unseen(check, "n1") == f"cannot write under OUT {out} (Is a directory)"
-    node_check_file(out, "n1").rmdir()
+    Out(out).node_check("n1").rmdir()
     out.rename(tmp_path / "elsewhere")
     assert unseen(check, "n1") == f"cannot see OUT {out} (No such file or directory)"
     (tmp_path / "elsewhere").rename(out)
@@ -84,7 +84,7 @@ def test_threads_of_one_worker_that_check_a_node_at_once_all_pass(tmp_path, monk
     out = tmp_path / "out"
     (out / "logs").mkdir(parents=True)
     check = NodeCheck.of(build_manifest(tmp_path / "data"), load_tokenizer_info(QWEN3), out)
-    node_check_file(out).write_text(check.token)
+    Out(out).node_check().write_text(check.token)
     monkeypatch.setattr(nodes.ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "n1"))
     for _ in range(20):
         nodes._passed.clear()

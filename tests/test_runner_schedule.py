@@ -25,7 +25,7 @@ from helpers import (
     write_jsonl,
 )
 
-from tokpipe.manifest import Shard, build_manifest, write_manifest
+from tokpipe.inputs.manifest import Shard, build_manifest, write_manifest
 from tokpipe.runner.schedule import PACK_SHARDS, packs
 
 HF = ("--backend", "hf")  # the slow reference encoder: runs last long enough to be hit mid-way

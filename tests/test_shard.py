@@ -25,9 +25,11 @@ from helpers import (
 )
 
 from tokpipe.errors import TooManyGroups
-from tokpipe.layout import Checkpoint, ShardFiles
-from tokpipe.manifest import Shard, build_manifest
-from tokpipe.shard import EncodeSpec, to_dtype, tokenize_shard
+from tokpipe.inputs.manifest import Shard, build_manifest
+from tokpipe.out.files import ShardFiles
+from tokpipe.out.records import Checkpoint
+from tokpipe.out.tokens import to_dtype
+from tokpipe.write.shard import EncodeSpec, tokenize_shard
 
 SHARDS = list(build_manifest(EXAMPLE_CACHE).shards())
 HOLDOUT = SHARDS[-1]
@@ -111,10 +113,10 @@ def test_a_write_error_stops_the_shard_and_a_rerun_completes_identically(tmp_pat
             raise OSError(errno.ENOSPC, "No space left on device")
         real_fsync(fd)
 
-    monkeypatch.setattr("tokpipe.shard.os.fsync", disk_fills_up)
+    monkeypatch.setattr("tokpipe.write.shard.os.fsync", disk_fills_up)
     with pytest.raises(OSError, match="No space left"):
         tokenize_shard(HOLDOUT, tmp_path / "full", spec)
-    monkeypatch.setattr("tokpipe.shard.os.fsync", real_fsync)  # space freed
+    monkeypatch.setattr("tokpipe.write.shard.os.fsync", real_fsync)  # space freed
     result = tokenize_shard(HOLDOUT, tmp_path / "full", spec)
     assert result.resumed_tokens > 0
     for a, b in zip(read(tmp_path / "whole", HOLDOUT, np.uint32), read(tmp_path / "full", HOLDOUT, np.uint32)):
@@ -243,7 +245,7 @@ def test_group_by_writes_a_part_per_group_that_survives_a_crash(tmp_path):
 
 
 def test_group_by_refuses_a_shard_with_more_values_than_a_split_may_have_groups(tmp_path, monkeypatch):
-    monkeypatch.setattr("tokpipe.shard.MAX_GROUPS", 3)
+    monkeypatch.setattr("tokpipe.write.shard.MAX_GROUPS", 3)
     path = write_jsonl(tmp_path / "ids.jsonl", [f'{{"text": "t{i}", "id": "doc-{i}"}}' for i in range(10)])
     shard = Shard("train", "ids.jsonl", str(path), path.stat().st_size, "ids")
     with pytest.raises(

@@ -28,7 +28,7 @@ from helpers import (
     tokpipe,
 )
 
-from tokpipe.manifest import build_manifest, write_manifest
+from tokpipe.inputs.manifest import build_manifest, write_manifest
 
 MESSAGE = "tokpipe run: terminated (SIGTERM); rerun the same command to resume"
 SLOW = ["--backend", "hf", "--checkpoint-interval", "0.2"]  # the reference encoder: seconds of tokenizing
@@ -154,16 +154,16 @@ def test_while_workers_run_checkpoints_are_kept(tmp_path, example_reference, ray
 # written, meta not yet (the one moment that no outside watcher can hit: finalize lasts 0.05 s).
 SIGTERM_IN_FINALIZE = """
 import os, signal, sys
-import tokpipe.finalize
+import tokpipe.write.finalize
 from tokpipe import cli
 
-write_skip_log = tokpipe.finalize.write_skip_log
+write_skip_log = tokpipe.write.finalize.write_skip_log
 
 def then_sigterm(*args):
     write_skip_log(*args)
     os.kill(os.getpid(), signal.SIGTERM)
 
-tokpipe.finalize.write_skip_log = then_sigterm
+tokpipe.write.finalize.write_skip_log = then_sigterm
 sys.exit(cli.main(sys.argv[1:]))
 """
 

@@ -11,13 +11,13 @@ import pytest
 from helpers import EXAMPLE_CACHE, HOLDOUT, QWEN3, TRAIN_0, TRAIN_1, tokpipe
 
 from tokpipe.cli import parser
+from tokpipe.commands.status import report, status
 from tokpipe.errors import UserError
 from tokpipe.fmt import duration
-from tokpipe.manifest import build_manifest, write_manifest
+from tokpipe.inputs.manifest import build_manifest, write_manifest
+from tokpipe.inputs.tokenizer import load_tokenizer_info
 from tokpipe.options import RunOptions
 from tokpipe.runner.identity import record_run, refusals_noted
-from tokpipe.status import report, status
-from tokpipe.tokenizer import load_tokenizer_info
 
 
 @pytest.fixture

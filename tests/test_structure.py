@@ -24,7 +24,7 @@ def _imports() -> dict[str, set[str]]:
         found = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tokpipe"):
-                # `from tokpipe.source import batch` names a module; `from tokpipe.source import read_batches` does not
+                # `from tokpipe.inputs.source import batch` names a module; `... import read_batches` does not
                 found.update(
                     f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
                     for a in node.names
@@ -52,6 +52,50 @@ def test_no_import_cycle():
     for module in sorted(graph):
         visit(module)
     assert len(done) == len(graph) > 20
+
+
+# The layers, bottom up: what each package may import of tokpipe's packages (its own modules, and the
+# top-level basics errors, durability, fmt, _version, always). Nothing imports upward; the readers (the read
+# path, tokpipe.data and the commands) never import the write path or the runner. cli, options and
+# tokpipe/__init__ sit on top and may import any layer.
+LAYERS = {
+    "tokpipe.inputs": set(),
+    "tokpipe.out": {"tokpipe.inputs"},
+    "tokpipe.write": {"tokpipe.inputs", "tokpipe.out"},
+    "tokpipe.runner": {"tokpipe.inputs", "tokpipe.out", "tokpipe.write", "tokpipe.options"},
+    "tokpipe.read": {"tokpipe.out"},
+    "tokpipe.data": {"tokpipe.out"},
+    "tokpipe.commands": {"tokpipe.inputs", "tokpipe.out", "tokpipe.read", "tokpipe.data"},
+}
+BASICS = {"tokpipe.errors", "tokpipe.durability", "tokpipe.fmt", "tokpipe._version"}
+
+
+def _layer(module: str) -> str:
+    return next((layer for layer in LAYERS if module == layer or module.startswith(layer + ".")), module)
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    graph = _imports()
+    assert set(map(_layer, graph)) - set(LAYERS) == BASICS | {
+        "tokpipe",
+        "tokpipe.cli",
+        "tokpipe.options",
+        "tokpipe.__main__",
+    }
+    wrong = {
+        (module, dependency)
+        for module, dependencies in graph.items()
+        for dependency in dependencies
+        if _layer(module) in LAYERS and _layer(dependency) not in {_layer(module), *LAYERS[_layer(module)], *BASICS}
+    }
+    assert wrong == set()
+
+
+def test_the_readers_import_neither_the_write_path_nor_the_runner():
+    graph = _imports()
+    readers = [m for m in graph if _layer(m) in ("tokpipe.read", "tokpipe.data", "tokpipe.commands")]
+    assert len(readers) > 10
+    assert {(m, d) for m in readers for d in graph[m] if _layer(d) in ("tokpipe.write", "tokpipe.runner")} == set()
 
 
 def test_no_module_over_450_lines():

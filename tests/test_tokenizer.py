@@ -9,9 +9,9 @@ from helpers import EXAMPLE_HOLDOUT_FILES, QWEN3, QWEN3_EOS, long_document, refe
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer
 
-from tokpipe import tokenizer
 from tokpipe.errors import UserError
-from tokpipe.tokenizer import (
+from tokpipe.inputs import tokenizer
+from tokpipe.inputs.tokenizer import (
     HARD_CASES,
     PIECE_CHARS,
     choose_backend,

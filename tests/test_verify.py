@@ -8,8 +8,8 @@ import shutil
 import numpy as np
 from helpers import QWEN3, build_out, failed_checks, long_document, tokpipe, write_jsonl
 
-from tokpipe.layout import load_meta_pkl
-from tokpipe.verify import verify
+from tokpipe.out.files import load_meta_pkl
+from tokpipe.read.verify import verify
 
 
 def poke(path, index, value, dtype=np.uint32):
@@ -140,7 +140,7 @@ def reseal(out, split):
 
 
 def test_sample_re_tokenizes_source_documents_and_catches_a_self_consistent_wrong_id(out):
-    from tokpipe.sample import verify_sample
+    from tokpipe.commands.sample import verify_sample
 
     checks = verify_sample(out, 1000)
     assert all(c.ok for c in checks) and len(checks) == 2
@@ -209,8 +209,8 @@ def test_a_grouped_output_is_verified_group_by_group(finished_grouped, tmp_path)
 
 
 def test_sample_re_encodes_a_long_document_a_piece_at_a_time(tmp_path, monkeypatch):
-    from tokpipe.sample import verify_sample
-    from tokpipe.tokenizer import PIECE_CHARS, HFEncoder
+    from tokpipe.commands.sample import verify_sample
+    from tokpipe.inputs.tokenizer import PIECE_CHARS, HFEncoder
 
     texts = ["a short one", long_document(PIECE_CHARS + 5_000), "another short one"]
     write_jsonl(tmp_path / "data" / "train" / "part.jsonl", [json.dumps({"text": t}) for t in texts])
@@ -234,8 +234,8 @@ def test_sample_re_encodes_a_long_document_a_piece_at_a_time(tmp_path, monkeypat
 
 
 def test_sample_passes_over_a_long_document_of_a_tokenizer_it_cannot_cut_and_says_so(tmp_path):
-    from tokpipe.sample import verify_sample
-    from tokpipe.tokenizer import PIECE_CHARS
+    from tokpipe.commands.sample import verify_sample
+    from tokpipe.inputs.tokenizer import PIECE_CHARS
 
     tokenizer = tmp_path / "tokenizer"
     shutil.copytree(QWEN3, tokenizer)

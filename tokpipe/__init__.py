@@ -22,14 +22,11 @@ from __future__ import annotations
 
 import os
 
-# `tokpipe.verify` is the function: it is bound here, after the submodule of that name has loaded,
-# and the import system sets a package attribute to a submodule only when it first loads it. The
-# module's other names: `from tokpipe.verify import ...`.
 from tokpipe._version import __version__
-from tokpipe.manifest import Manifest, write_manifest
-from tokpipe.manifest import build_manifest as _build_manifest
-from tokpipe.output import Output, Split, open_output
-from tokpipe.verify import verify
+from tokpipe.inputs.manifest import Manifest, write_manifest
+from tokpipe.inputs.manifest import build_manifest as _build_manifest
+from tokpipe.read.output import Output, Split, open_output
+from tokpipe.read.verify import verify
 
 __all__ = ["build_manifest", "run", "verify", "open_output", "Output", "Split", "Manifest", "__version__"]
 
@@ -50,14 +47,19 @@ def build_manifest(
     return manifest
 
 
-def run(manifest: str | os.PathLike, tokenizer: str | os.PathLike, out: str | os.PathLike, **options):
+def run(manifest: str | os.PathLike, tokenizer: str | os.PathLike, out: str | os.PathLike, *, tell=None, **options):
     """`tokpipe run`: tokenize on Ray (embedded, or the cluster at `address=`); rerun to resume.
 
     `options` are `tokpipe.options.RunOptions`' fields, the `run` command's flags by their Python
     names (workers, text_field, val_fraction, ...), with the same defaults. Returns a
-    `tokpipe.runner.driver.RunSummary`.
+    `tokpipe.runner.driver.RunSummary`: what the run did, as a value. Nothing is printed; `tell`, if given,
+    is called with each line the command would print as the run goes (`tokpipe.runner.events.Said`;
+    `tell=print` prints them).
     """
     from tokpipe.options import RunOptions
     from tokpipe.runner.driver import run as run_manifest  # Ray is imported only by who runs
+    from tokpipe.runner.events import lines_only, silent
 
-    return run_manifest(manifest, tokenizer, out, RunOptions(**options))
+    return run_manifest(
+        manifest, tokenizer, out, RunOptions(**options), tell=silent if tell is None else lines_only(tell)
+    )

@@ -16,13 +16,15 @@ from pathlib import Path
 
 from tokpipe._version import __version__
 from tokpipe.errors import UserError, terminate_on_sigterm, terminated
+from tokpipe.inputs.source.batch import MISSING_GROUP
 from tokpipe.options import RunOptions, positive
+from tokpipe.out.files import Out
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 
 
 def _cmd_manifest(args) -> int:
-    from tokpipe.manifest import build_manifest, write_manifest
+    from tokpipe.inputs.manifest import build_manifest, write_manifest
 
     manifest = build_manifest(
         args.dataset_dir, repo_id=args.repo_id, revision=args.revision, allow_outside=args.allow_outside
@@ -39,11 +41,75 @@ def _cmd_manifest(args) -> int:
     return EXIT_OK
 
 
+def _where(out: Path, split: dict) -> str:
+    if "groups" in split:  # --group-by
+        n = len(split["groups"])
+        return f"the files of {n:,} group{'s' if n != 1 else ''} listed in {Out(out).meta_json}"
+    if "files" in split:  # --no-concat
+        n = len(split["files"])
+        return f"{n:,} file{'s' if n != 1 else ''} listed in {Out(out).meta_json}"
+    return str(out / split["file"])
+
+
+def _groups_line(group_by: str, groups: dict) -> str:
+    """A split's groups in one line: how many, the largest, and how many documents lacked the field."""
+    largest = sorted(groups.items(), key=lambda g: -g[1]["tokens"])
+    shown = ", ".join(f"{value} {g['tokens']:,}" for value, g in largest[:5]) + (", ..." if len(largest) > 5 else "")
+    missing = groups.get(MISSING_GROUP, {}).get("documents", 0)
+    lacking = f"; {missing:,} documents without {group_by} are in group {MISSING_GROUP}" if missing else ""
+    return f"  {len(groups):,} groups by {group_by} (tokens: {shown}){lacking}"
+
+
+def summary_lines(summary) -> list[str]:
+    """What `tokpipe run` prints of a run that finalized OUT (a runner.driver.RunSummary): each split, what
+    was left out, where the time went, and what to do next."""
+    meta, out, lines = summary.meta, summary.out, []
+    for split, s in meta["splits"].items():
+        skipped = sum(s["skipped"].values())
+        why = ", ".join(f"{k} {v}" for k, v in s["skipped"].items())
+        lines.append(
+            f"{split}: {s['tokens']:,} tokens, {s['documents']:,} documents, {skipped:,} lines "
+            f"skipped{' (' + why + ')' if why else ''} -> {_where(out, s)}"
+        )
+        if "groups" in s:
+            lines.append(_groups_line(meta["group_by"], s["groups"]))
+    if meta["excluded"]:
+        lines.append(
+            f"EXCLUDED {len(meta['excluded'])} failed shards (recorded in meta['excluded']): "
+            f"{', '.join(meta['excluded'])}"
+        )
+    if summary.lacking:
+        shard, missing, read = summary.lacking[0]
+        lines.append(
+            f"NOTE: {len(summary.lacking)} shards have no {summary.text_field!r} field on most lines (e.g. {shard}:"
+            f" {missing:,} of {read:,} lines): is --text-field right for them?"
+        )
+    tokens = sum(s["tokens"] for s in meta["splits"].values())
+    seconds = summary.seconds
+    lines.append(summary.phases)
+    lines.append(
+        f"done in {seconds:.1f}s ({tokens / seconds / 1e6:.2f}M tokens/s overall); meta: {Out(out).meta_pkl}. "
+        f"Next: tokpipe verify {out}"
+    )
+    return lines
+
+
+def _print_event(event) -> None:
+    """How `tokpipe run` tells what a run says (runner.events): a Said, one line on stdout or stderr, at once; a
+    Finished, the run's summary."""
+    from tokpipe.runner.events import Finished  # loaded already: by the run that tells it
+
+    if isinstance(event, Finished):
+        print("\n".join(summary_lines(event.summary)), flush=True)
+    else:
+        print(event.text, file=sys.stderr if event.stderr else sys.stdout, flush=True)
+
+
 def _cmd_run(args) -> int:
     from tokpipe.runner.driver import run
 
     opts = RunOptions(**{f.name: getattr(args, f.name) for f in fields(RunOptions)})
-    summary = run(args.manifest, args.tokenizer, args.out, opts, wait_for_ray=False)
+    summary = run(args.manifest, args.tokenizer, args.out, opts, wait_for_ray=False, tell=_print_event)
     if not summary.finished:
         print(
             f"{len(summary.failed)} shards failed; the rest are kept. Fix the cause and rerun the same command "
@@ -55,11 +121,11 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_verify(args) -> int:
-    from tokpipe.verify import as_json, report, verify
+    from tokpipe.read.verify import as_json, report, verify
 
     checks = verify(args.out, args.jobs)
     if args.sample and all(c.ok for c in checks):
-        from tokpipe.sample import verify_sample  # the reference encoder and the sources: only for --sample
+        from tokpipe.commands.sample import verify_sample  # the reference encoder and the sources: only for --sample
 
         checks += verify_sample(args.out, args.sample, args.seed, args.tokenizer)
     print(as_json(checks) if args.json else report(checks))
@@ -67,7 +133,7 @@ def _cmd_verify(args) -> int:
 
 
 def _cmd_status(args) -> int:
-    from tokpipe.status import as_json, report, status
+    from tokpipe.commands.status import as_json, report, status
 
     st = status(args.out)
     print(as_json(st) if args.json else report(st))
@@ -75,7 +141,7 @@ def _cmd_status(args) -> int:
 
 
 def _cmd_inspect(args) -> int:
-    from tokpipe.inspect import inspect, report
+    from tokpipe.commands.inspect import inspect, report
 
     result = inspect(args.out, args.split, args.n, args.window, args.seed, args.tokenizer)
     print(report(result))
@@ -83,7 +149,7 @@ def _cmd_inspect(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    from tokpipe.export import export, megatron_flags
+    from tokpipe.commands.export import export, megatron_flags
 
     written = export(args.out, args.format, args.dest, force=args.force, shuffle=args.shuffle)
     for e in written:
@@ -101,7 +167,7 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_report(args) -> int:
-    from tokpipe.report import write_report
+    from tokpipe.commands.report import write_report
 
     path, size = write_report(args.out, args.output, args.tokenizer)
     print(f"{path}: {size / 1e6:,.2f} MB, one self-contained page (opens offline in any browser)")

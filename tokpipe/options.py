@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from tokpipe.shard import EncodeSpec
-from tokpipe.source.batch import MISSING_GROUP
-from tokpipe.tokenizer import BACKENDS, TokenizerInfo
+from tokpipe.inputs.source.batch import MISSING_GROUP
+from tokpipe.inputs.tokenizer import BACKENDS
+from tokpipe.out.run import OutputSpec
 
 
 def positive(kind, zero_ok: bool = False):
@@ -113,20 +113,7 @@ class RunOptions:
         (memory.MemoryGuard). --no-concat's shards are written to their own files, which are its output."""
         return self.worker_memory // 4 if self.shard_buffer is None else self.shard_buffer
 
-    def encode_spec(self, info: TokenizerInfo, backend: str, read_ahead: bool = False) -> EncodeSpec:
-        """What every worker of this run needs to write its shards' bytes."""
-        return EncodeSpec(
-            info.path,
-            backend,
-            eos_id=None if self.no_eos else info.eos_id,
-            bos_id=info.bos_id if self.bos else None,
-            vocab_size=info.vocab_size,
-            dtype=info.dtype,
-            text_field=self.text_field,
-            checkpoint_interval=self.checkpoint_interval,
-            memory_limit=self.worker_memory << 20,
-            val_fraction=self.val_fraction,
-            buffer_bytes=0 if self.no_concat else self.buffer_mib << 20,
-            read_ahead=read_ahead,
-            group_by=self.group_by,
-        )
+    @property
+    def output(self) -> OutputSpec:
+        """What these options say of the output's files and meta: what the write path is given of them."""
+        return OutputSpec(self.text_field, self.delimiters, self.val_fraction, not self.no_concat, self.group_by)

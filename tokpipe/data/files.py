@@ -2,7 +2,7 @@
 bounded number open, and beyond RAM about one page of the .idx read per window.
 
 Files: a --no-concat split is one file per shard (SlimPajama: ~59k). Mapping every file up front, as
-tokpipe.output does for readers that look at a few, holds two descriptors and two maps a file: 4,006
+tokpipe.read.output does for readers that look at a few, holds two descriptors and two maps a file: 4,006
 descriptors for 2,000 files (`ulimit -n 1024` refuses them) and past the kernel's 65,530 maps at 59k.
 Here a file is mapped when a batch first reads it, and the least recently read is dropped once
 OPEN_FILES are mapped; sizes are checked against meta up front, with stat alone.
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tokpipe.layout import IDX_DTYPE
+from tokpipe.out.records import IDX_DTYPE
 
 OPEN_FILES = 64  # 128 maps and descriptors at most: a tenth of the common `ulimit -n` of 1024
 SPARSE = 512  # ends per block: one 4 KB page of an .idx

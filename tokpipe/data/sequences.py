@@ -43,7 +43,8 @@ import orjson
 
 from tokpipe.data.files import TokenFiles
 from tokpipe.data.permutation import Permutation
-from tokpipe.layout import load_meta_json, load_meta_pkl, split_files
+from tokpipe.out.files import Out, load_meta_pkl
+from tokpipe.out.records import split_files
 
 STATE_FORMAT = 2  # 1: the fingerprint was meta's parts_sha256
 AHEAD = 16384  # a rank's windows looked up at once: a Permutation lookup costs mostly per call (its passes)
@@ -130,14 +131,14 @@ class Sequences:
         if self.rank >= self.world_size:
             raise ValueError(f"rank {rank} of world_size {world_size}: need 0 <= rank < world_size")
         self.out, self.split, self.group = Path(out), split, group
-        if load_meta_json(self.out) is None:  # meta.json is the last file a run writes
+        if Out(self.out).load_meta_json() is None:  # meta.json is the last file a run writes
             raise ValueError(
                 f"{out} is not a finished tokpipe output (no meta.json): see where it stands with tokpipe status {out}"
             )
         try:
-            self.meta = load_meta_pkl(self.out / "meta.pkl")
+            self.meta = load_meta_pkl(Out(self.out).meta_pkl)
         except Exception as e:  # a hostile or damaged pickle: the restricted unpickler refused it
-            raise ValueError(f"{self.out / 'meta.pkl'} cannot be read safely ({e}): tokpipe verify {out}") from None
+            raise ValueError(f"{Out(self.out).meta_pkl} cannot be read safely ({e}): tokpipe verify {out}") from None
         if split not in self.meta["splits"]:
             raise ValueError(f"{out} has no split {split!r}; its splits: {', '.join(self.meta['splits'])}")
         entry = self.meta["splits"][split]

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokpipe.errors import keep_sigterm
+from tokpipe.inputs.tokenizer import encoder
 from tokpipe.options import RunOptions
-from tokpipe.tokenizer import encoder
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import stat
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -14,21 +13,22 @@ from pathlib import Path
 
 import numpy as np
 
-from tokpipe.assembly import Assembler
 from tokpipe.durability import write_json_atomic
 from tokpipe.errors import SourceError, UserError, terminate_on_sigterm, too_many_groups
-from tokpipe.finalize import finalize
-from tokpipe.layout import FAILED, MAX_GROUPS, Checkpoint, load_meta_json, lock_out, log_file, out_folder
-from tokpipe.manifest import Manifest, load_manifest, write_manifest
+from tokpipe.inputs.manifest import Manifest, load_manifest, write_manifest
+from tokpipe.inputs.source import fields_of, read_batches
+from tokpipe.inputs.tokenizer import TokenizerInfo, choose_backend, load_tokenizer_info
 from tokpipe.options import RunOptions
+from tokpipe.out.files import FAILED, Out, out_folder
+from tokpipe.out.records import MAX_GROUPS, Checkpoint
+from tokpipe.out.series import Series
 from tokpipe.runner.cluster import Cluster
-from tokpipe.runner.identity import check_options, record_run, refusals_noted
+from tokpipe.runner.events import Finished, Listener, Said, silent
+from tokpipe.runner.identity import check_options, encode_spec, record_run, refusals_noted
 from tokpipe.runner.local import Tally, tokenize_while
 from tokpipe.runner.progress import Progress, RunLog, Timeline
-from tokpipe.series import Series
-from tokpipe.source import fields_of, read_batches
-from tokpipe.source.batch import MISSING_GROUP
-from tokpipe.tokenizer import TokenizerInfo, choose_backend, load_tokenizer_info
+from tokpipe.write.assembly import Assembler
+from tokpipe.write.finalize import finalize
 
 # Ray's start costs 2.5-5 s and several CPU-seconds here; the driver tokenizes 10-15 MB/s of
 # compressed input. Less than this much input, or less than a second and a half of the driver's
@@ -44,11 +44,17 @@ GROUP_SAMPLE_BYTES = 16 << 20  # of input per split read for --group-by's values
 
 @dataclass
 class RunSummary:
+    """What a run did, as a value: `tokpipe run` renders it (cli.summary_lines), a library caller reads it."""
+
     finished: bool
     failed: dict[str, str]  # shard relpath -> last error
     meta: dict | None
     redone_tokens: int
     seconds: float
+    out: Path | None = None  # set when this call finalized OUT; then the fields below say how it went
+    phases: str = ""  # where the time went (Timeline.report)
+    lacking: list[tuple[str, int, int]] = field(default_factory=list)  # shards with no --text-field on most lines
+    text_field: str = "text"
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,7 @@ class _Run:
     log: RunLog
     clock: Timeline
     cluster: Cluster
+    tell: Listener  # what the run says as it goes (events.Said)
 
 
 @dataclass
@@ -103,13 +110,17 @@ def _plan(run: _Run, manifest_path) -> Plan:
         done += ckpt is not None and ckpt.done
         partial += ckpt is not None and not ckpt.done
         done_bytes += shard.size if ckpt and ckpt.done else (ckpt.source_pos if ckpt else 0)
-    print(
-        f"tokenizer {info.id}: vocab_size {info.vocab_size:,} (len(tokenizer), added tokens included), "
-        f"eos {info.eos_token!r} = {info.eos_id}, dtype {info.dtype}"
+    run.tell(
+        Said(
+            f"tokenizer {info.id}: vocab_size {info.vocab_size:,} (len(tokenizer), added tokens included), "
+            f"eos {info.eos_token!r} = {info.eos_id}, dtype {info.dtype}"
+        )
     )
-    print(
-        f"manifest {manifest.repo_id or manifest.root}: {shards} shards, {manifest.size / 2**20:,.1f} MiB; "
-        f"{done} done, {partial} partial, {shards - done - partial} to start"
+    run.tell(
+        Said(
+            f"manifest {manifest.repo_id or manifest.root}: {shards} shards, {manifest.size / 2**20:,.1f} MiB; "
+            f"{done} done, {partial} partial, {shards - done - partial} to start"
+        )
     )
     log(
         f"run: manifest {manifest_path} ({manifest.fingerprint[:16]}), tokenizer {info.id}, {shards} shards: "
@@ -121,14 +132,16 @@ def _plan(run: _Run, manifest_path) -> Plan:
 def _resume(run: _Run) -> Assembler:
     """Take up OUT's split files where an earlier attempt left them (Assembler.resume), and say which
     shards are tokenized again for it."""
-    assembler = Assembler(run.out, np.dtype(run.info.dtype).itemsize, run.opts)
+    assembler = Assembler(run.out, np.dtype(run.info.dtype).itemsize, run.opts.output)
     assembler.resume(run.manifest)
     if assembler.lost:
         n = len(assembler.lost)
         what = f"{n} shard{'s' if n != 1 else ''} (e.g. {assembler.lost[0]})"
-        print(
-            f"tokenizing again {what}: their tokens are in no file a rerun can keep (placed but not yet listed"
-            " when the last run stopped, or in a split file that changed since)"
+        run.tell(
+            Said(
+                f"tokenizing again {what}: their tokens are in no file a rerun can keep (placed but not yet listed"
+                " when the last run stopped, or in a split file that changed since)"
+            )
         )
         run.log(f"tokenizing again: {', '.join(assembler.lost)}")
     return assembler
@@ -197,7 +210,7 @@ def _choose_backend(run: _Run) -> str:
         )
     if run.opts.group_by is not None:
         _count_groups(run.manifest, run.opts.text_field, run.opts.group_by)
-    print(f"backend {backend}: {why}")
+    run.tell(Said(f"backend {backend}: {why}"))
     run.log(f"backend {backend}: {why}")
     return backend
 
@@ -208,14 +221,14 @@ def _tokenize(run: _Run, assembler: Assembler, plan: Plan) -> Tally:
     backend = _choose_backend(run)
     run.cluster.warm(backend, run.info.path)
     itemsize = np.dtype(run.info.dtype).itemsize
-    progress = Progress(run.out, run.manifest.size, plan, itemsize, run.clock.series)
+    progress = Progress(run.out, run.manifest.size, plan, itemsize, run.clock.series, run.tell)
     tally = Tally(run.opts.worker_memory << 20)
     run.clock.planned = time.monotonic()
     run.clock.series.mark("tokenize")
     try:
-        spec = run.opts.encode_spec(run.info, backend)
+        spec = encode_spec(run.opts, run.info, backend)
         if not run.cluster.address and run.cluster.fit[1]:
-            print(run.cluster.fit[1])
+            run.tell(Said(run.cluster.fit[1]))
             run.log(run.cluster.fit[1])
         handover = _Handover(run.cluster, run.opts.ray_only)
         # An embedded Ray started at once (a large input) takes seconds to come up: the machine's cores tokenize
@@ -236,7 +249,7 @@ def _tokenize(run: _Run, assembler: Assembler, plan: Plan) -> Tally:
         else:
             what = "tokenized (or failed)" if tally.failed else "tokenized"
             here = " while it started" if run.cluster.started else ""
-            print(f"ray: not needed, every shard was {what} here{here}")
+            run.tell(Said(f"ray: not needed, every shard was {what} here{here}"))
             progress.update(0, 0, 0, done=done, running=0, failed=len(tally.failed), final=True)
             run.clock.tokenized_now(assembler.placed_tokens * itemsize)
     finally:
@@ -256,17 +269,17 @@ def _tokenize_on_ray(
     # switch it off (a Python caller's process; runner/cluster.py, Cluster._start).
     terminate_on_sigterm()
     if shape.note and run.cluster.address:  # an embedded Ray's was said before it started
-        print(shape.note)
+        run.tell(Said(shape.note))
         run.log(shape.note)
     both = " (2 CPUs each: reading overlaps encoding)" if shape.read_ahead else ""
     nodes = f" on {shape.nodes} nodes" if shape.nodes > 1 else ""
-    print(f"ray: {shape.where}, {shape.workers} workers{both}{nodes}")
+    run.tell(Said(f"ray: {shape.where}, {shape.workers} workers{both}{nodes}"))
     check = None
     if run.cluster.address:  # every node sees the shards, the tokenizer and OUT, or the run stops here
         from tokpipe.runner.nodes import check_nodes
 
         check = check_nodes(run.manifest, run.info, run.out, run.log)
-    spec = run.opts.encode_spec(run.info, backend, shape.read_ahead)
+    spec = encode_spec(run.opts, run.info, backend, shape.read_ahead)
     itemsize = np.dtype(run.info.dtype).itemsize
     progress.workers = run.clock.workers = shape.workers
     copies = Copies(assembler, run.out, itemsize, shape.nodes, check)
@@ -280,78 +293,34 @@ def _tokenize_on_ray(
         run.log("assembled by node: " + ", ".join(f"{node[:8]} {size / 1e6:,.1f} MB" for node, size in by_node))
 
 
-def _report_failures(out: Path, tally: Tally, opts: RunOptions, log: RunLog) -> bool:
+def _report_failures(run: _Run, tally: Tally) -> bool:
     """Say what resumed and what failed; returns whether to finalize."""
-    failed, resumed = tally.failed, tally.resumed
+    failed, resumed, opts, log = tally.failed, tally.resumed, run.opts, run.log
     if resumed:
         kept, redone = sum(r.resumed_tokens for r in resumed), sum(r.redone_tokens for r in resumed)
-        print(
-            f"resumed {len(resumed)} shards from their checkpoints: {kept:,} tokens kept, {redone:,} tokens "
-            "written after the last checkpoints redone"
+        run.tell(
+            Said(
+                f"resumed {len(resumed)} shards from their checkpoints: {kept:,} tokens kept, {redone:,} tokens "
+                "written after the last checkpoints redone"
+            )
         )
-    failures_file = log_file(out, FAILED)
+    failures_file = Out(run.out).log(FAILED)
     if not failed:
         failures_file.unlink(missing_ok=True)
         return True
     write_json_atomic(failures_file, failed)
     for relpath, error in failed.items():
-        print(f"FAILED {relpath}: {error}", file=sys.stderr)
+        run.tell(Said(f"FAILED {relpath}: {error}", stderr=True))
     if not opts.skip_failed:
         log(f"{len(failed)} shards failed; not finalized")
         return False
-    print(
-        f"--skip-failed: finalizing without these {len(failed)} shards; meta records them as excluded", file=sys.stderr
+    run.tell(
+        Said(
+            f"--skip-failed: finalizing without these {len(failed)} shards; meta records them as excluded", stderr=True
+        )
     )
     log(f"{len(failed)} shards failed; finalizing without them (--skip-failed)")
     return True
-
-
-def _where(out: Path, split: dict) -> str:
-    if "groups" in split:  # --group-by
-        n = len(split["groups"])
-        return f"the files of {n:,} group{'s' if n != 1 else ''} listed in {out / 'meta.json'}"
-    if "files" in split:  # --no-concat
-        n = len(split["files"])
-        return f"{n:,} file{'s' if n != 1 else ''} listed in {out / 'meta.json'}"
-    return str(out / split["file"])
-
-
-def _groups_line(group_by: str, groups: dict) -> str:
-    """A split's groups in one line: how many, the largest, and how many documents lacked the field."""
-    largest = sorted(groups.items(), key=lambda g: -g[1]["tokens"])
-    shown = ", ".join(f"{value} {g['tokens']:,}" for value, g in largest[:5]) + (", ..." if len(largest) > 5 else "")
-    missing = groups.get(MISSING_GROUP, {}).get("documents", 0)
-    lacking = f"; {missing:,} documents without {group_by} are in group {MISSING_GROUP}" if missing else ""
-    return f"  {len(groups):,} groups by {group_by} (tokens: {shown}){lacking}"
-
-
-def _print_summary(meta: dict, out: Path, seconds: float, phases: str, tally: Tally, text_field: str) -> None:
-    for split, s in meta["splits"].items():
-        skipped = sum(s["skipped"].values())
-        why = ", ".join(f"{k} {v}" for k, v in s["skipped"].items())
-        print(
-            f"{split}: {s['tokens']:,} tokens, {s['documents']:,} documents, {skipped:,} lines "
-            f"skipped{' (' + why + ')' if why else ''} -> {_where(out, s)}"
-        )
-        if "groups" in s:
-            print(_groups_line(meta["group_by"], s["groups"]))
-    if meta["excluded"]:
-        print(
-            f"EXCLUDED {len(meta['excluded'])} failed shards (recorded in meta['excluded']): "
-            f"{', '.join(meta['excluded'])}"
-        )
-    if tally.lacking:
-        shard, missing, lines = tally.lacking[0]
-        print(
-            f"NOTE: {len(tally.lacking)} shards have no {text_field!r} field on most lines (e.g. {shard}: {missing:,}"
-            f" of {lines:,} lines): is --text-field right for them?"
-        )
-    tokens = sum(s["tokens"] for s in meta["splits"].values())
-    print(phases)
-    print(
-        f"done in {seconds:.1f}s ({tokens / seconds / 1e6:.2f}M tokens/s overall); meta: {out / 'meta.pkl'}. "
-        f"Next: tokpipe verify {out}"
-    )
 
 
 def run(
@@ -361,31 +330,39 @@ def run(
     opts: RunOptions = RunOptions(),
     *,
     wait_for_ray: bool = True,
+    tell: Listener = silent,
 ) -> RunSummary:
     """`wait_for_ray=False` (the CLI, whose process exits next): Ray's processes are killed at the end
-    instead of shut down (1.4 s here), and the caller must exit without Ray's own exit handler."""
+    instead of shut down (1.4 s here), and the caller must exit without Ray's own exit handler. `tell`
+    hears what the run says as it goes (events.Said); by default nothing is said, and a progress bar is drawn
+    only for a listener."""
     clock = Timeline(time.monotonic())
     cluster = Cluster(opts)
     try:
-        return _run(manifest_path, tokenizer, out_folder(out, new_ok=True), opts, clock, cluster)
+        return _run(manifest_path, tokenizer, out_folder(out, new_ok=True), opts, clock, cluster, tell)
     finally:
         cluster.stop(wait=wait_for_ray)
 
 
-def _run(manifest_path, tokenizer, out: Path, opts: RunOptions, clock: Timeline, cluster: Cluster) -> RunSummary:
+def _run(
+    manifest_path, tokenizer, out: Path, opts: RunOptions, clock: Timeline, cluster: Cluster, tell: Listener
+) -> RunSummary:
     manifest = load_manifest(manifest_path)
     if cluster.address or opts.ray_only or manifest.size > EAGER_RAY_BYTES:
         cluster.start()  # now, while the driver plans: a cluster to join, or more than the driver does alone
     info = load_tokenizer_info(tokenizer, opts.eos, opts.bos_token, opts.tokenizer_revision)
     check_options(opts, info, tokenizer)
     out.mkdir(parents=True, exist_ok=True)
-    with lock_out(out), refusals_noted(out):
-        manifest = _record(out, manifest, info, opts)
-        run = _Run(manifest, out, info, opts, RunLog(out), clock, cluster)
-        meta = load_meta_json(out)
+    with Out(out).lock(), refusals_noted(out):
+        manifest = _record(out, manifest, info, opts, tell)
+        run = _Run(manifest, out, info, opts, RunLog(out), clock, cluster, tell)
+        meta = Out(out).load_meta_json()
         if meta is not None and meta.get("manifest_sha256") == manifest.fingerprint and not meta.get("excluded"):
-            print(
-                f"{out} is already finished ({out / 'meta.json'}); nothing to do. Check it with: tokpipe verify {out}"
+            run.tell(
+                Said(
+                    f"{out} is already finished ({Out(out).meta_json}); nothing to do. Check it with: "
+                    f"tokpipe verify {out}"
+                )
             )
             return RunSummary(True, {}, meta, 0, time.monotonic() - clock.start)
         # Before the plan: it may find placed shards whose place is not kept, to tokenize again.
@@ -394,28 +371,28 @@ def _run(manifest_path, tokenizer, out: Path, opts: RunOptions, clock: Timeline,
         plan = _plan(run, manifest_path)
         tally = _tokenize(run, assembler, plan) if plan.done < plan.shards else Tally(opts.worker_memory << 20)
         redone = sum(r.redone_tokens for r in tally.resumed)
-        if not _report_failures(out, tally, opts, run.log):
+        if not _report_failures(run, tally):
             clock.series.mark("failed")
             return RunSummary(False, tally.failed, None, redone, time.monotonic() - clock.start)
-        meta, seconds = _finalize(run, assembler, tally)
-        return RunSummary(True, tally.failed, meta, redone, seconds)
+        summary = _finalize(run, assembler, tally, redone)
+        tell(Finished(summary))  # before Ray's stop, which may wait for its start to end
+        return summary
 
 
-def _record(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOptions) -> Manifest:
+def _record(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOptions, tell: Listener) -> Manifest:
     """Record this run in OUT (run.json, a copy of the manifest); returns the manifest of OUT's copy."""
-    record_run(out, manifest, info, opts)
-    write_manifest(manifest, out / "manifest.json")  # what `verify --sample` and `status` read
-    return replace(manifest, source=out / "manifest.json")  # from here on, its shards stream from OUT's copy
+    record_run(out, manifest, info, opts, tell)
+    write_manifest(manifest, Out(out).manifest)  # what `verify --sample` and `status` read
+    return replace(manifest, source=Out(out).manifest)  # from here on, its shards stream from OUT's copy
 
 
-def _finalize(run: _Run, assembler: Assembler, tally: Tally) -> tuple[dict, float]:
-    """The last copies and meta; then what the run made, said. Returns meta and the run's seconds."""
+def _finalize(run: _Run, assembler: Assembler, tally: Tally, redone: int) -> RunSummary:
+    """The last copies and meta; then what the run made, as a value."""
     run.clock.series.mark("finalize")
-    meta = finalize(run.out, run.manifest, run.info, run.opts, tally.failed, assembler)
+    meta = finalize(run.out, run.manifest, run.info, run.opts.output, tally.failed, assembler)
     seconds = time.monotonic() - run.clock.start
     phases = run.clock.report(time.monotonic(), meta)
     run.clock.series.mark("finished")
-    _print_summary(meta, run.out, seconds, phases, tally, run.opts.text_field)
     run.log(phases)
     run.log(f"finished: {sum(s['tokens'] for s in meta['splits'].values()):,} tokens in {seconds:.1f}s")
-    return meta, seconds
+    return RunSummary(True, tally.failed, meta, redone, seconds, run.out, phases, tally.lacking, run.opts.text_field)

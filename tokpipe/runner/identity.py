@@ -8,17 +8,19 @@ after a refusal) starts it over.
 from __future__ import annotations
 
 import json
-import os
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
 from tokpipe.durability import write_json_atomic
 from tokpipe.errors import UserError
-from tokpipe.layout import IDENTITY_DEFAULTS, LAST_RUN_KEYS, REFUSED, RUN_FORMAT, log_file
-from tokpipe.manifest import Manifest, load_manifest
+from tokpipe.inputs.manifest import Manifest, load_manifest
+from tokpipe.inputs.tokenizer import TokenizerInfo
 from tokpipe.options import RunOptions
-from tokpipe.tokenizer import TokenizerInfo
+from tokpipe.out.files import REFUSED, Out
+from tokpipe.out.run import IDENTITY_DEFAULTS, LAST_RUN_KEYS, RUN_FORMAT
+from tokpipe.runner.events import Listener, Said, silent
+from tokpipe.write.shard import EncodeSpec
 
 
 def run_identity(manifest: Manifest, info: TokenizerInfo, opts: RunOptions) -> dict:
@@ -38,6 +40,25 @@ def run_identity(manifest: Manifest, info: TokenizerInfo, opts: RunOptions) -> d
         "val_fraction": opts.val_fraction,
         "concat": not opts.no_concat,
     } | ({"group_by": opts.group_by} if opts.group_by is not None else {})
+
+
+def encode_spec(opts: RunOptions, info: TokenizerInfo, backend: str, read_ahead: bool = False) -> EncodeSpec:
+    """What every worker of this run needs to write its shards' bytes."""
+    return EncodeSpec(
+        info.path,
+        backend,
+        eos_id=None if opts.no_eos else info.eos_id,
+        bos_id=info.bos_id if opts.bos else None,
+        vocab_size=info.vocab_size,
+        dtype=info.dtype,
+        text_field=opts.text_field,
+        checkpoint_interval=opts.checkpoint_interval,
+        memory_limit=opts.worker_memory << 20,
+        val_fraction=opts.val_fraction,
+        buffer_bytes=0 if opts.no_concat else opts.buffer_mib << 20,
+        read_ahead=read_ahead,
+        group_by=opts.group_by,
+    )
 
 
 def check_options(opts: RunOptions, info: TokenizerInfo, tokenizer) -> None:
@@ -60,30 +81,6 @@ def check_options(opts: RunOptions, info: TokenizerInfo, tokenizer) -> None:
         raise UserError(f"--val-fraction must be at least 0 and below 1, got {opts.val_fraction}")
 
 
-# What a run writes before its first token: what it is (run.json, its manifest's copy), its lock, its logs;
-# and `tokpipe report`'s page. Every other file is the work of a run (a checkpoint, tokens, a parts line)
-# once it is not empty, and any file under shards/ is (a worker that holds a shard's lock may commit there).
-RECORD = frozenset({"run.json", "manifest.json", ".lock", "logs", "report.html"})
-
-
-def _made(out: Path):
-    """The paths of OUT outside RECORD, deepest first (a folder after what it holds)."""
-    for top in sorted(set(os.listdir(out)) - RECORD):
-        if (out / top).is_dir():
-            for folder, subfolders, files in os.walk(out / top, topdown=False):
-                yield from (Path(folder) / name for name in files + subfolders)
-        yield out / top
-
-
-def holds_tokens(out: Path) -> bool:
-    """Whether OUT holds anything made under its recorded identity: then a rerun with other inputs is
-    refused for good. Before that, the split files a run opened are empty and no shard has a file."""
-    for path in _made(out):
-        if not path.is_dir() and ("shards" == path.relative_to(out).parts[0] or path.stat().st_size):
-            return True
-    return False
-
-
 @contextmanager
 def refusals_noted(out: Path):
     """Note a refusal of this run in OUT (logs/refused.json) when OUT holds no token: the command that works
@@ -91,16 +88,15 @@ def refusals_noted(out: Path):
     try:
         yield
     except UserError as e:
-        if (out / "run.json").exists() and not holds_tokens(out):
-            log_file(out, REFUSED).parent.mkdir(exist_ok=True)
-            write_json_atomic(log_file(out, REFUSED), {"error": str(e), "fix": e.fix})
+        if Out(out).run_json.exists() and not Out(out).holds_tokens():
+            Out(out).write_log(REFUSED, {"error": str(e), "fix": e.fix})
         raise
 
 
-def record_run(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOptions) -> None:
+def record_run(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOptions, tell: Listener = silent) -> None:
     """Refuse an OUT that holds a run with other inputs (a manifest that only gained shards is an
     append; an OUT with no token yet is started over); then (re)write run.json for this run."""
-    path = out / "run.json"
+    path = Out(out).run_json
     identity = run_identity(manifest, info, opts)
     if path.exists():
         previous = {
@@ -109,26 +105,22 @@ def record_run(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOpti
         }
         differs = [k for k in sorted(set(identity) | set(previous)) if identity.get(k) != previous.get(k)]
         what = "; ".join(f"{k}: was {previous.get(k)!r}, now {identity.get(k)!r}" for k in differs)
-        if differs and not holds_tokens(out):
-            for made in _made(out):  # the empty files and folders the refused run opened
-                if made.is_dir():
-                    made.rmdir()
-                else:
-                    made.unlink()
-            print(f"{out} holds no token yet: starting it over with these inputs ({what})")
-        elif differs == ["manifest_sha256"] and (out / "manifest.json").exists():
-            _check_append(out, load_manifest(out / "manifest.json"), manifest)
+        if differs and not Out(out).holds_tokens():
+            Out(out).start_over()
+            tell(Said(f"{out} holds no token yet: starting it over with these inputs ({what})"))
+        elif differs == ["manifest_sha256"] and Out(out).manifest.exists():
+            _check_append(out, load_manifest(Out(out).manifest), manifest, tell)
         elif differs:
             raise UserError(
                 f"{out} holds a run with other inputs ({what}); use a new --out, or the original inputs to resume"
             )
-    log_file(out, REFUSED).unlink(missing_ok=True)
+    Out(out).log(REFUSED).unlink(missing_ok=True)
     defaults = asdict(RunOptions())
     options = {k: v for k, v in asdict(opts).items() if v != defaults[k]}
     write_json_atomic(path, {**identity, "tokenizer_path": info.path, "options": options})
 
 
-def _check_append(out: Path, old_manifest: Manifest, manifest: Manifest) -> None:
+def _check_append(out: Path, old_manifest: Manifest, manifest: Manifest, tell: Listener) -> None:
     """Every shard of the old manifest must be in the new one, the same size. Both list a split's shards
     in path order (docs/design.md), so one merged pass per split compares them, holding neither manifest."""
     changed = []
@@ -146,5 +138,7 @@ def _check_append(out: Path, old_manifest: Manifest, manifest: Manifest) -> None
             f"(e.g. {changed[0]}); use a new --out, or the original manifest to resume"
         )
     gained = sum(manifest.counts.values()) - sum(old_manifest.counts.values())
-    print(f"the manifest gained {gained} shards since {out} was started: appending them (finished shards are kept)")
-    (out / "meta.json").unlink(missing_ok=True)  # OUT is unfinished again until the new finalize
+    tell(
+        Said(f"the manifest gained {gained} shards since {out} was started: appending them (finished shards are kept)")
+    )
+    Out(out).unfinish()  # until the new finalize

@@ -13,12 +13,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tokpipe.assembly import Assembler
 from tokpipe.errors import TooManyGroups
-from tokpipe.layout import Checkpoint, ShardFiles
-from tokpipe.manifest import Manifest, Shard
+from tokpipe.inputs.manifest import Manifest, Shard
+from tokpipe.out.files import ShardFiles
+from tokpipe.out.records import Checkpoint
 from tokpipe.runner.progress import Progress, RunLog
-from tokpipe.shard import EncodeSpec, ShardResult, tokenize_shard
+from tokpipe.write.assembly import Assembler
+from tokpipe.write.shard import EncodeSpec, ShardResult, tokenize_shard
 
 
 @dataclass
@@ -153,7 +154,7 @@ class _Helpers:
     def __init__(self, processes: int, out: Path, spec: EncodeSpec):
         # forkserver: not a fork of the driver, whose threads (Ray's start) a fork would copy mid-step.
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["tokpipe.shard"])
+        context.set_forkserver_preload(["tokpipe.write.shard"])
         self.stop = context.Event()
         self.pool = context.Pool(processes, _helper_start, (self.stop,))
         self.processes, self.out, self.spec = processes, out, spec

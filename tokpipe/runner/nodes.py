@@ -33,9 +33,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tokpipe.durability import write_atomic
 from tokpipe.errors import NodeError, UserError
-from tokpipe.layout import RUN_LOG, node_check_file
-from tokpipe.manifest import Manifest
-from tokpipe.tokenizer import TokenizerInfo
+from tokpipe.inputs.manifest import Manifest
+from tokpipe.inputs.tokenizer import TokenizerInfo
+from tokpipe.out.files import RUN_LOG, Out
 
 MAX_FOLDERS = 256  # of the shards' folders, one shard each
 SAMPLE = 32  # shards more, spread over the manifest
@@ -74,14 +74,14 @@ def unseen(check: NodeCheck, who: str) -> str | None:
     `who` names the file it writes under OUT (unique among the processes that check at once)."""
     out = Path(check.out)
     try:
-        token = node_check_file(out).read_text()
+        token = Out(out).node_check().read_text()
     except OSError as e:
         if not out.is_dir():
             return f"cannot see OUT {out} ({e.strerror})"
         token = None
     if token != check.token:
-        return f"sees another folder at OUT {out} than the driver's (without this run's {node_check_file(out).name})"
-    mine = node_check_file(out, who)
+        return f"sees another folder at OUT {out} than the driver's (without this run's {Out(out).node_check().name})"
+    mine = Out(out).node_check(who)
     try:
         with open(mine, "wb") as f:
             f.write(check.token.encode())
@@ -132,7 +132,7 @@ def check_nodes(manifest: Manifest, info: TokenizerInfo, out: Path, log) -> ray.
     """Probe every alive node; refuse (UserError) if one cannot see what the run needs. Returns the
     NodeCheck, in Ray's object store, that the tasks take (and check on a node not probed here)."""
     check = NodeCheck.of(manifest, info, out)
-    write_atomic(node_check_file(out), check.token.encode())
+    write_atomic(Out(out).node_check(), check.token.encode())
     probe = ray.remote(num_cpus=0, max_retries=0, name="tokpipe node check")(_probe)
     nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
     refs = {

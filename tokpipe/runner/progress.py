@@ -14,15 +14,16 @@ from tqdm import tqdm
 
 from tokpipe.durability import write_json_atomic
 from tokpipe.fmt import disk_line, duration, free_bytes
-from tokpipe.layout import PROGRESS, RUN_LOG, log_file
-from tokpipe.series import Series
+from tokpipe.out.files import PROGRESS, RUN_LOG, Out
+from tokpipe.out.series import Series
+from tokpipe.runner.events import Listener, Said, silent
 
 
 class RunLog:
     """OUT/logs/run.log: the effective configuration, shard failures, stalls, the outcome."""
 
     def __init__(self, out: Path):
-        path = log_file(out, RUN_LOG)
+        path = Out(out).log(RUN_LOG)
         path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(path, "a")
 
@@ -37,8 +38,11 @@ class Progress:
     Also keeps OUT/logs/progress.json current, so `tokpipe status` can tell rate and ETA from files alone.
     """
 
-    def __init__(self, out: Path, total_bytes: int, plan, itemsize: int, series: Series, every: float = 30.0):
+    def __init__(
+        self, out: Path, total_bytes: int, plan, itemsize: int, series: Series, tell: Listener = silent, every=30.0
+    ):
         self.out, self.total, self.shards, self.itemsize, self.series = out, total_bytes, plan.shards, itemsize, series
+        self.tell = tell
         done_bytes, self.done_before = plan.done_bytes, plan.done
         self.start_bytes, self.t0, self.started_at, self.every = done_bytes, time.monotonic(), time.time(), every
         self.disk: dict | None = None  # the output's projected size, once a shard of this run is done
@@ -47,7 +51,7 @@ class Progress:
         self.last_line = self.last_file = 0.0
         self.read_this_run = 0
         self.bar = None
-        if sys.stderr.isatty():
+        if tell is not silent and sys.stderr.isatty():  # a bar only for who listens, on a terminal
             # Shard counts (and failures) before the rates, and no label: in 80 columns tqdm cuts the
             # line's end, and that must be the least important part.
             self.bar = tqdm(
@@ -90,16 +94,17 @@ class Progress:
                 if eta is not None
                 else ", ETA unknown"
             )
-            print(
-                f"[tokpipe] {pct:5.1f}% of {self.total / 2**20:,.1f} MiB read{when} | {done}/{self.shards} "
-                f"shards done{failures}, {running} running, {rates}",
-                file=sys.stderr,
-                flush=True,
+            self.tell(
+                Said(
+                    f"[tokpipe] {pct:5.1f}% of {self.total / 2**20:,.1f} MiB read{when} | {done}/{self.shards} "
+                    f"shards done{failures}, {running} running, {rates}",
+                    stderr=True,
+                )
             )
         if final or now - self.last_file >= 2.0:
             self.last_file = now
             write_json_atomic(
-                log_file(self.out, PROGRESS),
+                Out(self.out).log(PROGRESS),
                 {
                     "pid": os.getpid(),
                     "started_at": self.started_at,
@@ -124,7 +129,7 @@ class Progress:
             "to_write_bytes": int(tokens / file_bytes * (self.total - read) * self.itemsize),
             "free_bytes": free_bytes(self.out),
         }
-        print(disk_line(disk, tokens / file_bytes, self.total, self.itemsize), flush=True)
+        self.tell(Said(disk_line(disk, tokens / file_bytes, self.total, self.itemsize)))
         return disk
 
     def close(self) -> None:

@@ -17,15 +17,16 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from tokpipe.assembly import COPY_BATCH_BYTES, Assembler
 from tokpipe.errors import NodeError, TooManyGroups
-from tokpipe.layout import Part, stall_dump
-from tokpipe.manifest import Manifest, Shard
+from tokpipe.inputs.manifest import Manifest, Shard
 from tokpipe.options import RunOptions
+from tokpipe.out.files import stall_dump
+from tokpipe.out.records import Part
 from tokpipe.runner.local import Finished, Tally, describe_failure
 from tokpipe.runner.progress import Progress, RunLog
 from tokpipe.runner.task import Placer, ProgressBoard, Stored, shard_task
-from tokpipe.shard import EncodeSpec, ShardResult
+from tokpipe.write.assembly import COPY_BATCH_BYTES, Assembler
+from tokpipe.write.shard import EncodeSpec, ShardResult
 
 POLL_EVERY = 0.5  # seconds between looks at progress and stalls
 # Shard tasks in flight per worker: one running, one queued in Ray, so that a worker that finishes starts its

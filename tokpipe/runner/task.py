@@ -10,12 +10,13 @@ from dataclasses import dataclass, replace
 
 import ray
 
-from tokpipe.layout import Part, stall_dump
-from tokpipe.manifest import Shard
-from tokpipe.memory import MemoryGuard, memory_guard
-from tokpipe.place import place
+from tokpipe.inputs.manifest import Shard
+from tokpipe.out.files import stall_dump
+from tokpipe.out.records import Part
 from tokpipe.runner.nodes import NodeCheck, ensure_seen
-from tokpipe.shard import EncodeSpec, ShardResult, tokenize_shard
+from tokpipe.write.memory import MemoryGuard, memory_guard
+from tokpipe.write.place import place
+from tokpipe.write.shard import EncodeSpec, ShardResult, tokenize_shard
 
 REPORT_EVERY = 1.0  # seconds between a worker's progress reports
 

@@ -1,0 +1,409 @@
+"""What `tokpipe report` shows, computed from OUT's files alone (no Ray), as small dataclasses.
+
+Sources, each the one the other readers of OUT use: meta.json (a finished run's totals, the same as
+`status` and `verify`), run.json (an unfinished run's tokenizer and options), `tokpipe.commands.status.status()`
+(shard states, the live progress, the resume command), each split's `.parts` lines (a finished
+split's per-shard accounting), the shard checkpoints (an unfinished run's accounting; text bytes and
+seconds of every shard), the `.idx` files (document lengths), `tokpipe.commands.inspect` (token-id health)
+and OUT/logs/series.jsonl (throughput over time, `tokpipe.out.series`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tokpipe.commands.inspect import load_decoder, open_source, red_flags, scan_ids
+from tokpipe.commands.status import RunStatus, status
+from tokpipe.errors import UserError
+from tokpipe.inputs.manifest import load_manifest
+from tokpipe.out.files import Out, out_folder, split_bin_name, split_file_stem
+from tokpipe.out.records import Checkpoint, read_parts
+from tokpipe.out.run import output_splits, sources
+from tokpipe.out.series import read_series
+
+LENGTH_SAMPLE = 1 << 20  # documents whose lengths are read per split: all of a smaller split, else evenly spread blocks
+LENGTH_BLOCKS = 64
+LENGTH_BINS = 40
+SHARDS_LISTED = 500  # per-shard rows in the page's data: all of a smaller run, else the notable ones
+OUTLIER_FACTOR = 1.5  # a shard's bytes per token off the run's median by more than this factor is named
+STATES = ("done", "partial", "pending", "failed")  # the words of `tokpipe status`
+
+
+@dataclass(frozen=True)
+class SplitStats:
+    name: str  # as in meta: train | validation | test
+    file: str  # train.bin, val.bin
+    tokens: int
+    documents: int
+    lines: int
+    skipped: dict[str, int]
+    repaired: dict[str, int]
+    held_out: int
+    held_in: int
+    shards: int
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    """One group of a split (--group-by)."""
+
+    split: str
+    group: str
+    tokens: int
+    documents: int
+    text_bytes: int  # UTF-8 bytes of its documents' texts
+
+    @property
+    def bytes_per_token(self) -> float | None:
+        return self.text_bytes / self.tokens if self.tokens else None
+
+
+def _group_stats(out: Path, meta: dict | None, manifest) -> list[GroupStats]:
+    """Each split's groups: meta's (exact), or what the checkpoints have committed (held-out ones in validation)."""
+    if meta is not None:
+        return [
+            GroupStats(split, group, g["tokens"], g["documents"], g["text_bytes"])
+            for split, s in meta["splits"].items()
+            for group, g in s.get("groups", {}).items()
+        ]
+    found: dict[tuple[str, str], Counter] = {}
+    for shard in manifest.shards():
+        ckpt = Checkpoint.of(out, shard) or Checkpoint()
+        for split, groups in ckpt.groups_by_split(shard.split):
+            for group, g in groups.items():
+                found.setdefault((split, group), Counter()).update(
+                    {k: g[k] for k in ("tokens", "documents", "text_bytes")}
+                )
+    return [GroupStats(*key, n["tokens"], n["documents"], n["text_bytes"]) for key, n in sorted(found.items())]
+
+
+@dataclass(frozen=True)
+class Lengths:
+    split: str
+    documents: int  # in the split
+    sampled: int  # whose lengths were read (== documents unless the split is large)
+    median: float
+    p99: float
+    max: int
+    mean: float
+    edges: list[float]  # log-spaced bin edges, in tokens
+    counts: list[int]
+
+
+@dataclass(frozen=True)
+class ShardRow:
+    split: str
+    relpath: str
+    state: str  # done | partial | pending | failed
+    size: int  # bytes of the shard file
+    tokens: int  # committed, its held-out documents included
+    documents: int
+    lines: int
+    skipped: dict[str, int]
+    text_bytes: int  # decompressed input bytes consumed (0: a checkpoint older than the field)
+    seconds: float  # tokenizing, summed over attempts
+    error: str | None = None
+
+    @property
+    def bytes_per_token(self) -> float | None:
+        return self.text_bytes / self.tokens if self.tokens and self.text_bytes else None
+
+
+@dataclass
+class Shards:
+    count: int
+    listed: list[ShardRow]  # every shard, or (count > SHARDS_LISTED) the outliers, failed and partial ones
+    all_listed: bool
+    median_bytes_per_token: float | None
+    outliers: list[str]  # relpaths whose bytes per token is off the median by more than OUTLIER_FACTOR
+    skipped: dict[str, int]  # lines skipped by reason, all shards
+    rows: list[ShardRow] = field(
+        default_factory=list, repr=False
+    )  # every shard, in manifest order: for the charts only
+
+
+@dataclass(frozen=True)
+class Health:
+    split: str
+    scanned: int
+    whole: bool
+    max_id: int
+    vocab_size: int
+    dtype: str
+    dtype_limit: int  # the largest id the dtype holds, + 1
+    zero_share: float
+    boundary: str  # EOS, or BOS for a run without EOS
+    boundary_id: int
+    boundary_share: float
+    expected_boundary_share: float
+    flags: list[dict]  # {name, ok, detail}: inspect's red flags
+    common: list[dict]  # {id, text, share}: the most frequent ids, decoded with the run's tokenizer
+    decoded: str | None  # why the ids are not decoded, when they are not
+
+
+@dataclass(frozen=True)
+class ProgressStats:
+    state: str  # finished | running | stopped (status's words)
+    counts: dict[str, int]  # shards per state, all splits
+    by_split: dict[str, dict[str, int]]
+    bytes_total: int
+    bytes_read: int
+    rate_mb_s: float | None  # input MB/s: the live run's, else the last attempt's average
+    eta_s: float | None  # the live run's ETA, else what is left at that rate
+    projected_finish: float | None  # Unix time, for a running run
+    next: str  # the command to run next (status's)
+    holder: str | None
+
+
+@dataclass
+class Report:
+    out: str
+    generated_at: float
+    finished: bool
+    summary: dict  # what a trainer needs: meta's (run.json's while unfinished) keys, exactly
+    splits: list[SplitStats]
+    groups: list[GroupStats]  # --group-by: each split's groups, in order of their values
+    lengths: list[Lengths]
+    shards: Shards
+    health: list[Health]
+    series: list[dict]  # OUT/logs/series.jsonl, whole lines only
+    progress: ProgressStats
+    notes: list[str]
+
+    def as_json(self) -> dict:
+        """The page's data block: everything but the per-shard arrays only the charts use."""
+        rows, self.shards.rows = self.shards.rows, []
+        try:
+            data = asdict(self)
+        finally:
+            self.shards.rows = rows
+        data["shards"].pop("rows")
+        return data
+
+
+SUMMARY_KEYS = (
+    "dtype", "vocab_size", "eos_token", "eos_token_id", "bos_token", "bos_token_id", "delimiters", "val_fraction",
+    "tokenizer", "tokenizer_sha256", "tokenizer_path", "text_field", "group_by", "excluded",
+)  # fmt: skip
+
+
+def _summary(meta: dict | None, run: dict) -> dict:
+    source = meta if meta is not None else {**run, "tokenizer_path": run.get("tokenizer_path"), "excluded": {}}
+    summary = {k: source.get(k) for k in SUMMARY_KEYS}
+    summary["delimiters"] = summary["delimiters"] or {"bos": False, "eos": True}
+    summary["val_fraction"] = summary["val_fraction"] or 0.0
+    if meta is None and summary["bos_token"] is None and summary["bos_token_id"] is not None:
+        summary.pop("bos_token")  # run.json records BOS by id only
+    return summary
+
+
+def _split_stats(out: Path, meta: dict | None, manifest, val_fraction: float) -> list[SplitStats]:
+    if meta is not None:
+        keys = ("tokens", "documents", "lines", "skipped", "repaired", "held_out", "held_in", "shards")
+        return [
+            SplitStats(name, s.get("file", f"{split_file_stem(name)}/"), *(s[k] for k in keys))
+            for name, s in meta["splits"].items()
+        ]
+    stats = []
+    for name in output_splits(manifest, val_fraction):
+        stem = split_file_stem(name)
+        n = Counter()
+        skipped, repaired = Counter(), Counter()
+        for shard, held in sources(manifest, stem, val_fraction):
+            ckpt = Checkpoint.of(out, shard) or Checkpoint()
+            if held:
+                n.update(tokens=ckpt.val_tokens, documents=ckpt.val_documents, held_in=ckpt.val_documents)
+            else:
+                n.update(
+                    tokens=ckpt.tokens,
+                    documents=ckpt.documents,
+                    lines=ckpt.lines,
+                    held_out=ckpt.val_documents,
+                    shards=1,
+                )
+                skipped.update(ckpt.skipped)
+                repaired.update(ckpt.repaired)
+        stats.append(
+            SplitStats(
+                name,
+                split_bin_name(stem),
+                n["tokens"],
+                n["documents"],
+                n["lines"],
+                dict(sorted(skipped.items())),
+                dict(sorted(repaired.items())),
+                n["held_out"],
+                n["held_in"],
+                n["shards"],
+            )
+        )
+    return stats
+
+
+def _lengths(out: Path, split: str) -> Lengths | None:
+    source = open_source(out, split)
+    total = sum(len(s.ends) for s in source.files)
+    if total == 0:
+        return None
+    if total <= LENGTH_SAMPLE:
+        pieces = [np.diff(np.asarray(s.ends), prepend=0) for s in source.files if len(s.ends)]
+    else:  # evenly spread blocks of consecutive documents, across segments
+        block, pieces = LENGTH_SAMPLE // LENGTH_BLOCKS, []
+        starts = np.cumsum([0] + [len(s.ends) for s in source.files])
+        for pos in np.linspace(0, total - block, LENGTH_BLOCKS).astype(np.int64):
+            i = int(np.searchsorted(starts, pos, side="right")) - 1
+            seg, first = source.files[i], int(pos - starts[i])
+            ends = np.asarray(seg.ends[max(first - 1, 0) : first + block])
+            pieces.append(np.diff(ends, prepend=0) if first == 0 else np.diff(ends))
+    lengths = np.concatenate(pieces)
+    top = int(lengths.max())
+    edges = np.unique(np.geomspace(1, max(top, 2) + 1, LENGTH_BINS + 1).round().astype(np.int64))
+    counts, _ = np.histogram(lengths, bins=edges)
+    return Lengths(
+        source.split, total, len(lengths), float(np.median(lengths)), float(np.percentile(lengths, 99)), top,
+        float(lengths.mean()), edges.tolist(), counts.tolist(),
+    )  # fmt: skip
+
+
+def _shards(out: Path, st: RunStatus, meta: dict | None, manifest) -> Shards:
+    parts = {}
+    if meta is not None:  # a finished split's accounting is its .parts lines
+        for s in meta["splits"].values():
+            for r in read_parts(out / s["parts"]):
+                mine = parts.setdefault(r["shard"], {"tokens": 0, "documents": 0, "lines": 0, "skipped": {}})
+                mine["tokens"] += r["tokens"]
+                mine["documents"] += r["documents"]
+                if "lines" in r:  # a shard's own part (with --group-by, its accounting line)
+                    mine.update(lines=r["lines"], skipped=r.get("skipped", {}))
+    rows = []
+    for shard, s in zip(manifest.shards(), st.shards):
+        ckpt = Checkpoint.of(out, shard) or Checkpoint()
+        p = parts.get(shard.relpath)
+        if p is None:  # an unfinished run, or a shard excluded from a finished one
+            p = {"tokens": s.tokens, "documents": s.documents, "lines": ckpt.lines, "skipped": ckpt.skipped}
+        rows.append(
+            ShardRow(
+                shard.split,
+                shard.relpath,
+                s.state,
+                shard.size,
+                p["tokens"],
+                p["documents"],
+                p["lines"],
+                dict(p["skipped"]),
+                ckpt.text_bytes,
+                round(ckpt.seconds, 3),
+                s.error,
+            )
+        )
+    bpt = np.array([r.bytes_per_token for r in rows if r.bytes_per_token is not None])
+    median = float(np.median(bpt)) if len(bpt) else None
+    outliers = [
+        r.relpath
+        for r in rows
+        if median and r.bytes_per_token and not median / OUTLIER_FACTOR <= r.bytes_per_token <= median * OUTLIER_FACTOR
+    ]
+    skipped = Counter()
+    for r in rows:
+        skipped.update(r.skipped)
+    all_listed = len(rows) <= SHARDS_LISTED
+    if all_listed:
+        listed = rows
+    else:
+        notable = set(outliers[: SHARDS_LISTED // 2]) | {r.relpath for r in rows if r.state in ("failed", "partial")}
+        listed = [r for r in rows if r.relpath in notable][:SHARDS_LISTED]
+    return Shards(len(rows), listed, all_listed, median, outliers, dict(sorted(skipped.items())), rows)
+
+
+def _health(out: Path, split: str, tokenizer: str | None) -> Health | None:
+    source = open_source(out, split)
+    if not source.tokens:
+        return None
+    scan = scan_ids(source)
+    n = max(scan.scanned, 1)
+    why, decode = None, None
+    try:
+        decode, _ = load_decoder(source, tokenizer)
+    except (UserError, OSError, ValueError) as e:
+        why = str(e)
+    common = [
+        {"id": i, "text": decode(np.array([i])) if decode and i < source.vocab_size else None, "share": c / n}
+        for i, c in scan.common
+    ]
+    name, boundary_id = source.boundary
+    return Health(
+        source.split, scan.scanned, scan.whole, scan.max_id, source.vocab_size, source.dtype.name,
+        int(np.iinfo(source.dtype).max) + 1, scan.zeros / n, name, boundary_id, scan.boundaries / n,
+        source.documents / source.tokens, [asdict(c) for c in red_flags(source, scan)], common, why,
+    )  # fmt: skip
+
+
+def _progress(st: RunStatus, series: list[dict]) -> ProgressStats:
+    counts = {s: st.count(s) for s in STATES}
+    by_split = {split: {s: st.count(s, split) for s in STATES} for split in dict.fromkeys(x.split for x in st.shards)}
+    total, read = sum(s.size for s in st.shards), sum(s.read for s in st.shards)
+    rate = eta = finish = None
+    points = [r for r in series if "b" in r]
+    last = [r for r in points if r["a"] == points[-1]["a"]] if points else []
+    if len(last) >= 2 and last[-1]["t"] > last[0]["t"]:  # the last attempt's average input rate
+        rate = (last[-1]["b"] - last[0]["b"]) / (last[-1]["t"] - last[0]["t"]) / 1e6
+    if st.progress and st.progress.get("eta_s") is not None:  # a live run: its own ETA
+        eta = st.progress["eta_s"]
+        finish = st.progress["updated_at"] + eta
+    elif st.state != "finished" and rate:  # stopped: what is left, at the last attempt's rate
+        eta = (total - read) / (rate * 1e6)
+    return ProgressStats(st.state, counts, by_split, total, read, rate, eta, finish, st.next, st.holder)
+
+
+def build(out: str | os.PathLike, tokenizer: str | None = None) -> Report:
+    """Everything the page shows. UserError when OUT holds no tokpipe run."""
+    out = out_folder(out)
+    st = status(out)  # UserError for a folder without a run
+    meta = Out(out).load_meta_json() if st.state == "finished" else None
+    try:
+        run = json.loads(Out(out).run_json.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{out} has a manifest but no run.json: tokpipe run has not started there yet") from None
+    manifest = load_manifest(Out(out).manifest)
+    summary = _summary(meta, run)
+    splits = _split_stats(out, meta, manifest, summary["val_fraction"])
+    notes = []
+    lengths, health = [], []
+    for s in splits:
+        if (found := _lengths(out, s.name)) is not None:
+            lengths.append(found)
+            if found.sampled < found.documents:
+                notes.append(
+                    f"{s.name}: document lengths from {found.sampled:,} of {found.documents:,} documents"
+                    f" ({LENGTH_BLOCKS} evenly spread blocks)"
+                )
+        if (h := _health(out, s.name, tokenizer)) is not None:
+            health.append(h)
+    shards = _shards(out, st, meta, manifest)
+    if not shards.all_listed:
+        notes.append(
+            f"{shards.count:,} shards: the page's data lists {len(shards.listed):,} of them"
+            " (outliers, failed and partial); the charts draw all"
+        )
+    series = read_series(out)
+    return Report(
+        str(out),
+        time.time(),
+        meta is not None,
+        summary,
+        splits,
+        _group_stats(out, meta, manifest),
+        lengths,
+        shards,
+        health,
+        series,
+        _progress(st, series),
+        notes,
+    )

@@ -1,0 +1,161 @@
+"""`tokpipe verify --sample K`: K random documents of OUT re-tokenized from the source with `tokenizers` (the
+reference: docs/design.md) and compared with their span in the split files: an independent check of the encoder that
+wrote them and of the offsets where they went. `tokpipe verify`'s other checks are tokpipe/verify.py's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+
+from tokpipe.inputs.manifest import load_manifest
+from tokpipe.inputs.source import read_batches
+from tokpipe.inputs.tokenizer import PIECE_CHARS, HFEncoder, tokenizer_json_path
+from tokpipe.out.files import Out, load_meta_pkl, split_file_stem
+from tokpipe.out.records import Checkpoint
+from tokpipe.out.run import delimiters, sources
+from tokpipe.out.tokens import held_out
+from tokpipe.read.output import open_output
+from tokpipe.read.verify import Check
+
+
+def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str | None = None) -> list[Check]:
+    """Re-tokenize k random documents from the source with `tokenizers` (the reference: docs/design.md) and
+    compare them with their span in the bins: an independent check of the backend and of the offsets.
+    A document over PIECE_CHARS is re-encoded a piece at a time, exactly as whole (tokenizer.Encoder),
+    so the check's memory is a piece's, not the document's: `tokenizers` needs 150-350 bytes a character."""
+    out = Path(out)
+    meta = load_meta_pkl(Out(out).meta_pkl)
+    json_path = tokenizer_json_path(tokenizer or meta["tokenizer_path"])
+    if hashlib.sha256(json_path.read_bytes()).hexdigest() != meta["tokenizer_sha256"]:
+        return [
+            Check(
+                "sample: tokenizer is the run's",
+                False,
+                f"{json_path} is not the tokenizer this run used (sha256 differs); pass --tokenizer",
+            )
+        ]
+    reference = HFEncoder(str(json_path))
+    manifest = load_manifest(Out(out).manifest)
+    written = delimiters(meta)
+    before = [meta["bos_token_id"]] if written["bos"] else []
+    after = [meta["eos_token_id"]] if written["eos"] else []
+    val_fraction = meta.get("val_fraction", 0.0)
+    group_by = meta.get("group_by")
+    population = _population(out, meta, manifest)
+    picks = _picks(population, k, seed)
+
+    data = open_output(out)
+    results: dict[str, list[int]] = {}
+    mismatches: dict[str, list[str]] = {}
+    in_pieces: dict[str, int] = {}  # split -> sampled documents re-encoded a piece at a time
+    passed_over: dict[str, int] = {}  # split -> sampled documents too long to re-encode whole, not checked
+    for i, docs in picks.items():
+        split, shard, held, group, _, _ = population[i]
+        tokens, ends = data.splits[split].tokens, data.splits[split].ends
+        needed = dict(docs)
+        last = max(needed)
+        seen = 0  # documents of this part read so far
+        for batch in read_batches(shard.path, meta["text_field"], group_by=group_by):
+            texts = batch.texts
+            if group_by is not None:  # the part's documents only: of its group
+                keep = [g == group for g in batch.groups]
+                texts = [t for t, k in zip(texts, keep) if k]
+            if val_fraction and shard.split == "train":  # the part's documents only: held out, or kept
+                texts = [t for t, h in zip(texts, held_out(texts, val_fraction)) if h == held]
+            picked = [(number, text) for number, text in enumerate(texts, start=seen) if number in needed]
+            seen += len(texts)
+            if reference.piece_tokens is None:  # a tokenizer tokpipe cannot cut: a long document is passed over
+                passed_over[split] = passed_over.get(split, 0) + sum(len(text) > PIECE_CHARS for _, text in picked)
+                picked = [(number, text) for number, text in picked if len(text) <= PIECE_CHARS]
+            # A batch's picks in one call: tokenizers encodes them on all cores.
+            flat, lengths = reference.encode([text for _, text in picked])
+            for (number, text), length, end in zip(picked, lengths, np.cumsum(lengths)):
+                d = needed[number]
+                start = int(ends[d - 1]) if d else 0
+                got = tokens[start : int(ends[d])]
+                results.setdefault(split, []).append(d)
+                in_pieces[split] = in_pieces.get(split, 0) + (
+                    len(text) > PIECE_CHARS and reference.piece_tokens is not None
+                )
+                if not _matches(got, before, flat[end - length : end], after):
+                    mismatches.setdefault(split, []).append(
+                        f"document {d} ({shard.relpath}{', held out' if held else ''}, its document {number})"
+                    )
+            if seen > last:
+                break
+    return _checks(results, mismatches, in_pieces, passed_over)
+
+
+def _population(out: Path, meta: dict, manifest) -> list[tuple]:
+    """Every document of the output as (split, shard, held-out part or not, group, number within split), a part
+    at a time. With --group-by a split is its groups one after the other, in meta's order."""
+    excluded = meta.get("excluded", {})
+    val_fraction = meta.get("val_fraction", 0.0)
+    group_by = meta.get("group_by")
+    population = []
+    for split, entry in meta["splits"].items():
+        groups = entry.get("groups", {None: entry})
+        base = dict(zip(groups, np.cumsum([0] + [g["documents"] for g in groups.values()]).tolist()))
+        for shard, held in sources(manifest, split_file_stem(split), val_fraction):
+            if shard.relpath in excluded:
+                continue
+            ckpt = Checkpoint.of(out, shard)
+            for group, (_, documents) in ckpt.parts(held, group_by is not None).items():
+                population.append((split, shard, held, group, base[group], documents))
+                base[group] += documents
+    return population
+
+
+def _picks(population: list[tuple], k: int, seed: int) -> dict[int, list[tuple[int, int]]]:
+    """k documents drawn at random: population index -> [(doc in part, doc in split)]."""
+    total = sum(p[5] for p in population)
+    wanted = sorted(random.Random(seed).sample(range(total), min(k, total)))
+    starts = np.cumsum([0] + [p[5] for p in population])  # first document of each part, over all splits
+    picks: dict[int, list[tuple[int, int]]] = {}
+    for doc in wanted:
+        i = int(np.searchsorted(starts, doc, side="right")) - 1
+        picks.setdefault(i, []).append((doc - int(starts[i]), population[i][4] + doc - int(starts[i])))
+    return picks
+
+
+def _matches(got: np.ndarray, before: list[int], encoded: np.ndarray, after: list[int]) -> bool:
+    """A document's span in the split file is the reference's tokens between the delimiters written."""
+    return (
+        len(got) == len(before) + len(encoded) + len(after)
+        and list(got[: len(before)]) == before
+        and list(got[len(got) - len(after) :]) == after
+        and np.array_equal(got[len(before) : len(got) - len(after)], encoded)
+    )
+
+
+def _checks(
+    results: dict[str, list[int]],
+    mismatches: dict[str, list[str]],
+    in_pieces: dict[str, int],
+    passed_over: dict[str, int],
+) -> list[Check]:
+    """One check per split sampled."""
+    checks = []
+    for split in {**results, **passed_over}:
+        notes = mismatches.get(split, [])[:5]
+        if in_pieces.get(split) and not notes:
+            notes.append(f"{in_pieces[split]} of them over {PIECE_CHARS:,} characters, re-encoded in pieces")
+        if passed_over.get(split):
+            notes.append(
+                f"{passed_over[split]} more passed over, not checked: over {PIECE_CHARS:,} characters, and this"
+                " tokenizer's pre-tokenizer is not one tokpipe can cut exactly (tokpipe/pieces.py)"
+            )
+        docs = len(results.get(split, []))
+        checks.append(
+            Check(
+                f"{split}: {docs} sampled documents re-tokenized by tokenizers match",
+                not mismatches.get(split),
+                "; ".join(notes),
+            )
+        )
+    return checks

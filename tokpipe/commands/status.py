@@ -1,0 +1,235 @@
+"""`tokpipe status OUT`: where a run stands and what to run next, from OUT's files alone (no Ray).
+
+Works the same on a running, a killed, a failed and a finished run, because every source is a file
+`tokpipe run` keeps current: OUT/manifest.json (the shards), each shard's checkpoint (what is
+committed), OUT/.lock (flock-ed by a live run; the kernel drops it when the run dies, however it
+dies), OUT/logs/progress.json (rate and ETA, rewritten every 2 s while shards run),
+OUT/logs/failed.json (the last run's failures), OUT/logs/refused.json (a run refused before OUT
+held a token: the command that works is then the corrected one), OUT/run.json (the tokenizer and
+options to resume with) and OUT/meta.json (written last: the run finished).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import time
+from dataclasses import asdict, dataclass, field
+
+from tokpipe.errors import UserError
+from tokpipe.fmt import disk_line, duration, free_bytes
+from tokpipe.inputs.manifest import load_manifest
+from tokpipe.out.files import FAILED, PROGRESS, REFUSED, RUN_LOG, Out, load_json, lock_holder, out_folder
+from tokpipe.out.records import Checkpoint
+from tokpipe.out.run import load_run
+
+# progress.json is rewritten every 2 s while shards run; older than this, the live run is doing
+# something else (starting Ray, finalizing) or is stuck.
+PROGRESS_FRESH_S = 10.0
+LIST_AT_MOST = 10  # partial and failed shards listed by name; the rest are counted
+
+
+@dataclass(frozen=True)
+class ShardStatus:
+    split: str
+    relpath: str
+    state: str  # done | partial | pending | failed
+    size: int  # bytes of the shard file
+    read: int  # of those, covered by the checkpoint
+    tokens: int  # committed
+    documents: int
+    error: str | None = None  # the last run's error, for a failed shard
+    writing: bool = False  # a worker holds the shard's lock: live, or left over from a killed run
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    out: str
+    state: str  # finished | running | stopped
+    shards: list[ShardStatus]
+    holder: str | None  # "pid N on HOST" of the run holding OUT, if one does
+    progress: dict | None  # the live run's progress.json, while fresh
+    last_report_age: float | None  # seconds since progress.json was last written, by any run
+    next: str  # what to run next
+    disk: dict | None = None  # the last run's projection of the output's size (progress.json), free space now
+    # --group-by: split -> group -> [tokens, documents] committed (held-out documents under validation)
+    groups: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    refused: str | None = None  # why the last run stopped before OUT held a token
+
+    def count(self, state: str, split: str | None = None) -> int:
+        return sum(1 for s in self.shards if s.state == state and split in (None, s.split))
+
+
+def resume_command(out: str, run: dict, fix: dict | None = None) -> str:
+    """The `tokpipe run` that continues OUT: its manifest copy, the recorded tokenizer and options, with
+    `fix` (option -> value, None: without it) over them."""
+    args = [
+        "tokpipe",
+        "run",
+        "--manifest",
+        os.path.join(out, Out(out).manifest.name),  # as OUT was named, not normalized
+        "--tokenizer",
+        run.get("tokenizer_path") or "TOKENIZER",
+        "--out",
+        out,
+    ]
+    # run.json keeps the options given other than their defaults, by RunOptions field name; the CLI
+    # flags are those names with dashes.
+    for name, value in {**run.get("options", {}), **(fix or {})}.items():
+        if value is None:
+            continue
+        flag = f"--{name.replace('_', '-')}"
+        args += [flag] if value is True else [flag, str(value)]  # a switch (--bos, --skip-failed) takes no value
+    return shlex.join(args)
+
+
+def status(out: str | os.PathLike) -> RunStatus:
+    out = os.fspath(out)
+    folder = Out(out_folder(out))
+    if not folder.manifest.is_file():
+        raise UserError(
+            f"{out} holds no tokpipe run (no manifest.json): start one with tokpipe run --manifest M "
+            f"--tokenizer T --out {out}"
+        )
+    manifest = load_manifest(folder.manifest)
+    run = load_run(folder)
+    meta = folder.load_meta_json()
+    holder = lock_holder(folder.lock_file)
+    # failed.json is the last finished attempt's verdict; a live run is retrying those shards.
+    failures = {} if holder else load_json(folder.log(FAILED)) or {}
+    refused = None if holder else load_json(folder.log(REFUSED))
+
+    shards, groups = [], {}
+    for shard in manifest.shards():
+        files = folder.shard(shard)
+        found = Checkpoint.load(files.checkpoint)
+        ckpt = found or Checkpoint()
+        if ckpt.done:
+            state = "done"
+        elif shard.relpath in failures:
+            state = "failed"
+        else:
+            state = "partial" if found else "pending"
+        read = shard.size if ckpt.done else ckpt.source_pos
+        # Ray workers can outlive a killed driver for a while; their shard locks say which are still written.
+        writing = not ckpt.done and lock_holder(files.lock) is not None
+        error = failures.get(shard.relpath) if state == "failed" else None
+        # A shard's committed work includes the documents it holds out for val.bin (--val-fraction).
+        tokens, documents = ckpt.tokens + ckpt.val_tokens, ckpt.documents + ckpt.val_documents
+        shards.append(
+            ShardStatus(shard.split, shard.relpath, state, shard.size, read, tokens, documents, error, writing)
+        )
+        for split, counts in ckpt.groups_by_split(shard.split):
+            for group, c in counts.items():
+                committed = groups.setdefault(split, {}).setdefault(group, [0, 0])
+                committed[0] += c["tokens"]
+                committed[1] += c["documents"]
+
+    progress = load_json(folder.log(PROGRESS))
+    age = time.time() - progress["updated_at"] if progress else None
+    live = (
+        holder is not None
+        and progress is not None
+        and age < PROGRESS_FRESH_S
+        and holder.startswith(f"pid {progress['pid']} ")
+    )
+    if meta is not None and meta.get("manifest_sha256") == manifest.fingerprint:
+        state, next_step = "finished", f"tokpipe verify {shlex.quote(out)}"
+    elif holder is not None:
+        state, next_step = "running", f"nothing yet; check again with: tokpipe status {shlex.quote(out)}"
+    else:
+        state = "stopped"
+        next_step = resume_command(out, run, refused and refused["fix"])
+        if refused and not refused["fix"]:
+            next_step = f"what the refusal above says, then: {next_step} (with other inputs: OUT holds no token yet)"
+        if failures:
+            next_step = f"fix the cause of the failures above (details in {Out(out).log(RUN_LOG)}), then: {next_step}"
+        if not run.get("tokenizer_path"):
+            sha = run.get("tokenizer_sha256", "?")[:16]
+            next_step += f"   (TOKENIZER: the one with sha256 {sha}…; this run.json does not record its path)"
+    disk = progress.get("disk") if progress and state != "finished" else None
+    if disk:
+        disk = {**disk, "free_bytes": free_bytes(out)}
+    groups = {split: dict(sorted(g.items())) for split, g in groups.items()}
+    why = refused and refused["error"]
+    return RunStatus(out, state, shards, holder, progress if live else None, age, next_step, disk, groups, why)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def report(st: RunStatus) -> str:
+    size = sum(s.size for s in st.shards)
+    read = sum(s.read for s in st.shards)
+    lines = []
+    if st.state == "finished":
+        lines.append(f"{st.out}: finished")
+    elif st.state == "running" and st.count("done") == len(st.shards):
+        lines.append(f"{st.out}: finalizing ({st.holder}): every shard is done, the split files are being written")
+    elif st.state == "running" and st.progress:
+        lines.append(
+            f"{st.out}: running ({st.holder}), started {duration(time.time() - st.progress['started_at'])} ago"
+        )
+    elif st.state == "running":
+        lines.append(
+            f"{st.out}: a run holds it ({st.holder}) but is not tokenizing now: starting up, or stuck (see its "
+            "logs/run.log)"
+        )
+    elif st.refused:
+        lines.append(f"{st.out}: holds no token yet; the last run was refused: {st.refused}")
+    else:
+        why = (
+            f"{st.count('failed')} shards failed in the last run"
+            if st.count("failed")
+            else "no run holds it (killed or crashed)"
+        )
+        since = f"; last progress report {duration(st.last_report_age)} ago" if st.last_report_age is not None else ""
+        lines.append(f"{st.out}: stopped before finishing: {why}{since}")
+    orphans = sum(s.writing for s in st.shards) if st.state == "stopped" else 0
+    if orphans:
+        lines.append(
+            f"  {orphans} shards are still being written by workers of the stopped run; a rerun waits for them"
+        )
+    states = ("done", "partial", "pending", "failed")
+    lines.append(f"shards: {', '.join(f'{st.count(s)} {s}' for s in states)} (of {len(st.shards)})")
+    for split in dict.fromkeys(s.split for s in st.shards):
+        mine = [s for s in st.shards if s.split == split]
+        lines.append(
+            f"  {split:<11} {st.count('done', split)}/{len(mine)} done  "
+            f"{sum(s.tokens for s in mine):>15,} tokens  {sum(s.documents for s in mine):>12,} documents"
+        )
+    for split, groups in st.groups.items():
+        largest = sorted(groups.items(), key=lambda g: -g[1][0])
+        shown = ", ".join(f"{value} {n:,}" for value, (n, _) in largest[:LIST_AT_MOST])
+        more = f", … and {len(largest) - LIST_AT_MOST} more" if len(largest) > LIST_AT_MOST else ""
+        lines.append(f"  {split:<11} {len(groups):,} groups, tokens: {shown}{more}")
+    tokens, documents = sum(s.tokens for s in st.shards), sum(s.documents for s in st.shards)
+    lines.append(
+        f"committed: {tokens:,} tokens, {documents:,} documents; {100 * read / size if size else 100:.1f}% of "
+        f"{_mib(size)} read"
+    )
+    if st.progress:
+        p = st.progress
+        eta = f"ETA {duration(p['eta_s'])}" if p.get("eta_s") is not None else "ETA unknown"
+        lines.append(f"rate: {p['tokens_per_s'] / 1e6:.2f}M tokens/s; {eta}; {p['shards']['running']} shards running")
+    for state, label in (("partial", "partial"), ("failed", "FAILED ")):
+        listed = [s for s in st.shards if s.state == state]
+        for s in listed[:LIST_AT_MOST]:
+            what = (
+                f"{s.error}"
+                if s.error
+                else f"{100 * s.read / s.size if s.size else 0:.0f}% read, {s.tokens:,} tokens committed"
+            )
+            lines.append(f"  {label} {s.relpath}: {what}")
+        if len(listed) > LIST_AT_MOST:
+            lines.append(f"  … and {len(listed) - LIST_AT_MOST} more {state}")
+    if st.disk:
+        lines.append(disk_line(st.disk))
+    lines.append(f"next: {st.next}")
+    return "\n".join(lines)
+
+
+def as_json(st: RunStatus) -> str:
+    return json.dumps(asdict(st), indent=1)

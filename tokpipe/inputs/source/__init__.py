@@ -1,0 +1,64 @@
+"""One shard -> batches of document texts, every line (or row) accounted for.
+
+The format is sniffed from the file's first bytes, never trusted from its name (a `.jsonl.zst` may
+be plain JSONL): zstd, gzip or plain JSONL (jsonl.py), or Parquet (parquet.py). Both report through
+batch.py, the one place where a line becomes a document, a counted skip or a counted repair.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+from tokpipe.inputs.source.batch import TextBatch
+from tokpipe.inputs.source.jsonl import GZIP_MAGIC, ZSTD_MAGIC, jsonl_fields, read_jsonl_batches
+
+PARQUET_MAGIC = b"PAR1"
+BATCH_BYTES = 1 << 20  # of input text per batch (per encode call of a shard): bounds memory, paces progress reports
+
+
+def format_of(path: str) -> str:
+    """zstd | gzip | parquet | none (plain JSONL), from the file's magic bytes."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head.startswith(ZSTD_MAGIC):
+        return "zstd"
+    if head.startswith(GZIP_MAGIC):
+        return "gzip"
+    if head.startswith(PARQUET_MAGIC):
+        return "parquet"
+    return "none"
+
+
+def fields_of(path: str) -> Counter:
+    """The fields documents of this shard have, each weighted by how much text it holds in the first
+    lines (JSONL), or the columns (Parquet, string columns weighing more): what --text-field can name."""
+    kind = format_of(path)
+    if kind == "parquet":
+        from tokpipe.inputs.source.parquet import parquet_fields
+
+        return parquet_fields(path)
+    return jsonl_fields(path, kind)
+
+
+def read_batches(
+    path: str,
+    text_field: str = "text",
+    start_line: int = 0,
+    start_offset: int = 0,
+    batch_bytes: int = BATCH_BYTES,
+    max_line_bytes: int = 64 << 20,  # a line costs its process ~8 bytes a byte (bytes, text, ids): under 0.5 GiB
+    group_by: str | None = None,
+) -> Iterator[TextBatch]:
+    """Batches of about `batch_bytes` of input, resuming after `start_line` lines / `start_offset` bytes
+    (for Parquet, a row is a line and the offset is in rows). With `group_by` (a dotted path into a JSON
+    line, or a Parquet column or a struct column's field by dot), each batch says each document's group."""
+    kind = format_of(path)
+    if kind == "parquet":
+        from tokpipe.inputs.source.parquet import read_parquet_batches  # pyarrow is imported only where Parquet is read
+
+        yield from read_parquet_batches(path, text_field, start_line, batch_bytes, max_line_bytes, group_by)
+    else:
+        yield from read_jsonl_batches(
+            path, kind, text_field, start_line, start_offset, batch_bytes, max_line_bytes, group_by
+        )

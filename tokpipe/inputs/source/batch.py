@@ -1,0 +1,67 @@
+"""What a source yields, and the one place where a line (or row) is counted: as a document, a skip, or a repair.
+
+Every format reports through `TextBatch`, so the accounting is the same whatever the shard's format:
+documents + skipped == lines read, every skip with exactly one reason, every repair counted.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import orjson
+
+SKIP_LOG_CAP = 100  # per batch; the shard keeps the first ones and counts all
+
+MISSING_GROUP = "__missing__"  # --group-by: the group of a document without the field (or with null there)
+
+# Why a line is not a document. Every skipped line carries exactly one of these.
+SKIP_REASONS = ("blank", "invalid_json", "not_object", "no_text", "text_not_string", "empty_text", "too_long")
+
+
+@dataclass
+class TextBatch:
+    texts: list[str]
+    lines: int  # input lines this batch consumed (documents + skipped)
+    end_offset: int  # decompressed byte offset just past this batch's last line (Parquet: rows)
+    source_pos: int  # bytes of the (compressed) file read so far, for progress
+    text_bytes: int  # decompressed input bytes consumed (the lines, newlines included)
+    skipped: Counter = field(default_factory=Counter)  # reason -> count
+    repaired: Counter = field(default_factory=Counter)  # invalid_utf8 | lone_surrogate | bom -> count
+    skip_log: list[tuple[int, str]] = field(default_factory=list)  # (1-based line number, reason)
+    groups: list[str] = field(default_factory=list)  # with --group-by: each text's group, in step with texts
+
+    def skip(self, line_no: int, reason: str) -> None:
+        """Count line `line_no` (1-based) as not a document, for `reason` (one of SKIP_REASONS)."""
+        self.skipped[reason] += 1
+        if len(self.skip_log) < SKIP_LOG_CAP:
+            self.skip_log.append((line_no, reason))
+
+
+def decode_utf8(raw: bytes, repaired: Counter) -> str:
+    """Text of bytes; invalid UTF-8 is replaced (U+FFFD) and counted, never dropped."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        repaired["invalid_utf8"] += 1
+        return raw.decode("utf-8", errors="replace")
+
+
+def group_value(value) -> str:
+    """A document's group, from its --group-by field's value: a string as it is, another value as its JSON
+    text (`5`, `true`, `["a"]`), an absent or null field MISSING_GROUP."""
+    if type(value) is str:
+        return value
+    return MISSING_GROUP if value is None else orjson.dumps(value, default=str).decode()
+
+
+def field_at(obj: dict, path: str):
+    """The value at a dotted path (`meta.redpajama_set_name`) of a JSON object; a key that holds the dots
+    itself is taken first. None where there is nothing."""
+    if path in obj:
+        return obj[path]
+    for key in path.split("."):
+        if not isinstance(obj, dict):
+            return None
+        obj = obj.get(key)
+    return obj

@@ -1,0 +1,229 @@
+"""A JSONL shard (plain, zstd or gzip) -> batches of document texts, every input line accounted for.
+
+Compression is sniffed from magic bytes, never trusted from the file name (a `.jsonl.zst` may be
+plain JSONL). The decompressed bytes are cut into lines a block at a time (one C `split` per
+block), and each line is parsed as bytes: orjson parses bytes directly, and we see the invalid
+UTF-8 that a text wrapper would replace silently, so each repair is counted. A line that orjson
+takes as a document costs one call; every other line goes through `_document`, which decides what
+it is.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import zlib
+from collections import Counter
+from collections.abc import Iterator
+
+import orjson
+import zstandard
+
+from tokpipe.errors import SourceError
+from tokpipe.inputs.source.batch import TextBatch, decode_utf8, field_at, group_value
+
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+GZIP_MAGIC = b"\x1f\x8b"
+BOM = b"\xef\xbb\xbf"
+COMPRESSED_CHUNK = 1 << 16  # fed to zstd at a time; its output, a few times larger, is one block
+BLOCK = 1 << 20  # most decompressed bytes split into lines at once
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _zstd_blocks(raw, path: str) -> Iterator[bytes]:
+    """Decompressed bytes of a zstd file, frame after frame, failing loudly where the stream breaks.
+
+    zstandard's stream_reader ends a truncated frame as if it were a clean end of file; an
+    incomplete download must never be tokenized as if it were whole, so we drive decompressobj
+    and check that the last frame was finished.
+    """
+    frame = None  # the decompressobj of the frame being read, None between frames
+    read = 0
+    while chunk := raw.read(COMPRESSED_CHUNK):
+        read += len(chunk)
+        while chunk:
+            if frame is None:
+                frame = zstandard.ZstdDecompressor().decompressobj()
+            try:
+                block = frame.decompress(chunk)
+            except zstandard.ZstdError as e:
+                raise SourceError(f"{path}: corrupt zstd data near compressed byte {read}: {e}") from None
+            if block:
+                yield block
+            chunk, frame = (frame.unused_data, None) if frame.eof else (b"", frame)
+    if frame is not None:
+        raise SourceError(f"{path}: zstd stream ends inside a frame at compressed byte {read} (truncated download?)")
+
+
+def _gzip_blocks(raw, path: str) -> Iterator[bytes]:
+    """Decompressed bytes of a gzip file, with its truncation/CRC errors naming the file."""
+    with gzip.GzipFile(fileobj=raw, mode="rb") as gz:
+        while True:
+            try:
+                block = gz.read(BLOCK)
+            except (EOFError, OSError, zlib.error) as e:
+                raise SourceError(f"{path}: gzip stream broken after {gz.tell()} decompressed bytes: {e}") from None
+            if not block:
+                return
+            yield block
+
+
+def decompressed_blocks(path: str, kind: str, block_bytes: int = BLOCK) -> Iterator[tuple[bytes, int]]:
+    """The shard's decompressed bytes in pieces of at most block_bytes, each with the bytes of the file read so far.
+    `kind`: its compression, as tokpipe.inputs.source.format_of sniffed it (zstd, gzip or none)."""
+    with open(path, "rb", buffering=0) as raw:
+        if kind == "zstd":
+            blocks = _zstd_blocks(raw, path)
+        elif kind == "gzip":
+            blocks = _gzip_blocks(raw, path)
+        else:
+            blocks = iter(lambda: raw.read(block_bytes), b"")
+        for block in blocks:
+            for start in range(0, len(block), block_bytes):  # only a very compressible zstd block is cut
+                yield block[start : start + block_bytes] if len(block) > block_bytes else block, raw.tell()
+
+
+def _from_offset(blocks: Iterator[tuple[bytes, int]], offset: int, path: str) -> Iterator[tuple[bytes, int]]:
+    """The blocks after the first `offset` decompressed bytes (where a checkpoint left off)."""
+    for block, source_pos in blocks:
+        if offset >= len(block):
+            offset -= len(block)
+            continue
+        yield (block[offset:] if offset else block), source_pos
+        offset = 0
+    if offset:
+        raise SourceError(f"{path} is shorter than its checkpoint says: the file changed since the run began")
+
+
+def _lines(blocks: Iterator[tuple[bytes, int]], max_line_bytes: int) -> Iterator[tuple[list, int, int]]:
+    """The complete lines of each block: (lines without their newline, the bytes they took, file bytes read).
+
+    A line over max_line_bytes is given as its length (an int) instead of its bytes, which were
+    dropped as they arrived: it is never held in memory. A line that spans blocks is joined once.
+    """
+    carry: list[bytes] = []  # the start of a line that goes on in the next block
+    carried = 0  # its length, counted on even when its bytes are dropped
+    source_pos = 0
+    for block, source_pos in blocks:
+        lines = block.split(b"\n")
+        tail = lines.pop()  # after the last newline: the start of the next line
+        if lines:
+            first = carried + len(lines[0])
+            if first > max_line_bytes:
+                lines[0] = first
+            elif carry:
+                lines[0] = b"".join([*carry, lines[0]])
+            if max_line_bytes < len(block):
+                lines[1:] = [line if len(line) <= max_line_bytes else len(line) for line in lines[1:]]
+            consumed = carried + len(block) - len(tail)
+            carry, carried = [], 0  # before the yield: a long line's pieces must not outlive its join
+            yield lines, consumed, source_pos
+        carried += len(tail)
+        if tail and carried <= max_line_bytes:
+            carry.append(tail)
+        elif carry and carried > max_line_bytes:
+            carry = []
+    if carried:  # a last line without a newline
+        yield [carried if carried > max_line_bytes else b"".join(carry)], carried, source_pos
+
+
+def _document(line: bytes, text_field: str, repaired: Counter) -> tuple[str, dict] | tuple[None, str]:
+    """The line's (text, object), or (None, reason)."""
+    if not line.strip():
+        return None, "blank"
+    fallback = False
+    try:
+        obj = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        fallback = True
+        # orjson is strict about UTF-8 and lone surrogate escapes; those lines are still documents.
+        decoded = decode_utf8(line, repaired)
+        try:
+            obj = json.loads(decoded)
+        except ValueError:
+            return None, "invalid_json"
+    if not isinstance(obj, dict):
+        return None, "not_object"
+    if text_field not in obj:
+        return None, "no_text"
+    text = obj[text_field]
+    if not isinstance(text, str):
+        return None, "text_not_string"
+    if not text:
+        return None, "empty_text"
+    if fallback and LONE_SURROGATE.search(text):  # orjson rejects lone surrogates: only json lets them through
+        text = LONE_SURROGATE.sub("\ufffd", text)
+        repaired["lone_surrogate"] += 1
+    return text, obj
+
+
+def _parse(lines: list, first_line_no: int, text_field: str, batch: TextBatch, group_by: str | None = None) -> None:
+    """Add each line's text (and with `group_by`, its group) to the batch, or count the line as skipped."""
+    append, loads, group = batch.texts.append, orjson.loads, batch.groups.append
+    for i, line in enumerate(lines):
+        try:  # the common case, one orjson call: a JSON object whose text is a non-empty string
+            obj = loads(line)
+            text = obj[text_field]
+            if type(text) is str and text:
+                if group_by is not None:
+                    group(group_value(field_at(obj, group_by)))
+                append(text)
+                continue
+        except Exception:  # anything else is sorted out below, exactly
+            pass
+        text, obj = (None, "too_long") if type(line) is int else _document(line, text_field, batch.repaired)
+        if text is None:
+            batch.skip(first_line_no + i + 1, obj)
+            continue
+        append(text)
+        if group_by is not None:
+            group(group_value(field_at(obj, group_by)))
+
+
+def jsonl_fields(path: str, kind: str, sample_bytes: int = 1 << 20) -> Counter:
+    """Keys of the JSON objects in the first `sample_bytes` of the shard, by the characters of text they hold."""
+    fields = Counter()
+    for lines, _, _ in _lines(decompressed_blocks(path, kind, sample_bytes), sample_bytes):
+        for line in lines[:-1] if len(lines) > 1 else lines:  # the last may be cut by the sample's end
+            try:
+                obj = orjson.loads(line)
+            except (orjson.JSONDecodeError, TypeError):
+                continue
+            if isinstance(obj, dict):
+                fields.update({key: 1 + (len(value) if isinstance(value, str) else 0) for key, value in obj.items()})
+        break
+    return fields
+
+
+def read_jsonl_batches(
+    path: str,
+    kind: str,
+    text_field: str,
+    start_line: int,
+    start_offset: int,
+    batch_bytes: int,
+    max_line_bytes: int,
+    group_by: str | None = None,
+) -> Iterator[TextBatch]:
+    """Batches of about `batch_bytes` of input, resuming after `start_line` lines / `start_offset` bytes."""
+    blocks = _from_offset(decompressed_blocks(path, kind, min(BLOCK, batch_bytes)), start_offset, path)
+    line_no, offset = start_line, start_offset
+    batch = TextBatch([], 0, offset, 0, 0)
+    for lines, consumed, source_pos in _lines(blocks, max_line_bytes):
+        if offset == 0 and type(lines[0]) is bytes and lines[0].startswith(BOM):
+            lines[0] = lines[0][len(BOM) :]
+            batch.repaired["bom"] += 1
+        _parse(lines, line_no, text_field, batch, group_by)
+        line_no += len(lines)
+        offset += consumed
+        batch.lines += len(lines)
+        lines.clear()  # the batch has the texts; a suspended _lines still holds this list
+        batch.text_bytes += consumed
+        if batch.text_bytes >= batch_bytes:
+            batch.end_offset, batch.source_pos = offset, source_pos
+            yield batch
+            batch = TextBatch([], 0, offset, 0, 0)
+    if batch.lines:
+        batch.end_offset, batch.source_pos = offset, source_pos
+        yield batch

@@ -1,0 +1,326 @@
+"""OUT as one type: every name of its files (package docstring: the tree) and every change of its state
+(the lock, the finished marker, the split files' .tmp names and parts lists, the shards' token files)."""
+
+from __future__ import annotations
+
+import fcntl
+import glob
+import hashlib
+import io
+import json
+import os
+import pickle
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokpipe.durability import fsync_dir, write_atomic, write_json_atomic
+from tokpipe.errors import UserError
+from tokpipe.inputs.manifest import Shard, shard_key
+
+# OUT/logs/ holds these, and a stack dump per stalled shard (stall_dump).
+RUN_LOG = "run.log"  # the effective configuration, shard failures, stalls, the outcome
+PROGRESS = "progress.json"  # rewritten every 2 s while shards run: rate, ETA, shard counts
+FAILED = "failed.json"  # the last run's failures, shard relpath -> error
+REFUSED = "refused.json"  # the refusal of a run that stopped before OUT held a token (runner/identity.py)
+SKIPPED = "skipped.json"  # per shard with skips or repairs: their counts and the first lines skipped
+SERIES = "series.jsonl"  # a compact time series of the run's progress, for `tokpipe report` (series.py)
+
+# What a run writes before its first token: what it is (run.json, its manifest's copy), its lock, its logs;
+# and `tokpipe report`'s page. Every other file is the work of a run (a checkpoint, tokens, a parts line)
+# once it is not empty, and any file under shards/ is (a worker that holds a shard's lock may commit there).
+RECORD = frozenset({"run.json", "manifest.json", ".lock", "logs", "report.html"})
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def group_stem(value: str) -> str:
+    """A group's file name: the value itself when it is a safe name, else with every other character `_` (64 kept,
+    no leading dot) and 8 hex digits of its sha256, so no two values share files; meta keeps the value."""
+    stem = _UNSAFE.sub("_", value)[:64].lstrip(".")
+    if stem == value and value:
+        return value
+    return f"{stem}-{hashlib.sha256(value.encode('utf-8', 'surrogatepass')).hexdigest()[:8]}"
+
+
+def split_file_stem(split: str) -> str:
+    return "val" if split == "validation" else split
+
+
+def split_bin_name(stem: str) -> str:
+    """A split file's name in OUT."""
+    return f"{stem}.bin"
+
+
+@dataclass(frozen=True)
+class ShardFiles:
+    bin: Path
+    idx: Path
+    checkpoint: Path
+    lock: Path
+    val_bin: Path  # its held-out documents: in a folder of their own, so no shard's key can collide
+    val_idx: Path
+
+    @classmethod
+    def of(cls, out: str | os.PathLike, shard: Shard) -> ShardFiles:
+        base = Path(out) / "shards" / shard.split / shard.key
+        held = base.parent / "held-out" / base.name
+        own = (base.with_name(base.name + ext) for ext in (".bin", ".idx", ".json", ".lock"))
+        return cls(*own, *(held.with_name(held.name + ext) for ext in (".bin", ".idx")))
+
+    def part(self, held: bool, group: str | None) -> tuple[Path, Path]:
+        """The .bin/.idx of a part: the shard's documents or those it held out; with --group-by a group's."""
+        if group is None:
+            return (self.val_bin, self.val_idx) if held else (self.bin, self.idx)
+        base = self._groups(held) / group_stem(group) / self.bin.name[:-4]
+        return base.with_name(base.name + ".bin"), base.with_name(base.name + ".idx")
+
+    def _groups(self, held: bool) -> Path:
+        return (self.val_bin if held else self.bin).parent / "groups"
+
+    def group_files(self, held: bool) -> list[Path]:
+        """The .bin/.idx files of the shard's group parts (held out or not) that exist; a file's folder is
+        named by its group's group_stem."""
+        folder, key = self._groups(held), self.bin.name[:-4]
+        found = folder.glob(f"*/{glob.escape(key)}.*") if folder.is_dir() else ()
+        return [path for path in found if path.name in (key + ".bin", key + ".idx")]
+
+    def token_files(self) -> list[Path]:
+        """Every token file of the shard that exists: its own, its held-out part's, its groups'."""
+        own = [path for path in (self.bin, self.idx, self.val_bin, self.val_idx) if path.exists()]
+        return own + self.group_files(False) + self.group_files(True)
+
+
+class Out:
+    """OUT: the folder of one run, its files by name, and the changes of its state."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+
+    def __fspath__(self) -> str:
+        return os.fspath(self.root)
+
+    # -- names ---------------------------------------------------------------------------------------
+
+    @property
+    def run_json(self) -> Path:
+        return self.root / "run.json"
+
+    @property
+    def manifest(self) -> Path:
+        """The manifest's copy that the run streams its shards from (and status, verify --sample read)."""
+        return self.root / "manifest.json"
+
+    @property
+    def lock_file(self) -> Path:
+        return self.root / ".lock"
+
+    @property
+    def meta_pkl(self) -> Path:
+        return self.root / "meta.pkl"
+
+    @property
+    def meta_json(self) -> Path:
+        return self.root / "meta.json"
+
+    @property
+    def report(self) -> Path:
+        return self.root / "report.html"
+
+    def log(self, name: str) -> Path:
+        return self.root / "logs" / name
+
+    def node_check(self, who: str | None = None) -> Path:
+        """The token a cluster run's driver writes for its nodes to read back (runner/nodes.py); with
+        `who` (a node, a worker), the file it writes, fsyncs and removes to prove it can write under OUT."""
+        return self.log("node-check.txt" if who is None else f"node-check-{who}.tmp")
+
+    def shard(self, shard: Shard) -> ShardFiles:
+        return ShardFiles.of(self.root, shard)
+
+    def split(self, stem: str, group: str | None = None) -> Path:
+        """A split's file, without its suffix: OUT/<stem>, or a group's OUT/<stem>/<group>."""
+        return self.root / stem if group is None else self.root / stem / group_stem(group)
+
+    def parts(self, stem: str) -> Path:
+        """A finished split's parts list."""
+        return self.root / f"{stem}.parts"
+
+    def assembly(self, stem: str, group: str | None = None) -> tuple[Path, Path, Path]:
+        """A split's .bin, .idx (or its group's) and .parts while it is assembled; renamed without .tmp when done."""
+        base = self.split(stem, group)
+        return (
+            base.with_name(base.name + ".bin.tmp"),
+            base.with_name(base.name + ".idx.tmp"),
+            self.root / f"{stem}.parts.tmp",
+        )
+
+    def group_assembly_files(self, stem: str) -> list[Path]:
+        """The .tmp files of a split's groups being assembled (--group-by)."""
+        return list((self.root / stem).glob("*.tmp"))
+
+    # -- changes of state ----------------------------------------------------------------------------
+
+    def lock(self):
+        """Hold OUT for this run. The kernel drops the lock when the process dies, so a killed run never blocks."""
+        f = open(self.lock_file, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            raise UserError(
+                f"{self.root} is in use by another tokpipe run ({holder}); wait for it to finish or stop it"
+            ) from None
+        f.truncate(0)
+        f.write(f"pid {os.getpid()} on {os.uname().nodename}")
+        f.flush()
+        return f
+
+    def unfinish(self) -> None:
+        """OUT is unfinished while its split files change (or until a new finalize): meta.json goes."""
+        self.meta_json.unlink(missing_ok=True)
+
+    def write_meta(self, meta: dict) -> None:
+        """meta.pkl, then meta.json: the last file a run writes, so its presence marks a finished run."""
+        write_atomic(self.meta_pkl, pickle.dumps(meta, protocol=4))
+        write_json_atomic(self.meta_json, meta)
+
+    def load_meta_json(self) -> dict | None:
+        return load_json(self.meta_json)
+
+    def write_log(self, name: str, data: dict) -> None:
+        self.log(name).parent.mkdir(exist_ok=True)
+        write_json_atomic(self.log(name), data)
+
+    def reopen(self, stem: str, concat: bool, grouped: bool) -> None:
+        """A split finished by an earlier finalize (fully, or killed between its renames), that this run
+        extends (an append, an excluded shard back): its files are renamed back to .tmp, and OUT is unfinished."""
+        finished = [self.parts(stem)]
+        if concat:
+            base = self.split(stem)
+            finished += (
+                [base.with_name(f"{stem}.{ext}") for ext in ("bin", "idx")]
+                if not grouped
+                else sorted(base.glob("*.bin")) + sorted(base.glob("*.idx"))
+            )
+        for done in finished:
+            tmp = done.with_name(done.name + ".tmp")
+            if not tmp.exists() and done.exists():
+                self.unfinish()
+                os.replace(done, tmp)
+
+    def new_assembly_files(self, stem: str, group: str | None = None) -> None:
+        """A split's (or its group's) files to assemble into, new and empty."""
+        for path in self.assembly(stem, group)[:2]:
+            path.parent.mkdir(exist_ok=True)
+            path.unlink(missing_ok=True)  # a new empty file, not a truncate: see own_inode
+            open(path, "xb").close()
+
+    def start_parts_list(self, stem: str, lines: bytes) -> None:
+        write_atomic(self.assembly(stem)[2], lines)
+
+    def list_parts(self, stem: str, lines: bytes) -> None:
+        """Append to a split's parts list, fsynced: only lines whose bytes are fsynced in place."""
+        with open(self.assembly(stem)[2], "ab") as f:
+            f.write(lines)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def finish_split(self, stem: str, assembled: list[Path], grouped: bool) -> None:
+        """A split's assembled files (the parts list first) renamed from their .tmp names."""
+        for path in [self.assembly(stem)[2], *assembled]:
+            os.replace(path, path.with_suffix(""))
+        if grouped and assembled:
+            fsync_dir(self.root / stem)
+
+    def remove_placed_leftovers(self, excluded: frozenset[str]) -> None:
+        """Remove the shard token files left after their parts were copied into place and listed (a crash
+        between the listing and the removal), keeping those of `excluded` shards, which a rerun resumes."""
+        keep = {shard_key(relpath) for relpath in excluded}
+        for folder in (self.root / "shards").glob("**/"):
+            for path in folder.iterdir():
+                if path.suffix in (".bin", ".idx") and path.stem not in keep:
+                    path.unlink()
+
+    def _made(self):
+        """The paths of OUT outside RECORD, deepest first (a folder after what it holds)."""
+        for top in sorted(set(os.listdir(self.root)) - RECORD):
+            if (self.root / top).is_dir():
+                for folder, subfolders, files in os.walk(self.root / top, topdown=False):
+                    yield from (Path(folder) / name for name in files + subfolders)
+            yield self.root / top
+
+    def holds_tokens(self) -> bool:
+        """Whether OUT holds anything made under its recorded identity: then a rerun with other inputs is
+        refused for good. Before that, the split files a run opened are empty and no shard has a file."""
+        for path in self._made():
+            if not path.is_dir() and ("shards" == path.relative_to(self.root).parts[0] or path.stat().st_size):
+                return True
+        return False
+
+    def start_over(self) -> None:
+        """Remove the empty files and folders a refused run opened (OUT holds no token)."""
+        for made in self._made():
+            if made.is_dir():
+                made.rmdir()
+            else:
+                made.unlink()
+
+
+def stall_dump(out: str | os.PathLike, shard: Shard) -> Path:
+    """Where a stalled shard's stack dump goes."""
+    return Out(out).log(f"stall-{shard.split}-{shard.key}.txt")
+
+
+def load_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+
+
+def lock_holder(lock: Path) -> str | None:
+    """What the process holding a flock wrote in the file ("pid N on HOST" for OUT/.lock), or None if none holds it.
+
+    Tested by taking the lock shared without waiting and dropping it at once: only a run or worker
+    starting in that same microsecond could find it taken (a run says so and can be rerun; a worker waits).
+    """
+    try:
+        f = open(lock, "rb")
+    except FileNotFoundError:
+        return None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f.read().decode("utf-8", "replace").strip() or "a process"
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return None
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"meta.pkl refers to {module}.{name}; a tokpipe meta holds only plain values")
+
+
+def load_meta_pkl(path: str | os.PathLike) -> dict:
+    """meta.pkl without executing anything it may contain: plain containers and scalars only."""
+    with open(path, "rb") as f:
+        meta = _PlainUnpickler(io.BytesIO(f.read())).load()
+    if not isinstance(meta, dict):
+        raise pickle.UnpicklingError(f"meta.pkl holds a {type(meta).__name__}, not a dict")
+    return meta
+
+
+def out_folder(out: str | os.PathLike, *, new_ok: bool = False) -> Path:
+    """OUT as a command names it: a folder (for `run`, `new_ok`, one it may create). A UserError (one line,
+    exit 2) when the path, or a folder above it, is a file, or when a reader's OUT does not exist."""
+    out = Path(out)
+    found = next(p for p in (out, *out.parents) if p.exists())  # "/" or "." at the last
+    if not found.is_dir():
+        above = "" if found == out else f" (on the way to {out})"
+        raise UserError(f"{found} is a file, not a folder{above}: OUT is a folder, a new one or a tokpipe run's")
+    if found != out and not new_ok:
+        raise UserError(f"{out} does not exist: give the --out folder of a tokpipe run")
+    return out

@@ -1,0 +1,240 @@
+"""What OUT's records hold: a shard's checkpoint and its parts, the lines of a parts list, meta's entry for a
+split and the files a finished split is read from."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+from tokpipe.inputs.manifest import Shard
+from tokpipe.out.files import Out, ShardFiles, split_bin_name
+
+IDX_DTYPE = np.dtype("<i8")  # document ends, cumulative token counts
+
+# --group-by: a split may have at most this many groups, since each has files of its own in every
+# shard and in the split (a field with one value per document, an id or a url, would make a file per document).
+MAX_GROUPS = 1000
+GROUP_COUNTS = ("tokens", "documents", "text_bytes")  # of a group, in meta: text_bytes are its texts' UTF-8
+
+
+@dataclass
+class Checkpoint:
+    """How far a shard got. Everything here is covered by fsynced .bin/.idx bytes."""
+
+    lines: int = 0  # input lines consumed = documents + sum(skipped)
+    offset: int = 0  # decompressed input bytes consumed
+    source_pos: int = 0  # bytes of the shard file read (compressed), for progress only
+    documents: int = 0
+    tokens: int = 0  # delimiters included
+    skipped: dict[str, int] = field(default_factory=dict)
+    repaired: dict[str, int] = field(default_factory=dict)
+    skip_log: list[list] = field(default_factory=list)  # first [line, reason] pairs, capped
+    done: bool = False
+    # Of the shard's .bin and .idx (ends counted from the shard's start), set when done: finalize
+    # records them per part and verify checks them, so no pass over the whole output is sequential.
+    sha256: str | None = None
+    idx_sha256: str | None = None
+    # The documents of a train shard held out for val.bin (--val-fraction), in files of their own.
+    val_documents: int = 0
+    val_tokens: int = 0
+    val_sha256: str | None = None
+    val_idx_sha256: str | None = None
+    # With --group-by: each group's part, value -> {tokens, documents, and when done sha256, idx_sha256},
+    # in value order; the counts above are then their sums (and sha256 None: there is no one file).
+    groups: dict[str, dict] = field(default_factory=dict)
+    val_groups: dict[str, dict] = field(default_factory=dict)  # its held-out documents' parts, the same way
+    # For `tokpipe report`: decompressed input bytes consumed (TextBatch.text_bytes summed), and seconds
+    # spent, summed over attempts (an interrupted attempt counts up to its last checkpoint).
+    text_bytes: int = 0
+    seconds: float = field(default=0.0, compare=False)  # not content: two runs of the same shard differ here
+
+    @classmethod
+    def load(cls, path: Path) -> Checkpoint | None:
+        try:
+            return cls(**json.loads(path.read_text()))
+        except FileNotFoundError:
+            return None
+
+    @classmethod
+    def of(cls, out: str | os.PathLike, shard: Shard) -> Checkpoint | None:
+        return cls.load(ShardFiles.of(out, shard).checkpoint)
+
+    def parts(self, held: bool, grouped: bool) -> dict[str | None, tuple[int, int]]:
+        """The shard's parts in a split file, in order, with their counts: group (None without --group-by) ->
+        (tokens, documents). `held`: the parts of the documents it held out for val.bin. The one place
+        that says which parts a shard has (a grouped shard's accounting line is a record, not a part)."""
+        if grouped:
+            return {g: (c["tokens"], c["documents"]) for g, c in (self.val_groups if held else self.groups).items()}
+        return {None: (self.val_tokens, self.val_documents) if held else (self.tokens, self.documents)}
+
+    def groups_by_split(self, split: str) -> tuple[tuple[str, dict[str, dict]], ...]:
+        """The counts of the shard's groups, by the split they go to: its own (`split`), then validation's."""
+        return (split, self.groups), ("validation", self.val_groups)
+
+
+# -- parts lists and split files ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Part:
+    """A shard's documents in a split file (or those a train shard held out for val.bin), at its offsets there.
+    `record` is its line in <stem>.parts; `bin`, `idx` the shard's own files, or `buffered` the memory it is in."""
+
+    stem: str
+    seq: int  # its place among the split's parts
+    token_offset: int
+    doc_offset: int
+    record: dict
+    bin: str = ""
+    idx: str = ""
+    # A buffered shard's parts (on Ray, the reference to them) with this part's key; its checkpoint (path,
+    # Checkpoint), written once placed: nothing on disk covered the shard before (shard.ShardResult.buffered).
+    buffered: tuple | None = None
+    checkpoint: tuple[str, Checkpoint] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.record["shard"]
+
+    @property
+    def group(self) -> str | None:
+        return self.record.get("group")
+
+    @property
+    def tokens(self) -> int:
+        return self.record["tokens"]
+
+    @property
+    def documents(self) -> int:
+        return self.record["documents"]
+
+    @property
+    def token_end(self) -> int:
+        return self.token_offset + self.tokens
+
+    @property
+    def doc_end(self) -> int:
+        return self.doc_offset + self.documents
+
+
+def part_record(shard: Shard, ckpt: Checkpoint, held: bool, group: str | None = None, grouped: bool = False) -> dict:
+    """A part's line in <stem>.parts: a shard's documents, or (held) those it held out for val.bin.
+
+    The accounting (lines, skips, repairs) goes with a shard's own part; `held_out` there counts the
+    documents it sent to val.bin instead, `held_in` on the held-out part the documents val.bin got.
+    With --group-by (`grouped`) a shard's documents are in one part per group, each line naming its
+    `group`; the accounting then has a line of its own before them, with no group and no tokens."""
+    if group is not None:
+        counts = (ckpt.val_groups if held else ckpt.groups)[group]
+        record = {"shard": shard.relpath, "group": group} | ({"part": "held-out"} if held else {})
+        record |= {k: counts[k] for k in GROUP_COUNTS} | ({"held_in": counts["documents"]} if held else {})
+        return record | {"sha256": counts.get("sha256"), "idx_sha256": counts.get("idx_sha256")}
+    if held:
+        record = {
+            "shard": shard.relpath,
+            "part": "held-out",
+            "tokens": ckpt.val_tokens,
+            "documents": ckpt.val_documents,
+            "held_in": ckpt.val_documents,
+        }
+        record.update(sha256=ckpt.val_sha256, idx_sha256=ckpt.val_idx_sha256)
+        return record
+    record = {
+        "shard": shard.relpath,
+        "tokens": 0 if grouped else ckpt.tokens,
+        "documents": 0 if grouped else ckpt.documents,
+        "lines": ckpt.lines,
+        "held_out": ckpt.val_documents,
+    }
+    record.update(skipped=ckpt.skipped, repaired=ckpt.repaired, sha256=ckpt.sha256, idx_sha256=ckpt.idx_sha256)
+    if ckpt.skip_log:
+        record["first_skipped"] = ckpt.skip_log
+    return record
+
+
+def is_held_part(record: dict) -> bool:
+    return record.get("part") == "held-out"
+
+
+def parts_line(record: dict) -> bytes:
+    return orjson.dumps(record) + b"\n"
+
+
+def read_parts(path: Path) -> Iterator[dict]:
+    with open(path, "rb") as f:
+        for line in f:
+            yield orjson.loads(line)
+
+
+def parts_of(stem: str, raw: bytes) -> list[Part]:
+    """The parts listed in a .parts file's bytes, at the offsets their order gives them in their file
+    (the split's, or their group's)."""
+    parts, offsets = [], {}
+    for seq, record in enumerate(map(orjson.loads, raw.splitlines())):
+        tokens, documents = offsets.get(record.get("group"), (0, 0))
+        parts.append(Part(stem, seq, tokens, documents, record))
+        offsets[record.get("group")] = (tokens + record["tokens"], documents + record["documents"])
+    return parts
+
+
+def _file_entry(out_name: str, concat: bool) -> dict:
+    return {"file": split_bin_name(out_name), "idx": f"{out_name}.idx"} if concat else {"files": []}
+
+
+def split_entry(stem: str, parts_path: Path, concat: bool, grouped: bool = False) -> dict:
+    """meta's entry for a split, summed from its parts list. A split of --no-concat has no file of its
+    own: `files` lists its parts' files in order (their lines in the parts list name them).
+
+    With --group-by (`grouped`), `groups` holds each group's entry, in the order of their values: its
+    tokens and documents, and its file (or files) as a split's; the split has none of its own."""
+    entry = {} if grouped else _file_entry(stem, concat)
+    groups: dict[str, dict] = {}
+    entry |= {
+        "parts": f"{stem}.parts",
+        "tokens": 0,
+        "documents": 0,
+        "lines": 0,
+        "held_out": 0,
+        "held_in": 0,
+    }
+    skipped, repaired, shards = Counter(), Counter(), 0
+    raw = parts_path.read_bytes()
+    for record in map(orjson.loads, raw.splitlines()):
+        for key in ("tokens", "documents", "lines", "held_out", "held_in"):
+            entry[key] += record.get(key, 0)
+        into = entry
+        if grouped and "group" in record:
+            name = str(Out(Path()).split(stem, record["group"]))
+            into = groups.setdefault(record["group"], _file_entry(name, concat) | dict.fromkeys(GROUP_COUNTS, 0))
+            for key in GROUP_COUNTS:
+                into[key] += record[key]
+        if not concat and (not grouped or "group" in record):
+            into["files"].append({k: record[k] for k in ("bin", "idx", "tokens", "documents")})
+        skipped.update(record.get("skipped", {}))
+        repaired.update(record.get("repaired", {}))
+        shards += not is_held_part(record) and "group" not in record
+    entry.update(skipped=dict(sorted(skipped.items())), repaired=dict(sorted(repaired.items())), shards=shards)
+    if grouped:
+        entry["groups"] = dict(sorted(groups.items()))
+    entry["parts_sha256"] = hashlib.sha256(raw).hexdigest()
+    return entry
+
+
+def split_files(out: Path, entry: dict) -> list[tuple[Path, Path, int, int]]:
+    """The files a finished split is read from, in order: (tokens, document ends, tokens, documents).
+    One for a concatenated split; its parts' own files for a split of --no-concat; with --group-by,
+    those of each group in turn, in meta's order (their values')."""
+    if "groups" in entry:
+        return [f for group in entry["groups"].values() for f in split_files(out, group)]
+    if "files" in entry:
+        return [(out / f["bin"], out / f["idx"], int(f["tokens"]), int(f["documents"])) for f in entry["files"]]
+    idx = entry.get("idx", Path(entry["file"]).with_suffix(".idx").name)  # tokpipe 0.1 did not name it
+    return [(out / entry["file"], out / idx, int(entry["tokens"]), int(entry["documents"]))]

@@ -1,0 +1,366 @@
+"""Checks on a finished OUT. Every check is named; `verify` passes only when all hold.
+
+meta.pkl is read with a restricted unpickler (plain containers and scalars only): a hostile
+meta.pkl executes nothing, it is reported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from tokpipe.durability import HASH_CHUNK, ShortRead, read_range
+from tokpipe.out.files import Out, load_meta_pkl, out_folder
+from tokpipe.out.records import IDX_DTYPE, Part, parts_of, split_files
+from tokpipe.out.run import delimiters
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass
+class PartScan:
+    """What one pass over some parts found."""
+
+    top: int = 0  # largest id
+    eos: int = 0  # EOS ids
+    bos: int = 0  # BOS ids (when the run placed BOS)
+    bad_bin: list[str] = field(default_factory=list)  # parts whose token sha256 differs
+    bad_idx: list[str] = field(default_factory=list)
+    increasing: bool = True  # every end > the one before (the part's first token before the first)
+    not_eos_ended: int = 0  # documents whose last token is not EOS
+    not_bos_started: int = 0  # documents whose first token is not BOS
+    end: tuple[int, int] = (0, 0)  # the file's last document end, and its token count
+
+
+_buffers = threading.local()
+
+
+def _scan_parts(
+    bin_fd: int,
+    tokens: np.ndarray,
+    ends: np.ndarray,
+    parts: list[Part],
+    dtype: np.dtype,
+    eos_id: int,
+    bos_id: int | None,
+) -> PartScan:
+    """Hash and scan parts, reading each byte once (a thread per group: hashlib and numpy drop the GIL).
+    Ends in the .idx are hashed relative to the part's first token."""
+    scan = PartScan()
+    buffer = getattr(_buffers, "buffer", None) or bytearray(HASH_CHUNK)
+    _buffers.buffer = buffer
+    for r in parts:
+        hasher = hashlib.sha256()
+        start, end = r.token_offset * dtype.itemsize, r.token_end * dtype.itemsize
+        try:
+            for view in read_range(bin_fd, start, end, buffer):
+                chunk = np.frombuffer(view, dtype=dtype, count=len(view) // dtype.itemsize)
+                hasher.update(view)
+                if chunk.size:
+                    scan.top = max(scan.top, int(chunk.max()))
+                    scan.eos += int(np.count_nonzero(chunk == eos_id))
+                    scan.bos += int(np.count_nonzero(chunk == bos_id)) if bos_id is not None else 0
+        except ShortRead as short:
+            raise RuntimeError(f"the file ended at byte {short.at} while its size said {end}") from None
+        if r.record["sha256"] is not None and hasher.hexdigest() != r.record["sha256"]:
+            scan.bad_bin.append(r.name)
+        range_ends = np.asarray(ends[r.doc_offset : r.doc_end])
+        relative = range_ends - r.token_offset
+        if (
+            r.record["idx_sha256"] is not None
+            and hashlib.sha256(memoryview(relative)).hexdigest() != r.record["idx_sha256"]
+        ):
+            scan.bad_idx.append(r.name)
+        if len(range_ends):
+            scan.increasing &= bool(
+                relative[0] > 0 and np.all(np.diff(range_ends) > 0) and range_ends[-1] <= len(tokens)
+            )
+            if scan.increasing:
+                scan.not_eos_ended += int(np.count_nonzero(np.asarray(tokens[range_ends - 1]) != eos_id))
+                if bos_id is not None:
+                    starts = np.concatenate([[r.token_offset], range_ends[:-1]])
+                    scan.not_bos_started += int(np.count_nonzero(np.asarray(tokens[starts]) != bos_id))
+    return scan
+
+
+def _parts(out: Path, split: str, info: dict, check) -> list[Part] | None:
+    """The split's checksummed parts: its .parts list (checked against meta), or the whole file as one
+    part for an OUT of tokpipe 0.1; None when the parts list cannot be trusted."""
+    tokens, documents = int(info["tokens"]), int(info["documents"])
+    if "parts" not in info:
+        whole = {
+            "shard": info["file"],
+            "tokens": tokens,
+            "documents": documents,
+            "sha256": info.get("sha256"),
+            "idx_sha256": info.get("idx_sha256"),
+        }
+        return [Part(split, 0, 0, 0, whole)]
+    path = out / info["parts"]
+    if not check(f"{split}: parts list present", path.is_file(), str(path)):
+        return None
+    raw = path.read_bytes()
+    same = hashlib.sha256(raw).hexdigest() == info["parts_sha256"]
+    if not check(f"{split}: parts list sha256 matches meta", same, "" if same else f"{path} changed since finalize"):
+        return None
+    parts = parts_of(split, raw)
+    t, d = sum(p.tokens for p in parts), sum(p.documents for p in parts)
+    check(
+        f"{split}: parts add up to meta",
+        (t, d) == (tokens, documents),
+        f"parts: {t:,} tokens, {d:,} documents; meta: {tokens:,}, {documents:,}",
+    )
+    if "groups" in info:  # --group-by: each group's parts (where its last one ends) add up to its entry
+        counts = {p.group: (p.token_end, p.doc_end) for p in parts if p.group is not None}
+        wanted = {g: (int(e["tokens"]), int(e["documents"])) for g, e in info["groups"].items()}
+        wrong = sorted(g for g in set(counts) | set(wanted) if counts.get(g) != wanted.get(g))
+        first = wrong[0] if wrong else None
+        detail = f"{len(wrong)} differ, e.g. {first!r}: parts {counts.get(first)}, meta {wanted.get(first)}"
+        if not check(f"{split}: groups add up to meta", not wrong, detail if wrong else f"{len(counts):,} groups"):
+            return None
+    return parts if (t, d) == (tokens, documents) else None
+
+
+def _size_chunks(parts: list[Part], itemsize: int, jobs: int) -> list[list[Part]]:
+    """Consecutive parts in chunks of similar size, several per job: small shards share a task."""
+    target = max(sum(r.tokens for r in parts) * itemsize // (4 * jobs), HASH_CHUNK)
+    chunks, size = [[]], 0
+    for r in parts:
+        if size >= target:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(r)
+        size += r.tokens * itemsize
+    return chunks
+
+
+def verify(out: str | os.PathLike, jobs: int | None = None) -> list[Check]:
+    """Every check on a finished OUT. Checksums and id scans run on `jobs` threads (default: all cores)."""
+    out = out_folder(out)
+    jobs = jobs or os.cpu_count() or 1
+    checks: list[Check] = []
+
+    def check(name: str, ok: bool, detail: str = "") -> bool:
+        checks.append(Check(name, bool(ok), detail))
+        return bool(ok)
+
+    try:
+        meta = load_meta_pkl(Out(out).meta_pkl)
+    except FileNotFoundError:
+        check(
+            "meta.pkl present",
+            False,
+            f"{Out(out).meta_pkl} is missing: the run has not finished (tokpipe status {out})",
+        )
+        return checks
+    except Exception as e:
+        check("meta.pkl readable", False, f"{type(e).__name__}: {e}")
+        return checks
+    try:
+        meta_json = json.loads(Out(out).meta_json.read_text())
+    except (FileNotFoundError, ValueError) as e:
+        check("meta.json present", False, f"{type(e).__name__}: {e}")
+        return checks
+    if not check("meta.pkl == meta.json", meta == meta_json, "" if meta == meta_json else "the two metas differ"):
+        return checks
+
+    try:
+        dtype = np.dtype(meta["dtype"])
+        vocab_size, eos_id = int(meta["vocab_size"]), int(meta["eos_token_id"])
+        splits = dict(meta["splits"])
+    except (KeyError, TypeError, ValueError) as e:
+        check("meta well-formed", False, f"{type(e).__name__}: {e}")
+        return checks
+    limit = np.iinfo(dtype).max + 1 if dtype.kind == "u" else 0
+    check("dtype holds vocab", vocab_size <= limit, f"{meta['dtype']} holds ids < {limit}; vocab_size {vocab_size}")
+    check("eos id in vocab", 0 <= eos_id < vocab_size, f"eos {eos_id}, vocab {vocab_size}")
+
+    written = delimiters(meta)
+    bos_id = int(meta["bos_token_id"]) if written["bos"] else None
+    for split, info in splits.items():
+        _verify_split(out, split, info, dtype, vocab_size, eos_id, check, jobs, bos_id, written["eos"])
+    if meta.get("excluded"):
+        # Not a failure: the user chose --skip-failed. But nobody should mistake the output for the whole corpus.
+        check(f"note: {len(meta['excluded'])} shards excluded by --skip-failed", True, ", ".join(meta["excluded"]))
+    return checks
+
+
+def _verify_split(
+    out: Path,
+    split: str,
+    info: dict,
+    dtype: np.dtype,
+    vocab_size: int,
+    eos_id: int,
+    check,
+    jobs: int,
+    bos_id: int | None,
+    eos_written: bool,
+) -> None:
+    docs_expected = int(info["documents"])
+    if "lines" in info:
+        _check_lines(split, info, check)
+    files = split_files(out, info)
+    if not _check_files(out, split, info, files, dtype, check):
+        return
+    parts = _parts(out, split, info, check)
+    if parts is None:
+        return
+    if "groups" in info:  # the parts with tokens (not a shard's accounting line), group by group as meta lists them
+        order = {group: i for i, group in enumerate(info["groups"])}
+        parts = sorted((p for p in parts if p.group is not None), key=lambda p: order[p.group])
+    jobs_parts = _scan_jobs(info, files, parts, dtype, jobs)
+    with ThreadPoolExecutor(jobs) as pool:
+        scans = list(pool.map(lambda job: _scan_file(*job, dtype, eos_id, bos_id), jobs_parts))
+    bad_bin = [name for s in scans for name in s.bad_bin]
+    bad_idx = [name for s in scans for name in s.bad_idx]
+    if any(r.record["sha256"] for r in parts):
+        check(
+            f"{split}: sha256 matches meta",
+            not bad_bin,
+            f"the token bytes changed since finalize{_where(bad_bin, parts)}" if bad_bin else "",
+        )
+    top, eos = max((s.top for s in scans), default=0), sum(s.eos for s in scans)
+    check(f"{split}: ids < vocab_size", top < vocab_size, f"max id {top:,}, vocab_size {vocab_size:,}")
+    if eos_written:
+        check(f"{split}: EOS count == documents", eos == docs_expected, f"EOS {eos:,}, documents {docs_expected:,}")
+    else:  # a literal "<|endoftext|>" in a text is encoded as text: the id appears only where placed
+        check(f"{split}: no EOS anywhere (--no-eos)", eos == 0, f"EOS {eos:,}")
+    if bos_id is not None:
+        bos = sum(s.bos for s in scans)
+        check(f"{split}: BOS count == documents", bos == docs_expected, f"BOS {bos:,}, documents {docs_expected:,}")
+    if any(r.record["idx_sha256"] for r in parts):
+        check(
+            f"{split}: idx sha256 matches meta",
+            not bad_idx,
+            f"the index changed since finalize{_where(bad_idx, parts)}" if bad_idx else "",
+        )
+    increasing = all(s.increasing for s in scans)
+    check(f"{split}: idx strictly increasing", increasing)
+    short = [s.end for s in scans if s.end[0] != s.end[1]]
+    last, n = short[0] if short else (scans[-1].end if scans else (0, 0))
+    check(f"{split}: idx ends at token count", not short, f"last end {last:,}, tokens {n:,}")
+    if increasing and not short and docs_expected:
+        if eos_written:
+            not_ended = sum(s.not_eos_ended for s in scans)
+            check(f"{split}: every document ends with EOS", not not_ended, f"{not_ended} do not")
+        if bos_id is not None:
+            not_started = sum(s.not_bos_started for s in scans)
+            check(f"{split}: every document starts with BOS", not not_started, f"{not_started} do not")
+
+
+def _check_lines(split: str, info: dict, check) -> None:
+    """Every line of the split's sources is a document or a skipped line."""
+    skipped = sum(info.get("skipped", {}).values())
+    # --val-fraction moves documents from train (held_out) to validation (held_in).
+    read = int(info["documents"]) - info.get("held_in", 0) + info.get("held_out", 0)
+    moved = (
+        f" (held out {info['held_out']:,}, held in {info['held_in']:,})"
+        if info.get("held_out") or info.get("held_in")
+        else ""
+    )
+    check(
+        f"{split}: documents + skipped == lines",
+        read + skipped == info["lines"],
+        f"{read:,} + {skipped:,} vs {info['lines']:,}{moved}",
+    )
+
+
+def _check_files(out: Path, split: str, info: dict, files: list, dtype: np.dtype, check) -> bool:
+    """The split's files are there, of meta's sizes; returns whether they are (the scan reads them next)."""
+    problems = [_file_problems(*f, dtype) for f in files]
+    if len(files) == 1:  # the whole split in one file: each check on its own line, as ever
+        names = ("file present", f"size matches meta ({int(info['tokens']):,} {dtype.name})", "idx present")
+        names += ("idx entries == documents",)
+        for name, problem in zip(names, problems[0]):
+            if not check(f"{split}: {name}", problem is None, problem or ""):
+                return False
+        return True
+    # --no-concat: one line per check over all the split's files
+    names = ("files present", "sizes match meta", "idx files present", "idx entries == documents")
+    for k, name in enumerate(names):
+        bad = [(f[0].relative_to(out), p[k]) for f, p in zip(files, problems) if p[k] is not None]
+        where = f"{len(bad)} of {len(files):,} files, e.g. {bad[0][0]}: {bad[0][1]}" if bad else f"{len(files):,} files"
+        if not check(f"{split}: {name}", not bad, where):
+            return False
+    return True
+
+
+def _scan_jobs(info: dict, files: list, parts: list, dtype: np.dtype, jobs: int) -> list:
+    """The split's parts cut into scans: (file, the parts of it one thread reads)."""
+    if "groups" in info and all("file" in g for g in info["groups"].values()):  # a file per group, holding its parts
+        by_group = dict(zip(info["groups"], files))
+        return [
+            (by_group[g], chunk)
+            for g in info["groups"]
+            for chunk in _size_chunks([p for p in parts if p.group == g], dtype.itemsize, jobs)
+        ]
+    if len(files) == 1:
+        return [(files[0], chunk) for chunk in _size_chunks(parts, dtype.itemsize, jobs)]
+    # each part in a file of its own, from its first token
+    return [(f, [replace(part, token_offset=0, doc_offset=0)]) for f, part in zip(files, parts)]
+
+
+def _file_problems(path: Path, idx_path: Path, tokens: int, documents: int, dtype: np.dtype) -> list[str | None]:
+    """What is wrong with one file of a split and its index, check by check (None: holds); after the
+    first problem the rest are not looked at."""
+    if not path.is_file():
+        return [str(path), None, None, None]
+    size = path.stat().st_size
+    if size != tokens * dtype.itemsize:
+        widths = ("uint16", "uint32", "int32", "int64")
+        other = next((d for d in widths if d != dtype.name and size == tokens * np.dtype(d).itemsize), None)
+        if size == 0:
+            detail = f"the file is empty; meta says {tokens:,} tokens"
+        elif other:
+            detail = f"{size:,} bytes hold {tokens:,} tokens of {other}, but meta says dtype {dtype.name}"
+        elif size % dtype.itemsize:
+            detail = f"{size:,} bytes is not a whole number of {dtype.name} tokens: the file was cut"
+        else:
+            detail = f"file {size // dtype.itemsize:,} tokens, meta {tokens:,}"
+        return [None, detail, None, None]
+    if not idx_path.is_file():
+        return [None, None, str(idx_path), None]
+    idx_size = idx_path.stat().st_size
+    entries = None if idx_size == 8 * documents else f"{idx_size / 8:,.0f} entries, {documents:,} documents"
+    return [None, None, None, entries]
+
+
+def _scan_file(file: tuple[Path, Path, int, int], parts: list[Part], dtype, eos_id, bos_id) -> PartScan:
+    path, idx_path, n, documents = file
+    tokens = np.memmap(path, dtype=dtype, mode="r") if n else np.zeros(0, dtype)
+    ends = np.memmap(idx_path, dtype=IDX_DTYPE, mode="r") if documents else np.zeros(0, IDX_DTYPE)
+    with open(path, "rb") as f:
+        scan = _scan_parts(f.fileno(), tokens, ends, parts, dtype, eos_id, bos_id)
+    scan.end = (int(ends[-1]) if documents else 0, n)
+    return scan
+
+
+def _where(names: list[str], parts: list[Part]) -> str:
+    if len(parts) == 1:  # the whole file: no shard to name
+        return ""
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    return f", in the range of {shown}" if len(names) == 1 else f", in the ranges of {len(names)} shards: {shown}"
+
+
+def report(checks: list[Check]) -> str:
+    lines = [f"{'ok  ' if c.ok else 'FAIL'}  {c.name}" + (f"  ({c.detail})" if c.detail else "") for c in checks]
+    failed = sum(not c.ok for c in checks)
+    lines.append(f"{failed} of {len(checks)} checks FAILED" if failed else f"all {len(checks)} checks hold")
+    return "\n".join(lines)
+
+
+def as_json(checks: list[Check]) -> str:
+    return json.dumps({"ok": all(c.ok for c in checks), "checks": [asdict(c) for c in checks]}, indent=1)

@@ -1,0 +1,82 @@
+"""The plan of what goes where: which part of which done shard is written at which offset of its split file
+(or its group's), handed out as soon as every part before it in its file is known."""
+
+from __future__ import annotations
+
+from tokpipe.inputs.manifest import Shard
+from tokpipe.out.files import Out, split_file_stem
+from tokpipe.out.records import Checkpoint, Part, part_record
+from tokpipe.out.run import OutputSpec
+from tokpipe.write.assembly.split import Groups, SplitAssembly
+
+
+class Plan:
+    """Feed it finished shards (`done`); `ready` hands out the parts whose offsets are now known, each split's
+    in order (with --group-by a shard has a part per group, each at its group's file's offset)."""
+
+    def __init__(self, out: Out, spec: OutputSpec, groups: Groups):
+        self.out, self.groups = out, groups
+        self.val_fraction, self.concat, self.group_by = spec.val_fraction, spec.concat, spec.group_by
+        # Done shards not yet scheduled (those that finished out of order), with how many parts still need them
+        # and the parts they kept in memory.
+        self.finished: dict[str, tuple[Checkpoint, int, object]] = {}
+
+    def done(self, shard: Shard, ckpt: Checkpoint, buffered: object = None) -> None:
+        """A shard finished in this run (its checkpoint as its task returned it); `buffered`: the parts it kept
+        in memory (ShardResult.buffered, or on Ray the reference to them), to be written into place."""
+        if self.group_by is not None:
+            self.groups.meet(split_file_stem(shard.split), ckpt.groups)
+            if ckpt.val_groups:
+                self.groups.meet("val", ckpt.val_groups)
+        self.finished[shard.relpath] = (ckpt, 2 if self.val_fraction and shard.split == "train" else 1, buffered)
+
+    def _checkpoint(self, shard: Shard) -> tuple[Checkpoint | None, object]:
+        """The shard's checkpoint, and its buffered parts if it kept them in memory (None: in its own files)."""
+        if shard.relpath not in self.finished:
+            return Checkpoint.load(self.out.shard(shard).checkpoint), None
+        ckpt, uses, buffered = self.finished.pop(shard.relpath)
+        if uses > 1:  # its other part has yet to be scheduled
+            self.finished[shard.relpath] = (ckpt, uses - 1, buffered)
+        return ckpt, buffered
+
+    def ready(self, splits: list[SplitAssembly], excluded: frozenset[str] = frozenset()) -> list[Part]:
+        """Parts whose offsets are now known: each split's next shards, while they are done (or excluded)."""
+        parts = []
+        for s in splits:
+            while s.head is not None:
+                shard, held = s.head
+                if s.head_parts is None and shard.relpath in excluded:
+                    s.advance()
+                    continue
+                if s.head_ckpt is None:
+                    ckpt, s.head_buffered = self._checkpoint(shard)
+                    if ckpt is None or not ckpt.done:
+                        break
+                    s.head_ckpt = ckpt
+                    if s.head_parts is None:
+                        s.head_parts = self.groups.head_parts(s, ckpt)
+                parts += [self._part(s, shard, held, group) for group in s.head_parts]
+                s.advance()
+        return parts
+
+    def _part(self, s: SplitAssembly, shard: Shard, held: bool, group: str | None) -> Part:
+        """The head's part of `group` (None: its one part, or with --group-by its accounting line), next in its file."""
+        files = self.out.shard(shard)
+        if group is None and self.group_by is not None:  # the accounting line: no file
+            bin_path = idx_path = None
+        else:
+            bin_path, idx_path = files.part(held, group)
+        record = part_record(shard, s.head_ckpt, held, group, self.group_by is not None)
+        if not self.concat and bin_path is not None:  # the part's files are the split's: meta lists them
+            record.update(bin=str(bin_path.relative_to(self.out.root)), idx=str(idx_path.relative_to(self.out.root)))
+        if self.concat and group is not None and group not in s.offsets:  # a group's first part
+            self.out.new_assembly_files(s.stem, group)
+        seq, (tokens, documents) = s.scheduled, s.add(group, record)
+        s.scheduled += 1
+        if s.head_buffered is not None:
+            key = (held, group)
+            buffered = (s.head_buffered, key) if bin_path is not None else None
+            checkpoint = (str(files.checkpoint), s.head_ckpt)
+            return Part(s.stem, seq, tokens, documents, record, buffered=buffered, checkpoint=checkpoint)
+        where = (str(bin_path), str(idx_path)) if bin_path is not None else ("", "")
+        return Part(s.stem, seq, tokens, documents, record, *where)

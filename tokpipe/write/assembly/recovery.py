@@ -1,0 +1,169 @@
+"""Taking up OUT's split files where an earlier attempt left them, before anything is tokenized or placed.
+
+A split finalized before is renamed back to .tmp (and meta.json goes), the listed parts that are still the
+start of their split are kept, and after them the parts placed but not yet listed whose bytes match their
+checksums; the rest of the files is made anew, and the checkpoints of shards whose placed files are gone but
+whose place was not kept go (`lost`: tokenized again).
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import orjson
+
+from tokpipe.durability import HASH_CHUNK, own_inode
+from tokpipe.inputs.manifest import Manifest
+from tokpipe.out.files import Out, split_file_stem
+from tokpipe.out.records import IDX_DTYPE, Checkpoint, is_held_part, part_record, parts_line
+from tokpipe.out.run import OutputSpec, output_splits, sources
+from tokpipe.write.assembly.split import Groups, SplitAssembly
+from tokpipe.write.place import is_in_place
+
+
+class Recovery:
+    """What a rerun keeps of each split, and which shards it tokenizes again (`lost`)."""
+
+    def __init__(self, out: Out, itemsize: int, spec: OutputSpec, groups: Groups):
+        self.out, self.itemsize, self.groups = out, itemsize, groups
+        self.val_fraction, self.concat, self.group_by = spec.val_fraction, spec.concat, spec.group_by
+        self.lost: list[str] = []  # shards tokenized again: their placed files were gone, their place not kept
+
+    def resume(self, manifest: Manifest) -> list[SplitAssembly]:
+        """Every split's assembly, as far as an earlier attempt got, in manifest order of splits."""
+        return [self._resume(manifest, split_file_stem(split)) for split in output_splits(manifest, self.val_fraction)]
+
+    def _resume(self, manifest: Manifest, stem: str) -> SplitAssembly:
+        """Keep what an earlier attempt assembled, if it is still the start of the split; else start empty."""
+        parts_tmp = self.out.assembly(stem)[2]
+        self.out.reopen(stem, self.concat, self.group_by is not None)
+        state = SplitAssembly.start(stem, sources(manifest, stem, self.val_fraction))
+        kept = self._kept(parts_tmp, state) if parts_tmp.exists() else []
+        if kept and self.concat and _cut(self.out, state, self.itemsize, self.group_by is not None):
+            kept = []  # cut since they were listed: trust none of it
+        if not kept:
+            state = SplitAssembly.start(stem, sources(manifest, stem, self.val_fraction))
+        if self.concat and self.group_by is None:
+            kept += self._placed_unlisted(state)
+        if self.concat:
+            _prepare_files(self.out, state, bool(kept), self.group_by is not None)
+        self.out.start_parts_list(stem, b"".join(map(parts_line, kept)))
+        state.scheduled = state.listed = len(kept)
+        if self.concat:
+            self._tokenize_again(manifest, state, len(kept))
+        return state
+
+    def _kept(self, parts_tmp: Path, state: SplitAssembly) -> list[dict]:
+        """The records of .parts.tmp that are still the start of the split, in order; `state` is advanced
+        past them."""
+        kept = []
+        for line in parts_tmp.read_bytes().splitlines():
+            try:
+                record = orjson.loads(line)
+            except orjson.JSONDecodeError:  # a line cut by the crash: its fsync never returned
+                break
+            if not self._head_known(state):
+                break
+            group = state.head_parts[0] if state.head_parts else None
+            if (record.get("shard"), is_held_part(record), record.get("group")) != (
+                state.head[0].relpath,
+                state.head[1],
+                group,
+            ):
+                break  # the split changed before this shard (an append, a shard excluded or back)
+            kept.append(record)
+            state.add(group, record)
+            if state.head_parts:
+                state.head_parts.pop(0)
+            if not state.head_parts:
+                state.advance()
+        return kept
+
+    def _head_known(self, state: SplitAssembly) -> bool:
+        """Whether there is a head whose parts are known (with --group-by, once its checkpoint is done)."""
+        while state.head is not None and state.head_parts is None and self.group_by is not None:
+            ckpt = Checkpoint.of(self.out.root, state.head[0])
+            if ckpt is None or not ckpt.done:
+                break
+            state.head_ckpt, state.head_parts = ckpt, self.groups.head_parts(state, ckpt)
+            if not state.head_parts:  # a held-out source with no documents: no part at all
+                state.advance()
+        return state.head is not None and (self.group_by is None or state.head_parts is not None)
+
+    def _placed_unlisted(self, state: SplitAssembly) -> list[dict]:
+        """The parts written into place after the listed ones but not yet listed when the run stopped (a shard
+        that buffered its tokens has no other copy of them): kept, in order, as far as each one's checkpoint is
+        done and its bytes in the split file match the checksums the worker took; `state` is advanced past them.
+        (With --group-by such parts are tokenized again.)"""
+        bin_tmp, idx_tmp, _ = self.out.assembly(state.stem)
+        if not (bin_tmp.exists() and idx_tmp.exists()):
+            return []
+        recovered, buffer = [], bytearray(HASH_CHUNK)
+        with open(bin_tmp, "rb") as bin_f, open(idx_tmp, "rb") as idx_f:
+            while state.head is not None:
+                shard, held = state.head
+                files = self.out.shard(shard)
+                ckpt = Checkpoint.load(files.checkpoint)
+                if ckpt is None or not ckpt.done or files.part(held, None)[0].exists():
+                    break  # not done, or in its own files still: placed from them as usual
+                record = part_record(shard, ckpt, held)
+                if not is_in_place(bin_f, idx_f, record, *state.offsets.get(None, (0, 0)), self.itemsize, buffer):
+                    break
+                recovered.append(record)
+                state.add(None, record)
+                state.advance()
+        return recovered
+
+    def _tokenize_again(self, manifest: Manifest, state: SplitAssembly, kept: int) -> None:
+        """Shards done whose placed files are gone but whose place in the split was not kept (the split
+        changed before them, or its file was cut): their checkpoints go, so this run tokenizes them again.
+        The head's parts already kept (--group-by) stay kept: tokenized again, its other parts are the same."""
+        rest = sources(manifest, state.stem, self.val_fraction)
+        if self.group_by is None:
+            rest = itertools.islice(rest, kept, None)
+        else:
+            rest = itertools.dropwhile(lambda source: source != state.head, rest)
+        for shard, held in rest:
+            files = self.out.shard(shard)
+            ckpt = Checkpoint.load(files.checkpoint)
+            if ckpt is None or not ckpt.done:
+                continue
+            if self.group_by is None:
+                needed = [files.part(held, None)[0]]
+            else:  # of the head, only its parts not kept yet
+                head = (shard, held) == state.head and state.head_parts is not None
+                groups = state.head_parts if head else ckpt.parts(held, grouped=True)
+                needed = [files.part(held, g)[0] for g in groups if g is not None]
+            if all(path.exists() for path in needed):
+                continue
+            files.checkpoint.unlink()
+            self.lost.append(shard.relpath)
+            if (shard, held) == state.head:
+                state.head_ckpt = None  # its parts wait for it to be done again
+
+
+def _cut(out: Out, state: SplitAssembly, itemsize: int, grouped: bool) -> bool:
+    """Whether a file being assembled is shorter than the parts listed in it."""
+    return any(
+        not bin_tmp.exists()
+        or not idx_tmp.exists()
+        or bin_tmp.stat().st_size < state.offsets.get(g, (0, 0))[0] * itemsize
+        or idx_tmp.stat().st_size < state.offsets.get(g, (0, 0))[1] * IDX_DTYPE.itemsize
+        for g, (bin_tmp, idx_tmp) in state.files(out, grouped).items()
+    )
+
+
+def _prepare_files(out: Out, state: SplitAssembly, kept: bool, grouped: bool) -> None:
+    """The files the split is assembled into from here: those of the kept parts, else new empty ones."""
+    if not kept and not grouped:
+        out.new_assembly_files(state.stem)
+    if grouped:  # group files of no kept part: a rerun's are made anew
+        keep = {path for pair in state.files(out, grouped).values() for path in pair}
+        for path in out.group_assembly_files(state.stem):
+            if path not in keep:
+                path.unlink()
+    if kept:
+        for pair in state.files(out, grouped).values():
+            for path in pair:
+                own_inode(path)  # the split is written in place from here on

@@ -1,0 +1,71 @@
+"""A worker's memory, bounded: the encoder's word cache dropped in time (shard.py asks before each encode)."""
+
+from __future__ import annotations
+
+import os
+
+from tokpipe.inputs.tokenizer import drop_encoder, encoder
+
+BATCH_HEADROOM = 64 << 20  # least room the word cache gets before it is dropped
+
+
+def resident_bytes() -> int:
+    """This process's RSS now, less its shared pages (Linux); 0 where /proc is missing, which turns the memory
+    limit off. Not the shared pages: on Ray they include the object store's, which a worker maps and touches
+    when it returns a shard's buffered parts, and which are not its to keep down."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            resident, shared = f.read().split()[1:3]
+            return (int(resident) - int(shared)) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+class MemoryGuard:
+    """Keeps a worker process under `limit` bytes of RSS by dropping the encoder's word cache in time.
+
+    gigatoken caches every distinct pretoken it has encoded and never evicts (~85 bytes each): a worker
+    that reads hashes, handles and session ids for hours grows until the node kills it. Dropping the
+    encoder frees the cache; the next batch reloads it (~0.4 s) and re-misses the words it had cached.
+    The ids are the same either way.
+
+    The cache is let grow to a third of the room between the floor (the RSS just after the encoder
+    was loaded) and the limit, not to the limit: its hash table doubles when full, and while it
+    rehashes the old and the new table are both alive, a spike of up to ~0.85x the cache within one
+    batch (measured: RSS 633 -> 905 MiB in one batch, a 1,188 MiB peak). One guard per process, since
+    the cache outlives the shard that filled it.
+    """
+
+    def __init__(self, limit: int, backend: str, tokenizer_json: str):
+        self.limit, self.backend, self.tokenizer_json = limit, backend, tokenizer_json
+        self.resets = 0
+        self.floor: int | None = None  # RSS with a freshly loaded encoder, less what it held beside
+        self.held = 0  # bytes held beside the cache for all encodes until set back (a pack's earlier shards' parts)
+
+    def encoder(self, beside: int = 0):
+        """The encoder, its cache dropped first if the process is past its room; `beside`: bytes it holds that
+        are not the cache (a shard's buffered parts)."""
+        beside += self.held
+        if (
+            self.limit
+            and self.floor is not None
+            and resident_bytes() - beside > self.floor + max((self.limit - self.floor) // 3, BATCH_HEADROOM)
+        ):
+            drop_encoder(self.backend, self.tokenizer_json)
+            self.resets += 1
+            self.floor = None
+        enc = encoder(self.backend, self.tokenizer_json)
+        if self.floor is None:
+            self.floor = resident_bytes() - beside
+        return enc
+
+
+_guards: dict[tuple[int, str, str], MemoryGuard] = {}
+
+
+def memory_guard(limit: int, backend: str, tokenizer_json: str) -> MemoryGuard:
+    """The process's guard for that encoder and limit (shard.EncodeSpec's memory_limit, backend, tokenizer)."""
+    key = (limit, backend, tokenizer_json)
+    if key not in _guards:
+        _guards[key] = MemoryGuard(*key)
+    return _guards[key]

@@ -1,0 +1,81 @@
+"""A split file's parts written at their offsets: from the memory a shard kept them in, or copied from its own
+files; and, after a crash, whether a part found there unlisted is the part its worker made.
+
+Plain Python: the runner calls `place` in a Placer actor on the node whose object store holds the tokens (on
+a cluster every node writes: OUT is on storage they all see), in the driver for what it tokenized itself, and
+finalize for what is left. assembly.py decides what goes where; this module only writes and checks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from tokpipe.durability import HASH_CHUNK, copy_range, hash_range, write_at, write_json_atomic
+from tokpipe.out.files import Out
+from tokpipe.out.records import IDX_DTYPE, Part
+
+
+def place(out: str | os.PathLike, parts: list[Part], itemsize: int) -> list[dict]:
+    """Write parts of one split at their offsets, fsync, and return their records (checksums filled in).
+    A part is copied from its shard's own files, or written from the memory it waited in (`buffered`);
+    the checkpoints such parts carry are written after the fsync, when the disk covers them. Idempotent: a
+    part written twice is the same bytes.
+    """
+    out = Path(out)
+    records = []
+    opened: dict[str | None, tuple] = {}  # group -> its file's .bin.tmp and .idx.tmp (without --group-by: the split's)
+    try:
+        for part in parts:
+            record = dict(part.record)
+            records.append(record)
+            if not part.bin and part.buffered is None:  # a shard's accounting line (--group-by): no tokens of its own
+                continue
+            if part.group not in opened:
+                bin_tmp, idx_tmp, _ = Out(out).assembly(part.stem, part.group)
+                opened[part.group] = (open(bin_tmp, "r+b"), open(idx_tmp, "r+b"))
+            bin_f, idx_f = opened[part.group]
+            if part.buffered is not None:
+                parts_of_shard, key = part.buffered
+                tokens, ends = parts_of_shard[key]
+                write_at(bin_f.fileno(), tokens, part.token_offset * itemsize)
+                relative = np.concatenate(ends) if ends else np.empty(0, IDX_DTYPE)
+            else:
+                copy_range(part.bin, bin_f.fileno(), record["tokens"] * itemsize, part.token_offset * itemsize)
+                relative = np.fromfile(part.idx, dtype=IDX_DTYPE, count=record["documents"])
+            os.pwrite(idx_f.fileno(), memoryview(relative + part.token_offset), part.doc_offset * IDX_DTYPE.itemsize)
+            if record["sha256"] is None:  # a shard finished by an earlier tokpipe, which hashed only whole files
+                bin_hash = hashlib.sha256()
+                with open(part.bin, "rb") as src:
+                    hash_range(src.fileno(), 0, record["tokens"] * itemsize, bin_hash, bytearray(HASH_CHUNK))
+                record.update(sha256=bin_hash.hexdigest(), idx_sha256=hashlib.sha256(memoryview(relative)).hexdigest())
+        for f in itertools.chain(*opened.values()):
+            os.fdatasync(f.fileno())
+    finally:
+        for f in itertools.chain(*opened.values()):
+            f.close()
+    for path, ckpt in dict(part.checkpoint for part in parts if part.checkpoint).items():
+        write_json_atomic(Path(path), asdict(ckpt))
+    return records
+
+
+def is_in_place(bin_f, idx_f, record: dict, tokens: int, documents: int, itemsize: int, buffer: bytearray) -> bool:
+    """Whether the split file's open .bin/.idx hold, from `tokens` and `documents` on, the part `record` lists:
+    its ranges' sha256 as the worker that encoded it took them (document ends counted from the part's start)."""
+    start, end = tokens * itemsize, (tokens + record["tokens"]) * itemsize
+    if record["sha256"] is None or os.fstat(bin_f.fileno()).st_size < end:
+        return False
+    bin_hash = hashlib.sha256()
+    hash_range(bin_f.fileno(), start, end, bin_hash, buffer)
+    raw = os.pread(idx_f.fileno(), record["documents"] * IDX_DTYPE.itemsize, documents * IDX_DTYPE.itemsize)
+    relative = np.frombuffer(raw, IDX_DTYPE) - tokens
+    idx_sha256 = hashlib.sha256(memoryview(np.ascontiguousarray(relative))).hexdigest()
+    return len(relative) == record["documents"] and (bin_hash.hexdigest(), idx_sha256) == (
+        record["sha256"],
+        record["idx_sha256"],
+    )
