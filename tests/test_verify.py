@@ -240,7 +240,7 @@ def test_sample_passes_over_a_long_document_of_a_tokenizer_it_cannot_cut_and_say
     tokenizer = tmp_path / "tokenizer"
     shutil.copytree(QWEN3, tokenizer)
     config = json.loads((tokenizer / "tokenizer.json").read_text())
-    config["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = r"\S+|\s+"  # not one tokpipe/pieces.py knows
+    config["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = r"\S+|\s+"  # not one inputs/pieces.py knows
     (tokenizer / "tokenizer.json").write_text(json.dumps(config))
     texts = ["a short one", long_document(PIECE_CHARS + 5_000), "another short one"]
     write_jsonl(tmp_path / "data" / "train" / "part.jsonl", [json.dumps({"text": t}) for t in texts])
@@ -250,6 +250,6 @@ def test_sample_passes_over_a_long_document_of_a_tokenizer_it_cannot_cut_and_say
             "train: 2 sampled documents re-tokenized by tokenizers match",
             True,
             "1 more passed over, not checked: over 262,144 characters, and this tokenizer's pre-tokenizer is not"
-            " one tokpipe can cut exactly (tokpipe/pieces.py)",
+            " one tokpipe can cut exactly (tokpipe/inputs/pieces.py)",
         )
     ]

@@ -148,7 +148,7 @@ def _checks(
         if passed_over.get(split):
             notes.append(
                 f"{passed_over[split]} more passed over, not checked: over {PIECE_CHARS:,} characters, and this"
-                " tokenizer's pre-tokenizer is not one tokpipe can cut exactly (tokpipe/pieces.py)"
+                " tokenizer's pre-tokenizer is not one tokpipe can cut exactly (tokpipe/inputs/pieces.py)"
             )
         docs = len(results.get(split, []))
         checks.append(
