@@ -83,6 +83,10 @@ def test_a_split_of_2000_files_reads_with_at_most_64_open_under_ulimit_256(tmp_p
     for row, w, found in zip(batch.tokens, batch.windows.tolist(), batch.doc_starts):
         assert np.array_equal(row, tokens[w * seq_len : w * seq_len + seq_len + 1])
         assert found.tolist() == doc_starts_by_hand(ends, w * seq_len, seq_len), w
+    for _ in range(40):  # batches of 64 over ~60 files each: read from the span, files mapped and dropped between
+        batch = s.next_batch(64)
+        for row, w in zip(batch.tokens, batch.windows.tolist()):
+            assert np.array_equal(row, tokens[w * seq_len : w * seq_len + seq_len + 1]), w
 
 
 @pytest.mark.parametrize("merged", [True, False])

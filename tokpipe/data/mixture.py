@@ -12,8 +12,8 @@ epochs, rank-sharded as it is alone; all ranks draw the same sequence of sources
 every rank comes from the same source, and the Mixture's state is the same on every rank.
 
 A batch takes each source's windows from its Sequences, then reads them through all the sources' files
-joined (TokenFiles.joined): one search for document starts and one gather per file the batch touches,
-as a Sequences batch, where a Sequences batch per source merged row by row cost 3x the calls.
+joined (TokenFiles.joined): one search for document starts and one gather, as a Sequences batch, where a
+Sequences batch per source merged row by row cost 3x the calls.
 
 Sources must be read the same way: made with one tokenizer (its content: a re-indented tokenizer.json
 is the same tokenizer) and one document convention (EOS after each document, BOS before, or both),
@@ -126,7 +126,7 @@ class Mixture:
 
     def next_batch(self, batch_size: int) -> Batch:
         """The next `batch_size` rows, read through the sources' files joined: as one Sequences batch reads
-        (a gather per file it touches, one search for document starts), not one batch per source."""
+        (one gather, one search for document starts), not one batch per source."""
         batch_size = integer(batch_size, "batch_size")
         picks, windows, state = self._take(batch_size)
         starts = self._origins[picks] + windows * self.seq_len
