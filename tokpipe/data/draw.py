@@ -13,8 +13,9 @@ row by row over the order from that row until the rows and the order line up aga
 Why that is the draw: each row takes the first turn, in the sorted order, that is released and not yet
 taken (a source's later turns come after its earlier ones in the order and are released no earlier), and
 a row's choice does not change the order of the turns left. The numbers stay in int64 while a block's
-turns times the largest share fit (`block`); shares too large for a block of SORTED_FROM rows (weights
-whose exact fractions need ~2^60 as a common denominator, such as 1e-3 beside 3) draw row by row.
+turns over SPLIT times the largest share fit (`block`: 4,096 rows at 0.5/0.3/0.2, whose shares are ~2^54);
+shares too large for a block of SORTED_FROM rows (weights whose exact fractions need ~2^60 as a common
+denominator, such as 1e-3 beside 3) draw row by row.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 
 AHEAD = 4096  # rows drawn at once, at most: ~100 us of numpy a block at 3 sources
 SORTED_FROM = 256  # a block of fewer rows costs more than drawing them one by one
+SPLIT = 32  # turn k = k1 * SPLIT + k0: sums below (SPLIT + 1 + turns / SPLIT) x the share, not turns x it
 
 
 def block(shares: list[int], total: int) -> int:
@@ -30,7 +32,10 @@ def block(shares: list[int], total: int) -> int:
     SORTED_FROM."""
     rows = AHEAD
     while rows >= SORTED_FROM:
-        if all((_turns(rows, w, total) + 1) * w < 1 << 62 for w in shares):
+        turns = [_turns(rows, w, total) for w in shares]
+        if all((SPLIT + 1 + k // SPLIT) * w < 1 << 62 for k, w in zip(turns, shares)) and all(
+            (k + 2) * (total // w + 1) * len(shares) < 1 << 62 for k, w in zip(turns, shares)  # the rows, keys
+        ):
             return rows
         rows //= 2
     return 0
@@ -76,9 +81,11 @@ def sorted_rows(shares: list[int], total: int, counts: list[int], drawn: int, ro
     for i, (w, c) in enumerate(zip(shares, counts)):
         k = np.arange(_turns(rows, w, total) + 1, dtype=np.int64)
         first, rest = divmod(c * total, w)  # turn c's release: first + rest / w
-        step, carry = divmod(total, w)
-        sums = rest + k * carry  # < 2^62 (block): turn c + k's release is first + k * step + sums // w
-        release = (first - drawn) + k * step + sums // w  # counted from the position
+        step, carry = divmod(total, w)  # turn c + k's: first + k * step + (rest + k * carry) / w
+        whole, part = divmod(SPLIT * carry, w)  # and k * carry = k1 * (whole * w + part) + k0 * carry
+        k1, k0 = k // SPLIT, k % SPLIT
+        sums = rest + k0 * carry + k1 * part  # < 2^62 (block)
+        release = (first - drawn) + k * step + k1 * whole + sums // w  # counted from the position
         keys.append((release[1:] + (sums[1:] % w != 0)) * s + i)  # due: the next turn's release, rounded up
         releases.append(release[:-1])
     key = np.concatenate(keys)
