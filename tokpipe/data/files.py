@@ -45,6 +45,7 @@ MERGED = 1 << 21  # a split of at most this many documents keeps their ends in m
 SMALL = 64 * SPARSE  # an .idx of at most 64 pages is searched whole: ~5 us a batch against ~30 us by blocks
 SUB_BLOCKS = np.arange(1, 8) * (SPARSE // 8) - 1  # the last end of each sub-block of a block but the last
 IN_SUB_BLOCK = np.arange(SPARSE // 8 - 1)
+UNMAPPED = -(1 << 62)  # a file's shift while it is not mapped: its windows' rows come out negative
 
 
 @dataclass(frozen=True)
@@ -70,13 +71,13 @@ class TokenFiles:
         self.entries = entries
         self.paths = [(bin_path, idx_path) for bin_path, idx_path, _, _ in entries]
         self.starts = np.cumsum([0] + [tokens for _, _, tokens, _ in entries])  # one entry per file
-        self.sizes = np.diff(self.starts)
+        self.ends = self.starts[1:]  # where each file's tokens end in the stream
         self.tokens = int(self.starts[-1])
         self.documents = sum(documents for _, _, _, documents in entries)
         self._open: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # file -> its tokens and ends, mapped
         self._used = np.zeros(len(entries), np.int64)  # when each file was last read: the least recent is dropped
         self._reads = 0
-        self._at = np.full(len(entries), -1, np.int64)  # each mapped file's first token in the span; -1: not mapped
+        self._shift = np.full(len(entries), UNMAPPED)  # a token's row in the span less its place in the stream
         self._span: Span | None = None
         self._sparse: dict[int, np.ndarray] = {}  # kept when the file's maps are dropped
         self._merged: np.ndarray | None = None
@@ -115,19 +116,19 @@ class TokenFiles:
             if span is None or not (span.low <= address and address + tokens.nbytes <= span.high):
                 self._respan()
             else:
-                self._at[f] = (address - span.low) // self.dtype.itemsize
+                self._shift[f] = (address - span.low) // self.dtype.itemsize - self.starts[f]
         return mapped
 
     def _drop(self, f: int) -> None:
         """Under the lock: file f's maps dropped (they close with their last reference)."""
         del self._open[f]
-        self._at[f] = -1
+        self._shift[f] = UNMAPPED
         if self._span is not None and self._span.file == f:  # the span holds its map: made again without it
             self._respan()
 
     def _respan(self) -> None:
         """Under the lock: the span made again over every mapped file's tokens, and their places in it."""
-        self._at[:] = -1
+        self._shift[:] = UNMAPPED
         mapped = {f: tokens.ctypes.data for f, (tokens, _) in self._open.items() if len(tokens)}
         if not mapped:
             self._span = None
@@ -138,7 +139,7 @@ class TokenFiles:
         tokens = np.lib.stride_tricks.as_strided(self._open[first][0], ((high - low) // step,), (step,))
         self._span = Span(first, low, high, tokens, {})
         for f, address in mapped.items():
-            self._at[f] = (address - low) // step
+            self._shift[f] = (address - low) // step - self.starts[f]
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of the stream, across files where they cross from one into the next."""
@@ -167,31 +168,33 @@ class TokenFiles:
     def windows(self, starts: np.ndarray, seq_len: int) -> np.ndarray:
         """The seq_len + 1 tokens from each of `starts`, as an int64 (B, seq_len + 1): one row gather from the
         span, when every file the batch reads lies in it."""
+        if not len(starts):
+            return np.zeros((0, seq_len + 1), np.int64)
         if len(self.paths) == 1:  # a valid window lies in the file
             with self._lock:
                 self._mapped(0)
                 return self._rows(seq_len)[starts].astype(np.int64)
-        f = np.searchsorted(self.starts, starts, side="right") - 1
-        local = starts - self.starts[f]
-        inside = local <= self.sizes[f] - (seq_len + 1)
+        f = np.searchsorted(self.ends, starts, side="right")
+        inside = self.ends[f] - starts > seq_len
         if inside.all():
             with self._lock:
-                at = self._at[f]
-                if at.min() >= 0:  # every file mapped
+                rows = starts + self._shift[f]
+                if rows.min() >= 0:  # every file mapped
                     self._reads += 1
                     self._used[f] = self._reads
-                    return self._rows(seq_len)[at + local].astype(np.int64)
+                    return self._rows(seq_len)[rows].astype(np.int64)
         out = np.empty((len(starts), seq_len + 1), dtype=np.int64)
         for row in np.flatnonzero(~inside).tolist():  # a window across a file's end (a few per file): piece by piece
             out[row] = self.read(int(starts[row]), int(starts[row]) + seq_len + 1)
         inside = np.flatnonzero(inside)
         files = np.unique(f[inside])
-        for some in np.split(files, range(OPEN_FILES, len(files), OPEN_FILES)):  # OPEN_FILES mapped at a time
+        for first in range(0, len(files), OPEN_FILES):  # OPEN_FILES mapped at a time
+            some = files[first : first + OPEN_FILES]
             rows = inside[np.isin(f[inside], some)]
             with self._lock:
                 for g in some.tolist():
                     self._mapped(g)
-                out[rows] = self._rows(seq_len)[self._at[f[rows]] + local[rows]]
+                out[rows] = self._rows(seq_len)[starts[rows] + self._shift[f[rows]]]
         return out
 
     def _rows(self, seq_len: int) -> np.ndarray:
