@@ -69,10 +69,15 @@ class Batch:
 
     @functools.cached_property
     def doc_starts(self) -> list[np.ndarray]:
-        """Per row, its document starts (views of doc_offsets), made on first use: slices made by map, 12 us a
-        batch of 64 against 19 us for a comprehension."""
-        bounds = self.doc_bounds.tolist()
-        return list(map(self.doc_offsets.__getitem__, map(slice, bounds[:-1], bounds[1:])))
+        """Per row, its document starts (views of doc_offsets), made on first use. Where most rows may hold
+        one, a view a row made by map (12 us a batch of 64, a comprehension 19); where fewer starts than half
+        the rows are found, the rows without one share one empty view (4.6 us against 12 where 11.6 rows of
+        64 held a start: documents of ~2,600 tokens, seq_len 512)."""
+        bounds, offsets = self.doc_bounds.tolist(), self.doc_offsets
+        if 2 * bounds[-1] >= len(bounds):
+            return list(map(offsets.__getitem__, map(slice, bounds[:-1], bounds[1:])))
+        empty = offsets[:0]
+        return [offsets[a:b] if b > a else empty for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def integer(value, what: str, minimum: int | None = 0) -> int:
