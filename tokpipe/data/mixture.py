@@ -56,6 +56,7 @@ class Mixture:
         if bad:
             raise ValueError(f"weights must be positive finite numbers: {bad}")
         self.names = sorted(sources)
+        self._names = np.array(self.names, dtype=object)  # a batch's rows' names by one gather (0.7 us, map 1.7)
         self.sources = {name: sources[name] for name in self.names}
         first = self.sources[self.names[0]]
         for what in ("seq_len", "rank", "world_size"):
@@ -126,7 +127,7 @@ class Mixture:
         picks, windows, state = self._take(batch_size)
         starts = self._origins[picks] + windows * self.seq_len
         offsets, bounds = self.files.doc_starts(starts, self.seq_len)
-        names = list(map(self.names.__getitem__, picks.tolist()))
+        names = self._names[picks].tolist()
         return Batch(self.files.windows(starts, self.seq_len), windows, offsets, bounds, names, state)
 
     def _state(self) -> dict:
