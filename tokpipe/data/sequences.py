@@ -92,10 +92,19 @@ def integer(value, what: str, minimum: int | None = 0) -> int:
     return int(value)
 
 
+def epoch_seeds(seed: int, epochs: range) -> list[int]:
+    """Each epoch's seed: the blake2b of "tokpipe.data epoch {seed} {epoch}", its common prefix hashed once
+    (0.43 us an epoch against 0.88: a split of 20 windows passes an epoch every 20 rows)."""
+    prefix, seeds = hashlib.blake2b(f"tokpipe.data epoch {seed} ".encode(), digest_size=8), []
+    for epoch in epochs:
+        digest = prefix.copy()
+        digest.update(b"%d" % epoch)
+        seeds.append(int.from_bytes(digest.digest(), "little"))
+    return seeds
+
+
 def epoch_seed(seed: int, epoch: int) -> int:
-    return int.from_bytes(
-        hashlib.blake2b(f"tokpipe.data epoch {seed} {epoch}".encode(), digest_size=8).digest(), "little"
-    )
+    return epoch_seeds(seed, range(epoch, epoch + 1))[0]
 
 
 def stream_fingerprint(out: Path, entry: dict, dtype: str, group: str | None) -> str:
@@ -204,7 +213,7 @@ class Sequences:
             return order[first + step * np.arange(min(AHEAD, n), dtype=np.int64)]
         start, orders = self._orders
         if not start <= self.epoch < start + len(orders):
-            seeds = [epoch_seed(self.seed, e) for e in range(self.epoch, self.epoch + ORDERS // domain)]
+            seeds = epoch_seeds(self.seed, range(self.epoch, self.epoch + ORDERS // domain))
             start, orders = self._orders = self.epoch, Permutation.orders(self.len, seeds)
         if self.offset:
             return orders[self.epoch - start, first : first + step * n : step].copy()
