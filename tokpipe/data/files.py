@@ -13,7 +13,7 @@ its rows are the seq_len + 1 tokens from each token on, and a window is row (its
 + its start in the file). Only rows that lie wholly in a mapped file are read, under the lock that drops
 maps, so nothing between the maps is touched: a window across a file's end (a few per file) is read piece
 by piece, and a batch over files not mapped maps them, OPEN_FILES at a time. A batch of 7 files costs a
-few numpy calls more than one of one file (44-48 us against 29), where a gather and a scatter per file
+few numpy calls more than one of one file (49 us against 33), where a gather and a scatter per file
 cost ~5 us each (68 us). Token maps are madvise(MADV_RANDOM): a window faults in its own pages, not the
 kernel's 128 KB readahead around each.
 

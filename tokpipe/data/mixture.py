@@ -88,8 +88,8 @@ class Mixture:
 
     def _draw(self, rows: int) -> tuple[np.ndarray, list[int]]:
         """The source index of each of the next `rows` rows, and how many each source got (advancing the
-        position): from the rows drawn ahead, a block at a time (tokpipe.data.draw: 28-33 us a batch of 64
-        row by row, ~3 us from a block)."""
+        position): from the rows drawn ahead, a block at a time (tokpipe.data.draw: 34 us a batch of 64 row by
+        row, 6.6 us from blocks of 4,096 at 0.5/0.3/0.2)."""
         picks, got = [], [0] * len(self.names)
         while rows:
             if not len(self._ahead):
