@@ -231,14 +231,21 @@ class Sequences:
                 taken.append(self._ahead[:n])
             self._ahead = self._ahead[n:]
             count -= n
-            left, per = (self.len - self.offset) // self.world_size, self.len // self.world_size
-            if n < left:
-                self.offset += n * self.world_size
-            else:  # into a later epoch: `per` windows a rank each from an epoch's start
+            epoch, offset = self.moved(self.epoch, self.offset, n)
+            if epoch == self.epoch:
+                self.offset = offset
+            else:
                 ahead = self._ahead
-                self._set_position(self.epoch + 1 + (n - left) // per, (n - left) % per * self.world_size)
+                self._set_position(epoch, offset)
                 self._ahead = ahead if keep else self._ahead
         return taken
+
+    def moved(self, epoch: int, offset: int, count: int) -> tuple[int, int]:
+        """The position `count` of this rank's windows after (epoch, offset)."""
+        left, per = (self.len - offset) // self.world_size, self.len // self.world_size
+        if count < left:
+            return epoch, offset + count * self.world_size
+        return epoch + 1 + (count - left) // per, (count - left) % per * self.world_size  # `per` an epoch
 
     def take(self, count: int) -> np.ndarray:
         """The next `count` window numbers of this rank (across epochs), advancing the position."""
