@@ -95,8 +95,8 @@ class Mixture:
         """Under the lock: the next `rows` rows' sources, windows (each in its source) and starts in the
         joined files, advancing the position. Rows are drawn a block at a time (tokpipe.data.draw: 34 us a
         batch of 64 row by row), and each source takes its windows of a block at once, its own position
-        running ahead to the block's end while the Mixture's moves row by row (`moved`): a take and a
-        scatter per source a batch cost ~12 us."""
+        running ahead to the block's end while the Mixture's moves row by row (Sequences.moved): a take
+        per source, their windows scattered into their rows, per batch, made a batch 102-111 us, now 97."""
         parts = []
         while rows:
             if not len(self._ahead[0]):
