@@ -11,7 +11,8 @@ Warm (`--rounds`): one process per kind of OUT; in it, the reader and next_batch
 batches each after 50 of warm-up, on distinct data (the permutation's windows, random offsets); the
 ratio is of their medians. Each batch's rows are read whole (their sum taken), so nothing is measured
 that a trainer would not wait for; next_batch's doc_starts are built (`batch.doc_starts`) for the same
-reason.
+reason. `--clock cpu` times this thread's CPU time instead of the wall: on a machine shared with other
+work the wall counts the time other processes hold the core, round by round unevenly.
 
 Cold (`--sizes`): a sparse train.bin (reads as zeros) of 10^8..10^11 tokens, a document every 4,096
 tokens in a real train.idx (195 MB at 10^11), meta as finalize writes it. In a fresh process per
@@ -42,6 +43,7 @@ from harness import SHARED, manifest_of, tokpipe_run  # noqa: E402
 
 SYNTHETIC_DOCUMENT = 4096
 GROUPS = ("RedPajamaC4", "RedPajamaCommonCrawl", "RedPajamaGithub")
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
 def random_reader(out: Path, seq_len: int, batch: int):
@@ -70,26 +72,27 @@ def tokpipe_reader(out: Path, kind: str, seq_len: int, batch: int):
     return step
 
 
-def rate(step, batches: int) -> float:
-    started = time.perf_counter()
+def rate(step, batches: int, clock=time.perf_counter) -> float:
+    started = clock()
     for _ in range(batches):
         step().sum()
-    return batches / (time.perf_counter() - started)
+    return batches / (clock() - started)
 
 
 def warm(kind: str, out: Path, reader_out: Path, args) -> dict:
     """In this process: the random-offset reader and next_batch, alternating, `args.rounds` times."""
     methods = {"random offsets": random_reader(reader_out, args.seq_len, args.batch)}
     methods["next_batch"] = tokpipe_reader(out, kind, args.seq_len, args.batch)
-    runs = {m: [] for m in methods}
+    runs, clock = {m: [] for m in methods}, CLOCKS[args.clock]
     for step in methods.values():
         rate(step, 50)
     for _ in range(args.rounds):
         for m, step in methods.items():
-            runs[m].append(rate(step, args.batches))
+            runs[m].append(rate(step, args.batches, clock))
     medians = {m: statistics.median(r) for m, r in runs.items()}
     return {
         "kind": kind,
+        "clock": args.clock,
         **{m: [round(r) for r in rs] for m, rs in runs.items()},
         "medians": {m: round(v) for m, v in medians.items()},
         "ratio": round(medians["next_batch"] / medians["random offsets"], 2),
@@ -183,6 +186,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--batches", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--clock", choices=CLOCKS, default="wall", help="warm rates by the wall or this thread's CPU")
     parser.add_argument("--sizes", default="1e8,1e10,1e11", help="synthetic split sizes in tokens")
     parser.add_argument("--cold-rounds", type=int, default=3)
     parser.add_argument("--cold-batches", type=int, default=30, help="per process on a cold synthetic split")
@@ -204,7 +208,7 @@ def main() -> None:
     args.work_dir.mkdir(parents=True, exist_ok=True)
     outs = shared_outs(args.work_dir)
     common = ["--seq-len", str(args.seq_len), "--batch", str(args.batch), "--batches", str(args.batches)]
-    common += ["--rounds", str(args.rounds), "--cold-batches", str(args.cold_batches)]
+    common += ["--rounds", str(args.rounds), "--cold-batches", str(args.cold_batches), "--clock", args.clock]
     results |= {"warm": {}, "cold": {}}
     for kind, out in outs.items():
         results["warm"][kind] = child("--warm", kind, str(out), str(outs["concat"]), *common)

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import resource
+import threading
 
 import numpy as np
 import pytest
@@ -83,6 +84,10 @@ def test_a_split_of_2000_files_reads_with_at_most_64_open_under_ulimit_256(tmp_p
     for row, w, found in zip(batch.tokens, batch.windows.tolist(), batch.doc_starts):
         assert np.array_equal(row, tokens[w * seq_len : w * seq_len + seq_len + 1])
         assert found.tolist() == doc_starts_by_hand(ends, w * seq_len, seq_len), w
+    for _ in range(40):  # batches of 64 over ~60 files each: read from the span, files mapped and dropped between
+        batch = s.next_batch(64)
+        for row, w in zip(batch.tokens, batch.windows.tolist()):
+            assert np.array_equal(row, tokens[w * seq_len : w * seq_len + seq_len + 1]), w
 
 
 @pytest.mark.parametrize("merged", [True, False])
@@ -104,3 +109,26 @@ def test_document_starts_through_the_sparse_index_are_those_of_the_lengths(tmp_p
         for row, w, found in zip(batch.tokens, batch.windows.tolist(), batch.doc_starts):
             assert np.array_equal(row, tokens[w * seq_len : w * seq_len + seq_len + 1])
             assert found.tolist() == doc_starts_by_hand(ends, w * seq_len, seq_len), (seq_len, w)
+
+
+def test_threads_reading_while_maps_are_dropped_get_their_windows(tmp_path, monkeypatch):
+    """Windows are gathered from a view across the maps (the span): with 2 files mapped at most, four threads'
+    batches over 300 files map, drop and re-span all the time, and each row is still its tokens."""
+    monkeypatch.setattr(files, "OPEN_FILES", 2)
+    rng = np.random.default_rng(5)
+    out, tokens, _ = hand_made_out(tmp_path / "out", [rng.integers(1, 60, 4) for _ in range(300)], concat=False)
+    s, seq_len, wrong, right = Sequences(out, seq_len=8), 8, [], []
+
+    def read(seed):
+        windows = np.random.default_rng(seed).integers(0, len(s), (50, 64))
+        for batch in map(s.batch_of, windows):
+            for row, w in zip(batch.tokens, batch.windows.tolist()):
+                same = np.array_equal(row, tokens[w * seq_len : w * seq_len + seq_len + 1])
+                (right if same else wrong).append(w)
+
+    threads = [threading.Thread(target=read, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wrong == [] and len(right) == 4 * 50 * 64 and len(s.files._open) <= 2  # (a thread's error: fewer)

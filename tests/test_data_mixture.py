@@ -1,16 +1,18 @@
 """tokpipe.data.Mixture at the edges: a state loaded all or nothing, the drawn/counts pair checked, sources
-that must be read the same way (one tokenizer by content, one document convention), and a Mixture that
-pickles as references to its sources."""
+that must be read the same way (one tokenizer by content, one document convention), a Mixture that
+pickles as references to its sources, and its draw made many rows at once against the rule row by row."""
 
 import json
+import math
 import pickle
 import shutil
+from fractions import Fraction
 
 import numpy as np
 import pytest
 from helpers import QWEN3, build_out
 
-from tokpipe.data import Mixture, Sequences
+from tokpipe.data import Mixture, Sequences, draw
 
 SPLITS = ("train", "validation")
 
@@ -109,3 +111,36 @@ def test_a_mixture_pickles_as_references_and_resumes_there(finished_example):
     copy = pickle.loads(raw)
     a, b = copy.next_batch(30), running.next_batch(30)
     assert a.sources == b.sources and np.array_equal(a.tokens, b.tokens)
+
+
+def pfair_by_hand(weights: list[float], rows: int) -> list[int]:
+    """The draw's rule, row by row in exact fractions: among the sources whose next turn is released
+    (count / share <= row), the one due first (ceil((count + 1) / share)), ties to the lower index."""
+    shares = [Fraction(w) / sum(map(Fraction, weights)) for w in weights]
+    counts, picks = [0] * len(weights), []
+    for row in range(rows):
+        ready = [i for i, p in enumerate(shares) if math.floor(counts[i] / p) <= row]
+        best = min(ready, key=lambda i: (math.ceil((counts[i] + 1) / shares[i]), i))
+        counts[best] += 1
+        picks.append(best)
+    return picks
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [[0.5, 0.3, 0.2], [1, 1, 1], [0.7, 0.2, 0.1], [0.9, 0.05, 0.05], [28, 20, 19, 14], [3, 0.7, 1e-3, 0.25, 1 / 3]]
+    + [np.random.default_rng(n).random(n).tolist() for n in (2, 3, 3, 3, 4, 6, 6, 8)],
+)
+def test_the_draw_made_a_block_at_a_time_is_the_rule_row_by_row(weights):
+    """Blocks sorted by due turn (late turns swapped or walked), or row by row where the shares are too large
+    for int64, from wherever the rows before left the counts."""
+    exact = [Fraction(w) for w in weights]
+    scale = math.lcm(*(w.denominator for w in exact))
+    shares = [int(w * scale) for w in exact]
+    size, rows = draw.block(shares, sum(shares)), 3000
+    counts, picks = [0] * len(weights), []
+    while len(picks) < rows:
+        found = draw.ahead(shares, sum(shares), counts, len(picks), 37, size).tolist()
+        counts = [c + found.count(i) for i, c in enumerate(counts)]
+        picks += found
+    assert picks[:rows] == pfair_by_hand(weights, rows)

@@ -7,13 +7,15 @@ descriptors for 2,000 files (`ulimit -n 1024` refuses them) and past the kernel'
 Here a file is mapped when a batch first reads it, and the least recently read is dropped once
 OPEN_FILES are mapped; sizes are checked against meta up front, with stat alone.
 
-Windows: window i starts at token i*seq_len (in a Mixture's files joined, from its source's first
-token), so a file's windows are the rows of a strided view of its tokens (row stride seq_len, row length
-seq_len + 1) and a batch is one row gather per file it touches, each into its rows of the batch (one
-searchsorted and one argsort group them): a gather is 2.4x the rate of a fancy-index gather of every
-token (26,000 against 11,000 batches of 64 x 513 a second), and each more file a batch touches costs
-~5 us (a gather and a scatter of its rows: 7 files 59 us a batch, one 27 us). Token maps are
-madvise(MADV_RANDOM): a window faults in its own pages, not the kernel's 128 KB readahead around each.
+Windows: one row gather a batch, whatever files it reads. The span is a view (as_strided) of the tokens
+from the lowest mapped file's first token to the highest's last, through whatever lies between the maps;
+its rows are the seq_len + 1 tokens from each token on, and a window is row (its file's place in the span
++ its start in the file). Only rows that lie wholly in a mapped file are read, under the lock that drops
+maps, so nothing between the maps is touched: a window across a file's end (a few per file) is read piece
+by piece, and a batch over files not mapped maps them, OPEN_FILES at a time. A batch of 7 files costs a
+few numpy calls more than one of one file (49 us against 33), where a gather and a scatter per file
+cost ~5 us each (68 us). Token maps are madvise(MADV_RANDOM): a window faults in its own pages, not the
+kernel's 128 KB readahead around each.
 
 Document ends: a binary search of an .idx probes ~log2(documents) entries; cold, each new page it
 touches is a read (2-4 a search beyond the window's own, measured at issue 28). For a file of more
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import mmap
 import threading
-from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -43,12 +45,25 @@ MERGED = 1 << 21  # a split of at most this many documents keeps their ends in m
 SMALL = 64 * SPARSE  # an .idx of at most 64 pages is searched whole: ~5 us a batch against ~30 us by blocks
 SUB_BLOCKS = np.arange(1, 8) * (SPARSE // 8) - 1  # the last end of each sub-block of a block but the last
 IN_SUB_BLOCK = np.arange(SPARSE // 8 - 1)
+UNMAPPED = -(1 << 62)  # a file's shift while it is not mapped: its windows' rows come out negative
+
+
+@dataclass(frozen=True)
+class Span:
+    """The tokens from the lowest mapped file's first to the highest's last, whatever lies between the maps: a
+    view made with as_strided from `file`'s array (which keeps that map), read only where a mapped file lies."""
+
+    file: int
+    low: int  # its first and past its last address
+    high: int
+    tokens: np.ndarray
+    rows: dict  # seq_len -> its windows from every token on
 
 
 class TokenFiles:
     """The token files of a split (or of one group of it), in order, read as one stream of tokens."""
 
-    def __init__(self, entries: list[tuple[Path, Path, int, int]], dtype: np.dtype, origins=None):
+    def __init__(self, entries: list[tuple[Path, Path, int, int]], dtype: np.dtype):
         self.dtype = np.dtype(dtype)
         for bin_path, idx_path, tokens, documents in entries:
             _check_size(bin_path, tokens * self.dtype.itemsize, f"{tokens:,} tokens of {self.dtype.itemsize} bytes")
@@ -56,42 +71,75 @@ class TokenFiles:
         self.entries = entries
         self.paths = [(bin_path, idx_path) for bin_path, idx_path, _, _ in entries]
         self.starts = np.cumsum([0] + [tokens for _, _, tokens, _ in entries])  # one entry per file
+        self.ends = self.starts[1:]  # where each file's tokens end in the stream
         self.tokens = int(self.starts[-1])
         self.documents = sum(documents for _, _, _, documents in entries)
-        # Where the windows of each file's stream start: 0, or in a Mixture's joined files, its source's first token.
-        self.origins = np.zeros(len(entries), np.int64) if origins is None else np.asarray(origins, np.int64)
-        self._open: OrderedDict[int, tuple[np.ndarray, np.ndarray, dict]] = OrderedDict()
+        self._open: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # file -> its tokens and ends, mapped
+        self._used = np.zeros(len(entries), np.int64)  # when each file was last read: the least recent is dropped
+        self._reads = 0
+        self._shift = np.full(len(entries), UNMAPPED)  # a token's row in the span less its place in the stream
+        self._span: Span | None = None
         self._sparse: dict[int, np.ndarray] = {}  # kept when the file's maps are dropped
-        self._grid: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # per seq_len: each file's first window, count
         self._merged: np.ndarray | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the maps and the span change under it, and windows are read under it
 
     @classmethod
     def joined(cls, parts: list[TokenFiles]) -> TokenFiles:
-        """The files of several streams one after another, each stream's windows counted from its first token."""
-        bases = np.cumsum([0] + [part.tokens for part in parts[:-1]])
-        origins = np.concatenate([np.full(len(part), base) for part, base in zip(parts, bases)])
-        return cls([e for part in parts for e in part.entries], parts[0].dtype, origins)
+        """The files of several streams one after another."""
+        return cls([e for part in parts for e in part.entries], parts[0].dtype)
 
     def __len__(self) -> int:
         return len(self.paths)
 
-    def _file(self, f: int) -> tuple[np.ndarray, np.ndarray, dict]:
-        """File f's tokens, document ends and its windows' strided views by seq_len, mapped (the least
-        recently read file's maps dropped)."""
+    def _file(self, f: int) -> tuple[np.ndarray, np.ndarray]:
+        """File f's tokens and document ends, mapped."""
         with self._lock:
-            if f in self._open:
-                self._open.move_to_end(f)
-                return self._open[f]
+            return self._mapped(f)
+
+    def _mapped(self, f: int) -> tuple[np.ndarray, np.ndarray]:
+        """Under the lock: file f mapped (the least recently read file's maps dropped once OPEN_FILES are), and
+        placed in the span."""
+        self._reads += 1
+        self._used[f] = self._reads
+        if f in self._open:
+            return self._open[f]
+        if len(self._open) >= OPEN_FILES:
+            self._drop(min(self._open, key=self._used.__getitem__))
         bin_path, idx_path = self.paths[f]
-        tokens, ends = _map(bin_path, self.dtype, random=True), _map(idx_path, IDX_DTYPE)
-        sparse = _sparse_ends(idx_path, len(ends)) if len(ends) > SMALL and f not in self._sparse else None
-        with self._lock:
-            self._sparse.setdefault(f, sparse)
-            mapped = self._open[f] = tokens, ends, {}
-            while len(self._open) > OPEN_FILES:
-                self._open.popitem(last=False)  # its maps close with their last reference
+        tokens, ends = mapped = _map(bin_path, self.dtype, random=True), _map(idx_path, IDX_DTYPE)
+        if f not in self._sparse:
+            self._sparse[f] = _sparse_ends(idx_path, len(ends)) if len(ends) > SMALL else None
+        self._open[f] = mapped
+        if len(tokens):  # an empty file holds no window: it has no place in the span
+            address = tokens.ctypes.data
+            span = self._span
+            if span is None or not (span.low <= address and address + tokens.nbytes <= span.high):
+                self._respan()
+            else:
+                self._shift[f] = (address - span.low) // self.dtype.itemsize - self.starts[f]
         return mapped
+
+    def _drop(self, f: int) -> None:
+        """Under the lock: file f's maps dropped (they close with their last reference)."""
+        del self._open[f]
+        self._shift[f] = UNMAPPED
+        if self._span is not None and self._span.file == f:  # the span holds its map: made again without it
+            self._respan()
+
+    def _respan(self) -> None:
+        """Under the lock: the span made again over every mapped file's tokens, and their places in it."""
+        self._shift[:] = UNMAPPED
+        mapped = {f: tokens.ctypes.data for f, (tokens, _) in self._open.items() if len(tokens)}
+        if not mapped:
+            self._span = None
+            return
+        first = min(mapped, key=mapped.get)
+        low, step = mapped[first], self.dtype.itemsize
+        high = max(address + self._open[f][0].nbytes for f, address in mapped.items())
+        tokens = np.lib.stride_tricks.as_strided(self._open[first][0], ((high - low) // step,), (step,))
+        self._span = Span(first, low, high, tokens, {})
+        for f, address in mapped.items():
+            self._shift[f] = (address - low) // step - self.starts[f]
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of the stream, across files where they cross from one into the next."""
@@ -117,47 +165,46 @@ class TokenFiles:
         groups = list(zip(files.tolist(), np.split(order, cuts[1:])))
         return groups, np.flatnonzero(first != last)
 
-    def grid(self, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-        """Per file, where its first window starts (windows start every seq_len from its stream's origin) and
-        how many windows lie wholly inside it."""
-        if seq_len not in self._grid:
-            first = self.origins - (self.origins - self.starts[:-1]) // seq_len * seq_len
-            self._grid[seq_len] = first, np.maximum(self.starts[1:] - first - 1, 0) // seq_len
-        return self._grid[seq_len]
-
     def windows(self, starts: np.ndarray, seq_len: int) -> np.ndarray:
-        """The seq_len + 1 tokens from each of `starts` (window starts), as an int64 (B, seq_len + 1): one
-        row gather per file the batch touches, each into its rows of the batch."""
-        first, counts = self.grid(seq_len)
-        if len(self.paths) == 1:
-            return self._view(0, seq_len)[(starts - int(first[0])) // seq_len].astype(np.int64)
+        """The seq_len + 1 tokens from each of `starts`, as an int64 (B, seq_len + 1): one row gather from the
+        span, when every file the batch reads lies in it."""
+        if not len(starts):
+            return np.zeros((0, seq_len + 1), np.int64)
+        if len(self.paths) == 1:  # a valid window lies in the file
+            with self._lock:
+                self._mapped(0)
+                return self._rows(seq_len)[starts].astype(np.int64)
+        f = np.searchsorted(self.ends, starts, side="right")
+        inside = self.ends[f] - starts > seq_len
+        if inside.all():
+            with self._lock:
+                rows = starts + self._shift[f]
+                if rows.min() >= 0:  # every file mapped
+                    self._reads += 1
+                    self._used[f] = self._reads
+                    return self._rows(seq_len)[rows].astype(np.int64)
         out = np.empty((len(starts), seq_len + 1), dtype=np.int64)
-        f = np.searchsorted(self.starts, starts, side="right") - 1
-        row = (starts - first[f]) // seq_len
-        f[row >= counts[f]] = -1  # a window across a file's end (a few per file): read piece by piece
-        order = np.argsort(f, kind="stable")
-        files, row = f[order], row[order]
-        cuts = [0, *(np.flatnonzero(files[1:] != files[:-1]) + 1).tolist(), len(starts)]
-        for a, b in zip(cuts[:-1], cuts[1:]):
-            if b == a:  # no rows
-                continue
-            if files[a] >= 0:
-                out[order[a:b]] = self._view(int(files[a]), seq_len)[row[a:b]]
-                continue
-            for r in order[a:b].tolist():
-                out[r] = self.read(int(starts[r]), int(starts[r]) + seq_len + 1)
+        for row in np.flatnonzero(~inside).tolist():  # a window across a file's end (a few per file): piece by piece
+            out[row] = self.read(int(starts[row]), int(starts[row]) + seq_len + 1)
+        inside = np.flatnonzero(inside)
+        files = np.unique(f[inside])
+        for first in range(0, len(files), OPEN_FILES):  # OPEN_FILES mapped at a time
+            some = files[first : first + OPEN_FILES]
+            rows = inside[np.isin(f[inside], some)]
+            with self._lock:
+                for g in some.tolist():
+                    self._mapped(g)
+                out[rows] = self._rows(seq_len)[starts[rows] + self._shift[f[rows]]]
         return out
 
-    def _view(self, f: int, seq_len: int) -> np.ndarray:
-        """File f's windows: the rows of a strided view of its tokens (made once per map: as_strided costs ~7 us)."""
-        tokens, _, views = self._file(f)
-        if seq_len not in views:
-            first, counts = self.grid(seq_len)
-            skip, step = int(first[f] - self.starts[f]), tokens.itemsize
-            views[seq_len] = np.lib.stride_tricks.as_strided(
-                tokens[skip:], (int(counts[f]), seq_len + 1), (seq_len * step, step)
-            )
-        return views[seq_len]
+    def _rows(self, seq_len: int) -> np.ndarray:
+        """Under the lock: the span's windows of seq_len + 1 tokens from every token on, row r from its token r
+        (made once per span: as_strided costs ~7 us)."""
+        span, step = self._span, self.dtype.itemsize
+        if seq_len not in span.rows:
+            shape = (max(len(span.tokens) - seq_len, 0), seq_len + 1)
+            span.rows[seq_len] = np.lib.stride_tricks.as_strided(span.tokens, shape, (step, step))
+        return span.rows[seq_len]
 
     def doc_starts(self, starts: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
         """Where documents start in the seq_len + 1 tokens from each of `starts`, as (offsets, bounds): row

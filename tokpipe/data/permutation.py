@@ -47,7 +47,7 @@ class Permutation:
         self.shift = np.uint64(bits // 2)  # the low half's bits
         self.low_mask = np.uint64((1 << (bits // 2)) - 1)
         self.high_mask = np.uint64((1 << (bits - bits // 2)) - 1)
-        self.keys = np.frombuffer(_round_keys(self.seed), dtype="<u8").astype(np.uint64)
+        self.keys = np.frombuffer(_round_keys([self.seed]), dtype="<u8").astype(np.uint64)
         self._table = None  # of a small n (bits <= TABLE_BITS): the rounds' functions, made on the first lookup
         self._key_pairs = tuple(zip(self.keys[0::2].tolist(), self.keys[1::2].tolist()))  # the scalar path's
 
@@ -116,7 +116,7 @@ class Permutation:
         power of 2 times len(seeds) a few 10^4 at most): every value of range(2**b) through each seed's
         tables (_tables), then the values at n or above walk on by lookups in the result."""
         p = cls(n, 0)
-        keys = np.frombuffer(b"".join(map(_round_keys, seeds)), dtype="<u8").reshape(len(seeds), ROUNDS)
+        keys = np.frombuffer(_round_keys(seeds), dtype="<u8").reshape(len(seeds), ROUNDS)
         domain = np.tile(np.arange(1 << p.bits, dtype=np.int64), (len(seeds), 1))
         encrypted = p._through(p._tables(keys), domain).reshape(-1)
         images = encrypted.reshape(len(seeds), -1)[:, :n].copy()
@@ -157,5 +157,12 @@ class Permutation:
         return f"Permutation({self.n}, seed={self.seed})"
 
 
-def _round_keys(seed: int) -> bytes:
-    return hashlib.blake2b(f"tokpipe.data.Permutation {seed}".encode(), digest_size=8 * ROUNDS).digest()
+def _round_keys(seeds: list[int]) -> bytes:
+    """Each seed's round keys, one after another: the blake2b of "tokpipe.data.Permutation {seed}", its common
+    prefix hashed once."""
+    prefix, keys = hashlib.blake2b(b"tokpipe.data.Permutation ", digest_size=8 * ROUNDS), []
+    for seed in seeds:
+        digest = prefix.copy()
+        digest.update(b"%d" % seed)
+        keys.append(digest.digest())
+    return b"".join(keys)
