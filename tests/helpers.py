@@ -276,6 +276,22 @@ def tokpipe(
     return subprocess.run(_cli(args), cwd=cwd, capture_output=True, text=True, timeout=timeout, env=_env(ray))
 
 
+def cli(*args) -> subprocess.CompletedProcess:
+    """The CLI in this process, for a refusal or a reader where no process boundary is under test: tokpipe.cli's
+    parser and its command, stdout, stderr and the exit code captured as `tokpipe` captures them, ~1 CPU-s less
+    than a process of its own (Python, imports, the tokenizer loaded again). Not for a run that tokenizes: that
+    is a process of its own, as a user's is (and cli.main ends the process after a run)."""
+    from tokpipe import cli as command_line
+
+    argv, stdout, stderr = list(map(str, args)), io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            code = command_line._command(command_line.parser().parse_args(argv))
+        except SystemExit as e:  # argparse's usage errors, --help, --version
+            code = e.code or 0
+    return subprocess.CompletedProcess(argv, code, stdout.getvalue(), stderr.getvalue())
+
+
 def _cli(args) -> list[str]:
     return [sys.executable, "-m", "tokpipe.cli", *map(str, args)]
 

@@ -19,6 +19,7 @@ from helpers import (
     VAL_DOCUMENTS,
     Crash,
     assert_out_is,
+    cli,
     crash_in_batch,
     kill_9,
     read_all,
@@ -225,7 +226,7 @@ def test_kill_9_mid_file_at_one_worker_then_two_workers_gives_identical_bytes(
     parquet_copy, tmp_path, example_reference, ray_address
 ):
     manifest, out = tmp_path / "m.json", tmp_path / "out"
-    assert tokpipe("manifest", "--dataset-dir", parquet_copy, "-o", manifest).returncode == 0
+    assert cli("manifest", "--dataset-dir", parquet_copy, "-o", manifest).returncode == 0
     # --shard-buffer 0: the shard writes its own files as it goes, checkpointed: the kill lands mid-file after one.
     extra = ("--checkpoint-interval", "0.2", "--shard-buffer", "0", "--backend", "hf")
     proc = start(manifest, out, "--workers", "1", *extra, ray=ray_address)
@@ -243,14 +244,14 @@ def test_kill_9_mid_file_at_one_worker_then_two_workers_gives_identical_bytes(
     rerun = tokpipe(*run_args(manifest, out, "--workers", "2"))
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert_out_is(out, example_reference)
-    assert tokpipe("verify", out, "--sample", "50").returncode == 0
+    assert cli("verify", out, "--sample", "50").returncode == 0
 
 
 def test_a_cut_parquet_shard_fails_by_name_and_skip_failed_finalizes_without_it(parquet_copy, tmp_path):
     cut = parquet_copy / "data" / "train-00001-of-00002.parquet"
     cut.write_bytes(cut.read_bytes()[: cut.stat().st_size * 6 // 10])
     manifest, out = tmp_path / "m.json", tmp_path / "out"
-    assert tokpipe("manifest", "--dataset-dir", parquet_copy, "-o", manifest).returncode == 0
+    assert cli("manifest", "--dataset-dir", parquet_copy, "-o", manifest).returncode == 0
     failing = tokpipe(*run_args(manifest, out))
     assert failing.returncode == 1 and "Traceback" not in failing.stderr
     assert (

@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import EXAMPLE_CACHE, QWEN3, assert_out_is, run_args, tokpipe
+from helpers import EXAMPLE_CACHE, QWEN3, assert_out_is, cli, run_args, tokpipe
 
 from tokpipe.manifest import build_manifest, write_manifest
 
@@ -59,7 +59,7 @@ def test_a_kill_9_at_each_step_of_placing_a_buffered_shard_loses_nothing(tmp_pat
     assert "tokenizing again" not in rerun.stdout  # no token that was on disk is lost
     assert_out_is(out, example_reference)
     assert not [p for p in (out / "shards").rglob("*") if p.suffix in (".bin", ".idx")]
-    assert tokpipe("verify", out).returncode == 0
+    assert cli("verify", out).returncode == 0
 
 
 def test_a_buffered_part_is_written_at_its_offset_and_its_checkpoint_after(tmp_path):

@@ -34,6 +34,7 @@ from helpers import (
     VAL_DOCUMENTS,
     assert_out_is,
     checkpoints,
+    cli,
     held_out,
     kill_9,
     parent_pid,
@@ -87,7 +88,7 @@ def test_kill_9_of_the_whole_run_at_random_moments_with_changing_workers(dataset
     assert done + partial > 0  # it resumed from what the killed runs left
     assert re.search(f"^{EMBEDDED_RAY_2_WORKERS}$", final.stdout, re.M), final.stdout
     assert_out_is(out, expected)
-    assert tokpipe("verify", out).returncode == 0
+    assert cli("verify", out).returncode == 0
 
 
 def test_kill_9_while_split_files_are_assembled_then_rerun_gives_the_same_bytes(
@@ -103,7 +104,7 @@ def test_kill_9_while_split_files_are_assembled_then_rerun_gives_the_same_bytes(
     rerun = tokpipe(*run_args(manifest, out, "--workers", "2"))
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert_out_is(out, example_reference)
-    assert tokpipe("verify", out).returncode == 0
+    assert cli("verify", out).returncode == 0
 
 
 def test_val_fraction_gives_the_same_val_bin_at_any_workers_with_a_kill_9_between(manifest, tmp_path, ray_address):
@@ -132,7 +133,7 @@ def test_val_fraction_gives_the_same_val_bin_at_any_workers_with_a_kill_9_betwee
     assert (
         splits["train"]["documents"] + splits["validation"]["documents"] == TRAIN_DOCUMENTS + VAL_DOCUMENTS
     )  # every document read, once
-    assert tokpipe("verify", out).returncode == 0
+    assert cli("verify", out).returncode == 0
 
 
 def test_killed_finalize_is_redone_from_the_shards(out, example_reference):
@@ -147,7 +148,7 @@ def test_killed_finalize_is_redone_from_the_shards(out, example_reference):
     assert "ray:" not in result.stdout  # every shard was done: finalize only, nothing tokenized again
     assert_out_is(out, example_reference)
     assert not (out / "train.bin.tmp").exists()
-    assert tokpipe("verify", out).returncode == 0
+    assert cli("verify", out).returncode == 0
 
 
 def test_a_split_file_damaged_after_its_shards_were_removed_is_tokenized_again(out, example_reference):
@@ -164,7 +165,7 @@ def test_a_split_file_damaged_after_its_shards_were_removed_is_tokenized_again(o
     )
     assert_out_is(out, example_reference)
     assert not (out / "train.bin.tmp").exists()
-    assert tokpipe("verify", out).returncode == 0
+    assert cli("verify", out).returncode == 0
 
 
 def _unlist_all_but_the_first_train_part(out: Path) -> None:
@@ -184,7 +185,7 @@ def test_parts_placed_but_not_listed_when_the_run_stopped_are_kept_by_their_chec
     assert result.returncode == 0, result.stderr
     assert "tokenizing again" not in result.stdout and "ray:" not in result.stdout  # nothing tokenized again
     assert_out_is(out, example_reference)
-    assert tokpipe("verify", out).returncode == 0
+    assert cli("verify", out).returncode == 0
 
 
 def test_an_unlisted_part_whose_bytes_do_not_match_its_checksum_is_tokenized_again(out, example_reference):
@@ -322,7 +323,7 @@ def test_group_by_kill_9_mid_shard_then_rerun_gives_each_groups_reference_files(
             expected |= {f"{stem}/{group}.bin", f"{stem}/{group}.idx"}
     token_files = {str(p.relative_to(out)) for p in out.rglob("*") if p.suffix in (".bin", ".idx", ".tmp")}
     assert token_files == expected  # no shard's part left, no file of an earlier attempt
-    assert tokpipe("verify", out).returncode == 0
+    assert cli("verify", out).returncode == 0
 
 
 def test_a_document_too_long_for_the_backend_sample_is_passed_over_in_one_line_and_written_exactly(tmp_path):
