@@ -331,6 +331,45 @@ def start(manifest, out, *extra, ray: str | None = None) -> subprocess.Popen:
     return proc
 
 
+# A `tokpipe run` that kills itself (SIGKILL, as `kill -9` does) at the n-th call of a function of tokpipe's
+# (argv: module.function or module.Class.method, n, batch bytes or 0, then the CLI's arguments): a point in
+# the code, not a moment on a clock, so the kill lands there however fast or loaded the machine, with the fast
+# backend. The driver tokenizes alone (Ray never starts): every shard is read, encoded and placed in this one
+# process, shard after shard in manifest order. Batch bytes (not a CLI option): a shard in several batches.
+KILLED_RUN = """
+import dataclasses, importlib, os, signal, sys
+import tokpipe.runner.driver
+from tokpipe.options import RunOptions
+tokpipe.runner.driver.EAGER_RAY_BYTES = tokpipe.runner.driver.LOCAL_SECONDS = float("inf")  # no Ray
+target, call, batch_bytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+try:
+    owner_name, attr = target.rsplit(".", 1)
+    owner = importlib.import_module(owner_name)
+except ImportError:
+    module_name, cls, attr = target.rsplit(".", 2)
+    owner = getattr(importlib.import_module(module_name), cls)
+original, calls = getattr(owner, attr), []
+def killing(*args, **kw):
+    calls.append(1)
+    if len(calls) == call:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return original(*args, **kw)
+setattr(owner, attr, killing)
+if batch_bytes:
+    encode_spec = RunOptions.encode_spec
+    RunOptions.encode_spec = lambda *a, **kw: dataclasses.replace(encode_spec(*a, **kw), batch_bytes=batch_bytes)
+from tokpipe import cli
+cli.main(sys.argv[4:])
+"""
+
+
+def killed_run(target: str, call: int, manifest, out, *extra, batch_bytes: int = 0) -> None:
+    """`tokpipe run` (run_args) killed by SIGKILL at the `call`-th call of `target` (KILLED_RUN)."""
+    args = [target, call, batch_bytes, *run_args(manifest, out, *extra)]
+    killed = subprocess.run([sys.executable, "-c", KILLED_RUN, *map(str, args)], capture_output=True, text=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+
+
 def _hears_ctrl_c() -> None:
     # As a terminal's foreground job does. A shell starts a background job (`&` in a script, nohup) with
     # SIGINT ignored and children inherit that: a suite started so would run tokpipe deaf to its Ctrl-C.

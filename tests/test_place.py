@@ -2,13 +2,10 @@
 .parts; a kill -9 of the run at each of those steps loses nothing, and a rerun keeps what is in place."""
 
 import re
-import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from helpers import EXAMPLE_CACHE, QWEN3, assert_out_is, cli, run_args, tokpipe
+from helpers import EXAMPLE_CACHE, assert_out_is, cli, killed_run, run_args, tokpipe
 
 from tokpipe.manifest import build_manifest, write_manifest
 
@@ -22,36 +19,13 @@ KILL_POINTS = {
     "after its checkpoint, before its line in .parts": ("tokpipe.assembly.Assembler.placed", 1, 1),
 }
 
-KILLED_RUN = """
-import importlib, os, signal, sys
-import tokpipe.runner.driver
-tokpipe.runner.driver.EAGER_RAY_BYTES = tokpipe.runner.driver.LOCAL_SECONDS = float("inf")  # no Ray
-module_name, _, attr = sys.argv[2].rpartition(".")
-owner_name, _, cls = module_name.rpartition(".") if module_name.endswith("Assembler") else ("", "", "")
-owner = getattr(importlib.import_module(owner_name), cls) if cls else importlib.import_module(module_name)
-original, calls = getattr(owner, attr), []
-def killing(*args, **kw):
-    calls.append(1)
-    if len(calls) == int(sys.argv[3]):
-        os.kill(os.getpid(), signal.SIGKILL)
-    return original(*args, **kw)
-setattr(owner, attr, killing)
-import tokpipe
-tokpipe.run(sys.argv[1], sys.argv[4], sys.argv[5])
-"""
-
 
 @pytest.mark.parametrize("point", KILL_POINTS)
 def test_a_kill_9_at_each_step_of_placing_a_buffered_shard_loses_nothing(tmp_path, example_reference, point):
     target, call, done = KILL_POINTS[point]
     manifest, out = tmp_path / "m.json", tmp_path / "out"
     write_manifest(build_manifest(EXAMPLE_CACHE), manifest)
-    killed = subprocess.run(
-        [sys.executable, "-c", KILLED_RUN, str(manifest), target, str(call), str(QWEN3), str(out)],
-        capture_output=True,
-        text=True,
-    )
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    killed_run(target, call, manifest, out)
     assert not list((out / "shards").rglob("*.bin"))  # the shards buffered: no token written but into place
     rerun = tokpipe(*run_args(manifest, out))
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr

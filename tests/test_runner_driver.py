@@ -37,6 +37,7 @@ from helpers import (
     cli,
     held_out,
     kill_9,
+    killed_run,
     parent_pid,
     reference_by_group,
     reference_ids,
@@ -91,15 +92,12 @@ def test_kill_9_of_the_whole_run_at_random_moments_with_changing_workers(dataset
     assert cli("verify", out).returncode == 0
 
 
-def test_kill_9_while_split_files_are_assembled_then_rerun_gives_the_same_bytes(
-    manifest, tmp_path, example_reference, ray_address
-):
+def test_kill_9_while_split_files_are_assembled_then_rerun_gives_the_same_bytes(manifest, tmp_path, example_reference):
     out = tmp_path / "out"
-    listed = out / "train.parts.tmp"
-    proc = start(manifest, out, "--workers", "1", "--checkpoint-interval", "0.2", *HF, ray=ray_address)
-    # One shard at a time: the first train shard is copied into train.bin.tmp while the next one tokenizes.
-    wait_for(lambda: (listed.exists() and listed.stat().st_size > 0) or proc.poll() is not None)
-    kill_9(proc)
+    # Killed as the second train shard is to be listed: the first is in train.bin.tmp and listed in
+    # train.parts.tmp, the second placed after it.
+    killed_run("tokpipe.assembly.Assembler.placed", 2, manifest, out, "--workers", "1")
+    assert (out / "train.parts.tmp").stat().st_size > 0
     assert not (out / "meta.json").exists() and (out / "train.bin.tmp").stat().st_size > 0
     rerun = tokpipe(*run_args(manifest, out, "--workers", "2"))
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
@@ -107,13 +105,12 @@ def test_kill_9_while_split_files_are_assembled_then_rerun_gives_the_same_bytes(
     assert cli("verify", out).returncode == 0
 
 
-def test_val_fraction_gives_the_same_val_bin_at_any_workers_with_a_kill_9_between(manifest, tmp_path, ray_address):
+def test_val_fraction_gives_the_same_val_bin_at_any_workers_with_a_kill_9_between(manifest, tmp_path):
     out = tmp_path / "out"
-    proc = start(
-        manifest, out, "--workers", "1", "--val-fraction", "0.05", "--checkpoint-interval", "0.2", *HF, ray=ray_address
-    )
-    wait_for(lambda: any(c["documents"] for c in checkpoints(out)) or proc.poll() is not None)
-    kill_9(proc)
+    # Killed as the second shard's checkpoint is to be written: the first train shard's is (its documents
+    # placed in train and val), the second's tokens are in place.
+    killed_run("tokpipe.place.write_json_atomic", 2, manifest, out, "--workers", "1", "--val-fraction", "0.05")
+    assert any(c["documents"] for c in checkpoints(out))
     assert not (out / "meta.json").exists()
     rerun = tokpipe(*run_args(manifest, out, "--workers", "2", "--val-fraction", "0.05"))
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
@@ -302,16 +299,28 @@ def test_a_run_the_driver_finishes_alone_never_imports_ray(tmp_path):
     assert result.stdout.splitlines()[-1] == "True False", result.stdout + result.stderr
 
 
-def test_group_by_kill_9_mid_shard_then_rerun_gives_each_groups_reference_files(manifest, tmp_path, ray_address):
+def test_group_by_kill_9_mid_shard_then_rerun_gives_each_groups_reference_files(manifest, tmp_path):
     """--group-by: a kill -9 while a shard has written parts of some groups (one begun after its last
     checkpoint, maybe) and a rerun leave each group's file equal to the reference, and nothing else."""
     out = tmp_path / "out"
-    extra = ("--group-by", GROUP_FIELD, "--checkpoint-interval", "0.2")
+    extra = ("--group-by", GROUP_FIELD, "--checkpoint-interval", "0.2")  # the rerun's
     # --shard-buffer 0: a shard's parts go to its own files as it goes, checkpointed (as one past its buffer).
-    proc = start(manifest, out, "--workers", "1", *extra, "--shard-buffer", "0", *HF, ray=ray_address)
-    wait_for(lambda: any(c["groups"] and not c["done"] for c in checkpoints(out)) or proc.poll() is not None)
-    time.sleep(random.uniform(0, 0.4))
-    kill_9(proc)
+    # Batches of 64 KiB and a checkpoint after each (the interval a microsecond): killed as the first shard's
+    # third checkpoint is to be written, its second written, the third batch's tokens beyond it.
+    mid_shard = ("--checkpoint-interval", "0.000001", "--shard-buffer", "0")
+    killed_run(
+        "tokpipe.shard.write_json_atomic",
+        3,
+        manifest,
+        out,
+        "--workers",
+        "1",
+        "--group-by",
+        GROUP_FIELD,
+        *mid_shard,
+        batch_bytes=64 << 10,
+    )
+    assert any(c["groups"] and not c["done"] for c in checkpoints(out))
     assert not (out / "meta.json").exists()
     rerun = tokpipe(*run_args(manifest, out, "--workers", "2", *extra))
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
