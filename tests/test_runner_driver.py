@@ -3,11 +3,13 @@ are assembled, during finalize), a full disk, a Ray node lost mid-run and a Ctrl
 the rerun of the same command resumes and ends at the reference, tokenizing again only what it must (a split
 file damaged after its shards' own files were removed).
 
-Every test here really does the thing: kill -9 of process groups, a full tmpfs, a Ray node removed.
-The slow runs that are killed mid-shard join the session's Ray (the `ray_address` fixture), except where
-Ray's own start is part of what is tested: the kills at random moments (the first during start-up), Ctrl-C,
-and a cluster of two nodes. Reruns and small runs go as a user's do: the example is tokenized by the driver
-before a Ray of its own would be up, and joining one would make them slower (2.8 s alone, 8.2 s joined).
+Every test here really does the thing: kill -9, a full tmpfs, a Ray node removed. A kill at a point of the
+run (mid-shard, while the split files are assembled) is a SIGKILL at the n-th call of a function of tokpipe's
+(helpers.killed_run), the driver alone with the fast backend: it lands there however loaded the machine.
+Where Ray's own start is part of what is tested (the kills at random moments, the first during start-up;
+Ctrl-C; a cluster of two nodes) the run is stopped at a moment, on the slow reference encoder, with a Ray of
+its own. Reruns and small runs go as a user's do: the example is tokenized by the driver before a Ray of its
+own would be up, and joining one would make them slower (2.8 s alone, 8.2 s joined).
 """
 
 import json
