@@ -363,9 +363,9 @@ cli.main(sys.argv[4:])
 """
 
 
-def killed_run(target: str, call: int, manifest, out, *extra, batch_bytes: int = 0) -> None:
+def killed_run(target: str, call: int, manifest, out, *extra, batch_bytes: int = 0, tokenizer=QWEN3) -> None:
     """`tokpipe run` (run_args) killed by SIGKILL at the `call`-th call of `target` (KILLED_RUN)."""
-    args = [target, call, batch_bytes, *run_args(manifest, out, *extra)]
+    args = [target, call, batch_bytes, *run_args(manifest, out, *extra, tokenizer=tokenizer)]
     killed = subprocess.run([sys.executable, "-c", KILLED_RUN, *map(str, args)], capture_output=True, text=True)
     assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
 

@@ -221,22 +221,23 @@ def parquet_copy(tmp_path) -> Path:
 
 
 def test_kill_9_mid_file_at_one_worker_then_two_workers_gives_identical_bytes(
-    parquet_copy, tmp_path, example_reference
+    parquet_copy, tmp_path, small_tokenizer, small_reference
 ):
     manifest, out = tmp_path / "m.json", tmp_path / "out"
     assert cli("manifest", "--dataset-dir", parquet_copy, "-o", manifest).returncode == 0
     # --shard-buffer 0: the shard writes its own files as it goes, checkpointed: the kill lands mid-file after one.
     # Batches of 64 KiB and a checkpoint after each (the interval a microsecond): killed as the first shard's
     # second checkpoint is to be written, its first written, the second batch's tokens beyond it.
-    extra = ("--checkpoint-interval", "0.000001", "--shard-buffer", "0")
-    killed_run("tokpipe.shard.write_json_atomic", 2, manifest, out, "--workers", "1", *extra, batch_bytes=64 << 10)
+    extra = ("--workers", "1", "--checkpoint-interval", "0.000001", "--shard-buffer", "0")
+    step = ("tokpipe.shard.write_json_atomic", 2)
+    killed_run(*step, manifest, out, *extra, batch_bytes=64 << 10, tokenizer=small_tokenizer)
     assert any(
         0 < json.loads(p.read_text())["lines"] and not json.loads(p.read_text())["done"]
         for p in (out / "shards" / "train").glob("*.json")
     )
-    rerun = tokpipe(*run_args(manifest, out, "--workers", "2"))
+    rerun = tokpipe(*run_args(manifest, out, "--workers", "2", tokenizer=small_tokenizer))
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    assert_out_is(out, example_reference)
+    assert_out_is(out, small_reference)
     assert cli("verify", out, "--sample", "50").returncode == 0
 
 

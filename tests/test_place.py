@@ -9,10 +9,11 @@ from helpers import EXAMPLE_CACHE, assert_out_is, cli, killed_run, run_args, tok
 
 from tokpipe.manifest import build_manifest, write_manifest
 
-# Which call of what kills the run (its driver tokenizes the example alone, Ray never started: every placing
-# happens in that one process, shard after shard: train's two, then validation's), and how many shards the
-# rerun finds done: train's first when it was listed, or in place with its checkpoint but unlisted (kept by
-# its checksums); none when the kill came before its checkpoint (its bytes in place are written again).
+# Which call of what kills the run (with the 600-id tokenizer: placing, not Qwen3, is the subject; its driver
+# tokenizes the example alone, Ray never started: every placing happens in that one process, shard after shard:
+# train's two, then validation's), and how many shards the rerun finds done: train's first when it was listed,
+# or in place with its checkpoint but unlisted (kept by its checksums); none when the kill came before its
+# checkpoint (its bytes in place are written again).
 KILL_POINTS = {
     "while writing a part's tokens": ("tokpipe.place.write_at", 2, 1),
     "after its bytes are fsynced, before its checkpoint": ("tokpipe.place.write_json_atomic", 1, 0),
@@ -21,17 +22,19 @@ KILL_POINTS = {
 
 
 @pytest.mark.parametrize("point", KILL_POINTS)
-def test_a_kill_9_at_each_step_of_placing_a_buffered_shard_loses_nothing(tmp_path, example_reference, point):
+def test_a_kill_9_at_each_step_of_placing_a_buffered_shard_loses_nothing(
+    tmp_path, small_tokenizer, small_reference, point
+):
     target, call, done = KILL_POINTS[point]
     manifest, out = tmp_path / "m.json", tmp_path / "out"
     write_manifest(build_manifest(EXAMPLE_CACHE), manifest)
-    killed_run(target, call, manifest, out)
+    killed_run(target, call, manifest, out, tokenizer=small_tokenizer)
     assert not list((out / "shards").rglob("*.bin"))  # the shards buffered: no token written but into place
-    rerun = tokpipe(*run_args(manifest, out))
+    rerun = tokpipe(*run_args(manifest, out, tokenizer=small_tokenizer))
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert re.search(rf": 3 shards, .*; {done} done, 0 partial, {3 - done} to start$", rerun.stdout, re.M), rerun.stdout
     assert "tokenizing again" not in rerun.stdout  # no token that was on disk is lost
-    assert_out_is(out, example_reference)
+    assert_out_is(out, small_reference)
     assert not [p for p in (out / "shards").rglob("*") if p.suffix in (".bin", ".idx")]
     assert cli("verify", out).returncode == 0
 

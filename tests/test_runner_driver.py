@@ -5,7 +5,8 @@ file damaged after its shards' own files were removed).
 
 Every test here really does the thing: kill -9, a full tmpfs, a Ray node removed. A kill at a point of the
 run (mid-shard, while the split files are assembled) is a SIGKILL at the n-th call of a function of tokpipe's
-(helpers.killed_run), the driver alone with the fast backend: it lands there however loaded the machine.
+(helpers.killed_run), the driver alone with the fast backend and the 600-id tokenizer (Qwen3 is not their
+subject): it lands there however loaded the machine.
 Where Ray's own start is part of what is tested (the kills at random moments, the first during start-up;
 Ctrl-C; a cluster of two nodes) the run is stopped at a moment, on the slow reference encoder, with a Ray of
 its own. Reruns and small runs go as a user's do: the example is tokenized by the driver before a Ray of its
@@ -43,6 +44,7 @@ from helpers import (
     parent_pid,
     reference_by_group,
     reference_ids,
+    reference_tokenizer,
     reference_tokens,
     run_args,
     shard_workers,
@@ -94,39 +96,44 @@ def test_kill_9_of_the_whole_run_at_random_moments_with_changing_workers(dataset
     assert cli("verify", out).returncode == 0
 
 
-def test_kill_9_while_split_files_are_assembled_then_rerun_gives_the_same_bytes(manifest, tmp_path, example_reference):
+def test_kill_9_while_split_files_are_assembled_then_rerun_gives_the_same_bytes(
+    manifest, tmp_path, small_tokenizer, small_reference
+):
     out = tmp_path / "out"
     # Killed as the second train shard is to be listed: the first is in train.bin.tmp and listed in
     # train.parts.tmp, the second placed after it.
-    killed_run("tokpipe.assembly.Assembler.placed", 2, manifest, out, "--workers", "1")
+    killed_run("tokpipe.assembly.Assembler.placed", 2, manifest, out, "--workers", "1", tokenizer=small_tokenizer)
     assert (out / "train.parts.tmp").stat().st_size > 0
     assert not (out / "meta.json").exists() and (out / "train.bin.tmp").stat().st_size > 0
-    rerun = tokpipe(*run_args(manifest, out, "--workers", "2"))
+    rerun = tokpipe(*run_args(manifest, out, "--workers", "2", tokenizer=small_tokenizer))
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    assert_out_is(out, example_reference)
+    assert_out_is(out, small_reference)
     assert cli("verify", out).returncode == 0
 
 
-def test_val_fraction_gives_the_same_val_bin_at_any_workers_with_a_kill_9_between(manifest, tmp_path):
-    out = tmp_path / "out"
+def test_val_fraction_gives_the_same_val_bin_at_any_workers_with_a_kill_9_between(manifest, tmp_path, small_tokenizer):
+    out, options = tmp_path / "out", ("--val-fraction", "0.05")
     # Killed as the second shard's checkpoint is to be written: the first train shard's is (its documents
     # placed in train and val), the second's tokens are in place.
-    killed_run("tokpipe.place.write_json_atomic", 2, manifest, out, "--workers", "1", "--val-fraction", "0.05")
+    killed_run(
+        "tokpipe.place.write_json_atomic", 2, manifest, out, "--workers", "1", *options, tokenizer=small_tokenizer
+    )
     assert any(c["documents"] for c in checkpoints(out))
     assert not (out / "meta.json").exists()
-    rerun = tokpipe(*run_args(manifest, out, "--workers", "2", "--val-fraction", "0.05"))
+    rerun = tokpipe(*run_args(manifest, out, "--workers", "2", *options, tokenizer=small_tokenizer))
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    train, holdout, tokenizer = EXAMPLE_TRAIN_FILES, EXAMPLE_HOLDOUT_FILES, QWEN3 / "tokenizer.json"
+    train, holdout, tokenizer = EXAMPLE_TRAIN_FILES, EXAMPLE_HOLDOUT_FILES, small_tokenizer / "tokenizer.json"
+    eos = reference_tokenizer(tokenizer).token_to_id("<|endoftext|>")
     val = np.concatenate(
         [
-            reference_tokens(train, tokenizer, QWEN3_EOS, keep=held_out(0.05, True)),
-            reference_tokens(holdout, tokenizer, QWEN3_EOS),
+            reference_tokens(train, tokenizer, eos, np.uint16, keep=held_out(0.05, True)),
+            reference_tokens(holdout, tokenizer, eos, np.uint16),
         ]
     )
-    assert np.array_equal(np.fromfile(out / "val.bin", dtype=np.uint32), val)
+    assert np.array_equal(np.fromfile(out / "val.bin", dtype=np.uint16), val)
     assert np.array_equal(
-        np.fromfile(out / "train.bin", dtype=np.uint32),
-        reference_tokens(train, tokenizer, QWEN3_EOS, keep=held_out(0.05, False)),
+        np.fromfile(out / "train.bin", dtype=np.uint16),
+        reference_tokens(train, tokenizer, eos, np.uint16, keep=held_out(0.05, False)),
     )
     splits = json.loads((out / "meta.json").read_text())["splits"]
     assert (
@@ -301,7 +308,7 @@ def test_a_run_the_driver_finishes_alone_never_imports_ray(tmp_path):
     assert result.stdout.splitlines()[-1] == "True False", result.stdout + result.stderr
 
 
-def test_group_by_kill_9_mid_shard_then_rerun_gives_each_groups_reference_files(manifest, tmp_path):
+def test_group_by_kill_9_mid_shard_then_rerun_gives_each_groups_reference_files(manifest, tmp_path, small_tokenizer):
     """--group-by: a kill -9 while a shard has written parts of some groups (one begun after its last
     checkpoint, maybe) and a rerun leave each group's file equal to the reference, and nothing else."""
     out = tmp_path / "out"
@@ -321,16 +328,18 @@ def test_group_by_kill_9_mid_shard_then_rerun_gives_each_groups_reference_files(
         GROUP_FIELD,
         *mid_shard,
         batch_bytes=64 << 10,
+        tokenizer=small_tokenizer,
     )
     assert any(c["groups"] and not c["done"] for c in checkpoints(out))
     assert not (out / "meta.json").exists()
-    rerun = tokpipe(*run_args(manifest, out, "--workers", "2", *extra))
+    rerun = tokpipe(*run_args(manifest, out, "--workers", "2", *extra, tokenizer=small_tokenizer))
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    tokenizer = QWEN3 / "tokenizer.json"
+    tokenizer = small_tokenizer / "tokenizer.json"
+    eos = reference_tokenizer(tokenizer).token_to_id("<|endoftext|>")
     expected = set()
     for stem, files in (("train", EXAMPLE_TRAIN_FILES), ("val", EXAMPLE_HOLDOUT_FILES)):
-        for group, (tokens, _, _) in reference_by_group(files, tokenizer, GROUP_FIELD, QWEN3_EOS).items():
-            assert np.array_equal(np.fromfile(out / stem / f"{group}.bin", dtype=np.uint32), tokens), group
+        for group, (tokens, _, _) in reference_by_group(files, tokenizer, GROUP_FIELD, eos).items():
+            assert np.array_equal(np.fromfile(out / stem / f"{group}.bin", dtype=np.uint16), tokens), group
             expected |= {f"{stem}/{group}.bin", f"{stem}/{group}.idx"}
     token_files = {str(p.relative_to(out)) for p in out.rglob("*") if p.suffix in (".bin", ".idx", ".tmp")}
     assert token_files == expected  # no shard's part left, no file of an earlier attempt
