@@ -4,6 +4,7 @@ reference are in helpers.py."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import select
@@ -32,6 +33,7 @@ from helpers import (
     plain_copy_of_example,
     reference_by_group,
     reference_texts,
+    reference_tokenizer,
     reference_tokens,
     shard_workers,
     unguarded,
@@ -69,9 +71,16 @@ def _start_ray_holder() -> tuple[subprocess.Popen, str]:
 _ray_holder: list = []  # (holder, temp dir), started once per session
 
 
+# The files of the longest tests (10-50 s each on 2 loaded cores, --durations), run first: by file name they
+# come last, where under pytest-xdist the last of them ran alone while the other worker had nothing left.
+LONGEST_FIRST = ("test_sigterm.py", "test_runner_schedule.py", "test_runner_nodes.py", "test_runner_driver.py")
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """When a collected test will join the session's Ray, start it now: it comes up while the tests before
-    the first that needs it run."""
+    """The longest tests first (LONGEST_FIRST, the same order in every xdist worker, as xdist requires). When
+    a collected test will join the session's Ray, start it now: it comes up while the tests before the first
+    that needs it run."""
+    items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)
     if any("ray_cluster" in item.fixturenames for item in items) and not _ray_holder:
         _ray_holder.append(_start_ray_holder())
 
@@ -132,10 +141,32 @@ def ray_address(ray_cluster):
     return ray_cluster
 
 
+def built_once(tmp_path_factory, relpath: str, build) -> Path:
+    """`build(path)`'s result at `relpath`, built once for the whole run: under pytest-xdist in the folder all
+    workers share, by the first worker that needs it while the others wait on its lock (each OUT below cost
+    every worker 1-3 s, more on a loaded machine). Only read, never changed, by tests."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # this run's, shared by its workers
+    path = root / "once" / relpath
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f"{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path.parent / f"{path.name}.built").exists():
+            shutil.rmtree(path, ignore_errors=True)  # a worker that died building it
+            build(path)
+            (path.parent / f"{path.name}.built").touch()
+    return path
+
+
 @pytest.fixture(scope="session")
 def small_tokenizer(tmp_path_factory) -> Path:
     """A byte-level BPE of 600 ids trained here, so the uint16 path is real. eos <|endoftext|>."""
-    folder = tmp_path_factory.mktemp("small_tokenizer")
+    return built_once(tmp_path_factory, "small_tokenizer0", _train_small_tokenizer)
+
+
+def _train_small_tokenizer(folder: Path) -> None:
+    folder.mkdir()
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -145,19 +176,18 @@ def small_tokenizer(tmp_path_factory) -> Path:
     tok.train_from_iterator(reference_texts(EXAMPLE_HOLDOUT_FILES[0]), trainer)
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-    return folder
 
 
 @pytest.fixture(scope="session")
 def finished_example(tmp_path_factory) -> Path:
     """A finished OUT of the shipped example with Qwen3 (uint32), built without Ray (fast). Copy before changing it."""
-    return build_out(tmp_path_factory.mktemp("finished") / "out", QWEN3)
+    return built_once(tmp_path_factory, "finished/out", lambda out: build_out(out, QWEN3))
 
 
 @pytest.fixture(scope="session")
 def finished_small(tmp_path_factory, small_tokenizer) -> Path:
     """The same with the 600-id tokenizer: a uint16 OUT. Copy before changing it."""
-    return build_out(tmp_path_factory.mktemp("finished_small") / "out", small_tokenizer, backend="hf")
+    return built_once(tmp_path_factory, "finished_small/out", lambda out: build_out(out, small_tokenizer, backend="hf"))
 
 
 @pytest.fixture(scope="session")
@@ -166,7 +196,7 @@ def finished_bos(tmp_path_factory) -> Path:
     from tokpipe.options import RunOptions
 
     options = RunOptions(bos=True, bos_token="<|im_start|>")
-    return build_out(tmp_path_factory.mktemp("finished_bos") / "out", QWEN3, options=options)
+    return built_once(tmp_path_factory, "finished_bos/out", lambda out: build_out(out, QWEN3, options=options))
 
 
 @pytest.fixture(scope="session")
@@ -176,7 +206,7 @@ def finished_grouped(tmp_path_factory) -> Path:
     from tokpipe.options import RunOptions
 
     options = RunOptions(group_by=GROUP_FIELD)
-    return build_out(tmp_path_factory.mktemp("finished_grouped") / "out", QWEN3, options=options)
+    return built_once(tmp_path_factory, "finished_grouped/out", lambda out: build_out(out, QWEN3, options=options))
 
 
 @pytest.fixture(scope="session")
@@ -202,13 +232,16 @@ def killed_example(tmp_path_factory) -> Path:
     """An OUT as `kill -9` leaves it mid-run: the first train shard done, the second partial (with bytes
     written after its last checkpoint), the validation shard never started; run with --workers 2
     --checkpoint-interval 1. Copy before changing it."""
+    return built_once(tmp_path_factory, "killed/out", _kill_example)
+
+
+def _kill_example(out: Path) -> None:
     from tokpipe.inputs.manifest import build_manifest, write_manifest
     from tokpipe.inputs.tokenizer import load_tokenizer_info
     from tokpipe.options import RunOptions
     from tokpipe.runner.identity import encode_spec, record_run
     from tokpipe.write.shard import tokenize_shard
 
-    out = tmp_path_factory.mktemp("killed") / "out"
     out.mkdir()
     manifest = build_manifest(EXAMPLE_CACHE)
     info = load_tokenizer_info(QWEN3)
@@ -219,7 +252,6 @@ def killed_example(tmp_path_factory) -> Path:
     tokenize_shard(first, out, spec)
     with pytest.raises(Crash):
         tokenize_shard(second, out, spec, on_batch=crash_in_batch(3))
-    return out
 
 
 @pytest.fixture(scope="session")
@@ -228,6 +260,18 @@ def example_reference() -> dict[str, np.ndarray]:
     return {
         "train": reference_tokens(EXAMPLE_TRAIN_FILES, QWEN3 / "tokenizer.json", QWEN3_EOS),
         "val": reference_tokens(EXAMPLE_HOLDOUT_FILES, QWEN3 / "tokenizer.json", QWEN3_EOS),
+    }
+
+
+@pytest.fixture(scope="session")
+def small_reference(small_tokenizer) -> dict[str, np.ndarray]:
+    """The same with the 600-id tokenizer (uint16), for the runs whose subject is not Qwen3: such a run starts
+    in 0.6 CPU-s where Qwen3's takes 2.2 (loading it twice and its backend check)."""
+    tokenizer = small_tokenizer / "tokenizer.json"
+    eos = reference_tokenizer(tokenizer).token_to_id("<|endoftext|>")
+    return {
+        "train": reference_tokens(EXAMPLE_TRAIN_FILES, tokenizer, eos, np.uint16),
+        "val": reference_tokens(EXAMPLE_HOLDOUT_FILES, tokenizer, eos, np.uint16),
     }
 
 

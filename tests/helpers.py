@@ -276,6 +276,22 @@ def tokpipe(
     return subprocess.run(_cli(args), cwd=cwd, capture_output=True, text=True, timeout=timeout, env=_env(ray))
 
 
+def cli(*args) -> subprocess.CompletedProcess:
+    """The CLI in this process, for a refusal or a reader where no process boundary is under test: tokpipe.cli's
+    parser and its command, stdout, stderr and the exit code captured as `tokpipe` captures them, ~1 CPU-s less
+    than a process of its own (Python, imports, the tokenizer loaded again). Not for a run that tokenizes: that
+    is a process of its own, as a user's is (and cli.main ends the process after a run)."""
+    from tokpipe import cli as command_line
+
+    argv, stdout, stderr = list(map(str, args)), io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            code = command_line._command(command_line.parser().parse_args(argv))
+        except SystemExit as e:  # argparse's usage errors, --help, --version
+            code = e.code or 0
+    return subprocess.CompletedProcess(argv, code, stdout.getvalue(), stderr.getvalue())
+
+
 def _cli(args) -> list[str]:
     return [sys.executable, "-m", "tokpipe.cli", *map(str, args)]
 
@@ -313,6 +329,44 @@ def start(manifest, out, *extra, ray: str | None = None) -> subprocess.Popen:
         )
     proc.log = log  # its stdout and stderr
     return proc
+
+
+# A `tokpipe run` that kills itself (SIGKILL, as `kill -9` does) at the n-th call of a function of tokpipe's
+# (argv: module.function or module.Class.method, n, batch bytes or 0, then the CLI's arguments): a point in
+# the code, not a moment on a clock, so the kill lands there however fast or loaded the machine, with the fast
+# backend. The driver tokenizes alone (Ray never starts): every shard is read, encoded and placed in this one
+# process, shard after shard in manifest order. Batch bytes (not a CLI option): a shard in several batches.
+KILLED_RUN = """
+import dataclasses, importlib, os, signal, sys
+import tokpipe.runner.driver
+tokpipe.runner.driver.EAGER_RAY_BYTES = tokpipe.runner.driver.LOCAL_SECONDS = float("inf")  # no Ray
+target, call, batch_bytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+try:
+    owner_name, attr = target.rsplit(".", 1)
+    owner = importlib.import_module(owner_name)
+except ImportError:
+    module_name, cls, attr = target.rsplit(".", 2)
+    owner = getattr(importlib.import_module(module_name), cls)
+original, calls = getattr(owner, attr), []
+def killing(*args, **kw):
+    calls.append(1)
+    if len(calls) == call:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return original(*args, **kw)
+setattr(owner, attr, killing)
+if batch_bytes:
+    spec_of = tokpipe.runner.driver.encode_spec
+    tokpipe.runner.driver.encode_spec = lambda *a, **kw: dataclasses.replace(spec_of(*a, **kw), batch_bytes=batch_bytes)
+from tokpipe import cli
+cli.main(sys.argv[4:])
+"""
+
+
+def killed_run(target: str, call: int, manifest, out, *extra, batch_bytes: int = 0, tokenizer=QWEN3) -> None:
+    """`tokpipe run` (run_args) killed by SIGKILL at the `call`-th call of `target` (KILLED_RUN)."""
+    args = [target, call, batch_bytes, *run_args(manifest, out, *extra, tokenizer=tokenizer)]
+    killed = subprocess.run([sys.executable, "-c", KILLED_RUN, *map(str, args)], capture_output=True, text=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
 
 
 def _hears_ctrl_c() -> None:

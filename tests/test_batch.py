@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 import zstandard
-from helpers import EXAMPLE_CACHE, QWEN3, QWEN3_EOS, reference_texts, reference_tokens, tokpipe, write_jsonl
+from helpers import EXAMPLE_CACHE, QWEN3, QWEN3_EOS, cli, reference_texts, reference_tokens, tokpipe, write_jsonl
 
 from tokpipe.inputs.manifest import build_manifest, write_manifest
 
@@ -90,7 +90,7 @@ def test_skip_failed_finalizes_the_rest_byte_identical_to_the_reference(runs, co
         np.fromfile(out / "val.bin", dtype=np.uint32),
         reference_tokens([corpus / "validation" / "v.jsonl"], QWEN3 / "tokenizer.json", QWEN3_EOS),
     )
-    verify = tokpipe("verify", out)
+    verify = cli("verify", out)
     assert verify.returncode == 0
     assert "ok    note: 1 shards excluded by --skip-failed  (train/g_truncated.jsonl.zst)" in verify.stdout.splitlines()
 

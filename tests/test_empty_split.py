@@ -4,7 +4,7 @@ line naming the split, its lines, its skip reasons and --text-field; exit 2; no 
 import json
 
 import pytest
-from helpers import QWEN3, tokpipe, unguarded, write_jsonl
+from helpers import QWEN3, cli, unguarded, write_jsonl
 
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import build_manifest
@@ -83,8 +83,8 @@ def test_run_says_it_in_one_line_and_exits_2(tmp_path):
     write_jsonl(tmp_path / "data" / "train" / "prose.jsonl", PROSE)
     write_jsonl(tmp_path / "data" / "validation" / "empty.jsonl", [json.dumps({"text": ""})] * 2)
     manifest, out = tmp_path / "m.json", tmp_path / "out"
-    assert tokpipe("manifest", "--dataset-dir", tmp_path / "data", "-o", manifest).returncode == 0
-    run = tokpipe("run", "--manifest", manifest, "--tokenizer", QWEN3, "--out", out, "--workers", "1")
+    assert cli("manifest", "--dataset-dir", tmp_path / "data", "-o", manifest).returncode == 0
+    run = cli("run", "--manifest", manifest, "--tokenizer", QWEN3, "--out", out, "--workers", "1")
     assert run.returncode == 2, run.stdout + run.stderr
     assert run.stderr.splitlines()[-1] == (
         "tokpipe run: error: split validation: 2 lines read, none became a document (skipped: empty_text 2): is the "
@@ -92,4 +92,4 @@ def test_run_says_it_in_one_line_and_exits_2(tmp_path):
         f"are in {out / 'logs' / 'skipped.json'}"
     )
     assert "Traceback" not in run.stderr and not (out / "meta.json").exists()
-    assert tokpipe("status", out).stdout.startswith(f"{out}: stopped before finishing")  # not finished
+    assert cli("status", out).stdout.startswith(f"{out}: stopped before finishing")  # not finished

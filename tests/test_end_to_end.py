@@ -19,6 +19,7 @@ from helpers import (
     SHARED_CACHE,
     TRAIN_DOCUMENTS,
     TRAIN_LINES,
+    cli,
     reference_tokens,
     snapshot_files,
     tokpipe,
@@ -118,7 +119,7 @@ def test_status_and_inspect_of_a_ray_run(example_run):
     out, _ = example_run
     run = json.loads((out / "run.json").read_text())
     assert run["tokenizer_path"] == str((QWEN3 / "tokenizer.json").resolve()) and run["options"] == {"workers": 2}
-    status = tokpipe("status", out)
+    status = cli("status", out)
     assert status.returncode == 0
     assert status.stdout.splitlines() == [
         f"{out}: finished",
@@ -128,7 +129,7 @@ def test_status_and_inspect_of_a_ray_run(example_run):
         "committed: 1,163,667 tokens, 429 documents; 100.0% of 1.1 MiB read",
         f"next: tokpipe verify {out}",
     ]
-    inspect = tokpipe("inspect", out, "-n", "1")
+    inspect = cli("inspect", out, "-n", "1")
     assert inspect.returncode == 0 and inspect.stdout.splitlines()[-1] == "all 6 checks hold"
 
 

@@ -12,7 +12,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from helpers import tokpipe
+from helpers import cli
 
 from tokpipe import durability
 from tokpipe.commands import export as export_module
@@ -83,7 +83,7 @@ def llmc_tokens(folder, stem) -> list[np.ndarray]:
 @pytest.mark.parametrize("fixture, dtype", [("finished_example", np.int32), ("finished_small", np.uint16)])
 def test_megatron_reads_back_document_by_document(fixture, dtype, request, tmp_path):
     out = request.getfixturevalue(fixture)
-    result = tokpipe("export", out, "--format", "megatron", "--dest", tmp_path / "mg")
+    result = cli("export", out, "--format", "megatron", "--dest", tmp_path / "mg")
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == (
         f"Megatron-LM: --train-data-path {tmp_path / 'mg' / 'train'} --valid-data-path {tmp_path / 'mg' / 'val'} "
@@ -137,7 +137,7 @@ def test_non_empty_dest_needs_force_and_force_leaves_no_stale_shards(finished_sm
     dest = tmp_path / "d"
     export(finished_small, "llmc", dest, shard_tokens=20_000)
     many = sorted(p.name for p in dest.iterdir())
-    result = tokpipe("export", finished_small, "--format", "llmc", "--dest", dest)
+    result = cli("export", finished_small, "--format", "llmc", "--dest", dest)
     assert result.returncode == 2 and "is not empty" in result.stderr and len(result.stderr.strip().splitlines()) == 1
     (dest / "notes.txt").write_text("mine")
     export(finished_small, "llmc", dest, force=True)  # one shard per split now
@@ -179,7 +179,7 @@ def test_a_grouped_output_exports_a_megatron_prefix_per_group_and_its_token_weig
     """--group-by: Megatron gets DEST/<split>/<group>.bin/.idx per group, and the command line weighs each
     group by its share of the split's tokens: `--train-data-path W1 PREFIX1 W2 PREFIX2 ...`."""
     dest = tmp_path / "megatron"
-    result = tokpipe("export", finished_grouped, "--format", "megatron", "--dest", dest)
+    result = cli("export", finished_grouped, "--format", "megatron", "--dest", dest)
     assert result.returncode == 0, result.stderr
     flags = []
     for stem, flag in (("train", "--train-data-path"), ("val", "--valid-data-path")):
@@ -282,7 +282,7 @@ def test_a_no_concat_split_is_joined_into_one_bin(tmp_path):
 def test_shuffled_llmc_holds_every_document_once_whole_in_the_seeds_order(fixture, request, tmp_path):
     out = request.getfixturevalue(fixture)
     limit = 50_000
-    result = tokpipe("export", out, "--format", "llmc", "--dest", tmp_path / "s1", "--shuffle", "1")
+    result = cli("export", out, "--format", "llmc", "--dest", tmp_path / "s1", "--shuffle", "1")
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1].endswith("(documents in the order of --shuffle 1)")
     export(out, "llmc", tmp_path / "s1again", shard_tokens=limit, shuffle=1)
@@ -354,7 +354,7 @@ def test_a_shuffled_export_holds_chunks_not_the_split(finished_example, tmp_path
 
 
 def test_shuffle_is_for_llmc(finished_small, tmp_path):
-    result = tokpipe("export", finished_small, "--format", "megatron", "--dest", tmp_path, "--shuffle", "1")
+    result = cli("export", finished_small, "--format", "megatron", "--dest", tmp_path, "--shuffle", "1")
     assert result.returncode == 2 and result.stderr.strip() == (
         "tokpipe export: error: --shuffle is for --format llmc: Megatron-LM shuffles its samples itself "
         "(its shuffle index)"

@@ -8,7 +8,7 @@ import shutil
 
 import huggingface_hub.constants
 import pytest
-from helpers import EXAMPLE_CACHE, QWEN3, assert_out_is, tokpipe
+from helpers import EXAMPLE_CACHE, QWEN3, assert_out_is, cli, tokpipe
 
 from tokpipe.errors import UserError
 from tokpipe.inputs.tokenizer import load_tokenizer_info
@@ -94,7 +94,7 @@ def test_a_name_not_in_the_cache_says_where_it_looked_and_how_to_fetch_it(hub_ca
 
 def test_run_refuses_a_name_not_in_the_cache_in_one_line(hub_cache, tmp_path):
     manifest = tmp_path / "m.json"
-    assert tokpipe("manifest", "--dataset-dir", EXAMPLE_CACHE, "-o", manifest).returncode == 0
+    assert cli("manifest", "--dataset-dir", EXAMPLE_CACHE, "-o", manifest).returncode == 0
     result = tokpipe("run", "--manifest", manifest, "--tokenizer", "Qwen/Qwen2.5-7B", "--out", tmp_path / "out")
     assert result.returncode == 2
     assert result.stderr == (
@@ -106,7 +106,7 @@ def test_run_refuses_a_name_not_in_the_cache_in_one_line(hub_cache, tmp_path):
 
 def test_run_with_a_hub_name_records_repo_and_commit_in_meta(hub_cache, tmp_path, example_reference):
     manifest, out = tmp_path / "m.json", tmp_path / "out"
-    assert tokpipe("manifest", "--dataset-dir", EXAMPLE_CACHE, "-o", manifest).returncode == 0
+    assert cli("manifest", "--dataset-dir", EXAMPLE_CACHE, "-o", manifest).returncode == 0
     run = tokpipe(
         "run", "--manifest", manifest, "--tokenizer", "Qwen/Qwen3-0.6B", "--tokenizer-revision", "main", "--out", out
     )
@@ -121,4 +121,4 @@ def test_run_with_a_hub_name_records_repo_and_commit_in_meta(hub_cache, tmp_path
     snapshot_json = hub_cache / "models--Qwen--Qwen3-0.6B" / "snapshots" / MAIN / "tokenizer.json"
     assert json.loads((out / "run.json").read_text())["tokenizer_path"] == str(snapshot_json)
     assert_out_is(out, example_reference)
-    assert tokpipe("verify", out).returncode == 0
+    assert cli("verify", out).returncode == 0

@@ -5,7 +5,7 @@ import pickle
 
 import numpy as np
 import pytest
-from helpers import QWEN3, QWEN3_EOS, tokpipe
+from helpers import QWEN3, QWEN3_EOS, cli
 
 from tokpipe.commands.inspect import EOS_MARK, Source, TokenFile, inspect, red_flags, render, scan_ids
 from tokpipe.errors import UserError
@@ -35,7 +35,7 @@ def test_good_output_has_no_red_flags_and_same_seed_same_windows(finished_exampl
     assert [w.start for w in inspect(finished_example, n=4, window=32, seed=11).windows] == [
         w.start for w in ins.windows
     ]
-    result = tokpipe("inspect", finished_example, "--split", "val", "-n", "2", "--seed", "5")
+    result = cli("inspect", finished_example, "--split", "val", "-n", "2", "--seed", "5")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert "validation:" in result.stdout and "── 1/2  val.bin[" in result.stdout and lines[-1] == "all 6 checks hold"
@@ -64,7 +64,7 @@ def test_phantom_zero_uint16_file_is_flagged(out):
     ins = inspect(out, n=2)
     assert failed(ins) == ["dtype holds vocab", f"share of EOS (id {QWEN3_EOS})", "ids ≥ 65,536 present"]
     assert EOS_MARK not in "".join(ins.texts)
-    result = tokpipe("inspect", out, "-n", "1")
+    result = cli("inspect", out, "-n", "1")
     assert result.returncode == 1
     assert (
         "FAIL  dtype holds vocab  (uint16 holds ids < 65,536; vocab_size 151,669: every id ≥ 65,536 was wrapped "
@@ -129,10 +129,10 @@ def test_wrong_or_missing_tokenizer_is_a_user_error(out, small_tokenizer):
     run = json.loads((out / "run.json").read_text())
     del run["tokenizer_path"]
     (out / "run.json").write_text(json.dumps(run))
-    result = tokpipe("inspect", out)
+    result = cli("inspect", out)
     assert result.returncode == 2 and "pass it with --tokenizer" in result.stderr
-    assert tokpipe("inspect", out, "-n", "1", "--tokenizer", QWEN3).returncode == 0
-    assert "there are: train, validation" in tokpipe("inspect", out, "--split", "dev", "--tokenizer", QWEN3).stderr
+    assert cli("inspect", out, "-n", "1", "--tokenizer", QWEN3).returncode == 0
+    assert "there are: train, validation" in cli("inspect", out, "--split", "dev", "--tokenizer", QWEN3).stderr
 
 
 def test_an_unfinished_grouped_run_is_inspected_through_each_shards_group_parts(tmp_path, grouped_reference):

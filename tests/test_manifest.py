@@ -6,7 +6,7 @@ import shutil
 from dataclasses import replace
 
 import pytest
-from helpers import EXAMPLE_CACHE, tokpipe, write_jsonl
+from helpers import EXAMPLE_CACHE, cli, write_jsonl
 
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import build_manifest, load_manifest, split_of, write_manifest
@@ -154,7 +154,7 @@ def test_cli_wrong_dataset_dir_says_what_it_found_and_expected(tmp_path, make):
     if make == "wrong_files":
         (target / "notes.txt").write_text("hi")
         (target / "data.csv").write_text("text\nhi\n")
-    result = tokpipe("manifest", "--dataset-dir", target, "-o", tmp_path / "m.json")
+    result = cli("manifest", "--dataset-dir", target, "-o", tmp_path / "m.json")
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     message = result.stderr.strip()
@@ -165,7 +165,7 @@ def test_cli_wrong_dataset_dir_says_what_it_found_and_expected(tmp_path, make):
 
 
 def test_cli_writes_the_manifest_and_reports_it(tmp_path):
-    result = tokpipe("manifest", "--dataset-dir", EXAMPLE_CACHE, "-o", tmp_path / "m.json")
+    result = cli("manifest", "--dataset-dir", EXAMPLE_CACHE, "-o", tmp_path / "m.json")
     assert result.returncode == 0, result.stderr
     assert result.stdout == (
         f"tokpipe-realdata/slimpajama-mini@{REVISION[:12]}: 3 shards (train 2, validation 1), 1.1 MiB -> "

@@ -23,6 +23,7 @@ from helpers import (
     TRAIN_DOCUMENTS,
     TRAIN_LINES,
     build_out,
+    cli,
     failed_checks,
     grouped_copy_of_example,
     held_out,
@@ -231,7 +232,7 @@ def test_group_by_keeps_each_group_in_files_of_its_own_with_exact_counts(tmp_pat
     assert not failed_checks(out)
     assert all(c.ok for c in verify_sample(out, 40))
 
-    other = tokpipe(*run_args(manifest, out, "--group-by", "meta.other"))
+    other = cli(*run_args(manifest, out, "--group-by", "meta.other"))
     assert other.returncode == 2
     assert f"group_by: was '{GROUP_FIELD}', now 'meta.other'" in other.stderr
 
@@ -243,7 +244,7 @@ def test_group_by_a_field_with_a_value_per_document_is_refused_before_tokenizing
     write_jsonl(tmp_path / "dataset" / "train" / "a.jsonl", lines)
     manifest = tmp_path / "manifest.json"
     write_manifest(build_manifest(tmp_path / "dataset"), manifest)
-    result = tokpipe(*run_args(manifest, tmp_path / "out", "--group-by", "id"))
+    result = cli(*run_args(manifest, tmp_path / "out", "--group-by", "id"))
     assert result.returncode == 2
     assert result.stderr == (
         "tokpipe run: error: --group-by id: split train has more than 1,000 distinct values in its first shard alone"

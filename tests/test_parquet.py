@@ -1,8 +1,8 @@
 """parquet: Parquet shards give the same tokens as the same documents in JSONL; every row is a document or
 a counted skip, as JSONL would count it; resumable at any row; memory bounded by a row group; a cut or
-corrupt file fails by name; through `tokpipe run` (on the session's Ray), a kill -9 mid-file resumes to the
-same bytes and a cut shard fails by name. (The reader's tests here came from a second implementation of
-this issue.)"""
+corrupt file fails by name; through `tokpipe run`, a kill -9 mid-file (at a shard checkpoint,
+helpers.killed_run) resumes to the same bytes and a cut shard fails by name. (The reader's tests here came
+from a second implementation of this issue.)"""
 
 import json
 import os
@@ -19,14 +19,13 @@ from helpers import (
     VAL_DOCUMENTS,
     Crash,
     assert_out_is,
+    cli,
     crash_in_batch,
-    kill_9,
+    killed_run,
     read_all,
     run_args,
-    start,
     tokpipe,
     unguarded,
-    wait_for,
     write_jsonl,
 )
 
@@ -224,35 +223,31 @@ def parquet_copy(tmp_path) -> Path:
 
 
 def test_kill_9_mid_file_at_one_worker_then_two_workers_gives_identical_bytes(
-    parquet_copy, tmp_path, example_reference, ray_address
+    parquet_copy, tmp_path, small_tokenizer, small_reference
 ):
     manifest, out = tmp_path / "m.json", tmp_path / "out"
-    assert tokpipe("manifest", "--dataset-dir", parquet_copy, "-o", manifest).returncode == 0
+    assert cli("manifest", "--dataset-dir", parquet_copy, "-o", manifest).returncode == 0
     # --shard-buffer 0: the shard writes its own files as it goes, checkpointed: the kill lands mid-file after one.
-    extra = ("--checkpoint-interval", "0.2", "--shard-buffer", "0", "--backend", "hf")
-    proc = start(manifest, out, "--workers", "1", *extra, ray=ray_address)
-    checkpoints = out / "shards" / "train"
-    wait_for(
-        lambda: (
-            any(
-                0 < json.loads(p.read_text())["lines"] and not json.loads(p.read_text())["done"]
-                for p in checkpoints.glob("*.json")
-            )
-            or proc.poll() is not None
-        )
+    # Batches of 64 KiB and a checkpoint after each (the interval a microsecond): killed as the first shard's
+    # second checkpoint is to be written, its first written, the second batch's tokens beyond it.
+    extra = ("--workers", "1", "--checkpoint-interval", "0.000001", "--shard-buffer", "0")
+    step = ("tokpipe.write.shard.write_json_atomic", 2)
+    killed_run(*step, manifest, out, *extra, batch_bytes=64 << 10, tokenizer=small_tokenizer)
+    assert any(
+        0 < json.loads(p.read_text())["lines"] and not json.loads(p.read_text())["done"]
+        for p in (out / "shards" / "train").glob("*.json")
     )
-    kill_9(proc)
-    rerun = tokpipe(*run_args(manifest, out, "--workers", "2"))
+    rerun = tokpipe(*run_args(manifest, out, "--workers", "2", tokenizer=small_tokenizer))
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    assert_out_is(out, example_reference)
-    assert tokpipe("verify", out, "--sample", "50").returncode == 0
+    assert_out_is(out, small_reference)
+    assert cli("verify", out, "--sample", "50").returncode == 0
 
 
 def test_a_cut_parquet_shard_fails_by_name_and_skip_failed_finalizes_without_it(parquet_copy, tmp_path):
     cut = parquet_copy / "data" / "train-00001-of-00002.parquet"
     cut.write_bytes(cut.read_bytes()[: cut.stat().st_size * 6 // 10])
     manifest, out = tmp_path / "m.json", tmp_path / "out"
-    assert tokpipe("manifest", "--dataset-dir", parquet_copy, "-o", manifest).returncode == 0
+    assert cli("manifest", "--dataset-dir", parquet_copy, "-o", manifest).returncode == 0
     failing = tokpipe(*run_args(manifest, out))
     assert failing.returncode == 1 and "Traceback" not in failing.stderr
     assert (

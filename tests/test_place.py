@@ -2,64 +2,41 @@
 .parts; a kill -9 of the run at each of those steps loses nothing, and a rerun keeps what is in place."""
 
 import re
-import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from helpers import EXAMPLE_CACHE, QWEN3, assert_out_is, run_args, tokpipe
+from helpers import EXAMPLE_CACHE, assert_out_is, cli, killed_run, run_args, tokpipe
 
 from tokpipe.inputs.manifest import build_manifest, write_manifest
 
-# Which call of what kills the run (its driver tokenizes the example alone, Ray never started: every placing
-# happens in that one process, shard after shard: train's two, then validation's), and how many shards the
-# rerun finds done: train's first when it was listed, or in place with its checkpoint but unlisted (kept by
-# its checksums); none when the kill came before its checkpoint (its bytes in place are written again).
+# Which call of what kills the run (with the 600-id tokenizer: placing, not Qwen3, is the subject; its driver
+# tokenizes the example alone, Ray never started: every placing happens in that one process, shard after shard:
+# train's two, then validation's), and how many shards the rerun finds done: train's first when it was listed,
+# or in place with its checkpoint but unlisted (kept by its checksums); none when the kill came before its
+# checkpoint (its bytes in place are written again).
 KILL_POINTS = {
     "while writing a part's tokens": ("tokpipe.write.place.write_at", 2, 1),
     "after its bytes are fsynced, before its checkpoint": ("tokpipe.write.place.write_json_atomic", 1, 0),
     "after its checkpoint, before its line in .parts": ("tokpipe.write.assembly.Assembler.placed", 1, 1),
 }
 
-KILLED_RUN = """
-import importlib, os, signal, sys
-import tokpipe.runner.driver
-tokpipe.runner.driver.EAGER_RAY_BYTES = tokpipe.runner.driver.LOCAL_SECONDS = float("inf")  # no Ray
-module_name, _, attr = sys.argv[2].rpartition(".")
-owner_name, _, cls = module_name.rpartition(".") if module_name.endswith("Assembler") else ("", "", "")
-owner = getattr(importlib.import_module(owner_name), cls) if cls else importlib.import_module(module_name)
-original, calls = getattr(owner, attr), []
-def killing(*args, **kw):
-    calls.append(1)
-    if len(calls) == int(sys.argv[3]):
-        os.kill(os.getpid(), signal.SIGKILL)
-    return original(*args, **kw)
-setattr(owner, attr, killing)
-import tokpipe
-tokpipe.run(sys.argv[1], sys.argv[4], sys.argv[5])
-"""
-
 
 @pytest.mark.parametrize("point", KILL_POINTS)
-def test_a_kill_9_at_each_step_of_placing_a_buffered_shard_loses_nothing(tmp_path, example_reference, point):
+def test_a_kill_9_at_each_step_of_placing_a_buffered_shard_loses_nothing(
+    tmp_path, small_tokenizer, small_reference, point
+):
     target, call, done = KILL_POINTS[point]
     manifest, out = tmp_path / "m.json", tmp_path / "out"
     write_manifest(build_manifest(EXAMPLE_CACHE), manifest)
-    killed = subprocess.run(
-        [sys.executable, "-c", KILLED_RUN, str(manifest), target, str(call), str(QWEN3), str(out)],
-        capture_output=True,
-        text=True,
-    )
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    killed_run(target, call, manifest, out, tokenizer=small_tokenizer)
     assert not list((out / "shards").rglob("*.bin"))  # the shards buffered: no token written but into place
-    rerun = tokpipe(*run_args(manifest, out))
+    rerun = tokpipe(*run_args(manifest, out, tokenizer=small_tokenizer))
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert re.search(rf": 3 shards, .*; {done} done, 0 partial, {3 - done} to start$", rerun.stdout, re.M), rerun.stdout
     assert "tokenizing again" not in rerun.stdout  # no token that was on disk is lost
-    assert_out_is(out, example_reference)
+    assert_out_is(out, small_reference)
     assert not [p for p in (out / "shards").rglob("*") if p.suffix in (".bin", ".idx")]
-    assert tokpipe("verify", out).returncode == 0
+    assert cli("verify", out).returncode == 0
 
 
 def test_a_buffered_part_is_written_at_its_offset_and_its_checkpoint_after(tmp_path):

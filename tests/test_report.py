@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import EXAMPLE_CACHE, QWEN3, REPO, tokpipe, unguarded
+from helpers import EXAMPLE_CACHE, QWEN3, REPO, cli, unguarded
 
 from tokpipe.out import series as series_mod
 from tokpipe.out.series import Series, read_series
@@ -41,7 +41,7 @@ def lengths_of(idx: Path) -> np.ndarray:
 def test_finished_run_page_matches_meta_parts_idx_and_bins(finished_example, tmp_path):
     out = finished_example
     dest = tmp_path / "page.html"
-    result = tokpipe("report", out, "-o", dest)
+    result = cli("report", out, "-o", dest)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"{dest}: ") and " MB" in result.stdout and len(result.stdout.splitlines()) == 1
     page = dest.read_text()
@@ -233,16 +233,16 @@ def test_series_is_bounded_keeps_attempts_and_survives_a_torn_line(tmp_path, mon
 
 
 def test_cli_errors_and_matplotlib_stays_out_of_the_cli(tmp_path):
-    missing = tokpipe("report", tmp_path / "nothing")
+    missing = cli("report", tmp_path / "nothing")
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "does not exist" in missing.stderr
-    empty = tokpipe("report", tmp_path)
+    empty = cli("report", tmp_path)
     assert empty.returncode == 2 and empty.stderr.count("\n") == 1 and "holds no tokpipe run" in empty.stderr
     code = (
         "import sys, tokpipe, tokpipe.cli; tokpipe.cli.parser().parse_args(['report', 'X']); "
         "assert 'matplotlib' not in sys.modules"
     )
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO, check=False).returncode == 0
-    assert "report" in tokpipe("--help").stdout
+    assert "report" in cli("--help").stdout
 
 
 def test_report_shows_each_groups_tokens_documents_and_bytes_per_token(finished_grouped, grouped_reference):

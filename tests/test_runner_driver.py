@@ -3,11 +3,14 @@ are assembled, during finalize), a full disk, a Ray node lost mid-run and a Ctrl
 the rerun of the same command resumes and ends at the reference, tokenizing again only what it must (a split
 file damaged after its shards' own files were removed).
 
-Every test here really does the thing: kill -9 of process groups, a full tmpfs, a Ray node removed.
-The slow runs that are killed mid-shard join the session's Ray (the `ray_address` fixture), except where
-Ray's own start is part of what is tested: the kills at random moments (the first during start-up), Ctrl-C,
-and a cluster of two nodes. Reruns and small runs go as a user's do: the example is tokenized by the driver
-before a Ray of its own would be up, and joining one would make them slower (2.8 s alone, 8.2 s joined).
+Every test here really does the thing: kill -9, a full tmpfs, a Ray node removed. A kill at a point of the
+run (mid-shard, while the split files are assembled) is a SIGKILL at the n-th call of a function of tokpipe's
+(helpers.killed_run), the driver alone with the fast backend and the 600-id tokenizer (Qwen3 is not their
+subject): it lands there however loaded the machine.
+Where Ray's own start is part of what is tested (the kills at random moments, the first during start-up;
+Ctrl-C; a cluster of two nodes) the run is stopped at a moment, on the slow reference encoder, with a Ray of
+its own. Reruns and small runs go as a user's do: the example is tokenized by the driver before a Ray of its
+own would be up, and joining one would make them slower (2.8 s alone, 8.2 s joined).
 """
 
 import json
@@ -34,11 +37,14 @@ from helpers import (
     VAL_DOCUMENTS,
     assert_out_is,
     checkpoints,
+    cli,
     held_out,
     kill_9,
+    killed_run,
     parent_pid,
     reference_by_group,
     reference_ids,
+    reference_tokenizer,
     reference_tokens,
     run_args,
     shard_workers,
@@ -87,52 +93,53 @@ def test_kill_9_of_the_whole_run_at_random_moments_with_changing_workers(dataset
     assert done + partial > 0  # it resumed from what the killed runs left
     assert re.search(f"^{EMBEDDED_RAY_2_WORKERS}$", final.stdout, re.M), final.stdout
     assert_out_is(out, expected)
-    assert tokpipe("verify", out).returncode == 0
+    assert cli("verify", out).returncode == 0
 
 
 def test_kill_9_while_split_files_are_assembled_then_rerun_gives_the_same_bytes(
-    manifest, tmp_path, example_reference, ray_address
+    manifest, tmp_path, small_tokenizer, small_reference
 ):
     out = tmp_path / "out"
-    listed = out / "train.parts.tmp"
-    proc = start(manifest, out, "--workers", "1", "--checkpoint-interval", "0.2", *HF, ray=ray_address)
-    # One shard at a time: the first train shard is copied into train.bin.tmp while the next one tokenizes.
-    wait_for(lambda: (listed.exists() and listed.stat().st_size > 0) or proc.poll() is not None)
-    kill_9(proc)
+    # Killed as the second train shard is to be listed: the first is in train.bin.tmp and listed in
+    # train.parts.tmp, the second placed after it.
+    killed_run("tokpipe.write.assembly.Assembler.placed", 2, manifest, out, "--workers", "1", tokenizer=small_tokenizer)
+    assert (out / "train.parts.tmp").stat().st_size > 0
     assert not (out / "meta.json").exists() and (out / "train.bin.tmp").stat().st_size > 0
-    rerun = tokpipe(*run_args(manifest, out, "--workers", "2"))
+    rerun = tokpipe(*run_args(manifest, out, "--workers", "2", tokenizer=small_tokenizer))
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    assert_out_is(out, example_reference)
-    assert tokpipe("verify", out).returncode == 0
+    assert_out_is(out, small_reference)
+    assert cli("verify", out).returncode == 0
 
 
-def test_val_fraction_gives_the_same_val_bin_at_any_workers_with_a_kill_9_between(manifest, tmp_path, ray_address):
-    out = tmp_path / "out"
-    proc = start(
-        manifest, out, "--workers", "1", "--val-fraction", "0.05", "--checkpoint-interval", "0.2", *HF, ray=ray_address
+def test_val_fraction_gives_the_same_val_bin_at_any_workers_with_a_kill_9_between(manifest, tmp_path, small_tokenizer):
+    out, options = tmp_path / "out", ("--val-fraction", "0.05")
+    # Killed as the second shard's checkpoint is to be written: the first train shard's is (its documents
+    # placed in train and val), the second's tokens are in place.
+    killed_run(
+        "tokpipe.write.place.write_json_atomic", 2, manifest, out, "--workers", "1", *options, tokenizer=small_tokenizer
     )
-    wait_for(lambda: any(c["documents"] for c in checkpoints(out)) or proc.poll() is not None)
-    kill_9(proc)
+    assert any(c["documents"] for c in checkpoints(out))
     assert not (out / "meta.json").exists()
-    rerun = tokpipe(*run_args(manifest, out, "--workers", "2", "--val-fraction", "0.05"))
+    rerun = tokpipe(*run_args(manifest, out, "--workers", "2", *options, tokenizer=small_tokenizer))
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    train, holdout, tokenizer = EXAMPLE_TRAIN_FILES, EXAMPLE_HOLDOUT_FILES, QWEN3 / "tokenizer.json"
+    train, holdout, tokenizer = EXAMPLE_TRAIN_FILES, EXAMPLE_HOLDOUT_FILES, small_tokenizer / "tokenizer.json"
+    eos = reference_tokenizer(tokenizer).token_to_id("<|endoftext|>")
     val = np.concatenate(
         [
-            reference_tokens(train, tokenizer, QWEN3_EOS, keep=held_out(0.05, True)),
-            reference_tokens(holdout, tokenizer, QWEN3_EOS),
+            reference_tokens(train, tokenizer, eos, np.uint16, keep=held_out(0.05, True)),
+            reference_tokens(holdout, tokenizer, eos, np.uint16),
         ]
     )
-    assert np.array_equal(np.fromfile(out / "val.bin", dtype=np.uint32), val)
+    assert np.array_equal(np.fromfile(out / "val.bin", dtype=np.uint16), val)
     assert np.array_equal(
-        np.fromfile(out / "train.bin", dtype=np.uint32),
-        reference_tokens(train, tokenizer, QWEN3_EOS, keep=held_out(0.05, False)),
+        np.fromfile(out / "train.bin", dtype=np.uint16),
+        reference_tokens(train, tokenizer, eos, np.uint16, keep=held_out(0.05, False)),
     )
     splits = json.loads((out / "meta.json").read_text())["splits"]
     assert (
         splits["train"]["documents"] + splits["validation"]["documents"] == TRAIN_DOCUMENTS + VAL_DOCUMENTS
     )  # every document read, once
-    assert tokpipe("verify", out).returncode == 0
+    assert cli("verify", out).returncode == 0
 
 
 def test_killed_finalize_is_redone_from_the_shards(out, example_reference):
@@ -147,7 +154,7 @@ def test_killed_finalize_is_redone_from_the_shards(out, example_reference):
     assert "ray:" not in result.stdout  # every shard was done: finalize only, nothing tokenized again
     assert_out_is(out, example_reference)
     assert not (out / "train.bin.tmp").exists()
-    assert tokpipe("verify", out).returncode == 0
+    assert cli("verify", out).returncode == 0
 
 
 def test_a_split_file_damaged_after_its_shards_were_removed_is_tokenized_again(out, example_reference):
@@ -164,7 +171,7 @@ def test_a_split_file_damaged_after_its_shards_were_removed_is_tokenized_again(o
     )
     assert_out_is(out, example_reference)
     assert not (out / "train.bin.tmp").exists()
-    assert tokpipe("verify", out).returncode == 0
+    assert cli("verify", out).returncode == 0
 
 
 def _unlist_all_but_the_first_train_part(out: Path) -> None:
@@ -184,7 +191,7 @@ def test_parts_placed_but_not_listed_when_the_run_stopped_are_kept_by_their_chec
     assert result.returncode == 0, result.stderr
     assert "tokenizing again" not in result.stdout and "ray:" not in result.stdout  # nothing tokenized again
     assert_out_is(out, example_reference)
-    assert tokpipe("verify", out).returncode == 0
+    assert cli("verify", out).returncode == 0
 
 
 def test_an_unlisted_part_whose_bytes_do_not_match_its_checksum_is_tokenized_again(out, example_reference):
@@ -301,28 +308,42 @@ def test_a_run_the_driver_finishes_alone_never_imports_ray(tmp_path):
     assert result.stdout.splitlines()[-1] == "True False", result.stdout + result.stderr
 
 
-def test_group_by_kill_9_mid_shard_then_rerun_gives_each_groups_reference_files(manifest, tmp_path, ray_address):
+def test_group_by_kill_9_mid_shard_then_rerun_gives_each_groups_reference_files(manifest, tmp_path, small_tokenizer):
     """--group-by: a kill -9 while a shard has written parts of some groups (one begun after its last
     checkpoint, maybe) and a rerun leave each group's file equal to the reference, and nothing else."""
     out = tmp_path / "out"
-    extra = ("--group-by", GROUP_FIELD, "--checkpoint-interval", "0.2")
+    extra = ("--group-by", GROUP_FIELD, "--checkpoint-interval", "0.2")  # the rerun's
     # --shard-buffer 0: a shard's parts go to its own files as it goes, checkpointed (as one past its buffer).
-    proc = start(manifest, out, "--workers", "1", *extra, "--shard-buffer", "0", *HF, ray=ray_address)
-    wait_for(lambda: any(c["groups"] and not c["done"] for c in checkpoints(out)) or proc.poll() is not None)
-    time.sleep(random.uniform(0, 0.4))
-    kill_9(proc)
+    # Batches of 64 KiB and a checkpoint after each (the interval a microsecond): killed as the first shard's
+    # third checkpoint is to be written, its second written, the third batch's tokens beyond it.
+    mid_shard = ("--checkpoint-interval", "0.000001", "--shard-buffer", "0")
+    killed_run(
+        "tokpipe.write.shard.write_json_atomic",
+        3,
+        manifest,
+        out,
+        "--workers",
+        "1",
+        "--group-by",
+        GROUP_FIELD,
+        *mid_shard,
+        batch_bytes=64 << 10,
+        tokenizer=small_tokenizer,
+    )
+    assert any(c["groups"] and not c["done"] for c in checkpoints(out))
     assert not (out / "meta.json").exists()
-    rerun = tokpipe(*run_args(manifest, out, "--workers", "2", *extra))
+    rerun = tokpipe(*run_args(manifest, out, "--workers", "2", *extra, tokenizer=small_tokenizer))
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    tokenizer = QWEN3 / "tokenizer.json"
+    tokenizer = small_tokenizer / "tokenizer.json"
+    eos = reference_tokenizer(tokenizer).token_to_id("<|endoftext|>")
     expected = set()
     for stem, files in (("train", EXAMPLE_TRAIN_FILES), ("val", EXAMPLE_HOLDOUT_FILES)):
-        for group, (tokens, _, _) in reference_by_group(files, tokenizer, GROUP_FIELD, QWEN3_EOS).items():
-            assert np.array_equal(np.fromfile(out / stem / f"{group}.bin", dtype=np.uint32), tokens), group
+        for group, (tokens, _, _) in reference_by_group(files, tokenizer, GROUP_FIELD, eos).items():
+            assert np.array_equal(np.fromfile(out / stem / f"{group}.bin", dtype=np.uint16), tokens), group
             expected |= {f"{stem}/{group}.bin", f"{stem}/{group}.idx"}
     token_files = {str(p.relative_to(out)) for p in out.rglob("*") if p.suffix in (".bin", ".idx", ".tmp")}
     assert token_files == expected  # no shard's part left, no file of an earlier attempt
-    assert tokpipe("verify", out).returncode == 0
+    assert cli("verify", out).returncode == 0
 
 
 def test_a_document_too_long_for_the_backend_sample_is_passed_over_in_one_line_and_written_exactly(tmp_path):

@@ -9,7 +9,17 @@ import re
 import shutil
 from pathlib import Path
 
-from helpers import EXAMPLE_CACHE, QWEN3, QWEN3_EOS, assert_out_is, reference_tokens, run_args, tokpipe, write_jsonl
+from helpers import (
+    EXAMPLE_CACHE,
+    QWEN3,
+    QWEN3_EOS,
+    assert_out_is,
+    cli,
+    reference_tokens,
+    run_args,
+    tokpipe,
+    write_jsonl,
+)
 
 from tokpipe.inputs.manifest import build_manifest, write_manifest
 from tokpipe.inputs.tokenizer import load_tokenizer_info
@@ -19,21 +29,21 @@ from tokpipe.runner.identity import run_identity
 
 def test_delimiters_nobody_could_split_or_a_bos_the_tokenizer_lacks_are_refused(tmp_path):
     manifest = tmp_path / "m.json"
-    assert tokpipe("manifest", "--dataset-dir", EXAMPLE_CACHE, "-o", manifest).returncode == 0
+    assert cli("manifest", "--dataset-dir", EXAMPLE_CACHE, "-o", manifest).returncode == 0
     run = run_args(manifest, tmp_path / "out")
-    no_bos = tokpipe(*run, "--bos")
+    no_bos = cli(*run, "--bos")
     assert no_bos.returncode == 2
     assert no_bos.stderr == (
         f"tokpipe run: error: {QWEN3} names no bos_token (tokenizer_config.json): pass --bos-token TOKEN "
         "(e.g. --bos-token '<|endoftext|>')\n"
     )
-    nothing = tokpipe(*run, "--no-eos")
+    nothing = cli(*run, "--no-eos")
     assert nothing.returncode == 2
     assert nothing.stderr == (
         "tokpipe run: error: --no-eos without --bos would write documents back to back with nothing between "
         "them: add --bos, or drop --no-eos\n"
     )
-    unknown = tokpipe(*run, "--bos", "--bos-token", "<|no such token|>")
+    unknown = cli(*run, "--bos", "--bos-token", "<|no such token|>")
     assert unknown.returncode == 2 and "not in the tokenizer's vocabulary" in unknown.stderr
     assert unknown.stderr.count("\n") == 1 and unknown.stderr.startswith("tokpipe run: error: ")
     assert not (tmp_path / "out").exists()  # refused before anything is written
@@ -44,7 +54,7 @@ def test_a_resume_with_other_delimiters_is_refused_and_an_earlier_run_json_is_th
 ):
     out = tmp_path / "bos"
     shutil.copytree(finished_bos, out)
-    other = tokpipe(*run_args(out / "manifest.json", out))
+    other = cli(*run_args(out / "manifest.json", out))
     assert other.returncode == 2
     assert other.stderr == (
         f"tokpipe run: error: {out} holds a run with other inputs (bos_token_id: was 151644, now None; delimiters: "
@@ -67,16 +77,16 @@ def test_a_rerun_with_other_inputs_is_refused_saying_what_differs(out, tmp_path,
     manifest = build_manifest(dataset)
     write_manifest(manifest, tmp_path / "m.json")
     (out / "run.json").write_text(json.dumps(run_identity(manifest, load_tokenizer_info(QWEN3), RunOptions())))
-    other_field = tokpipe(*run_args(tmp_path / "m.json", out, "--text-field", "body"))
+    other_field = cli(*run_args(tmp_path / "m.json", out, "--text-field", "body"))
     assert other_field.returncode == 2
     assert other_field.stderr == (
         f"tokpipe run: error: {out} holds a run with other inputs (text_field: was 'text', now 'body'); "
         "use a new --out, or the original inputs to resume\n"
     )
-    other_tok = tokpipe("run", "--manifest", tmp_path / "m.json", "--tokenizer", small_tokenizer, "--out", out)
+    other_tok = cli("run", "--manifest", tmp_path / "m.json", "--tokenizer", small_tokenizer, "--out", out)
     assert other_tok.returncode == 2
     assert "tokenizer_sha256" in other_tok.stderr and "dtype: was 'uint32', now 'uint16'" in other_tok.stderr
-    other_eos = tokpipe(*run_args(tmp_path / "m.json", out, "--eos", "<|im_end|>"))
+    other_eos = cli(*run_args(tmp_path / "m.json", out, "--eos", "<|im_end|>"))
     assert other_eos.returncode == 2
     assert other_eos.stderr == (
         f"tokpipe run: error: {out} holds a run with other inputs (eos_token: was '<|endoftext|>', now "
@@ -111,7 +121,7 @@ def test_a_manifest_that_only_gained_shards_resumes_as_an_append(dataset, tmp_pa
     write_jsonl_path = dataset / "train" / "chunk1" / "example_train_1.jsonl.zst"
     write_jsonl_path.write_bytes(write_jsonl_path.read_bytes()[:-10])
     write_manifest(build_manifest(dataset), tmp_path / "changed.json")
-    refused = tokpipe(*run_args(tmp_path / "changed.json", out))
+    refused = cli(*run_args(tmp_path / "changed.json", out))
     assert refused.returncode == 2
     assert refused.stderr == (
         f"tokpipe run: error: {out} was started from another manifest: 1 of its shards are changed or gone in this "
@@ -133,11 +143,11 @@ def test_a_refused_run_leaves_out_to_the_corrected_command(tmp_path, monkeypatch
     lines = [json.dumps({"id": i, "text": first if i == 0 else f"document number {i}"}) for i in range(1100)]
     shard = write_jsonl(tmp_path / "data" / "train" / "a.jsonl", lines)
     manifest, out = tmp_path / "m.json", tmp_path / "out"
-    assert tokpipe("manifest", "--dataset-dir", tmp_path / "data", "-o", manifest).returncode == 0
+    assert cli("manifest", "--dataset-dir", tmp_path / "data", "-o", manifest).returncode == 0
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # a hub name that is in no cache
     command = f"tokpipe run --manifest {out}/manifest.json --tokenizer {QWEN3}/tokenizer.json --out {out}"
 
-    workers = tokpipe(*run_args(manifest, out, "--workers", "0"))
+    workers = cli(*run_args(manifest, out, "--workers", "0"))
     assert (workers.returncode, workers.stderr.splitlines()[-1]) == (
         2,
         "tokpipe run: error: argument --workers: must be > 0, got 0",
@@ -174,10 +184,10 @@ def test_a_refused_run_leaves_out_to_the_corrected_command(tmp_path, monkeypatch
         ),
     ]
     for extra, replaced, error, works in refusals:
-        refused = tokpipe(*run_args(manifest, out, *extra))
+        refused = cli(*run_args(manifest, out, *extra))
         assert (refused.returncode, refused.stderr) == (2, f"tokpipe run: error: {error}\n")
         assert refused.stdout.startswith(replaced + "tokenizer qwen3@sha256:")
-        status = tokpipe("status", out).stdout.splitlines()
+        status = cli("status", out).stdout.splitlines()
         assert status[0] == f"{out}: holds no token yet; the last run was refused: {error}"
         assert status[-1] == f"next: {works}"
 
@@ -191,10 +201,10 @@ def test_a_refused_run_leaves_out_to_the_corrected_command(tmp_path, monkeypatch
     assert _files(out) == _files(tmp_path / "fresh")
 
     # Tokens committed: from here on OUT is a run, and other inputs are refused.
-    again = tokpipe(*run_args(manifest, out, "--text-field", "body"))
+    again = cli(*run_args(manifest, out, "--text-field", "body"))
     assert (again.returncode, again.stderr) == (
         2,
         f"tokpipe run: error: {out} holds a run with other inputs (text_field: was 'text', now 'body'); use a new"
         " --out, or the original inputs to resume\n",
     )
-    assert tokpipe("status", out).stdout.splitlines()[0] == f"{out}: finished"
+    assert cli("status", out).stdout.splitlines()[0] == f"{out}: finished"

@@ -8,7 +8,7 @@ import shutil
 import time
 
 import pytest
-from helpers import EXAMPLE_CACHE, HOLDOUT, QWEN3, TRAIN_0, TRAIN_1, tokpipe
+from helpers import EXAMPLE_CACHE, HOLDOUT, QWEN3, TRAIN_0, TRAIN_1, cli
 
 from tokpipe.cli import parser
 from tokpipe.commands.status import report, status
@@ -35,7 +35,7 @@ def test_finished_run_says_verify_next(finished_example):
     st = status(finished_example)
     assert st.state == "finished" and set(states(st).values()) == {"done"}
     assert st.next == f"tokpipe verify {finished_example}"
-    result = tokpipe("status", finished_example)
+    result = cli("status", finished_example)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [
         f"{finished_example}: finished",
@@ -115,13 +115,13 @@ def test_failed_shards_are_named_with_their_error(killed):
 def test_not_a_run_is_one_line_exit_2(tmp_path):
     with pytest.raises(UserError, match="holds no tokpipe run"):
         status(tmp_path)
-    result = tokpipe("status", tmp_path / "nope")
+    result = cli("status", tmp_path / "nope")
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
     assert result.stderr.startswith(f"tokpipe status: error: {tmp_path / 'nope'}")
 
 
 def test_json_and_durations(killed):
-    result = tokpipe("status", killed, "--json")
+    result = cli("status", killed, "--json")
     assert result.returncode == 0
     data = json.loads(result.stdout)
     assert data["state"] == "stopped" and [s["state"] for s in data["shards"]] == ["done", "partial", "pending"]

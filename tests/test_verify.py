@@ -6,7 +6,7 @@ import pickle
 import shutil
 
 import numpy as np
-from helpers import QWEN3, build_out, failed_checks, long_document, tokpipe, write_jsonl
+from helpers import QWEN3, build_out, cli, failed_checks, long_document, write_jsonl
 
 from tokpipe.out.files import load_meta_pkl
 from tokpipe.read.verify import verify
@@ -20,7 +20,7 @@ def poke(path, index, value, dtype=np.uint32):
 
 def test_a_good_out_passes(out):
     assert failed_checks(out) == []
-    result = tokpipe("verify", out)
+    result = cli("verify", out)
     assert result.returncode == 0 and result.stdout.splitlines()[-1] == "all 33 checks hold"
 
 
@@ -106,7 +106,7 @@ def test_meta_pkl_and_json_disagreeing_fails(out):
 def test_missing_meta_fails_and_cli_exits_1(out):
     (out / "meta.pkl").unlink()
     assert failed_checks(out) == ["meta.pkl present"]
-    result = tokpipe("verify", out, "--json")
+    result = cli("verify", out, "--json")
     assert result.returncode == 1 and '"ok": false' in result.stdout
 
 
@@ -117,7 +117,7 @@ class Evil:
 
 def test_hostile_meta_pkl_executes_nothing(out):
     (out / "meta.pkl").write_bytes(pickle.dumps({"dtype": Evil()}))
-    result = tokpipe("verify", out)
+    result = cli("verify", out)
     assert result.returncode == 1 and "pwned" not in result.stdout
     assert "meta.pkl readable" in result.stdout and "builtins.print" in result.stdout
 
@@ -151,7 +151,7 @@ def test_sample_re_tokenizes_source_documents_and_catches_a_self_consistent_wron
     assert failed_checks(out) == []  # every structural check still holds
     bad = [c for c in verify_sample(out, 1000) if not c.ok]
     assert len(bad) == 1 and "document 7 " in bad[0].detail
-    result = tokpipe("verify", out, "--sample", "1000")
+    result = cli("verify", out, "--sample", "1000")
     assert result.returncode == 1 and "FAIL" in result.stdout
 
 
