@@ -108,11 +108,12 @@ def _threads(pid: int) -> list[str]:
 def test_while_ray_starts_and_the_driver_tokenizes(tmp_path, ray_address):
     """The moment Ray's C++ side printed its failure-signal handler's stack at (`*** SIGTERM received at ...`,
     `PC: @ ...`, twice): Ray's core worker is up in the driver (its `worker.io` thread runs), Ray has not
-    taken over from the driver yet. The example five times over (symlinks to its files: the reference of
+    taken over from the driver yet. The example ten times over (symlinks to its files: the reference of
     each file is encoded once) keeps the driver tokenizing with the reference encoder well past it (three
-    times over, the driver had finished under load from other tests: Ray's start took 9 s)."""
+    times over, the driver had finished under load from other tests: Ray's start took 9 s; five times over, it
+    had on a quieter machine, once in the whole suite)."""
     data = tmp_path / "data"
-    copies = 5
+    copies = 10
     train = [data / f"train/copy{i}/part{k}.jsonl.zst" for i in range(copies) for k in range(len(EXAMPLE_TRAIN_FILES))]
     val = [
         data / f"validation/copy{i}/part{k}.jsonl.zst" for i in range(copies) for k in range(len(EXAMPLE_HOLDOUT_FILES))
