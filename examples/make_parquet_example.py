@@ -22,13 +22,14 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tokpipe.manifest import build_manifest
-from tokpipe.source import decompressed_blocks
+from tokpipe.inputs.manifest import build_manifest
+from tokpipe.inputs.source import format_of
+from tokpipe.inputs.source.jsonl import decompressed_blocks
 
 
 def rows_of(path: str) -> list[str | None]:
     rows = []
-    for line in b"".join(block for block, _ in decompressed_blocks(path)).splitlines():
+    for line in b"".join(block for block, _ in decompressed_blocks(path, format_of(path))).splitlines():
         if line.strip():
             value = json.loads(line).get("text")
             rows.append(value if isinstance(value, str) else None)

@@ -7,6 +7,8 @@ from a second implementation of this issue.)"""
 import json
 import os
 import shutil
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -14,8 +16,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from helpers import (
+    EXAMPLE_CACHE,
     PARQUET_CACHE,
     QWEN3,
+    REPO,
     VAL_DOCUMENTS,
     Crash,
     assert_out_is,
@@ -283,3 +287,13 @@ def test_group_by_reads_a_column_or_a_structs_field_by_dot(tmp_path):
     batches = list(read_batches(str(path), start_line=1, group_by="meta.set"))
     assert [t for b in batches for t in b.texts] == ["b", "d"]
     assert [g for b in batches for g in b.groups] == ["__missing__", "Web"]
+
+
+def test_the_shipped_parquet_example_is_what_its_script_makes_of_the_jsonl_example(tmp_path):
+    script = REPO / "examples" / "make_parquet_example.py"
+    repo = "tokpipe-realdata/slimpajama-mini-parquet"
+    made = subprocess.run([sys.executable, script, EXAMPLE_CACHE, tmp_path, "--repo", repo], capture_output=True)
+    assert made.returncode == 0, made.stderr.decode()
+    shipped = sorted(p.relative_to(PARQUET_CACHE) for p in PARQUET_CACHE.rglob("*.parquet"))
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*.parquet")) == shipped
+    assert all((tmp_path / name).read_bytes() == (PARQUET_CACHE / name).read_bytes() for name in shipped)
