@@ -6,6 +6,7 @@ its exit), the marginal cost (full corpus minus tiny), their ratio, the whole-ru
 tokpipe's time goes (from the timestamps of its own output lines), with both sides' CPU seconds.
 
     python benchmarks/price.py --size 250MB --workers 2
+    python benchmarks/price.py --size 800MB --base 424MB --shards 64 --long-tail   # the marginal past Ray's start
 """
 
 import argparse
@@ -55,12 +56,22 @@ def main() -> None:
         help="the smaller run of the marginal: a distinct corpus of this size in shards of the same size"
         " (default: 20 documents, which makes the marginal the whole run's less the fixed cost)",
     )
+    p.add_argument(
+        "--long-tail",
+        action="store_true",
+        help="a never-seen identifier after every 4th word (harness.build_distinct_corpus): distinct documents past"
+        " the distinct text at hand (453 MB here), for a marginal measured where both sides run at full speed",
+    )
     args = p.parse_args()
     size = parse_size(args.size)
     shard_bytes = -(-size // args.shards)
-    corpus = build_distinct_corpus(str(SHARED), size, args.workers, shard_bytes, args.work_dir)
+    corpus = build_distinct_corpus(str(SHARED), size, args.workers, shard_bytes, args.work_dir, args.long_tail)
     base = (
-        Path(build_distinct_corpus(str(SHARED), parse_size(args.base), args.workers, shard_bytes, args.work_dir).path)
+        Path(
+            build_distinct_corpus(
+                str(SHARED), parse_size(args.base), args.workers, shard_bytes, args.work_dir, args.long_tail
+            ).path
+        )
         if args.base
         else tiny_corpus(args.work_dir)
     )
