@@ -73,14 +73,15 @@ def unseen(check: NodeCheck, who: str) -> str | None:
     """What this machine cannot see of what the run needs, in a few words; None when it sees it all.
     `who` names the file it writes under OUT (unique among the processes that check at once)."""
     out = Path(check.out)
+    token_file = Out(out).node_check()
     try:
-        token = Out(out).node_check().read_text()
+        token = token_file.read_text()
     except OSError as e:
         if not out.is_dir():
             return f"cannot see OUT {out} ({e.strerror})"
         token = None
     if token != check.token:
-        return f"sees another folder at OUT {out} than the driver's (without this run's {Out(out).node_check().name})"
+        return f"sees another folder at OUT {out} than the driver's (without this run's {token_file.name})"
     mine = Out(out).node_check(who)
     try:
         with open(mine, "wb") as f:

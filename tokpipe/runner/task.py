@@ -63,13 +63,13 @@ def shard_task(shards: list[Shard], common: tuple, check: NodeCheck | None) -> t
     tag = f"{shards[0].split}/{shards[0].key}"
     board.report.remote(tag, 0, 0, 0)  # started: the stall clock runs from here, not from submission
     guard = memory_guard(spec.memory_limit, spec.backend, spec.tokenizer_json)
-    results, buffers, room = [], [], spec.buffer_bytes
+    results, buffers = [], []
     try:
         for shard in shards:
-            guard.held = spec.buffer_bytes - room  # the pack's shards before this one keep theirs here
+            room = max(0, spec.buffer_bytes - guard.held)  # the pack's shards before this one keep theirs here
             result = _one_shard(shard, out, replace(spec, buffer_bytes=room), guard, board, tag, stall_timeout)
             if result.buffered is not None:
-                room = max(0, room - sum(a.nbytes for tokens, ends in result.buffered.values() for a in tokens + ends))
+                guard.held += sum(a.nbytes for tokens, ends in result.buffered.values() for a in tokens + ends)
             buffers.append(result.buffered)
             results.append(replace(result, buffered=None))
     finally:
