@@ -63,16 +63,17 @@ def test_a_missing_input_is_a_usage_error_not_a_traceback(tmp_path):
     assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith("tokpipe run: error: ")
 
 
-def _with_reader_gone(*args) -> subprocess.CompletedProcess:
+def _with_reader_gone(*args, stderr_too: bool = False) -> subprocess.CompletedProcess:
     """The CLI with a stdout whose reader is gone before the command writes a byte, so that every write fails
-    (`tokpipe status OUT | head -1` once head has its line: with head, when that comes is a race)."""
+    (`tokpipe status OUT | head -1` once head has its line: with head, when that comes is a race); with
+    `stderr_too`, stderr to the same pipe (`2>&1 | head -1`)."""
     reader, writer = os.pipe()
     os.close(reader)
     with os.fdopen(writer, "wb") as stdout:
         return subprocess.run(
             [sys.executable, "-m", "tokpipe.cli", *map(str, args)],
             stdout=stdout,
-            stderr=subprocess.PIPE,
+            stderr=subprocess.STDOUT if stderr_too else subprocess.PIPE,
             text=True,
             timeout=300,
         )
@@ -103,6 +104,16 @@ def test_a_run_whose_reader_went_away_finishes(tmp_path, example_reference):
     result = _with_reader_gone(*run_args(tmp_path / "m.json", tmp_path / "out"))
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
+    assert_out_is(tmp_path / "out", example_reference)
+
+
+def test_a_run_whose_stderr_reader_went_away_finishes(tmp_path, example_reference):
+    """`tokpipe run ... 2>&1 | head -1`: the progress lines on stderr go nowhere and the run goes on to the end
+    (the first of them failed the shard the driver was on, as if its data were at fault)."""
+    assert tokpipe("manifest", "--dataset-dir", EXAMPLE_CACHE, "-o", tmp_path / "m.json").returncode == 0
+    result = _with_reader_gone(*run_args(tmp_path / "m.json", tmp_path / "out"), stderr_too=True)
+    assert result.returncode == 0
+    assert "FAILED" not in (tmp_path / "out" / "logs" / "run.log").read_text()
     assert_out_is(tmp_path / "out", example_reference)
 
 

@@ -15,7 +15,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 from tokpipe._version import __version__
-from tokpipe.errors import UserError, terminate_on_sigterm, terminated
+from tokpipe.errors import ReaderMayLeave, UserError, terminate_on_sigterm, terminated
 from tokpipe.inputs.source.batch import MISSING_GROUP
 from tokpipe.options import RunOptions, positive
 from tokpipe.out.files import Out
@@ -287,47 +287,17 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-class _ReaderMayLeave:
-    """stdout for a reader that may go away (`| head -1`). Python ignores SIGPIPE, so a write to a pipe whose
-    reader is gone raises, at whichever print or flush comes after it left: with `head` a race, which made the
-    exit status 141 one time and 0 the next, and could stop a run halfway. Here the reader's leaving changes
-    nothing: what is written from then on goes nowhere (devnull over the file descriptor) and the command
-    ends as it would have, with its own exit status."""
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    def write(self, text: str) -> int:
-        try:
-            return self.stream.write(text)
-        except BrokenPipeError:
-            self._gone()
-            return self.stream.write(text)
-
-    def flush(self) -> None:
-        try:
-            self.stream.flush()
-        except BrokenPipeError:
-            self._gone()
-            self.stream.flush()  # what was buffered, to devnull: else Python tries again at exit and complains
-
-    def _gone(self) -> None:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
-
-    def __getattr__(self, name):  # fileno, encoding, isatty, buffer: the stream's
-        return getattr(self.stream, name)
-
-
 def main(argv: list[str] | None = None) -> int:
-    args, stdout = None, sys.stdout
-    sys.stdout = _ReaderMayLeave(stdout)
+    args, stdout, stderr = None, sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = ReaderMayLeave(stdout), ReaderMayLeave(stderr)
     try:
         args = parser().parse_args(argv)  # --help and --version write to stdout, then raise SystemExit
         terminate_on_sigterm()  # SIGTERM stops any command as Ctrl-C does (the run keeps it so while Ray starts)
         code = _command(args)
     finally:
         sys.stdout.flush()
-        sys.stdout = stdout
+        sys.stderr.flush()
+        sys.stdout, sys.stderr = stdout, stderr
     if args is not None and args.command == "run":
         # The run killed Ray's processes once its work was durable (runner/cluster.py): the interpreter's
         # teardown would run Ray's with them gone (measured: a segfault now and then). Leave at once.

@@ -1,5 +1,7 @@
-"""Errors that reach the user as one readable line instead of a traceback; SIGTERM as one of them."""
+"""Errors that reach the user as one readable line instead of a traceback; SIGTERM as one of them; a reader of
+the output going away as none."""
 
+import os
 import signal
 import threading
 
@@ -70,3 +72,35 @@ def terminated(interrupt: KeyboardInterrupt) -> bool:
     """Whether an interrupt is a SIGTERM's: Ray's waits turn an exception that a signal handler raises
     into a plain KeyboardInterrupt, so what the handler noted says it."""
     return isinstance(interrupt, Terminated) or _received.is_set()
+
+
+class ReaderMayLeave:
+    """stdout or stderr for a reader that may go away (`| head -1`, `2>&1 | head`). Python ignores SIGPIPE, so a
+    write to a pipe whose reader is gone raises, at whichever print or flush comes after it left: with `head` a
+    race, which made the exit status 141 one time and 0 the next, and could stop a run halfway (on stderr it
+    failed the shard the driver was on, then hung a minute in Ray's excepthook). Here the reader's leaving
+    changes nothing: what is written from then on goes nowhere (devnull over the file descriptor) and the
+    command ends as it would have, with its own exit status."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            self._gone()
+            return self.stream.write(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            self._gone()
+            self.stream.flush()  # what was buffered, to devnull: else Python tries again at exit and complains
+
+    def _gone(self) -> None:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+
+    def __getattr__(self, name):  # fileno, encoding, isatty, buffer: the stream's
+        return getattr(self.stream, name)

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokpipe.errors import keep_sigterm
+from tokpipe.errors import ReaderMayLeave, keep_sigterm
 from tokpipe.inputs.tokenizer import encoder
 from tokpipe.options import RunOptions
 
@@ -247,7 +247,7 @@ class Cluster:
         sys.stderr.flush()
         terminal = os.dup(2)
         os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
-        sys.stderr = open(terminal, "w", buffering=1, closefd=False)
+        sys.stderr = ReaderMayLeave(open(terminal, "w", buffering=1, closefd=False))
         # Until two looks find none: a process Ray started just before its parent was killed comes
         # back to this one (the subreaper), not to init.
         quiet = 0
