@@ -86,26 +86,44 @@ def test_a_stuck_shard_is_cancelled_with_a_stack_dump_and_reported(dataset, tmp_
 
 
 def test_consecutive_small_shards_go_in_packs_up_to_the_limit_and_a_large_one_alone():
+    # 1 worker: a pack takes at most a quarter of what is left (206 bytes: 51; then 176: 44; 141: 35; 41: 10).
     sizes = [10, 20, 30, 5, 100, 0, 1, 40]
     shards = [Shard("train", f"s{i}", f"/s{i}", size, f"s{i}") for i, size in enumerate(sizes)]
-    assert [[s.size for s in pack] for pack in packs(iter(shards), 40)] == [[10, 20], [30, 5], [100], [0, 1], [40]]
+    assert [[s.size for s in pack] for pack in packs(iter(shards), sum(sizes), 1)] == [
+        [10, 20],
+        [30, 5],
+        [100],
+        [0, 1],
+        [40],
+    ]
     many = [Shard("train", f"t{i}", f"/t{i}", 0, f"t{i}") for i in range(PACK_SHARDS + 1)]
-    assert [len(pack) for pack in packs(iter(many), 40)] == [PACK_SHARDS, 1]
+    assert [len(pack) for pack in packs(iter(many), 0, 1)] == [PACK_SHARDS, 1]
+
+
+def test_packs_shrink_with_what_is_left_and_the_last_shards_go_alone():
+    # 16 shards of 10 bytes, 2 workers: a quarter of a worker's share of what is left, 160 // 8 = 20, then
+    # 140 // 8 = 17 (one shard)... so no worker is left with a pack to finish while the other has nothing.
+    shards = [Shard("train", f"s{i:02d}", f"/s{i}", 10, f"s{i}") for i in range(16)]
+    assert [len(pack) for pack in packs(iter(shards), 160, 2)] == [2] + [1] * 14
+    # A larger run starts with the full PACK_BYTES and ends alone all the same.
+    big = [Shard("train", f"b{i:03d}", f"/b{i}", 4 << 20, f"b{i}") for i in range(300)]
+    sized = [len(pack) for pack in packs(iter(big), 300 * (4 << 20), 2)]
+    assert sized[:3] == [8, 8, 8] and sized[-8:] == [1] * 8 and sum(sized) == 300
 
 
 def test_in_packs_a_failing_and_a_stuck_shard_are_reported_alone_and_the_rest_is_exact(tmp_path, ray_address):
-    # 16 shards of real words, all of one size S, a truncated download (T < S) among them and a FIFO nobody
-    # writes (0): with 2 workers a task takes the shards that fit an eighth of the input (a quarter of a worker's
-    # share), 2S + T/8. So: [s00 s01] [s02 s03] [s04 s05] [truncated s06] [s07 s08] [s09 s10 stuck] ...
+    # 40 shards of real words, all of one size S, a truncated download (T < S) among them and a FIFO nobody
+    # writes (0): with 2 workers a task takes the shards that fit a quarter of a worker's share of what is left,
+    # (40S + T) / 8 first, then 36S / 8. So: [s00 s01 truncated s02 s03] [s04 s05 s06 stuck s07] [s08 s09 s10] ...
     words = " ".join(reference_texts(EXAMPLE_TRAIN_FILES[0]))
     plain = "".join(c for c in words if c.isascii() and (c.isalnum() or c in " .,;:"))  # one byte a character
     data = tmp_path / "data"
-    for k in range(16):
+    for k in range(40):
         docs = [plain[1200 * k + 300 * d :][:300] for d in range(4)]
         write_jsonl(data / "train" / f"s{k:02d}.jsonl", [json.dumps({"text": t}) for t in docs])
     whole = zstandard.ZstdCompressor().compress((data / "train" / "s05.jsonl").read_bytes())
-    (data / "train" / "s05x_truncated.jsonl.zst").write_bytes(whole[: len(whole) // 2])
-    os.mkfifo(data / "train" / "s10x_stuck.jsonl")
+    (data / "train" / "s01x_truncated.jsonl.zst").write_bytes(whole[: len(whole) // 2])
+    os.mkfifo(data / "train" / "s06x_stuck.jsonl")
     write_manifest(build_manifest(data), tmp_path / "m.json")
     out = tmp_path / "out"
     args = ("--workers", "2", "--ray-only", "--stall-timeout", "5", "--max-retries", "0", "--skip-failed")
@@ -113,13 +131,13 @@ def test_in_packs_a_failing_and_a_stuck_shard_are_reported_alone_and_the_rest_is
 
     assert result.returncode == 0, result.stderr
     log = (out / "logs" / "run.log").read_text()
-    assert "a pack of 2 shards (train/s05x_truncated.jsonl.zst ... train/s06.jsonl) failed (SourceError:" in log
+    assert "a pack of 5 shards (train/s00.jsonl ... train/s03.jsonl) failed (SourceError:" in log
     assert "its shards go again one by one" in log
-    assert "a pack of 3 shards (train/s09.jsonl ... train/s10x_stuck.jsonl): no progress for" in log
+    assert "a pack of 5 shards (train/s04.jsonl ... train/s07.jsonl): no progress for" in log
     # Alone it has its own tries: one, with --max-retries 0 (the pack's stall is not counted against it).
-    assert log.count("shard train/s10x_stuck.jsonl: no progress for") == 1
+    assert log.count("shard train/s06x_stuck.jsonl: no progress for") == 1
     meta = json.loads((out / "meta.json").read_text())
-    assert sorted(meta["excluded"]) == ["train/s05x_truncated.jsonl.zst", "train/s10x_stuck.jsonl"]
-    good = [data / "train" / f"s{k:02d}.jsonl" for k in range(16)]
+    assert sorted(meta["excluded"]) == ["train/s01x_truncated.jsonl.zst", "train/s06x_stuck.jsonl"]
+    good = [data / "train" / f"s{k:02d}.jsonl" for k in range(40)]
     expected = reference_tokens(good, QWEN3 / "tokenizer.json", QWEN3_EOS)
     assert np.array_equal(np.fromfile(out / "train.bin", dtype=np.uint32), expected)

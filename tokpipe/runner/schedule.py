@@ -38,9 +38,9 @@ QUEUED = 2
 # each one.
 GATHER = 0.02
 # A task takes consecutive shards while they come to at most this much input (or PACK_SHARDS of them), never
-# more than a quarter of a worker's share of the run. Ray's submit is most of the driver's cost per task
-# (0.66 of 1.29 ms, py-spy, 2,500 one-document shards, 16 workers on 2 cores), the rest is per shard; at
-# ~60 MB/s a core 32 MiB is half a second of a worker's tail.
+# more than a quarter of a worker's share of what is left (`packs`). Ray's submit is most of the driver's cost
+# per task (0.66 of 1.29 ms, py-spy, 2,500 one-document shards, 16 workers on 2 cores), the rest is per shard;
+# at ~60 MB/s a core 32 MiB is half a second of a worker's tail.
 PACK_BYTES = 32 << 20
 PACK_SHARDS = 64
 
@@ -120,14 +120,21 @@ class Copies:
             self.collect(block=True)
 
 
-def packs(shards: Iterator[Shard], limit: int) -> Iterator[list[Shard]]:
-    """The shards in order, one task's at a time: consecutive ones while they come to at most `limit` bytes and
-    PACK_SHARDS (a larger shard alone). Lazy: each is taken when the task before it is made."""
-    pack, size = [], 0
+def packs(shards: Iterator[Shard], left: int, workers: int) -> Iterator[list[Shard]]:
+    """The shards in order, one task's at a time: consecutive ones while they come to at most PACK_BYTES,
+    PACK_SHARDS, and a quarter of a worker's share of what is `left` (a larger shard alone). Lazy: each is taken
+    when the task before it is made.
+
+    What is left shrinks as packs are made, and so do they (guided self-scheduling): the last tasks are single
+    shards, so no worker finishes a pack long after the others went idle. With a quarter of the whole run's
+    share, 2 workers on 64 shards of 5.6 MB took packs of 5 to the end, and one waited up to a pack (~1.6 s) for
+    the other."""
+    pack, size, limit = [], 0, min(PACK_BYTES, left // (4 * workers))
     for shard in shards:
         if pack and (size + shard.size > limit or len(pack) == PACK_SHARDS):
             yield pack
-            pack, size = [], 0
+            left -= size
+            pack, size, limit = [], 0, min(PACK_BYTES, left // (4 * workers))
         pack.append(shard)
         size += shard.size
     if pack:
@@ -183,8 +190,11 @@ class Scheduler:
         self.common = ray.put((str(out), spec, self.board, opts.stall_timeout))  # see task.shard_task
         # Not those that failed in this process already (tokenize_while).
         finished = Finished(out)
-        unfinished = (s for s in manifest.shards() if not finished(s) and s.relpath not in tally.failed)
-        self.packs = packs(unfinished, min(PACK_BYTES, manifest.size // (4 * workers)))
+
+        def unfinished() -> Iterator[Shard]:  # read twice: the manifest streams, 60,000 shards are not held
+            return (s for s in manifest.shards() if not finished(s) and s.relpath not in tally.failed)
+
+        self.packs = packs(unfinished(), sum(s.size for s in unfinished()), workers)
         self.again: deque = deque()  # (shard, stall retries): cancelled for a stall, or of a pack that failed
         self.running: dict = {}  # results' ObjectRef -> (shards, stall retries, submitted at, buffered parts' ref)
         self.failed = tally.failed
