@@ -32,8 +32,10 @@ class MemoryGuard:
     The cache is let grow to a third of the room between the floor (the RSS just after the encoder
     was loaded) and the limit, not to the limit: its hash table doubles when full, and while it
     rehashes the old and the new table are both alive, a spike of up to ~0.85x the cache within one
-    batch (measured: RSS 633 -> 905 MiB in one batch, a 1,188 MiB peak). One guard per process, since
-    the cache outlives the shard that filled it.
+    batch (measured: RSS 633 -> 905 MiB in one batch, a 1,188 MiB peak). An encoder whose memory stops
+    growing by itself (fastokens) keeps its working set: dropped at a third, it paid its load and a cold
+    cache again every few shards for memory it took straight back. One guard per process, since the cache
+    outlives the shard that filled it.
     """
 
     def __init__(self, limit: int, backend: str, tokenizer_json: str):
@@ -46,18 +48,22 @@ class MemoryGuard:
         """The encoder, its cache dropped first if the process is past its room; `beside`: bytes it holds that
         are not the cache (a shard's buffered parts)."""
         beside += self.held
-        if (
-            self.limit
-            and self.floor is not None
-            and resident_bytes() - beside > self.floor + max((self.limit - self.floor) // 3, BATCH_HEADROOM)
-        ):
+        enc = encoder(self.backend, self.tokenizer_json)
+        if self.limit and self.floor is not None and resident_bytes() - beside > self.floor + self._room(enc):
             drop_encoder(self.backend, self.tokenizer_json)
             self.resets += 1
             self.floor = None
-        enc = encoder(self.backend, self.tokenizer_json)
+            enc = encoder(self.backend, self.tokenizer_json)
         if self.floor is None:
             self.floor = resident_bytes() - beside
         return enc
+
+    def _room(self, enc) -> int:
+        """What the encoder may grow past its floor: a third of what is left to the limit for a cache that grows
+        with what it reads (see above); all of it but a batch's headroom for one that stops growing by itself
+        (Encoder.bounded_cache), which is dropped only when the worker would otherwise reach its limit."""
+        left = self.limit - self.floor
+        return max(left - BATCH_HEADROOM if enc.bounded_cache else left // 3, BATCH_HEADROOM)
 
 
 _guards: dict[tuple[int, str, str], MemoryGuard] = {}
