@@ -45,23 +45,23 @@ def test_available_cpus_follow_affinity_and_the_cgroup_quota(monkeypatch, tmp_pa
     assert available_cpus() == 2
 
 
-def test_more_workers_than_cpus_run_with_the_cpus_and_say_so(tmp_path, example_reference):
+def test_more_workers_than_cpus_run_with_the_cpus_and_say_so(tmp_path, small_tokenizer, small_reference):
     write_manifest(build_manifest(plain_copy_of_example(tmp_path / "data")), tmp_path / "m.json")
-    result = tokpipe(*run_args(tmp_path / "m.json", tmp_path / "out", "--workers", "128"))
+    result = tokpipe(*run_args(tmp_path / "m.json", tmp_path / "out", "--workers", "128", tokenizer=small_tokenizer))
     assert result.returncode == 0, result.stderr
     cpus = len(os.sched_getaffinity(0))
     assert (
         f"--workers 128 is more than the {cpus} CPUs this process may use (its CPU affinity and cgroup quota):"
         f" running {cpus}" in result.stdout.splitlines()
     )
-    assert_out_is(tmp_path / "out", example_reference)
+    assert_out_is(tmp_path / "out", small_reference)
 
 
-def test_a_text_field_no_document_has_stops_the_run_before_tokenizing(tmp_path):
+def test_a_text_field_no_document_has_stops_the_run_before_tokenizing(tmp_path, small_tokenizer):
     lines = [json.dumps({"content": f"def f{i}(): pass", "lang": "python"}) for i in range(3)]
     write_jsonl(tmp_path / "data" / "train" / "code.jsonl", lines)
     write_manifest(build_manifest(tmp_path / "data"), tmp_path / "m.json")
-    result = tokpipe(*run_args(tmp_path / "m.json", tmp_path / "out"))
+    result = tokpipe(*run_args(tmp_path / "m.json", tmp_path / "out", tokenizer=small_tokenizer))
     assert result.returncode == 2
     assert result.stderr.strip() == (
         "tokpipe run: error: no document has a 'text' field in the first lines of each split's first shard;"
@@ -70,11 +70,11 @@ def test_a_text_field_no_document_has_stops_the_run_before_tokenizing(tmp_path):
     assert not list((tmp_path / "out").glob("shards/*/*.json"))  # nothing tokenized
 
 
-def test_a_shard_mostly_without_the_text_field_is_named(tmp_path):
+def test_a_shard_mostly_without_the_text_field_is_named(tmp_path, small_tokenizer):
     write_jsonl(tmp_path / "data" / "train" / "a.jsonl", [json.dumps({"text": "prose here"})] * 4)
     write_jsonl(tmp_path / "data" / "train" / "b.jsonl", [json.dumps({"content": "x = 1"})] * 3 + ['{"text": "y"}'])
     write_manifest(build_manifest(tmp_path / "data"), tmp_path / "m.json")
-    result = tokpipe(*run_args(tmp_path / "m.json", tmp_path / "out"))
+    result = tokpipe(*run_args(tmp_path / "m.json", tmp_path / "out", tokenizer=small_tokenizer))
     assert result.returncode == 0, result.stderr
     assert (
         "NOTE: 1 shards have no 'text' field on most lines (e.g. train/b.jsonl: 3 of 4 lines):"
@@ -83,9 +83,10 @@ def test_a_shard_mostly_without_the_text_field_is_named(tmp_path):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
-def test_a_finished_run_leaves_no_process_behind(tmp_path):
+def test_a_finished_run_leaves_no_process_behind(tmp_path, small_tokenizer):
     write_manifest(build_manifest(plain_copy_of_example(tmp_path / "data")), tmp_path / "m.json")
-    command = [sys.executable, "-m", "tokpipe.cli", *map(str, run_args(tmp_path / "m.json", tmp_path / "out"))]
+    args = run_args(tmp_path / "m.json", tmp_path / "out", tokenizer=small_tokenizer)
+    command = [sys.executable, "-m", "tokpipe.cli", *map(str, args)]
     # A fresh session: every process the run starts carries its session id, whoever adopts it.
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     _, stderr = proc.communicate(timeout=300)

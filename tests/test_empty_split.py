@@ -4,7 +4,7 @@ line naming the split, its lines, its skip reasons and --text-field; exit 2; no 
 import json
 
 import pytest
-from helpers import QWEN3, cli, unguarded, write_jsonl
+from helpers import QWEN3, cli, tokpipe, unguarded, write_jsonl
 
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import build_manifest
@@ -84,7 +84,9 @@ def test_run_says_it_in_one_line_and_exits_2(tmp_path):
     write_jsonl(tmp_path / "data" / "validation" / "empty.jsonl", [json.dumps({"text": ""})] * 2)
     manifest, out = tmp_path / "m.json", tmp_path / "out"
     assert cli("manifest", "--dataset-dir", tmp_path / "data", "-o", manifest).returncode == 0
-    run = cli("run", "--manifest", manifest, "--tokenizer", QWEN3, "--out", out, "--workers", "1")
+    # A process of its own, as every run that tokenizes: on a loaded machine the driver may start Ray, whose
+    # stop takes over stderr and would end an in-process caller's Ray under it (an xdist worker crashed so).
+    run = tokpipe("run", "--manifest", manifest, "--tokenizer", QWEN3, "--out", out, "--workers", "1")
     assert run.returncode == 2, run.stdout + run.stderr
     assert run.stderr.splitlines()[-1] == (
         "tokpipe run: error: split validation: 2 lines read, none became a document (skipped: empty_text 2): is the "
