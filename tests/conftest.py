@@ -4,7 +4,6 @@ reference are in helpers.py."""
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import select
@@ -29,6 +28,7 @@ from helpers import (
     SESSION_RAYS,
     Crash,
     build_out,
+    built_once,
     crash_in_batch,
     plain_copy_of_example,
     reference_by_group,
@@ -141,24 +141,6 @@ def ray_address(ray_cluster):
     return ray_cluster
 
 
-def built_once(tmp_path_factory, relpath: str, build) -> Path:
-    """`build(path)`'s result at `relpath`, built once for the whole run: under pytest-xdist in the folder all
-    workers share, by the first worker that needs it while the others wait on its lock (each OUT below cost
-    every worker 1-3 s, more on a loaded machine). Only read, never changed, by tests."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # this run's, shared by its workers
-    path = root / "once" / relpath
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.parent / f"{path.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (path.parent / f"{path.name}.built").exists():
-            shutil.rmtree(path, ignore_errors=True)  # a worker that died building it
-            build(path)
-            (path.parent / f"{path.name}.built").touch()
-    return path
-
-
 @pytest.fixture(scope="session")
 def small_tokenizer(tmp_path_factory) -> Path:
     """A byte-level BPE of 600 ids trained here, so the uint16 path is real. eos <|endoftext|>."""
@@ -255,12 +237,17 @@ def _kill_example(out: Path) -> None:
 
 
 @pytest.fixture(scope="session")
-def example_reference() -> dict[str, np.ndarray]:
-    """The reference tokens of the shipped example, per output file stem (train, val)."""
-    return {
-        "train": reference_tokens(EXAMPLE_TRAIN_FILES, QWEN3 / "tokenizer.json", QWEN3_EOS),
-        "val": reference_tokens(EXAMPLE_HOLDOUT_FILES, QWEN3 / "tokenizer.json", QWEN3_EOS),
-    }
+def example_reference(tmp_path_factory) -> dict[str, np.ndarray]:
+    """The reference tokens of the shipped example, per output file stem (train, val): encoded once for the
+    run (4-5 s of `tokenizers` on 2 loaded cores, which each xdist worker paid)."""
+    folder = built_once(tmp_path_factory, "example_reference", _encode_example_reference)
+    return {stem: np.load(folder / f"{stem}.npy") for stem in ("train", "val")}
+
+
+def _encode_example_reference(folder: Path) -> None:
+    folder.mkdir()
+    np.save(folder / "train.npy", reference_tokens(EXAMPLE_TRAIN_FILES, QWEN3 / "tokenizer.json", QWEN3_EOS))
+    np.save(folder / "val.npy", reference_tokens(EXAMPLE_HOLDOUT_FILES, QWEN3 / "tokenizer.json", QWEN3_EOS))
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ watchers of a running run (`wait_for`, `checkpoints`, `shard_workers`, `keep_kil
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import gzip
 import hashlib
@@ -22,6 +23,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -602,3 +604,22 @@ def build_out(
     if finalized:
         finalize(out, manifest, info, options.output)
     return out
+
+
+def built_once(tmp_path_factory, relpath: str, build) -> Path:
+    """`build(path)`'s result at `relpath`, built once for the whole run: under pytest-xdist in the folder all
+    workers share, by the first worker that needs it while the others wait on its lock (each finished OUT of
+    conftest's fixtures cost every worker 1-3 s, more on a loaded machine; a module's fixture is built again
+    each time the worker comes back to the module). Only read, never changed, by tests."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # this run's, shared by its workers
+    path = root / "once" / relpath
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f"{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path.parent / f"{path.name}.built").exists():
+            shutil.rmtree(path, ignore_errors=True)  # a worker that died building it
+            build(path)
+            (path.parent / f"{path.name}.built").touch()
+    return path

@@ -8,11 +8,22 @@ every line read is accounted for as a document or a counted skip.
 """
 
 import json
+import subprocess
 
 import numpy as np
 import pytest
 import zstandard
-from helpers import EXAMPLE_CACHE, QWEN3, QWEN3_EOS, cli, reference_texts, reference_tokens, tokpipe, write_jsonl
+from helpers import (
+    EXAMPLE_CACHE,
+    QWEN3,
+    QWEN3_EOS,
+    built_once,
+    cli,
+    reference_texts,
+    reference_tokens,
+    tokpipe,
+    write_jsonl,
+)
 
 from tokpipe.inputs.manifest import build_manifest, write_manifest
 
@@ -38,9 +49,12 @@ DIRTY_LINES = [
 LAST_LINE = b'{"text": "last line without a newline"}'
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dirty") / "data"
+    return built_once(tmp_path_factory, "dirty/data", _write_corpus)
+
+
+def _write_corpus(root):
     real = next(EXAMPLE_CACHE.rglob("example_holdout_0.jsonl.zst")).read_bytes()
     (root / "train").mkdir(parents=True)
     (root / "validation").mkdir()
@@ -56,19 +70,29 @@ def corpus(tmp_path_factory):
     whole = zstandard.ZstdCompressor().compress(b"\n".join(reference_lines(real)[:50]) + b"\n")
     (root / "train" / "g_truncated.jsonl.zst").write_bytes(whole[: len(whole) // 2])
     write_jsonl(root / "validation" / "v.jsonl", reference_lines(real)[50:60])
-    return root
 
 
 def reference_lines(zst: bytes) -> list[bytes]:
     return zstandard.ZstdDecompressor().stream_reader(zst).read().splitlines()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def runs(corpus, tmp_path_factory):
-    work = tmp_path_factory.mktemp("dirty-run")
+    """The corpus run once as it is, then with --skip-failed, for the whole test run (in every xdist worker
+    that comes to this module, each time it comes back, this was 5 s): OUT, and each run's exit and output."""
+    work = built_once(tmp_path_factory, "dirty/runs", lambda work: _run_twice(corpus, work))
+    saved = [json.loads((work / f"{name}.json").read_text()) for name in ("first", "skip_failed")]
+    return work / "out", *(subprocess.CompletedProcess(**result) for result in saved)
+
+
+def _run_twice(corpus, work) -> None:
+    work.mkdir()
     write_manifest(build_manifest(corpus), work / "m.json")
     args = ("run", "--manifest", work / "m.json", "--tokenizer", QWEN3, "--out", work / "out", "--workers", "2")
-    return work / "out", tokpipe(*args), tokpipe(*args, "--skip-failed")
+    for name, extra in (("first", ()), ("skip_failed", ("--skip-failed",))):
+        result = tokpipe(*args, *extra)
+        fields = {"args": list(map(str, result.args)), "returncode": result.returncode}
+        (work / f"{name}.json").write_text(json.dumps(fields | {"stdout": result.stdout, "stderr": result.stderr}))
 
 
 def test_truncated_download_fails_by_name_and_nothing_is_finalized(runs):
