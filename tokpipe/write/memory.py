@@ -48,22 +48,23 @@ class MemoryGuard:
         """The encoder, its cache dropped first if the process is past its room; `beside`: bytes it holds that
         are not the cache (a shard's buffered parts)."""
         beside += self.held
-        enc = encoder(self.backend, self.tokenizer_json)
-        if self.limit and self.floor is not None and resident_bytes() - beside > self.floor + self._room(enc):
+        if self.limit and self.floor is not None and resident_bytes() - beside > self.floor + self._room():
             drop_encoder(self.backend, self.tokenizer_json)
             self.resets += 1
             self.floor = None
-            enc = encoder(self.backend, self.tokenizer_json)
+        enc = encoder(self.backend, self.tokenizer_json)
         if self.floor is None:
             self.floor = resident_bytes() - beside
         return enc
 
-    def _room(self, enc) -> int:
-        """What the encoder may grow past its floor: a third of what is left to the limit for a cache that grows
-        with what it reads (see above); all of it but a batch's headroom for one that stops growing by itself
-        (Encoder.bounded_cache), which is dropped only when the worker would otherwise reach its limit."""
+    def _room(self) -> int:
+        """What the encoder (loaded: the floor was taken after it) may grow past its floor: a third of what is
+        left to the limit for a cache that grows with what it reads (see above); all of it but a batch's
+        headroom for one that stops growing by itself (Encoder.bounded_cache), dropped only when the worker would
+        otherwise reach its limit. No reference to it is kept here: drop_encoder could not free one still held."""
         left = self.limit - self.floor
-        return max(left - BATCH_HEADROOM if enc.bounded_cache else left // 3, BATCH_HEADROOM)
+        bounded = encoder(self.backend, self.tokenizer_json).bounded_cache
+        return max(left - BATCH_HEADROOM if bounded else left // 3, BATCH_HEADROOM)
 
 
 _guards: dict[tuple[int, str, str], MemoryGuard] = {}
