@@ -316,13 +316,13 @@ EMBEDDED_RAY_2_WORKERS = (
 )
 
 
-def start(manifest, out, *extra, ray: str | None = None) -> subprocess.Popen:
+def start(manifest, out, *extra, ray: str | None = None, tokenizer=QWEN3) -> subprocess.Popen:
     """`tokpipe run` in its own process group, as a shell would start it; its output goes to `proc.log`, beside
     OUT. `ray` as for `tokpipe`."""
     log = Path(out).parent / f"run-{time.monotonic_ns()}.log"
     with open(log, "w") as output:
         proc = subprocess.Popen(
-            _cli(run_args(manifest, out, *extra)),
+            _cli(run_args(manifest, out, *extra, tokenizer=tokenizer)),
             stdout=output,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -98,23 +98,24 @@ def test_a_command_whose_reader_went_away_ends_as_it_would_have(finished_example
     assert (result.returncode, result.stderr) == (0, "")
 
 
-def test_a_run_whose_reader_went_away_finishes(tmp_path, example_reference):
+def test_a_run_whose_reader_went_away_finishes(tmp_path, small_tokenizer, small_reference):
     """`tokpipe run ... | head -1`: the run goes on to the end (it used to stop at its next line)."""
     assert tokpipe("manifest", "--dataset-dir", EXAMPLE_CACHE, "-o", tmp_path / "m.json").returncode == 0
-    result = _with_reader_gone(*run_args(tmp_path / "m.json", tmp_path / "out"))
+    result = _with_reader_gone(*run_args(tmp_path / "m.json", tmp_path / "out", tokenizer=small_tokenizer))
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
-    assert_out_is(tmp_path / "out", example_reference)
+    assert_out_is(tmp_path / "out", small_reference)
 
 
-def test_a_run_whose_stderr_reader_went_away_finishes(tmp_path, example_reference):
+def test_a_run_whose_stderr_reader_went_away_finishes(tmp_path, small_tokenizer, small_reference):
     """`tokpipe run ... 2>&1 | head -1`: the progress lines on stderr go nowhere and the run goes on to the end
     (the first of them failed the shard the driver was on, as if its data were at fault)."""
     assert tokpipe("manifest", "--dataset-dir", EXAMPLE_CACHE, "-o", tmp_path / "m.json").returncode == 0
-    result = _with_reader_gone(*run_args(tmp_path / "m.json", tmp_path / "out"), stderr_too=True)
+    run = run_args(tmp_path / "m.json", tmp_path / "out", tokenizer=small_tokenizer)
+    result = _with_reader_gone(*run, stderr_too=True)
     assert result.returncode == 0
     assert "FAILED" not in (tmp_path / "out" / "logs" / "run.log").read_text()
-    assert_out_is(tmp_path / "out", example_reference)
+    assert_out_is(tmp_path / "out", small_reference)
 
 
 def test_out_naming_a_file_is_one_line_exit_2(tmp_path, capsys):

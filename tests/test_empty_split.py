@@ -78,7 +78,7 @@ def test_a_train_split_whose_documents_all_went_to_val_is_not_empty(tmp_path):
     assert (train["lines"], train["documents"], train["held_out"], val["documents"]) == (4, 0, 4, 4)
 
 
-def test_run_says_it_in_one_line_and_exits_2(tmp_path):
+def test_run_says_it_in_one_line_and_exits_2(tmp_path, small_tokenizer):
     # The validation split holds lines whose text is empty: read, counted, and none a document.
     write_jsonl(tmp_path / "data" / "train" / "prose.jsonl", PROSE)
     write_jsonl(tmp_path / "data" / "validation" / "empty.jsonl", [json.dumps({"text": ""})] * 2)
@@ -86,7 +86,8 @@ def test_run_says_it_in_one_line_and_exits_2(tmp_path):
     assert cli("manifest", "--dataset-dir", tmp_path / "data", "-o", manifest).returncode == 0
     # A process of its own, as every run that tokenizes: on a loaded machine the driver may start Ray, whose
     # stop takes over stderr and would end an in-process caller's Ray under it (an xdist worker crashed so).
-    run = tokpipe("run", "--manifest", manifest, "--tokenizer", QWEN3, "--out", out, "--workers", "1")
+    # The 600-id tokenizer: Qwen3's load would be most of the run's CPU.
+    run = tokpipe("run", "--manifest", manifest, "--tokenizer", small_tokenizer, "--out", out, "--workers", "1")
     assert run.returncode == 2, run.stdout + run.stderr
     assert run.stderr.splitlines()[-1] == (
         "tokpipe run: error: split validation: 2 lines read, none became a document (skipped: empty_text 2): is the "

@@ -1,6 +1,7 @@
 """finalize: split files assembled from shards in any order, surviving a crash at any point, to the
 reference bytes; a placed shard's own token files removed, so the tokens are on disk once."""
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -204,18 +205,21 @@ def killing(*args, **kw):
         os.kill(os.getpid(), signal.SIGKILL)
     return original(*args, **kw)
 setattr(owner, attr, killing)
+import json
 from tokpipe.write.finalize import finalize
 from tokpipe.inputs.manifest import build_manifest
 from tokpipe.options import RunOptions
-from tokpipe.inputs.tokenizer import load_tokenizer_info
-finalize(sys.argv[1], build_manifest(sys.argv[4]), load_tokenizer_info(sys.argv[5]), RunOptions().output)
+from tokpipe.inputs.tokenizer import TokenizerInfo
+finalize(sys.argv[1], build_manifest(sys.argv[4]), TokenizerInfo(**json.loads(sys.argv[5])), RunOptions().output)
 """
 
 
 @pytest.mark.parametrize("point", KILL_POINTS)
 def test_a_kill_9_anywhere_in_place_then_remove_loses_and_leaks_nothing(out, example_reference, point):
     target, call, which = KILL_POINTS[point]
-    argv = [str(out), target, str(call), str(EXAMPLE_CACHE), str(QWEN3), which]
+    # The run's tokenizer info as this process has it: finalize reads no tokenizer, and loading Qwen3's again (its
+    # parse, ~1 CPU-s) in each killed process is no part of the test.
+    argv = [str(out), target, str(call), str(EXAMPLE_CACHE), json.dumps(dataclasses.asdict(INFO)), which]
     killed = subprocess.run(
         [sys.executable, "-c", KILLED_FINALIZE, *argv],
         capture_output=True,

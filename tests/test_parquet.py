@@ -247,18 +247,20 @@ def test_kill_9_mid_file_at_one_worker_then_two_workers_gives_identical_bytes(
     assert cli("verify", out, "--sample", "50").returncode == 0
 
 
-def test_a_cut_parquet_shard_fails_by_name_and_skip_failed_finalizes_without_it(parquet_copy, tmp_path):
+def test_a_cut_parquet_shard_fails_by_name_and_skip_failed_finalizes_without_it(
+    parquet_copy, tmp_path, small_tokenizer
+):
     cut = parquet_copy / "data" / "train-00001-of-00002.parquet"
     cut.write_bytes(cut.read_bytes()[: cut.stat().st_size * 6 // 10])
     manifest, out = tmp_path / "m.json", tmp_path / "out"
     assert cli("manifest", "--dataset-dir", parquet_copy, "-o", manifest).returncode == 0
-    failing = tokpipe(*run_args(manifest, out))
+    failing = tokpipe(*run_args(manifest, out, tokenizer=small_tokenizer))
     assert failing.returncode == 1 and "Traceback" not in failing.stderr
     assert (
         "FAILED data/train-00001-of-00002.parquet: SourceError:" in failing.stderr
         and "not a complete Parquet file" in failing.stderr
     )
-    skipping = tokpipe(*run_args(manifest, out, "--skip-failed"))
+    skipping = tokpipe(*run_args(manifest, out, "--skip-failed", tokenizer=small_tokenizer))
     assert skipping.returncode == 0, skipping.stderr
     meta = json.loads((out / "meta.json").read_text())
     assert (

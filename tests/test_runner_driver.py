@@ -31,7 +31,6 @@ from helpers import (
     EXAMPLE_HOLDOUT_FILES,
     EXAMPLE_TRAIN_FILES,
     GROUP_FIELD,
-    QWEN3,
     QWEN3_EOS,
     TRAIN_DOCUMENTS,
     VAL_DOCUMENTS,
@@ -60,7 +59,17 @@ from tokpipe.inputs.manifest import build_manifest, write_manifest
 HF = ("--backend", "hf")  # the slow reference encoder: runs last long enough to be hit mid-way
 
 
-def test_kill_9_of_the_whole_run_at_random_moments_with_changing_workers(dataset, tmp_path, example_reference):
+@pytest.fixture
+def out(finished_small, tmp_path) -> Path:
+    """A copy of the finished OUT of the 600-id tokenizer (conftest's `out` is Qwen3's), that a test may damage."""
+    copy = tmp_path / "out"
+    shutil.copytree(finished_small, copy)
+    return copy
+
+
+def test_kill_9_of_the_whole_run_at_random_moments_with_changing_workers(
+    dataset, tmp_path, small_tokenizer, small_reference
+):
     # Three copies of the example (chunk1..3): enough work that no attempt finishes before its kill,
     # however quiet the machine. Each split's reference is then its example reference three times.
     for split in ("train", "validation"):
@@ -68,7 +77,7 @@ def test_kill_9_of_the_whole_run_at_random_moments_with_changing_workers(dataset
             shutil.copytree(dataset / split / "chunk1", dataset / split / copy)
     manifest = tmp_path / "m3.json"
     write_manifest(build_manifest(dataset), manifest)
-    expected = {stem: np.concatenate([tokens] * 3) for stem, tokens in example_reference.items()}
+    expected = {stem: np.concatenate([tokens] * 3) for stem, tokens in small_reference.items()}
     out = tmp_path / "out"
     rng = random.Random(7)
     # The moments: during start-up (before Ray is up), just after a checkpoint, and with a shard
@@ -79,13 +88,17 @@ def test_kill_9_of_the_whole_run_at_random_moments_with_changing_workers(dataset
         lambda: any(c["done"] for c in checkpoints(out)) and len(checkpoints(out)) >= 2,
     ]
     for workers, ready in zip((8, 2, 5), moments):
-        proc = start(manifest, out, "--workers", workers, "--checkpoint-interval", "0.2", *HF)
+        proc = start(
+            manifest, out, "--workers", workers, "--checkpoint-interval", "0.2", *HF, tokenizer=small_tokenizer
+        )
         wait_for(lambda: ready() or proc.poll() is not None)  # noqa: B023 (called at once)
         time.sleep(rng.uniform(0.1, 1.5))
         kill_9(proc)
     assert not (out / "meta.json").exists()
     # The resume encodes with the fast backend: a shard begun by another backend continues to the same bytes.
-    final = tokpipe(*run_args(manifest, out, "--workers", "2", "--checkpoint-interval", "0.2"))
+    final = tokpipe(
+        *run_args(manifest, out, "--workers", "2", "--checkpoint-interval", "0.2", tokenizer=small_tokenizer)
+    )
     assert final.returncode == 0, final.stdout + final.stderr
     done, partial = map(
         int, re.search(r": 9 shards, .*; (\d+) done, (\d+) partial, \d+ to start$", final.stdout, re.M).groups()
@@ -142,34 +155,34 @@ def test_val_fraction_gives_the_same_val_bin_at_any_workers_with_a_kill_9_betwee
     assert cli("verify", out).returncode == 0
 
 
-def test_killed_finalize_is_redone_from_the_shards(out, example_reference):
+def test_killed_finalize_is_redone_from_the_shards(out, small_tokenizer, small_reference):
     # What a kill -9 during finalize can leave: no meta, and a split's files halfway through their
     # renames (train.parts renamed, train.bin and train.idx not yet).
     (out / "meta.json").unlink()
     (out / "meta.pkl").unlink()
     for name in ("train.bin", "train.idx"):
         os.replace(out / name, out / f"{name}.tmp")
-    result = tokpipe(*run_args(out / "manifest.json", out))
+    result = tokpipe(*run_args(out / "manifest.json", out, tokenizer=small_tokenizer))
     assert result.returncode == 0, result.stderr
     assert "ray:" not in result.stdout  # every shard was done: finalize only, nothing tokenized again
-    assert_out_is(out, example_reference)
+    assert_out_is(out, small_reference)
     assert not (out / "train.bin.tmp").exists()
     assert cli("verify", out).returncode == 0
 
 
-def test_a_split_file_damaged_after_its_shards_were_removed_is_tokenized_again(out, example_reference):
+def test_a_split_file_damaged_after_its_shards_were_removed_is_tokenized_again(out, small_tokenizer, small_reference):
     (out / "meta.json").unlink()
     (out / "meta.pkl").unlink()
     with open(out / "train.bin", "r+b") as f:
         f.truncate(4000)  # cut by something outside tokpipe: the shards' own files are gone since placed
-    result = tokpipe(*run_args(out / "manifest.json", out))
+    result = tokpipe(*run_args(out / "manifest.json", out, tokenizer=small_tokenizer))
     assert result.returncode == 0, result.stderr
     assert (
         "tokenizing again 2 shards (e.g. train/chunk1/example_train_0.jsonl.zst): their tokens are in no file a"
         " rerun can keep (placed but not yet listed when the last run stopped, or in a split file that changed"
         " since)" in result.stdout.splitlines()
     )
-    assert_out_is(out, example_reference)
+    assert_out_is(out, small_reference)
     assert not (out / "train.bin.tmp").exists()
     assert cli("verify", out).returncode == 0
 
@@ -185,25 +198,29 @@ def _unlist_all_but_the_first_train_part(out: Path) -> None:
     (out / "train.parts").unlink()
 
 
-def test_parts_placed_but_not_listed_when_the_run_stopped_are_kept_by_their_checksums(out, example_reference):
+def test_parts_placed_but_not_listed_when_the_run_stopped_are_kept_by_their_checksums(
+    out, small_tokenizer, small_reference
+):
     _unlist_all_but_the_first_train_part(out)
-    result = tokpipe(*run_args(out / "manifest.json", out))
+    result = tokpipe(*run_args(out / "manifest.json", out, tokenizer=small_tokenizer))
     assert result.returncode == 0, result.stderr
     assert "tokenizing again" not in result.stdout and "ray:" not in result.stdout  # nothing tokenized again
-    assert_out_is(out, example_reference)
+    assert_out_is(out, small_reference)
     assert cli("verify", out).returncode == 0
 
 
-def test_an_unlisted_part_whose_bytes_do_not_match_its_checksum_is_tokenized_again(out, example_reference):
+def test_an_unlisted_part_whose_bytes_do_not_match_its_checksum_is_tokenized_again(
+    out, small_tokenizer, small_reference
+):
     _unlist_all_but_the_first_train_part(out)
     first = json.loads((out / "train.parts.tmp").read_text())
     with open(out / "train.bin.tmp", "r+b") as f:  # a byte of the second part changed under tokpipe
-        f.seek(first["tokens"] * 4 + 8)
+        f.seek(first["tokens"] * 2 + 8)  # uint16 ids
         f.write(b"\xff")
-    result = tokpipe(*run_args(out / "manifest.json", out))
+    result = tokpipe(*run_args(out / "manifest.json", out, tokenizer=small_tokenizer))
     assert result.returncode == 0, result.stderr
     assert "tokenizing again 1 shard (e.g. train/chunk1/example_train_1.jsonl.zst)" in result.stdout
-    assert_out_is(out, example_reference)
+    assert_out_is(out, small_reference)
 
 
 def _mount_tmpfs(path: Path, size: str) -> bool:
@@ -216,25 +233,27 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
     )
 
 
-def test_disk_full_stops_the_shard_clearly_and_the_rerun_completes(manifest, tmp_path, example_reference):
+def test_disk_full_stops_the_shard_clearly_and_the_rerun_completes(
+    manifest, tmp_path, small_tokenizer, small_reference
+):
     disk = tmp_path / "disk"
     if not _mount_tmpfs(disk, "3m"):
         pytest.skip("cannot mount a tmpfs here (needs root); the write-error path is also covered in test_shard")
     try:
         out = disk / "out"
-        full = tokpipe(*run_args(manifest, out, "--checkpoint-interval", "0.2"))
+        full = tokpipe(*run_args(manifest, out, "--checkpoint-interval", "0.2", tokenizer=small_tokenizer))
         assert full.returncode == 1
         assert "No space left on device" in full.stderr and "Traceback" not in full.stderr
         assert not (out / "meta.json").exists()
         subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)  # space freed
-        rerun = tokpipe(*run_args(manifest, out))
+        rerun = tokpipe(*run_args(manifest, out, tokenizer=small_tokenizer))
         assert rerun.returncode == 0, rerun.stderr
-        assert_out_is(out, example_reference)
+        assert_out_is(out, small_reference)
     finally:
         subprocess.run(["umount", "-l", str(disk)])
 
 
-def test_multi_node_cluster_with_a_node_removed_mid_run(manifest, tmp_path, example_reference):
+def test_multi_node_cluster_with_a_node_removed_mid_run(manifest, tmp_path, small_tokenizer, small_reference):
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
@@ -258,6 +277,7 @@ def test_multi_node_cluster_with_a_node_removed_mid_run(manifest, tmp_path, exam
                         "--checkpoint-interval",
                         "0.2",
                         *HF,
+                        tokenizer=small_tokenizer,
                     ),
                 ),
             ],
@@ -276,32 +296,36 @@ def test_multi_node_cluster_with_a_node_removed_mid_run(manifest, tmp_path, exam
         output, _ = proc.communicate(timeout=240)
         assert proc.returncode == 0, output
         assert re.search(rf"^ray: cluster {re.escape(cluster.address)}, 2 workers on 3 nodes$", output, re.M), output
-        assert_out_is(out, example_reference)
+        assert_out_is(out, small_reference)
     finally:
         cluster.shutdown()
 
 
-def test_ctrl_c_stops_the_run_with_exit_130_and_the_same_command_resumes(manifest, tmp_path, example_reference):
+def test_ctrl_c_stops_the_run_with_exit_130_and_the_same_command_resumes(
+    manifest, tmp_path, small_tokenizer, small_reference
+):
     # Ctrl-C in a terminal: SIGINT to the run's whole process group, the embedded Ray's processes included.
     out = tmp_path / "out"
-    proc = start(manifest, out, "--workers", "1", "--checkpoint-interval", "0.2", *HF)
+    proc = start(manifest, out, "--workers", "1", "--checkpoint-interval", "0.2", *HF, tokenizer=small_tokenizer)
     wait_for(lambda: any(c["lines"] for c in checkpoints(out)) or proc.poll() is not None)
     os.killpg(proc.pid, signal.SIGINT)
     assert proc.wait(timeout=60) == 130
     assert proc.log.read_text().splitlines()[-1] == "tokpipe run: interrupted; rerun the same command to resume"
     assert not (out / "meta.json").exists()
-    rerun = tokpipe(*run_args(manifest, out, "--workers", "1", "--checkpoint-interval", "0.2"))
+    rerun = tokpipe(
+        *run_args(manifest, out, "--workers", "1", "--checkpoint-interval", "0.2", tokenizer=small_tokenizer)
+    )
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    assert_out_is(out, example_reference)
+    assert_out_is(out, small_reference)
 
 
-def test_a_run_the_driver_finishes_alone_never_imports_ray(tmp_path):
+def test_a_run_the_driver_finishes_alone_never_imports_ray(tmp_path, small_tokenizer):
     # Importing Ray costs ~0.7 CPU-s here: a run with nothing for Ray to do does not pay it.
     write_jsonl(tmp_path / "data" / "train" / "a.jsonl", ['{"text": "one document"}', '{"text": "and another"}'])
     write_manifest(build_manifest(tmp_path / "data"), tmp_path / "m.json")
     code = (
         "import sys, tokpipe\n"
-        f"summary = tokpipe.run({str(tmp_path / 'm.json')!r}, {str(QWEN3)!r}, {str(tmp_path / 'out')!r})\n"
+        f"summary = tokpipe.run({str(tmp_path / 'm.json')!r}, {str(small_tokenizer)!r}, {str(tmp_path / 'out')!r})\n"
         "print(summary.finished, 'ray' in sys.modules)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

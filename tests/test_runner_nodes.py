@@ -96,6 +96,7 @@ def test_threads_of_one_worker_that_check_a_node_at_once_all_pass(tmp_path, monk
 # -- a cluster whose second node does not see OUT ---------------------------------------------------------
 
 HF = ("--backend", "hf")  # no backend check to wait for: seconds per run on a busy machine
+# The runs use the 600-id tokenizer (small_tokenizer): Qwen3's load is ~1.8 CPU-s a run, and not the subject.
 
 
 def _text(path: Path) -> str:
@@ -108,7 +109,7 @@ def _can_make_mount_namespaces() -> bool:
 
 
 @pytest.mark.skipif(not _can_make_mount_namespaces(), reason="needs root and unshare -m")
-def test_with_address_a_node_that_cannot_see_out_stops_the_run_naming_node_and_path(tmp_path):
+def test_with_address_a_node_that_cannot_see_out_stops_the_run_naming_node_and_path(tmp_path, small_tokenizer):
     # A folder of the same name on the second node's own disk: a tmpfs over OUT's parent, in its namespace.
     node_local = tmp_path / "node-local"
     node_local.mkdir()
@@ -141,7 +142,7 @@ def test_with_address_a_node_that_cannot_see_out_stops_the_run_naming_node_and_p
 
         # A node that joins mid-run was not probed at the start: it checks itself at its first shard.
         late_out = node_local / "late"
-        late = start(tmp_path / "m.json", late_out, *HF, ray=address)
+        late = start(tmp_path / "m.json", late_out, *HF, ray=address, tokenizer=small_tokenizer)
         probed = late_out / "logs" / "run.log"
         wait_for(lambda: "node check: 1 nodes see" in _text(probed) or late.poll() is not None, timeout=120)
         inner = (
@@ -165,7 +166,9 @@ def test_with_address_a_node_that_cannot_see_out_stops_the_run_naming_node_and_p
         # With that node in the cluster from the start, the run refuses before any shard is tokenized.
         out = node_local / "out"
         began = time.monotonic()
-        refused = tokpipe(*run_args(tmp_path / "m.json", out, "--address", address, *HF), timeout=180)
+        refused = tokpipe(
+            *run_args(tmp_path / "m.json", out, "--address", address, *HF, tokenizer=small_tokenizer), timeout=180
+        )
         seconds = time.monotonic() - began
         assert refused.returncode == 2, refused.stdout + refused.stderr
         assert refused.stderr.splitlines() == [f"tokpipe run: error: {blind} {out} (No such file or directory){advice}"]

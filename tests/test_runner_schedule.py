@@ -31,17 +31,15 @@ HF = ("--backend", "hf")  # the slow reference encoder: runs last long enough to
 
 
 def test_killed_workers_are_retried_and_a_shard_that_keeps_dying_is_reported(
-    manifest, tmp_path, example_reference, ray_address
+    manifest, tmp_path, small_tokenizer, small_reference, ray_address
 ):
+    # The 600-id tokenizer: each of the run's Ray workers loads it, and Qwen3's load (~1.3 CPU-s a worker, on
+    # every retry) is not the subject.
     out = tmp_path / "out"
+    args = ("--workers", "2", "--checkpoint-interval", "0.2", "--ray-only", *HF)
     stop = threading.Event()
     killed = keep_killing("example_train_0", stop, session_ray=ray_address)
-    failing = tokpipe(
-        *run_args(
-            manifest, out, "--workers", "2", "--max-retries", "1", "--checkpoint-interval", "0.2", "--ray-only", *HF
-        ),
-        ray=ray_address,
-    )
+    failing = tokpipe(*run_args(manifest, out, *args, "--max-retries", "1", tokenizer=small_tokenizer), ray=ray_address)
     stop.set()
     assert failing.returncode == 1 and len(killed) == 2  # the first attempt and its one retry
     assert "FAILED train/chunk1/example_train_0.jsonl.zst" in failing.stderr and "Traceback" not in failing.stderr
@@ -54,13 +52,11 @@ def test_killed_workers_are_retried_and_a_shard_that_keeps_dying_is_reported(
     # The rerun tries again; one of its workers is killed once mid-shard and Ray retries it from the checkpoint.
     stop = threading.Event()
     killed = keep_killing("example_train_0", stop, once=True, session_ray=ray_address)
-    rerun = tokpipe(
-        *run_args(manifest, out, "--workers", "2", "--checkpoint-interval", "0.2", "--ray-only", *HF), ray=ray_address
-    )
+    rerun = tokpipe(*run_args(manifest, out, *args, tokenizer=small_tokenizer), ray=ray_address)
     stop.set()
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert len(killed) == 1
-    assert_out_is(out, example_reference)
+    assert_out_is(out, small_reference)
     assert not (out / "logs" / "failed.json").exists()
 
 
