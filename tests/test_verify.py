@@ -139,14 +139,20 @@ def reseal(out, split):
     (out / "meta.json").write_text(json.dumps(meta))
 
 
-def test_sample_re_tokenizes_source_documents_and_catches_a_self_consistent_wrong_id(out):
+def test_sample_re_tokenizes_source_documents_and_catches_a_self_consistent_wrong_id(finished_small, tmp_path):
     from tokpipe.commands.sample import verify_sample
 
+    # The 600-id tokenizer's OUT: the sample encodes its documents again three times, and Qwen3's load and
+    # encode (~5 CPU-s of this test) are not the subject.
+    out = tmp_path / "out"
+    shutil.copytree(finished_small, out)
     checks = verify_sample(out, 1000)
     assert all(c.ok for c in checks) and len(checks) == 2
-    # What a wrong backend would produce: one id off inside document 7, with checksums to match.
+    # What a wrong backend would produce: one id off inside document 7 (another id of the vocabulary), with
+    # checksums to match.
     ends = np.fromfile(out / "val.idx", dtype="<i8")
-    poke(out / "val.bin", ends[6] + 2, 12345)
+    wrong = (int(np.fromfile(out / "val.bin", dtype=np.uint16)[ends[6] + 2]) + 1) % 600
+    poke(out / "val.bin", ends[6] + 2, wrong, np.uint16)
     reseal(out, "validation")
     assert failed_checks(out) == []  # every structural check still holds
     bad = [c for c in verify_sample(out, 1000) if not c.ok]
