@@ -30,6 +30,7 @@ from helpers import (
     is_held_out,
     reference_by_group,
     reference_texts,
+    reference_tokenizer,
     reference_tokens,
     run_args,
     snapshot_files,
@@ -49,8 +50,8 @@ IM_START = QWEN3_IM_START
 TRAIN, HOLDOUT = EXAMPLE_TRAIN_FILES, EXAMPLE_HOLDOUT_FILES
 
 
-def tokens(out, stem):
-    return np.fromfile(out / f"{stem}.bin", dtype=np.uint32)
+def tokens(out, stem, dtype=np.uint32):
+    return np.fromfile(out / f"{stem}.bin", dtype=dtype)
 
 
 def run_flags() -> dict:
@@ -144,19 +145,21 @@ def test_verify_names_a_document_that_lost_its_bos(finished_bos, tmp_path):
     ]
 
 
-def test_val_fraction_holds_out_train_documents_chosen_by_their_text(tmp_path):
-    out = build_out(tmp_path / "out", QWEN3, options=RunOptions(val_fraction=0.2))
-    tokenizer = QWEN3 / "tokenizer.json"
-    kept = reference_tokens(TRAIN, tokenizer, QWEN3_EOS, keep=held_out(0.2, False))
+def test_val_fraction_holds_out_train_documents_chosen_by_their_text(tmp_path, small_tokenizer):
+    # The 600-id tokenizer (uint16): which documents are held out is the subject, not Qwen3.
+    out = build_out(tmp_path / "out", small_tokenizer, options=RunOptions(val_fraction=0.2))
+    tokenizer = small_tokenizer / "tokenizer.json"
+    eos = reference_tokenizer(tokenizer).token_to_id("<|endoftext|>")
+    kept = reference_tokens(TRAIN, tokenizer, eos, np.uint16, keep=held_out(0.2, False))
     # val.bin: each shard's part in manifest order, train/ before validation/: the held-out train
     # documents, then the holdout shard.
     val = np.concatenate(
         [
-            reference_tokens(TRAIN, tokenizer, QWEN3_EOS, keep=held_out(0.2, True)),
-            reference_tokens(HOLDOUT, tokenizer, QWEN3_EOS),
+            reference_tokens(TRAIN, tokenizer, eos, np.uint16, keep=held_out(0.2, True)),
+            reference_tokens(HOLDOUT, tokenizer, eos, np.uint16),
         ]
     )
-    assert np.array_equal(tokens(out, "train"), kept) and np.array_equal(tokens(out, "val"), val)
+    assert np.array_equal(tokens(out, "train", np.uint16), kept) and np.array_equal(tokens(out, "val", np.uint16), val)
     meta = json.loads((out / "meta.json").read_text())
     train, validation = meta["splits"]["train"], meta["splits"]["validation"]
     held = sum(is_held_out(t, 0.2) for path in TRAIN for t in reference_texts(path))
@@ -193,22 +196,24 @@ def test_an_unfinished_run_is_inspected_with_its_held_out_documents_in_val(tmp_p
     assert inspect(out, split="train", n=1, seed=0).source.documents == TRAIN_DOCUMENTS - held
 
 
-def test_group_by_keeps_each_group_in_files_of_its_own_with_exact_counts(tmp_path):
+def test_group_by_keeps_each_group_in_files_of_its_own_with_exact_counts(tmp_path, small_tokenizer):
     """--group-by FIELD: each split's documents by their value of FIELD, each group in its own file, in
     manifest order; meta's counts per group are those of an independent count (json, the reference
-    encoder); groups in the order of their values. A resume with another field is refused."""
+    encoder); groups in the order of their values. A resume with another field is refused. The 600-id
+    tokenizer (uint16): the groups are the subject, not Qwen3."""
     dataset = grouped_copy_of_example(tmp_path / "dataset")
     manifest = tmp_path / "manifest.json"
     write_manifest(build_manifest(dataset), manifest)
     out = tmp_path / "out"
-    result = tokpipe(*run_args(manifest, out, "--group-by", GROUP_FIELD))
+    result = tokpipe(*run_args(manifest, out, "--group-by", GROUP_FIELD, tokenizer=small_tokenizer))
     assert result.returncode == 0, result.stdout + result.stderr
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["group_by"] == GROUP_FIELD
-    tokenizer = QWEN3 / "tokenizer.json"
+    assert meta["group_by"] == GROUP_FIELD and meta["dtype"] == "uint16"
+    tokenizer = small_tokenizer / "tokenizer.json"
+    eos = reference_tokenizer(tokenizer).token_to_id("<|endoftext|>")
     for split, stem, folder in (("train", "train", "train"), ("validation", "val", "validation")):
         files = snapshot_files(dataset, folder)
-        reference = reference_by_group(files, tokenizer, GROUP_FIELD, QWEN3_EOS)
+        reference = reference_by_group(files, tokenizer, GROUP_FIELD, eos)
         groups = meta["splits"][split]["groups"]
         assert list(groups) == sorted(reference)  # in the order of their values
         assert "Web/Forum ö" in groups and "__missing__" in groups
@@ -220,7 +225,7 @@ def test_group_by_keeps_each_group_in_files_of_its_own_with_exact_counts(tmp_pat
                 "documents": documents,
                 "text_bytes": text_bytes,
             }
-            assert np.array_equal(np.fromfile(out / groups[value]["file"], dtype=np.uint32), tokens)
+            assert np.array_equal(np.fromfile(out / groups[value]["file"], dtype=np.uint16), tokens)
         assert meta["splits"][split]["documents"] == sum(d for _, d, _ in reference.values())
         missing = reference["__missing__"][1]
         assert f"{missing:,} documents without {GROUP_FIELD} are in group __missing__" in result.stdout
@@ -232,7 +237,7 @@ def test_group_by_keeps_each_group_in_files_of_its_own_with_exact_counts(tmp_pat
     assert not failed_checks(out)
     assert all(c.ok for c in verify_sample(out, 40))
 
-    other = cli(*run_args(manifest, out, "--group-by", "meta.other"))
+    other = cli(*run_args(manifest, out, "--group-by", "meta.other", tokenizer=small_tokenizer))
     assert other.returncode == 2
     assert f"group_by: was '{GROUP_FIELD}', now 'meta.other'" in other.stderr
 
