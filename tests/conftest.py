@@ -209,6 +209,14 @@ def out(finished_example, tmp_path) -> Path:
     return copy
 
 
+@pytest.fixture
+def small_out(finished_small, tmp_path) -> Path:
+    """A copy of finished_small that a test may damage."""
+    copy = tmp_path / "out"
+    shutil.copytree(finished_small, copy)
+    return copy
+
+
 @pytest.fixture(scope="session")
 def killed_example(tmp_path_factory) -> Path:
     """An OUT as `kill -9` leaves it mid-run: the first train shard done, the second partial (with bytes

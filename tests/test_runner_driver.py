@@ -59,14 +59,6 @@ from tokpipe.inputs.manifest import build_manifest, write_manifest
 HF = ("--backend", "hf")  # the slow reference encoder: runs last long enough to be hit mid-way
 
 
-@pytest.fixture
-def out(finished_small, tmp_path) -> Path:
-    """A copy of the finished OUT of the 600-id tokenizer (conftest's `out` is Qwen3's), that a test may damage."""
-    copy = tmp_path / "out"
-    shutil.copytree(finished_small, copy)
-    return copy
-
-
 def test_kill_9_of_the_whole_run_at_random_moments_with_changing_workers(
     dataset, tmp_path, small_tokenizer, small_reference
 ):
@@ -155,7 +147,8 @@ def test_val_fraction_gives_the_same_val_bin_at_any_workers_with_a_kill_9_betwee
     assert cli("verify", out).returncode == 0
 
 
-def test_killed_finalize_is_redone_from_the_shards(out, small_tokenizer, small_reference):
+def test_killed_finalize_is_redone_from_the_shards(small_out, small_tokenizer, small_reference):
+    out = small_out
     # What a kill -9 during finalize can leave: no meta, and a split's files halfway through their
     # renames (train.parts renamed, train.bin and train.idx not yet).
     (out / "meta.json").unlink()
@@ -170,7 +163,10 @@ def test_killed_finalize_is_redone_from_the_shards(out, small_tokenizer, small_r
     assert cli("verify", out).returncode == 0
 
 
-def test_a_split_file_damaged_after_its_shards_were_removed_is_tokenized_again(out, small_tokenizer, small_reference):
+def test_a_split_file_damaged_after_its_shards_were_removed_is_tokenized_again(
+    small_out, small_tokenizer, small_reference
+):
+    out = small_out
     (out / "meta.json").unlink()
     (out / "meta.pkl").unlink()
     with open(out / "train.bin", "r+b") as f:
@@ -199,8 +195,9 @@ def _unlist_all_but_the_first_train_part(out: Path) -> None:
 
 
 def test_parts_placed_but_not_listed_when_the_run_stopped_are_kept_by_their_checksums(
-    out, small_tokenizer, small_reference
+    small_out, small_tokenizer, small_reference
 ):
+    out = small_out
     _unlist_all_but_the_first_train_part(out)
     result = tokpipe(*run_args(out / "manifest.json", out, tokenizer=small_tokenizer))
     assert result.returncode == 0, result.stderr
@@ -210,8 +207,9 @@ def test_parts_placed_but_not_listed_when_the_run_stopped_are_kept_by_their_chec
 
 
 def test_an_unlisted_part_whose_bytes_do_not_match_its_checksum_is_tokenized_again(
-    out, small_tokenizer, small_reference
+    small_out, small_tokenizer, small_reference
 ):
+    out = small_out
     _unlist_all_but_the_first_train_part(out)
     first = json.loads((out / "train.parts.tmp").read_text())
     with open(out / "train.bin.tmp", "r+b") as f:  # a byte of the second part changed under tokpipe

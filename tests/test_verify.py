@@ -139,13 +139,12 @@ def reseal(out, split):
     (out / "meta.json").write_text(json.dumps(meta))
 
 
-def test_sample_re_tokenizes_source_documents_and_catches_a_self_consistent_wrong_id(finished_small, tmp_path):
+def test_sample_re_tokenizes_source_documents_and_catches_a_self_consistent_wrong_id(small_out):
     from tokpipe.commands.sample import verify_sample
 
     # The 600-id tokenizer's OUT: the sample encodes its documents again three times, and Qwen3's load and
     # encode (~5 CPU-s of this test) are not the subject.
-    out = tmp_path / "out"
-    shutil.copytree(finished_small, out)
+    out = small_out
     checks = verify_sample(out, 1000)
     assert all(c.ok for c in checks) and len(checks) == 2
     # What a wrong backend would produce: one id off inside document 7 (another id of the vocabulary), with
