@@ -1,15 +1,28 @@
 """durability: what "durable" means, once. A file is replaced atomically (a reader sees the old bytes or
 all the new ones, and no .tmp is left), the data and then its directory entry fsynced; a file range is
-hashed exactly, through one reused buffer, and a file shorter than the range is an error."""
+hashed exactly, through one reused buffer, and a file shorter than the range is an error; bytes written at
+an offset land exactly there, their whole blocks past the page cache where the file system allows it."""
 
+import errno
 import hashlib
 import json
 import os
 
+import numpy as np
 import pytest
 
 from tokpipe import durability
-from tokpipe.durability import copy_file, hash_range, own_inode, write_atomic, write_json_atomic
+from tokpipe.durability import (
+    DIRECT_ALIGN,
+    DIRECT_MIN,
+    copy_file,
+    hash_range,
+    open_direct,
+    own_inode,
+    write_at,
+    write_atomic,
+    write_json_atomic,
+)
 
 
 def test_write_atomic_replaces_the_whole_file_and_fsyncs_data_then_directory(tmp_path, monkeypatch):
@@ -84,3 +97,91 @@ def test_copy_file_copies_every_byte_in_the_kernel_or_through_a_buffer(tmp_path,
     (tmp_path / "dst").write_bytes(b"stale")
     assert copy_file(src, tmp_path / "dst") == ("copy_file_range" if kernel else "buffer")
     assert (tmp_path / "dst").read_bytes() == src.read_bytes()
+
+
+def _pieces(seed: int, sizes: list[int]) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 2**32, n, dtype=np.uint32) for n in sizes]
+
+
+# (where the range starts, its pieces' lengths in uint32): unaligned at both ends, aligned at both, one piece
+# across many chunks, pieces ending inside a block, too short for a direct write, and nothing at all.
+RANGES = [
+    (4 * 1_234_567, [300_000, 1, 1_000_000, 77_777, 4_000_000]),
+    (DIRECT_ALIGN * 1_000, [DIRECT_ALIGN * 300]),
+    (DIRECT_ALIGN * 7 + 12, [5_000_000]),
+    (8, [DIRECT_MIN // 4 - 1]),
+    (4 * 99, []),
+]
+
+
+@pytest.mark.parametrize("offset, sizes", RANGES)
+def test_write_at_sends_whole_blocks_to_the_direct_descriptor_and_the_ends_through_the_page_cache(
+    tmp_path, monkeypatch, offset, sizes
+):
+    path = tmp_path / "train.bin.tmp"
+    path.write_bytes(b"\xee" * (offset + 2 * DIRECT_ALIGN))  # bytes before and after the range stay
+    pieces = _pieces(offset, sizes)
+    data = b"".join(p.tobytes() for p in pieces)
+    calls, real_pwrite = [], os.pwrite
+    monkeypatch.setattr(
+        durability.os, "pwrite", lambda fd, b, at: calls.append((fd, at, len(b))) or real_pwrite(fd, b, at)
+    )
+    # A plain descriptor stands in for the direct one, so that what goes where is checked on any file system.
+    with open(path, "r+b") as f, open(path, "r+b") as direct:
+        assert write_at(f.fileno(), pieces, offset, direct.fileno()) == len(data)
+        cached_fd, direct_fd = f.fileno(), direct.fileno()
+    expected = b"\xee" * offset + data + b"\xee" * max(0, 2 * DIRECT_ALIGN - len(data))
+    assert path.read_bytes() == expected
+    end = offset + len(data)
+    lo, hi = -(-offset // DIRECT_ALIGN) * DIRECT_ALIGN, end // DIRECT_ALIGN * DIRECT_ALIGN
+    direct_writes = [(at, n) for fd, at, n in calls if fd == direct_fd]
+    if hi - lo < DIRECT_MIN:
+        assert direct_writes == []
+        return
+    assert all(
+        at % DIRECT_ALIGN == 0 and n % DIRECT_ALIGN == 0 and n <= durability.DIRECT_CHUNK for at, n in direct_writes
+    )
+    assert [at for at, _ in direct_writes] == list(range(lo, hi, durability.DIRECT_CHUNK))
+    assert sum(n for _, n in direct_writes) == hi - lo
+    through_cache = sorted((at, n) for fd, at, n in calls if fd == cached_fd)
+    covered = sum(n for _, n in through_cache)
+    assert covered == (lo - offset) + (end - hi) and all(at + n <= lo or at >= hi for at, n in through_cache)
+
+
+def test_write_at_on_this_file_system_with_o_direct_lands_every_byte(tmp_path):
+    path = tmp_path / "train.bin.tmp"
+    path.write_bytes(b"")
+    direct = open_direct(path)
+    if direct is None:
+        pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT")
+    expected = bytearray()
+    try:
+        with open(path, "r+b") as f:
+            for k, (offset, sizes) in enumerate(RANGES * 2):  # the second round rewrites what is cached and on disk
+                pieces = _pieces(k, sizes)
+                data = b"".join(p.tobytes() for p in pieces)
+                write_at(f.fileno(), pieces, offset, direct)
+                expected.extend(bytes(max(0, offset + len(data) - len(expected))))  # a hole reads as zeros
+                expected[offset : offset + len(data)] = data
+                os.fdatasync(f.fileno())
+    finally:
+        os.close(direct)
+    assert path.read_bytes() == bytes(expected)
+
+
+def test_a_direct_write_the_file_system_refuses_goes_through_the_page_cache(tmp_path, monkeypatch):
+    path = tmp_path / "train.bin.tmp"
+    path.write_bytes(b"")
+    pieces = _pieces(3, [3_000_000])
+    real_pwrite = os.pwrite
+    with open(path, "r+b") as f, open(path, "r+b") as direct:
+
+        def refuse_direct(fd, b, at):
+            if fd == direct.fileno():
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real_pwrite(fd, b, at)
+
+        monkeypatch.setattr(durability.os, "pwrite", refuse_direct)
+        write_at(f.fileno(), pieces, 4 * 5, direct.fileno())
+    assert path.read_bytes() == bytes(20) + pieces[0].tobytes()

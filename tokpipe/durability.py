@@ -7,15 +7,25 @@ that points at it is swapped in, and the directory entry is fsynced after.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
+import mmap
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 HASH_CHUNK = 8 << 20  # bytes read per call when hashing a file range
 COPY_CHUNK = 1 << 30  # bytes per copy_file_range call
 FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int), a copy-on-write clone of a whole file
+# O_DIRECT wants offsets, lengths and memory aligned to the disk's logical block: 512 or 4096 bytes on every disk
+# in use, and 4096 is a multiple of both.
+DIRECT_ALIGN = 4096
+DIRECT_CHUNK = 8 << 20  # bytes per direct write, copied into an aligned buffer first
+# A range shorter than this goes through the page cache: a direct write waits for the disk, and for tiny parts
+# (thousands of one-document shards) that wait is all there is.
+DIRECT_MIN = 1 << 20
 
 
 def fsync_dir(path: Path) -> None:
@@ -41,17 +51,77 @@ def write_json_atomic(path: Path, data: dict) -> None:
     write_atomic(path, json.dumps(data).encode())
 
 
-def write_at(fd: int, buffers, offset: int) -> int:
-    """Write byte-like `buffers` one after another from `offset` of an open file (pwrite may write less
-    than asked: it is called until all is written); returns the bytes written."""
-    written = 0
-    for buffer in buffers:
-        view = memoryview(buffer).cast("B")
+def open_direct(path: str | os.PathLike) -> int | None:
+    """A second descriptor of `path` for writing past the page cache (O_DIRECT), or None where the file system
+    refuses it (tmpfs, some FUSE and network file systems): write_at then writes everything through `fd`."""
+    try:
+        return os.open(path, os.O_WRONLY | os.O_DIRECT)
+    except (AttributeError, OSError):  # AttributeError: no O_DIRECT on this OS
+        return None
+
+
+_staging = threading.local()  # each thread's aligned buffer for direct writes (a Placer runs two calls at once)
+
+
+def write_at(fd: int, buffers, offset: int, direct_fd: int | None = None) -> int:
+    """Write byte-like `buffers` one after another from `offset` of an open file; returns the bytes written.
+
+    With `direct_fd` (open_direct's, of the same file), the blocks wholly inside the range go to the disk
+    directly, through an aligned buffer, and only the partial blocks at either end through `fd` and the page
+    cache (a neighbouring part may share them, written at another time). Measured here (2 vCPUs under KVM,
+    ext4 on virtio), 1 GiB and its fdatasync: 0.05-0.1 CPU-s direct, copy included, against 0.26-2.46 CPU-s
+    through the page cache (2.3-2.5 whenever its pages were memory the VM had not touched yet, as a run's new
+    pages are), which the Placer took from the shard workers' cores; and a file written once is never read
+    back while the run lasts, so caching it buys nothing. The fdatasync after it is still what makes the
+    bytes durable: it flushes the disk's cache for both kinds of write (Linux syncs the file, not the
+    descriptor). pwrite may write less than asked: it is called until all is written.
+    """
+    views = [view for buffer in buffers if (view := memoryview(buffer).cast("B"))]
+    end = offset + sum(len(view) for view in views)
+    lo, hi = -(-offset // DIRECT_ALIGN) * DIRECT_ALIGN, end // DIRECT_ALIGN * DIRECT_ALIGN
+    if direct_fd is None or hi - lo < DIRECT_MIN:
+        lo = hi = end  # all of it through the page cache
+    staged, at = 0, offset  # bytes in the staging buffer, which hold the range just before `at`
+    staging = _staging_buffer() if lo < hi else None
+    for view in views:
         while view:
-            n = os.pwrite(fd, view, offset + written)
-            view = view[n:]
-            written += n
-    return written
+            if lo <= at < hi:
+                n = min(len(view), hi - at, DIRECT_CHUNK - staged)
+                staging[staged : staged + n] = view[:n]
+                staged += n
+                if staged == DIRECT_CHUNK or at + n == hi:
+                    _pwrite_direct(direct_fd, fd, staging[:staged], at + n - staged)
+                    staged = 0
+            else:
+                n = min(len(view), lo - at) if at < lo else len(view)
+                _pwrite(fd, view[:n], at)
+            view, at = view[n:], at + n
+    return end - offset
+
+
+def _staging_buffer() -> memoryview:
+    if not hasattr(_staging, "buffer"):
+        _staging.buffer = memoryview(mmap.mmap(-1, DIRECT_CHUNK))  # page-aligned, as O_DIRECT needs
+    return _staging.buffer
+
+
+def _pwrite(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _pwrite_direct(direct_fd: int, fd: int, view: memoryview, offset: int) -> None:
+    """One aligned range written directly; through `fd` instead where the file system takes O_DIRECT's open
+    but not its write (EINVAL: a disk whose logical block is larger than DIRECT_ALIGN)."""
+    while view:
+        try:
+            n = os.pwrite(direct_fd, view, offset)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            return _pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 class ShortRead(RuntimeError):

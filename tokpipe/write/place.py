@@ -9,14 +9,13 @@ finalize for what is left. assembly.py decides what goes where; this module only
 from __future__ import annotations
 
 import hashlib
-import itertools
 import os
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
-from tokpipe.durability import HASH_CHUNK, copy_range, hash_range, write_at, write_json_atomic
+from tokpipe.durability import HASH_CHUNK, copy_range, hash_range, open_direct, write_at, write_json_atomic
 from tokpipe.out.files import Out
 from tokpipe.out.records import IDX_DTYPE, Part
 
@@ -29,7 +28,8 @@ def place(out: str | os.PathLike, parts: list[Part], itemsize: int) -> list[dict
     """
     out = Path(out)
     records = []
-    opened: dict[str | None, tuple] = {}  # group -> its file's .bin.tmp and .idx.tmp (without --group-by: the split's)
+    # group -> its file's .bin.tmp, .idx.tmp (without --group-by: the split's) and the .bin.tmp's direct descriptor
+    opened: dict[str | None, tuple] = {}
     try:
         for part in parts:
             record = dict(part.record)
@@ -38,12 +38,12 @@ def place(out: str | os.PathLike, parts: list[Part], itemsize: int) -> list[dict
                 continue
             if part.group not in opened:
                 bin_tmp, idx_tmp, _ = Out(out).assembly(part.stem, part.group)
-                opened[part.group] = (open(bin_tmp, "r+b"), open(idx_tmp, "r+b"))
-            bin_f, idx_f = opened[part.group]
+                opened[part.group] = (open(bin_tmp, "r+b"), open(idx_tmp, "r+b"), open_direct(bin_tmp))
+            bin_f, idx_f, direct = opened[part.group]
             if part.buffered is not None:
                 parts_of_shard, key = part.buffered
                 tokens, ends = parts_of_shard[key]
-                write_at(bin_f.fileno(), tokens, part.token_offset * itemsize)
+                write_at(bin_f.fileno(), tokens, part.token_offset * itemsize, direct)
                 relative = np.concatenate(ends) if ends else np.empty(0, IDX_DTYPE)
             else:
                 copy_range(part.bin, bin_f.fileno(), record["tokens"] * itemsize, part.token_offset * itemsize)
@@ -54,11 +54,15 @@ def place(out: str | os.PathLike, parts: list[Part], itemsize: int) -> list[dict
                 with open(part.bin, "rb") as src:
                     hash_range(src.fileno(), 0, record["tokens"] * itemsize, bin_hash, bytearray(HASH_CHUNK))
                 record.update(sha256=bin_hash.hexdigest(), idx_sha256=hashlib.sha256(memoryview(relative)).hexdigest())
-        for f in itertools.chain(*opened.values()):
-            os.fdatasync(f.fileno())
+        for bin_f, idx_f, _ in opened.values():
+            os.fdatasync(bin_f.fileno())  # the file's, whichever descriptor wrote: the direct writes too
+            os.fdatasync(idx_f.fileno())
     finally:
-        for f in itertools.chain(*opened.values()):
-            f.close()
+        for bin_f, idx_f, direct in opened.values():
+            bin_f.close()
+            idx_f.close()
+            if direct is not None:
+                os.close(direct)
     for path, ckpt in dict(part.checkpoint for part in parts if part.checkpoint).items():
         write_json_atomic(Path(path), asdict(ckpt))
     return records
