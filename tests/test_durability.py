@@ -14,6 +14,7 @@ import pytest
 from tokpipe import durability
 from tokpipe.durability import (
     DIRECT_ALIGN,
+    DIRECT_CHUNK,
     DIRECT_MIN,
     copy_file,
     hash_range,
@@ -139,10 +140,8 @@ def test_write_at_sends_whole_blocks_to_the_direct_descriptor_and_the_ends_throu
     if hi - lo < DIRECT_MIN:
         assert direct_writes == []
         return
-    assert all(
-        at % DIRECT_ALIGN == 0 and n % DIRECT_ALIGN == 0 and n <= durability.DIRECT_CHUNK for at, n in direct_writes
-    )
-    assert [at for at, _ in direct_writes] == list(range(lo, hi, durability.DIRECT_CHUNK))
+    assert all(at % DIRECT_ALIGN == 0 and n % DIRECT_ALIGN == 0 and n <= DIRECT_CHUNK for at, n in direct_writes)
+    assert [at for at, _ in direct_writes] == list(range(lo, hi, DIRECT_CHUNK))
     assert sum(n for _, n in direct_writes) == hi - lo
     through_cache = sorted((at, n) for fd, at, n in calls if fd == cached_fd)
     covered = sum(n for _, n in through_cache)

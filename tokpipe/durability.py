@@ -112,16 +112,14 @@ def _pwrite(fd: int, view: memoryview, offset: int) -> None:
 
 
 def _pwrite_direct(direct_fd: int, fd: int, view: memoryview, offset: int) -> None:
-    """One aligned range written directly; through `fd` instead where the file system takes O_DIRECT's open
-    but not its write (EINVAL: a disk whose logical block is larger than DIRECT_ALIGN)."""
-    while view:
-        try:
-            n = os.pwrite(direct_fd, view, offset)
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            return _pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
+    """One aligned range written directly; all of it again through `fd` where the file system takes O_DIRECT's
+    open but not its write (EINVAL: a disk whose logical block is larger than DIRECT_ALIGN)."""
+    try:
+        _pwrite(direct_fd, view, offset)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        _pwrite(fd, view, offset)
 
 
 class ShortRead(RuntimeError):
@@ -169,7 +167,7 @@ def copy_range(src_path: str | os.PathLike, dst_fd: int, length: int, dst_offset
         except OSError:  # through a buffer, in pieces
             try:
                 for view in read_range(src.fileno(), done, length, bytearray(HASH_CHUNK)):
-                    os.pwrite(dst_fd, view, dst_offset + done)
+                    _pwrite(dst_fd, view, dst_offset + done)
                     done += len(view)
             except ShortRead as short:
                 raise RuntimeError(f"{src_path} ended {length - short.at} bytes before the {length} expected") from None
