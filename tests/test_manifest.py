@@ -54,6 +54,65 @@ def test_split_comes_from_the_path_as_hf_datasets_name_it(relpath, split):
     assert split_of(relpath) == split
 
 
+def test_a_split_is_named_anywhere_in_a_folder_or_file_name_by_hugging_face_datasets_keywords():
+    """HF datasets' rule (src/datasets/data_files.py): its keywords and aliases, delimited by the name's ends or by
+    `-`, `_`, `.`, a space or a digit; a folder's split outranks the file name's. Each case below was checked
+    against datasets 5.2.0's own resolution of a one-file repository, but `Validation/`: letter case is ignored."""
+    cases = {
+        "en/c4-validation.00000-of-00008.json.gz": "validation",  # allenai/c4
+        "en/c4-train.00000-of-01024.json.gz": "train",
+        "wiki_test_0.jsonl": "test",
+        "x.test.jsonl": "test",
+        "validation1.jsonl": "validation",  # a digit delimits
+        "data/training/x.jsonl": "train",
+        "data/my-dev/x.jsonl": "validation",
+        "data/dev2/x.jsonl": "validation",
+        "a/eval_3.jsonl": "test",
+        "my test/a.jsonl": "test",
+        "test_evaluation.jsonl": "test",  # two keywords of one split
+        "train/wiki_test_0.jsonl": "train",  # the folder outranks the file name
+        "Validation/x.jsonl": "validation",
+        "trainer_notes/a.jsonl": "train",  # not delimited: no keyword, so train
+        "contest/a.jsonl": "train",
+        "interval_3.jsonl": "train",
+        "developer.jsonl": "train",
+    }
+    assert {relpath: split_of(relpath) for relpath in cases} == cases
+
+
+def test_a_path_that_names_two_splits_is_refused_in_one_line(tmp_path):
+    for relpath in ("train_test_0.jsonl", "train/dev/x.jsonl"):
+        data = tmp_path / relpath.replace("/", "_")
+        write_jsonl(data / relpath, ['{"text": "x"}'])
+        result = cli("manifest", "--dataset-dir", data, "-o", tmp_path / "m.json")
+        assert (result.returncode, result.stdout) == (2, "")
+        words = "test and train" if relpath == "train_test_0.jsonl" else "train and validation"
+        assert result.stderr == (
+            f"tokpipe manifest: error: {relpath} names more than one split ({words}), and Hugging Face datasets would "
+            "read it into each: give it a path that names one (a folder of symlinks to the shards, with "
+            "--allow-outside)\n"
+        )
+    assert not (tmp_path / "m.json").exists()
+
+
+def test_the_manifest_command_prints_a_few_files_of_each_split(tmp_path):
+    # C4's layout: its validation files were read into train before the split came from anywhere in the name.
+    names = [f"en/c4-train.{i:05d}-of-01024.json.gz" for i in range(6)]
+    names += [f"en/c4-validation.{i:05d}-of-00008.json.gz" for i in range(2)] + ["en/wiki_test_0.jsonl"]
+    for name in names:
+        write_jsonl(tmp_path / "c4" / name, ['{"text": "x"}'])
+    result = cli("manifest", "--dataset-dir", tmp_path / "c4", "-o", tmp_path / "m.json")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[1:] == [
+        "  train: 6 shards, 0.0 MiB: en/c4-train.00000-of-01024.json.gz, en/c4-train.00001-of-01024.json.gz, "
+        "... (3 more) ..., en/c4-train.00005-of-01024.json.gz",
+        "  validation: 2 shards, 0.0 MiB: en/c4-validation.00000-of-00008.json.gz, "
+        "en/c4-validation.00001-of-00008.json.gz",
+        "  test: 1 shard, 0.0 MiB: en/wiki_test_0.jsonl",
+    ]
+    assert load_manifest(tmp_path / "m.json").counts == {"test": 1, "train": 6, "validation": 2}
+
+
 def test_parquet_shards_in_every_layout(tmp_path):
     cache = EXAMPLE_CACHE.parent / "hf-cache-parquet"
     repo = cache / "datasets--tokpipe-realdata--slimpajama-mini-parquet"
@@ -170,6 +229,8 @@ def test_cli_writes_the_manifest_and_reports_it(tmp_path):
     assert result.stdout == (
         f"tokpipe-realdata/slimpajama-mini@{REVISION[:12]}: 3 shards (train 2, validation 1), 1.1 MiB -> "
         f"{tmp_path / 'm.json'}\n"
+        "  train: 2 shards, 0.8 MiB: train/chunk1/example_train_0.jsonl.zst, train/chunk1/example_train_1.jsonl.zst\n"
+        "  validation: 1 shard, 0.3 MiB: validation/chunk1/example_holdout_0.jsonl.zst\n"
     )
     assert load_manifest(tmp_path / "m.json").repo_id == "tokpipe-realdata/slimpajama-mini"
 

@@ -32,13 +32,30 @@ def _cmd_manifest(args) -> int:
     name = (manifest.repo_id or Path(manifest.root).name).replace("/", "--")
     dest = Path(args.output or Path("manifests") / f"{name}.json")
     write_manifest(manifest, dest)
+    print("\n".join(_manifest_lines(manifest, dest)))
+    return EXIT_OK
+
+
+MANIFEST_NAMES_SHOWN = 3  # of a split's shards, by `tokpipe manifest`: its first ones and its last
+
+
+def _manifest_lines(manifest, dest: Path) -> list[str]:
+    """What `tokpipe manifest` prints of a built manifest (inputs.manifest.Manifest): the shards per split, a few
+    names of each so that a glance shows which files went where."""
     counts = manifest.counts
     where = f"{manifest.repo_id}@{manifest.revision[:12]}" if manifest.repo_id else manifest.root
-    print(
+    lines = [
         f"{where}: {sum(counts.values())} shards ({', '.join(f'{k} {v}' for k, v in counts.items())}), "
         f"{manifest.size / 2**20:,.1f} MiB -> {dest}"
-    )
-    return EXIT_OK
+    ]
+    for split, n in counts.items():
+        shards = list(manifest.shards(split))
+        names = [s.relpath for s in shards]
+        if n > MANIFEST_NAMES_SHOWN:
+            names = [*names[: MANIFEST_NAMES_SHOWN - 1], f"... ({n - MANIFEST_NAMES_SHOWN:,} more) ...", names[-1]]
+        size = sum(s.size for s in shards) / 2**20
+        lines.append(f"  {split}: {n:,} shard{'s' if n != 1 else ''}, {size:,.1f} MiB: {', '.join(names)}")
+    return lines
 
 
 def _where(out: Path, split: dict) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -25,14 +26,18 @@ from tokpipe.errors import UserError
 
 MANIFEST_VERSION = 1
 SHARD_SUFFIXES = (".jsonl", ".jsonl.zst", ".jsonl.zstd", ".jsonl.gz", ".json.gz", ".json.zst", ".parquet")
-# HF datasets' split names, as folder names or file-name prefixes (`train-00000-of-00004.jsonl.zst`).
-SPLIT_ALIASES = {
-    "train": "train",
-    "validation": "validation",
-    "valid": "validation",
-    "val": "validation",
-    "dev": "validation",
-    "test": "test",
+# Splits as Hugging Face datasets finds them in a repository's paths (src/datasets/data_files.py, read at
+# b7cb10b: SPLIT_KEYWORDS, and the KEYWORDS_IN_DIR_NAME / KEYWORDS_IN_FILENAME patterns with NON_WORDS_CHARS; the
+# hub's "File names and splits" page): a keyword anywhere in a folder or file name, delimited by the name's ends
+# or by `-`, `_`, `.`, a space or a digit (`en/c4-validation.00000-of-00008.json.gz`, `wiki_test_0.jsonl`).
+SPLIT_KEYWORDS = {
+    "train": ("train", "training"),
+    "validation": ("validation", "valid", "dev", "val"),
+    "test": ("test", "testing", "eval", "evaluation"),
+}
+_NAMES_SPLIT = {
+    split: re.compile(rf"(?:^|(?<=[-._ 0-9]))(?:{'|'.join(words)})(?=[-._ 0-9]|$)", re.IGNORECASE)
+    for split, words in SPLIT_KEYWORDS.items()
 }
 # A snapshot file that is not a symlink but a tiny text file naming a blob: what git and copy tools
 # leave of the cache's symlinks on filesystems or transfers that drop them.
@@ -105,15 +110,21 @@ def _read_header(path: Path) -> dict:
 
 
 def split_of(relpath: str) -> str:
-    """The split a shard belongs to, from its path as HF datasets name splits; `train` otherwise."""
+    """The split a shard belongs to, from its path as HF datasets names splits (SPLIT_KEYWORDS); `train` otherwise.
+
+    A split in a folder name outranks one in the file name (`train/wiki_test_0.jsonl` is train), as HF datasets
+    looks at folders first. A path that names two splits at the same rank (`train/dev/`, `train_test_0.jsonl`),
+    which HF datasets would read into both, is refused. Unlike HF datasets, letter case is ignored (`Validation/`)."""
     *folders, name = relpath.split("/")
-    for folder in folders:
-        if folder.lower() in SPLIT_ALIASES:
-            return SPLIT_ALIASES[folder.lower()]
-    stem = name.lower()
-    for alias, split in SPLIT_ALIASES.items():
-        if stem.startswith((alias + "-", alias + "_", alias + ".")):
-            return split
+    for names in (folders, [name]):
+        named = sorted(split for split, pattern in _NAMES_SPLIT.items() if any(pattern.search(n) for n in names))
+        if len(named) > 1:
+            raise UserError(
+                f"{relpath} names more than one split ({' and '.join(named)}), and Hugging Face datasets would read it"
+                " into each: give it a path that names one (a folder of symlinks to the shards, with --allow-outside)"
+            )
+        if named:
+            return named[0]
     return "train"
 
 
