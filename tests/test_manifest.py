@@ -1,4 +1,6 @@
-"""manifest: any accepted dataset-dir layout -> the same ordered shard list; wrong folders get a message."""
+"""manifest: any accepted dataset-dir layout -> the same ordered shard list; splits named as Hugging Face datasets
+names them, and printed per split; each folder walked once, symlinks or not, a run's OUT never taken for input;
+wrong folders, paths and files get a message."""
 
 import json
 import os
@@ -6,7 +8,7 @@ import shutil
 from dataclasses import replace
 
 import pytest
-from helpers import EXAMPLE_CACHE, cli, write_jsonl
+from helpers import EXAMPLE_CACHE, cli, run_args, tokpipe, write_jsonl
 
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import build_manifest, load_manifest, split_of, write_manifest
@@ -254,3 +256,61 @@ def test_shards_that_resolve_outside_the_dataset_are_refused_unless_allowed(tmp_
         (tmp_path / "m.json").write_text(json.dumps(edited))
         with pytest.raises(UserError, match="outside the dataset folder"):
             load_manifest(tmp_path / "m.json")
+
+
+def test_each_folder_is_walked_once_and_the_links_passed_over_are_said(tmp_path):
+    data = tmp_path / "data"
+    write_jsonl(data / "train" / "a.jsonl", ['{"text": "a"}'])
+    write_jsonl(data / ".store" / "s.jsonl", ['{"text": "s"}'])  # hidden: walked only through the link below
+    (data / "extra").mkdir()
+    (data / "extra" / "mirror").symlink_to("../train")  # a folder listed already
+    (data / "loop").symlink_to(".")  # the dataset folder itself: walked through it, no end
+    (data / "stored").symlink_to(".store")  # a folder not listed otherwise: walked
+    # Files are not deduplicated: in a cache two snapshot files may link to one blob (two identical files).
+    (data / "train" / "b.jsonl").symlink_to("a.jsonl")
+    result = cli("manifest", "--dataset-dir", data, "-o", tmp_path / "m.json")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[1:] == [
+        "  train: 3 shards, 0.0 MiB: stored/s.jsonl, train/a.jsonl, train/b.jsonl",
+        "passed over extra/mirror/: a link to train/, listed already",
+        "passed over loop/: a link to the dataset folder, above it (a loop)",
+    ]
+    shards = list(load_manifest(tmp_path / "m.json").shards())
+    assert [s.path for s in shards] == [str(data / ".store" / "s.jsonl"), *[str(data / "train" / "a.jsonl")] * 2]
+
+
+def test_a_runs_out_inside_the_dataset_is_passed_over(tmp_path, small_tokenizer):
+    data = tmp_path / "data"
+    write_jsonl(data / "train" / "a.jsonl", ['{"text": "one small document: a run that needs no Ray"}'])
+    write_manifest(build_manifest(data), tmp_path / "m.json")
+    run = tokpipe(*run_args(tmp_path / "m.json", data / "out", tokenizer=small_tokenizer))
+    assert run.returncode == 0, run.stderr
+    assert (data / "out" / "logs" / "series.jsonl").exists()  # JSON Lines, as a shard's name says
+    result = cli("manifest", "--dataset-dir", data, "-o", tmp_path / "again.json")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "passed over out/: a tokpipe OUT, never input"
+    assert list(load_manifest(tmp_path / "again.json").shards()) == list(load_manifest(tmp_path / "m.json").shards())
+
+
+def test_a_shard_that_is_not_a_regular_file_is_refused_in_one_line(tmp_path):
+    data = tmp_path / "data"
+    write_jsonl(data / "train" / "a.jsonl", ['{"text": "a"}'])
+    os.mkfifo(data / "train" / "b.jsonl")  # a run reading it would wait forever for a writer
+    result = cli("manifest", "--dataset-dir", data, "-o", tmp_path / "m.json")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (
+        "tokpipe manifest: error: train/b.jsonl is not a regular file (a named pipe, a socket or a device): put the "
+        "shard there, or remove it\n"
+    )
+    assert not (tmp_path / "m.json").exists()
+
+
+def test_a_manifest_path_that_is_a_folder_is_refused_and_nothing_is_left(tmp_path):
+    (tmp_path / "manifests").mkdir()
+    result = cli("manifest", "--dataset-dir", EXAMPLE_CACHE, "-o", tmp_path / "manifests")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (
+        f"tokpipe manifest: error: -o {tmp_path / 'manifests'} is a folder: name the manifest's file "
+        f"(e.g. -o {tmp_path / 'manifests' / 'NAME.json'})\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifests"] and not any((tmp_path / "manifests").iterdir())

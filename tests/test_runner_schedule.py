@@ -3,8 +3,9 @@ killed mid-shard is retried from the shard's checkpoint, and a shard whose worke
 name after --max-retries; a task that stops making progress for --stall-timeout is cancelled with a stack
 dump, retried, then reported, while the other shards finish. A pack that fails or stalls is not retried as
 one: its shards go again one by one, so only the shard at fault is reported. Workers are really SIGKILLed;
-the stuck shard is a FIFO nobody writes. Runs join the session's Ray (the `ray_address` fixture); those that
-kill workers run every shard on Ray's workers (--ray-only), none in the driver."""
+the stuck shard is a file replaced, once the manifest is built, by a FIFO nobody writes. Runs join the
+session's Ray (the `ray_address` fixture); those that kill workers run every shard on Ray's workers
+(--ray-only), none in the driver."""
 
 import json
 import os
@@ -61,8 +62,12 @@ def test_killed_workers_are_retried_and_a_shard_that_keeps_dying_is_reported(
 
 
 def test_a_stuck_shard_is_cancelled_with_a_stack_dump_and_reported(dataset, tmp_path, ray_address, small_tokenizer):
-    os.mkfifo(dataset / "train" / "zz_stuck.jsonl")  # opening it for reading blocks forever
+    # A shard that turns into a FIFO nobody writes once the manifest is built (which refuses one): opening it for
+    # reading blocks forever, as a file on a hung network mount would.
+    (dataset / "train" / "zz_stuck.jsonl").touch()
     write_manifest(build_manifest(dataset), tmp_path / "m.json")
+    (dataset / "train" / "zz_stuck.jsonl").unlink()
+    os.mkfifo(dataset / "train" / "zz_stuck.jsonl")
     out = tmp_path / "out"
     # 3 s without progress is a stall. A shard's clock starts when a worker takes it (its first report), so the
     # seconds its worker takes to start on a busy machine are not counted (from submission, under pytest -n 2 on
@@ -121,8 +126,10 @@ def test_in_packs_a_failing_and_a_stuck_shard_are_reported_alone_and_the_rest_is
         write_jsonl(data / "train" / f"s{k:02d}.jsonl", [json.dumps({"text": t}) for t in docs])
     whole = zstandard.ZstdCompressor().compress((data / "train" / "s05.jsonl").read_bytes())
     (data / "train" / "s01x_truncated.jsonl.zst").write_bytes(whole[: len(whole) // 2])
-    os.mkfifo(data / "train" / "s06x_stuck.jsonl")
+    (data / "train" / "s06x_stuck.jsonl").touch()
     write_manifest(build_manifest(data), tmp_path / "m.json")
+    (data / "train" / "s06x_stuck.jsonl").unlink()
+    os.mkfifo(data / "train" / "s06x_stuck.jsonl")  # after the manifest, which refuses one
     out = tmp_path / "out"
     args = ("--workers", "2", "--ray-only", "--stall-timeout", "3", "--max-retries", "0", "--skip-failed")
     result = tokpipe(*run_args(tmp_path / "m.json", out, *args, tokenizer=small_tokenizer), ray=ray_address)

@@ -25,6 +25,7 @@ import os
 from tokpipe._version import __version__
 from tokpipe.inputs.manifest import Manifest, write_manifest
 from tokpipe.inputs.manifest import build_manifest as _build_manifest
+from tokpipe.out.files import is_out
 from tokpipe.read.output import Output, Split, open_output
 from tokpipe.read.verify import verify
 
@@ -40,8 +41,10 @@ def build_manifest(
     allow_outside: bool = False,
 ) -> Manifest:
     """`tokpipe manifest`: the dataset's shards, splits and order; also written to `output` when given
-    (what `run` reads)."""
-    manifest = _build_manifest(dataset_dir, repo_id=repo_id, revision=revision, allow_outside=allow_outside)
+    (what `run` reads). A tokpipe OUT inside the dataset is passed over (`Manifest.passed_over` says so)."""
+    manifest = _build_manifest(
+        dataset_dir, repo_id=repo_id, revision=revision, allow_outside=allow_outside, is_out=is_out
+    )
     if output is not None:
         write_manifest(manifest, output)
     return manifest

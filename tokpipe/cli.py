@@ -24,9 +24,13 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 1
 
 
 def _cmd_manifest(args) -> int:
-    from tokpipe.inputs.manifest import build_manifest, write_manifest
+    import tokpipe
+    from tokpipe.inputs.manifest import write_manifest
 
-    manifest = build_manifest(
+    if args.output is not None and Path(args.output).is_dir():
+        example = Path(args.output) / "NAME.json"
+        raise UserError(f"-o {args.output} is a folder: name the manifest's file (e.g. -o {example})")
+    manifest = tokpipe.build_manifest(
         args.dataset_dir, repo_id=args.repo_id, revision=args.revision, allow_outside=args.allow_outside
     )
     name = (manifest.repo_id or Path(manifest.root).name).replace("/", "--")
@@ -37,11 +41,12 @@ def _cmd_manifest(args) -> int:
 
 
 MANIFEST_NAMES_SHOWN = 3  # of a split's shards, by `tokpipe manifest`: its first ones and its last
+PASSED_OVER_SHOWN = 10  # folders the manifest passed over, each on a line of its own
 
 
 def _manifest_lines(manifest, dest: Path) -> list[str]:
     """What `tokpipe manifest` prints of a built manifest (inputs.manifest.Manifest): the shards per split, a few
-    names of each so that a glance shows which files went where."""
+    names of each so that a glance shows which files went where, and every folder it passed over, and why."""
     counts = manifest.counts
     where = f"{manifest.repo_id}@{manifest.revision[:12]}" if manifest.repo_id else manifest.root
     lines = [
@@ -55,6 +60,10 @@ def _manifest_lines(manifest, dest: Path) -> list[str]:
             names = [*names[: MANIFEST_NAMES_SHOWN - 1], f"... ({n - MANIFEST_NAMES_SHOWN:,} more) ...", names[-1]]
         size = sum(s.size for s in shards) / 2**20
         lines.append(f"  {split}: {n:,} shard{'s' if n != 1 else ''}, {size:,.1f} MiB: {', '.join(names)}")
+    for relpath, why in manifest.passed_over[:PASSED_OVER_SHOWN]:
+        lines.append(f"passed over {relpath}/: {why}")
+    if len(manifest.passed_over) > PASSED_OVER_SHOWN:
+        lines.append(f"passed over {len(manifest.passed_over) - PASSED_OVER_SHOWN:,} more folders")
     return lines
 
 

@@ -6,16 +6,22 @@ The dataset dir may be a Hugging Face cache root, one `datasets--ORG--NAME` repo
 
 A manifest may list 100,000s of shards, so a loaded one never holds them: each pass over its
 shards streams them from the file (ijson), and what a driver keeps is its counts and size.
+
+The folders are walked each once, however many symlinks lead to one: a link to a folder listed already (a
+mirror, a loop) is passed over and said, and so is a tokpipe OUT found inside the dataset. Files are never
+deduplicated: in a cache two snapshot files may rightly link to one blob.
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import os
 import re
+import stat
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +70,8 @@ class Manifest:
     counts: dict[str, int]  # shards per split, the splits in the order they first appear
     size: int  # bytes of all shards
     source: tuple[Shard, ...] | Path  # the shards of a built manifest, or the file a loaded one streams them from
+    # (relpath, why) of each folder the builder passed over (a link to one listed already, an OUT); () once loaded
+    passed_over: tuple[tuple[str, str], ...] = ()
 
     def shards(self, split: str | None = None) -> Iterator[Shard]:
         """The shards in manifest order (of one split, or all): one pass over the file of a loaded manifest."""
@@ -160,30 +168,75 @@ def _check_inside(shard_path: str, relpath: str, base: str) -> None:
         )
 
 
-def _shards_under(root: Path, blobs_dir: Path | None, base: Path, allow_outside: bool) -> list[Shard]:
-    shards = []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        for name in filenames:
-            if not name.endswith(SHARD_SUFFIXES):
-                continue
-            full = Path(dirpath) / name
-            relpath = full.relative_to(root).as_posix()
-            source = _resolve_pointer(full, blobs_dir).resolve()
-            if not allow_outside:
-                _check_inside(str(source), relpath, str(base))
-            shards.append(
-                Shard(
-                    split=split_of(relpath),
-                    relpath=relpath,
-                    path=str(source),
-                    size=source.stat().st_size,
-                    key=shard_key(relpath),
-                )
-            )
-    # The order of docs/design.md: per split, plain string order of the path relative to the snapshot root.
-    shards.sort(key=lambda s: s.relpath)
-    return shards
+def _walk(root: Path, is_out: Callable[[Path], bool] | None) -> tuple[list[tuple[Path, str]], list[tuple[str, str]]]:
+    """The shard files under root, (path, relpath), and the folders passed over, (relpath, why).
+
+    Each real folder (st_dev, st_ino) is walked once, by the path with no symlink in it where there is one,
+    else by the first link to it in path order: the links to folders wait until every real folder is walked.
+    So a link to a folder listed already (`ln -s ../train extra/mirror`, `ln -s . loop`) is passed over,
+    whatever order the file system lists names in; a link to a folder not listed yet is walked. Hidden
+    folders are not walked; a tokpipe OUT (`is_out`) is passed over."""
+    seen = {_identity(root): ""}  # each folder walked -> its relpath
+    files, passed_over = [], []
+    links: list[tuple[str, Path]] = []  # a heap of (relpath, path): the links to folders met, walked last
+
+    def keep(folder: Path, rel: str) -> bool:
+        """Whether to walk a folder (it is then seen); if not, why it is passed over."""
+        identity = _identity(folder)
+        first = seen.get(identity)
+        if first is not None:
+            above = first == "" or rel.startswith(first + "/")
+            why = "above it (a loop)" if above else "listed already"
+            passed_over.append((rel, f"a link to {first + '/' if first else 'the dataset folder'}, {why}"))
+            return False
+        if is_out is not None and is_out(folder):
+            passed_over.append((rel, "a tokpipe OUT, never input"))
+            return False
+        seen[identity] = rel
+        return True
+
+    def walk(top: Path, top_rel: str) -> None:
+        for dirpath, dirnames, filenames in os.walk(top):  # links to folders come in dirnames, and are not walked
+            here = Path(dirpath)
+            below = here.relative_to(top).as_posix()
+            rel = "/".join(part for part in (top_rel, below) if part not in ("", "."))
+            prefix = rel + "/" if rel else ""
+            files.extend((here / n, prefix + n) for n in filenames if n.endswith(SHARD_SUFFIXES))
+            walked = []
+            for name in sorted(d for d in dirnames if not d.startswith(".")):
+                if (here / name).is_symlink():
+                    heapq.heappush(links, (prefix + name, here / name))
+                elif keep(here / name, prefix + name):
+                    walked.append(name)
+            dirnames[:] = walked
+
+    walk(root, "")
+    while links:
+        rel, link = heapq.heappop(links)
+        if keep(link, rel):
+            walk(link, rel)
+    return files, passed_over
+
+
+def _identity(folder: Path) -> tuple[int, int]:
+    st = folder.stat()
+    return st.st_dev, st.st_ino
+
+
+def _shard(path: Path, relpath: str, blobs_dir: Path | None, base: Path, allow_outside: bool) -> Shard:
+    source = _resolve_pointer(path, blobs_dir).resolve()
+    if not allow_outside:
+        _check_inside(str(source), relpath, str(base))
+    try:
+        st = source.stat()
+    except FileNotFoundError:
+        raise UserError(f"{relpath} is a link to {source}, which does not exist: re-download the dataset") from None
+    # A named pipe (or a device) is no shard: reading it may block forever, and its size says nothing.
+    if not stat.S_ISREG(st.st_mode):
+        raise UserError(
+            f"{relpath} is not a regular file (a named pipe, a socket or a device): put the shard there, or remove it"
+        )
+    return Shard(split=split_of(relpath), relpath=relpath, path=str(source), size=st.st_size, key=shard_key(relpath))
 
 
 def _layout_hint(directory: Path) -> str:
@@ -258,13 +311,21 @@ def _locate(
 
 
 def build_manifest(
-    dataset_dir: str | os.PathLike, repo_id: str | None = None, revision: str | None = None, allow_outside: bool = False
+    dataset_dir: str | os.PathLike,
+    repo_id: str | None = None,
+    revision: str | None = None,
+    allow_outside: bool = False,
+    is_out: Callable[[Path], bool] | None = None,
 ) -> Manifest:
     """The ordered shard list of a dataset. Shards whose bytes lie outside it (through symlinks) are
-    refused unless allow_outside: a manifest must not quietly read files from elsewhere."""
+    refused unless allow_outside: a manifest must not quietly read files from elsewhere. `is_out` tells a
+    tokpipe OUT (tokpipe/out/ knows one; the commands pass it): one inside the dataset is passed over."""
     root, blobs_dir, repo_id, revision = _locate(Path(dataset_dir).absolute(), repo_id, revision)
     base = (blobs_dir.parent if blobs_dir else root).resolve()
-    shards = _shards_under(root, blobs_dir, base, allow_outside)
+    files, passed_over = _walk(root, is_out)
+    shards = [_shard(path, relpath, blobs_dir, base, allow_outside) for path, relpath in files]
+    # The order of docs/design.md: per split, plain string order of the path relative to the snapshot root.
+    shards.sort(key=lambda s: s.relpath)
     if not shards:
         raise UserError(f"no shards (*{', *'.join(SHARD_SUFFIXES)}) under {root}; " + _layout_hint(root))
     keys = {}
@@ -283,6 +344,7 @@ def build_manifest(
         counts,
         sum(s.size for s in shards),
         tuple(shards),
+        tuple(passed_over),
     )
 
 
@@ -291,14 +353,18 @@ def write_manifest(manifest: Manifest, path: str | os.PathLike) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(orjson.dumps(manifest.header())[:-1] + b', "shards": [')  # the header object, left open for the shards
-        for i, shard in enumerate(manifest.shards()):
-            f.write((b"," if i else b"") + b"\n" + orjson.dumps(shard))
-        f.write(b"\n]}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(orjson.dumps(manifest.header())[:-1] + b', "shards": [')  # the header, left open for the shards
+            for i, shard in enumerate(manifest.shards()):
+                f.write((b"," if i else b"") + b"\n" + orjson.dumps(shard))
+            f.write(b"\n]}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, an interrupt: no half-written manifest left beside the path
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def load_manifest(path: str | os.PathLike) -> Manifest:

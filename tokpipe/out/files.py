@@ -268,6 +268,12 @@ class Out:
                 made.unlink()
 
 
+def is_out(folder: Path) -> bool:
+    """Whether a folder is a tokpipe OUT: it holds what every run writes before its first token, run.json and
+    its manifest's copy (a manifest rebuilt over a dataset that holds one passes it over)."""
+    return Out(folder).run_json.is_file() and Out(folder).manifest.is_file()
+
+
 def stall_dump(out: str | os.PathLike, shard: Shard) -> Path:
     """Where a stalled shard's stack dump goes."""
     return Out(out).log(f"stall-{shard.split}-{shard.key}.txt")
