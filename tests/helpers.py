@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -75,7 +76,8 @@ def reference_objects(path: Path, text_field: str = "text") -> list[dict]:
     """The JSON objects of one shard file that are documents (a non-empty string under text_field), the way a
     careful user would read them by hand."""
     raw = path.read_bytes()
-    if raw[:4] == b"\x28\xb5\x2f\xfd":
+    # zstd: a frame's magic, or a skippable frame's (0x184D2A50-5F, little-endian), which pzstd puts first
+    if raw[:4] == b"\x28\xb5\x2f\xfd" or (raw[1:4] == b"\x2a\x4d\x18" and 0x50 <= raw[0] <= 0x5F):
         raw = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw), read_across_frames=True).read()
     elif raw[:2] == b"\x1f\x8b":
         raw = gzip.decompress(raw)
@@ -231,6 +233,18 @@ def write_jsonl(path: Path, lines: list[bytes | str], compression: str = "none")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
     return path
+
+
+def skippable_frame(content: bytes, magic: int = 0x184D2A50) -> bytes:
+    """A zstd skippable frame (RFC 8878, 3.1.2): its magic (0x184D2A50-5F), little-endian, the content's size, the
+    content. pzstd writes one before each frame, holding that frame's compressed size."""
+    return struct.pack("<II", magic, len(content)) + content
+
+
+def pzstd_frames(parts: list[bytes]) -> bytes:
+    """The parts compressed as pzstd lays out its files: each a frame, after a skippable frame holding its size."""
+    frames = [zstandard.ZstdCompressor().compress(part) for part in parts]
+    return b"".join(skippable_frame(struct.pack("<I", len(frame))) + frame for frame in frames)
 
 
 def plain_copy_of_example(dest: Path) -> Path:

@@ -1,13 +1,13 @@
 """source/jsonl.py (through tokpipe.inputs.source.read_batches): JSONL plain, zstd or gzip, the compression sniffed from
-its magic bytes (source/__init__.py) never its name; every line accounted for, the same lines whatever the
-block size; resumable at a line/byte offset; a truncated download fails by name."""
+its magic bytes (source/__init__.py) never its name, pzstd's skippable frames included; every line accounted for,
+the same lines whatever the block size; resumable at a line/byte offset; a truncated download fails by name."""
 
 import gzip
 from collections import Counter
 
 import pytest
 import zstandard
-from helpers import read_all, write_jsonl
+from helpers import pzstd_frames, read_all, skippable_frame, write_jsonl
 
 from tokpipe.errors import SourceError
 from tokpipe.inputs.source import format_of
@@ -75,6 +75,22 @@ def test_multi_frame_zstd_reads_every_frame(tmp_path):
     path = tmp_path / "frames.jsonl.zst"
     path.write_bytes(c.compress(b'{"text": "a"}\n') + c.compress(b'{"text": "b"}\n'))
     assert read_all(path)[0] == ["a", "b"]
+
+
+def test_a_zstd_file_that_starts_with_a_skippable_frame_is_zstd(tmp_path):
+    # pzstd's layout: a skippable frame before each frame, holding that frame's compressed size.
+    path = tmp_path / "pzstd.jsonl.zst"
+    path.write_bytes(pzstd_frames([b'{"text": "%d"}\n' % i for i in range(3)]))
+    assert format_of(str(path)) == "zstd"
+    texts, skipped, batches = read_all(path)
+    assert (texts, skipped, sum(b.lines for b in batches)) == (["0", "1", "2"], Counter(), 3)
+
+
+def test_a_truncated_skippable_frame_is_a_truncated_file(tmp_path):
+    path = tmp_path / "cut.jsonl.zst"
+    path.write_bytes(skippable_frame(b"x" * 100, 0x184D2A5F)[:40])
+    with pytest.raises(SourceError, match="cut.jsonl.zst: zstd stream ends inside a frame at compressed byte 40"):
+        read_all(path)
 
 
 def test_over_long_line_is_skipped_without_being_held(tmp_path):

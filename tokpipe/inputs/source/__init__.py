@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 from tokpipe.inputs.source.batch import TextBatch
-from tokpipe.inputs.source.jsonl import GZIP_MAGIC, ZSTD_MAGIC, jsonl_fields, read_jsonl_batches
+from tokpipe.inputs.source.jsonl import GZIP_MAGIC, is_zstd, jsonl_fields, read_jsonl_batches
 
 PARQUET_MAGIC = b"PAR1"
 BATCH_BYTES = 1 << 20  # of input text per batch (per encode call of a shard): bounds memory, paces progress reports
@@ -21,7 +21,7 @@ def format_of(path: str) -> str:
     """zstd | gzip | parquet | none (plain JSONL), from the file's magic bytes."""
     with open(path, "rb") as f:
         head = f.read(4)
-    if head.startswith(ZSTD_MAGIC):
+    if is_zstd(head):
         return "zstd"
     if head.startswith(GZIP_MAGIC):
         return "gzip"

@@ -24,6 +24,9 @@ from tokpipe.errors import SourceError
 from tokpipe.inputs.source.batch import TextBatch, decode_utf8, field_at, group_value
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+# A zstd skippable frame's magic is 0x184D2A50..0x184D2A5F, little-endian: these three bytes after 0x50..0x5F.
+# pzstd begins its files with one (it holds the next frame's size), and any zstd writer may: valid zstd.
+SKIPPABLE_MAGIC = b"\x2a\x4d\x18"
 GZIP_MAGIC = b"\x1f\x8b"
 BOM = b"\xef\xbb\xbf"
 COMPRESSED_CHUNK = 1 << 16  # fed to zstd at a time; its output, a few times larger, is one block
@@ -31,12 +34,18 @@ BLOCK = 1 << 20  # most decompressed bytes split into lines at once
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+def is_zstd(head: bytes) -> bool:
+    """Whether a file's first 4 bytes begin a zstd stream: a frame, or a skippable frame (pzstd's first)."""
+    return head == ZSTD_MAGIC or (len(head) == 4 and 0x50 <= head[0] <= 0x5F and head[1:] == SKIPPABLE_MAGIC)
+
+
 def _zstd_blocks(raw, path: str) -> Iterator[bytes]:
     """Decompressed bytes of a zstd file, frame after frame, failing loudly where the stream breaks.
 
     zstandard's stream_reader ends a truncated frame as if it were a clean end of file; an
     incomplete download must never be tokenized as if it were whole, so we drive decompressobj
-    and check that the last frame was finished.
+    and check that the last frame was finished. A skippable frame, anywhere, is a frame that
+    decompressobj finishes with no output; one cut short is a truncated file as any frame is.
     """
     frame = None  # the decompressobj of the frame being read, None between frames
     read = 0
