@@ -107,8 +107,11 @@ def test_rows_are_documents_or_skips_counted_as_the_same_values_in_jsonl(tmp_pat
         ),
         (pa.array([1, 2, None]), [], {"text_not_string": 3}, {}),
         (pa.array([["a"], ["b"]]), [], {"text_not_string": 2}, {}),
+        # Arrow's view types, which pyarrow writes to Parquet and reads back as such.
+        (pa.array(["a", None, "", "b"], pa.string_view()), ["a", "b"], {"text_not_string": 1, "empty_text": 1}, {}),
+        (pa.array([b"ok", b"bad \xff utf8"], pa.binary_view()), ["ok", "bad \ufffd utf8"], {}, {"invalid_utf8": 1}),
     ],
-    ids=["large_string", "dictionary", "binary", "invalid_utf8_string", "int64", "list"],
+    ids=["large_string", "dictionary", "binary", "invalid_utf8_string", "int64", "list", "string_view", "binary_view"],
 )
 def test_column_types(tmp_path, column, texts, skipped, repaired):
     path = write_parquet(tmp_path / "x.parquet", {"text": column})

@@ -6,8 +6,9 @@ is `empty_text`, a text over the size limit is `too_long`, and in a column of an
 lists, structs) every row is `text_not_string`. A `binary` column is text too (writers that store
 strings without their UTF-8 annotation make those): its bytes are decoded as a JSONL line's are,
 invalid UTF-8 replaced and counted; pyarrow does not check the UTF-8 of a `string` column either, so
-the same goes for it. A file without the column fails the shard: that is a wrong `--text-field`, not
-dirty data.
+the same goes for it. Arrow's view types (`string_view`, `binary_view`), which pyarrow reads back as
+such from a file it wrote from them, are text as their plain types are. A file without the column
+fails the shard: that is a wrong `--text-field`, not dirty data.
 
 Memory is bounded by a row group, never the file: pyarrow reads one row group's column chunk, and we
 decode it in pieces of about a block of text. Resuming is by rows: a checkpoint's lines are the rows
@@ -29,6 +30,9 @@ from tokpipe.inputs.source.batch import MISSING_GROUP, TextBatch, decode_utf8, g
 
 PIECE_BYTES = 1 << 20  # about this much of a row group is decoded at a time
 TEXT_TYPES = (pa.string(), pa.large_string(), pa.binary(), pa.large_binary())
+# A view column as the plain type of its values, which every kernel takes (binary_length has none for views);
+# by name: pyarrow < 16 has no view types, and never reads one.
+VIEW_TYPES = {"string_view": pa.large_string(), "binary_view": pa.large_binary()}
 
 
 def _one_line(error: Exception) -> str:
@@ -111,6 +115,8 @@ def _parse(
     """Add each row's text (and its group, from `groups`, one per row) to the batch, or count the row as skipped."""
     if pa.types.is_dictionary(values.type):  # a column written from a pandas category
         values = values.dictionary_decode()
+    if str(values.type) in VIEW_TYPES:
+        values = values.cast(VIEW_TYPES[str(values.type)])
     if values.type in TEXT_TYPES:
         sizes = pc.binary_length(values).fill_null(0).to_pylist()
         try:
@@ -141,7 +147,9 @@ def _parse(
 
 def parquet_fields(path: str) -> Counter:
     with _open(path) as parquet:
-        return Counter({f.name: 2 if f.type in TEXT_TYPES else 1 for f in parquet.schema_arrow})
+        return Counter(
+            {f.name: 2 if f.type in TEXT_TYPES or str(f.type) in VIEW_TYPES else 1 for f in parquet.schema_arrow}
+        )
 
 
 def read_parquet_batches(
