@@ -93,6 +93,15 @@ def test_a_truncated_skippable_frame_is_a_truncated_file(tmp_path):
         read_all(path)
 
 
+def test_json_nested_deeper_than_any_parser_reads_is_invalid_json(tmp_path):
+    # orjson refuses nesting past 1,024 levels, the json module past its recursion limit: a counted skip.
+    deep = '{"text": "deep", "x": ' + "[" * 1100 + "]" * 1100 + "}"
+    path = write_jsonl(tmp_path / "x.jsonl", ['{"text": "a"}', deep, '{"text": "b"}'])
+    texts, skipped, batches = read_all(path)
+    assert (texts, skipped) == (["a", "b"], Counter(invalid_json=1))
+    assert [line for b in batches for line in b.skip_log] == [(2, "invalid_json")]
+
+
 def test_over_long_line_is_skipped_without_being_held(tmp_path):
     path = write_jsonl(tmp_path / "x.jsonl", ['{"text": "' + "y" * 10000 + '"}', '{"text": "after"}'])
     texts, skipped, batches = read_all(path, max_line_bytes=1000)

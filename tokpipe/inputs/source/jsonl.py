@@ -150,7 +150,7 @@ def _document(line: bytes, text_field: str, repaired: Counter) -> tuple[str, dic
         decoded = decode_utf8(line, repaired)
         try:
             obj = json.loads(decoded)
-        except ValueError:
+        except (ValueError, RecursionError):  # orjson refuses nesting past 1024 levels, json past its recursion limit
             return None, "invalid_json"
     if not isinstance(obj, dict):
         return None, "not_object"
