@@ -247,6 +247,14 @@ def pzstd_frames(parts: list[bytes]) -> bytes:
     return b"".join(skippable_frame(struct.pack("<I", len(frame))) + frame for frame in frames)
 
 
+# What a git clone without git-lfs leaves in place of a shard: three lines of text, none of them JSON.
+LFS_POINTER = [
+    "version https://git-lfs.github.com/spec/v1",
+    "oid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393",
+    "size 48213706",
+]
+
+
 def plain_copy_of_example(dest: Path) -> Path:
     """The example's shards as a plain folder (same relative paths, so the same reference bytes)."""
     for link in EXAMPLE_SNAPSHOT.rglob("*.jsonl.zst"):

@@ -2,9 +2,9 @@
 `tokpipe run`. Nothing crashes, nothing is lost silently: every line is a document, a counted skip
 (with its reason, logged with its line number) or a counted repair.
 
-The corpus below has one shard per kind of trouble. The truncated download fails by name; with
---skip-failed the rest finalizes, byte-identical to the reference on the same corpus without it, and
-every line read is accounted for as a document or a counted skip.
+The corpus below has one shard per kind of trouble. The truncated download fails by name, and so does a shard
+that is not JSON Lines (a Git LFS pointer); with --skip-failed the rest finalizes, byte-identical to the reference
+on the same corpus without them, and every line read is accounted for as a document or a counted skip.
 
 The runs use the 600-id tokenizer with Qwen3's chat delimiters added as special tokens (chat_tokenizer): the
 special-token strings of the dirty lines are then as special as in Qwen3, whose load (~1.8 CPU-s a run) and
@@ -21,11 +21,14 @@ import pytest
 import zstandard
 from helpers import (
     EXAMPLE_CACHE,
+    LFS_POINTER,
     built_once,
     cli,
+    pzstd_frames,
     reference_texts,
     reference_tokenizer,
     reference_tokens,
+    run_args,
     tokpipe,
     write_jsonl,
 )
@@ -75,6 +78,9 @@ def _write_corpus(root):
     write_jsonl(root / "train" / "f_huge.jsonl.zst", list(huge), "zstd")
     whole = zstandard.ZstdCompressor().compress(b"\n".join(reference_lines(real)[:50]) + b"\n")
     (root / "train" / "g_truncated.jsonl.zst").write_bytes(whole[: len(whole) // 2])
+    pzstd = [b"\n".join(reference_lines(real)[start : start + 10]) + b"\n" for start in (60, 70)]  # 20 documents
+    (root / "train" / "h_pzstd.jsonl.zst").write_bytes(pzstd_frames(pzstd))
+    write_jsonl(root / "train" / "i_lfs_pointer.jsonl.zst", LFS_POINTER)
     write_jsonl(root / "validation" / "v.jsonl", reference_lines(real)[50:60])
 
 
@@ -125,12 +131,37 @@ def test_truncated_download_fails_by_name_and_nothing_is_finalized(runs):
     assert "Traceback" not in first.stderr + first.stdout
 
 
+def test_a_shard_that_is_not_json_lines_fails_by_name_saying_so(runs, corpus):
+    _, first, _ = runs
+    assert (
+        f"FAILED train/i_lfs_pointer.jsonl.zst: SourceError: {corpus / 'train' / 'i_lfs_pointer.jsonl.zst'}: 3 of the"
+        " 3 lines read are not JSON objects (invalid_json 3, not_object 0): it is not JSON Lines (CSV? one JSON array?"
+        " a Git LFS pointer?), or in a compression tokpipe does not read (it reads zstd and gzip), or binary"
+    ) in first.stderr.splitlines()
+
+
+def test_alone_in_a_dataset_a_shard_that_is_not_json_lines_is_not_blamed_on_the_text_field(tmp_path, small_tokenizer):
+    data = tmp_path / "data"
+    write_jsonl(data / "train" / "a.jsonl.zst", LFS_POINTER)
+    write_manifest(build_manifest(data), tmp_path / "m.json")
+    result = tokpipe(*run_args(tmp_path / "m.json", tmp_path / "out", tokenizer=small_tokenizer))
+    assert result.returncode == 1
+    assert [line for line in result.stderr.splitlines() if not line.startswith("[tokpipe]")] == [
+        f"FAILED train/a.jsonl.zst: SourceError: {data / 'train' / 'a.jsonl.zst'}: 3 of the 3 lines read are not JSON"
+        " objects (invalid_json 3, not_object 0): it is not JSON Lines (CSV? one JSON array? a Git LFS pointer?), or"
+        " in a compression tokpipe does not read (it reads zstd and gzip), or binary",
+        "1 shards failed; the rest are kept. Fix the cause and rerun the same command to retry them.",
+    ]
+    assert "--text-field" not in result.stdout + result.stderr
+
+
 def test_skip_failed_finalizes_the_rest_byte_identical_to_the_reference(runs, corpus, chat_tokenizer):
     out, _, second = runs
     assert second.returncode == 0, second.stderr
     meta = json.loads((out / "meta.json").read_text())
-    assert list(meta["excluded"]) == ["train/g_truncated.jsonl.zst"]
-    train_files = sorted(p for p in (corpus / "train").iterdir() if "truncated" not in p.name)
+    assert list(meta["excluded"]) == ["train/g_truncated.jsonl.zst", "train/i_lfs_pointer.jsonl.zst"]
+    failed = ("g_truncated.jsonl.zst", "i_lfs_pointer.jsonl.zst")
+    train_files = sorted(p for p in (corpus / "train").iterdir() if p.name not in failed)
     tokenizer, [eos] = chat_tokenizer / "tokenizer.json", ids(chat_tokenizer, "<|endoftext|>")
     expected = reference_tokens(train_files, tokenizer, eos, np.uint16)
     assert np.array_equal(np.fromfile(out / "train.bin", dtype=np.uint16), expected)
@@ -140,7 +171,10 @@ def test_skip_failed_finalizes_the_rest_byte_identical_to_the_reference(runs, co
     )
     verify = cli("verify", out)
     assert verify.returncode == 0
-    assert "ok    note: 1 shards excluded by --skip-failed  (train/g_truncated.jsonl.zst)" in verify.stdout.splitlines()
+    assert (
+        "ok    note: 2 shards excluded by --skip-failed  (train/g_truncated.jsonl.zst, train/i_lfs_pointer.jsonl.zst)"
+        in verify.stdout.splitlines()
+    )
 
 
 def test_every_line_is_a_document_or_a_counted_skip(runs, corpus):
@@ -156,8 +190,8 @@ def test_every_line_is_a_document_or_a_counted_skip(runs, corpus):
         "text_not_string": 3,
     }
     assert train["repaired"] == {"bom": 1, "invalid_utf8": 1, "lone_surrogate": 1}
-    assert train["documents"] == real_docs + 8 + 20 + 2
-    assert train["lines"] == real_docs + 3 + len(DIRTY_LINES) + 1 + 20 + 2
+    assert train["documents"] == real_docs + 8 + 20 + 2 + 20
+    assert train["lines"] == real_docs + 3 + len(DIRTY_LINES) + 1 + 20 + 2 + 20
     assert train["documents"] + sum(train["skipped"].values()) == train["lines"]
 
 

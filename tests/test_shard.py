@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from helpers import (
     EXAMPLE_CACHE,
+    LFS_POINTER,
     QWEN3,
     QWEN3_EOS,
     Crash,
@@ -24,7 +25,7 @@ from helpers import (
     shard_spec as spec_for,
 )
 
-from tokpipe.errors import TooManyGroups
+from tokpipe.errors import SourceError, TooManyGroups
 from tokpipe.inputs.manifest import Shard, build_manifest
 from tokpipe.out.files import ShardFiles
 from tokpipe.out.records import Checkpoint
@@ -311,3 +312,34 @@ def test_a_buffering_shard_asked_to_stop_leaves_a_checkpoint_a_worker_goes_on_fr
     tokenize_shard(HOLDOUT, tmp_path, spec)
     tokens, _ = read(tmp_path, HOLDOUT, np.uint32)
     assert np.array_equal(tokens, reference_tokens([Path(HOLDOUT.path)], QWEN3 / "tokenizer.json", QWEN3_EOS))
+
+
+def _shard_of(path: Path) -> Shard:
+    return Shard("train", path.name, str(path), path.stat().st_size, path.name.split(".")[0])
+
+
+def test_a_shard_that_is_not_json_lines_fails_in_its_first_batch(tmp_path):
+    """More than half of its lines not JSON objects: the wrong format, never dirty data to skip at exit 0."""
+    path = write_jsonl(tmp_path / "data" / "pointer.jsonl.zst", LFS_POINTER)
+    encoded = []
+    with pytest.raises(SourceError) as failed:
+        tokenize_shard(_shard_of(path), tmp_path / "out", spec_for(QWEN3), on_batch=lambda *a: encoded.append(a))
+    assert str(failed.value) == (
+        f"{path}: 3 of the 3 lines read are not JSON objects (invalid_json 3, not_object 0): it is not JSON Lines "
+        "(CSV? one JSON array? a Git LFS pointer?), or in a compression tokpipe does not read (it reads zstd and "
+        "gzip), or binary"
+    )
+    assert encoded == []  # failed before its first batch was encoded
+
+
+def test_the_share_of_lines_not_json_is_of_the_shard_from_its_start_resumes_included(tmp_path):
+    # Batches of 4 lines (17 bytes each): 4 documents, then 4 lines not JSON (4 of 8: half, not more), then 4 more.
+    lines = [f'{{"text": "doc{i}"}}' for i in range(4)] + [f"not json, line {i}" for i in range(8)]
+    path = write_jsonl(tmp_path / "data" / "x.jsonl", lines)
+    shard, spec = _shard_of(path), spec_for(QWEN3, batch_bytes=4 * 17, checkpoint_interval=0.0)
+    with pytest.raises(Crash):  # in the second batch, the first one checkpointed
+        tokenize_shard(shard, tmp_path / "out", spec, on_batch=crash_in_batch(2))
+    assert Checkpoint.load(ShardFiles.of(tmp_path / "out", shard).checkpoint).lines == 4
+    # Its resumed attempt reads 8 lines, none JSON: counted alone they would fail it at its first batch.
+    with pytest.raises(SourceError, match=f"^{path}: 8 of the 12 lines read are not JSON objects "):
+        tokenize_shard(shard, tmp_path / "out", spec)

@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 
 from tokpipe.durability import HASH_CHUNK, hash_range, write_json_atomic
-from tokpipe.errors import too_many_groups
+from tokpipe.errors import SourceError, too_many_groups
 from tokpipe.inputs.manifest import Shard
 from tokpipe.inputs.source import BATCH_BYTES, read_batches
-from tokpipe.inputs.source.batch import SKIP_LOG_CAP, TextBatch
+from tokpipe.inputs.source.batch import SKIP_LOG_CAP, TextBatch, not_json_lines
 from tokpipe.out.files import ShardFiles, group_stem
 from tokpipe.out.records import IDX_DTYPE, MAX_GROUPS, Checkpoint
 from tokpipe.out.tokens import held_out, to_dtype
@@ -319,6 +319,10 @@ def tokenize_shard(
                 shard.path, spec.text_field, ckpt.lines, ckpt.offset, spec.batch_bytes, group_by=spec.group_by
             )
             for batch in read_ahead(batches) if spec.read_ahead else batches:
+                # Decided on the shard's lines from its start (a resumed shard's checkpoint counts them), as soon
+                # as a batch shows it: a shard of the wrong format fails in its first, not hours later at its end.
+                if (wrong := not_json_lines(ckpt.lines + batch.lines, skipped + batch.skipped)) is not None:
+                    raise SourceError(f"{shard.path}: {wrong}")
                 tokens = _encode(batch, parts, memory, spec, holding_out, new_part, shard)
                 ckpt.lines += batch.lines
                 ckpt.offset = batch.end_offset

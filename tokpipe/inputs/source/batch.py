@@ -17,6 +17,10 @@ MISSING_GROUP = "__missing__"  # --group-by: the group of a document without the
 
 # Why a line is not a document. Every skipped line carries exactly one of these.
 SKIP_REASONS = ("blank", "invalid_json", "not_object", "no_text", "text_not_string", "empty_text", "too_long")
+# Dirty data leaves a few lines that are not JSON objects; more than this share of a shard's lines can only
+# mean the wrong format (CSV, a JSON array, a Git LFS pointer, a compression tokpipe does not read, a binary
+# file), and the shard fails: skipped line by line, it would pass at exit 0 with nothing tokenized.
+NOT_JSON_SHARE = 0.5
 
 
 @dataclass
@@ -36,6 +40,19 @@ class TextBatch:
         self.skipped[reason] += 1
         if len(self.skip_log) < SKIP_LOG_CAP:
             self.skip_log.append((line_no, reason))
+
+
+def not_json_lines(lines: int, skipped: Counter) -> str | None:
+    """Why a shard whose `lines` read so far were skipped as `skipped` says is not JSON Lines; None while at
+    most NOT_JSON_SHARE of them are not JSON objects."""
+    wrong = skipped["invalid_json"] + skipped["not_object"]
+    if wrong <= lines * NOT_JSON_SHARE:
+        return None
+    return (
+        f"{wrong:,} of the {lines:,} lines read are not JSON objects (invalid_json {skipped['invalid_json']:,}, "
+        f"not_object {skipped['not_object']:,}): it is not JSON Lines (CSV? one JSON array? a Git LFS pointer?), or "
+        "in a compression tokpipe does not read (it reads zstd and gzip), or binary"
+    )
 
 
 def decode_utf8(raw: bytes, repaired: Counter) -> str:
