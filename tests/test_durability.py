@@ -100,6 +100,33 @@ def test_copy_file_copies_every_byte_in_the_kernel_or_through_a_buffer(tmp_path,
     assert (tmp_path / "dst").read_bytes() == src.read_bytes()
 
 
+@pytest.mark.parametrize("kernel", [True, False])
+@pytest.mark.parametrize("src_offset, dst_offset", [(12_345, 12_345 + 3 * DIRECT_ALIGN), (12_345, 1_000), (0, 0)])
+def test_copy_range_writes_a_range_from_an_offset_in_the_kernel_or_through_a_buffer(
+    tmp_path, monkeypatch, kernel, src_offset, dst_offset
+):
+    """Bytes [src_offset, +length) of src at dst_offset of dst, nothing else of dst changed: with both offsets as
+    far into a block (the first pair), the first call ends at the block's end, where a cloning file system shares
+    the rest."""
+    if not kernel:
+
+        def refuse(*args):
+            raise OSError(18, "Invalid cross-device link")
+
+        monkeypatch.setattr(os, "copy_file_range", refuse)
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    data, before = os.urandom(src_offset + 2 * durability.HASH_CHUNK + 99), os.urandom(dst_offset + 50_000)
+    src.write_bytes(data)
+    dst.write_bytes(before)
+    length = 2 * durability.HASH_CHUNK + 7
+    with open(dst, "r+b") as f:
+        how = durability.copy_range(src, f.fileno(), length, dst_offset, src_offset)
+    assert how == ("copy_file_range" if kernel else "buffer")
+    assert dst.read_bytes() == before[:dst_offset] + data[src_offset : src_offset + length]
+    with open(dst, "r+b") as f, pytest.raises(RuntimeError, match=r"ended 8 bytes before the \d+ expected"):
+        durability.copy_range(src, f.fileno(), len(data) - src_offset + 8, dst_offset, src_offset)
+
+
 def _pieces(seed: int, sizes: list[int]) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 2**32, n, dtype=np.uint32) for n in sizes]

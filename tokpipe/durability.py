@@ -149,28 +149,31 @@ def hash_range(fd: int, start: int, end: int, hasher, buffer: bytearray) -> None
         hasher.update(view)  # hashlib drops the GIL on large updates
 
 
-def copy_range(src_path: str | os.PathLike, dst_fd: int, length: int, dst_offset: int) -> str:
-    """Write the first `length` bytes of src at `dst_offset` of dst, in the kernel, not through Python
-    objects; returns how: "copy_file_range", or "buffer" where the file systems cannot (some refuse
-    a copy from another file system)."""
+def copy_range(src_path: str | os.PathLike, dst_fd: int, length: int, dst_offset: int, src_offset: int = 0) -> str:
+    """Write `length` bytes of src, from `src_offset`, at `dst_offset` of dst, in the kernel, not through
+    Python objects; returns how: "copy_file_range", or "buffer" where the file systems cannot (some refuse
+    a copy from another file system). Where both offsets lie as far into a block, the first call ends at the
+    block's end: copy_file_range clones the aligned rest where the file system shares blocks (btrfs, XFS),
+    and clones nothing of a range that starts mid-block."""
     with open(src_path, "rb") as src:
         done = 0
+        head = -dst_offset % DIRECT_ALIGN if (src_offset - dst_offset) % DIRECT_ALIGN == 0 else 0
         try:
             while done < length:
-                copied = os.copy_file_range(
-                    src.fileno(), dst_fd, min(length - done, COPY_CHUNK), done, dst_offset + done
-                )
+                step = min(length - done, head or COPY_CHUNK)
+                copied = os.copy_file_range(src.fileno(), dst_fd, step, src_offset + done, dst_offset + done)
                 if copied == 0:
                     raise RuntimeError(f"{src_path} ended {length - done} bytes before the {length} expected")
-                done += copied
+                done, head = done + copied, 0
             return "copy_file_range"
         except OSError:  # through a buffer, in pieces
             try:
-                for view in read_range(src.fileno(), done, length, bytearray(HASH_CHUNK)):
+                for view in read_range(src.fileno(), src_offset + done, src_offset + length, bytearray(HASH_CHUNK)):
                     _pwrite(dst_fd, view, dst_offset + done)
                     done += len(view)
             except ShortRead as short:
-                raise RuntimeError(f"{src_path} ended {length - short.at} bytes before the {length} expected") from None
+                missing = src_offset + length - short.at
+                raise RuntimeError(f"{src_path} ended {missing} bytes before the {length} expected") from None
             return "buffer"
 
 
