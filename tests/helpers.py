@@ -264,6 +264,15 @@ def plain_copy_of_example(dest: Path) -> Path:
     return dest
 
 
+def add_shards(dataset: Path, *relpaths: str) -> None:
+    """Shards added to a plain copy of the example (an append), each at its relpath: the n-th holds 50 documents
+    of the validation shard from its 40n-th line on (a source in every document's meta, as for --group-by)."""
+    holdout = dataset / "validation" / "chunk1" / "example_holdout_0.jsonl.zst"
+    lines = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(holdout.read_bytes())).read().splitlines()
+    for n, relpath in enumerate(relpaths):
+        write_jsonl(dataset / relpath, lines[40 * n : 40 * n + 50], "zstd")
+
+
 GROUP_FIELD = "meta.redpajama_set_name"  # the example's source of each document (SlimPajama's field)
 
 

@@ -60,3 +60,31 @@ def test_a_buffered_part_is_written_at_its_offset_and_its_checkpoint_after(tmp_p
     assert np.fromfile(bin_tmp, dtype=np.uint32).tolist() == [0, 1, 2, 3, 4, 7, 8, 9, 10]
     assert np.fromfile(idx_tmp, dtype="<i8").tolist() == [2, 5, 8, 9]
     assert Checkpoint.load(tmp_path / "b.json") == checkpoint[1]
+
+
+def test_a_moved_part_is_copied_from_where_it_was_and_its_document_ends_rebased(tmp_path):
+    """place() of a part moved in its split (shards were added before it): its tokens copied from its offset in the
+    split file as it was, its document ends counted from its new offset, its checksums (an earlier tokpipe's
+    record has none) of its own bytes."""
+    import hashlib
+
+    from tokpipe.out.files import Out
+    from tokpipe.out.records import Part
+    from tokpipe.write.place import place
+
+    # The split file as it was: documents of 3, 4 and 3 tokens; the part is the last two, from token 3, document 1.
+    was_bin, was_idx = tmp_path / "was.bin", tmp_path / "was.idx"
+    was_bin.write_bytes(np.arange(100, 110, dtype=np.uint32).tobytes())
+    was_idx.write_bytes(np.array([3, 7, 10], dtype="<i8").tobytes())
+    bin_tmp, idx_tmp, _ = Out(tmp_path).assembly("train")
+    bin_tmp.write_bytes(np.arange(5, dtype=np.uint32).tobytes())  # a shard added before it: 5 tokens, 2 documents
+    idx_tmp.write_bytes(np.array([2, 5], dtype="<i8").tobytes())
+    record = {"shard": "train/b.jsonl", "tokens": 7, "documents": 2, "sha256": None, "idx_sha256": None}
+    part = Part("train", 1, 5, 2, record, str(was_bin), str(was_idx), moved_from=(3, 1))
+    [placed] = place(tmp_path, [part], 4)
+    assert np.fromfile(bin_tmp, dtype=np.uint32).tolist() == [0, 1, 2, 3, 4, 103, 104, 105, 106, 107, 108, 109]
+    assert np.fromfile(idx_tmp, dtype="<i8").tolist() == [2, 5, 9, 12]
+    assert placed == record | {
+        "sha256": hashlib.sha256(np.arange(103, 110, dtype=np.uint32).tobytes()).hexdigest(),
+        "idx_sha256": hashlib.sha256(np.array([4, 7], dtype="<i8").tobytes()).hexdigest(),
+    }

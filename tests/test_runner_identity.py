@@ -10,14 +10,20 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pytest
 from helpers import (
     EXAMPLE_CACHE,
+    GROUP_FIELD,
     QWEN3,
+    add_shards,
     assert_out_is,
     cli,
+    held_out,
+    reference_by_group,
     reference_tokenizer,
     reference_tokens,
     run_args,
+    snapshot_files,
     tokpipe,
     write_jsonl,
 )
@@ -128,6 +134,84 @@ def test_a_manifest_that_only_gained_shards_resumes_as_an_append(dataset, tmp_pa
         f"tokpipe run: error: {out} was started from another manifest: 1 of its shards are changed or gone in this "
         "one (e.g. train/chunk1/example_train_1.jsonl.zst); use a new --out, or the original manifest to resume\n"
     )
+
+
+# What an append is tested with: the options of the runs, by name, and the finished shards it moves in each split
+# file (--no-concat: none, a split is its parts' own files).
+APPEND_MODES = {
+    "plain": ((), "2 in train"),
+    "--group-by": (("--group-by", GROUP_FIELD), "2 in train"),
+    "--val-fraction": (("--val-fraction", "0.3"), "2 in train, 3 in val"),
+    "--no-concat": (("--no-concat",), None),
+}
+# The shards an append adds: one that sorts before every finished shard of train (and so before val.bin's held-out
+# parts), one between train's two.
+ADDED_FIRST, ADDED_BETWEEN = "train/chunk0/example_train_a.jsonl.zst", "train/chunk1/example_train_0a.jsonl.zst"
+
+
+def _split_tokens(out: Path, meta: dict, split: str, group: str | None = None) -> np.ndarray:
+    """A finished split's tokens (or one group's), read from the files meta names."""
+    entry = meta["splits"][split] if group is None else meta["splits"][split]["groups"][group]
+    files = [entry["file"]] if "file" in entry else [f["bin"] for f in entry["files"]]
+    return np.concatenate([np.fromfile(out / f, dtype=np.uint16) for f in files])
+
+
+@pytest.mark.parametrize("mode", APPEND_MODES)
+def test_shards_added_before_finished_ones_move_them_and_tokenize_only_the_new(
+    dataset, tmp_path, small_tokenizer, mode
+):
+    """An append of shards that sort first and in the middle of a split: the finished shards' parts move to
+    their new offsets in the split files (each group's, val.bin's held-out parts too), none is tokenized
+    again, and the output is a fresh run's of the whole dataset, by the reference."""
+    out, (options, moved) = tmp_path / "out", APPEND_MODES[mode]
+    write_manifest(build_manifest(dataset), tmp_path / "before.json")
+    first = tokpipe(*run_args(tmp_path / "before.json", out, *options, tokenizer=small_tokenizer))
+    assert first.returncode == 0, first.stderr
+    done_at = {p: p.stat().st_mtime_ns for p in (out / "shards").rglob("*.json")}
+
+    add_shards(dataset, ADDED_FIRST, ADDED_BETWEEN)
+    write_manifest(build_manifest(dataset), tmp_path / "after.json")
+    rerun = tokpipe(*run_args(tmp_path / "after.json", out, *options, tokenizer=small_tokenizer))
+    assert rerun.returncode == 0, rerun.stderr
+    lines = rerun.stdout.splitlines()
+    assert (
+        lines[0] == f"the manifest gained 2 shards since {out} was started: appending them (finished shards are kept)"
+    )
+    said = f"moving finished shards to their new offsets, after the shards added before them ({moved}): copied from"
+    assert [line for line in lines if line.startswith("moving")] == (
+        [f"{said} the split files as they were, none tokenized again"] if moved else []
+    )
+    assert re.search(r": 5 shards, .*; 3 done, 0 partial, 2 to start$", rerun.stdout, re.M), rerun.stdout
+    assert "tokenizing again" not in rerun.stdout
+    assert {p: p.stat().st_mtime_ns for p in done_at} == done_at  # no finished shard was tokenized again
+
+    meta = json.loads((out / "meta.json").read_text())
+    tokenizer = small_tokenizer / "tokenizer.json"
+    eos = reference_tokenizer(tokenizer).token_to_id("<|endoftext|>")
+    train, holdout = snapshot_files(dataset, "train"), snapshot_files(dataset, "validation")
+    assert [p.relative_to(dataset).as_posix() for p in train] == [
+        ADDED_FIRST,
+        "train/chunk1/example_train_0.jsonl.zst",
+        ADDED_BETWEEN,
+        "train/chunk1/example_train_1.jsonl.zst",
+    ]
+    if mode == "--group-by":
+        for split, files in (("train", train), ("validation", holdout)):
+            groups = reference_by_group(files, tokenizer, GROUP_FIELD, eos)
+            assert list(meta["splits"][split]["groups"]) == list(groups)
+            for group, (tokens, _, _) in groups.items():
+                assert np.array_equal(_split_tokens(out, meta, split, group), tokens), (split, group)
+    else:
+        keep = held_out(0.3, False) if mode == "--val-fraction" else None
+        expected = {"train": reference_tokens(train, tokenizer, eos, np.uint16, keep=keep)}
+        expected["validation"] = reference_tokens(holdout, tokenizer, eos, np.uint16)
+        if mode == "--val-fraction":  # val.bin: the train shards' held-out documents, then validation's
+            held = reference_tokens(train, tokenizer, eos, np.uint16, keep=held_out(0.3, True))
+            expected["validation"] = np.concatenate([held, expected["validation"]])
+        for split, tokens in expected.items():
+            assert np.array_equal(_split_tokens(out, meta, split), tokens), split
+    assert not (out / "moving").exists()
+    assert cli("verify", out).returncode == 0
 
 
 def _files(out: Path) -> dict[str, bytes | None]:

@@ -14,6 +14,8 @@ OUT/<stem>.bin, .idx, .parts     a split file (stem: train, val, test), its docu
                                  parts list: one JSON line per part, with its counts and checksums
 OUT/<stem>/<group>.bin, .idx     with --group-by: a group's file of the split (the .parts lists them all)
 OUT/<stem>.*.tmp                 the same three while the split is assembled (<stem>/<group>.*.tmp)
+OUT/moving/<stem>/<n>/           a split's files as they were (links) and their parts list, when shards were
+                                 added before finished ones: the source those parts move from (Out.moving)
 OUT/meta.pkl, OUT/meta.json      written last, meta.json last of all: its presence marks a finished run
 OUT/logs/                        run.log, progress.json, failed.json, skipped.json, stall dumps,
                                  node-check.txt (a cluster run's token that every node reads back)

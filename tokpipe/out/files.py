@@ -155,6 +155,18 @@ class Out:
             self.root / f"{stem}.parts.tmp",
         )
 
+    def moving(self, stem: str) -> Path:
+        """Where a split's files go when shards are added before finished ones (write/assembly/moving.py): each
+        source of the parts moved to new offsets in a numbered folder, OUT/moving/<stem>/<n>/."""
+        return self.root / "moving" / stem
+
+    def moving_source(self, stem: str, n: int, group: str | None = None) -> tuple[Path, Path, Path]:
+        """Source n of a split's moved parts: its .bin, .idx (or its group's), as the split's were, and its
+        parts list; they are links to those files, made before new ones took their names."""
+        folder = self.moving(stem) / str(n)
+        base = folder / (stem if group is None else group_stem(group))
+        return base.with_name(base.name + ".bin"), base.with_name(base.name + ".idx"), folder / f"{stem}.parts"
+
     def group_assembly_files(self, stem: str) -> list[Path]:
         """The .tmp files of a split's groups being assembled (--group-by)."""
         return list((self.root / stem).glob("*.tmp"))

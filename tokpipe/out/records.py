@@ -86,7 +86,9 @@ class Checkpoint:
 @dataclass(frozen=True)
 class Part:
     """A shard's documents in a split file (or those a train shard held out for val.bin), at its offsets there.
-    `record` is its line in <stem>.parts; `bin`, `idx` the shard's own files, or `buffered` the memory it is in."""
+    `record` is its line in <stem>.parts; `bin`, `idx` the shard's own files, or `buffered` the memory it is in,
+    or (`moved_from` its token and document offsets there) the split file as it was before shards were added
+    before it (write/assembly/moving.py)."""
 
     stem: str
     seq: int  # its place among the split's parts
@@ -99,6 +101,7 @@ class Part:
     # Checkpoint), written once placed: nothing on disk covered the shard before (shard.ShardResult.buffered).
     buffered: tuple | None = None
     checkpoint: tuple[str, Checkpoint] | None = None
+    moved_from: tuple[int, int] | None = None
 
     @property
     def name(self) -> str:

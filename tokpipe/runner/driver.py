@@ -131,9 +131,18 @@ def _plan(run: _Run, manifest_path) -> Plan:
 
 def _resume(run: _Run) -> Assembler:
     """Take up OUT's split files where an earlier attempt left them (Assembler.resume), and say which
-    shards are tokenized again for it."""
+    finished shards move to new offsets in them, and which are tokenized again."""
     assembler = Assembler(run.out, np.dtype(run.info.dtype).itemsize, run.opts.output)
     assembler.resume(run.manifest)
+    if assembler.moved:
+        what = ", ".join(f"{n} in {stem}" for stem, n in assembler.moved.items())
+        run.tell(
+            Said(
+                f"moving finished shards to their new offsets, after the shards added before them ({what}): copied"
+                " from the split files as they were, none tokenized again"
+            )
+        )
+        run.log(f"moving finished shards to their new offsets: {what}")
     if assembler.lost:
         n = len(assembler.lost)
         what = f"{n} shard{'s' if n != 1 else ''} (e.g. {assembler.lost[0]})"

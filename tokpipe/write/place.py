@@ -22,7 +22,8 @@ from tokpipe.out.records import IDX_DTYPE, Part
 
 def place(out: str | os.PathLike, parts: list[Part], itemsize: int) -> list[dict]:
     """Write parts of one split at their offsets, fsync, and return their records (checksums filled in).
-    A part is copied from its shard's own files, or written from the memory it waited in (`buffered`);
+    A part is copied from its shard's own files, or from where it was in the split file before shards were added
+    before it (`moved_from`), or written from the memory it waited in (`buffered`);
     the checkpoints such parts carry are written after the fsync, when the disk covers them. Idempotent: a
     part written twice is the same bytes.
     """
@@ -40,19 +41,23 @@ def place(out: str | os.PathLike, parts: list[Part], itemsize: int) -> list[dict
                 bin_tmp, idx_tmp, _ = Out(out).assembly(part.stem, part.group)
                 opened[part.group] = (open(bin_tmp, "r+b"), open(idx_tmp, "r+b"), open_direct(bin_tmp))
             bin_f, idx_f, direct = opened[part.group]
+            # Where its bytes are in `part.bin`: a shard's own files from their start, a moved part where it was.
+            token, document = part.moved_from or (0, 0)
+            start, length = token * itemsize, record["tokens"] * itemsize
             if part.buffered is not None:
                 parts_of_shard, key = part.buffered
                 tokens, ends = parts_of_shard[key]
                 write_at(bin_f.fileno(), tokens, part.token_offset * itemsize, direct)
                 relative = np.concatenate(ends) if ends else np.empty(0, IDX_DTYPE)
             else:
-                copy_range(part.bin, bin_f.fileno(), record["tokens"] * itemsize, part.token_offset * itemsize)
-                relative = np.fromfile(part.idx, dtype=IDX_DTYPE, count=record["documents"])
+                copy_range(part.bin, bin_f.fileno(), length, part.token_offset * itemsize, start)
+                ends = np.fromfile(part.idx, IDX_DTYPE, record["documents"], offset=document * IDX_DTYPE.itemsize)
+                relative = ends - token
             os.pwrite(idx_f.fileno(), memoryview(relative + part.token_offset), part.doc_offset * IDX_DTYPE.itemsize)
             if record["sha256"] is None:  # a shard finished by an earlier tokpipe, which hashed only whole files
                 bin_hash = hashlib.sha256()
                 with open(part.bin, "rb") as src:
-                    hash_range(src.fileno(), 0, record["tokens"] * itemsize, bin_hash, bytearray(HASH_CHUNK))
+                    hash_range(src.fileno(), start, start + length, bin_hash, bytearray(HASH_CHUNK))
                 record.update(sha256=bin_hash.hexdigest(), idx_sha256=hashlib.sha256(memoryview(relative)).hexdigest())
         for bin_f, idx_f, _ in opened.values():
             os.fdatasync(bin_f.fileno())  # the file's, whichever descriptor wrote: the direct writes too

@@ -59,6 +59,11 @@ class Assembler:
         return self.recovery.lost
 
     @property
+    def moved(self) -> dict[str, int]:
+        """Split stem -> finished shards moved to new offsets in it, after shards added before them (moving.py)."""
+        return self.recovery.moved
+
+    @property
     def placed_tokens(self) -> int:
         return self.listing.placed_tokens
 

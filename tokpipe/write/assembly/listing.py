@@ -39,9 +39,12 @@ class Listing:
                 if self.concat:
                     self.placed_tokens += sum(record["tokens"] for _, record in listed)
                     for part, _ in listed:
-                        if part.bin:
+                        if part.bin and part.moved_from is None:
                             Path(part.bin).unlink(missing_ok=True)
                             Path(part.idx).unlink(missing_ok=True)
+            if s.moving is not None and s.moving.exhausted and s.listed > s.moved_until:
+                s.moving.end()  # every part moved from them is listed
+                s.moving = None
 
     def finish(self, splits: list[SplitAssembly], excluded: frozenset[str]) -> dict[str, dict]:
         """Cut, fsync and rename every split's files; returns meta's `splits` (in manifest order of splits).
@@ -58,6 +61,9 @@ class Listing:
                             f.truncate(length)  # bytes beyond: copies of a layout that changed since
                             os.fsync(f.fileno())
                     assembled += [bin_tmp, idx_tmp]
+            if s.moving is not None:
+                s.moving.end()
+                s.moving = None
             entries[s.stem] = split_entry(s.stem, self.out.assembly(s.stem)[2], self.concat, self.grouped)
             self.out.finish_split(s.stem, assembled, self.grouped)
         fsync_dir(self.out.root)

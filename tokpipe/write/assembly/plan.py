@@ -73,10 +73,14 @@ class Plan:
             self.out.new_assembly_files(s.stem, group)
         seq, (tokens, documents) = s.scheduled, s.add(group, record)
         s.scheduled += 1
+        source = s.moving.take(shard.relpath, held, group) if s.moving is not None else None
         if s.head_buffered is not None:
             key = (held, group)
             buffered = (s.head_buffered, key) if bin_path is not None else None
             checkpoint = (str(files.checkpoint), s.head_ckpt)
             return Part(s.stem, seq, tokens, documents, record, buffered=buffered, checkpoint=checkpoint)
+        if source is not None and bin_path is not None:  # in the split file as it was: moved from there
+            s.moved_until = seq
+            return Part(s.stem, seq, tokens, documents, record, source[0], source[1], moved_from=source[2:])
         where = (str(bin_path), str(idx_path)) if bin_path is not None else ("", "")
         return Part(s.stem, seq, tokens, documents, record, *where)

@@ -2,8 +2,10 @@
 
 A split finalized before is renamed back to .tmp (and meta.json goes), the listed parts that are still the
 start of their split are kept, and after them the parts placed but not yet listed whose bytes match their
-checksums; the rest of the files is made anew, and the checkpoints of shards whose placed files are gone but
-whose place was not kept go (`lost`: tokenized again).
+checksums; the rest of the files is made anew. Where shards were added before listed parts (an append, a shard
+excluded and back), the split's files become the source those parts are moved from (moving.py) and the split
+is assembled anew. The checkpoints of shards whose placed files are gone and whose parts are in no file kept
+go (`lost`: tokenized again).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from tokpipe.inputs.manifest import Manifest
 from tokpipe.out.files import Out, split_file_stem
 from tokpipe.out.records import IDX_DTYPE, Checkpoint, is_held_part, part_record, parts_line
 from tokpipe.out.run import OutputSpec, output_splits, sources
+from tokpipe.write.assembly.moving import Moving
 from tokpipe.write.assembly.split import Groups, SplitAssembly
 from tokpipe.write.place import is_in_place
 
@@ -29,40 +32,53 @@ class Recovery:
         self.out, self.itemsize, self.groups = out, itemsize, groups
         self.val_fraction, self.concat, self.group_by = spec.val_fraction, spec.concat, spec.group_by
         self.lost: list[str] = []  # shards tokenized again: their placed files were gone, their place not kept
+        self.moved: dict[str, int] = {}  # split stem -> finished shards whose parts move to new offsets
 
     def resume(self, manifest: Manifest) -> list[SplitAssembly]:
         """Every split's assembly, as far as an earlier attempt got, in manifest order of splits."""
         return [self._resume(manifest, split_file_stem(split)) for split in output_splits(manifest, self.val_fraction)]
 
     def _resume(self, manifest: Manifest, stem: str) -> SplitAssembly:
-        """Keep what an earlier attempt assembled, if it is still the start of the split; else start empty."""
-        parts_tmp = self.out.assembly(stem)[2]
-        self.out.reopen(stem, self.concat, self.group_by is not None)
-        state = SplitAssembly.start(stem, sources(manifest, stem, self.val_fraction))
-        kept = self._kept(parts_tmp, state) if parts_tmp.exists() else []
-        if kept and self.concat and _cut(self.out, state, self.itemsize, self.group_by is not None):
-            kept = []  # cut since they were listed: trust none of it
-        if not kept:
-            state = SplitAssembly.start(stem, sources(manifest, stem, self.val_fraction))
-        if self.concat and self.group_by is None:
-            kept += self._placed_unlisted(state)
-        if self.concat:
-            _prepare_files(self.out, state, bool(kept), self.group_by is not None)
+        """Keep what an earlier attempt assembled, if it is still the start of the split; move the listed parts
+        that shards were added before; else start empty."""
+        grouped = self.group_by is not None
+        self.out.reopen(stem, self.concat, grouped)
+        kept, state, renew = self._keep_or_move(manifest, stem)
+        if renew:  # before anything reads or writes the split's names: its files are a source now
+            _prepare_files(self.out, state, False, grouped)
+        elif self.concat:
+            if not grouped:
+                kept += self._placed_unlisted(state)
+            _prepare_files(self.out, state, bool(kept), grouped)
         self.out.start_parts_list(stem, b"".join(map(parts_line, kept)))
         state.scheduled = state.listed = len(kept)
         if self.concat:
             self._tokenize_again(manifest, state, len(kept))
         return state
 
-    def _kept(self, parts_tmp: Path, state: SplitAssembly) -> list[dict]:
-        """The records of .parts.tmp that are still the start of the split, in order; `state` is advanced
+    def _keep_or_move(self, manifest: Manifest, stem: str) -> tuple[list[dict], SplitAssembly, bool]:
+        """The listed records kept, the split's state past them, and whether its files are to be made anew: a
+        move of its listed parts begins (shards were added before some), or one began and its new files were
+        not made yet."""
+        moving = Moving(self.out, stem) if self.concat else None
+        renew = moving is not None and moving.unstarted()
+        listed = [] if renew else _listed(self.out.assembly(stem)[2])
+        state = SplitAssembly.start(stem, sources(manifest, stem, self.val_fraction))
+        kept = self._kept(listed, state)
+        grouped = self.group_by is not None
+        if self.concat and len(kept) < len(listed) and not _short(self.out, stem, listed, self.itemsize, grouped):
+            moving.start(_files(self.out, stem, listed, grouped))
+            renew = True
+        if renew or (kept and self.concat and _short(self.out, stem, kept, self.itemsize, grouped)):
+            kept = []  # made anew, or cut since they were listed: trust none of it
+            state = SplitAssembly.start(stem, sources(manifest, stem, self.val_fraction))
+        return kept, state, renew
+
+    def _kept(self, listed: list[dict], state: SplitAssembly) -> list[dict]:
+        """The records of a parts list that are still the start of the split, in order; `state` is advanced
         past them."""
         kept = []
-        for line in parts_tmp.read_bytes().splitlines():
-            try:
-                record = orjson.loads(line)
-            except orjson.JSONDecodeError:  # a line cut by the crash: its fsync never returned
-                break
+        for record in listed:
             if not self._head_known(state):
                 break
             group = state.head_parts[0] if state.head_parts else None
@@ -116,42 +132,80 @@ class Recovery:
         return recovered
 
     def _tokenize_again(self, manifest: Manifest, state: SplitAssembly, kept: int) -> None:
-        """Shards done whose placed files are gone but whose place in the split was not kept (the split
-        changed before them, or its file was cut): their checkpoints go, so this run tokenizes them again.
-        The head's parts already kept (--group-by) stay kept: tokenized again, its other parts are the same."""
+        """Shards done whose placed files are gone and whose parts are neither kept nor in a source of moved
+        parts (the split file was cut, or they were placed but not listed and do not match their checksums):
+        their checkpoints go, so this run tokenizes them again. The head's parts already kept (--group-by)
+        stay kept: tokenized again, its other parts are the same. The shards found in a source are counted
+        (`moved`); the sources go if none is."""
         rest = sources(manifest, state.stem, self.val_fraction)
         if self.group_by is None:
             rest = itertools.islice(rest, kept, None)
         else:
             rest = itertools.dropwhile(lambda source: source != state.head, rest)
+        moving, moved = Moving(self.out, state.stem), 0
         for shard, held in rest:
             files = self.out.shard(shard)
             ckpt = Checkpoint.load(files.checkpoint)
             if ckpt is None or not ckpt.done:
                 continue
             if self.group_by is None:
-                needed = [files.part(held, None)[0]]
+                needed = [None]
             else:  # of the head, only its parts not kept yet
                 head = (shard, held) == state.head and state.head_parts is not None
-                groups = state.head_parts if head else ckpt.parts(held, grouped=True)
-                needed = [files.part(held, g)[0] for g in groups if g is not None]
-            if all(path.exists() for path in needed):
+                needed = [g for g in (state.head_parts if head else ckpt.parts(held, grouped=True)) if g is not None]
+            gone = [g for g in needed if not files.part(held, g)[0].exists()]
+            found = [g for g in gone if moving.take(shard.relpath, held, g) is not None]
+            if len(found) == len(gone):
+                moved += bool(found)
                 continue
             files.checkpoint.unlink()
             self.lost.append(shard.relpath)
             if (shard, held) == state.head:
                 state.head_ckpt = None  # its parts wait for it to be done again
+        if moved:
+            self.moved[state.stem] = moved
+            state.moving = Moving(self.out, state.stem)
+        elif moving:  # every part moved from them is kept
+            moving.end()
 
 
-def _cut(out: Out, state: SplitAssembly, itemsize: int, grouped: bool) -> bool:
-    """Whether a file being assembled is shorter than the parts listed in it."""
-    return any(
-        not bin_tmp.exists()
-        or not idx_tmp.exists()
-        or bin_tmp.stat().st_size < state.offsets.get(g, (0, 0))[0] * itemsize
-        or idx_tmp.stat().st_size < state.offsets.get(g, (0, 0))[1] * IDX_DTYPE.itemsize
-        for g, (bin_tmp, idx_tmp) in state.files(out, grouped).items()
-    )
+def _listed(parts_tmp: Path) -> list[dict]:
+    """The records of a parts list, as far as they are whole (a line cut by a crash: its fsync never returned)."""
+    records = []
+    for line in parts_tmp.read_bytes().splitlines() if parts_tmp.exists() else []:
+        try:
+            records.append(orjson.loads(line))
+        except orjson.JSONDecodeError:
+            break
+    return records
+
+
+def _sums(records: list[dict], grouped: bool) -> dict[str | None, tuple[int, int]]:
+    """The tokens and documents `records` list in each file of the split (group, or None: the split's)."""
+    sums: dict[str | None, tuple[int, int]] = {}
+    for record in records:
+        group = record.get("group")
+        if grouped and group is None:  # a shard's accounting line: in no file
+            continue
+        tokens, documents = sums.get(group, (0, 0))
+        sums[group] = (tokens + record["tokens"], documents + record["documents"])
+    return sums
+
+
+def _files(out: Out, stem: str, records: list[dict], grouped: bool) -> dict[str | None, tuple[Path, Path]]:
+    """The split's files that hold the parts `records` list: its one file, or its groups'."""
+    return {group: out.assembly(stem, group)[:2] for group in _sums(records, grouped)} if records else {}
+
+
+def _short(out: Out, stem: str, records: list[dict], itemsize: int, grouped: bool) -> bool:
+    """Whether a file being assembled is shorter than the parts `records` list in it (cut since)."""
+    for group, (tokens, documents) in _sums(records, grouped).items():
+        bin_tmp, idx_tmp, _ = out.assembly(stem, group)
+        if not (bin_tmp.exists() and idx_tmp.exists()):
+            return True
+        if bin_tmp.stat().st_size < tokens * itemsize or idx_tmp.stat().st_size < documents * IDX_DTYPE.itemsize:
+            return True
+    return False
 
 
 def _prepare_files(out: Out, state: SplitAssembly, kept: bool, grouped: bool) -> None:

@@ -11,6 +11,7 @@ from tokpipe.errors import too_many_groups
 from tokpipe.inputs.manifest import Shard
 from tokpipe.out.files import Out
 from tokpipe.out.records import MAX_GROUPS, Checkpoint, Part
+from tokpipe.write.assembly.moving import Moving
 
 
 @dataclass
@@ -29,6 +30,10 @@ class SplitAssembly:
     offsets: dict[str | None, tuple[int, int]] = field(default_factory=dict)  # file (group) -> tokens, documents
     listed: int = 0  # parts in .parts.tmp (fsynced, in order)
     waiting: dict[int, tuple[Part, dict]] = field(default_factory=dict)  # seq -> parts placed before an earlier one
+    # Where shards were added before listed parts: the files those parts are moved from (moving.py), until every
+    # part taken from them is listed; and the last such part (its seq).
+    moving: Moving | None = None
+    moved_until: int = -1
 
     @classmethod
     def start(cls, stem: str, shards: Iterator[tuple[Shard, bool]]) -> SplitAssembly:
