@@ -7,6 +7,9 @@ import errno
 import hashlib
 import json
 import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -53,6 +56,31 @@ def test_a_crash_before_the_rename_leaves_the_old_file(tmp_path, monkeypatch):
     monkeypatch.undo()
     write_json_atomic(path, {"v": 3})
     assert json.loads(path.read_text()) == {"v": 3} and not (tmp_path / "meta.json.tmp").exists()
+
+
+def test_threads_that_replace_one_file_at_once_each_replace_it_whole(tmp_path, monkeypatch):
+    # A Placer's two calls at once, a shard's train and held-out parts, each then writing its checkpoint. The
+    # first writer waits in its fsync for the second to reach its own (at most 0.3 s: with one replace at a time
+    # it never does), so without that the two .tmp writes meet and the second rename finds no .tmp.
+    path, inside = tmp_path / "checkpoint.json", threading.Event()
+    real_fsync = os.fsync
+
+    def meeting_fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".tmp"):
+            if inside.is_set():
+                inside.clear()
+            else:
+                inside.set()
+                deadline = time.monotonic() + 0.3
+                while inside.is_set() and time.monotonic() < deadline:
+                    time.sleep(0.005)
+        real_fsync(fd)
+
+    monkeypatch.setattr(durability.os, "fsync", meeting_fsync)
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda v: write_json_atomic(path, {"v": v}), (1, 2)))
+    assert json.loads(path.read_text()) in ({"v": 1}, {"v": 2})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.json"]
 
 
 @pytest.mark.parametrize("start, end, buffer", [(0, 0, 8), (0, 100_000, 4096), (123, 99_999, 1000), (5, 6, 1)])

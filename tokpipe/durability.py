@@ -36,14 +36,21 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+_replacing = threading.Lock()  # one atomic replace at a time in a process: they share the path's .tmp name
+
+
 def write_atomic(path: Path, data: bytes) -> None:
-    """Replace `path` with `data`: a reader sees the old file or the whole new one, never a mix."""
+    """Replace `path` with `data`: a reader sees the old file or the whole new one, never a mix. Threads of one
+    process may replace the same path at once (a Placer places a shard's train and held-out parts in two calls
+    at once, each then writing the shard's checkpoint): one at a time, else one renames the .tmp the other wrote
+    and the other's rename finds none."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with _replacing:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
     fsync_dir(path.parent)
 
 
