@@ -5,11 +5,13 @@ output is documented with each command's module."""
 
 import errno
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
-from helpers import EXAMPLE_CACHE, assert_out_is, run_args, tokpipe
+from helpers import EXAMPLE_CACHE, QWEN3, assert_out_is, run_args, tokpipe
+from helpers import cli as in_process
 
 from tokpipe import cli
 from tokpipe._version import __version__
@@ -138,3 +140,85 @@ def test_out_naming_a_file_is_one_line_exit_2(tmp_path, capsys):
         ]:
             assert cli.main([command[0], str(out), *command[1:]]) == 2
             assert capsys.readouterr() == ("", f"tokpipe {command[0]}: error: {message}\n")
+
+
+# -- a damaged file of OUT: one line naming it and what to do, from every command that reads it ------------------
+
+CHECKPOINT = "shards/train/train__chunk1__example_train_0.json"  # the first train shard's
+CUT = "line 1 column 11 (char 10)"  # where each file's text ends, cut after its first 10 bytes
+RERUN = "rerun the run's command (tokpipe status {out} prints it)"
+DAMAGED = {  # each file of OUT cut short: what it is said to be, and what to do about it
+    "meta.json": f"JSONDecodeError: Expecting value: {CUT}): remove it and {RERUN}: it writes it again",
+    "meta.pkl": f"UnpicklingError: pickle data was truncated): remove it and meta.json, and {RERUN}: it writes both"
+    " again",
+    "run.json": f"JSONDecodeError: Expecting value: {CUT}): it records what OUT's tokens were made from; remove it and"
+    " rerun the command that made OUT with the same inputs (nothing can check them without it), or start over in a"
+    " new --out",
+    CHECKPOINT: f"JSONDecodeError: Expecting value: {CUT}): remove it and {RERUN}: the shard is tokenized again",
+    "train.parts": f"JSONDecodeError: unexpected end of data: {CUT}): remove {{out}}/meta.json and {RERUN}: it lists"
+    " the split's parts again",
+}
+# What each command makes of a finished OUT with that file damaged: 2, refused with the file's line; a check's
+# name, verify fails it with that line; 0, nothing said, since the command does not read the file.
+READS = {
+    "meta.json": {"status": 2, "report": 2, "inspect": 0, "verify": "meta.json readable", "export": 0, "run": 2},
+    "meta.pkl": {"status": 0, "report": 2, "inspect": 2, "verify": "meta.pkl readable", "export": 2, "run": 0},
+    "run.json": {"status": 2, "report": 2, "inspect": 2, "verify": 0, "export": 0, "run": 2},
+    CHECKPOINT: {"status": 2, "report": 2, "inspect": 0, "verify": 0, "export": 0, "run": 0},
+    "train.parts": {"status": 0, "report": 2, "inspect": 0, "verify": "train: parts list", "export": 0, "run": 0},
+}
+
+
+def cut(path):
+    """The file as damaged storage leaves it: its first 10 bytes."""
+    path.write_bytes(path.read_bytes()[:10])
+
+
+def command(name: str, out, tmp_path, tokenizer) -> list:
+    return {
+        "status": ["status", out],
+        "report": ["report", out, "-o", tmp_path / "report.html"],
+        "inspect": ["inspect", out, "-n", "1", "--seed", "1"],
+        "verify": ["verify", out],
+        "export": ["export", out, "--format", "megatron", "--dest", tmp_path / "megatron"],
+        "run": run_args(out / "manifest.json", out, tokenizer=tokenizer),
+    }[name]
+
+
+@pytest.mark.parametrize("damaged", list(DAMAGED))
+def test_every_command_that_reads_a_damaged_file_of_out_says_so_in_one_line(
+    damaged, finished_small, small_tokenizer, tmp_path
+):
+    """A file of a finished OUT cut short, as no crash leaves one (each is written whole): every command that
+    reads it names it and says what to do in one line, exit 2, having written nothing; verify fails the check
+    that reads it; a command that does not read it goes on. (Each 2 was a JSONDecodeError traceback, or for
+    meta.pkl a line with no fix.)"""
+    for name, outcome in READS[damaged].items():
+        out, here = tmp_path / name / "out", tmp_path / name
+        shutil.copytree(finished_small, out)
+        cut(out / damaged)
+        result = in_process(*command(name, out, here, small_tokenizer))
+        line = f"{out}/{damaged} is damaged ({DAMAGED[damaged].format(out=out)}"
+        if outcome == 2:
+            assert (name, result.returncode, result.stderr) == (name, 2, f"tokpipe {name}: error: {line}\n")
+            assert not (here / "report.html").exists() and not (here / "megatron").exists()
+        elif outcome == "train: parts list":  # verify hashes the list before it reads a line of it
+            failed = f"FAIL  train: parts list sha256 matches meta  ({out}/train.parts changed since finalize)"
+            assert result.returncode == 1 and failed in result.stdout.splitlines()
+        elif outcome:
+            assert (result.returncode, result.stdout) == (1, f"FAIL  {outcome}  ({line})\n1 of 1 checks FAILED\n")
+        else:
+            assert (name, result.returncode, result.stderr) == (name, 0, "")
+
+
+@pytest.mark.parametrize("name", ["status", "report", "inspect", "run"])
+def test_a_damaged_checkpoint_of_an_unfinished_run_stops_every_command_that_reads_it(name, killed_example, tmp_path):
+    """The run too, before it tokenizes anything: it would build on the storage that lost the checkpoint, which
+    holds the tokens it covers. Removing it, as the line says, has the shard tokenized again."""
+    out = tmp_path / "out"
+    shutil.copytree(killed_example, out)
+    cut(out / CHECKPOINT)
+    result = in_process(*command(name, out, tmp_path, QWEN3))
+    line = f"{out}/{CHECKPOINT} is damaged ({DAMAGED[CHECKPOINT].format(out=out)}"
+    assert (result.returncode, result.stderr) == (2, f"tokpipe {name}: error: {line}\n")
+    assert not (tmp_path / "report.html").exists()

@@ -16,8 +16,8 @@ from helpers import EXAMPLE_CACHE, run_args, tokpipe
 
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import build_manifest
-from tokpipe.out.files import Out, ShardFiles, load_meta_pkl, lock_holder, split_file_stem
-from tokpipe.out.records import Checkpoint, parts_line, parts_of, read_parts, split_entry
+from tokpipe.out.files import PROGRESS, Out, ShardFiles, load_meta_pkl, lock_holder, split_file_stem
+from tokpipe.out.records import Checkpoint, listed_parts, parts_line, parts_of, read_parts, split_entry
 from tokpipe.out.run import output_splits, sources
 
 MANIFEST = build_manifest(EXAMPLE_CACHE)
@@ -89,6 +89,52 @@ def test_a_parts_list_gives_each_part_its_offsets_and_meta_its_sums(tmp_path):
     }
 
 
+def test_each_loader_refuses_its_file_damaged_in_one_line_naming_it_and_what_to_do(small_out):
+    """tokpipe/out/ reads each file of OUT in one place, and refuses it there, damaged, with a UserError that names
+    it, what is wrong and what to do: a checkpoint, a parts list (cut at a line's end too, which parses: its
+    sha256 is meta's no more), one being assembled (a line garbled before its last), a log."""
+    out, rerun = Out(small_out), f"rerun the run's command (tokpipe status {small_out} prints it)"
+    checkpoint = ShardFiles.of(small_out, TRAIN_0).checkpoint
+    checkpoint.write_bytes(b'{"lines": 3, "done": tru')
+    with pytest.raises(UserError) as refused:
+        Checkpoint.load(checkpoint)
+    assert str(refused.value) == (
+        f"{checkpoint} is damaged (JSONDecodeError: Expecting value: line 1 column 22 (char 21)): remove it and"
+        f" {rerun}: the shard is tokenized again"
+    )
+    checkpoint.write_text('{"lines": 3, "bytes": 7}')  # a field no checkpoint has
+    with pytest.raises(UserError, match=r"is damaged \(TypeError: .*'bytes'\): remove it and rerun"):
+        Checkpoint.load(checkpoint)
+
+    parts = small_out / "train.parts"
+    sha256 = json.loads((small_out / "meta.json").read_text())["splits"]["train"]["parts_sha256"]
+    parts.write_bytes(parts.read_bytes().splitlines(keepends=True)[0])
+    relist = f"remove {small_out}/meta.json and {rerun}: it lists the split's parts again"
+    with pytest.raises(UserError) as refused:
+        list(read_parts(parts, sha256))
+    assert str(refused.value) == f"{parts} is damaged (ValueError: its sha256 is not the one meta records): {relist}"
+
+    assembled = out.assembly("val")[2]
+    assembled.write_bytes(parts_line({"shard": "a", "tokens": 1, "documents": 1}) + b"{garbled\n" + b'{"shard": "c"')
+    with pytest.raises(UserError) as refused:
+        listed_parts(out, "val")
+    assert str(refused.value) == (
+        f"{assembled} is damaged (JSONDecodeError: unexpected character, expected a string key: line 1 column 2"
+        f" (char 1)): {rerun}: it keeps the parts listed before the damaged line and places the others again"
+    )
+    assembled.write_bytes(parts_line({"shard": "a", "tokens": 1, "documents": 1}) + b'{"shard": "c"')  # cut by a crash
+    assert [p.name for p in listed_parts(out, "val")] == ["a"]
+
+    out.log(PROGRESS).parent.mkdir(exist_ok=True)
+    out.log(PROGRESS).write_text("[1, 2]")
+    with pytest.raises(UserError) as refused:
+        out.load_log(PROGRESS)
+    assert str(refused.value) == (
+        f"{out.log(PROGRESS)} is damaged (ValueError: a JSON list, not an object): a log, not the run's state: the"
+        " next run writes it anew"
+    )
+
+
 class Evil:
     def __reduce__(self):
         return (os.system, ("echo pwned",))
@@ -98,10 +144,10 @@ def test_meta_pkl_is_read_without_executing_anything(tmp_path):
     (tmp_path / "meta.pkl").write_bytes(pickle.dumps({"dtype": "uint32", "splits": {"train": {"tokens": 1}}}))
     assert load_meta_pkl(tmp_path / "meta.pkl") == {"dtype": "uint32", "splits": {"train": {"tokens": 1}}}
     (tmp_path / "meta.pkl").write_bytes(pickle.dumps({"dtype": Evil()}))
-    with pytest.raises(pickle.UnpicklingError, match="refers to posix.system; a tokpipe meta holds only plain values"):
+    with pytest.raises(UserError, match="refers to posix.system; a tokpipe meta holds only plain values"):
         load_meta_pkl(tmp_path / "meta.pkl")
     (tmp_path / "meta.pkl").write_bytes(pickle.dumps([1, 2]))
-    with pytest.raises(pickle.UnpicklingError, match="meta.pkl holds a list, not a dict"):
+    with pytest.raises(UserError, match="meta.pkl holds a list, not a dict"):
         load_meta_pkl(tmp_path / "meta.pkl")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -259,3 +260,18 @@ def test_report_shows_each_groups_tokens_documents_and_bytes_per_token(finished_
     assert [(g.split, g.group, g.tokens, g.documents, round(g.bytes_per_token, 6)) for g in r.groups] == expected
     page = render(r)
     assert "<h2>Groups (<code>--group-by meta.redpajama_set_name</code>)</h2>" in page
+
+
+def test_a_damaged_log_is_a_note_of_the_page_and_the_rest_is_drawn(killed_example, tmp_path):
+    """A log is not the run's state: the page says a damaged progress.json (a JSONDecodeError traceback before)
+    among its notes, as status's warning, and draws the rest."""
+    out = tmp_path / "out"
+    shutil.copytree(killed_example, out)
+    (out / "logs").mkdir()
+    (out / "logs" / "progress.json").write_text('{"pid": 4242, "updated_at": 17')
+    result = cli("report", out)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert page_data((out / "report.html").read_text())["notes"] == [
+        f"{out}/logs/progress.json is damaged (JSONDecodeError: Expecting ',' delimiter: line 1 column 31 (char 30)):"
+        " a log, not the run's state: the next run writes it anew"
+    ]

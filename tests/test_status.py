@@ -174,3 +174,21 @@ def test_a_run_refused_before_its_first_token_is_said_with_what_to_change(tmp_pa
         f"what the refusal above says, then: tokpipe run --manifest {out}/manifest.json --tokenizer "
         f"{QWEN3}/tokenizer.json --out {out} --workers 2 (with other inputs: OUT holds no token yet)"
     )
+
+
+def test_a_damaged_log_is_said_in_a_warning_and_status_goes_on(killed):
+    """logs/ is not the run's state: a damaged progress.json or failed.json (a JSONDecodeError traceback before) is
+    said in a warning naming it, and the rest of what status says stands; the next run writes them anew."""
+    (killed / "logs").mkdir()
+    (killed / "logs" / "failed.json").write_text('{"train/chunk1/example_train_1.jsonl.zst": "SourceEr')
+    (killed / "logs" / "progress.json").write_text('{"pid": 4242, "updated_at": 17')
+    result = cli("status", killed)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout.splitlines()[1] == "shards: 1 done, 1 partial, 1 pending, 0 failed (of 3)"
+    assert result.stdout.splitlines()[-3:-1] == [
+        f"warning: {killed}/logs/failed.json is damaged (JSONDecodeError: Unterminated string starting at: line 1"
+        " column 44 (char 43)): a log, not the run's state: the next run writes it anew",
+        f"warning: {killed}/logs/progress.json is damaged (JSONDecodeError: Expecting ',' delimiter: line 1 column 31"
+        " (char 30)): a log, not the run's state: the next run writes it anew",
+    ]
+    assert result.stdout.splitlines()[-1].startswith(f"next: tokpipe run --manifest {killed}/manifest.json ")

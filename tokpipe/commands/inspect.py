@@ -23,7 +23,7 @@ from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import load_manifest
 from tokpipe.inputs.tokenizer import encoder, load_tokenizer_info
 from tokpipe.out.files import Out, out_folder, split_file_stem
-from tokpipe.out.records import IDX_DTYPE, Checkpoint, is_held_part, parts_of
+from tokpipe.out.records import IDX_DTYPE, Checkpoint, is_held_part, listed_parts
 from tokpipe.out.run import delimiters, load_run, output_splits, sources
 from tokpipe.read.output import TokenFile, open_output
 from tokpipe.read.verify import Check
@@ -159,13 +159,8 @@ def open_source(out: str | os.PathLike, split: str) -> Source:
 
 def _placed(out: Path, stem: str, dtype: np.dtype) -> dict[tuple[str, bool, str | None], TokenFile]:
     """The parts of a split being assembled that are in its file already (listed in <stem>.parts.tmp)."""
-    parts_tmp = Out(out).assembly(stem)[2]
-    if not parts_tmp.is_file():
-        return {}
-    raw = parts_tmp.read_bytes()
-    whole = raw[: raw.rfind(b"\n") + 1]  # a line a crash cut short was never fsynced: not placed
     placed = {}
-    for part in parts_of(stem, whole):
+    for part in listed_parts(Out(out), stem):
         bin_tmp, idx_tmp, _ = Out(out).assembly(stem, part.group)
         if not part.tokens or not bin_tmp.is_file():
             continue

@@ -6,7 +6,9 @@ committed), OUT/.lock (flock-ed by a live run; the kernel drops it when the run 
 dies), OUT/logs/progress.json (rate and ETA, rewritten every 2 s while shards run),
 OUT/logs/failed.json (the last run's failures), OUT/logs/refused.json (a run refused before OUT
 held a token: the command that works is then the corrected one), OUT/run.json (the tokenizer and
-options to resume with) and OUT/meta.json (written last: the run finished).
+options to resume with) and OUT/meta.json (written last: the run finished). A damaged file of the run's state
+stops it with the loader's one line (tokpipe/out/); a damaged log is said in a warning, and status goes on
+without it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from tokpipe.errors import UserError
 from tokpipe.fmt import disk_line, duration, free_bytes
 from tokpipe.inputs.manifest import load_manifest
-from tokpipe.out.files import FAILED, PROGRESS, REFUSED, RUN_LOG, Out, load_json, lock_holder, out_folder
+from tokpipe.out.files import FAILED, PROGRESS, REFUSED, RUN_LOG, Out, lock_holder, out_folder
 from tokpipe.out.records import Checkpoint
 from tokpipe.out.run import load_run
 
@@ -56,6 +58,7 @@ class RunStatus:
     # --group-by: split -> group -> [tokens, documents] committed (held-out documents under validation)
     groups: dict[str, dict[str, list[int]]] = field(default_factory=dict)
     refused: str | None = None  # why the last run stopped before OUT held a token
+    warnings: list[str] = field(default_factory=list)  # the logs found damaged, passed over
 
     def count(self, state: str, split: str | None = None) -> int:
         return sum(1 for s in self.shards if s.state == state and split in (None, s.split))
@@ -96,9 +99,10 @@ def status(out: str | os.PathLike) -> RunStatus:
     run = load_run(folder)
     meta = folder.load_meta_json()
     holder = lock_holder(folder.lock_file)
+    warnings: list[str] = []
     # failed.json is the last finished attempt's verdict; a live run is retrying those shards.
-    failures = {} if holder else load_json(folder.log(FAILED)) or {}
-    refused = None if holder else load_json(folder.log(REFUSED))
+    failures = {} if holder else _log(folder, FAILED, warnings) or {}
+    refused = None if holder else _log(folder, REFUSED, warnings)
 
     shards, groups = [], {}
     for shard in manifest.shards():
@@ -126,7 +130,7 @@ def status(out: str | os.PathLike) -> RunStatus:
                 committed[0] += c["tokens"]
                 committed[1] += c["documents"]
 
-    progress = load_json(folder.log(PROGRESS))
+    progress = _log(folder, PROGRESS, warnings)
     age = time.time() - progress["updated_at"] if progress else None
     live = (
         holder is not None
@@ -153,7 +157,18 @@ def status(out: str | os.PathLike) -> RunStatus:
         disk = {**disk, "free_bytes": free_bytes(out)}
     groups = {split: dict(sorted(g.items())) for split, g in groups.items()}
     why = refused and refused["error"]
-    return RunStatus(out, state, shards, holder, progress if live else None, age, next_step, disk, groups, why)
+    live_progress = progress if live else None
+    return RunStatus(out, state, shards, holder, live_progress, age, next_step, disk, groups, why, warnings)
+
+
+def _log(folder: Out, name: str, warnings: list[str]) -> dict | None:
+    """A log of OUT's, None where there is none; where it is damaged, also None, said in `warnings`: a log is
+    not the run's state, so status goes on without it."""
+    try:
+        return folder.load_log(name)
+    except UserError as e:
+        warnings.append(str(e))
+        return None
 
 
 def _mib(n: int) -> str:
@@ -227,6 +242,7 @@ def report(st: RunStatus) -> str:
             lines.append(f"  … and {len(listed) - LIST_AT_MOST} more {state}")
     if st.disk:
         lines.append(disk_line(st.disk))
+    lines += [f"warning: {w}" for w in st.warnings]
     lines.append(f"next: {st.next}")
     return "\n".join(lines)
 

@@ -1,5 +1,7 @@
 """OUT as one type: every name of its files (package docstring: the tree) and every change of its state
-(the lock, the finished marker, the split files' .tmp names and parts lists, the shards' token files)."""
+(the lock, the finished marker, the split files' .tmp names and parts lists, the shards' token files); and the
+loaders of its JSON records and meta.pkl, each the one place its file is read, each refusing a damaged file in
+one line that names it and what to do (`damaged`)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import json
 import os
 import pickle
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -199,7 +202,13 @@ class Out:
         write_json_atomic(self.meta_json, meta)
 
     def load_meta_json(self) -> dict | None:
-        return load_json(self.meta_json)
+        """meta.json, None before the run finished."""
+        return load_json(self.meta_json, f"remove it and {rerun(self.root)}: it writes it again")
+
+    def load_log(self, name: str) -> dict | None:
+        """A JSON file of OUT/logs/ (progress.json, failed.json, refused.json), None where there is none. Damaged,
+        it is refused as the others are; the readers that can go on without it (status, report) say so and go on."""
+        return load_json(self.log(name), "a log, not the run's state: the next run writes it anew")
 
     def write_log(self, name: str, data: dict) -> None:
         self.log(name).parent.mkdir(exist_ok=True)
@@ -291,11 +300,29 @@ def stall_dump(out: str | os.PathLike, shard: Shard) -> Path:
     return Out(out).log(f"stall-{shard.split}-{shard.key}.txt")
 
 
-def load_json(path: Path) -> dict | None:
+def rerun(out: str | os.PathLike) -> str:
+    """The way a message sends the user to the run's command: `tokpipe status` prints it."""
+    return f"rerun the run's command (tokpipe status {shlex.quote(os.fspath(out))} prints it)"
+
+
+def damaged(path: Path, error: Exception, fix: str) -> UserError:
+    """The one refusal of a file of OUT that does not read back as tokpipe wrote it. Each is written whole (a
+    temporary file, fsynced, renamed) or appended and fsynced, so no crash leaves one unreadable: the storage (or
+    a hand) damaged it, and nothing is built on it; `fix` says what to do instead."""
+    return UserError(f"{path} is damaged ({type(error).__name__}: {error}): {fix}")
+
+
+def load_json(path: Path, fix: str) -> dict | None:
+    """A JSON object of OUT, None where the file is absent; `fix`: what to do if it is damaged."""
     try:
-        return json.loads(path.read_text())
+        found = json.loads(path.read_bytes())
     except FileNotFoundError:
         return None
+    except ValueError as e:  # not JSON, cut short, not UTF-8
+        raise damaged(path, e, fix) from None
+    if not isinstance(found, dict):
+        raise damaged(path, ValueError(f"a JSON {type(found).__name__}, not an object"), fix)
+    return found
 
 
 def lock_holder(lock: Path) -> str | None:
@@ -323,11 +350,17 @@ class _PlainUnpickler(pickle.Unpickler):
 
 
 def load_meta_pkl(path: str | os.PathLike) -> dict:
-    """meta.pkl without executing anything it may contain: plain containers and scalars only."""
+    """meta.pkl without executing anything it may contain: plain containers and scalars only. FileNotFoundError
+    before the run finished; a file cut short, garbled or hostile is `damaged`."""
+    path = Path(path)
     with open(path, "rb") as f:
-        meta = _PlainUnpickler(io.BytesIO(f.read())).load()
-    if not isinstance(meta, dict):
-        raise pickle.UnpicklingError(f"meta.pkl holds a {type(meta).__name__}, not a dict")
+        raw = f.read()
+    try:
+        meta = _PlainUnpickler(io.BytesIO(raw)).load()
+        if not isinstance(meta, dict):
+            raise pickle.UnpicklingError(f"meta.pkl holds a {type(meta).__name__}, not a dict")
+    except Exception as e:  # whatever a garbled pickle raises (EOFError, UnpicklingError, ValueError, ...)
+        raise damaged(path, e, f"remove it and meta.json, and {rerun(path.parent)}: it writes both again") from None
     return meta
 
 

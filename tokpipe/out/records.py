@@ -4,7 +4,6 @@ split and the files a finished split is read from."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections import Counter
 from collections.abc import Iterator
@@ -15,7 +14,7 @@ import numpy as np
 import orjson
 
 from tokpipe.inputs.manifest import Shard
-from tokpipe.out.files import Out, ShardFiles, split_bin_name
+from tokpipe.out.files import Out, ShardFiles, damaged, load_json, rerun, split_bin_name
 
 IDX_DTYPE = np.dtype("<i8")  # document ends, cumulative token counts
 
@@ -58,10 +57,14 @@ class Checkpoint:
 
     @classmethod
     def load(cls, path: Path) -> Checkpoint | None:
+        """The checkpoint at `path` (OUT/shards/<split>/<key>.json), None where the shard has none. A damaged
+        one is refused, by the run too: the shard's tokens it covers are on the same storage."""
+        fix = f"remove it and {rerun(path.parents[2])}: the shard is tokenized again"
+        found = load_json(path, fix)
         try:
-            return cls(**json.loads(path.read_text()))
-        except FileNotFoundError:
-            return None
+            return None if found is None else cls(**found)
+        except TypeError as e:  # fields no checkpoint has
+            raise damaged(path, e, fix) from None
 
     @classmethod
     def of(cls, out: str | os.PathLike, shard: Shard) -> Checkpoint | None:
@@ -171,10 +174,35 @@ def parts_line(record: dict) -> bytes:
     return orjson.dumps(record) + b"\n"
 
 
-def read_parts(path: Path) -> Iterator[dict]:
+def read_parts(path: Path, sha256: str | None = None) -> Iterator[dict]:
+    """The records of a split's parts list, a line at a time; `sha256`: meta's, for a finished split's, checked
+    once it is read (a list cut at a line's end parses). Damaged, it is refused: a rerun lists the parts again."""
+    fix = f"remove {Out(path.parent).meta_json} and {rerun(path.parent)}: it lists the split's parts again"
+    hasher = hashlib.sha256()
     with open(path, "rb") as f:
         for line in f:
-            yield orjson.loads(line)
+            hasher.update(line)
+            try:
+                yield orjson.loads(line)
+            except orjson.JSONDecodeError as e:
+                raise damaged(path, e, fix) from None
+    if sha256 is not None and hasher.hexdigest() != sha256:
+        raise damaged(path, ValueError("its sha256 is not the one meta records"), fix)
+
+
+def listed_parts(out: Out, stem: str) -> list[Part]:
+    """The parts listed so far in a split's parts list being assembled (none before it is begun), whole lines
+    only: a line a crash cut short was never fsynced, so its part is not placed."""
+    path = out.assembly(stem)[2]
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    try:
+        return parts_of(stem, raw[: raw.rfind(b"\n") + 1])
+    except orjson.JSONDecodeError as e:
+        fix = f"{rerun(out.root)}: it keeps the parts listed before the damaged line and places the others again"
+        raise damaged(path, e, fix) from None
 
 
 def parts_of(stem: str, raw: bytes) -> list[Part]:

@@ -30,8 +30,13 @@ class OutputSpec:
 
 
 def load_run(out: Out) -> dict:
-    """run.json, or {} before a run recorded one."""
-    return load_json(out.run_json) or {}
+    """run.json, or {} before a run recorded one. Damaged, it is refused: it alone says what OUT's tokens were
+    made from, so a run could no longer refuse other inputs there."""
+    fix = (
+        "it records what OUT's tokens were made from; remove it and rerun the command that made OUT with the same"
+        " inputs (nothing can check them without it), or start over in a new --out"
+    )
+    return load_json(out.run_json, fix) or {}
 
 
 def output_splits(manifest: Manifest, val_fraction: float) -> list[str]:

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from tokpipe.durability import HASH_CHUNK, ShortRead, read_range
+from tokpipe.errors import UserError
 from tokpipe.out.files import Out, load_meta_pkl, out_folder
 from tokpipe.out.records import IDX_DTYPE, Part, parts_of, split_files
 from tokpipe.out.run import delimiters
@@ -156,22 +157,22 @@ def verify(out: str | os.PathLike, jobs: int | None = None) -> list[Check]:
         checks.append(Check(name, bool(ok), detail))
         return bool(ok)
 
+    unfinished = f"the run has not finished (tokpipe status {out})"
     try:
         meta = load_meta_pkl(Out(out).meta_pkl)
     except FileNotFoundError:
-        check(
-            "meta.pkl present",
-            False,
-            f"{Out(out).meta_pkl} is missing: the run has not finished (tokpipe status {out})",
-        )
+        check("meta.pkl present", False, f"{Out(out).meta_pkl} is missing: {unfinished}")
         return checks
-    except Exception as e:
-        check("meta.pkl readable", False, f"{type(e).__name__}: {e}")
+    except UserError as e:  # damaged, or hostile: the restricted unpickler refused it
+        check("meta.pkl readable", False, str(e))
         return checks
     try:
-        meta_json = json.loads(Out(out).meta_json.read_text())
-    except (FileNotFoundError, ValueError) as e:
-        check("meta.json present", False, f"{type(e).__name__}: {e}")
+        meta_json = Out(out).load_meta_json()
+    except UserError as e:
+        check("meta.json readable", False, str(e))
+        return checks
+    if meta_json is None:  # written last: a run killed between the two metas
+        check("meta.json present", False, f"{Out(out).meta_json} is missing: {unfinished}")
         return checks
     if not check("meta.pkl == meta.json", meta == meta_json, "" if meta == meta_json else "the two metas differ"):
         return checks

@@ -7,7 +7,6 @@ after a refusal) starts it over.
 
 from __future__ import annotations
 
-import json
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -18,7 +17,7 @@ from tokpipe.inputs.manifest import Manifest, load_manifest
 from tokpipe.inputs.tokenizer import TokenizerInfo
 from tokpipe.options import RunOptions
 from tokpipe.out.files import REFUSED, Out
-from tokpipe.out.run import IDENTITY_DEFAULTS, LAST_RUN_KEYS, RUN_FORMAT
+from tokpipe.out.run import IDENTITY_DEFAULTS, LAST_RUN_KEYS, RUN_FORMAT, load_run
 from tokpipe.runner.events import Listener, Said, silent
 from tokpipe.write.shard import EncodeSpec
 
@@ -96,28 +95,38 @@ def refusals_noted(out: Path):
 def record_run(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOptions, tell: Listener = silent) -> None:
     """Refuse an OUT that holds a run with other inputs (a manifest that only gained shards is an
     append; an OUT with no token yet is started over); then (re)write run.json for this run."""
-    path = Out(out).run_json
     identity = run_identity(manifest, info, opts)
-    if path.exists():
-        previous = {
-            **IDENTITY_DEFAULTS,
-            **{k: v for k, v in json.loads(path.read_text()).items() if k not in LAST_RUN_KEYS},
-        }
-        differs = [k for k in sorted(set(identity) | set(previous)) if identity.get(k) != previous.get(k)]
-        what = "; ".join(f"{k}: was {previous.get(k)!r}, now {identity.get(k)!r}" for k in differs)
-        if differs and not Out(out).holds_tokens():
+    changed = identity_changes(out, identity)
+    if changed:
+        what = _said(changed)
+        if not Out(out).holds_tokens():
             Out(out).start_over()
             tell(Said(f"{out} holds no token yet: starting it over with these inputs ({what})"))
-        elif differs == ["manifest_sha256"] and Out(out).manifest.exists():
+        elif list(changed) == ["manifest_sha256"] and Out(out).manifest.exists():
             _check_append(out, load_manifest(Out(out).manifest), manifest, tell)
-        elif differs:
+        else:
             raise UserError(
                 f"{out} holds a run with other inputs ({what}); use a new --out, or the original inputs to resume"
             )
     Out(out).log(REFUSED).unlink(missing_ok=True)
     defaults = asdict(RunOptions())
     options = {k: v for k, v in asdict(opts).items() if v != defaults[k]}
-    write_json_atomic(path, {**identity, "tokenizer_path": info.path, "options": options})
+    write_json_atomic(Out(out).run_json, {**identity, "tokenizer_path": info.path, "options": options})
+
+
+def identity_changes(out: Path, identity: dict) -> dict[str, tuple] | None:
+    """What differs between a run's identity and the one OUT's run.json records: key -> (was, now), in key
+    order; None where OUT records none."""
+    recorded = load_run(Out(out))
+    if not recorded:
+        return None
+    previous = {**IDENTITY_DEFAULTS, **{k: v for k, v in recorded.items() if k not in LAST_RUN_KEYS}}
+    keys = sorted(set(identity) | set(previous))
+    return {k: (previous.get(k), identity.get(k)) for k in keys if identity.get(k) != previous.get(k)}
+
+
+def _said(changed: dict[str, tuple]) -> str:
+    return "; ".join(f"{k}: was {was!r}, now {now!r}" for k, (was, now) in changed.items())
 
 
 def _check_append(out: Path, old_manifest: Manifest, manifest: Manifest, tell: Listener) -> None:

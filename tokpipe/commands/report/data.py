@@ -10,7 +10,6 @@ and OUT/logs/series.jsonl (throughput over time, `tokpipe.out.series`).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections import Counter
@@ -25,7 +24,7 @@ from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import load_manifest
 from tokpipe.out.files import Out, out_folder, split_bin_name, split_file_stem
 from tokpipe.out.records import Checkpoint, read_parts
-from tokpipe.out.run import output_splits, sources
+from tokpipe.out.run import load_run, output_splits, sources
 from tokpipe.out.series import read_series
 
 LENGTH_SAMPLE = 1 << 20  # documents whose lengths are read per split: all of a smaller split, else evenly spread blocks
@@ -276,7 +275,7 @@ def _shards(out: Path, st: RunStatus, meta: dict | None, manifest) -> Shards:
     parts = {}
     if meta is not None:  # a finished split's accounting is its .parts lines
         for s in meta["splits"].values():
-            for r in read_parts(out / s["parts"]):
+            for r in read_parts(out / s["parts"], s["parts_sha256"]):
                 mine = parts.setdefault(r["shard"], {"tokens": 0, "documents": 0, "lines": 0, "skipped": {}})
                 mine["tokens"] += r["tokens"]
                 mine["documents"] += r["documents"]
@@ -367,14 +366,13 @@ def build(out: str | os.PathLike, tokenizer: str | None = None) -> Report:
     out = out_folder(out)
     st = status(out)  # UserError for a folder without a run
     meta = Out(out).load_meta_json() if st.state == "finished" else None
-    try:
-        run = json.loads(Out(out).run_json.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{out} has a manifest but no run.json: tokpipe run has not started there yet") from None
+    run = load_run(Out(out))
+    if not run:
+        raise UserError(f"{out} has a manifest but no run.json: tokpipe run has not started there yet")
     manifest = load_manifest(Out(out).manifest)
     summary = _summary(meta, run)
     splits = _split_stats(out, meta, manifest, summary["val_fraction"])
-    notes = []
+    notes = list(st.warnings)  # the logs status found damaged
     lengths, health = [], []
     for s in splits:
         if (found := _lengths(out, s.name)) is not None:
