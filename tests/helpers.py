@@ -34,6 +34,7 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import pytest
 import zstandard
 from tokenizers import Tokenizer
 
@@ -295,6 +296,25 @@ def grouped_copy_of_example(dest: Path) -> Path:
             lines.append(json.dumps(obj))
         write_jsonl(dest / link.relative_to(EXAMPLE_SNAPSHOT), lines, "zstd")
     return dest
+
+
+@contextlib.contextmanager
+def bind_mount(source: Path, target: Path, read_only: bool = False):
+    """`source` seen at `target` too, through a real bind mount (`read_only`: remounted read-only), unmounted
+    after; the test is skipped where this machine refuses to mount (not root, no CAP_SYS_ADMIN, a sandbox)."""
+    target.mkdir()
+    steps = [["mount", "--bind", source, target]] + [["mount", "-o", "remount,bind,ro", target]] * read_only
+    mounted = False
+    try:
+        for step in steps:
+            done = subprocess.run(list(map(str, step)), capture_output=True, text=True)
+            if done.returncode:
+                pytest.skip(f"this machine refuses `{' '.join(map(str, step))}`: {done.stderr.strip()}")
+            mounted = True
+        yield target
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(target)], check=True)
 
 
 # -- tokpipe as a user runs it -----------------------------------------------------------------------

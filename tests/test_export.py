@@ -4,6 +4,7 @@ formats (not tokpipe's writer), as exactly the tokpipe bins, document boundaries
 llm.c's shards can hold the documents in a seeded order, each once and whole, in bounded memory."""
 
 import errno
+import json
 import os
 import shutil
 import struct
@@ -12,13 +13,14 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from helpers import cli
+from helpers import bind_mount, build_out, cli, failed_checks, write_jsonl
 
 from tokpipe import durability
 from tokpipe.commands import export as export_module
 from tokpipe.commands.export import export
 from tokpipe.data import Permutation
 from tokpipe.errors import UserError
+from tokpipe.options import RunOptions
 from tokpipe.out.files import load_meta_pkl
 
 # Megatron-LM megatron/core/datasets/indexed_dataset.py, _IndexReader: its DType codes.
@@ -359,3 +361,50 @@ def test_shuffle_is_for_llmc(finished_small, tmp_path):
         "tokpipe export: error: --shuffle is for --format llmc: Megatron-LM shuffles its samples itself "
         "(its shuffle index)"
     )
+
+
+# -- never into OUT, by whichever path it is reached ----------------------------------------------------------
+
+
+def test_force_through_a_bind_mount_of_out_is_refused_and_out_stays_whole(out, tmp_path):
+    """OUT mounted at a second path (a container's volume, `mount --bind`): the same folder, which a path compares
+    as another. Megatron's .idx through it replaced OUT's own (verify then failed); refused, by identity."""
+    before = sorted(p.name for p in out.iterdir())
+    with bind_mount(out, tmp_path / "mnt") as other:
+        for fmt in ("megatron", "llmc"):
+            result = cli("export", out, "--format", fmt, "--dest", other, "--force")
+            assert (result.returncode, result.stderr) == (
+                2,
+                f"tokpipe export: error: --dest {other} is OUT itself: the export's files would mix with OUT's"
+                " (Megatron's .idx would replace OUT's); choose another folder\n",
+            )
+    assert failed_checks(out) == [] and sorted(p.name for p in out.iterdir()) == before
+
+
+def test_force_through_a_symlink_to_a_folder_of_out_is_refused_before_it_touches_a_file_of_out(
+    tmp_path, small_tokenizer
+):
+    """A folder of OUT at another path, where no mount is possible: a symlink to a split's folder of group files
+    (--group-by). A group named as an llm.c shard, val_000000, has OUT/train/val_000000.bin, which an llm.c
+    export with --force there removed as a stale shard of an earlier export; compared by identity, it is OUT's.
+    A folder named inside OUT by its own path is the user's: its files are the export's."""
+    lines = [json.dumps({"text": f"document {i}", "source": "val_000000"}) for i in range(20)]
+    write_jsonl(tmp_path / "data" / "train" / "a.jsonl", lines)
+    options = RunOptions(group_by="source")
+    out = build_out(tmp_path / "out", small_tokenizer, "hf", options, dataset=tmp_path / "data")
+    link = tmp_path / "link"
+    link.symlink_to(out / "train")
+    result = cli("export", out, "--format", "llmc", "--dest", link, "--force")
+    assert (result.returncode, result.stderr) == (
+        2,
+        f"tokpipe export: error: --dest {link}: the export would replace or remove {link}/val_000000.bin, which is"
+        f" {out}/train/val_000000.bin of OUT reached through another path (a bind mount, a symlink); choose a"
+        " folder outside OUT\n",
+    )
+    assert failed_checks(out) == [] and sorted(p.name for p in (out / "train").iterdir()) == [
+        "val_000000.bin",
+        "val_000000.idx",
+    ]
+    # A folder named inside OUT by its path is the user's, not one of OUT's: exported into, and again with --force.
+    export(out, "llmc", out / "llmc")
+    assert [e.path.name for e in export(out, "llmc", out / "llmc", force=True)] == ["train_000000.bin"]

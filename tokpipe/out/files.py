@@ -14,6 +14,7 @@ import os
 import pickle
 import re
 import shlex
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,6 +138,15 @@ class Out:
         """The token a cluster run's driver writes for its nodes to read back (runner/nodes.py); with
         `who` (a node, a worker), the file it writes, fsyncs and removes to prove it can write under OUT."""
         return self.log("node-check.txt" if who is None else f"node-check-{who}.tmp")
+
+    def folders(self, stems: list[str]) -> Iterator[tuple[Path, set[str]]]:
+        """OUT and the folders a run makes in it (logs/, shards/ and below, the group files' folder of each split
+        stem in `stems`), each with the names of the files in it; not a folder of the user's that OUT holds."""
+        own = {"logs", "shards", *stems}
+        for folder, subfolders, files in os.walk(self.root):
+            if Path(folder) == self.root:
+                subfolders[:] = [name for name in subfolders if name in own]
+            yield Path(folder), set(files)
 
     def shard(self, shard: Shard) -> ShardFiles:
         return ShardFiles.of(self.root, shard)
