@@ -17,6 +17,7 @@ from helpers import (
     QWEN3,
     add_shards,
     assert_out_is,
+    bind_mount,
     cli,
     held_out,
     reference_by_group,
@@ -300,3 +301,33 @@ def test_a_refused_run_leaves_out_to_the_corrected_command(tmp_path, monkeypatch
         " --out, or the original inputs to resume\n",
     )
     assert cli("status", out).stdout.splitlines()[0] == f"{out}: finished"
+
+
+def test_a_finished_out_on_a_read_only_mount_is_nothing_to_do_and_anything_else_is_refused(
+    finished_small, killed_example, small_tokenizer, tmp_path
+):
+    """A finished OUT shared read-only (an archive, a trainer's mount): rerunning its command is the documented
+    no-op (it exited 1, opening OUT/.lock for writing). Whatever would write there is refused in one line, before
+    any work: other inputs, a run that is not finished."""
+    for name, made in (("finished", finished_small), ("killed", killed_example)):
+        shutil.copytree(made, tmp_path / name)
+    with bind_mount(tmp_path / "finished", tmp_path / "ro", read_only=True) as ro:
+        same = cli(*run_args(ro / "manifest.json", ro, tokenizer=small_tokenizer))
+        assert (same.returncode, same.stdout, same.stderr) == (
+            0,
+            f"{ro} is already finished ({ro}/meta.json); nothing to do. Check it with: tokpipe verify {ro}\n",
+            "",
+        )
+        other = cli(*run_args(ro / "manifest.json", ro, "--text-field", "content", tokenizer=small_tokenizer))
+        assert (other.returncode, other.stderr) == (
+            2,
+            f"tokpipe run: error: {ro} is not writable here (a read-only mount, or another user's), and holds a run"
+            " with other inputs (text_field: was 'text', now 'content'): use a new --out\n",
+        )
+    with bind_mount(tmp_path / "killed", tmp_path / "ro-killed", read_only=True) as ro:
+        unfinished = cli(*run_args(ro / "manifest.json", ro))
+        assert (unfinished.returncode, unfinished.stderr) == (
+            2,
+            f"tokpipe run: error: {ro} is not writable here (a read-only mount, or another user's), and its run is"
+            " not finished: rerun where it can be written\n",
+        )

@@ -39,6 +39,12 @@ def load_run(out: Out) -> dict:
     return load_json(out.run_json, fix) or {}
 
 
+def finished_with(meta: dict | None, manifest: Manifest) -> bool:
+    """Whether a meta (None: OUT is not finished) is that of this manifest's run, every shard in it: a rerun of
+    it has nothing to do."""
+    return meta is not None and meta.get("manifest_sha256") == manifest.fingerprint and not meta.get("excluded")
+
+
 def output_splits(manifest: Manifest, val_fraction: float) -> list[str]:
     """The splits written: the dataset's, and validation when --val-fraction makes one."""
     splits = list(manifest.counts)

@@ -21,10 +21,11 @@ from tokpipe.inputs.tokenizer import TokenizerInfo, choose_backend, load_tokeniz
 from tokpipe.options import RunOptions
 from tokpipe.out.files import FAILED, Out, out_folder
 from tokpipe.out.records import MAX_GROUPS, Checkpoint
+from tokpipe.out.run import finished_with
 from tokpipe.out.series import Series
 from tokpipe.runner.cluster import Cluster
 from tokpipe.runner.events import Finished, Listener, Said, silent
-from tokpipe.runner.identity import check_options, encode_spec, record_run, refusals_noted
+from tokpipe.runner.identity import check_options, encode_spec, finished_read_only, record_run, refusals_noted
 from tokpipe.runner.local import Tally, tokenize_while
 from tokpipe.runner.progress import Progress, RunLog, Timeline
 from tokpipe.write.assembly import Assembler
@@ -362,18 +363,14 @@ def _run(
     info = load_tokenizer_info(tokenizer, opts.eos, opts.bos_token, opts.tokenizer_revision)
     check_options(opts, info, tokenizer)
     out.mkdir(parents=True, exist_ok=True)
+    if not os.access(out, os.W_OK):  # a read-only mount: a finished run is nothing to do there too
+        return _nothing_to_do(out, finished_read_only(out, manifest, info, opts), clock, tell)
     with Out(out).lock(), refusals_noted(out):
         manifest = _record(out, manifest, info, opts, tell)
         run = _Run(manifest, out, info, opts, RunLog(out), clock, cluster, tell)
         meta = Out(out).load_meta_json()
-        if meta is not None and meta.get("manifest_sha256") == manifest.fingerprint and not meta.get("excluded"):
-            run.tell(
-                Said(
-                    f"{out} is already finished ({Out(out).meta_json}); nothing to do. Check it with: "
-                    f"tokpipe verify {out}"
-                )
-            )
-            return RunSummary(True, {}, meta, 0, time.monotonic() - clock.start)
+        if finished_with(meta, manifest):
+            return _nothing_to_do(out, meta, clock, tell)
         # Before the plan: it may find placed shards whose place is not kept, to tokenize again.
         assembler = _resume(run)
         clock.series = Series(out)
@@ -386,6 +383,11 @@ def _run(
         summary = _finalize(run, assembler, tally, redone)
         tell(Finished(summary))  # before Ray's stop, which may wait for its start to end
         return summary
+
+
+def _nothing_to_do(out: Path, meta: dict, clock: Timeline, tell: Listener) -> RunSummary:
+    tell(Said(f"{out} is already finished ({Out(out).meta_json}); nothing to do. Check it with: tokpipe verify {out}"))
+    return RunSummary(True, {}, meta, 0, time.monotonic() - clock.start)
 
 
 def _record(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOptions, tell: Listener) -> Manifest:

@@ -17,7 +17,7 @@ from tokpipe.inputs.manifest import Manifest, load_manifest
 from tokpipe.inputs.tokenizer import TokenizerInfo
 from tokpipe.options import RunOptions
 from tokpipe.out.files import REFUSED, Out
-from tokpipe.out.run import IDENTITY_DEFAULTS, LAST_RUN_KEYS, RUN_FORMAT, load_run
+from tokpipe.out.run import IDENTITY_DEFAULTS, LAST_RUN_KEYS, RUN_FORMAT, finished_with, load_run
 from tokpipe.runner.events import Listener, Said, silent
 from tokpipe.write.shard import EncodeSpec
 
@@ -127,6 +127,19 @@ def identity_changes(out: Path, identity: dict) -> dict[str, tuple] | None:
 
 def _said(changed: dict[str, tuple]) -> str:
     return "; ".join(f"{k}: was {was!r}, now {now!r}" for k, (was, now) in changed.items())
+
+
+def finished_read_only(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOptions) -> dict:
+    """The meta of an OUT this process may not write (a read-only mount) that holds this run finished: a rerun
+    there is nothing to do, as anywhere. Anything else would write to it: refused, before any work."""
+    meta = Out(out).load_meta_json()
+    changed = identity_changes(out, run_identity(manifest, info, opts))
+    where = f"{out} is not writable here (a read-only mount, or another user's)"
+    if changed:
+        raise UserError(f"{where}, and holds a run with other inputs ({_said(changed)}): use a new --out")
+    if changed is None or not finished_with(meta, manifest):
+        raise UserError(f"{where}, and its run is not finished: rerun where it can be written")
+    return meta
 
 
 def _check_append(out: Path, old_manifest: Manifest, manifest: Manifest, tell: Listener) -> None:
