@@ -38,9 +38,11 @@ from helpers import (
     write_jsonl,
 )
 
+import tokpipe as tokpipe_api
 from tokpipe.cli import parser
 from tokpipe.commands.inspect import BOS_MARK, inspect
 from tokpipe.commands.sample import verify_sample
+from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import build_manifest, write_manifest
 from tokpipe.options import RunOptions
 from tokpipe.out.files import group_stem
@@ -88,16 +90,50 @@ def test_ray_only_is_parsed_but_not_in_run_help(capsys):
     "flag, value, message",
     [
         ("--workers", "0", "must be > 0, got 0"),
-        ("--val-fraction", "-0.1", "must be >= 0, got -0.1"),
+        ("--workers", "1.5", "must be an integer > 0, got 1.5"),
+        ("--val-fraction", "-0.1", "must be >= 0 and < 1, got -0.1"),
+        ("--val-fraction", "1", "must be >= 0 and < 1, got 1"),
         ("--checkpoint-interval", "0", "must be > 0, got 0"),
+        ("--stall-timeout", "nan", "must be a finite number > 0, got nan"),
+        ("--stall-timeout", "inf", "must be a finite number > 0, got inf"),
+        ("--max-retries", "-1", "must be >= 0, got -1"),
+        ("--worker-memory", "1", "must be >= 256, got 1"),
+        ("--shard-buffer", "-1", "must be >= 0, got -1"),
         ("--backend", "fast", "invalid choice: 'fast' (choose from 'auto', 'fastokens', 'gigatoken', 'hf')"),
     ],
 )
-def test_a_value_an_option_cannot_take_is_a_usage_error(flag, value, message, capsys):
-    with pytest.raises(SystemExit) as exit:
-        parser().parse_args(["run", "--manifest", "m", "--tokenizer", "t", "--out", "o", flag, value])
-    assert exit.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1] == f"tokpipe run: error: argument {flag}: {message}"
+def test_a_value_an_option_cannot_take_is_a_usage_error_in_one_line(flag, value, message, tmp_path):
+    """Every numeric option of `run` refuses what makes no sense, before any work (-1 retries, a NaN timeout,
+    stored as NaN in run.json, and 1 MiB workers were taken while 0 was refused); in one line, no usage block."""
+    result = cli(*run_args(tmp_path / "m.json", tmp_path / "out", flag, value))
+    assert (result.returncode, result.stdout, result.stderr) == (
+        2,
+        "",
+        f"tokpipe run: error: argument {flag}: {message}\n",
+    )
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        ("workers", 0, "must be > 0, got 0"),
+        ("workers", 1.5, "must be an integer > 0, got 1.5"),
+        ("val_fraction", 1.0, "must be >= 0 and < 1, got 1.0"),
+        ("checkpoint_interval", 0.0, "must be > 0, got 0.0"),
+        ("stall_timeout", float("nan"), "must be a finite number > 0, got nan"),
+        ("max_retries", -1, "must be >= 0, got -1"),
+        ("max_retries", "3", "must be an integer >= 0, got '3'"),
+        ("worker_memory", 1, "must be >= 256, got 1"),
+        ("shard_buffer", -1, "must be >= 0, got -1"),
+    ],
+)
+def test_the_python_api_refuses_what_the_command_line_refuses_in_the_same_words(name, value, message, tmp_path):
+    """tokpipe.run(..., max_retries=-1) as `--max-retries -1`: refused before any work, the option by its name."""
+    with pytest.raises(UserError) as refused:
+        tokpipe_api.run(tmp_path / "m.json", QWEN3, tmp_path / "out", **{name: value})
+    assert str(refused.value) == f"{name} {message}"
+    assert not (tmp_path / "out").exists()
 
 
 def test_bos_then_text_then_eos_for_every_document(finished_bos):

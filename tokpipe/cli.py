@@ -210,8 +210,15 @@ def _add_options(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{f.name.replace('_', '-')}", default=f.default, **cli)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's, with a usage error in one line as every other error (`--help` shows the usage)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="tokpipe",
         description="Parallel, resumable tokenization of pretraining corpora into flat token files\n"
         "a trainer memory-maps. Reads JSONL, zstd- or gzip-compressed JSONL, Parquet:\n"

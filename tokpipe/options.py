@@ -2,29 +2,67 @@
 
 `tokpipe.cli` builds the `run` flags from these fields (`--text-field` for `text_field`), the Python
 API (`tokpipe.run(..., text_field=...)`) takes the same names, and run.json records those given
-other than their defaults, by the same names.
+other than their defaults, by the same names. A number an option cannot take (`Number`) is refused by both, in
+the same words, before any work.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
 
+from tokpipe.errors import UserError
 from tokpipe.inputs.source.batch import MISSING_GROUP
 from tokpipe.inputs.tokenizer import BACKENDS
 from tokpipe.out.run import OutputSpec
 
 
-def positive(kind, zero_ok: bool = False):
-    """An argparse type: a number > 0 (or >= 0)."""
+@dataclass(frozen=True)
+class Number:
+    """The values a numeric option takes: of `kind` (int; or float, and finite: never NaN or inf), `least` or more
+    (`above`: more than `least`), less than `below` where given. An argparse type (called with the flag's text),
+    and the check of what the Python API was given (`problem`): both refuse the same values in the same words."""
 
-    def parse(text: str):
-        value = kind(text)
-        if value < 0 or (value == 0 and not zero_ok):
-            raise argparse.ArgumentTypeError(f"must be {'>=' if zero_ok else '>'} 0, got {text}")
+    kind: type
+    least: float
+    above: bool = False
+    below: float | None = None
+
+    def problem(self, value) -> str | None:
+        """What is wrong with `value`, or None; the kind is named only where it is what is wrong."""
+        if isinstance(value, bool) or not isinstance(value, (int, float) if self.kind is float else int):
+            what = "an integer " if self.kind is int else "a number "
+        elif not math.isfinite(value):
+            what = "a finite number "
+        elif (value > self.least if self.above else value >= self.least) and (self.below is None or value < self.below):
+            return None
+        else:
+            what = ""
+        bound = f" and < {self.below:g}" if self.below is not None else ""
+        return f"must be {what}{'>' if self.above else '>='} {self.least:g}{bound}"
+
+    def __call__(self, text: str):
+        try:
+            value = self.kind(text)
+        except ValueError:
+            value = text  # not a number of its kind: refused below, in the same words
+        if (problem := self.problem(value)) is not None:
+            raise argparse.ArgumentTypeError(f"{problem}, got {text}")
         return value
 
-    return parse
+
+def positive(kind, zero_ok: bool = False) -> Number:
+    """A number > 0 (or >= 0) of `kind`."""
+    return Number(kind, 0, above=not zero_ok)
+
+
+# A worker's least --worker-memory: what it holds with its encoder just loaded, plus the BATCH_HEADROOM (64 MiB)
+# the memory guard gives the encoder before it drops it (write/memory.py). Below that the guard drops the encoder
+# before every batch and the worker is past its limit all the same. Measured in a Ray worker with Qwen3 (RSS less
+# shared pages, as the guard counts it): fastokens 167 MiB loaded, 223 MiB after 23 M characters of text;
+# gigatoken 148 and 195.
+WORKER_MEMORY_LEAST = 256
 
 
 def option(default, help: str, **cli):
@@ -68,7 +106,7 @@ class RunOptions:
     val_fraction: float = option(
         0.0,
         "hold out this share of train documents for val.bin, chosen by a hash of their text (default: %(default)g)",
-        type=positive(float, zero_ok=True),
+        type=Number(float, 0, below=1),
         metavar="F",
     )
     # Every shard on Ray's workers, none in the driver (by default the driver tokenizes until Ray's workers
@@ -83,13 +121,16 @@ class RunOptions:
         "cancel and retry a shard with no progress for this long once a worker has taken it (default: %(default)g)",
         type=positive(float),
     )
-    max_retries: int = option(3, "retries of a shard whose worker died or stalled (default: %(default)s)", type=int)
+    max_retries: int = option(
+        3, "retries of a shard whose worker died or stalled (default: %(default)s)", type=positive(int, zero_ok=True)
+    )
     skip_failed: bool = option(False, "finalize without shards that fail (recorded in meta as excluded)")
     # 128 workers of 768 MiB fit a 128 GiB node.
     worker_memory: int = option(
         768,
-        "RSS each worker stays under, by dropping the encoder's word cache (default: %(default)s)",
-        type=positive(int),
+        f"RSS each worker stays under, by dropping the encoder's word cache (default: %(default)s; at least"
+        f" {WORKER_MEMORY_LEAST}: a worker holds ~170 MiB with Qwen3's encoder loaded)",
+        type=Number(int, WORKER_MEMORY_LEAST),
         metavar="MIB",
     )
 
@@ -101,6 +142,13 @@ class RunOptions:
         type=positive(int, zero_ok=True),
         metavar="MIB",
     )
+
+    def __post_init__(self):
+        """What the Python API was given, refused as the command line refuses it (a dataclass parses nothing)."""
+        for f in fields(self):
+            rule, value = f.metadata.get("type"), getattr(self, f.name)
+            if isinstance(rule, Number) and value is not None and (problem := rule.problem(value)) is not None:
+                raise UserError(f"{f.name} {problem}, got {value!r}")
 
     @property
     def delimiters(self) -> dict:

@@ -61,7 +61,8 @@ def encode_spec(opts: RunOptions, info: TokenizerInfo, backend: str, read_ahead:
 
 
 def check_options(opts: RunOptions, info: TokenizerInfo, tokenizer) -> None:
-    """Refuse documents no trainer could tell apart, a BOS the tokenizer does not have, a share that is no share."""
+    """Refuse documents no trainer could tell apart, a BOS the tokenizer does not have, a --group-by with no field.
+    (A number an option cannot take is refused where the options are made: options.Number.)"""
     if opts.no_eos and not opts.bos:
         raise UserError(
             "--no-eos without --bos would write documents back to back with nothing between them: add --bos, or "
@@ -76,8 +77,6 @@ def check_options(opts: RunOptions, info: TokenizerInfo, tokenizer) -> None:
         )
     if opts.group_by is not None and not opts.group_by.strip("."):
         raise UserError("--group-by needs a field name (e.g. --group-by meta.redpajama_set_name)")
-    if not 0 <= opts.val_fraction < 1:
-        raise UserError(f"--val-fraction must be at least 0 and below 1, got {opts.val_fraction}")
 
 
 @contextmanager
