@@ -5,6 +5,7 @@ output is documented with each command's module."""
 
 import errno
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -222,3 +223,29 @@ def test_a_damaged_checkpoint_of_an_unfinished_run_stops_every_command_that_read
     line = f"{out}/{CHECKPOINT} is damaged ({DAMAGED[CHECKPOINT].format(out=out)}"
     assert (result.returncode, result.stderr) == (2, f"tokpipe {name}: error: {line}\n")
     assert not (tmp_path / "report.html").exists()
+
+
+def test_every_command_tokpipe_prints_for_you_to_run_is_quoted_for_the_shell(tmp_path, small_tokenizer):
+    """Paths with a space and a quote: each command tokpipe prints to be run (the run's `Next:`, its no-op's check,
+    status's, the readers' pointers, Megatron-LM's data flags) is one the shell splits back into those paths."""
+    manifest, out, dest = tmp_path / "m.json", tmp_path / "my out's", tmp_path / "Megatron's data"
+    assert in_process("manifest", "--dataset-dir", EXAMPLE_CACHE, "-o", manifest).returncode == 0
+    assert in_process("export", out, "--format", "megatron", "--dest", dest).returncode == 2  # no OUT yet
+    run = tokpipe(*run_args(manifest, out, tokenizer=small_tokenizer))
+    assert run.returncode == 0, run.stderr
+    assert shlex.split(run.stdout.splitlines()[-1].split("Next: ")[1]) == ["tokpipe", "verify", str(out)]
+    again = in_process(*run_args(manifest, out, tokenizer=small_tokenizer))
+    assert shlex.split(again.stdout.split("Check it with: ")[1]) == ["tokpipe", "verify", str(out)]
+    status = in_process("status", out)
+    assert shlex.split(status.stdout.splitlines()[-1].removeprefix("next: ")) == ["tokpipe", "verify", str(out)]
+    exported = in_process("export", out, "--format", "megatron", "--dest", dest).stdout.splitlines()[-1]
+    assert shlex.split(exported)[:5] == [
+        "Megatron-LM:",
+        "--train-data-path",
+        str(dest / "train"),
+        "--valid-data-path",
+        str(dest / "val"),
+    ]
+    (out / "meta.pkl").unlink()
+    unfinished = in_process("export", out, "--format", "megatron", "--dest", tmp_path / "elsewhere")
+    assert shlex.split(unfinished.stderr.split("see where it stands with ")[1]) == ["tokpipe", "status", str(out)]

@@ -89,7 +89,7 @@ def test_megatron_reads_back_document_by_document(fixture, dtype, request, tmp_p
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == (
         f"Megatron-LM: --train-data-path {tmp_path / 'mg' / 'train'} --valid-data-path {tmp_path / 'mg' / 'val'} "
-        "--tokenizer-type HuggingFaceTokenizer --tokenizer-model TOKENIZER_DIR (the run's)"
+        "--tokenizer-type HuggingFaceTokenizer --tokenizer-model TOKENIZER_DIR (the tokenizer folder of the run)"
     )
     for stem in ("train", "val"):
         meta, tokens, ends = tokpipe_split(out, stem)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from dataclasses import MISSING, fields
 from pathlib import Path
@@ -115,7 +116,7 @@ def summary_lines(summary) -> list[str]:
     lines.append(summary.phases)
     lines.append(
         f"done in {seconds:.1f}s ({tokens / seconds / 1e6:.2f}M tokens/s overall); meta: {Out(out).meta_pkl}. "
-        f"Next: tokpipe verify {out}"
+        f"Next: tokpipe verify {shlex.quote(str(out))}"
     )
     return lines
 
@@ -181,12 +182,14 @@ def _cmd_export(args) -> int:
     for e in written:
         print(f"{e.path}: {e.tokens:,} tokens, {e.documents:,} documents{'; ' + e.how if e.how else ''}")
     if args.format == "megatron":
-        tokenizer = "--tokenizer-type HuggingFaceTokenizer --tokenizer-model TOKENIZER_DIR (the run's)"
+        tokenizer = (
+            "--tokenizer-type HuggingFaceTokenizer --tokenizer-model TOKENIZER_DIR (the tokenizer folder of the run)"
+        )
         print(f"Megatron-LM: {megatron_flags(written)} {tokenizer}")
     else:
         print(
-            f"llm.c / modded-nanogpt: train on '{Path(args.dest) / 'train_*.bin'}', evaluate on "
-            f"'{Path(args.dest) / 'val_*.bin'}'"
+            f"llm.c / modded-nanogpt: train on {shlex.quote(str(Path(args.dest) / 'train_*.bin'))}, evaluate on "
+            f"{shlex.quote(str(Path(args.dest) / 'val_*.bin'))}"
             + (f" (documents in the order of --shuffle {args.shuffle})" if args.shuffle is not None else "")
         )
     return EXIT_OK

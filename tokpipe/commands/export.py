@@ -42,6 +42,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shlex
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -423,8 +424,8 @@ def megatron_flags(exported: list[Exported]) -> str:
         mine = [e for e in exported if e.stem == stem]
         words.append(flags[stem])
         if mine[0].group is None:
-            words.append(str(mine[0].path.with_suffix("")))
+            words.append(shlex.quote(str(mine[0].path.with_suffix(""))))
             continue
         total = max(sum(e.tokens for e in mine), 1)
-        words += [f"{e.tokens / total:.6f} {e.path.with_suffix('')}" for e in mine]
+        words += [f"{e.tokens / total:.6f} {shlex.quote(str(e.path.with_suffix('')))}" for e in mine]
     return " ".join(words)

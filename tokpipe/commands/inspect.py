@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -375,7 +376,8 @@ def inspect(
     source = open_source(out, split)
     if not source.tokens:
         raise UserError(
-            f"no tokens of split {source.split} are written yet: see where the run stands with tokpipe status {out}"
+            f"no tokens of split {source.split} are written yet: see where the run stands with tokpipe status "
+            f"{shlex.quote(str(out))}"
         )
     decode, tokenizer_path = load_decoder(source, tokenizer)
     # A short seed, printed, so the same windows can be looked at again (or by a colleague).

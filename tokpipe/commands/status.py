@@ -93,7 +93,7 @@ def status(out: str | os.PathLike) -> RunStatus:
     if not folder.manifest.is_file():
         raise UserError(
             f"{out} holds no tokpipe run (no manifest.json): start one with tokpipe run --manifest M "
-            f"--tokenizer T --out {out}"
+            f"--tokenizer T --out {shlex.quote(out)}"
         )
     manifest = load_manifest(folder.manifest)
     run = load_run(folder)

@@ -7,6 +7,7 @@ with meta); `tokpipe verify` proves the rest.
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,17 +101,18 @@ class Output:
         return int(self.meta["eos_token_id"])
 
 
-def _memmap(path: Path, dtype: np.dtype, count: int, what: str) -> np.ndarray:
+def _memmap(out: Path, path: Path, dtype: np.dtype, count: int, what: str) -> np.ndarray:
+    """A file of OUT's split, as meta describes it (OUT: for the command that checks it)."""
     try:
         size = path.stat().st_size
     except FileNotFoundError:
         raise UserError(
-            f"{path} is missing though meta lists it: the output is damaged (tokpipe verify {path.parent})"
+            f"{path} is missing though meta lists it: the output is damaged (tokpipe verify {shlex.quote(str(out))})"
         ) from None
     if size != count * dtype.itemsize:
         raise UserError(
             f"{path} holds {size:,} bytes, meta says {count:,} {what} of {dtype.itemsize} bytes: "
-            f"the file is not the one meta describes (tokpipe verify {path.parent})"
+            f"the file is not the one meta describes (tokpipe verify {shlex.quote(str(out))})"
         )
     if count == 0:  # mmap cannot map an empty file
         empty = np.zeros(0, dtype)
@@ -126,7 +128,8 @@ def open_output(out: str | os.PathLike) -> Output:
         meta = load_meta_pkl(Out(out).meta_pkl)  # a damaged or hostile one: its UserError
     except FileNotFoundError:
         raise UserError(
-            f"{out} is not a finished tokpipe output (no meta.pkl): see where it stands with tokpipe status {out}"
+            f"{out} is not a finished tokpipe output (no meta.pkl): see where it stands with tokpipe status "
+            f"{shlex.quote(str(out))}"
         ) from None
     dtype = np.dtype(meta["dtype"])
     splits = {}
@@ -142,8 +145,8 @@ def _files(out: Path, entry: dict, dtype: np.dtype) -> list[TokenFile]:
     return [
         TokenFile(
             str(bin_path.relative_to(out)),
-            _memmap(bin_path, dtype, tokens, "tokens"),
-            _memmap(idx_path, IDX_DTYPE, documents, "document ends"),
+            _memmap(out, bin_path, dtype, tokens, "tokens"),
+            _memmap(out, idx_path, IDX_DTYPE, documents, "document ends"),
         )
         for bin_path, idx_path, tokens, documents in split_files(out, entry)
     ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
@@ -157,7 +158,7 @@ def verify(out: str | os.PathLike, jobs: int | None = None) -> list[Check]:
         checks.append(Check(name, bool(ok), detail))
         return bool(ok)
 
-    unfinished = f"the run has not finished (tokpipe status {out})"
+    unfinished = f"the run has not finished (tokpipe status {shlex.quote(str(out))})"
     try:
         meta = load_meta_pkl(Out(out).meta_pkl)
     except FileNotFoundError:

@@ -5,6 +5,7 @@ Ray while finished ones are copied into their split files, report failures, fina
 from __future__ import annotations
 
 import os
+import shlex
 import stat
 import time
 from collections import Counter
@@ -386,7 +387,12 @@ def _run(
 
 
 def _nothing_to_do(out: Path, meta: dict, clock: Timeline, tell: Listener) -> RunSummary:
-    tell(Said(f"{out} is already finished ({Out(out).meta_json}); nothing to do. Check it with: tokpipe verify {out}"))
+    tell(
+        Said(
+            f"{out} is already finished ({Out(out).meta_json}); nothing to do. Check it with: "
+            f"tokpipe verify {shlex.quote(str(out))}"
+        )
+    )
     return RunSummary(True, {}, meta, 0, time.monotonic() - clock.start)
 
 
