@@ -213,12 +213,18 @@ class Out:
 
     def load_meta_json(self) -> dict | None:
         """meta.json, None before the run finished."""
-        return load_json(self.meta_json, f"remove it and {rerun(self.root)}: it writes it again")
+        try:
+            return load_json(self.meta_json)
+        except ValueError as e:
+            raise damaged(self.meta_json, e, f"remove it and {rerun(self.root)}: it writes it again") from None
 
     def load_log(self, name: str) -> dict | None:
         """A JSON file of OUT/logs/ (progress.json, failed.json, refused.json), None where there is none. Damaged,
         it is refused as the others are; the readers that can go on without it (status, report) say so and go on."""
-        return load_json(self.log(name), "a log, not the run's state: the next run writes it anew")
+        try:
+            return load_json(self.log(name))
+        except ValueError as e:
+            raise damaged(self.log(name), e, "a log, not the run's state: the next run writes it anew") from None
 
     def write_log(self, name: str, data: dict) -> None:
         self.log(name).parent.mkdir(exist_ok=True)
@@ -322,16 +328,15 @@ def damaged(path: Path, error: Exception, fix: str) -> UserError:
     return UserError(f"{path} is damaged ({type(error).__name__}: {error}): {fix}")
 
 
-def load_json(path: Path, fix: str) -> dict | None:
-    """A JSON object of OUT, None where the file is absent; `fix`: what to do if it is damaged."""
+def load_json(path: Path) -> dict | None:
+    """A JSON object of OUT, None where the file is absent; ValueError where it is none (cut short, garbled, not
+    UTF-8), which its loader refuses as `damaged` with what to do (made only then: 5 us a checkpoint)."""
     try:
         found = json.loads(path.read_bytes())
     except FileNotFoundError:
         return None
-    except ValueError as e:  # not JSON, cut short, not UTF-8
-        raise damaged(path, e, fix) from None
     if not isinstance(found, dict):
-        raise damaged(path, ValueError(f"a JSON {type(found).__name__}, not an object"), fix)
+        raise ValueError(f"a JSON {type(found).__name__}, not an object")
     return found
 
 

@@ -59,12 +59,11 @@ class Checkpoint:
     def load(cls, path: Path) -> Checkpoint | None:
         """The checkpoint at `path` (OUT/shards/<split>/<key>.json), None where the shard has none. A damaged
         one is refused, by the run too: the shard's tokens it covers are on the same storage."""
-        fix = f"remove it and {rerun(path.parents[2])}: the shard is tokenized again"
-        found = load_json(path, fix)
         try:
+            found = load_json(path)
             return None if found is None else cls(**found)
-        except TypeError as e:  # fields no checkpoint has
-            raise damaged(path, e, fix) from None
+        except (ValueError, TypeError) as e:  # not JSON; fields no checkpoint has
+            raise damaged(path, e, f"remove it and {rerun(path.parents[2])}: the shard is tokenized again") from None
 
     @classmethod
     def of(cls, out: str | os.PathLike, shard: Shard) -> Checkpoint | None:

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from tokpipe.inputs.manifest import Manifest, Shard
-from tokpipe.out.files import Out, load_json, split_file_stem
+from tokpipe.out.files import Out, damaged, load_json, split_file_stem
 
 RUN_FORMAT = 1
 # Kept in run.json beside the identity but never compared: where this run found its tokenizer (a
@@ -32,11 +32,14 @@ class OutputSpec:
 def load_run(out: Out) -> dict:
     """run.json, or {} before a run recorded one. Damaged, it is refused: it alone says what OUT's tokens were
     made from, so a run could no longer refuse other inputs there."""
-    fix = (
-        "it records what OUT's tokens were made from; remove it and rerun the command that made OUT with the same"
-        " inputs (nothing can check them without it), or start over in a new --out"
-    )
-    return load_json(out.run_json, fix) or {}
+    try:
+        return load_json(out.run_json) or {}
+    except ValueError as e:
+        fix = (
+            "it records what OUT's tokens were made from; remove it and rerun the command that made OUT with the same"
+            " inputs (nothing can check them without it), or start over in a new --out"
+        )
+        raise damaged(out.run_json, e, fix) from None
 
 
 def finished_with(meta: dict | None, manifest: Manifest) -> bool:
