@@ -1,5 +1,5 @@
 """The package's shape: data flows one way (no import cycle), every module reads in one sitting, and
-neither `import tokpipe` nor the CLI's start pays for Ray, pyarrow or gigatoken. And the tests' own shape:
+neither `import tokpipe` nor the CLI's start pays for Ray, pyarrow, gigatoken or boto3. And the tests' own shape:
 they share code through helpers.py and conftest.py's fixtures, never by importing one another."""
 
 import ast
@@ -67,7 +67,7 @@ LAYERS = {
     "tokpipe.data": {"tokpipe.out"},
     "tokpipe.commands": {"tokpipe.inputs", "tokpipe.out", "tokpipe.read", "tokpipe.data"},
 }
-BASICS = {"tokpipe.errors", "tokpipe.durability", "tokpipe.fmt", "tokpipe._version"}
+BASICS = {"tokpipe.errors", "tokpipe.durability", "tokpipe.fmt", "tokpipe.store", "tokpipe._version"}
 
 
 def _layer(module: str) -> str:
@@ -110,7 +110,7 @@ def test_import_and_help_load_no_heavy_dependency():
         "    tokpipe.cli.main(['--help'])\n"
         "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
         "    tokpipe.cli.main(['run', '--help'])\n"
-        "print(sorted(m for m in ('ray', 'pyarrow', 'gigatoken', 'fastokens') if m in sys.modules))\n"
+        "print(sorted(m for m in ('ray', 'pyarrow', 'gigatoken', 'fastokens', 'boto3') if m in sys.modules))\n"
     )
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert loaded == "[]"
