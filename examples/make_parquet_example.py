@@ -29,7 +29,7 @@ from tokpipe.inputs.source.jsonl import decompressed_blocks
 
 def rows_of(path: str) -> list[str | None]:
     rows = []
-    for line in b"".join(block for block, _ in decompressed_blocks(path, format_of(path))).splitlines():
+    for line in b"".join(block for block, *_ in decompressed_blocks(path, format_of(path))).splitlines():
         if line.strip():
             value = json.loads(line).get("text")
             rows.append(value if isinstance(value, str) else None)

@@ -1,6 +1,8 @@
 """source/jsonl.py (through tokpipe.inputs.source.read_batches): JSONL plain, zstd or gzip, the compression sniffed from
 its magic bytes (source/__init__.py) never its name, pzstd's skippable frames included; every line accounted for,
-the same lines whatever the block size; resumable at a line/byte offset; a truncated download fails by name."""
+the same lines whatever the block size; resumable at a line/byte offset; a truncated download fails by name. A shard
+on an object store reads as its local copy, and a resume fetches from the checkpoint's place: plain JSONL's byte
+offset, the frame it is in of zstd made of several."""
 
 import gzip
 from collections import Counter
@@ -11,6 +13,7 @@ from helpers import pzstd_frames, read_all, skippable_frame, write_jsonl
 
 from tokpipe.errors import SourceError
 from tokpipe.inputs.source import format_of
+from tokpipe.store import Bucket
 
 LINES = [
     '{"text": "first"}',
@@ -202,3 +205,93 @@ def test_group_by_takes_each_documents_value_at_a_dotted_path_as_a_string(tmp_pa
     ]
     assert skipped == Counter(empty_text=1)
     assert all(b.groups == [] for b in read_all(path)[2])  # without --group-by
+
+
+# -- a shard on an object store, against a real S3 server --------------------------------------------------
+
+
+@pytest.fixture
+def gets(monkeypatch) -> list[tuple[str, int, int]]:
+    """The (key, start, end) of every ranged GET tokpipe makes, in order (store.Bucket.read, which still reads)."""
+    made, read = [], Bucket.read
+
+    def recorded(bucket, key, start, end, etag=None):
+        made.append((key.rsplit("/", 1)[1], start, end))
+        return read(bucket, key, start, end, etag)
+
+    monkeypatch.setattr(Bucket, "read", recorded)
+    return made
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd", "gzip"])
+def test_a_shard_on_a_store_reads_as_its_local_copy(tmp_path, s3_server, s3_prefix, compression):
+    path = write_jsonl(tmp_path / "x.jsonl.zst", BLOCK_EDGE_LINES * 50, compression)
+    etag = s3_server.put(f"{s3_prefix}/x.jsonl.zst", path.read_bytes())
+    url = s3_server.url(f"{s3_prefix}/x.jsonl.zst")
+    assert format_of(url, etag) == compression
+    for batch_bytes in (7, 4 << 20):
+        local = read_all(path, batch_bytes=batch_bytes, max_line_bytes=500)
+        remote = read_all(url, batch_bytes=batch_bytes, max_line_bytes=500, etag=etag)
+        assert remote[:2] == local[:2] and local[0]
+        assert [(b.lines, b.end_offset, b.source_pos, b.frame) for b in remote[2]] == [
+            (b.lines, b.end_offset, b.source_pos, b.frame) for b in local[2]
+        ]
+
+
+def test_a_plain_shard_resumes_on_a_store_by_a_ranged_get_at_its_checkpoints_offset(
+    tmp_path, s3_server, s3_prefix, gets
+):
+    lines = [f'{{"text": "document {i} {"word " * (i % 40)}"}}' for i in range(2000)]
+    path = write_jsonl(tmp_path / "x.jsonl", lines)
+    etag = s3_server.put(f"{s3_prefix}/x.jsonl", path.read_bytes())
+    url = s3_server.url(f"{s3_prefix}/x.jsonl")
+    texts, _, batches = read_all(path, batch_bytes=20_000)
+    at = batches[3]  # a checkpoint after the fourth batch
+    done = sum(b.lines for b in batches[:4])
+    del gets[:]
+    rest, _, _ = read_all(url, batch_bytes=20_000, start_line=done, start_offset=at.end_offset, etag=etag)
+    assert rest == texts[sum(len(b.texts) for b in batches[:4]) :]
+    size = path.stat().st_size
+    # The format's 4 bytes, then the rest from the checkpoint's offset: not a byte before it.
+    assert gets == [("x.jsonl", 0, 4), ("x.jsonl", at.end_offset, at.end_offset + (8 << 20))]
+    assert 0 < at.end_offset < size < at.end_offset + (8 << 20)
+
+
+def test_zstd_of_several_frames_resumes_from_the_frame_its_checkpoint_is_in(tmp_path, s3_server, s3_prefix, gets):
+    """pzstd's layout (a skippable frame before each frame): each batch says where the frame its end is in begins,
+    in the file and in the text, and a resume decodes from there; on a store, a ranged GET from there."""
+    parts = [b"".join(b'{"text": "frame %d line %d"}\n' % (f, i) for i in range(300)) for f in range(4)]
+    data = pzstd_frames(parts)
+    path = tmp_path / "x.jsonl.zst"
+    path.write_bytes(data)
+    frames = [zstandard.ZstdCompressor().compress(part) for part in parts]
+    starts = [(sum(12 + len(f) for f in frames[:k]) + 12, sum(len(p) for p in parts[:k])) for k in range(4)]
+    texts, _, batches = read_all(path, batch_bytes=3000)
+    assert len(batches) > 4
+    for b in batches:  # the frame whose text the batch's end is in (or ends at)
+        assert b.frame == starts[max(k for k in range(4) if starts[k][1] < b.end_offset)]
+    k = next(i for i, b in enumerate(batches) if b.frame == starts[2] and b.end_offset > starts[2][1] + 100)
+    done, at = sum(b.lines for b in batches[: k + 1]), batches[k]
+    expected = texts[sum(len(b.texts) for b in batches[: k + 1]) :]
+    resumed = dict(batch_bytes=3000, start_line=done, start_offset=at.end_offset, start_frame=at.frame)
+    assert read_all(path, **resumed)[0] == expected
+    etag = s3_server.put(f"{s3_prefix}/x.jsonl.zst", data)
+    del gets[:]
+    assert read_all(s3_server.url(f"{s3_prefix}/x.jsonl.zst"), etag=etag, **resumed)[0] == expected
+    assert gets == [("x.jsonl.zst", 0, 4), ("x.jsonl.zst", starts[2][0], starts[2][0] + (8 << 20))]
+
+
+@pytest.mark.parametrize("compression", ["zstd", "gzip"])
+def test_one_zstd_frame_or_a_gzip_stream_is_decoded_from_its_start_again(
+    tmp_path, s3_server, s3_prefix, gets, compression
+):
+    path = write_jsonl(tmp_path / "x.jsonl.gz", [f'{{"text": "{i}"}}' for i in range(3000)], compression)
+    texts, _, batches = read_all(path, batch_bytes=5000)
+    assert {b.frame for b in batches} == {(0, 0)}
+    etag = s3_server.put(f"{s3_prefix}/x.jsonl.gz", path.read_bytes())
+    del gets[:]
+    done = sum(b.lines for b in batches[:2])
+    rest = read_all(
+        s3_server.url(f"{s3_prefix}/x.jsonl.gz"), start_line=done, start_offset=batches[1].end_offset, etag=etag
+    )[0]
+    assert rest == texts[done:] and gets[1][1] == 0

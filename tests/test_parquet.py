@@ -1,8 +1,9 @@
 """parquet: Parquet shards give the same tokens as the same documents in JSONL; every row is a document or
 a counted skip, as JSONL would count it; resumable at any row; memory bounded by a row group; a cut or
 corrupt file fails by name; through `tokpipe run`, a kill -9 mid-file (at a shard checkpoint,
-helpers.killed_run) resumes to the same bytes and a cut shard fails by name. (The reader's tests here came
-from a second implementation of this issue.)"""
+helpers.killed_run) resumes to the same bytes and a cut shard fails by name. On an object store, a shard reads as
+its local copy, fetching the footer and the column chunks read, and a resume not the row groups before it. (The
+reader's tests here came from a second implementation of this issue.)"""
 
 import json
 import os
@@ -41,6 +42,7 @@ from tokpipe.options import RunOptions
 from tokpipe.out.files import ShardFiles
 from tokpipe.out.records import Checkpoint
 from tokpipe.runner.identity import encode_spec
+from tokpipe.store import Bucket
 from tokpipe.write.finalize import finalize
 from tokpipe.write.shard import tokenize_shard
 
@@ -302,3 +304,37 @@ def test_the_shipped_parquet_example_is_what_its_script_makes_of_the_jsonl_examp
     shipped = sorted(p.relative_to(PARQUET_CACHE) for p in PARQUET_CACHE.rglob("*.parquet"))
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*.parquet")) == shipped
     assert all((tmp_path / name).read_bytes() == (PARQUET_CACHE / name).read_bytes() for name in shipped)
+
+
+def _chunk(metadata, group: int, column: int) -> tuple[int, int]:
+    """[start, end) of a column chunk in the file, from the footer."""
+    chunk = metadata.row_group(group).column(column)
+    start = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
+    return start, start + chunk.total_compressed_size
+
+
+def test_a_shard_on_a_store_fetches_only_the_row_groups_and_columns_it_reads(
+    tmp_path, s3_server, s3_prefix, monkeypatch
+):
+    texts = [f"document {i} " + "word " * (i % 37) for i in range(200)]
+    meta = [f"{i} " + "metadata nobody reads " * 100 for i in range(200)]  # a column 20x the text's size
+    path = write_parquet(tmp_path / "x.parquet", {"text": texts, "meta": meta}, row_group_size=40, compression="none")
+    etag = s3_server.put(f"{s3_prefix}/x.parquet", path.read_bytes())
+    url = s3_server.url(f"{s3_prefix}/x.parquet")
+    gets, read = [], Bucket.read
+    monkeypatch.setattr(
+        Bucket,
+        "read",
+        lambda b, key, start, end, etag=None: gets.append((start, end)) or read(b, key, start, end, etag),
+    )
+    local, remote = read_all(path, batch_bytes=700), read_all(url, batch_bytes=700, etag=etag)
+    assert remote[:2] == local[:2] and [b.source_pos for b in remote[2]] == [b.source_pos for b in local[2]]
+    metadata = pq.ParquetFile(path).metadata
+    size = path.stat().st_size
+    footer = (max(0, size - (64 << 10)), size)  # pyarrow reads the last 64 KiB first, or all of a smaller file
+    text_chunks = [_chunk(metadata, g, 0) for g in range(5)]
+    assert gets[1:] == [footer, *text_chunks] and gets[0] == (0, 4)  # no byte of `meta` beyond the footer's
+    del gets[:]
+    # A resume at row 130 (row group 3): the row groups before it are not fetched.
+    assert read_all(url, start_line=130, start_offset=130, etag=etag)[0] == texts[130:]
+    assert gets[2:] == text_chunks[3:]

@@ -31,6 +31,10 @@ class Checkpoint:
     lines: int = 0  # input lines consumed = documents + sum(skipped)
     offset: int = 0  # decompressed input bytes consumed
     source_pos: int = 0  # bytes of the shard file read (compressed), for progress only
+    # zstd of several frames: where the frame that `offset` lies in begins, in the file and decompressed
+    # (TextBatch.frame): a resume decodes from there, not from the file's start (a shard on a store: a ranged GET)
+    frame_source_pos: int = 0
+    frame_offset: int = 0
     documents: int = 0
     tokens: int = 0  # delimiters included
     skipped: dict[str, int] = field(default_factory=dict)

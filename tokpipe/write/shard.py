@@ -316,7 +316,14 @@ def tokenize_shard(
             last_commit = began = time.monotonic()
             seconds_before = ckpt.seconds
             batches = read_batches(
-                shard.path, spec.text_field, ckpt.lines, ckpt.offset, spec.batch_bytes, group_by=spec.group_by
+                shard.path,
+                spec.text_field,
+                ckpt.lines,
+                ckpt.offset,
+                spec.batch_bytes,
+                group_by=spec.group_by,
+                etag=shard.etag,
+                start_frame=(ckpt.frame_source_pos, ckpt.frame_offset),
             )
             for batch in read_ahead(batches) if spec.read_ahead else batches:
                 # Decided on the shard's lines from its start (a resumed shard's checkpoint counts them), as soon
@@ -325,7 +332,7 @@ def tokenize_shard(
                     raise SourceError(f"{shard.path}: {wrong}")
                 tokens = _encode(batch, parts, memory, spec, holding_out, new_part, shard)
                 ckpt.lines += batch.lines
-                ckpt.offset = batch.end_offset
+                ckpt.offset, (ckpt.frame_source_pos, ckpt.frame_offset) = batch.end_offset, batch.frame
                 ckpt.text_bytes += batch.text_bytes
                 source_read, ckpt.source_pos = batch.source_pos - ckpt.source_pos, batch.source_pos
                 _count(ckpt, parts, spec.group_by is not None, done=False)

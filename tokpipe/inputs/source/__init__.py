@@ -3,6 +3,9 @@
 The format is sniffed from the file's first bytes, never trusted from its name (a `.jsonl.zst` may
 be plain JSONL): zstd, gzip or plain JSONL (jsonl.py), or Parquet (parquet.py). Both report through
 batch.py, the one place where a line becomes a document, a counted skip or a counted repair.
+
+A shard's path is a local path or an s3:// URL (tokpipe/store.py opens either); `etag`, the ETag the manifest
+recorded of a shard on a store, goes with every read of it.
 """
 
 from __future__ import annotations
@@ -12,14 +15,15 @@ from collections.abc import Iterator
 
 from tokpipe.inputs.source.batch import TextBatch
 from tokpipe.inputs.source.jsonl import GZIP_MAGIC, is_zstd, jsonl_fields, read_jsonl_batches
+from tokpipe.store import open_read
 
 PARQUET_MAGIC = b"PAR1"
 BATCH_BYTES = 1 << 20  # of input text per batch (per encode call of a shard): bounds memory, paces progress reports
 
 
-def format_of(path: str) -> str:
+def format_of(path: str, etag: str | None = None) -> str:
     """zstd | gzip | parquet | none (plain JSONL), from the file's magic bytes."""
-    with open(path, "rb") as f:
+    with open_read(path, etag, ahead=0) as f:  # on a store, a GET of these 4 bytes
         head = f.read(4)
     if is_zstd(head):
         return "zstd"
@@ -30,15 +34,15 @@ def format_of(path: str) -> str:
     return "none"
 
 
-def fields_of(path: str) -> Counter:
+def fields_of(path: str, etag: str | None = None) -> Counter:
     """The fields documents of this shard have, each weighted by how much text it holds in the first
     lines (JSONL), or the columns (Parquet, string columns weighing more): what --text-field can name."""
-    kind = format_of(path)
+    kind = format_of(path, etag)
     if kind == "parquet":
         from tokpipe.inputs.source.parquet import parquet_fields
 
-        return parquet_fields(path)
-    return jsonl_fields(path, kind)
+        return parquet_fields(path, etag)
+    return jsonl_fields(path, kind, etag=etag)
 
 
 def read_batches(
@@ -49,16 +53,19 @@ def read_batches(
     batch_bytes: int = BATCH_BYTES,
     max_line_bytes: int = 64 << 20,  # a line costs its process ~8 bytes a byte (bytes, text, ids): under 0.5 GiB
     group_by: str | None = None,
+    etag: str | None = None,
+    start_frame: tuple[int, int] = (0, 0),
 ) -> Iterator[TextBatch]:
     """Batches of about `batch_bytes` of input, resuming after `start_line` lines / `start_offset` bytes
-    (for Parquet, a row is a line and the offset is in rows). With `group_by` (a dotted path into a JSON
-    line, or a Parquet column or a struct column's field by dot), each batch says each document's group."""
-    kind = format_of(path)
+    (for Parquet, a row is a line and the offset is in rows; for zstd, decoded from `start_frame`, a checkpoint's
+    TextBatch.frame). With `group_by` (a dotted path into a JSON line, or a Parquet column or a struct column's
+    field by dot), each batch says each document's group."""
+    kind = format_of(path, etag)
     if kind == "parquet":
         from tokpipe.inputs.source.parquet import read_parquet_batches  # pyarrow is imported only where Parquet is read
 
-        yield from read_parquet_batches(path, text_field, start_line, batch_bytes, max_line_bytes, group_by)
+        yield from read_parquet_batches(path, text_field, start_line, batch_bytes, max_line_bytes, group_by, etag)
     else:
         yield from read_jsonl_batches(
-            path, kind, text_field, start_line, start_offset, batch_bytes, max_line_bytes, group_by
+            path, kind, text_field, start_line, start_offset, batch_bytes, max_line_bytes, group_by, etag, start_frame
         )

@@ -34,6 +34,9 @@ class TextBatch:
     repaired: Counter = field(default_factory=Counter)  # invalid_utf8 | lone_surrogate | bom -> count
     skip_log: list[tuple[int, str]] = field(default_factory=list)  # (1-based line number, reason)
     groups: list[str] = field(default_factory=list)  # with --group-by: each text's group, in step with texts
+    # zstd: where the frame that end_offset lies in begins, in the file and in the decompressed text: a resume
+    # decodes from there (jsonl.py). (0, 0) for the other formats.
+    frame: tuple[int, int] = (0, 0)
 
     def skip(self, line_no: int, reason: str) -> None:
         """Count line `line_no` (1-based) as not a document, for `reason` (one of SKIP_REASONS)."""

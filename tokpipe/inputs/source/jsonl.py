@@ -6,11 +6,18 @@ block), and each line is parsed as bytes: orjson parses bytes directly, and we s
 UTF-8 that a text wrapper would replace silently, so each repair is counted. A line that orjson
 takes as a document costs one call; every other line goes through `_document`, which decides what
 it is.
+
+A resume reads no byte it does not need where the format allows it (a shard on an object store is read by
+ranged GETs, tokpipe/store.py): plain JSONL from the checkpoint's byte offset; zstd made of several frames (pzstd,
+seekable zstd, any concatenation) from the start of the frame the checkpoint's offset is in, whose place in the
+file and in the text each batch says (TextBatch.frame) and the checkpoint keeps. A gzip stream, or zstd of one
+frame, cannot be entered midway: it is decoded from its start again, and the text before the offset dropped.
 """
 
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import re
 import zlib
@@ -22,6 +29,7 @@ import zstandard
 
 from tokpipe.errors import SourceError
 from tokpipe.inputs.source.batch import TextBatch, decode_utf8, field_at, group_value
+from tokpipe.store import open_read
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 # A zstd skippable frame's magic is 0x184D2A50..0x184D2A5F, little-endian: these three bytes after 0x50..0x5F.
@@ -39,8 +47,10 @@ def is_zstd(head: bytes) -> bool:
     return head == ZSTD_MAGIC or (len(head) == 4 and 0x50 <= head[0] <= 0x5F and head[1:] == SKIPPABLE_MAGIC)
 
 
-def _zstd_blocks(raw, path: str) -> Iterator[bytes]:
-    """Decompressed bytes of a zstd file, frame after frame, failing loudly where the stream breaks.
+def _zstd_blocks(raw, path: str, start: tuple[int, int]) -> Iterator[tuple[bytes, tuple[int, int]]]:
+    """Decompressed bytes of a zstd file, frame after frame, from `start` (a frame's place in the file, and the
+    decompressed bytes before it), each block with the same of the frame it came from; failing loudly where the
+    stream breaks.
 
     zstandard's stream_reader ends a truncated frame as if it were a clean end of file; an
     incomplete download must never be tokenized as if it were whole, so we drive decompressobj
@@ -48,25 +58,28 @@ def _zstd_blocks(raw, path: str) -> Iterator[bytes]:
     decompressobj finishes with no output; one cut short is a truncated file as any frame is.
     """
     frame = None  # the decompressobj of the frame being read, None between frames
-    read = 0
+    read, produced = start
+    begun = start  # where the frame being read began
     while chunk := raw.read(COMPRESSED_CHUNK):
         read += len(chunk)
         while chunk:
             if frame is None:
                 frame = zstandard.ZstdDecompressor().decompressobj()
+                begun = (read - len(chunk), produced)
             try:
                 block = frame.decompress(chunk)
             except zstandard.ZstdError as e:
                 raise SourceError(f"{path}: corrupt zstd data near compressed byte {read}: {e}") from None
             if block:
-                yield block
+                produced += len(block)
+                yield block, begun
             chunk, frame = (frame.unused_data, None) if frame.eof else (b"", frame)
     if frame is not None:
         raise SourceError(f"{path}: zstd stream ends inside a frame at compressed byte {read} (truncated download?)")
 
 
-def _gzip_blocks(raw, path: str) -> Iterator[bytes]:
-    """Decompressed bytes of a gzip file, with its truncation/CRC errors naming the file."""
+def _gzip_blocks(raw, path: str) -> Iterator[tuple[bytes, tuple[int, int]]]:
+    """Decompressed bytes of a gzip file, with its truncation/CRC errors naming the file; read from its start."""
     with gzip.GzipFile(fileobj=raw, mode="rb") as gz:
         while True:
             try:
@@ -75,46 +88,68 @@ def _gzip_blocks(raw, path: str) -> Iterator[bytes]:
                 raise SourceError(f"{path}: gzip stream broken after {gz.tell()} decompressed bytes: {e}") from None
             if not block:
                 return
-            yield block
+            yield block, (0, 0)
 
 
-def decompressed_blocks(path: str, kind: str, block_bytes: int = BLOCK) -> Iterator[tuple[bytes, int]]:
-    """The shard's decompressed bytes in pieces of at most block_bytes, each with the bytes of the file read so far.
-    `kind`: its compression, as tokpipe.inputs.source.format_of sniffed it (zstd, gzip or none)."""
-    with open(path, "rb", buffering=0) as raw:
+def _plain_blocks(raw, path: str, start: int, block_bytes: int) -> Iterator[tuple[bytes, tuple[int, int]]]:
+    """The bytes of a plain file from `start` on: a checkpoint's offset is a place in the file."""
+    raw.seek(start)
+    empty = True
+    while block := raw.read(block_bytes):
+        empty = False
+        yield block, (0, 0)
+    if empty and start and raw.seek(0, io.SEEK_END) < start:
+        raise SourceError(f"{path} is shorter than its checkpoint says: the file changed since the run began")
+
+
+def decompressed_blocks(
+    path: str, kind: str, block_bytes: int = BLOCK, etag: str | None = None, start: tuple[int, int] = (0, 0)
+) -> Iterator[tuple[bytes, int, tuple[int, int]]]:
+    """The shard's decompressed bytes in pieces of at most block_bytes, each with the bytes of the file read so far
+    and where its zstd frame began (in the file, in the text; (0, 0) for the other formats). `kind`: its compression,
+    as tokpipe.inputs.source.format_of sniffed it (zstd, gzip or none). From `start`, a place in the file where
+    reading may begin, and the decompressed bytes before it: a frame's of zstd, a byte offset of plain JSONL, (0, 0)
+    for gzip. `etag`: of a shard on a store, which every read asks for (store.Reader)."""
+    with open_read(path, etag) as raw:
         if kind == "zstd":
-            blocks = _zstd_blocks(raw, path)
+            raw.seek(start[0])
+            blocks = _zstd_blocks(raw, path, start)
         elif kind == "gzip":
             blocks = _gzip_blocks(raw, path)
         else:
-            blocks = iter(lambda: raw.read(block_bytes), b"")
-        for block in blocks:
-            for start in range(0, len(block), block_bytes):  # only a very compressible zstd block is cut
-                yield block[start : start + block_bytes] if len(block) > block_bytes else block, raw.tell()
+            blocks = _plain_blocks(raw, path, start[0], block_bytes)
+        for block, frame in blocks:
+            for at in range(0, len(block), block_bytes):  # only a very compressible zstd block is cut
+                yield block[at : at + block_bytes] if len(block) > block_bytes else block, raw.tell(), frame
 
 
-def _from_offset(blocks: Iterator[tuple[bytes, int]], offset: int, path: str) -> Iterator[tuple[bytes, int]]:
-    """The blocks after the first `offset` decompressed bytes (where a checkpoint left off)."""
-    for block, source_pos in blocks:
+def _from_offset(
+    blocks: Iterator[tuple[bytes, int, tuple[int, int]]], offset: int, path: str
+) -> Iterator[tuple[bytes, int, tuple[int, int]]]:
+    """The blocks after their first `offset` decompressed bytes (where a checkpoint left off)."""
+    for block, source_pos, frame in blocks:
         if offset >= len(block):
             offset -= len(block)
             continue
-        yield (block[offset:] if offset else block), source_pos
+        yield (block[offset:] if offset else block), source_pos, frame
         offset = 0
     if offset:
         raise SourceError(f"{path} is shorter than its checkpoint says: the file changed since the run began")
 
 
-def _lines(blocks: Iterator[tuple[bytes, int]], max_line_bytes: int) -> Iterator[tuple[list, int, int]]:
-    """The complete lines of each block: (lines without their newline, the bytes they took, file bytes read).
+def _lines(
+    blocks: Iterator[tuple[bytes, int, tuple[int, int]]], max_line_bytes: int
+) -> Iterator[tuple[list, int, int, tuple[int, int]]]:
+    """The complete lines of each block: (lines without their newline, the bytes they took, file bytes read, where
+    the block's zstd frame began: the lines end inside it).
 
     A line over max_line_bytes is given as its length (an int) instead of its bytes, which were
     dropped as they arrived: it is never held in memory. A line that spans blocks is joined once.
     """
     carry: list[bytes] = []  # the start of a line that goes on in the next block
     carried = 0  # its length, counted on even when its bytes are dropped
-    source_pos = 0
-    for block, source_pos in blocks:
+    source_pos, frame = 0, (0, 0)
+    for block, source_pos, frame in blocks:
         lines = block.split(b"\n")
         tail = lines.pop()  # after the last newline: the start of the next line
         if lines:
@@ -127,14 +162,14 @@ def _lines(blocks: Iterator[tuple[bytes, int]], max_line_bytes: int) -> Iterator
                 lines[1:] = [line if len(line) <= max_line_bytes else len(line) for line in lines[1:]]
             consumed = carried + len(block) - len(tail)
             carry, carried = [], 0  # before the yield: a long line's pieces must not outlive its join
-            yield lines, consumed, source_pos
+            yield lines, consumed, source_pos, frame
         carried += len(tail)
         if tail and carried <= max_line_bytes:
             carry.append(tail)
         elif carry and carried > max_line_bytes:
             carry = []
     if carried:  # a last line without a newline
-        yield [carried if carried > max_line_bytes else b"".join(carry)], carried, source_pos
+        yield [carried if carried > max_line_bytes else b"".join(carry)], carried, source_pos, frame
 
 
 def _document(line: bytes, text_field: str, repaired: Counter) -> tuple[str, dict] | tuple[None, str]:
@@ -190,10 +225,10 @@ def _parse(lines: list, first_line_no: int, text_field: str, batch: TextBatch, g
             group(group_value(field_at(obj, group_by)))
 
 
-def jsonl_fields(path: str, kind: str, sample_bytes: int = 1 << 20) -> Counter:
+def jsonl_fields(path: str, kind: str, sample_bytes: int = 1 << 20, etag: str | None = None) -> Counter:
     """Keys of the JSON objects in the first `sample_bytes` of the shard, by the characters of text they hold."""
     fields = Counter()
-    for lines, _, _ in _lines(decompressed_blocks(path, kind, sample_bytes), sample_bytes):
+    for lines, *_ in _lines(decompressed_blocks(path, kind, sample_bytes, etag), sample_bytes):
         for line in lines[:-1] if len(lines) > 1 else lines:  # the last may be cut by the sample's end
             try:
                 obj = orjson.loads(line)
@@ -214,12 +249,18 @@ def read_jsonl_batches(
     batch_bytes: int,
     max_line_bytes: int,
     group_by: str | None = None,
+    etag: str | None = None,
+    start_frame: tuple[int, int] = (0, 0),
 ) -> Iterator[TextBatch]:
-    """Batches of about `batch_bytes` of input, resuming after `start_line` lines / `start_offset` bytes."""
-    blocks = _from_offset(decompressed_blocks(path, kind, min(BLOCK, batch_bytes)), start_offset, path)
+    """Batches of about `batch_bytes` of input, resuming after `start_line` lines / `start_offset` bytes; a zstd
+    shard from `start_frame`, where the frame that offset is in begins (a checkpoint's; (0, 0): from the start)."""
+    start = (start_offset, start_offset) if kind == "none" else start_frame if kind == "zstd" else (0, 0)
+    blocks = decompressed_blocks(path, kind, min(BLOCK, batch_bytes), etag, start)
     line_no, offset = start_line, start_offset
     batch = TextBatch([], 0, offset, 0, 0)
-    for lines, consumed, source_pos in _lines(blocks, max_line_bytes):
+    for lines, consumed, source_pos, frame in _lines(
+        _from_offset(blocks, start_offset - start[1], path), max_line_bytes
+    ):
         if offset == 0 and type(lines[0]) is bytes and lines[0].startswith(BOM):
             lines[0] = lines[0][len(BOM) :]
             batch.repaired["bom"] += 1
@@ -230,9 +271,9 @@ def read_jsonl_batches(
         lines.clear()  # the batch has the texts; a suspended _lines still holds this list
         batch.text_bytes += consumed
         if batch.text_bytes >= batch_bytes:
-            batch.end_offset, batch.source_pos = offset, source_pos
+            batch.end_offset, batch.source_pos, batch.frame = offset, source_pos, frame
             yield batch
             batch = TextBatch([], 0, offset, 0, 0)
     if batch.lines:
-        batch.end_offset, batch.source_pos = offset, source_pos
+        batch.end_offset, batch.source_pos, batch.frame = offset, source_pos, frame
         yield batch

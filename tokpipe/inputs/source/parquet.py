@@ -13,10 +13,15 @@ fails the shard: that is a wrong `--text-field`, not dirty data.
 Memory is bounded by a row group, never the file: pyarrow reads one row group's column chunk, and we
 decode it in pieces of about a block of text. Resuming is by rows: a checkpoint's lines are the rows
 consumed (its offset the same number), and the footer's row counts per row group say where they end.
+
+A shard on a store is read through store.Reader with no read-ahead: pyarrow asks for the footer, then for each
+row group from the checkpoint's on, for the column chunks it reads (the text column, and --group-by's), each one
+ranged GET; the columns it skips and the row groups before a resume's are never fetched.
 """
 
 from __future__ import annotations
 
+import io
 import os
 from collections import Counter
 from collections.abc import Iterator
@@ -27,6 +32,7 @@ import pyarrow.parquet as pq
 
 from tokpipe.errors import SourceError
 from tokpipe.inputs.source.batch import MISSING_GROUP, TextBatch, decode_utf8, group_value
+from tokpipe.store import StoreUnavailable, is_url, open_read
 
 PIECE_BYTES = 1 << 20  # about this much of a row group is decoded at a time
 TEXT_TYPES = (pa.string(), pa.large_string(), pa.binary(), pa.large_binary())
@@ -39,18 +45,24 @@ def _one_line(error: Exception) -> str:
     return " ".join(str(error).split())
 
 
-def _open(path: str) -> pq.ParquetFile:
+def _open(path: str, etag: str | None = None) -> tuple[pq.ParquetFile, int]:
+    """The file with its footer read, and its size; its bytes from the local path, or from the store by ranged GETs
+    (each If-Match etag)."""
+    source = open_read(path, etag, ahead=0) if is_url(path) else path
     try:
-        return pq.ParquetFile(path, page_checksum_verification=True)
+        parquet = pq.ParquetFile(source, page_checksum_verification=True)
+    except StoreUnavailable:  # the store's failure, not the file's: the run stops, resumable
+        raise
     except (pa.ArrowException, OSError) as e:
         raise SourceError(
             f"{path}: not a complete Parquet file, its footer is missing or broken (truncated download?): "
             f"{_one_line(e)}"
         ) from None
+    return parquet, source.seek(0, io.SEEK_END) if is_url(path) else os.path.getsize(path)
 
 
 def _pieces(
-    parquet: pq.ParquetFile, path: str, columns: list[str], start_row: int, piece_bytes: int
+    parquet: pq.ParquetFile, path: str, file_size: int, columns: list[str], start_row: int, piece_bytes: int
 ) -> Iterator[tuple[pa.RecordBatch, int, int]]:
     """The columns from row `start_row` on, a piece at a time: (values, number of the first row, file bytes read).
 
@@ -58,7 +70,7 @@ def _pieces(
     (the footer's sizes, interpolated by rows inside a row group), so that it ends at the file size.
     """
     groups = [parquet.metadata.row_group(g) for g in range(parquet.num_row_groups)]
-    file_size, data_size = os.path.getsize(path), max(1, sum(g.total_byte_size for g in groups))
+    data_size = max(1, sum(g.total_byte_size for g in groups))
     row, data_before = 0, 0  # rows and data of the row groups before this one
     for number, group in enumerate(groups):
         if row + group.num_rows > start_row:
@@ -76,6 +88,8 @@ def _pieces(
                         values, first = values.slice(start_row - first), start_row
                     data_read = data_before + group.total_byte_size * (read - row) // group.num_rows
                     yield values, first, file_size * data_read // data_size
+            except StoreUnavailable:
+                raise
             except (pa.ArrowException, OSError) as e:
                 raise SourceError(
                     f"{path}: row group {number} (of {len(groups)}) does not decode, the file is corrupt: "
@@ -145,19 +159,27 @@ def _parse(
     batch.text_bytes += sum(sizes)
 
 
-def parquet_fields(path: str) -> Counter:
-    with _open(path) as parquet:
+def parquet_fields(path: str, etag: str | None = None) -> Counter:
+    parquet, _ = _open(path, etag)
+    with parquet:
         return Counter(
             {f.name: 2 if f.type in TEXT_TYPES or str(f.type) in VIEW_TYPES else 1 for f in parquet.schema_arrow}
         )
 
 
 def read_parquet_batches(
-    path: str, text_field: str, start_line: int, batch_bytes: int, max_text_bytes: int, group_by: str | None = None
+    path: str,
+    text_field: str,
+    start_line: int,
+    batch_bytes: int,
+    max_text_bytes: int,
+    group_by: str | None = None,
+    etag: str | None = None,
 ) -> Iterator[TextBatch]:
     """Batches of about `batch_bytes` of text, resuming after `start_line` rows (a checkpoint's offset
     is the same number)."""
-    with _open(path) as parquet:
+    parquet, size = _open(path, etag)
+    with parquet:
         columns = parquet.schema_arrow.names
         if text_field not in columns:
             shown = ", ".join(columns[:10]) + (", ..." if len(columns) > 10 else "")
@@ -169,7 +191,8 @@ def read_parquet_batches(
         where = _group_column(parquet.schema_arrow, group_by) if group_by is not None else None
         columns = [text_field] + ([where[0]] if where and where[0] != text_field else [])
         batch = TextBatch([], 0, start_line, 0, 0)
-        for piece, first_row, source_pos in _pieces(parquet, path, columns, start_line, min(PIECE_BYTES, batch_bytes)):
+        pieces = _pieces(parquet, path, size, columns, start_line, min(PIECE_BYTES, batch_bytes))
+        for piece, first_row, source_pos in pieces:
             values = piece.column(text_field)
             groups = None
             if group_by is not None:
