@@ -8,10 +8,12 @@ import shutil
 from dataclasses import replace
 
 import pytest
-from helpers import EXAMPLE_CACHE, cli, run_args, tokpipe, write_jsonl
+from helpers import EXAMPLE_CACHE, cli, plain_copy_of_example, run_args, tokpipe, write_jsonl
 
+import tokpipe as api
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import build_manifest, load_manifest, split_of, write_manifest
+from tokpipe.store import Url
 
 REPO_DIR = EXAMPLE_CACHE / "datasets--tokpipe-realdata--slimpajama-mini"
 REVISION = (REPO_DIR / "refs" / "main").read_text().strip()
@@ -314,3 +316,129 @@ def test_a_manifest_path_that_is_a_folder_is_refused_and_nothing_is_left(tmp_pat
         f"(e.g. -o {tmp_path / 'manifests' / 'NAME.json'})\n"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["manifests"] and not any((tmp_path / "manifests").iterdir())
+
+
+# -- a dataset on an object store (s3://BUCKET/PREFIX), against a real S3 server ----------------------------
+
+
+def test_a_dataset_on_a_store_gives_the_shards_of_its_local_copy_in_every_layout(s3_server, s3_prefix, tmp_path):
+    """An HF cache copied up as `aws s3 sync` copies it (the snapshots' links followed), and a plain folder: the
+    same splits, order, sizes and keys as on disk; each shard an s3:// URL with the ETag the store lists."""
+    cache = s3_server.upload(EXAMPLE_CACHE, f"{s3_prefix}/hf-cache")
+    repo = f"{cache}/datasets--tokpipe-realdata--slimpajama-mini"
+    plain = s3_server.upload(plain_copy_of_example(tmp_path / "plain"), f"{s3_prefix}/plain")
+    local = [(s.split, s.relpath, s.size, s.key) for s in build_manifest(EXAMPLE_CACHE).shards()]
+    found = {o["Key"]: o["ETag"] for o in s3_server.client().list_objects_v2(Bucket=s3_server.bucket)["Contents"]}
+    manifests = [api.build_manifest(d) for d in (cache, repo, f"{repo}/snapshots/{REVISION}/", plain + "/")]
+    for m in manifests:
+        assert [(s.split, s.relpath, s.size, s.key) for s in m.shards()] == local
+        assert all(s.etag == found[Url.parse(s.path).key] for s in m.shards())
+    assert {m.fingerprint for m in manifests[:3]} == {manifests[0].fingerprint}  # the same objects
+    assert [s.path for s in manifests[0].shards()] == [
+        f"{repo}/snapshots/{REVISION}/{relpath}" for _, relpath, *_ in local
+    ]
+    assert [s.path for s in manifests[3].shards()] == [f"{plain}/{relpath}" for _, relpath, *_ in local]
+    assert (manifests[0].repo_id, manifests[0].revision, manifests[0].root, manifests[0].base) == (
+        "tokpipe-realdata/slimpajama-mini",
+        REVISION,
+        f"{repo}/snapshots/{REVISION}/",
+        f"{repo}/",
+    )
+    assert (manifests[3].repo_id, manifests[3].root) == (None, f"{plain}/")
+    # The fingerprint holds each ETag: a store's manifest is never taken for its local copy's, nor the reverse.
+    assert manifests[3].fingerprint != build_manifest(tmp_path / "plain").fingerprint
+
+
+def test_the_manifest_command_on_a_store_writes_and_reports_it(s3_server, s3_prefix, tmp_path):
+    cache = s3_server.upload(EXAMPLE_CACHE, f"{s3_prefix}/hf-cache")
+    result = cli("manifest", "--dataset-dir", cache, "-o", tmp_path / "m.json")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == (
+        f"tokpipe-realdata/slimpajama-mini@{REVISION[:12]}: 3 shards (train 2, validation 1), 1.1 MiB -> "
+        f"{tmp_path / 'm.json'}\n"
+        "  train: 2 shards, 0.8 MiB: train/chunk1/example_train_0.jsonl.zst, train/chunk1/example_train_1.jsonl.zst\n"
+        "  validation: 1 shard, 0.3 MiB: validation/chunk1/example_holdout_0.jsonl.zst\n"
+    )
+    loaded = load_manifest(tmp_path / "m.json")  # the ETags round-trip, and the fingerprint with them
+    assert list(loaded.shards()) == list(api.build_manifest(cache).shards())
+
+
+def test_a_dataset_on_a_store_is_refused_and_passed_over_as_on_disk(s3_server, s3_prefix):
+    data = s3_prefix + "/data"
+    for key in ("train/a.jsonl", ".cache/hidden.jsonl", "out/run.json", "out/manifest.json", "out/shards/x.jsonl"):
+        s3_server.put(f"{data}/{key}", b'{"text": "a"}\n')
+    m = api.build_manifest(s3_server.url(data))
+    assert [s.relpath for s in m.shards()] == ["train/a.jsonl"]
+    assert m.passed_over == (("out", "a tokpipe OUT, never input"),)
+
+    s3_server.put(f"{data}/train_test_0.jsonl", b'{"text": "a"}\n')
+    with pytest.raises(UserError, match=r"^train_test_0.jsonl names more than one split \(test and train\)"):
+        api.build_manifest(s3_server.url(data))
+
+    s3_server.put(f"{s3_prefix}/notes/readme.txt", b"hi")
+    with pytest.raises(UserError) as none:
+        api.build_manifest(s3_server.url(f"{s3_prefix}/notes"))
+    assert str(none.value) == (
+        f"no shards (*.jsonl, *.jsonl.zst, *.jsonl.zstd, *.jsonl.gz, *.json.gz, *.json.zst, *.parquet) under "
+        f"{s3_server.url(s3_prefix)}/notes/; found readme.txt in {s3_server.url(s3_prefix)}/notes/; expected a Hugging"
+        " Face cache root (holding datasets--ORG--NAME/), one datasets--ORG--NAME folder, a snapshots/REV folder, or a"
+        " folder of *.jsonl[.zst|.gz] or *.parquet shards"
+    )
+    with pytest.raises(UserError) as nothing:
+        api.build_manifest(s3_server.url(f"{s3_prefix}/not"))  # a prefix of notes/, but no folder
+    assert str(nothing.value) == (
+        f"--dataset-dir {s3_server.url(s3_prefix)}/not/ holds no object: is the bucket or the prefix misspelt?"
+    )
+
+
+def test_a_cache_on_a_store_picks_its_snapshot_by_refs_as_on_disk(s3_server, s3_prefix):
+    cache = s3_server.upload(EXAMPLE_CACHE, f"{s3_prefix}/hf-cache")
+    repo = f"{s3_prefix}/hf-cache/datasets--tokpipe-realdata--slimpajama-mini"
+    for key in ("train/chunk1/example_train_0.jsonl.zst", "validation/chunk1/example_holdout_0.jsonl.zst"):
+        s3_server.put(f"{repo}/snapshots/{'0' * 40}/{key}", b'{"text": "an older revision"}\n')
+    s3_server.put(f"{s3_prefix}/hf-cache/datasets--other--set/snapshots/{'1' * 40}/a.jsonl", b'{"text": "a"}\n')
+    with pytest.raises(UserError, match=r"holds several datasets \(other/set, tokpipe-realdata/slimpajama-mini\)"):
+        api.build_manifest(cache)
+    assert api.build_manifest(cache, repo_id="tokpipe-realdata/slimpajama-mini").revision == REVISION  # refs/main
+    older = api.build_manifest(cache, repo_id="tokpipe-realdata/slimpajama-mini", revision="0" * 40)
+    assert [s.size for s in older.shards()] == [30, 30]
+    s3_server.client().delete_object(Bucket=s3_server.bucket, Key=f"{repo}/refs/main")
+    with pytest.raises(UserError, match="has 2 snapshots and no refs/main: pick one with --revision"):
+        api.build_manifest(cache, repo_id="tokpipe-realdata/slimpajama-mini")
+
+
+def test_a_wrong_key_a_missing_bucket_or_no_store_is_refused_in_one_line(s3_server, s3_prefix, tmp_path):
+    url = s3_server.upload(EXAMPLE_CACHE, f"{s3_prefix}/hf-cache")
+    where = f"{url}/: the store at {s3_server.endpoint}"
+    cases = [
+        (
+            {"AWS_ACCESS_KEY_ID": "nobody"},
+            url,
+            f"{where} answered InvalidAccessKeyId: the access key is not the store's (AWS_ACCESS_KEY_ID) (The access"
+            " key ID you provided does not exist in our records.)",
+        ),
+        (
+            {"AWS_SECRET_ACCESS_KEY": "wrong"},
+            url,
+            f"{where} answered SignatureDoesNotMatch: the secret key does not match the access key "
+            "(AWS_SECRET_ACCESS_KEY) (The request signature we calculated does not match the signature you provided."
+            " Check your key and signing method.)",
+        ),
+        (
+            {},
+            "s3://no-such-bucket/data",
+            f"s3://no-such-bucket/data/: the store at {s3_server.endpoint} answered NoSuchBucket: there is no such "
+            "bucket (The specified bucket does not exist)",
+        ),
+        (
+            {"AWS_ENDPOINT_URL": "http://127.0.0.1:9"},
+            url,
+            f"{url}/: cannot reach the store at http://127.0.0.1:9 after 2 tries (Could not connect to the endpoint "
+            f'URL: "http://127.0.0.1:9/{s3_server.bucket}?list-type=2&prefix={s3_prefix}%2Fhf-cache%2F&max-keys=1'
+            '&encoding-type=url")',
+        ),
+    ]
+    for env, dataset, message in cases:
+        result = tokpipe("manifest", "--dataset-dir", dataset, "-o", tmp_path / "m.json", env=env)
+        assert (result.returncode, result.stdout, result.stderr) == (2, "", f"tokpipe manifest: error: {message}\n")
+    assert not (tmp_path / "m.json").exists()

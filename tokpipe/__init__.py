@@ -28,6 +28,7 @@ from tokpipe.inputs.manifest import build_manifest as _build_manifest
 from tokpipe.out.files import is_out
 from tokpipe.read.output import Output, Split, open_output
 from tokpipe.read.verify import verify
+from tokpipe.store import is_url
 
 __all__ = ["build_manifest", "run", "verify", "open_output", "Output", "Split", "Manifest", "__version__"]
 
@@ -41,10 +42,13 @@ def build_manifest(
     allow_outside: bool = False,
 ) -> Manifest:
     """`tokpipe manifest`: the dataset's shards, splits and order; also written to `output` when given
-    (what `run` reads). A tokpipe OUT inside the dataset is passed over (`Manifest.passed_over` says so)."""
-    manifest = _build_manifest(
-        dataset_dir, repo_id=repo_id, revision=revision, allow_outside=allow_outside, is_out=is_out
-    )
+    (what `run` reads). A tokpipe OUT inside the dataset is passed over (`Manifest.passed_over` says so).
+    `dataset_dir`: a folder, or a prefix on an object store (s3://BUCKET/PREFIX, docs/stores.md)."""
+    build = _build_manifest
+    if is_url(dataset_dir):
+        from tokpipe.inputs.objects import build_store_manifest as build  # boto3 only for a dataset on a store
+
+    manifest = build(dataset_dir, repo_id=repo_id, revision=revision, allow_outside=allow_outside, is_out=is_out)
     if output is not None:
         write_manifest(manifest, output)
     return manifest

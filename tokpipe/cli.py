@@ -235,7 +235,8 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--dataset-dir",
         required=True,
-        help="HF cache root, datasets--ORG--NAME folder, snapshots/REV folder, or a folder of shards",
+        help="HF cache root, datasets--ORG--NAME folder, snapshots/REV folder, or a folder of shards; on an "
+        "object store: s3://BUCKET/PREFIX",
     )
     m.add_argument("-o", "--output", help="manifest path (default: manifests/NAME.json)")
     m.add_argument("--repo-id", help="ORG/NAME, when the cache holds several datasets")

@@ -2,7 +2,9 @@
 
 The dataset dir may be a Hugging Face cache root, one `datasets--ORG--NAME` repo folder, one
 `snapshots/REV` folder of it, or a plain folder of shards. The cache is read with huggingface_hub
-(which knows refs/, snapshots/ and blobs/); we never guess at its layout.
+(which knows refs/, snapshots/ and blobs/); we never guess at its layout. The same layouts under a prefix of an
+object store (s3://BUCKET/PREFIX) are walked by objects.py, by these rules, into the same Manifest: its shards'
+paths are s3:// URLs, and each records the object's ETag.
 
 A manifest may list 100,000s of shards, so a loaded one never holds them: each pass over its
 shards streams them from the file (ijson), and what a driver keeps is its counts and size.
@@ -29,6 +31,7 @@ import ijson
 import orjson
 
 from tokpipe.errors import UserError
+from tokpipe.store import is_url
 
 MANIFEST_VERSION = 1
 SHARD_SUFFIXES = (".jsonl", ".jsonl.zst", ".jsonl.zstd", ".jsonl.gz", ".json.gz", ".json.zst", ".parquet")
@@ -54,9 +57,10 @@ POINTER_MAX_BYTES = 512
 class Shard:
     split: str  # train | validation | test
     relpath: str  # path relative to the snapshot (or plain folder) root; fixes the order
-    path: str  # absolute path of the bytes to read (the blob, for a cache)
+    path: str  # absolute path of the bytes to read (the blob, for a cache), or the s3:// URL of an object
     size: int
     key: str  # file-system-safe unique name of the shard inside OUT/shards/<split>/
+    etag: str | None = None  # of an object on a store, as listed: every read asks for it (a replaced one fails)
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,7 @@ class Manifest:
     allow_outside: bool
     repo_id: str | None
     revision: str | None
-    fingerprint: str  # sha256 of what the output depends on: splits, order, paths, sizes
+    fingerprint: str  # sha256 of what the output depends on: splits, order, paths, sizes (and ETags)
     counts: dict[str, int]  # shards per split, the splits in the order they first appear
     size: int  # bytes of all shards
     source: tuple[Shard, ...] | Path  # the shards of a built manifest, or the file a loaded one streams them from
@@ -91,10 +95,13 @@ class Manifest:
 
 
 def fingerprint_of(shards: Iterable[Shard]) -> str:
-    """sha256 of the JSON list [[split, relpath, size], ...], computed a shard at a time."""
+    """sha256 of the JSON list [[split, relpath, size], ...], computed a shard at a time; a shard on a store adds its
+    ETag ([split, relpath, size, etag]): an object replaced by one of the same size is other input. A local shard's
+    entry is as it always was, so the OUTs of earlier manifests still resume."""
     hasher = hashlib.sha256(b"[")
     for i, s in enumerate(shards):
-        hasher.update((b"," if i else b"") + json.dumps([s.split, s.relpath, s.size], separators=(",", ":")).encode())
+        entry = [s.split, s.relpath, s.size] + ([s.etag] if s.etag is not None else [])
+        hasher.update((b"," if i else b"") + json.dumps(entry, separators=(",", ":")).encode())
     hasher.update(b"]")
     return hasher.hexdigest()
 
@@ -160,8 +167,10 @@ def _resolve_pointer(path: Path, blobs_dir: Path | None) -> Path:
 
 
 def _check_inside(shard_path: str, relpath: str, base: str) -> None:
-    # normpath first: "base/../elsewhere" is outside, whatever its first component says.
-    if not os.path.normpath(shard_path).startswith(os.path.join(base, "")):
+    # normpath first: "base/../elsewhere" is outside, whatever its first component says. An object's key is its
+    # name, never a path to resolve.
+    where = shard_path if is_url(shard_path) else os.path.normpath(shard_path)
+    if not where.startswith(base.rstrip("/") + "/"):
         raise UserError(
             f"{relpath} resolves to {shard_path}, outside the dataset folder {base}; pass --allow-outside if "
             "that is intended"
@@ -240,34 +249,38 @@ def _shard(path: Path, relpath: str, blobs_dir: Path | None, base: Path, allow_o
 
 
 def _layout_hint(directory: Path) -> str:
-    entries = sorted(p.name for p in directory.iterdir())[:8] if directory.is_dir() else []
-    found = ", ".join(entries) if entries else "nothing"
+    return layout_hint(str(directory), sorted(p.name for p in directory.iterdir()) if directory.is_dir() else [])
+
+
+def layout_hint(where: str, names: list[str]) -> str:
+    """What was found in a dataset dir (a few of its names) and what is expected there."""
+    found = ", ".join(names[:8]) if names else "nothing"
     return (
-        f"found {found} in {directory}; expected a Hugging Face cache root (holding datasets--ORG--NAME/), "
+        f"found {found} in {where}; expected a Hugging Face cache root (holding datasets--ORG--NAME/), "
         "one datasets--ORG--NAME folder, a snapshots/REV folder, or a folder of *.jsonl[.zst|.gz] or *.parquet shards"
     )
 
 
-def _pick_revision(repo, revision: str | None) -> tuple[str, Path]:
-    revisions = {r.commit_hash: r for r in repo.revisions}
-    by_ref = {ref: r for r in repo.revisions for ref in r.refs}
+def pick_revision(repo_id: str, snapshots: dict[str, str], refs: dict[str, str], revision: str | None) -> str:
+    """The commit whose snapshot to read, of a repo's `snapshots` (commit -> where) and `refs` (name -> commit):
+    `revision` (a ref or a commit), else refs/main, else the only snapshot."""
+    by_ref = {ref: commit for ref, commit in refs.items() if commit in snapshots}
     if revision is not None:
-        chosen = by_ref.get(revision) or revisions.get(revision)
+        chosen = by_ref.get(revision) or (revision if revision in snapshots else None)
         if chosen is None:
             raise UserError(
-                f"revision {revision!r} not in the cache for {repo.repo_id}: it has refs {sorted(by_ref)} "
-                f"and snapshots {sorted(revisions)}"
+                f"revision {revision!r} not in the cache for {repo_id}: it has refs {sorted(by_ref)} "
+                f"and snapshots {sorted(snapshots)}"
             )
-    elif "main" in by_ref:
-        chosen = by_ref["main"]
-    elif len(revisions) == 1:
-        chosen = next(iter(revisions.values()))
-    else:
-        raise UserError(
-            f"{repo.repo_id} has {len(revisions)} snapshots and no refs/main: pick one with --revision "
-            f"({', '.join(sorted(revisions))})"
-        )
-    return chosen.commit_hash, Path(chosen.snapshot_path)
+        return chosen
+    if "main" in by_ref:
+        return by_ref["main"]
+    if len(snapshots) == 1:
+        return next(iter(snapshots))
+    raise UserError(
+        f"{repo_id} has {len(snapshots)} snapshots and no refs/main: pick one with --revision "
+        f"({', '.join(sorted(snapshots))})"
+    )
 
 
 def _locate(
@@ -306,8 +319,11 @@ def _locate(
         names = ", ".join(sorted(r.repo_id for r in repos))
         raise UserError(f"the cache at {cache_root} holds several datasets ({names}): pick one with --repo-id ORG/NAME")
     repo = repos[0]
-    rev, root = _pick_revision(repo, snapshot or revision)
-    return root, Path(repo.repo_path) / "blobs", repo.repo_id, rev
+    snapshots = {r.commit_hash: str(r.snapshot_path) for r in repo.revisions}
+    rev = pick_revision(
+        repo.repo_id, snapshots, {ref: r.commit_hash for r in repo.revisions for ref in r.refs}, snapshot or revision
+    )
+    return Path(snapshots[rev]), Path(repo.repo_path) / "blobs", repo.repo_id, rev
 
 
 def build_manifest(
@@ -324,10 +340,27 @@ def build_manifest(
     base = (blobs_dir.parent if blobs_dir else root).resolve()
     files, passed_over = _walk(root, is_out)
     shards = [_shard(path, relpath, blobs_dir, base, allow_outside) for path, relpath in files]
+    return manifest_of(
+        str(root), str(base), allow_outside, repo_id, revision, shards, passed_over, lambda: _layout_hint(root)
+    )
+
+
+def manifest_of(
+    root: str,
+    base: str,
+    allow_outside: bool,
+    repo_id: str | None,
+    revision: str | None,
+    shards: list[Shard],
+    passed_over: list[tuple[str, str]],
+    hint: Callable[[], str],
+) -> Manifest:
+    """The manifest of the shards a walk found (of a folder, or of a prefix on a store): in order, each key once.
+    None found: refused, with `hint()` (layout_hint) of what the dataset dir holds."""
+    if not shards:
+        raise UserError(f"no shards (*{', *'.join(SHARD_SUFFIXES)}) under {root}; {hint()}")
     # The order of docs/design.md: per split, plain string order of the path relative to the snapshot root.
     shards.sort(key=lambda s: s.relpath)
-    if not shards:
-        raise UserError(f"no shards (*{', *'.join(SHARD_SUFFIXES)}) under {root}; " + _layout_hint(root))
     keys = {}
     for shard in shards:
         other = keys.setdefault((shard.split, shard.key), shard.relpath)
@@ -335,8 +368,8 @@ def build_manifest(
             raise UserError(f"{other} and {shard.relpath} would be written to the same shard file: rename one")
     counts = dict(Counter(s.split for s in shards))
     return Manifest(
-        str(root),
-        str(base),
+        root,
+        base,
         allow_outside,
         repo_id,
         revision,

@@ -14,7 +14,7 @@ import os
 import pickle
 import re
 import shlex
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -305,10 +305,12 @@ class Out:
                 made.unlink()
 
 
-def is_out(folder: Path) -> bool:
+def is_out(folder: Path, names: Collection[str] | None = None) -> bool:
     """Whether a folder is a tokpipe OUT: it holds what every run writes before its first token, run.json and
-    its manifest's copy (a manifest rebuilt over a dataset that holds one passes it over)."""
-    return Out(folder).run_json.is_file() and Out(folder).manifest.is_file()
+    its manifest's copy (a manifest rebuilt over a dataset that holds one passes it over). `names`: the files in
+    it as a listing gave them (a folder on an object store), instead of looking."""
+    marks = (Out(folder).run_json, Out(folder).manifest)
+    return all(m.name in names for m in marks) if names is not None else all(m.is_file() for m in marks)
 
 
 def stall_dump(out: str | os.PathLike, shard: Shard) -> Path:

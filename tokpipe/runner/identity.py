@@ -142,8 +142,9 @@ def finished_read_only(out: Path, manifest: Manifest, info: TokenizerInfo, opts:
 
 
 def _check_append(out: Path, old_manifest: Manifest, manifest: Manifest, tell: Listener) -> None:
-    """Every shard of the old manifest must be in the new one, the same size. Both list a split's shards
-    in path order (docs/design.md), so one merged pass per split compares them, holding neither manifest."""
+    """Every shard of the old manifest must be in the new one, the same size (on a store, the same ETag). Both list
+    a split's shards in path order (docs/design.md), so one merged pass per split compares them, holding neither
+    manifest."""
     changed = []
     for split in old_manifest.counts:
         new = manifest.shards(split)
@@ -151,7 +152,8 @@ def _check_append(out: Path, old_manifest: Manifest, manifest: Manifest, tell: L
         for shard in old_manifest.shards(split):
             while candidate is not None and candidate.relpath < shard.relpath:
                 candidate = next(new, None)
-            if candidate is None or candidate.relpath != shard.relpath or candidate.size != shard.size:
+            same = candidate is not None and (candidate.relpath, candidate.size) == (shard.relpath, shard.size)
+            if not same or candidate.etag != shard.etag:
                 changed.append(shard.relpath)
     if changed:
         raise UserError(

@@ -1,0 +1,152 @@
+"""A dataset under a prefix of an object store (s3://BUCKET/PREFIX) -> its manifest, by the rules manifest.py walks
+a folder by: a Hugging Face cache root, one datasets--ORG--NAME folder, one snapshots/REV folder of it, or a plain
+folder of shards; splits from the path (split_of), the same order, keys and refusals.
+
+A store has no folders and no links: a folder is a prefix of keys up to a `/`. The prefix is listed once (a LIST
+a thousand keys) and the layout read from the keys, so no folder is met twice and none is passed over as a link;
+a folder whose name starts with `.` is not walked, and a tokpipe OUT (run.json and manifest.json side by side, as
+a copied-up OUT has them) is passed over. A cache copied up (`aws s3 sync`, `rclone copy`) holds each snapshot
+file as an object of its own, the links followed; a link kept as a small text file naming a blob, which tokpipe
+follows on disk, is not followed here. Each shard's size and ETag are the listing's: the manifest records both,
+and every read of the shard asks for that ETag (tokpipe/store.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import PurePosixPath
+
+from tokpipe.errors import UserError
+from tokpipe.inputs.manifest import (
+    SHARD_SUFFIXES,
+    Manifest,
+    Shard,
+    layout_hint,
+    manifest_of,
+    pick_revision,
+    shard_key,
+    split_of,
+)
+from tokpipe.store import Bucket, Object, Url, is_url
+
+REPO_PREFIX = "datasets--"
+
+
+def build_store_manifest(
+    dataset_dir: str,
+    repo_id: str | None = None,
+    revision: str | None = None,
+    allow_outside: bool = False,
+    is_out: Callable[..., bool] | None = None,
+) -> Manifest:
+    """The ordered shard list of a dataset under an s3:// prefix; `is_out(folder, names)` tells a tokpipe OUT from
+    the names of the objects in a folder. A store's keys hold no link: `allow_outside` changes nothing here."""
+    url = Url.parse(dataset_dir)
+    bucket = Bucket.of(url)
+    prefix = url.key.rstrip("/") + "/" if url.key.strip("/") else ""  # a folder: `a/b` holds a/b/x, not a/bc
+    bucket.check(prefix)  # a wrong key, no such bucket, no store there: one line now
+    listed = {o.key: o for o in bucket.list(prefix) if not o.key.endswith("/")}  # not a console's "folder" object
+    if not listed:
+        raise UserError(f"--dataset-dir {bucket.where(prefix)} holds no object: is the bucket or the prefix misspelt?")
+    root, repo, repo_id, revision = _locate(bucket, prefix, listed, repo_id, revision)
+    files, passed_over = _walk(listed, root, is_out)
+    shards = [
+        Shard(split_of(relpath), relpath, bucket.where(found.key), found.size, shard_key(relpath), found.etag)
+        for found, relpath in files
+    ]
+    names = sorted({key[len(root) :].partition("/")[0] for key in listed if key.startswith(root)})
+    return manifest_of(
+        bucket.where(root),
+        bucket.where(repo if repo is not None else root),
+        allow_outside,
+        repo_id,
+        revision,
+        shards,
+        passed_over,
+        lambda: layout_hint(bucket.where(root), names),
+    )
+
+
+def check_reachable(manifest: Manifest) -> None:
+    """Refuse, before any work, a manifest of shards on a store that this process cannot read: unreachable, a wrong
+    key, no bucket (store.Bucket.check: one line naming the URL and what the store answered)."""
+    if is_url(manifest.base):
+        url = Url.parse(manifest.base)
+        Bucket.of(url).check(url.key)
+
+
+def _locate(
+    bucket: Bucket, prefix: str, listed: dict[str, Object], repo_id: str | None, revision: str | None
+) -> tuple[str, str | None, str | None, str | None]:
+    """(shard root, repo folder, repo id, revision) for any of the accepted layouts, as prefixes ending in `/`."""
+    *above, name = [""] + prefix.rstrip("/").split("/")
+    if name.startswith(REPO_PREFIX):  # one repo folder
+        return _snapshot(bucket, prefix, listed, repo_id or _repo_id(name), revision)
+    if len(above) >= 3 and above[-1] == "snapshots" and above[-2].startswith(REPO_PREFIX):  # one snapshot
+        return prefix, prefix.rsplit("/", 3)[0] + "/", repo_id or _repo_id(above[-2]), name
+    folders = {rel.partition("/")[0] for rel in (key[len(prefix) :] for key in listed) if "/" in rel}
+    repos = sorted(f for f in folders if f.startswith(REPO_PREFIX))
+    if not repos:
+        return prefix, None, None, None
+    if repo_id is not None:
+        repos = [r for r in repos if _repo_id(r) == repo_id]
+        if not repos:
+            found = layout_hint(bucket.where(prefix), sorted({k[len(prefix) :].partition("/")[0] for k in listed}))
+            raise UserError(f"no dataset {repo_id!r} in the Hugging Face cache at {bucket.where(prefix)}; {found}")
+    if len(repos) > 1:
+        names = ", ".join(_repo_id(r) for r in repos)
+        raise UserError(
+            f"the cache at {bucket.where(prefix)} holds several datasets ({names}): pick one with --repo-id ORG/NAME"
+        )
+    return _snapshot(bucket, f"{prefix}{repos[0]}/", listed, _repo_id(repos[0]), revision)
+
+
+def _snapshot(
+    bucket: Bucket, repo: str, listed: dict[str, Object], repo_id: str, revision: str | None
+) -> tuple[str, str, str, str]:
+    """The snapshot of a repo folder to read, chosen by its refs/ (each ref a small object holding a commit) as
+    huggingface_hub chooses one on disk (manifest.pick_revision)."""
+    snapshots, refs = {}, {}  # commit -> its folder; ref -> commit
+    for key in listed:
+        kind, _, rest = key.removeprefix(repo).partition("/") if key.startswith(repo) else ("", "", "")
+        if kind == "snapshots" and "/" in rest:
+            commit = rest.partition("/")[0]
+            snapshots[commit] = f"{repo}snapshots/{commit}/"
+        elif kind == "refs" and rest:
+            refs[rest] = (bucket.get(key) or b"").decode("utf-8", "replace").strip()
+    commit = pick_revision(repo_id, snapshots, refs, revision)
+    return snapshots[commit], repo, repo_id, commit
+
+
+def _walk(
+    listed: dict[str, Object], root: str, is_out: Callable[..., bool] | None
+) -> tuple[list[tuple[Object, str]], list[tuple[str, str]]]:
+    """The shard objects under root, (object, relpath), and the folders passed over, (relpath, why): the OUTs.
+    Folders whose name starts with `.` are not walked, as on disk."""
+    names: dict[str, set[str]] = {}  # folder relpath -> the names of the objects right in it
+    for key in listed:
+        if key.startswith(root) and not _hidden(rel := key[len(root) :]):
+            folder, _, name = rel.rpartition("/")
+            names.setdefault(folder, set()).add(name)
+    passed_over: list[tuple[str, str]] = []
+    for folder in sorted(names):
+        inside = any(folder.startswith(f"{other}/") for other, _ in passed_over)
+        if folder and not inside and is_out is not None and is_out(PurePosixPath(folder), names[folder]):
+            passed_over.append((folder, "a tokpipe OUT, never input"))
+    files = [
+        (found, rel)
+        for key, found in sorted(listed.items())
+        if key.startswith(root)
+        and (rel := key[len(root) :]).endswith(SHARD_SUFFIXES)
+        and not _hidden(rel)
+        and not any(rel.startswith(f"{folder}/") for folder, _ in passed_over)
+    ]
+    return files, passed_over
+
+
+def _hidden(relpath: str) -> bool:
+    return any(part.startswith(".") for part in relpath.split("/")[:-1])
+
+
+def _repo_id(folder: str) -> str:
+    return folder.removeprefix(REPO_PREFIX).replace("--", "/")
