@@ -815,3 +815,56 @@ class S3Server:
                 self.put(f"{prefix}/{path.relative_to(folder).as_posix()}", path.read_bytes())
         return self.url(prefix)
 
+
+def example_with_train_0_as(dest: Path, layout: str) -> Path:
+    """The example's shards as a plain folder (plain_copy_of_example), its first train shard rewritten: as plain
+    JSONL (`plain`, example_train_0.jsonl) or as zstd in 40 frames laid out as pzstd lays them out (`pzstd`). The same
+    documents in the same order: the example's reference bytes."""
+    plain_copy_of_example(dest)
+    first = dest / TRAIN_0
+    raw = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(first.read_bytes()), read_across_frames=True).read()
+    if layout == "plain":
+        first.unlink()
+        first.with_suffix("").write_bytes(raw)
+    else:
+        lines = raw.splitlines(keepends=True)
+        step = -(-len(lines) // 40)
+        first.write_bytes(pzstd_frames([b"".join(lines[i : i + step]) for i in range(0, len(lines), step)]))
+    return dest
+
+
+# A `tokpipe run` with no Ray (as KILLED_RUN: the driver reads every shard itself) whose ranged GETs of a store
+# (tokpipe.store.Bucket.read, which still reads) go to a file, a line "KEY START END" each; with the store's tries
+# and read-ahead as given (argv: record file, tries, read-ahead bytes, the S3 server's PID or 0, a key, n, then the
+# CLI's arguments), and the S3 server killed (SIGKILL, its process group) as the n-th GET of that key is made.
+STORE_RUN = """
+import os, signal, sys
+import tokpipe.runner.driver, tokpipe.store
+tokpipe.runner.driver.EAGER_RAY_BYTES = tokpipe.runner.driver.LOCAL_SECONDS = float("inf")  # no Ray
+record, server, kill_key, kill_at = sys.argv[1], int(sys.argv[4]), sys.argv[5], int(sys.argv[6])
+tokpipe.store.TRIES, tokpipe.store.READ_AHEAD = int(sys.argv[2]), int(sys.argv[3])
+read, made = tokpipe.store.Bucket.read, []
+def recorded(bucket, key, start, end, etag=None):
+    made.append(key)
+    with open(record, "a") as f:
+        f.write(f"{key} {start} {end}\\n")
+    if key == kill_key and made.count(key) == kill_at:
+        os.killpg(server, signal.SIGKILL)
+    return read(bucket, key, start, end, etag)
+tokpipe.store.Bucket.read = recorded
+from tokpipe import cli
+cli.main(sys.argv[7:])
+"""
+
+
+def store_run(
+    manifest, out, *extra, tokenizer=QWEN3, tries=10, read_ahead=8 << 20, kill: tuple[S3Server, str, int] | None = None
+) -> tuple[subprocess.CompletedProcess, list[tuple[str, int, int]]]:
+    """`tokpipe run` (run_args) as STORE_RUN runs it; returns it and its GETs, (key, start, end) in order. `kill`:
+    (the server, a key, n) to kill it at the n-th GET of that key."""
+    record = Path(out).parent / f"gets-{time.monotonic_ns()}.txt"
+    server, key, at = (kill[0].proc.pid, kill[1], kill[2]) if kill else (0, "", 0)
+    args = [record, tries, read_ahead, server, key, at, *run_args(manifest, out, *extra, tokenizer=tokenizer)]
+    run = subprocess.run([sys.executable, "-c", STORE_RUN, *map(str, args)], capture_output=True, text=True)
+    lines = record.read_text().splitlines() if record.exists() else []
+    return run, [(key, int(start), int(end)) for key, start, end in (line.split() for line in lines)]

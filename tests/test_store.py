@@ -1,14 +1,31 @@
 """store: an object read as a file by ranged GETs of a bounded size, every one asking for the ETag the manifest
 recorded (a replaced or removed object fails by name); a store restarted mid-read waited for, one that stays away
 said in one line past its retries; a wrong key, a missing bucket or no store at all refused in one line, quickly.
-Against a real S3 server (SeaweedFS, the s3_server fixture)."""
+Then a corpus on the store as a user runs it (OUT on a local disk): the reference's bytes, on Ray's workers too; no
+secret in anything written or printed; a kill -9 mid-shard resumed by a ranged read from the checkpoint's place; an
+object replaced after the manifest, a wrong key, a missing bucket, no store, a store gone mid-run, each said in one
+line. Against a real S3 server (SeaweedFS, the s3_server fixture)."""
 
 import threading
+from pathlib import Path
 
 import pytest
+from helpers import (
+    SESSION_RAYS,
+    TRAIN_1,
+    assert_out_is,
+    checkpoints,
+    cli,
+    example_with_train_0_as,
+    killed_run,
+    run_args,
+    store_run,
+    tokpipe,
+)
 
 from tokpipe import store
 from tokpipe.errors import UserError
+from tokpipe.inputs.manifest import load_manifest
 from tokpipe.store import Bucket, Changed, Reader, StoreRefused, StoreUnavailable, Url, open_read
 
 MIB = 1 << 20
@@ -121,3 +138,142 @@ def test_a_url_names_a_bucket_and_a_key():
     with pytest.raises(UserError, match=r"^/data is not an object-store URL: s3://BUCKET/PREFIX$"):
         Url.parse("/data")
 
+
+# -- a corpus on the store, OUT on a local disk: `tokpipe` as a user runs it ---------------------------------
+
+
+def _manifest_of(s3_server, s3_prefix, tmp_path, train_0: str = "pzstd") -> Path:
+    """The example (its first train shard as `train_0`: example_with_train_0_as) on the store, and its manifest."""
+    url = s3_server.upload(example_with_train_0_as(tmp_path / "data", train_0), f"{s3_prefix}/data")
+    made = cli("manifest", "--dataset-dir", url, "-o", tmp_path / "m.json")
+    assert made.returncode == 0, made.stderr
+    return tmp_path / "m.json"
+
+
+def test_a_run_of_a_corpus_on_a_store_is_the_reference_and_no_secret_is_written_anywhere(
+    s3_server, s3_prefix, tmp_path, small_tokenizer, small_reference, ray_address
+):
+    """On the session's Ray (its workers read the store with their own environment's key), then verify and its
+    sample re-read from the store; the secret key is in nothing any of them wrote or printed."""
+    manifest, out = _manifest_of(s3_server, s3_prefix, tmp_path), tmp_path / "out"
+    run = tokpipe(*run_args(manifest, out, "--ray-only", tokenizer=small_tokenizer), ray=ray_address)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert_out_is(out, small_reference)
+    checks = [tokpipe("verify", out, "--sample", "40"), tokpipe("status", out)]
+    assert [c.returncode for c in checks] == [0, 0], [c.stderr for c in checks]
+    assert "train: 28 sampled documents re-tokenized by tokenizers match" in checks[0].stdout
+    printed = [run.stdout, run.stderr] + [c.stdout + c.stderr for c in checks]
+    written = [p for p in [manifest, *out.rglob("*"), *Path(SESSION_RAYS[ray_address]).rglob("*")] if p.is_file()]
+    assert len(written) > 20 and (out / "logs" / "run.log").is_file()
+    leaks = [p for p in written if s3_server.secret.encode() in p.read_bytes()]
+    assert leaks == [] and not any(s3_server.secret in text for text in printed)
+
+
+@pytest.mark.parametrize("train_0", ["plain", "pzstd"])
+def test_kill_9_mid_shard_then_the_rerun_reads_the_rest_by_a_ranged_get(
+    s3_server, s3_prefix, tmp_path, small_tokenizer, small_reference, train_0
+):
+    """Killed as the first shard's second checkpoint is written; the rerun's first GET of that shard's bytes starts
+    where its checkpoint says: plain JSONL at its byte offset, zstd of several frames at the frame that holds it."""
+    manifest, out = _manifest_of(s3_server, s3_prefix, tmp_path, train_0), tmp_path / "out"
+    extra = ("--workers", "1", "--checkpoint-interval", "0.000001", "--shard-buffer", "0")
+    step = ("tokpipe.write.shard.write_json_atomic", 2)
+    killed_run(*step, manifest, out, *extra, batch_bytes=64 << 10, tokenizer=small_tokenizer)
+    [ckpt] = [c for c in checkpoints(out) if not c["done"]]
+    start = ckpt["offset"] if train_0 == "plain" else ckpt["frame_source_pos"]
+    assert start > 0 and (train_0 == "plain" or 0 < ckpt["frame_offset"] < ckpt["offset"])
+    rerun, gets = store_run(manifest, out, tokenizer=small_tokenizer)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert_out_is(out, small_reference)
+    key = Url.parse(next(load_manifest(manifest).shards()).path).key
+    first = [(start, end) for name, start, end in gets if name == key]
+    # The backend check reads the first shard of each split from its start; the shard itself, its 4 bytes of
+    # format, then the rest from the checkpoint's place.
+    assert first[-2:] == [(0, 4), (start, start + (8 << 20))]
+
+
+def test_an_object_replaced_after_the_manifest_fails_its_shard_in_one_line(
+    s3_server, s3_prefix, tmp_path, small_tokenizer, small_reference
+):
+    manifest = _manifest_of(s3_server, s3_prefix, tmp_path)
+    shard = next(s for s in load_manifest(manifest).shards() if s.relpath == TRAIN_1)
+    original = s3_server.client().get_object(Bucket=s3_server.bucket, Key=Url.parse(shard.path).key)["Body"].read()
+    s3_server.put(Url.parse(shard.path).key, original + b"\n")  # one more (blank) line: another object
+    out = tmp_path / "out"
+    failed = tokpipe(*run_args(manifest, out, "--workers", "1", tokenizer=small_tokenizer))
+    assert failed.returncode == 1
+    assert (
+        f"FAILED {TRAIN_1}: Changed: {shard.path} is not the object the manifest listed: it was replaced (its ETag is"
+        f" no longer {shard.etag}); put it back, or rebuild the manifest and run into a new --out\n"
+    ) in failed.stderr
+    s3_server.put(Url.parse(shard.path).key, original)  # put back: the same bytes, the same ETag
+    rerun = tokpipe(*run_args(manifest, out, tokenizer=small_tokenizer))
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert_out_is(out, small_reference)
+
+
+def test_a_run_refuses_a_wrong_key_a_missing_bucket_or_no_store_before_any_work(
+    s3_server, s3_prefix, tmp_path, small_tokenizer
+):
+    manifest, out = _manifest_of(s3_server, s3_prefix, tmp_path), tmp_path / "out"
+    base = load_manifest(manifest).base
+    client = s3_server.client()
+    client.create_bucket(Bucket="tokpipe-gone")
+    client.put_object(Bucket="tokpipe-gone", Key="data/a.jsonl", Body=b'{"text": "a"}\n')
+    assert cli("manifest", "--dataset-dir", "s3://tokpipe-gone/data", "-o", tmp_path / "gone.json").returncode == 0
+    client.delete_object(Bucket="tokpipe-gone", Key="data/a.jsonl")
+    client.delete_bucket(Bucket="tokpipe-gone")
+    cases = [
+        (
+            manifest,
+            {"AWS_SECRET_ACCESS_KEY": "wrong"},
+            f"{base}: the store at {s3_server.endpoint} answered SignatureDoesNotMatch: the secret key does not match"
+            " the access key (AWS_SECRET_ACCESS_KEY) (The request signature we calculated does not match the signature"
+            " you provided. Check your key and signing method.)",
+        ),
+        (
+            tmp_path / "gone.json",
+            {},
+            f"s3://tokpipe-gone/data/: the store at {s3_server.endpoint} answered NoSuchBucket: there is no such bucket"
+            " (The specified bucket does not exist)",
+        ),
+        (
+            manifest,
+            {"AWS_ENDPOINT_URL": "http://127.0.0.1:9"},
+            f"{base}: cannot reach the store at http://127.0.0.1:9 after 2 tries (Could not connect to the endpoint "
+            f'URL: "http://127.0.0.1:9/{s3_server.bucket}?list-type=2&prefix={s3_prefix}%2Fdata%2F&max-keys=1'
+            '&encoding-type=url")',
+        ),
+    ]
+    for used, env, message in cases:
+        refused = tokpipe(*run_args(used, out, tokenizer=small_tokenizer), env=env)
+        assert (refused.returncode, refused.stdout, refused.stderr) == (2, "", f"tokpipe run: error: {message}\n")
+        assert not out.exists()  # before any work: no OUT made
+
+
+def test_a_store_gone_mid_run_stops_it_in_one_line_and_the_rerun_completes(
+    s3_server, s3_prefix, tmp_path, small_tokenizer, small_reference
+):
+    """The server killed as the second train shard's 6th GET is made (its 4 bytes of format, then reads of 64 KiB:
+    mid-shard, the first shard done), with 2 tries (TRIES' 10 take a minute or two): the run stops with one line,
+    exit 1; the server back on its data, the same command finishes with the reference's bytes."""
+    manifest, out = _manifest_of(s3_server, s3_prefix, tmp_path), tmp_path / "out"
+    key = Url.parse(next(s for s in load_manifest(manifest).shards() if s.relpath == TRAIN_1).path).key
+    extra = ("--workers", "1", "--checkpoint-interval", "0.000001", "--shard-buffer", "0")
+    kill = (s3_server, key, 6)
+    stopped, gets = store_run(manifest, out, *extra, tokenizer=small_tokenizer, tries=2, read_ahead=64 << 10, kill=kill)
+    s3_server.proc.wait()
+    s3_server.proc = None
+    s3_server.launch()
+    assert stopped.returncode == 1 and [g for g in gets if g[0] == key][-1] == (key, 4 * (64 << 10), 5 * (64 << 10))
+    assert [c["done"] for c in checkpoints(out)] == [True]  # the first shard's
+    assert "Traceback" not in stopped.stderr
+    assert stopped.stderr.splitlines()[-1] == (
+        f"tokpipe run: error: s3://{s3_server.bucket}/{key}: cannot reach the store at {s3_server.endpoint} after 2 "
+        f'tries (Could not connect to the endpoint URL: "{s3_server.endpoint}/{s3_server.bucket}/{key}"); fix the cause'
+        " and rerun the same command"
+    )
+    s3_server.ready()
+    rerun = tokpipe(*run_args(manifest, out, *extra, tokenizer=small_tokenizer))
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert_out_is(out, small_reference)

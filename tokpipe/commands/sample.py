@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from tokpipe.inputs.manifest import load_manifest
+from tokpipe.inputs.objects import check_reachable
 from tokpipe.inputs.source import read_batches
 from tokpipe.inputs.tokenizer import PIECE_CHARS, HFEncoder, tokenizer_json_path
 from tokpipe.out.files import Out, load_meta_pkl, split_file_stem
@@ -41,6 +42,7 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
         ]
     reference = HFEncoder(str(json_path))
     manifest = load_manifest(Out(out).manifest)
+    check_reachable(manifest)  # its sources on a store: a wrong key or no store there said in one line, now
     written = delimiters(meta)
     before = [meta["bos_token_id"]] if written["bos"] else []
     after = [meta["eos_token_id"]] if written["eos"] else []
@@ -60,7 +62,7 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
         needed = dict(docs)
         last = max(needed)
         seen = 0  # documents of this part read so far
-        for batch in read_batches(shard.path, meta["text_field"], group_by=group_by):
+        for batch in read_batches(shard.path, meta["text_field"], group_by=group_by, etag=shard.etag):
             texts = batch.texts
             if group_by is not None:  # the part's documents only: of its group
                 keep = [g == group for g in batch.groups]

@@ -17,6 +17,7 @@ import numpy as np
 from tokpipe.durability import write_json_atomic
 from tokpipe.errors import SourceError, UserError, terminate_on_sigterm, too_many_groups
 from tokpipe.inputs.manifest import Manifest, load_manifest, write_manifest
+from tokpipe.inputs.objects import check_reachable
 from tokpipe.inputs.source import fields_of, read_batches
 from tokpipe.inputs.tokenizer import TokenizerInfo, choose_backend, load_tokenizer_info
 from tokpipe.options import RunOptions
@@ -29,6 +30,7 @@ from tokpipe.runner.events import Finished, Listener, Said, silent
 from tokpipe.runner.identity import check_options, encode_spec, finished_read_only, record_run, refusals_noted
 from tokpipe.runner.local import Tally, tokenize_while
 from tokpipe.runner.progress import Progress, RunLog, Timeline
+from tokpipe.store import is_url
 from tokpipe.write.assembly import Assembler
 from tokpipe.write.finalize import finalize
 
@@ -164,16 +166,16 @@ def _sample_texts(manifest: Manifest, text_field: str) -> tuple[list[str], int]:
     that none of those shards has."""
     texts, fields, passed_over = [], Counter(), 0
     for split in manifest.counts:
-        path = next(manifest.shards(split)).path
-        if not stat.S_ISREG(os.stat(path).st_mode):  # a pipe or device: reading could block the driver
+        shard = next(manifest.shards(split))
+        path, etag = shard.path, shard.etag
+        if not is_url(path) and not stat.S_ISREG(os.stat(path).st_mode):  # a pipe or device: reading could block
             continue
         try:
-            found = fields_of(path)
-            first = (
-                next(read_batches(path, text_field, batch_bytes=SAMPLE_BYTES, max_line_bytes=SAMPLE_LINE_BYTES), None)
-                if text_field in found
-                else None
+            found = fields_of(path, etag)
+            batches = read_batches(
+                path, text_field, batch_bytes=SAMPLE_BYTES, max_line_bytes=SAMPLE_LINE_BYTES, etag=etag
             )
+            first = next(batches, None) if text_field in found else None
         except SourceError:  # an unreadable first shard: its own task reports it
             continue
         if text_field in found and first is not None:  # None: an empty shard
@@ -195,11 +197,11 @@ def _count_groups(manifest: Manifest, text_field: str, group_by: str) -> None:
     groups, as far as each split's first shard shows it (an id or a url shows it in its first thousand
     documents); workers and the assembly refuse what this could not see."""
     for split in manifest.counts:
-        path, values, read = next(manifest.shards(split)).path, set(), 0
-        if not stat.S_ISREG(os.stat(path).st_mode):
+        shard, values, read = next(manifest.shards(split)), set(), 0
+        if not is_url(shard.path) and not stat.S_ISREG(os.stat(shard.path).st_mode):
             continue
         try:
-            for batch in read_batches(path, text_field, group_by=group_by):
+            for batch in read_batches(shard.path, text_field, group_by=group_by, etag=shard.etag):
                 values.update(batch.groups)
                 read += batch.text_bytes
                 if len(values) > MAX_GROUPS or read >= GROUP_SAMPLE_BYTES:
@@ -359,6 +361,7 @@ def _run(
     manifest_path, tokenizer, out: Path, opts: RunOptions, clock: Timeline, cluster: Cluster, tell: Listener
 ) -> RunSummary:
     manifest = load_manifest(manifest_path)
+    check_reachable(manifest)  # shards on a store: a wrong key, no bucket, no store there refused before any work
     if cluster.address or opts.ray_only or manifest.size > EAGER_RAY_BYTES:
         cluster.start()  # now, while the driver plans: a cluster to join, or more than the driver does alone
     info = load_tokenizer_info(tokenizer, opts.eos, opts.bos_token, opts.tokenizer_revision)

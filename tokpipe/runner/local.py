@@ -18,6 +18,7 @@ from tokpipe.inputs.manifest import Manifest, Shard
 from tokpipe.out.files import ShardFiles
 from tokpipe.out.records import Checkpoint
 from tokpipe.runner.progress import Progress, RunLog
+from tokpipe.store import StoreUnavailable, is_url
 from tokpipe.write.assembly import Assembler
 from tokpipe.write.shard import EncodeSpec, ShardResult, tokenize_shard
 
@@ -68,7 +69,9 @@ def tokenize_while(
     core. Only regular files: a pipe could block the driver, which alone watches for stalls."""
     here = _Here(busy, progress, tally, log, assembler)
     finished = Finished(out)
-    shards = (s for s in manifest.shards() if not finished(s) and stat.S_ISREG(os.stat(s.path).st_mode))
+    shards = (
+        s for s in manifest.shards() if not finished(s) and (is_url(s.path) or stat.S_ISREG(os.stat(s.path).st_mode))
+    )
     here.pool = _Helpers(helpers, out, spec) if helpers else None
     try:
         here.tend(shards)
@@ -109,8 +112,9 @@ class _Here:
 
     def take(self, shard: Shard, outcome) -> None:
         """A shard's outcome, here or in a helper ((result, read), or its exception): placed if done, counted
-        either way. TooManyGroups stops the run: no shard of it can do better."""
-        if isinstance(outcome, TooManyGroups):
+        either way. TooManyGroups stops the run: no shard of it can do better; so does a store that did not
+        answer through its retries (StoreUnavailable): every shard would wait them out."""
+        if isinstance(outcome, TooManyGroups | StoreUnavailable):
             raise outcome
         if isinstance(outcome, BaseException):
             self.tally.failed[shard.relpath] = describe_failure(outcome)

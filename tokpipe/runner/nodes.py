@@ -36,6 +36,7 @@ from tokpipe.errors import NodeError, UserError
 from tokpipe.inputs.manifest import Manifest
 from tokpipe.inputs.tokenizer import TokenizerInfo
 from tokpipe.out.files import RUN_LOG, Out
+from tokpipe.store import is_url
 
 MAX_FOLDERS = 256  # of the shards' folders, one shard each
 SAMPLE = 32  # shards more, spread over the manifest
@@ -60,11 +61,13 @@ class NodeCheck:
         firsts: dict[str, tuple[str, int]] = {}  # folder -> its first shard
         sample = []
         for i, shard in enumerate(manifest.shards()):
+            if is_url(shard.path):  # on a store, not a mount: each node reads it through its own client
+                continue
             firsts.setdefault(os.path.dirname(shard.path), (shard.path, shard.size))
             if i % step == 0:
                 sample.append((shard.path, shard.size))
         folders = list(firsts.values())
-        folders = folders[:: -(-len(folders) // MAX_FOLDERS)]
+        folders = folders[:: max(1, -(-len(folders) // MAX_FOLDERS))]  # none: every shard on a store
         shards = tuple(dict.fromkeys(folders + sample))
         return cls(str(out), secrets.token_hex(16), info.path, info.sha256, shards)
 

@@ -25,6 +25,7 @@ from tokpipe.out.records import Part
 from tokpipe.runner.local import Finished, Tally, describe_failure
 from tokpipe.runner.progress import Progress, RunLog
 from tokpipe.runner.task import Placer, ProgressBoard, Stored, shard_task
+from tokpipe.store import StoreUnavailable
 from tokpipe.write.assembly import COPY_BATCH_BYTES, Assembler
 from tokpipe.write.shard import EncodeSpec, ShardResult
 
@@ -46,12 +47,13 @@ PACK_SHARDS = 64
 
 
 def _get(ref):
-    """ray.get; a node's NodeError, or a shard's TooManyGroups (--group-by), raised as itself: its one line,
-    not Ray's traceback around it. Either stops the run: no other shard or node can do better."""
+    """ray.get; a node's NodeError, a shard's TooManyGroups (--group-by), or a store that did not answer through
+    its retries (StoreUnavailable), raised as itself: its one line, not Ray's traceback around it. Each stops the
+    run: no other shard or node can do better."""
     try:
         return ray.get(ref)
     except ray.exceptions.RayTaskError as e:
-        if isinstance(e.cause, (NodeError, TooManyGroups)):
+        if isinstance(e.cause, (NodeError, TooManyGroups, StoreUnavailable)):
             raise e.cause from None
         raise
 
@@ -246,6 +248,9 @@ class Scheduler:
             results: list[ShardResult] = _get(ref)
         except NodeError as e:  # a node the driver did not probe: it stops the run
             self.log(f"node check: {e}")
+            raise
+        except StoreUnavailable as e:  # every shard would wait out the same retries: the run stops, resumable
+            self.log(f"shard {shards[0].relpath}: {e}")
             raise
         except (ray.exceptions.RayError, OSError) as e:
             if len(shards) > 1:
