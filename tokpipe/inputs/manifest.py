@@ -333,7 +333,8 @@ def build_manifest(
     allow_outside: bool = False,
     is_out: Callable[[Path], bool] | None = None,
 ) -> Manifest:
-    """The ordered shard list of a dataset. Shards whose bytes lie outside it (through symlinks) are
+    """The ordered shard list of a dataset in a folder (one under an s3:// prefix: objects.py, which
+    tokpipe.build_manifest calls for a URL). Shards whose bytes lie outside it (through symlinks) are
     refused unless allow_outside: a manifest must not quietly read files from elsewhere. `is_out` tells a
     tokpipe OUT (tokpipe/out/ knows one; the commands pass it): one inside the dataset is passed over."""
     root, blobs_dir, repo_id, revision = _locate(Path(dataset_dir).absolute(), repo_id, revision)

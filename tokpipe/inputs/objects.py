@@ -54,7 +54,6 @@ def build_store_manifest(
         Shard(split_of(relpath), relpath, bucket.where(found.key), found.size, shard_key(relpath), found.etag)
         for found, relpath in files
     ]
-    names = sorted({key[len(root) :].partition("/")[0] for key in listed if key.startswith(root)})
     return manifest_of(
         bucket.where(root),
         bucket.where(repo if repo is not None else root),
@@ -63,7 +62,9 @@ def build_store_manifest(
         revision,
         shards,
         passed_over,
-        lambda: layout_hint(bucket.where(root), names),
+        lambda: layout_hint(
+            bucket.where(root), sorted({k[len(root) :].split("/")[0] for k in listed if k.startswith(root)})
+        ),
     )
 
 
