@@ -8,7 +8,9 @@ checked against the code."""
 
 from __future__ import annotations
 
+import argparse
 import ast
+import dataclasses
 import importlib.util
 import os
 import re
@@ -187,3 +189,84 @@ def test_every_link_between_the_docs_leads_somewhere():
             if not page.exists() or (anchor and page.suffix == ".md" and anchor not in _anchors(page)):
                 broken.append(f"{doc.relative_to(REPO)}: {target}")
     assert broken == []
+
+
+def _option_table(commands: str) -> list[tuple[list[tuple[str, str]], str]]:
+    """The rows of commands.md's table under "### Options": each row's flags, as (flag, the argument it shows),
+    and its default, without backticks."""
+    table = commands.split("### Options\n\n")[1].split("\n\n")[0]
+    rows = []
+    for line in table.splitlines()[2:]:
+        flags, default, _ = (cell.strip().replace("\\|", "|") for cell in re.split(r"(?<!\\)\|", line)[1:-1])
+        named = [flag.partition(" ")[::2] for flag in re.findall(r"`(--[^`]+)`", flags)]
+        rows.append((named, default.replace("`", "")))
+    return rows
+
+
+def _table_disagreements(commands: str) -> list[str]:
+    """Where commands.md's option table and RunOptions differ. Every field shown in `run --help` has one row that
+    names its flag with its argument (_argument), and the default that RunOptions gives it (_default). No row
+    names a flag that is not a field's, or one hidden from --help (`--ray-only`)."""
+    fields_ = {f"--{f.name.replace('_', '-')}": f for f in dataclasses.fields(RunOptions)}
+    shown = {flag for flag, f in fields_.items() if f.metadata["help"] != argparse.SUPPRESS}
+    found, rows = [], _option_table(commands)
+    for flags, default in rows:
+        for flag, argument in flags:
+            if flag not in shown:
+                found.append(f"{flag}: a row, but no option of run --help")
+                continue
+            expected = _argument(fields_[flag])
+            if argument != expected and not (expected == ANY and argument):
+                found.append(f"{flag}: the row shows {argument or 'no argument'}, --help {expected or 'none'}")
+            expected = _default(fields_[flag])
+            if not (default == expected or fields_[flag].default is None and expected.startswith(default)):
+                found.append(f"{flag}: the row's default is {default!r}, RunOptions' {expected!r}")
+    named = [flag for flags, _ in rows for flag, _ in flags]
+    found += [f"{flag}: no row" for flag in sorted(shown - set(named))]
+    found += [f"{flag}: {named.count(flag)} rows" for flag in sorted(set(named)) if named.count(flag) > 1]
+    return found
+
+
+ANY = "ARG"  # a flag's argument without a metavar: the table names it (S, ADDR, TOKEN) where --help would shout
+
+
+def _argument(f: dataclasses.Field) -> str:
+    """The argument of a field's flag: none for a switch, its choices, its metavar, else any word (ANY)."""
+    if f.default is False:
+        return ""
+    if "choices" in f.metadata:
+        return "|".join(f.metadata["choices"])
+    return f.metadata.get("metavar", ANY)
+
+
+def _default(f: dataclasses.Field) -> str:
+    """A field's default as the table says it: `off` for a switch; the value; where it is worked out at run time
+    (None), what its help says it is (a row may say the start of it), or `none` where the help says nothing."""
+    if f.default is False:
+        return "off"
+    if f.default is None:
+        said = re.search(r"\(default: (.*)\)", f.metadata["help"])
+        return said.group(1) if said else "none"
+    return f"{f.default:g}" if isinstance(f.default, float) else str(f.default)
+
+
+def test_the_option_table_is_run_options():
+    """commands.md's option table, written by hand for its words and links, says what RunOptions defines."""
+    assert _table_disagreements((REPO / "docs" / "commands.md").read_text()) == []
+
+
+def test_the_option_table_check_finds_each_disagreement():
+    commands = (REPO / "docs" / "commands.md").read_text()
+    changed = (
+        re.sub(r"^\| `--workers N` .*\n", "", commands, flags=re.M)
+        .replace("| `--checkpoint-interval S` | 30 |", "| `--checkpoint-interval S` | 60 |")
+        .replace("| `--text-field NAME` |", "| `--text-field FIELD` |")
+        .replace("| `--skip-failed` | off |", "| `--skip-failed`, `--ray-only`, `--fast` | off |")
+    )
+    assert _table_disagreements(changed) == [
+        "--text-field: the row shows FIELD, --help NAME",
+        "--checkpoint-interval: the row's default is '60', RunOptions' '30'",
+        "--ray-only: a row, but no option of run --help",
+        "--fast: a row, but no option of run --help",
+        "--workers: no row",
+    ]
