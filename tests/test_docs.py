@@ -23,9 +23,11 @@ from pathlib import Path
 import pytest
 from helpers import EXAMPLE_CACHE, QWEN3, REPO
 
-from tokpipe.inputs.manifest import build_manifest
+from tokpipe.inputs.manifest import Shard, build_manifest
 from tokpipe.inputs.tokenizer import load_tokenizer_info
 from tokpipe.options import RunOptions
+from tokpipe.out import files as out_files
+from tokpipe.out.files import Out
 from tokpipe.runner.identity import run_identity
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -270,3 +272,81 @@ def test_the_option_table_check_finds_each_disagreement():
         "--fast: a row, but no option of run --help",
         "--workers: no row",
     ]
+
+
+def _tree() -> list[str]:
+    """The files of output-format.md's tree, one name per file: a line that starts with OUT/ names them in its first
+    column (up to two spaces), each a path from OUT/ or, after a comma, a suffix (`.idx`) of the first one's name up
+    to its first dot. `#` starts a line of comment; the others go on the description above them."""
+    page = (REPO / "docs" / "output-format.md").read_text()
+    tree = page.split("## OUT's files\n")[1].split("```\n")[1]
+    names = []
+    for line in tree.splitlines():
+        if line.startswith("OUT/"):
+            first, *more = re.split(r"\s{2,}", line)[0].split(", ")
+            folder, _, name = first.rpartition("/")
+            names += [first, *(f"{folder}/{name.partition('.')[0]}{suffix}" for suffix in more)]
+    return names
+
+
+# The sample values that stand for the tree's <placeholders> in the paths the code names.
+SAMPLES = {"Split": "<split>", "Key": "<key>", "Stem": "<stem>", "Group": "<group>", "/7/": "/<n>/", "Who": "<who>"}
+
+
+def _named_by_the_code() -> set[str]:
+    """Every file name of OUT that tokpipe/out/files.py makes, for a sample shard, split, group, ...: Out's and
+    ShardFiles' names, each log's (the module's constants: RUN_LOG, PROGRESS, ..., and any added)."""
+    out, shard = Out("OUT"), Shard(split="Split", relpath="relpath", path="path", size=0, key="Key")
+    own = out.shard(shard)
+    splits = [*out.assembly("Stem"), *out.assembly("Stem", "Group")[:2]]
+    named = [
+        *(out.run_json, out.manifest, out.lock_file, out.meta_pkl, out.meta_json, out.report),
+        *(out.log(v) for k, v in vars(out_files).items() if k.isupper() and isinstance(v, str)),
+        *(out.node_check(), out.node_check("Who"), out_files.stall_dump(out, shard)),
+        *(own.bin, own.idx, own.checkpoint, own.lock, own.val_bin, own.val_idx, *own.part(False, "Group")),
+        *own.part(True, "Group"),
+        *splits,
+        *(path.with_suffix("") for path in splits),  # a split's files once done: the .tmp renamed away
+        *out.moving_source("Stem", 7),
+        *out.moving_source("Stem", 7, "Group")[:2],
+    ]
+    paths = set()
+    for path in map(str, named):
+        for sample, placeholder in SAMPLES.items():
+            path = path.replace(sample, placeholder)
+        paths.add(path)
+    return paths
+
+
+def test_the_out_tree_is_every_file_the_code_names():
+    """output-format.md's tree is OUT's one full list: each name tokpipe/out/ makes is on a line of it, once, and
+    each of its lines names a file the code makes."""
+    tree = _tree()
+    assert sorted(_named_by_the_code() - set(tree)) == []  # named by the code, on no line
+    assert sorted(set(tree) - _named_by_the_code()) == []  # on a line, named by no code
+    assert len(tree) == len(set(tree)) == 40
+
+
+def _undescribed(out: Path) -> list[str]:
+    """The files and folders of an OUT that no line of the tree describes: a file matches a name of the tree
+    (a placeholder stands for one name; <n> for a number), a folder one of the folders above such a name."""
+    files, folders = set(), set()
+    for name in _tree():
+        parts = [re.escape(p).replace("<n>", "[0-9]+") for p in name.split("/")]
+        parts = [re.sub(r"<\w+>", "[^/]+", p) for p in parts]
+        files.add("/".join(parts))
+        folders.update("/".join(parts[:i]) for i in range(2, len(parts)))
+    found = []
+    for folder, subfolders, names in os.walk(out):
+        here = "OUT/" + os.path.relpath(folder, out) if Path(folder) != out else "OUT"
+        found += [f"{here}/{n}" for n in names if not any(re.fullmatch(f, f"{here}/{n}") for f in files)]
+        found += [f"{here}/{n}/" for n in subfolders if not any(re.fullmatch(f, f"{here}/{n}") for f in folders)]
+    return found
+
+
+def test_every_file_of_a_run_s_out_is_on_a_line_of_the_tree(reader, finished_example, finished_grouped, killed_example):
+    """A real run's OUT (the README's example, run by the CLI: its logs, its lock), and OUTs as a finished run, one
+    with --group-by and a kill -9 leave them: every file and folder in them is on a line of the tree."""
+    folder, _ = reader
+    for out in (folder / "out" / "example", finished_example, finished_grouped, killed_example):
+        assert _undescribed(out) == []
