@@ -136,6 +136,12 @@ def test_the_readme_starts_with_what_a_newcomer_runs():
     assert readme[2].expected == ("(8, 1024) int64 151669",)
 
 
+def test_the_readme_is_at_most_200_lines():
+    """The README is what a newcomer reads through: what is true now, in at most 200 lines; the rest in docs/, the
+    history of a figure with its commits in benchmarks/README.md."""
+    assert len((REPO / "README.md").read_text().splitlines()) <= 200
+
+
 def test_a_broken_block_fails(reader):
     """The check can fail: a block that exits other than 0, a line its output does not hold."""
     folder, _ = reader
