@@ -1,4 +1,5 @@
-"""tokpipe.data over many files and many documents: a split of 2,000 files read with a bounded number open,
+"""tokpipe.data over many files and many documents: splits of 300 and 2,000 files read holding no
+descriptor and a bounded number of maps (under `ulimit -n 64` too), every file checked when it is mapped,
 and document starts found through the sparse index of ends, compared with the contract computed by hand
 from the documents' lengths (a document starts where the one before ends; 0 starts the split).
 
@@ -9,14 +10,16 @@ and document lengths, empty documents and empty files included, uint16.
 import hashlib
 import json
 import os
-import resource
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tokpipe.data import Sequences, files
-from tokpipe.data.files import OPEN_FILES, SMALL, SPARSE
+from tokpipe.data.files import SMALL, SPARSE
 from tokpipe.out.files import Out
 
 
@@ -62,32 +65,106 @@ def doc_starts_by_hand(ends: np.ndarray, start: int, seq_len: int) -> list[int]:
     return sorted(set(inside.tolist()) | ({0} if start == 0 else set()))
 
 
+def maps_of(out: Path) -> int:
+    """This process's maps of OUT's files (the lines of /proc/self/maps that name one)."""
+    return sum(f" {out}/" in line for line in Path("/proc/self/maps").read_text().splitlines())
+
+
 @pytest.mark.parametrize("merged", [True, False])
-def test_a_split_of_2000_files_reads_with_at_most_64_open_under_ulimit_256(tmp_path, merged, monkeypatch):
+def test_a_split_of_2000_files_holds_no_descriptor_and_at_most_maps_maps(tmp_path, merged, monkeypatch):
+    """At most MAPS maps (64 here, to drop and map again), of tokens and, ends searched file by file, of
+    .idx files; a merged split maps no .idx. No descriptor stays open (Python's mmap kept one a map)."""
+    monkeypatch.setattr(files, "MAPS", 64, raising=False)
     if not merged:
         monkeypatch.setattr(files, "MERGED", 0)
     rng = np.random.default_rng(1)
     lengths = [rng.integers(0, 120, rng.integers(0, 9)) for _ in range(2000)]  # empty files and documents too
     out, tokens, ends = hand_made_out(tmp_path / "out", lengths, concat=False)
     seq_len = 64
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
-    try:
-        before = len(os.listdir("/proc/self/fd"))
-        s = Sequences(out, seq_len=seq_len, seed=2)
-        assert len(s.files) == 2000 and len(s) == (len(tokens) - 1) // seq_len
-        batch = s.next_batch(len(s))  # the whole epoch, in its order: files opened, dropped, opened again
-        assert len(os.listdir("/proc/self/fd")) <= before + 2 * OPEN_FILES
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    descriptors = sorted(os.listdir("/proc/self/fd"))
+    s = Sequences(out, seq_len=seq_len, seed=2)
+    assert len(s.files) == 2000 and len(s) == (len(tokens) - 1) // seq_len
+    batch = s.next_batch(len(s))  # the whole epoch, in its order: files mapped, dropped, mapped again
+    assert sorted(os.listdir("/proc/self/fd")) == descriptors
+    assert 0 < maps_of(out) == s.files.maps() <= 64
     assert sorted(batch.windows.tolist()) == list(range(len(s)))
     for row, w, found in zip(batch.tokens, batch.windows.tolist(), batch.doc_starts):
         assert np.array_equal(row, tokens[w * seq_len : w * seq_len + seq_len + 1])
         assert found.tolist() == doc_starts_by_hand(ends, w * seq_len, seq_len), w
-    for _ in range(40):  # batches of 64 over ~60 files each: read from the span, files mapped and dropped between
+    for _ in range(40):  # batches of 64 over ~60 files each, from maps kept and made
         batch = s.next_batch(64)
         for row, w in zip(batch.tokens, batch.windows.tolist()):
             assert np.array_equal(row, tokens[w * seq_len : w * seq_len + seq_len + 1]), w
+    assert sorted(os.listdir("/proc/self/fd")) == descriptors and maps_of(out) == s.files.maps() <= 64
+
+
+UNDER_ULIMIT = """
+import json, os, resource, sys
+import numpy as np
+from tokpipe.data import Sequences
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+descriptors = len(os.listdir("/proc/self/fd"))
+s = Sequences(sys.argv[1], seq_len=8, seed=2)
+epoch = s.next_batch(len(s))
+np.save(sys.argv[2], np.concatenate([epoch.windows[:, None], epoch.tokens], axis=1))
+held = len(os.listdir("/proc/self/fd")) - descriptors
+print(json.dumps({"descriptors": held, "maps": s.files.maps(), "windows": len(s)}))
+"""
+
+
+def test_an_epoch_of_300_files_reads_under_ulimit_64(tmp_path):
+    """The issue's split: 300 files under `ulimit -n 64` (in a process of its own: pytest holds more), every
+    file mapped once and kept, no descriptor held. Before, 64 maps held 128 descriptors: EMFILE."""
+    rng = np.random.default_rng(6)
+    out, tokens, _ = hand_made_out(tmp_path / "out", [rng.integers(1, 40, 3) for _ in range(300)], concat=False)
+    read = subprocess.run(
+        [sys.executable, "-c", UNDER_ULIMIT, str(out), str(tmp_path / "epoch.npy")],
+        capture_output=True,
+        text=True,
+    )
+    assert read.returncode == 0, read.stderr
+    assert json.loads(read.stdout) == {"descriptors": 0, "maps": 300, "windows": (len(tokens) - 1) // 8}
+    epoch = np.load(tmp_path / "epoch.npy")
+    assert sorted(epoch[:, 0].tolist()) == list(range((len(tokens) - 1) // 8))
+    for w, *row in epoch.tolist():
+        assert row == tokens[w * 8 : w * 8 + 9].tolist(), w
+
+
+def test_a_file_replaced_since_the_loader_was_made_is_refused_naming_it(tmp_path, monkeypatch):
+    """The issue's replacement (unlink, one token written in its place) under a live loader: refused when
+    the file is mapped, and when it is mapped again after its map was dropped; never zeros or other
+    memory. A live map keeps the file it was made of: it reads the bytes that were checked."""
+    monkeypatch.setattr(files, "MAPS", 8, raising=False)
+    rng = np.random.default_rng(7)
+    out, tokens, _ = hand_made_out(tmp_path / "out", [rng.integers(20, 40, 4) for _ in range(300)], concat=False)
+    s, seq_len = Sequences(out, seq_len=16), 16
+    first, second, third = (out / f"shards/{i}.bin" for i in range(3))
+    in_file = [w for w in range(len(s)) if s.files.ends[0] - (w * seq_len) > seq_len]  # windows of file 0 alone
+    size = first.stat().st_size
+    first.unlink()
+    np.array([7], "uint16").tofile(first)
+    with pytest.raises(ValueError) as refused:
+        s.batch_of(np.array(in_file))
+    assert str(refused.value) == (
+        f"{first} changed since the loader was made (2 bytes, {size:,} then): reopen it on a finished output "
+        f"(tokpipe verify)"
+    )
+    w = int(s.files.starts[1]) // seq_len + 1  # a window of file 1: mapped (and kept while mapped)
+    assert np.array_equal(s.batch_of(np.array([w])).tokens[0], tokens[w * seq_len : w * seq_len + seq_len + 1])
+    original = second.read_bytes()
+    second.unlink()
+    second.write_bytes(original[::-1])  # as large, other tokens: the map still reads the ones checked
+    assert np.array_equal(s.batch_of(np.array([w])).tokens[0], tokens[w * seq_len : w * seq_len + seq_len + 1])
+    s.batch_of(np.arange(len(s) // 2, len(s)))  # later files: file 1's map is dropped
+    with pytest.raises(ValueError, match=rf"^{second} changed since the loader was made \(another file of its size\)"):
+        s.batch_of(np.array([w]))
+    with open(third, "r+b") as f:  # in place, as large: its modification time tells
+        reversed_tokens = f.read()[::-1]
+        f.seek(0)
+        f.write(reversed_tokens)
+    os.utime(third, ns=(0, 0))
+    with pytest.raises(ValueError, match=rf"^{third} changed since the loader was made \(its size, but modified\)"):
+        s.files.read(int(s.files.starts[2]), int(s.files.starts[2]) + 1)
 
 
 @pytest.mark.parametrize("merged", [True, False])
@@ -112,9 +189,9 @@ def test_document_starts_through_the_sparse_index_are_those_of_the_lengths(tmp_p
 
 
 def test_threads_reading_while_maps_are_dropped_get_their_windows(tmp_path, monkeypatch):
-    """Windows are gathered from a view across the maps (the span): with 2 files mapped at most, four threads'
-    batches over 300 files map, drop and re-span all the time, and each row is still its tokens."""
-    monkeypatch.setattr(files, "OPEN_FILES", 2)
+    """Windows are gathered from a view of the process's memory, read only where maps lie: with 2 maps at
+    most, four threads' batches over 300 files map and drop all the time, and each row is still its tokens."""
+    monkeypatch.setattr(files, "MAPS", 2, raising=False)
     rng = np.random.default_rng(5)
     out, tokens, _ = hand_made_out(tmp_path / "out", [rng.integers(1, 60, 4) for _ in range(300)], concat=False)
     s, seq_len, wrong, right = Sequences(out, seq_len=8), 8, [], []
@@ -131,4 +208,4 @@ def test_threads_reading_while_maps_are_dropped_get_their_windows(tmp_path, monk
         thread.start()
     for thread in threads:
         thread.join()
-    assert wrong == [] and len(right) == 4 * 50 * 64 and len(s.files._open) <= 2  # (a thread's error: fewer)
+    assert wrong == [] and len(right) == 4 * 50 * 64 and s.files.maps() <= 2  # (a thread's error: fewer)

@@ -1,21 +1,24 @@
-"""A split's token files as a loader reads them: windows and document ends, any number of files with a
-bounded number open, and beyond RAM about one page of the .idx read per window.
+"""A split's token files as a loader reads them: windows and document ends, any number of files, with no
+descriptor held, a bounded number of maps, each file checked whenever it is mapped or read (maps.py).
 
-Files: a --no-concat split is one file per shard (SlimPajama: ~59k). Mapping every file up front, as
-tokpipe.read.output does for readers that look at a few, holds two descriptors and two maps a file: 4,006
-descriptors for 2,000 files (`ulimit -n 1024` refuses them) and past the kernel's 65,530 maps at 59k.
-Here a file is mapped when a batch first reads it, and the least recently read is dropped once
-OPEN_FILES are mapped; sizes are checked against meta up front, with stat alone.
+Files: a --no-concat split is one file per shard (SlimPajama: ~59k), and a batch of 64 windows in a
+seeded order reads ~64 of them. Making a map and dropping it costs 14-28 us (open, fstat, mmap, close,
+the first page's fault, munmap), reading a window from a kept one ~1.3: so a file once read stays mapped,
+up to MAPS maps, the kernel's vm.max_map_count less RESERVED for the rest of the process (61,434 at the
+common 65,530); past that the least recently read eighth is dropped. Keeping 64 (before issue 47) mapped
+nearly every file again every batch on a split of 300 (257-483 batches/s against ~21,000 concatenated).
+Reading a window with pread instead of mapping took 9 us a window with its open and close (a batch of 64
+at 0.13-0.18x the concatenated split's rate, against 0.54-0.60x here), 3.7 us with a descriptor kept
+(which `ulimit -n` caps).
 
-Windows: one row gather a batch, whatever files it reads. The span is a view (as_strided) of the tokens
-from the lowest mapped file's first token to the highest's last, through whatever lies between the maps;
-its rows are the seq_len + 1 tokens from each token on, and a window is row (its file's place in the span
-+ its start in the file). Only rows that lie wholly in a mapped file are read, under the lock that drops
-maps, so nothing between the maps is touched: a window across a file's end (a few per file) is read piece
-by piece, and a batch over files not mapped maps them, OPEN_FILES at a time. A batch of 7 files costs a
-few numpy calls more than one of one file (49 us against 33), where a gather and a scatter per file
-cost ~5 us each (68 us). Token maps are madvise(MADV_RANDOM): a window faults in its own pages, not the
-kernel's 128 KB readahead around each.
+Windows: one row gather a batch, whatever files it reads. `_view()` is the process's memory from the
+lowest address a map has had to the highest, as an array of the split's dtype, and its windows the
+seq_len + 1 tokens from every address on: a window is row (its start in the stream + its file's shift,
+the file's first token's address / itemsize less the file's place in the stream) less the view's first.
+Only rows wholly in a mapped file are read, under the lock that drops maps, so nothing between the maps
+is touched; a window across files' ends (one in six where files hold one document each, seq_len 512) is
+read token by token from the view, each token from its own file's map, in a second gather. Token maps
+are madvise(MADV_RANDOM): a window faults in its own pages, not the kernel's 128 KB readahead around each.
 
 Document ends: a binary search of an .idx probes ~log2(documents) entries; cold, each new page it
 touches is a read (2-4 a search beyond the window's own, measured at issue 28). For a file of more
@@ -24,22 +27,21 @@ tokens, read once when the file is first read); a search finds its block of SPAR
 within the block (one 4 KB page: ends are 8 bytes from offset 0) compares with the 8 ends that close its
 sub-blocks of 64, then with the sub-block's 64: one page a key, ~30 us a batch of 64 windows. That is
 per file a batch touches; a split of at most MERGED documents (16 MB of ends) instead keeps every place
-a document starts, all files' merged (each file's start, each end), in memory: one search a batch
-whatever files it touches (~16 us a batch of 64, 7 files or one).
+a document starts, all files' merged (each file's start, each end), in memory, and maps no .idx: one
+search a batch whatever files it touches (~16 us a batch of 64, 7 files or one).
 """
 
 from __future__ import annotations
 
-import mmap
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from tokpipe.data.maps import array_at, kernel_max_maps, mapped, opened, read, recorded
 from tokpipe.out.records import IDX_DTYPE
 
-OPEN_FILES = 64  # 128 maps and descriptors at most: a tenth of the common `ulimit -n` of 1024
+RESERVED = 4096  # maps left to the rest of the process: Python with numpy holds ~200, torch on CUDA a few 1,000
 SPARSE = 512  # ends per block: one 4 KB page of an .idx
 MERGED = 1 << 21  # a split of at most this many documents keeps their ends in memory (16 MB), merged
 SMALL = 64 * SPARSE  # an .idx of at most 64 pages is searched whole: ~5 us a batch against ~30 us by blocks
@@ -48,16 +50,7 @@ IN_SUB_BLOCK = np.arange(SPARSE // 8 - 1)
 UNMAPPED = -(1 << 62)  # a file's shift while it is not mapped: its windows' rows come out negative
 
 
-@dataclass(frozen=True)
-class Span:
-    """The tokens from the lowest mapped file's first to the highest's last, whatever lies between the maps: a
-    view made with as_strided from `file`'s array (which keeps that map), read only where a mapped file lies."""
-
-    file: int
-    low: int  # its first and past its last address
-    high: int
-    tokens: np.ndarray
-    rows: dict  # seq_len -> its windows from every token on
+MAPS = max(kernel_max_maps() - RESERVED, 1024)  # the most maps a split holds (tokens and, searched file by file, ends)
 
 
 class TokenFiles:
@@ -65,23 +58,30 @@ class TokenFiles:
 
     def __init__(self, entries: list[tuple[Path, Path, int, int]], dtype: np.dtype):
         self.dtype = np.dtype(dtype)
-        for bin_path, idx_path, tokens, documents in entries:
-            _check_size(bin_path, tokens * self.dtype.itemsize, f"{tokens:,} tokens of {self.dtype.itemsize} bytes")
-            _check_size(idx_path, documents * IDX_DTYPE.itemsize, f"{documents:,} document ends of 8 bytes")
         self.entries = entries
         self.paths = [(bin_path, idx_path) for bin_path, idx_path, _, _ in entries]
+        self._seen = [  # each file's (device, inode, size, modification time) when the loader was made
+            (
+                recorded(bin_path, tokens * self.dtype.itemsize, f"{tokens:,} tokens of {self.dtype.itemsize} bytes"),
+                recorded(idx_path, documents * IDX_DTYPE.itemsize, f"{documents:,} document ends of 8 bytes"),
+            )
+            for bin_path, idx_path, tokens, documents in entries
+        ]
         self.starts = np.cumsum([0] + [tokens for _, _, tokens, _ in entries])  # one entry per file
         self.ends = self.starts[1:]  # where each file's tokens end in the stream
         self.tokens = int(self.starts[-1])
         self.documents = sum(documents for _, _, _, documents in entries)
-        self._open: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # file -> its tokens and ends, mapped
-        self._used = np.zeros(len(entries), np.int64)  # when each file was last read: the least recent is dropped
+        self._tokens: dict[int, np.ndarray] = {}  # file -> its tokens, mapped
+        self._ends: dict[int, np.ndarray] = {}  # file -> its document ends, mapped (where searched file by file)
+        self._used = np.zeros(len(entries), np.int64)  # when each file was last read: the least recent are dropped
         self._reads = 0
-        self._shift = np.full(len(entries), UNMAPPED)  # a token's row in the span less its place in the stream
-        self._span: Span | None = None
+        self._dropping = len(entries) * (1 if self.documents <= MERGED else 2) > MAPS  # (else no read is timed)
+        self._shift = np.full(len(entries), UNMAPPED)  # its first token's address / itemsize less its stream place
+        self._low = self._high = 0  # every map so far lay in [low, high): the view's addresses
+        self._views: dict[int, np.ndarray] = {}  # seq_len -> the view's windows of seq_len + 1 (0: its tokens)
         self._sparse: dict[int, np.ndarray] = {}  # kept when the file's maps are dropped
         self._merged: np.ndarray | None = None
-        self._lock = threading.Lock()  # the maps and the span change under it, and windows are read under it
+        self._lock = threading.Lock()  # the maps and the view change under it, and windows are read under it
 
     @classmethod
     def joined(cls, parts: list[TokenFiles]) -> TokenFiles:
@@ -91,55 +91,78 @@ class TokenFiles:
     def __len__(self) -> int:
         return len(self.paths)
 
-    def _file(self, f: int) -> tuple[np.ndarray, np.ndarray]:
-        """File f's tokens and document ends, mapped."""
-        with self._lock:
-            return self._mapped(f)
+    def maps(self) -> int:
+        """The maps this split holds now (at most MAPS)."""
+        return len(self._tokens) + len(self._ends)
 
-    def _mapped(self, f: int) -> tuple[np.ndarray, np.ndarray]:
-        """Under the lock: file f mapped (the least recently read file's maps dropped once OPEN_FILES are), and
-        placed in the span."""
-        self._reads += 1
-        self._used[f] = self._reads
-        if f in self._open:
-            return self._open[f]
-        if len(self._open) >= OPEN_FILES:
-            self._drop(min(self._open, key=self._used.__getitem__))
-        bin_path, idx_path = self.paths[f]
-        tokens, ends = mapped = _map(bin_path, self.dtype, random=True), _map(idx_path, IDX_DTYPE)
-        if f not in self._sparse:
-            self._sparse[f] = _sparse_ends(idx_path, len(ends)) if len(ends) > SMALL else None
-        self._open[f] = mapped
-        if len(tokens):  # an empty file holds no window: it has no place in the span
-            address = tokens.ctypes.data
-            span = self._span
-            if span is None or not (span.low <= address and address + tokens.nbytes <= span.high):
-                self._respan()
-            else:
-                self._shift[f] = (address - span.low) // self.dtype.itemsize - self.starts[f]
-        return mapped
+    def _touch(self, files: np.ndarray) -> None:
+        """Under the lock: these files' tokens mapped, marked as read now."""
+        self._read_now(files)
+        for f in files[self._shift[files] == UNMAPPED].tolist():
+            if self.ends[f] > self.starts[f]:  # an empty file holds no window: nothing to map
+                self._map_tokens(f)
 
-    def _drop(self, f: int) -> None:
-        """Under the lock: file f's maps dropped (they close with their last reference)."""
-        del self._open[f]
-        self._shift[f] = UNMAPPED
-        if self._span is not None and self._span.file == f:  # the span holds its map: made again without it
-            self._respan()
+    def _map_tokens(self, f: int) -> None:
+        """Under the lock: file f's tokens mapped and placed in the view."""
+        self._make_room()
+        tokens = self._tokens[f] = mapped(self.paths[f][0], self._seen[f][0], self.dtype, random=True)
+        address, step = tokens.ctypes.data, self.dtype.itemsize
+        self._shift[f] = address // step - self.starts[f]
+        if not self._low <= address < address + tokens.nbytes <= self._high:
+            self._low = min(self._low, address) if self._high else address
+            self._high = max(self._high, address + tokens.nbytes)
+            self._views = {}
 
-    def _respan(self) -> None:
-        """Under the lock: the span made again over every mapped file's tokens, and their places in it."""
-        self._shift[:] = UNMAPPED
-        mapped = {f: tokens.ctypes.data for f, (tokens, _) in self._open.items() if len(tokens)}
-        if not mapped:
-            self._span = None
+    def _read_now(self, *files) -> None:
+        """Under the lock: these files (file numbers or arrays of them) marked as read now, where maps may be
+        dropped (a scatter into 8 bytes a file, a few us a batch at 60,000 files, for nothing else)."""
+        if self._dropping:
+            self._reads += 1
+            for f in files:
+                self._used[f] = self._reads
+
+    def _make_room(self) -> None:
+        """Under the lock: the least recently read eighth of the files mapped dropped, when MAPS maps are held
+        (their maps close with their last reference)."""
+        if self.maps() < MAPS:
             return
-        first = min(mapped, key=mapped.get)
-        low, step = mapped[first], self.dtype.itemsize
-        high = max(address + self._open[f][0].nbytes for f, address in mapped.items())
-        tokens = np.lib.stride_tricks.as_strided(self._open[first][0], ((high - low) // step,), (step,))
-        self._span = Span(first, low, high, tokens, {})
-        for f, address in mapped.items():
-            self._shift[f] = (address - low) // step - self.starts[f]
+        held = np.array(sorted(self._tokens.keys() | self._ends.keys()), dtype=np.int64)
+        count = len(held) // 8 + 1
+        for f in held[np.argpartition(self._used[held], count - 1)[:count]].tolist():
+            self._tokens.pop(f, None)
+            self._ends.pop(f, None)
+            self._shift[f] = UNMAPPED
+
+    def _file_tokens(self, f: int) -> np.ndarray:
+        """File f's tokens, mapped (a reference keeps the map while its maps are dropped)."""
+        with self._lock:
+            self._touch(np.array([f]))
+            return self._tokens.get(f, np.zeros(0, self.dtype))
+
+    def _file_ends(self, f: int) -> np.ndarray:
+        """File f's document ends, mapped (and its sparse ends read, the first time), for a search in it."""
+        with self._lock:
+            self._read_now(f)
+            if f not in self._ends:
+                self._make_room()
+                idx_path, seen = self.paths[f][1], self._seen[f][1]
+                ends = self._ends[f] = mapped(idx_path, seen, IDX_DTYPE)
+                if f not in self._sparse:
+                    self._sparse[f] = _sparse_ends(idx_path, seen, len(ends)) if len(ends) > SMALL else None
+            return self._ends[f]
+
+    def _view(self, seq_len: int) -> np.ndarray:
+        """Under the lock: the memory from low to high as tokens (seq_len 0), or its windows of seq_len + 1
+        tokens from every token on, row r from its token r (as_strided costs ~7 us: made once per view)."""
+        if seq_len not in self._views:
+            step = self.dtype.itemsize
+            if not seq_len:
+                shape = ((self._high - self._low) // step,)
+                self._views[0] = array_at(self._low, shape, self.dtype)
+            else:
+                shape = (max(len(self._view(0)) - seq_len, 0), seq_len + 1)
+                self._views[seq_len] = np.lib.stride_tricks.as_strided(self._view(0), shape, (step, step))
+        return self._views[seq_len]
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of the stream, across files where they cross from one into the next."""
@@ -147,7 +170,7 @@ class TokenFiles:
         f = int(np.searchsorted(self.starts, start, side="right")) - 1
         while start < stop:
             base = int(self.starts[f])
-            piece = self._file(f)[0][start - base : stop - base]
+            piece = self._file_tokens(f)[start - base : stop - base]
             pieces.append(piece)
             start += len(piece)
             f += 1
@@ -166,45 +189,71 @@ class TokenFiles:
         return groups, np.flatnonzero(first != last)
 
     def windows(self, starts: np.ndarray, seq_len: int) -> np.ndarray:
-        """The seq_len + 1 tokens from each of `starts`, as an int64 (B, seq_len + 1): one row gather from the
-        span, when every file the batch reads lies in it."""
-        if not len(starts):
-            return np.zeros((0, seq_len + 1), np.int64)
+        """The seq_len + 1 tokens from each of `starts`, as an int64 (B, seq_len + 1): one gather from the
+        view, every file they read mapped first. A batch of more files than MAPS // 4 is read a part of that
+        many files at a time (_in_parts)."""
         if len(self.paths) == 1:  # a valid window lies in the file
             with self._lock:
-                self._mapped(0)
-                return self._rows(seq_len)[starts].astype(np.int64)
-        f = np.searchsorted(self.ends, starts, side="right")
-        inside = self.ends[f] - starts > seq_len
-        if inside.all():
-            with self._lock:
-                rows = starts + self._shift[f]
-                if rows.min() >= 0:  # every file mapped
-                    self._reads += 1
-                    self._used[f] = self._reads
-                    return self._rows(seq_len)[rows].astype(np.int64)
-        out = np.empty((len(starts), seq_len + 1), dtype=np.int64)
-        for row in np.flatnonzero(~inside).tolist():  # a window across a file's end (a few per file): piece by piece
-            out[row] = self.read(int(starts[row]), int(starts[row]) + seq_len + 1)
-        inside = np.flatnonzero(inside)
-        files = np.unique(f[inside])
-        for first in range(0, len(files), OPEN_FILES):  # OPEN_FILES mapped at a time
-            some = files[first : first + OPEN_FILES]
-            rows = inside[np.isin(f[inside], some)]
-            with self._lock:
-                for g in some.tolist():
-                    self._mapped(g)
-                out[rows] = self._rows(seq_len)[starts[rows] + self._shift[f[rows]]]
+                if self._shift[0] == UNMAPPED:
+                    self._touch(np.zeros(1, np.int64))
+                shift = self._shift[0] - self._low // self.dtype.itemsize
+                return self._view(seq_len)[starts + shift].astype(np.int64)
+        first = self.ends.searchsorted(starts, "right")  # the file each window starts in
+        last = self.ends.searchsorted(starts + seq_len, "right")  # and the one it ends in
+        if len(starts) + int((last - first).sum()) > max(MAPS // 4, 1):
+            return self._in_parts(starts, first, last, seq_len)
+        with self._lock:
+            return self._gather(starts, first, last, seq_len)
+
+    def _gather(self, starts, first, last, seq_len) -> np.ndarray:
+        """Under the lock: windows() of at most MAPS // 4 files (none dropped here), every file mapped first:
+        a window in one file is a row of the view's windows, all in one row gather (those across files'
+        ends in place of one that is not, then read token by token: _across)."""
+        across = (last != first).nonzero()[0]
+        while True:
+            rows = starts + self._shift[first] - self._low // self.dtype.itemsize
+            tokens = self._across(rows[across], starts[across], first[across], last[across], seq_len)
+            if rows.min(initial=0) >= 0 and tokens.min(initial=0) >= 0:  # every file mapped
+                break
+            self._touch(_spanned(first, last))
+        self._read_now(first, last)
+        if not len(across):
+            return self._view(seq_len)[rows].astype(np.int64)
+        if len(across) == len(starts):
+            out = np.empty((len(starts), seq_len + 1), dtype=np.int64)
+        else:
+            rows[across] = rows[np.argmax(first == last)]
+            out = self._view(seq_len)[rows].astype(np.int64)
+        out[across] = self._view(0)[tokens]
         return out
 
-    def _rows(self, seq_len: int) -> np.ndarray:
-        """Under the lock: the span's windows of seq_len + 1 tokens from every token on, row r from its token r
-        (made once per span: as_strided costs ~7 us)."""
-        span, step = self._span, self.dtype.itemsize
-        if seq_len not in span.rows:
-            shape = (max(len(span.tokens) - seq_len, 0), seq_len + 1)
-            span.rows[seq_len] = np.lib.stride_tricks.as_strided(span.tokens, shape, (step, step))
-        return span.rows[seq_len]
+    def _across(self, rows, starts, first, last, seq_len) -> np.ndarray:
+        """Under the lock: the view's index of each token of these windows across files' ends: their row's,
+        plus, from each end they cross on, the step from that file's shift to the next one's (an empty
+        file's steps cancel out); negative where a file is not mapped. Numpy calls cost most here (3-7 us
+        each on a loaded machine): the first end is one where, each further one (tiny files) ~10 calls."""
+        columns, room = np.arange(seq_len + 1), (self.ends[first] - starts)[:, None]  # room: tokens in the first
+        step = (self._shift[first + 1] - self._shift[first])[:, None]
+        tokens = rows[:, None] + np.where(columns < room, columns, columns + step)
+        for j in range(1, int((last - first).max(initial=0))):  # past a window's last end, a step of 0
+            f = np.minimum(first + j, last - 1)
+            step = np.where(last - first > j, self._shift[f + 1] - self._shift[f], 0)
+            tokens += (columns >= (self.ends[f] - starts)[:, None]) * step[:, None]
+        return tokens
+
+    def _in_parts(self, starts, first, last, seq_len) -> np.ndarray:
+        """windows() of a batch that reads more files than MAPS // 4: a part of that many files at a time, by
+        the file they start in, and a window across that many files or more (tiny files) piece by piece."""
+        out, group = np.empty((len(starts), seq_len + 1), dtype=np.int64), max(MAPS // 4, 1)
+        for row in np.flatnonzero(last - first >= group).tolist():
+            out[row] = self.read(int(starts[row]), int(starts[row]) + seq_len + 1)
+        rows = np.flatnonzero(last - first < group)
+        part = np.searchsorted(_spanned(first[rows], last[rows]), first[rows]) // group
+        order = np.argsort(part, kind="stable")
+        for some in np.split(rows[order], np.flatnonzero(np.diff(part[order])) + 1):
+            with self._lock:
+                out[some] = self._gather(starts[some], first[some], last[some], seq_len)
+        return out
 
     def doc_starts(self, starts: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
         """Where documents start in the seq_len + 1 tokens from each of `starts`, as (offsets, bounds): row
@@ -231,7 +280,7 @@ class TokenFiles:
             start = int(starts[row])
             f = int(np.searchsorted(self.starts, start, side="right")) - 1
             while f < len(self.paths) and self.starts[f] <= start + seq_len:
-                ends, base = self._file(f)[1], int(self.starts[f])
+                ends, base = self._file_ends(f), int(self.starts[f])
                 a, b = np.searchsorted(ends, [start - base, start + seq_len - base + 1])
                 places = ends[a:b] + (base - start)
                 rows.append(np.full(len(places) + (base >= start), row))
@@ -248,14 +297,17 @@ class TokenFiles:
         """For windows of file f from `local` (counted from its first token): its document ends in them,
         counted from their window's start, window by window, as (found, bounds): window j's are
         found[bounds[j]:bounds[j + 1]]."""
-        ends = self._file(f)[1]
+        ends = self._file_ends(f)
         return _within(ends, self._search(f, ends, np.concatenate([local, local + seq_len + 1])), local)
 
     def merged(self) -> np.ndarray:
         """Every place a document starts, in the stream: each file's start and each document's end, sorted,
         each once (read whole, at most MERGED of them)."""
         if self._merged is None:
-            ends = [np.fromfile(idx, IDX_DTYPE) + start for (_, idx), start in zip(self.paths, self.starts.tolist())]
+            ends = [
+                read(idx, seen[1], IDX_DTYPE) + start
+                for (_, idx), seen, start in zip(self.paths, self._seen, self.starts.tolist())
+            ]
             self._merged = np.unique(np.concatenate([self.starts[:-1], *ends]))
         return self._merged
 
@@ -271,6 +323,14 @@ class TokenFiles:
             found = ends[np.minimum(position[:, None] + probes, last)]  # past the end: the last end, >= every key
             position += step * np.count_nonzero(found < column, axis=1)
         return position
+
+
+def _spanned(first: np.ndarray, last: np.ndarray) -> np.ndarray:
+    """Every file from first[j] to last[j], for each j, sorted, each once."""
+    if np.array_equal(first, last):
+        return np.unique(first)
+    width = last - first + 1
+    return np.unique(np.repeat(first - np.cumsum(width) + width, width) + np.arange(int(width.sum())))
 
 
 def _within(ends: np.ndarray, at: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -291,35 +351,13 @@ def _unrepeated(found: np.ndarray, bounds: np.ndarray, repeated: np.ndarray) -> 
     return found[keep], kept_before[bounds]
 
 
-def _sparse_ends(idx_path: Path, documents: int) -> np.ndarray:
+def _sparse_ends(idx_path: Path, seen: tuple, documents: int) -> np.ndarray:
     """Every SPARSE-th end of an .idx (the last of each full block), read in 32 MB pieces: read, not
     mapped, so its pages stay reclaimable instead of in this process's maps."""
     sparse = np.empty(documents // SPARSE, dtype=np.int64)
     piece = SPARSE * 8192
-    with open(idx_path, "rb") as f:
+    with open(opened(idx_path, seen), "rb") as f:
         for first in range(0, len(sparse) * SPARSE, piece):
             ends = np.fromfile(f, dtype=IDX_DTYPE, count=min(piece, len(sparse) * SPARSE - first))
             sparse[first // SPARSE : (first + len(ends)) // SPARSE] = ends[SPARSE - 1 :: SPARSE]
     return sparse
-
-
-def _check_size(path: Path, size: int, what: str) -> None:
-    try:
-        found = path.stat().st_size
-    except FileNotFoundError:
-        raise ValueError(f"{path} is missing though meta lists it: the output is damaged (tokpipe verify)") from None
-    if found != size:
-        raise ValueError(
-            f"{path} holds {found:,} bytes, meta says {what}: the file is not the one meta describes (tokpipe verify)"
-        )
-
-
-def _map(path: Path, dtype: np.dtype, random: bool = False) -> np.ndarray:
-    """A read-only array over the file (a plain ndarray: slicing an np.memmap costs 2x, its __array_finalize__)."""
-    with open(path, "rb") as f:
-        if f.seek(0, 2) == 0:  # mmap cannot map an empty file
-            return np.zeros(0, dtype)
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    if random:
-        mapped.madvise(mmap.MADV_RANDOM)
-    return np.frombuffer(mapped, dtype=dtype)
