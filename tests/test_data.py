@@ -6,7 +6,9 @@ written out here (rank r of W reads global positions r, r+W, ... of the epoch's 
 """
 
 import json
+import os
 import pickle
+import shutil
 import threading
 import time
 import tracemalloc
@@ -268,7 +270,7 @@ def test_a_state_from_other_content_seq_len_seed_or_split_is_refused_naming_what
         Sequences(finished_bos, seq_len=L).load_state_dict(state)
     with pytest.raises(
         ValueError,
-        match=r"loader state of format 2 \(format 1, missing split, seq_len, seed, fingerprint, offset\)",
+        match=r"loader state of format 3 \(format 1, missing split, seq_len, seed, fingerprint, offset\)",
     ):
         Sequences(finished_example, seq_len=L).load_state_dict({"format": 1, "epoch": 0})
 
@@ -360,9 +362,35 @@ def test_a_mixture_of_one_outs_groups_mixes_them_at_any_weights_without_tokenizi
         inside = ends[name][(ends[name] >= start) & (ends[name] <= start + 128)] - start
         assert found.tolist() == sorted(set(inside.tolist()) | ({0} if start == 0 else set())), (name, w)
     assert [batch.sources.count(g) for g in weights] == [50, 100, 50]
-    state = Sequences(finished_grouped, "train", seq_len=128, group="RedPajamaGithub").state_dict()
-    with pytest.raises(ValueError, match=r"holds other tokens \(210,435 saved, 89,542 in"):  # no other group's
-        Sequences(finished_grouped, "train", seq_len=128, group="RedPajamaWikipedia").load_state_dict(state)
+
+
+def test_a_state_of_another_group_or_split_is_refused_for_that_reason_alone(finished_grouped):
+    """The state names its group: loaded into another group (or split), that is the reason given, not a
+    change of the data (whose clause once came first, and was the only one for a group)."""
+    github = Sequences(finished_grouped, "train", seq_len=128, group="RedPajamaGithub")
+    state = json.loads(json.dumps(github.state_dict()))
+    assert state["group"] == "RedPajamaGithub" and state["format"] == 3
+    refusals = {
+        "group differs ('RedPajamaGithub' saved, 'RedPajamaWikipedia' here)": dict(group="RedPajamaWikipedia"),
+        "group differs ('RedPajamaGithub' saved, None here)": dict(),
+        "split differs ('train' saved, 'validation' here)": dict(split="validation", group="RedPajamaGithub"),
+        "split differs ('train' saved, 'validation' here); group differs ('RedPajamaGithub' saved, None here); "
+        "seq_len differs (128 saved, 64 here)": dict(split="validation", seq_len=64),
+    }
+    for reason, options in refusals.items():
+        other = Sequences(finished_grouped, **{"split": "train", "seq_len": 128} | options)
+        with pytest.raises(ValueError) as refused:
+            other.load_state_dict(state)
+        assert str(refused.value) == f"cannot load this loader state: {reason}"
+    old = {k: v for k, v in state.items() if k != "group"} | {"format": 2}  # a state of format 2 names no group
+    with pytest.raises(ValueError) as refused:
+        Sequences(finished_grouped, "train", seq_len=128, group="RedPajamaWikipedia").load_state_dict(old)
+    assert str(refused.value) == (
+        f"cannot load this loader state: the split holds other tokens (210,435 saved, 89,542 in {finished_grouped}: "
+        f"the data changed since the state was saved, or it is another group's (a state of format 2 does not "
+        f"record its group))"
+    )
+    github.load_state_dict(old)  # of its own group, it loads
 
 
 # -- what a long run meets at the edges -------------------------------------------------------------------
@@ -500,3 +528,75 @@ def test_a_sequences_pickles_as_a_reference_and_resumes_there(no_concat_out):
     assert copy.state_dict() == s.state_dict() and (copy.rank, copy.world_size) == (1, 2)
     a, b = copy.next_batch(50), s.next_batch(50)
     assert np.array_equal(a.windows, b.windows) and np.array_equal(a.tokens, b.tokens)
+
+
+def test_a_read_that_fails_moves_no_position_and_a_retry_takes_the_same_windows(out):
+    """A batch's read that fails (here: train.bin and val.bin replaced since the loaders were made) raises
+    and leaves the position where it was: once the files are back, a trainer that retries gets the windows
+    it was to get. (The position moved first once: a retry skipped the failed batch's windows.)"""
+
+    def loaders():
+        splits = ("train", "validation")
+        mixture = Mixture({sp: Sequences(out, sp, seq_len=L, seed=3) for sp in splits}, {"train": 2, "validation": 1})
+        return Sequences(out, seq_len=L, seed=3), mixture
+
+    expected = [loader.next_batch(64) for loader in loaders()]
+    running = loaders()
+    before = [loader.state_dict() for loader in running]
+    for name in ("train.bin", "val.bin"):
+        (out / name).rename(out / f"{name}.away")
+        shutil.copyfile(out / f"{name}.away", out / name)  # the same bytes in another file
+    for loader in running:
+        with pytest.raises(
+            ValueError, match=r"/train.bin changed since the loader was made \(another file of its size\)"
+        ):
+            loader.next_batch(64)
+    assert [loader.state_dict() for loader in running] == before
+    for name in ("train.bin", "val.bin"):
+        os.replace(out / f"{name}.away", out / name)
+    for loader, batch in zip(running, expected):
+        again = loader.next_batch(64)
+        assert np.array_equal(again.windows, batch.windows) and np.array_equal(again.tokens, batch.tokens)
+        assert again.sources == batch.sources and again.state == batch.state
+
+
+def test_a_relative_out_is_made_absolute_before_the_working_directory_changes(finished_example, tmp_path, monkeypatch):
+    """Hydra changes the working directory after the loader is made: the loader, and a copy pickled then,
+    still read the OUT it was given."""
+    monkeypatch.chdir(finished_example.parent)
+    s = Sequences(finished_example.name, seq_len=L, seed=4)
+    assert s.out == finished_example
+    monkeypatch.chdir(tmp_path)
+    copy = pickle.loads(pickle.dumps(s))
+    expected = Sequences(finished_example, seq_len=L, seed=4).next_batch(8)
+    for loader in (s, copy):
+        assert np.array_equal(loader.next_batch(8).tokens, expected.tokens)
+
+
+def test_every_argument_is_what_it_says_or_refused_in_one_line(finished_example):
+    """Numbers are integers (numpy's too, kept as int), names are strings, OUT a path: anything else is a
+    one-line ValueError naming it, before anything moves (Permutation(5.7, 1.9) was n=5, seed=1)."""
+    s = Sequences(finished_example, seq_len=L)
+    s.next_batch(3)
+    before = s.state_dict()
+    refusals = {
+        "Permutation's n 5.7: need an integer >= 0": lambda: Permutation(5.7, 1),
+        "Permutation's seed 1.9: need an integer": lambda: Permutation(5, 1.9),
+        "Permutation's seed '7': need an integer": lambda: Permutation(5, "7"),
+        "Permutation's n True: need an integer >= 0": lambda: Permutation(True, 0),
+        "Permutation's n -1: need an integer >= 0": lambda: Permutation(-1, 0),
+        "window True: need an integer": lambda: s.window(True),
+        "window 1.0: need an integer": lambda: s.window(1.0),
+        "split 5: need a str": lambda: Sequences(finished_example, 5),
+        "group 3: need a str": lambda: Sequences(finished_example, group=3),
+        "out 5: need a path (a str or an os.PathLike)": lambda: Sequences(5),
+    }
+    for message, call in refusals.items():
+        with pytest.raises(ValueError) as refused:
+            call()
+        assert str(refused.value) == message
+    assert s.state_dict() == before
+    p = Permutation(np.uint8(5), np.int32(-3))
+    assert (p.n, p.seed) == (5, -3) and type(p.n) is type(p.seed) is int
+    with pytest.raises(IndexError, match="^window -1 is out of range: split train has 1679 windows of seq_len 512$"):
+        s.window(-1)

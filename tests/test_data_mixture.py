@@ -68,6 +68,29 @@ def test_weights_are_positive_finite_numbers(finished_example):
             Mixture(sources, {"train": bad, "validation": 1})
 
 
+def test_numpy_weights_are_taken_as_python_numbers_and_the_state_stays_json(finished_example):
+    """np.float32/float16/longdouble weights passed the check, then raised TypeError; np.int64 made the
+    state unfit for json.dumps. Now each is the Python number (an integer an int, a float the nearest float),
+    and the draw is that of those numbers."""
+    sources = lambda: {s: Sequences(finished_example, s, seq_len=2048) for s in SPLITS}  # noqa: E731
+    expected = Mixture(sources(), {"train": 0.75, "validation": 1}).next_batch(20).sources
+    for train, validation in (
+        (np.float32(0.75), np.int64(1)),
+        (np.float16(0.75), np.uint8(1)),
+        (np.longdouble(0.75), 1),
+    ):
+        mix = Mixture(sources(), {"train": train, "validation": validation})
+        assert mix.next_batch(20).sources == expected
+        assert [type(w) for w in mix.weights.values()] == [float, int]
+        state = json.loads(json.dumps(mix.state_dict()))
+        assert state["weights"] == {"train": 0.75, "validation": 1}
+        mix.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"^source 'a' is a str, not a tokpipe.data.Sequences$"):
+        Mixture({"a": "x"}, {"a": 1})
+    with pytest.raises(ValueError, match=r"^sources \[1\] and weights \[1\]: name them by strings$"):
+        Mixture({1: Sequences(finished_example, seq_len=2048)}, {1: 1})
+
+
 def test_sources_with_other_document_conventions_are_refused_naming_both(finished_example, finished_bos):
     with pytest.raises(
         ValueError,

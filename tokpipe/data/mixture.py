@@ -17,6 +17,11 @@ each stands at its own position (Sequences.moved), which is what its state holds
 through all the sources' files joined (TokenFiles.joined): one search for document starts and one
 gather, as a Sequences batch, where a Sequences batch per source merged row by row cost 3x the calls.
 
+The position moves only once a batch is read: its rows are drawn (and the sources' windows taken) ahead
+into the rows drawn ahead, read, and only then counted, so a read that fails leaves the Mixture where it
+was. Weights are numbers, numpy's too, kept as Python's (an int stays one, any float becomes the nearest
+float) and names strings: a state is JSON-able always.
+
 Sources must be read the same way: made with one tokenizer (its content: a re-indented tokenizer.json
 is the same tokenizer) and one document convention (EOS after each document, BOS before, or both),
 else the model would learn two. A state is loaded all or nothing: every source's state and the
@@ -35,30 +40,25 @@ from pathlib import Path
 import numpy as np
 
 from tokpipe.data import draw
+from tokpipe.data.arguments import integer
 from tokpipe.data.files import TokenFiles
-from tokpipe.data.sequences import STATE_FORMAT, Batch, Sequences, integer
+from tokpipe.data.sequences import STATE_FORMAT, Batch, Sequences
 
 _NONE = (np.zeros(0, np.int64),) * 3  # no rows: their sources, windows and starts
 
 
 class Mixture:
     def __init__(self, sources: dict[str, Sequences], weights: dict[str, float]):
-        if (
-            not isinstance(sources, dict)
-            or not isinstance(weights, dict)
-            or not sources
-            or set(sources) != set(weights)
-        ):
+        if not isinstance(sources, dict) or not isinstance(weights, dict) or not sources:
+            raise ValueError(f"sources {sources!r} and weights {weights!r}: need two dicts, by the sources' names")
+        if not all(isinstance(name, str) for name in [*sources, *weights]):
+            raise ValueError(f"sources {list(sources)} and weights {list(weights)}: name them by strings")
+        if set(sources) != set(weights):
             raise ValueError(f"weights name {sorted(weights)}, sources {sorted(sources)}: name every source once")
-        bad = {
-            name: w
-            for name, w in weights.items()
-            if isinstance(w, bool)
-            or not isinstance(w, (int, float, np.integer, np.floating))
-            or not (math.isfinite(w) and w > 0)
-        }
-        if bad:
-            raise ValueError(f"weights must be positive finite numbers: {bad}")
+        for name, source in sources.items():
+            if not isinstance(source, Sequences):
+                raise ValueError(f"source {name!r} is a {type(source).__name__}, not a tokpipe.data.Sequences")
+        weights = _weights(weights)
         self.names = sorted(sources)
         self._names = np.array(self.names, dtype=object)  # a batch's rows' names by one gather (0.7 us, map 1.7)
         self.sources = {name: sources[name] for name in self.names}
@@ -93,30 +93,33 @@ class Mixture:
 
     def _rows(self, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Under the lock: the next `rows` rows' sources, windows (each in its source) and starts in the
-        joined files, advancing the position. Rows are drawn a block at a time (tokpipe.data.draw: 34 us a
-        batch of 64 row by row), and each source takes its windows of a block at once, its own position
-        running ahead to the block's end while the Mixture's moves row by row (Sequences.moved): a take
-        per source, their windows scattered into their rows, per batch, made a batch 102-111 us, now 97."""
-        parts = []
-        while rows:
-            if not len(self._ahead[0]):
-                self._ahead = self._block_of(rows)
-            part = [a[:rows] for a in self._ahead]
-            self._ahead = [a[rows:] for a in self._ahead]
-            counts = np.bincount(part[0], minlength=len(self.names)).tolist()
-            self.counts = [c + n for c, n in zip(self.counts, counts)]
-            self._positions = [s.moved(*p, n) for s, p, n in zip(self.sources.values(), self._positions, counts)]
-            self.drawn += len(part[0])
-            rows -= len(part[0])
-            parts.append(part)
-        if len(parts) < 2:
-            return tuple(parts[0]) if parts else _NONE
-        return tuple(np.concatenate(a) for a in zip(*parts))
+        joined files; the position does not move. Rows are drawn a block at a time (tokpipe.data.draw: 34 us
+        a batch of 64 row by row) into the rows drawn ahead, and each source takes its windows of a block at
+        once, its own position running ahead to the block's end while the Mixture's moves row by row
+        (Sequences.moved): a take per source, their windows scattered into their rows, per batch, made a
+        batch 102-111 us, now 97."""
+        if len(self._ahead[0]) < rows:
+            blocks, counts = [self._ahead], np.bincount(self._ahead[0], minlength=len(self.names)) + self.counts
+            drawn, until = self.drawn + len(self._ahead[0]), self.drawn + rows
+            while drawn < until:
+                blocks.append(self._block_of(counts.tolist(), drawn, until - drawn))
+                counts += np.bincount(blocks[-1][0], minlength=len(self.names))
+                drawn += len(blocks[-1][0])
+            self._ahead = [np.concatenate(a) for a in zip(*blocks)]
+        return tuple(a[:rows] for a in self._ahead)
 
-    def _block_of(self, rows: int) -> list[np.ndarray]:
-        """The sources, windows and starts of the rows drawn next from the position (all taken from the
-        sources, which then stand at their end)."""
-        picks = draw.ahead(self._shares, self._total, self.counts, self.drawn, rows, self._block)
+    def _move(self, rows: int) -> None:
+        """Under the lock: the position moved past the next `rows` rows (drawn ahead by _rows)."""
+        counts = np.bincount(self._ahead[0][:rows], minlength=len(self.names)).tolist()
+        self.counts = [c + n for c, n in zip(self.counts, counts)]
+        self._positions = [s.moved(*p, n) for s, p, n in zip(self.sources.values(), self._positions, counts)]
+        self.drawn += rows
+        self._ahead = [a[rows:] for a in self._ahead]
+
+    def _block_of(self, counts: list[int], drawn: int, rows: int) -> list[np.ndarray]:
+        """The sources, windows and starts of the rows drawn next after `drawn` rows of these counts (all
+        taken from the sources, which then stand at their end)."""
+        picks = draw.ahead(self._shares, self._total, counts, drawn, rows, self._block)
         counts = np.bincount(picks, minlength=len(self.names)).tolist()
         taken = [s.take(n) for s, n in zip(self.sources.values(), counts)]
         windows = np.empty(len(picks), dtype=np.int64)
@@ -128,17 +131,19 @@ class Mixture:
         rows = integer(rows, "rows")
         with self._lock:
             self._rows(rows)
+            self._move(rows)
 
     def next_batch(self, batch_size: int) -> Batch:
         """The next `batch_size` rows, read through the sources' files joined: as one Sequences batch reads
-        (one gather, one search for document starts), not one batch per source."""
+        (one gather, one search for document starts), not one batch per source. The position moves once
+        they are read: a read that fails raises and leaves it where it was."""
         batch_size = integer(batch_size, "batch_size")
         with self._lock:
             picks, windows, starts = self._rows(batch_size)
-            state = self._state()
-        offsets, bounds = self.files.doc_starts(starts, self.seq_len)
-        names = self._names[picks].tolist()
-        return Batch(self.files.windows(starts, self.seq_len), windows, offsets, bounds, names, state)
+            offsets, bounds = self.files.doc_starts(starts, self.seq_len)
+            tokens = self.files.windows(starts, self.seq_len)
+            self._move(batch_size)
+            return Batch(tokens, windows, offsets, bounds, self._names[picks].tolist(), self._state())
 
     def _state(self) -> dict:
         return {
@@ -159,7 +164,11 @@ class Mixture:
     def load_state_dict(self, state: dict) -> None:
         """Continue where `state` was saved; refused (ValueError) for other sources or weights, as each
         Sequences refuses its own, and for a drawn/counts pair the draw cannot reach. All or nothing."""
-        if not isinstance(state, dict) or state.get("format") not in (1, STATE_FORMAT) or "sources" not in state:
+        if (
+            not isinstance(state, dict)
+            or state.get("format") not in range(1, STATE_FORMAT + 1)
+            or "sources" not in state
+        ):
             raise ValueError(f"not a Mixture's loader state of format {STATE_FORMAT}")
         if not isinstance(state["sources"], dict) or sorted(state["sources"]) != self.names:
             saved = sorted(state["sources"]) if isinstance(state["sources"], dict) else state["sources"]
@@ -192,6 +201,22 @@ class Mixture:
             self.drawn, self.counts = drawn, counts
             self._ahead = list(_NONE)
             self._positions = [(s.epoch, s.offset) for s in self.sources.values()]
+
+
+def _weights(weights: dict) -> dict[str, int | float]:
+    """The weights as Python numbers (numpy's too: an integer as an int, any float as the nearest float),
+    when each is a positive finite number; else a ValueError naming those that are not."""
+    taken, bad = {}, {}
+    for name, w in weights.items():
+        if isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_)):
+            taken[name] = int(w)
+        elif isinstance(w, (float, np.floating)):
+            taken[name] = float(w)
+        if not (name in taken and math.isfinite(taken[name]) and taken[name] > 0):
+            bad[name] = w
+    if bad:
+        raise ValueError(f"weights must be positive finite numbers: {bad}")
+    return taken
 
 
 def _remix(sources: dict, weights: dict, state: dict) -> Mixture:

@@ -28,6 +28,8 @@ import hashlib
 
 import numpy as np
 
+from tokpipe.data.arguments import integer
+
 WALK_IN_PYTHON = 8  # the last values of a cycle walk go on one at a time (~4 us a pass each)
 TABLE_BITS = 24  # up to here, rounds by table lookups: tables of 6 x 2^12 values (196 KB) at most
 ROUNDS = 6  # each half mixed into the other 3 times: Luby-Rackoff's 4 balanced rounds, with margin
@@ -40,9 +42,7 @@ class Permutation:
     int64 array for an integer array. Different seeds give unrelated orders."""
 
     def __init__(self, n: int, seed: int):
-        if n < 0:
-            raise ValueError(f"Permutation of {n} elements: n must be >= 0")
-        self.n, self.seed = int(n), int(seed)
+        self.n, self.seed = integer(n, "Permutation's n"), integer(seed, "Permutation's seed", None)
         self.bits = bits = max(2, (self.n - 1).bit_length())
         self.shift = np.uint64(bits // 2)  # the low half's bits
         self.low_mask = np.uint64((1 << (bits // 2)) - 1)

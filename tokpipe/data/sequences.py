@@ -23,14 +23,17 @@ change: batches repeated and training diverged); one saved on the same tokens is
 files are called or however they are laid out (--no-concat or not). States of format 1 held meta's
 parts_sha256 instead (which names the files too) and are checked against it.
 
-Inputs are checked as a long run needs them: every number an integer (numpy's too, stored as int; a
-bool or a float is refused, never truncated), every refusal one line naming the field, a state loaded
-all or nothing. One Sequences may be shared by threads (its position moves under a lock), and it
-pickles as a reference (OUT, options, position; under 1 KB): a DataLoader worker reopens the files.
+Inputs are checked as a long run needs them (tokpipe.data.arguments), a state loaded all or nothing,
+and the position moves only once a batch is read: a read that fails (a file changed, no descriptor
+left) leaves it where it was, so a trainer that retries skips no window. OUT is made absolute at once
+(Hydra changes the working directory). One Sequences may be shared by threads (a batch is taken and
+read under its lock: one thread at a time), and it pickles as a reference (OUT, options, position;
+under 1 KB): a DataLoader worker reopens the files.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import os
@@ -41,12 +44,15 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from tokpipe.data.arguments import integer, name
 from tokpipe.data.files import TokenFiles
 from tokpipe.data.permutation import Permutation
 from tokpipe.out.files import Out, load_meta_pkl
 from tokpipe.out.records import split_files
 
-STATE_FORMAT = 2  # 1: the fingerprint was meta's parts_sha256
+STATE_FORMAT = 3  # 1: the fingerprint was meta's parts_sha256; 2: the group was not recorded
+STATE_KEYS = ("split", "group", "seq_len", "seed", "tokens", "fingerprint", "epoch", "offset")
+WITHOUT = {1: ("group", "tokens"), 2: ("group",), 3: ()}  # the keys a state of an older format lacks
 AHEAD = 16384  # a rank's windows looked up at once: a Permutation lookup costs mostly per call (its passes)
 ORDERS = 1 << 16  # values encrypted at once for the orders of a split of at most ORDERS // 16 windows (512 KB)
 
@@ -79,18 +85,6 @@ class Batch:
             return list(map(offsets.__getitem__, map(slice, bounds[:-1], bounds[1:])))
         empty = offsets[:0]
         return [offsets[a:b] if b > a else empty for a, b in zip(bounds[:-1], bounds[1:])]
-
-
-def integer(value, what: str, minimum: int | None = 0) -> int:
-    """`value` as an int when it is an integer (Python's or numpy's) >= minimum; else a ValueError naming it."""
-    if (
-        isinstance(value, (bool, np.bool_))
-        or not isinstance(value, (int, np.integer))
-        or (minimum is not None and value < minimum)
-    ):
-        need = "an integer" + (f" >= {minimum}" if minimum is not None else "")
-        raise ValueError(f"{what} {value!r}: need {need}")
-    return int(value)
 
 
 def epoch_seeds(seed: int, epochs: range) -> list[int]:
@@ -144,24 +138,30 @@ class Sequences:
         self.rank = integer(rank, "rank")
         if self.rank >= self.world_size:
             raise ValueError(f"rank {rank} of world_size {world_size}: need 0 <= rank < world_size")
-        self.out, self.split, self.group = Path(out), split, group
+        if not isinstance(out, (str, os.PathLike)):
+            raise ValueError(f"out {out!r}: need a path (a str or an os.PathLike)")
+        self.out, self.split = Path(os.path.abspath(out)), name(split, "split")
+        self.group = None if group is None else name(group, "group")
         if Out(self.out).load_meta_json() is None:  # meta.json is the last file a run writes
             raise ValueError(
-                f"{out} is not a finished tokpipe output (no meta.json): see where it stands with tokpipe status {out}"
+                f"{self.out} is not a finished tokpipe output (no meta.json): see where it stands with "
+                f"tokpipe status {self.out}"
             )
         try:
             self.meta = load_meta_pkl(Out(self.out).meta_pkl)
         except Exception as e:  # a hostile or damaged pickle: the restricted unpickler refused it
-            raise ValueError(f"{Out(self.out).meta_pkl} cannot be read safely ({e}): tokpipe verify {out}") from None
+            raise ValueError(
+                f"{Out(self.out).meta_pkl} cannot be read safely ({e}): tokpipe verify {self.out}"
+            ) from None
         if split not in self.meta["splits"]:
-            raise ValueError(f"{out} has no split {split!r}; its splits: {', '.join(self.meta['splits'])}")
+            raise ValueError(f"{self.out} has no split {split!r}; its splits: {', '.join(self.meta['splits'])}")
         entry = self.meta["splits"][split]
         self._legacy_fingerprint = entry.get("parts_sha256") or entry.get("sha256")  # of format 1 states
         if group is not None:
             groups = entry.get("groups", {})
             if group not in groups:
                 have = f"its groups: {', '.join(groups)}" if groups else "it was made without --group-by"
-                raise ValueError(f"split {split} of {out} has no group {group!r}; {have}")
+                raise ValueError(f"split {split} of {self.out} has no group {group!r}; {have}")
             legacy = f"{self._legacy_fingerprint} group {group}"
             self._legacy_fingerprint = hashlib.sha256(legacy.encode()).hexdigest()
         self.fingerprint = stream_fingerprint(self.out, entry, self.meta["dtype"], group)
@@ -169,7 +169,7 @@ class Sequences:
         self.len = max(self.files.tokens - 1, 0) // self.seq_len
         if self.len < self.world_size:
             raise ValueError(
-                f"split {split} of {out} has {self.files.tokens:,} tokens: {self.len} windows of seq_len "
+                f"split {split} of {self.out} has {self.files.tokens:,} tokens: {self.len} windows of seq_len "
                 f"{self.seq_len}, fewer than world_size {self.world_size:,}"
             )
         self._lock = threading.Lock()  # the position (epoch, offset, _ahead) moves under it
@@ -188,11 +188,12 @@ class Sequences:
 
     def window(self, i: int) -> np.ndarray:
         """Window i: tokens [i*seq_len, i*seq_len + seq_len + 1), as int64."""
-        if not isinstance(i, (int, np.integer)) or not 0 <= i < self.len:
+        i = integer(i, "window", None)
+        if not 0 <= i < self.len:
             raise IndexError(
                 f"window {i} is out of range: split {self.split} has {self.len} windows of seq_len {self.seq_len}"
             )
-        start = int(i) * self.seq_len
+        start = i * self.seq_len
         return self.files.read(start, start + self.seq_len + 1).astype(np.int64)
 
     def _set_position(self, epoch: int, offset: int) -> None:
@@ -201,45 +202,43 @@ class Sequences:
         if (self.len - self.offset) // self.world_size == 0:
             self._set_position(epoch + 1, 0)
 
-    def _windows_ahead(self) -> np.ndarray:
-        """This rank's next windows from the position: the rest of the epoch (AHEAD at most) by a Permutation
+    def _windows_ahead(self, epoch: int, offset: int) -> np.ndarray:
+        """This rank's next windows from (epoch, offset): the rest of the epoch (AHEAD at most) by a Permutation
         lookup; for a split of few windows, whose epochs pass every few batches, from the whole orders made
         with the next epochs' at once (Permutation.orders: an order of 20 windows by lookup took 80-150 us,
         made 2,048 at a time 1.8 us), and from an epoch's start on, this rank's part of every epoch made,
         taken as one slice (take(32) of 20 windows crossed 2-3 epochs, a loop step of numpy calls each: 23 us
         measured before, 10 after, most of it the epochs' seeds and orders)."""
-        first, n, step = self.offset + self.rank, (self.len - self.offset) // self.world_size, self.world_size
+        first, n, step = offset + self.rank, (self.len - offset) // self.world_size, self.world_size
         domain = 1 << max(2, (self.len - 1).bit_length())  # Permutation's: the power of 2 it walks in
         if domain > ORDERS // 16:
-            order = Permutation(self.len, epoch_seed(self.seed, self.epoch))
+            order = Permutation(self.len, epoch_seed(self.seed, epoch))
             return order[first + step * np.arange(min(AHEAD, n), dtype=np.int64)]
         start, orders = self._orders
-        if not start <= self.epoch < start + len(orders):
-            seeds = epoch_seeds(self.seed, range(self.epoch, self.epoch + ORDERS // domain))
-            start, orders = self._orders = self.epoch, Permutation.orders(self.len, seeds)
-        if self.offset:
-            return orders[self.epoch - start, first : first + step * n : step].copy()
-        return orders[self.epoch - start :, first : first + step * n : step].reshape(-1)
+        if not start <= epoch < start + len(orders):
+            seeds = epoch_seeds(self.seed, range(epoch, epoch + ORDERS // domain))
+            start, orders = self._orders = epoch, Permutation.orders(self.len, seeds)
+        if offset:
+            return orders[epoch - start, first : first + step * n : step].copy()
+        return orders[epoch - start :, first : first + step * n : step].reshape(-1)
 
-    def _advance(self, count: int, keep: bool) -> list[np.ndarray]:
-        """Move this rank `count` windows on, across epochs (under the lock); with keep, their numbers."""
-        taken = []
+    def _advance(self, count: int, keep: bool) -> tuple[tuple[int, int, np.ndarray], list[np.ndarray]]:
+        """Under the lock, nothing moved: the position `count` of this rank's windows on, across epochs, as
+        (epoch, offset, the windows looked up ahead from there), and with keep, those windows' numbers."""
+        epoch, offset, ahead, taken = self.epoch, self.offset, self._ahead, []
         while count:
-            if keep and not self._ahead.size:
-                self._ahead = self._windows_ahead()
-            n = min(count, self._ahead.size) if keep else count
+            if keep and not ahead.size:
+                ahead = self._windows_ahead(epoch, offset)
+            n = min(count, ahead.size) if keep else count
             if keep:
-                taken.append(self._ahead[:n])
-            self._ahead = self._ahead[n:]
+                taken.append(ahead[:n])
+            ahead = ahead[n:]
             count -= n
-            epoch, offset = self.moved(self.epoch, self.offset, n)
-            if epoch == self.epoch:
-                self.offset = offset
-            else:
-                ahead = self._ahead
-                self._set_position(epoch, offset)
-                self._ahead = ahead if keep else self._ahead
-        return taken
+            moved = self.moved(epoch, offset, n)
+            if moved[0] != epoch and not keep:  # (kept, the windows ahead run on into the next epochs)
+                ahead = np.zeros(0, np.int64)
+            epoch, offset = moved
+        return (epoch, offset, ahead), taken
 
     def moved(self, epoch: int, offset: int, count: int) -> tuple[int, int]:
         """The position `count` of this rank's windows after (epoch, offset)."""
@@ -252,7 +251,7 @@ class Sequences:
         """The next `count` window numbers of this rank (across epochs), advancing the position."""
         count = integer(count, "count")
         with self._lock:
-            taken = self._advance(count, keep=True)
+            (self.epoch, self.offset, self._ahead), taken = self._advance(count, keep=True)
         return _joined(taken)
 
     def skip(self, count: int) -> None:
@@ -260,15 +259,17 @@ class Sequences:
         worker skips the batches of the others)."""
         count = integer(count, "count")
         with self._lock:
-            self._advance(count, keep=False)
+            (self.epoch, self.offset, self._ahead), _ = self._advance(count, keep=False)
 
     def next_batch(self, batch_size: int) -> Batch:
-        """This rank's next `batch_size` windows (0: an empty batch), with the state right after them."""
+        """This rank's next `batch_size` windows (0: an empty batch), with the state right after them. The
+        position moves once they are read: a read that fails raises and leaves it where it was."""
         batch_size = integer(batch_size, "batch_size")
         with self._lock:
-            taken = self._advance(batch_size, keep=True)
-            state = self._state()
-        return self.batch_of(_joined(taken), state)
+            position, taken = self._advance(batch_size, keep=True)
+            batch = self.batch_of(_joined(taken))
+            self.epoch, self.offset, self._ahead = position
+            return dataclasses.replace(batch, state=self._state())
 
     def batch_of(self, windows: np.ndarray, state: dict | None = None) -> Batch:
         """These windows' tokens and document starts (no position advanced)."""
@@ -281,6 +282,7 @@ class Sequences:
         return {
             "format": STATE_FORMAT,
             "split": self.split,
+            "group": self.group,
             "seq_len": self.seq_len,
             "seed": self.seed,
             "tokens": self.files.tokens,
@@ -299,44 +301,47 @@ class Sequences:
         what differs or what is wrong when not. Nothing moves."""
         if not isinstance(state, dict):
             raise ValueError(f"a loader state is a dict (Sequences.state_dict()), not a {type(state).__name__}")
-        keys = [k for k in self._state() if k != "tokens" or state.get("format") != 1]
-        missing = [k for k in keys if k not in state]
-        if state.get("format") not in (1, STATE_FORMAT) or missing:
+        missing = [k for k in STATE_KEYS if k not in state and k not in WITHOUT.get(state.get("format"), ())]
+        if state.get("format") not in WITHOUT or missing:
             raise ValueError(
                 f"not a Sequences loader state of format {STATE_FORMAT} (format {state.get('format')!r}, "
                 f"missing {', '.join(missing) or 'nothing'})"
             )
         for key in ("seq_len", "seed", "epoch", "offset") + (("tokens",) if state["format"] != 1 else ()):
             integer(state[key], f"loader state's {key}", 1 if key == "seq_len" else 0 if key != "seed" else None)
-        differ = []
-        if state["format"] == 1 and state["fingerprint"] != self._legacy_fingerprint:
-            differ.append(
-                f"the content of the split differs (fingerprint {str(state['fingerprint'])[:12]} saved, "
-                f"{self._legacy_fingerprint[:12]} in {self.out}: the data changed since the state was saved)"
-            )
-        elif state["format"] != 1 and state["tokens"] != self.files.tokens:
-            differ.append(
-                f"the split holds other tokens ({state['tokens']:,} saved, {self.files.tokens:,} in {self.out}: "
-                f"the data changed since the state was saved)"
-            )
-        elif state["format"] != 1 and state["fingerprint"] != self.fingerprint:
-            differ.append(
-                f"the split's tokens differ (as many, {self.files.tokens:,}, but fingerprint "
-                f"{str(state['fingerprint'])[:12]} saved, {self.fingerprint[:12]} in {self.out}: "
-                f"the data changed since the state was saved)"
-            )
-        for key in ("seq_len", "seed", "split"):
-            if state[key] != getattr(self, key):
-                differ.append(f"{key} differs ({state[key]!r} saved, {getattr(self, key)!r} here)")
-        if differ:
-            raise ValueError(f"cannot load this loader state: {'; '.join(differ)}")
+        differ = [k for k in ("split", "group", "seq_len", "seed") if k in state and state[k] != getattr(self, k)]
+        said = [f"{k} differs ({state[k]!r} saved, {getattr(self, k)!r} here)" for k in differ]
+        if "split" not in differ and "group" not in differ:  # the same stream, unless its data changed
+            said[:0] = self._data_differs(state)
+        if said:
+            raise ValueError(f"cannot load this loader state: {'; '.join(said)}")
         if state["offset"] > self.len:
             raise ValueError(f"loader state's offset {state['offset']}: out of {self.len} windows")
         return int(state["epoch"]), int(state["offset"])
 
+    def _data_differs(self, state: dict) -> list[str]:
+        """What differs in the tokens of a state of this split and group, in words."""
+        why = "the data changed since the state was saved"
+        if state["format"] != STATE_FORMAT:
+            why += f", or it is another group's (a state of format {state['format']} does not record its group)"
+        if state["format"] == 1 and state["fingerprint"] != self._legacy_fingerprint:
+            saved, here = str(state["fingerprint"])[:12], self._legacy_fingerprint[:12]
+            return [f"the content of the split differs (fingerprint {saved} saved, {here} in {self.out}: {why})"]
+        if state["format"] != 1 and state["tokens"] != self.files.tokens:
+            return [
+                f"the split holds other tokens ({state['tokens']:,} saved, {self.files.tokens:,} in {self.out}: {why})"
+            ]
+        if state["format"] != 1 and state["fingerprint"] != self.fingerprint:
+            saved, here = str(state["fingerprint"])[:12], self.fingerprint[:12]
+            return [
+                f"the split's tokens differ (as many, {self.files.tokens:,}, but fingerprint {saved} saved, {here} "
+                f"in {self.out}: {why})"
+            ]
+        return []
+
     def load_state_dict(self, state: dict) -> None:
         """Continue where `state` was saved, under this world_size. Refused (ValueError) when it was saved
-        on other tokens, seq_len, seed or split, or is not a loader state; then nothing moves."""
+        on other tokens, split, group, seq_len or seed, or is not a loader state; then nothing moves."""
         epoch, offset = self.check_state(state)
         with self._lock:
             self._set_position(epoch, offset)

@@ -20,7 +20,8 @@ from __future__ import annotations
 import pickle
 from collections.abc import Iterator
 
-from tokpipe.data.sequences import Batch, integer
+from tokpipe.data.arguments import integer
+from tokpipe.data.sequences import Batch
 
 try:
     from torch.utils.data import IterableDataset as _Dataset
