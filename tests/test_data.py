@@ -9,15 +9,17 @@ import json
 import os
 import pickle
 import shutil
+import sys
 import threading
 import time
 import tracemalloc
+import types
 
 import numpy as np
 import pytest
 from helpers import EXAMPLE_TRAIN_FILES, QWEN3, QWEN3_EOS, build_out, reference_documents
 
-from tokpipe.data import Mixture, Permutation, Sequences
+from tokpipe.data import Batch, Mixture, Permutation, Sequences
 from tokpipe.data.sequences import epoch_seed
 from tokpipe.options import RunOptions
 
@@ -600,3 +602,34 @@ def test_every_argument_is_what_it_says_or_refused_in_one_line(finished_example)
     assert (p.n, p.seed) == (5, -3) and type(p.n) is type(p.seed) is int
     with pytest.raises(IndexError, match="^window -1 is out of range: split train has 1679 windows of seq_len 512$"):
         s.window(-1)
+
+
+def test_a_batch_pins_its_arrays_for_torchs_dataloader(finished_example, monkeypatch):
+    """DataLoader(pin_memory=True) pins an object by its pin_memory() (and handed a Batch back unpinned
+    before): a Batch copies its arrays into page-locked memory through torch, here a stand-in of torch's
+    tensors (torch is no dependency), and stays a Batch of numpy arrays, its sources and state kept."""
+    pinned = []
+
+    class Tensor:
+        def __init__(self, array):
+            self.array = array
+
+        def pin_memory(self):
+            pinned.append(self.array.copy())
+            return Tensor(pinned[-1])
+
+        def numpy(self):
+            return self.array
+
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(from_numpy=Tensor))
+    splits = ("train", "validation")
+    batch = Mixture(
+        {sp: Sequences(finished_example, sp, seq_len=L) for sp in splits}, {sp: 1 for sp in splits}
+    ).next_batch(4)
+    copy = batch.pin_memory()
+    assert type(copy) is Batch and copy.sources == batch.sources and copy.state == batch.state
+    arrays = ("tokens", "windows", "doc_offsets", "doc_bounds")
+    assert [id(getattr(copy, a)) for a in arrays] == [id(p) for p in pinned]
+    for a in arrays:
+        assert np.array_equal(getattr(copy, a), getattr(batch, a))
+    assert [d.tolist() for d in copy.doc_starts] == [d.tolist() for d in batch.doc_starts]

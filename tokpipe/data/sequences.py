@@ -86,6 +86,16 @@ class Batch:
         empty = offsets[:0]
         return [offsets[a:b] if b > a else empty for a, b in zip(bounds[:-1], bounds[1:])]
 
+    def pin_memory(self) -> Batch:
+        """The batch with its arrays copied into page-locked memory (still numpy arrays): what
+        torch's DataLoader(pin_memory=True) calls in its pin thread (torch pins an object by its
+        pin_memory method; it handed a Batch back unchanged before). A tensor made of one with
+        torch.from_numpy is then pinned, and its .to("cuda", non_blocking=True) overlaps compute. Needs torch."""
+        import torch
+
+        arrays = ("tokens", "windows", "doc_offsets", "doc_bounds")
+        return dataclasses.replace(self, **{a: torch.from_numpy(getattr(self, a)).pin_memory().numpy() for a in arrays})
+
 
 def epoch_seeds(seed: int, epochs: range) -> list[int]:
     """Each epoch's seed: the blake2b of "tokpipe.data epoch {seed} {epoch}", its common prefix hashed once
