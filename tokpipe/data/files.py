@@ -199,35 +199,35 @@ class TokenFiles:
                 shift = self._shift[0] - self._low // self.dtype.itemsize
                 return self._view(seq_len)[starts + shift].astype(np.int64)
         first = self.ends.searchsorted(starts, "right")  # the file each window starts in
-        last = self.ends.searchsorted(starts + seq_len, "right")  # and the one it ends in
-        if len(starts) + int((last - first).sum()) > max(MAPS // 4, 1):
-            return self._in_parts(starts, first, last, seq_len)
+        crossed = self.ends.searchsorted(starts + seq_len, "right") - first  # the files' ends it crosses
+        if len(starts) + int(crossed.sum()) > max(MAPS // 4, 1):
+            return self._in_parts(starts, first, crossed, seq_len)
         with self._lock:
-            return self._gather(starts, first, last, seq_len)
+            return self._gather(starts, first, crossed, seq_len)
 
-    def _gather(self, starts, first, last, seq_len) -> np.ndarray:
+    def _gather(self, starts, first, crossed, seq_len) -> np.ndarray:
         """Under the lock: windows() of at most MAPS // 4 files (none dropped here), every file mapped first:
         a window in one file is a row of the view's windows, all in one row gather (those across files'
         ends in place of one that is not, then read token by token: _across)."""
-        across = (last != first).nonzero()[0]
+        across = crossed.nonzero()[0]
         while True:
             rows = starts + self._shift[first] - self._low // self.dtype.itemsize
-            tokens = self._across(rows[across], starts[across], first[across], last[across], seq_len)
+            tokens = self._across(rows[across], starts[across], first[across], crossed[across], seq_len)
             if rows.min(initial=0) >= 0 and tokens.min(initial=0) >= 0:  # every file mapped
                 break
-            self._touch(_spanned(first, last))
-        self._read_now(first, last)
+            self._touch(_spanned(first, first + crossed))
+        self._read_now(first, first + crossed)
         if not len(across):
             return self._view(seq_len)[rows].astype(np.int64)
         if len(across) == len(starts):
             out = np.empty((len(starts), seq_len + 1), dtype=np.int64)
         else:
-            rows[across] = rows[np.argmax(first == last)]
+            rows[across] = rows[crossed.argmin()]
             out = self._view(seq_len)[rows].astype(np.int64)
         out[across] = self._view(0)[tokens]
         return out
 
-    def _across(self, rows, starts, first, last, seq_len) -> np.ndarray:
+    def _across(self, rows, starts, first, crossed, seq_len) -> np.ndarray:
         """Under the lock: the view's index of each token of these windows across files' ends: their row's,
         plus, from each end they cross on, the step from that file's shift to the next one's (an empty
         file's steps cancel out); negative where a file is not mapped. Numpy calls cost most here (3-7 us
@@ -235,24 +235,24 @@ class TokenFiles:
         columns, room = np.arange(seq_len + 1), (self.ends[first] - starts)[:, None]  # room: tokens in the first
         step = (self._shift[first + 1] - self._shift[first])[:, None]
         tokens = rows[:, None] + np.where(columns < room, columns, columns + step)
-        for j in range(1, int((last - first).max(initial=0))):  # past a window's last end, a step of 0
-            f = np.minimum(first + j, last - 1)
-            step = np.where(last - first > j, self._shift[f + 1] - self._shift[f], 0)
+        for j in range(1, int(crossed.max(initial=0))):  # past a window's last end, a step of 0
+            f = np.minimum(first + j, first + crossed - 1)
+            step = np.where(crossed > j, self._shift[f + 1] - self._shift[f], 0)
             tokens += (columns >= (self.ends[f] - starts)[:, None]) * step[:, None]
         return tokens
 
-    def _in_parts(self, starts, first, last, seq_len) -> np.ndarray:
+    def _in_parts(self, starts, first, crossed, seq_len) -> np.ndarray:
         """windows() of a batch that reads more files than MAPS // 4: a part of that many files at a time, by
         the file they start in, and a window across that many files or more (tiny files) piece by piece."""
         out, group = np.empty((len(starts), seq_len + 1), dtype=np.int64), max(MAPS // 4, 1)
-        for row in np.flatnonzero(last - first >= group).tolist():
+        for row in np.flatnonzero(crossed >= group).tolist():
             out[row] = self.read(int(starts[row]), int(starts[row]) + seq_len + 1)
-        rows = np.flatnonzero(last - first < group)
-        part = np.searchsorted(_spanned(first[rows], last[rows]), first[rows]) // group
+        rows = np.flatnonzero(crossed < group)
+        part = np.searchsorted(_spanned(first[rows], first[rows] + crossed[rows]), first[rows]) // group
         order = np.argsort(part, kind="stable")
         for some in np.split(rows[order], np.flatnonzero(np.diff(part[order])) + 1):
             with self._lock:
-                out[some] = self._gather(starts[some], first[some], last[some], seq_len)
+                out[some] = self._gather(starts[some], first[some], crossed[some], seq_len)
         return out
 
     def doc_starts(self, starts: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
