@@ -212,13 +212,14 @@ class TokenFiles:
         across = crossed.nonzero()[0]
         while True:
             rows = starts + self._shift[first] - self._low // self.dtype.itemsize
+            if not len(across) and rows.min(initial=0) >= 0:  # every file mapped, no window across ends
+                self._read_now(first)
+                return self._view(seq_len)[rows].astype(np.int64)
             tokens = self._across(rows[across], starts[across], first[across], crossed[across], seq_len)
             if rows.min(initial=0) >= 0 and tokens.min(initial=0) >= 0:  # every file mapped
                 break
             self._touch(_spanned(first, first + crossed))
         self._read_now(first, first + crossed)
-        if not len(across):
-            return self._view(seq_len)[rows].astype(np.int64)
         if len(across) == len(starts):
             out = np.empty((len(starts), seq_len + 1), dtype=np.int64)
         else:

@@ -277,9 +277,12 @@ class Sequences:
         batch_size = integer(batch_size, "batch_size")
         with self._lock:
             position, taken = self._advance(batch_size, keep=True)
-            batch = self.batch_of(_joined(taken))
+            windows = _joined(taken)
+            starts = windows * self.seq_len
+            offsets, bounds = self.files.doc_starts(starts, self.seq_len)
+            tokens = self.files.windows(starts, self.seq_len)
             self.epoch, self.offset, self._ahead = position
-            return dataclasses.replace(batch, state=self._state())
+            return Batch(tokens, windows, offsets, bounds, state=self._state())
 
     def batch_of(self, windows: np.ndarray, state: dict | None = None) -> Batch:
         """These windows' tokens and document starts (no position advanced)."""
