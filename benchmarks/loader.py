@@ -21,7 +21,21 @@ the files' pages from the page cache (posix_fadvise DONTNEED), then time `--cold
 
 First (`--scalar`: only), the microseconds of a scalar `Permutation(n)[i]` lookup, the issue's bound 5 us.
 
+Files (`--files 300,60000`, issue 47): a split's speed against its file count. `--files N` one-document
+shards (the shared data's documents in turn) run through `tokpipe run` twice, concatenated and
+--no-concat: the same tokens in one file or in N. In a fresh process under `ulimit -n` `--nofile` (64),
+next_batch on each (and, as the option not taken, the same windows read with pread: an open, a preadv
+and a close a file a window crosses, no document starts) alternate as above: first `--batches` batches
+from a fresh loader (its files mapped as they are first read: the cold rate), then, once every file is
+mapped (an epoch's windows read 4,096 at a time, timed: "mapped_s"; the concatenated split's too, so
+that both have every page faulted in), `--rounds` rounds, each method's `--batches` taken 20 at a time in
+turn (`interleaved`). Beside the rates: the maps of the --no-concat split's files (the lines of
+/proc/self/maps that name one) and the descriptors the process holds beyond those it had before.
+Another checkout's loader: this file and harness.py copied into its benchmarks/ (b43ee5c's needs
+`--nofile` raised: two descriptors a map).
+
     python benchmarks/loader.py --rounds 5
+    python benchmarks/loader.py --files 300,60000 --rounds 5 --clock cpu
 """
 
 from __future__ import annotations
@@ -30,6 +44,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -39,7 +54,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import SHARED, manifest_of, tokpipe_run  # noqa: E402
+from harness import SHARED, load_texts, manifest_of, tokpipe_run  # noqa: E402
 
 SYNTHETIC_DOCUMENT = 4096
 GROUPS = ("RedPajamaC4", "RedPajamaCommonCrawl", "RedPajamaGithub")
@@ -146,6 +161,18 @@ def child(*extra: str) -> dict:
     return json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
 
 
+def files(args) -> None:
+    """--files: per file count, its two OUTs made (cached), then one process of files_warm."""
+    common = ["--seq-len", str(args.seq_len), "--batch", str(args.batch), "--batches", str(args.batches)]
+    common += ["--rounds", str(args.rounds), "--clock", args.clock, "--nofile", str(args.nofile)]
+    results = {}
+    for count in map(int, args.files.split(",")):
+        outs = files_outs(count, args.work_dir)
+        results[count] = child("--files-warm", str(outs["concat"]), str(outs["no-concat"]), *common)
+        print(json.dumps(results[count]), flush=True)
+    (args.work_dir / "loader-files.json").write_text(json.dumps(results, indent=1))
+
+
 def synthetic_out(folder: Path, tokens: int) -> Path:
     """An OUT's files for a train split of `tokens` zero tokens (a sparse file), a document every 4,096."""
     from tokpipe.out.files import Out
@@ -166,6 +193,129 @@ def synthetic_out(folder: Path, tokens: int) -> Path:
     split |= {"parts_sha256": hashlib.sha256(raw).hexdigest(), "tokens": tokens, "documents": documents}
     Out(out).write_meta({"dtype": "uint32", "vocab_size": 151669, "eos_token_id": 0, "splits": {"train": split}})
     return out
+
+
+def small_shards(count: int, work_dir: Path) -> Path:
+    """`count` plain JSONL shards of one document each, the shared data's documents in turn (1,000 a
+    sub-folder): a --no-concat split of `count` files, each as small as a document (~2,600 tokens)."""
+    import orjson
+
+    folder = work_dir / "small-shards" / f"{count}"
+    if (folder / "done").is_file():
+        return folder
+    shutil.rmtree(folder, ignore_errors=True)
+    texts = load_texts(SHARED)
+    for k in range(count):
+        sub = folder / "train" / f"d{k // 1000:04d}"
+        if k % 1000 == 0:
+            sub.mkdir(parents=True)
+        (sub / f"s{k:07d}.jsonl").write_bytes(orjson.dumps({"text": texts[k % len(texts)]}) + b"\n")
+    (folder / "done").write_text("ok\n")
+    return folder
+
+
+def files_outs(count: int, work_dir: Path) -> dict[str, Path]:
+    """`tokpipe run` of `count` small shards, concatenated and --no-concat (cached under work_dir)."""
+    shards = small_shards(count, work_dir)
+    outs = {}
+    for kind, extra in {"concat": [], "no-concat": ["--no-concat"]}.items():
+        out = outs[kind] = work_dir / f"loader-{count}-files-{kind}"
+        if not (out / "meta.json").exists():
+            tokpipe_run(manifest_of(shards, work_dir), out, 2, *extra)
+    return outs
+
+
+def pread_reader(out: Path, seq_len: int, batch: int):
+    """A batch of the --no-concat split's windows (the loader's seeded order) read with pread: for each window,
+    each file it crosses opened, its piece read into the batch's row with preadv, and closed."""
+    from tokpipe.data import Sequences
+
+    loader = Sequences(out, seq_len=seq_len, seed=1)
+    files, starts, dtype = loader.files, loader.files.starts, loader.files.dtype
+    paths = [str(bin_path) for bin_path, _ in files.paths]
+
+    def step():
+        rows = np.empty((batch, seq_len + 1), dtype)
+        for row, start in enumerate((loader.take(batch) * seq_len).tolist()):
+            f, filled = int(np.searchsorted(starts, start, side="right")) - 1, 0
+            while filled < seq_len + 1:
+                piece = rows[row, filled : filled + int(starts[f + 1]) - (start + filled)]
+                fd = os.open(paths[f], os.O_RDONLY)
+                os.preadv(fd, [piece], (start + filled - int(starts[f])) * dtype.itemsize)
+                os.close(fd)
+                filled, f = filled + len(piece), f + 1
+        return rows.astype(np.int64)
+
+    return step
+
+
+def interleaved(methods: dict, batches: int, clock, chunk: int = 20) -> dict[str, float]:
+    """Batches per second of each method over `batches` batches, taken `chunk` at a time in turn: the load of
+    a shared machine changes within a round of 1,000 batches (3-7 us a numpy call when loaded, ~1 quiet),
+    and a round of each in turn compared different loads (one pass: 0.46 on 300 files, 0.65 on 60,000)."""
+    seconds = dict.fromkeys(methods, 0.0)
+    for _ in range(batches // chunk):
+        for m, step in methods.items():
+            started = clock()
+            for _ in range(chunk):
+                step().sum()
+            seconds[m] += clock() - started
+    return {m: batches // chunk * chunk / s for m, s in seconds.items()}
+
+
+def maps_of(out: Path) -> int:
+    """This process's maps of OUT's files: the lines of /proc/self/maps that name one."""
+    return sum(f" {out}/" in line for line in Path("/proc/self/maps").read_text().splitlines())
+
+
+def files_warm(concat_out: Path, files_out: Path, args) -> dict:
+    """In this (fresh) process, under `ulimit -n` args.nofile: next_batch on the concatenated split and on
+    the --no-concat one (and pread), alternating: cold, then with every file mapped."""
+    import resource
+
+    from tokpipe.data import Sequences
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (args.nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    descriptors, clock = len(os.listdir("/proc/self/fd")), CLOCKS[args.clock]
+    started = time.perf_counter()
+    loader = Sequences(files_out, seq_len=args.seq_len, seed=1)
+    opened = time.perf_counter() - started
+    concatenated = Sequences(concat_out, seq_len=args.seq_len, seed=1)
+
+    def step(sequences):
+        batch = sequences.next_batch(args.batch)
+        batch.doc_starts  # noqa: B018 (built, as a trainer that uses them pays for)
+        return batch.tokens
+
+    methods = {"concatenated": lambda: step(concatenated), "--no-concat": lambda: step(loader)}
+    methods["pread"] = pread_reader(files_out, args.seq_len, args.batch)
+    cold = {m: round(rate(read, args.batches, clock)) for m, read in methods.items()}
+    mapped = []
+    for sequences in (loader, concatenated):  # every window read once: every file mapped, every page faulted in
+        started = time.perf_counter()
+        for first in range(0, len(sequences), 4096):
+            sequences.batch_of(np.arange(first, min(first + 4096, len(sequences))))
+        mapped.append(time.perf_counter() - started)
+    runs = {m: [] for m in methods}
+    for _ in range(args.rounds):
+        for m, measured in interleaved(methods, args.batches, clock).items():
+            runs[m].append(measured)
+    medians = {m: statistics.median(r) for m, r in runs.items()}
+    return {
+        "files": len(loader.files),
+        "clock": args.clock,
+        "nofile": args.nofile,
+        "open_s": round(opened, 2),
+        "mapped_s": round(mapped[0], 2),
+        "concatenated_read_s": round(mapped[1], 2),
+        "cold": cold,
+        **{m: [round(r) for r in rs] for m, rs in runs.items()},
+        "medians": {m: round(v) for m, v in medians.items()},
+        "ratio": round(medians["--no-concat"] / medians["concatenated"], 2),
+        "pread_ratio": round(medians["pread"] / medians["concatenated"], 2),
+        "maps": maps_of(files_out),
+        "descriptors_held": len(os.listdir("/proc/self/fd")) - descriptors,
+    }
 
 
 def shared_outs(work_dir: Path) -> dict[str, Path]:
@@ -193,7 +343,16 @@ def main() -> None:
     parser.add_argument("--warm", nargs=3, help=argparse.SUPPRESS)  # KIND OUT READER_OUT: one warm process
     parser.add_argument("--cold", nargs=2, help=argparse.SUPPRESS)  # METHOD OUT: one cold process
     parser.add_argument("--scalar", action="store_true", help="only the scalar Permutation lookup")
+    parser.add_argument("--files", help="file counts of a --no-concat split to compare with its tokens in one file")
+    parser.add_argument("--nofile", type=int, default=64, help="`ulimit -n` of the --files processes")
+    parser.add_argument("--files-warm", nargs=2, help=argparse.SUPPRESS)  # CONCAT_OUT FILES_OUT: one process
     args = parser.parse_args()
+    if args.files_warm:
+        print(json.dumps(files_warm(Path(args.files_warm[0]), Path(args.files_warm[1]), args)))
+        return
+    if args.files:
+        files(args)
+        return
     if args.warm:
         kind, out, reader_out = args.warm
         print(json.dumps(warm(kind, Path(out), Path(reader_out), args)))
