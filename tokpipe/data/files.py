@@ -8,7 +8,7 @@ up to MAPS maps, the kernel's vm.max_map_count less RESERVED for the rest of the
 common 65,530); past that the least recently read eighth is dropped. Keeping 64 (before issue 47) mapped
 nearly every file again every batch on a split of 300 (257-483 batches/s against ~21,000 concatenated).
 Reading a window with pread instead of mapping took 9 us a window with its open and close (a batch of 64
-at 0.13-0.18x the concatenated split's rate, against 0.54-0.60x here), 3.7 us with a descriptor kept
+at 0.15-0.18x the concatenated split's rate, against 0.53-0.57x here), 3.7 us with a descriptor kept
 (which `ulimit -n` caps).
 
 Windows: one row gather a batch, whatever files it reads. `_view()` is the process's memory from the
