@@ -18,9 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tokpipe.data import Sequences, files
-from tokpipe.data.files import SMALL, SPARSE
+from tokpipe.data import Sequences
 from tokpipe.out.files import Out
+from tokpipe.read import files
+from tokpipe.read.files import SMALL, SPARSE
 
 
 def hand_made_out(out, lengths_per_file: list[np.ndarray], concat: bool, seed: int = 0):

@@ -10,13 +10,13 @@ from helpers import EXAMPLE_CACHE, QWEN3, build_out
 
 from tokpipe.commands.export import export
 from tokpipe.commands.inspect import inspect
-from tokpipe.commands.sample import verify_sample
 from tokpipe.commands.status import status
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import build_manifest
 from tokpipe.inputs.tokenizer import load_tokenizer_info
 from tokpipe.options import RunOptions
 from tokpipe.read.output import open_output
+from tokpipe.read.sample import verify_sample
 from tokpipe.read.verify import verify
 from tokpipe.runner.identity import record_run
 

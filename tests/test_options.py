@@ -41,11 +41,11 @@ from helpers import (
 import tokpipe as tokpipe_api
 from tokpipe.cli import parser
 from tokpipe.commands.inspect import BOS_MARK, inspect
-from tokpipe.commands.sample import verify_sample
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import build_manifest, write_manifest
 from tokpipe.options import RunOptions
 from tokpipe.out.files import group_stem
+from tokpipe.read.sample import verify_sample
 from tokpipe.read.verify import verify
 
 IM_START = QWEN3_IM_START

@@ -63,8 +63,8 @@ LAYERS = {
     "tokpipe.out": {"tokpipe.inputs"},
     "tokpipe.write": {"tokpipe.inputs", "tokpipe.out"},
     "tokpipe.runner": {"tokpipe.inputs", "tokpipe.out", "tokpipe.write", "tokpipe.options"},
-    "tokpipe.read": {"tokpipe.out"},
-    "tokpipe.data": {"tokpipe.out"},
+    "tokpipe.read": {"tokpipe.inputs", "tokpipe.out"},
+    "tokpipe.data": {"tokpipe.out", "tokpipe.read"},
     "tokpipe.commands": {"tokpipe.inputs", "tokpipe.out", "tokpipe.read", "tokpipe.data"},
 }
 BASICS = {"tokpipe.errors", "tokpipe.durability", "tokpipe.fmt", "tokpipe.store", "tokpipe._version"}

@@ -140,7 +140,7 @@ def reseal(out, split):
 
 
 def test_sample_re_tokenizes_source_documents_and_catches_a_self_consistent_wrong_id(small_out):
-    from tokpipe.commands.sample import verify_sample
+    from tokpipe.read.sample import verify_sample
 
     # The 600-id tokenizer's OUT: the sample encodes its documents again three times, and Qwen3's load and
     # encode (~5 CPU-s of this test) are not the subject.
@@ -214,8 +214,8 @@ def test_a_grouped_output_is_verified_group_by_group(finished_grouped, tmp_path)
 
 
 def test_sample_re_encodes_a_long_document_a_piece_at_a_time(tmp_path, monkeypatch):
-    from tokpipe.commands.sample import verify_sample
     from tokpipe.inputs.tokenizer import PIECE_CHARS, HFEncoder
+    from tokpipe.read.sample import verify_sample
 
     texts = ["a short one", long_document(PIECE_CHARS + 5_000), "another short one"]
     write_jsonl(tmp_path / "data" / "train" / "part.jsonl", [json.dumps({"text": t}) for t in texts])
@@ -239,8 +239,8 @@ def test_sample_re_encodes_a_long_document_a_piece_at_a_time(tmp_path, monkeypat
 
 
 def test_sample_passes_over_a_long_document_of_a_tokenizer_it_cannot_cut_and_says_so(tmp_path):
-    from tokpipe.commands.sample import verify_sample
     from tokpipe.inputs.tokenizer import PIECE_CHARS
+    from tokpipe.read.sample import verify_sample
 
     tokenizer = tmp_path / "tokenizer"
     shutil.copytree(QWEN3, tokenizer)

@@ -152,7 +152,7 @@ def _cmd_verify(args) -> int:
 
     checks = verify(args.out, args.jobs)
     if args.sample and all(c.ok for c in checks):
-        from tokpipe.commands.sample import verify_sample  # the reference encoder and the sources: only for --sample
+        from tokpipe.read.sample import verify_sample  # the reference encoder and the sources: only for --sample
 
         checks += verify_sample(args.out, args.sample, args.seed, args.tokenizer)
     print(as_json(checks) if args.json else report(checks))

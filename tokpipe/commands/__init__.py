@@ -1,2 +1,2 @@
 """The commands that look at an OUT, finished or not, and write none of its output files: status, inspect,
-report, export, and verify --sample (sample.py). The CLI (tokpipe/cli.py) parses and dispatches them."""
+report and export. The CLI (tokpipe/cli.py) parses and dispatches them."""

@@ -45,10 +45,10 @@ import numpy as np
 import orjson
 
 from tokpipe.data.arguments import integer, name
-from tokpipe.data.files import TokenFiles
 from tokpipe.data.permutation import Permutation
 from tokpipe.out.files import Out, load_meta_pkl
 from tokpipe.out.records import split_files
+from tokpipe.read.files import TokenFiles
 
 STATE_FORMAT = 3  # 1: the fingerprint was meta's parts_sha256; 2: the group was not recorded
 STATE_KEYS = ("split", "group", "seq_len", "seed", "tokens", "fingerprint", "epoch", "offset")

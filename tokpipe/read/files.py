@@ -38,8 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tokpipe.data.maps import array_at, kernel_max_maps, mapped, opened, read, recorded
 from tokpipe.out.records import IDX_DTYPE
+from tokpipe.read.maps import array_at, kernel_max_maps, mapped, opened, read, recorded
 
 RESERVED = 4096  # maps left to the rest of the process: Python with numpy holds ~200, torch on CUDA a few 1,000
 SPARSE = 512  # ends per block: one 4 KB page of an .idx

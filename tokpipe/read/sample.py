@@ -1,6 +1,7 @@
 """`tokpipe verify --sample K`: K random documents of OUT re-tokenized from the source with `tokenizers` (the
 reference: docs/design.md) and compared with their span in the split files: an independent check of the encoder that
-wrote them and of the offsets where they went. `tokpipe verify`'s other checks are tokpipe/read/verify.py's.
+wrote them and of the offsets where they went. `tokpipe verify`'s other checks are verify.py's. (The one reader
+of OUT that reads its sources: tokpipe/inputs.)
 """
 
 from __future__ import annotations
