@@ -664,6 +664,49 @@ def build_out(
     return out
 
 
+def hand_made_out(out, lengths_per_file: list[np.ndarray], concat: bool, seed: int = 0):
+    """An OUT whose train split holds documents of these lengths, in one file (concat) or one file per
+    list; returns (out, every token in order, every document end counted from the split's start). Written by
+    hand, as finalize lays them out (meta, .parts, .bin and .idx): random uint16 ids below 600, each document
+    ended by EOS (id 0, and no other 0)."""
+    from tokpipe.out.files import Out
+
+    rng = np.random.default_rng(seed)
+    out.mkdir(parents=True)
+    files, parts, all_tokens, all_ends, offset = [], [], [], [], 0
+    for i, lengths in enumerate(lengths_per_file):
+        tokens = rng.integers(1, 600, int(lengths.sum()), dtype=np.uint16)
+        ends = np.cumsum(lengths).astype("<i8")
+        tokens[ends[lengths > 0] - 1] = 0  # EOS, meta's eos_token_id
+        all_tokens.append(tokens)
+        all_ends.append(ends + offset)
+        offset += len(tokens)
+        record = {"shard": f"s{i}", "tokens": len(tokens), "documents": len(ends)}
+        record["sha256"] = hashlib.sha256(tokens.tobytes()).hexdigest()
+        record["idx_sha256"] = hashlib.sha256(ends.tobytes()).hexdigest()
+        if not concat:
+            (out / "shards").mkdir(exist_ok=True)
+            tokens.tofile(out / f"shards/{i}.bin")
+            ends.tofile(out / f"shards/{i}.idx")
+            record |= {"bin": f"shards/{i}.bin", "idx": f"shards/{i}.idx"}
+            files.append({k: record[k] for k in ("bin", "idx", "tokens", "documents")})
+        parts.append(json.dumps(record) + "\n")
+    tokens, ends = np.concatenate(all_tokens), np.concatenate(all_ends)
+    raw = "".join(parts).encode()
+    (out / "train.parts").write_bytes(raw)
+    entry = {"parts": "train.parts", "tokens": len(tokens), "documents": len(ends)}
+    entry["parts_sha256"] = hashlib.sha256(raw).hexdigest()
+    if concat:
+        tokens.tofile(out / "train.bin")
+        ends.tofile(out / "train.idx")
+        entry |= {"file": "train.bin", "idx": "train.idx"}
+    else:
+        entry["files"] = files
+    meta = {"dtype": "uint16", "vocab_size": 600, "eos_token_id": 0, "delimiters": {"bos": False, "eos": True}}
+    Out(out).write_meta(meta | {"concat": concat, "splits": {"train": entry}})
+    return out, tokens.astype(np.int64), ends
+
+
 def built_once(tmp_path_factory, relpath: str, build) -> Path:
     """`build(path)`'s result at `relpath`, built once for the whole run: under pytest-xdist in the folder all
     workers share, by the first worker that needs it while the others wait on its lock (each finished OUT of

@@ -7,7 +7,6 @@ The OUTs here are written by hand, as finalize lays them out (meta, .parts, .bin
 and document lengths, empty documents and empty files included, uint16.
 """
 
-import hashlib
 import json
 import os
 import subprocess
@@ -17,48 +16,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import hand_made_out
 
 from tokpipe.data import Sequences
-from tokpipe.out.files import Out
 from tokpipe.read import files
 from tokpipe.read.files import SMALL, SPARSE
-
-
-def hand_made_out(out, lengths_per_file: list[np.ndarray], concat: bool, seed: int = 0):
-    """An OUT whose train split holds documents of these lengths, in one file (concat) or one file per
-    list; returns (out, every token in order, every document end counted from the split's start)."""
-    rng = np.random.default_rng(seed)
-    out.mkdir(parents=True)
-    files, parts, all_tokens, all_ends, offset = [], [], [], [], 0
-    for i, lengths in enumerate(lengths_per_file):
-        tokens = rng.integers(0, 600, int(lengths.sum()), dtype=np.uint16)
-        ends = np.cumsum(lengths).astype("<i8")
-        all_tokens.append(tokens)
-        all_ends.append(ends + offset)
-        offset += len(tokens)
-        record = {"shard": f"s{i}", "tokens": len(tokens), "documents": len(ends)}
-        record["sha256"] = hashlib.sha256(tokens.tobytes()).hexdigest()
-        if not concat:
-            (out / "shards").mkdir(exist_ok=True)
-            tokens.tofile(out / f"shards/{i}.bin")
-            ends.tofile(out / f"shards/{i}.idx")
-            record |= {"bin": f"shards/{i}.bin", "idx": f"shards/{i}.idx"}
-            files.append({k: record[k] for k in ("bin", "idx", "tokens", "documents")})
-        parts.append(json.dumps(record) + "\n")
-    tokens, ends = np.concatenate(all_tokens), np.concatenate(all_ends)
-    raw = "".join(parts).encode()
-    (out / "train.parts").write_bytes(raw)
-    entry = {"parts": "train.parts", "tokens": len(tokens), "documents": len(ends)}
-    entry["parts_sha256"] = hashlib.sha256(raw).hexdigest()
-    if concat:
-        tokens.tofile(out / "train.bin")
-        ends.tofile(out / "train.idx")
-        entry |= {"file": "train.bin", "idx": "train.idx"}
-    else:
-        entry["files"] = files
-    meta = {"dtype": "uint16", "vocab_size": 600, "eos_token_id": 0, "delimiters": {"bos": False, "eos": True}}
-    Out(out).write_meta(meta | {"concat": concat, "splits": {"train": entry}})
-    return out, tokens.astype(np.int64), ends
 
 
 def doc_starts_by_hand(ends: np.ndarray, start: int, seq_len: int) -> list[int]:
