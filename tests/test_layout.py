@@ -73,7 +73,7 @@ def test_a_parts_list_gives_each_part_its_offsets_and_meta_its_sums(tmp_path):
         (1, 10, 2, 14, 3),
         (2, 14, 3, 21, 4),
     ]
-    entry = split_entry("val", tmp_path / "val.parts", concat=True)
+    entry = split_entry("val", tmp_path / "val.parts", concat=True).as_dict()
     assert {k: v for k, v in entry.items() if k != "parts_sha256"} == {
         "file": "val.bin",
         "idx": "val.idx",

@@ -2,12 +2,17 @@
 document ends), and refuses an OUT that is unfinished or does not match its meta."""
 
 import json
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
-from helpers import QWEN3_EOS, QWEN3_VOCAB
+from helpers import QWEN3_EOS, QWEN3_VOCAB, cli, hand_made_out
 
 import tokpipe
+from tokpipe.commands.inspect import inspect
+from tokpipe.data import Sequences
 from tokpipe.errors import UserError
 
 
@@ -52,3 +57,58 @@ def test_a_grouped_split_is_its_groups_one_after_the_other_in_the_order_of_their
             alone = split.groups[group]
             assert np.array_equal(alone.tokens[:], tokens) and len(alone.ends) == documents
             assert np.array_equal(alone.document(documents - 1)[-1:], [QWEN3_EOS])
+
+
+def test_an_out_killed_between_its_two_metas_is_unfinished_to_every_reader(out, tmp_path):
+    """meta.json is the last file a run writes: without it OUT is not finished, to open_output (which read
+    meta.pkl alone, and opened it), export, the loader, inspect and status alike."""
+    (out / "meta.json").unlink()
+    unfinished = f"{out} is not a finished tokpipe output (no meta.json): see where it stands with tokpipe status {out}"
+    with pytest.raises(UserError) as refused:
+        tokpipe.open_output(out)
+    assert str(refused.value) == unfinished
+    exported = cli("export", out, "--format", "llmc", "--dest", tmp_path / "llmc")
+    assert (exported.returncode, exported.stderr) == (2, f"tokpipe export: error: {unfinished}\n")
+    with pytest.raises(ValueError, match=f"^{re.escape(unfinished)}$"):
+        Sequences(out)
+    assert not inspect(out, n=0).source.finished
+    assert cli("status", out).stdout.startswith(f"{out}: stopped before finishing")
+
+
+def test_a_file_unlike_its_meta_is_refused_in_one_message_by_every_reader(out):
+    """open_output (a UserError: one line, exit 2) and the loader (a ValueError) say the same thing of it."""
+    with open(out / "val.bin", "ab") as f:
+        f.write(b"\0\0\0\0")
+    said = (
+        f"{out}/val.bin holds 1,215,860 bytes, meta says 303,964 tokens of 4 bytes: the file is not the one meta "
+        f"describes (tokpipe verify {out})"
+    )
+    for reader in (tokpipe.open_output, lambda out: Sequences(out, "validation")):
+        with pytest.raises(UserError) as refused:
+            reader(out)
+        assert isinstance(refused.value, ValueError) and str(refused.value) == said
+
+
+UNDER_ULIMIT = """
+import json, resource, sys
+import numpy as np
+import tokpipe
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+train = tokpipe.open_output(sys.argv[1]).splits["train"]
+documents = [train.document(i).tolist() for i in range(len(train.ends))]
+checks = tokpipe.verify(sys.argv[1], jobs=2)
+print(json.dumps({"documents": documents, "failed": [c.name for c in checks if not c.ok], "checks": len(checks)}))
+"""
+
+
+def test_a_split_of_300_files_opens_and_verifies_under_ulimit_64(tmp_path):
+    """open_output held a memmap per file and per index, each with a descriptor: 600 for a --no-concat split of
+    300 files, which `ulimit -n 64` refused (EMFILE). Through the one reader it holds none."""
+    rng = np.random.default_rng(8)
+    lengths = [rng.integers(1, 30, 3) for _ in range(300)]
+    out, tokens, ends = hand_made_out(tmp_path / "out", lengths, concat=False)
+    read = subprocess.run([sys.executable, "-c", UNDER_ULIMIT, str(out)], capture_output=True, text=True)
+    assert read.returncode == 0, read.stderr
+    found = json.loads(read.stdout)
+    assert found["documents"] == [tokens[a:b].tolist() for a, b in zip([0, *ends[:-1]], ends)]
+    assert found["failed"] == [] and found["checks"] == 17

@@ -139,3 +139,48 @@ def test_the_reference_in_helpers_imports_nothing_of_tokpipe():
         for alias in node.names
     }
     assert above and not [m for m in above if m and m.split(".")[0] == "tokpipe"]
+
+
+def _name(node: ast.AST) -> str | None:
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+
+
+RECORDS = {"meta", "run", "entry", "info"}  # what the readers called meta, run.json and a split's entry
+
+
+def _keys_taken(tree: ast.AST):
+    """Where a module takes a string key of a record as a dict: x["key"] and x.get("key") of a name in RECORDS,
+    and a layout's key ("file", "files", "groups") looked for `in` anything."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and _name(node.value) in RECORDS and isinstance(node.slice, ast.Constant):
+            yield node
+        elif isinstance(node, ast.Call) and _name(node.func) == "get" and _name(node.func.value) in RECORDS:
+            yield node
+        elif isinstance(node, ast.Compare) and isinstance(node.ops[0], ast.In | ast.NotIn):
+            if getattr(node.left, "value", None) in ("file", "files", "groups"):
+                yield node
+
+
+def test_only_the_contract_takes_a_key_of_meta_or_run_json():
+    """meta, run.json and a split's entry are records (tokpipe/out/meta.py, run.py): no module outside tokpipe/out/
+    takes one of their keys from a dict, nor tells a split's layout by the keys its entry has."""
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {ast.unparse(node)}"
+        for path in PACKAGE.rglob("*.py")
+        if not path.is_relative_to(PACKAGE / "out")
+        for node in _keys_taken(ast.parse(path.read_text()))
+    ]
+    assert found == []
+
+
+def test_two_modules_touch_a_token_files_bytes():
+    """The readers read a split's token files through one reader, whose file access is one module (read/maps.py:
+    mapped, read, checked); the write path reads a shard's ends where it copies them (write/place.py)."""
+    touching = {
+        _module_name(path)
+        for path in PACKAGE.rglob("*.py")
+        for call in ast.walk(ast.parse(path.read_text()))
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+        if (_name(call.func.value), call.func.attr) in {("np", "memmap"), ("np", "fromfile"), ("_libc", "mmap")}
+    }
+    assert touching == {"tokpipe.read.maps", "tokpipe.write.place"}

@@ -20,6 +20,7 @@ from tokpipe.errors import ReaderMayLeave, UserError, terminate_on_sigterm, term
 from tokpipe.inputs.source.batch import MISSING_GROUP
 from tokpipe.options import RunOptions, positive
 from tokpipe.out.files import Out
+from tokpipe.out.meta import Meta, SplitEntry
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 
@@ -68,21 +69,21 @@ def _manifest_lines(manifest, dest: Path) -> list[str]:
     return lines
 
 
-def _where(out: Path, split: dict) -> str:
-    if "groups" in split:  # --group-by
-        n = len(split["groups"])
+def _where(out: Path, split: SplitEntry) -> str:
+    if split.groups is not None:  # --group-by
+        n = len(split.groups)
         return f"the files of {n:,} group{'s' if n != 1 else ''} listed in {Out(out).meta_json}"
-    if "files" in split:  # --no-concat
-        n = len(split["files"])
+    if split.file is None:  # --no-concat
+        n = len(split.files)
         return f"{n:,} file{'s' if n != 1 else ''} listed in {Out(out).meta_json}"
-    return str(out / split["file"])
+    return str(out / split.file)
 
 
-def _groups_line(group_by: str, groups: dict) -> str:
+def _groups_line(group_by: str, groups: dict[str, SplitEntry]) -> str:
     """A split's groups in one line: how many, the largest, and how many documents lacked the field."""
-    largest = sorted(groups.items(), key=lambda g: -g[1]["tokens"])
-    shown = ", ".join(f"{value} {g['tokens']:,}" for value, g in largest[:5]) + (", ..." if len(largest) > 5 else "")
-    missing = groups.get(MISSING_GROUP, {}).get("documents", 0)
+    largest = sorted(groups.items(), key=lambda g: -g[1].tokens)
+    shown = ", ".join(f"{value} {g.tokens:,}" for value, g in largest[:5]) + (", ..." if len(largest) > 5 else "")
+    missing = groups[MISSING_GROUP].documents if MISSING_GROUP in groups else 0
     lacking = f"; {missing:,} documents without {group_by} are in group {MISSING_GROUP}" if missing else ""
     return f"  {len(groups):,} groups by {group_by} (tokens: {shown}){lacking}"
 
@@ -90,20 +91,19 @@ def _groups_line(group_by: str, groups: dict) -> str:
 def summary_lines(summary) -> list[str]:
     """What `tokpipe run` prints of a run that finalized OUT (a runner.driver.RunSummary): each split, what
     was left out, where the time went, and what to do next."""
-    meta, out, lines = summary.meta, summary.out, []
-    for split, s in meta["splits"].items():
-        skipped = sum(s["skipped"].values())
-        why = ", ".join(f"{k} {v}" for k, v in s["skipped"].items())
+    meta, out, lines = Meta.of(summary.meta), summary.out, []
+    for split, s in meta.splits.items():
+        skipped = sum(s.skipped.values())
+        why = ", ".join(f"{k} {v}" for k, v in s.skipped.items())
         lines.append(
-            f"{split}: {s['tokens']:,} tokens, {s['documents']:,} documents, {skipped:,} lines "
+            f"{split}: {s.tokens:,} tokens, {s.documents:,} documents, {skipped:,} lines "
             f"skipped{' (' + why + ')' if why else ''} -> {_where(out, s)}"
         )
-        if "groups" in s:
-            lines.append(_groups_line(meta["group_by"], s["groups"]))
-    if meta["excluded"]:
+        if s.groups is not None:
+            lines.append(_groups_line(meta.group_by, s.groups))
+    if meta.excluded:
         lines.append(
-            f"EXCLUDED {len(meta['excluded'])} failed shards (recorded in meta['excluded']): "
-            f"{', '.join(meta['excluded'])}"
+            f"EXCLUDED {len(meta.excluded)} failed shards (recorded in meta['excluded']): {', '.join(meta.excluded)}"
         )
     if summary.lacking:
         shard, missing, read = summary.lacking[0]
@@ -111,7 +111,7 @@ def summary_lines(summary) -> list[str]:
             f"NOTE: {len(summary.lacking)} shards have no {summary.text_field!r} field on most lines (e.g. {shard}:"
             f" {missing:,} of {read:,} lines): is --text-field right for them?"
         )
-    tokens = sum(s["tokens"] for s in meta["splits"].values())
+    tokens = meta.tokens
     seconds = summary.seconds
     lines.append(summary.phases)
     lines.append(

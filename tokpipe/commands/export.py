@@ -100,22 +100,6 @@ def llmc_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
-def _take(arrays: list[np.ndarray], firsts: np.ndarray, positions: np.ndarray, shifts=None) -> np.ndarray:
-    """Values at global `positions` of arrays read as one (array f starts at firsts[f]), plus shifts[f]:
-    gathered per array, so a --no-concat split costs one step per file, never one per position."""
-    if len(arrays) == 1:
-        values = np.asarray(arrays[0])[positions]  # an ndarray's gather: a memmap's took twice as long
-        return values if shifts is None else values + shifts[0]
-    which = np.searchsorted(firsts, positions, side="right") - 1
-    order = np.argsort(which, kind="stable")
-    bounds = np.searchsorted(which[order], np.arange(len(arrays) + 1))
-    values = np.empty(len(positions), dtype=arrays[0].dtype if shifts is None else np.int64)
-    for f in np.flatnonzero(np.diff(bounds)):
-        picked = order[bounds[f] : bounds[f + 1]]
-        values[picked] = np.asarray(arrays[f])[positions[picked] - firsts[f]] + (0 if shifts is None else shifts[f])
-    return values
-
-
 def _positions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Every token's position in the split, documents one after another: ones, with the jump to its
     start at each document's first token, summed up (measured: 9 ns a token; np.repeat of the offsets
@@ -132,29 +116,24 @@ def _positions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 def _shuffled(split: Split, seed: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """The split's documents in the order of Permutation(documents, seed): (tokens, lengths) a chunk of
     documents at a time, each chunk at most SHUFFLE_TOKENS tokens, or one longer document."""
-    files = split.files
-    token_counts = [len(f.tokens) for f in files]
-    token_firsts = np.cumsum([0] + token_counts[:-1])
-    doc_firsts = np.cumsum([0] + [len(f.ends) for f in files[:-1]])
-    ends, tokens = [f.ends for f in files], [f.tokens for f in files]
-    n = sum(len(f.ends) for f in files)
+    reader, n = split.reader, split.reader.documents
     order = Permutation(n, seed)
     for begin in range(0, n, SHUFFLE_DOCUMENTS):
         docs = order[np.arange(begin, min(begin + SHUFFLE_DOCUMENTS, n), dtype=np.int64)]
-        stops = _take(ends, doc_firsts, docs, token_firsts)
+        stops = reader.gather(docs, ends=True)
         starts = np.zeros_like(stops)
         later = docs > 0  # a document's start is the end of the one before it, in its file or the last file's
-        starts[later] = _take(ends, doc_firsts, docs[later] - 1, token_firsts)
+        starts[later] = reader.gather(docs[later] - 1, ends=True)
         lengths = stops - starts
         through = np.cumsum(lengths)
         a = 0
         while a < len(docs):
             b = max(int(np.searchsorted(through, through[a] - lengths[a] + SHUFFLE_TOKENS, side="right")), a + 1)
             if lengths[a] > SHUFFLE_TOKENS:  # a long document alone: a slice, no index per token
-                yield split.tokens[starts[a] : stops[a]], lengths[a:b]
+                yield reader.read(int(starts[a]), int(stops[a])), lengths[a:b]
                 a = b
                 continue
-            yield _take(tokens, token_firsts, _positions(starts[a:b], lengths[a:b])), lengths[a:b]
+            yield reader.gather(_positions(starts[a:b], lengths[a:b])), lengths[a:b]
             a = b
 
 
@@ -252,7 +231,7 @@ def _megatron_bin(data: Output, split: Split, tmp: Path, dtype: str) -> str:
             _write_tokens(f, split.tokens, 0, len(split.tokens), dtype)
             _finish(f)
         return f"converted {data.dtype} to {dtype} (a copy: Megatron stores {data.vocab_size:,} ids as {dtype})"
-    sources = [data.path / f.name for f in split.files]
+    sources = [tokens for tokens, _ in split.reader.paths]
     if len(sources) > 1:
         # Several files into one: a copy in the kernel. A clone needs block-aligned offsets (FICLONERANGE),
         # which the second file's start almost never is; copy_file_range clones wherever it can.

@@ -4,8 +4,9 @@ document boundaries marked, then the token ids scanned for the red flags of a br
 The seeds' worst incidents were visible to the eye and to a histogram, and to nothing else before the
 loss curve: a uint16 file of a 151,669-id vocabulary ("Phantom Zero": ids wrapped, EOS gone, loss
 collapsing to 0), a uint32 file read as uint16 (every other id 0), samples that did not look like
-text. Works on a finished OUT (the split files) and on an unfinished one (what the shard checkpoints
-cover), so a week-long run can be looked at on its first day.
+text. Works on a finished OUT (the split files) and on an unfinished one (what the shard checkpoints and parts
+lists cover), both read through the one reader of a split's files, so a week-long run can be looked at on its
+first day.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import secrets
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -24,9 +24,11 @@ from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import load_manifest
 from tokpipe.inputs.tokenizer import encoder, load_tokenizer_info
 from tokpipe.out.files import Out, out_folder, split_file_stem
-from tokpipe.out.records import IDX_DTYPE, Checkpoint, is_held_part, listed_parts
-from tokpipe.out.run import delimiters, load_run, output_splits, sources
-from tokpipe.read.output import TokenFile, open_output
+from tokpipe.out.meta import Meta
+from tokpipe.out.records import unfinished_files
+from tokpipe.out.run import RunRecord, load_run, output_splits
+from tokpipe.read.files import TokenFile, TokenFiles
+from tokpipe.read.output import open_output
 from tokpipe.read.verify import Check
 from tokpipe.read.verify import report as verify_report
 
@@ -92,87 +94,45 @@ def _split_name(wanted: str, available: list[str]) -> str:
     return name
 
 
-def _delimiters(meta: dict) -> dict:
-    """Source's bos_id and eos_written from meta or run.json."""
-    written = delimiters(meta)
-    return {"bos_id": int(meta["bos_token_id"]) if written["bos"] else None, "eos_written": written["eos"]}
-
-
 def open_source(out: str | os.PathLike, split: str) -> Source:
+    """A split of OUT as far as it is written: a finished OUT's split files, or what an unfinished one's checkpoints
+    and parts lists cover (records.unfinished_files), each read through the one reader of a split's files."""
     out = out_folder(out)
     run = load_run(Out(out))
-    if Out(out).meta_json.is_file():
+    tokenizer_path = run.tokenizer_path if run is not None else None
+    if Out(out).is_finished():
         data = open_output(out)
         name = _split_name(split, list(data.splits))
-        s = data.splits[name]
-        return Source(
-            split=name,
-            finished=True,
-            dtype=data.dtype,
-            vocab_size=data.vocab_size,
-            eos_id=data.eos_id,
-            eos_token=data.meta["eos_token"],
-            tokenizer=data.meta["tokenizer"],
-            tokenizer_sha256=data.meta["tokenizer_sha256"],
-            tokenizer_path=run.get("tokenizer_path"),
-            documents=len(s.ends),
-            files=s.files,
-            **_delimiters(data.meta),
-        )
-    if not run or not Out(out).manifest.is_file():
+        files = data.splits[name].files
+        return _source(name, True, data.record, files, sum(len(f.ends) for f in files), tokenizer_path)
+    if run is None or not Out(out).manifest.is_file():
         raise UserError(f"{out} holds no tokpipe run (no meta.json, run.json or manifest.json)")
     manifest = load_manifest(Out(out).manifest)
-    val_fraction = run.get("val_fraction", 0.0)
-    name = _split_name(split, output_splits(manifest, val_fraction))
-    dtype = np.dtype(run["dtype"])
-    files, documents = [], 0
-    stem = split_file_stem(name)
-    placed = _placed(out, stem, dtype)
-    # The parts the split file will be made of (with --val-fraction, val's include the train shards' held-out
-    # ones; with --group-by, a shard has a part per group).
-    for shard, held in sources(manifest, stem, val_fraction):
-        paths = Out(out).shard(shard)
-        ckpt = Checkpoint.load(paths.checkpoint) or Checkpoint()
-        for group, (n_tokens, n_documents) in ckpt.parts(held, run.get("group_by") is not None).items():
-            bin_path, idx_path = paths.part(held, group)
-            if (shard.relpath, held, group) in placed:  # copied into the split file, its own files gone
-                files.append(placed[shard.relpath, held, group])
-            elif n_tokens:  # only what the checkpoint covers: a live worker may be appending beyond it
-                tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(n_tokens,))
-                ends = np.memmap(idx_path, dtype=IDX_DTYPE, mode="r", shape=(n_documents,))
-                files.append(TokenFile(str(bin_path.relative_to(out)), tokens, ends))
-            documents += n_documents if n_tokens else 0
+    name = _split_name(split, output_splits(manifest, run.val_fraction))
+    written = unfinished_files(Out(out), manifest, split_file_stem(name), run.val_fraction, run.group_by is not None)
+    reader = TokenFiles(out, written, run.dtype)
+    return _source(name, False, run, [reader.file(f) for f in range(len(reader))], reader.documents, tokenizer_path)
+
+
+def _source(
+    name: str, finished: bool, record: Meta | RunRecord, files: list[TokenFile], documents: int, tokenizer_path
+) -> Source:
+    """A Source of what meta records, or while OUT is unfinished, run.json."""
     return Source(
         split=name,
-        finished=False,
-        dtype=dtype,
-        vocab_size=int(run["vocab_size"]),
-        eos_id=int(run["eos_token_id"]),
-        eos_token=run["eos_token"],
-        tokenizer=run["tokenizer"],
-        tokenizer_sha256=run["tokenizer_sha256"],
-        tokenizer_path=run.get("tokenizer_path"),
+        finished=finished,
+        dtype=np.dtype(record.dtype),
+        vocab_size=record.vocab_size,
+        eos_id=record.eos_token_id,
+        eos_token=record.eos_token,
+        tokenizer=record.tokenizer,
+        tokenizer_sha256=record.tokenizer_sha256,
+        tokenizer_path=tokenizer_path,
         documents=documents,
         files=files,
-        **_delimiters(run),
+        bos_id=record.bos_placed,
+        eos_written=record.delimiters.eos,
     )
-
-
-def _placed(out: Path, stem: str, dtype: np.dtype) -> dict[tuple[str, bool, str | None], TokenFile]:
-    """The parts of a split being assembled that are in its file already (listed in <stem>.parts.tmp)."""
-    placed = {}
-    for part in listed_parts(Out(out), stem):
-        bin_tmp, idx_tmp, _ = Out(out).assembly(stem, part.group)
-        if not part.tokens or not bin_tmp.is_file():
-            continue
-        tokens = np.memmap(
-            bin_tmp, dtype=dtype, mode="r", offset=part.token_offset * dtype.itemsize, shape=(part.tokens,)
-        )
-        ends = np.fromfile(idx_tmp, IDX_DTYPE, part.documents, offset=part.doc_offset * IDX_DTYPE.itemsize)
-        placed[part.name, is_held_part(part.record), part.group] = TokenFile(
-            f"{bin_tmp.name}@{part.token_offset}", tokens, ends - part.token_offset
-        )
-    return placed
 
 
 def load_decoder(source: Source, tokenizer: str | None) -> tuple[Callable[[np.ndarray], str], str]:

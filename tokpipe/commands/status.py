@@ -23,8 +23,9 @@ from tokpipe.errors import UserError
 from tokpipe.fmt import disk_line, duration, free_bytes
 from tokpipe.inputs.manifest import load_manifest
 from tokpipe.out.files import FAILED, PROGRESS, REFUSED, RUN_LOG, Out, lock_holder, out_folder
+from tokpipe.out.meta import load_meta
 from tokpipe.out.records import Checkpoint
-from tokpipe.out.run import load_run
+from tokpipe.out.run import RunRecord, load_run
 
 # progress.json is rewritten every 2 s while shards run; older than this, the live run is doing
 # something else (starting Ray, finalizing) or is stuck.
@@ -64,7 +65,7 @@ class RunStatus:
         return sum(1 for s in self.shards if s.state == state and split in (None, s.split))
 
 
-def resume_command(out: str, run: dict, fix: dict | None = None) -> str:
+def resume_command(out: str, run: RunRecord | None, fix: dict | None = None) -> str:
     """The `tokpipe run` that continues OUT: its manifest copy, the recorded tokenizer and options, with
     `fix` (option -> value, None: without it) over them."""
     args = [
@@ -73,13 +74,13 @@ def resume_command(out: str, run: dict, fix: dict | None = None) -> str:
         "--manifest",
         os.path.join(out, Out(out).manifest.name),  # as OUT was named, not normalized
         "--tokenizer",
-        run.get("tokenizer_path") or "TOKENIZER",
+        (run and run.tokenizer_path) or "TOKENIZER",
         "--out",
         out,
     ]
     # run.json keeps the options given other than their defaults, by RunOptions field name; the CLI
     # flags are those names with dashes.
-    for name, value in {**run.get("options", {}), **(fix or {})}.items():
+    for name, value in {**(run.options if run else {}), **(fix or {})}.items():
         if value is None:
             continue
         flag = f"--{name.replace('_', '-')}"
@@ -97,7 +98,7 @@ def status(out: str | os.PathLike) -> RunStatus:
         )
     manifest = load_manifest(folder.manifest)
     run = load_run(folder)
-    meta = folder.load_meta_json()
+    meta = load_meta(folder)
     holder = lock_holder(folder.lock_file)
     warnings: list[str] = []
     # failed.json is the last finished attempt's verdict; a live run is retrying those shards.
@@ -138,7 +139,7 @@ def status(out: str | os.PathLike) -> RunStatus:
         and age < PROGRESS_FRESH_S
         and holder.startswith(f"pid {progress['pid']} ")
     )
-    if meta is not None and meta.get("manifest_sha256") == manifest.fingerprint:
+    if meta is not None:
         state, next_step = "finished", f"tokpipe verify {shlex.quote(out)}"
     elif holder is not None:
         state, next_step = "running", f"nothing yet; check again with: tokpipe status {shlex.quote(out)}"
@@ -149,8 +150,8 @@ def status(out: str | os.PathLike) -> RunStatus:
             next_step = f"what the refusal above says, then: {next_step} (with other inputs: OUT holds no token yet)"
         if failures:
             next_step = f"fix the cause of the failures above (details in {Out(out).log(RUN_LOG)}), then: {next_step}"
-        if not run.get("tokenizer_path"):
-            sha = run.get("tokenizer_sha256", "?")[:16]
+        if not (run and run.tokenizer_path):
+            sha = ((run and run.tokenizer_sha256) or "?")[:16]
             next_step += f"   (TOKENIZER: the one with sha256 {sha}…; this run.json does not record its path)"
     disk = progress.get("disk") if progress and state != "finished" else None
     if disk:

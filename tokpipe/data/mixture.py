@@ -42,6 +42,7 @@ import numpy as np
 from tokpipe.data import draw
 from tokpipe.data.arguments import integer
 from tokpipe.data.sequences import STATE_FORMAT, Batch, Sequences
+from tokpipe.out.meta import Meta
 from tokpipe.read.files import TokenFiles
 
 _NONE = (np.zeros(0, np.int64),) * 3  # no rows: their sources, windows and starts
@@ -69,7 +70,7 @@ class Mixture:
                 raise ValueError(f"sources differ in {what}: {values}")
         self.seq_len = first.seq_len
         _check_same_tokenizer(self.sources)
-        conventions = {name: _convention(s.meta) for name, s in self.sources.items()}
+        conventions = {name: _convention(s.record) for name, s in self.sources.items()}
         if len(set(conventions.values())) > 1:
             named = ", ".join(f"{n}: {c}" for n, c in conventions.items())
             raise ValueError(f"sources delimit documents differently ({named}): a model would learn both conventions")
@@ -225,32 +226,29 @@ def _remix(sources: dict, weights: dict, state: dict) -> Mixture:
     return mixture
 
 
-def _convention(meta: dict) -> str:
+def _convention(meta: Meta) -> str:
     """How a source's documents are delimited, in words."""
-    delimiters, said = meta.get("delimiters", {"bos": False, "eos": True}), []
-    if delimiters["bos"]:
-        said.append(f"BOS {meta['bos_token']} ({meta['bos_token_id']}) before")
-    if delimiters["eos"]:
-        said.append(f"EOS {meta['eos_token']} ({meta['eos_token_id']}) after")
+    said = []
+    if meta.delimiters.bos:
+        said.append(f"BOS {meta.bos_token} ({meta.bos_token_id}) before")
+    if meta.delimiters.eos:
+        said.append(f"EOS {meta.eos_token} ({meta.eos_token_id}) after")
     return " and ".join(said) + " each document" if said else "no delimiter"
 
 
 def _check_same_tokenizer(sources: dict[str, Sequences]) -> None:
     """One tokenizer: the same tokenizer.json bytes, or else the same JSON content (read from where each
     was recorded, when the file there is still the one the OUT was made with), and the same vocab_size."""
-    metas = {name: s.meta for name, s in sources.items()}
-    if len({m.get("vocab_size") for m in metas.values()}) == 1:
-        if len({m.get("tokenizer_sha256") for m in metas.values()}) == 1:
+    metas = {name: s.record for name, s in sources.items()}
+    if len({m.vocab_size for m in metas.values()}) == 1:
+        if len({m.tokenizer_sha256 for m in metas.values()}) == 1:
             return
         contents = {name: _content(m) for name, m in metas.items()}
         if None not in contents.values() and len(set(contents.values())) == 1:
             return
-    named = ", ".join(
-        f"{n}: {m.get('tokenizer') or m.get('tokenizer_sha256')} (vocab_size {m.get('vocab_size')})"
-        for n, m in metas.items()
-    )
-    unread = [f"{m.get('tokenizer_path')} ({n})" for n, m in metas.items() if _content(m) is None]
-    if unread and len({m.get("vocab_size") for m in metas.values()}) == 1:
+    named = ", ".join(f"{n}: {m.tokenizer or m.tokenizer_sha256} (vocab_size {m.vocab_size})" for n, m in metas.items())
+    unread = [f"{m.tokenizer_path} ({n})" for n, m in metas.items() if _content(m) is None]
+    if unread and len({m.vocab_size for m in metas.values()}) == 1:
         raise ValueError(
             f"sources were made with different tokenizer.json files ({named}), and {', '.join(unread)} is no "
             f"longer the file recorded to compare their content: put it back, or tokenize again with one tokenizer"
@@ -258,14 +256,14 @@ def _check_same_tokenizer(sources: dict[str, Sequences]) -> None:
     raise ValueError(f"sources were made with different tokenizers ({named}): their ids mean different tokens")
 
 
-def _content(meta: dict) -> str | None:
+def _content(meta: Meta) -> str | None:
     """The sha256 of a source's tokenizer.json as parsed JSON (keys sorted, no spacing), or None when the
     file recorded in meta is gone or no longer the one the OUT was made with."""
     try:
-        raw = Path(meta.get("tokenizer_path") or "").read_bytes()
+        raw = Path(meta.tokenizer_path or "").read_bytes()
     except OSError:
         return None
-    if hashlib.sha256(raw).hexdigest() != meta.get("tokenizer_sha256"):
+    if hashlib.sha256(raw).hexdigest() != meta.tokenizer_sha256:
         return None
     parsed = json.loads(raw)
     return hashlib.sha256(json.dumps(parsed, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

@@ -46,8 +46,9 @@ import orjson
 
 from tokpipe.data.arguments import integer, name
 from tokpipe.data.permutation import Permutation
-from tokpipe.out.files import Out, load_meta_pkl
-from tokpipe.out.records import split_files
+from tokpipe.errors import UserError
+from tokpipe.out.files import Out
+from tokpipe.out.meta import OutputError, SplitEntry, finished_meta
 from tokpipe.read.files import TokenFiles
 
 STATE_FORMAT = 3  # 1: the fingerprint was meta's parts_sha256; 2: the group was not recorded
@@ -112,15 +113,15 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return epoch_seeds(seed, range(epoch, epoch + 1))[0]
 
 
-def stream_fingerprint(out: Path, entry: dict, dtype: str, group: str | None) -> str:
+def stream_fingerprint(out: Path, entry: SplitEntry, dtype: str, group: str | None) -> str:
     """The sha256 of the dtype and each part's (token count, token sha256), in order: the same for the same
     tokens however the files are named or laid out. A tokpipe 0.1 OUT's split has no parts list: its
     file's sha256."""
-    if "parts_sha256" not in entry:
-        return entry["sha256"]
-    raw = (out / entry["parts"]).read_bytes()
-    if hashlib.sha256(raw).hexdigest() != entry["parts_sha256"]:
-        raise ValueError(f"{out / entry['parts']} is not the parts list meta describes: tokpipe verify {out}")
+    if entry.parts is None:
+        return entry.sha256
+    raw = (out / entry.parts).read_bytes()
+    if hashlib.sha256(raw).hexdigest() != entry.parts_sha256:
+        raise ValueError(f"{out / entry.parts} is not the parts list meta describes: tokpipe verify {out}")
     digest = hashlib.sha256(f"tokpipe token stream {dtype}\n".encode())
     for record in map(orjson.loads, raw.splitlines()):
         if record["tokens"] and (group is None or record.get("group") == group):
@@ -152,30 +153,28 @@ class Sequences:
             raise ValueError(f"out {out!r}: need a path (a str or an os.PathLike)")
         self.out, self.split = Path(os.path.abspath(out)), name(split, "split")
         self.group = None if group is None else name(group, "group")
-        if Out(self.out).load_meta_json() is None:  # meta.json is the last file a run writes
-            raise ValueError(
-                f"{self.out} is not a finished tokpipe output (no meta.json): see where it stands with "
-                f"tokpipe status {self.out}"
-            )
         try:
-            self.meta = load_meta_pkl(Out(self.out).meta_pkl)
-        except Exception as e:  # a hostile or damaged pickle: the restricted unpickler refused it
+            meta = finished_meta(Out(self.out))  # not finished: its OutputError, a ValueError
+        except OutputError:
+            raise
+        except UserError as e:  # a hostile or damaged meta.pkl: the restricted unpickler refused it
             raise ValueError(
                 f"{Out(self.out).meta_pkl} cannot be read safely ({e}): tokpipe verify {self.out}"
             ) from None
-        if split not in self.meta["splits"]:
-            raise ValueError(f"{self.out} has no split {split!r}; its splits: {', '.join(self.meta['splits'])}")
-        entry = self.meta["splits"][split]
-        self._legacy_fingerprint = entry.get("parts_sha256") or entry.get("sha256")  # of format 1 states
+        self.record, self.meta = meta, meta.as_dict()  # meta.pkl, as a record and as its dict
+        if split not in meta.splits:
+            raise ValueError(f"{self.out} has no split {split!r}; its splits: {', '.join(meta.splits)}")
+        entry = meta.splits[split]
+        self._legacy_fingerprint = entry.parts_sha256 or entry.sha256  # of format 1 states
         if group is not None:
-            groups = entry.get("groups", {})
+            groups = entry.groups or {}
             if group not in groups:
                 have = f"its groups: {', '.join(groups)}" if groups else "it was made without --group-by"
                 raise ValueError(f"split {split} of {self.out} has no group {group!r}; {have}")
             legacy = f"{self._legacy_fingerprint} group {group}"
             self._legacy_fingerprint = hashlib.sha256(legacy.encode()).hexdigest()
-        self.fingerprint = stream_fingerprint(self.out, entry, self.meta["dtype"], group)
-        self.files = TokenFiles(split_files(self.out, groups[group] if group else entry), self.meta["dtype"])
+        self.fingerprint = stream_fingerprint(self.out, entry, meta.dtype, group)
+        self.files = TokenFiles(self.out, (groups[group] if group else entry).token_files(), meta.dtype, windows=True)
         self.len = max(self.files.tokens - 1, 0) // self.seq_len
         if self.len < self.world_size:
             raise ValueError(

@@ -202,6 +202,11 @@ class Out:
         f.flush()
         return f
 
+    def is_finished(self) -> bool:
+        """Whether OUT holds a finished run: meta.json is the last file a run writes (write_meta) and the first it
+        removes when it changes a split again (unfinish). The one rule of every reader (tokpipe/out/meta.py)."""
+        return self.meta_json.is_file()
+
     def unfinish(self) -> None:
         """OUT is unfinished while its split files change (or until a new finalize): meta.json goes."""
         self.meta_json.unlink(missing_ok=True)
@@ -216,7 +221,7 @@ class Out:
         try:
             return load_json(self.meta_json)
         except ValueError as e:
-            raise damaged(self.meta_json, e, f"remove it and {rerun(self.root)}: it writes it again") from None
+            raise damaged(self.meta_json, e, meta_fix(self.meta_json)) from None
 
     def load_log(self, name: str) -> dict | None:
         """A JSON file of OUT/logs/ (progress.json, failed.json, refused.json), None where there is none. Damaged,
@@ -330,6 +335,13 @@ def damaged(path: Path, error: Exception, fix: str) -> UserError:
     return UserError(f"{path} is damaged ({type(error).__name__}: {error}): {fix}")
 
 
+def meta_fix(path: Path) -> str:
+    """What to do about a damaged meta.json or meta.pkl: a rerun writes it again (for meta.pkl, both)."""
+    if path.suffix == ".pkl":
+        return f"remove it and meta.json, and {rerun(path.parent)}: it writes both again"
+    return f"remove it and {rerun(path.parent)}: it writes it again"
+
+
 def load_json(path: Path) -> dict | None:
     """A JSON object of OUT, None where the file is absent; ValueError where it is none (cut short, garbled, not
     UTF-8), which its loader refuses as `damaged` with what to do (made only then: 5 us a checkpoint)."""
@@ -377,7 +389,7 @@ def load_meta_pkl(path: str | os.PathLike) -> dict:
         if not isinstance(meta, dict):
             raise pickle.UnpicklingError(f"meta.pkl holds a {type(meta).__name__}, not a dict")
     except Exception as e:  # whatever a garbled pickle raises (EOFError, UnpicklingError, ValueError, ...)
-        raise damaged(path, e, f"remove it and meta.json, and {rerun(path.parent)}: it writes both again") from None
+        raise damaged(path, e, meta_fix(path)) from None
     return meta
 
 

@@ -1,5 +1,5 @@
 """What OUT's records hold: a shard's checkpoint and its parts, the lines of a parts list, meta's entry for a
-split and the files a finished split is read from."""
+split summed from them, and the files an unfinished split is read from."""
 
 from __future__ import annotations
 
@@ -7,14 +7,16 @@ import hashlib
 import os
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import orjson
 
-from tokpipe.inputs.manifest import Shard
+from tokpipe.inputs.manifest import Manifest, Shard
 from tokpipe.out.files import Out, ShardFiles, damaged, load_json, rerun, split_bin_name
+from tokpipe.out.meta import SplitEntry, SplitFile
+from tokpipe.out.run import sources
 
 IDX_DTYPE = np.dtype("<i8")  # document ends, cumulative token counts
 
@@ -125,6 +127,10 @@ class Part:
     def documents(self) -> int:
         return self.record["documents"]
 
+    def at_start(self) -> Part:
+        """The part alone in a file of its own (--no-concat): from the file's first token."""
+        return replace(self, token_offset=0, doc_offset=0)
+
     @property
     def token_end(self) -> int:
         return self.token_offset + self.tokens
@@ -219,56 +225,87 @@ def parts_of(stem: str, raw: bytes) -> list[Part]:
     return parts
 
 
-def _file_entry(out_name: str, concat: bool) -> dict:
-    return {"file": split_bin_name(out_name), "idx": f"{out_name}.idx"} if concat else {"files": []}
-
-
-def split_entry(stem: str, parts_path: Path, concat: bool, grouped: bool = False) -> dict:
+def split_entry(stem: str, parts_path: Path, concat: bool, grouped: bool = False) -> SplitEntry:
     """meta's entry for a split, summed from its parts list. A split of --no-concat has no file of its
     own: `files` lists its parts' files in order (their lines in the parts list name them).
 
     With --group-by (`grouped`), `groups` holds each group's entry, in the order of their values: its
     tokens and documents, and its file (or files) as a split's; the split has none of its own."""
-    entry = {} if grouped else _file_entry(stem, concat)
-    groups: dict[str, dict] = {}
-    entry |= {
-        "parts": f"{stem}.parts",
-        "tokens": 0,
-        "documents": 0,
-        "lines": 0,
-        "held_out": 0,
-        "held_in": 0,
-    }
+    counts = dict.fromkeys(("tokens", "documents", "lines", "held_out", "held_in"), 0)
+    groups: dict[str, dict] = {}  # value -> its counts and files
+    own: list[SplitFile] = []
     skipped, repaired, shards = Counter(), Counter(), 0
     raw = parts_path.read_bytes()
     for record in map(orjson.loads, raw.splitlines()):
-        for key in ("tokens", "documents", "lines", "held_out", "held_in"):
-            entry[key] += record.get(key, 0)
-        into = entry
+        for key in counts:
+            counts[key] += record.get(key, 0)
+        files = own
         if grouped and "group" in record:
-            name = str(Out(Path()).split(stem, record["group"]))
-            into = groups.setdefault(record["group"], _file_entry(name, concat) | dict.fromkeys(GROUP_COUNTS, 0))
+            into = groups.setdefault(record["group"], dict.fromkeys(GROUP_COUNTS, 0) | {"files": []})
             for key in GROUP_COUNTS:
                 into[key] += record[key]
+            files = into["files"]
         if not concat and (not grouped or "group" in record):
-            into["files"].append({k: record[k] for k in ("bin", "idx", "tokens", "documents")})
+            files.append(SplitFile(record["bin"], record["idx"], record["tokens"], record["documents"]))
         skipped.update(record.get("skipped", {}))
         repaired.update(record.get("repaired", {}))
         shards += not is_held_part(record) and "group" not in record
-    entry.update(skipped=dict(sorted(skipped.items())), repaired=dict(sorted(repaired.items())), shards=shards)
+    entries = None
     if grouped:
-        entry["groups"] = dict(sorted(groups.items()))
-    entry["parts_sha256"] = hashlib.sha256(raw).hexdigest()
-    return entry
+        entries = {
+            value: _entry(str(Out(Path()).split(stem, value)), concat, **g) for value, g in sorted(groups.items())
+        }
+    return _entry(
+        stem,
+        concat,
+        files=[] if grouped else own,
+        groups=entries,
+        parts=f"{stem}.parts",
+        **counts,
+        skipped=dict(sorted(skipped.items())),
+        repaired=dict(sorted(repaired.items())),
+        shards=shards,
+        parts_sha256=hashlib.sha256(raw).hexdigest(),
+    )
 
 
-def split_files(out: Path, entry: dict) -> list[tuple[Path, Path, int, int]]:
-    """The files a finished split is read from, in order: (tokens, document ends, tokens, documents).
-    One for a concatenated split; its parts' own files for a split of --no-concat; with --group-by,
-    those of each group in turn, in meta's order (their values')."""
-    if "groups" in entry:
-        return [f for group in entry["groups"].values() for f in split_files(out, group)]
-    if "files" in entry:
-        return [(out / f["bin"], out / f["idx"], int(f["tokens"]), int(f["documents"])) for f in entry["files"]]
-    idx = entry.get("idx", Path(entry["file"]).with_suffix(".idx").name)  # tokpipe 0.1 did not name it
-    return [(out / entry["file"], out / idx, int(entry["tokens"]), int(entry["documents"]))]
+def _entry(name: str, concat: bool, files: list[SplitFile], **fields) -> SplitEntry:
+    """A split's (or a group's) entry, named `name` in OUT: its one file, or (--no-concat) its parts' `files`."""
+    if concat and fields.get("groups") is None:
+        files = [SplitFile(split_bin_name(name), f"{name}.idx", fields["tokens"], fields["documents"])]
+    return SplitEntry(files=tuple(files), concat=concat, **fields)
+
+
+def _placed(out: Out, stem: str) -> dict[tuple[str, bool, str | None], SplitFile]:
+    """The parts of a split in its file, by (shard, held out, group): those listed in its parts list being
+    assembled; or where a finalize stopped before meta.json (its files renamed, its parts list first), all."""
+    renamed = not out.assembly(stem)[2].exists() and out.parts(stem).exists()
+    placed = {}
+    for part in parts_of(stem, out.parts(stem).read_bytes()) if renamed else listed_parts(out, stem):
+        paths = [path if path.is_file() else path.with_suffix("") for path in out.assembly(stem, part.group)[:2]]
+        if part.tokens and paths[0].is_file():
+            bin_name, idx_name = (str(path.relative_to(out.root)) for path in paths)
+            at = {"token_offset": part.token_offset, "doc_offset": part.doc_offset, "growing": True, "placed": True}
+            placed[part.name, is_held_part(part.record), part.group] = SplitFile(
+                bin_name, idx_name, part.tokens, part.documents, **at
+            )
+    return placed
+
+
+def unfinished_files(out: Out, manifest: Manifest, stem: str, val_fraction: float, grouped: bool) -> list[SplitFile]:
+    """What an unfinished OUT holds of a split, as far as its records cover it: each part of the split in order
+    (with --val-fraction, val's include the train shards' held-out ones; with --group-by, a shard has a part per
+    group), in the split file being assembled where its parts list lists it (placed), else in the shard's own
+    files, as far as its checkpoint covers them (a live worker may be appending beyond). Files still written."""
+    placed = _placed(out, stem)
+    files = []
+    for shard, held in sources(manifest, stem, val_fraction):
+        paths = out.shard(shard)
+        ckpt = Checkpoint.load(paths.checkpoint) or Checkpoint()
+        for group, (tokens, documents) in ckpt.parts(held, grouped).items():
+            if (shard.relpath, held, group) in placed:  # copied into the split file, its own files gone
+                files.append(placed[shard.relpath, held, group])
+            elif tokens:
+                names = (str(path.relative_to(out.root)) for path in paths.part(held, group))
+                files.append(SplitFile(*names, tokens, documents, growing=True))
+    return files

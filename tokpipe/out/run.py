@@ -1,4 +1,4 @@
-"""What a run is, as OUT records it (run.json), and which split files it writes, made of which shards."""
+"""What a run is, as OUT records it (run.json: `RunRecord`), and which split files it writes, made of which shards."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from tokpipe.inputs.manifest import Manifest, Shard
 from tokpipe.out.files import Out, damaged, load_json, split_file_stem
+from tokpipe.out.meta import Delimiters, Meta
 
 RUN_FORMAT = 1
 # Kept in run.json beside the identity but never compared: where this run found its tokenizer (a
@@ -29,12 +30,60 @@ class OutputSpec:
     group_by: str | None = None
 
 
-def load_run(out: Out) -> dict:
-    """run.json, or {} before a run recorded one. Damaged, it is refused: it alone says what OUT's tokens were
+# run.json's keys after the first three: an earlier tokpipe's may lack one, whose absence the field's default means.
+_OPTIONAL = ("eos_token", "bos_token_id", "tokenizer", "tokenizer_sha256", "text_field", "val_fraction", "concat")
+_OPTIONAL += ("group_by", "tokenizer_path", "options")
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """run.json: the identity of the run that made OUT (what its bytes depend on: a rerun with another is refused
+    once OUT holds a token), and, beside it, where that run found its tokenizer and the options it was given
+    (`tokpipe status` prints the resume command from them, `tokpipe inspect` decodes with that tokenizer). A key
+    an earlier tokpipe did not write means what its absence meant (IDENTITY_DEFAULTS)."""
+
+    dtype: str
+    vocab_size: int
+    eos_token_id: int
+    eos_token: str | None = None
+    bos_token_id: int | None = None
+    tokenizer: str | None = None
+    tokenizer_sha256: str | None = None
+    text_field: str = "text"
+    delimiters: Delimiters = Delimiters()
+    val_fraction: float = 0.0
+    concat: bool = True
+    group_by: str | None = None
+    tokenizer_path: str | None = None
+    options: dict = field(default_factory=dict)  # the options given other than their defaults, by RunOptions field
+    raw: dict = field(default_factory=dict, compare=False, repr=False)  # as read: its identity, key by key
+
+    @classmethod
+    def of(cls, raw: dict) -> RunRecord:
+        known = {k: raw[k] for k in _OPTIONAL if k in raw}
+        delimiters = Delimiters.of(raw.get("delimiters"))
+        return cls(
+            str(raw["dtype"]), int(raw["vocab_size"]), int(raw["eos_token_id"]), delimiters=delimiters, raw=raw, **known
+        )
+
+    def identity(self) -> dict:
+        """The identity as recorded, key by key, what a key's absence meant in its place: what a rerun's is compared
+        with (runner/identity.py)."""
+        return {**IDENTITY_DEFAULTS, **{k: v for k, v in self.raw.items() if k not in LAST_RUN_KEYS}}
+
+    @property
+    def bos_placed(self) -> int | None:
+        """The BOS id, where the run places BOS before every document."""
+        return self.bos_token_id if self.delimiters.bos else None
+
+
+def load_run(out: Out) -> RunRecord | None:
+    """run.json, None before a run recorded one. Damaged, it is refused: it alone says what OUT's tokens were
     made from, so a run could no longer refuse other inputs there."""
     try:
-        return load_json(out.run_json) or {}
-    except ValueError as e:
+        found = load_json(out.run_json)
+        return None if found is None else RunRecord.of(found)
+    except (KeyError, TypeError, ValueError) as e:  # not JSON; JSON, but not a run's record
         fix = (
             "it records what OUT's tokens were made from; remove it and rerun the command that made OUT with the same"
             " inputs (nothing can check them without it), or start over in a new --out"
@@ -42,10 +91,10 @@ def load_run(out: Out) -> dict:
         raise damaged(out.run_json, e, fix) from None
 
 
-def finished_with(meta: dict | None, manifest: Manifest) -> bool:
+def finished_with(meta: Meta | None, manifest: Manifest) -> bool:
     """Whether a meta (None: OUT is not finished) is that of this manifest's run, every shard in it: a rerun of
     it has nothing to do."""
-    return meta is not None and meta.get("manifest_sha256") == manifest.fingerprint and not meta.get("excluded")
+    return meta is not None and meta.manifest_sha256 == manifest.fingerprint and not meta.excluded
 
 
 def output_splits(manifest: Manifest, val_fraction: float) -> list[str]:
@@ -65,8 +114,3 @@ def sources(manifest: Manifest, stem: str, val_fraction: float) -> Iterator[tupl
             yield shard, False
         elif val_fraction and stem == "val" and shard.split == "train":
             yield shard, True
-
-
-def delimiters(meta: dict) -> dict:
-    """What a meta or run.json says the run placed around documents (an earlier tokpipe's: EOS only)."""
-    return meta.get("delimiters", IDENTITY_DEFAULTS["delimiters"])

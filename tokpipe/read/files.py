@@ -1,5 +1,10 @@
-"""A split's token files as a loader reads them: windows and document ends, any number of files, with no
-descriptor held, a bounded number of maps, each file checked whenever it is mapped or read (maps.py).
+"""The one reader of a split's token files (TokenFiles): a finished split's one file, --no-concat's files, its
+groups', or what an unfinished OUT's records cover (placed parts, shards' own files), read as one stream of
+tokens and one of document ends, any number of files, with no descriptor held, a bounded number of maps, each
+file checked whenever it is mapped or read (maps.py, the one place its bytes are touched). The loader reads
+windows and document starts through it; open_output, verify, inspect, report and export a file's tokens and
+ends (mapped), a range's bytes (read: verify's hashing) or the tokens and ends at given places (gathered file
+by file).
 
 Files: a --no-concat split is one file per shard (SlimPajama: ~59k), and a batch of 64 windows in a
 seeded order reads ~64 of them. Making a map and dropping it costs 14-28 us (open, fstat, mmap, close,
@@ -17,13 +22,14 @@ seq_len + 1 tokens from every address on: a window is row (its start in the stre
 the file's first token's address / itemsize less the file's place in the stream) less the view's first.
 Only rows wholly in a mapped file are read, under the lock that drops maps, so nothing between the maps
 is touched; a window across files' ends (one in six where files hold one document each, seq_len 512) is
-read token by token from the view, each token from its own file's map, in a second gather. Token maps
-are madvise(MADV_RANDOM): a window faults in its own pages, not the kernel's 128 KB readahead around each.
+read token by token from the view, each token from its own file's map, in a second gather. The loader's
+token maps are madvise(MADV_RANDOM): a window faults in its own pages, not the kernel's 128 KB readahead
+around each (the other readers read files from start to end: theirs read ahead).
 
 Document ends: a binary search of an .idx probes ~log2(documents) entries; cold, each new page it
 touches is a read (2-4 a search beyond the window's own, measured at issue 28). For a file of more
 than SMALL documents, every SPARSE-th end is kept in memory (1/512 of the .idx: 380 KB at 10^11
-tokens, read once when the file is first read); a search finds its block of SPARSE ends there, then
+tokens, read once when the file is first searched); a search finds its block of SPARSE ends there, then
 within the block (one 4 KB page: ends are 8 bytes from offset 0) compares with the 8 ends that close its
 sub-blocks of 64, then with the sub-block's 64: one page a key, ~30 us a batch of 64 windows. That is
 per file a batch touches; a split of at most MERGED documents (16 MB of ends) instead keeps every place
@@ -34,12 +40,15 @@ search a batch whatever files it touches (~16 us a batch of 64, 7 files or one).
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from tokpipe.out.meta import SplitFile
 from tokpipe.out.records import IDX_DTYPE
-from tokpipe.read.maps import array_at, kernel_max_maps, mapped, opened, read, recorded
+from tokpipe.read.maps import LocalFile, array_at, kernel_max_maps
 
 RESERVED = 4096  # maps left to the rest of the process: Python with numpy holds ~200, torch on CUDA a few 1,000
 SPARSE = 512  # ends per block: one 4 KB page of an .idx
@@ -53,40 +62,55 @@ UNMAPPED = -(1 << 62)  # a file's shift while it is not mapped: its windows' row
 MAPS = max(kernel_max_maps() - RESERVED, 1024)  # the most maps a split holds (tokens and, searched file by file, ends)
 
 
-class TokenFiles:
-    """The token files of a split (or of one group of it), in order, read as one stream of tokens."""
+@dataclass(frozen=True)
+class TokenFile:
+    """One file of a split, read: the whole split, or (--no-concat, an unfinished run) one shard's part."""
 
-    def __init__(self, entries: list[tuple[Path, Path, int, int]], dtype: np.dtype):
-        self.dtype = np.dtype(dtype)
-        self.entries = entries
-        self.paths = [(bin_path, idx_path) for bin_path, idx_path, _, _ in entries]
-        self._seen = [  # each file's (device, inode, size, modification time) when the loader was made
-            (
-                recorded(bin_path, tokens * self.dtype.itemsize, f"{tokens:,} tokens of {self.dtype.itemsize} bytes"),
-                recorded(idx_path, documents * IDX_DTYPE.itemsize, f"{documents:,} document ends of 8 bytes"),
-            )
-            for bin_path, idx_path, tokens, documents in entries
-        ]
-        self.starts = np.cumsum([0] + [tokens for _, _, tokens, _ in entries])  # one entry per file
+    name: str  # its path relative to OUT (SplitFile.name)
+    tokens: np.ndarray  # read-only, mapped
+    ends: np.ndarray  # document ends, counted from the file's first token
+
+
+class TokenFiles:
+    """The token files of a split (or of one group of it), in order, read as one stream of tokens: the one reader
+    of a split's files, for every reader of OUT (the loader, open_output, verify, inspect, export)."""
+
+    def __init__(self, out: Path, files: list[SplitFile], dtype: np.dtype, windows: bool = False, local=None):
+        """`windows`: read in windows at random places (the loader's): its token maps are madvise(MADV_RANDOM).
+        `local`: each file's tokens and ends as first seen, where another reader recorded them (joined)."""
+        self.out, self.dtype, self.entries, self.random = Path(out), np.dtype(dtype), files, windows
+        self._local = local or [self._recorded(f) for f in files]  # each file's tokens and ends, as first seen
+        self.paths = [(tokens.path, ends.path) for tokens, ends in self._local]
+        self.starts = np.cumsum([0] + [f.tokens for f in files])  # one entry per file
         self.ends = self.starts[1:]  # where each file's tokens end in the stream
         self.tokens = int(self.starts[-1])
-        self.documents = sum(documents for _, _, _, documents in entries)
+        self.firsts = np.cumsum([0] + [f.documents for f in files])  # each file's first document in the stream
+        self.documents = int(self.firsts[-1])
         self._tokens: dict[int, np.ndarray] = {}  # file -> its tokens, mapped
         self._ends: dict[int, np.ndarray] = {}  # file -> its document ends, mapped (where searched file by file)
-        self._used = np.zeros(len(entries), np.int64)  # when each file was last read: the least recent are dropped
+        self._used = np.zeros(len(files), np.int64)  # when each file was last read: the least recent are dropped
         self._reads = 0
-        self._dropping = len(entries) * (1 if self.documents <= MERGED else 2) > MAPS  # (else no read is timed)
-        self._shift = np.full(len(entries), UNMAPPED)  # its first token's address / itemsize less its stream place
+        self._dropping = len(files) * (1 if self.documents <= MERGED else 2) > MAPS  # (else no read is timed)
+        self._shift = np.full(len(files), UNMAPPED)  # its first token's address / itemsize less its stream place
         self._low = self._high = 0  # every map so far lay in [low, high): the view's addresses
         self._views: dict[int, np.ndarray] = {}  # seq_len -> the view's windows of seq_len + 1 (0: its tokens)
         self._sparse: dict[int, np.ndarray] = {}  # kept when the file's maps are dropped
         self._merged: np.ndarray | None = None
         self._lock = threading.Lock()  # the maps and the view change under it, and windows are read under it
 
+    def _recorded(self, f: SplitFile) -> tuple[LocalFile, LocalFile]:
+        """A file's tokens and ends as first seen, of the sizes OUT's records give them."""
+        itemsize, growing = self.dtype.itemsize, f.growing
+        size, said = (f.token_offset + f.tokens) * itemsize, f"{f.tokens:,} tokens of {itemsize} bytes"
+        tokens = LocalFile.recorded(self.out, self.out / f.bin, size, said, growing)
+        size, said = (f.doc_offset + f.documents) * IDX_DTYPE.itemsize, f"{f.documents:,} document ends of 8 bytes"
+        return tokens, LocalFile.recorded(self.out, self.out / f.idx, size, said, growing)
+
     @classmethod
     def joined(cls, parts: list[TokenFiles]) -> TokenFiles:
-        """The files of several streams one after another."""
-        return cls([e for part in parts for e in part.entries], parts[0].dtype)
+        """The files of several streams (of one OUT or several) one after another."""
+        files, local = [f for part in parts for f in part.entries], [local for part in parts for local in part._local]
+        return cls(parts[0].out, files, parts[0].dtype, parts[0].random, local)
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -105,7 +129,9 @@ class TokenFiles:
     def _map_tokens(self, f: int) -> None:
         """Under the lock: file f's tokens mapped and placed in the view."""
         self._make_room()
-        tokens = self._tokens[f] = mapped(self.paths[f][0], self._seen[f][0], self.dtype, random=True)
+        first = self.entries[f].token_offset
+        tokens = self._local[f][0].mapped(self.dtype, self.random, first)[: self.entries[f].tokens]
+        self._tokens[f] = tokens
         address, step = tokens.ctypes.data, self.dtype.itemsize
         self._shift[f] = address // step - self.starts[f]
         if not self._low <= address < address + tokens.nbytes <= self._high:
@@ -133,23 +159,42 @@ class TokenFiles:
             self._ends.pop(f, None)
             self._shift[f] = UNMAPPED
 
-    def _file_tokens(self, f: int) -> np.ndarray:
+    def file_tokens(self, f: int) -> np.ndarray:
         """File f's tokens, mapped (a reference keeps the map while its maps are dropped)."""
         with self._lock:
             self._touch(np.array([f]))
             return self._tokens.get(f, np.zeros(0, self.dtype))
 
-    def _file_ends(self, f: int) -> np.ndarray:
-        """File f's document ends, mapped (and its sparse ends read, the first time), for a search in it."""
+    def file_ends(self, f: int) -> np.ndarray:
+        """File f's document ends, counted from its first token: mapped; a part of a file being assembled (its
+        tokens not from the file's start: one shard's ends), read and counted from there."""
         with self._lock:
             self._read_now(f)
             if f not in self._ends:
                 self._make_room()
-                idx_path, seen = self.paths[f][1], self._seen[f][1]
-                ends = self._ends[f] = mapped(idx_path, seen, IDX_DTYPE)
-                if f not in self._sparse:
-                    self._sparse[f] = _sparse_ends(idx_path, seen, len(ends)) if len(ends) > SMALL else None
+                first, count = self.entries[f].doc_offset, self.entries[f].documents
+                mapped = not self.entries[f].token_offset
+                self._ends[f] = (
+                    self._local[f][1].mapped(IDX_DTYPE, first=first)[:count] if mapped else self._read_ends(f)
+                )
             return self._ends[f]
+
+    def _read_ends(self, f: int, first: int = 0, count: int | None = None) -> np.ndarray:
+        """File f's document ends [first, first + count) (all from first), read, counted from its first token."""
+        file = self.entries[f]
+        count = file.documents - first if count is None else count
+        ends = self._local[f][1].array(IDX_DTYPE, file.doc_offset + first, count)
+        return ends - file.token_offset if file.token_offset else ends
+
+    def file(self, f: int) -> TokenFile:
+        """File f, read."""
+        return TokenFile(self.entries[f].name, self.file_tokens(f), self.file_ends(f))
+
+    def token_bytes(self, f: int, start: int, stop: int, buffer: bytearray) -> Iterator[memoryview]:
+        """Bytes [start, stop) of file f's tokens, counted from its first token, read (not mapped: verify hashes
+        them), a view of `buffer` at a time."""
+        first = self.entries[f].token_offset * self.dtype.itemsize
+        return self._local[f][0].read(first + start, first + stop, buffer)
 
     def _view(self, seq_len: int) -> np.ndarray:
         """Under the lock: the memory from low to high as tokens (seq_len 0), or its windows of seq_len + 1
@@ -170,11 +215,40 @@ class TokenFiles:
         f = int(np.searchsorted(self.starts, start, side="right")) - 1
         while start < stop:
             base = int(self.starts[f])
-            piece = self._file_tokens(f)[start - base : stop - base]
+            piece = self.file_tokens(f)[start - base : stop - base]
             pieces.append(piece)
             start += len(piece)
             f += 1
-        return np.concatenate(pieces) if pieces else np.zeros(0, self.dtype)
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces) if pieces else np.zeros(0, self.dtype)
+
+    def read_ends(self, start: int, stop: int) -> np.ndarray:
+        """Document ends [start, stop) of the stream, counted from its start (one file's: a slice of its map)."""
+        if len(self) == 1:
+            return self.file_ends(0)[start:stop]
+        pieces = []
+        f = int(np.searchsorted(self.firsts, start, side="right")) - 1
+        while start < stop:
+            first = int(self.firsts[f])
+            pieces.append(self.file_ends(f)[start - first : stop - first] + int(self.starts[f]))
+            start += len(pieces[-1])
+            f += 1
+        return np.concatenate(pieces) if pieces else np.zeros(0, IDX_DTYPE)
+
+    def gather(self, at: np.ndarray, ends: bool = False) -> np.ndarray:
+        """The tokens at positions `at` of the stream (`ends`: the ends of documents `at`, counted from its start),
+        gathered file by file: a step per file they are in, never one per position."""
+        if len(self) == 1:  # an ndarray's gather (a memmap's took twice as long)
+            return self.file_ends(0)[at] if ends else self.file_tokens(0)[at]
+        firsts = self.firsts if ends else self.starts
+        which = np.searchsorted(firsts, at, side="right") - 1
+        order = np.argsort(which, kind="stable")
+        bounds = np.searchsorted(which[order], np.arange(len(self) + 1))
+        found = np.empty(len(at), dtype=IDX_DTYPE if ends else self.dtype)
+        for f in np.flatnonzero(np.diff(bounds)).tolist():
+            picked = order[bounds[f] : bounds[f + 1]]
+            local = at[picked] - firsts[f]
+            found[picked] = self.file_ends(f)[local] + self.starts[f] if ends else self.file_tokens(f)[local]
+        return found
 
     def by_file(self, starts: np.ndarray, width: int) -> tuple[list[tuple[int, np.ndarray]], np.ndarray]:
         """The rows whose `width` tokens from `starts` lie in one file, per file, and the rows that cross."""
@@ -281,7 +355,7 @@ class TokenFiles:
             start = int(starts[row])
             f = int(np.searchsorted(self.starts, start, side="right")) - 1
             while f < len(self.paths) and self.starts[f] <= start + seq_len:
-                ends, base = self._file_ends(f), int(self.starts[f])
+                ends, base = self.file_ends(f), int(self.starts[f])
                 a, b = np.searchsorted(ends, [start - base, start + seq_len - base + 1])
                 places = ends[a:b] + (base - start)
                 rows.append(np.full(len(places) + (base >= start), row))
@@ -298,24 +372,33 @@ class TokenFiles:
         """For windows of file f from `local` (counted from its first token): its document ends in them,
         counted from their window's start, window by window, as (found, bounds): window j's are
         found[bounds[j]:bounds[j + 1]]."""
-        ends = self._file_ends(f)
+        ends = self.file_ends(f)
         return _within(ends, self._search(f, ends, np.concatenate([local, local + seq_len + 1])), local)
 
     def merged(self) -> np.ndarray:
         """Every place a document starts, in the stream: each file's start and each document's end, sorted,
         each once (read whole, at most MERGED of them)."""
         if self._merged is None:
-            ends = [
-                read(idx, seen[1], IDX_DTYPE) + start
-                for (_, idx), seen, start in zip(self.paths, self._seen, self.starts.tolist())
-            ]
+            ends = [self._read_ends(f) + start for f, start in enumerate(self.starts[:-1].tolist())]
             self._merged = np.unique(np.concatenate([self.starts[:-1], *ends]))
         return self._merged
+
+    def _sparse_ends(self, f: int) -> np.ndarray:
+        """Every SPARSE-th end of file f (the last of each full block), read in 32 MB pieces: read, not
+        mapped, so its pages stay reclaimable instead of in this process's maps."""
+        sparse = np.empty(self.entries[f].documents // SPARSE, dtype=np.int64)
+        piece = SPARSE * 8192
+        for first in range(0, len(sparse) * SPARSE, piece):
+            ends = self._read_ends(f, first, min(piece, len(sparse) * SPARSE - first))
+            sparse[first // SPARSE : (first + len(ends)) // SPARSE] = ends[SPARSE - 1 :: SPARSE]
+        return sparse
 
     def _search(self, f: int, ends: np.ndarray, keys: np.ndarray) -> np.ndarray:
         """np.searchsorted(ends, keys) of file f's ends, reading one page of its ends a key: the block of SPARSE ends
         from the sparse ends in memory, then in it the 8 ends that close its sub-blocks of 64, then the
         sub-block's 64."""
+        if f not in self._sparse:  # read the first time (two threads may both read it: the same ends)
+            self._sparse[f] = self._sparse_ends(f) if len(ends) > SMALL else None
         sparse = self._sparse[f]
         if sparse is None:  # a small .idx: its pages stay in memory after a few batches
             return np.searchsorted(ends, keys)
@@ -350,15 +433,3 @@ def _unrepeated(found: np.ndarray, bounds: np.ndarray, repeated: np.ndarray) -> 
     keep = np.concatenate([[True], ~repeated])
     kept_before = np.concatenate([[0], np.cumsum(keep)])
     return found[keep], kept_before[bounds]
-
-
-def _sparse_ends(idx_path: Path, seen: tuple, documents: int) -> np.ndarray:
-    """Every SPARSE-th end of an .idx (the last of each full block), read in 32 MB pieces: read, not
-    mapped, so its pages stay reclaimable instead of in this process's maps."""
-    sparse = np.empty(documents // SPARSE, dtype=np.int64)
-    piece = SPARSE * 8192
-    with open(opened(idx_path, seen), "rb") as f:
-        for first in range(0, len(sparse) * SPARSE, piece):
-            ends = np.fromfile(f, dtype=IDX_DTYPE, count=min(piece, len(sparse) * SPARSE - first))
-            sparse[first // SPARSE : (first + len(ends)) // SPARSE] = ends[SPARSE - 1 :: SPARSE]
-    return sparse

@@ -1,14 +1,15 @@
-"""A file of OUT read or mapped only while it is the one the loader was made with, and mapped with no
-descriptor kept.
+"""A token file of OUT read or mapped only while it is the one first seen, and mapped with no descriptor kept: the
+one place where a reader of OUT touches a token file's bytes (LocalFile).
 
-Checks: each file's size is checked against meta when the loader is made, and its device, inode, size
-and modification time recorded; a file is mapped or read only through a descriptor whose fstat shows
-the same four, else a ValueError names it (a file replaced since: never zeros or other memory, which a
-map of a file replaced by a smaller one gave). A live map keeps the file it was made of: replaced
-meanwhile, the map still reads the bytes that were checked. The limit is a file changed in place under
-a live map: truncated, a read past its new end is a SIGBUS (as for any reader that maps: np.memmap
-too); rewritten at its size, reads see the new bytes. tokpipe never writes a finished OUT; `tokpipe
-verify` proves its bytes.
+Checks: each file's size is checked against meta when a reader is made (a file a live run still writes: at
+least what OUT's records cover), and its device, inode, size and modification time recorded (a growing
+file's: its device and inode); a file is mapped or read only through a descriptor whose fstat shows the same,
+else an OutputError (a ValueError, and a UserError for the commands) names it (a file replaced since: never
+zeros or other memory, which a map of a file replaced by a smaller one gave). A live map keeps the file it was
+made of: replaced meanwhile, the map still reads the bytes that were checked. The limit is a file changed in
+place under a live map: truncated, a read past its new end is a SIGBUS (as for any reader that maps: np.memmap
+too); rewritten at its size, reads see the new bytes. tokpipe never writes a finished OUT; `tokpipe verify`
+proves its bytes.
 
 Maps: made with libc's mmap through ctypes, the descriptor closed at once. Python's mmap keeps a dup of
 the descriptor for the map's life (until 3.13's trackfd=False): two a file held, so `ulimit -n` capped
@@ -21,9 +22,15 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import shlex
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from tokpipe.durability import ShortRead, read_range
+from tokpipe.out.meta import OutputError
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -41,51 +48,105 @@ def kernel_max_maps() -> int:
         return 65530  # the kernel's default
 
 
-def recorded(path: Path, size: int, what: str) -> tuple[int, int, int, int]:
-    """The file's (device, inode, size, modification time), once its size is the one meta gives."""
-    try:
-        status = path.stat()
-    except FileNotFoundError:
-        raise ValueError(f"{path} is missing though meta lists it: the output is damaged (tokpipe verify)") from None
-    if status.st_size != size:
-        raise ValueError(
-            f"{path} holds {status.st_size:,} bytes, meta says {what}: the file is not the one meta describes "
-            f"(tokpipe verify)"
+@dataclass(frozen=True)
+class LocalFile:
+    """A token file of OUT on this machine, as it was first seen: read or mapped only while it is still that file.
+
+    The reader's byte access is this: `size` and `read` (bytes [start, stop), a buffer at a time), which a file on an
+    object store can give too (ranged GETs); `array` reads a range into memory through it. `mapped` is the local
+    fast path, which the loader reads windows through (maps.py's docstring above)."""
+
+    path: Path
+    size: int  # the bytes it is read to, [0, size): the whole file, or (growing) what OUT's records cover of it
+    seen: tuple  # (device, inode, size, modification time); a growing file's: (device, inode)
+
+    @classmethod
+    def recorded(cls, out: Path, path: Path, size: int, what: str, growing: bool = False) -> LocalFile:
+        """The file, as first seen, once it holds the `size` bytes OUT's records say (`what`, in words): exactly, or
+        (`growing`: a file a live run still writes) at least. Else OutputError, naming it."""
+        verify = f"tokpipe verify {shlex.quote(str(out))}"
+        if growing:  # an unfinished OUT: its checkpoints and parts lists say what it holds
+            verify, what = f"tokpipe status {shlex.quote(str(out))}", f"{what} that OUT's records cover"
+        try:
+            status = path.stat()
+        except FileNotFoundError:
+            lists = "OUT's records list" if growing else "meta lists"
+            raise OutputError(f"{path} is missing though {lists} it: the output is damaged ({verify})") from None
+        if growing and status.st_size < size:
+            raise OutputError(
+                f"{path} holds {status.st_size:,} bytes, fewer than {what}: the output is damaged ({verify})"
+            )
+        if not growing and status.st_size != size:
+            raise OutputError(
+                f"{path} holds {status.st_size:,} bytes, meta says {what}: the file is not the one meta describes "
+                f"({verify})"
+            )
+        return cls(path, size, _identity(status)[:2] if growing else _identity(status))
+
+    def opened(self) -> int:
+        """A descriptor of the file, while it is the one first seen; else OutputError naming it and what changed."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise OutputError(
+                f"{self.path} is gone since the loader was made: reopen it on a finished output"
+            ) from None
+        now, seen = _identity(os.fstat(fd)), self.seen
+        if now[: len(seen)] == seen:
+            return fd
+        os.close(fd)
+        change = (
+            "another file"  # growing: what is beyond its size may change
+            if len(seen) == 2
+            else f"{now[2]:,} bytes, {seen[2]:,} then"
+            if now[2] != seen[2]
+            else "another file of its size"
+            if now[:2] != seen[:2]
+            else "its size, but modified"
         )
-    return _identity(status)
+        raise OutputError(
+            f"{self.path} changed since the loader was made ({change}): reopen it on a finished output (tokpipe verify)"
+        )
+
+    def read(self, start: int, stop: int, buffer: bytearray) -> Iterator[memoryview]:
+        """Bytes [start, stop) of the file, a view of `buffer` at a time (durability.read_range)."""
+        fd = self.opened()
+        try:
+            yield from read_range(fd, start, stop, buffer)
+        finally:
+            os.close(fd)
+
+    def array(self, dtype: np.dtype, first: int, count: int) -> np.ndarray:
+        """Items [first, first + count) of the file, read into memory (not mapped: its pages stay reclaimable)."""
+        with open(self.opened(), "rb") as f:
+            found = np.fromfile(f, dtype, count, offset=first * np.dtype(dtype).itemsize)
+        if len(found) < count:
+            raise ShortRead(first + len(found), first + count)
+        return found
+
+    def mapped(self, dtype: np.dtype, random: bool = False, first: int = 0) -> np.ndarray:
+        """A read-only array over the file's pages, its items from `first` to `size`; no descriptor kept. (A plain
+        ndarray: slicing an np.memmap costs 2x, its __array_finalize__.) random: madvise(MADV_RANDOM)."""
+        dtype = np.dtype(dtype)
+        start = first * dtype.itemsize
+        offset = start - start % mmap.ALLOCATIONGRANULARITY  # where a map may begin: at a page
+        fd = self.opened()
+        try:
+            if self.size <= start:  # mmap cannot map an empty file, nor nothing
+                return np.zeros(0, dtype)
+            address = _libc.mmap(None, self.size - offset, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
+        finally:
+            os.close(fd)
+        if address in (None, MAP_FAILED):
+            error = ctypes.get_errno()
+            raise OSError(error, f"cannot map it: {os.strerror(error)}", str(self.path))
+        if random:
+            _libc.madvise(address, self.size - offset, mmap.MADV_RANDOM)
+        return np.asarray(_Mapping(address, self.size - offset, start - offset, dtype))
 
 
 def _identity(status: os.stat_result) -> tuple[int, int, int, int]:
     return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
-
-
-def opened(path: Path, seen: tuple) -> int:
-    """A descriptor of the file, when it is still the one recorded (`seen`); else a ValueError naming it and
-    what changed."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise ValueError(f"{path} is gone since the loader was made: reopen it on a finished output") from None
-    now = _identity(os.fstat(fd))
-    if now == seen:
-        return fd
-    os.close(fd)
-    change = (
-        f"{now[2]:,} bytes, {seen[2]:,} then"
-        if now[2] != seen[2]
-        else "another file of its size"
-        if now[:2] != seen[:2]
-        else "its size, but modified"
-    )
-    raise ValueError(
-        f"{path} changed since the loader was made ({change}): reopen it on a finished output (tokpipe verify)"
-    )
-
-
-def read(path: Path, seen: tuple, dtype: np.dtype) -> np.ndarray:
-    """The whole file, checked, read into memory."""
-    with open(opened(path, seen), "rb") as f:
-        return np.fromfile(f, dtype)
 
 
 class _At:
@@ -97,34 +158,17 @@ class _At:
 
 
 class _Mapping(_At):
-    """A file's pages mapped read-only, unmapped when the last array over them goes."""
+    """A file's pages mapped read-only (`length` bytes at `address`), its items from `skip` bytes on; unmapped when
+    the last array over them goes."""
 
-    def __init__(self, address: int, size: int, dtype: np.dtype):
-        super().__init__(address, (size // dtype.itemsize,), dtype)
-        self.address, self.size = address, size
+    def __init__(self, address: int, length: int, skip: int, dtype: np.dtype):
+        super().__init__(address + skip, ((length - skip) // dtype.itemsize,), dtype)
+        self.address, self.length = address, length
 
     def __del__(self):
-        _libc.munmap(self.address, self.size)
+        _libc.munmap(self.address, self.length)
 
 
 def array_at(address: int, shape: tuple, dtype: np.dtype) -> np.ndarray:
     """An array over memory that nothing here keeps: read it only where something else keeps it mapped."""
     return np.asarray(_At(address, shape, np.dtype(dtype)))
-
-
-def mapped(path: Path, seen: tuple, dtype: np.dtype, random: bool = False) -> np.ndarray:
-    """A read-only array over the file's pages, when it is still the one recorded; no descriptor kept. (A
-    plain ndarray: slicing an np.memmap costs 2x, its __array_finalize__.) random: madvise(MADV_RANDOM)."""
-    fd = opened(path, seen)
-    try:
-        if seen[2] == 0:  # mmap cannot map an empty file
-            return np.zeros(0, dtype)
-        address = _libc.mmap(None, seen[2], mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    finally:
-        os.close(fd)
-    if address in (None, MAP_FAILED):
-        error = ctypes.get_errno()
-        raise OSError(error, f"cannot map it: {os.strerror(error)}", str(path))
-    if random:
-        _libc.madvise(address, seen[2], mmap.MADV_RANDOM)
-    return np.asarray(_Mapping(address, seen[2], np.dtype(dtype)))

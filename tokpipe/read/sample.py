@@ -17,9 +17,10 @@ from tokpipe.inputs.manifest import load_manifest
 from tokpipe.inputs.objects import check_reachable
 from tokpipe.inputs.source import read_batches
 from tokpipe.inputs.tokenizer import PIECE_CHARS, HFEncoder, tokenizer_json_path
-from tokpipe.out.files import Out, load_meta_pkl, split_file_stem
+from tokpipe.out.files import Out, split_file_stem
+from tokpipe.out.meta import Meta
 from tokpipe.out.records import Checkpoint
-from tokpipe.out.run import delimiters, sources
+from tokpipe.out.run import sources
 from tokpipe.out.tokens import held_out
 from tokpipe.read.output import open_output
 from tokpipe.read.verify import Check
@@ -31,9 +32,10 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
     A document over PIECE_CHARS is re-encoded a piece at a time, exactly as whole (tokenizer.Encoder),
     so the check's memory is a piece's, not the document's: `tokenizers` needs 150-350 bytes a character."""
     out = Path(out)
-    meta = load_meta_pkl(Out(out).meta_pkl)
-    json_path = tokenizer_json_path(tokenizer or meta["tokenizer_path"])
-    if hashlib.sha256(json_path.read_bytes()).hexdigest() != meta["tokenizer_sha256"]:
+    data = open_output(out)
+    meta = data.record
+    json_path = tokenizer_json_path(tokenizer or meta.tokenizer_path)
+    if hashlib.sha256(json_path.read_bytes()).hexdigest() != meta.tokenizer_sha256:
         return [
             Check(
                 "sample: tokenizer is the run's",
@@ -44,15 +46,12 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
     reference = HFEncoder(str(json_path))
     manifest = load_manifest(Out(out).manifest)
     check_reachable(manifest)  # its sources on a store: a wrong key or no store there said in one line, now
-    written = delimiters(meta)
-    before = [meta["bos_token_id"]] if written["bos"] else []
-    after = [meta["eos_token_id"]] if written["eos"] else []
-    val_fraction = meta.get("val_fraction", 0.0)
-    group_by = meta.get("group_by")
+    before = [meta.bos_token_id] if meta.delimiters.bos else []
+    after = [meta.eos_token_id] if meta.delimiters.eos else []
+    val_fraction, group_by = meta.val_fraction, meta.group_by
     population = _population(out, meta, manifest)
     picks = _picks(population, k, seed)
 
-    data = open_output(out)
     results: dict[str, list[int]] = {}
     mismatches: dict[str, list[str]] = {}
     in_pieces: dict[str, int] = {}  # split -> sampled documents re-encoded a piece at a time
@@ -63,7 +62,7 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
         needed = dict(docs)
         last = max(needed)
         seen = 0  # documents of this part read so far
-        for batch in read_batches(shard.path, meta["text_field"], group_by=group_by, etag=shard.etag):
+        for batch in read_batches(shard.path, meta.text_field, group_by=group_by, etag=shard.etag):
             texts = batch.texts
             if group_by is not None:  # the part's documents only: of its group
                 keep = [g == group for g in batch.groups]
@@ -94,21 +93,18 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
     return _checks(results, mismatches, in_pieces, passed_over)
 
 
-def _population(out: Path, meta: dict, manifest) -> list[tuple]:
+def _population(out: Path, meta: Meta, manifest) -> list[tuple]:
     """Every document of the output as (split, shard, held-out part or not, group, number within split), a part
     at a time. With --group-by a split is its groups one after the other, in meta's order."""
-    excluded = meta.get("excluded", {})
-    val_fraction = meta.get("val_fraction", 0.0)
-    group_by = meta.get("group_by")
     population = []
-    for split, entry in meta["splits"].items():
-        groups = entry.get("groups", {None: entry})
-        base = dict(zip(groups, np.cumsum([0] + [g["documents"] for g in groups.values()]).tolist()))
-        for shard, held in sources(manifest, split_file_stem(split), val_fraction):
-            if shard.relpath in excluded:
+    for split, entry in meta.splits.items():
+        groups = entry.groups if entry.groups is not None else {None: entry}
+        base = dict(zip(groups, np.cumsum([0] + [g.documents for g in groups.values()]).tolist()))
+        for shard, held in sources(manifest, split_file_stem(split), meta.val_fraction):
+            if shard.relpath in meta.excluded:
                 continue
             ckpt = Checkpoint.of(out, shard)
-            for group, (_, documents) in ckpt.parts(held, group_by is not None).items():
+            for group, (_, documents) in ckpt.parts(held, meta.group_by is not None).items():
                 population.append((split, shard, held, group, base[group], documents))
                 base[group] += documents
     return population

@@ -12,16 +12,18 @@ import os
 import shlex
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
-from tokpipe.durability import HASH_CHUNK, ShortRead, read_range
+from tokpipe.durability import HASH_CHUNK, ShortRead
 from tokpipe.errors import UserError
 from tokpipe.out.files import Out, load_meta_pkl, out_folder
-from tokpipe.out.records import IDX_DTYPE, Part, parts_of, split_files
-from tokpipe.out.run import delimiters
+from tokpipe.out.meta import Meta, SplitEntry, SplitFile
+from tokpipe.out.records import Part, parts_of
+from tokpipe.read.files import TokenFiles
 
 
 @dataclass
@@ -50,7 +52,7 @@ _buffers = threading.local()
 
 
 def _scan_parts(
-    bin_fd: int,
+    read,
     tokens: np.ndarray,
     ends: np.ndarray,
     parts: list[Part],
@@ -58,8 +60,8 @@ def _scan_parts(
     eos_id: int,
     bos_id: int | None,
 ) -> PartScan:
-    """Hash and scan parts, reading each byte once (a thread per group: hashlib and numpy drop the GIL).
-    Ends in the .idx are hashed relative to the part's first token."""
+    """Hash and scan parts of a file, reading each byte once (`read`: its bytes [a, b), a buffer at a time; a thread
+    per group: hashlib and numpy drop the GIL). Ends in the .idx are hashed relative to the part's first token."""
     scan = PartScan()
     buffer = getattr(_buffers, "buffer", None) or bytearray(HASH_CHUNK)
     _buffers.buffer = buffer
@@ -67,7 +69,7 @@ def _scan_parts(
         hasher = hashlib.sha256()
         start, end = r.token_offset * dtype.itemsize, r.token_end * dtype.itemsize
         try:
-            for view in read_range(bin_fd, start, end, buffer):
+            for view in read(start, end, buffer):
                 chunk = np.frombuffer(view, dtype=dtype, count=len(view) // dtype.itemsize)
                 hasher.update(view)
                 if chunk.size:
@@ -97,24 +99,18 @@ def _scan_parts(
     return scan
 
 
-def _parts(out: Path, split: str, info: dict, check) -> list[Part] | None:
+def _parts(out: Path, split: str, entry: SplitEntry, check) -> list[Part] | None:
     """The split's checksummed parts: its .parts list (checked against meta), or the whole file as one
     part for an OUT of tokpipe 0.1; None when the parts list cannot be trusted."""
-    tokens, documents = int(info["tokens"]), int(info["documents"])
-    if "parts" not in info:
-        whole = {
-            "shard": info["file"],
-            "tokens": tokens,
-            "documents": documents,
-            "sha256": info.get("sha256"),
-            "idx_sha256": info.get("idx_sha256"),
-        }
-        return [Part(split, 0, 0, 0, whole)]
-    path = out / info["parts"]
+    tokens, documents = entry.tokens, entry.documents
+    if entry.parts is None:
+        whole = {"shard": entry.file, "tokens": tokens, "documents": documents}
+        return [Part(split, 0, 0, 0, whole | {"sha256": entry.sha256, "idx_sha256": entry.idx_sha256})]
+    path = out / entry.parts
     if not check(f"{split}: parts list present", path.is_file(), str(path)):
         return None
     raw = path.read_bytes()
-    same = hashlib.sha256(raw).hexdigest() == info["parts_sha256"]
+    same = hashlib.sha256(raw).hexdigest() == entry.parts_sha256
     if not check(f"{split}: parts list sha256 matches meta", same, "" if same else f"{path} changed since finalize"):
         return None
     parts = parts_of(split, raw)
@@ -124,9 +120,9 @@ def _parts(out: Path, split: str, info: dict, check) -> list[Part] | None:
         (t, d) == (tokens, documents),
         f"parts: {t:,} tokens, {d:,} documents; meta: {tokens:,}, {documents:,}",
     )
-    if "groups" in info:  # --group-by: each group's parts (where its last one ends) add up to its entry
+    if entry.groups is not None:  # --group-by: each group's parts (where its last one ends) add up to its entry
         counts = {p.group: (p.token_end, p.doc_end) for p in parts if p.group is not None}
-        wanted = {g: (int(e["tokens"]), int(e["documents"])) for g, e in info["groups"].items()}
+        wanted = {g: (e.tokens, e.documents) for g, e in entry.groups.items()}
         wrong = sorted(g for g in set(counts) | set(wanted) if counts.get(g) != wanted.get(g))
         first = wrong[0] if wrong else None
         detail = f"{len(wrong)} differ, e.g. {first!r}: parts {counts.get(first)}, meta {wanted.get(first)}"
@@ -160,7 +156,7 @@ def verify(out: str | os.PathLike, jobs: int | None = None) -> list[Check]:
 
     unfinished = f"the run has not finished (tokpipe status {shlex.quote(str(out))})"
     try:
-        meta = load_meta_pkl(Out(out).meta_pkl)
+        raw = load_meta_pkl(Out(out).meta_pkl)
     except FileNotFoundError:
         check("meta.pkl present", False, f"{Out(out).meta_pkl} is missing: {unfinished}")
         return checks
@@ -168,41 +164,39 @@ def verify(out: str | os.PathLike, jobs: int | None = None) -> list[Check]:
         check("meta.pkl readable", False, str(e))
         return checks
     try:
-        meta_json = Out(out).load_meta_json()
+        raw_json = Out(out).load_meta_json()
     except UserError as e:
         check("meta.json readable", False, str(e))
         return checks
-    if meta_json is None:  # written last: a run killed between the two metas
+    if raw_json is None:  # written last: a run killed between the two metas
         check("meta.json present", False, f"{Out(out).meta_json} is missing: {unfinished}")
         return checks
-    if not check("meta.pkl == meta.json", meta == meta_json, "" if meta == meta_json else "the two metas differ"):
+    if not check("meta.pkl == meta.json", raw == raw_json, "" if raw == raw_json else "the two metas differ"):
         return checks
 
     try:
-        dtype = np.dtype(meta["dtype"])
-        vocab_size, eos_id = int(meta["vocab_size"]), int(meta["eos_token_id"])
-        splits = dict(meta["splits"])
+        meta = Meta.of(raw)
+        dtype = np.dtype(meta.dtype)
     except (KeyError, TypeError, ValueError) as e:
         check("meta well-formed", False, f"{type(e).__name__}: {e}")
         return checks
+    vocab_size, eos_id = meta.vocab_size, meta.eos_token_id
     limit = np.iinfo(dtype).max + 1 if dtype.kind == "u" else 0
-    check("dtype holds vocab", vocab_size <= limit, f"{meta['dtype']} holds ids < {limit}; vocab_size {vocab_size}")
+    check("dtype holds vocab", vocab_size <= limit, f"{meta.dtype} holds ids < {limit}; vocab_size {vocab_size}")
     check("eos id in vocab", 0 <= eos_id < vocab_size, f"eos {eos_id}, vocab {vocab_size}")
 
-    written = delimiters(meta)
-    bos_id = int(meta["bos_token_id"]) if written["bos"] else None
-    for split, info in splits.items():
-        _verify_split(out, split, info, dtype, vocab_size, eos_id, check, jobs, bos_id, written["eos"])
-    if meta.get("excluded"):
+    for split, entry in meta.splits.items():
+        _verify_split(out, split, entry, dtype, vocab_size, eos_id, check, jobs, meta.bos_placed, meta.delimiters.eos)
+    if meta.excluded:
         # Not a failure: the user chose --skip-failed. But nobody should mistake the output for the whole corpus.
-        check(f"note: {len(meta['excluded'])} shards excluded by --skip-failed", True, ", ".join(meta["excluded"]))
+        check(f"note: {len(meta.excluded)} shards excluded by --skip-failed", True, ", ".join(meta.excluded))
     return checks
 
 
 def _verify_split(
     out: Path,
     split: str,
-    info: dict,
+    entry: SplitEntry,
     dtype: np.dtype,
     vocab_size: int,
     eos_id: int,
@@ -211,21 +205,23 @@ def _verify_split(
     bos_id: int | None,
     eos_written: bool,
 ) -> None:
-    docs_expected = int(info["documents"])
-    if "lines" in info:
-        _check_lines(split, info, check)
-    files = split_files(out, info)
-    if not _check_files(out, split, info, files, dtype, check):
+    docs_expected = entry.documents
+    if entry.lines is not None:
+        _check_lines(split, entry, check)
+    files = entry.token_files()
+    if not _check_files(out, split, entry, files, dtype, check):
         return
-    parts = _parts(out, split, info, check)
+    parts = _parts(out, split, entry, check)
     if parts is None:
         return
-    if "groups" in info:  # the parts with tokens (not a shard's accounting line), group by group as meta lists them
-        order = {group: i for i, group in enumerate(info["groups"])}
-        parts = sorted((p for p in parts if p.group is not None), key=lambda p: order[p.group])
-    jobs_parts = _scan_jobs(info, files, parts, dtype, jobs)
+    held = entry.holding(parts)  # each file with the parts (with tokens: not a shard's accounting line) it holds
+    parts = [part for _, in_file in held for part in in_file]
+    reader = TokenFiles(out, [file for file, _ in held], dtype)
+    scans_of = [
+        (f, chunk) for f, (_, in_file) in enumerate(held) for chunk in _size_chunks(in_file, dtype.itemsize, jobs)
+    ]
     with ThreadPoolExecutor(jobs) as pool:
-        scans = list(pool.map(lambda job: _scan_file(*job, dtype, eos_id, bos_id), jobs_parts))
+        scans = list(pool.map(lambda job: _scan_file(reader, *job, eos_id, bos_id), scans_of))
     bad_bin = [name for s in scans for name in s.bad_bin]
     bad_idx = [name for s in scans for name in s.bad_idx]
     if any(r.record["sha256"] for r in parts):
@@ -263,28 +259,24 @@ def _verify_split(
             check(f"{split}: every document starts with BOS", not not_started, f"{not_started} do not")
 
 
-def _check_lines(split: str, info: dict, check) -> None:
+def _check_lines(split: str, entry: SplitEntry, check) -> None:
     """Every line of the split's sources is a document or a skipped line."""
-    skipped = sum(info.get("skipped", {}).values())
+    skipped = sum(entry.skipped.values())
     # --val-fraction moves documents from train (held_out) to validation (held_in).
-    read = int(info["documents"]) - info.get("held_in", 0) + info.get("held_out", 0)
-    moved = (
-        f" (held out {info['held_out']:,}, held in {info['held_in']:,})"
-        if info.get("held_out") or info.get("held_in")
-        else ""
-    )
+    read = entry.documents - entry.held_in + entry.held_out
+    moved = f" (held out {entry.held_out:,}, held in {entry.held_in:,})" if entry.held_out or entry.held_in else ""
     check(
         f"{split}: documents + skipped == lines",
-        read + skipped == info["lines"],
-        f"{read:,} + {skipped:,} vs {info['lines']:,}{moved}",
+        read + skipped == entry.lines,
+        f"{read:,} + {skipped:,} vs {entry.lines:,}{moved}",
     )
 
 
-def _check_files(out: Path, split: str, info: dict, files: list, dtype: np.dtype, check) -> bool:
+def _check_files(out: Path, split: str, entry: SplitEntry, files: list[SplitFile], dtype: np.dtype, check) -> bool:
     """The split's files are there, of meta's sizes; returns whether they are (the scan reads them next)."""
-    problems = [_file_problems(*f, dtype) for f in files]
+    problems = [_file_problems(out, f, dtype) for f in files]
     if len(files) == 1:  # the whole split in one file: each check on its own line, as ever
-        names = ("file present", f"size matches meta ({int(info['tokens']):,} {dtype.name})", "idx present")
+        names = ("file present", f"size matches meta ({entry.tokens:,} {dtype.name})", "idx present")
         names += ("idx entries == documents",)
         for name, problem in zip(names, problems[0]):
             if not check(f"{split}: {name}", problem is None, problem or ""):
@@ -293,31 +285,17 @@ def _check_files(out: Path, split: str, info: dict, files: list, dtype: np.dtype
     # --no-concat: one line per check over all the split's files
     names = ("files present", "sizes match meta", "idx files present", "idx entries == documents")
     for k, name in enumerate(names):
-        bad = [(f[0].relative_to(out), p[k]) for f, p in zip(files, problems) if p[k] is not None]
+        bad = [(f.bin, p[k]) for f, p in zip(files, problems) if p[k] is not None]
         where = f"{len(bad)} of {len(files):,} files, e.g. {bad[0][0]}: {bad[0][1]}" if bad else f"{len(files):,} files"
         if not check(f"{split}: {name}", not bad, where):
             return False
     return True
 
 
-def _scan_jobs(info: dict, files: list, parts: list, dtype: np.dtype, jobs: int) -> list:
-    """The split's parts cut into scans: (file, the parts of it one thread reads)."""
-    if "groups" in info and all("file" in g for g in info["groups"].values()):  # a file per group, holding its parts
-        by_group = dict(zip(info["groups"], files))
-        return [
-            (by_group[g], chunk)
-            for g in info["groups"]
-            for chunk in _size_chunks([p for p in parts if p.group == g], dtype.itemsize, jobs)
-        ]
-    if len(files) == 1:
-        return [(files[0], chunk) for chunk in _size_chunks(parts, dtype.itemsize, jobs)]
-    # each part in a file of its own, from its first token
-    return [(f, [replace(part, token_offset=0, doc_offset=0)]) for f, part in zip(files, parts)]
-
-
-def _file_problems(path: Path, idx_path: Path, tokens: int, documents: int, dtype: np.dtype) -> list[str | None]:
+def _file_problems(out: Path, file: SplitFile, dtype: np.dtype) -> list[str | None]:
     """What is wrong with one file of a split and its index, check by check (None: holds); after the
     first problem the rest are not looked at."""
+    path, idx_path, tokens, documents = out / file.bin, out / file.idx, file.tokens, file.documents
     if not path.is_file():
         return [str(path), None, None, None]
     size = path.stat().st_size
@@ -340,13 +318,11 @@ def _file_problems(path: Path, idx_path: Path, tokens: int, documents: int, dtyp
     return [None, None, None, entries]
 
 
-def _scan_file(file: tuple[Path, Path, int, int], parts: list[Part], dtype, eos_id, bos_id) -> PartScan:
-    path, idx_path, n, documents = file
-    tokens = np.memmap(path, dtype=dtype, mode="r") if n else np.zeros(0, dtype)
-    ends = np.memmap(idx_path, dtype=IDX_DTYPE, mode="r") if documents else np.zeros(0, IDX_DTYPE)
-    with open(path, "rb") as f:
-        scan = _scan_parts(f.fileno(), tokens, ends, parts, dtype, eos_id, bos_id)
-    scan.end = (int(ends[-1]) if documents else 0, n)
+def _scan_file(reader: TokenFiles, f: int, parts: list[Part], eos_id: int, bos_id: int | None) -> PartScan:
+    """Parts of file f of the split, hashed from its bytes read, their ends checked in its maps."""
+    tokens, ends = reader.file_tokens(f), reader.file_ends(f)
+    scan = _scan_parts(partial(reader.token_bytes, f), tokens, ends, parts, reader.dtype, eos_id, bos_id)
+    scan.end = (int(ends[-1]) if len(ends) else 0, len(tokens))
     return scan
 
 

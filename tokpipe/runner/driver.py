@@ -22,6 +22,7 @@ from tokpipe.inputs.source import fields_of, read_batches
 from tokpipe.inputs.tokenizer import TokenizerInfo, choose_backend, load_tokenizer_info
 from tokpipe.options import RunOptions
 from tokpipe.out.files import FAILED, Out, out_folder
+from tokpipe.out.meta import Meta, load_meta
 from tokpipe.out.records import MAX_GROUPS, Checkpoint
 from tokpipe.out.run import finished_with
 from tokpipe.out.series import Series
@@ -372,7 +373,7 @@ def _run(
     with Out(out).lock(), refusals_noted(out):
         manifest = _record(out, manifest, info, opts, tell)
         run = _Run(manifest, out, info, opts, RunLog(out), clock, cluster, tell)
-        meta = Out(out).load_meta_json()
+        meta = load_meta(Out(out))
         if finished_with(meta, manifest):
             return _nothing_to_do(out, meta, clock, tell)
         # Before the plan: it may find placed shards whose place is not kept, to tokenize again.
@@ -389,14 +390,14 @@ def _run(
         return summary
 
 
-def _nothing_to_do(out: Path, meta: dict, clock: Timeline, tell: Listener) -> RunSummary:
+def _nothing_to_do(out: Path, meta: Meta, clock: Timeline, tell: Listener) -> RunSummary:
     tell(
         Said(
             f"{out} is already finished ({Out(out).meta_json}); nothing to do. Check it with: "
             f"tokpipe verify {shlex.quote(str(out))}"
         )
     )
-    return RunSummary(True, {}, meta, 0, time.monotonic() - clock.start)
+    return RunSummary(True, {}, meta.as_dict(), 0, time.monotonic() - clock.start)
 
 
 def _record(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOptions, tell: Listener) -> Manifest:
@@ -409,10 +410,12 @@ def _record(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOptions
 def _finalize(run: _Run, assembler: Assembler, tally: Tally, redone: int) -> RunSummary:
     """The last copies and meta; then what the run made, as a value."""
     run.clock.series.mark("finalize")
-    meta = finalize(run.out, run.manifest, run.info, run.opts.output, tally.failed, assembler)
+    meta = Meta.of(finalize(run.out, run.manifest, run.info, run.opts.output, tally.failed, assembler))
     seconds = time.monotonic() - run.clock.start
     phases = run.clock.report(time.monotonic(), meta)
     run.clock.series.mark("finished")
     run.log(phases)
-    run.log(f"finished: {sum(s['tokens'] for s in meta['splits'].values()):,} tokens in {seconds:.1f}s")
-    return RunSummary(True, tally.failed, meta, redone, seconds, run.out, phases, tally.lacking, run.opts.text_field)
+    run.log(f"finished: {meta.tokens:,} tokens in {seconds:.1f}s")
+    return RunSummary(
+        True, tally.failed, meta.as_dict(), redone, seconds, run.out, phases, tally.lacking, run.opts.text_field
+    )

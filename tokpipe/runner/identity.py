@@ -17,7 +17,8 @@ from tokpipe.inputs.manifest import Manifest, load_manifest
 from tokpipe.inputs.tokenizer import TokenizerInfo
 from tokpipe.options import RunOptions
 from tokpipe.out.files import REFUSED, Out
-from tokpipe.out.run import IDENTITY_DEFAULTS, LAST_RUN_KEYS, RUN_FORMAT, finished_with, load_run
+from tokpipe.out.meta import Meta, load_meta
+from tokpipe.out.run import RUN_FORMAT, finished_with, load_run
 from tokpipe.runner.events import Listener, Said, silent
 from tokpipe.write.shard import EncodeSpec
 
@@ -117,9 +118,9 @@ def identity_changes(out: Path, identity: dict) -> dict[str, tuple] | None:
     """What differs between a run's identity and the one OUT's run.json records: key -> (was, now), in key
     order; None where OUT records none."""
     recorded = load_run(Out(out))
-    if not recorded:
+    if recorded is None:
         return None
-    previous = {**IDENTITY_DEFAULTS, **{k: v for k, v in recorded.items() if k not in LAST_RUN_KEYS}}
+    previous = recorded.identity()
     keys = sorted(set(identity) | set(previous))
     return {k: (previous.get(k), identity.get(k)) for k in keys if identity.get(k) != previous.get(k)}
 
@@ -128,10 +129,10 @@ def _said(changed: dict[str, tuple]) -> str:
     return "; ".join(f"{k}: was {was!r}, now {now!r}" for k, (was, now) in changed.items())
 
 
-def finished_read_only(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOptions) -> dict:
+def finished_read_only(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOptions) -> Meta:
     """The meta of an OUT this process may not write (a read-only mount) that holds this run finished: a rerun
     there is nothing to do, as anywhere. Anything else would write to it: refused, before any work."""
-    meta = Out(out).load_meta_json()
+    meta = load_meta(Out(out))
     changed = identity_changes(out, run_identity(manifest, info, opts))
     where = f"{out} is not writable here (a read-only mount, or another user's)"
     if changed:

@@ -15,6 +15,7 @@ from tqdm import tqdm
 from tokpipe.durability import write_json_atomic
 from tokpipe.fmt import disk_line, duration, free_bytes
 from tokpipe.out.files import PROGRESS, RUN_LOG, Out
+from tokpipe.out.meta import Meta
 from tokpipe.out.series import Series
 from tokpipe.runner.events import Listener, Said, silent
 
@@ -156,10 +157,10 @@ class Timeline:
         self.tokenized, self.assembled_bytes = time.monotonic(), assembled_bytes
         self.series.mark("finalize")
 
-    def report(self, finished: float, meta: dict) -> str:
+    def report(self, finished: float, meta: Meta) -> str:
         planned = self.planned or finished
         tokenized = self.tokenized or planned
-        token_bytes = sum(s["tokens"] for s in meta["splits"].values()) * np.dtype(meta["dtype"]).itemsize
+        token_bytes = meta.tokens * np.dtype(meta.dtype).itemsize
         tokenize_s, finalize_s = tokenized - planned, finished - tokenized
         busy = self.shard_seconds / max(self.workers * tokenize_s, 1e-9)
         return (

@@ -20,16 +20,17 @@ from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import Manifest
 from tokpipe.inputs.tokenizer import TokenizerInfo
 from tokpipe.out.files import SKIPPED, Out, split_file_stem
+from tokpipe.out.meta import Delimiters, Meta, SplitEntry
 from tokpipe.out.records import read_parts
 from tokpipe.out.run import OutputSpec, output_splits
 from tokpipe.write.assembly import Assembler
 
 
-def write_skip_log(out: Path, splits: dict[str, dict]) -> None:
+def write_skip_log(out: Path, splits: dict[str, SplitEntry]) -> None:
     """OUT/logs/skipped.json, from the split files' parts lists."""
     entries = []
     for entry in splits.values():
-        for r in read_parts(out / entry["parts"]):
+        for r in read_parts(out / entry.parts):
             if r.get("skipped") or r.get("repaired"):
                 fields = {k: r[k] for k in ("shard", "lines", "documents", "skipped", "repaired")}
                 # the shard's documents, wherever they went (its own part's count without --group-by; with it,
@@ -41,16 +42,16 @@ def write_skip_log(out: Path, splits: dict[str, dict]) -> None:
     write_atomic(path, ('{"shards": [' + ",".join("\n" + e for e in entries) + "\n]}\n").encode())
 
 
-def _refuse_empty_splits(out: Path, splits: dict[str, dict], text_field: str) -> None:
+def _refuse_empty_splits(out: Path, splits: dict[str, SplitEntry], text_field: str) -> None:
     """A split whose lines were read but none became a document is no success (a code dataset with its
     text under `content` read as `text`): one line, and no meta, so OUT stays unfinished. A split with no
     lines at all (its only shard failed and was excluded, an empty file) is not refused."""
     empty = []
     for name, s in splits.items():
-        own_documents = s["documents"] - s["held_in"] + s["held_out"]  # those its lines became, wherever they went
-        if s["lines"] > 0 and own_documents == 0:
-            why = ", ".join(f"{reason} {n:,}" for reason, n in s["skipped"].items())
-            empty.append(f"split {name}: {s['lines']:,} lines read, none became a document (skipped: {why})")
+        own_documents = s.documents - s.held_in + s.held_out  # those its lines became, wherever they went
+        if s.lines > 0 and own_documents == 0:
+            why = ", ".join(f"{reason} {n:,}" for reason, n in s.skipped.items())
+            empty.append(f"split {name}: {s.lines:,} lines read, none became a document (skipped: {why})")
     if empty:
         raise UserError(
             f"{'; '.join(empty)}: is the text in another field than {text_field!r}? Rerun with --text-field FIELD "
@@ -66,7 +67,7 @@ def finalize(
     excluded: dict[str, str] | None = None,
     assembler: Assembler | None = None,
 ) -> dict:
-    """Finish assembling every split in manifest order and write meta; returns the meta dict.
+    """Finish assembling every split in manifest order and write meta; returns meta's dict.
 
     `assembler` is the run's, whose Placer actors placed (nearly) everything while shards tokenized;
     without one, everything is placed here. `excluded` (relpath -> error) are failed shards left out
@@ -84,27 +85,27 @@ def finalize(
     splits = {split: stems[split_file_stem(split)] for split in output_splits(manifest, spec.val_fraction)}
     write_skip_log(out, splits)
     _refuse_empty_splits(out, splits, spec.text_field)
-    meta = {
-        "dtype": info.dtype,
-        "vocab_size": info.vocab_size,
-        "eos_token_id": info.eos_id,
-        "eos_token": info.eos_token,
-        "bos_token_id": info.bos_id,
-        "bos_token": info.bos_token,
-        "delimiters": spec.delimiters,
-        "val_fraction": spec.val_fraction,
-        "concat": spec.concat,
-        "tokenizer": info.id,
-        "tokenizer_sha256": info.sha256,
-        "tokenizer_repo_id": info.repo_id,  # ORG/NAME and its commit, for a tokenizer from the HF cache
-        "tokenizer_revision": info.revision,
-        "tokenizer_path": info.path,
-        "text_field": spec.text_field,
-        **({"group_by": spec.group_by} if spec.group_by is not None else {}),
-        "splits": splits,
-        "excluded": dict(sorted(excluded.items())),
-        "manifest_sha256": manifest.fingerprint,
-        "tokpipe_version": __version__,
-    }
-    Out(out).write_meta(meta)
-    return meta
+    meta = Meta(
+        info.dtype,
+        info.vocab_size,
+        info.eos_id,
+        splits,
+        eos_token=info.eos_token,
+        bos_token_id=info.bos_id,
+        bos_token=info.bos_token,
+        delimiters=Delimiters(**spec.delimiters),
+        val_fraction=spec.val_fraction,
+        concat=spec.concat,
+        tokenizer=info.id,
+        tokenizer_sha256=info.sha256,
+        tokenizer_repo_id=info.repo_id,
+        tokenizer_revision=info.revision,
+        tokenizer_path=info.path,
+        text_field=spec.text_field,
+        group_by=spec.group_by,
+        excluded=dict(sorted(excluded.items())),
+        manifest_sha256=manifest.fingerprint,
+        tokpipe_version=__version__,
+    )
+    Out(out).write_meta(meta.as_dict())
+    return meta.as_dict()

@@ -23,8 +23,9 @@ from tokpipe.commands.status import RunStatus, status
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import load_manifest
 from tokpipe.out.files import Out, out_folder, split_bin_name, split_file_stem
+from tokpipe.out.meta import Meta, load_meta
 from tokpipe.out.records import Checkpoint, read_parts
-from tokpipe.out.run import load_run, output_splits, sources
+from tokpipe.out.run import RunRecord, load_run, output_splits, sources
 from tokpipe.out.series import read_series
 
 LENGTH_SAMPLE = 1 << 20  # documents whose lengths are read per split: all of a smaller split, else evenly spread blocks
@@ -64,13 +65,13 @@ class GroupStats:
         return self.text_bytes / self.tokens if self.tokens else None
 
 
-def _group_stats(out: Path, meta: dict | None, manifest) -> list[GroupStats]:
+def _group_stats(out: Path, meta: Meta | None, manifest) -> list[GroupStats]:
     """Each split's groups: meta's (exact), or what the checkpoints have committed (held-out ones in validation)."""
     if meta is not None:
         return [
-            GroupStats(split, group, g["tokens"], g["documents"], g["text_bytes"])
-            for split, s in meta["splits"].items()
-            for group, g in s.get("groups", {}).items()
+            GroupStats(split, group, g.tokens, g.documents, g.text_bytes)
+            for split, s in meta.splits.items()
+            for group, g in (s.groups or {}).items()
         ]
     found: dict[tuple[str, str], Counter] = {}
     for shard in manifest.shards():
@@ -193,22 +194,21 @@ SUMMARY_KEYS = (
 )  # fmt: skip
 
 
-def _summary(meta: dict | None, run: dict) -> dict:
-    source = meta if meta is not None else {**run, "tokenizer_path": run.get("tokenizer_path"), "excluded": {}}
-    summary = {k: source.get(k) for k in SUMMARY_KEYS}
-    summary["delimiters"] = summary["delimiters"] or {"bos": False, "eos": True}
-    summary["val_fraction"] = summary["val_fraction"] or 0.0
-    if meta is None and summary["bos_token"] is None and summary["bos_token_id"] is not None:
+def _summary(meta: Meta | None, run: RunRecord) -> dict:
+    source = meta if meta is not None else run
+    summary = {k: getattr(source, k, None) for k in SUMMARY_KEYS} | {"delimiters": source.delimiters.as_dict()}
+    summary["excluded"] = summary["excluded"] or {}
+    if meta is None and summary["bos_token_id"] is not None:
         summary.pop("bos_token")  # run.json records BOS by id only
     return summary
 
 
-def _split_stats(out: Path, meta: dict | None, manifest, val_fraction: float) -> list[SplitStats]:
+def _split_stats(out: Path, meta: Meta | None, manifest, val_fraction: float) -> list[SplitStats]:
     if meta is not None:
         keys = ("tokens", "documents", "lines", "skipped", "repaired", "held_out", "held_in", "shards")
         return [
-            SplitStats(name, s.get("file", f"{split_file_stem(name)}/"), *(s[k] for k in keys))
-            for name, s in meta["splits"].items()
+            SplitStats(name, s.file or f"{split_file_stem(name)}/", *(getattr(s, k) for k in keys))
+            for name, s in meta.splits.items()
         ]
     stats = []
     for name in output_splits(manifest, val_fraction):
@@ -271,11 +271,11 @@ def _lengths(out: Path, split: str) -> Lengths | None:
     )  # fmt: skip
 
 
-def _shards(out: Path, st: RunStatus, meta: dict | None, manifest) -> Shards:
+def _shards(out: Path, st: RunStatus, meta: Meta | None, manifest) -> Shards:
     parts = {}
     if meta is not None:  # a finished split's accounting is its .parts lines
-        for s in meta["splits"].values():
-            for r in read_parts(out / s["parts"], s["parts_sha256"]):
+        for s in meta.splits.values():
+            for r in read_parts(out / s.parts, s.parts_sha256):
                 mine = parts.setdefault(r["shard"], {"tokens": 0, "documents": 0, "lines": 0, "skipped": {}})
                 mine["tokens"] += r["tokens"]
                 mine["documents"] += r["documents"]
@@ -365,13 +365,13 @@ def build(out: str | os.PathLike, tokenizer: str | None = None) -> Report:
     """Everything the page shows. UserError when OUT holds no tokpipe run."""
     out = out_folder(out)
     st = status(out)  # UserError for a folder without a run
-    meta = Out(out).load_meta_json() if st.state == "finished" else None
+    meta = load_meta(Out(out)) if st.state == "finished" else None
     run = load_run(Out(out))
-    if not run:
+    if run is None:
         raise UserError(f"{out} has a manifest but no run.json: tokpipe run has not started there yet")
     manifest = load_manifest(Out(out).manifest)
     summary = _summary(meta, run)
-    splits = _split_stats(out, meta, manifest, summary["val_fraction"])
+    splits = _split_stats(out, meta, manifest, (meta or run).val_fraction)
     notes = list(st.warnings)  # the logs status found damaged
     lengths, health = [], []
     for s in splits:

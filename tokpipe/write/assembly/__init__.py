@@ -24,6 +24,7 @@ import os
 
 from tokpipe.inputs.manifest import Manifest, Shard
 from tokpipe.out.files import Out
+from tokpipe.out.meta import SplitEntry
 from tokpipe.out.records import Checkpoint, Part
 from tokpipe.out.run import OutputSpec
 from tokpipe.write.assembly.listing import Listing
@@ -105,6 +106,6 @@ class Assembler:
                 batch.append(part)
                 size += part.record["tokens"] * self.itemsize
 
-    def finish(self, excluded: frozenset[str]) -> dict[str, dict]:
+    def finish(self, excluded: frozenset[str]) -> dict[str, SplitEntry]:
         """Cut, fsync and rename every split's files; returns meta's `splits` (in manifest order of splits)."""
         return self.listing.finish(self.splits, excluded)

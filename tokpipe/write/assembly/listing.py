@@ -8,6 +8,7 @@ from pathlib import Path
 
 from tokpipe.durability import fsync_dir
 from tokpipe.out.files import Out
+from tokpipe.out.meta import SplitEntry
 from tokpipe.out.records import IDX_DTYPE, Part, parts_line, split_entry
 from tokpipe.out.run import OutputSpec
 from tokpipe.write.assembly.split import SplitAssembly
@@ -46,7 +47,7 @@ class Listing:
                 s.moving.end()  # every part moved from them is listed
                 s.moving = None
 
-    def finish(self, splits: list[SplitAssembly], excluded: frozenset[str]) -> dict[str, dict]:
+    def finish(self, splits: list[SplitAssembly], excluded: frozenset[str]) -> dict[str, SplitEntry]:
         """Cut, fsync and rename every split's files; returns meta's `splits` (in manifest order of splits).
         Shard token files that a crash left behind after their part was listed go too (not those of
         `excluded` shards: a rerun resumes them)."""
