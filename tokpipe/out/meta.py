@@ -43,7 +43,7 @@ class Delimiters:
         return {"bos": self.bos, "eos": self.eos}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one a file: 60,000 for a --no-concat split of SlimPajama
 class SplitFile:
     """A file a split is read from, and its document ends: paths relative to OUT, with their counts. A finished
     split's are whole files, as meta lists them. An unfinished OUT's (records.unfinished_files) are what its

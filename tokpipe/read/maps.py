@@ -48,7 +48,7 @@ def kernel_max_maps() -> int:
         return 65530  # the kernel's default
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # two a file: 60,000 files are 120,000
 class LocalFile:
     """A token file of OUT on this machine, as it was first seen: read or mapped only while it is still that file.
 

@@ -323,6 +323,7 @@ def _scan_file(reader: TokenFiles, f: int, parts: list[Part], eos_id: int, bos_i
     tokens, ends = reader.file_tokens(f), reader.file_ends(f)
     scan = _scan_parts(partial(reader.token_bytes, f), tokens, ends, parts, reader.dtype, eos_id, bos_id)
     scan.end = (int(ends[-1]) if len(ends) else 0, len(tokens))
+    reader.release(f)
     return scan
 
 
