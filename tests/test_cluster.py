@@ -2,10 +2,14 @@
 in one line; `--text-field` checked against the data before anything is tokenized; a run leaves no
 process of its own behind."""
 
+import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 from helpers import REPO, assert_out_is, plain_copy_of_example, run_args, tokpipe, write_jsonl
@@ -106,7 +110,7 @@ def test_a_finished_run_leaves_no_process_behind(tmp_path, small_tokenizer):
 
 def test_the_private_ray_that_tokpipe_touches_is_there_in_the_pinned_version():
     """pyproject pins ray to the versions tokpipe was tested with, because tokpipe reaches past Ray's public
-    API in three places (runner/cluster.py, runner/task.py). A Ray without one of them fails here, loudly,
+    API in four places (runner/cluster.py, runner/task.py). A Ray without one of them fails here, loudly,
     rather than in a run: SIGTERM printing Ray's stack again, or ray.init failing in its thread."""
     import importlib.metadata
     import inspect
@@ -136,3 +140,37 @@ def test_the_private_ray_that_tokpipe_touches_is_there_in_the_pinned_version():
     assert read.stdout == "True\n", read.stderr
     # The shard tasks' process titles (`ps`, and the tests' worker killers, find workers by them).
     assert callable(ray._raylet.setproctitle)
+    # Cluster._route_ray_lines replaces this function: the driver's thread that prints the errors the cluster
+    # publishes looks it up on the module when it calls it.
+    assert list(inspect.signature(ray._private.worker.print_to_stdstream).parameters) == ["data", "ignore_prefix"]
+    assert "print_to_stdstream(" in inspect.getsource(ray._private.worker.listen_error_messages)
+
+
+def test_ray_that_does_not_start_is_one_line_saying_what_ray_said(tmp_path, small_tokenizer):
+    # TMPDIR on a full tmpfs: Ray's GCS cannot write the file with its port, which ray.init waits for (30 s; Ray's
+    # own switch makes it 3 here) and then says only that. The run says Ray did not start, what Ray said, and the
+    # temp folder's free space; before, it exited 1 with nothing printed.
+    full = Path(tempfile.mkdtemp(prefix="tpfull-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(full)], capture_output=True).returncode:
+        full.rmdir()
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        with open(full / "filler", "wb") as f:
+            with contextlib.suppress(OSError):  # ENOSPC: full
+                f.write(bytes(2 << 20))
+        write_manifest(build_manifest(plain_copy_of_example(tmp_path / "data")), tmp_path / "m.json")
+        command = [sys.executable, "-m", "tokpipe.cli", *map(str, run_args(tmp_path / "m.json", tmp_path / "out"))]
+        env = {**os.environ, "TMPDIR": str(full), "RAY_gcs_server_port_wait_time_s": "3"}
+        env.pop("RAY_ADDRESS", None)
+        result = subprocess.run([*command, "--ray-only"], capture_output=True, text=True, timeout=300, env=env)
+    finally:
+        subprocess.run(["umount", "-l", str(full)])
+        full.rmdir()
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert re.fullmatch(
+        rf"tokpipe run: error: Ray did not start \(RuntimeError: Timed out waiting for file {full}/ray/session_\S+"
+        rf"/gcs_server_port_[0-9a-f]+\); its temp folder {full} has 0\.0 kB free \(RAY_TMPDIR moves it\): fix the"
+        r" cause and rerun the same command",
+        result.stderr.splitlines()[-1],
+    ), result.stderr
+    assert "Traceback" not in result.stderr

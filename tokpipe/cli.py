@@ -16,10 +16,10 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 from tokpipe._version import __version__
-from tokpipe.errors import ReaderMayLeave, UserError, terminate_on_sigterm, terminated
+from tokpipe.errors import RayUnavailable, ReaderMayLeave, UserError, terminate_on_sigterm, terminated
 from tokpipe.inputs.source.batch import MISSING_GROUP
 from tokpipe.options import RunOptions, positive
-from tokpipe.out.files import Out
+from tokpipe.out.files import RUN_LOG, Out
 from tokpipe.out.meta import Meta, SplitEntry
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
@@ -325,7 +325,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, stdout, stderr = None, sys.stdout, sys.stderr
+    args, code, stdout, stderr = None, EXIT_FAILED, sys.stdout, sys.stderr
     sys.stdout, sys.stderr = ReaderMayLeave(stdout), ReaderMayLeave(stderr)
     try:
         args = parser().parse_args(argv)  # --help and --version write to stdout, then raise SystemExit
@@ -335,12 +335,15 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         sys.stdout, sys.stderr = stdout, stderr
-    if args is not None and args.command == "run":
-        # The run killed Ray's processes once its work was durable (runner/cluster.py): the interpreter's
-        # teardown would run Ray's with them gone (measured: a segfault now and then). Leave at once.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        if args is not None and args.command == "run":
+            # The run killed Ray's processes once its work was durable (runner/cluster.py), and this process must
+            # not run libc's exit handlers after it, whatever happened: among them is Ray's
+            # CoreWorkerProcess::HandleAtExit, which destroys the driver's core worker while its io thread still
+            # runs callbacks (a worker lease asked of a raylet that is gone), a use after free: SIGSEGV or SIGABRT
+            # (gdb on a core of a run that lost a node, issue 44). Leave at once.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
     return code
 
 
@@ -350,6 +353,9 @@ def _command(args) -> int:
     except UserError as e:
         print(f"tokpipe {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except RayUnavailable as e:  # Ray did not start, or no node left can run a shard
+        print(f"tokpipe {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_FAILED
     except OSError as e:  # disk full, permissions, a vanished mount: the cause is outside tokpipe
         print(f"tokpipe {args.command}: error: {e}; fix the cause and rerun the same command", file=sys.stderr)
         return EXIT_FAILED
@@ -359,6 +365,30 @@ def _command(args) -> int:
             return EXIT_TERMINATED
         print(f"tokpipe {args.command}: interrupted; rerun the same command to resume", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Exception as e:
+        if args.command != "run":
+            raise
+        print(_unexpected(args.out, e), file=sys.stderr)
+        return EXIT_FAILED
+
+
+def _unexpected(out: str, error: Exception) -> str:
+    """The one line of a run that an error tokpipe did not foresee stopped (what is done is kept); the traceback
+    goes to OUT/logs/run.log, or, before the run had one, after the line."""
+    import traceback
+
+    from tokpipe.runner.local import describe_failure
+
+    trace, log = "".join(traceback.format_exception(error)).rstrip(), Out(out).log(RUN_LOG)
+    if log.is_file():
+        from tokpipe.runner.progress import RunLog
+
+        RunLog(Path(out))(f"stopped by an unexpected error:\n{trace}")
+        where, trace = f"is in {log}", ""
+    else:
+        where, trace = "follows", f"\n{trace}"
+    what = describe_failure(error)
+    return f"tokpipe run: error: unexpected {what} (its traceback {where}); rerun the same command{trace}"
 
 
 if __name__ == "__main__":

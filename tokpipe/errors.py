@@ -37,6 +37,11 @@ class NodeError(UserError):
     task, it stops the run with its one line. Exit code 2."""
 
 
+class RayUnavailable(Exception):
+    """Ray cannot do the run's work: it did not start, or no node left in the cluster can run a shard. One line,
+    exit 1; what is done is kept, and the same command resumes once the cause is gone."""
+
+
 class SourceError(Exception):
     """A shard's bytes cannot be read to the end (truncated or corrupt download). Names file and place."""
 

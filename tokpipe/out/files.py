@@ -24,6 +24,7 @@ from tokpipe.inputs.manifest import Shard, shard_key
 
 # OUT/logs/ holds these, and a stack dump per stalled shard (stall_dump).
 RUN_LOG = "run.log"  # the effective configuration, shard failures, stalls, the outcome
+RAY_LOG = "ray.log"  # Ray's own lines (tasks it failed and retried, nodes it lost): `tokpipe run` keeps them here
 PROGRESS = "progress.json"  # rewritten every 2 s while shards run: rate, ETA, shard counts
 FAILED = "failed.json"  # the last run's failures, shard relpath -> error
 REFUSED = "refused.json"  # the refusal of a run that stopped before OUT held a token (runner/identity.py)

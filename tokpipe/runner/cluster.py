@@ -21,11 +21,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokpipe.errors import ReaderMayLeave, keep_sigterm
+from tokpipe.errors import RayUnavailable, ReaderMayLeave, keep_sigterm
+from tokpipe.fmt import free_bytes, size
 from tokpipe.inputs.tokenizer import encoder
 from tokpipe.options import RunOptions
+from tokpipe.runner.local import describe_failure
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+# An embedded Ray keeps its session (logs, sockets, the port files its start waits for, objects spilled past its
+# store) under its temp folder: with less room there than this, the line that says Ray did not start says so. A
+# 20 MB tmpfs full: ray.init waited 30 s for a port file its GCS could not write, and said only that.
+RAY_ROOM = 64 << 20
 
 
 def available_cpus() -> int:
@@ -104,8 +110,11 @@ class Cluster:
     while it encodes (EncodeSpec.read_ahead); Ray keeps that core free for it.
     """
 
-    def __init__(self, opts: RunOptions):
-        self.opts = opts
+    def __init__(self, opts: RunOptions, exits_after: bool = False):
+        """`exits_after`: the process exits once the run ends (the CLI's): Ray's lines go to OUT/logs (`log_to`),
+        and `stop` kills Ray's processes instead of shutting Ray down."""
+        self.opts, self.exits_after = opts, exits_after
+        self._log = None  # OUT/logs/ray.log, once Ray's lines go there
         self.address = opts.address or os.environ.get("RAY_ADDRESS")
         self.ready = threading.Event()
         self._done = threading.Event()  # the run no longer needs Ray
@@ -215,21 +224,60 @@ class Cluster:
         return len(ray.wait(self._loading, num_returns=len(self._loading), timeout=0)[0]) == len(self._loading)
 
     def wait(self) -> Shape:
+        """Ray's shape, once it is up; RayUnavailable, in one line with what Ray said, if it did not start."""
         self.start()
         self.ready.wait()
         if self._error is not None:
-            raise self._error
+            raise RayUnavailable(self._did_not_start()) from self._error
+        self._route_ray_lines()
         return self.shape
 
-    def stop(self, wait: bool = True) -> None:
-        """With `wait`, Ray's own shutdown (~1.4 s here; what a Python caller of tokpipe.run gets, whose
-        process goes on). Without, for a process about to exit with its work durable: every process
-        this one started (Ray's and its workers) is killed at once."""
+    def _did_not_start(self) -> str:
+        said = describe_failure(self._error)
+        if self.address:
+            return f"could not join the Ray cluster at {self.address} ({said}): is it up (`ray status`)? Then rerun"
+        # Where Ray's start puts its session, as Ray picks it (ray._common.utils.get_default_system_temp_dir).
+        temp = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+        room = free_bytes(temp) if os.path.isdir(temp) else RAY_ROOM
+        full = f"; its temp folder {temp} has {size(room)} free (RAY_TMPDIR moves it)" if room < RAY_ROOM else ""
+        return f"Ray did not start ({said}){full}: fix the cause and rerun the same command"
+
+    def log_to(self, path: Path) -> None:
+        """From here on Ray's own lines go to `path` (OUT/logs/ray.log), not to the terminal: those its C++ side
+        writes on this process's stderr (a node's loss, the tasks it failed, the kill at the end), and the errors
+        its driver thread prints ("(raylet) Task ... failed ...", colour codes and all). tokpipe's own lines go on
+        to the terminal: sys.stderr moves to a copy of it. Only in a process that exits after the run (the
+        CLI's): a library caller's stderr is its own."""
+        if not self.exits_after or self._log is not None:
+            return
+        self._log = open(path, "a", buffering=1)
+        _stderr_to(self._log.fileno())
+        if self.ready.is_set() and self._error is None:
+            self._route_ray_lines()
+
+    def _route_ray_lines(self) -> None:
+        """Ray's driver prints the errors the cluster publishes (tasks failed and retried, nodes marked dead)
+        through ray._private.worker.print_to_stdstream, to sys.stdout: once they go to OUT/logs, so do these."""
+        if self._log is None:
+            return
+        import ray._private.worker
+
+        log = self._log
+
+        def to_log(data: dict, ignore_prefix: bool) -> None:
+            log.writelines(f"({data.get('pid')}) {line}\n" for line in data["lines"])
+
+        ray._private.worker.print_to_stdstream = to_log
+
+    def stop(self) -> None:
+        """Ray's own shutdown (~1.4 s here; what a Python caller of tokpipe.run gets, whose process goes on);
+        in a process about to exit (`exits_after`) with its work durable, every process this one started
+        (Ray's and its workers) is killed at once instead."""
         if not self.started:
             return
         import ray
 
-        if wait:
+        if not self.exits_after:
             self.ready.wait()
             ray.shutdown()
             self._done.set()
@@ -243,11 +291,10 @@ class Cluster:
         # (Measured: 3-5 s; up to 43 s on this 2-core machine with a load average of 10-13.)
         self.ready.wait()
         # Ray's C++ side logs, on this process's stderr, the tasks it loses to the kill (the encoder
-        # warm-ups, say): noise about a kill that is meant. tokpipe's own lines go on to the terminal.
-        sys.stderr.flush()
-        terminal = os.dup(2)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
-        sys.stderr = ReaderMayLeave(open(terminal, "w", buffering=1, closefd=False))
+        # warm-ups, say): noise about a kill that is meant, to OUT/logs/ray.log or, before OUT was the run's,
+        # nowhere. tokpipe's own lines go on to the terminal.
+        if self._log is None:
+            _stderr_to(os.open(os.devnull, os.O_WRONLY))
         # Until two looks find none: a process Ray started just before its parent was killed comes
         # back to this one (the subreaper), not to init.
         quiet = 0
@@ -266,6 +313,14 @@ class Cluster:
         # Ray's exit handler would shut down what is gone; the process exits without it.
         atexit.unregister(ray.shutdown)
         self._done.set()
+
+
+def _stderr_to(fd: int) -> None:
+    """Point this process's fd 2 at `fd`; sys.stderr (tokpipe's lines) goes on to where fd 2 went."""
+    sys.stderr.flush()
+    terminal = os.dup(2)
+    os.dup2(fd, 2)
+    sys.stderr = ReaderMayLeave(open(terminal, "w", buffering=1, closefd=False))
 
 
 def _descendants(root: int) -> list[int]:

@@ -21,7 +21,7 @@ from tokpipe.inputs.objects import check_reachable
 from tokpipe.inputs.source import fields_of, read_batches
 from tokpipe.inputs.tokenizer import TokenizerInfo, choose_backend, load_tokenizer_info
 from tokpipe.options import RunOptions
-from tokpipe.out.files import FAILED, Out, out_folder
+from tokpipe.out.files import FAILED, RAY_LOG, Out, out_folder
 from tokpipe.out.meta import Meta, load_meta
 from tokpipe.out.records import MAX_GROUPS, Checkpoint
 from tokpipe.out.run import finished_with
@@ -347,15 +347,15 @@ def run(
     tell: Listener = silent,
 ) -> RunSummary:
     """`wait_for_ray=False` (the CLI, whose process exits next): Ray's processes are killed at the end
-    instead of shut down (1.4 s here), and the caller must exit without Ray's own exit handler. `tell`
-    hears what the run says as it goes (events.Said); by default nothing is said, and a progress bar is drawn
-    only for a listener."""
+    instead of shut down (1.4 s here), the caller must exit without Ray's own exit handler (os._exit), and Ray's
+    lines go to OUT/logs/ray.log instead of this process's stderr. `tell` hears what the run says as it goes
+    (events.Said); by default nothing is said, and a progress bar is drawn only for a listener."""
     clock = Timeline(time.monotonic())
-    cluster = Cluster(opts)
+    cluster = Cluster(opts, exits_after=not wait_for_ray)
     try:
         return _run(manifest_path, tokenizer, out_folder(out, new_ok=True), opts, clock, cluster, tell)
     finally:
-        cluster.stop(wait=wait_for_ray)
+        cluster.stop()
 
 
 def _run(
@@ -373,6 +373,7 @@ def _run(
     with Out(out).lock(), refusals_noted(out):
         manifest = _record(out, manifest, info, opts, tell)
         run = _Run(manifest, out, info, opts, RunLog(out), clock, cluster, tell)
+        cluster.log_to(Out(out).log(RAY_LOG))  # OUT is this run's: Ray's lines go there from now on
         meta = load_meta(Out(out))
         if finished_with(meta, manifest):
             return _nothing_to_do(out, meta, clock, tell)
