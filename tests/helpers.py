@@ -32,6 +32,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -427,6 +428,122 @@ def killed_run(target: str, call: int, manifest, out, *extra, batch_bytes: int =
     args = [target, call, batch_bytes, *run_args(manifest, out, *extra, tokenizer=tokenizer)]
     killed = subprocess.run([sys.executable, "-c", KILLED_RUN, *map(str, args)], capture_output=True, text=True)
     assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+
+
+# The loss of a Ray node at a point in the code: kill -9 of every process of the node (its `ray start` runs in a
+# session of its own: its raylet, its workers, its Placer, its agents), as a machine that is lost takes them all.
+# LOSE_NODE_SITE does it in the node's own processes, at the n-th call in a process of a function of tokpipe's
+# (TOKPIPE_TESTS_LOSE_NODE_AT=module.function:n in the node's environment, this file as sitecustomize.py on its
+# PYTHONPATH: RayNodes.add). LOST_NODE_RUN does it from a `tokpipe run` (argv: module.function or
+# module.Class.method, n, a node id, the node's session, then the CLI's arguments), at the n-th call of that
+# function given something on that node (a Stored there), or with an empty node id at its n-th call.
+_LOSE_NODE = """
+import importlib, os, signal
+
+def lose_node(session):
+    for pid in [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]:
+        try:
+            if int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[3]) == session:
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError):
+            continue
+    if os.getsid(0) == session:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+def at_call(target, call, session, counts=lambda args: True):
+    try:
+        owner_name, attr = target.rsplit(".", 1)
+        owner = importlib.import_module(owner_name)
+    except ImportError:
+        module_name, cls, attr = target.rsplit(".", 2)
+        owner = getattr(importlib.import_module(module_name), cls)
+    original, calls = getattr(owner, attr), []
+    def losing(*args, **kw):
+        if counts(args):
+            calls.append(1)
+            if len(calls) == call:
+                lose_node(session)
+        return original(*args, **kw)
+    setattr(owner, attr, losing)
+"""
+LOSE_NODE_SITE = (
+    _LOSE_NODE
+    + """
+if "TOKPIPE_TESTS_LOSE_NODE_AT" in os.environ:
+    target, call = os.environ["TOKPIPE_TESTS_LOSE_NODE_AT"].rsplit(":", 1)
+    at_call(target, int(call), os.getsid(0))
+"""
+)
+LOST_NODE_RUN = (
+    _LOSE_NODE
+    + """
+import sys
+target, call, node, session = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+at_call(target, call, session, lambda args: not node or any(getattr(a, "node", None) == node for a in args))
+from tokpipe import cli
+cli.main(sys.argv[5:])
+"""
+)
+
+
+def lost_node_run(target: str, call: int, node: str, session: int, *args) -> subprocess.CompletedProcess:
+    """`tokpipe run ARGS` that loses a Ray node at the `call`-th call of `target` in the driver (LOST_NODE_RUN)."""
+    command = [sys.executable, "-c", LOST_NODE_RUN, target, str(call), node, str(session), *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=_env(None))
+
+
+class RayNodes:
+    """A Ray cluster of `ray start` nodes on this machine, each in a session of its own: a head with no CPUs (as
+    large clusters run theirs), nodes added (`add`) and lost as a test needs; every process of it stopped at the
+    end, whoever adopted it."""
+
+    def __init__(self, tmp_path: Path):
+        self.temp = tempfile.mkdtemp(prefix="tpnodes-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+        self.address = f"127.0.0.1:{random.randint(20000, 29999)}"
+        self.env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_AUTH_MODE": "disabled"}
+        self.site = tmp_path / "lose-node-site"
+        self.sessions: list[int] = []
+
+    def __enter__(self) -> RayNodes:
+        self.site.mkdir()
+        (self.site / "sitecustomize.py").write_text(LOSE_NODE_SITE)
+        head = ["--head", "--port", self.address.split(":")[1], "--node-ip-address", "127.0.0.1", "--num-cpus", "0"]
+        self._start([*head, "--include-dashboard", "false", "--temp-dir", self.temp, "--disable-usage-stats"])
+        return self
+
+    def add(self, node_id: str, ip: str, lose_at: str | None = None) -> int:
+        """A node of one CPU at `ip` (127.0.0.2, ...) with this id (56 hex digits), up and joined; `lose_at`
+        (module.function:n) loses it there (LOSE_NODE_SITE). Returns its session."""
+        env = {"RAY_OVERRIDE_NODE_ID_FOR_TESTING": node_id}
+        if lose_at:
+            env |= {"TOKPIPE_TESTS_LOSE_NODE_AT": lose_at, "PYTHONPATH": str(self.site)}
+        node = ["--address", self.address, "--node-ip-address", ip, "--num-cpus", "1", "--disable-usage-stats"]
+        return self._start([*node, "--object-store-memory", str(128 << 20), "--block"], env)
+
+    def _start(self, args: list[str], env: dict | None = None) -> int:
+        proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "ray"), "start", *args],
+            env={**self.env, **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.sessions.append(proc.pid)
+        said = []
+        for line in proc.stdout:  # up once it says so (a head's `ray start` exits then, a node's blocks)
+            said.append(line)
+            if "Ray runtime started" in line:
+                return proc.pid
+        raise AssertionError("ray start failed:\n" + "".join(said))
+
+    def __exit__(self, *exc) -> None:
+        for session in self.sessions:
+            for pid in session_processes(session):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not any(session_processes(session) for session in self.sessions), timeout=30)
+        shutil.rmtree(self.temp, ignore_errors=True)
 
 
 def _hears_ctrl_c() -> None:

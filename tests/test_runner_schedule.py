@@ -9,18 +9,24 @@ session's Ray (the `ray_address` fixture); those that kill workers run every sha
 
 import json
 import os
+import re
+import shutil
 import threading
 
 import numpy as np
 import zstandard
 from helpers import (
     EXAMPLE_TRAIN_FILES,
+    RayNodes,
     assert_out_is,
+    cli,
     keep_killing,
+    lost_node_run,
     reference_texts,
     reference_tokenizer,
     reference_tokens,
     run_args,
+    session_processes,
     tokpipe,
     write_jsonl,
 )
@@ -147,3 +153,72 @@ def test_in_packs_a_failing_and_a_stuck_shard_are_reported_alone_and_the_rest_is
     tokenizer = small_tokenizer / "tokenizer.json"
     expected = reference_tokens(good, tokenizer, reference_tokenizer(tokenizer).token_to_id("<|endoftext|>"), np.uint16)
     assert np.array_equal(np.fromfile(out / "train.bin", dtype=np.uint16), expected)
+
+
+# -- a node lost ---------------------------------------------------------------------------------------------------
+
+# The moments a node is lost at, each a point in the code, where it lands however loaded the machine: in the node's
+# own processes (RayNodes.add's lose_at), or in the driver for what only the driver sees (helpers.LOST_NODE_RUN),
+# there at the first call given a shard's tokens stored on the node ("driver, its tokens") or at the first call.
+NODE_LOST = {
+    "while its worker tokenizes a shard": ("node", "tokpipe.write.shard._encode"),
+    "while its Placer writes a part": ("node", "tokpipe.write.place.write_at"),
+    "while a shard done there waits in its store": ("driver, its tokens", "tokpipe.write.assembly.Assembler.done"),
+    "as the last parts are placed (finalize)": ("driver", "tokpipe.runner.schedule.Scheduler.drain"),
+}
+LOST_LINE = re.compile(
+    r"ray: node 127\.0\.0\.2 \([0-9a-f]{8}\) lost: (it held no shard of the run|(?P<shards>\d+) shards? to"
+    r" tokenize again \((?P<running>\d+) running there, (?P<waiting>\d+) done and waiting there to be placed\))"
+)
+
+
+def test_a_node_lost_at_any_moment_costs_its_shards_never_the_run(dataset, tmp_path, small_tokenizer, small_reference):
+    # Two copies of the example (6 shards, each's tokens in Ray's object store, not inline: over 100 KiB). A head
+    # with no CPUs, so the shards run on the nodes, and each node runs its workers and its Placer.
+    for split in ("train", "validation"):
+        shutil.copytree(dataset / split / "chunk1", dataset / split / "chunk2")
+    manifest = tmp_path / "m.json"
+    write_manifest(build_manifest(dataset), manifest)
+    expected = {stem: np.concatenate([tokens] * 2) for stem, tokens in small_reference.items()}
+    with RayNodes(tmp_path) as cluster:
+        # The only node with CPUs lost mid-shard: no node left can run a shard; one line says so, exit 1.
+        first = cluster.add("a0" * 28, "127.0.0.2", lose_at="tokpipe.write.shard._encode:1")
+        out = tmp_path / "out"
+        args = run_args(manifest, out, "--address", cluster.address, "--workers", "2", tokenizer=small_tokenizer)
+        stopped = tokpipe(*args)
+        assert stopped.returncode == 1, stopped.stdout + stopped.stderr
+        assert stopped.stderr.splitlines()[-1] == (
+            "tokpipe run: error: node 127.0.0.2 (a0a0a0a0) was lost, and no node left in the cluster can run a shard"
+            " (1 CPU): start one (`ray start --address ...`) and rerun the same command"
+        )
+        assert not session_processes(first)
+        # A node that stays joins; the same command resumes and finishes.
+        cluster.add("b1" * 28, "127.0.0.3")
+        resumed = tokpipe(*args)
+        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+        assert_out_is(out, expected)
+
+        for n, (moment, (where, target)) in enumerate(NODE_LOST.items()):
+            node_id = f"c{n}" * 28
+            session = cluster.add(node_id, "127.0.0.2", lose_at=f"{target}:1" if where == "node" else None)
+            out = tmp_path / f"out-{n}"
+            args = run_args(manifest, out, "--address", cluster.address, "--workers", "2", tokenizer=small_tokenizer)
+            if where == "node":
+                run = tokpipe(*args)
+            else:
+                run = lost_node_run(target, 1, node_id if where.endswith("tokens") else "", session, *args)
+            assert run.returncode == 0, f"{moment}: {run.stdout}{run.stderr}"
+            assert not session_processes(session), moment  # lost there
+            # (The node of the moment before may be said lost too: Ray's GCS finds it dead 14-17 s after.)
+            said = [LOST_LINE.fullmatch(line) for line in run.stderr.splitlines() if node_id[:8] in line]
+            assert len(said) == 1 and said[0], f"{moment}: {run.stderr}"
+            if moment.startswith("while its worker"):
+                assert int(said[0]["running"]) >= 1, said[0][0]
+            elif moment.startswith("while"):
+                assert int(said[0]["waiting"]) >= 1, said[0][0]
+            # tokpipe speaks, Ray logs: no line of Ray's on the terminal; they are in OUT/logs/ray.log.
+            terminal = run.stdout + run.stderr
+            assert "(raylet)" not in terminal and "\x1b[" not in terminal and "Traceback" not in terminal, terminal
+            assert (out / "logs" / "ray.log").exists()
+            assert_out_is(out, expected)
+            assert cli("verify", out).returncode == 0

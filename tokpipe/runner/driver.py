@@ -276,7 +276,9 @@ def _tokenize_on_ray(
     run: _Run, backend: str, assembler: Assembler, progress: Progress, tally: Tally, done: int
 ) -> None:
     """The shards the driver did not finish, on Ray's workers; their copies into the split files too."""
-    from tokpipe.runner.schedule import Copies, Scheduler  # with Ray's import: only for runs that use it
+    from tokpipe.runner.copies import Copies  # with Ray's import: only for runs that use it
+    from tokpipe.runner.nodes import NodeWatch, check_nodes
+    from tokpipe.runner.schedule import Scheduler
 
     shape = run.cluster.wait()
     # Over the C++ handler of Ray's core worker, where Ray was imported before the run could
@@ -288,20 +290,18 @@ def _tokenize_on_ray(
     both = " (2 CPUs each: reading overlaps encoding)" if shape.read_ahead else ""
     nodes = f" on {shape.nodes} nodes" if shape.nodes > 1 else ""
     run.tell(Said(f"ray: {shape.where}, {shape.workers} workers{both}{nodes}"))
-    check = None
+    watch, check = NodeWatch(), None
     if run.cluster.address:  # every node sees the shards, the tokenizer and OUT, or the run stops here
-        from tokpipe.runner.nodes import check_nodes
-
-        check = check_nodes(run.manifest, run.info, run.out, run.log)
+        check = check_nodes(run.manifest, run.info, run.out, run.log, watch)
     spec = encode_spec(run.opts, run.info, backend, shape.read_ahead)
     itemsize = np.dtype(run.info.dtype).itemsize
     progress.workers = run.clock.workers = shape.workers
-    copies = Copies(assembler, run.out, itemsize, shape.nodes, check)
-    scheduler = Scheduler(run.manifest, run.out, spec, run.opts, shape.workers, run.log, tally, check)
+    copies = Copies(assembler, run.out, itemsize, shape.nodes, check, run.log)
+    scheduler = Scheduler(run.manifest, run.out, spec, run.opts, shape.workers, run.log, run.tell, tally, check, watch)
     scheduler.run(progress, copies, done)
     run.clock.tokenized_now(assembler.placed_tokens * itemsize)
     # Failed shards block their split's assembly; with --skip-failed it goes on without them.
-    copies.drain(frozenset(tally.failed) if run.opts.skip_failed else frozenset())
+    scheduler.drain(progress, copies, frozenset(tally.failed) if run.opts.skip_failed else frozenset())
     if shape.nodes > 1:
         by_node = copies.bytes_by_node.most_common()
         run.log("assembled by node: " + ", ".join(f"{node[:8]} {size / 1e6:,.1f} MB" for node, size in by_node))

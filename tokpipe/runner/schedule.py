@@ -1,33 +1,45 @@
 """Scheduling on Ray: one task per unfinished shard (or per pack of small ones), two at once per worker;
-stalled tasks cancelled and submitted again; finished shards copied into their split files meanwhile.
+stalled tasks cancelled and submitted again; finished shards copied into their split files meanwhile
+(copies.py); a node lost, what it held tokenized again.
 
-Ray does the scheduling and the retrying of tasks whose worker or node died (`max_retries`); a retry
-resumes the shard from its checkpoint. What Ray cannot see is a task that is alive but stuck: each
-worker reports progress to the ProgressBoard actor, and the scheduler cancels a task that reported
-nothing for `stall_timeout` seconds (the worker dumps its stacks to OUT/logs first) and submits it again.
+Ray schedules; the retries are the driver's (Ray's `max_retries` is 0). A task whose worker or node died goes
+again, up to --max-retries, and resumes its shard from its checkpoint. Ray's own retries would also re-run a
+task behind the driver's back to rebuild a result whose node was lost (lineage reconstruction): a whole pack
+for one shard's tokens, inside a Placer's wait, once a place's turn came, and only for tasks with retries left
+(a pack has none). What Ray cannot see is a task that is alive but stuck: each worker reports progress to the
+ProgressBoard actor, and the scheduler cancels a task that reported nothing for `stall_timeout` seconds (the
+worker dumps its stacks to OUT/logs first) and submits it again.
+
+A node lost (runner/nodes.py, NodeWatch) costs what it held, never the run: the shards done and waiting in its
+object store to be placed are tokenized again on the nodes left (their place in the split is kept: the same
+counts, the same bytes), those that ran there go again as a dead worker's do, and one line says which node and
+how many shards. With no node left that can run a shard, the run stops with one line; the same command resumes.
 """
 
 from __future__ import annotations
 
+import re
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from tokpipe.errors import NodeError, TooManyGroups
+from tokpipe.errors import NodeError, RayUnavailable
 from tokpipe.inputs.manifest import Manifest, Shard
 from tokpipe.options import RunOptions
 from tokpipe.out.files import stall_dump
-from tokpipe.out.records import Part
+from tokpipe.runner.copies import Copies, get
+from tokpipe.runner.events import Listener, Said
 from tokpipe.runner.local import Finished, Tally, describe_failure
+from tokpipe.runner.nodes import NodeWatch
 from tokpipe.runner.progress import Progress, RunLog
-from tokpipe.runner.task import Placer, ProgressBoard, Stored, shard_task
+from tokpipe.runner.task import ProgressBoard, Stored, shard_task
 from tokpipe.store import StoreUnavailable
-from tokpipe.write.assembly import COPY_BATCH_BYTES, Assembler
-from tokpipe.write.shard import EncodeSpec, ShardResult
+from tokpipe.write.shard import EncodeSpec
 
 POLL_EVERY = 0.5  # seconds between looks at progress and stalls
 # Shard tasks in flight per worker: one running, one queued in Ray, so that a worker that finishes starts its
@@ -44,82 +56,6 @@ GATHER = 0.02
 # at ~60 MB/s a core 32 MiB is half a second of a worker's tail.
 PACK_BYTES = 32 << 20
 PACK_SHARDS = 64
-
-
-def _get(ref):
-    """ray.get; a node's NodeError, a shard's TooManyGroups (--group-by), or a store that did not answer through
-    its retries (StoreUnavailable), raised as itself: its one line, not Ray's traceback around it. Each stops the
-    run: no other shard or node can do better."""
-    try:
-        return ray.get(ref)
-    except ray.exceptions.RayTaskError as e:
-        if isinstance(e.cause, (NodeError, TooManyGroups, StoreUnavailable)):
-            raise e.cause from None
-        raise
-
-
-class Copies:
-    """The writes that assemble the split files while shards still tokenize; what goes where is the Assembler's.
-
-    A Placer actor on each node that holds tokens (task.Placer) takes no CPU of the shards': a shard's
-    buffered parts are written on the node whose object store holds them (never through the driver, whose
-    own CPU stays per shard, not per byte), the parts copied from shards' own files by the placers in turn
-    (OUT is on storage all of them see). Parts wait in a queue while every slot is busy, so the next call
-    takes all of them: with thousands of tiny shards, one call and one fsync cover many.
-    """
-
-    def __init__(self, assembler: Assembler, out: Path, itemsize: int, nodes: int, check: ray.ObjectRef | None):
-        self.assembler, self.out, self.itemsize, self.check = assembler, out, itemsize, check
-        self.slots = 2 * nodes
-        self.here = ray.get_runtime_context().get_node_id()
-        self.placers: dict[str, ray.actor.ActorHandle] = {}  # node -> its Placer, made when first needed
-        self.turn = 0  # which placer copies the next parts from files
-        self.queue: deque[Part] = deque()
-        self.running: dict = {}  # ObjectRef -> its parts
-        self.bytes_by_node: Counter = Counter()
-
-    def _placer(self, node: str | None) -> ray.actor.ActorHandle:
-        if node is None:  # tokens in files: any node's placer, in turn
-            placers = list(self.placers.values()) or [self._placer(self.here)]
-            self.turn += 1
-            return placers[self.turn % len(placers)]
-        if node not in self.placers:
-            where = NodeAffinitySchedulingStrategy(node, soft=True)
-            self.placers[node] = Placer.options(scheduling_strategy=where).remote()
-        return self.placers[node]
-
-    def feed(self, excluded: frozenset[str] = frozenset()) -> None:
-        if not self.assembler.concat:  # --no-concat: nothing to copy, a part is listed as it is
-            parts = self.assembler.ready(excluded)
-            self.assembler.placed(parts, [p.record for p in parts])
-            return
-        self.queue.extend(self.assembler.ready(excluded))
-        while self.queue and len(self.running) < self.slots:
-            batch, size, (stem, node) = [], 0, _where(self.queue[0])
-            while self.queue and _where(self.queue[0]) == (stem, node) and size < COPY_BATCH_BYTES:
-                batch.append(self.queue.popleft())
-                size += batch[-1].record["tokens"] * self.itemsize
-            self.running[self._placer(node).place.remote(str(self.out), batch, self.itemsize, self.check)] = batch
-
-    def collect(self, block: bool = False) -> None:
-        """List the copies that are done (with `block`, after waiting for one), then start the next."""
-        if not self.running:
-            return
-        done, _ = ray.wait(
-            list(self.running), num_returns=1 if block else len(self.running), timeout=None if block else 0
-        )
-        for handle in done:
-            parts = self.running.pop(handle)
-            node, records = _get(handle)
-            self.assembler.placed(parts, records)
-            self.bytes_by_node[node] += sum(r["tokens"] for r in records) * self.itemsize
-        self.feed()
-
-    def drain(self, excluded: frozenset[str] = frozenset()) -> None:
-        """Copy everything whose place is known (with `excluded` left out) and wait for it."""
-        self.feed(excluded)
-        while self.running:
-            self.collect(block=True)
 
 
 def packs(shards: Iterator[Shard], left: int, workers: int) -> Iterator[list[Shard]]:
@@ -150,9 +86,35 @@ def _name(shards: list[Shard]) -> str:
     return f"a pack of {len(shards)} shards ({shards[0].relpath} ... {shards[-1].relpath})"
 
 
-def _where(part: Part) -> tuple[str, str | None]:
-    """A part's split file, and the node whose object store holds its tokens (None: they are in files)."""
-    return part.stem, part.buffered[0].node if part.buffered else None
+def _tag(shards: list[Shard]) -> str:
+    """Under which name a task reports to the ProgressBoard: its first shard's."""
+    return f"{shards[0].split}/{shards[0].key}"
+
+
+def _died_on(error: Exception) -> str | None:
+    """The node a NodeDiedError names, for a task that failed before its first beat said where it ran. Ray gives
+    it only in the message (ray.exceptions.NodeDiedError has no field for it; its format is in _raylet.so:
+    "... is dead or unavailable. Node IP: %s, node ID: %s. ...")."""
+    found = re.search(r"node ID: ([0-9a-f]+)", str(error)) if isinstance(error, ray.exceptions.NodeDiedError) else None
+    return found and found[1]
+
+
+def _plural(n: int, what: str) -> str:
+    return f"{n} {what}{'s' if n != 1 else ''}"
+
+
+@dataclass(frozen=True)
+class _Task:
+    """A task as the driver keeps it: its shards and how often they stalled or their worker died; once
+    submitted, when, and the reference to the parts it buffered. `redo`: the Stored of a shard tokenized again
+    because its node was lost (its parts have their place already, and wait for these tokens)."""
+
+    shards: list[Shard]
+    stalls: int = 0
+    crashes: int = 0
+    redo: Stored | None = None
+    submitted: float = 0.0
+    buffered: ray.ObjectRef | None = None
 
 
 class Scheduler:
@@ -172,24 +134,27 @@ class Scheduler:
         opts: RunOptions,
         workers: int,
         log: RunLog,
+        tell: Listener,
         tally: Tally,
         check: ray.ObjectRef | None,
+        watch: NodeWatch,
     ):
-        self.out, self.spec, self.opts, self.workers, self.log, self.tally = out, spec, opts, workers, log, tally
-        self.check = check  # on a cluster: the NodeCheck (an ObjectRef) a node the driver did not probe runs
+        self.out, self.spec, self.opts, self.workers, self.log, self.tell = out, spec, opts, workers, log, tell
+        self.tally, self.check = tally, check  # check: on a cluster, the NodeCheck a node not probed runs
         # One task name for all: the driver keeps state per distinct name (~1.8 MiB per 1k names, measured).
+        self.cpus = 2 if spec.read_ahead else 1
         self.task = ray.remote(
-            num_cpus=2 if spec.read_ahead else 1,
+            num_cpus=self.cpus,
             num_returns=2,  # the results, and the shards' buffered parts (task.shard_task)
-            max_retries=opts.max_retries,
-            retry_exceptions=False,
+            max_retries=0,  # the driver's (see above)
             name="tokpipe shard",
         )(shard_task)
-        # A pack that fails is not retried as one: its shards go again one by one, and the one at fault fails alone.
-        self.pack_task = self.task.options(max_retries=0)
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        # Pinned (not soft): with a soft affinity Ray's GCS put it on another node now and then (seen with Placers,
+        # when the driver's node had no worker to spare), and losing that node stalled the driver's reads of it.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.board = ProgressBoard.options(scheduling_strategy=here).remote()
         self.common = ray.put((str(out), spec, self.board, opts.stall_timeout))  # see task.shard_task
+        self.watch = watch
         # Not those that failed in this process already (tokenize_while).
         finished = Finished(out)
 
@@ -197,103 +162,212 @@ class Scheduler:
             return (s for s in manifest.shards() if not finished(s) and s.relpath not in tally.failed)
 
         self.packs = packs(unfinished(), sum(s.size for s in unfinished()), workers)
-        self.again: deque = deque()  # (shard, stall retries): cancelled for a stall, or of a pack that failed
-        self.running: dict = {}  # results' ObjectRef -> (shards, stall retries, submitted at, buffered parts' ref)
+        self.packed = False  # every shard is in a task (or was)
+        self.again: deque[_Task] = deque()  # cancelled for a stall, their worker or node lost, of a failed pack
+        self.running: dict[ray.ObjectRef, _Task] = {}  # by the reference to its results
         self.failed = tally.failed
-        self.totals, self.beats = [0, 0, 0], {}  # the board's last snapshot
+        self.done = 0  # shards finished, for the progress counts
+        self.totals, self.beats, self.nodes = [0, 0, 0], {}, {}  # the board's last snapshot
+        self.losses: dict[str, tuple[float, set[str], set[str]]] = {}  # node -> found at, shards ran, waited there
 
     def run(self, progress: Progress, copies: Copies, done: int) -> None:
-        """`done`: shards finished before (this run's Ray tasks), for the progress counts."""
+        """Tokenize every unfinished shard, placing what can be meanwhile; returns once the last is tokenized.
+        `done`: shards finished before (this run's, in the driver), for the progress counts."""
+        self.done = done
+        self._loop(progress, copies, None)
+
+    def drain(self, progress: Progress, copies: Copies, excluded: frozenset[str]) -> None:
+        """Place everything whose place is known (with `excluded` left out), tokenizing again what a node lost
+        meanwhile held."""
+        self._loop(progress, copies, excluded)
+
+    def _loop(self, progress: Progress, copies: Copies, excluded: frozenset[str] | None) -> None:
+        """`excluded` None: until every shard is tokenized; else until every part is placed (the tail, in which
+        the driver also waits on the copies)."""
         last_look = 0.0  # when progress and stalls were last looked at
-        copies.feed()  # what earlier runs finished and did not place
+        copies.feed(excluded or frozenset())  # what earlier runs finished and did not place
         while True:
             self._submit()
-            if not self.running:
-                break
+            if not self.running and (excluded is None or not copies.busy):
+                # The end; but a node lost since the last look, which the GCS may not have found yet, is said, and
+                # what it held tokenized again.
+                if excluded is None or not any([self._lose(node, copies) for node in self.watch.gone(now=True)]):
+                    break
+                continue
             # Wake on the first finished task, then take all that are done GATHER later.
-            ready, _ = ray.wait(list(self.running), num_returns=1, timeout=POLL_EVERY)
+            waiting = [*self.running, *(copies.running if excluded is not None else ())]
+            ready, _ = ray.wait(waiting, num_returns=1, timeout=POLL_EVERY)
             if ready:
-                ready, _ = ray.wait(list(self.running), num_returns=len(self.running), timeout=GATHER)
-            copies.collect()
+                ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=GATHER)
+            for placer_node, lost, error in copies.collect():
+                self._copy_failed(copies, placer_node, lost, error)
             for ref in ready:
-                done += self._collect(ref, copies.assembler)
-            copies.feed()
+                if ref in self.running:
+                    self._collect(ref, copies)
+            copies.feed(excluded or frozenset())
             now = time.time()
             if now - last_look < POLL_EVERY:
                 continue
             last_look = now
             self._read_board()
             # Running: the shards whose workers have begun them (a beat), not those submitted and queued.
-            progress.update(*self.totals, done=done, running=len(self.beats), failed=len(self.failed))
+            progress.update(*self.totals, done=self.done, running=len(self.beats), failed=len(self.failed))
             self._cancel_stalled(now)
+            for node in self.watch.gone():
+                self._lose(node, copies)
+            self._say()
+        self._say(now=True)
         self._read_board()
-        progress.update(*self.totals, done=done, running=0, failed=len(self.failed), final=True)
+        progress.update(*self.totals, done=self.done, running=0, failed=len(self.failed), final=True)
 
     def _submit(self) -> None:
         while len(self.running) < QUEUED * self.workers:
             if self.again:
-                shard, stalls = self.again.popleft()
-                shards = [shard]
+                task = self.again.popleft()
             elif shards := next(self.packs, None):
-                stalls = 0
+                task = _Task(shards)
             else:
+                self.packed = True
                 return
-            ref, buffered = (self.pack_task if len(shards) > 1 else self.task).remote(shards, self.common, self.check)
-            self.running[ref] = (shards, stalls, time.time(), buffered)
+            remote = self.task
+            if where := self.watch.steer(self.cpus):
+                remote = self.task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(where, soft=True))
+            ref, buffered = remote.remote(task.shards, self.common, self.check, task.redo is not None)
+            self.running[ref] = replace(task, submitted=time.time(), buffered=buffered)
 
-    def _collect(self, ref, assembler: Assembler) -> int:
-        """Take a finished task's results; returns how many shards it finished."""
-        shards, _, _, buffered = self.running.pop(ref)
+    def _collect(self, ref, copies: Copies) -> None:
+        """Take a finished task's results."""
+        task = self.running.pop(ref)
         try:
-            results: list[ShardResult] = _get(ref)
+            results = get(ref)
         except NodeError as e:  # a node the driver did not probe: it stops the run
             self.log(f"node check: {e}")
             raise
         except StoreUnavailable as e:  # every shard would wait out the same retries: the run stops, resumable
-            self.log(f"shard {shards[0].relpath}: {e}")
+            self.log(f"shard {task.shards[0].relpath}: {e}")
             raise
         except (ray.exceptions.RayError, OSError) as e:
-            if len(shards) > 1:
-                self.log(f"{_name(shards)} failed ({describe_failure(e)}); its shards go again one by one")
-                self.again.extend((shard, 0) for shard in shards)
-                return 0
-            self.failed[shards[0].relpath] = describe_failure(e)
-            self.log(f"shard {shards[0].relpath} FAILED: {self.failed[shards[0].relpath]}")
-            return 0
-        for index, (shard, result) in enumerate(zip(shards, results)):
-            stored = Stored(buffered, result.buffered_on, index) if result.buffered_on else None
-            assembler.done(shard, result.checkpoint, stored)
+            self._failed(task, e, copies)
+            return
+        if task.redo is not None:
+            if results[0].buffered_on is None:  # alone, a shard has at least the room it had in its pack
+                raise RuntimeError(f"shard {task.shards[0].relpath}, tokenized again, did not keep its tokens")
+            copies.found(task.redo, task.buffered, results[0].buffered_on)
+            return
+        for index, (shard, result) in enumerate(zip(task.shards, results)):
+            stored = Stored(shard, task.buffered, result.buffered_on, index) if result.buffered_on else None
+            copies.assembler.done(shard, result.checkpoint, stored)
             self.tally.add(shard, result, self.log)
-        return len(shards)
+        self.done += len(task.shards)
+        for node in {r.buffered_on for r in results} & self.watch.lost:  # done there just before it was lost
+            self._lose(node, copies)
+
+    def _failed(self, task: _Task, error: Exception, copies: Copies) -> None:
+        """A task that failed: a pack's shards go again one by one; a shard whose worker or node died goes again
+        while it has retries; else it failed (a shard tokenized again after its node was lost too: its place in
+        the split stays taken, and the run ends unfinished)."""
+        crashed = not isinstance(error, ray.exceptions.RayTaskError)  # the worker died, not the shard's code
+        if crashed and _tag(task.shards) not in self.nodes:  # begun since the board's last snapshot, maybe
+            self._read_board()
+        node = self.nodes.get(_tag(task.shards)) or _died_on(error)
+        if crashed and node is not None and (node in self.watch.lost or self.watch.confirms(node)):
+            self._lose(node, copies, task.shards)
+        if len(task.shards) > 1:
+            self.log(f"{_name(task.shards)} failed ({describe_failure(error)}); its shards go again one by one")
+            self.again.extend(_Task([shard]) for shard in task.shards)
+            return
+        relpath = task.shards[0].relpath
+        if crashed and task.crashes < self.opts.max_retries:
+            self.log(f"shard {relpath}: its worker died ({describe_failure(error)}); it goes again")
+            self.again.append(replace(task, crashes=task.crashes + 1))
+            return
+        self.failed[relpath] = describe_failure(error)
+        self.log(f"shard {relpath} FAILED: {self.failed[relpath]}")
+
+    def _copy_failed(self, copies: Copies, node: str, lost: list[Stored], error: Exception) -> None:
+        """A placing call failed: its Placer, or the node its tokens were on, is gone. The shards whose tokens it
+        lost are tokenized again; its other parts go again as they are (Copies.collect)."""
+        self.log(
+            f"placing on node {self.watch.name(node)} failed ({describe_failure(error)}):"
+            f" {_plural(len(lost), 'shard')} to tokenize again"
+        )
+        for where in {node} | {stored.node for stored in lost}:
+            if where in self.watch.lost or self.watch.confirms(where):
+                self._lose(where, copies, taken=[s for s in lost if s.node == where])
+                lost = [s for s in lost if s.node != where]
+        self.again.extendleft(_Task([stored.shard], redo=stored) for stored in lost)
+
+    def _lose(self, node: str, copies: Copies, ran: list[Shard] = (), taken: list[Stored] = ()) -> bool:
+        """A node is lost: the shards done and waiting in its object store are tokenized again (with `taken`,
+        those marked lost already), those running there go again as their tasks fail (`ran`: one that failed,
+        which may come before the node is found lost or after). Said in one line (`_say`). Stops the run if no
+        node left can run a shard. Returns whether it held shards to tokenize again."""
+        if node not in self.watch.lost:
+            self.watch.lost.add(node)
+            self.losses[node] = (time.monotonic(), set(), set())
+        stored = [*taken, *copies.lose(node)]
+        self.again.extendleft(_Task([s.shard], redo=s) for s in stored)
+        there = [t.shards for t in self.running.values() if self.nodes.get(_tag(t.shards)) == node]
+        running = {s.relpath for s in ran} | {s.relpath for shards in there for s in shards}
+        waiting = {s.shard.relpath for s in stored}
+        if node in self.losses:
+            self.losses[node][1].update(running)
+            self.losses[node][2].update(waiting)
+        elif waiting:
+            self.log(f"node {self.watch.name(node)}, lost: done there, to tokenize again: {', '.join(sorted(waiting))}")
+        if (self.running or self.again or not self.packed) and not self.watch.can_run(self.cpus):
+            self._say(now=True)
+            raise RayUnavailable(
+                f"node {self.watch.name(node)} was lost, and no node left in the cluster can run a shard"
+                f" ({_plural(self.cpus, 'CPU')}): start one (`ray start --address ...`) and rerun the same command"
+            )
+        return bool(stored)
+
+    def _say(self, now: bool = False) -> None:
+        """Say each node lost, in one line with what it cost, once POLL_EVERY has passed since it was found (or
+        `now`): its tasks' failures come in meanwhile (a task there fails within 0.1 s of the loss, and may come
+        before the node is found lost or after)."""
+        for node, (found, running, waiting) in list(self.losses.items()):
+            if not now and time.monotonic() - found < POLL_EVERY:
+                continue
+            del self.losses[node]
+            line = f"ray: node {self.watch.name(node)} lost: " + (
+                f"{_plural(len(running | waiting), 'shard')} to tokenize again ({len(running)} running there,"
+                f" {len(waiting)} done and waiting there to be placed)"
+                if running | waiting
+                else "it held no shard of the run"
+            )
+            self.tell(Said(line, stderr=True))
+            self.log(f"{line}: {', '.join(sorted(running | waiting))}")
 
     def _cancel_stalled(self, now: float) -> None:
-        for ref, (shards, stalls, submitted, _) in list(self.running.items()):
-            beat = self.beats.get(f"{shards[0].split}/{shards[0].key}", 0.0)
+        for ref, task in list(self.running.items()):
+            beat = self.beats.get(_tag(task.shards), 0.0)
             # A task's clock starts at its first beat: until then it waits for a worker process (1-3 s
             # here, over 5 s under load; whose failure to start Ray reports), which is no stall of the shard.
-            if beat < submitted:
+            if beat < task.submitted:
                 continue
             quiet = now - beat
             if quiet < self.opts.stall_timeout:
                 continue
             del self.running[ref]
             ray.cancel(ref, force=True)
+            shards = task.shards
             # The dump of the shard it was on: a pack's shards before it removed their empty ones.
             dump = next((d for s in shards if (d := stall_dump(self.out, s)).exists()), stall_dump(self.out, shards[0]))
             self.log(f"{_name(shards)}: no progress for {quiet:.0f}s, cancelled (stack dump: {dump})")
             if len(shards) > 1:  # which of them stalled is unknown: each goes again alone, with its own retries
-                self.again.extend((s, 0) for s in shards)
-                continue
-            shard = shards[0]
-            if stalls < self.opts.max_retries:
-                self.again.append((shard, stalls + 1))
+                self.again.extend(_Task([s]) for s in shards)
+            elif task.stalls < self.opts.max_retries:
+                self.again.append(replace(task, stalls=task.stalls + 1))
             else:
-                self.failed[shard.relpath] = (
-                    f"stalled {stalls + 1} times (no progress for {self.opts.stall_timeout:.0f}s); stacks in {dump}"
+                self.failed[shards[0].relpath] = (
+                    f"stalled {task.stalls + 1} times (no progress for {self.opts.stall_timeout:.0f}s);"
+                    f" stacks in {dump}"
                 )
 
     def _read_board(self) -> None:
         try:
-            self.totals, self.beats = ray.get(self.board.snapshot.remote(), timeout=30)
+            self.totals, self.beats, self.nodes = ray.get(self.board.snapshot.remote(), timeout=30)
         except ray.exceptions.RayError:  # board restarting: keep the last view; stall clocks wait for new beats
             pass

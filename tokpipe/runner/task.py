@@ -32,21 +32,29 @@ class ProgressBoard:
     def __init__(self):
         self.totals = [0, 0, 0]  # file bytes, documents, tokens
         self.beats: dict[str, float] = {}
+        self.nodes: dict[str, str] = {}  # the node each running task is on, said with its first beat
 
-    def report(self, key: str, file_bytes: int, documents: int, tokens: int, finished: bool = False) -> None:
+    def report(
+        self, key: str, file_bytes: int, documents: int, tokens: int, finished: bool = False, node: str | None = None
+    ) -> None:
         self.totals[0] += file_bytes
         self.totals[1] += documents
         self.totals[2] += tokens
         if finished:  # only running shards need a heartbeat: beats, and every snapshot, stay O(workers)
             self.beats.pop(key, None)
+            self.nodes.pop(key, None)
         else:
             self.beats[key] = time.time()
+        if node is not None:
+            self.nodes[key] = node
 
-    def snapshot(self) -> tuple[list[int], dict[str, float]]:
-        return self.totals, self.beats
+    def snapshot(self) -> tuple[list[int], dict[str, float], dict[str, str]]:
+        return self.totals, self.beats, self.nodes
 
 
-def shard_task(shards: list[Shard], common: tuple, check: NodeCheck | None) -> tuple[list[ShardResult], list]:
+def shard_task(
+    shards: list[Shard], common: tuple, check: NodeCheck | None, again: bool = False
+) -> tuple[list[ShardResult], list]:
     """The Ray task around tokenize_shard, for one shard or a pack of small ones in turn (Scheduler.pack):
     progress reports, and a stack dump if it stops moving. On a node the driver did not probe, first the paths
     the run needs (NodeError: not the stall dump's).
@@ -55,19 +63,22 @@ def shard_task(shards: list[Shard], common: tuple, check: NodeCheck | None) -> t
     of submitting one; `check` comes apart (Ray resolves a reference only as an argument of its own).
     Two returns: the results, and apart from them each shard's parts kept in memory (None: in its files),
     which stay in this node's object store until a Placer here writes them into place (the driver never
-    fetches them). The shards of a pack share one --shard-buffer: all of theirs wait here until the last."""
+    fetches them). The shards of a pack share one --shard-buffer: all of theirs wait here until the last.
+    `again`: a shard whose tokens were lost with a node, tokenized anew (tokenize_shard)."""
     out, spec, board, stall_timeout = common
     ensure_seen(check)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one worker per core: no thread pool inside each
     # The pack's progress goes under its first shard's name: the driver's stall clock is the task's.
     tag = f"{shards[0].split}/{shards[0].key}"
-    board.report.remote(tag, 0, 0, 0)  # started: the stall clock runs from here, not from submission
+    node = ray.get_runtime_context().get_node_id()
+    # Started: the stall clock runs from here, not from submission; and the driver knows where, should it lose the node.
+    board.report.remote(tag, 0, 0, 0, node=node)
     guard = memory_guard(spec.memory_limit, spec.backend, spec.tokenizer_json)
     results, buffers = [], []
     try:
         for shard in shards:
             room = max(0, spec.buffer_bytes - guard.held)  # the pack's shards before this one keep theirs here
-            result = _one_shard(shard, out, replace(spec, buffer_bytes=room), guard, board, tag, stall_timeout)
+            result = _one_shard(shard, out, replace(spec, buffer_bytes=room), guard, board, tag, stall_timeout, again)
             if result.buffered is not None:
                 guard.held += sum(a.nbytes for tokens, ends in result.buffered.values() for a in tokens + ends)
             buffers.append(result.buffered)
@@ -76,13 +87,12 @@ def shard_task(shards: list[Shard], common: tuple, check: NodeCheck | None) -> t
         guard.held = 0
         board.report.remote(tag, 0, 0, 0, finished=True)
     if any(b is not None for b in buffers):
-        node = ray.get_runtime_context().get_node_id()
         results = [replace(r, buffered_on=node) if b is not None else r for r, b in zip(results, buffers)]
     return results, buffers
 
 
 def _one_shard(
-    shard: Shard, out: str, spec: EncodeSpec, guard: MemoryGuard, board, tag: str, stall_timeout: float
+    shard: Shard, out: str, spec: EncodeSpec, guard: MemoryGuard, board, tag: str, stall_timeout: float, again: bool
 ) -> ShardResult:
     # `ps` shows which shard each worker is on (Ray sets the title back to ray::IDLE after the task).
     # Ray's own setter, as it uses for task names; the task name itself is the same for every shard.
@@ -115,7 +125,7 @@ def _one_shard(
         board.report.remote(tag, 0, 0, 0)
         arm_dump()
         try:
-            result = tokenize_shard(shard, out, spec, on_batch)
+            result = tokenize_shard(shard, out, spec, on_batch, again=again)
         finally:
             faulthandler.cancel_dump_traceback_later()
             board.report.remote(tag, *pending)
@@ -124,24 +134,30 @@ def _one_shard(
     return result
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Stored:
-    """A shard's buffered parts in the object store of `node`: the `index`th of the second return of its
-    shard_task."""
+    """Where a done shard's buffered parts are: the `index`th of the second return (`ref`) of a shard_task on
+    `node`. One per shard, shared by its parts and by the plan's entry for it, and changed in place: when the node
+    is lost the shard is tokenized again (`ref` None meanwhile), and this points at the new copy for all of them."""
 
-    ref: ray.ObjectRef
+    shard: Shard
+    ref: ray.ObjectRef | None
     node: str
     index: int
 
 
-@ray.remote(num_cpus=0, max_concurrency=2, max_restarts=-1, max_task_retries=3)
+@ray.remote(num_cpus=0, max_concurrency=2, max_restarts=0, max_task_retries=0)
 class Placer:
     """Writes parts into their split files on one node: buffered ones from that node's object store
     (zero-copy, never through the driver), others from their shards' own files (OUT is on storage every node
     sees). An actor, one per node, not a task: copy tasks took worker processes from Ray's pool beside the
     shard tasks, which Ray then ended as idle and started anew, each new one loading the encoder again
     (measured: 2,500 one-document shards took 72 s of tokenizing against 29 s). Two calls at once: one writes
-    while the other waits on its fsync."""
+    while the other waits on its fsync.
+
+    Never restarted, a call never retried by Ray: a Placer whose node was lost would come back elsewhere and wait
+    there on tokens that went with the node (Ray's "actor is temporarily unavailable", then the run's end). A call
+    that fails goes back to the driver, which places its parts again (runner/copies.py)."""
 
     def __init__(self):
         self.node = ray.get_runtime_context().get_node_id()

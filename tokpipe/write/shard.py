@@ -269,20 +269,23 @@ def tokenize_shard(
     spec: EncodeSpec,
     on_batch: Callable[[int, int, int], None] | None = None,
     stop: Callable[[], bool] | None = None,
+    again: bool = False,
 ) -> ShardResult:
     """Tokenize (the rest of) one shard. `on_batch(file_bytes, documents, tokens)` follows progress;
     `stop()`, asked after each batch, ends the shard early, checkpointed (its result not done).
 
     A shard begun afresh keeps its parts in memory (up to spec.buffer_bytes) and returns them in its result,
     with no checkpoint written: nothing on disk covers them until the runner has placed them. Past that size,
-    or when stopped, they go to the shard's own files, and it checkpoints from then on as any resumed shard."""
+    or when stopped, they go to the shard's own files, and it checkpoints from then on as any resumed shard.
+    `again`: begun afresh even if its checkpoint says done, for a buffered shard whose tokens were lost with a
+    Ray node before all its parts were placed (a Placer may have written the checkpoint with its first part)."""
     started = time.monotonic()
     files = ShardFiles.of(out, shard)
     files.bin.parent.mkdir(parents=True, exist_ok=True)
     with open(files.lock, "a+") as lock:
         # A worker left over from a killed run may still be writing this shard: wait it out.
         fcntl.flock(lock, fcntl.LOCK_EX)
-        ckpt = Checkpoint.load(files.checkpoint) or Checkpoint()
+        ckpt = Checkpoint() if again else Checkpoint.load(files.checkpoint) or Checkpoint()
         if ckpt.done:
             return ShardResult(shard.split, shard.key, ckpt, ckpt.tokens, 0, time.monotonic() - started)
         resumed = ckpt.tokens
@@ -395,5 +398,3 @@ def _encode(
         if spec.group_by is not None:
             parts[key].text_bytes += sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
     return tokens
-
-

@@ -71,6 +71,10 @@ class Assembler:
     def done(self, shard: Shard, ckpt: Checkpoint, buffered: object = None) -> None:
         self.plan.done(shard, ckpt, buffered)
 
+    def unplaced(self) -> list[tuple[Shard, Checkpoint, object]]:
+        """Done shards whose parts wait in memory for a place not known yet: (shard, checkpoint, buffered)."""
+        return self.plan.unplaced()
+
     def ready(self, excluded: frozenset[str] = frozenset()) -> list[Part]:
         return self.plan.ready(self.splits, excluded)
 

@@ -19,7 +19,7 @@ class Plan:
         self.val_fraction, self.concat, self.group_by = spec.val_fraction, spec.concat, spec.group_by
         # Done shards not yet scheduled (those that finished out of order), with how many parts still need them
         # and the parts they kept in memory.
-        self.finished: dict[str, tuple[Checkpoint, int, object]] = {}
+        self.finished: dict[str, tuple[Shard, Checkpoint, int, object]] = {}
 
     def done(self, shard: Shard, ckpt: Checkpoint, buffered: object = None) -> None:
         """A shard finished in this run (its checkpoint as its task returned it); `buffered`: the parts it kept
@@ -28,15 +28,19 @@ class Plan:
             self.groups.meet(split_file_stem(shard.split), ckpt.groups)
             if ckpt.val_groups:
                 self.groups.meet("val", ckpt.val_groups)
-        self.finished[shard.relpath] = (ckpt, 2 if self.val_fraction and shard.split == "train" else 1, buffered)
+        self.finished[shard.relpath] = (shard, ckpt, 2 if self.val_fraction and shard.split == "train" else 1, buffered)
+
+    def unplaced(self) -> list[tuple[Shard, Checkpoint, object]]:
+        """The done shards whose parts, kept in memory, wait for their place (not all scheduled yet)."""
+        return [(shard, ckpt, buffered) for shard, ckpt, _, buffered in self.finished.values() if buffered is not None]
 
     def _checkpoint(self, shard: Shard) -> tuple[Checkpoint | None, object]:
         """The shard's checkpoint, and its buffered parts if it kept them in memory (None: in its own files)."""
         if shard.relpath not in self.finished:
             return Checkpoint.load(self.out.shard(shard).checkpoint), None
-        ckpt, uses, buffered = self.finished.pop(shard.relpath)
+        _, ckpt, uses, buffered = self.finished.pop(shard.relpath)
         if uses > 1:  # its other part has yet to be scheduled
-            self.finished[shard.relpath] = (ckpt, uses - 1, buffered)
+            self.finished[shard.relpath] = (shard, ckpt, uses - 1, buffered)
         return ckpt, buffered
 
     def ready(self, splits: list[SplitAssembly], excluded: frozenset[str] = frozenset()) -> list[Part]:
