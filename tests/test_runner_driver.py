@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import zstandard
 from helpers import (
     EMBEDDED_RAY_2_WORKERS,
     EXAMPLE_HOLDOUT_FILES,
@@ -43,6 +44,7 @@ from helpers import (
     parent_pid,
     reference_by_group,
     reference_ids,
+    reference_texts,
     reference_tokenizer,
     reference_tokens,
     run_args,
@@ -385,3 +387,44 @@ def test_a_document_too_long_for_the_backend_sample_is_passed_over_in_one_line_a
     expected = [*reference_ids(["first"])[0], QWEN3_EOS, first, *[again] * (words - 1), space, QWEN3_EOS]
     expected += [*reference_ids(["third"])[0], QWEN3_EOS]
     assert np.array_equal(np.fromfile(tmp_path / "out" / "train.bin", dtype=np.uint32), expected)
+
+
+@pytest.mark.parametrize("where", ["on Ray's workers", "in the driver"])
+def test_a_failed_shard_keeps_the_shards_done_after_it_and_the_rerun_reads_only_it(tmp_path, small_tokenizer, where):
+    # Fourteen shards of the example's documents, the third a zstd download cut in half. The shards after it are
+    # done but have no place in train.bin before it is fixed: they are kept in their own files, so the rerun, after
+    # the fix, reads the fixed shard alone. On Ray (an embedded one: a cluster's nodes would refuse the fixed shard,
+    # its size not the manifest's) they go in packs of two, the failed pack's shards again one by one.
+    texts = [json.dumps({"text": text}) for path in EXAMPLE_TRAIN_FILES for text in reference_texts(path)]
+    data = tmp_path / "data"
+    files = [write_jsonl(data / "train" / f"s{k:02d}.jsonl", texts[20 * k : 20 * k + 20]) for k in range(14) if k != 2]
+    whole = zstandard.ZstdCompressor().compress("".join(f"{t}\n" for t in texts[40:60] * 3).encode())
+    cut = data / "train" / "s02.jsonl.zst"
+    cut.write_bytes(whole[: len(whole) // 2])
+    write_manifest(build_manifest(data), tmp_path / "m.json")
+    out = tmp_path / "out"
+    ray = ("--ray-only",) if where == "on Ray's workers" else ()
+    args = run_args(tmp_path / "m.json", out, "--workers", "2", *ray, tokenizer=small_tokenizer)
+    failed = tokpipe(*args)
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert failed.stderr.splitlines()[-1] == (
+        "1 shards failed; the rest are kept. Fix the cause and rerun the same command to retry them."
+    )
+    assert "shards: 13 done, 0 partial, 0 pending, 1 failed (of 14)" in cli("status", out).stdout.splitlines()
+    if ray:
+        assert "train/s02.jsonl.zst) failed (SourceError: " in (out / "logs" / "run.log").read_text()  # its pack
+
+    listed = cut.stat().st_size  # the shard's size in the manifest, which the progress counts it by
+    cut.write_bytes(whole)
+    rerun = tokpipe(*args)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert re.search(r": 14 shards, .*; 13 done, 0 partial, 1 to start$", rerun.stdout, re.M), rerun.stdout
+    phases = next(line for line in rerun.stdout.splitlines() if line.startswith("phases: "))
+    assert f", {listed / 1e6:,.1f} MB of input read" in phases  # the fixed shard's bytes (each other's: 0.1 MB)
+    tokenizer = small_tokenizer / "tokenizer.json"
+    eos = reference_tokenizer(tokenizer).token_to_id("<|endoftext|>")
+    files.insert(2, cut)
+    assert np.array_equal(
+        np.fromfile(out / "train.bin", dtype=np.uint16), reference_tokens(files, tokenizer, eos, np.uint16)
+    )
+    assert cli("verify", out).returncode == 0

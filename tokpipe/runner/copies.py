@@ -12,11 +12,12 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tokpipe.errors import NodeError, TooManyGroups
-from tokpipe.out.records import Part
+from tokpipe.out.records import Checkpoint, Part
 from tokpipe.runner.progress import RunLog
 from tokpipe.runner.task import Placer, Stored
 from tokpipe.store import StoreUnavailable
 from tokpipe.write.assembly import COPY_BATCH_BYTES, Assembler
+from tokpipe.write.shard import keep
 
 
 def get(ref):
@@ -159,3 +160,24 @@ class Copies:
         stored.ref, stored.node, stored.index = ref, node, 0
         self.queue.extend(p for p in self.parked if p.buffered[0] is stored)
         self.parked = [p for p in self.parked if p.buffered[0] is not stored]
+
+    def keep(self, done: list[tuple]) -> int:
+        """Done shards whose place this run will not know (a shard before them failed): their buffered parts
+        written to their own files and checkpointed (shard.keep), on the node that holds them, so that the rerun
+        places them without tokenizing them again. Returns how many were kept; one whose node is lost meanwhile
+        is not (the rerun tokenizes it again)."""
+        by_node: dict[str, list[tuple[Checkpoint, Stored]]] = {}
+        kept = 0
+        for shard, ckpt, buffered in done:
+            if isinstance(buffered, Stored):
+                by_node.setdefault(buffered.node, []).append((ckpt, buffered))
+            else:  # tokenized in this process while Ray started
+                keep(self.out, shard, ckpt, buffered)
+                kept += 1
+        calls = {self._placer(n)[1].keep.remote(str(self.out), held, self.check): n for n, held in by_node.items()}
+        for call, node in calls.items():
+            try:
+                kept += get(call)
+            except ray.exceptions.RayError as e:
+                self.log(f"keeping the shards on node {node[:8]} failed ({type(e).__name__}): the rerun tokenizes them")
+        return kept

@@ -34,6 +34,7 @@ from tokpipe.runner.progress import Progress, RunLog, Timeline
 from tokpipe.store import is_url
 from tokpipe.write.assembly import Assembler
 from tokpipe.write.finalize import finalize
+from tokpipe.write.shard import keep
 
 # Ray's start costs 2.5-5 s and several CPU-seconds here; the driver tokenizes 10-15 MB/s of
 # compressed input. Less than this much input, or less than a second and a half of the driver's
@@ -266,6 +267,11 @@ def _tokenize(run: _Run, assembler: Assembler, plan: Plan) -> Tally:
             run.tell(Said(f"ray: not needed, every shard was {what} here{here}"))
             progress.update(0, 0, 0, done=done, running=0, failed=len(tally.failed), final=True)
             run.clock.tokenized_now(assembler.placed_tokens * itemsize)
+            if tally.failed and not run.opts.skip_failed:
+                unplaced = assembler.unplaced()
+                for shard, ckpt, buffered in unplaced:
+                    keep(run.out, shard, ckpt, buffered)
+                _kept(run, len(unplaced))
     finally:
         progress.close()
     run.clock.read_bytes, run.clock.shard_seconds = progress.read_this_run, tally.shard_seconds
@@ -302,9 +308,17 @@ def _tokenize_on_ray(
     run.clock.tokenized_now(assembler.placed_tokens * itemsize)
     # Failed shards block their split's assembly; with --skip-failed it goes on without them.
     scheduler.drain(progress, copies, frozenset(tally.failed) if run.opts.skip_failed else frozenset())
+    if tally.failed and not run.opts.skip_failed:
+        _kept(run, copies.keep(assembler.unplaced()))
     if shape.nodes > 1:
         by_node = copies.bytes_by_node.most_common()
         run.log("assembled by node: " + ", ".join(f"{node[:8]} {size / 1e6:,.1f} MB" for node, size in by_node))
+
+
+def _kept(run: _Run, kept: int) -> None:
+    """Log the done shards that a failed one kept from their place, written to their own files (shard.keep)."""
+    if kept:
+        run.log(f"{kept} shards done after a failed one kept in their own files: the rerun places them as they are")
 
 
 def _report_failures(run: _Run, tally: Tally) -> bool:

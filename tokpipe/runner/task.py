@@ -12,11 +12,11 @@ import ray
 
 from tokpipe.inputs.manifest import Shard
 from tokpipe.out.files import stall_dump
-from tokpipe.out.records import Part
+from tokpipe.out.records import Checkpoint, Part
 from tokpipe.runner.nodes import NodeCheck, ensure_seen
 from tokpipe.write.memory import MemoryGuard, memory_guard
 from tokpipe.write.place import place
-from tokpipe.write.shard import EncodeSpec, ShardResult, tokenize_shard
+from tokpipe.write.shard import EncodeSpec, ShardResult, keep, tokenize_shard
 
 REPORT_EVERY = 1.0  # seconds between a worker's progress reports
 
@@ -175,3 +175,11 @@ class Placer:
             for part in parts
         ]
         return self.node, place(out, parts, itemsize)
+
+    def keep(self, out: str, done: list[tuple[Checkpoint, Stored]], check: NodeCheck | None) -> int:
+        """shard.keep for done shards whose buffered parts are in this node's object store; returns how many."""
+        ensure_seen(check)
+        values = ray.get([stored.ref for _, stored in done])
+        for (ckpt, stored), value in zip(done, values):
+            keep(out, stored.shard, ckpt, value[stored.index])
+        return len(done)

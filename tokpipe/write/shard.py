@@ -121,6 +121,15 @@ def _open_at(path: Path, length: int, hasher) -> tuple[object, int]:
     return f, size - length
 
 
+def _spilled(bin_path: Path, idx_path: Path, buffered: Buffered) -> tuple:
+    """A part's own files begun anew with what it buffered: the .bin and .idx, open for appending."""
+    bin_f, _ = _open_at(bin_path, 0, hashlib.sha256())
+    idx_f, _ = _open_at(idx_path, 0, hashlib.sha256())
+    bin_f.writelines(map(memoryview, buffered[0]))
+    idx_f.writelines(map(memoryview, buffered[1]))
+    return bin_f, idx_f
+
+
 class PartWriter:
     """Appends a shard's part (its documents, or those it holds out, or those of a group), hashing as it
     writes: to the part's own .bin/.idx, or, while `buffered`, to memory until its place in the split file is
@@ -155,10 +164,7 @@ class PartWriter:
 
     def spill(self, bin_path: Path, idx_path: Path) -> None:
         """From memory to the part's own files: what was buffered, and from here on what comes (checkpointed)."""
-        self.bin, _ = _open_at(bin_path, 0, hashlib.sha256())
-        self.idx, _ = _open_at(idx_path, 0, hashlib.sha256())
-        self.bin.writelines(map(memoryview, self.buffered[0]))
-        self.idx.writelines(map(memoryview, self.buffered[1]))
+        self.bin, self.idx = _spilled(bin_path, idx_path, self.buffered)
         self.buffered, self.buffered_bytes = None, 0
 
     def counts(self, done: bool) -> dict:
@@ -370,6 +376,19 @@ def tokenize_shard(
         memory.resets - resets_before,
         {key: part.buffered for key, part in parts.items()} if buffering else None,
     )
+
+
+def keep(out: str | os.PathLike, shard: Shard, ckpt: Checkpoint, buffered: dict[Key, Buffered]) -> None:
+    """A done shard's buffered parts written to its own files and fsynced, then its checkpoint: what a shard that
+    outgrew its buffer leaves. For a shard whose place in its split file this run will not know (a shard before it
+    failed): the rerun copies it into place instead of tokenizing it again."""
+    files = ShardFiles.of(out, shard)
+    for key, parts in buffered.items():
+        for f in _spilled(*files.part(*key), parts):
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+    write_json_atomic(files.checkpoint, asdict(ckpt))
 
 
 def _encode(
