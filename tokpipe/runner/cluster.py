@@ -114,7 +114,8 @@ class Cluster:
         """`exits_after`: the process exits once the run ends (the CLI's): Ray's lines go to OUT/logs (`log_to`),
         and `stop` kills Ray's processes instead of shutting Ray down."""
         self.opts, self.exits_after = opts, exits_after
-        self._log = None  # OUT/logs/ray.log, once Ray's lines go there
+        self._log_path: Path | None = None  # OUT/logs/ray.log, where Ray's lines go once it starts (`log_to`)
+        self._log = None  # that file, open once they do
         self.address = opts.address or os.environ.get("RAY_ADDRESS")
         self.ready = threading.Event()
         self._done = threading.Event()  # the run no longer needs Ray
@@ -138,6 +139,7 @@ class Cluster:
 
     def start(self) -> None:
         if not self.started:
+            self._quiet()
             self._thread.start()
 
     def _start(self) -> None:
@@ -188,6 +190,7 @@ class Cluster:
             with self._lock:
                 if self._warm:
                     self._load_in_workers(*self._warm)
+                self._route_ray_lines()
                 self.ready.set()
         except BaseException as e:  # handed to the driver's thread by wait()
             self._error = e
@@ -229,7 +232,6 @@ class Cluster:
         self.ready.wait()
         if self._error is not None:
             raise RayUnavailable(self._did_not_start()) from self._error
-        self._route_ray_lines()
         return self.shape
 
     def _did_not_start(self) -> str:
@@ -248,12 +250,21 @@ class Cluster:
         its driver thread prints ("(raylet) Task ... failed ...", colour codes and all). tokpipe's own lines go on
         to the terminal: sys.stderr moves to a copy of it. Only in a process that exits after the run (the
         CLI's): a library caller's stderr is its own."""
-        if not self.exits_after or self._log is not None:
+        if self.exits_after:
+            self._log_path = path
+            if self.started:
+                self._quiet()
+
+    def _quiet(self) -> None:
+        """Ray's lines to OUT/logs/ray.log, once it is known and Ray has started (not before: a run Ray never
+        starts for writes none)."""
+        if self._log_path is None or self._log is not None:
             return
-        self._log = open(path, "a", buffering=1)
+        self._log = open(self._log_path, "a", buffering=1)
         _stderr_to(self._log.fileno())
-        if self.ready.is_set() and self._error is None:
-            self._route_ray_lines()
+        with self._lock:  # else Ray's start routes them, once up
+            if self.ready.is_set() and self._error is None:
+                self._route_ray_lines()
 
     def _route_ray_lines(self) -> None:
         """Ray's driver prints the errors the cluster publishes (tasks failed and retried, nodes marked dead)
@@ -316,11 +327,17 @@ class Cluster:
 
 
 def _stderr_to(fd: int) -> None:
-    """Point this process's fd 2 at `fd`; sys.stderr (tokpipe's lines) goes on to where fd 2 went."""
+    """Point this process's fd 2 at `fd`; sys.stderr, where tokpipe's lines go, goes on to where fd 2 went (one
+    that writes elsewhere, a caller's capture, stays as it is)."""
     sys.stderr.flush()
-    terminal = os.dup(2)
+    try:
+        on_fd2 = sys.stderr.fileno() == 2
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation: a StringIO's
+        on_fd2 = False
+    terminal = os.dup(2) if on_fd2 else None
     os.dup2(fd, 2)
-    sys.stderr = ReaderMayLeave(open(terminal, "w", buffering=1, closefd=False))
+    if terminal is not None:
+        sys.stderr = ReaderMayLeave(open(terminal, "w", buffering=1, closefd=False))
 
 
 def _descendants(root: int) -> list[int]:
