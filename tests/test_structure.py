@@ -154,8 +154,9 @@ def _keys_taken(tree: ast.AST):
     for node in ast.walk(tree):
         if isinstance(node, ast.Subscript) and _name(node.value) in RECORDS and isinstance(node.slice, ast.Constant):
             yield node
-        elif isinstance(node, ast.Call) and _name(node.func) == "get" and _name(node.func.value) in RECORDS:
-            yield node
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+            if _name(node.func.value) in RECORDS:
+                yield node
         elif isinstance(node, ast.Compare) and isinstance(node.ops[0], ast.In | ast.NotIn):
             if getattr(node.left, "value", None) in ("file", "files", "groups"):
                 yield node
