@@ -181,10 +181,11 @@ class Bucket:
         except Exception as e:
             raise _error(e, self.where(prefix), self.endpoint) from None
 
-    def get(self, key: str) -> bytes | None:
-        """The whole object, or None where there is none."""
+    def get(self, key: str) -> tuple[bytes, str] | None:
+        """The whole object and its ETag, or None where there is none."""
         try:
-            return self.client.get_object(Bucket=self.name, Key=key)["Body"].read()
+            answer = self.client.get_object(Bucket=self.name, Key=key)
+            return answer["Body"].read(), answer["ETag"]
         except Exception as e:
             if _status(e) == 404:
                 return None

@@ -113,8 +113,8 @@ def _snapshot(
         if kind == "snapshots" and "/" in rest:
             commit = rest.partition("/")[0]
             snapshots[commit] = f"{repo}snapshots/{commit}/"
-        elif kind == "refs" and rest:
-            refs[rest] = (bucket.get(key) or b"").decode("utf-8", "replace").strip()
+        elif kind == "refs" and rest and (found := bucket.get(key)) is not None:
+            refs[rest] = found[0].decode("utf-8", "replace").strip()
     commit = pick_revision(repo_id, snapshots, refs, revision)
     return snapshots[commit], repo, repo_id, commit
 

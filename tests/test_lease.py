@@ -1,0 +1,100 @@
+"""out/lease: OUT's lock on an object store, a lease on the real S3 server of the session (SeaweedFS). One run
+holds it; another is refused in one line while it is live; it is taken over once it has expired, or at once when
+its holder is a process of this machine that is gone (a kill -9); of two runs taking it at once one wins; a run
+whose lease was taken learns it at its next renewal; the end removes it."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tokpipe.errors import UserError
+from tokpipe.out import lease
+from tokpipe.out.lease import Lease
+from tokpipe.store import Bucket, Url
+
+
+def _lease(s3_server, s3_prefix, seconds=60.0) -> Lease:
+    return Lease(Bucket.of(Url.parse(f"s3://{s3_server.bucket}/{s3_prefix}/")), f"{s3_prefix}/out/.lock", seconds)
+
+
+def _record(lease: Lease) -> dict:
+    raw, _ = lease.bucket.get(lease.key)
+    return json.loads(raw)
+
+
+def test_a_live_lease_refuses_another_run_in_one_line_and_its_end_frees_out(s3_server, s3_prefix):
+    first, second = _lease(s3_server, s3_prefix), _lease(s3_server, s3_prefix)
+    with first:
+        held = _record(first)
+        assert (held["host"], held["pid"], held["seconds"]) == (socket.gethostname(), os.getpid(), 60.0)
+        with pytest.raises(UserError) as refused:
+            second.acquire()
+        out = f"s3://{s3_server.bucket}/{s3_prefix}/out"
+        assert str(refused.value).startswith(
+            f"{out} is in use by another tokpipe run (pid {os.getpid()} on {socket.gethostname()}); wait for it to"
+            " finish or stop it (a run killed without a word frees it within 6"
+        )
+    assert first.bucket.get(first.key) is None  # released
+    with second:
+        assert _record(second)["pid"] == os.getpid()
+
+
+def test_a_lease_is_renewed_while_held_and_taken_over_once_it_has_expired(s3_server, s3_prefix, monkeypatch):
+    monkeypatch.setattr(lease, "SKEW", 0.2)  # the clocks are one: no need to wait out another machine's
+    with _lease(s3_server, s3_prefix, seconds=0.6) as held:
+        renewed = _record(held)["renewed"]
+        time.sleep(0.5)  # past a third of it: renewed meanwhile
+        assert _record(held)["renewed"] > renewed
+        held._stop.set()  # the holder falls silent (a machine lost): nothing renews it any more
+        held._thread.join()
+        taker = _lease(s3_server, s3_prefix)
+        record = _record(held) | {"host": "another-machine"}  # not a process of this machine: only its end counts
+        held.etag = held.bucket.put(held.key, json.dumps(record).encode(), if_match=held.etag)
+        with pytest.raises(UserError):
+            taker.acquire()
+        time.sleep(0.6 + lease.SKEW + 0.1)
+        taker.acquire()
+        assert _record(taker)["host"] == socket.gethostname()
+        held.renew()
+        assert held.lost == "another tokpipe run took over OUT's lease (this run did not renew it in time)"
+        with pytest.raises(UserError, match="took over OUT's lease"):
+            held.check()
+    assert _record(taker)["pid"] == os.getpid()  # the loser's end leaves the winner's lease alone
+    taker.release()
+
+
+def test_a_lease_held_by_a_process_of_this_machine_that_is_gone_is_taken_at_once(s3_server, s3_prefix):
+    # A run killed with kill -9: its lease lives on for a minute, but its process is gone.
+    code = (
+        "import sys; from tokpipe.out.lease import Lease; from tokpipe.store import Bucket, Url\n"
+        f"Lease(Bucket.of(Url.parse('s3://{s3_server.bucket}/')), '{s3_prefix}/out/.lock').acquire()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    taker = _lease(s3_server, s3_prefix)
+    taker.acquire()
+    assert _record(taker)["pid"] == os.getpid()
+    taker.release()
+
+
+def test_of_runs_taking_an_expired_lease_at_once_one_wins(s3_server, s3_prefix):
+    dead = _lease(s3_server, s3_prefix, seconds=0.0)
+    dead.acquire()
+    record = _record(dead) | {"host": "another-machine", "renewed": time.time() - lease.SKEW - 1}
+    dead.bucket.put(dead.key, json.dumps(record).encode(), if_match=dead.etag)
+
+    def take(_):
+        try:
+            _lease(s3_server, s3_prefix).acquire()
+            return "won"
+        except UserError as e:
+            return str(e).split(" was taken")[1][:20] if " was taken" in str(e) else "refused"
+
+    with ThreadPoolExecutor(6) as pool:
+        outcomes = sorted(pool.map(take, range(6)))
+    assert outcomes.count("won") == 1 and len(outcomes) == 6

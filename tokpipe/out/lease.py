@@ -1,0 +1,147 @@
+"""OUT's lock on an object store: a lease. A store has no flock, and a run killed with kill -9 (or a lost node,
+a preempted machine) never unlocks: the lock must end by itself.
+
+OUT/.lock is made only where there is none (`If-None-Match: *`), holding who holds it and when it last said so;
+the live run says so again every `seconds / 3` (a PUT `If-Match` its ETag: a run whose lease was taken learns it
+there, and stops). It is removed at the end (DELETE `If-Match`). Another run that finds it is refused in one line
+while the lease is live; once it has expired (nothing renewed it for `seconds`, by the finder's clock, less
+SKEW), or at once when its holder is a process of this machine that is gone, it is taken over by a PUT
+`If-Match` its ETag: of two runs taking it at once, one wins. So after a kill -9 the same command resumes: at once
+on the same machine, within a lease on another.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+from tokpipe.errors import UserError
+from tokpipe.store import Bucket, Exists
+
+LEASE_SECONDS = 60.0
+# Clocks of two machines may disagree by this much: a lease is taken over only once it is this far past its end.
+SKEW = 5.0
+
+
+@dataclass(frozen=True)
+class Holder:
+    """What OUT/.lock holds."""
+
+    host: str
+    pid: int
+    renewed: float  # unix time of the holder's last renewal, by its clock
+    seconds: float  # the lease's length
+
+    def describe(self) -> str:
+        return f"pid {self.pid} on {self.host}"
+
+    def gone(self, now: float) -> bool:
+        """Whether the lease has ended: expired, or held by a process of this machine that no longer runs."""
+        if now > self.renewed + self.seconds + SKEW:
+            return True
+        if self.host != socket.gethostname():
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # another user's live process
+            return False
+        return False
+
+
+@dataclass
+class Lease:
+    """A run's hold on OUT at `bucket`/`key` (OUT/.lock), renewed on a thread of its own while it is held (`with`)."""
+
+    bucket: Bucket
+    key: str
+    seconds: float = LEASE_SECONDS
+    etag: str | None = None
+    lost: str | None = None  # why the lease is no longer this run's (another run took it over), once it is not
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def _record(self) -> bytes:
+        holder = Holder(socket.gethostname(), os.getpid(), time.time(), self.seconds)
+        return json.dumps(holder.__dict__).encode()
+
+    def acquire(self) -> None:
+        """Hold OUT, or refuse (UserError, one line) while another run's lease is live."""
+        try:
+            self.etag = self.bucket.put(self.key, self._record(), create=True)
+            return
+        except Exists:
+            pass
+        found = self.bucket.get(self.key)
+        if found is None:  # released between our create and this read: try once more
+            self.etag = self.bucket.put(self.key, self._record(), create=True)
+            return
+        raw, etag = found
+        holder = _holder(raw)
+        if holder is not None and not holder.gone(time.time()):
+            left = holder.renewed + holder.seconds + SKEW - time.time()
+            raise UserError(
+                f"{self.bucket.where(self.key).removesuffix('/.lock')} is in use by another tokpipe run"
+                f" ({holder.describe()}); wait for it to finish or stop it (a run killed without a word frees it"
+                f" within {max(left, 0):.0f} s, when its lease ends)"
+            )
+        try:  # expired, gone, or not a lease tokpipe wrote: take it, unless another run takes it first
+            self.etag = self.bucket.put(self.key, self._record(), if_match=etag)
+        except Exists:
+            raise UserError(
+                f"{self.bucket.where(self.key).removesuffix('/.lock')} was taken by another tokpipe run just now;"
+                " wait for it to finish or stop it"
+            ) from None
+
+    def renew(self) -> None:
+        """Say again that OUT is held; a lease another run took over (this one was silent past its end) is lost."""
+        try:
+            self.etag = self.bucket.put(self.key, self._record(), if_match=self.etag)
+        except Exists:
+            self.lost = "another tokpipe run took over OUT's lease (this run did not renew it in time)"
+
+    def release(self) -> None:
+        if self.lost is None and self.etag is not None:
+            try:
+                self.bucket.delete(self.key, if_match=self.etag)
+            except Exists:  # taken over meanwhile: it is the other run's now
+                pass
+        self.etag = None
+
+    def check(self) -> None:
+        """Raise (UserError) once the lease is lost: the run must stop writing OUT."""
+        if self.lost is not None:
+            raise UserError(f"{self.bucket.where(self.key)}: {self.lost}; nothing it wrote is lost: rerun the command")
+
+    def _keep(self) -> None:
+        while not self._stop.wait(self.seconds / 3):
+            try:
+                self.renew()
+            except OSError:  # the store away for a moment: the next renewal tries again, well before the lease ends
+                continue
+            if self.lost is not None:
+                return
+
+    def __enter__(self) -> Lease:
+        self.acquire()
+        self._thread = threading.Thread(target=self._keep, name="tokpipe lease", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.release()
+
+
+def _holder(raw: bytes) -> Holder | None:
+    try:
+        return Holder(**json.loads(raw))
+    except (ValueError, TypeError):
+        return None
