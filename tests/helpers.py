@@ -999,10 +999,10 @@ def example_with_train_0_as(dest: Path, layout: str) -> Path:
 # CLI's arguments), and the S3 server killed (SIGKILL, its process group) as the n-th GET of that key is made.
 STORE_RUN = """
 import os, signal, sys
-import tokpipe.runner.driver, tokpipe.store
+import tokpipe.runner.driver, tokpipe.store, tokpipe.store.bucket, tokpipe.store.reader
 tokpipe.runner.driver.EAGER_RAY_BYTES = tokpipe.runner.driver.LOCAL_SECONDS = float("inf")  # no Ray
 record, server, kill_key, kill_at = sys.argv[1], int(sys.argv[4]), sys.argv[5], int(sys.argv[6])
-tokpipe.store.TRIES, tokpipe.store.READ_AHEAD = int(sys.argv[2]), int(sys.argv[3])
+tokpipe.store.bucket.TRIES, tokpipe.store.reader.READ_AHEAD = int(sys.argv[2]), int(sys.argv[3])
 read, made = tokpipe.store.Bucket.read, []
 def recorded(bucket, key, start, end, etag=None):
     made.append(key)

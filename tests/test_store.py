@@ -1,6 +1,8 @@
 """store: an object read as a file by ranged GETs of a bounded size, every one asking for the ETag the manifest
 recorded (a replaced or removed object fails by name); a store restarted mid-read waited for, one that stays away
 said in one line past its retries; a wrong key, a missing bucket or no store at all refused in one line, quickly.
+An object written in pieces: a multipart upload of data resumed from its recorded state after a crash, or of
+ranges of other objects copied on the server (past S3's 10,000 parts too), completed create-only, none left open.
 Then a corpus on the store as a user runs it (OUT on a local disk): the reference's bytes, on Ray's workers too; no
 secret in anything written or printed; a kill -9 mid-shard resumed by a ranged read from the checkpoint's place; an
 object replaced after the manifest, a wrong key, a missing bucket, no store, a store gone mid-run, each said in one
@@ -26,7 +28,19 @@ from helpers import (
 from tokpipe import store
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import load_manifest
-from tokpipe.store import Bucket, Changed, Reader, StoreRefused, StoreUnavailable, Url, open_read
+from tokpipe.store import (
+    Bucket,
+    Changed,
+    Exists,
+    Reader,
+    StoreRefused,
+    StoreUnavailable,
+    Upload,
+    Url,
+    compose,
+    open_read,
+)
+from tokpipe.store import upload as upload_module
 
 MIB = 1 << 20
 
@@ -105,7 +119,7 @@ def test_a_store_restarted_mid_read_is_waited_for(s3_server, s3_prefix):
 
 def test_a_store_away_past_every_retry_is_one_line_and_an_oserror(s3_server, s3_prefix, monkeypatch):
     # Two tries, not TRIES' ten: their backoff would take a minute or two here.
-    monkeypatch.setattr(store, "TRIES", 2)
+    monkeypatch.setattr(store.bucket, "TRIES", 2)
     down = Bucket(s3_server.bucket, "http://127.0.0.1:9")  # nothing listens on the discard port
     with pytest.raises(StoreUnavailable) as away:
         Reader(down, "some/key", '"etag"').read(1)
@@ -130,6 +144,51 @@ def test_check_refuses_what_no_retry_changes_in_one_line(s3_server):
         f"s3://no-such-bucket/: the store at {s3_server.endpoint} answered NoSuchBucket: there is no such bucket (The"
         " specified bucket does not exist)"
     )
+
+
+def test_compose_copies_ranges_of_objects_on_the_server_into_one_create_only(s3_server, s3_prefix, monkeypatch):
+    bucket = Bucket(s3_server.bucket, s3_server.endpoint)
+    a, b, c = (bytes([n]) * size for n, size in ((1, 6 * MIB), (2, 5 * MIB), (3, 1000)))
+    for name, data in (("a", a), ("b", b), ("c", c)):
+        s3_server.put(f"{s3_prefix}/{name}", data)
+    sources = [(f"{s3_prefix}/a", MIB, 6 * MIB), (f"{s3_prefix}/b", 0, 5 * MIB), (f"{s3_prefix}/c", 10, 1000)]
+    compose(bucket, f"{s3_prefix}/all", sources)
+    assert bucket.get(f"{s3_prefix}/all")[0] == a[MIB:] + b + c[10:]
+    with pytest.raises(Exists):  # create-only: the key is taken
+        compose(bucket, f"{s3_prefix}/all", sources[:1])
+    with pytest.raises(ValueError, match="a part of 990 bytes before the last"):
+        compose(bucket, f"{s3_prefix}/small", [sources[2], sources[0]])
+    monkeypatch.setattr(upload_module, "MAX_PARTS", 2)  # S3's 10,000: composed in runs of 2, then the runs
+    compose(bucket, f"{s3_prefix}/many", [sources[0], sources[1], sources[0], sources[2]])
+    assert bucket.get(f"{s3_prefix}/many")[0] == a[MIB:] + b + a[MIB:] + c[10:]
+    assert sorted(o.key.rpartition("/")[2] for o in bucket.list(f"{s3_prefix}/")) == ["a", "all", "b", "c", "many"]
+    assert bucket.uploads(f"{s3_prefix}/") == []
+
+
+def test_an_upload_goes_on_after_a_crash_from_the_state_a_checkpoint_kept(s3_server, s3_prefix):
+    bucket, key = Bucket(s3_server.bucket, s3_server.endpoint), f"{s3_prefix}/part.bin"
+    first, second, last = b"x" * (5 * MIB), b"y" * (6 * MIB), b"z" * 10
+    upload = Upload.begin(bucket, key)
+    upload.send(first)
+    state = upload.state  # what the checkpoint keeps
+    upload.send(second)  # sent after the checkpoint: the crash's; the resumed upload sends it again
+    resumed = Upload.resume(bucket, key, state)
+    assert (resumed.upload, resumed.size) == (upload.upload, 5 * MIB)
+    resumed.send([second[:MIB], second[MIB:]])
+    resumed.send(last)
+    assert bucket.head(key) is None  # nothing to read before it is completed
+    resumed.finish()
+    assert bucket.get(key)[0] == first + second + last and bucket.uploads(f"{s3_prefix}/") == []
+    assert Upload.resume(bucket, key, state) is None  # completed: no upload to go on with
+    again = Upload.begin(bucket, key)
+    again.send(b"other")
+    with pytest.raises(Exists):  # create-only: the finished object stays, the upload that lost is aborted
+        again.finish()
+    assert bucket.get(key)[0] == first + second + last and bucket.uploads(f"{s3_prefix}/") == []
+    aborted = Upload.begin(bucket, f"{s3_prefix}/other.bin")
+    aborted.send(first)
+    aborted.abort()
+    assert Upload.resume(bucket, f"{s3_prefix}/other.bin", aborted.state) is None
 
 
 def test_a_url_names_a_bucket_and_a_key():

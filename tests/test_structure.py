@@ -71,7 +71,7 @@ BASICS = {"tokpipe.errors", "tokpipe.durability", "tokpipe.fmt", "tokpipe.store"
 
 
 def _layer(module: str) -> str:
-    return next((layer for layer in LAYERS if module == layer or module.startswith(layer + ".")), module)
+    return next((layer for layer in (*LAYERS, *BASICS) if module == layer or module.startswith(layer + ".")), module)
 
 
 def test_each_layer_imports_only_the_layers_below_it():

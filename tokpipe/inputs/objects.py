@@ -8,7 +8,7 @@ a folder whose name starts with `.` is not walked, and a tokpipe OUT (run.json a
 a copied-up OUT has them) is passed over. A cache copied up (`aws s3 sync`, `rclone copy`) holds each snapshot
 file as an object of its own, the links followed; a link kept as a small text file naming a blob, which tokpipe
 follows on disk, is not followed here. Each shard's size and ETag are the listing's: the manifest records both,
-and every read of the shard asks for that ETag (tokpipe/store.py).
+and every read of the shard asks for that ETag (tokpipe/store/reader.py).
 """
 
 from __future__ import annotations

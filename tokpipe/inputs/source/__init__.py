@@ -4,7 +4,7 @@ The format is sniffed from the file's first bytes, never trusted from its name (
 be plain JSONL): zstd, gzip or plain JSONL (jsonl.py), or Parquet (parquet.py). Both report through
 batch.py, the one place where a line becomes a document, a counted skip or a counted repair.
 
-A shard's path is a local path or an s3:// URL (tokpipe/store.py opens either); `etag`, the ETag the manifest
+A shard's path is a local path or an s3:// URL (tokpipe/store/reader.py opens either); `etag`, the ETag the manifest
 recorded of a shard on a store, goes with every read of it.
 """
 

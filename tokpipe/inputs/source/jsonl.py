@@ -8,7 +8,7 @@ takes as a document costs one call; every other line goes through `_document`, w
 it is.
 
 A resume reads no byte it does not need where the format allows it (a shard on an object store is read by
-ranged GETs, tokpipe/store.py): plain JSONL from the checkpoint's byte offset; zstd made of several frames (pzstd,
+ranged GETs: tokpipe/store/): plain JSONL from the checkpoint's byte offset; zstd made of several frames (pzstd,
 seekable zstd, any concatenation) from the start of the frame the checkpoint's offset is in, whose place in the
 file and in the text each batch says (TextBatch.frame) and the checkpoint keeps. A gzip stream, or zstd of one
 frame, cannot be entered midway: it is decoded from its start again, and the text before the offset dropped.

@@ -1,31 +1,9 @@
-"""Object storage: an S3 bucket (AWS S3, MinIO, SeaweedFS, R2, Ceph, ...) as tokpipe reads and writes it.
-
-The client is boto3's. Credentials, region and endpoint come from where the AWS SDKs read them on each
-machine (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION, AWS_ENDPOINT_URL, ~/.aws,
-an instance role): a `Bucket` holds its name, never a secret, so it pickles into a Ray task's arguments as it
-is, and each process makes its own client from its own environment. boto3 over obstore (object_store): the
-split files are assembled on the server by multipart part copies (UploadPartCopy), and open multipart uploads
-are listed and aborted, which object_store does not offer.
-
-Every create is create-only (`If-None-Match: *`): of two writers of one key exactly one wins, the other is
-told (`Exists`). A failure the store may get over (a timeout, a 5xx, throttling, a refused connection) is
-retried with backoff by botocore; past its tries it is `StoreUnavailable`, an OSError: it stops a run as a full
-disk does, resumable. A refusal that no retry changes (a wrong key, a missing bucket) is `StoreRefused`, a
-UserError: one line naming the URL and what the store answered. `Bucket.check`, the preflight of a command,
-makes CHECK_TRIES tries only: an unreachable endpoint is refused in seconds, not after minutes of backoff.
-
-A shard on a store is read through `Reader`, a file object over ranged GETs of READ_AHEAD bytes (the sources take
-it where they take an open file): a worker holds one such piece, never the object, and a GET that breaks off
-mid-transfer is asked again whole. Ranged GETs, not one streaming body per shard: a shard is read at the pace it
-is tokenized (minutes for 100 MB), and a connection held that long idle between reads is one a load balancer may
-cut, with no retry for the body's reads in botocore. Every GET carries If-Match with the ETag the manifest
-recorded: an object replaced since is never read as the one listed (`Changed`, which fails the shard as a file
-changed under a run does).
-"""
+"""An S3 bucket as tokpipe reads and writes it, through boto3: objects listed, read, written create-only,
+removed; multipart uploads listed and aborted; each failure told as tokpipe's (StoreRefused, StoreUnavailable,
+Exists, Changed)."""
 
 from __future__ import annotations
 
-import io
 import os
 import random
 import threading
@@ -49,9 +27,6 @@ TRIES = 10
 CHECK_TRIES = 2
 READ_TIMEOUT = 300  # seconds: a part copy of 5 GiB is one request, answered when it is done
 CONNECT_TIMEOUT = 10
-# Bytes a sequential Reader asks of each GET (a JSONL shard): a worker holds one such piece. 8 MiB: 13 GETs for a
-# 100 MB shard, ~0.2 s of a GET's latency against the ~10-100 s of tokenizing it (1-10 MB/s a core).
-READ_AHEAD = 8 << 20
 
 
 def is_url(path: str | os.PathLike) -> bool:
@@ -147,18 +122,21 @@ class Bucket:
     def where(self, key: str = "") -> str:
         return f"{SCHEME}{self.name}/{key}"
 
-    def _call(self, key: str, operation: str, tries: int | None = None, **kw):
-        """client.operation(Bucket=..., **kw), its errors as tokpipe's."""
+    def call(self, key: str, operation: str, tries: int | None = None, **kw):
+        """client.operation(Bucket=..., **kw) about `key`, its errors as tokpipe's; a condition that does not hold
+        (412: a create-only write that finds the key taken, an If-Match that finds the object changed) is Exists."""
         try:
             return getattr(_client(self.endpoint, tries), operation)(Bucket=self.name, **kw)
         except Exception as e:
+            if _status(e) == 412:
+                raise Exists(self.where(key)) from None
             raise _error(e, self.where(key), self.endpoint, tries) from None
 
     def check(self, prefix: str = "") -> None:
         """Refuse (StoreRefused, one line, after CHECK_TRIES tries) a store that cannot be used: unreachable, a wrong
         key, no bucket. A LIST, not a HEAD: a HEAD's error has no body to say which."""
         try:
-            self._call(prefix, "list_objects_v2", CHECK_TRIES, Prefix=prefix, MaxKeys=1)
+            self.call(prefix, "list_objects_v2", CHECK_TRIES, Prefix=prefix, MaxKeys=1)
         except StoreUnavailable as e:  # before any work, nothing to resume: a refusal
             raise StoreRefused(str(e)) from None
 
@@ -227,20 +205,10 @@ class Bucket:
         """Write the object; `create`: only if there is none (else Exists); `if_match`: only over that version
         (else Exists). Returns its ETag."""
         condition = {"IfNoneMatch": "*"} if create else {"IfMatch": if_match} if if_match else {}
-        try:
-            return self.client.put_object(Bucket=self.name, Key=key, Body=data, **condition)["ETag"]
-        except Exception as e:
-            if condition and _status(e) == 412:
-                raise Exists(self.where(key)) from None
-            raise _error(e, self.where(key), self.endpoint) from None
+        return self.call(key, "put_object", Key=key, Body=data, **condition)["ETag"]
 
     def delete(self, key: str, if_match: str | None = None) -> None:
-        try:
-            self.client.delete_object(Bucket=self.name, Key=key, **({"IfMatch": if_match} if if_match else {}))
-        except Exception as e:
-            if if_match and _status(e) == 412:
-                raise Exists(self.where(key)) from None
-            raise _error(e, self.where(key), self.endpoint) from None
+        self.call(key, "delete_object", Key=key, **({"IfMatch": if_match} if if_match else {}))
 
     def uploads(self, prefix: str) -> list[tuple[str, str]]:
         """The multipart uploads begun under the prefix and neither completed nor aborted: (key, upload id)."""
@@ -250,139 +218,7 @@ class Bucket:
         return found
 
     def abort(self, key: str, upload: str) -> None:
-        self._call(key, "abort_multipart_upload", Key=key, UploadId=upload)
-
-    def compose(self, key: str, sources: list[tuple[str, int, int]], create: bool = True) -> None:
-        """Make `key` the bytes [start, end) of each source object in turn, on the server (UploadPartCopy): no byte
-        reaches this process. Each source but the last must hold at least MIN_PART bytes; one over MAX_PART is
-        copied in several parts. Past MAX_PARTS parts, runs of them are composed into objects of their own first
-        (key + .compose-N), which the whole is then composed of, and removed. `create`: Exists if the key is taken."""
-        if not sources or all(end == start for _, start, end in sources):  # S3 has no multipart upload of 0 parts
-            self.put(key, b"", create=create)
-            return
-        pieces = [
-            (source, at, min(at + MAX_PART, end))
-            for source, start, end in sources
-            for at in range(start, end, MAX_PART)
-        ]
-        small = [p for p in pieces[:-1] if p[2] - p[1] < MIN_PART]
-        if small:
-            raise ValueError(
-                f"{self.where(small[0][0])}: a part of {small[0][2] - small[0][1]:,} bytes before the last"
-            )
-        runs = [pieces[i : i + MAX_PARTS] for i in range(0, len(pieces), MAX_PARTS)]
-        if len(runs) > 1:
-            made = [f"{key}.compose-{n}" for n in range(len(runs))]
-            for run, name in zip(runs, made):
-                self.compose(name, [(s, a, b) for s, a, b in run], create=False)
-            sizes = [sum(b - a for _, a, b in run) for run in runs]
-            self.compose(key, [(name, 0, size) for name, size in zip(made, sizes)], create)
-            for name in made:
-                self.delete(name)
-            return
-        self._upload_copies(key, pieces, create)
-
-    def _upload_copies(self, key: str, pieces: list[tuple[str, int, int]], create: bool) -> None:
-        upload = self._call(key, "create_multipart_upload", Key=key)["UploadId"]
-        try:
-            etags = []
-            for number, (source, start, end) in enumerate(pieces, 1):
-                copy = {"Bucket": self.name, "Key": source}
-                span = {"CopySourceRange": f"bytes={start}-{end - 1}"} if end > start else {}
-                answer = self._call(
-                    key, "upload_part_copy", Key=key, UploadId=upload, PartNumber=number, CopySource=copy, **span
-                )
-                etags.append({"PartNumber": number, "ETag": answer["CopyPartResult"]["ETag"]})
-            condition = {"IfNoneMatch": "*"} if create else {}
-            try:
-                self.client.complete_multipart_upload(
-                    Bucket=self.name, Key=key, UploadId=upload, MultipartUpload={"Parts": etags}, **condition
-                )
-            except Exception as e:
-                if create and _status(e) == 412:
-                    raise Exists(self.where(key)) from None
-                raise _error(e, self.where(key), self.endpoint) from None
-        except BaseException:
-            self.abort(key, upload)
-            raise
-
-
-class Reader(io.RawIOBase):
-    """An object read as a file (read, seek, tell), for the sources: each read that its buffer does not hold is a
-    ranged GET of at least `ahead` bytes, If-Match `etag`. `ahead` 0: of exactly what is asked (Parquet, which reads
-    the footer and then whole column chunks: reading ahead would fetch the columns it skips)."""
-
-    def __init__(self, bucket: Bucket, key: str, etag: str | None = None, ahead: int | None = None):
-        super().__init__()
-        self.bucket, self.key, self.etag = bucket, key, etag
-        self.ahead = READ_AHEAD if ahead is None else ahead
-        self.pos = 0
-        self.length: int | None = None  # the object's size, once a GET or a HEAD said it
-        self._buffer, self._at = b"", 0  # bytes of the object from offset _at
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        if whence == io.SEEK_END:
-            if self.length is None:
-                found = self.bucket.head(self.key)
-                if found is None or (self.etag and found.etag != self.etag):
-                    raise self.bucket.changed(self.key, self.etag, gone=found is None)
-                self.length = found.size
-            offset += self.length
-        elif whence == io.SEEK_CUR:
-            offset += self.pos
-        if offset < 0:
-            raise ValueError(f"negative seek position {offset}")
-        self.pos = offset
-        return offset
-
-    def read(self, size: int = -1) -> bytes:
-        """`size` bytes from the position (-1: all to the end), fewer only at the end of the object."""
-        if size is None or size < 0:
-            return self.readall()
-        pieces = []
-        while size > 0:
-            if not 0 <= self.pos - self._at < len(self._buffer) and not self._fetch(size):
-                break
-            piece = self._buffer[self.pos - self._at : self.pos - self._at + size]
-            pieces.append(piece)
-            self.pos += len(piece)
-            size -= len(piece)
-        return b"".join(pieces)
-
-    def readinto(self, buffer) -> int:
-        data = self.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)
-
-    def _fetch(self, wanted: int) -> bool:
-        """The buffer filled from the position on; False at the end of the object."""
-        if self.length is not None and self.pos >= self.length:
-            return False
-        end = self.pos + max(wanted, self.ahead)
-        if self.length is not None:
-            end = min(end, self.length)
-        data, length = self.bucket.read(self.key, self.pos, end, self.etag)
-        self._buffer, self._at = data, self.pos
-        self.length = self.length if length is None else length
-        return bool(data)
-
-
-def open_read(path: str, etag: str | None = None, ahead: int | None = None):
-    """A shard's bytes as an unbuffered binary file: a local path opened, an s3:// URL as a Reader (If-Match `etag`).
-    The one place where a source's path becomes bytes."""
-    if is_url(path):
-        url = Url.parse(path)
-        return Reader(Bucket.of(url), url.key, etag, ahead)
-    return open(path, "rb", buffering=0)
+        self.call(key, "abort_multipart_upload", Key=key, UploadId=upload)
 
 
 def _status(error: Exception) -> int | None:

@@ -1,0 +1,123 @@
+"""An object written in pieces, by a multipart upload: of data as it comes (`Upload`: a part's tokens while its
+shard is still tokenized, each UploadPart at least MIN_PART), or of ranges of other objects copied on the server
+(`compose`: a split file from its parts, UploadPartCopy, no byte through this process). Either is completed
+create-only (`If-None-Match: *` on CompleteMultipartUpload): the object appears whole, once, or not at all; an
+upload never completed is invisible, and aborted (Bucket.uploads lists what a killed run left open).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokpipe.store.bucket import MAX_PART, MAX_PARTS, MIN_PART, Bucket, Exists
+
+
+@dataclass
+class Upload:
+    """A multipart upload of `key` under way: the parts sent so far, (number, ETag, bytes) each. `state` is what a
+    checkpoint keeps; `resume` goes on from it after a crash, the parts checked against what the store holds."""
+
+    bucket: Bucket
+    key: str
+    upload: str  # the store's UploadId
+    parts: list[tuple[int, str, int]] = field(default_factory=list)
+
+    @classmethod
+    def begin(cls, bucket: Bucket, key: str) -> Upload:
+        return cls(bucket, key, bucket.call(key, "create_multipart_upload", Key=key)["UploadId"])
+
+    @classmethod
+    def resume(cls, bucket: Bucket, key: str, state: dict) -> Upload | None:
+        """The upload a checkpoint recorded, its parts as recorded (the store's may run beyond them: a part sent after
+        the checkpoint, sent again now); None where the store no longer has it (aborted) or lacks a recorded part."""
+        parts = [tuple(p) for p in state["parts"]]
+        try:
+            listed = bucket.call(key, "list_parts", Key=key, UploadId=state["upload"], MaxParts=MAX_PARTS)
+        except Exception:  # NoSuchUpload, as a StoreRefused: aborted or completed since
+            return None
+        held = {p["PartNumber"]: (p["ETag"], p["Size"]) for p in listed.get("Parts", [])}
+        if any(held.get(number) != (etag, size) for number, etag, size in parts):
+            return None
+        return cls(bucket, key, state["upload"], parts)
+
+    @property
+    def state(self) -> dict:
+        return {"upload": self.upload, "parts": [list(p) for p in self.parts]}
+
+    @property
+    def size(self) -> int:
+        return sum(size for _, _, size in self.parts)
+
+    def send(self, data) -> None:
+        """Upload `data` (bytes-like, or a list of them) as the next part: at least MIN_PART unless it is the last."""
+        body = b"".join(memoryview(d).cast("B") for d in data) if isinstance(data, list) else bytes(data)
+        number = len(self.parts) + 1
+        answer = self.bucket.call(
+            self.key, "upload_part", Key=self.key, UploadId=self.upload, PartNumber=number, Body=body
+        )
+        self.parts.append((number, answer["ETag"], len(body)))
+
+    def finish(self, create: bool = True) -> None:
+        """Complete it: the object is the parts, in order. `create`: Exists if the key is taken (and this upload is
+        aborted: what it held is not the object's)."""
+        _complete(self.bucket, self.key, self.upload, [(n, etag) for n, etag, _ in self.parts], create)
+
+    def abort(self) -> None:
+        self.bucket.abort(self.key, self.upload)
+
+
+def compose(bucket: Bucket, key: str, sources: list[tuple[str, int, int]], create: bool = True) -> None:
+    """Make `key` the bytes [start, end) of each source object in turn, on the server (UploadPartCopy): no byte
+    reaches this process. Each source but the last must hold at least MIN_PART bytes; one over MAX_PART is copied
+    in several parts. Past MAX_PARTS parts, runs of them are composed into objects of their own first (key +
+    .compose-N), which the whole is then composed of, and removed. `create`: Exists if the key is taken."""
+    if not sources or all(end == start for _, start, end in sources):  # S3 has no multipart upload of 0 parts
+        bucket.put(key, b"", create=create)
+        return
+    pieces = [
+        (source, at, min(at + MAX_PART, end)) for source, start, end in sources for at in range(start, end, MAX_PART)
+    ]
+    small = [p for p in pieces[:-1] if p[2] - p[1] < MIN_PART]
+    if small:
+        raise ValueError(f"{bucket.where(small[0][0])}: a part of {small[0][2] - small[0][1]:,} bytes before the last")
+    runs = [pieces[i : i + MAX_PARTS] for i in range(0, len(pieces), MAX_PARTS)]
+    if len(runs) > 1:
+        made = [f"{key}.compose-{n}" for n in range(len(runs))]
+        for run, name in zip(runs, made):
+            compose(bucket, name, run, create=False)
+        sizes = [sum(end - start for _, start, end in run) for run in runs]
+        compose(bucket, key, [(name, 0, size) for name, size in zip(made, sizes)], create)
+        for name in made:
+            bucket.delete(name)
+        return
+    upload = bucket.call(key, "create_multipart_upload", Key=key)["UploadId"]
+    try:
+        etags = []
+        for number, (source, start, end) in enumerate(pieces, 1):
+            copy = {"Bucket": bucket.name, "Key": source}
+            span = {"CopySourceRange": f"bytes={start}-{end - 1}"} if end > start else {}
+            answer = bucket.call(
+                key, "upload_part_copy", Key=key, UploadId=upload, PartNumber=number, CopySource=copy, **span
+            )
+            etags.append((number, answer["CopyPartResult"]["ETag"]))
+    except BaseException:
+        bucket.abort(key, upload)
+        raise
+    _complete(bucket, key, upload, etags, create)
+
+
+def _complete(bucket: Bucket, key: str, upload: str, etags: list[tuple[int, str]], create: bool) -> None:
+    """CompleteMultipartUpload, create-only where asked; an upload that loses the key is aborted."""
+    parts = {"Parts": [{"PartNumber": number, "ETag": etag} for number, etag in etags]}
+    try:
+        bucket.call(
+            key,
+            "complete_multipart_upload",
+            Key=key,
+            UploadId=upload,
+            MultipartUpload=parts,
+            **({"IfNoneMatch": "*"} if create else {}),
+        )
+    except Exists:
+        bucket.abort(key, upload)
+        raise
