@@ -321,7 +321,7 @@ def test_a_store_gone_mid_run_stops_it_in_one_line_and_the_rerun_completes(
     extra = ("--workers", "1", "--checkpoint-interval", "0.000001", "--shard-buffer", "0")
     kill = (s3_server, key, 6)
     stopped, gets = store_run(manifest, out, *extra, tokenizer=small_tokenizer, tries=2, read_ahead=64 << 10, kill=kill)
-    s3_server.proc.wait()
+    s3_server.proc.wait(timeout=60)  # killed by the run at that GET (a run that never made it fails here)
     s3_server.proc = None
     s3_server.launch()
     assert stopped.returncode == 1 and [g for g in gets if g[0] == key][-1] == (key, 4 * (64 << 10), 5 * (64 << 10))
