@@ -786,7 +786,7 @@ def hand_made_out(out, lengths_per_file: list[np.ndarray], concat: bool, seed: i
     list; returns (out, every token in order, every document end counted from the split's start). Written by
     hand, as finalize lays them out (meta, .parts, .bin and .idx): random uint16 ids below 600, each document
     ended by EOS (id 0, and no other 0)."""
-    from tokpipe.out.files import Out
+    from tokpipe.out.files import OutWriter
 
     rng = np.random.default_rng(seed)
     out.mkdir(parents=True)
@@ -820,7 +820,7 @@ def hand_made_out(out, lengths_per_file: list[np.ndarray], concat: bool, seed: i
     else:
         entry["files"] = files
     meta = {"dtype": "uint16", "vocab_size": 600, "eos_token_id": 0, "delimiters": {"bos": False, "eos": True}}
-    Out(out).write_meta(meta | {"concat": concat, "splits": {"train": entry}})
+    OutWriter(out).write_meta(meta | {"concat": concat, "splits": {"train": entry}})
     return out, tokens.astype(np.int64), ends
 
 

@@ -16,7 +16,7 @@ from helpers import EXAMPLE_CACHE, run_args, tokpipe
 
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import build_manifest
-from tokpipe.out.files import PROGRESS, Out, ShardFiles, load_meta_pkl, lock_holder, split_file_stem
+from tokpipe.out.files import PROGRESS, Out, OutWriter, ShardFiles, load_meta_pkl, lock_holder, split_file_stem
 from tokpipe.out.records import Checkpoint, listed_parts, parts_line, parts_of, read_parts, split_entry
 from tokpipe.out.run import output_splits, sources
 
@@ -153,13 +153,13 @@ def test_meta_pkl_is_read_without_executing_anything(tmp_path):
 
 def test_the_lock_names_the_live_run_and_is_gone_when_it_is(tmp_path):
     assert lock_holder(tmp_path / ".lock") is None
-    held = Out(tmp_path).lock()
+    held = OutWriter(tmp_path).lock()
     assert lock_holder(tmp_path / ".lock") == f"pid {os.getpid()} on {os.uname().nodename}"
     with pytest.raises(UserError, match=rf"in use by another tokpipe run \(pid {os.getpid()} on "):
-        Out(tmp_path).lock()
+        OutWriter(tmp_path).lock()
     held.close()  # as the kernel does when the run dies
     assert lock_holder(tmp_path / ".lock") is None
-    Out(tmp_path).lock().close()
+    OutWriter(tmp_path).lock().close()
 
 
 def test_a_second_run_on_the_same_out_is_refused_while_the_first_holds_it(manifest, tmp_path):

@@ -1,7 +1,8 @@
-"""OUT as one type: every name of its files (package docstring: the tree) and every change of its state
-(the lock, the finished marker, the split files' .tmp names and parts lists, the shards' token files); and the
-loaders of its JSON records and meta.pkl, each the one place its file is read, each refusing a damaged file in
-one line that names it and what to do (`damaged`)."""
+"""OUT by name and by change: Out, every name of its files (package docstring: the tree) and what a reader asks
+of it; OutWriter, every change of its state (the lock, the finished marker, the split files' .tmp names and parts
+lists, the shards' token files); ShardFiles, a shard's files. And the loaders of its JSON records and meta.pkl,
+each the one place its file is read, each refusing a damaged file in one line that names it and what to do
+(`damaged`)."""
 
 from __future__ import annotations
 
@@ -97,7 +98,8 @@ class ShardFiles:
 
 
 class Out:
-    """OUT: the folder of one run, its files by name, and the changes of its state."""
+    """OUT: the folder of one run, its files by name, and what every reader asks of it (is it finished, its
+    JSON files loaded). The changes of its state are OutWriter's."""
 
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
@@ -185,7 +187,32 @@ class Out:
         """The .tmp files of a split's groups being assembled (--group-by)."""
         return list((self.root / stem).glob("*.tmp"))
 
-    # -- changes of state ----------------------------------------------------------------------------
+    # -- reads ---------------------------------------------------------------------------------------
+
+    def is_finished(self) -> bool:
+        """Whether OUT holds a finished run: meta.json is the last file a run writes (write_meta) and the first it
+        removes when it changes a split again (unfinish). The one rule of every reader (tokpipe/out/meta.py)."""
+        return self.meta_json.is_file()
+
+    def load_meta_json(self) -> dict | None:
+        """meta.json, None before the run finished."""
+        try:
+            return load_json(self.meta_json)
+        except ValueError as e:
+            raise damaged(self.meta_json, e, meta_fix(self.meta_json)) from None
+
+    def load_log(self, name: str) -> dict | None:
+        """A JSON file of OUT/logs/ (progress.json, failed.json, refused.json), None where there is none. Damaged,
+        it is refused as the others are; the readers that can go on without it (status, report) say so and go on."""
+        try:
+            return load_json(self.log(name))
+        except ValueError as e:
+            raise damaged(self.log(name), e, "a log, not the run's state: the next run writes it anew") from None
+
+
+class OutWriter(Out):
+    """OUT as a run changes it: every change of its state, each in one place (the lock, the finished marker, the
+    split files' .tmp names and parts lists, the shards' token files); its names are Out's."""
 
     def lock(self):
         """Hold OUT for this run. The kernel drops the lock when the process dies, so a killed run never blocks."""
@@ -203,11 +230,6 @@ class Out:
         f.flush()
         return f
 
-    def is_finished(self) -> bool:
-        """Whether OUT holds a finished run: meta.json is the last file a run writes (write_meta) and the first it
-        removes when it changes a split again (unfinish). The one rule of every reader (tokpipe/out/meta.py)."""
-        return self.meta_json.is_file()
-
     def unfinish(self) -> None:
         """OUT is unfinished while its split files change (or until a new finalize): meta.json goes."""
         self.meta_json.unlink(missing_ok=True)
@@ -216,21 +238,6 @@ class Out:
         """meta.pkl, then meta.json: the last file a run writes, so its presence marks a finished run."""
         write_atomic(self.meta_pkl, pickle.dumps(meta, protocol=4))
         write_json_atomic(self.meta_json, meta)
-
-    def load_meta_json(self) -> dict | None:
-        """meta.json, None before the run finished."""
-        try:
-            return load_json(self.meta_json)
-        except ValueError as e:
-            raise damaged(self.meta_json, e, meta_fix(self.meta_json)) from None
-
-    def load_log(self, name: str) -> dict | None:
-        """A JSON file of OUT/logs/ (progress.json, failed.json, refused.json), None where there is none. Damaged,
-        it is refused as the others are; the readers that can go on without it (status, report) say so and go on."""
-        try:
-            return load_json(self.log(name))
-        except ValueError as e:
-            raise damaged(self.log(name), e, "a log, not the run's state: the next run writes it anew") from None
 
     def write_log(self, name: str, data: dict) -> None:
         self.log(name).parent.mkdir(exist_ok=True)

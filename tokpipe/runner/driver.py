@@ -21,7 +21,7 @@ from tokpipe.inputs.objects import check_reachable
 from tokpipe.inputs.source import fields_of, read_batches
 from tokpipe.inputs.tokenizer import TokenizerInfo, choose_backend, load_tokenizer_info
 from tokpipe.options import RunOptions
-from tokpipe.out.files import FAILED, RAY_LOG, Out, out_folder
+from tokpipe.out.files import FAILED, RAY_LOG, Out, OutWriter, out_folder
 from tokpipe.out.meta import Meta, load_meta
 from tokpipe.out.records import MAX_GROUPS, Checkpoint
 from tokpipe.out.run import finished_with
@@ -384,7 +384,7 @@ def _run(
     out.mkdir(parents=True, exist_ok=True)
     if not os.access(out, os.W_OK):  # a read-only mount: a finished run is nothing to do there too
         return _nothing_to_do(out, finished_read_only(out, manifest, info, opts), clock, tell)
-    with Out(out).lock(), refusals_noted(out):
+    with OutWriter(out).lock(), refusals_noted(out):
         manifest = _record(out, manifest, info, opts, tell)
         run = _Run(manifest, out, info, opts, RunLog(out), clock, cluster, tell)
         cluster.log_to(Out(out).log(RAY_LOG))  # OUT is this run's: Ray's lines go there from now on

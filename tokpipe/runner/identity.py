@@ -16,7 +16,7 @@ from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import Manifest, load_manifest
 from tokpipe.inputs.tokenizer import TokenizerInfo
 from tokpipe.options import RunOptions
-from tokpipe.out.files import REFUSED, Out
+from tokpipe.out.files import REFUSED, Out, OutWriter
 from tokpipe.out.meta import Meta, load_meta
 from tokpipe.out.run import RUN_FORMAT, finished_with, load_run
 from tokpipe.runner.events import Listener, Said, silent
@@ -87,8 +87,8 @@ def refusals_noted(out: Path):
     try:
         yield
     except UserError as e:
-        if Out(out).run_json.exists() and not Out(out).holds_tokens():
-            Out(out).write_log(REFUSED, {"error": str(e), "fix": e.fix})
+        if Out(out).run_json.exists() and not OutWriter(out).holds_tokens():
+            OutWriter(out).write_log(REFUSED, {"error": str(e), "fix": e.fix})
         raise
 
 
@@ -99,8 +99,8 @@ def record_run(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOpti
     changed = identity_changes(out, identity)
     if changed:
         what = _said(changed)
-        if not Out(out).holds_tokens():
-            Out(out).start_over()
+        if not OutWriter(out).holds_tokens():
+            OutWriter(out).start_over()
             tell(Said(f"{out} holds no token yet: starting it over with these inputs ({what})"))
         elif list(changed) == ["manifest_sha256"] and Out(out).manifest.exists():
             _check_append(out, load_manifest(Out(out).manifest), manifest, tell)
@@ -165,4 +165,4 @@ def _check_append(out: Path, old_manifest: Manifest, manifest: Manifest, tell: L
     tell(
         Said(f"the manifest gained {gained} shards since {out} was started: appending them (finished shards are kept)")
     )
-    Out(out).unfinish()  # until the new finalize
+    OutWriter(out).unfinish()  # until the new finalize

@@ -19,7 +19,7 @@ from tokpipe.durability import write_atomic
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import Manifest
 from tokpipe.inputs.tokenizer import TokenizerInfo
-from tokpipe.out.files import SKIPPED, Out, split_file_stem
+from tokpipe.out.files import SKIPPED, Out, OutWriter, split_file_stem
 from tokpipe.out.meta import Delimiters, Meta, SplitEntry
 from tokpipe.out.records import read_parts
 from tokpipe.out.run import OutputSpec, output_splits
@@ -75,7 +75,7 @@ def finalize(
     `spec`: what the run's options say of its files and meta.
     """
     out = Path(out)
-    Out(out).unfinish()
+    OutWriter(out).unfinish()
     excluded = excluded or {}
     if assembler is None:
         assembler = Assembler(out, np.dtype(info.dtype).itemsize, spec)
@@ -107,5 +107,5 @@ def finalize(
         manifest_sha256=manifest.fingerprint,
         tokpipe_version=__version__,
     )
-    Out(out).write_meta(meta.as_dict())
+    OutWriter(out).write_meta(meta.as_dict())
     return meta.as_dict()

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 
 from tokpipe.inputs.manifest import Manifest, Shard
-from tokpipe.out.files import Out
+from tokpipe.out.files import OutWriter
 from tokpipe.out.meta import SplitEntry
 from tokpipe.out.records import Checkpoint, Part
 from tokpipe.out.run import OutputSpec
@@ -43,7 +43,7 @@ class Assembler:
     report what came back (`placed`: listing.py); `finish` when `complete`."""
 
     def __init__(self, out: str | os.PathLike, itemsize: int, spec: OutputSpec = OutputSpec()):
-        self.out, self.itemsize, self.concat = Out(out), itemsize, spec.concat
+        self.out, self.itemsize, self.concat = OutWriter(out), itemsize, spec.concat
         groups = Groups(spec.group_by)
         self.recovery = Recovery(self.out, itemsize, spec, groups)
         self.plan = Plan(self.out, spec, groups)

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from tokpipe.durability import fsync_dir
-from tokpipe.out.files import Out
+from tokpipe.out.files import OutWriter
 from tokpipe.out.meta import SplitEntry
 from tokpipe.out.records import IDX_DTYPE, Part, parts_line, split_entry
 from tokpipe.out.run import OutputSpec
@@ -20,7 +20,7 @@ class Listing:
     resume, status and verify read. With --no-concat nothing is copied: a split is its parts' own files,
     listed in order, and they stay."""
 
-    def __init__(self, out: Out, itemsize: int, spec: OutputSpec):
+    def __init__(self, out: OutWriter, itemsize: int, spec: OutputSpec):
         self.out, self.itemsize, self.concat, self.grouped = out, itemsize, spec.concat, spec.group_by is not None
         self.placed_tokens = 0  # copied into the split files by this process's placements, and listed
 

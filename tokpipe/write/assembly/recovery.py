@@ -17,7 +17,7 @@ import orjson
 
 from tokpipe.durability import HASH_CHUNK, own_inode
 from tokpipe.inputs.manifest import Manifest
-from tokpipe.out.files import Out, split_file_stem
+from tokpipe.out.files import Out, OutWriter, split_file_stem
 from tokpipe.out.records import IDX_DTYPE, Checkpoint, is_held_part, part_record, parts_line
 from tokpipe.out.run import OutputSpec, output_splits, sources
 from tokpipe.write.assembly.moving import Moving
@@ -28,7 +28,7 @@ from tokpipe.write.place import is_in_place
 class Recovery:
     """What a rerun keeps of each split, and which shards it tokenizes again (`lost`)."""
 
-    def __init__(self, out: Out, itemsize: int, spec: OutputSpec, groups: Groups):
+    def __init__(self, out: OutWriter, itemsize: int, spec: OutputSpec, groups: Groups):
         self.out, self.itemsize, self.groups = out, itemsize, groups
         self.val_fraction, self.concat, self.group_by = spec.val_fraction, spec.concat, spec.group_by
         self.lost: list[str] = []  # shards tokenized again: their placed files were gone, their place not kept
@@ -208,7 +208,7 @@ def _short(out: Out, stem: str, records: list[dict], itemsize: int, grouped: boo
     return False
 
 
-def _prepare_files(out: Out, state: SplitAssembly, kept: bool, grouped: bool) -> None:
+def _prepare_files(out: OutWriter, state: SplitAssembly, kept: bool, grouped: bool) -> None:
     """The files the split is assembled into from here: those of the kept parts, else new empty ones."""
     if not kept and not grouped:
         out.new_assembly_files(state.stem)
