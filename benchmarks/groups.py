@@ -94,22 +94,21 @@ def part_cost(folder: Path, parts: int, part_bytes: int) -> float:
 
 def assembly_cost(folder: Path, shards: int, groups: int) -> float:
     """Seconds of the driver per shard: Assembler.ready and .placed (--no-concat: no copy) as each shard is done."""
-    from dataclasses import asdict, replace
+    from dataclasses import asdict
 
     from tokpipe.durability import write_json_atomic
     from tokpipe.inputs.manifest import Manifest, Shard
     from tokpipe.options import RunOptions
     from tokpipe.out.files import ShardFiles
-    from tokpipe.out.records import Checkpoint
+    from tokpipe.out.records import Checkpoint, PartCounts
     from tokpipe.write.assembly import Assembler
 
     source = tuple(Shard("train", f"s{i:06d}.jsonl", "/dev/null", 1, f"s{i:06d}") for i in range(shards))
     manifest = Manifest(str(folder), str(folder), False, None, None, "x", {"train": shards}, shards, source)
     opts = RunOptions(no_concat=True, group_by="meta.set" if groups else None)
     counts = {"tokens": 1000, "documents": 3, "text_bytes": 4000, "sha256": "0" * 64, "idx_sha256": "0" * 64}
-    ckpt = Checkpoint(lines=21, documents=3 * max(groups, 1), tokens=1000 * max(groups, 1), done=True)
-    if groups:
-        ckpt = replace(ckpt, groups={f"Set{g}": counts for g in range(groups)})
+    parts = [PartCounts(False, f"Set{g}", **counts) for g in range(groups)] or [PartCounts(False, None, **counts)]
+    ckpt = Checkpoint(lines=21, documents=3 * len(parts), tokens=1000 * len(parts), done=True, parts=parts)
     for shard in source:
         path = ShardFiles.of(folder, shard).checkpoint
         path.parent.mkdir(parents=True, exist_ok=True)

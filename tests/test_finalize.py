@@ -13,7 +13,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import EXAMPLE_CACHE, QWEN3, assert_out_is, unguarded
+from helpers import (
+    EXAMPLE_CACHE,
+    EXAMPLE_TRAIN_FILES,
+    GROUP_FIELD,
+    QWEN3,
+    QWEN3_EOS,
+    assert_out_is,
+    build_out,
+    failed_checks,
+    held_out,
+    reference_by_group,
+    reference_tokens,
+    unguarded,
+)
 
 from tokpipe.inputs.manifest import build_manifest
 from tokpipe.inputs.tokenizer import load_tokenizer_info
@@ -125,16 +138,77 @@ def test_every_range_carries_the_checksums_of_the_worker_that_wrote_it(out):
 
 
 def test_shards_finished_by_an_earlier_tokpipe_are_hashed_when_placed(out, tokenized, tmp_path):
-    # Checkpoints written before workers hashed their shards have no sha256.
+    # Checkpoints written before workers hashed their shards have no sha256 (nor a format, nor parts: format 1).
     for shard in MANIFEST.shards():
         path = ShardFiles.of(out, shard).checkpoint
         ckpt = json.loads(path.read_text())
-        del ckpt["sha256"], ckpt["idx_sha256"]
+        del ckpt["format"], ckpt["parts"]
         path.write_text(json.dumps(ckpt))
     finalize(out, MANIFEST, INFO, OPTIONS.output)
     fresh = finalize(shutil.copytree(tokenized, tmp_path / "fresh"), MANIFEST, INFO, OPTIONS.output)
     assert (out / "train.parts").read_bytes() == (tmp_path / "fresh" / "train.parts").read_bytes()
     assert json.loads((out / "meta.json").read_text())["splits"] == fresh["splits"]
+
+
+def _as_format_1(ckpt: dict) -> dict:
+    """A done shard's checkpoint as a tokpipe of checkpoint format 1 wrote it: no `format` and no `parts`; its own
+    part's counts and checksums in its own fields (with --group-by, its groups' counts summed there, no checksums,
+    and each group's entry in `groups`), those of the documents it held out in val_* fields (and `val_groups`)."""
+    old = {key: value for key, value in ckpt.items() if key not in ("format", "parts")}
+    for held, prefix in ((False, ""), (True, "val_")):
+        parts = [part for part in ckpt["parts"] if part["held"] == held]
+        whole = next((part for part in parts if part["group"] is None), {})
+        old[f"{prefix}tokens"] = sum(part["tokens"] for part in parts)
+        old[f"{prefix}documents"] = sum(part["documents"] for part in parts)
+        old[f"{prefix}sha256"], old[f"{prefix}idx_sha256"] = whole.get("sha256"), whole.get("idx_sha256")
+        counts = ("tokens", "documents", "text_bytes", "sha256", "idx_sha256")
+        old[f"{prefix}groups"] = {p["group"]: {k: p[k] for k in counts} for p in parts if p["group"] is not None}
+    return old
+
+
+@pytest.mark.parametrize("group_by", [None, GROUP_FIELD])
+def test_shards_done_under_checkpoint_format_1_are_placed_as_that_tokpipe_placed_them(
+    tmp_path, example_reference, grouped_reference, group_by
+):
+    """A run killed once its shards were done under checkpoint format 1, finished by this tokpipe (--val-fraction,
+    with and without --group-by): each file is its reference, every range checks, and the parts lists and meta
+    are those of a run never interrupted."""
+    options = RunOptions(val_fraction=0.3, group_by=group_by)
+    out = build_out(tmp_path / "out", QWEN3, options=options, finalized=False)
+    never_interrupted = shutil.copytree(out, tmp_path / "never-interrupted")
+    for path in (out / "shards").glob("*/*.json"):
+        path.write_text(json.dumps(_as_format_1(json.loads(path.read_text()))))
+    meta = finalize(out, MANIFEST, INFO, options.output)
+
+    tokenizer, train, val = QWEN3 / "tokenizer.json", held_out(0.3, False), held_out(0.3, True)
+    if group_by is None:
+        assert_out_is(
+            out,
+            {
+                "train": reference_tokens(EXAMPLE_TRAIN_FILES, tokenizer, QWEN3_EOS, keep=train),
+                "val": np.concatenate(
+                    [reference_tokens(EXAMPLE_TRAIN_FILES, tokenizer, QWEN3_EOS, keep=val), example_reference["val"]]
+                ),
+            },
+        )
+    else:
+        sources = {  # each file's groups, in the order the split's sources give them
+            "train": [reference_by_group(EXAMPLE_TRAIN_FILES, tokenizer, group_by, QWEN3_EOS, keep=train)],
+            "validation": [
+                reference_by_group(EXAMPLE_TRAIN_FILES, tokenizer, group_by, QWEN3_EOS, keep=val),
+                grouped_reference["val"],  # the validation shard's own documents, never held out
+            ],
+        }
+        for split, groups in sources.items():
+            entries = meta["splits"][split]["groups"]
+            assert list(entries) == sorted({group for found in groups for group in found})
+            for group, entry in entries.items():
+                expected = np.concatenate([found[group][0] for found in groups if group in found])
+                assert np.array_equal(np.fromfile(out / entry["file"], dtype=np.uint32), expected)
+    assert failed_checks(out) == []
+    assert meta == finalize(never_interrupted, MANIFEST, INFO, options.output)
+    for stem in ("train", "val"):
+        assert (out / f"{stem}.parts").read_bytes() == (never_interrupted / f"{stem}.parts").read_bytes()
 
 
 def test_an_unfinished_shard_stops_finalize_and_skip_failed_leaves_it_out(out):
@@ -291,8 +365,6 @@ def test_a_split_rewritten_later_leaves_its_exported_links_alone(out, example_re
 def test_a_split_with_more_groups_than_allowed_is_refused_as_its_shards_show_it(tmp_path, monkeypatch):
     """--group-by: shards with few values each can add up to more than a split may have groups; the
     assembly refuses the split as soon as the done shards show it, naming the field and a few values."""
-    from helpers import GROUP_FIELD, build_out
-
     from tokpipe.errors import TooManyGroups
 
     options = RunOptions(group_by=GROUP_FIELD)
@@ -313,8 +385,6 @@ def test_a_grouped_split_resumes_after_some_of_a_shards_group_parts_were_listed(
     of its groups) and the rest not: the rerun keeps exactly those, places the others at their offsets in
     their groups' files, and every group's file is its reference. If a part not yet placed lost its file,
     the shard is tokenized again, and its listed parts stay where they are."""
-    from helpers import GROUP_FIELD, build_out
-
     options = RunOptions(group_by=GROUP_FIELD)
     out = build_out(tmp_path / "out", QWEN3, options=options, finalized=False)
     first = reopened(out, options)
@@ -329,7 +399,7 @@ def test_a_grouped_split_resumes_after_some_of_a_shards_group_parts_were_listed(
     first.placed(parts[:3], place(out, parts[:3], 4))  # then the process dies
     assert len((out / "train.parts.tmp").read_bytes().splitlines()) == 3
     if part_gone:
-        ShardFiles.of(out, next(MANIFEST.shards())).part(False, "RedPajamaGithub")[0].unlink()
+        ShardFiles.of(out, next(MANIFEST.shards())).part((False, "RedPajamaGithub"))[0].unlink()
     resumed = reopened(out, options)
     assert resumed.lost == ([TRAIN_0] if part_gone else []) and resumed.splits[0].listed == 3
     if part_gone:  # as the run does: the shard again, to the same bytes

@@ -17,8 +17,8 @@ from helpers import EXAMPLE_CACHE, run_args, tokpipe
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import build_manifest
 from tokpipe.out.files import PROGRESS, Out, OutWriter, ShardFiles, load_meta_pkl, lock_holder, split_file_stem
-from tokpipe.out.records import Checkpoint, listed_parts, parts_line, parts_of, read_parts, split_entry
-from tokpipe.out.run import output_splits, sources
+from tokpipe.out.records import Checkpoint, PartCounts, listed_parts, parts_line, parts_of, read_parts, split_entry
+from tokpipe.out.run import OutputSpec, output_splits, sources
 
 MANIFEST = build_manifest(EXAMPLE_CACHE)
 TRAIN_0, TRAIN_1, HOLDOUT = MANIFEST.shards()
@@ -31,7 +31,7 @@ def test_a_shard_s_files_are_named_by_its_split_and_key(tmp_path):
         Path(f"{base}{ext}") for ext in (".bin", ".idx", ".json", ".lock")
     )
     held = tmp_path / "shards" / "train" / "held-out" / "train__chunk1__example_train_1"
-    assert (files.val_bin, files.val_idx) == (Path(f"{held}.bin"), Path(f"{held}.idx"))
+    assert files.part((True, None)) == (Path(f"{held}.bin"), Path(f"{held}.idx"))
 
 
 def test_a_checkpoint_round_trips_and_a_missing_one_is_none(tmp_path):
@@ -41,6 +41,36 @@ def test_a_checkpoint_round_trips_and_a_missing_one_is_none(tmp_path):
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(asdict(ckpt)))
     assert Checkpoint.of(tmp_path, HOLDOUT) == ckpt
+
+
+def test_a_checkpoint_of_format_1_is_read_as_this_format_and_a_later_one_refused(tmp_path):
+    """Format 1 (no `format`) counted a shard's held-out documents in val_* fields (and val_groups) beside its own
+    (and groups); read, each is a part by its key. A part is made only where the fields show one: counts, the
+    checksums of a done shard, or no sha256 field at all (written before shards were hashed)."""
+    path = ShardFiles.of(tmp_path, TRAIN_0).checkpoint
+    path.parent.mkdir(parents=True)
+    held_out = {"val_documents": 1, "val_tokens": 10, "val_sha256": "c", "val_idx_sha256": "d"}
+    by_group = {"x": {"tokens": 3, "documents": 1, "text_bytes": 9, "sha256": "e", "idx_sha256": "f"}}
+    unstarted = {"val_documents": 0, "val_tokens": 0, "val_sha256": None, "val_idx_sha256": None, "val_groups": {}}
+    cases = [
+        ({"tokens": 40, "documents": 4, "sha256": "a", "idx_sha256": "b", **held_out, "groups": {}, "val_groups": {}},
+         [PartCounts(False, None, 40, 4, 0, "a", "b"), PartCounts(True, None, 10, 1, 0, "c", "d")]),
+        ({"tokens": 3, "documents": 1, "sha256": None, "idx_sha256": None, **unstarted, "groups": by_group},
+         [PartCounts(False, "x", 3, 1, 9, "e", "f")]),
+        ({"tokens": 0, "documents": 0, "sha256": None, "idx_sha256": None, **unstarted, "groups": {}}, []),
+        ({"tokens": 0, "documents": 0}, [PartCounts(False, None)]),
+    ]  # fmt: skip
+    for fields, parts in cases:
+        path.write_text(json.dumps({"lines": 5, "done": True, **fields}))
+        expected = Checkpoint(lines=5, done=True, tokens=fields["tokens"], documents=fields["documents"], parts=parts)
+        assert Checkpoint.load(path) == expected
+    path.write_text(json.dumps({"format": 3, "lines": 5}))
+    with pytest.raises(UserError) as refused:
+        Checkpoint.load(path)
+    assert str(refused.value) == (
+        f"{path} is damaged (ValueError: a checkpoint of format 3; this tokpipe reads 2 and 1): remove it and rerun"
+        f" the run's command (tokpipe status {tmp_path} prints it): the shard is tokenized again"
+    )
 
 
 def test_split_files_are_named_by_stem_and_val_fraction_adds_a_validation_split():
@@ -73,7 +103,7 @@ def test_a_parts_list_gives_each_part_its_offsets_and_meta_its_sums(tmp_path):
         (1, 10, 2, 14, 3),
         (2, 14, 3, 21, 4),
     ]
-    entry = split_entry("val", tmp_path / "val.parts", concat=True).as_dict()
+    entry = split_entry("val", tmp_path / "val.parts", OutputSpec()).as_dict()
     assert {k: v for k, v in entry.items() if k != "parts_sha256"} == {
         "file": "val.bin",
         "idx": "val.idx",

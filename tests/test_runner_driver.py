@@ -354,7 +354,7 @@ def test_group_by_kill_9_mid_shard_then_rerun_gives_each_groups_reference_files(
         batch_bytes=64 << 10,
         tokenizer=small_tokenizer,
     )
-    assert any(c["groups"] and not c["done"] for c in checkpoints(out))
+    assert any(c["parts"] and not c["done"] for c in checkpoints(out))  # parts: its groups'
     assert not (out / "meta.json").exists()
     rerun = tokpipe(*run_args(manifest, out, "--workers", "2", *extra, tokenizer=small_tokenizer))
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr

@@ -1,5 +1,7 @@
 """shard: one shard -> .bin/.idx equal to the reference; checkpoints make any interruption harmless."""
 
+import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +16,7 @@ from helpers import (
     held_out,
     is_held_out,
     reference_by_group,
+    reference_objects,
     reference_texts,
     reference_tokens,
     write_jsonl,
@@ -166,8 +169,8 @@ def test_held_out_documents_are_chosen_by_their_text_and_survive_a_crash(tmp_pat
         )
     files = ShardFiles.of(tmp_path, TRAIN)
     partial = Checkpoint.load(files.checkpoint)
-    assert partial.val_documents > 0 and not partial.done
-    for path in (files.bin, files.val_bin):  # bytes written after the last checkpoint: cut and redone
+    assert partial.part((True, None)).documents > 0 and not partial.done
+    for path in (files.bin, files.part((True, None))[0]):  # bytes written after the last checkpoint: cut and redone
         with open(path, "ab") as f:
             f.write(np.arange(100, dtype=np.uint32).tobytes())
     result = tokenize_shard(TRAIN, tmp_path, spec)
@@ -175,7 +178,8 @@ def test_held_out_documents_are_chosen_by_their_text_and_survive_a_crash(tmp_pat
 
     held = [is_held_out(t, fraction) for t in reference_texts(Path(TRAIN.path))]
     kept_tokens, kept_ends = read(tmp_path, TRAIN, np.uint32)
-    held_tokens, held_ends = np.fromfile(files.val_bin, dtype=np.uint32), np.fromfile(files.val_idx, dtype="<i8")
+    held_bin, held_idx = files.part((True, None))
+    held_tokens, held_ends = np.fromfile(held_bin, dtype=np.uint32), np.fromfile(held_idx, dtype="<i8")
     reference = [
         reference_tokens(
             [Path(TRAIN.path)],
@@ -188,15 +192,12 @@ def test_held_out_documents_are_chosen_by_their_text_and_survive_a_crash(tmp_pat
     ]
     assert np.array_equal(kept_tokens, reference[0]) and np.array_equal(held_tokens, reference[1])
     ckpt = result.checkpoint
-    assert (
-        (ckpt.documents, ckpt.val_documents)
-        == (len(kept_ends), len(held_ends))
-        == (held.count(False), held.count(True))
-    )
-    assert (ckpt.tokens, ckpt.val_tokens) == (kept_ends[-1], held_ends[-1])  # each part's ends counted within it
-    assert ckpt.lines == ckpt.documents + ckpt.val_documents + sum(ckpt.skipped.values())
+    val_tokens, val_documents = ckpt.counts(True)
+    assert (ckpt.documents, val_documents) == (len(kept_ends), len(held_ends)) == (held.count(False), held.count(True))
+    assert (ckpt.tokens, val_tokens) == (kept_ends[-1], held_ends[-1])  # each part's ends counted within it
+    assert ckpt.lines == ckpt.documents + val_documents + sum(ckpt.skipped.values())
     tokenize_shard(HOLDOUT, tmp_path, spec)  # the validation split's own documents are never held out
-    assert not ShardFiles.of(tmp_path, HOLDOUT).val_bin.exists()
+    assert not ShardFiles.of(tmp_path, HOLDOUT).part((True, None))[0].exists()
 
 
 GROUP_BY = "meta.redpajama_set_name"
@@ -217,32 +218,116 @@ def test_group_by_writes_a_part_per_group_that_survives_a_crash(tmp_path):
         tokenize_shard(TRAIN, out, spec, on_batch=crash_in_batch(3))
     files = ShardFiles.of(out, TRAIN)
     partial = Checkpoint.load(files.checkpoint)
-    assert partial.groups and not partial.done
-    for group in partial.groups:  # bytes written after the last checkpoint: cut and redone
-        with open(files.part(False, group)[0], "ab") as f:
+    partial_groups = [part.group for part in partial.parts]
+    assert partial_groups and not partial.done
+    for group in partial_groups:  # bytes written after the last checkpoint: cut and redone
+        with open(files.part((False, group))[0], "ab") as f:
             f.write(np.arange(100, dtype=np.uint32).tobytes())
-    stray = files.part(False, "begun after the checkpoint")[0]
+    stray = files.part((False, "begun after the checkpoint"))[0]
     stray.parent.mkdir(parents=True)
     stray.write_bytes(b"\0" * 8)
     result = tokenize_shard(TRAIN, out, spec)
-    assert result.redone_tokens >= 100 * len(partial.groups)
+    assert result.redone_tokens >= 100 * len(partial_groups)
     assert _files_under(out) == _files_under(tmp_path / "whole")
 
     reference = reference_by_group([Path(TRAIN.path)], QWEN3 / "tokenizer.json", GROUP_BY, QWEN3_EOS)
     ckpt = result.checkpoint
     assert (
-        list(ckpt.groups)
+        [part.group for part in ckpt.parts]
         == list(reference)
         == ["RedPajamaC4", "RedPajamaCommonCrawl", "RedPajamaGithub", "RedPajamaWikipedia"]
     )
     for group, (tokens, documents, text_bytes) in reference.items():
-        bin_path, idx_path = files.part(False, group)
+        bin_path, idx_path = files.part((False, group))
         assert np.array_equal(np.fromfile(bin_path, dtype=np.uint32), tokens)
         assert np.fromfile(idx_path, dtype="<i8")[-1] == len(tokens)
-        counts = ckpt.groups[group]
-        assert (counts["tokens"], counts["documents"], counts["text_bytes"]) == (len(tokens), documents, text_bytes)
-    assert ckpt.groups == whole.groups  # checksums included
+        counts = ckpt.part((False, group))
+        assert (counts.tokens, counts.documents, counts.text_bytes) == (len(tokens), documents, text_bytes)
+    assert ckpt.parts == whole.parts  # checksums included
     assert ckpt.documents == sum(d for _, d, _ in reference.values()) and ckpt.lines == ckpt.documents + 1
+
+
+def _reference_parts(path: Path, fraction: float, group_by: str | None) -> dict[tuple, tuple[np.ndarray, int, int]]:
+    """A train shard file's parts as the reference makes them: (held out, group) -> (tokens, documents, their texts'
+    UTF-8 bytes: a group's, else 0), its own before those held out, groups in value order."""
+    tokenizer, parts = QWEN3 / "tokenizer.json", {}
+    for held in (False, True):
+        keep = held_out(fraction, held)
+        if group_by is None:
+            tokens = reference_tokens([path], tokenizer, QWEN3_EOS, keep=keep)
+            parts[held, None] = (tokens, int(np.count_nonzero(tokens == QWEN3_EOS)), 0)
+        else:
+            for group, found in reference_by_group([path], tokenizer, group_by, QWEN3_EOS, keep=keep).items():
+                parts[held, group] = found
+    return parts
+
+
+def _ends(tokens: np.ndarray) -> np.ndarray:
+    """Each document's end, from the EOS that ends it (the only one in it: a text's `<|endoftext|>` is text)."""
+    return (np.flatnonzero(tokens == QWEN3_EOS) + 1).astype("<i8")
+
+
+@pytest.mark.parametrize("group_by", [None, GROUP_BY])
+def test_a_shard_killed_under_checkpoint_format_1_resumes_to_the_reference(tmp_path, group_by):
+    """A shard killed mid-way by a tokpipe of checkpoint format 1: its checkpoint has no `format`, the counts of
+    the documents it held out are in val_* fields (and `val_groups`) beside its own (and `groups`), and its files
+    hold bytes written after it. Loaded, it is converted: the shard resumes to the reference bytes and checksums,
+    and its checkpoint is written in this tokpipe's format."""
+    fraction = 0.3
+    lines = [json.dumps(obj) for obj in reference_objects(Path(TRAIN.path))]
+    shard = _shard_of(write_jsonl(tmp_path / "data" / "shard.jsonl", lines))
+    covered = write_jsonl(tmp_path / "covered.jsonl", lines[: len(lines) // 2])  # what the checkpoint covers
+    files = ShardFiles.of(tmp_path / "out", shard)
+    sums = {False: [0, 0, {}], True: [0, 0, {}]}  # tokens, documents, groups: as format 1 counts them
+    for (held, group), (tokens, documents, text_bytes) in _reference_parts(covered, fraction, group_by).items():
+        bin_path, idx_path = files.part((held, group))
+        bin_path.parent.mkdir(parents=True, exist_ok=True)
+        bin_path.write_bytes(tokens.tobytes() + b"written after the checkpoint")
+        idx_path.write_bytes(_ends(tokens).tobytes() + b"\xff" * 16)
+        sums[held][0] += len(tokens)
+        sums[held][1] += documents
+        if group is not None:
+            sums[held][2][group] = {"tokens": len(tokens), "documents": documents, "text_bytes": text_bytes}
+    size = covered.stat().st_size
+    format_1 = {
+        "lines": len(lines) // 2,
+        "offset": size,
+        "source_pos": size,
+        "frame_source_pos": 0,
+        "frame_offset": 0,
+        "documents": sums[False][1],
+        "tokens": sums[False][0],
+        "skipped": {},
+        "repaired": {},
+        "skip_log": [],
+        "done": False,
+        "sha256": None,
+        "idx_sha256": None,
+        "val_documents": sums[True][1],
+        "val_tokens": sums[True][0],
+        "val_sha256": None,
+        "val_idx_sha256": None,
+        "groups": sums[False][2],
+        "val_groups": sums[True][2],
+        "text_bytes": size,
+        "seconds": 1.5,
+    }
+    files.checkpoint.write_text(json.dumps(format_1))
+
+    spec = spec_for(QWEN3, batch_bytes=64 << 10, val_fraction=fraction, group_by=group_by)
+    ckpt = tokenize_shard(shard, tmp_path / "out", spec).checkpoint
+    reference = _reference_parts(Path(shard.path), fraction, group_by)
+    assert [(p.key, p.tokens, p.documents, p.text_bytes) for p in ckpt.parts] == [
+        (key, len(tokens), documents, text_bytes) for key, (tokens, documents, text_bytes) in reference.items()
+    ]
+    for part in ckpt.parts:
+        tokens, (bin_path, idx_path) = reference[part.key][0], files.part(part.key)
+        assert bin_path.read_bytes() == tokens.tobytes() and idx_path.read_bytes() == _ends(tokens).tobytes()
+        assert part.sha256 == hashlib.sha256(tokens.tobytes()).hexdigest()
+        assert part.idx_sha256 == hashlib.sha256(_ends(tokens).tobytes()).hexdigest()
+    assert ckpt.done and ckpt.lines == len(lines)
+    written = json.loads(files.checkpoint.read_text())  # in this tokpipe's format: no val_* field
+    assert written["format"] == 2 and [key for key in written if key.startswith("val_")] == []
 
 
 def test_group_by_refuses_a_shard_with_more_values_than_a_split_may_have_groups(tmp_path, monkeypatch):

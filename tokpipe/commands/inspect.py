@@ -109,7 +109,7 @@ def open_source(out: str | os.PathLike, split: str) -> Source:
         raise UserError(f"{out} holds no tokpipe run (no meta.json, run.json or manifest.json)")
     manifest = load_manifest(Out(out).manifest)
     name = _split_name(split, output_splits(manifest, run.val_fraction))
-    written = unfinished_files(Out(out), manifest, split_file_stem(name), run.val_fraction, run.group_by is not None)
+    written = unfinished_files(Out(out), manifest, split_file_stem(name), run.val_fraction)
     reader = TokenFiles(out, written, run.dtype)
     return _source(name, False, run, [reader.file(f) for f in range(len(reader))], reader.documents, tokenizer_path)
 

@@ -121,15 +121,15 @@ def status(out: str | os.PathLike) -> RunStatus:
         writing = not ckpt.done and lock_holder(files.lock) is not None
         error = failures.get(shard.relpath) if state == "failed" else None
         # A shard's committed work includes the documents it holds out for val.bin (--val-fraction).
-        tokens, documents = ckpt.tokens + ckpt.val_tokens, ckpt.documents + ckpt.val_documents
+        held_tokens, held_documents = ckpt.counts(True)
+        tokens, documents = ckpt.tokens + held_tokens, ckpt.documents + held_documents
         shards.append(
             ShardStatus(shard.split, shard.relpath, state, shard.size, read, tokens, documents, error, writing)
         )
-        for split, counts in ckpt.groups_by_split(shard.split):
-            for group, c in counts.items():
-                committed = groups.setdefault(split, {}).setdefault(group, [0, 0])
-                committed[0] += c["tokens"]
-                committed[1] += c["documents"]
+        for split, part in ckpt.group_parts(shard.split):
+            committed = groups.setdefault(split, {}).setdefault(part.group, [0, 0])
+            committed[0] += part.tokens
+            committed[1] += part.documents
 
     progress = _log(folder, PROGRESS, warnings)
     age = time.time() - progress["updated_at"] if progress else None

@@ -1,8 +1,8 @@
 """OUT by name and by change: Out, every name of its files (package docstring: the tree) and what a reader asks
 of it; OutWriter, every change of its state (the lock, the finished marker, the split files' .tmp names and parts
-lists, the shards' token files); ShardFiles, a shard's files. And the loaders of its JSON records and meta.pkl,
-each the one place its file is read, each refusing a damaged file in one line that names it and what to do
-(`damaged`)."""
+lists, the shards' token files); ShardFiles, a shard's files by part. And the loaders of its JSON records and
+meta.pkl, each the one place its file is read, each refusing a damaged file in one line that names it and what to
+do (`damaged`)."""
 
 from __future__ import annotations
 
@@ -58,43 +58,60 @@ def split_bin_name(stem: str) -> str:
     return f"{stem}.bin"
 
 
+# A shard's part, its documents in one file of a split: (held out for val.bin, its --group-by group or None).
+# The one key of a part through the write path: the checkpoint's counts, the shard's files, the buffered tokens.
+PartKey = tuple[bool, str | None]
+
+
 @dataclass(frozen=True)
 class ShardFiles:
-    bin: Path
-    idx: Path
-    checkpoint: Path
-    lock: Path
-    val_bin: Path  # its held-out documents: in a folder of their own, so no shard's key can collide
-    val_idx: Path
+    """A shard's files in OUT: its checkpoint, its lock, and the .bin/.idx of each of its parts (`part`)."""
+
+    folder: Path  # OUT/shards/<split>
+    key: str  # the shard's
 
     @classmethod
     def of(cls, out: str | os.PathLike, shard: Shard) -> ShardFiles:
-        base = Path(out) / "shards" / shard.split / shard.key
-        held = base.parent / "held-out" / base.name
-        own = (base.with_name(base.name + ext) for ext in (".bin", ".idx", ".json", ".lock"))
-        return cls(*own, *(held.with_name(held.name + ext) for ext in (".bin", ".idx")))
+        return cls(Path(out) / "shards" / shard.split, shard.key)
 
-    def part(self, held: bool, group: str | None) -> tuple[Path, Path]:
-        """The .bin/.idx of a part: the shard's documents or those it held out; with --group-by a group's."""
-        if group is None:
-            return (self.val_bin, self.val_idx) if held else (self.bin, self.idx)
-        base = self._groups(held) / group_stem(group) / self.bin.name[:-4]
-        return base.with_name(base.name + ".bin"), base.with_name(base.name + ".idx")
+    @property
+    def checkpoint(self) -> Path:
+        return self.folder / f"{self.key}.json"
 
-    def _groups(self, held: bool) -> Path:
-        return (self.val_bin if held else self.bin).parent / "groups"
+    @property
+    def lock(self) -> Path:
+        return self.folder / f"{self.key}.lock"
 
-    def group_files(self, held: bool) -> list[Path]:
-        """The .bin/.idx files of the shard's group parts (held out or not) that exist; a file's folder is
-        named by its group's group_stem."""
-        folder, key = self._groups(held), self.bin.name[:-4]
-        found = folder.glob(f"*/{glob.escape(key)}.*") if folder.is_dir() else ()
-        return [path for path in found if path.name in (key + ".bin", key + ".idx")]
+    def part(self, key: PartKey) -> tuple[Path, Path]:
+        """The .bin/.idx of a part: what the shard holds out goes in a folder of its own (held-out/), so no shard's
+        key can collide, and a group's in its group's (groups/<group_stem>/)."""
+        held, group = key
+        folder = self.folder / "held-out" if held else self.folder
+        if group is not None:
+            folder = folder / "groups" / group_stem(group)
+        return folder / f"{self.key}.bin", folder / f"{self.key}.idx"
+
+    @property
+    def bin(self) -> Path:
+        """The .bin of the shard's own part (no --group-by, not held out)."""
+        return self.part((False, None))[0]
+
+    @property
+    def idx(self) -> Path:
+        return self.part((False, None))[1]
 
     def token_files(self) -> list[Path]:
-        """Every token file of the shard that exists: its own, its held-out part's, its groups'."""
-        own = [path for path in (self.bin, self.idx, self.val_bin, self.val_idx) if path.exists()]
-        return own + self.group_files(False) + self.group_files(True)
+        """Every token file of the shard that exists: its own part's and its held-out part's, and its groups'
+        (found by name: a group's folder is named by its group_stem)."""
+        found = []
+        names = (f"{self.key}.bin", f"{self.key}.idx")
+        for held in (False, True):
+            own = self.part((held, None))
+            found += [path for path in own if path.exists()]
+            groups = own[0].parent / "groups"
+            if groups.is_dir():
+                found += [path for path in groups.glob(f"*/{glob.escape(self.key)}.*") if path.name in names]
+        return found
 
 
 class Out:
@@ -243,18 +260,13 @@ class OutWriter(Out):
         self.log(name).parent.mkdir(exist_ok=True)
         write_json_atomic(self.log(name), data)
 
-    def reopen(self, stem: str, concat: bool, grouped: bool) -> None:
+    def reopen(self, stem: str) -> None:
         """A split finished by an earlier finalize (fully, or killed between its renames), that this run
-        extends (an append, an excluded shard back): its files are renamed back to .tmp, and OUT is unfinished."""
-        finished = [self.parts(stem)]
-        if concat:
-            base = self.split(stem)
-            finished += (
-                [base.with_name(f"{stem}.{ext}") for ext in ("bin", "idx")]
-                if not grouped
-                else sorted(base.glob("*.bin")) + sorted(base.glob("*.idx"))
-            )
-        for done in finished:
+        extends (an append, an excluded shard back): its files (its one file, or its groups', OUT/<stem>/; none
+        with --no-concat) are renamed back to .tmp, and OUT is unfinished."""
+        base = self.split(stem)
+        finished = [self.parts(stem), *(base.with_name(f"{stem}.{ext}") for ext in ("bin", "idx"))]
+        for done in finished + sorted(base.glob("*.bin")) + sorted(base.glob("*.idx")):
             tmp = done.with_name(done.name + ".tmp")
             if not tmp.exists() and done.exists():
                 self.unfinish()
@@ -277,12 +289,13 @@ class OutWriter(Out):
             f.flush()
             os.fsync(f.fileno())
 
-    def finish_split(self, stem: str, assembled: list[Path], grouped: bool) -> None:
-        """A split's assembled files (the parts list first) renamed from their .tmp names."""
+    def finish_split(self, stem: str, assembled: list[Path]) -> None:
+        """A split's assembled files (the parts list first) renamed from their .tmp names; the folder of its groups'
+        fsynced (OUT's own, by the caller once every split is)."""
         for path in [self.assembly(stem)[2], *assembled]:
             os.replace(path, path.with_suffix(""))
-        if grouped and assembled:
-            fsync_dir(self.root / stem)
+        for folder in sorted({path.parent for path in assembled} - {self.root}):
+            fsync_dir(folder)
 
     def remove_placed_leftovers(self, excluded: frozenset[str]) -> None:
         """Remove the shard token files left after their parts were copied into place and listed (a crash

@@ -7,16 +7,16 @@ import hashlib
 import os
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import orjson
 
 from tokpipe.inputs.manifest import Manifest, Shard
-from tokpipe.out.files import Out, ShardFiles, damaged, load_json, rerun, split_bin_name
+from tokpipe.out.files import Out, PartKey, ShardFiles, damaged, load_json, rerun, split_bin_name
 from tokpipe.out.meta import SplitEntry, SplitFile
-from tokpipe.out.run import sources
+from tokpipe.out.run import OutputSpec, sources
 
 IDX_DTYPE = np.dtype("<i8")  # document ends, cumulative token counts
 
@@ -26,36 +26,53 @@ MAX_GROUPS = 1000
 GROUP_COUNTS = ("tokens", "documents", "text_bytes")  # of a group, in meta: text_bytes are its texts' UTF-8
 
 
+# The checkpoint's format: 2 holds a shard's parts in `parts`, each by its key. 1 (no `format` field) held the
+# held-out documents in val_* fields beside the groups; a checkpoint of it is converted when loaded (_format_1).
+CHECKPOINT_FORMAT = 2
+
+
+@dataclass
+class PartCounts:
+    """A shard's part as its checkpoint counts it: its documents that go to one file (of its split, or held out
+    for val.bin; with --group-by, a group's), and once the shard is done the sha256 of its .bin and of its document
+    ends (counted from its start): finalize records them per part, so verify checks ranges on all cores."""
+
+    held: bool = False
+    group: str | None = None
+    tokens: int = 0  # delimiters included
+    documents: int = 0
+    text_bytes: int = 0  # of its texts, UTF-8: counted in a group's part (meta's per group), 0 in another
+    sha256: str | None = None
+    idx_sha256: str | None = None
+
+    @property
+    def key(self) -> PartKey:
+        return self.held, self.group
+
+
 @dataclass
 class Checkpoint:
     """How far a shard got. Everything here is covered by fsynced .bin/.idx bytes."""
 
-    lines: int = 0  # input lines consumed = documents + sum(skipped)
+    format: int = CHECKPOINT_FORMAT
+    lines: int = 0  # input lines consumed = documents + held out + sum(skipped)
     offset: int = 0  # decompressed input bytes consumed
     source_pos: int = 0  # bytes of the shard file read (compressed), for progress only
     # zstd of several frames: where the frame that `offset` lies in begins, in the file and decompressed
     # (TextBatch.frame): a resume decodes from there, not from the file's start (a shard on a store: a ranged GET)
     frame_source_pos: int = 0
     frame_offset: int = 0
+    # Of its own documents, those in its split: its own parts' sums (of what it held out for val.bin: counts(True)).
     documents: int = 0
     tokens: int = 0  # delimiters included
     skipped: dict[str, int] = field(default_factory=dict)
     repaired: dict[str, int] = field(default_factory=dict)
     skip_log: list[list] = field(default_factory=list)  # first [line, reason] pairs, capped
     done: bool = False
-    # Of the shard's .bin and .idx (ends counted from the shard's start), set when done: finalize
-    # records them per part and verify checks them, so no pass over the whole output is sequential.
-    sha256: str | None = None
-    idx_sha256: str | None = None
-    # The documents of a train shard held out for val.bin (--val-fraction), in files of their own.
-    val_documents: int = 0
-    val_tokens: int = 0
-    val_sha256: str | None = None
-    val_idx_sha256: str | None = None
-    # With --group-by: each group's part, value -> {tokens, documents, and when done sha256, idx_sha256},
-    # in value order; the counts above are then their sums (and sha256 None: there is no one file).
-    groups: dict[str, dict] = field(default_factory=dict)
-    val_groups: dict[str, dict] = field(default_factory=dict)  # its held-out documents' parts, the same way
+    # Its parts, in key order: its own documents, then those it held out; a group's in value order. Without
+    # --group-by a shard has its own part from its start (and, holding out, its held-out one); with it, a part
+    # per group it met.
+    parts: list[PartCounts] = field(default_factory=list)
     # For `tokpipe report`: decompressed input bytes consumed (TextBatch.text_bytes summed), and seconds
     # spent, summed over attempts (an interrupted attempt counts up to its last checkpoint).
     text_bytes: int = 0
@@ -63,11 +80,11 @@ class Checkpoint:
 
     @classmethod
     def load(cls, path: Path) -> Checkpoint | None:
-        """The checkpoint at `path` (OUT/shards/<split>/<key>.json), None where the shard has none. A damaged
-        one is refused, by the run too: the shard's tokens it covers are on the same storage."""
+        """The checkpoint at `path` (OUT/shards/<split>/<key>.json), None where the shard has none; one of format 1,
+        converted. A damaged one is refused, by the run too: the shard's tokens it covers are on the same storage."""
         try:
             found = load_json(path)
-            return None if found is None else cls(**found)
+            return None if found is None else cls.parse(found)
         except (ValueError, TypeError) as e:  # not JSON; fields no checkpoint has
             raise damaged(path, e, f"remove it and {rerun(path.parents[2])}: the shard is tokenized again") from None
 
@@ -75,17 +92,63 @@ class Checkpoint:
     def of(cls, out: str | os.PathLike, shard: Shard) -> Checkpoint | None:
         return cls.load(ShardFiles.of(out, shard).checkpoint)
 
-    def parts(self, held: bool, grouped: bool) -> dict[str | None, tuple[int, int]]:
-        """The shard's parts in a split file, in order, with their counts: group (None without --group-by) ->
-        (tokens, documents). `held`: the parts of the documents it held out for val.bin. The one place
-        that says which parts a shard has (a grouped shard's accounting line is a record, not a part)."""
-        if grouped:
-            return {g: (c["tokens"], c["documents"]) for g, c in (self.val_groups if held else self.groups).items()}
-        return {None: (self.val_tokens, self.val_documents) if held else (self.tokens, self.documents)}
+    @classmethod
+    def parse(cls, raw: dict) -> Checkpoint:
+        """A checkpoint from its JSON: ValueError or TypeError where it is none."""
+        raw = raw if "format" in raw else _format_1(raw)
+        if raw["format"] != CHECKPOINT_FORMAT:
+            raise ValueError(f"a checkpoint of format {raw['format']}; this tokpipe reads {CHECKPOINT_FORMAT} and 1")
+        return cls(**{**raw, "parts": [PartCounts(**part) for part in raw.get("parts", [])]})
 
-    def groups_by_split(self, split: str) -> tuple[tuple[str, dict[str, dict]], ...]:
-        """The counts of the shard's groups, by the split they go to: its own (`split`), then validation's."""
-        return (split, self.groups), ("validation", self.val_groups)
+    def part(self, key: PartKey) -> PartCounts | None:
+        """The shard's part of this key, None where it has none (with --group-by, a group it did not meet, or its
+        own documents: they are in its groups' parts)."""
+        return next((part for part in self.parts if part.key == key), None)
+
+    def source_parts(self, held: bool) -> list[PartCounts]:
+        """The shard's parts in one source of a split file (out/run.py's `sources`): its own documents' (in its
+        split), or (held) those it held out for val.bin."""
+        return [part for part in self.parts if part.held == held]
+
+    def counts(self, held: bool) -> tuple[int, int]:
+        """The tokens and documents of a source's parts."""
+        parts = self.source_parts(held)
+        return sum(part.tokens for part in parts), sum(part.documents for part in parts)
+
+    def line_groups(self, held: bool) -> list[str | None]:
+        """The groups of a source's lines in its split's parts list, in order: its own source begins with the
+        shard's accounting line (None), which is its part's line where the shard has one part there (without
+        --group-by); then a line per part. The one place that says which lines a shard has."""
+        groups = [part.group for part in self.source_parts(held)]
+        return groups if held or None in groups else [None, *groups]
+
+    def group_parts(self, split: str) -> Iterator[tuple[str, PartCounts]]:
+        """The parts of the shard's groups (--group-by), each with the split it goes to: its own, or (held out)
+        validation."""
+        for part in self.parts:
+            if part.group is not None:
+                yield ("validation" if part.held else split), part
+
+
+def _format_1(raw: dict) -> dict:
+    """A checkpoint of format 1 as format 2. It held its own part's counts in its own fields (with --group-by,
+    their sums, and the parts in `groups`), and those of what it held out in val_* fields (and `val_groups`). A
+    part is made only where those say it has one: with counts, or the checksums of a done shard (or, written
+    before shards were hashed, no sha256 field at all: no --group-by, no held-out documents then), so a shard
+    resumed has the parts of one never interrupted."""
+    raw, hashed = dict(raw), "sha256" in raw
+    held = {k: raw.pop(f"val_{k}", v) for k, v in (("documents", 0), ("tokens", 0), ("sha256", None))}
+    held["idx_sha256"] = raw.pop("val_idx_sha256", None)
+    groups, val_groups = raw.pop("groups", {}), raw.pop("val_groups", {})
+    own = {"documents": raw.get("documents", 0), "tokens": raw.get("tokens", 0)}
+    own |= {"sha256": raw.pop("sha256", None), "idx_sha256": raw.pop("idx_sha256", None)}
+    parts = [PartCounts(False, group, **counts) for group, counts in groups.items()]
+    if not groups and (own["tokens"] or own["documents"] or own["sha256"] is not None or not hashed):
+        parts.append(PartCounts(False, None, **own))
+    parts += [PartCounts(True, group, **counts) for group, counts in val_groups.items()]
+    if not val_groups and (held["tokens"] or held["documents"] or held["sha256"] is not None):
+        parts.append(PartCounts(True, None, **held))
+    return raw | {"format": CHECKPOINT_FORMAT, "parts": [asdict(part) for part in parts]}
 
 
 # -- parts lists and split files ---------------------------------------------------------------------
@@ -140,43 +203,36 @@ class Part:
         return self.doc_offset + self.documents
 
 
-def part_record(shard: Shard, ckpt: Checkpoint, held: bool, group: str | None = None, grouped: bool = False) -> dict:
-    """A part's line in <stem>.parts: a shard's documents, or (held) those it held out for val.bin.
+def part_record(shard: Shard, ckpt: Checkpoint, key: PartKey) -> dict:
+    """The line in <stem>.parts of a shard's part: the one of this key (held out, group).
 
-    The accounting (lines, skips, repairs) goes with a shard's own part; `held_out` there counts the
-    documents it sent to val.bin instead, `held_in` on the held-out part the documents val.bin got.
-    With --group-by (`grouped`) a shard's documents are in one part per group, each line naming its
-    `group`; the accounting then has a line of its own before them, with no group and no tokens."""
-    if group is not None:
-        counts = (ckpt.val_groups if held else ckpt.groups)[group]
-        record = {"shard": shard.relpath, "group": group} | ({"part": "held-out"} if held else {})
-        record |= {k: counts[k] for k in GROUP_COUNTS} | ({"held_in": counts["documents"]} if held else {})
-        return record | {"sha256": counts.get("sha256"), "idx_sha256": counts.get("idx_sha256")}
-    if held:
-        record = {
-            "shard": shard.relpath,
-            "part": "held-out",
-            "tokens": ckpt.val_tokens,
-            "documents": ckpt.val_documents,
-            "held_in": ckpt.val_documents,
-        }
-        record.update(sha256=ckpt.val_sha256, idx_sha256=ckpt.val_idx_sha256)
-        return record
-    record = {
-        "shard": shard.relpath,
-        "tokens": 0 if grouped else ckpt.tokens,
-        "documents": 0 if grouped else ckpt.documents,
-        "lines": ckpt.lines,
-        "held_out": ckpt.val_documents,
-    }
-    record.update(skipped=ckpt.skipped, repaired=ckpt.repaired, sha256=ckpt.sha256, idx_sha256=ckpt.idx_sha256)
-    if ckpt.skip_log:
+    A group's line names its `group` and counts its texts' bytes; a held-out part's says so (`part`), and
+    `held_in` counts the documents its file got. The shard's accounting (lines, skips, repairs, and `held_out`,
+    the documents it sent to val.bin) goes on the line of key (False, None): its own part's, or with --group-by,
+    where its own documents are in its groups' parts, a line of its own before theirs, with no tokens."""
+    held, group = key
+    part = ckpt.part(key) or PartCounts(held, group)
+    accounting = key == (False, None)
+    record = {"shard": shard.relpath} | ({"group": group} if group is not None else {})
+    record |= ({"part": "held-out"} if held else {}) | {"tokens": part.tokens, "documents": part.documents}
+    record |= {"text_bytes": part.text_bytes} if group is not None else {}
+    record |= {"held_in": part.documents} if held else {}
+    if accounting:
+        record |= {"lines": ckpt.lines, "held_out": ckpt.counts(True)[1], "skipped": ckpt.skipped}
+        record["repaired"] = ckpt.repaired
+    record |= {"sha256": part.sha256, "idx_sha256": part.idx_sha256}
+    if accounting and ckpt.skip_log:
         record["first_skipped"] = ckpt.skip_log
     return record
 
 
 def is_held_part(record: dict) -> bool:
     return record.get("part") == "held-out"
+
+
+def record_key(record: dict) -> PartKey:
+    """The key of the part a parts list's line is of (a shard's accounting line: (False, None))."""
+    return is_held_part(record), record.get("group")
 
 
 def parts_line(record: dict) -> bytes:
@@ -225,12 +281,12 @@ def parts_of(stem: str, raw: bytes) -> list[Part]:
     return parts
 
 
-def split_entry(stem: str, parts_path: Path, concat: bool, grouped: bool = False) -> SplitEntry:
-    """meta's entry for a split, summed from its parts list. A split of --no-concat has no file of its
-    own: `files` lists its parts' files in order (their lines in the parts list name them).
+def split_entry(stem: str, parts_path: Path, spec: OutputSpec) -> SplitEntry:
+    """meta's entry for a split, summed from its parts list, laid out as the run's options say. A split of
+    --no-concat has no file of its own: `files` lists its parts' files in order (their lines name them).
 
-    With --group-by (`grouped`), `groups` holds each group's entry, in the order of their values: its
-    tokens and documents, and its file (or files) as a split's; the split has none of its own."""
+    With --group-by, `groups` holds each group's entry, in the order of their values: its tokens and
+    documents, and its file (or files) as a split's; the split has none of its own."""
     counts = dict.fromkeys(("tokens", "documents", "lines", "held_out", "held_in"), 0)
     groups: dict[str, dict] = {}  # value -> its counts and files
     own: list[SplitFile] = []
@@ -240,25 +296,24 @@ def split_entry(stem: str, parts_path: Path, concat: bool, grouped: bool = False
         for key in counts:
             counts[key] += record.get(key, 0)
         files = own
-        if grouped and "group" in record:
+        if "group" in record:
             into = groups.setdefault(record["group"], dict.fromkeys(GROUP_COUNTS, 0) | {"files": []})
             for key in GROUP_COUNTS:
                 into[key] += record[key]
             files = into["files"]
-        if not concat and (not grouped or "group" in record):
+        if "bin" in record:  # --no-concat: the part's own files (not a grouped shard's accounting line: it has none)
             files.append(SplitFile(record["bin"], record["idx"], record["tokens"], record["documents"]))
         skipped.update(record.get("skipped", {}))
         repaired.update(record.get("repaired", {}))
-        shards += not is_held_part(record) and "group" not in record
+        shards += record_key(record) == (False, None)
     entries = None
-    if grouped:
-        entries = {
-            value: _entry(str(Out(Path()).split(stem, value)), concat, **g) for value, g in sorted(groups.items())
-        }
+    if spec.group_by is not None:
+        name = Out(Path()).split
+        entries = {value: _entry(str(name(stem, value)), spec.concat, **g) for value, g in sorted(groups.items())}
     return _entry(
         stem,
-        concat,
-        files=[] if grouped else own,
+        spec.concat,
+        files=own,
         groups=entries,
         parts=f"{stem}.parts",
         **counts,
@@ -276,9 +331,9 @@ def _entry(name: str, concat: bool, files: list[SplitFile], **fields) -> SplitEn
     return SplitEntry(files=tuple(files), concat=concat, **fields)
 
 
-def _placed(out: Out, stem: str) -> dict[tuple[str, bool, str | None], SplitFile]:
-    """The parts of a split in its file, by (shard, held out, group): those listed in its parts list being
-    assembled; or where a finalize stopped before meta.json (its files renamed, its parts list first), all."""
+def _placed(out: Out, stem: str) -> dict[tuple[str, PartKey], SplitFile]:
+    """The parts of a split in its file, by shard and part key: those listed in its parts list being assembled;
+    or where a finalize stopped before meta.json (its files renamed, its parts list first), all."""
     renamed = not out.assembly(stem)[2].exists() and out.parts(stem).exists()
     placed = {}
     for part in parts_of(stem, out.parts(stem).read_bytes()) if renamed else listed_parts(out, stem):
@@ -286,13 +341,13 @@ def _placed(out: Out, stem: str) -> dict[tuple[str, bool, str | None], SplitFile
         if part.tokens and paths[0].is_file():
             bin_name, idx_name = (str(path.relative_to(out.root)) for path in paths)
             at = {"token_offset": part.token_offset, "doc_offset": part.doc_offset, "growing": True, "placed": True}
-            placed[part.name, is_held_part(part.record), part.group] = SplitFile(
+            placed[part.name, record_key(part.record)] = SplitFile(
                 bin_name, idx_name, part.tokens, part.documents, **at
             )
     return placed
 
 
-def unfinished_files(out: Out, manifest: Manifest, stem: str, val_fraction: float, grouped: bool) -> list[SplitFile]:
+def unfinished_files(out: Out, manifest: Manifest, stem: str, val_fraction: float) -> list[SplitFile]:
     """What an unfinished OUT holds of a split, as far as its records cover it: each part of the split in order
     (with --val-fraction, val's include the train shards' held-out ones; with --group-by, a shard has a part per
     group), in the split file being assembled where its parts list lists it (placed), else in the shard's own
@@ -302,10 +357,10 @@ def unfinished_files(out: Out, manifest: Manifest, stem: str, val_fraction: floa
     for shard, held in sources(manifest, stem, val_fraction):
         paths = out.shard(shard)
         ckpt = Checkpoint.load(paths.checkpoint) or Checkpoint()
-        for group, (tokens, documents) in ckpt.parts(held, grouped).items():
-            if (shard.relpath, held, group) in placed:  # copied into the split file, its own files gone
-                files.append(placed[shard.relpath, held, group])
-            elif tokens:
-                names = (str(path.relative_to(out.root)) for path in paths.part(held, group))
-                files.append(SplitFile(*names, tokens, documents, growing=True))
+        for part in ckpt.source_parts(held):
+            if (shard.relpath, part.key) in placed:  # copied into the split file, its own files gone
+                files.append(placed[shard.relpath, part.key])
+            elif part.tokens:
+                names = (str(path.relative_to(out.root)) for path in paths.part(part.key))
+                files.append(SplitFile(*names, part.tokens, part.documents, growing=True))
     return files

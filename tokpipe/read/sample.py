@@ -104,9 +104,9 @@ def _population(out: Path, meta: Meta, manifest) -> list[tuple]:
             if shard.relpath in meta.excluded:
                 continue
             ckpt = Checkpoint.of(out, shard)
-            for group, (_, documents) in ckpt.parts(held, meta.group_by is not None).items():
-                population.append((split, shard, held, group, base[group], documents))
-                base[group] += documents
+            for part in ckpt.source_parts(held):
+                population.append((split, shard, held, part.group, base[part.group], part.documents))
+                base[part.group] += part.documents
     return population
 
 

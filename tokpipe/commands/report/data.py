@@ -76,11 +76,10 @@ def _group_stats(out: Path, meta: Meta | None, manifest) -> list[GroupStats]:
     found: dict[tuple[str, str], Counter] = {}
     for shard in manifest.shards():
         ckpt = Checkpoint.of(out, shard) or Checkpoint()
-        for split, groups in ckpt.groups_by_split(shard.split):
-            for group, g in groups.items():
-                found.setdefault((split, group), Counter()).update(
-                    {k: g[k] for k in ("tokens", "documents", "text_bytes")}
-                )
+        for split, part in ckpt.group_parts(shard.split):
+            found.setdefault((split, part.group), Counter()).update(
+                tokens=part.tokens, documents=part.documents, text_bytes=part.text_bytes
+            )
     return [GroupStats(*key, n["tokens"], n["documents"], n["text_bytes"]) for key, n in sorted(found.items())]
 
 
@@ -217,16 +216,12 @@ def _split_stats(out: Path, meta: Meta | None, manifest, val_fraction: float) ->
         skipped, repaired = Counter(), Counter()
         for shard, held in sources(manifest, stem, val_fraction):
             ckpt = Checkpoint.of(out, shard) or Checkpoint()
+            tokens, documents = ckpt.counts(held)
+            n.update(tokens=tokens, documents=documents)
             if held:
-                n.update(tokens=ckpt.val_tokens, documents=ckpt.val_documents, held_in=ckpt.val_documents)
+                n.update(held_in=documents)
             else:
-                n.update(
-                    tokens=ckpt.tokens,
-                    documents=ckpt.documents,
-                    lines=ckpt.lines,
-                    held_out=ckpt.val_documents,
-                    shards=1,
-                )
+                n.update(lines=ckpt.lines, held_out=ckpt.counts(True)[1], shards=1)
                 skipped.update(ckpt.skipped)
                 repaired.update(ckpt.repaired)
         stats.append(

@@ -21,7 +21,7 @@ class Listing:
     listed in order, and they stay."""
 
     def __init__(self, out: OutWriter, itemsize: int, spec: OutputSpec):
-        self.out, self.itemsize, self.concat, self.grouped = out, itemsize, spec.concat, spec.group_by is not None
+        self.out, self.itemsize, self.spec = out, itemsize, spec
         self.placed_tokens = 0  # copied into the split files by this process's placements, and listed
 
     def placed(self, splits: list[SplitAssembly], parts: list[Part], records: list[dict]) -> None:
@@ -37,7 +37,7 @@ class Listing:
                 s.listed += 1
             if listed:
                 self.out.list_parts(s.stem, b"".join(parts_line(record) for _, record in listed))
-                if self.concat:
+                if self.spec.concat:
                     self.placed_tokens += sum(record["tokens"] for _, record in listed)
                     for part, _ in listed:
                         if part.bin and part.moved_from is None:
@@ -54,8 +54,8 @@ class Listing:
         entries = {}
         for s in splits:
             assembled = []
-            if self.concat:
-                for group, (bin_tmp, idx_tmp) in s.files(self.out, self.grouped).items():
+            if self.spec.concat:
+                for group, (bin_tmp, idx_tmp) in s.files(self.out).items():
                     tokens, documents = s.offsets.get(group, (0, 0))
                     for path, length in ((bin_tmp, tokens * self.itemsize), (idx_tmp, documents * IDX_DTYPE.itemsize)):
                         with open(path, "r+b") as f:
@@ -65,9 +65,9 @@ class Listing:
             if s.moving is not None:
                 s.moving.end()
                 s.moving = None
-            entries[s.stem] = split_entry(s.stem, self.out.assembly(s.stem)[2], self.concat, self.grouped)
-            self.out.finish_split(s.stem, assembled, self.grouped)
+            entries[s.stem] = split_entry(s.stem, self.out.assembly(s.stem)[2], self.spec)
+            self.out.finish_split(s.stem, assembled)
         fsync_dir(self.out.root)
-        if self.concat:
+        if self.spec.concat:
             self.out.remove_placed_leftovers(excluded)
         return entries

@@ -31,8 +31,8 @@ from pathlib import Path
 import orjson
 
 from tokpipe.durability import copy_file, fsync_dir
-from tokpipe.out.files import Out
-from tokpipe.out.records import is_held_part
+from tokpipe.out.files import Out, PartKey
+from tokpipe.out.records import record_key
 
 
 def _order(relpath: str, group: str | None) -> tuple:
@@ -96,19 +96,16 @@ class Moving:
         self.numbers.append(n)
         self.sources.append(self._open(n))
 
-    def take(self, relpath: str, held: bool, group: str | None) -> tuple[str, str, int, int] | None:
-        """Where the part is in a source, if one holds it: (bin, idx, token offset, document offset). Called in
-        the split's order; each source reads past the parts before this one."""
-        found, at = None, _order(relpath, group)
+    def take(self, relpath: str, key: PartKey) -> tuple[str, str, int, int] | None:
+        """Where a shard's part is in a source, if one holds it: (bin, idx, token offset, document offset). Called
+        in the split's order; each source reads past the parts before this one."""
+        found, group = None, key[1]
+        at = _order(relpath, group)
         for source in self.sources:
             while source.record is not None and _order(source.record["shard"], source.record.get("group")) < at:
                 source.advance()
             record = source.record
-            if record is not None and (record["shard"], is_held_part(record), record.get("group")) == (
-                relpath,
-                held,
-                group,
-            ):
+            if record is not None and (record["shard"], record_key(record)) == (relpath, key):
                 bin_path, idx_path, _ = self.out.moving_source(self.stem, source.n, group)
                 found = (str(bin_path), str(idx_path), *source.offsets.get(group, (0, 0)))
                 source.advance()

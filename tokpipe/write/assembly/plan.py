@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from tokpipe.inputs.manifest import Shard
-from tokpipe.out.files import OutWriter, split_file_stem
+from tokpipe.out.files import OutWriter, PartKey
 from tokpipe.out.records import Checkpoint, Part, part_record
 from tokpipe.out.run import OutputSpec
 from tokpipe.write.assembly.split import Groups, SplitAssembly
@@ -16,7 +16,7 @@ class Plan:
 
     def __init__(self, out: OutWriter, spec: OutputSpec, groups: Groups):
         self.out, self.groups = out, groups
-        self.val_fraction, self.concat, self.group_by = spec.val_fraction, spec.concat, spec.group_by
+        self.val_fraction, self.concat = spec.val_fraction, spec.concat
         # Done shards not yet scheduled (those that finished out of order), with how many parts still need them
         # and the parts they kept in memory.
         self.finished: dict[str, tuple[Shard, Checkpoint, int, object]] = {}
@@ -24,10 +24,7 @@ class Plan:
     def done(self, shard: Shard, ckpt: Checkpoint, buffered: object = None) -> None:
         """A shard finished in this run (its checkpoint as its task returned it); `buffered`: the parts it kept
         in memory (ShardResult.buffered, or on Ray the reference to them), to be written into place."""
-        if self.group_by is not None:
-            self.groups.meet(split_file_stem(shard.split), ckpt.groups)
-            if ckpt.val_groups:
-                self.groups.meet("val", ckpt.val_groups)
+        self.groups.meet_shard(shard, ckpt)
         self.finished[shard.relpath] = (shard, ckpt, 2 if self.val_fraction and shard.split == "train" else 1, buffered)
 
     def unplaced(self) -> list[tuple[Shard, Checkpoint, object]]:
@@ -59,27 +56,23 @@ class Plan:
                     s.head_ckpt = ckpt
                     if s.head_parts is None:
                         s.head_parts = self.groups.head_parts(s, ckpt)
-                parts += [self._part(s, shard, held, group) for group in s.head_parts]
+                parts += [self._part(s, shard, (held, group)) for group in s.head_parts]
                 s.advance()
         return parts
 
-    def _part(self, s: SplitAssembly, shard: Shard, held: bool, group: str | None) -> Part:
-        """The head's part of `group` (None: its one part, or with --group-by its accounting line), next in its file."""
-        files = self.out.shard(shard)
-        if group is None and self.group_by is not None:  # the accounting line: no file
-            bin_path = idx_path = None
-        else:
-            bin_path, idx_path = files.part(held, group)
-        record = part_record(shard, s.head_ckpt, held, group, self.group_by is not None)
+    def _part(self, s: SplitAssembly, shard: Shard, key: PartKey) -> Part:
+        """The head's part of `key`, next in its file; or with --group-by, the shard's accounting line (no part)."""
+        files, group = self.out.shard(shard), key[1]
+        bin_path, idx_path = files.part(key) if s.head_ckpt.part(key) is not None else (None, None)
+        record = part_record(shard, s.head_ckpt, key)
         if not self.concat and bin_path is not None:  # the part's files are the split's: meta lists them
             record.update(bin=str(bin_path.relative_to(self.out.root)), idx=str(idx_path.relative_to(self.out.root)))
         if self.concat and group is not None and group not in s.offsets:  # a group's first part
             self.out.new_assembly_files(s.stem, group)
         seq, (tokens, documents) = s.scheduled, s.add(group, record)
         s.scheduled += 1
-        source = s.moving.take(shard.relpath, held, group) if s.moving is not None else None
+        source = s.moving.take(shard.relpath, key) if s.moving is not None else None
         if s.head_buffered is not None:
-            key = (held, group)
             buffered = (s.head_buffered, key) if bin_path is not None else None
             checkpoint = (str(files.checkpoint), s.head_ckpt)
             return Part(s.stem, seq, tokens, documents, record, buffered=buffered, checkpoint=checkpoint)

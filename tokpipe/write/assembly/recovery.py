@@ -18,7 +18,7 @@ import orjson
 from tokpipe.durability import HASH_CHUNK, own_inode
 from tokpipe.inputs.manifest import Manifest
 from tokpipe.out.files import Out, OutWriter, split_file_stem
-from tokpipe.out.records import IDX_DTYPE, Checkpoint, is_held_part, part_record, parts_line
+from tokpipe.out.records import IDX_DTYPE, Checkpoint, part_record, parts_line, record_key
 from tokpipe.out.run import OutputSpec, output_splits, sources
 from tokpipe.write.assembly.moving import Moving
 from tokpipe.write.assembly.split import Groups, SplitAssembly
@@ -41,20 +41,23 @@ class Recovery:
     def _resume(self, manifest: Manifest, stem: str) -> SplitAssembly:
         """Keep what an earlier attempt assembled, if it is still the start of the split; move the listed parts
         that shards were added before; else start empty."""
-        grouped = self.group_by is not None
-        self.out.reopen(stem, self.concat, grouped)
+        self.out.reopen(stem)
         kept, state, renew = self._keep_or_move(manifest, stem)
         if renew:  # before anything reads or writes the split's names: its files are a source now
-            _prepare_files(self.out, state, False, grouped)
+            _prepare_files(self.out, state, False)
         elif self.concat:
-            if not grouped:
+            if self.group_by is None:
                 kept += self._placed_unlisted(state)
-            _prepare_files(self.out, state, bool(kept), grouped)
+            _prepare_files(self.out, state, bool(kept))
         self.out.start_parts_list(stem, b"".join(map(parts_line, kept)))
         state.scheduled = state.listed = len(kept)
         if self.concat:
-            self._tokenize_again(manifest, state, len(kept))
+            self._tokenize_again(manifest, state)
         return state
+
+    def _start(self, manifest: Manifest, stem: str) -> SplitAssembly:
+        """The split's assembly from its first source: without --group-by, into a file of its own."""
+        return SplitAssembly.start(stem, sources(manifest, stem, self.val_fraction), self.group_by is None)
 
     def _keep_or_move(self, manifest: Manifest, stem: str) -> tuple[list[dict], SplitAssembly, bool]:
         """The listed records kept, the split's state past them, and whether its files are to be made anew: a
@@ -63,15 +66,18 @@ class Recovery:
         moving = Moving(self.out, stem) if self.concat else None
         renew = moving is not None and moving.unstarted()
         listed = [] if renew else _listed(self.out.assembly(stem)[2])
-        state = SplitAssembly.start(stem, sources(manifest, stem, self.val_fraction))
+        state = self._start(manifest, stem)
         kept = self._kept(listed, state)
-        grouped = self.group_by is not None
-        if self.concat and len(kept) < len(listed) and not _short(self.out, stem, listed, self.itemsize, grouped):
-            moving.start(_files(self.out, stem, listed, grouped))
-            renew = True
-        if renew or (kept and self.concat and _short(self.out, stem, kept, self.itemsize, grouped)):
+        if self.concat and len(kept) < len(listed):
+            holding = SplitAssembly.start(stem, iter(()), self.group_by is None)  # what the listed parts put where
+            for record in listed:
+                holding.add(record.get("group"), record)
+            if not _short(self.out, holding, self.itemsize):
+                moving.start(holding.files(self.out))
+                renew = True
+        if renew or (kept and self.concat and _short(self.out, state, self.itemsize)):
             kept = []  # made anew, or cut since they were listed: trust none of it
-            state = SplitAssembly.start(stem, sources(manifest, stem, self.val_fraction))
+            state = self._start(manifest, stem)
         return kept, state, renew
 
     def _kept(self, listed: list[dict], state: SplitAssembly) -> list[dict]:
@@ -82,11 +88,7 @@ class Recovery:
             if not self._head_known(state):
                 break
             group = state.head_parts[0] if state.head_parts else None
-            if (record.get("shard"), is_held_part(record), record.get("group")) != (
-                state.head[0].relpath,
-                state.head[1],
-                group,
-            ):
+            if (record.get("shard"), record_key(record)) != (state.head[0].relpath, (state.head[1], group)):
                 break  # the split changed before this shard (an append, a shard excluded or back)
             kept.append(record)
             state.add(group, record)
@@ -121,9 +123,9 @@ class Recovery:
                 shard, held = state.head
                 files = self.out.shard(shard)
                 ckpt = Checkpoint.load(files.checkpoint)
-                if ckpt is None or not ckpt.done or files.part(held, None)[0].exists():
+                if ckpt is None or not ckpt.done or files.part((held, None))[0].exists():
                     break  # not done, or in its own files still: placed from them as usual
-                record = part_record(shard, ckpt, held)
+                record = part_record(shard, ckpt, (held, None))
                 if not is_in_place(bin_f, idx_f, record, *state.offsets.get(None, (0, 0)), self.itemsize, buffer):
                     break
                 recovered.append(record)
@@ -131,30 +133,25 @@ class Recovery:
                 state.advance()
         return recovered
 
-    def _tokenize_again(self, manifest: Manifest, state: SplitAssembly, kept: int) -> None:
+    def _tokenize_again(self, manifest: Manifest, state: SplitAssembly) -> None:
         """Shards done whose placed files are gone and whose parts are neither kept nor in a source of moved
         parts (the split file was cut, or they were placed but not listed and do not match their checksums):
         their checkpoints go, so this run tokenizes them again. The head's parts already kept (--group-by)
         stay kept: tokenized again, its other parts are the same. The shards found in a source are counted
         (`moved`); the sources go if none is."""
         rest = sources(manifest, state.stem, self.val_fraction)
-        if self.group_by is None:
-            rest = itertools.islice(rest, kept, None)
-        else:
-            rest = itertools.dropwhile(lambda source: source != state.head, rest)
+        rest = itertools.dropwhile(lambda source: source != state.head, rest)
         moving, moved = Moving(self.out, state.stem), 0
         for shard, held in rest:
             files = self.out.shard(shard)
             ckpt = Checkpoint.load(files.checkpoint)
             if ckpt is None or not ckpt.done:
                 continue
-            if self.group_by is None:
-                needed = [None]
-            else:  # of the head, only its parts not kept yet
-                head = (shard, held) == state.head and state.head_parts is not None
-                needed = [g for g in (state.head_parts if head else ckpt.parts(held, grouped=True)) if g is not None]
-            gone = [g for g in needed if not files.part(held, g)[0].exists()]
-            found = [g for g in gone if moving.take(shard.relpath, held, g) is not None]
+            needed = [part.key for part in ckpt.source_parts(held)]
+            if (shard, held) == state.head and state.head_parts is not None:  # of the head, its parts not kept yet
+                needed = [key for key in needed if key[1] in state.head_parts]
+            gone = [key for key in needed if not files.part(key)[0].exists()]
+            found = [key for key in gone if moving.take(shard.relpath, key) is not None]
             if len(found) == len(gone):
                 moved += bool(found)
                 continue
@@ -180,27 +177,10 @@ def _listed(parts_tmp: Path) -> list[dict]:
     return records
 
 
-def _sums(records: list[dict], grouped: bool) -> dict[str | None, tuple[int, int]]:
-    """The tokens and documents `records` list in each file of the split (group, or None: the split's)."""
-    sums: dict[str | None, tuple[int, int]] = {}
-    for record in records:
-        group = record.get("group")
-        if grouped and group is None:  # a shard's accounting line: in no file
-            continue
-        tokens, documents = sums.get(group, (0, 0))
-        sums[group] = (tokens + record["tokens"], documents + record["documents"])
-    return sums
-
-
-def _files(out: Out, stem: str, records: list[dict], grouped: bool) -> dict[str | None, tuple[Path, Path]]:
-    """The split's files that hold the parts `records` list: its one file, or its groups'."""
-    return {group: out.assembly(stem, group)[:2] for group in _sums(records, grouped)} if records else {}
-
-
-def _short(out: Out, stem: str, records: list[dict], itemsize: int, grouped: bool) -> bool:
-    """Whether a file being assembled is shorter than the parts `records` list in it (cut since)."""
-    for group, (tokens, documents) in _sums(records, grouped).items():
-        bin_tmp, idx_tmp, _ = out.assembly(stem, group)
+def _short(out: Out, state: SplitAssembly, itemsize: int) -> bool:
+    """Whether a file being assembled is shorter than the parts `state` has put in it (cut since they were)."""
+    for group, (tokens, documents) in state.offsets.items():
+        bin_tmp, idx_tmp, _ = out.assembly(state.stem, group)
         if not (bin_tmp.exists() and idx_tmp.exists()):
             return True
         if bin_tmp.stat().st_size < tokens * itemsize or idx_tmp.stat().st_size < documents * IDX_DTYPE.itemsize:
@@ -208,16 +188,17 @@ def _short(out: Out, stem: str, records: list[dict], itemsize: int, grouped: boo
     return False
 
 
-def _prepare_files(out: OutWriter, state: SplitAssembly, kept: bool, grouped: bool) -> None:
-    """The files the split is assembled into from here: those of the kept parts, else new empty ones."""
-    if not kept and not grouped:
-        out.new_assembly_files(state.stem)
-    if grouped:  # group files of no kept part: a rerun's are made anew
-        keep = {path for pair in state.files(out, grouped).values() for path in pair}
-        for path in out.group_assembly_files(state.stem):
-            if path not in keep:
-                path.unlink()
-    if kept:
-        for pair in state.files(out, grouped).values():
-            for path in pair:
-                own_inode(path)  # the split is written in place from here on
+def _prepare_files(out: OutWriter, state: SplitAssembly, kept: bool) -> None:
+    """The files the split is assembled into from here: those of the kept parts, else (without --group-by) a new
+    empty one of its own. A group's file of no kept part goes: it is made anew when the group is met."""
+    files = state.files(out)
+    keep = {path for pair in files.values() for path in pair}
+    for path in out.group_assembly_files(state.stem):
+        if path not in keep:
+            path.unlink()
+    for group, pair in files.items():
+        if not kept:
+            out.new_assembly_files(state.stem, group)
+            continue
+        for path in pair:
+            own_inode(path)  # the split is written in place from here on

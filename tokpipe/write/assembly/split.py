@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tokpipe.errors import too_many_groups
 from tokpipe.inputs.manifest import Shard
-from tokpipe.out.files import Out
+from tokpipe.out.files import Out, split_file_stem
 from tokpipe.out.records import MAX_GROUPS, Checkpoint, Part
 from tokpipe.write.assembly.moving import Moving
 
@@ -27,7 +27,9 @@ class SplitAssembly:
     head_ckpt: Checkpoint | None = None
     head_buffered: object = None  # the parts the head kept in memory (Plan.done), if it did
     scheduled: int = 0  # parts handed out
-    offsets: dict[str | None, tuple[int, int]] = field(default_factory=dict)  # file (group) -> tokens, documents
+    # The split's files being assembled, each with the tokens and documents in it: its own (None), from its start
+    # where it has one (`start`); a group's (--group-by), once met.
+    offsets: dict[str | None, tuple[int, int]] = field(default_factory=dict)
     listed: int = 0  # parts in .parts.tmp (fsynced, in order)
     waiting: dict[int, tuple[Part, dict]] = field(default_factory=dict)  # seq -> parts placed before an earlier one
     # Where shards were added before listed parts: the files those parts are moved from (moving.py), until every
@@ -36,40 +38,46 @@ class SplitAssembly:
     moved_until: int = -1
 
     @classmethod
-    def start(cls, stem: str, shards: Iterator[tuple[Shard, bool]]) -> SplitAssembly:
-        return cls(stem, shards, next(shards, None))
+    def start(cls, stem: str, shards: Iterator[tuple[Shard, bool]], own_file: bool) -> SplitAssembly:
+        """The split's assembly from its first source; `own_file`: its tokens in one file (without --group-by),
+        not in its groups'."""
+        return cls(stem, shards, next(shards, None), offsets={None: (0, 0)} if own_file else {})
 
     def advance(self) -> None:
         self.head, self.head_parts, self.head_ckpt, self.head_buffered = next(self.shards, None), None, None, None
 
     def add(self, group: str | None, record: dict) -> tuple[int, int]:
-        """A part goes next in its file: returns its offsets there."""
+        """A line goes next in the parts list, its part next in its file: returns its offsets there. A grouped
+        split's accounting line (group None) is in no file."""
         tokens, documents = self.offsets.get(group, (0, 0))
-        self.offsets[group] = (tokens + record["tokens"], documents + record["documents"])
+        if group is not None or None in self.offsets:
+            self.offsets[group] = (tokens + record["tokens"], documents + record["documents"])
         return tokens, documents
 
-    def files(self, out: Out, grouped: bool) -> dict[str | None, tuple[Path, Path]]:
+    def files(self, out: Out) -> dict[str | None, tuple[Path, Path]]:
         """The split's files being assembled: its one file, or (--group-by) those of the groups it has met."""
-        groups = [g for g in self.offsets if g is not None] if grouped else [None]
-        return {g: out.assembly(self.stem, g)[:2] for g in groups}
+        return {group: out.assembly(self.stem, group)[:2] for group in self.offsets}
 
 
 @dataclass
 class Groups:
-    """--group-by's groups: which parts a done shard has, and the values each split has met, refused past
-    MAX_GROUPS as soon as done shards show them."""
+    """--group-by's groups: the values each split has met, refused past MAX_GROUPS as soon as done shards show
+    them; and the lines of a done source."""
 
     group_by: str | None
     values: dict[str, set[str]] = field(default_factory=dict)  # split stem -> the groups met
 
     def head_parts(self, state: SplitAssembly, ckpt: Checkpoint) -> list[str | None]:
-        """The parts of the head source, done: its one part; with --group-by its accounting line and groups."""
-        if self.group_by is None:
-            return [None]
-        held = state.head[1]
-        groups = list(ckpt.parts(held, grouped=True))
-        self.meet(state.stem, groups)
-        return groups if held else [None, *groups]
+        """The lines of the head source, done (Checkpoint.line_groups); its groups met."""
+        groups = ckpt.line_groups(state.head[1])
+        self.meet(state.stem, [group for group in groups if group is not None])
+        return groups
+
+    def meet_shard(self, shard: Shard, ckpt: Checkpoint) -> None:
+        """The groups of a done shard's parts, met by the split each goes to."""
+        for part in ckpt.parts:
+            if part.group is not None:
+                self.meet("val" if part.held else split_file_stem(shard.split), [part.group])
 
     def meet(self, stem: str, groups) -> None:
         """Refuse a split that has more groups than MAX_GROUPS, as soon as its done shards show it."""
