@@ -161,7 +161,7 @@ def test_in_packs_a_failing_and_a_stuck_shard_are_reported_alone_and_the_rest_is
 # own processes (RayNodes.add's lose_at), or in the driver for what only the driver sees (helpers.LOST_NODE_RUN),
 # there at the first call given a shard's tokens stored on the node ("driver, its tokens") or at the first call.
 NODE_LOST = {
-    "while its worker tokenizes a shard": ("node", "tokpipe.write.shard._encode"),
+    "while its worker tokenizes a shard": ("node", "tokpipe.write.shard.ShardWriter._encode"),
     "while its Placer writes a part": ("node", "tokpipe.write.place.write_at"),
     "while a shard done there waits in its store": ("driver, its tokens", "tokpipe.write.assembly.Assembler.done"),
     "as the last parts are placed (finalize)": ("driver", "tokpipe.runner.schedule.Scheduler.drain"),
@@ -182,7 +182,7 @@ def test_a_node_lost_at_any_moment_costs_its_shards_never_the_run(dataset, tmp_p
     expected = {stem: np.concatenate([tokens] * 2) for stem, tokens in small_reference.items()}
     with RayNodes(tmp_path) as cluster:
         # The only node with CPUs lost mid-shard: no node left can run a shard; one line says so, exit 1.
-        first = cluster.add("a0" * 28, "127.0.0.2", lose_at="tokpipe.write.shard._encode:1")
+        first = cluster.add("a0" * 28, "127.0.0.2", lose_at="tokpipe.write.shard.ShardWriter._encode:1")
         out = tmp_path / "out"
         args = run_args(manifest, out, "--address", cluster.address, "--workers", "2", tokenizer=small_tokenizer)
         stopped = tokpipe(*args)
