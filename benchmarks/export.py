@@ -30,7 +30,7 @@ from tokpipe.commands.export import _in_order as in_order
 from tokpipe.commands.export import _megatron_split as megatron_split
 from tokpipe.commands.export import _shuffled as shuffled
 from tokpipe.commands.export import export
-from tokpipe.out.tokens import to_dtype
+from tokpipe.layout.tokens import to_dtype
 from tokpipe.read.output import Output, Split, TokenFile, open_output
 
 

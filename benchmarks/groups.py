@@ -98,9 +98,9 @@ def assembly_cost(folder: Path, shards: int, groups: int) -> float:
 
     from tokpipe.durability import write_json_atomic
     from tokpipe.inputs.manifest import Manifest, Shard
+    from tokpipe.layout.files import ShardFiles
+    from tokpipe.layout.records import Checkpoint, PartCounts
     from tokpipe.options import RunOptions
-    from tokpipe.out.files import ShardFiles
-    from tokpipe.out.records import Checkpoint, PartCounts
     from tokpipe.write.assembly import Assembler
 
     source = tuple(Shard("train", f"s{i:06d}.jsonl", "/dev/null", 1, f"s{i:06d}") for i in range(shards))

@@ -175,7 +175,7 @@ def files(args) -> None:
 
 def synthetic_out(folder: Path, tokens: int) -> Path:
     """An OUT's files for a train split of `tokens` zero tokens (a sparse file), a document every 4,096."""
-    from tokpipe.out.files import OutWriter
+    from tokpipe.layout.files import LayoutWriter
 
     out = folder / f"synthetic-{tokens:.0e}"
     if (out / "meta.json").exists():
@@ -191,7 +191,8 @@ def synthetic_out(folder: Path, tokens: int) -> Path:
     (out / "train.parts").write_bytes(raw)
     split = {"file": "train.bin", "idx": "train.idx", "parts": "train.parts"}
     split |= {"parts_sha256": hashlib.sha256(raw).hexdigest(), "tokens": tokens, "documents": documents}
-    OutWriter(out).write_meta({"dtype": "uint32", "vocab_size": 151669, "eos_token_id": 0, "splits": {"train": split}})
+    meta = {"dtype": "uint32", "vocab_size": 151669, "eos_token_id": 0, "splits": {"train": split}}
+    LayoutWriter(out).write_meta(meta)
     return out
 
 

@@ -14,7 +14,7 @@ The huge document is distinct real text: every distinct document of the source, 
 label `[ROUND.N] `, joined by newlines; past the source's size, further rounds take them again in
 another order (shuffled with the round as seed) under new labels. Its bytes are checked against
 `tokenizers` encoding each labelled document with its newline alone: a newline between two non-space
-characters ends a pre-token whatever follows (tokpipe/inputs/pieces.py, checked in tests/test_pieces.py against
+characters ends a pre-token whatever follows (tokpipe/inputs/pieces.py, checked in tests/test_inputs_pieces.py against
 whole encodes), so the ids of the parts, each with its newline, joined are the document's. Runs are
 sequential, never two at once. Results print as JSON lines and go to WORK_DIR/long-document.json.
 """

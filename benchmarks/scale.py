@@ -110,7 +110,7 @@ def cmd_rates(args) -> list[dict]:
 
     from tokpipe.durability import HASH_CHUNK, hash_range
     from tokpipe.inputs.tokenizer import GigatokenEncoder
-    from tokpipe.out.records import Part
+    from tokpipe.layout.records import Part
     from tokpipe.read.verify import verify
     from tokpipe.write.place import place
 

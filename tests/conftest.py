@@ -76,7 +76,7 @@ _ray_holder: list = []  # (holder, temp dir), started once per session
 
 # The files of the longest tests (10-50 s each on 2 loaded cores, --durations), run first: by file name they
 # come last, where under pytest-xdist the last of them ran alone while the other worker had nothing left.
-LONGEST_FIRST = ("test_sigterm.py", "test_runner_schedule.py", "test_runner_nodes.py", "test_runner_driver.py")
+LONGEST_FIRST = ("test_errors.py", "test_runner_schedule.py", "test_runner_nodes.py", "test_runner_driver.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -731,7 +731,7 @@ def shard_spec(tokenizer_dir, backend="gigatoken", **changes):
 
 def read_shard(out, shard, dtype) -> tuple[np.ndarray, np.ndarray]:
     """A shard's own .bin (in `dtype`) and .idx."""
-    from tokpipe.out.files import ShardFiles
+    from tokpipe.layout.files import ShardFiles
 
     files = ShardFiles.of(out, shard)
     return np.fromfile(files.bin, dtype=dtype), np.fromfile(files.idx, dtype="<i8")
@@ -740,9 +740,9 @@ def read_shard(out, shard, dtype) -> tuple[np.ndarray, np.ndarray]:
 def unguarded(spec, **changes):
     """The spec with no memory limit (and `changes`), for tokenizing in the test process itself. That process
     holds several encoders, the references and OUTs, so its RSS says nothing of one encoder's word cache: the
-    guard would drop and reload the encoder over and over (2-3 s a load). The guard has its own test (test_shard).
+    guard would drop and reload the encoder over and over (2-3 s a load). The guard has its own test (test_write_shard).
     Its shards go to their own files as they go, checkpointed (buffer_bytes 0), as a resumed shard's do: what the
-    tests of a shard's files and of finalize read; a run buffers them (tested in test_shard and end to end).
+    tests of a shard's files and of finalize read; a run buffers them (tested in test_write_shard and end to end).
     """
     from dataclasses import replace
 
@@ -786,7 +786,7 @@ def hand_made_out(out, lengths_per_file: list[np.ndarray], concat: bool, seed: i
     list; returns (out, every token in order, every document end counted from the split's start). Written by
     hand, as finalize lays them out (meta, .parts, .bin and .idx): random uint16 ids below 600, each document
     ended by EOS (id 0, and no other 0)."""
-    from tokpipe.out.files import OutWriter
+    from tokpipe.layout.files import LayoutWriter
 
     rng = np.random.default_rng(seed)
     out.mkdir(parents=True)
@@ -820,7 +820,7 @@ def hand_made_out(out, lengths_per_file: list[np.ndarray], concat: bool, seed: i
     else:
         entry["files"] = files
     meta = {"dtype": "uint16", "vocab_size": 600, "eos_token_id": 0, "delimiters": {"bos": False, "eos": True}}
-    OutWriter(out).write_meta(meta | {"concat": concat, "splits": {"train": entry}})
+    LayoutWriter(out).write_meta(meta | {"concat": concat, "splits": {"train": entry}})
     return out, tokens.astype(np.int64), ends
 
 

@@ -1,5 +1,5 @@
 """The Python API (tokpipe/__init__.py) mirrors the commands: build_manifest, run, verify, open_output (whose
-own behaviour is documented in test_output.py), with run's options by the names RunOptions gives them."""
+own behaviour is documented in test_read_output.py), with run's options by the names RunOptions gives them."""
 
 import json
 

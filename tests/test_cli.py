@@ -3,6 +3,7 @@
 none of them; every error is one readable line naming the command, never a traceback. The commands' own
 output is documented with each command's module."""
 
+import argparse
 import errno
 import os
 import shlex
@@ -11,11 +12,13 @@ import subprocess
 import sys
 
 import pytest
-from helpers import EXAMPLE_CACHE, QWEN3, assert_out_is, run_args, tokpipe
+from helpers import EXAMPLE_CACHE, QWEN3, REPO, assert_out_is, run_args, tokpipe
 from helpers import cli as in_process
 
+from tokpipe import __doc__ as PACKAGE_DOC
 from tokpipe import cli
 from tokpipe._version import __version__
+from tokpipe.cli import parser
 from tokpipe.errors import UserError
 
 
@@ -292,3 +295,43 @@ def test_an_unexpected_error_once_ray_is_up_is_one_line_and_the_run_resumes(
     rerun = tokpipe(*args, ray=ray_address)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert_out_is(out, small_reference)
+
+
+# -- help -----------------------------------------------------------------------------------------------------
+# What tokpipe reads is said where a user first looks: `tokpipe --help`, the package's description.
+
+
+FORMATS = "JSONL, zstd- or gzip-compressed JSONL, Parquet"
+
+
+def test_help_and_description_say_which_formats_are_read():
+    result = tokpipe("--help")
+    assert result.returncode == 0
+    assert FORMATS in " ".join(result.stdout.split())  # argparse wraps the description
+    assert FORMATS in " ".join(PACKAGE_DOC.split())
+    assert (
+        f"tokenization of pretraining corpora ({FORMATS}) into flat token files"
+        in (REPO / "pyproject.toml").read_text()
+    )
+
+
+def test_run_help_says_what_every_option_does():
+    """`tokpipe run --help`: every option has its help (the Ray-only switch for the tests is hidden), and what it
+    says is what the code does: --workers' default is what runner/cluster.py counts, a Parquet shard's text is a
+    column."""
+    commands = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    run = commands.choices["run"]
+    options = [a for a in run._actions if a.option_strings and a.dest != "help"]
+    assert [a.dest for a in options if not a.help] == []
+    assert [a.dest for a in options if a.help == argparse.SUPPRESS] == ["ray_only"]
+    result = tokpipe("run", "--help")
+    assert result.returncode == 0
+    shown = " ".join(result.stdout.split())  # argparse wraps the lines
+    for line in [
+        "--manifest M the shards to tokenize: a `tokpipe manifest` file",
+        "--out OUT the output folder: a new one, or this run's to resume it (`tokpipe status OUT` says where it"
+        " stands)",
+        "--workers N shard tasks at once (default: the CPUs this process may use: its CPU affinity and cgroup quota)",
+        "--text-field NAME JSON field or Parquet column holding the document text (default: text)",
+    ]:
+        assert line in shown

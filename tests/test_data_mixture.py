@@ -170,3 +170,60 @@ def test_the_draw_made_a_block_at_a_time_is_the_rule_row_by_row(weights):
         counts = [c + found.count(i) for i, c in enumerate(counts)]
         picks += found
     assert picks[:rows] == pfair_by_hand(weights, rows)
+
+
+# -- Mixture -----------------------------------------------------------------------------------------------
+
+
+def test_a_mixtures_counts_stay_within_1_with_exact_rows(finished_example, example_reference):
+    seq_len = 2048  # validation: 138 windows, train 419: the smaller source goes through several epochs
+    weights = {"train": 0.55, "validation": 0.45}
+    mix = Mixture(
+        {split: Sequences(finished_example, split, seq_len=seq_len, seed=3) for split in weights},
+        weights=weights,
+    )
+    sources = []
+    references = {"train": example_reference["train"], "validation": example_reference["val"]}
+    for size in (1, 7, 64, 64, 64, 64, 100, 200):
+        batch = mix.next_batch(size)
+        sources += batch.sources
+        for name, row, w in zip(batch.sources, batch.tokens, batch.windows):
+            assert np.array_equal(row, references[name][w * seq_len : w * seq_len + seq_len + 1])
+    for k in range(1, len(sources) + 1):
+        for name, w in weights.items():
+            assert abs(sources[:k].count(name) - k * w / sum(weights.values())) <= 1, (k, name)
+    at = mix.state_dict()["sources"]  # where each source stands at the Mixture's position
+    assert at["validation"]["epoch"] >= 1 and at["train"]["epoch"] == 0  # each its own epochs
+
+
+def test_a_mixture_resumes_exactly(finished_example):
+    def mixture():
+        splits = ("train", "validation")
+        return Mixture(
+            {s: Sequences(finished_example, s, seq_len=2048, seed=1) for s in splits}, {s: 1 for s in splits}
+        )
+
+    running = mixture()
+    for _ in range(5):
+        running.next_batch(33)
+    resumed = mixture()
+    resumed.load_state_dict(json.loads(json.dumps(running.state_dict())))
+    for _ in range(10):
+        a, b = running.next_batch(33), resumed.next_batch(33)
+        assert a.sources == b.sources and np.array_equal(a.tokens, b.tokens)
+
+
+def test_a_mixture_refuses_other_tokenizers_and_other_seq_lens(finished_example, finished_small):
+    with pytest.raises(
+        ValueError,
+        match=r"different tokenizers \(a: qwen3@sha256:\w+ \(vocab_size 151669\), "
+        r"b: small_tokenizer0@sha256:\w+ \(vocab_size 600\)\): their ids mean different tokens$",
+    ):
+        Mixture(
+            {"a": Sequences(finished_example, seq_len=64), "b": Sequences(finished_small, seq_len=64)}, {"a": 1, "b": 1}
+        )
+    with pytest.raises(ValueError, match="sources differ in seq_len: {'a': 64, 'b': 128}"):
+        Mixture(
+            {"a": Sequences(finished_example, seq_len=64), "b": Sequences(finished_example, seq_len=128)},
+            {"a": 1, "b": 1},
+        )

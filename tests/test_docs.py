@@ -25,9 +25,9 @@ from helpers import EXAMPLE_CACHE, QWEN3, REPO
 
 from tokpipe.inputs.manifest import Shard, build_manifest
 from tokpipe.inputs.tokenizer import load_tokenizer_info
+from tokpipe.layout import files as out_files
+from tokpipe.layout.files import Layout
 from tokpipe.options import RunOptions
-from tokpipe.out import files as out_files
-from tokpipe.out.files import Out
 from tokpipe.runner.identity import run_identity
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -300,9 +300,9 @@ SAMPLES = {"Split": "<split>", "Key": "<key>", "Stem": "<stem>", "Group": "<grou
 
 
 def _named_by_the_code() -> set[str]:
-    """Every file name of OUT that tokpipe/out/files.py makes, for a sample shard, split, group, ...: Out's and
+    """Every file name of OUT that tokpipe/layout/files.py makes, for a sample shard, split, group, ...: Layout's and
     ShardFiles' names, each log's (the module's constants: RUN_LOG, PROGRESS, ..., and any added)."""
-    out, shard = Out("OUT"), Shard(split="Split", relpath="relpath", path="path", size=0, key="Key")
+    out, shard = Layout("OUT"), Shard(split="Split", relpath="relpath", path="path", size=0, key="Key")
     own = out.shard(shard)
     splits = [*out.assembly("Stem"), *out.assembly("Stem", "Group")[:2]]
     named = [
@@ -325,7 +325,7 @@ def _named_by_the_code() -> set[str]:
 
 
 def test_the_out_tree_is_every_file_the_code_names():
-    """output-format.md's tree is OUT's one full list: each name tokpipe/out/ makes is on a line of it, once, and
+    """output-format.md's tree is OUT's one full list: each name tokpipe/layout/ makes is on a line of it, once, and
     each of its lines names a file the code makes."""
     tree = _tree()
     assert sorted(_named_by_the_code() - set(tree)) == []  # named by the code, on no line

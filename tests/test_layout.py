@@ -1,4 +1,4 @@
-"""tokpipe/out: every rule of OUT's files, in one package. Where a shard's files and its held-out part go, what a
+"""tokpipe/layout: every rule of OUT's files, in one package. Where a shard's files and its held-out part go, what a
 checkpoint holds, a parts list (one JSON line per part) and the offsets and meta sums it gives, the
 split files' names, meta.pkl read without executing anything, and OUT's lock: held by the live run,
 naming it, refusing a second run, dropped by the kernel when the run dies."""
@@ -16,9 +16,9 @@ from helpers import EXAMPLE_CACHE, run_args, tokpipe
 
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import build_manifest
-from tokpipe.out.files import PROGRESS, Out, OutWriter, ShardFiles, load_meta_pkl, lock_holder, split_file_stem
-from tokpipe.out.records import Checkpoint, PartCounts, listed_parts, parts_line, parts_of, read_parts, split_entry
-from tokpipe.out.run import OutputSpec, output_splits, sources
+from tokpipe.layout.files import PROGRESS, Layout, LayoutWriter, ShardFiles, load_meta_pkl, lock_holder, split_file_stem
+from tokpipe.layout.records import Checkpoint, PartCounts, listed_parts, parts_line, parts_of, read_parts, split_entry
+from tokpipe.layout.run import WriteSpec, output_splits, sources
 
 MANIFEST = build_manifest(EXAMPLE_CACHE)
 TRAIN_0, TRAIN_1, HOLDOUT = MANIFEST.shards()
@@ -103,7 +103,7 @@ def test_a_parts_list_gives_each_part_its_offsets_and_meta_its_sums(tmp_path):
         (1, 10, 2, 14, 3),
         (2, 14, 3, 21, 4),
     ]
-    entry = split_entry("val", tmp_path / "val.parts", OutputSpec()).as_dict()
+    entry = split_entry("val", tmp_path / "val.parts", WriteSpec()).as_dict()
     assert {k: v for k, v in entry.items() if k != "parts_sha256"} == {
         "file": "val.bin",
         "idx": "val.idx",
@@ -120,10 +120,10 @@ def test_a_parts_list_gives_each_part_its_offsets_and_meta_its_sums(tmp_path):
 
 
 def test_each_loader_refuses_its_file_damaged_in_one_line_naming_it_and_what_to_do(small_out):
-    """tokpipe/out/ reads each file of OUT in one place, and refuses it there, damaged, with a UserError that names
+    """tokpipe/layout/ reads each file of OUT in one place, and refuses it there, damaged, with a UserError that names
     it, what is wrong and what to do: a checkpoint, a parts list (cut at a line's end too, which parses: its
     sha256 is meta's no more), one being assembled (a line garbled before its last), a log."""
-    out, rerun = Out(small_out), f"rerun the run's command (tokpipe status {small_out} prints it)"
+    out, rerun = Layout(small_out), f"rerun the run's command (tokpipe status {small_out} prints it)"
     checkpoint = ShardFiles.of(small_out, TRAIN_0).checkpoint
     checkpoint.write_bytes(b'{"lines": 3, "done": tru')
     with pytest.raises(UserError) as refused:
@@ -183,13 +183,13 @@ def test_meta_pkl_is_read_without_executing_anything(tmp_path):
 
 def test_the_lock_names_the_live_run_and_is_gone_when_it_is(tmp_path):
     assert lock_holder(tmp_path / ".lock") is None
-    held = OutWriter(tmp_path).lock()
+    held = LayoutWriter(tmp_path).lock()
     assert lock_holder(tmp_path / ".lock") == f"pid {os.getpid()} on {os.uname().nodename}"
     with pytest.raises(UserError, match=rf"in use by another tokpipe run \(pid {os.getpid()} on "):
-        OutWriter(tmp_path).lock()
+        LayoutWriter(tmp_path).lock()
     held.close()  # as the kernel does when the run dies
     assert lock_holder(tmp_path / ".lock") is None
-    OutWriter(tmp_path).lock().close()
+    LayoutWriter(tmp_path).lock().close()
 
 
 def test_a_second_run_on_the_same_out_is_refused_while_the_first_holds_it(manifest, tmp_path):
@@ -210,7 +210,7 @@ def test_a_second_run_on_the_same_out_is_refused_while_the_first_holds_it(manife
 def test_a_group_value_becomes_a_safe_file_name_and_no_two_values_share_one():
     """--group-by: a value that is a safe name names its files as it is; any other gets its unsafe
     characters made `_` and 8 hex digits of its sha256, so "a/b", "a b" and "a_b" stay apart."""
-    from tokpipe.out.files import group_stem
+    from tokpipe.layout.files import group_stem
 
     assert group_stem("RedPajamaCommonCrawl") == "RedPajamaCommonCrawl"
     assert group_stem("__missing__") == "__missing__"

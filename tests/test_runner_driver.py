@@ -238,7 +238,7 @@ def test_disk_full_stops_the_shard_clearly_and_the_rerun_completes(
 ):
     disk = tmp_path / "disk"
     if not _mount_tmpfs(disk, "3m"):
-        pytest.skip("cannot mount a tmpfs here (needs root); the write-error path is also covered in test_shard")
+        pytest.skip("cannot mount a tmpfs here (needs root); the write-error path is also covered in test_write_shard")
     try:
         out = disk / "out"
         full = tokpipe(*run_args(manifest, out, "--checkpoint-interval", "0.2", tokenizer=small_tokenizer))

@@ -8,10 +8,10 @@ from helpers import EXAMPLE_CACHE, assert_out_is, run_args, tokpipe
 
 from tokpipe.inputs.manifest import build_manifest, write_manifest
 from tokpipe.inputs.tokenizer import load_tokenizer_info
+from tokpipe.layout.records import Checkpoint
+from tokpipe.layout.series import Series
 from tokpipe.options import RunOptions
-from tokpipe.out.records import Checkpoint
-from tokpipe.out.series import Series
-from tokpipe.runner.driver import Plan
+from tokpipe.runner.driver import Standing
 from tokpipe.runner.identity import encode_spec
 from tokpipe.runner.local import Tally, tokenize_while
 from tokpipe.runner.progress import Progress, RunLog
@@ -32,7 +32,7 @@ def _tokenize_here(out, info, busy, helpers: int) -> tuple[int, Tally, Assembler
     itemsize = np.dtype(info.dtype).itemsize  # 2: the 600-id tokenizer's ids are uint16
     assembler = Assembler(out, itemsize, OPTIONS.output)
     assembler.resume(MANIFEST)
-    plan = Plan(shards=3, done=0, partial=0, done_bytes=0)
+    plan = Standing(shards=3, done=0, partial=0, done_bytes=0)
     progress = Progress(out, MANIFEST.size, plan, itemsize, Series(out))
     tally = Tally(0)
     spec = encode_spec(OPTIONS, info, "fastokens")

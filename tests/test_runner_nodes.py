@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,7 +22,7 @@ from helpers import QWEN3, checkpoints, kill_9, run_args, session_processes, sta
 
 from tokpipe.inputs.manifest import build_manifest, write_manifest
 from tokpipe.inputs.tokenizer import load_tokenizer_info
-from tokpipe.out.files import Out
+from tokpipe.layout.files import Layout
 from tokpipe.runner import nodes
 from tokpipe.runner.nodes import NodeCheck, unseen
 
@@ -44,18 +43,18 @@ def test_a_node_checks_out_the_tokenizer_and_a_shard_of_each_folder(tmp_path, mo
     assert check.shards == (shard["a/1"], shard["c/1"], shard["b/1"])  # folders a and c, then shards 0, 2, 4
     assert (check.out, check.tokenizer, check.tokenizer_sha256) == (str(out), info.path, info.sha256)
 
-    Out(out).node_check().write_text(check.token)  # what the driver writes
+    Layout(out).node_check().write_text(check.token)  # what the driver writes
     assert unseen(check, "n1") is None
     assert sorted(p.name for p in (out / "logs").iterdir()) == ["node-check.txt"]  # the node's own file removed
 
-    Out(out).node_check().write_text("another run's token")  # a folder of the node's own at OUT's path
+    Layout(out).node_check().write_text("another run's token")  # a folder of the node's own at OUT's path
     assert unseen(check, "n1") == (
         f"sees another folder at OUT {out} than the driver's (without this run's node-check.txt)"
     )
-    Out(out).node_check().write_text(check.token)
-    Out(out).node_check("n1").mkdir()  # its write fails
+    Layout(out).node_check().write_text(check.token)
+    Layout(out).node_check("n1").mkdir()  # its write fails
     assert unseen(check, "n1") == f"cannot write under OUT {out} (Is a directory)"
-    Out(out).node_check("n1").rmdir()
+    Layout(out).node_check("n1").rmdir()
     out.rename(tmp_path / "elsewhere")
     assert unseen(check, "n1") == f"cannot see OUT {out} (No such file or directory)"
     (tmp_path / "elsewhere").rename(out)
@@ -84,7 +83,7 @@ def test_threads_of_one_worker_that_check_a_node_at_once_all_pass(tmp_path, monk
     out = tmp_path / "out"
     (out / "logs").mkdir(parents=True)
     check = NodeCheck.of(build_manifest(tmp_path / "data"), load_tokenizer_info(QWEN3), out)
-    Out(out).node_check().write_text(check.token)
+    Layout(out).node_check().write_text(check.token)
     monkeypatch.setattr(nodes.ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "n1"))
     for _ in range(20):
         nodes._passed.clear()
@@ -165,14 +164,11 @@ def test_with_address_a_node_that_cannot_see_out_stops_the_run_naming_node_and_p
 
         # With that node in the cluster from the start, the run refuses before any shard is tokenized.
         out = node_local / "out"
-        began = time.monotonic()
         refused = tokpipe(
             *run_args(tmp_path / "m.json", out, "--address", address, *HF, tokenizer=small_tokenizer), timeout=180
         )
-        seconds = time.monotonic() - began
         assert refused.returncode == 2, refused.stdout + refused.stderr
         assert refused.stderr.splitlines() == [f"tokpipe run: error: {blind} {out} (No such file or directory){advice}"]
-        assert seconds < 60
         assert not (out / "shards").exists()
         assert second.poll() is None  # the node was there all along
     finally:

@@ -60,12 +60,12 @@ def test_no_import_cycle():
 # tokpipe/__init__ sit on top and may import any layer.
 LAYERS = {
     "tokpipe.inputs": set(),
-    "tokpipe.out": {"tokpipe.inputs"},
-    "tokpipe.write": {"tokpipe.inputs", "tokpipe.out"},
-    "tokpipe.runner": {"tokpipe.inputs", "tokpipe.out", "tokpipe.write", "tokpipe.options"},
-    "tokpipe.read": {"tokpipe.inputs", "tokpipe.out"},
-    "tokpipe.data": {"tokpipe.out", "tokpipe.read"},
-    "tokpipe.commands": {"tokpipe.inputs", "tokpipe.out", "tokpipe.read", "tokpipe.data"},
+    "tokpipe.layout": {"tokpipe.inputs"},
+    "tokpipe.write": {"tokpipe.inputs", "tokpipe.layout"},
+    "tokpipe.runner": {"tokpipe.inputs", "tokpipe.layout", "tokpipe.write", "tokpipe.options"},
+    "tokpipe.read": {"tokpipe.inputs", "tokpipe.layout"},
+    "tokpipe.data": {"tokpipe.layout", "tokpipe.read"},
+    "tokpipe.commands": {"tokpipe.inputs", "tokpipe.layout", "tokpipe.read", "tokpipe.data"},
 }
 BASICS = {"tokpipe.errors", "tokpipe.durability", "tokpipe.fmt", "tokpipe.store", "tokpipe._version"}
 
@@ -163,12 +163,12 @@ def _keys_taken(tree: ast.AST):
 
 
 def test_only_the_contract_takes_a_key_of_meta_or_run_json():
-    """meta, run.json and a split's entry are records (tokpipe/out/meta.py, run.py): no module outside tokpipe/out/
-    takes one of their keys from a dict, nor tells a split's layout by the keys its entry has."""
+    """meta, run.json and a split's entry are records (tokpipe/layout/meta.py, run.py): no module outside
+    tokpipe/layout/ takes one of their keys from a dict, nor tells a split's layout by the keys its entry has."""
     found = [
         f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {ast.unparse(node)}"
         for path in PACKAGE.rglob("*.py")
-        if not path.is_relative_to(PACKAGE / "out")
+        if not path.is_relative_to(PACKAGE / "layout")
         for node in _keys_taken(ast.parse(path.read_text()))
     ]
     assert found == []
@@ -185,3 +185,17 @@ def test_two_modules_touch_a_token_files_bytes():
         if (_name(call.func.value), call.func.attr) in {("np", "memmap"), ("np", "fromfile"), ("_libc", "mmap")}
     }
     assert touching == {"tokpipe.read.maps", "tokpipe.write.place"}
+
+
+# The tests that are of no one module: the public API (tokpipe/__init__.py's names), the docs' blocks and trees,
+# this file, and a run from the manifest to verify.
+NOT_OF_ONE_MODULE = {"api", "docs", "structure", "end_to_end"}
+
+
+def test_each_test_file_is_named_for_the_module_or_package_it_tests():
+    """tests/test_write_shard.py tests tokpipe/write/shard.py, test_layout.py the package tokpipe/layout/: a reader
+    finds a module's tests by its path."""
+    paths = {p.relative_to(PACKAGE).with_suffix("") for p in PACKAGE.rglob("*.py")}
+    names = {"_".join(p.parts) for p in paths} | {"_".join(p.parts[:-1]) for p in paths if p.name == "__init__"}
+    tests = {p.stem.removeprefix("test_") for p in Path(__file__).parent.glob("test_*.py")}
+    assert sorted(tests - names - NOT_OF_ONE_MODULE) == []

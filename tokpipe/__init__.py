@@ -25,7 +25,7 @@ import os
 from tokpipe._version import __version__
 from tokpipe.inputs.manifest import Manifest, write_manifest
 from tokpipe.inputs.manifest import build_manifest as _build_manifest
-from tokpipe.out.files import is_out
+from tokpipe.layout.files import is_out
 from tokpipe.read.output import Output, Split, open_output
 from tokpipe.read.verify import verify
 from tokpipe.store import is_url

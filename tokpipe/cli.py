@@ -18,9 +18,9 @@ from pathlib import Path
 from tokpipe._version import __version__
 from tokpipe.errors import RayUnavailable, ReaderMayLeave, UserError, terminate_on_sigterm, terminated
 from tokpipe.inputs.source.batch import MISSING_GROUP
+from tokpipe.layout.files import RUN_LOG, Layout
+from tokpipe.layout.meta import Meta, SplitEntry
 from tokpipe.options import RunOptions, positive
-from tokpipe.out.files import RUN_LOG, Out
-from tokpipe.out.meta import Meta, SplitEntry
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 
@@ -72,10 +72,10 @@ def _manifest_lines(manifest, dest: Path) -> list[str]:
 def _where(out: Path, split: SplitEntry) -> str:
     if split.groups is not None:  # --group-by
         n = len(split.groups)
-        return f"the files of {n:,} group{'s' if n != 1 else ''} listed in {Out(out).meta_json}"
+        return f"the files of {n:,} group{'s' if n != 1 else ''} listed in {Layout(out).meta_json}"
     if split.file is None:  # --no-concat
         n = len(split.files)
-        return f"{n:,} file{'s' if n != 1 else ''} listed in {Out(out).meta_json}"
+        return f"{n:,} file{'s' if n != 1 else ''} listed in {Layout(out).meta_json}"
     return str(out / split.file)
 
 
@@ -115,7 +115,7 @@ def summary_lines(summary) -> list[str]:
     seconds = summary.seconds
     lines.append(summary.phases)
     lines.append(
-        f"done in {seconds:.1f}s ({tokens / seconds / 1e6:.2f}M tokens/s overall); meta: {Out(out).meta_pkl}. "
+        f"done in {seconds:.1f}s ({tokens / seconds / 1e6:.2f}M tokens/s overall); meta: {Layout(out).meta_pkl}. "
         f"Next: tokpipe verify {shlex.quote(str(out))}"
     )
     return lines
@@ -379,7 +379,7 @@ def _unexpected(out: str, error: Exception) -> str:
 
     from tokpipe.runner.local import describe_failure
 
-    trace, log = "".join(traceback.format_exception(error)).rstrip(), Out(out).log(RUN_LOG)
+    trace, log = "".join(traceback.format_exception(error)).rstrip(), Layout(out).log(RUN_LOG)
     if log.is_file():
         from tokpipe.runner.progress import RunLog
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from tokpipe.errors import UserError
 from tokpipe.inputs.source.batch import MISSING_GROUP
 from tokpipe.inputs.tokenizer import BACKENDS
-from tokpipe.out.run import OutputSpec
+from tokpipe.layout.run import WriteSpec
 
 
 @dataclass(frozen=True)
@@ -162,6 +162,6 @@ class RunOptions:
         return self.worker_memory // 4 if self.shard_buffer is None else self.shard_buffer
 
     @property
-    def output(self) -> OutputSpec:
+    def output(self) -> WriteSpec:
         """What these options say of the output's files and meta: what the write path is given of them."""
-        return OutputSpec(self.text_field, self.delimiters, self.val_fraction, not self.no_concat, self.group_by)
+        return WriteSpec(self.text_field, self.delimiters, self.val_fraction, not self.no_concat, self.group_by)

@@ -53,8 +53,8 @@ import numpy as np
 from tokpipe.data import Permutation
 from tokpipe.durability import copy_file, copy_range, fsync_dir
 from tokpipe.errors import UserError
-from tokpipe.out.files import Out, split_file_stem
-from tokpipe.out.tokens import to_dtype
+from tokpipe.layout.files import Layout, split_file_stem
+from tokpipe.layout.tokens import to_dtype
 from tokpipe.read.output import Output, Split, open_output
 
 FORMATS = ("megatron", "llmc")
@@ -292,7 +292,7 @@ def _megatron_prefixes(data: Output, dest: Path) -> Iterator[tuple[str, str | No
     for name, split in data.splits.items():
         stem = split_file_stem(name)
         for group, part in split.groups.items() if split.groups else [(None, split)]:
-            yield stem, group, part, Out(dest).split(stem, group)
+            yield stem, group, part, Layout(dest).split(stem, group)
 
 
 def _touched(data: Output, fmt: str, dest: Path) -> list[Path]:
@@ -325,7 +325,7 @@ def _refuse_out_files(data: Output, dest: Path, touched: list[Path]) -> None:
             parents.setdefault((st.st_dev, st.st_ino), []).append(path)
     if not parents:  # a new DEST, or on another file system: OUT's folders need no walk (0.3-0.5 s for 60k shards)
         return
-    for folder, files in Out(data.path).folders([split_file_stem(name) for name in data.splits]):
+    for folder, files in Layout(data.path).folders([split_file_stem(name) for name in data.splits]):
         st = folder.stat()
         for path in parents.get((st.st_dev, st.st_ino), ()):
             if path.name in files:

@@ -23,10 +23,10 @@ import numpy as np
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import load_manifest
 from tokpipe.inputs.tokenizer import encoder, load_tokenizer_info
-from tokpipe.out.files import Out, out_folder, split_file_stem
-from tokpipe.out.meta import Meta
-from tokpipe.out.records import unfinished_files
-from tokpipe.out.run import RunRecord, load_run, output_splits
+from tokpipe.layout.files import Layout, out_folder, split_file_stem
+from tokpipe.layout.meta import Meta
+from tokpipe.layout.records import unfinished_files
+from tokpipe.layout.run import RunRecord, load_run, output_splits
 from tokpipe.read.files import TokenFile, TokenFiles
 from tokpipe.read.output import open_output
 from tokpipe.read.verify import Check
@@ -98,18 +98,18 @@ def open_source(out: str | os.PathLike, split: str) -> Source:
     """A split of OUT as far as it is written: a finished OUT's split files, or what an unfinished one's checkpoints
     and parts lists cover (records.unfinished_files), each read through the one reader of a split's files."""
     out = out_folder(out)
-    run = load_run(Out(out))
+    run = load_run(Layout(out))
     tokenizer_path = run.tokenizer_path if run is not None else None
-    if Out(out).is_finished():
+    if Layout(out).is_finished():
         data = open_output(out)
         name = _split_name(split, list(data.splits))
         files = data.splits[name].files
         return _source(name, True, data.record, files, sum(len(f.ends) for f in files), tokenizer_path)
-    if run is None or not Out(out).manifest.is_file():
+    if run is None or not Layout(out).manifest.is_file():
         raise UserError(f"{out} holds no tokpipe run (no meta.json, run.json or manifest.json)")
-    manifest = load_manifest(Out(out).manifest)
+    manifest = load_manifest(Layout(out).manifest)
     name = _split_name(split, output_splits(manifest, run.val_fraction))
-    written = unfinished_files(Out(out), manifest, split_file_stem(name), run.val_fraction)
+    written = unfinished_files(Layout(out), manifest, split_file_stem(name), run.val_fraction)
     reader = TokenFiles(out, written, run.dtype)
     return _source(name, False, run, [reader.file(f) for f in range(len(reader))], reader.documents, tokenizer_path)
 

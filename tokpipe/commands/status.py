@@ -7,7 +7,7 @@ dies), OUT/logs/progress.json (rate and ETA, rewritten every 2 s while shards ru
 OUT/logs/failed.json (the last run's failures), OUT/logs/refused.json (a run refused before OUT
 held a token: the command that works is then the corrected one), OUT/run.json (the tokenizer and
 options to resume with) and OUT/meta.json (written last: the run finished). A damaged file of the run's state
-stops it with the loader's one line (tokpipe/out/); a damaged log is said in a warning, and status goes on
+stops it with the loader's one line (tokpipe/layout/); a damaged log is said in a warning, and status goes on
 without it.
 """
 
@@ -22,10 +22,10 @@ from dataclasses import asdict, dataclass, field
 from tokpipe.errors import UserError
 from tokpipe.fmt import disk_line, duration, free_bytes
 from tokpipe.inputs.manifest import load_manifest
-from tokpipe.out.files import FAILED, PROGRESS, REFUSED, RUN_LOG, Out, lock_holder, out_folder
-from tokpipe.out.meta import load_meta
-from tokpipe.out.records import Checkpoint
-from tokpipe.out.run import RunRecord, load_run
+from tokpipe.layout.files import FAILED, PROGRESS, REFUSED, RUN_LOG, Layout, lock_holder, out_folder
+from tokpipe.layout.meta import load_meta
+from tokpipe.layout.records import Checkpoint
+from tokpipe.layout.run import RunRecord, load_run
 
 # progress.json is rewritten every 2 s while shards run; older than this, the live run is doing
 # something else (starting Ray, finalizing) or is stuck.
@@ -44,6 +44,14 @@ class ShardStatus:
     documents: int
     error: str | None = None  # the last run's error, for a failed shard
     writing: bool = False  # a worker holds the shard's lock: live, or left over from a killed run
+    lines: int = 0  # read, by the checkpoint
+    skipped: dict[str, int] = field(default_factory=dict)  # lines skipped, by reason
+    text_bytes: int = 0  # decompressed input bytes consumed (0: a checkpoint older than the field)
+    seconds: float = 0.0  # tokenizing, summed over attempts
+
+    @property
+    def bytes_per_token(self) -> float | None:
+        return self.text_bytes / self.tokens if self.tokens and self.text_bytes else None
 
 
 @dataclass(frozen=True)
@@ -72,7 +80,7 @@ def resume_command(out: str, run: RunRecord | None, fix: dict | None = None) -> 
         "tokpipe",
         "run",
         "--manifest",
-        os.path.join(out, Out(out).manifest.name),  # as OUT was named, not normalized
+        os.path.join(out, Layout(out).manifest.name),  # as OUT was named, not normalized
         "--tokenizer",
         (run and run.tokenizer_path) or "TOKENIZER",
         "--out",
@@ -90,7 +98,7 @@ def resume_command(out: str, run: RunRecord | None, fix: dict | None = None) -> 
 
 def status(out: str | os.PathLike) -> RunStatus:
     out = os.fspath(out)
-    folder = Out(out_folder(out))
+    folder = Layout(out_folder(out))
     if not folder.manifest.is_file():
         raise UserError(
             f"{out} holds no tokpipe run (no manifest.json): start one with tokpipe run --manifest M "
@@ -124,7 +132,10 @@ def status(out: str | os.PathLike) -> RunStatus:
         held_tokens, held_documents = ckpt.counts(True)
         tokens, documents = ckpt.tokens + held_tokens, ckpt.documents + held_documents
         shards.append(
-            ShardStatus(shard.split, shard.relpath, state, shard.size, read, tokens, documents, error, writing)
+            ShardStatus(
+                shard.split, shard.relpath, state, shard.size, read, tokens, documents, error, writing,
+                ckpt.lines, dict(ckpt.skipped), ckpt.text_bytes, round(ckpt.seconds, 3),
+            )  # fmt: skip
         )
         for split, part in ckpt.group_parts(shard.split):
             committed = groups.setdefault(split, {}).setdefault(part.group, [0, 0])
@@ -149,7 +160,8 @@ def status(out: str | os.PathLike) -> RunStatus:
         if refused and not refused["fix"]:
             next_step = f"what the refusal above says, then: {next_step} (with other inputs: OUT holds no token yet)"
         if failures:
-            next_step = f"fix the cause of the failures above (details in {Out(out).log(RUN_LOG)}), then: {next_step}"
+            log = Layout(out).log(RUN_LOG)
+            next_step = f"fix the cause of the failures above (details in {log}), then: {next_step}"
         if not (run and run.tokenizer_path):
             sha = ((run and run.tokenizer_sha256) or "?")[:16]
             next_step += f"   (TOKENIZER: the one with sha256 {sha}…; this run.json does not record its path)"
@@ -162,7 +174,7 @@ def status(out: str | os.PathLike) -> RunStatus:
     return RunStatus(out, state, shards, holder, live_progress, age, next_step, disk, groups, why, warnings)
 
 
-def _log(folder: Out, name: str, warnings: list[str]) -> dict | None:
+def _log(folder: Layout, name: str, warnings: list[str]) -> dict | None:
     """A log of OUT's, None where there is none; where it is damaged, also None, said in `warnings`: a log is
     not the run's state, so status goes on without it."""
     try:

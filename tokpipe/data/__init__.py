@@ -1,7 +1,7 @@
 """From a finished OUT to training batches: `from tokpipe.data import Permutation, Sequences, Mixture`.
 
 numpy only (torch.from_numpy turns a batch into tensors without a copy). Reads OUT through its contract
-(tokpipe.out: meta) and the one reader of a split's files (tokpipe.read.files), and never writes it.
+(tokpipe.layout: meta) and the one reader of a split's files (tokpipe.read.files), and never writes it.
 """
 
 from tokpipe.data.mixture import Mixture

@@ -42,7 +42,7 @@ import numpy as np
 from tokpipe.data import draw
 from tokpipe.data.arguments import integer
 from tokpipe.data.sequences import STATE_FORMAT, Batch, Sequences
-from tokpipe.out.meta import Meta
+from tokpipe.layout.meta import Meta
 from tokpipe.read.files import TokenFiles
 
 _NONE = (np.zeros(0, np.int64),) * 3  # no rows: their sources, windows and starts

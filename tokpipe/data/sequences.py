@@ -47,8 +47,8 @@ import orjson
 from tokpipe.data.arguments import integer, name
 from tokpipe.data.permutation import Permutation
 from tokpipe.errors import UserError
-from tokpipe.out.files import Out
-from tokpipe.out.meta import OutputError, SplitEntry, finished_meta
+from tokpipe.layout.files import Layout
+from tokpipe.layout.meta import OutputError, SplitEntry, finished_meta
 from tokpipe.read.files import TokenFiles
 
 STATE_FORMAT = 3  # 1: the fingerprint was meta's parts_sha256; 2: the group was not recorded
@@ -154,12 +154,12 @@ class Sequences:
         self.out, self.split = Path(os.path.abspath(out)), name(split, "split")
         self.group = None if group is None else name(group, "group")
         try:
-            meta = finished_meta(Out(self.out))  # not finished: its OutputError, a ValueError
+            meta = finished_meta(Layout(self.out))  # not finished: its OutputError, a ValueError
         except OutputError:
             raise
         except UserError as e:  # a hostile or damaged meta.pkl: the restricted unpickler refused it
             raise ValueError(
-                f"{Out(self.out).meta_pkl} cannot be read safely ({e}): tokpipe verify {self.out}"
+                f"{Layout(self.out).meta_pkl} cannot be read safely ({e}): tokpipe verify {self.out}"
             ) from None
         self.record, self.meta = meta, meta.as_dict()  # meta.pkl, as a record and as its dict
         if split not in meta.splits:

@@ -336,7 +336,7 @@ def build_manifest(
     """The ordered shard list of a dataset in a folder (one under an s3:// prefix: objects.py, which
     tokpipe.build_manifest calls for a URL). Shards whose bytes lie outside it (through symlinks) are
     refused unless allow_outside: a manifest must not quietly read files from elsewhere. `is_out` tells a
-    tokpipe OUT (tokpipe/out/ knows one; the commands pass it): one inside the dataset is passed over."""
+    tokpipe OUT (tokpipe/layout/ knows one; the commands pass it): one inside the dataset is passed over."""
     root, blobs_dir, repo_id, revision = _locate(Path(dataset_dir).absolute(), repo_id, revision)
     base = (blobs_dir.parent if blobs_dir else root).resolve()
     files, passed_over = _walk(root, is_out)

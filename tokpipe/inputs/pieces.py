@@ -5,7 +5,7 @@ One encode call needs 150-350 bytes per character in `tokenizers` and ~10 in fas
 (measured, benchmarks/README.md): a 62 MB document in one call took a run to 19 GiB with the
 reference. A piece ends only where the tokenizer's own pre-tokenizer must end a pre-token whatever
 follows (CUT), and BPE never merges across pre-tokens, so the ids of the pieces, joined, are the ids
-of the whole (tests/test_pieces.py checks it on real text against one whole-document encode).
+of the whole (tests/test_inputs_pieces.py checks it on real text against one whole-document encode).
 """
 
 from __future__ import annotations

@@ -46,8 +46,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tokpipe.out.meta import SplitFile
-from tokpipe.out.records import IDX_DTYPE
+from tokpipe.layout.meta import SplitFile
+from tokpipe.layout.records import IDX_DTYPE
 from tokpipe.read.maps import LocalFile, array_at, kernel_max_maps
 
 RESERVED = 4096  # maps left to the rest of the process: Python with numpy holds ~200, torch on CUDA a few 1,000

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from tokpipe.durability import ShortRead, read_range
-from tokpipe.out.meta import OutputError
+from tokpipe.layout.meta import OutputError
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tokpipe.out.files import Out, out_folder
-from tokpipe.out.meta import Meta, SplitEntry, finished_meta
+from tokpipe.layout.files import Layout, out_folder
+from tokpipe.layout.meta import Meta, SplitEntry, finished_meta
 from tokpipe.read.files import TokenFile, TokenFiles
 
 
@@ -74,7 +74,7 @@ class Split:
 @dataclass(frozen=True)
 class Output:
     path: Path
-    record: Meta  # meta.pkl as a record (tokpipe/out/meta.py)
+    record: Meta  # meta.pkl as a record (tokpipe/layout/meta.py)
     splits: dict[str, Split]
 
     @property
@@ -98,7 +98,7 @@ class Output:
 def open_output(out: str | os.PathLike) -> Output:
     """A finished OUT, ready to train from. UserError when OUT is not finished or does not match its meta."""
     out = out_folder(out)
-    meta = finished_meta(Out(out))
+    meta = finished_meta(Layout(out))
     return Output(out, meta, {name: open_split(out, name, entry, meta.dtype) for name, entry in meta.splits.items()})
 
 

@@ -17,11 +17,11 @@ from tokpipe.inputs.manifest import load_manifest
 from tokpipe.inputs.objects import check_reachable
 from tokpipe.inputs.source import read_batches
 from tokpipe.inputs.tokenizer import PIECE_CHARS, HFEncoder, tokenizer_json_path
-from tokpipe.out.files import Out, split_file_stem
-from tokpipe.out.meta import Meta
-from tokpipe.out.records import Checkpoint
-from tokpipe.out.run import sources
-from tokpipe.out.tokens import held_out
+from tokpipe.layout.files import Layout, split_file_stem
+from tokpipe.layout.meta import Meta
+from tokpipe.layout.records import Checkpoint
+from tokpipe.layout.run import sources
+from tokpipe.layout.tokens import held_out
 from tokpipe.read.output import open_output
 from tokpipe.read.verify import Check
 
@@ -44,7 +44,7 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
             )
         ]
     reference = HFEncoder(str(json_path))
-    manifest = load_manifest(Out(out).manifest)
+    manifest = load_manifest(Layout(out).manifest)
     check_reachable(manifest)  # its sources on a store: a wrong key or no store there said in one line, now
     before = [meta.bos_token_id] if meta.delimiters.bos else []
     after = [meta.eos_token_id] if meta.delimiters.eos else []

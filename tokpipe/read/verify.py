@@ -20,9 +20,9 @@ import numpy as np
 
 from tokpipe.durability import HASH_CHUNK, ShortRead
 from tokpipe.errors import UserError
-from tokpipe.out.files import Out, load_meta_pkl, out_folder
-from tokpipe.out.meta import Meta, SplitEntry, SplitFile
-from tokpipe.out.records import Part, parts_of
+from tokpipe.layout.files import Layout, load_meta_pkl, out_folder
+from tokpipe.layout.meta import Meta, SplitEntry, SplitFile
+from tokpipe.layout.records import Part, parts_of
 from tokpipe.read.files import TokenFiles
 
 
@@ -156,20 +156,20 @@ def verify(out: str | os.PathLike, jobs: int | None = None) -> list[Check]:
 
     unfinished = f"the run has not finished (tokpipe status {shlex.quote(str(out))})"
     try:
-        raw = load_meta_pkl(Out(out).meta_pkl)
+        raw = load_meta_pkl(Layout(out).meta_pkl)
     except FileNotFoundError:
-        check("meta.pkl present", False, f"{Out(out).meta_pkl} is missing: {unfinished}")
+        check("meta.pkl present", False, f"{Layout(out).meta_pkl} is missing: {unfinished}")
         return checks
     except UserError as e:  # damaged, or hostile: the restricted unpickler refused it
         check("meta.pkl readable", False, str(e))
         return checks
     try:
-        raw_json = Out(out).load_meta_json()
+        raw_json = Layout(out).load_meta_json()
     except UserError as e:
         check("meta.json readable", False, str(e))
         return checks
     if raw_json is None:  # written last: a run killed between the two metas
-        check("meta.json present", False, f"{Out(out).meta_json} is missing: {unfinished}")
+        check("meta.json present", False, f"{Layout(out).meta_json} is missing: {unfinished}")
         return checks
     if not check("meta.pkl == meta.json", raw == raw_json, "" if raw == raw_json else "the two metas differ"):
         return checks

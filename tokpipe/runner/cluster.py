@@ -150,7 +150,7 @@ class Cluster:
         # of SIGABRT (-6) instead of exiting 143. RAY_DISABLE_FAILURE_SIGNAL_HANDLER is Ray's own switch
         # for it (read by ray._private.ray_constants on import, so set before; Ray's docs give it for the
         # JVM's signal conflicts). Without the handler, SIGTERM stays tokpipe's at every moment that
-        # tests/test_sigterm.py tries. Ray's processes inherit it: a crashing worker still has Python's
+        # tests/test_errors.py tries. Ray's processes inherit it: a crashing worker still has Python's
         # faulthandler (Ray enables it) and loses only those unsymbolized frames.
         os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
         import ray  # here, in the thread that starts it: a run the driver finishes alone never imports it (0.7 s)

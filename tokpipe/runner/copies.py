@@ -12,7 +12,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tokpipe.errors import NodeError, TooManyGroups
-from tokpipe.out.records import Checkpoint, Part
+from tokpipe.layout.records import Checkpoint, Part
 from tokpipe.runner.progress import RunLog
 from tokpipe.runner.task import Placer, Stored
 from tokpipe.store import StoreUnavailable

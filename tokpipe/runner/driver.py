@@ -20,12 +20,12 @@ from tokpipe.inputs.manifest import Manifest, load_manifest, write_manifest
 from tokpipe.inputs.objects import check_reachable
 from tokpipe.inputs.source import fields_of, read_batches
 from tokpipe.inputs.tokenizer import TokenizerInfo, choose_backend, load_tokenizer_info
+from tokpipe.layout.files import FAILED, RAY_LOG, Layout, LayoutWriter, out_folder
+from tokpipe.layout.meta import Meta, load_meta
+from tokpipe.layout.records import MAX_GROUPS, Checkpoint
+from tokpipe.layout.run import finished_with
+from tokpipe.layout.series import Series
 from tokpipe.options import RunOptions
-from tokpipe.out.files import FAILED, RAY_LOG, Out, OutWriter, out_folder
-from tokpipe.out.meta import Meta, load_meta
-from tokpipe.out.records import MAX_GROUPS, Checkpoint
-from tokpipe.out.run import finished_with
-from tokpipe.out.series import Series
 from tokpipe.runner.cluster import Cluster
 from tokpipe.runner.events import Finished, Listener, Said, silent
 from tokpipe.runner.identity import check_options, encode_spec, finished_read_only, record_run, refusals_noted
@@ -64,7 +64,7 @@ class RunSummary:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Standing:
     """Where the shards stand before this run starts."""
 
     shards: int
@@ -108,7 +108,7 @@ class _Handover:
         return not self.cluster.working()
 
 
-def _plan(run: _Run, manifest_path) -> Plan:
+def _plan(run: _Run, manifest_path) -> Standing:
     out, manifest, info, log = run.out, run.manifest, run.info, run.log
     shards, done, partial, done_bytes = sum(manifest.counts.values()), 0, 0, 0
     for shard in manifest.shards():  # one checkpoint in memory at a time: manifests may hold 100,000s of shards
@@ -132,7 +132,7 @@ def _plan(run: _Run, manifest_path) -> Plan:
         f"run: manifest {manifest_path} ({manifest.fingerprint[:16]}), tokenizer {info.id}, {shards} shards: "
         f"{done} done, {partial} partial"
     )
-    return Plan(shards, done, partial, done_bytes)
+    return Standing(shards, done, partial, done_bytes)
 
 
 def _resume(run: _Run) -> Assembler:
@@ -230,7 +230,7 @@ def _choose_backend(run: _Run) -> str:
     return backend
 
 
-def _tokenize(run: _Run, assembler: Assembler, plan: Plan) -> Tally:
+def _tokenize(run: _Run, assembler: Assembler, plan: Standing) -> Tally:
     """Tokenize every unfinished shard, assembling the split files as shards finish: in this process
     while Ray starts, then on Ray. What finalize has left is the last copies."""
     backend = _choose_backend(run)
@@ -332,7 +332,7 @@ def _report_failures(run: _Run, tally: Tally) -> bool:
                 "written after the last checkpoints redone"
             )
         )
-    failures_file = Out(run.out).log(FAILED)
+    failures_file = Layout(run.out).log(FAILED)
     if not failed:
         failures_file.unlink(missing_ok=True)
         return True
@@ -384,11 +384,11 @@ def _run(
     out.mkdir(parents=True, exist_ok=True)
     if not os.access(out, os.W_OK):  # a read-only mount: a finished run is nothing to do there too
         return _nothing_to_do(out, finished_read_only(out, manifest, info, opts), clock, tell)
-    with OutWriter(out).lock(), refusals_noted(out):
+    with LayoutWriter(out).lock(), refusals_noted(out):
         manifest = _record(out, manifest, info, opts, tell)
         run = _Run(manifest, out, info, opts, RunLog(out), clock, cluster, tell)
-        cluster.log_to(Out(out).log(RAY_LOG))  # OUT is this run's: Ray's lines go there from now on
-        meta = load_meta(Out(out))
+        cluster.log_to(Layout(out).log(RAY_LOG))  # OUT is this run's: Ray's lines go there from now on
+        meta = load_meta(Layout(out))
         if finished_with(meta, manifest):
             return _nothing_to_do(out, meta, clock, tell)
         # Before the plan: it may find placed shards whose place is not kept, to tokenize again.
@@ -408,7 +408,7 @@ def _run(
 def _nothing_to_do(out: Path, meta: Meta, clock: Timeline, tell: Listener) -> RunSummary:
     tell(
         Said(
-            f"{out} is already finished ({Out(out).meta_json}); nothing to do. Check it with: "
+            f"{out} is already finished ({Layout(out).meta_json}); nothing to do. Check it with: "
             f"tokpipe verify {shlex.quote(str(out))}"
         )
     )
@@ -418,8 +418,8 @@ def _nothing_to_do(out: Path, meta: Meta, clock: Timeline, tell: Listener) -> Ru
 def _record(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOptions, tell: Listener) -> Manifest:
     """Record this run in OUT (run.json, a copy of the manifest); returns the manifest of OUT's copy."""
     record_run(out, manifest, info, opts, tell)
-    write_manifest(manifest, Out(out).manifest)  # what `verify --sample` and `status` read
-    return replace(manifest, source=Out(out).manifest)  # from here on, its shards stream from OUT's copy
+    write_manifest(manifest, Layout(out).manifest)  # what `verify --sample` and `status` read
+    return replace(manifest, source=Layout(out).manifest)  # from here on, its shards stream from OUT's copy
 
 
 def _finalize(run: _Run, assembler: Assembler, tally: Tally, redone: int) -> RunSummary:

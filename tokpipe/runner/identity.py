@@ -15,10 +15,10 @@ from tokpipe.durability import write_json_atomic
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import Manifest, load_manifest
 from tokpipe.inputs.tokenizer import TokenizerInfo
+from tokpipe.layout.files import REFUSED, Layout, LayoutWriter
+from tokpipe.layout.meta import Meta, load_meta
+from tokpipe.layout.run import RUN_FORMAT, finished_with, load_run
 from tokpipe.options import RunOptions
-from tokpipe.out.files import REFUSED, Out, OutWriter
-from tokpipe.out.meta import Meta, load_meta
-from tokpipe.out.run import RUN_FORMAT, finished_with, load_run
 from tokpipe.runner.events import Listener, Said, silent
 from tokpipe.write.shard import EncodeSpec
 
@@ -87,8 +87,8 @@ def refusals_noted(out: Path):
     try:
         yield
     except UserError as e:
-        if Out(out).run_json.exists() and not OutWriter(out).holds_tokens():
-            OutWriter(out).write_log(REFUSED, {"error": str(e), "fix": e.fix})
+        if Layout(out).run_json.exists() and not LayoutWriter(out).holds_tokens():
+            LayoutWriter(out).write_log(REFUSED, {"error": str(e), "fix": e.fix})
         raise
 
 
@@ -99,25 +99,25 @@ def record_run(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOpti
     changed = identity_changes(out, identity)
     if changed:
         what = _said(changed)
-        if not OutWriter(out).holds_tokens():
-            OutWriter(out).start_over()
+        if not LayoutWriter(out).holds_tokens():
+            LayoutWriter(out).start_over()
             tell(Said(f"{out} holds no token yet: starting it over with these inputs ({what})"))
-        elif list(changed) == ["manifest_sha256"] and Out(out).manifest.exists():
-            _check_append(out, load_manifest(Out(out).manifest), manifest, tell)
+        elif list(changed) == ["manifest_sha256"] and Layout(out).manifest.exists():
+            _check_append(out, load_manifest(Layout(out).manifest), manifest, tell)
         else:
             raise UserError(
                 f"{out} holds a run with other inputs ({what}); use a new --out, or the original inputs to resume"
             )
-    Out(out).log(REFUSED).unlink(missing_ok=True)
+    Layout(out).log(REFUSED).unlink(missing_ok=True)
     defaults = asdict(RunOptions())
     options = {k: v for k, v in asdict(opts).items() if v != defaults[k]}
-    write_json_atomic(Out(out).run_json, {**identity, "tokenizer_path": info.path, "options": options})
+    write_json_atomic(Layout(out).run_json, {**identity, "tokenizer_path": info.path, "options": options})
 
 
 def identity_changes(out: Path, identity: dict) -> dict[str, tuple] | None:
     """What differs between a run's identity and the one OUT's run.json records: key -> (was, now), in key
     order; None where OUT records none."""
-    recorded = load_run(Out(out))
+    recorded = load_run(Layout(out))
     if recorded is None:
         return None
     previous = recorded.identity()
@@ -132,7 +132,7 @@ def _said(changed: dict[str, tuple]) -> str:
 def finished_read_only(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOptions) -> Meta:
     """The meta of an OUT this process may not write (a read-only mount) that holds this run finished: a rerun
     there is nothing to do, as anywhere. Anything else would write to it: refused, before any work."""
-    meta = load_meta(Out(out))
+    meta = load_meta(Layout(out))
     changed = identity_changes(out, run_identity(manifest, info, opts))
     where = f"{out} is not writable here (a read-only mount, or another user's)"
     if changed:
@@ -165,4 +165,4 @@ def _check_append(out: Path, old_manifest: Manifest, manifest: Manifest, tell: L
     tell(
         Said(f"the manifest gained {gained} shards since {out} was started: appending them (finished shards are kept)")
     )
-    OutWriter(out).unfinish()  # until the new finalize
+    LayoutWriter(out).unfinish()  # until the new finalize

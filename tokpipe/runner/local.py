@@ -15,8 +15,8 @@ from pathlib import Path
 
 from tokpipe.errors import TooManyGroups
 from tokpipe.inputs.manifest import Manifest, Shard
-from tokpipe.out.files import ShardFiles
-from tokpipe.out.records import Checkpoint
+from tokpipe.layout.files import ShardFiles
+from tokpipe.layout.records import Checkpoint
 from tokpipe.runner.progress import Progress, RunLog
 from tokpipe.store import StoreUnavailable, is_url
 from tokpipe.write.assembly import Assembler
@@ -68,9 +68,9 @@ def tokenize_while(
     corpus of a few small shards is done before it is up, and a large one has its first shards done on every
     core. Only regular files: a pipe could block the driver, which alone watches for stalls."""
     here = _Here(busy, progress, tally, log, assembler)
-    finished = Finished(out)
+    is_done = DoneShards(out)
     shards = (
-        s for s in manifest.shards() if not finished(s) and (is_url(s.path) or stat.S_ISREG(os.stat(s.path).st_mode))
+        s for s in manifest.shards() if not is_done(s) and (is_url(s.path) or stat.S_ISREG(os.stat(s.path).st_mode))
     )
     here.pool = _Helpers(helpers, out, spec) if helpers else None
     try:
@@ -216,7 +216,7 @@ def describe_failure(error: Exception) -> str:
     return f"{type(cause).__name__}: {text[-1] if text else ''}"
 
 
-class Finished:
+class DoneShards:
     """Whether a shard has a done checkpoint, asked once for every shard of a run: each checkpoints' folder
     is listed once, and a checkpoint read only where one exists (a read that raised for each of 2,500 new
     shards was a tenth of the driver's time on them). A checkpoint that appears after the listing is read

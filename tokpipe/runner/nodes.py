@@ -37,7 +37,7 @@ from tokpipe.durability import write_atomic
 from tokpipe.errors import NodeError, UserError
 from tokpipe.inputs.manifest import Manifest
 from tokpipe.inputs.tokenizer import TokenizerInfo
-from tokpipe.out.files import RUN_LOG, Out
+from tokpipe.layout.files import RUN_LOG, Layout
 from tokpipe.store import is_url
 
 MAX_FOLDERS = 256  # of the shards' folders, one shard each
@@ -82,7 +82,7 @@ def unseen(check: NodeCheck, who: str) -> str | None:
     """What this machine cannot see of what the run needs, in a few words; None when it sees it all.
     `who` names the file it writes under OUT (unique among the processes that check at once)."""
     out = Path(check.out)
-    token_file = Out(out).node_check()
+    token_file = Layout(out).node_check()
     try:
         token = token_file.read_text()
     except OSError as e:
@@ -91,7 +91,7 @@ def unseen(check: NodeCheck, who: str) -> str | None:
         token = None
     if token != check.token:
         return f"sees another folder at OUT {out} than the driver's (without this run's {token_file.name})"
-    mine = Out(out).node_check(who)
+    mine = Layout(out).node_check(who)
     try:
         with open(mine, "wb") as f:
             f.write(check.token.encode())
@@ -143,7 +143,7 @@ def check_nodes(manifest: Manifest, info: TokenizerInfo, out: Path, log, watch: 
     NodeCheck, in Ray's object store, that the tasks take (and check on a node not probed here). A node whose
     raylet takes no connection is lost (the GCS yet to say so): a probe there would wait PROBE_SECONDS."""
     check = NodeCheck.of(manifest, info, out)
-    write_atomic(Out(out).node_check(), check.token.encode())
+    write_atomic(Layout(out).node_check(), check.token.encode())
     probe = ray.remote(num_cpus=0, max_retries=0, name="tokpipe node check")(_probe)
     nodes = [node for node in watch.up if watch.answers(node)]
     for node in watch.up - set(nodes):

@@ -14,9 +14,9 @@ from tqdm import tqdm
 
 from tokpipe.durability import write_json_atomic
 from tokpipe.fmt import disk_line, duration, free_bytes
-from tokpipe.out.files import PROGRESS, RUN_LOG, Out
-from tokpipe.out.meta import Meta
-from tokpipe.out.series import Series
+from tokpipe.layout.files import PROGRESS, RUN_LOG, Layout
+from tokpipe.layout.meta import Meta
+from tokpipe.layout.series import Series
 from tokpipe.runner.events import Listener, Said, silent
 
 
@@ -24,7 +24,7 @@ class RunLog:
     """OUT/logs/run.log: the effective configuration, shard failures, stalls, the outcome."""
 
     def __init__(self, out: Path):
-        path = Out(out).log(RUN_LOG)
+        path = Layout(out).log(RUN_LOG)
         path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(path, "a")
 
@@ -105,7 +105,7 @@ class Progress:
         if final or now - self.last_file >= 2.0:
             self.last_file = now
             write_json_atomic(
-                Out(self.out).log(PROGRESS),
+                Layout(self.out).log(PROGRESS),
                 {
                     "pid": os.getpid(),
                     "started_at": self.started_at,

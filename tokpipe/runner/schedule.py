@@ -30,11 +30,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tokpipe.errors import NodeError, RayUnavailable
 from tokpipe.inputs.manifest import Manifest, Shard
+from tokpipe.layout.files import stall_dump
 from tokpipe.options import RunOptions
-from tokpipe.out.files import stall_dump
 from tokpipe.runner.copies import Copies, get
 from tokpipe.runner.events import Listener, Said
-from tokpipe.runner.local import Finished, Tally, describe_failure
+from tokpipe.runner.local import DoneShards, Tally, describe_failure
 from tokpipe.runner.nodes import NodeWatch
 from tokpipe.runner.progress import Progress, RunLog
 from tokpipe.runner.task import ProgressBoard, Stored, shard_task
@@ -156,10 +156,10 @@ class Scheduler:
         self.common = ray.put((str(out), spec, self.board, opts.stall_timeout))  # see task.shard_task
         self.watch = watch
         # Not those that failed in this process already (tokenize_while).
-        finished = Finished(out)
+        is_done = DoneShards(out)
 
         def unfinished() -> Iterator[Shard]:  # read twice: the manifest streams, 60,000 shards are not held
-            return (s for s in manifest.shards() if not finished(s) and s.relpath not in tally.failed)
+            return (s for s in manifest.shards() if not is_done(s) and s.relpath not in tally.failed)
 
         self.packs = packs(unfinished(), sum(s.size for s in unfinished()), workers)
         self.packed = False  # every shard is in a task (or was)

@@ -11,8 +11,8 @@ from dataclasses import dataclass, replace
 import ray
 
 from tokpipe.inputs.manifest import Shard
-from tokpipe.out.files import stall_dump
-from tokpipe.out.records import Checkpoint, Part
+from tokpipe.layout.files import stall_dump
+from tokpipe.layout.records import Checkpoint, Part
 from tokpipe.runner.nodes import NodeCheck, ensure_seen
 from tokpipe.write.memory import MemoryGuard, memory_guard
 from tokpipe.write.place import place

@@ -19,10 +19,10 @@ from tokpipe.durability import write_atomic
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import Manifest
 from tokpipe.inputs.tokenizer import TokenizerInfo
-from tokpipe.out.files import SKIPPED, Out, OutWriter, split_file_stem
-from tokpipe.out.meta import Delimiters, Meta, SplitEntry
-from tokpipe.out.records import read_parts
-from tokpipe.out.run import OutputSpec, output_splits
+from tokpipe.layout.files import SKIPPED, Layout, LayoutWriter, split_file_stem
+from tokpipe.layout.meta import Delimiters, Meta, SplitEntry
+from tokpipe.layout.records import read_parts
+from tokpipe.layout.run import WriteSpec, output_splits
 from tokpipe.write.assembly import Assembler
 
 
@@ -37,7 +37,7 @@ def write_skip_log(out: Path, splits: dict[str, SplitEntry]) -> None:
                 # the accounting line has none of its own): lines = documents + skipped + held out
                 fields["documents"] = r["lines"] - sum(r["skipped"].values()) - r.get("held_out", 0)
                 entries.append(json.dumps({**fields, "first": r.get("first_skipped", [])}))
-    path = Out(out).log(SKIPPED)
+    path = Layout(out).log(SKIPPED)
     path.parent.mkdir(exist_ok=True)
     write_atomic(path, ('{"shards": [' + ",".join("\n" + e for e in entries) + "\n]}\n").encode())
 
@@ -55,7 +55,7 @@ def _refuse_empty_splits(out: Path, splits: dict[str, SplitEntry], text_field: s
     if empty:
         raise UserError(
             f"{'; '.join(empty)}: is the text in another field than {text_field!r}? Rerun with --text-field FIELD "
-            f"and a new --out; the first skipped lines are in {Out(out).log(SKIPPED)}"
+            f"and a new --out; the first skipped lines are in {Layout(out).log(SKIPPED)}"
         )
 
 
@@ -63,7 +63,7 @@ def finalize(
     out: str | os.PathLike,
     manifest: Manifest,
     info: TokenizerInfo,
-    spec: OutputSpec,
+    spec: WriteSpec,
     excluded: dict[str, str] | None = None,
     assembler: Assembler | None = None,
 ) -> dict:
@@ -75,7 +75,7 @@ def finalize(
     `spec`: what the run's options say of its files and meta.
     """
     out = Path(out)
-    OutWriter(out).unfinish()
+    LayoutWriter(out).unfinish()
     excluded = excluded or {}
     if assembler is None:
         assembler = Assembler(out, np.dtype(info.dtype).itemsize, spec)
@@ -107,5 +107,5 @@ def finalize(
         manifest_sha256=manifest.fingerprint,
         tokpipe_version=__version__,
     )
-    OutWriter(out).write_meta(meta.as_dict())
+    LayoutWriter(out).write_meta(meta.as_dict())
     return meta.as_dict()

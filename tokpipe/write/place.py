@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from tokpipe.durability import HASH_CHUNK, copy_range, hash_range, open_direct, write_at, write_json_atomic
-from tokpipe.out.files import Out
-from tokpipe.out.records import IDX_DTYPE, Part
+from tokpipe.layout.files import Layout
+from tokpipe.layout.records import IDX_DTYPE, Part
 
 
 def place(out: str | os.PathLike, parts: list[Part], itemsize: int) -> list[dict]:
@@ -38,7 +38,7 @@ def place(out: str | os.PathLike, parts: list[Part], itemsize: int) -> list[dict
             if not part.bin and part.buffered is None:  # a shard's accounting line (--group-by): no tokens of its own
                 continue
             if part.group not in opened:
-                bin_tmp, idx_tmp, _ = Out(out).assembly(part.stem, part.group)
+                bin_tmp, idx_tmp, _ = Layout(out).assembly(part.stem, part.group)
                 opened[part.group] = (open(bin_tmp, "r+b"), open(idx_tmp, "r+b"), open_direct(bin_tmp))
             bin_f, idx_f, direct = opened[part.group]
             # Where its bytes are in `part.bin`: a shard's own files from their start, a moved part where it was.

@@ -25,9 +25,9 @@ from tokpipe.errors import SourceError, too_many_groups
 from tokpipe.inputs.manifest import Shard
 from tokpipe.inputs.source import BATCH_BYTES, read_batches
 from tokpipe.inputs.source.batch import SKIP_LOG_CAP, TextBatch, not_json_lines
-from tokpipe.out.files import PartKey, ShardFiles
-from tokpipe.out.records import IDX_DTYPE, MAX_GROUPS, Checkpoint, PartCounts
-from tokpipe.out.tokens import held_out, to_dtype
+from tokpipe.layout.files import PartKey, ShardFiles
+from tokpipe.layout.records import IDX_DTYPE, MAX_GROUPS, Checkpoint, PartCounts
+from tokpipe.layout.tokens import held_out, to_dtype
 from tokpipe.write.memory import memory_guard
 
 # A part's tokens and its document ends (counted from the part's start), as the arrays they were encoded in.
@@ -331,7 +331,7 @@ class ShardWriter:
         return tokens
 
     def _group_writer(self, key: PartKey) -> PartWriter:
-        """The part of a group the shard meets for the first time; refused past MAX_GROUPS values (out/records.py)."""
+        """The part of a group the shard meets for the first time; refused past MAX_GROUPS values."""
         values = {group for _, group in self.parts} | {key[1]}
         if len(values) > MAX_GROUPS:
             raise too_many_groups(self.spec.group_by, f"shard {self.shard.relpath} alone", values, MAX_GROUPS)

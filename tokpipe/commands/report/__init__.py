@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tokpipe.commands.report.data import Report, build
 from tokpipe.durability import write_atomic
-from tokpipe.out.files import Out
+from tokpipe.layout.files import Layout
 
 __all__ = ["Report", "build", "write_report"]
 
@@ -27,7 +27,7 @@ def write_report(
     from tokpipe.commands.report.page import render
 
     report = build(out, tokenizer)
-    path = Path(dest) if dest is not None else Out(out).report
+    path = Path(dest) if dest is not None else Layout(out).report
     data = render(report).encode("utf-8")
     write_atomic(path, data)
     return path, len(data)

@@ -5,7 +5,7 @@ Sources, each the one the other readers of OUT use: meta.json (a finished run's 
 (shard states, the live progress, the resume command), each split's `.parts` lines (a finished
 split's per-shard accounting), the shard checkpoints (an unfinished run's accounting; text bytes and
 seconds of every shard), the `.idx` files (document lengths), `tokpipe.commands.inspect` (token-id health)
-and OUT/logs/series.jsonl (throughput over time, `tokpipe.out.series`).
+and OUT/logs/series.jsonl (throughput over time, `tokpipe.layout.series`).
 """
 
 from __future__ import annotations
@@ -13,20 +13,20 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from tokpipe.commands.inspect import load_decoder, open_source, red_flags, scan_ids
-from tokpipe.commands.status import RunStatus, status
+from tokpipe.commands.status import RunStatus, ShardStatus, status
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import load_manifest
-from tokpipe.out.files import Out, out_folder, split_bin_name, split_file_stem
-from tokpipe.out.meta import Meta, load_meta
-from tokpipe.out.records import Checkpoint, read_parts
-from tokpipe.out.run import RunRecord, load_run, output_splits, sources
-from tokpipe.out.series import read_series
+from tokpipe.layout.files import Layout, out_folder, split_bin_name, split_file_stem
+from tokpipe.layout.meta import Meta, load_meta
+from tokpipe.layout.records import Checkpoint, read_parts
+from tokpipe.layout.run import RunRecord, load_run, output_splits, sources
+from tokpipe.layout.series import read_series
 
 LENGTH_SAMPLE = 1 << 20  # documents whose lengths are read per split: all of a smaller split, else evenly spread blocks
 LENGTH_BLOCKS = 64
@@ -96,34 +96,15 @@ class Lengths:
     counts: list[int]
 
 
-@dataclass(frozen=True)
-class ShardRow:
-    split: str
-    relpath: str
-    state: str  # done | partial | pending | failed
-    size: int  # bytes of the shard file
-    tokens: int  # committed, its held-out documents included
-    documents: int
-    lines: int
-    skipped: dict[str, int]
-    text_bytes: int  # decompressed input bytes consumed (0: a checkpoint older than the field)
-    seconds: float  # tokenizing, summed over attempts
-    error: str | None = None
-
-    @property
-    def bytes_per_token(self) -> float | None:
-        return self.text_bytes / self.tokens if self.tokens and self.text_bytes else None
-
-
 @dataclass
 class Shards:
     count: int
-    listed: list[ShardRow]  # every shard, or (count > SHARDS_LISTED) the outliers, failed and partial ones
+    listed: list[ShardStatus]  # every shard, or (count > SHARDS_LISTED) the outliers, failed and partial ones
     all_listed: bool
     median_bytes_per_token: float | None
     outliers: list[str]  # relpaths whose bytes per token is off the median by more than OUTLIER_FACTOR
     skipped: dict[str, int]  # lines skipped by reason, all shards
-    rows: list[ShardRow] = field(
+    rows: list[ShardStatus] = field(
         default_factory=list, repr=False
     )  # every shard, in manifest order: for the charts only
 
@@ -268,7 +249,7 @@ def _lengths(out: Path, split: str) -> Lengths | None:
 
 def _shards(out: Path, st: RunStatus, meta: Meta | None, manifest) -> Shards:
     parts = {}
-    if meta is not None:  # a finished split's accounting is its .parts lines
+    if meta is not None:
         for s in meta.splits.values():
             for r in read_parts(out / s.parts, s.parts_sha256):
                 mine = parts.setdefault(r["shard"], {"tokens": 0, "documents": 0, "lines": 0, "skipped": {}})
@@ -276,27 +257,8 @@ def _shards(out: Path, st: RunStatus, meta: Meta | None, manifest) -> Shards:
                 mine["documents"] += r["documents"]
                 if "lines" in r:  # a shard's own part (with --group-by, its accounting line)
                     mine.update(lines=r["lines"], skipped=r.get("skipped", {}))
-    rows = []
-    for shard, s in zip(manifest.shards(), st.shards):
-        ckpt = Checkpoint.of(out, shard) or Checkpoint()
-        p = parts.get(shard.relpath)
-        if p is None:  # an unfinished run, or a shard excluded from a finished one
-            p = {"tokens": s.tokens, "documents": s.documents, "lines": ckpt.lines, "skipped": ckpt.skipped}
-        rows.append(
-            ShardRow(
-                shard.split,
-                shard.relpath,
-                s.state,
-                shard.size,
-                p["tokens"],
-                p["documents"],
-                p["lines"],
-                dict(p["skipped"]),
-                ckpt.text_bytes,
-                round(ckpt.seconds, 3),
-                s.error,
-            )
-        )
+    # A finished split's accounting is its .parts lines; an unfinished run's, or an excluded shard's, its checkpoint.
+    rows = [replace(s, **parts[s.relpath]) if s.relpath in parts else s for s in st.shards]
     bpt = np.array([r.bytes_per_token for r in rows if r.bytes_per_token is not None])
     median = float(np.median(bpt)) if len(bpt) else None
     outliers = [
@@ -360,11 +322,11 @@ def build(out: str | os.PathLike, tokenizer: str | None = None) -> Report:
     """Everything the page shows. UserError when OUT holds no tokpipe run."""
     out = out_folder(out)
     st = status(out)  # UserError for a folder without a run
-    meta = load_meta(Out(out)) if st.state == "finished" else None
-    run = load_run(Out(out))
+    meta = load_meta(Layout(out)) if st.state == "finished" else None
+    run = load_run(Layout(out))
     if run is None:
         raise UserError(f"{out} has a manifest but no run.json: tokpipe run has not started there yet")
-    manifest = load_manifest(Out(out).manifest)
+    manifest = load_manifest(Layout(out).manifest)
     summary = _summary(meta, run)
     splits = _split_stats(out, meta, manifest, (meta or run).val_fraction)
     notes = list(st.warnings)  # the logs status found damaged

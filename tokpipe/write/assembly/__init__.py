@@ -23,10 +23,10 @@ from __future__ import annotations
 import os
 
 from tokpipe.inputs.manifest import Manifest, Shard
-from tokpipe.out.files import OutWriter
-from tokpipe.out.meta import SplitEntry
-from tokpipe.out.records import Checkpoint, Part
-from tokpipe.out.run import OutputSpec
+from tokpipe.layout.files import LayoutWriter
+from tokpipe.layout.meta import SplitEntry
+from tokpipe.layout.records import Checkpoint, Part
+from tokpipe.layout.run import WriteSpec
 from tokpipe.write.assembly.listing import Listing
 from tokpipe.write.assembly.plan import Plan
 from tokpipe.write.assembly.recovery import Recovery
@@ -42,8 +42,8 @@ class Assembler:
     hand what `ready` returns (plan.py) to `place` (anywhere, any order, in batches, or here: `place_ready`),
     report what came back (`placed`: listing.py); `finish` when `complete`."""
 
-    def __init__(self, out: str | os.PathLike, itemsize: int, spec: OutputSpec = OutputSpec()):
-        self.out, self.itemsize, self.concat = OutWriter(out), itemsize, spec.concat
+    def __init__(self, out: str | os.PathLike, itemsize: int, spec: WriteSpec = WriteSpec()):
+        self.out, self.itemsize, self.concat = LayoutWriter(out), itemsize, spec.concat
         groups = Groups(spec.group_by)
         self.recovery = Recovery(self.out, itemsize, spec, groups)
         self.plan = Plan(self.out, spec, groups)

@@ -7,10 +7,10 @@ import os
 from pathlib import Path
 
 from tokpipe.durability import fsync_dir
-from tokpipe.out.files import OutWriter
-from tokpipe.out.meta import SplitEntry
-from tokpipe.out.records import IDX_DTYPE, Part, parts_line, split_entry
-from tokpipe.out.run import OutputSpec
+from tokpipe.layout.files import LayoutWriter
+from tokpipe.layout.meta import SplitEntry
+from tokpipe.layout.records import IDX_DTYPE, Part, parts_line, split_entry
+from tokpipe.layout.run import WriteSpec
 from tokpipe.write.assembly.split import SplitAssembly
 
 
@@ -20,7 +20,7 @@ class Listing:
     resume, status and verify read. With --no-concat nothing is copied: a split is its parts' own files,
     listed in order, and they stay."""
 
-    def __init__(self, out: OutWriter, itemsize: int, spec: OutputSpec):
+    def __init__(self, out: LayoutWriter, itemsize: int, spec: WriteSpec):
         self.out, self.itemsize, self.spec = out, itemsize, spec
         self.placed_tokens = 0  # copied into the split files by this process's placements, and listed
 

@@ -31,8 +31,8 @@ from pathlib import Path
 import orjson
 
 from tokpipe.durability import copy_file, fsync_dir
-from tokpipe.out.files import Out, PartKey
-from tokpipe.out.records import record_key
+from tokpipe.layout.files import Layout, PartKey
+from tokpipe.layout.records import record_key
 
 
 def _order(relpath: str, group: str | None) -> tuple:
@@ -60,7 +60,7 @@ class _Source:
 class Moving:
     """The sources of a split's moved parts: `take` says where a part is in one of them, `end` removes them."""
 
-    def __init__(self, out: Out, stem: str):
+    def __init__(self, out: Layout, stem: str):
         self.out, self.stem = out, stem
         self.numbers = _committed(out, stem)
         self.sources = [self._open(n) for n in self.numbers]
@@ -135,7 +135,7 @@ def link(path: Path, name: Path) -> None:
         copy_file(path, name)
 
 
-def _committed(out: Out, stem: str) -> list[int]:
+def _committed(out: Layout, stem: str) -> list[int]:
     """The numbers of the split's sources, in order; a start that never committed (no parts list) goes."""
     folder, numbers = out.moving(stem), []
     if not folder.is_dir():
@@ -150,7 +150,7 @@ def _committed(out: Out, stem: str) -> list[int]:
     return numbers
 
 
-def _remove(out: Out, stem: str) -> None:
+def _remove(out: Layout, stem: str) -> None:
     """OUT/moving/<stem>, and OUT/moving once no split has sources."""
     shutil.rmtree(out.moving(stem), ignore_errors=True)
     if out.moving(stem).parent.is_dir() and not any(out.moving(stem).parent.iterdir()):

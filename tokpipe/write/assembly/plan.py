@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 from tokpipe.inputs.manifest import Shard
-from tokpipe.out.files import OutWriter, PartKey
-from tokpipe.out.records import Checkpoint, Part, part_record
-from tokpipe.out.run import OutputSpec
+from tokpipe.layout.files import LayoutWriter, PartKey
+from tokpipe.layout.records import Checkpoint, Part, part_record
+from tokpipe.layout.run import WriteSpec
 from tokpipe.write.assembly.split import Groups, SplitAssembly
 
 
@@ -14,7 +14,7 @@ class Plan:
     """Feed it finished shards (`done`); `ready` hands out the parts whose offsets are now known, each split's
     in order (with --group-by a shard has a part per group, each at its group's file's offset)."""
 
-    def __init__(self, out: OutWriter, spec: OutputSpec, groups: Groups):
+    def __init__(self, out: LayoutWriter, spec: WriteSpec, groups: Groups):
         self.out, self.groups = out, groups
         self.val_fraction, self.concat = spec.val_fraction, spec.concat
         # Done shards not yet scheduled (those that finished out of order), with how many parts still need them

@@ -17,9 +17,9 @@ import orjson
 
 from tokpipe.durability import HASH_CHUNK, own_inode
 from tokpipe.inputs.manifest import Manifest
-from tokpipe.out.files import Out, OutWriter, split_file_stem
-from tokpipe.out.records import IDX_DTYPE, Checkpoint, part_record, parts_line, record_key
-from tokpipe.out.run import OutputSpec, output_splits, sources
+from tokpipe.layout.files import Layout, LayoutWriter, split_file_stem
+from tokpipe.layout.records import IDX_DTYPE, Checkpoint, part_record, parts_line, record_key
+from tokpipe.layout.run import WriteSpec, output_splits, sources
 from tokpipe.write.assembly.moving import Moving
 from tokpipe.write.assembly.split import Groups, SplitAssembly
 from tokpipe.write.place import is_in_place
@@ -28,7 +28,7 @@ from tokpipe.write.place import is_in_place
 class Recovery:
     """What a rerun keeps of each split, and which shards it tokenizes again (`lost`)."""
 
-    def __init__(self, out: OutWriter, itemsize: int, spec: OutputSpec, groups: Groups):
+    def __init__(self, out: LayoutWriter, itemsize: int, spec: WriteSpec, groups: Groups):
         self.out, self.itemsize, self.groups = out, itemsize, groups
         self.val_fraction, self.concat, self.group_by = spec.val_fraction, spec.concat, spec.group_by
         self.lost: list[str] = []  # shards tokenized again: their placed files were gone, their place not kept
@@ -177,7 +177,7 @@ def _listed(parts_tmp: Path) -> list[dict]:
     return records
 
 
-def _short(out: Out, state: SplitAssembly, itemsize: int) -> bool:
+def _short(out: Layout, state: SplitAssembly, itemsize: int) -> bool:
     """Whether a file being assembled is shorter than the parts `state` has put in it (cut since they were)."""
     for group, (tokens, documents) in state.offsets.items():
         bin_tmp, idx_tmp, _ = out.assembly(state.stem, group)
@@ -188,7 +188,7 @@ def _short(out: Out, state: SplitAssembly, itemsize: int) -> bool:
     return False
 
 
-def _prepare_files(out: OutWriter, state: SplitAssembly, kept: bool) -> None:
+def _prepare_files(out: LayoutWriter, state: SplitAssembly, kept: bool) -> None:
     """The files the split is assembled into from here: those of the kept parts, else (without --group-by) a new
     empty one of its own. A group's file of no kept part goes: it is made anew when the group is met."""
     files = state.files(out)

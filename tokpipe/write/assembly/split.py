@@ -9,8 +9,8 @@ from pathlib import Path
 
 from tokpipe.errors import too_many_groups
 from tokpipe.inputs.manifest import Shard
-from tokpipe.out.files import Out, split_file_stem
-from tokpipe.out.records import MAX_GROUPS, Checkpoint, Part
+from tokpipe.layout.files import Layout, split_file_stem
+from tokpipe.layout.records import MAX_GROUPS, Checkpoint, Part
 from tokpipe.write.assembly.moving import Moving
 
 
@@ -54,7 +54,7 @@ class SplitAssembly:
             self.offsets[group] = (tokens + record["tokens"], documents + record["documents"])
         return tokens, documents
 
-    def files(self, out: Out) -> dict[str | None, tuple[Path, Path]]:
+    def files(self, out: Layout) -> dict[str | None, tuple[Path, Path]]:
         """The split's files being assembled: its one file, or (--group-by) those of the groups it has met."""
         return {group: out.assembly(self.stem, group)[:2] for group in self.offsets}
 

@@ -42,11 +42,11 @@ def test_a_kill_9_at_each_step_of_placing_a_buffered_shard_loses_nothing(
 def test_a_buffered_part_is_written_at_its_offset_and_its_checkpoint_after(tmp_path):
     """place() of a part from memory: the tokens at the part's offset, its document ends moved by it, and the
     checkpoint it carries written once the bytes are fsynced."""
-    from tokpipe.out.files import Out
-    from tokpipe.out.records import Checkpoint, Part
+    from tokpipe.layout.files import Layout
+    from tokpipe.layout.records import Checkpoint, Part
     from tokpipe.write.place import place
 
-    bin_tmp, idx_tmp, _ = Out(tmp_path).assembly("train")
+    bin_tmp, idx_tmp, _ = Layout(tmp_path).assembly("train")
     bin_tmp.write_bytes(np.arange(5, dtype=np.uint32).tobytes())
     idx_tmp.write_bytes(np.array([2, 5], dtype="<i8").tobytes())
     tokens = [np.array([7, 8, 9], dtype=np.uint32), np.array([10], dtype=np.uint32)]
@@ -68,15 +68,15 @@ def test_a_moved_part_is_copied_from_where_it_was_and_its_document_ends_rebased(
     record has none) of its own bytes."""
     import hashlib
 
-    from tokpipe.out.files import Out
-    from tokpipe.out.records import Part
+    from tokpipe.layout.files import Layout
+    from tokpipe.layout.records import Part
     from tokpipe.write.place import place
 
     # The split file as it was: documents of 3, 4 and 3 tokens; the part is the last two, from token 3, document 1.
     was_bin, was_idx = tmp_path / "was.bin", tmp_path / "was.idx"
     was_bin.write_bytes(np.arange(100, 110, dtype=np.uint32).tobytes())
     was_idx.write_bytes(np.array([3, 7, 10], dtype="<i8").tobytes())
-    bin_tmp, idx_tmp, _ = Out(tmp_path).assembly("train")
+    bin_tmp, idx_tmp, _ = Layout(tmp_path).assembly("train")
     bin_tmp.write_bytes(np.arange(5, dtype=np.uint32).tobytes())  # a shard added before it: 5 tokens, 2 documents
     idx_tmp.write_bytes(np.array([2, 5], dtype="<i8").tobytes())
     record = {"shard": "train/b.jsonl", "tokens": 7, "documents": 2, "sha256": None, "idx_sha256": None}

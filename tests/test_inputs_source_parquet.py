@@ -38,9 +38,9 @@ from tokpipe.errors import SourceError
 from tokpipe.inputs.manifest import build_manifest
 from tokpipe.inputs.source import read_batches
 from tokpipe.inputs.tokenizer import load_tokenizer_info
+from tokpipe.layout.files import ShardFiles
+from tokpipe.layout.records import Checkpoint
 from tokpipe.options import RunOptions
-from tokpipe.out.files import ShardFiles
-from tokpipe.out.records import Checkpoint
 from tokpipe.runner.identity import encode_spec
 from tokpipe.store import Bucket
 from tokpipe.write.finalize import finalize

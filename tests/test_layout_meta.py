@@ -1,4 +1,4 @@
-"""out/meta.py: meta.json and meta.pkl as a record. A run's meta, read and written again from the record's fields,
+"""layout/meta.py: meta.json and meta.pkl as a record. A run's meta, read and written again from the record's fields,
 is the same bytes (meta.pkl: the same dict, key for key), in the order output-format.md lists them, whatever the
 split's layout (one file, --no-concat's files, --group-by's groups, both); an earlier tokpipe's meta reads with
 what its absent keys meant, and gives back the dict as read."""
@@ -11,7 +11,7 @@ import pytest
 from helpers import GROUP_FIELD, build_out
 
 from tokpipe.durability import write_json_atomic
-from tokpipe.out.meta import Delimiters, Meta, SplitFile
+from tokpipe.layout.meta import Delimiters, Meta, SplitFile
 
 KEYS = [  # meta's, in output-format.md's order (group_by: with --group-by only)
     "dtype", "vocab_size", "eos_token_id", "eos_token", "bos_token_id", "bos_token", "delimiters", "val_fraction",

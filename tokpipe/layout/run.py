@@ -6,8 +6,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from tokpipe.inputs.manifest import Manifest, Shard
-from tokpipe.out.files import Out, damaged, load_json, split_file_stem
-from tokpipe.out.meta import Delimiters, Meta
+from tokpipe.layout.files import Layout, damaged, load_json, split_file_stem
+from tokpipe.layout.meta import Delimiters, Meta
 
 RUN_FORMAT = 1
 # Kept in run.json beside the identity but never compared: where this run found its tokenizer (a
@@ -19,7 +19,7 @@ IDENTITY_DEFAULTS = {"delimiters": {"bos": False, "eos": True}, "val_fraction": 
 
 
 @dataclass(frozen=True)
-class OutputSpec:
+class WriteSpec:
     """What a run's options say of its output's files and meta, as plain values: what the write path (the
     assembly, finalize) needs of them. The runner makes it from RunOptions (`RunOptions.output`)."""
 
@@ -77,7 +77,7 @@ class RunRecord:
         return self.bos_token_id if self.delimiters.bos else None
 
 
-def load_run(out: Out) -> RunRecord | None:
+def load_run(out: Layout) -> RunRecord | None:
     """run.json, None before a run recorded one. Damaged, it is refused: it alone says what OUT's tokens were
     made from, so a run could no longer refuse other inputs there."""
     try:

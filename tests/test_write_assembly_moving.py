@@ -88,7 +88,7 @@ def assert_finished_clean(out, dataset, small_tokenizer, grouped: bool = False) 
 KILL_POINTS = {
     "after the split's files are linked as a source, before its parts list": ("tokpipe.write.assembly.moving.link", 3),
     "after the source's parts list, before the new split files": ("tokpipe.write.assembly.recovery._prepare_files", 1),
-    "after the new split files, before their parts list": ("tokpipe.out.files.OutWriter.start_parts_list", 1),
+    "after the new split files, before their parts list": ("tokpipe.layout.files.LayoutWriter.start_parts_list", 1),
     "while copying a moved part": ("tokpipe.write.place.copy_range", 2),
     "after moved parts are placed, before they are listed": ("tokpipe.write.assembly.Assembler.placed", 1),
     "after the last moved part is listed, before the source goes": ("tokpipe.write.assembly.moving.Moving.end", 1),

@@ -30,9 +30,9 @@ from helpers import (
 
 from tokpipe.errors import SourceError, TooManyGroups
 from tokpipe.inputs.manifest import Shard, build_manifest
-from tokpipe.out.files import ShardFiles
-from tokpipe.out.records import Checkpoint
-from tokpipe.out.tokens import to_dtype
+from tokpipe.layout.files import ShardFiles
+from tokpipe.layout.records import Checkpoint
+from tokpipe.layout.tokens import to_dtype
 from tokpipe.write.shard import EncodeSpec, tokenize_shard
 
 SHARDS = list(build_manifest(EXAMPLE_CACHE).shards())

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from helpers import EXAMPLE_CACHE, QWEN3, REPO, cli, unguarded
 
-from tokpipe.out import series as series_mod
-from tokpipe.out.series import Series, read_series
+from tokpipe.layout import series as series_mod
+from tokpipe.layout.series import Series, read_series
 
 BLOB = re.compile(r'<script type="application/json" id="tokpipe-data">(.*?)</script>', re.DOTALL)
 

@@ -14,9 +14,9 @@ import numpy as np
 import orjson
 
 from tokpipe.inputs.manifest import Manifest, Shard
-from tokpipe.out.files import Out, PartKey, ShardFiles, damaged, load_json, rerun, split_bin_name
-from tokpipe.out.meta import SplitEntry, SplitFile
-from tokpipe.out.run import OutputSpec, sources
+from tokpipe.layout.files import Layout, PartKey, ShardFiles, damaged, load_json, rerun, split_bin_name
+from tokpipe.layout.meta import SplitEntry, SplitFile
+from tokpipe.layout.run import WriteSpec, sources
 
 IDX_DTYPE = np.dtype("<i8")  # document ends, cumulative token counts
 
@@ -106,7 +106,7 @@ class Checkpoint:
         return next((part for part in self.parts if part.key == key), None)
 
     def source_parts(self, held: bool) -> list[PartCounts]:
-        """The shard's parts in one source of a split file (out/run.py's `sources`): its own documents' (in its
+        """The shard's parts in one source of a split file (layout/run.py's `sources`): its own documents' (in its
         split), or (held) those it held out for val.bin."""
         return [part for part in self.parts if part.held == held]
 
@@ -242,7 +242,7 @@ def parts_line(record: dict) -> bytes:
 def read_parts(path: Path, sha256: str | None = None) -> Iterator[dict]:
     """The records of a split's parts list, a line at a time; `sha256`: meta's, for a finished split's, checked
     once it is read (a list cut at a line's end parses). Damaged, it is refused: a rerun lists the parts again."""
-    fix = f"remove {Out(path.parent).meta_json} and {rerun(path.parent)}: it lists the split's parts again"
+    fix = f"remove {Layout(path.parent).meta_json} and {rerun(path.parent)}: it lists the split's parts again"
     hasher = hashlib.sha256()
     with open(path, "rb") as f:
         for line in f:
@@ -255,7 +255,7 @@ def read_parts(path: Path, sha256: str | None = None) -> Iterator[dict]:
         raise damaged(path, ValueError("its sha256 is not the one meta records"), fix)
 
 
-def listed_parts(out: Out, stem: str) -> list[Part]:
+def listed_parts(out: Layout, stem: str) -> list[Part]:
     """The parts listed so far in a split's parts list being assembled (none before it is begun), whole lines
     only: a line a crash cut short was never fsynced, so its part is not placed."""
     path = out.assembly(stem)[2]
@@ -281,7 +281,7 @@ def parts_of(stem: str, raw: bytes) -> list[Part]:
     return parts
 
 
-def split_entry(stem: str, parts_path: Path, spec: OutputSpec) -> SplitEntry:
+def split_entry(stem: str, parts_path: Path, spec: WriteSpec) -> SplitEntry:
     """meta's entry for a split, summed from its parts list, laid out as the run's options say. A split of
     --no-concat has no file of its own: `files` lists its parts' files in order (their lines name them).
 
@@ -308,7 +308,7 @@ def split_entry(stem: str, parts_path: Path, spec: OutputSpec) -> SplitEntry:
         shards += record_key(record) == (False, None)
     entries = None
     if spec.group_by is not None:
-        name = Out(Path()).split
+        name = Layout(Path()).split
         entries = {value: _entry(str(name(stem, value)), spec.concat, **g) for value, g in sorted(groups.items())}
     return _entry(
         stem,
@@ -331,7 +331,7 @@ def _entry(name: str, concat: bool, files: list[SplitFile], **fields) -> SplitEn
     return SplitEntry(files=tuple(files), concat=concat, **fields)
 
 
-def _placed(out: Out, stem: str) -> dict[tuple[str, PartKey], SplitFile]:
+def _placed(out: Layout, stem: str) -> dict[tuple[str, PartKey], SplitFile]:
     """The parts of a split in its file, by shard and part key: those listed in its parts list being assembled;
     or where a finalize stopped before meta.json (its files renamed, its parts list first), all."""
     renamed = not out.assembly(stem)[2].exists() and out.parts(stem).exists()
@@ -347,7 +347,7 @@ def _placed(out: Out, stem: str) -> dict[tuple[str, PartKey], SplitFile]:
     return placed
 
 
-def unfinished_files(out: Out, manifest: Manifest, stem: str, val_fraction: float) -> list[SplitFile]:
+def unfinished_files(out: Layout, manifest: Manifest, stem: str, val_fraction: float) -> list[SplitFile]:
     """What an unfinished OUT holds of a split, as far as its records cover it: each part of the split in order
     (with --val-fraction, val's include the train shards' held-out ones; with --group-by, a shard has a part per
     group), in the split file being assembled where its parts list lists it (placed), else in the shard's own

@@ -1,11 +1,26 @@
 """tokenizer: vocab/eos/dtype resolved as a trainer needs them; every backend gives the reference ids, or
 auto passes it over."""
 
+import hashlib
 import json
+import os
+import shutil
 
+import huggingface_hub.constants
 import numpy as np
 import pytest
-from helpers import EXAMPLE_HOLDOUT_FILES, QWEN3, QWEN3_EOS, long_document, reference_ids, reference_texts
+from helpers import (
+    EXAMPLE_CACHE,
+    EXAMPLE_HOLDOUT_FILES,
+    QWEN3,
+    QWEN3_EOS,
+    assert_out_is,
+    cli,
+    long_document,
+    reference_ids,
+    reference_texts,
+    tokpipe,
+)
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer
 
@@ -164,3 +179,119 @@ def test_the_backend_check_looks_at_a_long_documents_beginning_and_says_so(long_
         "262,144 chars"
     )
     assert max(calls) <= PIECE_CHARS + 36  # the reference never sees the whole document
+
+
+# -- hub tokenizer --------------------------------------------------------------------------------------------
+# --tokenizer ORG/NAME: found offline in the local Hugging Face cache (huggingface_hub's own resolution of
+# HF_HUB_CACHE, refs/ and snapshots/), recorded in meta; a name not in the cache is one line, exit 2.
+
+
+MAIN = "a" * 40  # commits of the fake repository: refs/main, and refs/v1 (an older tokenizer_config)
+OLD = "b" * 40
+QWEN3_SHA256 = hashlib.sha256((QWEN3 / "tokenizer.json").read_bytes()).hexdigest()
+
+
+def fake_hub_cache(root, repo_id="Qwen/Qwen3-0.6B"):
+    """A Hugging Face cache as `hf download` leaves it: blobs named by their sha256, snapshots/<commit>/
+    symlinks into them, refs/<branch or tag> holding a commit (no newline, as huggingface_hub writes it)."""
+    repo = root / f"models--{repo_id.replace('/', '--')}"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    for commit, ref in ((MAIN, "main"), (OLD, "v1")):
+        snapshot = repo / "snapshots" / commit
+        snapshot.mkdir(parents=True)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            data = (QWEN3 / name).read_bytes()
+            if commit == OLD and name == "tokenizer_config.json":
+                data = json.dumps({**json.loads(data), "eos_token": "<|im_end|>"}).encode()
+            blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+            blob.write_bytes(data)
+            (snapshot / name).symlink_to(os.path.relpath(blob, snapshot))
+        (repo / "refs" / ref).write_text(commit)
+    return root
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """The fake cache, where huggingface_hub looks: HF_HUB_CACHE for the CLI's processes, its constant here."""
+    cache = fake_hub_cache(tmp_path / "hub")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    return cache
+
+
+def test_a_hub_name_resolves_to_its_snapshot_in_the_cache(hub_cache):
+    info = load_tokenizer_info("Qwen/Qwen3-0.6B")
+    snapshot = hub_cache / "models--Qwen--Qwen3-0.6B" / "snapshots" / MAIN
+    assert (info.repo_id, info.revision, info.sha256) == ("Qwen/Qwen3-0.6B", MAIN, QWEN3_SHA256)
+    assert info.path == str(snapshot / "tokenizer.json")  # the snapshot's path (its config is beside it)
+    assert info.id.startswith("Qwen/Qwen3-0.6B@sha256:") and info.eos_token == "<|endoftext|>"
+
+
+@pytest.mark.parametrize("revision", ["v1", OLD])
+def test_a_tag_or_a_commit_picks_that_snapshot(hub_cache, revision):
+    info = load_tokenizer_info("Qwen/Qwen3-0.6B", revision=revision)
+    assert info.revision == OLD and info.eos_token == "<|im_end|>"  # read from that snapshot's config
+
+
+def test_a_local_folder_wins_over_a_hub_name(hub_cache, tmp_path, monkeypatch):
+    local = tmp_path / "work"
+    shutil.copytree(QWEN3, local / "Qwen" / "Qwen3-0.6B")
+    monkeypatch.chdir(local)
+    info = load_tokenizer_info("Qwen/Qwen3-0.6B")
+    assert (info.repo_id, info.revision) == (None, None)
+    assert info.path == str((local / "Qwen" / "Qwen3-0.6B" / "tokenizer.json").resolve())
+    with pytest.raises(UserError, match="--tokenizer-revision picks a revision of a hub name ORG/NAME"):
+        load_tokenizer_info("Qwen/Qwen3-0.6B", revision="v1")
+
+
+def test_a_snapshot_folder_is_that_hub_tokenizer(hub_cache):
+    # What `tokpipe status` prints to resume a hub run (run.json's tokenizer_path) is the same tokenizer.
+    snapshot = hub_cache / "models--Qwen--Qwen3-0.6B" / "snapshots" / MAIN
+    assert load_tokenizer_info(snapshot / "tokenizer.json") == load_tokenizer_info("Qwen/Qwen3-0.6B")
+    # ... also with the --tokenizer-revision that run.json recorded (the path wins: its commit is recorded).
+    assert load_tokenizer_info(snapshot, revision="v1").revision == MAIN
+
+
+def test_a_name_not_in_the_cache_says_where_it_looked_and_how_to_fetch_it(hub_cache):
+    with pytest.raises(UserError) as e:
+        load_tokenizer_info("meta-llama/Llama-3.2-1B", revision="v2")
+    assert str(e.value) == (
+        f"no tokenizer meta-llama/Llama-3.2-1B (revision v2) in the Hugging Face cache {hub_cache} (set by "
+        "HF_HUB_CACHE or HF_HOME), and no local folder of that name: fetch it with `hf download "
+        "meta-llama/Llama-3.2-1B --revision v2 --include 'tokenizer*'`; tokpipe never downloads"
+    )
+    with pytest.raises(UserError, match=r"revision nope\) in the Hugging Face cache"):
+        load_tokenizer_info("Qwen/Qwen3-0.6B", revision="nope")
+
+
+def test_run_refuses_a_name_not_in_the_cache_in_one_line(hub_cache, tmp_path):
+    manifest = tmp_path / "m.json"
+    assert cli("manifest", "--dataset-dir", EXAMPLE_CACHE, "-o", manifest).returncode == 0
+    result = tokpipe("run", "--manifest", manifest, "--tokenizer", "Qwen/Qwen2.5-7B", "--out", tmp_path / "out")
+    assert result.returncode == 2
+    assert result.stderr == (
+        f"tokpipe run: error: no tokenizer Qwen/Qwen2.5-7B (revision main) in the Hugging Face cache {hub_cache} "
+        "(set by HF_HUB_CACHE or HF_HOME), and no local folder of that name: fetch it with `hf download "
+        "Qwen/Qwen2.5-7B --include 'tokenizer*'`; tokpipe never downloads\n"
+    )
+
+
+def test_run_with_a_hub_name_records_repo_and_commit_in_meta(hub_cache, tmp_path, example_reference):
+    manifest, out = tmp_path / "m.json", tmp_path / "out"
+    assert cli("manifest", "--dataset-dir", EXAMPLE_CACHE, "-o", manifest).returncode == 0
+    run = tokpipe(
+        "run", "--manifest", manifest, "--tokenizer", "Qwen/Qwen3-0.6B", "--tokenizer-revision", "main", "--out", out
+    )
+    assert run.returncode == 0, run.stderr
+    assert "tokenizer Qwen/Qwen3-0.6B@sha256:" in run.stdout
+    meta = json.loads((out / "meta.json").read_text())
+    assert (meta["tokenizer_repo_id"], meta["tokenizer_revision"], meta["tokenizer_sha256"]) == (
+        "Qwen/Qwen3-0.6B",
+        MAIN,
+        QWEN3_SHA256,
+    )
+    snapshot_json = hub_cache / "models--Qwen--Qwen3-0.6B" / "snapshots" / MAIN / "tokenizer.json"
+    assert json.loads((out / "run.json").read_text())["tokenizer_path"] == str(snapshot_json)
+    assert_out_is(out, example_reference)
+    assert cli("verify", out).returncode == 0

@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 from helpers import QWEN3, build_out, cli, failed_checks, long_document, write_jsonl
 
-from tokpipe.out.files import load_meta_pkl
+from tokpipe.layout.files import load_meta_pkl
 from tokpipe.read.verify import verify
 
 

@@ -11,8 +11,6 @@ import pickle
 import shutil
 import sys
 import threading
-import time
-import tracemalloc
 import types
 
 import numpy as np
@@ -44,74 +42,6 @@ def global_order(out, seq_len, seed, epochs=1) -> list[np.ndarray]:
     """Each epoch's order of all windows, as one rank of world size 1 reads it."""
     s = Sequences(out, seq_len=seq_len, seed=seed)
     return [s.next_batch(len(s)).windows for _ in range(epochs)]
-
-
-# -- Permutation --------------------------------------------------------------------------------------
-
-
-def test_permutation_is_a_bijection_at_a_million_and_at_small_sizes():
-    assert np.array_equal(np.sort(Permutation(10**6, 7)[np.arange(10**6)]), np.arange(10**6))
-    for n in [*range(1, 18), 63, 64, 65, 1000, 4**5 + 1]:
-        p = Permutation(n, n)
-        assert sorted(p[np.arange(n)].tolist()) == list(range(n)), n
-        assert [p[i] for i in range(n)] == p[np.arange(n)].tolist()  # an int for an int, the same image
-    assert type(Permutation(5, 0)[3]) is int and Permutation(5, 0)[np.arange(5)].dtype == np.int64
-    assert len(Permutation(0, 0)) == 0 and Permutation(0, 0)[np.zeros(0, np.int64)].size == 0
-    for bad in (-1, 5):
-        with pytest.raises(IndexError, match=f"index {bad} is out of range for a Permutation of 5"):
-            Permutation(5, 0)[bad]
-
-
-def test_permutation_at_10_12_is_fast_and_holds_nothing_per_element():
-    n = 10**12
-    lookups = np.arange(10**6) * 999_983 + 12_345  # distinct, spread over range(n)
-    tracemalloc.start()
-    started = time.perf_counter()
-    p = Permutation(n, 3)
-    images = p[lookups]
-    seconds = time.perf_counter() - started
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-    assert seconds < 3
-    assert peak < 20 * lookups.nbytes  # working arrays of the million lookups, nothing of n
-    assert sum(a.nbytes for a in vars(p).values() if isinstance(a, np.ndarray)) <= 64  # its round keys
-    images.sort()  # (np.unique of a million int64 takes 3.5 s with numpy 2.4 here; a sort 0.06 s)
-    assert images[0] >= 0 and images[-1] < n and np.all(np.diff(images) > 0)
-
-
-def test_one_index_at_a_time_gives_the_arrays_image_as_an_int():
-    # Its speed (~4 us a lookup against numpy's ~135 us) is benchmarks/loader.py's to measure, not a test's.
-    p = Permutation(10**12 + 39, 5)  # 2**40 > n: about 1.1 passes a lookup
-    indices = list(range(7, 10**12, 10**12 // 2_000))
-    images = [p[i] for i in indices]
-    assert images == p[np.array(indices)].tolist() and type(images[0]) is int
-    assert p[np.int64(7)] == images[0] and type(p[np.uint32(7)]) is int
-    with pytest.raises(TypeError, match="Permutation indices must be integers, not bool"):
-        p[True]
-
-
-def test_lookups_by_tables_give_the_arithmetics_images():
-    for n in (16_615, 2**24, 2**24 + 1):  # tables up to 24 bits, the arithmetic above
-        p, sample = Permutation(n, 3), np.arange(0, n, n // 3_000)
-        assert p[sample].tolist() == [p[i] for i in sample.tolist()], n  # an int's image is the arithmetic's
-
-
-def test_orders_made_at_once_are_each_seeds_permutation():
-    for n in (1, 2, 3, 5, 17, 20, 64, 65, 1000, 4096):
-        seeds = list(range(-2, 30))
-        expected = np.stack([Permutation(n, seed)[np.arange(n)] for seed in seeds])
-        assert np.array_equal(Permutation.orders(n, seeds), expected), n
-
-
-def test_different_seeds_give_unrelated_orders():
-    n = 100_000
-    orders = [Permutation(n, seed)[np.arange(n)] for seed in range(4)]
-    for a in range(4):
-        # Two unrelated permutations agree in ~1 place (Poisson); ranks correlate ~0 (sd 1/sqrt(n) = 0.003).
-        assert np.count_nonzero(orders[a] == np.arange(n)) < 10
-        for b in range(a + 1, 4):
-            assert np.count_nonzero(orders[a] == orders[b]) < 10
-            assert abs(np.corrcoef(orders[a], orders[b])[0, 1]) < 0.02
 
 
 # -- Sequences: windows, epochs, ranks -----------------------------------------------------------------
@@ -275,63 +205,6 @@ def test_a_state_from_other_content_seq_len_seed_or_split_is_refused_naming_what
         match=r"loader state of format 3 \(format 1, missing split, seq_len, seed, fingerprint, offset\)",
     ):
         Sequences(finished_example, seq_len=L).load_state_dict({"format": 1, "epoch": 0})
-
-
-# -- Mixture -----------------------------------------------------------------------------------------------
-
-
-def test_a_mixtures_counts_stay_within_1_with_exact_rows(finished_example, example_reference):
-    seq_len = 2048  # validation: 138 windows, train 419: the smaller source goes through several epochs
-    weights = {"train": 0.55, "validation": 0.45}
-    mix = Mixture(
-        {split: Sequences(finished_example, split, seq_len=seq_len, seed=3) for split in weights},
-        weights=weights,
-    )
-    sources = []
-    references = {"train": example_reference["train"], "validation": example_reference["val"]}
-    for size in (1, 7, 64, 64, 64, 64, 100, 200):
-        batch = mix.next_batch(size)
-        sources += batch.sources
-        for name, row, w in zip(batch.sources, batch.tokens, batch.windows):
-            assert np.array_equal(row, references[name][w * seq_len : w * seq_len + seq_len + 1])
-    for k in range(1, len(sources) + 1):
-        for name, w in weights.items():
-            assert abs(sources[:k].count(name) - k * w / sum(weights.values())) <= 1, (k, name)
-    at = mix.state_dict()["sources"]  # where each source stands at the Mixture's position
-    assert at["validation"]["epoch"] >= 1 and at["train"]["epoch"] == 0  # each its own epochs
-
-
-def test_a_mixture_resumes_exactly(finished_example):
-    def mixture():
-        splits = ("train", "validation")
-        return Mixture(
-            {s: Sequences(finished_example, s, seq_len=2048, seed=1) for s in splits}, {s: 1 for s in splits}
-        )
-
-    running = mixture()
-    for _ in range(5):
-        running.next_batch(33)
-    resumed = mixture()
-    resumed.load_state_dict(json.loads(json.dumps(running.state_dict())))
-    for _ in range(10):
-        a, b = running.next_batch(33), resumed.next_batch(33)
-        assert a.sources == b.sources and np.array_equal(a.tokens, b.tokens)
-
-
-def test_a_mixture_refuses_other_tokenizers_and_other_seq_lens(finished_example, finished_small):
-    with pytest.raises(
-        ValueError,
-        match=r"different tokenizers \(a: qwen3@sha256:\w+ \(vocab_size 151669\), "
-        r"b: small_tokenizer0@sha256:\w+ \(vocab_size 600\)\): their ids mean different tokens$",
-    ):
-        Mixture(
-            {"a": Sequences(finished_example, seq_len=64), "b": Sequences(finished_small, seq_len=64)}, {"a": 1, "b": 1}
-        )
-    with pytest.raises(ValueError, match="sources differ in seq_len: {'a': 64, 'b': 128}"):
-        Mixture(
-            {"a": Sequences(finished_example, seq_len=64), "b": Sequences(finished_example, seq_len=128)},
-            {"a": 1, "b": 1},
-        )
 
 
 # -- groups (--group-by) ---------------------------------------------------------------------------------

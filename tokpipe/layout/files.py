@@ -1,5 +1,5 @@
-"""OUT by name and by change: Out, every name of its files (package docstring: the tree) and what a reader asks
-of it; OutWriter, every change of its state (the lock, the finished marker, the split files' .tmp names and parts
+"""OUT by name and by change: Layout, every name of its files (package docstring: the tree) and what a reader asks
+of it; LayoutWriter, every change of its state (the lock, the finished marker, the split files' .tmp names and parts
 lists, the shards' token files); ShardFiles, a shard's files by part. And the loaders of its JSON records and
 meta.pkl, each the one place its file is read, each refusing a damaged file in one line that names it and what to
 do (`damaged`)."""
@@ -114,9 +114,9 @@ class ShardFiles:
         return found
 
 
-class Out:
+class Layout:
     """OUT: the folder of one run, its files by name, and what every reader asks of it (is it finished, its
-    JSON files loaded). The changes of its state are OutWriter's."""
+    JSON files loaded). The changes of its state are LayoutWriter's."""
 
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
@@ -208,7 +208,7 @@ class Out:
 
     def is_finished(self) -> bool:
         """Whether OUT holds a finished run: meta.json is the last file a run writes (write_meta) and the first it
-        removes when it changes a split again (unfinish). The one rule of every reader (tokpipe/out/meta.py)."""
+        removes when it changes a split again (unfinish). The one rule of every reader (tokpipe/layout/meta.py)."""
         return self.meta_json.is_file()
 
     def load_meta_json(self) -> dict | None:
@@ -227,9 +227,9 @@ class Out:
             raise damaged(self.log(name), e, "a log, not the run's state: the next run writes it anew") from None
 
 
-class OutWriter(Out):
+class LayoutWriter(Layout):
     """OUT as a run changes it: every change of its state, each in one place (the lock, the finished marker, the
-    split files' .tmp names and parts lists, the shards' token files); its names are Out's."""
+    split files' .tmp names and parts lists, the shards' token files); its names are Layout's."""
 
     def lock(self):
         """Hold OUT for this run. The kernel drops the lock when the process dies, so a killed run never blocks."""
@@ -335,13 +335,13 @@ def is_out(folder: Path, names: Collection[str] | None = None) -> bool:
     """Whether a folder is a tokpipe OUT: it holds what every run writes before its first token, run.json and
     its manifest's copy (a manifest rebuilt over a dataset that holds one passes it over). `names`: the files in
     it as a listing gave them (a folder on an object store), instead of looking."""
-    marks = (Out(folder).run_json, Out(folder).manifest)
+    marks = (Layout(folder).run_json, Layout(folder).manifest)
     return all(m.name in names for m in marks) if names is not None else all(m.is_file() for m in marks)
 
 
 def stall_dump(out: str | os.PathLike, shard: Shard) -> Path:
     """Where a stalled shard's stack dump goes."""
-    return Out(out).log(f"stall-{shard.split}-{shard.key}.txt")
+    return Layout(out).log(f"stall-{shard.split}-{shard.key}.txt")
 
 
 def rerun(out: str | os.PathLike) -> str:

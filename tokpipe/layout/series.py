@@ -27,14 +27,14 @@ import time
 from pathlib import Path
 
 from tokpipe.durability import write_atomic
-from tokpipe.out.files import SERIES, Out
+from tokpipe.layout.files import SERIES, Layout
 
 MAX_POINTS = 2000
 FIRST_EVERY = 1.0  # seconds between points, until the first thinning
 
 
 def series_path(out: str | os.PathLike) -> Path:
-    return Out(out).log(SERIES)
+    return Layout(out).log(SERIES)
 
 
 def read_series(out: str | os.PathLike) -> list[dict]:

@@ -20,8 +20,8 @@ from tokpipe.commands import export as export_module
 from tokpipe.commands.export import export
 from tokpipe.data import Permutation
 from tokpipe.errors import UserError
+from tokpipe.layout.files import load_meta_pkl
 from tokpipe.options import RunOptions
-from tokpipe.out.files import load_meta_pkl
 
 # Megatron-LM megatron/core/datasets/indexed_dataset.py, _IndexReader: its DType codes.
 MEGATRON_DTYPES = {
@@ -277,7 +277,7 @@ def test_a_no_concat_split_is_joined_into_one_bin(tmp_path):
 # -- llmc --shuffle: every document once, whole, in a seeded order ------------------------------------------
 
 
-# The order is tokpipe.data.Permutation's (a bijection: tests/test_data.py).
+# The order is tokpipe.data.Permutation's (a bijection: tests/test_data_sequences.py).
 
 
 @pytest.mark.parametrize("fixture", ["finished_example", "finished_small"])

@@ -8,7 +8,7 @@ meaning their absence had. The three layouts of a split (its tokens in one file,
 `files`; --group-by's groups, `groups`) are told apart here and nowhere else: a reader asks `SplitEntry.token_files`.
 
 Finished: meta.json is the last file a run writes (after meta.pkl) and the first a run removes when it changes a
-split again (Out.unfinish): OUT is finished while it is there (`Out.is_finished`), and a reader takes meta
+split again (Layout.unfinish): OUT is finished while it is there (`Layout.is_finished`), and a reader takes meta
 from meta.pkl, the trainers' file (`finished_meta`), or from meta.json (`load_meta`).
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokpipe.errors import UserError
-from tokpipe.out.files import Out, damaged, load_meta_pkl, meta_fix
+from tokpipe.layout.files import Layout, damaged, load_meta_pkl, meta_fix
 
 
 class OutputError(UserError, ValueError):
@@ -220,14 +220,14 @@ class Meta:
         return self.bos_token_id if self.delimiters.bos else None
 
 
-def load_meta(out: Out) -> Meta | None:
-    """meta.json, None while OUT is not finished (Out.is_finished: it is not there). Damaged (not JSON, or not a
+def load_meta(out: Layout) -> Meta | None:
+    """meta.json, None while OUT is not finished (Layout.is_finished: it is not there). Damaged (not JSON, or not a
     meta), it is refused in one line."""
     raw = out.load_meta_json()
     return None if raw is None else _parsed(raw, out.meta_json)
 
 
-def finished_meta(out: Out) -> Meta:
+def finished_meta(out: Layout) -> Meta:
     """A finished OUT's meta, as a trainer reads it (meta.pkl); refused in one line when OUT is not finished."""
     missing = None if out.is_finished() else out.meta_json
     try:
