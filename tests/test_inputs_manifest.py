@@ -294,6 +294,54 @@ def test_a_runs_out_inside_the_dataset_is_passed_over(tmp_path, small_tokenizer)
     assert list(load_manifest(tmp_path / "again.json").shards()) == list(load_manifest(tmp_path / "m.json").shards())
 
 
+# Files of data beside the shards, as datasets hold them: JSON Lines named .json (C4's uncompressed files; Hugging
+# Face's json builder reads them), metadata, a JSON array, a compression tokpipe does not read, a README.
+DATA_FILES = {
+    "en/c4-train.00000-of-00001.json": b'{"text": "one"}\n{"text": "two"}\n',
+    "en/c4-validation.00000-of-00001.json": b'{"text": "three"}\n',
+    "en/dataset_info.json": b'{\n  "description": "C4"\n}\n',
+    "en/alpaca.json": b'[{"text": "four"}]\n',
+    "en/more.jsonl.xz": b"\xfd7zXZ\x00",
+    "README.md": b"# C4\n",
+}
+NOT_JSON_LINES = (
+    "not JSON Lines (its first line is not a JSON object: metadata, or one JSON document such as an array);"
+    " convert it to JSONL to tokenize it"
+)
+NOT_READ = (
+    "a format tokpipe does not read (it reads JSON Lines, plain or zstd- or gzip-compressed, and Parquet): convert"
+    " it to one of those to tokenize it"
+)
+PASSED_OVER_FILES = (
+    ("en/alpaca.json", NOT_JSON_LINES),
+    ("en/dataset_info.json", NOT_JSON_LINES),
+    ("en/more.jsonl.xz", NOT_READ),
+)
+
+
+def test_a_json_file_of_json_lines_is_a_shard_and_every_other_file_of_data_is_named(tmp_path, small_tokenizer):
+    """A .json file is a shard when its first line is a JSON object, as Hugging Face datasets reads it; a file of data
+    that is no shard is named with why, never left out without a word. (Before, every .json file was left out
+    silently: C4's uncompressed validation files were not in the manifest, and nothing said so.)"""
+    data = tmp_path / "data"
+    for relpath, content in DATA_FILES.items():
+        (data / relpath).parent.mkdir(parents=True, exist_ok=True)
+        (data / relpath).write_bytes(content)
+    m = build_manifest(data)
+    assert [(s.split, s.relpath, s.key) for s in m.shards()] == [
+        ("train", "en/c4-train.00000-of-00001.json", "en__c4-train.00000-of-00001"),
+        ("validation", "en/c4-validation.00000-of-00001.json", "en__c4-validation.00000-of-00001"),
+    ]
+    assert m.files_passed_over == PASSED_OVER_FILES
+    result = cli("manifest", "--dataset-dir", data, "-o", tmp_path / "m.json")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[3:] == [f"passed over {relpath}: {why}" for relpath, why in PASSED_OVER_FILES]
+    run = tokpipe(*run_args(tmp_path / "m.json", tmp_path / "out", tokenizer=small_tokenizer))
+    assert run.returncode == 0, run.stderr
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert {name: split["documents"] for name, split in meta["splits"].items()} == {"train": 2, "validation": 1}
+
+
 def test_a_shard_that_is_not_a_regular_file_is_refused_in_one_line(tmp_path):
     data = tmp_path / "data"
     write_jsonl(data / "train" / "a.jsonl", ['{"text": "a"}'])
@@ -361,6 +409,17 @@ def test_the_manifest_command_on_a_store_writes_and_reports_it(s3_server, s3_pre
     )
     loaded = load_manifest(tmp_path / "m.json")  # the ETags round-trip, and the fingerprint with them
     assert list(loaded.shards()) == list(api.build_manifest(cache).shards())
+
+
+def test_on_a_store_a_json_file_of_json_lines_is_a_shard_and_every_other_file_of_data_is_named(s3_server, s3_prefix):
+    for relpath, content in DATA_FILES.items():
+        s3_server.put(f"{s3_prefix}/json/{relpath}", content)
+    m = api.build_manifest(s3_server.url(f"{s3_prefix}/json"))
+    assert [(s.split, s.relpath) for s in m.shards()] == [
+        ("train", "en/c4-train.00000-of-00001.json"),
+        ("validation", "en/c4-validation.00000-of-00001.json"),
+    ]
+    assert m.files_passed_over == PASSED_OVER_FILES
 
 
 def test_a_dataset_on_a_store_is_refused_and_passed_over_as_on_disk(s3_server, s3_prefix):

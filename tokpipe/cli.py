@@ -43,7 +43,7 @@ def _cmd_manifest(args) -> int:
 
 
 MANIFEST_NAMES_SHOWN = 3  # of a split's shards, by `tokpipe manifest`: its first ones and its last
-PASSED_OVER_SHOWN = 10  # folders the manifest passed over, each on a line of its own
+PASSED_OVER_SHOWN = 10  # folders (and files) the manifest passed over, each on a line of its own
 
 
 def _manifest_lines(manifest, dest: Path) -> list[str]:
@@ -66,6 +66,10 @@ def _manifest_lines(manifest, dest: Path) -> list[str]:
         lines.append(f"passed over {relpath}/: {why}")
     if len(manifest.passed_over) > PASSED_OVER_SHOWN:
         lines.append(f"passed over {len(manifest.passed_over) - PASSED_OVER_SHOWN:,} more folders")
+    for relpath, why in manifest.files_passed_over[:PASSED_OVER_SHOWN]:
+        lines.append(f"passed over {relpath}: {why}")
+    if len(manifest.files_passed_over) > PASSED_OVER_SHOWN:
+        lines.append(f"passed over {len(manifest.files_passed_over) - PASSED_OVER_SHOWN:,} more files of data")
     return lines
 
 

@@ -35,6 +35,13 @@ from tokpipe.store import is_url
 
 MANIFEST_VERSION = 1
 SHARD_SUFFIXES = (".jsonl", ".jsonl.zst", ".jsonl.zstd", ".jsonl.gz", ".json.gz", ".json.zst", ".parquet")
+# A `.json` file is a shard when it is JSON Lines, as Hugging Face datasets' json builder reads it (C4's uncompressed
+# files, many a dataset's train.json): its first line is a JSON object. Else (a dataset_info.json, a JSON array) it is
+# passed over, named, as is a file of a data format tokpipe does not read: never left out without a word.
+JSON_SUFFIX = ".json"
+# A file of data, read or not: x.json, x.jsonl.xz, x.csv.gz, x.arrow (every shard suffix but .parquet too)
+DATA_FILE = re.compile(r"\.(jsonl?|csv|tsv|arrow)(\.\w+)?$", re.IGNORECASE)
+JSON_HEAD_BYTES = 1 << 20  # read of a .json file to find its first line
 # Splits as Hugging Face datasets finds them in a repository's paths (src/datasets/data_files.py, read at
 # b7cb10b: SPLIT_KEYWORDS, and the KEYWORDS_IN_DIR_NAME / KEYWORDS_IN_FILENAME patterns with NON_WORDS_CHARS; the
 # hub's "File names and splits" page): a keyword anywhere in a folder or file name, delimited by the name's ends
@@ -76,6 +83,8 @@ class Manifest:
     source: tuple[Shard, ...] | Path  # the shards of a built manifest, or the file a loaded one streams them from
     # (relpath, why) of each folder the builder passed over (a link to one listed already, an OUT); () once loaded
     passed_over: tuple[tuple[str, str], ...] = ()
+    # (relpath, why) of each file of data the builder did not list (not JSON Lines, a format tokpipe does not read)
+    files_passed_over: tuple[tuple[str, str], ...] = ()
 
     def shards(self, split: str | None = None) -> Iterator[Shard]:
         """The shards in manifest order (of one split, or all): one pass over the file of a loaded manifest."""
@@ -144,7 +153,7 @@ def split_of(relpath: str) -> str:
 
 
 def shard_key(relpath: str) -> str:
-    for suffix in SHARD_SUFFIXES:
+    for suffix in (*SHARD_SUFFIXES, JSON_SUFFIX):
         if relpath.endswith(suffix):
             relpath = relpath[: -len(suffix)]
             break
@@ -210,7 +219,8 @@ def _walk(root: Path, is_out: Callable[[Path], bool] | None) -> tuple[list[tuple
             below = here.relative_to(top).as_posix()
             rel = "/".join(part for part in (top_rel, below) if part not in ("", "."))
             prefix = rel + "/" if rel else ""
-            files.extend((here / n, prefix + n) for n in filenames if n.endswith(SHARD_SUFFIXES))
+            data = (n for n in filenames if DATA_FILE.search(n) or n.endswith(SHARD_SUFFIXES))
+            files.extend((here / n, prefix + n) for n in data)
             walked = []
             for name in sorted(d for d in dirnames if not d.startswith(".")):
                 if (here / name).is_symlink():
@@ -340,10 +350,44 @@ def build_manifest(
     root, blobs_dir, repo_id, revision = _locate(Path(dataset_dir).absolute(), repo_id, revision)
     base = (blobs_dir.parent if blobs_dir else root).resolve()
     files, passed_over = _walk(root, is_out)
-    shards = [_shard(path, relpath, blobs_dir, base, allow_outside) for path, relpath in files]
+    shards, files_passed_over = [], []
+    for path, relpath in files:
+        json_head = _head(_resolve_pointer(path, blobs_dir)) if relpath.endswith(JSON_SUFFIX) else b""
+        if why := not_a_shard(relpath, json_head):
+            files_passed_over.append((relpath, why))
+        else:
+            shards.append(_shard(path, relpath, blobs_dir, base, allow_outside))
     return manifest_of(
-        str(root), str(base), allow_outside, repo_id, revision, shards, passed_over, lambda: _layout_hint(root)
+        str(root), str(base), allow_outside, repo_id, revision, shards, passed_over, lambda: _layout_hint(root),
+        files_passed_over,
+    )  # fmt: skip
+
+
+def not_a_shard(relpath: str, json_head: bytes) -> str | None:
+    """Why a file of data the walk met is no shard (None: it is one). A .json file is one when its first line, in
+    `json_head` (its first JSON_HEAD_BYTES), is a JSON object: it is JSON Lines."""
+    if relpath.endswith(SHARD_SUFFIXES):
+        return None
+    if not relpath.endswith(JSON_SUFFIX):
+        return (
+            "a format tokpipe does not read (it reads JSON Lines, plain or zstd- or gzip-compressed, and Parquet):"
+            " convert it to one of those to tokenize it"
+        )
+    line = json_head.lstrip().split(b"\n", 1)[0]
+    try:
+        if isinstance(orjson.loads(line), dict):
+            return None
+    except orjson.JSONDecodeError:
+        pass
+    return (
+        "not JSON Lines (its first line is not a JSON object: metadata, or one JSON document such as an array);"
+        " convert it to JSONL to tokenize it"
     )
+
+
+def _head(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(JSON_HEAD_BYTES)
 
 
 def manifest_of(
@@ -355,6 +399,7 @@ def manifest_of(
     shards: list[Shard],
     passed_over: list[tuple[str, str]],
     hint: Callable[[], str],
+    files_passed_over: list[tuple[str, str]] = (),
 ) -> Manifest:
     """The manifest of the shards a walk found (of a folder, or of a prefix on a store): in order, each key once.
     None found: refused, with `hint()` (layout_hint) of what the dataset dir holds."""
@@ -379,6 +424,7 @@ def manifest_of(
         sum(s.size for s in shards),
         tuple(shards),
         tuple(passed_over),
+        tuple(sorted(files_passed_over)),
     )
 
 

@@ -18,11 +18,15 @@ from pathlib import PurePosixPath
 
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import (
+    DATA_FILE,
+    JSON_HEAD_BYTES,
+    JSON_SUFFIX,
     SHARD_SUFFIXES,
     Manifest,
     Shard,
     layout_hint,
     manifest_of,
+    not_a_shard,
     pick_revision,
     shard_key,
     split_of,
@@ -50,10 +54,15 @@ def build_store_manifest(
         raise UserError(f"--dataset-dir {bucket.where(prefix)} holds no object: is the bucket or the prefix misspelt?")
     root, repo, repo_id, revision = _locate(bucket, prefix, listed, repo_id, revision)
     files, passed_over = _walk(listed, root, is_out)
-    shards = [
-        Shard(split_of(relpath), relpath, bucket.where(found.key), found.size, shard_key(relpath), found.etag)
-        for found, relpath in files
-    ]
+    shards, files_passed_over = [], []
+    for found, relpath in files:
+        json_head = bucket.read(found.key, 0, JSON_HEAD_BYTES, found.etag)[0] if relpath.endswith(JSON_SUFFIX) else b""
+        if why := not_a_shard(relpath, json_head):
+            files_passed_over.append((relpath, why))
+        else:
+            shards.append(
+                Shard(split_of(relpath), relpath, bucket.where(found.key), found.size, shard_key(relpath), found.etag)
+            )
     return manifest_of(
         bucket.where(root),
         bucket.where(repo if repo is not None else root),
@@ -65,6 +74,7 @@ def build_store_manifest(
         lambda: layout_hint(
             bucket.where(root), sorted({k[len(root) :].split("/")[0] for k in listed if k.startswith(root)})
         ),
+        files_passed_over,
     )
 
 
@@ -138,7 +148,7 @@ def _walk(
         (found, rel)
         for key, found in sorted(listed.items())
         if key.startswith(root)
-        and (rel := key[len(root) :]).endswith(SHARD_SUFFIXES)
+        and ((rel := key[len(root) :]).endswith(SHARD_SUFFIXES) or DATA_FILE.search(rel))
         and not _hidden(rel)
         and not any(rel.startswith(f"{folder}/") for folder, _ in passed_over)
     ]
