@@ -12,7 +12,8 @@ from helpers import EXAMPLE_CACHE, cli, plain_copy_of_example, run_args, tokpipe
 
 import tokpipe as api
 from tokpipe.errors import UserError
-from tokpipe.inputs.manifest import build_manifest, load_manifest, split_of, write_manifest
+from tokpipe.inputs.manifest import build_manifest, load_manifest, write_manifest
+from tokpipe.inputs.names import split_of
 from tokpipe.store import Url
 
 REPO_DIR = EXAMPLE_CACHE / "datasets--tokpipe-realdata--slimpajama-mini"

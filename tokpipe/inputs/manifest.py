@@ -20,7 +20,6 @@ import hashlib
 import heapq
 import json
 import os
-import re
 import stat
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -31,30 +30,18 @@ import ijson
 import orjson
 
 from tokpipe.errors import UserError
+from tokpipe.inputs.names import (
+    DATA_FILE,
+    JSON_HEAD_BYTES,
+    JSON_SUFFIX,
+    SHARD_SUFFIXES,
+    not_a_shard,
+    shard_key,
+    split_of,
+)
 from tokpipe.store import is_url
 
 MANIFEST_VERSION = 1
-SHARD_SUFFIXES = (".jsonl", ".jsonl.zst", ".jsonl.zstd", ".jsonl.gz", ".json.gz", ".json.zst", ".parquet")
-# A `.json` file is a shard when it is JSON Lines, as Hugging Face datasets' json builder reads it (C4's uncompressed
-# files, many a dataset's train.json): its first line is a JSON object. Else (a dataset_info.json, a JSON array) it is
-# passed over, named, as is a file of a data format tokpipe does not read: never left out without a word.
-JSON_SUFFIX = ".json"
-# A file of data, read or not: x.json, x.jsonl.xz, x.csv.gz, x.arrow (every shard suffix but .parquet too)
-DATA_FILE = re.compile(r"\.(jsonl?|csv|tsv|arrow)(\.\w+)?$", re.IGNORECASE)
-JSON_HEAD_BYTES = 1 << 20  # read of a .json file to find its first line
-# Splits as Hugging Face datasets finds them in a repository's paths (src/datasets/data_files.py, read at
-# b7cb10b: SPLIT_KEYWORDS, and the KEYWORDS_IN_DIR_NAME / KEYWORDS_IN_FILENAME patterns with NON_WORDS_CHARS; the
-# hub's "File names and splits" page): a keyword anywhere in a folder or file name, delimited by the name's ends
-# or by `-`, `_`, `.`, a space or a digit (`en/c4-validation.00000-of-00008.json.gz`, `wiki_test_0.jsonl`).
-SPLIT_KEYWORDS = {
-    "train": ("train", "training"),
-    "validation": ("validation", "valid", "dev", "val"),
-    "test": ("test", "testing", "eval", "evaluation"),
-}
-_NAMES_SPLIT = {
-    split: re.compile(rf"(?:^|(?<=[-._ 0-9]))(?:{'|'.join(words)})(?=[-._ 0-9]|$)", re.IGNORECASE)
-    for split, words in SPLIT_KEYWORDS.items()
-}
 # A snapshot file that is not a symlink but a tiny text file naming a blob: what git and copy tools
 # leave of the cache's symlinks on filesystems or transfers that drop them.
 POINTER_MAX_BYTES = 512
@@ -131,33 +118,6 @@ def _read_header(path: Path) -> dict:
             if prefix and "." not in prefix and event not in ("start_map", "start_array", "map_key"):
                 header[prefix] = value
     return header
-
-
-def split_of(relpath: str) -> str:
-    """The split a shard belongs to, from its path as HF datasets names splits (SPLIT_KEYWORDS); `train` otherwise.
-
-    A split in a folder name outranks one in the file name (`train/wiki_test_0.jsonl` is train), as HF datasets
-    looks at folders first. A path that names two splits at the same rank (`train/dev/`, `train_test_0.jsonl`),
-    which HF datasets would read into both, is refused. Unlike HF datasets, letter case is ignored (`Validation/`)."""
-    *folders, name = relpath.split("/")
-    for names in (folders, [name]):
-        named = sorted(split for split, pattern in _NAMES_SPLIT.items() if any(pattern.search(n) for n in names))
-        if len(named) > 1:
-            raise UserError(
-                f"{relpath} names more than one split ({' and '.join(named)}), and Hugging Face datasets would read it"
-                " into each: give it a path that names one (a folder of symlinks to the shards, with --allow-outside)"
-            )
-        if named:
-            return named[0]
-    return "train"
-
-
-def shard_key(relpath: str) -> str:
-    for suffix in (*SHARD_SUFFIXES, JSON_SUFFIX):
-        if relpath.endswith(suffix):
-            relpath = relpath[: -len(suffix)]
-            break
-    return relpath.replace("/", "__")
 
 
 def _resolve_pointer(path: Path, blobs_dir: Path | None) -> Path:
@@ -361,28 +321,6 @@ def build_manifest(
         str(root), str(base), allow_outside, repo_id, revision, shards, passed_over, lambda: _layout_hint(root),
         files_passed_over,
     )  # fmt: skip
-
-
-def not_a_shard(relpath: str, json_head: bytes) -> str | None:
-    """Why a file of data the walk met is no shard (None: it is one). A .json file is one when its first line, in
-    `json_head` (its first JSON_HEAD_BYTES), is a JSON object: it is JSON Lines."""
-    if relpath.endswith(SHARD_SUFFIXES):
-        return None
-    if not relpath.endswith(JSON_SUFFIX):
-        return (
-            "a format tokpipe does not read (it reads JSON Lines, plain or zstd- or gzip-compressed, and Parquet):"
-            " convert it to one of those to tokenize it"
-        )
-    line = json_head.lstrip().split(b"\n", 1)[0]
-    try:
-        if isinstance(orjson.loads(line), dict):
-            return None
-    except orjson.JSONDecodeError:
-        pass
-    return (
-        "not JSON Lines (its first line is not a JSON object: metadata, or one JSON document such as an array);"
-        " convert it to JSONL to tokenize it"
-    )
 
 
 def _head(path: Path) -> bytes:

@@ -17,17 +17,13 @@ from collections.abc import Callable
 from pathlib import PurePosixPath
 
 from tokpipe.errors import UserError
-from tokpipe.inputs.manifest import (
+from tokpipe.inputs.manifest import Manifest, Shard, layout_hint, manifest_of, pick_revision
+from tokpipe.inputs.names import (
     DATA_FILE,
     JSON_HEAD_BYTES,
     JSON_SUFFIX,
     SHARD_SUFFIXES,
-    Manifest,
-    Shard,
-    layout_hint,
-    manifest_of,
     not_a_shard,
-    pick_revision,
     shard_key,
     split_of,
 )

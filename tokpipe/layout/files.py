@@ -21,7 +21,8 @@ from pathlib import Path
 
 from tokpipe.durability import fsync_dir, write_atomic, write_json_atomic
 from tokpipe.errors import UserError
-from tokpipe.inputs.manifest import Shard, shard_key
+from tokpipe.inputs.manifest import Shard
+from tokpipe.inputs.names import shard_key
 
 # OUT/logs/ holds these, and a stack dump per stalled shard (stall_dump).
 RUN_LOG = "run.log"  # the effective configuration, shard failures, stalls, the outcome
