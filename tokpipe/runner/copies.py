@@ -1,7 +1,7 @@
 """The writes that assemble the split files on Ray while shards still tokenize: Placer actors (task.Placer)
 write each part where its tokens are; what goes where is the Assembler's. A placing call that fails comes back
 here: its parts go again, and those whose tokens were lost with a node wait for their shard to be tokenized
-again (the Scheduler's, runner/schedule.py)."""
+again (Losses, in runner/schedule.py)."""
 
 from __future__ import annotations
 

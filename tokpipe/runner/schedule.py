@@ -117,10 +117,10 @@ class _Task:
     buffered: ray.ObjectRef | None = None
 
 
-class Scheduler:
-    """Runs every unfinished shard to completion or failure, copying finished ones into place as their
-    offsets become known. Afterwards `failed` (relpath -> error) and `resumed` (results of shards
-    that resumed from a checkpoint) say how it went.
+class Tasks:
+    """The shard tasks: those to go (the packs yet to be made, and `again`: those cancelled for a stall, their
+    worker or node lost, of a failed pack) and those `running` on Ray, at most QUEUED per worker; the ProgressBoard's
+    last snapshot of them; their retries, after a stall or a worker's death.
 
     Shards are taken from the manifest as workers free up (the driver holds the running ones, never the
     list), checkpoints read again at that moment: a shard a leftover worker finished meanwhile is skipped.
@@ -134,13 +134,12 @@ class Scheduler:
         opts: RunOptions,
         workers: int,
         log: RunLog,
-        tell: Listener,
-        tally: Tally,
+        failed: dict[str, str],
         check: ray.ObjectRef | None,
         watch: NodeWatch,
     ):
-        self.out, self.spec, self.opts, self.workers, self.log, self.tell = out, spec, opts, workers, log, tell
-        self.tally, self.check = tally, check  # check: on a cluster, the NodeCheck a node not probed runs
+        self.out, self.opts, self.workers, self.log, self.failed = out, opts, workers, log, failed
+        self.check, self.watch = check, watch  # check: on a cluster, the NodeCheck a node not probed runs
         # One task name for all: the driver keeps state per distinct name (~1.8 MiB per 1k names, measured).
         self.cpus = 2 if spec.read_ahead else 1
         self.task = ray.remote(
@@ -154,73 +153,28 @@ class Scheduler:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.board = ProgressBoard.options(scheduling_strategy=here).remote()
         self.common = ray.put((str(out), spec, self.board, opts.stall_timeout))  # see task.shard_task
-        self.watch = watch
         # Not those that failed in this process already (tokenize_while).
         is_done = DoneShards(out)
 
         def unfinished() -> Iterator[Shard]:  # read twice: the manifest streams, 60,000 shards are not held
-            return (s for s in manifest.shards() if not is_done(s) and s.relpath not in tally.failed)
+            return (s for s in manifest.shards() if not is_done(s) and s.relpath not in failed)
 
         self.packs = packs(unfinished(), sum(s.size for s in unfinished()), workers)
         self.packed = False  # every shard is in a task (or was)
-        self.again: deque[_Task] = deque()  # cancelled for a stall, their worker or node lost, of a failed pack
+        self.again: deque[_Task] = deque()
         self.running: dict[ray.ObjectRef, _Task] = {}  # by the reference to its results
-        self.failed = tally.failed
-        self.done = 0  # shards finished, for the progress counts
         self.totals, self.beats, self.nodes = [0, 0, 0], {}, {}  # the board's last snapshot
-        self.losses: dict[str, tuple[float, set[str], set[str]]] = {}  # node -> found at, shards ran, waited there
 
-    def run(self, progress: Progress, copies: Copies, done: int) -> None:
-        """Tokenize every unfinished shard, placing what can be meanwhile; returns once the last is tokenized.
-        `done`: shards finished before (this run's, in the driver), for the progress counts."""
-        self.done = done
-        self._loop(progress, copies, None)
+    @property
+    def left(self) -> bool:
+        """Whether a shard is yet to be tokenized: running, to go again, or in no task yet."""
+        return bool(self.running or self.again or not self.packed)
 
-    def drain(self, progress: Progress, copies: Copies, excluded: frozenset[str]) -> None:
-        """Place everything whose place is known (with `excluded` left out), tokenizing again what a node lost
-        meanwhile held."""
-        self._loop(progress, copies, excluded)
+    def running_on(self, node: str) -> set[str]:
+        """The shards of the tasks running on `node`, as the board's last snapshot says."""
+        return {s.relpath for t in self.running.values() if self.nodes.get(_tag(t.shards)) == node for s in t.shards}
 
-    def _loop(self, progress: Progress, copies: Copies, excluded: frozenset[str] | None) -> None:
-        """`excluded` None: until every shard is tokenized; else until every part is placed (the tail, in which
-        the driver also waits on the copies)."""
-        last_look = 0.0  # when progress and stalls were last looked at
-        copies.feed(excluded or frozenset())  # what earlier runs finished and did not place
-        while True:
-            self._submit()
-            if not self.running and (excluded is None or not copies.busy):
-                # The end; but a node lost since the last look, which the GCS may not have found yet, is said, and
-                # what it held tokenized again.
-                if excluded is None or not any([self._lose(node, copies) for node in self.watch.gone(now=True)]):
-                    break
-                continue
-            # Wake on the first finished task, then take all that are done GATHER later.
-            waiting = [*self.running, *(copies.running if excluded is not None else ())]
-            ready, _ = ray.wait(waiting, num_returns=1, timeout=POLL_EVERY)
-            if ready:
-                ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=GATHER)
-            for placer_node, lost, error in copies.collect():
-                self._copy_failed(copies, placer_node, lost, error)
-            for ref in ready:
-                if ref in self.running:
-                    self._collect(ref, copies)
-            copies.feed(excluded or frozenset())
-            now = time.time()
-            if now - last_look < POLL_EVERY:
-                continue
-            last_look = now
-            self._read_board()
-            # Running: the shards whose workers have begun them (a beat), not those submitted and queued.
-            progress.update(*self.totals, done=self.done, running=len(self.beats), failed=len(self.failed))
-            self._cancel_stalled(now)
-            for node in self.watch.gone():
-                self._lose(node, copies)
-            self._say()
-        self._say(now=True)
-        self._read_board()
-        progress.update(*self.totals, done=self.done, running=0, failed=len(self.failed), final=True)
-
-    def _submit(self) -> None:
+    def submit(self) -> None:
         while len(self.running) < QUEUED * self.workers:
             if self.again:
                 task = self.again.popleft()
@@ -235,43 +189,10 @@ class Scheduler:
             ref, buffered = remote.remote(task.shards, self.common, self.check, task.redo is not None)
             self.running[ref] = replace(task, submitted=time.time(), buffered=buffered)
 
-    def _collect(self, ref, copies: Copies) -> None:
-        """Take a finished task's results."""
-        task = self.running.pop(ref)
-        try:
-            results = get(ref)
-        except NodeError as e:  # a node the driver did not probe: it stops the run
-            self.log(f"node check: {e}")
-            raise
-        except StoreUnavailable as e:  # every shard would wait out the same retries: the run stops, resumable
-            self.log(f"shard {task.shards[0].relpath}: {e}")
-            raise
-        except (ray.exceptions.RayError, OSError) as e:
-            self._failed(task, e, copies)
-            return
-        if task.redo is not None:
-            if results[0].buffered_on is None:  # alone, a shard has at least the room it had in its pack
-                raise RuntimeError(f"shard {task.shards[0].relpath}, tokenized again, did not keep its tokens")
-            copies.found(task.redo, task.buffered, results[0].buffered_on)
-            return
-        for index, (shard, result) in enumerate(zip(task.shards, results)):
-            stored = Stored(shard, task.buffered, result.buffered_on, index) if result.buffered_on else None
-            copies.assembler.done(shard, result.checkpoint, stored)
-            self.tally.add(shard, result, self.log)
-        self.done += len(task.shards)
-        for node in {r.buffered_on for r in results} & self.watch.lost:  # done there just before it was lost
-            self._lose(node, copies)
-
-    def _failed(self, task: _Task, error: Exception, copies: Copies) -> None:
-        """A task that failed: a pack's shards go again one by one; a shard whose worker or node died goes again
-        while it has retries; else it failed (a shard tokenized again after its node was lost too: its place in
-        the split stays taken, and the run ends unfinished)."""
-        crashed = not isinstance(error, ray.exceptions.RayTaskError)  # the worker died, not the shard's code
-        if crashed and _tag(task.shards) not in self.nodes:  # begun since the board's last snapshot, maybe
-            self._read_board()
-        node = self.nodes.get(_tag(task.shards)) or _died_on(error)
-        if crashed and node is not None and (node in self.watch.lost or self.watch.confirms(node)):
-            self._lose(node, copies, task.shards)
+    def retry(self, task: _Task, error: Exception, crashed: bool) -> None:
+        """A task that failed: a pack's shards go again one by one; a shard whose worker or node died (`crashed`)
+        goes again while it has retries; else it failed (a shard tokenized again after its node was lost too: its
+        place in the split stays taken, and the run ends unfinished)."""
         if len(task.shards) > 1:
             self.log(f"{_name(task.shards)} failed ({describe_failure(error)}); its shards go again one by one")
             self.again.extend(_Task([shard]) for shard in task.shards)
@@ -284,63 +205,7 @@ class Scheduler:
         self.failed[relpath] = describe_failure(error)
         self.log(f"shard {relpath} FAILED: {self.failed[relpath]}")
 
-    def _copy_failed(self, copies: Copies, node: str, lost: list[Stored], error: Exception) -> None:
-        """A placing call failed: its Placer, or the node its tokens were on, is gone. The shards whose tokens it
-        lost are tokenized again; its other parts go again as they are (Copies.collect)."""
-        self.log(
-            f"placing on node {self.watch.name(node)} failed ({describe_failure(error)}):"
-            f" {_plural(len(lost), 'shard')} to tokenize again"
-        )
-        for where in {node} | {stored.node for stored in lost}:
-            if where in self.watch.lost or self.watch.confirms(where):
-                self._lose(where, copies, taken=[s for s in lost if s.node == where])
-                lost = [s for s in lost if s.node != where]
-        self.again.extendleft(_Task([stored.shard], redo=stored) for stored in lost)
-
-    def _lose(self, node: str, copies: Copies, ran: list[Shard] = (), taken: list[Stored] = ()) -> bool:
-        """A node is lost: the shards done and waiting in its object store are tokenized again (with `taken`,
-        those marked lost already), those running there go again as their tasks fail (`ran`: one that failed,
-        which may come before the node is found lost or after). Said in one line (`_say`). Stops the run if no
-        node left can run a shard. Returns whether it held shards to tokenize again."""
-        if node not in self.watch.lost:
-            self.watch.lost.add(node)
-            self.losses[node] = (time.monotonic(), set(), set())
-        stored = [*taken, *copies.lose(node)]
-        self.again.extendleft(_Task([s.shard], redo=s) for s in stored)
-        there = [t.shards for t in self.running.values() if self.nodes.get(_tag(t.shards)) == node]
-        running = {s.relpath for s in ran} | {s.relpath for shards in there for s in shards}
-        waiting = {s.shard.relpath for s in stored}
-        if node in self.losses:
-            self.losses[node][1].update(running)
-            self.losses[node][2].update(waiting)
-        elif waiting:
-            self.log(f"node {self.watch.name(node)}, lost: done there, to tokenize again: {', '.join(sorted(waiting))}")
-        if (self.running or self.again or not self.packed) and not self.watch.can_run(self.cpus):
-            self._say(now=True)
-            raise RayUnavailable(
-                f"node {self.watch.name(node)} was lost, and no node left in the cluster can run a shard"
-                f" ({_plural(self.cpus, 'CPU')}): start one (`ray start --address ...`) and rerun the same command"
-            )
-        return bool(stored)
-
-    def _say(self, now: bool = False) -> None:
-        """Say each node lost, in one line with what it cost, once POLL_EVERY has passed since it was found (or
-        `now`): its tasks' failures come in meanwhile (a task there fails within 0.1 s of the loss, and may come
-        before the node is found lost or after)."""
-        for node, (found, running, waiting) in list(self.losses.items()):
-            if not now and time.monotonic() - found < POLL_EVERY:
-                continue
-            del self.losses[node]
-            line = f"ray: node {self.watch.name(node)} lost: " + (
-                f"{_plural(len(running | waiting), 'shard')} to tokenize again ({len(running)} running there,"
-                f" {len(waiting)} done and waiting there to be placed)"
-                if running | waiting
-                else "it held no shard of the run"
-            )
-            self.tell(Said(line, stderr=True))
-            self.log(f"{line}: {', '.join(sorted(running | waiting))}")
-
-    def _cancel_stalled(self, now: float) -> None:
+    def cancel_stalled(self, now: float) -> None:
         for ref, task in list(self.running.items()):
             beat = self.beats.get(_tag(task.shards), 0.0)
             # A task's clock starts at its first beat: until then it waits for a worker process (1-3 s
@@ -366,8 +231,184 @@ class Scheduler:
                     f" stacks in {dump}"
                 )
 
-    def _read_board(self) -> None:
+    def read_board(self) -> None:
         try:
             self.totals, self.beats, self.nodes = ray.get(self.board.snapshot.remote(), timeout=30)
         except ray.exceptions.RayError:  # board restarting: keep the last view; stall clocks wait for new beats
             pass
+
+
+class Losses:
+    """The nodes the run lost (NodeWatch finds them): what each held goes again, and one line says what it cost."""
+
+    def __init__(self, tasks: Tasks, watch: NodeWatch, log: RunLog, tell: Listener):
+        self.tasks, self.watch, self.log, self.tell = tasks, watch, log, tell
+        self.unsaid: dict[str, tuple[float, set[str], set[str]]] = {}  # node -> found at, shards ran, waited there
+
+    def lose(self, node: str, copies: Copies, ran: list[Shard] = (), taken: list[Stored] = ()) -> bool:
+        """A node is lost: the shards done and waiting in its object store are tokenized again (with `taken`,
+        those marked lost already), those running there go again as their tasks fail (`ran`: one that failed,
+        which may come before the node is found lost or after). Said in one line (`say`). Stops the run if no
+        node left can run a shard. Returns whether it held shards to tokenize again."""
+        if node not in self.watch.lost:
+            self.watch.lost.add(node)
+            self.unsaid[node] = (time.monotonic(), set(), set())
+        stored = [*taken, *copies.lose(node)]
+        self.tasks.again.extendleft(_Task([s.shard], redo=s) for s in stored)
+        running = {s.relpath for s in ran} | self.tasks.running_on(node)
+        waiting = {s.shard.relpath for s in stored}
+        if node in self.unsaid:
+            self.unsaid[node][1].update(running)
+            self.unsaid[node][2].update(waiting)
+        elif waiting:
+            self.log(f"node {self.watch.name(node)}, lost: done there, to tokenize again: {', '.join(sorted(waiting))}")
+        if self.tasks.left and not self.watch.can_run(self.tasks.cpus):
+            self.say(now=True)
+            raise RayUnavailable(
+                f"node {self.watch.name(node)} was lost, and no node left in the cluster can run a shard"
+                f" ({_plural(self.tasks.cpus, 'CPU')}): start one (`ray start --address ...`) and rerun the same"
+                " command"
+            )
+        return bool(stored)
+
+    def placing_failed(self, copies: Copies, node: str, lost: list[Stored], error: Exception) -> None:
+        """A placing call failed: its Placer, or the node its tokens were on, is gone. The shards whose tokens it
+        lost are tokenized again; its other parts go again as they are (Copies.collect)."""
+        self.log(
+            f"placing on node {self.watch.name(node)} failed ({describe_failure(error)}):"
+            f" {_plural(len(lost), 'shard')} to tokenize again"
+        )
+        for where in {node} | {stored.node for stored in lost}:
+            if where in self.watch.lost or self.watch.confirms(where):
+                self.lose(where, copies, taken=[s for s in lost if s.node == where])
+                lost = [s for s in lost if s.node != where]
+        self.tasks.again.extendleft(_Task([stored.shard], redo=stored) for stored in lost)
+
+    def say(self, now: bool = False) -> None:
+        """Say each node lost, in one line with what it cost, once POLL_EVERY has passed since it was found (or
+        `now`): its tasks' failures come in meanwhile (a task there fails within 0.1 s of the loss, and may come
+        before the node is found lost or after)."""
+        for node, (found, running, waiting) in list(self.unsaid.items()):
+            if not now and time.monotonic() - found < POLL_EVERY:
+                continue
+            del self.unsaid[node]
+            line = f"ray: node {self.watch.name(node)} lost: " + (
+                f"{_plural(len(running | waiting), 'shard')} to tokenize again ({len(running)} running there,"
+                f" {len(waiting)} done and waiting there to be placed)"
+                if running | waiting
+                else "it held no shard of the run"
+            )
+            self.tell(Said(line, stderr=True))
+            self.log(f"{line}: {', '.join(sorted(running | waiting))}")
+
+
+class Scheduler:
+    """Runs every unfinished shard to completion or failure (Tasks), copying finished ones into place as their
+    offsets become known (Copies), and tokenizing again what a node lost held (Losses). Afterwards the tally's
+    `failed` (relpath -> error) says which shards failed."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        out: Path,
+        spec: EncodeSpec,
+        opts: RunOptions,
+        workers: int,
+        log: RunLog,
+        tell: Listener,
+        tally: Tally,
+        check: ray.ObjectRef | None,
+        watch: NodeWatch,
+    ):
+        self.log, self.tally, self.watch = log, tally, watch
+        self.tasks = Tasks(manifest, out, spec, opts, workers, log, tally.failed, check, watch)
+        self.losses = Losses(self.tasks, watch, log, tell)
+        self.done = 0  # shards finished, for the progress counts
+
+    def run(self, progress: Progress, copies: Copies, done: int) -> None:
+        """Tokenize every unfinished shard, placing what can be meanwhile; returns once the last is tokenized.
+        `done`: shards finished before (this run's, in the driver), for the progress counts."""
+        self.done = done
+        self._loop(progress, copies, None)
+
+    def drain(self, progress: Progress, copies: Copies, excluded: frozenset[str]) -> None:
+        """Place everything whose place is known (with `excluded` left out), tokenizing again what a node lost
+        meanwhile held."""
+        self._loop(progress, copies, excluded)
+
+    def _loop(self, progress: Progress, copies: Copies, excluded: frozenset[str] | None) -> None:
+        """`excluded` None: until every shard is tokenized; else until every part is placed (the tail, in which
+        the driver also waits on the copies)."""
+        tasks, failed = self.tasks, self.tally.failed
+        last_look = 0.0  # when progress and stalls were last looked at
+        copies.feed(excluded or frozenset())  # what earlier runs finished and did not place
+        while True:
+            tasks.submit()
+            if not tasks.running and (excluded is None or not copies.busy):
+                # The end; but a node lost since the last look, which the GCS may not have found yet, is said, and
+                # what it held tokenized again.
+                if excluded is None or not any([self.losses.lose(node, copies) for node in self.watch.gone(now=True)]):
+                    break
+                continue
+            # Wake on the first finished task, then take all that are done GATHER later.
+            waiting = [*tasks.running, *(copies.running if excluded is not None else ())]
+            ready, _ = ray.wait(waiting, num_returns=1, timeout=POLL_EVERY)
+            if ready:
+                ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=GATHER)
+            for placer_node, lost, error in copies.collect():
+                self.losses.placing_failed(copies, placer_node, lost, error)
+            for ref in ready:
+                if ref in tasks.running:
+                    self._collect(ref, copies)
+            copies.feed(excluded or frozenset())
+            now = time.time()
+            if now - last_look < POLL_EVERY:
+                continue
+            last_look = now
+            tasks.read_board()
+            # Running: the shards whose workers have begun them (a beat), not those submitted and queued.
+            progress.update(*tasks.totals, done=self.done, running=len(tasks.beats), failed=len(failed))
+            tasks.cancel_stalled(now)
+            for node in self.watch.gone():
+                self.losses.lose(node, copies)
+            self.losses.say()
+        self.losses.say(now=True)
+        tasks.read_board()
+        progress.update(*tasks.totals, done=self.done, running=0, failed=len(failed), final=True)
+
+    def _collect(self, ref, copies: Copies) -> None:
+        """Take a finished task's results."""
+        task = self.tasks.running.pop(ref)
+        try:
+            results = get(ref)
+        except NodeError as e:  # a node the driver did not probe: it stops the run
+            self.log(f"node check: {e}")
+            raise
+        except StoreUnavailable as e:  # every shard would wait out the same retries: the run stops, resumable
+            self.log(f"shard {task.shards[0].relpath}: {e}")
+            raise
+        except (ray.exceptions.RayError, OSError) as e:
+            self._failed(task, e, copies)
+            return
+        if task.redo is not None:
+            if results[0].buffered_on is None:  # alone, a shard has at least the room it had in its pack
+                raise RuntimeError(f"shard {task.shards[0].relpath}, tokenized again, did not keep its tokens")
+            copies.found(task.redo, task.buffered, results[0].buffered_on)
+            return
+        for index, (shard, result) in enumerate(zip(task.shards, results)):
+            stored = Stored(shard, task.buffered, result.buffered_on, index) if result.buffered_on else None
+            copies.assembler.done(shard, result.checkpoint, stored)
+            self.tally.add(shard, result, self.log)
+        self.done += len(task.shards)
+        for node in {r.buffered_on for r in results} & self.watch.lost:  # done there just before it was lost
+            self.losses.lose(node, copies)
+
+    def _failed(self, task: _Task, error: Exception, copies: Copies) -> None:
+        """A task that failed: the node it ran on, if that is lost, said lost; the task retried (Tasks.retry)."""
+        crashed = not isinstance(error, ray.exceptions.RayTaskError)  # the worker died, not the shard's code
+        if crashed and _tag(task.shards) not in self.tasks.nodes:  # begun since the board's last snapshot, maybe
+            self.tasks.read_board()
+        node = self.tasks.nodes.get(_tag(task.shards)) or _died_on(error)
+        if crashed and node is not None and (node in self.watch.lost or self.watch.confirms(node)):
+            self.losses.lose(node, copies, task.shards)
+        self.tasks.retry(task, error, crashed)

@@ -55,7 +55,7 @@ class ProgressBoard:
 def shard_task(
     shards: list[Shard], common: tuple, check: NodeCheck | None, again: bool = False
 ) -> tuple[list[ShardResult], list]:
-    """The Ray task around tokenize_shard, for one shard or a pack of small ones in turn (Scheduler.pack):
+    """The Ray task around tokenize_shard, for one shard or a pack of small ones in turn (schedule.packs):
     progress reports, and a stack dump if it stops moving. On a node the driver did not probe, first the paths
     the run needs (NodeError: not the stall dump's).
     `common`: what every shard task of the run takes (OUT, the EncodeSpec, the ProgressBoard, the stall
