@@ -140,7 +140,7 @@ def test_the_private_ray_that_tokpipe_touches_is_there_in_the_pinned_version():
     assert read.stdout == "True\n", read.stderr
     # The shard tasks' process titles (`ps`, and the tests' worker killers, find workers by them).
     assert callable(ray._raylet.setproctitle)
-    # Cluster._route_ray_lines replaces this function: the driver's thread that prints the errors the cluster
+    # RayLines._route replaces this function: the driver's thread that prints the errors the cluster
     # publishes looks it up on the module when it calls it.
     assert list(inspect.signature(ray._private.worker.print_to_stdstream).parameters) == ["data", "ignore_prefix"]
     assert "print_to_stdstream(" in inspect.getsource(ray._private.worker.listen_error_messages)

@@ -101,6 +101,107 @@ class Shape:
     note: str  # why fewer workers than asked, if so
 
 
+def _join(opts: RunOptions, address: str) -> Shape:
+    """Ray started by joining the cluster at `address` (--address or RAY_ADDRESS): its workers fitted to it."""
+    import ray
+
+    ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+    alive = [n for n in ray.nodes() if n["Alive"]]
+    cpus = int(ray.cluster_resources().get("CPU", 1))
+    widest = max((n["Resources"].get("CPU", 0) for n in alive), default=0)
+    memory = int(sum(n["Resources"].get("memory", 0) for n in alive))
+    workers, note = fit_workers(opts.workers, cpus, memory, opts.worker_memory, cluster=True)
+    where = f"cluster {ray.get_runtime_context().gcs_address}"
+    return Shape(workers, 2 * workers <= cpus and widest >= 2, len(alive), where, note)
+
+
+def _embed(opts: RunOptions, fit: tuple[int, str], cpus: int) -> Shape:
+    """Ray started as an embedded instance of this process, for the `fit` workers on its `cpus`."""
+    import ray
+
+    workers, note = fit
+    read_ahead = 2 * workers <= cpus  # one node: its widest is all of it
+    # address="local": never attach to some other Ray instance that happens to run on this machine.
+    # The object store holds the shards done before their place in the split is known, each up
+    # to --shard-buffer (EncodeSpec.buffer_bytes): room for two per worker.
+    room = 2 * workers * (opts.buffer_mib << 20)
+    ray.init(
+        address="local",
+        num_cpus=workers * (2 if read_ahead else 1),
+        include_dashboard=False,
+        object_store_memory=max(128 << 20, min(room, available_memory() * 3 // 10)),
+        logging_level=logging.ERROR,
+        log_to_driver=False,
+    )
+    alive = [n for n in ray.nodes() if n["Alive"]]
+    return Shape(workers, read_ahead, len(alive), "embedded local instance", note)
+
+
+def _did_not_start(error: BaseException, address: str | None) -> str:
+    """The line that says Ray did not start: what Ray said, and what to do (an embedded Ray's temp folder short of
+    room, if it is)."""
+    said = describe_failure(error)
+    if address:
+        return f"could not join the Ray cluster at {address} ({said}): is it up (`ray status`)? Then rerun"
+    # Where Ray's start puts its session, as Ray picks it (ray._common.utils.get_default_system_temp_dir).
+    temp = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+    room = free_bytes(temp) if os.path.isdir(temp) else RAY_ROOM
+    full = f"; its temp folder {temp} has {size(room)} free (RAY_TMPDIR moves it)" if room < RAY_ROOM else ""
+    return f"Ray did not start ({said}){full}: fix the cause and rerun the same command"
+
+
+class RayLines:
+    """Where Ray's own lines go in a process that exits after the run (the CLI's): to OUT/logs/ray.log, not to the
+    terminal, once the run knows OUT is its own (`path`) and Ray has started (not before: a run Ray never starts
+    for writes none). Those are the lines its C++ side writes on this process's stderr (a node's loss, the tasks it
+    failed, the kill at the end), and the errors its driver thread prints ("(raylet) Task ... failed ...", colour
+    codes and all). tokpipe's own lines go on to the terminal: sys.stderr moves to a copy of it. A library caller's
+    stderr is its own: its Cluster leaves `path` None."""
+
+    def __init__(self):
+        self.path: Path | None = None  # OUT/logs/ray.log
+        self.file = None  # that file, open once Ray's lines go there
+        self.up = False  # Ray is up: its driver thread's printing can be routed
+        self.lock = threading.Lock()
+
+    def open(self) -> None:
+        """Ray's lines to `path`, once it is known (and now that Ray has started)."""
+        if self.path is None or self.file is not None:
+            return
+        self.file = open(self.path, "a", buffering=1)
+        _stderr_to(self.file.fileno())
+        with self.lock:  # else Ray's start routes them, once up
+            if self.up:
+                self._route()
+
+    def ray_up(self) -> None:
+        """Ray is up (in the thread that started it)."""
+        with self.lock:
+            self.up = True
+            self._route()
+
+    def _route(self) -> None:
+        """Ray's driver prints the errors the cluster publishes (tasks failed and retried, nodes marked dead)
+        through ray._private.worker.print_to_stdstream, to sys.stdout: once they go to OUT/logs, so do these."""
+        if self.file is None:
+            return
+        import ray._private.worker
+
+        log = self.file
+
+        def to_log(data: dict, ignore_prefix: bool) -> None:
+            log.writelines(f"({data.get('pid')}) {line}\n" for line in data["lines"])
+
+        ray._private.worker.print_to_stdstream = to_log
+
+    def silence(self) -> None:
+        """At the kill that stops Ray, Ray's C++ side logs on this process's stderr the tasks it loses (the encoder
+        warm-ups, say): noise about a kill that is meant, to OUT/logs/ray.log or, before OUT was the run's,
+        nowhere. tokpipe's own lines go on to the terminal."""
+        if self.file is None:
+            _stderr_to(os.open(os.devnull, os.O_WRONLY))
+
+
 class Cluster:
     """Ray for this run, started in a thread by `start` (and by `wait`, if need be): `ready` is set when
     it is up (or failed to start). Until it is started, nothing of Ray runs: a run the driver finishes
@@ -114,8 +215,7 @@ class Cluster:
         """`exits_after`: the process exits once the run ends (the CLI's): Ray's lines go to OUT/logs (`log_to`),
         and `stop` kills Ray's processes instead of shutting Ray down."""
         self.opts, self.exits_after = opts, exits_after
-        self._log_path: Path | None = None  # OUT/logs/ray.log, where Ray's lines go once it starts (`log_to`)
-        self._log = None  # that file, open once they do
+        self.lines = RayLines()
         self.address = opts.address or os.environ.get("RAY_ADDRESS")
         self.ready = threading.Event()
         self._done = threading.Event()  # the run no longer needs Ray
@@ -139,7 +239,7 @@ class Cluster:
 
     def start(self) -> None:
         if not self.started:
-            self._quiet()
+            self.lines.open()
             self._thread.start()
 
     def _start(self) -> None:
@@ -160,37 +260,11 @@ class Cluster:
         # start. tokpipe's own (tokpipe.errors) stays.
         ray._private.utils.set_sigterm_handler = keep_sigterm
         try:
-            common = dict(logging_level=logging.ERROR, log_to_driver=False)
-            if self.address:
-                ray.init(address=self.address, **common)
-                alive = [n for n in ray.nodes() if n["Alive"]]
-                cpus = int(ray.cluster_resources().get("CPU", 1))
-                widest = max((n["Resources"].get("CPU", 0) for n in alive), default=0)
-                memory = int(sum(n["Resources"].get("memory", 0) for n in alive))
-                workers, note = fit_workers(self.opts.workers, cpus, memory, self.opts.worker_memory, cluster=True)
-                read_ahead = 2 * workers <= cpus and widest >= 2
-                where = f"cluster {ray.get_runtime_context().gcs_address}"
-            else:
-                workers, note = self.fit
-                read_ahead = 2 * workers <= self.cpus  # one node: its widest is all of it
-                # address="local": never attach to some other Ray instance that happens to run on this machine.
-                # The object store holds the shards done before their place in the split is known, each up
-                # to --shard-buffer (EncodeSpec.buffer_bytes): room for two per worker.
-                room = 2 * workers * (self.opts.buffer_mib << 20)
-                ray.init(
-                    address="local",
-                    num_cpus=workers * (2 if read_ahead else 1),
-                    include_dashboard=False,
-                    object_store_memory=max(128 << 20, min(room, available_memory() * 3 // 10)),
-                    **common,
-                )
-                alive = [n for n in ray.nodes() if n["Alive"]]
-                where = "embedded local instance"
-            self.shape = Shape(workers, read_ahead, len(alive), where, note)
+            self.shape = _join(self.opts, self.address) if self.address else _embed(self.opts, self.fit, self.cpus)
             with self._lock:
                 if self._warm:
                     self._load_in_workers(*self._warm)
-                self._route_ray_lines()
+                self.lines.ray_up()
                 self.ready.set()
         except BaseException as e:  # handed to the driver's thread by wait()
             self._error = e
@@ -231,54 +305,16 @@ class Cluster:
         self.start()
         self.ready.wait()
         if self._error is not None:
-            raise RayUnavailable(self._did_not_start()) from self._error
+            raise RayUnavailable(_did_not_start(self._error, self.address)) from self._error
         return self.shape
 
-    def _did_not_start(self) -> str:
-        said = describe_failure(self._error)
-        if self.address:
-            return f"could not join the Ray cluster at {self.address} ({said}): is it up (`ray status`)? Then rerun"
-        # Where Ray's start puts its session, as Ray picks it (ray._common.utils.get_default_system_temp_dir).
-        temp = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
-        room = free_bytes(temp) if os.path.isdir(temp) else RAY_ROOM
-        full = f"; its temp folder {temp} has {size(room)} free (RAY_TMPDIR moves it)" if room < RAY_ROOM else ""
-        return f"Ray did not start ({said}){full}: fix the cause and rerun the same command"
-
     def log_to(self, path: Path) -> None:
-        """From here on Ray's own lines go to `path` (OUT/logs/ray.log), not to the terminal: those its C++ side
-        writes on this process's stderr (a node's loss, the tasks it failed, the kill at the end), and the errors
-        its driver thread prints ("(raylet) Task ... failed ...", colour codes and all). tokpipe's own lines go on
-        to the terminal: sys.stderr moves to a copy of it. Only in a process that exits after the run (the
-        CLI's): a library caller's stderr is its own."""
+        """From here on Ray's own lines go to `path` (OUT/logs/ray.log), not to the terminal (RayLines). Only in a
+        process that exits after the run (the CLI's): a library caller's stderr is its own."""
         if self.exits_after:
-            self._log_path = path
+            self.lines.path = path
             if self.started:
-                self._quiet()
-
-    def _quiet(self) -> None:
-        """Ray's lines to OUT/logs/ray.log, once it is known and Ray has started (not before: a run Ray never
-        starts for writes none)."""
-        if self._log_path is None or self._log is not None:
-            return
-        self._log = open(self._log_path, "a", buffering=1)
-        _stderr_to(self._log.fileno())
-        with self._lock:  # else Ray's start routes them, once up
-            if self.ready.is_set() and self._error is None:
-                self._route_ray_lines()
-
-    def _route_ray_lines(self) -> None:
-        """Ray's driver prints the errors the cluster publishes (tasks failed and retried, nodes marked dead)
-        through ray._private.worker.print_to_stdstream, to sys.stdout: once they go to OUT/logs, so do these."""
-        if self._log is None:
-            return
-        import ray._private.worker
-
-        log = self._log
-
-        def to_log(data: dict, ignore_prefix: bool) -> None:
-            log.writelines(f"({data.get('pid')}) {line}\n" for line in data["lines"])
-
-        ray._private.worker.print_to_stdstream = to_log
+                self.lines.open()
 
     def stop(self) -> None:
         """Ray's own shutdown (~1.4 s here; what a Python caller of tokpipe.run gets, whose process goes on);
@@ -301,29 +337,29 @@ class Cluster:
         # Not while Ray starts: its client would wait a minute for the GCS it lost, holding the GIL.
         # (Measured: 3-5 s; up to 43 s on this 2-core machine with a load average of 10-13.)
         self.ready.wait()
-        # Ray's C++ side logs, on this process's stderr, the tasks it loses to the kill (the encoder
-        # warm-ups, say): noise about a kill that is meant, to OUT/logs/ray.log or, before OUT was the run's,
-        # nowhere. tokpipe's own lines go on to the terminal.
-        if self._log is None:
-            _stderr_to(os.open(os.devnull, os.O_WRONLY))
-        # Until two looks find none: a process Ray started just before its parent was killed comes
-        # back to this one (the subreaper), not to init.
-        quiet = 0
-        while quiet < 2:
-            pids = _descendants(os.getpid())
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            quiet = 0 if pids else quiet + 1
-            time.sleep(0.02)
-            with contextlib.suppress(ChildProcessError):
-                while os.waitpid(-1, os.WNOHANG)[0]:  # collect the children that died
-                    pass
+        self.lines.silence()
+        _kill_descendants()
         # Ray's exit handler would shut down what is gone; the process exits without it.
         atexit.unregister(ray.shutdown)
         self._done.set()
+
+
+def _kill_descendants() -> None:
+    """Kill every process this one started, until two looks find none: a process Ray started just before its
+    parent was killed comes back to this one (the subreaper), not to init."""
+    quiet = 0
+    while quiet < 2:
+        pids = _descendants(os.getpid())
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        quiet = 0 if pids else quiet + 1
+        time.sleep(0.02)
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0]:  # collect the children that died
+                pass
 
 
 def _stderr_to(fd: int) -> None:
