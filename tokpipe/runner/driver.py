@@ -284,7 +284,7 @@ def _tokenize_on_ray(
     """The shards the driver did not finish, on Ray's workers; their copies into the split files too."""
     from tokpipe.runner.copies import Copies  # with Ray's import: only for runs that use it
     from tokpipe.runner.nodes import NodeWatch, check_nodes
-    from tokpipe.runner.schedule import Scheduler
+    from tokpipe.runner.schedule import Scheduler, Tasks
 
     shape = run.cluster.wait()
     # Over the C++ handler of Ray's core worker, where Ray was imported before the run could
@@ -300,12 +300,12 @@ def _tokenize_on_ray(
     if run.cluster.address:  # every node sees the shards, the tokenizer and OUT, or the run stops here
         check = check_nodes(run.manifest, run.info, run.out, run.log, watch)
     spec = encode_spec(run.opts, run.info, backend, shape.read_ahead)
-    itemsize = np.dtype(run.info.dtype).itemsize
     progress.workers = run.clock.workers = shape.workers
-    copies = Copies(assembler, run.out, itemsize, shape.nodes, check, run.log)
-    scheduler = Scheduler(run.manifest, run.out, spec, run.opts, shape.workers, run.log, run.tell, tally, check, watch)
+    copies = Copies(assembler, run.out, assembler.itemsize, shape.nodes, check, run.log)
+    tasks = Tasks(run.manifest, run.out, spec, run.opts, shape.workers, run.log, tally, check, watch)
+    scheduler = Scheduler(tasks, run.tell)
     scheduler.run(progress, copies, done)
-    run.clock.tokenized_now(assembler.placed_tokens * itemsize)
+    run.clock.tokenized_now(assembler.placed_tokens * assembler.itemsize)
     # Failed shards block their split's assembly; with --skip-failed it goes on without them.
     scheduler.drain(progress, copies, frozenset(tally.failed) if run.opts.skip_failed else frozenset())
     if tally.failed and not run.opts.skip_failed:

@@ -120,7 +120,8 @@ class _Task:
 class Tasks:
     """The shard tasks: those to go (the packs yet to be made, and `again`: those cancelled for a stall, their
     worker or node lost, of a failed pack) and those `running` on Ray, at most QUEUED per worker; the ProgressBoard's
-    last snapshot of them; their retries, after a stall or a worker's death.
+    last snapshot of them; their retries, after a stall or a worker's death, and the shards that failed for good
+    (the tally's `failed`).
 
     Shards are taken from the manifest as workers free up (the driver holds the running ones, never the
     list), checkpoints read again at that moment: a shard a leftover worker finished meanwhile is skipped.
@@ -134,11 +135,11 @@ class Tasks:
         opts: RunOptions,
         workers: int,
         log: RunLog,
-        failed: dict[str, str],
+        tally: Tally,
         check: ray.ObjectRef | None,
         watch: NodeWatch,
     ):
-        self.out, self.opts, self.workers, self.log, self.failed = out, opts, workers, log, failed
+        self.out, self.opts, self.workers, self.log, self.tally = out, opts, workers, log, tally
         self.check, self.watch = check, watch  # check: on a cluster, the NodeCheck a node not probed runs
         # One task name for all: the driver keeps state per distinct name (~1.8 MiB per 1k names, measured).
         self.cpus = 2 if spec.read_ahead else 1
@@ -157,7 +158,7 @@ class Tasks:
         is_done = DoneShards(out)
 
         def unfinished() -> Iterator[Shard]:  # read twice: the manifest streams, 60,000 shards are not held
-            return (s for s in manifest.shards() if not is_done(s) and s.relpath not in failed)
+            return (s for s in manifest.shards() if not is_done(s) and s.relpath not in tally.failed)
 
         self.packs = packs(unfinished(), sum(s.size for s in unfinished()), workers)
         self.packed = False  # every shard is in a task (or was)
@@ -202,8 +203,8 @@ class Tasks:
             self.log(f"shard {relpath}: its worker died ({describe_failure(error)}); it goes again")
             self.again.append(replace(task, crashes=task.crashes + 1))
             return
-        self.failed[relpath] = describe_failure(error)
-        self.log(f"shard {relpath} FAILED: {self.failed[relpath]}")
+        self.tally.failed[relpath] = describe_failure(error)
+        self.log(f"shard {relpath} FAILED: {self.tally.failed[relpath]}")
 
     def cancel_stalled(self, now: float) -> None:
         for ref, task in list(self.running.items()):
@@ -226,7 +227,7 @@ class Tasks:
             elif task.stalls < self.opts.max_retries:
                 self.again.append(replace(task, stalls=task.stalls + 1))
             else:
-                self.failed[shards[0].relpath] = (
+                self.tally.failed[shards[0].relpath] = (
                     f"stalled {task.stalls + 1} times (no progress for {self.opts.stall_timeout:.0f}s);"
                     f" stacks in {dump}"
                 )
@@ -241,8 +242,8 @@ class Tasks:
 class Losses:
     """The nodes the run lost (NodeWatch finds them): what each held goes again, and one line says what it cost."""
 
-    def __init__(self, tasks: Tasks, watch: NodeWatch, log: RunLog, tell: Listener):
-        self.tasks, self.watch, self.log, self.tell = tasks, watch, log, tell
+    def __init__(self, tasks: Tasks, tell: Listener):
+        self.tasks, self.watch, self.log, self.tell = tasks, tasks.watch, tasks.log, tell
         self.unsaid: dict[str, tuple[float, set[str], set[str]]] = {}  # node -> found at, shards ran, waited there
 
     def lose(self, node: str, copies: Copies, ran: list[Shard] = (), taken: list[Stored] = ()) -> bool:
@@ -307,22 +308,9 @@ class Scheduler:
     offsets become known (Copies), and tokenizing again what a node lost held (Losses). Afterwards the tally's
     `failed` (relpath -> error) says which shards failed."""
 
-    def __init__(
-        self,
-        manifest: Manifest,
-        out: Path,
-        spec: EncodeSpec,
-        opts: RunOptions,
-        workers: int,
-        log: RunLog,
-        tell: Listener,
-        tally: Tally,
-        check: ray.ObjectRef | None,
-        watch: NodeWatch,
-    ):
-        self.log, self.tally, self.watch = log, tally, watch
-        self.tasks = Tasks(manifest, out, spec, opts, workers, log, tally.failed, check, watch)
-        self.losses = Losses(self.tasks, watch, log, tell)
+    def __init__(self, tasks: Tasks, tell: Listener):
+        self.tasks, self.log, self.tally, self.watch = tasks, tasks.log, tasks.tally, tasks.watch
+        self.losses = Losses(tasks, tell)
         self.done = 0  # shards finished, for the progress counts
 
     def run(self, progress: Progress, copies: Copies, done: int) -> None:
