@@ -1028,3 +1028,79 @@ def store_run(
     run = subprocess.run([sys.executable, "-c", STORE_RUN, *map(str, args)], capture_output=True, text=True)
     lines = record.read_text().splitlines() if record.exists() else []
     return run, [(key, int(start), int(end)) for key, start, end in (line.split() for line in lines)]
+
+
+# A `tokpipe run` into an OUT on a store whose segments (tokpipe/write/segments.py) over `whole_put` bytes are
+# multipart uploads; killed (SIGKILL, as `kill -9`) at the n-th call of a function of tokpipe's (0: never), as
+# KILLED_RUN. The driver tokenizes alone (no Ray), shard after shard in manifest order; or, given a number of shards,
+# it starts Ray at once and hands over to it once it has done that many. argv: whole-PUT bytes, the driver's shards
+# (0: all), target, n, then the CLI's arguments.
+STORE_OUT_RUN = """
+import importlib, os, signal, sys
+import tokpipe.runner.driver, tokpipe.runner.local, tokpipe.write.segments
+tokpipe.write.segments.WHOLE_PUT_BYTES = int(sys.argv[1])
+driver_shards, target, call = int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+if driver_shards:
+    taken, take = [], tokpipe.runner.local._Here.take
+    def counted(here, shard, outcome):
+        taken.append(shard)
+        return take(here, shard, outcome)
+    def goes_on(handover):
+        if not handover.cluster.started:
+            handover.cluster.start()
+        return len(taken) < driver_shards
+    tokpipe.runner.local._Here.take, tokpipe.runner.driver._Handover.driver_goes_on = counted, goes_on
+else:
+    tokpipe.runner.driver.EAGER_RAY_BYTES = tokpipe.runner.driver.LOCAL_SECONDS = float("inf")  # no Ray
+if call:
+    try:
+        owner_name, attr = target.rsplit(".", 1)
+        owner = importlib.import_module(owner_name)
+    except ImportError:
+        module_name, cls, attr = target.rsplit(".", 2)
+        owner = getattr(importlib.import_module(module_name), cls)
+    original, calls = getattr(owner, attr), []
+    def killing(*args, **kw):
+        calls.append(1)
+        if len(calls) == call:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(*args, **kw)
+    setattr(owner, attr, killing)
+from tokpipe import cli
+cli.main(sys.argv[5:])
+"""
+
+
+def store_out_run(manifest, url: str, *extra, whole_put=64 << 20, driver_shards=0, kill: tuple[str, int] = ("", 0)):
+    """`tokpipe run` (run_args) into `url` as STORE_OUT_RUN runs it; `kill`: (module.function, n) to SIGKILL it at
+    the n-th call."""
+    args = [whole_put, driver_shards, *kill, *run_args(manifest, url, *extra)]
+    return subprocess.run([sys.executable, "-c", STORE_OUT_RUN, *map(str, args)], capture_output=True, text=True)
+
+
+def repeated_example(dest: Path, copies: int) -> Path:
+    """A plain folder of `copies` copies of the example's first train shard (train/part-NN.jsonl.zst, ~1.7 MB of
+    tokens each) and its validation shard: a split file of several segments of an OUT on a store (each at least S3's
+    5 MiB, which the server enforces). Its reference: the first shard's, `copies` times over."""
+    for n in range(copies):
+        (dest / "train").mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(EXAMPLE_TRAIN_FILES[0], dest / "train" / f"part-{n:02d}.jsonl.zst")
+    (dest / "validation").mkdir()
+    shutil.copyfile(EXAMPLE_HOLDOUT_FILES[0], dest / "validation" / "holdout.jsonl.zst")
+    return dest
+
+
+def stored_objects(server: S3Server, prefix: str) -> dict[str, bytes]:
+    """Every object under the prefix, by its key relative to it, as `aws s3 sync` would copy it."""
+    found = {}
+    for page in server.client().get_paginator("list_objects_v2").paginate(Bucket=server.bucket, Prefix=prefix + "/"):
+        for item in page.get("Contents", []):
+            body = server.client().get_object(Bucket=server.bucket, Key=item["Key"])["Body"].read()
+            found[item["Key"].removeprefix(prefix + "/")] = body
+    return found
+
+
+def open_uploads(server: S3Server, prefix: str) -> list[str]:
+    """The keys of the multipart uploads begun under the prefix and neither completed nor aborted."""
+    listed = server.client().list_multipart_uploads(Bucket=server.bucket, Prefix=prefix + "/")
+    return [upload["Key"] for upload in listed.get("Uploads", [])]

@@ -27,8 +27,10 @@ from tokpipe.inputs.manifest import Shard, build_manifest
 from tokpipe.inputs.tokenizer import load_tokenizer_info
 from tokpipe.layout import files as out_files
 from tokpipe.layout.files import Layout
+from tokpipe.layout.stored import StoredOut
 from tokpipe.options import RunOptions
 from tokpipe.runner.identity import run_identity
+from tokpipe.store import Url
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 # A fence, indented or not (a block inside a list item), its language, its lines up to the closing fence.
@@ -315,6 +317,7 @@ def _named_by_the_code() -> set[str]:
         *(path.with_suffix("") for path in splits),  # a split's files once done: the .tmp renamed away
         *out.moving_source("Stem", 7),
         *out.moving_source("Stem", 7, "Group")[:2],
+        *(f"{segment}{suffix}" for segment in _segments() for suffix in (".bin", ".idx", ".json")),
     ]
     paths = set()
     for path in map(str, named):
@@ -324,13 +327,19 @@ def _named_by_the_code() -> set[str]:
     return paths
 
 
+def _segments() -> list[str]:
+    """The segments of an OUT on a store (tokpipe/layout/stored.py), as its names relative to OUT."""
+    stored = StoredOut(Url("bucket", "OUT"))
+    return [stored.segment("Stem", None, "Key"), stored.segment("Stem", "Group", "Key")]
+
+
 def test_the_out_tree_is_every_file_the_code_names():
     """output-format.md's tree is OUT's one full list: each name tokpipe/layout/ makes is on a line of it, once, and
     each of its lines names a file the code makes."""
     tree = _tree()
     assert sorted(_named_by_the_code() - set(tree)) == []  # named by the code, on no line
     assert sorted(set(tree) - _named_by_the_code()) == []  # on a line, named by no code
-    assert len(tree) == len(set(tree)) == 41
+    assert len(tree) == len(set(tree)) == 47
 
 
 def _undescribed(out: Path) -> list[str]:

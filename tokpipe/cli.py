@@ -21,6 +21,7 @@ from tokpipe.inputs.source.batch import MISSING_GROUP
 from tokpipe.layout.files import RUN_LOG, Layout
 from tokpipe.layout.meta import Meta, SplitEntry
 from tokpipe.options import RunOptions, positive
+from tokpipe.store import Url
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 
@@ -73,13 +74,15 @@ def _manifest_lines(manifest, dest: Path) -> list[str]:
     return lines
 
 
-def _where(out: Path, split: SplitEntry) -> str:
+def _where(out: Path | Url, split: SplitEntry) -> str:
+    """Where a split's tokens are: OUT a folder, or on a store (a Url)."""
+    meta_json = out / Layout("").meta_json.name
     if split.groups is not None:  # --group-by
         n = len(split.groups)
-        return f"the files of {n:,} group{'s' if n != 1 else ''} listed in {Layout(out).meta_json}"
+        return f"the files of {n:,} group{'s' if n != 1 else ''} listed in {meta_json}"
     if split.file is None:  # --no-concat
         n = len(split.files)
-        return f"{n:,} file{'s' if n != 1 else ''} listed in {Layout(out).meta_json}"
+        return f"{n:,} file{'s' if n != 1 else ''} listed in {meta_json}"
     return str(out / split.file)
 
 
@@ -118,8 +121,9 @@ def summary_lines(summary) -> list[str]:
     tokens = meta.tokens
     seconds = summary.seconds
     lines.append(summary.phases)
+    meta_pkl = out / Layout("").meta_pkl.name  # OUT a folder, or on a store (a Url)
     lines.append(
-        f"done in {seconds:.1f}s ({tokens / seconds / 1e6:.2f}M tokens/s overall); meta: {Layout(out).meta_pkl}. "
+        f"done in {seconds:.1f}s ({tokens / seconds / 1e6:.2f}M tokens/s overall); meta: {meta_pkl}. "
         f"Next: tokpipe verify {shlex.quote(str(out))}"
     )
     return lines

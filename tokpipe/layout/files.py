@@ -15,6 +15,7 @@ import os
 import pickle
 import re
 import shlex
+import tempfile
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from tokpipe.durability import fsync_dir, write_atomic, write_json_atomic
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import Shard
 from tokpipe.inputs.names import shard_key
+from tokpipe.store import is_url
 
 # OUT/logs/ holds these, and a stack dump per stalled shard (stall_dump).
 RUN_LOG = "run.log"  # the effective configuration, shard failures, stalls, the outcome
@@ -341,8 +343,15 @@ def is_out(folder: Path, names: Collection[str] | None = None) -> bool:
 
 
 def stall_dump(out: str | os.PathLike, shard: Shard) -> Path:
-    """Where a stalled shard's stack dump goes."""
-    return Layout(out).log(f"stall-{shard.split}-{shard.key}.txt")
+    """Where a stalled shard's stack dump goes: OUT/logs/, or for an OUT on a store its logs' local folder."""
+    return Layout(work_folder(out) if is_url(out) else out).log(f"stall-{shard.split}-{shard.key}.txt")
+
+
+def work_folder(url: str) -> Path:
+    """The local folder of an OUT on a store (laylayout/stored.py): where this machine keeps the records of its runs
+    while they run (run.json, manifest.json, logs/), to upload them; one per OUT and user."""
+    name = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"tokpipe-{os.getuid()}" / name
 
 
 def rerun(out: str | os.PathLike) -> str:

@@ -287,11 +287,15 @@ def split_entry(stem: str, parts_path: Path, spec: WriteSpec) -> SplitEntry:
 
     With --group-by, `groups` holds each group's entry, in the order of their values: its tokens and
     documents, and its file (or files) as a split's; the split has none of its own."""
+    return split_entry_of(stem, parts_path.read_bytes(), spec)
+
+
+def split_entry_of(stem: str, raw: bytes, spec: WriteSpec) -> SplitEntry:
+    """split_entry of a parts list's bytes (an OUT on a store: the list made in memory)."""
     counts = dict.fromkeys(("tokens", "documents", "lines", "held_out", "held_in"), 0)
     groups: dict[str, dict] = {}  # value -> its counts and files
     own: list[SplitFile] = []
     skipped, repaired, shards = Counter(), Counter(), 0
-    raw = parts_path.read_bytes()
     for record in map(orjson.loads, raw.splitlines()):
         for key in counts:
             counts[key] += record.get(key, 0)

@@ -14,10 +14,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tokpipe.errors import NodeError, TooManyGroups
 from tokpipe.layout.records import Checkpoint, Part
 from tokpipe.runner.progress import RunLog
-from tokpipe.runner.task import Placer, Stored
+from tokpipe.runner.task import Placer, SegmentWriter, Stored
 from tokpipe.store import StoreUnavailable
 from tokpipe.write.assembly import COPY_BATCH_BYTES, Assembler
 from tokpipe.write.shard import keep
+from tokpipe.write.stored import Step, StoreAssembly
 
 
 def get(ref):
@@ -181,3 +182,77 @@ class Copies:
             except ray.exceptions.RayError as e:
                 self.log(f"keeping the shards on node {node[:8]} failed ({type(e).__name__}): the rerun tokenizes them")
         return kept
+
+
+class StoreCopies:
+    """On a store (layout/stored.py): the parts handed in split order to a SegmentWriter actor on the driver's node,
+    which gathers them into segments and uploads them (the driver never holds a token); the segments it committed
+    come back, and the shards whose parts are all in one are checkpointed (write/stored.py). One call at a time: a
+    call that fails (a part's tokens lost with a node) goes again first, once they are made again, so that the writer
+    takes the parts in order. The interface is Copies', for the Scheduler."""
+
+    def __init__(self, assembler: StoreAssembly):
+        self.assembler = assembler
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        # It goes on from the driver's writer, which wrote the segments of the shards done before Ray took over.
+        driver, assembler.segments = assembler.segments, None
+        made = (str(assembler.out), assembler.spec.concat, driver.seqs, driver.open)
+        self.writer = SegmentWriter.options(scheduling_strategy=here).remote(*made)
+        self.pending: list[Step] = []  # taken from the assembly, not yet sent
+        self.running: dict = {}  # the call in flight -> its steps
+        self.bytes_by_node: Counter = Counter()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.pending)
+
+    def feed(self, excluded: frozenset[str] = frozenset()) -> None:
+        self.pending += self.assembler.ready(excluded)
+        if self.running:
+            return
+        sent = next((i for i, step in enumerate(self.pending) if _tokens_lost(step)), len(self.pending))
+        if sent:
+            self.running[self.writer.write.remote(self.pending[:sent])] = self.pending[:sent]
+            del self.pending[:sent]
+
+    def collect(self) -> list[tuple[str, list[Stored], Exception]]:
+        """Take back the call that is done: its segments committed, or (failed) its steps again, first, and the
+        shards whose tokens it could not read marked lost (Copies.collect)."""
+        if not self.running:
+            return []
+        done, _ = ray.wait(list(self.running), num_returns=len(self.running), timeout=0)
+        failed = []
+        for handle in done:
+            steps = self.running.pop(handle)
+            try:
+                self.assembler.commit(get(handle))
+            except ray.exceptions.RayError as e:
+                lost = isinstance(getattr(e, "cause", None), ray.exceptions.ObjectLostError)
+                if isinstance(e, ray.exceptions.RayTaskError) and not lost:
+                    raise  # the writer itself failed (the store, ...): no other node does better
+                self.pending[:0] = steps
+                held = [step.buffered for step in steps if isinstance(step.buffered, Stored)]
+                failed.append((ray.get_runtime_context().get_node_id(), _mark_lost(held), e))
+        return failed
+
+    def lose(self, node: str) -> list[Stored]:
+        """A node is lost: every shard whose tokens wait in its object store is marked lost (Copies.lose)."""
+        held = [step.buffered for step in self.pending if isinstance(step.buffered, Stored)]
+        held += [buffered for _, _, buffered in self.assembler.unplaced()]
+        return _mark_lost(s for s in held if isinstance(s, Stored) and s.node == node)
+
+    def found(self, stored: Stored, ref: ray.ObjectRef, node: str) -> None:
+        """A lost shard tokenized again: its steps take their tokens from the new copy (the first of `ref`)."""
+        stored.ref, stored.node, stored.index = ref, node, 0
+
+
+def _tokens_lost(step: Step) -> bool:
+    return isinstance(step.buffered, Stored) and step.buffered.ref is None
+
+
+def _mark_lost(stored) -> list[Stored]:
+    """Mark each Stored lost once; returns those newly lost."""
+    lost = list({id(s): s for s in stored if s.ref is not None}.values())
+    for s in lost:
+        s.ref = None
+    return lost

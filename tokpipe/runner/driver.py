@@ -6,46 +6,43 @@ from __future__ import annotations
 
 import os
 import shlex
-import stat
 import time
-from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from tokpipe.durability import write_json_atomic
-from tokpipe.errors import SourceError, UserError, terminate_on_sigterm, too_many_groups
-from tokpipe.inputs.manifest import Manifest, load_manifest, write_manifest
+from tokpipe.errors import terminate_on_sigterm
+from tokpipe.inputs.manifest import Manifest, Shard, load_manifest, write_manifest
 from tokpipe.inputs.objects import check_reachable
-from tokpipe.inputs.source import fields_of, read_batches
 from tokpipe.inputs.tokenizer import TokenizerInfo, choose_backend, load_tokenizer_info
 from tokpipe.layout.files import FAILED, RAY_LOG, Layout, LayoutWriter, out_folder
 from tokpipe.layout.meta import Meta, load_meta
-from tokpipe.layout.records import MAX_GROUPS, Checkpoint
+from tokpipe.layout.records import Checkpoint
 from tokpipe.layout.run import finished_with
 from tokpipe.layout.series import Series
+from tokpipe.layout.stored import StoredOut
 from tokpipe.options import RunOptions
 from tokpipe.runner.cluster import Cluster
 from tokpipe.runner.events import Finished, Listener, Said, silent
 from tokpipe.runner.identity import check_options, encode_spec, finished_read_only, record_run, refusals_noted
 from tokpipe.runner.local import Tally, tokenize_while
 from tokpipe.runner.progress import Progress, RunLog, Timeline
-from tokpipe.store import is_url
+from tokpipe.runner.sample import SAMPLE_LINE_BYTES, count_groups, sample_texts
+from tokpipe.store import Url, is_url
 from tokpipe.write.assembly import Assembler
-from tokpipe.write.finalize import finalize
+from tokpipe.write.finalize import finalize, finalize_stored
+from tokpipe.write.segments import Segments
 from tokpipe.write.shard import keep
+from tokpipe.write.stored import StoreAssembly
 
 # Ray's start costs 2.5-5 s and several CPU-seconds here; the driver tokenizes 10-15 MB/s of
 # compressed input. Less than this much input, or less than a second and a half of the driver's
 # work, and the run ends before Ray would be up: it is started only past these.
 EAGER_RAY_BYTES = 16 << 20
 LOCAL_SECONDS = 1.5
-SAMPLE_BYTES = 256 << 10  # of input per split, to prove the fast backend exact on this data (with HARD_CASES)
-# A longer line is passed over by the sample (said in the backend's line), not read whole: the driver's
-# memory does not grow with a document's size. Books (~0.5 MB) are sampled.
-SAMPLE_LINE_BYTES = 4 << 20
-GROUP_SAMPLE_BYTES = 16 << 20  # of input per split read for --group-by's values before any tokenizing (~0.2 s)
 
 
 @dataclass
@@ -85,6 +82,14 @@ class _Run:
     clock: Timeline
     cluster: Cluster
     tell: Listener  # what the run says as it goes (events.Said)
+    # Where the tokens go: OUT (`out`), or an OUT on a store, its URL (`out` is then its records' local folder,
+    # layout/stored.py), and which shards its checkpoints hold (the store's listing: `is_done`).
+    target: str
+    is_done: Callable[[Shard], bool] | None = None
+
+    @property
+    def stored(self) -> bool:
+        return is_url(self.target)
 
 
 @dataclass
@@ -112,7 +117,7 @@ def _plan(run: _Run, manifest_path) -> Standing:
     out, manifest, info, log = run.out, run.manifest, run.info, run.log
     shards, done, partial, done_bytes = sum(manifest.counts.values()), 0, 0, 0
     for shard in manifest.shards():  # one checkpoint in memory at a time: manifests may hold 100,000s of shards
-        ckpt = Checkpoint.of(out, shard)
+        ckpt = (Checkpoint(done=True) if run.is_done(shard) else None) if run.stored else Checkpoint.of(out, shard)
         done += ckpt is not None and ckpt.done
         partial += ckpt is not None and not ckpt.done
         done_bytes += shard.size if ckpt and ckpt.done else (ckpt.source_pos if ckpt else 0)
@@ -162,61 +167,9 @@ def _resume(run: _Run) -> Assembler:
     return assembler
 
 
-def _sample_texts(manifest: Manifest, text_field: str) -> tuple[list[str], int]:
-    """The first documents of each split's first shard: what the backend is checked on, and how many
-    lines over SAMPLE_LINE_BYTES it passed over. Refuses, before anything is tokenized, a --text-field
-    that none of those shards has."""
-    texts, fields, passed_over = [], Counter(), 0
-    for split in manifest.counts:
-        shard = next(manifest.shards(split))
-        path, etag = shard.path, shard.etag
-        if not is_url(path) and not stat.S_ISREG(os.stat(path).st_mode):  # a pipe or device: reading could block
-            continue
-        try:
-            found = fields_of(path, etag)
-            batches = read_batches(
-                path, text_field, batch_bytes=SAMPLE_BYTES, max_line_bytes=SAMPLE_LINE_BYTES, etag=etag
-            )
-            first = next(batches, None) if text_field in found else None
-        except SourceError:  # an unreadable first shard: its own task reports it
-            continue
-        if text_field in found and first is not None:  # None: an empty shard
-            texts += first.texts
-            passed_over += first.skipped["too_long"]
-        fields.update(found)
-    if fields and text_field not in fields:
-        likely = max(fields, key=fields.get)
-        raise UserError(
-            f"no document has a {text_field!r} field in the first lines of each split's first shard; their fields:"
-            f" {', '.join(sorted(fields))}: pass --text-field NAME (e.g. --text-field {likely})",
-            fix={"text_field": likely},
-        )
-    return texts, passed_over
-
-
-def _count_groups(manifest: Manifest, text_field: str, group_by: str) -> None:
-    """Refuse, before anything is tokenized, a --group-by field with more values than a split may have
-    groups, as far as each split's first shard shows it (an id or a url shows it in its first thousand
-    documents); workers and the assembly refuse what this could not see."""
-    for split in manifest.counts:
-        shard, values, read = next(manifest.shards(split)), set(), 0
-        if not is_url(shard.path) and not stat.S_ISREG(os.stat(shard.path).st_mode):
-            continue
-        try:
-            for batch in read_batches(shard.path, text_field, group_by=group_by, etag=shard.etag):
-                values.update(batch.groups)
-                read += batch.text_bytes
-                if len(values) > MAX_GROUPS or read >= GROUP_SAMPLE_BYTES:
-                    break
-        except SourceError:  # an unreadable first shard: its own task reports it
-            continue
-        if len(values) > MAX_GROUPS:
-            raise too_many_groups(group_by, f"split {split}", values, MAX_GROUPS, within=" in its first shard alone")
-
-
 def _choose_backend(run: _Run) -> str:
     """The encoder, proven exact on the first documents of each split; --group-by's field checked first."""
-    sample, passed_over = _sample_texts(run.manifest, run.opts.text_field)
+    sample, passed_over = sample_texts(run.manifest, run.opts.text_field)
     backend, why = choose_backend(run.opts.backend, run.info.path, sample)
     if passed_over and backend != "hf":
         why += (
@@ -224,7 +177,7 @@ def _choose_backend(run: _Run) -> str:
             " (verify --sample re-encodes such documents with tokenizers)"
         )
     if run.opts.group_by is not None:
-        _count_groups(run.manifest, run.opts.text_field, run.opts.group_by)
+        count_groups(run.manifest, run.opts.text_field, run.opts.group_by)
     run.tell(Said(f"backend {backend}: {why}"))
     run.log(f"backend {backend}: {why}")
     return backend
@@ -255,7 +208,16 @@ def _tokenize(run: _Run, assembler: Assembler, plan: Standing) -> Tally:
         # The busy share counts the workers the run will have from its start: the cores that wait for Ray show.
         progress.workers = run.clock.workers = 1 if run.cluster.address else run.cluster.fit[0]
         done = plan.done + tokenize_while(
-            run.manifest, run.out, spec, handover.driver_goes_on, progress, tally, run.log, assembler, helpers
+            run.manifest,
+            run.target,
+            spec,
+            handover.driver_goes_on,
+            progress,
+            tally,
+            run.log,
+            assembler,
+            helpers,
+            run.is_done,
         )
         # A shard that failed here failed as a task would after its retries (what raised here, a source
         # error or a full disk, raises again on a worker): it is no reason to start Ray.
@@ -267,7 +229,7 @@ def _tokenize(run: _Run, assembler: Assembler, plan: Standing) -> Tally:
             run.tell(Said(f"ray: not needed, every shard was {what} here{here}"))
             progress.update(0, 0, 0, done=done, running=0, failed=len(tally.failed), final=True)
             run.clock.tokenized_now(assembler.placed_tokens * itemsize)
-            if tally.failed and not run.opts.skip_failed:
+            if tally.failed and not run.opts.skip_failed and not run.stored:  # on a store: no file to keep them in
                 unplaced = assembler.unplaced()
                 for shard, ckpt, buffered in unplaced:
                     keep(run.out, shard, ckpt, buffered)
@@ -282,7 +244,7 @@ def _tokenize_on_ray(
     run: _Run, backend: str, assembler: Assembler, progress: Progress, tally: Tally, done: int
 ) -> None:
     """The shards the driver did not finish, on Ray's workers; their copies into the split files too."""
-    from tokpipe.runner.copies import Copies  # with Ray's import: only for runs that use it
+    from tokpipe.runner.copies import Copies, StoreCopies  # with Ray's import: only for runs that use it
     from tokpipe.runner.nodes import NodeWatch, check_nodes
     from tokpipe.runner.schedule import Scheduler, Tasks
 
@@ -301,14 +263,17 @@ def _tokenize_on_ray(
         check = check_nodes(run.manifest, run.info, run.out, run.log, watch)
     spec = encode_spec(run.opts, run.info, backend, shape.read_ahead)
     progress.workers = run.clock.workers = shape.workers
-    copies = Copies(assembler, run.out, assembler.itemsize, shape.nodes, check, run.log)
-    tasks = Tasks(run.manifest, run.out, spec, run.opts, shape.workers, run.log, tally, check, watch)
+    if run.stored:
+        copies = StoreCopies(assembler)
+    else:
+        copies = Copies(assembler, run.out, assembler.itemsize, shape.nodes, check, run.log)
+    tasks = Tasks(run.manifest, run.target, spec, run.opts, shape.workers, run.log, tally, check, watch, run.is_done)
     scheduler = Scheduler(tasks, run.tell)
     scheduler.run(progress, copies, done)
     run.clock.tokenized_now(assembler.placed_tokens * assembler.itemsize)
     # Failed shards block their split's assembly; with --skip-failed it goes on without them.
     scheduler.drain(progress, copies, frozenset(tally.failed) if run.opts.skip_failed else frozenset())
-    if tally.failed and not run.opts.skip_failed:
+    if tally.failed and not run.opts.skip_failed and not run.stored:
         _kept(run, copies.keep(assembler.unplaced()))
     if shape.nodes > 1:
         by_node = copies.bytes_by_node.most_common()
@@ -366,8 +331,9 @@ def run(
     (events.Said); by default nothing is said, and a progress bar is drawn only for a listener."""
     clock = Timeline(time.monotonic())
     cluster = Cluster(opts, exits_after=not wait_for_ray)
+    out = os.fspath(out) if is_url(os.fspath(out)) else out_folder(out, new_ok=True)
     try:
-        return _run(manifest_path, tokenizer, out_folder(out, new_ok=True), opts, clock, cluster, tell)
+        return _run(manifest_path, tokenizer, out, opts, clock, cluster, tell)
     finally:
         cluster.stop()
 
@@ -377,16 +343,20 @@ def _run(
 ) -> RunSummary:
     manifest = load_manifest(manifest_path)
     check_reachable(manifest)  # shards on a store: a wrong key, no bucket, no store there refused before any work
+    if is_url(out):
+        StoredOut.of(out).check()
     if cluster.address or opts.ray_only or manifest.size > EAGER_RAY_BYTES:
         cluster.start()  # now, while the driver plans: a cluster to join, or more than the driver does alone
     info = load_tokenizer_info(tokenizer, opts.eos, opts.bos_token, opts.tokenizer_revision)
     check_options(opts, info, tokenizer)
+    if is_url(out):
+        return _run_stored(manifest, manifest_path, info, out, opts, clock, cluster, tell)
     out.mkdir(parents=True, exist_ok=True)
     if not os.access(out, os.W_OK):  # a read-only mount: a finished run is nothing to do there too
         return _nothing_to_do(out, finished_read_only(out, manifest, info, opts), clock, tell)
     with LayoutWriter(out).lock(), refusals_noted(out):
         manifest = _record(out, manifest, info, opts, tell)
-        run = _Run(manifest, out, info, opts, RunLog(out), clock, cluster, tell)
+        run = _Run(manifest, out, info, opts, RunLog(out), clock, cluster, tell, str(out))
         cluster.log_to(Layout(out).log(RAY_LOG))  # OUT is this run's: Ray's lines go there from now on
         meta = load_meta(Layout(out))
         if finished_with(meta, manifest):
@@ -394,18 +364,40 @@ def _run(
         # Before the plan: it may find placed shards whose place is not kept, to tokenize again.
         assembler = _resume(run)
         clock.series = Series(out)
-        plan = _plan(run, manifest_path)
-        tally = _tokenize(run, assembler, plan) if plan.done < plan.shards else Tally(opts.worker_memory << 20)
-        redone = sum(r.redone_tokens for r in tally.resumed)
-        if not _report_failures(run, tally):
-            clock.series.mark("failed")
-            return RunSummary(False, tally.failed, None, redone, time.monotonic() - clock.start)
-        summary = _finalize(run, assembler, tally, redone)
-        tell(Finished(summary))  # before Ray's stop, which may wait for its start to end
-        return summary
+        return _work(run, assembler, _plan(run, manifest_path))
 
 
-def _nothing_to_do(out: Path, meta: Meta, clock: Timeline, tell: Listener) -> RunSummary:
+def _work(run: _Run, assembler, plan: Standing) -> RunSummary:
+    """Tokenize what is left, say what failed, finalize."""
+    tally = _tokenize(run, assembler, plan) if plan.done < plan.shards else Tally(run.opts.worker_memory << 20)
+    redone = sum(r.redone_tokens for r in tally.resumed)
+    if not _report_failures(run, tally):
+        run.clock.series.mark("failed")
+        return RunSummary(False, tally.failed, None, redone, time.monotonic() - run.clock.start)
+    summary = _finalize(run, assembler, tally, redone)
+    run.tell(Finished(summary))  # before Ray's stop, which may wait for its start to end
+    return summary
+
+
+def _run_stored(manifest, manifest_path, info, url: str, opts, clock: Timeline, cluster, tell) -> RunSummary:
+    """_run for an OUT on a store (layout/stored.py): its lease for a lock, its records in a local folder and uploaded,
+    the parts uploaded in segments while shards tokenize, the split files composed from them at the end."""
+    from tokpipe.runner.stored import held_store, stored_meta
+
+    with held_store(url, manifest, info, opts, tell) as (stored, manifest, lease):
+        if finished_with(meta := stored_meta(stored), manifest):
+            return _nothing_to_do(url, meta, clock, tell)
+        assembler = StoreAssembly(stored, opts.output, manifest, np.dtype(info.dtype).itemsize, lease=lease)
+        assembler.resume()
+        assembler.segments = Segments(url, opts.output.concat, assembler.seqs())
+        work = stored.work
+        run = _Run(manifest, work, info, opts, RunLog(work), clock, cluster, tell, url, assembler.is_done)
+        cluster.log_to(Layout(work).log(RAY_LOG))  # uploaded with the other logs
+        clock.series = Series(work)
+        return _work(run, assembler, _plan(run, manifest_path))
+
+
+def _nothing_to_do(out: Path | str, meta: Meta, clock: Timeline, tell: Listener) -> RunSummary:
     tell(
         Said(
             f"{out} is already finished ({Layout(out).meta_json}); nothing to do. Check it with: "
@@ -425,12 +417,16 @@ def _record(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOptions
 def _finalize(run: _Run, assembler: Assembler, tally: Tally, redone: int) -> RunSummary:
     """The last copies and meta; then what the run made, as a value."""
     run.clock.series.mark("finalize")
-    meta = Meta.of(finalize(run.out, run.manifest, run.info, run.opts.output, tally.failed, assembler))
+    if run.stored:
+        meta = Meta.of(finalize_stored(assembler, run.manifest, run.info, run.opts.output, tally.failed))
+    else:
+        meta = Meta.of(finalize(run.out, run.manifest, run.info, run.opts.output, tally.failed, assembler))
     seconds = time.monotonic() - run.clock.start
     phases = run.clock.report(time.monotonic(), meta)
     run.clock.series.mark("finished")
     run.log(phases)
     run.log(f"finished: {meta.tokens:,} tokens in {seconds:.1f}s")
+    out = Url.parse(run.target) if run.stored else run.out
     return RunSummary(
-        True, tally.failed, meta.as_dict(), redone, seconds, run.out, phases, tally.lacking, run.opts.text_field
+        True, tally.failed, meta.as_dict(), redone, seconds, out, phases, tally.lacking, run.opts.text_field
     )

@@ -98,7 +98,7 @@ def record_run(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOpti
     identity = run_identity(manifest, info, opts)
     changed = identity_changes(out, identity)
     if changed:
-        what = _said(changed)
+        what = describe_changes(changed)
         if not LayoutWriter(out).holds_tokens():
             LayoutWriter(out).start_over()
             tell(Said(f"{out} holds no token yet: starting it over with these inputs ({what})"))
@@ -125,7 +125,7 @@ def identity_changes(out: Path, identity: dict) -> dict[str, tuple] | None:
     return {k: (previous.get(k), identity.get(k)) for k in keys if identity.get(k) != previous.get(k)}
 
 
-def _said(changed: dict[str, tuple]) -> str:
+def describe_changes(changed: dict[str, tuple]) -> str:
     return "; ".join(f"{k}: was {was!r}, now {now!r}" for k, (was, now) in changed.items())
 
 
@@ -136,7 +136,7 @@ def finished_read_only(out: Path, manifest: Manifest, info: TokenizerInfo, opts:
     changed = identity_changes(out, run_identity(manifest, info, opts))
     where = f"{out} is not writable here (a read-only mount, or another user's)"
     if changed:
-        raise UserError(f"{where}, and holds a run with other inputs ({_said(changed)}): use a new --out")
+        raise UserError(f"{where}, and holds a run with other inputs ({describe_changes(changed)}): use a new --out")
     if changed is None or not finished_with(meta, manifest):
         raise UserError(f"{where}, and its run is not finished: rerun where it can be written")
     return meta

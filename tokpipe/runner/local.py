@@ -59,6 +59,7 @@ def tokenize_while(
     log,
     assembler: Assembler,
     helpers: int = 0,
+    is_done: Callable[[Shard], bool] | None = None,
 ) -> int:
     """Tokenize shards in this process, and in `helpers` processes beside it, while `busy()` (Ray starting):
     each shard stops at its next batch once Ray is up, checkpointed, and a worker goes on from there. Returns
@@ -66,9 +67,10 @@ def tokenize_while(
 
     Ray's start takes seconds that the driver would otherwise wait through, and with it the machine's cores: a
     corpus of a few small shards is done before it is up, and a large one has its first shards done on every
-    core. Only regular files: a pipe could block the driver, which alone watches for stalls."""
+    core. Only regular files: a pipe could block the driver, which alone watches for stalls. `out`: where the tokens
+    go (an OUT on a store: its URL, and `is_done` says which shards its checkpoints hold)."""
     here = _Here(busy, progress, tally, log, assembler)
-    is_done = DoneShards(out)
+    is_done = is_done or DoneShards(out)
     shards = (
         s for s in manifest.shards() if not is_done(s) and (is_url(s.path) or stat.S_ISREG(os.stat(s.path).st_mode))
     )

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -138,6 +138,7 @@ class Tasks:
         tally: Tally,
         check: ray.ObjectRef | None,
         watch: NodeWatch,
+        is_done: Callable[[Shard], bool] | None = None,
     ):
         self.out, self.opts, self.workers, self.log, self.tally = out, opts, workers, log, tally
         self.check, self.watch = check, watch  # check: on a cluster, the NodeCheck a node not probed runs
@@ -154,8 +155,9 @@ class Tasks:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.board = ProgressBoard.options(scheduling_strategy=here).remote()
         self.common = ray.put((str(out), spec, self.board, opts.stall_timeout))  # see task.shard_task
-        # Not those that failed in this process already (tokenize_while).
-        is_done = DoneShards(out)
+        # Not those that failed in this process already (tokenize_while). `out`: where the tokens go (an OUT on a
+        # store: its URL, and `is_done` says which shards its checkpoints hold).
+        is_done = is_done or DoneShards(out)
 
         def unfinished() -> Iterator[Shard]:  # read twice: the manifest streams, 60,000 shards are not held
             return (s for s in manifest.shards() if not is_done(s) and s.relpath not in tally.failed)

@@ -16,7 +16,9 @@ from tokpipe.layout.records import Checkpoint, Part
 from tokpipe.runner.nodes import NodeCheck, ensure_seen
 from tokpipe.write.memory import MemoryGuard, memory_guard
 from tokpipe.write.place import place
+from tokpipe.write.segments import Segment, Segments
 from tokpipe.write.shard import EncodeSpec, ShardResult, keep, tokenize_shard
+from tokpipe.write.stored import Step, write_steps
 
 REPORT_EVERY = 1.0  # seconds between a worker's progress reports
 
@@ -98,6 +100,7 @@ def _one_shard(
     # Ray's own setter, as it uses for task names; the task name itself is the same for every shard.
     getattr(ray._raylet, "setproctitle", lambda title: None)(f"ray::tokpipe {shard.split}/{shard.key}")
     dump_path = stall_dump(out, shard)
+    dump_path.parent.mkdir(parents=True, exist_ok=True)  # an OUT on a store: a local folder, on every node
     pending = [0, 0, 0]
     last_report = 0.0  # the first batch is reported at once: the beat that says the shard is moving
 
@@ -183,3 +186,26 @@ class Placer:
         for (ckpt, stored), value in zip(done, values):
             keep(out, stored.shard, ckpt, value[stored.index])
         return len(done)
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class SegmentWriter:
+    """On a store: gathers the parts into segments and uploads them (write/segments.py), given in split order by the
+    driver (an actor's calls from one caller run in the order made), reading the buffered parts from the object
+    stores of their nodes. One for the run, on the driver's node; should it die, the parts of the segments it had
+    open are tokenized again by a rerun (their shards were not checkpointed)."""
+
+    def __init__(self, out: str, concat: bool, seqs: dict, open_segments: dict):
+        self.segments = Segments(out, concat, seqs, open_segments)
+
+    def write(self, steps: list[Step]) -> list[Segment]:
+        """Every part's tokens read first (a part lost with its node fails the call before anything is written), then
+        the steps done; returns the segments committed."""
+        stored = {step.buffered.ref for step in steps if isinstance(step.buffered, Stored)}
+        values = dict(zip(stored, ray.get(list(stored))))
+
+        def arrays(step: Step):  # a part on Ray, or one the driver tokenized before Ray took over, sent with the call
+            held = step.buffered
+            return (values[held.ref][held.index] if isinstance(held, Stored) else held)[step.key]
+
+        return write_steps(self.segments, steps, arrays)

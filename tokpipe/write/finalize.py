@@ -24,6 +24,7 @@ from tokpipe.layout.meta import Delimiters, Meta, SplitEntry
 from tokpipe.layout.records import read_parts
 from tokpipe.layout.run import WriteSpec, output_splits
 from tokpipe.write.assembly import Assembler
+from tokpipe.write.stored import StoreAssembly
 
 
 def write_skip_log(out: Path, splits: dict[str, SplitEntry]) -> None:
@@ -42,7 +43,7 @@ def write_skip_log(out: Path, splits: dict[str, SplitEntry]) -> None:
     write_atomic(path, ('{"shards": [' + ",".join("\n" + e for e in entries) + "\n]}\n").encode())
 
 
-def _refuse_empty_splits(out: Path, splits: dict[str, SplitEntry], text_field: str) -> None:
+def refuse_empty_splits(out: Path, splits: dict[str, SplitEntry], text_field: str) -> None:
     """A split whose lines were read but none became a document is no success (a code dataset with its
     text under `content` read as `text`): one line, and no meta, so OUT stays unfinished. A split with no
     lines at all (its only shard failed and was excluded, an empty file) is not refused."""
@@ -84,7 +85,16 @@ def finalize(
     stems = assembler.finish(frozenset(excluded))
     splits = {split: stems[split_file_stem(split)] for split in output_splits(manifest, spec.val_fraction)}
     write_skip_log(out, splits)
-    _refuse_empty_splits(out, splits, spec.text_field)
+    refuse_empty_splits(out, splits, spec.text_field)
+    meta = meta_of(info, spec, splits, excluded, manifest)
+    LayoutWriter(out).write_meta(meta)
+    return meta
+
+
+def meta_of(
+    info: TokenizerInfo, spec: WriteSpec, splits: dict[str, SplitEntry], excluded: dict[str, str], manifest: Manifest
+) -> dict:
+    """meta as a run writes it: the tokenizer, what surrounds each document, the splits, what was left out."""
     meta = Meta(
         info.dtype,
         info.vocab_size,
@@ -107,5 +117,20 @@ def finalize(
         manifest_sha256=manifest.fingerprint,
         tokpipe_version=__version__,
     )
-    LayoutWriter(out).write_meta(meta.as_dict())
     return meta.as_dict()
+
+
+def finalize_stored(
+    assembly: StoreAssembly, manifest: Manifest, info: TokenizerInfo, spec: WriteSpec, excluded: dict[str, str]
+) -> dict:
+    """finalize for an OUT on a store (write/stored.py): the last parts into segments (with --skip-failed, past the
+    shards left out), the split files composed on the server, then meta.pkl and meta.json, last."""
+    if assembly.segments is not None:  # the driver's writer (Ray's drained its own): the split files' last steps
+        assembly.place_ready(frozenset(excluded))
+    splits = assembly.finish(frozenset(excluded))
+    write_skip_log(assembly.out.work, splits)
+    refuse_empty_splits(assembly.out.work, splits, spec.text_field)
+    meta = meta_of(info, spec, splits, excluded, manifest)
+    assembly.lease_check()
+    assembly.write_meta(meta)
+    return meta

@@ -28,6 +28,7 @@ from tokpipe.inputs.source.batch import SKIP_LOG_CAP, TextBatch, not_json_lines
 from tokpipe.layout.files import PartKey, ShardFiles
 from tokpipe.layout.records import IDX_DTYPE, MAX_GROUPS, Checkpoint, PartCounts
 from tokpipe.layout.tokens import held_out, to_dtype
+from tokpipe.store import is_url
 from tokpipe.write.memory import memory_guard
 
 # A part's tokens and its document ends (counted from the part's start), as the arrays they were encoded in.
@@ -206,8 +207,14 @@ def tokenize_shard(
     with no checkpoint written: nothing on disk covers them until the runner has placed them. Past that size,
     or when stopped, they go to the shard's own files, and it checkpoints from then on as any resumed shard.
     `again`: begun afresh even if its checkpoint says done, for a buffered shard whose tokens were lost with a
-    Ray node before all its parts were placed (a Placer may have written the checkpoint with its first part)."""
+    Ray node before all its parts were placed (a Placer may have written the checkpoint with its first part).
+    With OUT on a store they stay in memory whatever their size (a stopped shard is begun again: nothing of it is
+    kept)."""
     started = time.monotonic()
+    if is_url(os.fspath(out)):  # OUT on a store (laylayout/stored.py): in memory, the runner's to upload and checkpoint
+        writer = ShardWriter(shard, None, Checkpoint(), spec)
+        writer.run(on_batch, stop)
+        return writer.result(time.monotonic() - started)
     files = ShardFiles.of(out, shard)
     files.folder.mkdir(parents=True, exist_ok=True)
     with open(files.lock, "a+") as lock:
@@ -242,12 +249,12 @@ class ShardWriter:
     parts are still in memory (`buffering`: a shard begun afresh, until they outgrow spec.buffer_bytes or it is
     stopped; then they go to its own files, and it checkpoints from then on as any resumed shard)."""
 
-    def __init__(self, shard: Shard, files: ShardFiles, ckpt: Checkpoint, spec: EncodeSpec):
+    def __init__(self, shard: Shard, files: ShardFiles | None, ckpt: Checkpoint, spec: EncodeSpec):
         self.shard, self.files, self.ckpt, self.spec = shard, files, ckpt, spec
         self.resumed = ckpt.tokens
         self.skipped, self.repaired = Counter(ckpt.skipped), Counter(ckpt.repaired)
         self.holding_out = spec.val_fraction > 0 and shard.split == "train"
-        self.buffering = spec.buffer_bytes > 0 and ckpt.lines == 0
+        self.buffering = files is None or (spec.buffer_bytes > 0 and ckpt.lines == 0)  # None: OUT on a store
         self.memory = memory_guard(spec.memory_limit, spec.backend, spec.tokenizer_json)
         self.resets_before = self.memory.resets
         self.parts = self._writers()
@@ -266,7 +273,7 @@ class ShardWriter:
         else:
             parts = self.ckpt.parts + [PartCounts(*key) for key in start if self.ckpt.part(key) is None]
         kept = set() if self.buffering else {path for part in parts for path in self.files.part(part.key)}
-        for path in self.files.token_files():
+        for path in self.files.token_files() if self.files is not None else []:
             if path not in kept:
                 path.unlink()
         return {part.key: self._writer(part) for part in sorted(parts, key=lambda part: _order(part.key))}
@@ -297,7 +304,8 @@ class ShardWriter:
             if on_batch is not None:
                 on_batch(source_read, len(batch.texts), tokens)
             stopping = stop is not None and stop()
-            if self.buffering and (stopping or self.buffered_bytes > spec.buffer_bytes):
+            spill = self.files is not None and (stopping or self.buffered_bytes > spec.buffer_bytes)
+            if self.buffering and spill:
                 self._spill()
                 self.last_commit = 0.0  # checkpointed at once: what was in memory is now covered on disk
             if stopping:

@@ -1,0 +1,217 @@
+"""runner/stored.py (with write/stored.py and write/segments.py): `tokpipe run --out s3://BUCKET/PREFIX` against the
+session's real S3 server (SeaweedFS). The objects a run leaves are downloaded, as `aws s3 sync` copies them, and
+compared with the reference (tests/helpers.py), never with tokpipe's own output: the split files and their indexes
+byte for byte; a kill -9 at a chosen point of the run, then the same command: the same bytes, what was committed
+kept; a second run refused while the first holds OUT's lease; no multipart upload left open, no segment left."""
+
+import json
+import os
+import re
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import (
+    EXAMPLE_HOLDOUT_FILES,
+    EXAMPLE_TRAIN_FILES,
+    GROUP_FIELD,
+    QWEN3,
+    QWEN3_EOS,
+    held_out,
+    open_uploads,
+    reference_tokens,
+    repeated_example,
+    run_args,
+    store_out_run,
+    stored_objects,
+    tokpipe,
+)
+
+from tokpipe.layout.lease import Lease
+from tokpipe.store import Bucket, Url
+
+# What a finished run leaves on the store, besides its checkpoints (shards/) and logs (logs/).
+FINISHED = {"run.json", "manifest.json", "meta.pkl", "meta.json"}
+FINISHED |= {f"{stem}.{suffix}" for stem in ("train", "val") for suffix in ("bin", "idx", "parts")}
+COPIES = 9  # of the example's first train shard: 14.2 MB of tokens, train.bin of 3 segments (4 shards, 4, 1)
+
+
+def _ends(tokens: np.ndarray, eos: int = QWEN3_EOS) -> np.ndarray:
+    """The documents' ends of a split file whose every document ends with EOS: what its .idx holds."""
+    return np.flatnonzero(tokens == eos).astype(np.int64) + 1
+
+
+def _assert_split(objects: dict[str, bytes], stem: str, expected: np.ndarray) -> None:
+    tokens = np.frombuffer(objects[f"{stem}.bin"], dtype=np.uint32)
+    assert np.array_equal(tokens, expected), f"{stem}.bin differs from the reference"
+    assert np.array_equal(np.frombuffer(objects[f"{stem}.idx"], dtype=np.int64), _ends(expected))
+
+
+def _finished_names(objects: dict[str, bytes]) -> set[str]:
+    return {name for name in objects if not name.startswith(("shards/", "logs/"))}
+
+
+def test_a_run_into_a_store_is_the_reference_and_leaves_no_segment_and_no_open_upload(
+    s3_server, s3_prefix, manifest, example_reference
+):
+    url = s3_server.url(s3_prefix)
+    run = store_out_run(manifest, url)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"train: 859,703 tokens, 293 documents, 2 lines skipped (empty_text 2) -> {url}/train.bin" in run.stdout
+    objects = stored_objects(s3_server, s3_prefix)
+    for stem, expected in example_reference.items():
+        _assert_split(objects, stem, expected)
+    assert _finished_names(objects) == FINISHED
+    assert sorted(name for name in objects if name.startswith("shards/")) == [
+        "shards/train/train__chunk1__example_train_0.json",
+        "shards/train/train__chunk1__example_train_1.json",
+        "shards/validation/validation__chunk1__example_holdout_0.json",
+    ]
+    meta = json.loads(objects["meta.json"])
+    assert (meta["splits"]["train"]["file"], meta["splits"]["train"]["tokens"]) == ("train.bin", 859_703)
+    assert open_uploads(s3_server, s3_prefix) == []
+
+
+@pytest.fixture
+def repeated(tmp_path) -> tuple[Path, dict[str, np.ndarray]]:
+    """A manifest of COPIES copies of the example's first train shard and its validation shard, and its reference."""
+    from tokpipe.inputs.manifest import build_manifest, write_manifest
+
+    path = tmp_path / "repeated.json"
+    write_manifest(build_manifest(repeated_example(tmp_path / "data", COPIES)), path)
+    tokenizer = QWEN3 / "tokenizer.json"
+    train = reference_tokens(EXAMPLE_TRAIN_FILES[:1], tokenizer, QWEN3_EOS)
+    return path, {"train": np.tile(train, COPIES), "val": reference_tokens(EXAMPLE_HOLDOUT_FILES, tokenizer, QWEN3_EOS)}
+
+
+def test_a_kill_9_between_segments_then_the_same_command_keeps_what_was_committed(s3_server, s3_prefix, repeated):
+    manifest, reference = repeated
+    url = s3_server.url(s3_prefix)
+    # At the third segment's commit (train's last): the first two are committed, their 8 shards checkpointed.
+    killed = store_out_run(manifest, url, kill=("tokpipe.write.segments.Segments._commit", 3))
+    assert killed.returncode == -9, killed.stdout + killed.stderr
+    left = stored_objects(s3_server, s3_prefix)
+    assert "meta.json" not in left
+    assert sorted(name for name in left if name.startswith(("shards/", "segments/"))) == [
+        *(f"segments/train/train__part-{n:02d}.{suffix}" for n in (0, 4) for suffix in ("bin", "idx", "json")),
+        *(f"shards/train/train__part-{n:02d}.json" for n in range(8)),
+    ]
+    rerun = store_out_run(manifest, url)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert f"{COPIES + 1} shards, 3.4 MiB; 8 done, 0 partial, 2 to start" in rerun.stdout
+    objects = stored_objects(s3_server, s3_prefix)
+    for stem, expected in reference.items():
+        _assert_split(objects, stem, expected)
+    assert _finished_names(objects) == FINISHED
+    assert open_uploads(s3_server, s3_prefix) == []
+
+
+def test_a_kill_9_inside_a_segment_leaves_it_uncommitted_and_the_rerun_removes_it(s3_server, s3_prefix, repeated):
+    manifest, reference = repeated
+    url = s3_server.url(s3_prefix)
+    # Segments over 1 MiB are multipart uploads: killed as the first one completes, its upload is left open, and its
+    # .json and .idx lie there without the .bin that commits them.
+    killed = store_out_run(manifest, url, whole_put=1 << 20, kill=("tokpipe.store.upload.Upload.finish", 1))
+    assert killed.returncode == -9, killed.stdout + killed.stderr
+    segment = "segments/train/train__part-00"
+    # and the lease of the run killed, which the rerun takes over at once: its holder is gone from this machine
+    left = set(stored_objects(s3_server, s3_prefix))
+    assert left == {".lock", "run.json", "manifest.json", f"{segment}.json", f"{segment}.idx"}
+    assert open_uploads(s3_server, s3_prefix) == [f"{s3_prefix}/{segment}.bin"]
+    rerun = store_out_run(manifest, url, whole_put=1 << 20)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    objects = stored_objects(s3_server, s3_prefix)
+    for stem, expected in reference.items():
+        _assert_split(objects, stem, expected)
+    assert _finished_names(objects) == FINISHED
+    assert open_uploads(s3_server, s3_prefix) == []
+
+
+def test_a_second_run_is_refused_in_one_line_while_the_first_holds_the_lease(s3_server, s3_prefix, manifest):
+    url = s3_server.url(s3_prefix)
+    with Lease(Bucket.of(Url.parse(url)), f"{s3_prefix}/.lock"):  # a live run of this process holds OUT
+        refused = tokpipe(*run_args(manifest, url))
+    assert refused.returncode == 2
+    assert re.fullmatch(
+        rf"tokpipe run: error: {re.escape(url)} is in use by another tokpipe run \(pid {os.getpid()} on "
+        rf"{re.escape(socket.gethostname())}\); wait for it to finish or stop it \(a run killed without a word frees "
+        r"it within \d+ s, when its lease ends\)\n",
+        refused.stderr,
+    )
+    assert set(stored_objects(s3_server, s3_prefix)) == set()  # refused before any work: not even run.json
+
+
+def test_held_out_documents_through_the_store(s3_server, s3_prefix, manifest):
+    url = s3_server.url(s3_prefix)
+    run = store_out_run(manifest, url, "--val-fraction", "0.1")
+    assert run.returncode == 0, run.stdout + run.stderr
+    objects = stored_objects(s3_server, s3_prefix)
+    tokenizer = QWEN3 / "tokenizer.json"
+    train = reference_tokens(EXAMPLE_TRAIN_FILES, tokenizer, QWEN3_EOS, keep=held_out(0.1, False))
+    held = reference_tokens(EXAMPLE_TRAIN_FILES, tokenizer, QWEN3_EOS, keep=held_out(0.1, True))
+    val = reference_tokens(EXAMPLE_HOLDOUT_FILES, tokenizer, QWEN3_EOS)
+    _assert_split(objects, "train", train)
+    _assert_split(objects, "val", np.concatenate([held, val]))  # in manifest order: train, then validation
+    assert open_uploads(s3_server, s3_prefix) == []
+
+
+def test_groups_through_the_store(s3_server, s3_prefix, manifest, grouped_reference):
+    url = s3_server.url(s3_prefix)
+    run = store_out_run(manifest, url, "--group-by", GROUP_FIELD)
+    assert run.returncode == 0, run.stdout + run.stderr
+    objects = stored_objects(s3_server, s3_prefix)
+    meta = json.loads(objects["meta.json"])
+    for split, stem in (("train", "train"), ("validation", "val")):
+        groups = meta["splits"][split]["groups"]
+        assert list(groups) == list(grouped_reference[stem])
+        for value, (tokens, documents, text_bytes) in grouped_reference[stem].items():
+            entry = groups[value]
+            assert (entry["documents"], entry["text_bytes"]) == (documents, text_bytes)
+            assert np.array_equal(np.frombuffer(objects[entry["file"]], dtype=np.uint32), tokens)
+            assert np.array_equal(np.frombuffer(objects[entry["idx"]], dtype=np.int64), _ends(tokens))
+    assert not any(name.startswith("segments/") for name in objects)
+    assert open_uploads(s3_server, s3_prefix) == []
+
+
+def test_no_concat_through_the_store_keeps_each_part_as_an_object(s3_server, s3_prefix, manifest, example_reference):
+    url = s3_server.url(s3_prefix)
+    run = store_out_run(manifest, url, "--no-concat")
+    assert run.returncode == 0, run.stdout + run.stderr
+    objects = stored_objects(s3_server, s3_prefix)
+    meta = json.loads(objects["meta.json"])
+    files = meta["splits"]["train"]["files"]
+    assert [f["bin"] for f in files] == [
+        "segments/train/train__chunk1__example_train_0.bin",
+        "segments/train/train__chunk1__example_train_1.bin",
+    ]
+    tokens = np.concatenate([np.frombuffer(objects[f["bin"]], dtype=np.uint32) for f in files])
+    assert np.array_equal(tokens, example_reference["train"])
+    assert "train.bin" not in objects
+    assert open_uploads(s3_server, s3_prefix) == []
+
+
+@pytest.mark.parametrize("workers", [2])
+def test_a_run_on_ray_into_a_store_is_the_reference(s3_server, s3_prefix, manifest, example_reference, workers):
+    url = s3_server.url(s3_prefix)
+    run = tokpipe(*run_args(manifest, url, "--ray-only", "--workers", workers))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"ray: embedded local instance, {workers} workers" in run.stdout
+    objects = stored_objects(s3_server, s3_prefix)
+    for stem, expected in example_reference.items():
+        _assert_split(objects, stem, expected)
+    assert _finished_names(objects) == FINISHED
+    assert open_uploads(s3_server, s3_prefix) == []
+
+
+def test_ray_takes_over_the_driver_s_open_segment(s3_server, s3_prefix, repeated):
+    manifest, reference = repeated
+    url = s3_server.url(s3_prefix)
+    # The driver tokenizes two shards (3.2 MB of tokens: a segment still open), then Ray's workers the others.
+    run = store_out_run(manifest, url, "--workers", "2", driver_shards=2)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "ray: embedded local instance, 2 workers" in run.stdout
+    objects = stored_objects(s3_server, s3_prefix)
+    for stem, expected in reference.items():
+        _assert_split(objects, stem, expected)
+    assert open_uploads(s3_server, s3_prefix) == []

@@ -1,0 +1,72 @@
+"""What the driver reads of the corpus before any tokenizing: the first documents of each split, which the fast
+encoder is proven exact on (and which refuse a --text-field no document has), and --group-by's first values."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections import Counter
+
+from tokpipe.errors import SourceError, UserError, too_many_groups
+from tokpipe.inputs.manifest import Manifest
+from tokpipe.inputs.source import fields_of, read_batches
+from tokpipe.layout.records import MAX_GROUPS
+from tokpipe.store import is_url
+
+SAMPLE_BYTES = 256 << 10  # of input per split, to prove the fast backend exact on this data (with HARD_CASES)
+# A longer line is passed over by the sample (said in the backend's line), not read whole: the driver's
+# memory does not grow with a document's size. Books (~0.5 MB) are sampled.
+SAMPLE_LINE_BYTES = 4 << 20
+GROUP_SAMPLE_BYTES = 16 << 20  # of input per split read for --group-by's values before any tokenizing (~0.2 s)
+
+
+def sample_texts(manifest: Manifest, text_field: str) -> tuple[list[str], int]:
+    """The first documents of each split's first shard: what the backend is checked on, and how many
+    lines over SAMPLE_LINE_BYTES it passed over. Refuses, before anything is tokenized, a --text-field
+    that none of those shards has."""
+    texts, fields, passed_over = [], Counter(), 0
+    for split in manifest.counts:
+        shard = next(manifest.shards(split))
+        path, etag = shard.path, shard.etag
+        if not is_url(path) and not stat.S_ISREG(os.stat(path).st_mode):  # a pipe or device: reading could block
+            continue
+        try:
+            found = fields_of(path, etag)
+            batches = read_batches(
+                path, text_field, batch_bytes=SAMPLE_BYTES, max_line_bytes=SAMPLE_LINE_BYTES, etag=etag
+            )
+            first = next(batches, None) if text_field in found else None
+        except SourceError:  # an unreadable first shard: its own task reports it
+            continue
+        if text_field in found and first is not None:  # None: an empty shard
+            texts += first.texts
+            passed_over += first.skipped["too_long"]
+        fields.update(found)
+    if fields and text_field not in fields:
+        likely = max(fields, key=fields.get)
+        raise UserError(
+            f"no document has a {text_field!r} field in the first lines of each split's first shard; their fields:"
+            f" {', '.join(sorted(fields))}: pass --text-field NAME (e.g. --text-field {likely})",
+            fix={"text_field": likely},
+        )
+    return texts, passed_over
+
+
+def count_groups(manifest: Manifest, text_field: str, group_by: str) -> None:
+    """Refuse, before anything is tokenized, a --group-by field with more values than a split may have
+    groups, as far as each split's first shard shows it (an id or a url shows it in its first thousand
+    documents); workers and the assembly refuse what this could not see."""
+    for split in manifest.counts:
+        shard, values, read = next(manifest.shards(split)), set(), 0
+        if not is_url(shard.path) and not stat.S_ISREG(os.stat(shard.path).st_mode):
+            continue
+        try:
+            for batch in read_batches(shard.path, text_field, group_by=group_by, etag=shard.etag):
+                values.update(batch.groups)
+                read += batch.text_bytes
+                if len(values) > MAX_GROUPS or read >= GROUP_SAMPLE_BYTES:
+                    break
+        except SourceError:  # an unreadable first shard: its own task reports it
+            continue
+        if len(values) > MAX_GROUPS:
+            raise too_many_groups(group_by, f"split {split}", values, MAX_GROUPS, within=" in its first shard alone")

@@ -1,0 +1,274 @@
+"""An OUT on a store assembled (layout/stored.py): the shards' parts handed to the segment writer in split order
+(write/segments.py), a shard's checkpoint written once all its parts are in committed segments, and at the end each
+split file composed on the server from its segments, its .idx, its .parts, meta.pkl and meta.json last.
+
+A rerun lists OUT's prefix once: the done checkpoints (those shards are not tokenized again), the committed segments
+(read back: the parts in them are not uploaded again, and each file's next segment follows its last), the segments
+never committed (removed) and the multipart uploads a killed attempt left open (aborted). A shard done but not
+checkpointed (a part of it not yet in a committed segment when the run stopped) is tokenized again; its parts already
+in a segment are passed over.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from tokpipe.inputs.manifest import Manifest, Shard
+from tokpipe.layout.files import split_file_stem
+from tokpipe.layout.meta import SplitEntry
+from tokpipe.layout.records import IDX_DTYPE, Checkpoint, part_record, parts_line, split_entry_of
+from tokpipe.layout.run import WriteSpec, output_splits, sources
+from tokpipe.layout.stored import StoredOut, part_name
+from tokpipe.store import MIN_PART, Upload, compose
+from tokpipe.write.segments import Entry, Segment, Segments
+
+REQUESTS_AT_ONCE = (
+    16  # GETs in flight where a rerun or finalize reads many small objects (segments' .json, checkpoints)
+)
+
+
+@dataclass(frozen=True)
+class Step:
+    """What the segment writer does next: add a shard's part to its file (`entry`, its tokens the `key` of
+    `buffered`: the arrays, or on Ray where they are), or with no entry, end the split `stem`."""
+
+    stem: str
+    name: str = ""
+    entry: Entry | None = None
+    buffered: object = None
+    key: tuple = (False, None)
+
+
+@dataclass
+class _Cursor:
+    """Where a split's walk over its sources stands (out/run.py `sources`, in manifest order)."""
+
+    sources: Iterator[tuple[Shard, bool]]
+    head: tuple[Shard, bool] | None = None
+    ended: bool = False
+
+    def advance(self) -> None:
+        self.head = next(self.sources, None)
+
+
+@dataclass
+class StoreAssembly:
+    """The driver's side of an OUT on a store: which shards are done, what each file's segments are, what comes next."""
+
+    out: StoredOut
+    spec: WriteSpec
+    manifest: Manifest
+    itemsize: int
+    segments: Segments | None = None  # the segment writer, where it runs in this process (place_ready)
+    lease: object = None  # out/lease.py's Lease, held by the run: checked before each checkpoint and meta
+    done_keys: set[str] = field(default_factory=set)  # keys of the done checkpoints
+    committed: set[tuple] = field(default_factory=set)  # Entry.key of every part in a committed segment
+    made: dict[tuple, list[Segment]] = field(default_factory=dict)  # (stem, group) -> its committed segments
+    waiting: dict[str, tuple[Shard, Checkpoint, set]] = field(default_factory=dict)  # relpath -> its parts not in
+    results: dict[str, list] = field(default_factory=dict)  # relpath -> [ckpt, buffered, sources not walked, shard]
+    placed_tokens: int = 0
+    lost: list[str] = field(default_factory=list)  # never set on a store: parts never move (driver.py says them)
+    moved: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        stems = sorted({split_file_stem(split) for split in output_splits(self.manifest, self.spec.val_fraction)})
+        self.cursors = {stem: _Cursor(sources(self.manifest, stem, self.spec.val_fraction)) for stem in stems}
+        for cursor in self.cursors.values():
+            cursor.advance()
+
+    # -- a rerun ---------------------------------------------------------------------------------------
+
+    def resume(self) -> None:
+        """One LIST of OUT's prefix: done checkpoints, committed segments (read back), what killed attempts left
+        uncommitted removed, their open uploads aborted."""
+        bucket, out = self.out.bucket, self.out
+        for key, upload in bucket.uploads(out.prefix):
+            bucket.abort(key, upload)
+        by_segment: dict[str, set[str]] = {}
+        for found in bucket.list(out.prefix):
+            if found.key.startswith(out.checkpoints):
+                self.done_keys.add(found.key)
+            elif found.key.startswith(out.segments):
+                base, _, suffix = found.key.rpartition(".")
+                by_segment.setdefault(base, set()).add(suffix)
+        for base, suffixes in by_segment.items():
+            if "bin" not in suffixes:  # never committed
+                for suffix in suffixes:
+                    bucket.delete(f"{base}.{suffix}")
+        with ThreadPoolExecutor(REQUESTS_AT_ONCE) as pool:
+            bases = [base for base, suffixes in by_segment.items() if "bin" in suffixes]
+            for segment in pool.map(lambda base: Segment.parse(bucket.get(f"{base}.json")[0]), bases):
+                self._made(segment)
+        for segments in self.made.values():
+            segments.sort(key=lambda p: p.seq)
+
+    def _made(self, segment: Segment) -> None:
+        self.made.setdefault((segment.stem, segment.group), []).append(segment)
+        self.committed.update(e.key for e in segment.entries)
+
+    def seqs(self) -> dict[tuple, int]:
+        """The segments each file has: the writer's next segment of it follows them."""
+        return {file: len(segments) for file, segments in self.made.items()}
+
+    def is_done(self, shard: Shard) -> bool:
+        return self.out.checkpoint(shard) in self.done_keys
+
+    # -- while shards are tokenized ------------------------------------------------------------------
+
+    def done(self, shard: Shard, ckpt: Checkpoint, buffered) -> None:
+        """A shard done: its parts (`buffered`: their arrays by key, or where they wait on Ray) go to the writer as
+        their turn comes; its checkpoint once they are all committed."""
+        left = {(shard.relpath, *part.key) for part in ckpt.parts} - self.committed
+        self.waiting[shard.relpath] = (shard, ckpt, left)
+        held_too = self.spec.val_fraction > 0 and shard.split == "train"  # its held-out part is a source of val
+        self.results[shard.relpath] = [ckpt, buffered, 1 + held_too, shard]
+        self._checkpoint_if_in(shard.relpath)
+
+    def ready(self, excluded: frozenset[str] = frozenset()) -> list[Step]:
+        """The steps whose turn has come: each split's next sources, while their shards are done (or excluded, or
+        done before), then the split's end."""
+        steps = []
+        for stem, cursor in self.cursors.items():
+            while cursor.head is not None:
+                shard, held = cursor.head
+                if shard.relpath in self.results:
+                    result = self.results[shard.relpath]
+                    steps += self._steps(stem, shard, held, *result[:2])
+                    result[2] -= 1
+                    if not result[2]:  # every split has walked past it
+                        del self.results[shard.relpath]
+                elif not (self.is_done(shard) or shard.relpath in excluded):
+                    break
+                cursor.advance()
+            if cursor.head is None and not cursor.ended:
+                cursor.ended = True
+                steps.append(Step(stem))
+        return steps
+
+    def unplaced(self) -> list[tuple[Shard, Checkpoint, object]]:
+        """Done shards whose parts wait in memory for their turn: (shard, checkpoint, buffered)."""
+        return [(shard, ckpt, buffered) for ckpt, buffered, _, shard in self.results.values()]
+
+    def _steps(self, stem: str, shard: Shard, held: bool, ckpt: Checkpoint, buffered) -> list[Step]:
+        steps = []
+        for part in ckpt.source_parts(held):
+            entry = Entry(shard.relpath, held, part.group, part.tokens, part.documents)
+            if entry.key not in self.committed:
+                steps.append(Step(stem, part_name(shard, part.key), entry, buffered, part.key))
+        return steps
+
+    def commit(self, segments: list[Segment]) -> None:
+        """Segments committed: their parts' shards checkpointed where they have no part left outside one."""
+        for segment in segments:
+            self._made(segment)
+            self.placed_tokens += segment.tokens
+            for entry in segment.entries:
+                if entry.shard in self.waiting:
+                    self.waiting[entry.shard][2].discard(entry.key)
+                    self._checkpoint_if_in(entry.shard)
+
+    def lease_check(self) -> None:
+        """Raise (UserError) once another run took OUT's lease: this one writes nothing more."""
+        if self.lease is not None:
+            self.lease.check()
+
+    def _checkpoint_if_in(self, relpath: str) -> None:
+        shard, ckpt, left = self.waiting[relpath]
+        if not left:
+            self.lease_check()
+            self.out.bucket.put(self.out.checkpoint(shard), json.dumps(asdict(ckpt)).encode())
+            self.done_keys.add(self.out.checkpoint(shard))
+            del self.waiting[relpath]
+
+    def place_ready(self, excluded: frozenset[str] = frozenset()) -> None:
+        """The steps whose turn has come, by this process's segment writer."""
+        self.commit(write_steps(self.segments, self.ready(excluded), lambda step: step.buffered[step.key]))
+
+    # -- finalize ----------------------------------------------------------------------------------------
+
+    def finish(self, excluded: frozenset[str]) -> dict[str, SplitEntry]:
+        """Each split file composed from its segments on the server, its .idx and .parts written; meta's `splits`."""
+        entries = {}
+        for split in output_splits(self.manifest, self.spec.val_fraction):
+            stem = split_file_stem(split)
+            raw = self._parts_list(stem, excluded)
+            if self.spec.concat:
+                files = {group: segments for (of, group), segments in self.made.items() if of == stem}
+                if self.spec.group_by is None:
+                    files.setdefault(None, [])  # a split of no part (every shard left out): an empty file, as on disk
+                for group, segments in files.items():
+                    self._compose(stem, group, segments)
+            self.out.bucket.put(self.out.key(f"{stem}.parts"), raw)
+            (self.out.work / f"{stem}.parts").write_bytes(raw)  # skipped.json is made from it
+            entries[split] = split_entry_of(stem, raw, self.spec)
+        return entries
+
+    def _parts_list(self, stem: str, excluded: frozenset[str]) -> bytes:
+        """The split's parts list, as on disk: its sources' lines in order, from their checkpoints."""
+        bucket, out = self.out.bucket, self.out
+        listed = [(shard, held) for shard, held in sources(self.manifest, stem, self.spec.val_fraction)]
+        listed = [(shard, held) for shard, held in listed if shard.relpath not in excluded]
+        with ThreadPoolExecutor(REQUESTS_AT_ONCE) as pool:
+            ckpts = pool.map(lambda source: _checkpoint(bucket, out.checkpoint(source[0])), listed)
+            lines = []
+            for (shard, held), ckpt in zip(listed, ckpts):
+                for group in ckpt.line_groups(held):
+                    record = part_record(shard, ckpt, (held, group))
+                    if not self.spec.concat and ckpt.part((held, group)) is not None:
+                        name = out.name(out.segment(stem, group, part_name(shard, (held, group))))
+                        record.update(bin=f"{name}.bin", idx=f"{name}.idx")
+                    lines.append(parts_line(record))
+        return b"".join(lines)
+
+    def _compose(self, stem: str, group: str | None, segments: list[Segment]) -> None:
+        """A split file (or its group's) from its segments, on the server; its .idx from theirs, each shifted."""
+        bucket, out = self.out.bucket, self.out
+        base = out.of_local(out.layout.split(stem, group))
+        compose(bucket, f"{base}.bin", [(out.key(p.name) + ".bin", 0, p.tokens * self.itemsize) for p in segments])
+        upload, chunk, size, shift = None, [], 0, 0
+        for segment in segments:
+            ends = np.frombuffer(bucket.get(out.key(segment.name) + ".idx")[0], dtype=IDX_DTYPE) + shift
+            shift += segment.tokens
+            chunk.append(ends.tobytes())
+            size += ends.nbytes
+            if size >= MIN_PART:
+                upload = upload or Upload.begin(bucket, f"{base}.idx")
+                upload.send(chunk)
+                chunk, size = [], 0
+        if upload is None:
+            bucket.put(f"{base}.idx", b"".join(chunk))
+        else:
+            if chunk:
+                upload.send(chunk)
+            upload.finish(create=False)
+
+    def write_meta(self, meta: dict) -> None:
+        """meta.pkl, then meta.json, last: a finished OUT; then the segments go (the split files hold their bytes)."""
+        bucket, out = self.out.bucket, self.out
+        bucket.put(out.key("meta.pkl"), pickle.dumps(meta, protocol=4))
+        bucket.put(out.key("meta.json"), json.dumps(meta).encode())
+        if self.spec.concat:
+            for found in list(bucket.list(out.segments)):
+                bucket.delete(found.key)
+
+
+def write_steps(segments: Segments, steps: list[Step], arrays) -> list[Segment]:
+    """The steps done by a segment writer, `arrays(step)` the tokens and ends of a step's part; returns the segments
+    committed."""
+    made = []
+    for step in steps:
+        if step.entry is None:
+            made += segments.end(step.stem)
+        else:
+            made += segments.add(step.stem, step.name, step.entry, *arrays(step))
+    return made
+
+
+def _checkpoint(bucket, key: str) -> Checkpoint:
+    return Checkpoint.parse(json.loads(bucket.get(key)[0]))
