@@ -39,6 +39,7 @@ from helpers import (
     reference_tokenizer,
     reference_tokens,
     shard_workers,
+    store_out_run,
     unguarded,
 )
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -324,3 +325,17 @@ def manifest(dataset, tmp_path) -> Path:
     path = tmp_path / "m.json"
     write_manifest(build_manifest(dataset), path)
     return path
+
+
+@pytest.fixture(scope="session")
+def finished_stored(s3_server, tmp_path_factory) -> str:
+    """The URL of a finished OUT of the example on the session's S3 server (`tokpipe run --out s3://...`). Readers
+    only: a test that changes it makes its own."""
+    from tokpipe.inputs.manifest import build_manifest, write_manifest
+
+    manifest = tmp_path_factory.mktemp("stored") / "example.json"
+    write_manifest(build_manifest(EXAMPLE_CACHE), manifest)
+    url = s3_server.url(f"finished-stored-{secrets.token_hex(3)}")
+    run = store_out_run(manifest, url)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return url

@@ -127,6 +127,20 @@ def test_llmc_shards_read_back_whole_documents(fixture, magic, version, request,
     assert len(list((tmp_path / "llmc").glob("train_*.bin"))) > 1
 
 
+@pytest.mark.parametrize("form", ["llmc", "megatron"])
+def test_an_out_on_a_store_exports_its_tokens(finished_stored, example_reference, form, tmp_path):
+    result = cli("export", finished_stored, "--format", form, "--dest", tmp_path / form)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for stem, expected in example_reference.items():
+        if form == "llmc":
+            tokens = np.concatenate([read_llmc(f)[2] for f in sorted((tmp_path / form).glob(f"{stem}_*.bin"))])
+        else:
+            tokens = np.fromfile(tmp_path / form / f"{stem}.bin", dtype=np.int32)
+        assert np.array_equal(tokens.astype(np.int64), expected.astype(np.int64))
+    if form == "megatron":
+        assert result.stdout.splitlines()[0].endswith(" documents; downloaded from the store (a copy)")
+
+
 def test_llmc_splits_a_document_longer_than_a_shard(finished_example, tmp_path):
     _, tokens, ends = tokpipe_split(finished_example, "val")
     limit = int(np.diff(ends, prepend=0).max()) - 1

@@ -153,3 +153,12 @@ def test_an_unfinished_grouped_run_is_inspected_through_each_shards_group_parts(
             np.sort(np.concatenate([f.tokens for f in source.files])),
             np.sort(np.concatenate([t for t, _, _ in reference.values()])),
         )
+
+
+def test_an_out_on_a_store_is_inspected_where_it_is(finished_stored):
+    result = cli("inspect", finished_stored, "-n", "1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines()[0] == (
+        "train: 859,703 tokens, 293 documents of a finished run; uint32, vocab_size 151,669,"
+        " EOS '<|endoftext|>' = 151643"
+    )

@@ -47,6 +47,19 @@ def test_finished_run_says_verify_next(finished_example):
     ]
 
 
+def test_a_finished_run_on_a_store_is_read_where_it_is(finished_stored):
+    result = cli("status", finished_stored)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        f"{finished_stored}: finished",
+        "shards: 3 done, 0 partial, 0 pending, 0 failed (of 3)",
+        "  train       2/2 done          859,703 tokens           293 documents",
+        "  validation  1/1 done          303,964 tokens           136 documents",
+        "committed: 1,163,667 tokens, 429 documents; 100.0% of 1.1 MiB read",
+        f"next: tokpipe verify {finished_stored}",
+    ]
+
+
 def test_killed_run_shows_what_is_committed_and_the_resume_command(killed):
     st = status(killed)
     assert st.state == "stopped" and st.holder is None and st.progress is None

@@ -6,7 +6,7 @@ import pickle
 import shutil
 
 import numpy as np
-from helpers import QWEN3, build_out, cli, failed_checks, long_document, write_jsonl
+from helpers import QWEN3, build_out, cli, failed_checks, long_document, store_out_run, write_jsonl
 
 from tokpipe.layout.files import load_meta_pkl
 from tokpipe.read.verify import verify
@@ -258,3 +258,23 @@ def test_sample_passes_over_a_long_document_of_a_tokenizer_it_cannot_cut_and_say
             " one tokpipe can cut exactly (tokpipe/inputs/pieces.py)",
         )
     ]
+
+
+def test_an_out_on_a_store_is_verified_where_it_is_every_check(finished_stored):
+    result = cli("verify", finished_stored)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[-1] == "all 33 checks hold"  # the checks of the same run into a folder (test_a_good_out_passes)
+    assert f"ok    train: parts list present  ({finished_stored}/train.parts)" in lines
+
+
+def test_a_token_changed_on_the_store_fails_the_checksum_read_by_ranged_gets(s3_server, s3_prefix, manifest):
+    url = s3_server.url(s3_prefix)
+    run = store_out_run(manifest, url)
+    assert run.returncode == 0, run.stdout + run.stderr
+    key = f"{s3_prefix}/train.bin"
+    tokens = np.frombuffer(s3_server.client().get_object(Bucket=s3_server.bucket, Key=key)["Body"].read(), "<u4")
+    tokens = tokens.copy()
+    tokens[[100, 101]] = tokens[[101, 100]]
+    s3_server.put(key, tokens.tobytes())
+    assert failed_checks(url) == ["train: sha256 matches meta"]

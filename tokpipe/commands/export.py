@@ -54,6 +54,7 @@ from tokpipe.data import Permutation
 from tokpipe.durability import copy_file, copy_range, fsync_dir
 from tokpipe.errors import UserError
 from tokpipe.layout.files import Layout, split_file_stem
+from tokpipe.layout.stored import stored_of
 from tokpipe.layout.tokens import to_dtype
 from tokpipe.read.output import Output, Split, open_output
 
@@ -226,10 +227,13 @@ def _same_bytes(data: Output, dtype: str) -> bool:
 def _megatron_bin(data: Output, split: Split, tmp: Path, dtype: str) -> str:
     """Give tmp the split's tokens as Megatron's .bin; returns how, in words."""
     tmp.unlink(missing_ok=True)  # a killed export's link to the split file: never write through it
-    if not _same_bytes(data, dtype):
+    stored = stored_of(data.path) is not None  # OUT on a store: its tokens read by ranged GETs, written here
+    if not _same_bytes(data, dtype) or stored:
         with open(tmp, "xb") as f:
             _write_tokens(f, split.tokens, 0, len(split.tokens), dtype)
             _finish(f)
+        if stored:
+            return "downloaded from the store (a copy)"
         return f"converted {data.dtype} to {dtype} (a copy: Megatron stores {data.vocab_size:,} ids as {dtype})"
     sources = [tokens for tokens, _ in split.reader.paths]
     if len(sources) > 1:

@@ -23,10 +23,11 @@ import numpy as np
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import load_manifest
 from tokpipe.inputs.tokenizer import encoder, load_tokenizer_info
-from tokpipe.layout.files import Layout, out_folder, split_file_stem
+from tokpipe.layout.files import Layout, split_file_stem
 from tokpipe.layout.meta import Meta
 from tokpipe.layout.records import unfinished_files
 from tokpipe.layout.run import RunRecord, load_run, output_splits
+from tokpipe.layout.stored import reader_out
 from tokpipe.read.files import TokenFile, TokenFiles
 from tokpipe.read.output import open_output
 from tokpipe.read.verify import Check
@@ -97,7 +98,7 @@ def _split_name(wanted: str, available: list[str]) -> str:
 def open_source(out: str | os.PathLike, split: str) -> Source:
     """A split of OUT as far as it is written: a finished OUT's split files, or what an unfinished one's checkpoints
     and parts lists cover (records.unfinished_files), each read through the one reader of a split's files."""
-    out = out_folder(out)
+    out = reader_out(out)
     run = load_run(Layout(out))
     tokenizer_path = run.tokenizer_path if run is not None else None
     if Layout(out).is_finished():

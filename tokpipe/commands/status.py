@@ -22,10 +22,11 @@ from dataclasses import asdict, dataclass, field
 from tokpipe.errors import UserError
 from tokpipe.fmt import disk_line, duration, free_bytes
 from tokpipe.inputs.manifest import load_manifest
-from tokpipe.layout.files import FAILED, PROGRESS, REFUSED, RUN_LOG, Layout, lock_holder, out_folder
+from tokpipe.layout.files import FAILED, PROGRESS, REFUSED, RUN_LOG, Layout, lock_holder
 from tokpipe.layout.meta import load_meta
 from tokpipe.layout.records import Checkpoint
 from tokpipe.layout.run import RunRecord, load_run
+from tokpipe.layout.stored import reader_out
 
 # progress.json is rewritten every 2 s while shards run; older than this, the live run is doing
 # something else (starting Ray, finalizing) or is stuck.
@@ -98,7 +99,7 @@ def resume_command(out: str, run: RunRecord | None, fix: dict | None = None) -> 
 
 def status(out: str | os.PathLike) -> RunStatus:
     out = os.fspath(out)
-    folder = Layout(out_folder(out))
+    folder = Layout(reader_out(out))
     if not folder.manifest.is_file():
         raise UserError(
             f"{out} holds no tokpipe run (no manifest.json): start one with tokpipe run --manifest M "

@@ -348,7 +348,7 @@ def stall_dump(out: str | os.PathLike, shard: Shard) -> Path:
 
 
 def work_folder(url: str) -> Path:
-    """The local folder of an OUT on a store (laylayout/stored.py): where this machine keeps the records of its runs
+    """The local folder of an OUT on a store (layout/stored.py): where this machine keeps the records of its runs
     while they run (run.json, manifest.json, logs/), to upload them; one per OUT and user."""
     name = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
     return Path(tempfile.gettempdir()) / f"tokpipe-{os.getuid()}" / name

@@ -15,13 +15,18 @@ uploaded whole: at the start, and the logs at the end (a kill -9 loses the logs 
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import Shard
-from tokpipe.layout.files import Layout, PartKey, group_stem, work_folder
-from tokpipe.store import Bucket, Url
+from tokpipe.layout.files import Layout, PartKey, group_stem, out_folder, work_folder
+from tokpipe.store import Bucket, Url, is_url
 
 SEGMENTS = "segments"
 
@@ -98,3 +103,56 @@ class StoredOut:
 def part_name(shard: Shard, key: PartKey) -> str:
     """A part's name among its file's: its shard's key, and what it holds out (val.bin's part of a train shard)."""
     return shard.key + (".held-out" if key[0] else "")
+
+
+class RecordsCopy(type(Path())):
+    """A local copy of an OUT on a store's records, which a reader reads as OUT (its meta, parts lists, run.json,
+    checkpoints, logs); its token files stay on the store (`stored`), read by ranged GETs (read/maps.py StoreFile).
+    A path made from it (`copy / name`) holds no `stored`: a reader asks the copy itself (`stored_of`)."""
+
+    stored: StoredOut
+
+
+# GETs in flight while a reader copies OUT's records (a checkpoint per shard: 60,000 of them for SlimPajama)
+RECORD_GETS = 16
+
+
+def reader_out(out: str | os.PathLike) -> Path:
+    """OUT as a reader (status, verify, inspect, report, export, tokpipe.data) names it: a folder (out_folder), or an
+    OUT on a store, whose records are copied into a temporary folder (removed at exit) and whose token files are read
+    where they are. One LIST, then a GET per record."""
+    if getattr(out, "stored", None) is not None:  # a copy already: one reader handing OUT to another
+        return out
+    if not is_url(os.fspath(out)):
+        return out_folder(out)
+    stored = StoredOut.of(os.fspath(out))
+    stored.check()
+    copy = RecordsCopy(tempfile.mkdtemp(prefix="tokpipe-read-"))
+    copy.stored = stored
+    atexit.register(shutil.rmtree, copy, True)
+    bucket = stored.bucket
+    records = [o.key for o in bucket.list(stored.prefix) if not o.key.endswith((".bin", ".idx"))]
+    if not records:
+        raise UserError(f"{stored} holds no object: give the --out of a tokpipe run")
+
+    def fetch(key: str) -> None:
+        path = copy / stored.name(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        found = bucket.get(key)
+        if found is not None:  # removed since the LIST: a live run's segment
+            path.write_bytes(found[0])
+
+    with ThreadPoolExecutor(RECORD_GETS) as pool:
+        list(pool.map(fetch, records))
+    return copy
+
+
+def stored_of(out: Path) -> StoredOut | None:
+    """The store an OUT's token files are on, for a reader's copy of its records (reader_out); None for a folder."""
+    return getattr(out, "stored", None)
+
+
+def shown(out: Path, name: str) -> str:
+    """How a reader names a file of OUT: its path, or for an OUT on a store (reader_out) its URL."""
+    stored = stored_of(out)
+    return str(out / name) if stored is None else str(stored.url / name)

@@ -31,6 +31,8 @@ import numpy as np
 
 from tokpipe.durability import ShortRead, read_range
 from tokpipe.layout.meta import OutputError
+from tokpipe.layout.stored import StoredOut, stored_of
+from tokpipe.store import Bucket, Changed
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -172,3 +174,71 @@ class _Mapping(_At):
 def array_at(address: int, shape: tuple, dtype: np.dtype) -> np.ndarray:
     """An array over memory that nothing here keeps: read it only where something else keeps it mapped."""
     return np.asarray(_At(address, shape, np.dtype(dtype)))
+
+
+@dataclass(frozen=True, slots=True)
+class StoreFile:
+    """A token file of an OUT on an object store (layout/stored.py), as it was first seen: its ETag, which every read
+    asks for (If-Match), so a file replaced since is never read as the one checked. LocalFile's access, by ranged
+    GETs: `read` a range a buffer at a time (verify's hashes), `array` a range; `mapped` reads the file from `first`
+    to its end into memory (a store has no map: a reader that maps, the loader, reads a local copy instead)."""
+
+    bucket: Bucket
+    key: str
+    size: int
+    etag: str
+    path: str  # its URL, as a message names it
+
+    @classmethod
+    def recorded(cls, stored: StoredOut, name: str, size: int, what: str, growing: bool = False) -> StoreFile:
+        """As LocalFile.recorded: the file, once it holds the `size` bytes OUT's records say (`what`, in words)."""
+        url, found = str(stored.url / name), stored.bucket.head(stored.key(name))
+        verify = f"tokpipe verify {shlex.quote(str(stored))}"
+        if found is None:
+            raise OutputError(f"{url} is missing though meta lists it: the output is damaged ({verify})")
+        if found.size < size if growing else found.size != size:
+            raise OutputError(f"{url} holds {found.size:,} bytes, meta says {what}: the output is damaged ({verify})")
+        return cls(stored.bucket, stored.key(name), size, found.etag, url)
+
+    def _get(self, start: int, stop: int) -> bytes:
+        try:
+            data, _ = self.bucket.read(self.key, start, stop, self.etag)
+        except Changed:
+            raise OutputError(f"{self.path} changed since the reader was made: reopen it (tokpipe verify)") from None
+        if len(data) < stop - start:
+            raise ShortRead(start + len(data), stop)
+        return data
+
+    def read(self, start: int, stop: int, buffer: bytearray) -> Iterator[memoryview]:
+        """Bytes [start, stop) of the file, a GET of len(buffer) bytes at a time."""
+        for at in range(start, stop, len(buffer)):
+            yield memoryview(self._get(at, min(stop, at + len(buffer))))
+
+    def array(self, dtype: np.dtype, first: int, count: int) -> np.ndarray:
+        itemsize = np.dtype(dtype).itemsize
+        return np.frombuffer(self._get(first * itemsize, (first + count) * itemsize), dtype)
+
+    def mapped(self, dtype: np.dtype, random: bool = False, first: int = 0) -> np.ndarray:
+        itemsize = np.dtype(dtype).itemsize
+        if first * itemsize >= self.size:
+            return np.zeros(0, dtype)
+        return np.frombuffer(self._get(first * itemsize, self.size), dtype)
+
+
+def recorded(out: Path, name: str, size: int, what: str, growing: bool = False) -> LocalFile | StoreFile:
+    """A token file of OUT by its name in OUT: on this machine, or for a reader's copy of an OUT on a store's records,
+    on the store (layout/stored.py reader_out)."""
+    stored = stored_of(out)
+    if stored is not None:
+        return StoreFile.recorded(stored, name, size, what, growing)
+    return LocalFile.recorded(out, out / name, size, what, growing)
+
+
+def size_of(out: Path, name: str) -> tuple[str, int | None]:
+    """A token file of OUT: how a message names it, and its size (None: there is none)."""
+    stored = stored_of(out)
+    if stored is not None:
+        found = stored.bucket.head(stored.key(name))
+        return str(stored.url / name), None if found is None else found.size
+    path = out / name
+    return str(path), path.stat().st_size if path.is_file() else None

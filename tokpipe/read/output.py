@@ -13,8 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from tokpipe.layout.files import Layout, out_folder
+from tokpipe.layout.files import Layout
 from tokpipe.layout.meta import Meta, SplitEntry, finished_meta
+from tokpipe.layout.stored import reader_out
 from tokpipe.read.files import TokenFile, TokenFiles
 
 
@@ -97,7 +98,7 @@ class Output:
 
 def open_output(out: str | os.PathLike) -> Output:
     """A finished OUT, ready to train from. UserError when OUT is not finished or does not match its meta."""
-    out = out_folder(out)
+    out = reader_out(out)
     meta = finished_meta(Layout(out))
     return Output(out, meta, {name: open_split(out, name, entry, meta.dtype) for name, entry in meta.splits.items()})
 

@@ -20,10 +20,12 @@ import numpy as np
 
 from tokpipe.durability import HASH_CHUNK, ShortRead
 from tokpipe.errors import UserError
-from tokpipe.layout.files import Layout, load_meta_pkl, out_folder
+from tokpipe.layout.files import Layout, load_meta_pkl
 from tokpipe.layout.meta import Meta, SplitEntry, SplitFile
 from tokpipe.layout.records import Part, parts_of
+from tokpipe.layout.stored import reader_out, shown, stored_of
 from tokpipe.read.files import TokenFiles
+from tokpipe.read.maps import size_of
 
 
 @dataclass
@@ -107,7 +109,7 @@ def _parts(out: Path, split: str, entry: SplitEntry, check) -> list[Part] | None
         whole = {"shard": entry.file, "tokens": tokens, "documents": documents}
         return [Part(split, 0, 0, 0, whole | {"sha256": entry.sha256, "idx_sha256": entry.idx_sha256})]
     path = out / entry.parts
-    if not check(f"{split}: parts list present", path.is_file(), str(path)):
+    if not check(f"{split}: parts list present", path.is_file(), shown(out, entry.parts)):
         return None
     raw = path.read_bytes()
     same = hashlib.sha256(raw).hexdigest() == entry.parts_sha256
@@ -146,7 +148,7 @@ def _size_chunks(parts: list[Part], itemsize: int, jobs: int) -> list[list[Part]
 
 def verify(out: str | os.PathLike, jobs: int | None = None) -> list[Check]:
     """Every check on a finished OUT. Checksums and id scans run on `jobs` threads (default: all cores)."""
-    out = out_folder(out)
+    out = reader_out(out)
     jobs = jobs or os.cpu_count() or 1
     checks: list[Check] = []
 
@@ -154,7 +156,7 @@ def verify(out: str | os.PathLike, jobs: int | None = None) -> list[Check]:
         checks.append(Check(name, bool(ok), detail))
         return bool(ok)
 
-    unfinished = f"the run has not finished (tokpipe status {shlex.quote(str(out))})"
+    unfinished = f"the run has not finished (tokpipe status {shlex.quote(str(stored_of(out) or out))})"
     try:
         raw = load_meta_pkl(Layout(out).meta_pkl)
     except FileNotFoundError:
@@ -295,10 +297,10 @@ def _check_files(out: Path, split: str, entry: SplitEntry, files: list[SplitFile
 def _file_problems(out: Path, file: SplitFile, dtype: np.dtype) -> list[str | None]:
     """What is wrong with one file of a split and its index, check by check (None: holds); after the
     first problem the rest are not looked at."""
-    path, idx_path, tokens, documents = out / file.bin, out / file.idx, file.tokens, file.documents
-    if not path.is_file():
-        return [str(path), None, None, None]
-    size = path.stat().st_size
+    (path, size), (idx_path, idx_size) = size_of(out, file.bin), size_of(out, file.idx)  # here, or on a store
+    tokens, documents = file.tokens, file.documents
+    if size is None:
+        return [path, None, None, None]
     if size != tokens * dtype.itemsize:
         widths = ("uint16", "uint32", "int32", "int64")
         other = next((d for d in widths if d != dtype.name and size == tokens * np.dtype(d).itemsize), None)
@@ -311,9 +313,8 @@ def _file_problems(out: Path, file: SplitFile, dtype: np.dtype) -> list[str | No
         else:
             detail = f"file {size // dtype.itemsize:,} tokens, meta {tokens:,}"
         return [None, detail, None, None]
-    if not idx_path.is_file():
-        return [None, None, str(idx_path), None]
-    idx_size = idx_path.stat().st_size
+    if idx_size is None:
+        return [None, None, idx_path, None]
     entries = None if idx_size == 8 * documents else f"{idx_size / 8:,.0f} entries, {documents:,} documents"
     return [None, None, None, entries]
 

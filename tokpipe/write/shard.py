@@ -211,7 +211,7 @@ def tokenize_shard(
     With OUT on a store they stay in memory whatever their size (a stopped shard is begun again: nothing of it is
     kept)."""
     started = time.monotonic()
-    if is_url(os.fspath(out)):  # OUT on a store (laylayout/stored.py): in memory, the runner's to upload and checkpoint
+    if is_url(os.fspath(out)):  # OUT on a store (layout/stored.py): in memory, the runner's to upload and checkpoint
         writer = ShardWriter(shard, None, Checkpoint(), spec)
         writer.run(on_batch, stop)
         return writer.result(time.monotonic() - started)

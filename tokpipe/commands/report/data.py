@@ -22,11 +22,12 @@ from tokpipe.commands.inspect import load_decoder, open_source, red_flags, scan_
 from tokpipe.commands.status import RunStatus, ShardStatus, status
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import load_manifest
-from tokpipe.layout.files import Layout, out_folder, split_bin_name, split_file_stem
+from tokpipe.layout.files import Layout, split_bin_name, split_file_stem
 from tokpipe.layout.meta import Meta, load_meta
 from tokpipe.layout.records import Checkpoint, read_parts
 from tokpipe.layout.run import RunRecord, load_run, output_splits, sources
 from tokpipe.layout.series import read_series
+from tokpipe.layout.stored import reader_out
 
 LENGTH_SAMPLE = 1 << 20  # documents whose lengths are read per split: all of a smaller split, else evenly spread blocks
 LENGTH_BLOCKS = 64
@@ -320,7 +321,7 @@ def _progress(st: RunStatus, series: list[dict]) -> ProgressStats:
 
 def build(out: str | os.PathLike, tokenizer: str | None = None) -> Report:
     """Everything the page shows. UserError when OUT holds no tokpipe run."""
-    out = out_folder(out)
+    out = reader_out(out)
     st = status(out)  # UserError for a folder without a run
     meta = load_meta(Layout(out)) if st.state == "finished" else None
     run = load_run(Layout(out))
