@@ -375,10 +375,10 @@ EMBEDDED_RAY_2_WORKERS = (
 )
 
 
-def start(manifest, out, *extra, ray: str | None = None, tokenizer=QWEN3) -> subprocess.Popen:
+def start(manifest, out, *extra, ray: str | None = None, tokenizer=QWEN3, logs: Path | None = None) -> subprocess.Popen:
     """`tokpipe run` in its own process group, as a shell would start it; its output goes to `proc.log`, beside
-    OUT. `ray` as for `tokpipe`."""
-    log = Path(out).parent / f"run-{time.monotonic_ns()}.log"
+    OUT (or in `logs`: an OUT on a store). `ray` as for `tokpipe`."""
+    log = (logs or Path(out).parent) / f"run-{time.monotonic_ns()}.log"
     with open(log, "w") as output:
         proc = subprocess.Popen(
             _cli(run_args(manifest, out, *extra, tokenizer=tokenizer)),
@@ -1088,6 +1088,13 @@ def repeated_example(dest: Path, copies: int) -> Path:
     (dest / "validation").mkdir()
     shutil.copyfile(EXAMPLE_HOLDOUT_FILES[0], dest / "validation" / "holdout.jsonl.zst")
     return dest
+
+
+def repeated_reference(copies: int) -> dict[str, np.ndarray]:
+    """The reference tokens of repeated_example(dest, copies), per split file stem."""
+    tokenizer = QWEN3 / "tokenizer.json"
+    train = reference_tokens(EXAMPLE_TRAIN_FILES[:1], tokenizer, QWEN3_EOS)
+    return {"train": np.tile(train, copies), "val": reference_tokens(EXAMPLE_HOLDOUT_FILES, tokenizer, QWEN3_EOS)}
 
 
 def stored_objects(server: S3Server, prefix: str) -> dict[str, bytes]:

@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -17,8 +18,24 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
-from helpers import QWEN3, checkpoints, kill_9, run_args, session_processes, start, tokpipe, wait_for, write_jsonl
+from helpers import (
+    EXAMPLE_CACHE,
+    QWEN3,
+    checkpoints,
+    kill_9,
+    open_uploads,
+    repeated_example,
+    repeated_reference,
+    run_args,
+    session_processes,
+    start,
+    stored_objects,
+    tokpipe,
+    wait_for,
+    write_jsonl,
+)
 
 from tokpipe.inputs.manifest import build_manifest, write_manifest
 from tokpipe.inputs.tokenizer import load_tokenizer_info
@@ -182,3 +199,108 @@ def test_with_address_a_node_that_cannot_see_out_stops_the_run_naming_node_and_p
             second.wait()
         wait_for(lambda: not any(session_processes(session) for session in sessions), timeout=30)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.mark.skipif(not _can_make_mount_namespaces(), reason="needs root and unshare -m")
+def test_on_a_store_a_node_that_shares_no_file_system_is_lost_mid_run_and_the_bytes_are_the_reference(
+    tmp_path, s3_server, s3_prefix
+):
+    # The corpus and OUT on the store; the manifest and the tokenizer in tmp_path, which the second node does not
+    # see (a tmpfs over it in its mount namespace): the store is all the two nodes share, but the code.
+    copies = 40  # 63 MB of tokens: time to see a shard on the second node and a shard committed, then kill it
+    corpus = s3_server.upload(repeated_example(tmp_path / "data", copies), f"{s3_prefix}/data")
+    assert tokpipe("manifest", "--dataset-dir", corpus, "-o", tmp_path / "m.json").returncode == 0
+    shutil.copytree(QWEN3, tmp_path / "tok")
+    url = s3_server.url(f"{s3_prefix}/out")
+    ray = str(Path(sys.executable).parent / "ray")
+    temp = tempfile.mkdtemp(prefix="tpnodes-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    address = f"127.0.0.1:{random.randint(20000, 29999)}"
+    run = second = None
+    sessions = []
+    try:
+        head = [ray, "start", "--head", "--port", address.split(":")[1], "--node-ip-address", "127.0.0.1"]
+        head += ["--num-cpus", "1", "--include-dashboard", "false", "--temp-dir", temp, "--disable-usage-stats"]
+        first = subprocess.Popen(
+            head, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        sessions.append(first.pid)
+        assert first.wait(timeout=120) == 0, first.stdout.read()
+        inner = (
+            f"mount -t tmpfs none {tmp_path} && exec {ray} start --address {address} --node-ip-address 127.0.0.2"
+            " --num-cpus 1 --block"
+        )
+        second = subprocess.Popen(
+            ["unshare", "-m", "--propagation", "private", "bash", "-c", inner],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        sessions.append(second.pid)
+        run = start(tmp_path / "m.json", url, "--workers", "2", ray=address, tokenizer=tmp_path / "tok", logs=tmp_path)
+
+        def shard_on_second_node() -> bool:  # a shard task there, and a shard committed
+            titles = [_title(pid) for pid in session_processes(second.pid)]
+            done = s3_server.client().list_objects_v2(Bucket=s3_server.bucket, Prefix=f"{s3_prefix}/out/shards/")
+            return any(t.startswith("ray::tokpipe train/") for t in titles) and done.get("KeyCount", 0) > 0
+
+        wait_for(lambda: shard_on_second_node() or run.poll() is not None, timeout=300)
+        assert run.poll() is None, run.log.read_text()
+        for pid in session_processes(second.pid):  # kill -9 of the node: its raylet, its workers
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        assert run.wait(timeout=600) == 0, run.log.read_text()
+        assert re.search(r"^ray: node 127\.0\.0\.2 \S+ lost: ", run.log.read_text(), re.M), run.log.read_text()
+        objects = stored_objects(s3_server, f"{s3_prefix}/out")
+        for stem, expected in repeated_reference(copies).items():
+            assert np.array_equal(np.frombuffer(objects[f"{stem}.bin"], dtype=np.uint32), expected), stem
+        assert open_uploads(s3_server, f"{s3_prefix}/out") == []
+    finally:
+        if run is not None and run.poll() is None:
+            kill_9(run)
+        for session in sessions:
+            for pid in session_processes(session):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        if second is not None:
+            second.wait()
+        wait_for(lambda: not any(session_processes(session) for session in sessions), timeout=30)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _title(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def test_on_a_store_a_node_checks_out_with_its_own_credentials(s3_server, s3_prefix, monkeypatch):
+    manifest = build_manifest(EXAMPLE_CACHE)
+    url = s3_server.url(f"{s3_prefix}/out")
+    check = NodeCheck.of(manifest, load_tokenizer_info(QWEN3), url)
+    token = f"{s3_prefix}/out/logs/node-check.txt"
+    s3_server.put(token, check.token.encode())  # what the driver writes
+    assert unseen(check, "n1") is None
+    assert list(stored_objects(s3_server, f"{s3_prefix}/out")) == ["logs/node-check.txt"]  # the node's own removed
+
+    s3_server.put(token, b"another run's token")
+    assert unseen(check, "n1") == f"sees another OUT at {url} than the driver's (without this run's node-check.txt)"
+    s3_server.put(token, check.token.encode())
+    # A node whose environment holds another secret: its own client (boto3's are made a thread at a time).
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    with ThreadPoolExecutor(1) as thread:
+        problem = thread.submit(unseen, check, "n1").result()
+    assert re.fullmatch(
+        rf"cannot read OUT {re.escape(url)} \({re.escape(url)}/logs/node-check\.txt: the store at "
+        rf"{re.escape(s3_server.endpoint)} answered SignatureDoesNotMatch: the secret key does not match the access"
+        r" key \(AWS_SECRET_ACCESS_KEY\) \(.+\)\)",
+        problem,
+    )
+    assert nodes.refusal([f"node 127.0.0.2 (ab) {problem}"], on_store=True).endswith(
+        ": every node reads OUT on the store with its own credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,"
+        " AWS_ENDPOINT_URL in the environment of its `ray start`, or an instance role); give them to it or take the"
+        " node out of the cluster, and rerun the same command"
+    )

@@ -22,6 +22,7 @@ from helpers import (
     open_uploads,
     reference_tokens,
     repeated_example,
+    repeated_reference,
     run_args,
     store_out_run,
     stored_objects,
@@ -80,9 +81,7 @@ def repeated(tmp_path) -> tuple[Path, dict[str, np.ndarray]]:
 
     path = tmp_path / "repeated.json"
     write_manifest(build_manifest(repeated_example(tmp_path / "data", COPIES)), path)
-    tokenizer = QWEN3 / "tokenizer.json"
-    train = reference_tokens(EXAMPLE_TRAIN_FILES[:1], tokenizer, QWEN3_EOS)
-    return path, {"train": np.tile(train, COPIES), "val": reference_tokens(EXAMPLE_HOLDOUT_FILES, tokenizer, QWEN3_EOS)}
+    return path, repeated_reference(COPIES)
 
 
 def test_a_kill_9_between_segments_then_the_same_command_keeps_what_was_committed(s3_server, s3_prefix, repeated):

@@ -260,7 +260,7 @@ def _tokenize_on_ray(
     run.tell(Said(f"ray: {shape.where}, {shape.workers} workers{both}{nodes}"))
     watch, check = NodeWatch(), None
     if run.cluster.address:  # every node sees the shards, the tokenizer and OUT, or the run stops here
-        check = check_nodes(run.manifest, run.info, run.out, run.log, watch)
+        check = check_nodes(run.manifest, run.info, run.target if run.stored else run.out, run.log, watch)
     spec = encode_spec(run.opts, run.info, backend, shape.read_ahead)
     progress.workers = run.clock.workers = shape.workers
     if run.stored:

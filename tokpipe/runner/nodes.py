@@ -16,6 +16,10 @@ What a node checks (`unseen`), and why that is enough:
   folder lies on that folder's mount, so one per folder reaches every mount the shards are on; the
   sample catches a partial copy. Not every shard: 60,000 shards on hundreds of nodes would be
   millions of round trips to the shared storage, for what a few hundred prove.
+With OUT on an object store (layout/stored.py) the nodes share no file system: a node reads back the token the
+driver put under OUT on the store and writes and removes an object of its own there, with its own credentials
+(`_unseen_on_store`); the tokenizer comes to it through Ray's object store (task.ship_tokenizer), the shards are on
+the store too (each read through the node's own client).
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ from tokpipe.errors import NodeError, UserError
 from tokpipe.inputs.manifest import Manifest
 from tokpipe.inputs.tokenizer import TokenizerInfo
 from tokpipe.layout.files import RUN_LOG, Layout
-from tokpipe.store import is_url
+from tokpipe.layout.stored import StoredOut
+from tokpipe.store import Exists, StoreRefused, StoreUnavailable, is_url
 
 MAX_FOLDERS = 256  # of the shards' folders, one shard each
 SAMPLE = 32  # shards more, spread over the manifest
@@ -61,7 +66,7 @@ class NodeCheck:
     checked: frozenset[str] = frozenset()  # ids of the nodes whose probe passed
 
     @classmethod
-    def of(cls, manifest: Manifest, info: TokenizerInfo, out: Path) -> NodeCheck:
+    def of(cls, manifest: Manifest, info: TokenizerInfo, out: Path | str) -> NodeCheck:
         """The shards to open (one pass over the manifest) and a new token."""
         step = max(1, sum(manifest.counts.values()) // SAMPLE)
         firsts: dict[str, tuple[str, int]] = {}  # folder -> its first shard
@@ -81,6 +86,8 @@ class NodeCheck:
 def unseen(check: NodeCheck, who: str) -> str | None:
     """What this machine cannot see of what the run needs, in a few words; None when it sees it all.
     `who` names the file it writes under OUT (unique among the processes that check at once)."""
+    if is_url(check.out):
+        return _unseen_on_store(check, who)
     out = Path(check.out)
     token_file = Layout(out).node_check()
     try:
@@ -119,9 +126,35 @@ def unseen(check: NodeCheck, who: str) -> str | None:
     return None
 
 
-def refusal(problems: list[str]) -> str:
+def _unseen_on_store(check: NodeCheck, who: str) -> str | None:
+    """unseen for an OUT on a store (layout/stored.py), with this machine's own credentials: it reads back the
+    token the driver put there for this run, then writes (create-only) and removes an object of its own beside it.
+    The tokenizer comes through Ray's object store (task.py), the shards are on the store: nothing else to see."""
+    stored = StoredOut.of(check.out)
+    token, mine = stored.of_local(stored.layout.node_check()), stored.of_local(stored.layout.node_check(who))
+    try:
+        found = stored.bucket.get(token)
+    except (StoreRefused, StoreUnavailable) as e:
+        return f"cannot read OUT {check.out} ({e})"
+    if found is None or found[0] != check.token.encode():
+        return f"sees another OUT at {check.out} than the driver's (without this run's {Path(token).name})"
+    try:
+        stored.bucket.put(mine, check.token.encode(), create=True)
+        stored.bucket.delete(mine)
+    except (StoreRefused, StoreUnavailable, Exists) as e:
+        return f"cannot write under OUT {check.out} ({e})"
+    return None
+
+
+def refusal(problems: list[str], on_store: bool = False) -> str:
     """The one line that stops the run: the first node's problem, how many more, what to do."""
     more = f" (and {len(problems) - 1} more nodes, in OUT/logs/{RUN_LOG})" if len(problems) > 1 else ""
+    if on_store:
+        return (
+            f"{problems[0]}{more}: every node reads OUT on the store with its own credentials (AWS_ACCESS_KEY_ID,"
+            " AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL in the environment of its `ray start`, or an instance role);"
+            " give them to it or take the node out of the cluster, and rerun the same command"
+        )
     return (
         f"{problems[0]}{more}: every node must see the shards, the tokenizer and OUT at the driver's paths"
         " (storage they all mount alike); mount it there or take the node out of the cluster, and rerun the"
@@ -138,12 +171,17 @@ def _probe(check: NodeCheck) -> str | None:
     return problem and f"{_node()} {problem}"
 
 
-def check_nodes(manifest: Manifest, info: TokenizerInfo, out: Path, log, watch: NodeWatch) -> ray.ObjectRef:
+def check_nodes(manifest: Manifest, info: TokenizerInfo, out: Path | str, log, watch: NodeWatch) -> ray.ObjectRef:
     """Probe every alive node; refuse (UserError) if one cannot see what the run needs. Returns the
     NodeCheck, in Ray's object store, that the tasks take (and check on a node not probed here). A node whose
     raylet takes no connection is lost (the GCS yet to say so): a probe there would wait PROBE_SECONDS."""
     check = NodeCheck.of(manifest, info, out)
-    write_atomic(Layout(out).node_check(), check.token.encode())
+    on_store = is_url(check.out)
+    if on_store:
+        stored = StoredOut.of(check.out)
+        stored.bucket.put(stored.of_local(stored.layout.node_check()), check.token.encode())
+    else:
+        write_atomic(Layout(out).node_check(), check.token.encode())
     probe = ray.remote(num_cpus=0, max_retries=0, name="tokpipe node check")(_probe)
     nodes = [node for node in watch.up if watch.answers(node)]
     for node in watch.up - set(nodes):
@@ -168,7 +206,7 @@ def check_nodes(manifest: Manifest, info: TokenizerInfo, out: Path, log, watch: 
     for problem in problems:
         log(f"node check: {problem}")
     if problems:
-        raise UserError(refusal(problems))
+        raise UserError(refusal(problems, on_store))
     unchecked = f"; {len(nodes) - len(passed)} did not answer in {PROBE_SECONDS}s, checked at their first task"
     log(
         f"node check: {len(passed)} nodes see OUT, the tokenizer and {len(check.shards)} shards"
@@ -188,7 +226,7 @@ def ensure_seen(check: NodeCheck | None) -> None:
     node = ray.get_runtime_context().get_node_id()
     # A Placer runs two calls at once in one process: each thread writes a file of its own.
     if node not in check.checked and (problem := unseen(check, f"{node}-{os.getpid()}-{threading.get_ident()}")):
-        raise NodeError(refusal([f"{_node()} {problem}"]))
+        raise NodeError(refusal([f"{_node()} {problem}"], is_url(check.out)))
     _passed.add(check.token)
 
 

@@ -37,8 +37,8 @@ from tokpipe.runner.events import Listener, Said
 from tokpipe.runner.local import DoneShards, Tally, describe_failure
 from tokpipe.runner.nodes import NodeWatch
 from tokpipe.runner.progress import Progress, RunLog
-from tokpipe.runner.task import ProgressBoard, Stored, shard_task
-from tokpipe.store import StoreUnavailable
+from tokpipe.runner.task import ProgressBoard, Stored, shard_task, ship_tokenizer
+from tokpipe.store import StoreUnavailable, is_url
 from tokpipe.write.shard import EncodeSpec
 
 POLL_EVERY = 0.5  # seconds between looks at progress and stalls
@@ -154,7 +154,8 @@ class Tasks:
         # when the driver's node had no worker to spare), and losing that node stalled the driver's reads of it.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.board = ProgressBoard.options(scheduling_strategy=here).remote()
-        self.common = ray.put((str(out), spec, self.board, opts.stall_timeout))  # see task.shard_task
+        shipped = ship_tokenizer(spec) if is_url(str(out)) else None  # no file system shared with the nodes
+        self.common = ray.put((str(out), spec, self.board, opts.stall_timeout, shipped))  # see task.shard_task
         # Not those that failed in this process already (tokenize_while). `out`: where the tokens go (an OUT on a
         # store: its URL, and `is_done` says which shards its checkpoints hold).
         is_done = is_done or DoneShards(out)

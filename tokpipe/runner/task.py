@@ -4,12 +4,16 @@ the ProgressBoard actor where shard tasks leave their progress."""
 from __future__ import annotations
 
 import faulthandler
+import hashlib
 import os
+import tempfile
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import ray
 
+from tokpipe.durability import write_atomic
 from tokpipe.inputs.manifest import Shard
 from tokpipe.layout.files import stall_dump
 from tokpipe.layout.records import Checkpoint, Part
@@ -61,14 +65,16 @@ def shard_task(
     progress reports, and a stack dump if it stops moving. On a node the driver did not probe, first the paths
     the run needs (NodeError: not the stall dump's).
     `common`: what every shard task of the run takes (OUT, the EncodeSpec, the ProgressBoard, the stall
-    timeout), put in the object store once: serialized for every task, it was a third of the driver's cost
-    of submitting one; `check` comes apart (Ray resolves a reference only as an argument of its own).
+    timeout, and for an OUT on a store the tokenizer shipped: ship_tokenizer), put in the object store once:
+    serialized for every task, it was a third of the driver's cost of submitting one; `check` comes apart (Ray
+    resolves a reference only as an argument of its own).
     Two returns: the results, and apart from them each shard's parts kept in memory (None: in its files),
     which stay in this node's object store until a Placer here writes them into place (the driver never
     fetches them). The shards of a pack share one --shard-buffer: all of theirs wait here until the last.
     `again`: a shard whose tokens were lost with a node, tokenized anew (tokenize_shard)."""
-    out, spec, board, stall_timeout = common
+    out, spec, board, stall_timeout, shipped = common
     ensure_seen(check)
+    spec = local_tokenizer(spec, shipped)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one worker per core: no thread pool inside each
     # The pack's progress goes under its first shard's name: the driver's stall clock is the task's.
     tag = f"{shards[0].split}/{shards[0].key}"
@@ -91,6 +97,28 @@ def shard_task(
     if any(b is not None for b in buffers):
         results = [replace(r, buffered_on=node) if b is not None else r for r, b in zip(results, buffers)]
     return results, buffers
+
+
+def ship_tokenizer(spec: EncodeSpec) -> tuple[str, ray.ObjectRef]:
+    """The tokenizer.json, for nodes that share no file system with the driver (an OUT on a store): its sha256,
+    and its bytes in Ray's object store. Shipped rather than required on each node: the corpus and OUT are on the
+    store, and a tokenizer at the driver's path on every node would be the one thing a cluster still had to share
+    (~10 MB, fetched once per node; workers read no other file of the tokenizer)."""
+    data = Path(spec.tokenizer_json).read_bytes()
+    return hashlib.sha256(data).hexdigest(), ray.put(data)
+
+
+def local_tokenizer(spec: EncodeSpec, shipped: tuple[str, ray.ObjectRef] | None) -> EncodeSpec:
+    """The spec with this node's copy of a shipped tokenizer.json, written once a node (atomically: the node's
+    workers may write it at once) under its sha256."""
+    if shipped is None:
+        return spec
+    sha256, data = shipped
+    path = Path(tempfile.gettempdir()) / f"tokpipe-{os.getuid()}" / "tokenizers" / f"{sha256}.json"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, ray.get(data))
+    return replace(spec, tokenizer_json=str(path))
 
 
 def _one_shard(
