@@ -6,6 +6,7 @@ the path, and a node that joins mid-run stops the run with the same line at its 
 
 import contextlib
 import hashlib
+import json
 import os
 import random
 import re
@@ -277,7 +278,7 @@ def _title(pid: int) -> str:
         return ""
 
 
-def test_on_a_store_a_node_checks_out_with_its_own_credentials(s3_server, s3_prefix, monkeypatch):
+def test_on_a_store_a_node_checks_out_with_its_own_credentials(s3_server, s3_prefix):
     manifest = build_manifest(EXAMPLE_CACHE)
     url = s3_server.url(f"{s3_prefix}/out")
     check = NodeCheck.of(manifest, load_tokenizer_info(QWEN3), url)
@@ -289,10 +290,14 @@ def test_on_a_store_a_node_checks_out_with_its_own_credentials(s3_server, s3_pre
     s3_server.put(token, b"another run's token")
     assert unseen(check, "n1") == f"sees another OUT at {url} than the driver's (without this run's node-check.txt)"
     s3_server.put(token, check.token.encode())
-    # A node whose environment holds another secret: its own client (boto3's are made a thread at a time).
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
-    with ThreadPoolExecutor(1) as thread:
-        problem = thread.submit(unseen, check, "n1").result()
+    # A node whose environment holds another secret: a process of its own, as a node's worker is.
+    node = "import json, sys; from tokpipe.runner.nodes import NodeCheck, unseen;"
+    node += " print(unseen(NodeCheck(*json.loads(sys.argv[1])), 'n1'))"
+    fields = json.dumps([check.out, check.token, check.tokenizer, check.tokenizer_sha256, []])
+    env = {**os.environ, "AWS_SECRET_ACCESS_KEY": "not-the-secret"}
+    child = subprocess.run([sys.executable, "-c", node, fields], env=env, capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr
+    problem = child.stdout.strip()
     assert re.fullmatch(
         rf"cannot read OUT {re.escape(url)} \({re.escape(url)}/logs/node-check\.txt: the store at "
         rf"{re.escape(s3_server.endpoint)} answered SignatureDoesNotMatch: the secret key does not match the access"
