@@ -50,11 +50,13 @@ CORPUS_FORMAT = 2
 ZSTD_LEVEL = 3
 
 
-def spawn(command: list, tree: Path = REPO, **popen) -> subprocess.Popen:
+def spawn(command: list, tree: Path = REPO, env: dict | None = None, **popen) -> subprocess.Popen:
     """Start a command of the checkout `tree`: PYTHONPATH (its Ray workers inherit it) and cwd (`python -m`
     puts the working directory first on sys.path, before PYTHONPATH) are the tree. Path arguments are made
-    absolute first, as the command runs elsewhere."""
-    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"}
+    absolute first, as the command runs elsewhere. `env`: variables added (a PYTHONPATH goes before the tree)."""
+    env = dict(env or {})
+    path = os.pathsep.join(filter(None, [env.pop("PYTHONPATH", None), str(tree)]))
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **env}
     command = [str(a.resolve()) if isinstance(a, Path) else str(a) for a in command]
     return subprocess.Popen(command, cwd=tree, env=env, **popen)
 
@@ -69,7 +71,9 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def timed(command: list, *, tree: Path = REPO, watch: Callable | None = None, check: bool = True) -> dict:
+def timed(
+    command: list, *, tree: Path = REPO, watch: Callable | None = None, check: bool = True, env: dict | None = None
+) -> dict:
     """Run a command of `tree` (see spawn) to its exit. Returns its wall seconds from start to exit
     (`wall`), the CPU seconds of it and its children (`cpu`: Ray's processes are its children), its
     output lines, stdout and stderr, each with the seconds since the start it came at (`lines`), its
@@ -77,7 +81,9 @@ def timed(command: list, *, tree: Path = REPO, watch: Callable | None = None, ch
     of it while it ran (the command is a session of its own: its pid is the session's id).
     A command that fails ends the benchmark with its last lines, unless check=False."""
     cpu, started = children_cpu(), time.monotonic()
-    proc = spawn(command, tree, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = spawn(
+        command, tree, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         with watch(proc.pid) if watch else contextlib.nullcontext() as watcher:
             lines = [(time.monotonic() - started, line.rstrip()) for line in proc.stdout]
@@ -96,11 +102,13 @@ def timed(command: list, *, tree: Path = REPO, watch: Callable | None = None, ch
     return {"wall": wall, "cpu": children_cpu() - cpu, "lines": lines, "returncode": proc.returncode, "watch": watcher}
 
 
-def tokpipe_run(manifest: Path, out: Path, workers: int, *extra, tree: Path = REPO, watch=None) -> dict:
-    """`tokpipe run` of a manifest with the benchmarks' tokenizer into a fresh OUT: what `timed` returns."""
-    shutil.rmtree(out, ignore_errors=True)
+def tokpipe_run(manifest: Path, out: Path | str, workers: int, *extra, tree: Path = REPO, watch=None, env=None) -> dict:
+    """`tokpipe run` of a manifest with the benchmarks' tokenizer into a fresh OUT (a folder; a URL, the caller's to
+    empty): what `timed` returns."""
+    if isinstance(out, Path):
+        shutil.rmtree(out, ignore_errors=True)
     command = cli("run", "--manifest", manifest, "--tokenizer", TOKENIZER, "--out", out, "--workers", workers, *extra)
-    return timed(command, tree=tree, watch=watch)
+    return timed(command, tree=tree, watch=watch, env=env)
 
 
 def manifest_of(folder: Path, work_dir: Path, tree: Path = REPO) -> Path:
