@@ -1033,13 +1033,14 @@ def store_run(
 # A `tokpipe run` into an OUT on a store whose segments (tokpipe/write/segments.py) over `whole_put` bytes are
 # multipart uploads; killed (SIGKILL, as `kill -9`) at the n-th call of a function of tokpipe's (0: never), as
 # KILLED_RUN. The driver tokenizes alone (no Ray), shard after shard in manifest order; or, given a number of shards,
-# it starts Ray at once and hands over to it once it has done that many. argv: whole-PUT bytes, the driver's shards
-# (0: all), target, n, then the CLI's arguments.
+# it starts Ray at once and hands over to it once it has done that many. Given the S3 server's PID, the n-th call
+# kills the server instead (SIGKILL, its process group). argv: whole-PUT bytes, the driver's shards (0: all), target,
+# n, the server's PID or 0, then the CLI's arguments.
 STORE_OUT_RUN = """
 import importlib, os, signal, sys
 import tokpipe.runner.driver, tokpipe.runner.local, tokpipe.write.segments
 tokpipe.write.segments.WHOLE_PUT_BYTES = int(sys.argv[1])
-driver_shards, target, call = int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+driver_shards, target, call, server = int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 if driver_shards:
     taken, take = [], tokpipe.runner.local._Here.take
     def counted(here, shard, outcome):
@@ -1063,19 +1064,30 @@ if call:
     def killing(*args, **kw):
         calls.append(1)
         if len(calls) == call:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.killpg(server, signal.SIGKILL) if server else os.kill(os.getpid(), signal.SIGKILL)
         return original(*args, **kw)
     setattr(owner, attr, killing)
 from tokpipe import cli
-cli.main(sys.argv[5:])
+cli.main(sys.argv[6:])
 """
 
 
-def store_out_run(manifest, url: str, *extra, whole_put=64 << 20, driver_shards=0, kill: tuple[str, int] = ("", 0)):
+def store_out_run(
+    manifest, url: str, *extra, whole_put=64 << 20, driver_shards=0, kill=("", 0), server: S3Server | None = None
+) -> subprocess.CompletedProcess:
     """`tokpipe run` (run_args) into `url` as STORE_OUT_RUN runs it; `kill`: (module.function, n) to SIGKILL it at
-    the n-th call."""
-    args = [whole_put, driver_shards, *kill, *run_args(manifest, url, *extra)]
-    return subprocess.run([sys.executable, "-c", STORE_OUT_RUN, *map(str, args)], capture_output=True, text=True)
+    the n-th call, or with `server`, to SIGKILL that S3 server, which is then started again on its data."""
+    args = [whole_put, driver_shards, *kill, server.proc.pid if server else 0, *run_args(manifest, url, *extra)]
+    command = [sys.executable, "-c", STORE_OUT_RUN, *map(str, args)]
+    if server is None:
+        return subprocess.run(command, capture_output=True, text=True)
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server.proc.wait()  # killed by the run
+    server.proc = None
+    server.launch()
+    stdout, stderr = run.communicate()
+    server.ready()
+    return subprocess.CompletedProcess(command, run.returncode, stdout, stderr)
 
 
 def repeated_example(dest: Path, copies: int) -> Path:

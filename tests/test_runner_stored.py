@@ -127,6 +127,20 @@ def test_a_kill_9_inside_a_segment_leaves_it_uncommitted_and_the_rerun_removes_i
     assert open_uploads(s3_server, s3_prefix) == []
 
 
+def test_the_store_killed_mid_upload_and_started_again_is_waited_for(s3_server, s3_prefix, repeated):
+    manifest, reference = repeated
+    url = s3_server.url(s3_prefix)
+    # At the second segment's .bin (its .json and .idx sent): the server killed, then started again on its data;
+    # the PUT is retried with backoff (botocore's standard mode) until it answers.
+    run = store_out_run(manifest, url, kill=("tokpipe.write.segments._upload", 2), server=s3_server)
+    assert run.returncode == 0, run.stdout + run.stderr
+    objects = stored_objects(s3_server, s3_prefix)
+    for stem, expected in reference.items():
+        _assert_split(objects, stem, expected)
+    assert _finished_names(objects) == FINISHED
+    assert open_uploads(s3_server, s3_prefix) == []
+
+
 def test_a_second_run_is_refused_in_one_line_while_the_first_holds_the_lease(s3_server, s3_prefix, manifest):
     url = s3_server.url(s3_prefix)
     with Lease(Bucket.of(Url.parse(url)), f"{s3_prefix}/.lock"):  # a live run of this process holds OUT
