@@ -1,5 +1,5 @@
 """`tokpipe run --out s3://BUCKET/PREFIX`: what a run into an OUT on a store does before and after its work (the
-work itself is a run's: runner/driver.py). OUT is held by a lease (out/lease.py: a second run on a live OUT is
+work itself is a run's: runner/driver.py). OUT is held by a lease (layout/lease.py: a second run on a live OUT is
 refused in one line; after a kill -9 the same command resumes within one lease); run.json is compared with this
 run's identity and written, with the manifest's copy, into the run's local folder (layout/stored.py `work`) and
 uploaded; the logs are uploaded at the end, whatever the end.

@@ -21,6 +21,7 @@ import numpy as np
 
 from tokpipe.inputs.manifest import Manifest, Shard
 from tokpipe.layout.files import split_file_stem
+from tokpipe.layout.lease import Lease
 from tokpipe.layout.meta import SplitEntry
 from tokpipe.layout.records import IDX_DTYPE, Checkpoint, part_record, parts_line, split_entry_of
 from tokpipe.layout.run import WriteSpec, output_splits, sources
@@ -28,9 +29,8 @@ from tokpipe.layout.stored import StoredOut, part_name
 from tokpipe.store import MIN_PART, Upload, compose
 from tokpipe.write.segments import Entry, Segment, Segments
 
-REQUESTS_AT_ONCE = (
-    16  # GETs in flight where a rerun or finalize reads many small objects (segments' .json, checkpoints)
-)
+# GETs in flight where a rerun or finalize reads many small objects (segments' .json, checkpoints)
+REQUESTS_AT_ONCE = 16
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class Step:
 
 @dataclass
 class _Cursor:
-    """Where a split's walk over its sources stands (out/run.py `sources`, in manifest order)."""
+    """Where a split's walk over its sources stands (layout/run.py `sources`, in manifest order)."""
 
     sources: Iterator[tuple[Shard, bool]]
     head: tuple[Shard, bool] | None = None
@@ -66,15 +66,14 @@ class StoreAssembly:
     manifest: Manifest
     itemsize: int
     segments: Segments | None = None  # the segment writer, where it runs in this process (place_ready)
-    lease: object = None  # out/lease.py's Lease, held by the run: checked before each checkpoint and meta
+    lease: Lease | None = None  # the run's hold on OUT (layout/lease.py): checked before each checkpoint and meta
     done_keys: set[str] = field(default_factory=set)  # keys of the done checkpoints
     committed: set[tuple] = field(default_factory=set)  # Entry.key of every part in a committed segment
     made: dict[tuple, list[Segment]] = field(default_factory=dict)  # (stem, group) -> its committed segments
-    waiting: dict[str, tuple[Shard, Checkpoint, set]] = field(default_factory=dict)  # relpath -> its parts not in
+    # relpath -> (shard, checkpoint, its parts not yet in a committed segment): checkpointed once there are none
+    waiting: dict[str, tuple[Shard, Checkpoint, set]] = field(default_factory=dict)
     results: dict[str, list] = field(default_factory=dict)  # relpath -> [ckpt, buffered, sources not walked, shard]
-    placed_tokens: int = 0
-    lost: list[str] = field(default_factory=list)  # never set on a store: parts never move (driver.py says them)
-    moved: dict = field(default_factory=dict)
+    placed_tokens: int = 0  # in segments committed by this run (the run's phases say them)
 
     def __post_init__(self):
         stems = sorted({split_file_stem(split) for split in output_splits(self.manifest, self.spec.val_fraction)})
