@@ -7,6 +7,7 @@ kept; a second run refused while the first holds OUT's lease; no multipart uploa
 import json
 import os
 import re
+import shutil
 import socket
 from pathlib import Path
 
@@ -27,8 +28,10 @@ from helpers import (
     store_out_run,
     stored_objects,
     tokpipe,
+    write_jsonl,
 )
 
+from tokpipe.inputs.manifest import build_manifest, write_manifest
 from tokpipe.layout.lease import Lease
 from tokpipe.store import Bucket, Url
 
@@ -77,8 +80,6 @@ def test_a_run_into_a_store_is_the_reference_and_leaves_no_segment_and_no_open_u
 @pytest.fixture
 def repeated(tmp_path) -> tuple[Path, dict[str, np.ndarray]]:
     """A manifest of COPIES copies of the example's first train shard and its validation shard, and its reference."""
-    from tokpipe.inputs.manifest import build_manifest, write_manifest
-
     path = tmp_path / "repeated.json"
     write_manifest(build_manifest(repeated_example(tmp_path / "data", COPIES)), path)
     return path, repeated_reference(COPIES)
@@ -227,4 +228,21 @@ def test_ray_takes_over_the_driver_s_open_segment(s3_server, s3_prefix, repeated
     objects = stored_objects(s3_server, s3_prefix)
     for stem, expected in reference.items():
         _assert_split(objects, stem, expected)
+    assert open_uploads(s3_server, s3_prefix) == []
+
+
+def test_skip_failed_through_the_store_leaves_the_failed_shard_out(s3_server, s3_prefix, tmp_path, example_reference):
+    data = tmp_path / "with-a-bad-shard" / "train"
+    data.mkdir(parents=True)
+    shutil.copyfile(EXAMPLE_TRAIN_FILES[0], data / "a.jsonl.zst")
+    write_jsonl(data / "b.jsonl", ["not json", "not json either", "nope"])  # between the two good ones
+    shutil.copyfile(EXAMPLE_TRAIN_FILES[1], data / "c.jsonl.zst")
+    write_manifest(build_manifest(data.parent), tmp_path / "m.json")
+    url = s3_server.url(s3_prefix)
+    run = store_out_run(tmp_path / "m.json", url, "--skip-failed")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "EXCLUDED 1 failed shards (recorded in meta['excluded']): train/b.jsonl" in run.stdout
+    objects = stored_objects(s3_server, s3_prefix)
+    _assert_split(objects, "train", example_reference["train"])
+    assert list(json.loads(objects["meta.json"])["excluded"]) == ["train/b.jsonl"]
     assert open_uploads(s3_server, s3_prefix) == []
