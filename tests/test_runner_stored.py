@@ -75,6 +75,9 @@ def test_a_run_into_a_store_is_the_reference_and_leaves_no_segment_and_no_open_u
     meta = json.loads(objects["meta.json"])
     assert (meta["splits"]["train"]["file"], meta["splits"]["train"]["tokens"]) == ("train.bin", 859_703)
     assert open_uploads(s3_server, s3_prefix) == []
+    secret = s3_server.secret.encode()  # in no object of OUT (run.json, the logs, ...), and in nothing printed
+    assert [name for name, body in objects.items() if secret in body] == []
+    assert secret.decode() not in run.stdout + run.stderr
 
 
 @pytest.fixture
