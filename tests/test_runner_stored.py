@@ -63,6 +63,7 @@ def test_a_run_into_a_store_is_the_reference_and_leaves_no_segment_and_no_open_u
     run = store_out_run(manifest, url)
     assert run.returncode == 0, run.stdout + run.stderr
     assert f"train: 859,703 tokens, 293 documents, 2 lines skipped (empty_text 2) -> {url}/train.bin" in run.stdout
+    assert not any(line.startswith("disk:") for line in run.stdout.splitlines())  # no file system's free space
     objects = stored_objects(s3_server, s3_prefix)
     for stem, expected in example_reference.items():
         _assert_split(objects, stem, expected)

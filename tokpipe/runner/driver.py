@@ -189,7 +189,7 @@ def _tokenize(run: _Run, assembler: Assembler, plan: Standing) -> Tally:
     backend = _choose_backend(run)
     run.cluster.warm(backend, run.info.path)
     itemsize = np.dtype(run.info.dtype).itemsize
-    progress = Progress(run.out, run.manifest.size, plan, itemsize, run.clock.series, run.tell)
+    progress = Progress(run.out, run.manifest.size, plan, itemsize, run.clock.series, run.tell, on_disk=not run.stored)
     tally = Tally(run.opts.worker_memory << 20)
     run.clock.planned = time.monotonic()
     run.clock.series.mark("tokenize")

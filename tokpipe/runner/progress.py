@@ -40,13 +40,22 @@ class Progress:
     """
 
     def __init__(
-        self, out: Path, total_bytes: int, plan, itemsize: int, series: Series, tell: Listener = silent, every=30.0
+        self,
+        out: Path,
+        total_bytes: int,
+        plan,
+        itemsize: int,
+        series: Series,
+        tell: Listener = silent,
+        every=30.0,
+        on_disk: bool = True,
     ):
         self.out, self.total, self.shards, self.itemsize, self.series = out, total_bytes, plan.shards, itemsize, series
         self.tell = tell
         done_bytes, self.done_before = plan.done_bytes, plan.done
         self.start_bytes, self.t0, self.started_at, self.every = done_bytes, time.monotonic(), time.time(), every
         self.disk: dict | None = None  # the output's projected size, once a shard of this run is done
+        self.on_disk = on_disk  # False: OUT on a store, whose space is no file system's to compare it with
         self.base = [0, 0, 0]  # file bytes, documents, tokens of this run before its Ray tasks (the driver's)
         self.workers = 1  # that the run has (its busy share's denominator; the driver sets it)
         self.last_line = self.last_file = 0.0
@@ -77,7 +86,7 @@ class Progress:
         self.read_this_run = read - self.start_bytes
         rate = file_bytes / elapsed
         eta = (self.total - read) / rate if rate > 0 else None
-        if self.disk is None and done > self.done_before and file_bytes and tokens:
+        if self.disk is None and self.on_disk and done > self.done_before and file_bytes and tokens:
             self.disk = self._project_disk(file_bytes, tokens, read)
         failures = f" ({failed} FAILED)" if failed else ""
         self.series.point(read, tokens, documents, running, done, self.workers, final)
