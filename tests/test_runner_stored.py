@@ -132,6 +132,22 @@ def test_a_kill_9_inside_a_segment_leaves_it_uncommitted_and_the_rerun_removes_i
     assert open_uploads(s3_server, s3_prefix) == []
 
 
+def test_a_kill_9_in_finalize_then_the_same_command_finalizes_again(s3_server, s3_prefix, manifest, example_reference):
+    url = s3_server.url(s3_prefix)
+    # As val.bin is composed: train.bin, .idx and .parts are made, meta.json is not.
+    killed = store_out_run(manifest, url, kill=("tokpipe.write.stored.StoreAssembly._compose", 2))
+    assert killed.returncode == -9, killed.stdout + killed.stderr
+    assert {"train.bin", "train.idx", "train.parts"} <= set(stored_objects(s3_server, s3_prefix))
+    rerun = store_out_run(manifest, url)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert "3 shards, 1.1 MiB; 3 done, 0 partial, 0 to start" in rerun.stdout
+    objects = stored_objects(s3_server, s3_prefix)
+    for stem, expected in example_reference.items():
+        _assert_split(objects, stem, expected)
+    assert _finished_names(objects) == FINISHED
+    assert open_uploads(s3_server, s3_prefix) == []
+
+
 def test_the_store_killed_mid_upload_and_started_again_is_waited_for(s3_server, s3_prefix, repeated):
     manifest, reference = repeated
     url = s3_server.url(s3_prefix)

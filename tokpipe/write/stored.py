@@ -85,7 +85,9 @@ class StoreAssembly:
 
     def resume(self) -> None:
         """One LIST of OUT's prefix: done checkpoints, committed segments (read back), what killed attempts left
-        uncommitted removed, their open uploads aborted."""
+        uncommitted removed, their open uploads aborted, and the split files of a finalize killed before meta.json
+        removed (made again from the segments, which stay until meta.json is written: a split file is created
+        create-only)."""
         bucket, out = self.out.bucket, self.out
         for key, upload in bucket.uploads(out.prefix):
             bucket.abort(key, upload)
@@ -96,6 +98,8 @@ class StoreAssembly:
             elif found.key.startswith(out.segments):
                 base, _, suffix = found.key.rpartition(".")
                 by_segment.setdefault(base, set()).add(suffix)
+            elif found.key.endswith((".bin", ".idx", ".parts")) and not found.key.startswith(out.key("logs/")):
+                bucket.delete(found.key)
         for base, suffixes in by_segment.items():
             if "bin" not in suffixes:  # never committed
                 for suffix in suffixes:
