@@ -392,35 +392,50 @@ def start(manifest, out, *extra, ray: str | None = None, tokenizer=QWEN3, logs: 
     return proc
 
 
+# What every kill at a point in the code shares (KILLED_RUN, LOSE_NODE_SITE, LOST_NODE_RUN, STORE_OUT_RUN):
+# at_call(target, n, effect, counts) wraps module.function or module.Class.method so that the n-th of its calls that
+# `counts(args)` runs `effect()` first.
+_AT_CALL = """
+import importlib, os, signal
+
+def at_call(target, call, effect, counts=lambda args: True):
+    try:
+        owner_name, attr = target.rsplit(".", 1)
+        owner = importlib.import_module(owner_name)
+    except ImportError:
+        module_name, cls, attr = target.rsplit(".", 2)
+        owner = getattr(importlib.import_module(module_name), cls)
+    original, calls = getattr(owner, attr), []
+    def at_it(*args, **kw):
+        if counts(args):
+            calls.append(1)
+            if len(calls) == call:
+                effect()
+        return original(*args, **kw)
+    setattr(owner, attr, at_it)
+"""
+
+
 # A `tokpipe run` that kills itself (SIGKILL, as `kill -9` does) at the n-th call of a function of tokpipe's
 # (argv: module.function or module.Class.method, n, batch bytes or 0, then the CLI's arguments): a point in
 # the code, not a moment on a clock, so the kill lands there however fast or loaded the machine, with the fast
 # backend. The driver tokenizes alone (Ray never starts): every shard is read, encoded and placed in this one
 # process, shard after shard in manifest order. Batch bytes (not a CLI option): a shard in several batches.
-KILLED_RUN = """
-import dataclasses, importlib, os, signal, sys
+KILLED_RUN = (
+    _AT_CALL
+    + """
+import dataclasses, sys
 import tokpipe.runner.driver
 tokpipe.runner.driver.EAGER_RAY_BYTES = tokpipe.runner.driver.LOCAL_SECONDS = float("inf")  # no Ray
 target, call, batch_bytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-try:
-    owner_name, attr = target.rsplit(".", 1)
-    owner = importlib.import_module(owner_name)
-except ImportError:
-    module_name, cls, attr = target.rsplit(".", 2)
-    owner = getattr(importlib.import_module(module_name), cls)
-original, calls = getattr(owner, attr), []
-def killing(*args, **kw):
-    calls.append(1)
-    if len(calls) == call:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return original(*args, **kw)
-setattr(owner, attr, killing)
+at_call(target, call, lambda: os.kill(os.getpid(), signal.SIGKILL))
 if batch_bytes:
     spec_of = tokpipe.runner.driver.encode_spec
     tokpipe.runner.driver.encode_spec = lambda *a, **kw: dataclasses.replace(spec_of(*a, **kw), batch_bytes=batch_bytes)
 from tokpipe import cli
 cli.main(sys.argv[4:])
 """
+)
 
 
 def killed_run(target: str, call: int, manifest, out, *extra, batch_bytes: int = 0, tokenizer=QWEN3) -> None:
@@ -437,9 +452,9 @@ def killed_run(target: str, call: int, manifest, out, *extra, batch_bytes: int =
 # PYTHONPATH: RayNodes.add). LOST_NODE_RUN does it from a `tokpipe run` (argv: module.function or
 # module.Class.method, n, a node id, the node's session, then the CLI's arguments), at the n-th call of that
 # function given something on that node (a Stored there), or with an empty node id at its n-th call.
-_LOSE_NODE = """
-import importlib, os, signal
-
+_LOSE_NODE = (
+    _AT_CALL
+    + """
 def lose_node(session):
     for pid in [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]:
         try:
@@ -449,29 +464,15 @@ def lose_node(session):
             continue
     if os.getsid(0) == session:
         os.kill(os.getpid(), signal.SIGKILL)
-
-def at_call(target, call, session, counts=lambda args: True):
-    try:
-        owner_name, attr = target.rsplit(".", 1)
-        owner = importlib.import_module(owner_name)
-    except ImportError:
-        module_name, cls, attr = target.rsplit(".", 2)
-        owner = getattr(importlib.import_module(module_name), cls)
-    original, calls = getattr(owner, attr), []
-    def losing(*args, **kw):
-        if counts(args):
-            calls.append(1)
-            if len(calls) == call:
-                lose_node(session)
-        return original(*args, **kw)
-    setattr(owner, attr, losing)
 """
+)
 LOSE_NODE_SITE = (
     _LOSE_NODE
     + """
 if "TOKPIPE_TESTS_LOSE_NODE_AT" in os.environ:
     target, call = os.environ["TOKPIPE_TESTS_LOSE_NODE_AT"].rsplit(":", 1)
-    at_call(target, int(call), os.getsid(0))
+    session = os.getsid(0)
+    at_call(target, int(call), lambda: lose_node(session))
 """
 )
 LOST_NODE_RUN = (
@@ -479,7 +480,9 @@ LOST_NODE_RUN = (
     + """
 import sys
 target, call, node, session = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-at_call(target, call, session, lambda args: not node or any(getattr(a, "node", None) == node for a in args))
+def on_node(args):
+    return not node or any(getattr(a, "node", None) == node for a in args)
+at_call(target, call, lambda: lose_node(session), on_node)
 from tokpipe import cli
 cli.main(sys.argv[5:])
 """
@@ -1036,8 +1039,10 @@ def store_run(
 # it starts Ray at once and hands over to it once it has done that many. Given the S3 server's PID, the n-th call
 # kills the server instead (SIGKILL, its process group). argv: whole-PUT bytes, the driver's shards (0: all), target,
 # n, the server's PID or 0, then the CLI's arguments.
-STORE_OUT_RUN = """
-import importlib, os, signal, sys
+STORE_OUT_RUN = (
+    _AT_CALL
+    + """
+import sys
 import tokpipe.runner.driver, tokpipe.runner.local, tokpipe.write.segments
 tokpipe.write.segments.WHOLE_PUT_BYTES = int(sys.argv[1])
 driver_shards, target, call, server = int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
@@ -1054,22 +1059,11 @@ if driver_shards:
 else:
     tokpipe.runner.driver.EAGER_RAY_BYTES = tokpipe.runner.driver.LOCAL_SECONDS = float("inf")  # no Ray
 if call:
-    try:
-        owner_name, attr = target.rsplit(".", 1)
-        owner = importlib.import_module(owner_name)
-    except ImportError:
-        module_name, cls, attr = target.rsplit(".", 2)
-        owner = getattr(importlib.import_module(module_name), cls)
-    original, calls = getattr(owner, attr), []
-    def killing(*args, **kw):
-        calls.append(1)
-        if len(calls) == call:
-            os.killpg(server, signal.SIGKILL) if server else os.kill(os.getpid(), signal.SIGKILL)
-        return original(*args, **kw)
-    setattr(owner, attr, killing)
+    at_call(target, call, lambda: os.killpg(server, signal.SIGKILL) if server else os.kill(os.getpid(), signal.SIGKILL))
 from tokpipe import cli
 cli.main(sys.argv[6:])
 """
+)
 
 
 def store_out_run(
