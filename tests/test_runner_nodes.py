@@ -126,6 +126,17 @@ def _can_make_mount_namespaces() -> bool:
 
 
 @pytest.mark.skipif(not _can_make_mount_namespaces(), reason="needs root and unshare -m")
+def _start_head(address: str, temp: str, env: dict, cpus: int, sessions: list[int]) -> None:
+    """A Ray head at `address` on 127.0.0.1, started (`ray start --head`) in a session of its own, added to
+    `sessions` before it is waited for: every process of the cluster is found at the end, and stopped."""
+    ray = str(Path(sys.executable).parent / "ray")
+    head = [ray, "start", "--head", "--port", address.split(":")[1], "--node-ip-address", "127.0.0.1"]
+    head += ["--num-cpus", str(cpus), "--include-dashboard", "false", "--temp-dir", temp, "--disable-usage-stats"]
+    first = subprocess.Popen(head, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    sessions.append(first.pid)
+    assert first.wait(timeout=120) == 0, first.stdout.read()
+
+
 def test_with_address_a_node_that_cannot_see_out_stops_the_run_naming_node_and_path(tmp_path, small_tokenizer):
     # A folder of the same name on the second node's own disk: a tmpfs over OUT's parent, in its namespace.
     node_local = tmp_path / "node-local"
@@ -148,14 +159,7 @@ def test_with_address_a_node_that_cannot_see_out_stops_the_run_naming_node_and_p
     sessions = []
     try:
         # A head with no CPUs (as large clusters run theirs): a shard waits for a node that has some.
-        head = [ray, "start", "--head", "--port", address.split(":")[1], "--node-ip-address", "127.0.0.1"]
-        head += ["--num-cpus", "0", "--include-dashboard", "false", "--temp-dir", temp, "--disable-usage-stats"]
-        # In sessions of their own: every process of the cluster is found at the end, and stopped.
-        first = subprocess.Popen(
-            head, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        sessions.append(first.pid)
-        assert first.wait(timeout=120) == 0, first.stdout.read()
+        _start_head(address, temp, env, 0, sessions)
 
         # A node that joins mid-run was not probed at the start: it checks itself at its first shard.
         late_out = node_local / "late"
@@ -221,13 +225,7 @@ def test_on_a_store_a_node_that_shares_no_file_system_is_lost_mid_run_and_the_by
     run = second = None
     sessions = []
     try:
-        head = [ray, "start", "--head", "--port", address.split(":")[1], "--node-ip-address", "127.0.0.1"]
-        head += ["--num-cpus", "1", "--include-dashboard", "false", "--temp-dir", temp, "--disable-usage-stats"]
-        first = subprocess.Popen(
-            head, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        sessions.append(first.pid)
-        assert first.wait(timeout=120) == 0, first.stdout.read()
+        _start_head(address, temp, env, 1, sessions)
         inner = (
             f"mount -t tmpfs none {tmp_path} && exec {ray} start --address {address} --node-ip-address 127.0.0.2"
             " --num-cpus 1 --block"
