@@ -248,7 +248,7 @@ def _lengths(out: Path, split: str) -> Lengths | None:
     )  # fmt: skip
 
 
-def _shards(out: Path, st: RunStatus, meta: Meta | None, manifest) -> Shards:
+def _shards(out: Path, st: RunStatus, meta: Meta | None) -> Shards:
     parts = {}
     if meta is not None:
         for s in meta.splits.values():
@@ -342,7 +342,7 @@ def build(out: str | os.PathLike, tokenizer: str | None = None) -> Report:
                 )
         if (h := _health(out, s.name, tokenizer)) is not None:
             health.append(h)
-    shards = _shards(out, st, meta, manifest)
+    shards = _shards(out, st, meta)
     if not shards.all_listed:
         notes.append(
             f"{shards.count:,} shards: the page's data lists {len(shards.listed):,} of them"
