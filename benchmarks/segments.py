@@ -1,35 +1,59 @@
-"""The segment writer of an OUT on a store (write/segments.py) alone: 64 parts of 4 MiB of tokens added in order to a
-split file on a `weed mini` of this machine, twice: tokens per second through the one writer of a run, and its own CPU
-per GB (the upload is the server's and the network's). What benchmarks/README.md's projection of a run at 128 workers
-rests on."""
+"""Segment uploads of an OUT on a store (write/segments.py) alone, to a `weed mini` of this machine: what one node's
+Placer sends (runner/copies.py, StoreCopies: AT_ONCE uploads at a time, each a thread of the actor), for the two
+shapes of segment a run makes: large parts, each a segment of its own (16 MiB of tokens: a shard of ~16 MB of text),
+and small parts gathered into 5 MiB segments (1 MiB of tokens a part). MB/s of tokens, and the uploading process's
+CPU per GB (the rest of the wall is the server's, on the same cores). What benchmarks/README.md's projection of a
+run at 128 workers rests on.
 
+    .venv/bin/python benchmarks/segments.py --rounds 2
+"""
+
+import argparse
 import os
 import signal
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 from store import BUCKET, start_weed
 
-from tokpipe.write.segments import Entry, Segments
+from tokpipe.layout.stored import StoredOut
+from tokpipe.write.segments import Entry, Segments, upload_segment
 
+TOKENS_MB = 256  # MB of tokens a measure uploads
+
+
+def planned(out: StoredOut, part_mib: int) -> tuple[list, dict]:
+    """The segments of a file of TOKENS_MB of parts of `part_mib` MiB (random tokens), and each part's arrays."""
+    rng = np.random.default_rng(part_mib)
+    tokens = rng.integers(0, 151669, size=part_mib << 18, dtype=np.uint32)
+    ends = np.arange(1, tokens.size // 1024 + 1, dtype=np.int64) * 1024
+    segments, closed = Segments(out, concat=True, itemsize=4), []
+    for n in range(TOKENS_MB * 10**6 // tokens.nbytes):
+        closed += segments.add("train", f"p{n:04d}", Entry(f"p{n:04d}", False, None, tokens.size, ends.size), n)
+    return closed + segments.end("train"), ([tokens], [ends])
+
+
+def measure(out: StoredOut, part_mib: int, at_once: int) -> str:
+    closed, arrays = planned(out, part_mib)
+    c0, t0 = time.process_time(), time.perf_counter()
+    with ThreadPoolExecutor(at_once) as pool:
+        sent = sum(pool.map(lambda p: upload_segment(out, p.segment, [arrays] * len(p.sources)), closed))
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return f"{sent / 1e6 / wall:4.0f} MB/s, {cpu / sent * 1e9:.1f} CPU-s/GB ({len(closed)} segments)"
+
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--rounds", type=int, default=2)
+args = parser.parse_args()
 proc, env = start_weed(Path(tempfile.mkdtemp(prefix="segments-")) / "weed")
 try:
-    rng = np.random.default_rng(0)
-    part = rng.integers(0, 151669, size=(1 << 20), dtype=np.uint32)  # 4 MiB of tokens a part
-    ends = np.arange(1, part.size // 1024 + 1, dtype=np.int64) * 1024
-    for rnd in range(2):
-        seg = Segments(f"s3://{BUCKET}/seg{rnd}", concat=True)
-        c0, t0 = time.process_time(), time.perf_counter()
-        n = 64
-        for i in range(n):
-            seg.add("train", f"s{i:03d}", Entry(f"s{i:03d}.jsonl", False, None, part.size, ends.size), [part], [ends])
-        seg.end("train")
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        mb = n * part.nbytes / 1e6
-        rate, per_gb = mb / wall, cpu / mb * 1000
-        print(f"round {rnd}: {mb:.0f} MB of tokens in {wall:.2f} s ({rate:.0f} MB/s),", end=" ")
-        print(f"writer CPU {cpu:.2f} s ({per_gb:.1f} CPU-s/GB)")
+    for rnd in range(args.rounds):
+        for part_mib, shape in ((16, "large parts, 16 MiB"), (1, "small parts gathered, 1 MiB")):
+            for at_once in (1, 4):
+                out = StoredOut.of(f"s3://{BUCKET}/r{rnd}-{part_mib}-{at_once}")
+                print(f"round {rnd}, {shape}, {at_once} at once: {measure(out, part_mib, at_once)}", flush=True)
 finally:
     os.killpg(proc.pid, signal.SIGKILL)

@@ -33,6 +33,7 @@ from helpers import (
 
 from tokpipe.inputs.manifest import build_manifest, write_manifest
 from tokpipe.layout.lease import Lease
+from tokpipe.layout.stored import StoredOut
 from tokpipe.store import Bucket, Url
 
 # What a finished run leaves on the store, besides its checkpoints (shards/) and logs (logs/).
@@ -76,6 +77,7 @@ def test_a_run_into_a_store_is_the_reference_and_leaves_no_segment_and_no_open_u
     meta = json.loads(objects["meta.json"])
     assert (meta["splits"]["train"]["file"], meta["splits"]["train"]["tokens"]) == ("train.bin", 859_703)
     assert open_uploads(s3_server, s3_prefix) == []
+    assert not StoredOut.of(url).work.exists()  # the run's local records, uploaded, are gone from this machine
     secret = s3_server.secret.encode()  # in no object of OUT (run.json, the logs, ...), and in nothing printed
     assert [name for name, body in objects.items() if secret in body] == []
     assert secret.decode() not in run.stdout + run.stderr
@@ -93,7 +95,7 @@ def test_a_kill_9_between_segments_then_the_same_command_keeps_what_was_committe
     manifest, reference = repeated
     url = s3_server.url(s3_prefix)
     # At the third segment's commit (train's last): the first two are committed, their 8 shards checkpointed.
-    killed = store_out_run(manifest, url, kill=("tokpipe.write.segments.Segments._commit", 3))
+    killed = store_out_run(manifest, url, kill=("tokpipe.write.segments.Segment.record", 3))
     assert killed.returncode == -9, killed.stdout + killed.stderr
     left = stored_objects(s3_server, s3_prefix)
     assert "meta.json" not in left
@@ -235,6 +237,25 @@ def test_a_run_on_ray_into_a_store_is_the_reference(s3_server, s3_prefix, manife
     for stem, expected in example_reference.items():
         _assert_split(objects, stem, expected)
     assert _finished_names(objects) == FINISHED
+    assert open_uploads(s3_server, s3_prefix) == []
+
+
+def test_large_parts_are_uploaded_where_they_are_and_the_file_keeps_split_order(s3_server, s3_prefix, tmp_path):
+    # Shards of 4 copies of the example's first train shard (6 MiB of tokens: a segment of its own, uploaded by the
+    # node that tokenized it) and of 1 (1.5 MiB: gathered with the next parts): segments [0], [1, 2, 3], [4], [5],
+    # uploaded at once, in any order, composed in the order of their first parts (test_write_segments.py).
+    copies = [4, 1, 1, 4, 4, 1]
+    data = tmp_path / "mixed" / "train"
+    data.mkdir(parents=True)
+    for n, count in enumerate(copies):
+        (data / f"part-{n:02d}.jsonl.zst").write_bytes(EXAMPLE_TRAIN_FILES[0].read_bytes() * count)
+    write_manifest(build_manifest(data.parent), tmp_path / "m.json")
+    url = s3_server.url(s3_prefix)
+    run = tokpipe(*run_args(tmp_path / "m.json", url, "--ray-only", "--workers", "2"))
+    assert run.returncode == 0, run.stdout + run.stderr
+    objects = stored_objects(s3_server, s3_prefix)
+    reference = reference_tokens(EXAMPLE_TRAIN_FILES[:1], QWEN3 / "tokenizer.json", QWEN3_EOS)
+    _assert_split(objects, "train", np.tile(reference, sum(copies)))
     assert open_uploads(s3_server, s3_prefix) == []
 
 

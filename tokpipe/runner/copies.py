@@ -14,11 +14,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tokpipe.errors import NodeError, TooManyGroups
 from tokpipe.layout.records import Checkpoint, Part
 from tokpipe.runner.progress import RunLog
-from tokpipe.runner.task import Placer, SegmentWriter, Stored
+from tokpipe.runner.task import Placer, Stored
 from tokpipe.store import StoreUnavailable
 from tokpipe.write.assembly import COPY_BATCH_BYTES, Assembler
+from tokpipe.write.segments import Planned
 from tokpipe.write.shard import keep
-from tokpipe.write.stored import Step, StoreAssembly
+from tokpipe.write.stored import StoreAssembly
 
 
 def get(ref):
@@ -38,18 +39,16 @@ def _where(part: Part) -> tuple[str, str | None]:
     return part.stem, part.buffered[0].node if part.buffered else None
 
 
-def _lost(part: Part) -> bool:
-    """Whether a part's tokens went with a lost node (its shard is being tokenized again)."""
-    return part.buffered is not None and part.buffered[0].ref is None
-
-
 class Copies:
     """A Placer actor on each node that holds tokens (task.Placer) takes no CPU of the shards': a shard's
     buffered parts are written on the node whose object store holds them (never through the driver, whose
     own CPU stays per shard, not per byte), the parts copied from shards' own files by the placers in turn
     (OUT is on storage all of them see). Parts wait in a queue while every slot is busy, so the next call
-    takes all of them: with thousands of tiny shards, one call and one fsync cover many.
+    takes all of them: with thousands of tiny shards, one call and one fsync cover many. AT_ONCE calls a node:
+    one writes while the other waits on its fsync.
     """
+
+    AT_ONCE = 2
 
     def __init__(
         self,
@@ -61,7 +60,7 @@ class Copies:
         log: RunLog,
     ):
         self.assembler, self.out, self.itemsize, self.check, self.log = assembler, out, itemsize, check, log
-        self.slots = 2 * nodes
+        self.slots = self.AT_ONCE * nodes
         self.here = ray.get_runtime_context().get_node_id()
         self.placers: dict[str, ray.actor.ActorHandle] = {}  # node -> its Placer, made when first needed
         self.turn = 0  # which placer copies the next parts from files
@@ -86,29 +85,51 @@ class Copies:
             # another one (seen when the driver's node had no worker to spare), and a lost node's failures would be
             # taken for the node it was asked on.
             where = NodeAffinitySchedulingStrategy(node, soft=False)
-            self.placers[node] = Placer.options(scheduling_strategy=where).remote()
+            self.placers[node] = Placer.options(scheduling_strategy=where, max_concurrency=self.AT_ONCE).remote()
         return node, self.placers[node]
 
     def feed(self, excluded: frozenset[str] = frozenset()) -> None:
+        """Hand out what the assembler has ready, while slots are free; what lost its tokens with a node waits."""
+        self.queue.extend(self._ready(excluded))
+        while self.queue and len(self.running) < self.slots:
+            if self._lost(self.queue[0]):
+                self.parked.append(self.queue.popleft())
+                continue
+            node, items, call = self._send()
+            self.running[call] = (node, items, [[s.ref for s in self._held(item)] for item in items])
+
+    def _ready(self, excluded: frozenset[str]) -> list[Part]:
         if not self.assembler.concat:  # --no-concat: nothing to copy, a part is listed as it is
             parts = self.assembler.ready(excluded)
             self.assembler.placed(parts, [p.record for p in parts])
-            return
-        self.queue.extend(self.assembler.ready(excluded))
-        while self.queue and len(self.running) < self.slots:
-            if _lost(self.queue[0]):
-                self.parked.append(self.queue.popleft())
-                continue
-            stem, node = _where(self.queue[0])
-            batch, size = [], 0
-            while self.queue and _where(self.queue[0]) == (stem, node) and not _lost(self.queue[0]):
-                batch.append(self.queue.popleft())
-                size += batch[-1].record["tokens"] * self.itemsize
-                if size >= COPY_BATCH_BYTES:
-                    break
-            node, placer = self._placer(node)
-            sent = [part.buffered[0].ref if part.buffered else None for part in batch]
-            self.running[placer.place.remote(str(self.out), batch, self.itemsize, self.check)] = (node, batch, sent)
+            return []
+        return self.assembler.ready(excluded)
+
+    def _send(self) -> tuple[str, list[Part], ray.ObjectRef]:
+        """The next parts of one file whose tokens are on one node (or in files), up to COPY_BATCH_BYTES, to place."""
+        stem, node = _where(self.queue[0])
+        batch, size = [], 0
+        while self.queue and _where(self.queue[0]) == (stem, node) and not self._lost(self.queue[0]):
+            batch.append(self.queue.popleft())
+            size += batch[-1].record["tokens"] * self.itemsize
+            if size >= COPY_BATCH_BYTES:
+                break
+        node, placer = self._placer(node)
+        return node, batch, placer.place.remote(str(self.out), batch, self.itemsize, self.check)
+
+    def _took(self, parts: list[Part], result) -> None:
+        wrote, records = result
+        self.assembler.placed(parts, records)
+        self.bytes_by_node[wrote] += sum(r["tokens"] for r in records) * self.itemsize
+
+    @staticmethod
+    def _held(part: Part) -> list[Stored]:
+        """Where an item's tokens wait on Ray (none: in files, or sent with the call)."""
+        return [part.buffered[0]] if part.buffered else []
+
+    def _lost(self, item) -> bool:
+        """Whether some of an item's tokens went with a lost node (their shard is being tokenized again)."""
+        return any(stored.ref is None for stored in self._held(item))
 
     def collect(self) -> list[tuple[str, list[Stored], Exception]]:
         """List the copies that are done. A call that failed is taken back: its Placer is not called again, its
@@ -119,20 +140,20 @@ class Copies:
         done, _ = ray.wait(list(self.running), num_returns=len(self.running), timeout=0)
         failed = []
         for handle in done:
-            node, parts, sent = self.running.pop(handle)
+            node, items, sent = self.running.pop(handle)
             try:
-                wrote, records = get(handle)
+                result = get(handle)
             except ray.exceptions.RayError as e:
                 object_lost = isinstance(e, ray.exceptions.RayTaskError)
                 if object_lost and not isinstance(e.cause, ray.exceptions.ObjectLostError):
-                    raise  # place() itself failed (a full disk, ...): no other node does better
+                    raise  # the call itself failed (a full disk, the store, ...): no other node does better
                 self.placers.pop(node, None)
-                self.queue.extend(parts)
-                lost = [p.buffered[0] for p, ref in zip(parts, sent) if p.buffered and p.buffered[0].ref is ref]
+                self.queue.extend(items)
+                held = zip((s for item in items for s in self._held(item)), (ref for refs in sent for ref in refs))
+                lost = [stored for stored, ref in held if stored.ref is ref]
                 failed.append((node, self._mark_lost(lost) if object_lost else [], e))
                 continue
-            self.assembler.placed(parts, records)
-            self.bytes_by_node[wrote] += sum(r["tokens"] for r in records) * self.itemsize
+            self._took(items, result)
         return failed
 
     def lose(self, node: str) -> list[Stored]:
@@ -140,12 +161,12 @@ class Copies:
         to find the node dead), and every shard whose tokens wait in its object store (to be scheduled, queued,
         being placed) is marked lost. Returns their Stored, each to tokenize again."""
         self.placers.pop(node, None)
-        for handle, (placer_node, parts, _) in list(self.running.items()):
+        for handle, (placer_node, items, _) in list(self.running.items()):
             if placer_node == node:
                 del self.running[handle]
-                self.queue.extend(parts)
-        held = [p.buffered[0] for p in self.queue if p.buffered]
-        held += [p.buffered[0] for _, parts, _ in self.running.values() for p in parts if p.buffered]
+                self.queue.extend(items)
+        held = [s for item in self.queue for s in self._held(item)]
+        held += [s for _, items, _ in self.running.values() for item in items for s in self._held(item)]
         held += [buffered for _, _, buffered in self.assembler.unplaced()]
         return self._mark_lost(s for s in held if isinstance(s, Stored) and s.node == node)
 
@@ -159,8 +180,8 @@ class Copies:
     def found(self, stored: Stored, ref: ray.ObjectRef, node: str) -> None:
         """A lost shard tokenized again: its parts take their tokens from the new copy (the first of `ref`)."""
         stored.ref, stored.node, stored.index = ref, node, 0
-        self.queue.extend(p for p in self.parked if p.buffered[0] is stored)
-        self.parked = [p for p in self.parked if p.buffered[0] is not stored]
+        self.queue.extend(item for item in self.parked if not self._lost(item))
+        self.parked = [item for item in self.parked if self._lost(item)]
 
     def keep(self, done: list[tuple]) -> int:
         """Done shards whose place this run will not know (a shard before them failed): their buffered parts
@@ -184,75 +205,35 @@ class Copies:
         return kept
 
 
-class StoreCopies:
-    """On a store (layout/stored.py): the parts handed in split order to a SegmentWriter actor on the driver's node,
-    which gathers them into segments and uploads them (the driver never holds a token); the segments it committed
-    come back, and the shards whose parts are all in one are checkpointed (write/stored.py). One call at a time: a
-    call that fails (a part's tokens lost with a node) goes again first, once they are made again, so that the writer
-    takes the parts in order. The interface is Copies', for the Scheduler."""
+class StoreCopies(Copies):
+    """On a store (layout/stored.py): the segments the driver closes (write/stored.py, from the parts' counts) each
+    uploaded by the Placer of the node that holds most of its tokens: a large part from its own node, never moved;
+    small parts gathered from the nodes that hold them. AT_ONCE calls a node: an upload waits on the network,
+    not a core. A segment committed comes back, and the shards whose parts are all in one are checkpointed. Lost
+    tokens, lost nodes: as Copies."""
 
-    def __init__(self, assembler: StoreAssembly):
-        self.assembler = assembler
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        # It goes on from the driver's writer, which wrote the segments of the shards done before Ray took over.
-        driver, assembler.segments = assembler.segments, None
-        made = (str(assembler.out), assembler.spec.concat, driver.seqs, driver.open)
-        self.writer = SegmentWriter.options(scheduling_strategy=here).remote(*made)
-        self.pending: list[Step] = []  # taken from the assembly, not yet sent
-        self.running: dict = {}  # the call in flight -> its steps
-        self.bytes_by_node: Counter = Counter()
+    AT_ONCE = 4
 
-    @property
-    def busy(self) -> bool:
-        return bool(self.running or self.pending)
+    def __init__(self, assembler: StoreAssembly, nodes: int):
+        super().__init__(assembler, Path(), assembler.itemsize, nodes, None, lambda line: None)
 
-    def feed(self, excluded: frozenset[str] = frozenset()) -> None:
-        self.pending += self.assembler.ready(excluded)
-        if self.running:
-            return
-        sent = next((i for i, step in enumerate(self.pending) if _tokens_lost(step)), len(self.pending))
-        if sent:
-            self.running[self.writer.write.remote(self.pending[:sent])] = self.pending[:sent]
-            del self.pending[:sent]
+    def _ready(self, excluded: frozenset[str]) -> list[Planned]:
+        return self.assembler.ready(excluded)
 
-    def collect(self) -> list[tuple[str, list[Stored], Exception]]:
-        """Take back the call that is done: its segments committed, or (failed) its steps again, first, and the
-        shards whose tokens it could not read marked lost (Copies.collect)."""
-        if not self.running:
-            return []
-        done, _ = ray.wait(list(self.running), num_returns=len(self.running), timeout=0)
-        failed = []
-        for handle in done:
-            steps = self.running.pop(handle)
-            try:
-                self.assembler.commit(get(handle))
-            except ray.exceptions.RayError as e:
-                lost = isinstance(getattr(e, "cause", None), ray.exceptions.ObjectLostError)
-                if isinstance(e, ray.exceptions.RayTaskError) and not lost:
-                    raise  # the writer itself failed (the store, ...): no other node does better
-                self.pending[:0] = steps
-                held = [step.buffered for step in steps if isinstance(step.buffered, Stored)]
-                failed.append((ray.get_runtime_context().get_node_id(), _mark_lost(held), e))
-        return failed
+    def _send(self) -> tuple[str, list[Planned], ray.ObjectRef]:
+        planned = self.queue.popleft()
+        tokens: Counter = Counter()
+        for step, entry in zip(planned.sources, planned.segment.entries):
+            if isinstance(step.buffered, Stored):
+                tokens[step.buffered.node] += entry.tokens
+        node, placer = self._placer(tokens.most_common(1)[0][0] if tokens else self.here)
+        return node, [planned], placer.upload.remote(str(self.assembler.out), planned.segment, planned.sources)
 
-    def lose(self, node: str) -> list[Stored]:
-        """A node is lost: every shard whose tokens wait in its object store is marked lost (Copies.lose)."""
-        held = [step.buffered for step in self.pending if isinstance(step.buffered, Stored)]
-        held += [buffered for _, _, buffered in self.assembler.unplaced()]
-        return _mark_lost(s for s in held if isinstance(s, Stored) and s.node == node)
+    def _took(self, items: list[Planned], result) -> None:
+        node, segment, uploaded = result
+        self.assembler.commit([segment])
+        self.bytes_by_node[node] += uploaded
 
-    def found(self, stored: Stored, ref: ray.ObjectRef, node: str) -> None:
-        """A lost shard tokenized again: its steps take their tokens from the new copy (the first of `ref`)."""
-        stored.ref, stored.node, stored.index = ref, node, 0
-
-
-def _tokens_lost(step: Step) -> bool:
-    return isinstance(step.buffered, Stored) and step.buffered.ref is None
-
-
-def _mark_lost(stored) -> list[Stored]:
-    """Mark each Stored lost once; returns those newly lost."""
-    lost = list({id(s): s for s in stored if s.ref is not None}.values())
-    for s in lost:
-        s.ref = None
-    return lost
+    @staticmethod
+    def _held(planned: Planned) -> list[Stored]:
+        return [step.buffered for step in planned.sources if isinstance(step.buffered, Stored)]

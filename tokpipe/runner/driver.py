@@ -34,7 +34,6 @@ from tokpipe.runner.sample import SAMPLE_LINE_BYTES, count_groups, sample_texts
 from tokpipe.store import Url, is_url
 from tokpipe.write.assembly import Assembler
 from tokpipe.write.finalize import finalize, finalize_stored
-from tokpipe.write.segments import Segments
 from tokpipe.write.shard import keep
 from tokpipe.write.stored import StoreAssembly
 
@@ -264,7 +263,7 @@ def _tokenize_on_ray(
     spec = encode_spec(run.opts, run.info, backend, shape.read_ahead)
     progress.workers = run.clock.workers = shape.workers
     if run.stored:
-        copies = StoreCopies(assembler)
+        copies = StoreCopies(assembler, shape.nodes)
     else:
         copies = Copies(assembler, run.out, assembler.itemsize, shape.nodes, check, run.log)
     tasks = Tasks(run.manifest, run.target, spec, run.opts, shape.workers, run.log, tally, check, watch, run.is_done)
@@ -389,7 +388,6 @@ def _run_stored(manifest, manifest_path, info, url: str, opts, clock: Timeline, 
             return _nothing_to_do(url, meta, clock, tell)
         assembler = StoreAssembly(stored, opts.output, manifest, np.dtype(info.dtype).itemsize, lease=lease)
         assembler.resume()
-        assembler.segments = Segments(url, opts.output.concat, assembler.seqs())
         work = stored.work
         run = _Run(manifest, work, info, opts, RunLog(work), clock, cluster, tell, url, assembler.is_done)
         cluster.log_to(Layout(work).log(RAY_LOG))  # uploaded with the other logs

@@ -2,7 +2,7 @@
 work itself is a run's: runner/driver.py). OUT is held by a lease (layout/lease.py: a second run on a live OUT is
 refused in one line; after a kill -9 the same command resumes within one lease); run.json is compared with this
 run's identity and written, with the manifest's copy, into the run's local folder (layout/stored.py `work`) and
-uploaded; the logs are uploaded at the end, whatever the end.
+uploaded; the logs are uploaded at the end, whatever the end, and the local folder removed once they are.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ def held_store(
         try:
             yield stored, _record(stored, manifest, info, opts, tell), lease
         finally:
-            _upload_logs(stored)
+            if _upload_logs(stored):  # else the logs stay here, the one copy of them
+                shutil.rmtree(stored.work, ignore_errors=True)
 
 
 def _record(stored: StoredOut, manifest: Manifest, info: TokenizerInfo, opts: RunOptions, tell: Listener) -> Manifest:
@@ -86,11 +87,13 @@ def stored_meta(stored: StoredOut) -> Meta | None:
     return None if found is None else Meta.of(json.loads(found[0]))
 
 
-def _upload_logs(stored: StoredOut) -> None:
-    """The run's logs, each uploaded whole; a store that does not answer loses them (the run's error is said)."""
+def _upload_logs(stored: StoredOut) -> bool:
+    """The run's logs, each uploaded whole; whether they were (a store that does not answer: the run's error is
+    said, and the logs stay in the local folder)."""
     logs = stored.work / "logs"
     try:
         for path in sorted(logs.iterdir()) if logs.is_dir() else []:
             stored.bucket.put(stored.of_local(path), path.read_bytes())
     except OSError:
-        pass
+        return False
+    return True

@@ -1,5 +1,5 @@
-"""What runs on Ray's workers: the shard task around tokenize_shard, the Placer actor around place, and
-the ProgressBoard actor where shard tasks leave their progress."""
+"""What runs on Ray's workers: the shard task around tokenize_shard, the Placer actor around place (and, for an
+OUT on a store, a segment's upload), and the ProgressBoard actor where shard tasks leave their progress."""
 
 from __future__ import annotations
 
@@ -17,12 +17,13 @@ from tokpipe.durability import write_atomic
 from tokpipe.inputs.manifest import Shard
 from tokpipe.layout.files import stall_dump
 from tokpipe.layout.records import Checkpoint, Part
+from tokpipe.layout.stored import StoredOut
 from tokpipe.runner.nodes import NodeCheck, ensure_seen
 from tokpipe.write.memory import MemoryGuard, memory_guard
 from tokpipe.write.place import place
-from tokpipe.write.segments import Segment, Segments
+from tokpipe.write.segments import Segment, upload_segment
 from tokpipe.write.shard import EncodeSpec, ShardResult, keep, tokenize_shard
-from tokpipe.write.stored import Step, write_steps
+from tokpipe.write.stored import Step
 
 REPORT_EVERY = 1.0  # seconds between a worker's progress reports
 
@@ -177,14 +178,13 @@ class Stored:
     index: int
 
 
-@ray.remote(num_cpus=0, max_concurrency=2, max_restarts=0, max_task_retries=0)
+@ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)
 class Placer:
     """Writes parts into their split files on one node: buffered ones from that node's object store
     (zero-copy, never through the driver), others from their shards' own files (OUT is on storage every node
     sees). An actor, one per node, not a task: copy tasks took worker processes from Ray's pool beside the
     shard tasks, which Ray then ended as idle and started anew, each new one loading the encoder again
-    (measured: 2,500 one-document shards took 72 s of tokenizing against 29 s). Two calls at once: one writes
-    while the other waits on its fsync.
+    (measured: 2,500 one-document shards took 72 s of tokenizing against 29 s). Calls at once: runner/copies.py's.
 
     Never restarted, a call never retried by Ray: a Placer whose node was lost would come back elsewhere and wait
     there on tokens that went with the node (Ray's "actor is temporarily unavailable", then the run's end). A call
@@ -207,6 +207,20 @@ class Placer:
         ]
         return self.node, place(out, parts, itemsize)
 
+    def upload(self, out: str, segment: Segment, sources: list[Step]) -> tuple[str, Segment, int]:
+        """For an OUT on a store: a segment uploaded from this node (write/segments.py), its parts' tokens read
+        from the object stores that hold them, this node's for all but small parts gathered from other nodes (or
+        sent with the call: parts the driver tokenized before Ray took over). Every part is read before anything
+        is written: a part lost with its node fails the call first. Says which node uploaded it, and how much."""
+        stored = {step.buffered.ref for step in sources if isinstance(step.buffered, Stored)}
+        values = dict(zip(stored, ray.get(list(stored))))
+
+        def arrays(step: Step):
+            held = step.buffered
+            return (values[held.ref][held.index] if isinstance(held, Stored) else held)[step.key]
+
+        return self.node, segment, upload_segment(StoredOut.of(out), segment, [arrays(step) for step in sources])
+
     def keep(self, out: str, done: list[tuple[Checkpoint, Stored]], check: NodeCheck | None) -> int:
         """shard.keep for done shards whose buffered parts are in this node's object store; returns how many."""
         ensure_seen(check)
@@ -214,26 +228,3 @@ class Placer:
         for (ckpt, stored), value in zip(done, values):
             keep(out, stored.shard, ckpt, value[stored.index])
         return len(done)
-
-
-@ray.remote(num_cpus=0, max_restarts=0)
-class SegmentWriter:
-    """On a store: gathers the parts into segments and uploads them (write/segments.py), given in split order by the
-    driver (an actor's calls from one caller run in the order made), reading the buffered parts from the object
-    stores of their nodes. One for the run, on the driver's node; should it die, the parts of the segments it had
-    open are tokenized again by a rerun (their shards were not checkpointed)."""
-
-    def __init__(self, out: str, concat: bool, seqs: dict, open_segments: dict):
-        self.segments = Segments(out, concat, seqs, open_segments)
-
-    def write(self, steps: list[Step]) -> list[Segment]:
-        """Every part's tokens read first (a part lost with its node fails the call before anything is written), then
-        the steps done; returns the segments committed."""
-        stored = {step.buffered.ref for step in steps if isinstance(step.buffered, Stored)}
-        values = dict(zip(stored, ray.get(list(stored))))
-
-        def arrays(step: Step):  # a part on Ray, or one the driver tokenized before Ray took over, sent with the call
-            held = step.buffered
-            return (values[held.ref][held.index] if isinstance(held, Stored) else held)[step.key]
-
-        return write_steps(self.segments, steps, arrays)

@@ -125,8 +125,7 @@ def finalize_stored(
 ) -> dict:
     """finalize for an OUT on a store (write/stored.py): the last parts into segments (with --skip-failed, past the
     shards left out), the split files composed on the server, then meta.pkl and meta.json, last."""
-    if assembly.segments is not None:  # the driver's writer (Ray's drained its own): the split files' last steps
-        assembly.place_ready(frozenset(excluded))
+    assembly.place_ready(frozenset(excluded))  # a run without Ray: the split files' last segments
     splits = assembly.finish(frozenset(excluded))
     write_skip_log(assembly.out.work, splits)
     refuse_empty_splits(assembly.out.work, splits, spec.text_field)

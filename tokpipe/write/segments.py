@@ -1,14 +1,20 @@
-"""The parts of an OUT on a store (layout/stored.py) uploaded in split order, gathered into segments: each token
+"""The parts of an OUT on a store (layout/stored.py) gathered into segments, and a segment's upload: each token
 uploaded once, into a segment of at least SEGMENT_BYTES (a split file's last segment may be shorter), so that
 finalize can compose the split file from its segments on the server (store.compose: every source but the last at
 least MIN_PART).
 
-A segment is three objects: its .json (the parts it holds, and its place among its file's segments), its .idx (its
-documents' ends, counted from its first token) and its .bin (its tokens), written in that order: the .bin, a
-create-only PUT (or a multipart upload completed create-only), is the commit. A .json or .idx without its .bin was
-never committed (a rerun removes it). A segment's key is its first part's (a function of split, shard and part), and
-what a segment holds is decided by the order of the parts alone: a writer of another attempt that commits the same
-key commits the same bytes, and of the two exactly one commit succeeds (`Exists`: the other's stands).
+What a segment holds is decided by the driver from the parts' counts alone (`Segments`, in split order): a part
+joins its file's open segment, which is closed once it holds SEGMENT_BYTES. A large part that comes with no segment
+open is a segment of its own: for a corpus of large shards, nearly every part, uploaded from the node whose object
+store holds it (runner/copies.py) and never moved. Segments are uploaded in parallel, in any order
+(`upload_segment`): the order of a split file's segments is the order of their first parts (write/stored.py).
+
+A segment is three objects: its .json (the parts it holds), its .idx (its documents' ends, counted from its first
+token) and its .bin (its tokens), written in that order: the .bin, a create-only PUT (or a multipart upload
+completed create-only), is the commit. A .json or .idx without its .bin was never committed (a rerun removes it). A
+segment's key is its first part's (a function of split, shard and part), and the gathering starts over from the
+same part on a rerun, so that an attempt that commits the same key commits the same bytes, and of two exactly one
+commit succeeds (`Exists`: the other's stands).
 
 With --no-concat nothing is gathered: every part is a segment of its own, its file in meta.
 """
@@ -24,9 +30,9 @@ from tokpipe.layout.records import IDX_DTYPE
 from tokpipe.layout.stored import StoredOut
 from tokpipe.store import MIN_PART, Bucket, Exists, Upload
 
-# A segment is committed once it holds this many bytes of tokens. S3's least part: the most segments a split file may
+# A segment is closed once it holds this many bytes of tokens. S3's least part: the most segments a split file may
 # be composed of in one go is 10,000 (50 GB of them at this size; past it store.compose goes in two steps), and what
-# the writer holds of a file at once is one segment.
+# an uploader holds of a segment of small parts is about this.
 SEGMENT_BYTES = MIN_PART
 # A .bin of up to this many bytes is one PUT; a larger one (a segment that ends with a large part) a multipart
 # upload of UPLOAD_PART_BYTES a request, so that no copy of the whole is made in memory.
@@ -52,12 +58,10 @@ class Entry:
 
 @dataclass
 class Segment:
-    """A segment as a rerun finds it (or the writer made it): its file (stem, group), its place among that file's
-    segments, its name (key without suffix), its parts and counts."""
+    """A segment: its file (stem, group), its name (key without suffix), its parts and counts."""
 
     stem: str
     group: str | None
-    seq: int
     name: str
     entries: list[Entry]
     tokens: int
@@ -69,77 +73,81 @@ class Segment:
     @classmethod
     def parse(cls, raw: bytes) -> Segment:
         found = orjson.loads(raw)
+        found.pop("seq", None)  # a segment of 0.x's one writer, which numbered them; their order is their parts'
         return cls(**{**found, "entries": [Entry(**e) for e in found["entries"]]})
 
 
 @dataclass
-class _Open:
-    """A file's segment being gathered: its parts, their tokens and ends (ends from each part's first token)."""
+class Planned:
+    """A segment to upload, and where each of its parts' tokens are (`sources`, one per entry: write/stored.py's
+    Step)."""
 
-    entries: list[Entry] = field(default_factory=list)
+    segment: Segment
+    sources: list
+
+
+@dataclass
+class _Open:
+    """A file's segment being gathered: its parts' names, entries and sources, and its bytes of tokens."""
+
     names: list[str] = field(default_factory=list)
-    tokens: list[np.ndarray] = field(default_factory=list)
-    ends: list[np.ndarray] = field(default_factory=list)
+    entries: list[Entry] = field(default_factory=list)
+    sources: list = field(default_factory=list)
     nbytes: int = 0
 
 
 class Segments:
-    """Gathers each split file's parts, given in split order, into segments, and commits each once it is large enough
-    (`add`) or its file has no more parts (`end`). Each returns the segments just committed: the runner writes a
-    shard's checkpoint once all of its parts are in one. `seqs`: the segments each file has already (a resumed run);
-    with `open_segments`, another writer's state, which this one goes on from (the driver's, when Ray takes over from
-    it: the parts in its open segments are in no committed one yet)."""
+    """Gathers each split file's parts, given in split order, into segments, each closed once it is large enough
+    (`add`) or its file has no more parts (`end`); each returns the segments just closed, to upload. No token
+    passes through it: a part's size is its count of tokens."""
 
-    def __init__(self, out: str, concat: bool, seqs: dict | None = None, open_segments: dict | None = None):
-        self.out, self.concat = StoredOut.of(out), concat
-        self.bucket: Bucket = self.out.bucket
-        self.seqs: dict[tuple[str, str | None], int] = dict(seqs or {})
-        self.open: dict[tuple[str, str | None], _Open] = dict(open_segments or {})
-        self.uploaded = 0  # bytes of tokens and ends this writer uploaded
+    def __init__(self, out: StoredOut, concat: bool, itemsize: int):
+        self.out, self.concat, self.itemsize = out, concat, itemsize
+        self.open: dict[tuple[str, str | None], _Open] = {}
 
-    def add(
-        self, stem: str, name: str, entry: Entry, tokens: list[np.ndarray], ends: list[np.ndarray]
-    ) -> list[Segment]:
-        """A part, the next of its file (stem, entry.group): `name` its part name, `tokens` and `ends` its arrays."""
+    def add(self, stem: str, name: str, entry: Entry, source) -> list[Planned]:
+        """A part, the next of its file (stem, entry.group): `name` its part name, `source` where its tokens are."""
         file = (stem, entry.group)
         segment = self.open.setdefault(file, _Open())
-        segment.entries.append(entry)
         segment.names.append(name)
-        shift = sum(e.tokens for e in segment.entries[:-1])
-        segment.tokens += tokens
-        segment.ends += [a + shift for a in ends] if shift else ends
-        segment.nbytes += sum(a.nbytes for a in tokens)
+        segment.entries.append(entry)
+        segment.sources.append(source)
+        segment.nbytes += entry.tokens * self.itemsize
         if not self.concat or segment.nbytes >= SEGMENT_BYTES:
-            return self._commit(file)
+            return [self._close(file)]
         return []
 
-    def end(self, stem: str) -> list[Segment]:
-        """The split's files have no more parts: their last segments are committed, however short."""
-        committed = []
-        for file in [file for file in self.open if file[0] == stem]:
-            committed += self._commit(file)
-        return committed
+    def end(self, stem: str) -> list[Planned]:
+        """The split's files have no more parts: their last segments are closed, however short."""
+        return [self._close(file) for file in [file for file in self.open if file[0] == stem]]
 
-    def _commit(self, file: tuple[str, str | None]) -> list[Segment]:
+    def _close(self, file: tuple[str, str | None]) -> Planned:
         segment = self.open.pop(file)
         stem, group = file
-        seq = self.seqs.get(file, 0)
-        self.seqs[file] = seq + 1
-        name = self.out.segment(stem, group, segment.names[0])
-        made = Segment(stem, group, seq, self.out.name(name), segment.entries, *_counts(segment.entries))
-        self.bucket.put(f"{name}.json", made.record())
-        ends = np.concatenate(segment.ends).astype(IDX_DTYPE) if segment.ends else np.zeros(0, IDX_DTYPE)
-        self.bucket.put(f"{name}.idx", ends.tobytes())
-        try:
-            _upload(self.bucket, f"{name}.bin", segment.tokens)
-        except Exists:  # another attempt's writer committed this segment: the same parts, the same bytes
-            pass
-        self.uploaded += segment.nbytes + ends.nbytes
-        return [made]
+        name = self.out.name(self.out.segment(stem, group, segment.names[0]))
+        tokens, documents = sum(e.tokens for e in segment.entries), sum(e.documents for e in segment.entries)
+        return Planned(Segment(stem, group, name, segment.entries, tokens, documents), segment.sources)
 
 
-def _counts(entries: list[Entry]) -> tuple[int, int]:
-    return sum(e.tokens for e in entries), sum(e.documents for e in entries)
+def upload_segment(out: StoredOut, segment: Segment, arrays: list[tuple[list[np.ndarray], list[np.ndarray]]]) -> int:
+    """A segment's objects (.json, .idx, then .bin: the commit), `arrays` its parts' tokens and ends in its order.
+    Returns the bytes uploaded. A segment another attempt committed stands (the same parts, the same bytes)."""
+    tokens, ends, shift = [], [], 0
+    for entry, (part_tokens, part_ends) in zip(segment.entries, arrays, strict=True):
+        if sum(a.size for a in part_tokens) != entry.tokens:
+            raise ValueError(f"{segment.name}: the tokens of {entry.shard}'s part are not the {entry.tokens} counted")
+        tokens += part_tokens
+        ends += [a + shift for a in part_ends] if shift else part_ends
+        shift += entry.tokens
+    bucket, key = out.bucket, out.key(segment.name)
+    bucket.put(f"{key}.json", segment.record())
+    ends = np.concatenate(ends).astype(IDX_DTYPE) if ends else np.zeros(0, IDX_DTYPE)
+    bucket.put(f"{key}.idx", ends.tobytes())
+    try:
+        _upload(bucket, f"{key}.bin", tokens)
+    except Exists:  # another attempt committed this segment: the same parts, the same bytes
+        pass
+    return sum(a.nbytes for a in tokens) + ends.nbytes
 
 
 def _upload(bucket: Bucket, key: str, arrays: list[np.ndarray]) -> None:

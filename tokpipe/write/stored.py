@@ -1,10 +1,11 @@
-"""An OUT on a store assembled (layout/stored.py): the shards' parts handed to the segment writer in split order
-(write/segments.py), a shard's checkpoint written once all its parts are in committed segments, and at the end each
-split file composed on the server from its segments, its .idx, its .parts, meta.pkl and meta.json last.
+"""An OUT on a store assembled (layout/stored.py): the shards' parts gathered into segments in split order
+(write/segments.py), each segment uploaded where its tokens are (here, or by runner/copies.py on Ray), a shard's
+checkpoint written once all its parts are in committed segments, and at the end each split file composed on the
+server from its segments, its .idx, its .parts, meta.pkl and meta.json last.
 
 A rerun lists OUT's prefix once: the done checkpoints (those shards are not tokenized again), the committed segments
-(read back: the parts in them are not uploaded again, and each file's next segment follows its last), the segments
-never committed (removed) and the multipart uploads a killed attempt left open (aborted). A shard done but not
+(read back: the parts in them are not uploaded again), the segments never committed (removed) and the multipart
+uploads a killed attempt left open (aborted). A shard done but not
 checkpointed (a part of it not yet in a committed segment when the run stopped) is tokenized again; its parts already
 in a segment are passed over.
 """
@@ -27,7 +28,7 @@ from tokpipe.layout.records import IDX_DTYPE, Checkpoint, part_record, parts_lin
 from tokpipe.layout.run import WriteSpec, output_splits, sources
 from tokpipe.layout.stored import StoredOut, part_name
 from tokpipe.store import MIN_PART, Upload, compose
-from tokpipe.write.segments import Entry, Segment, Segments
+from tokpipe.write.segments import Entry, Planned, Segment, Segments, upload_segment
 
 # GETs in flight where a rerun or finalize reads many small objects (segments' .json, checkpoints)
 REQUESTS_AT_ONCE = 16
@@ -35,14 +36,14 @@ REQUESTS_AT_ONCE = 16
 
 @dataclass(frozen=True)
 class Step:
-    """What the segment writer does next: add a shard's part to its file (`entry`, its tokens the `key` of
-    `buffered`: the arrays, or on Ray where they are), or with no entry, end the split `stem`."""
+    """Where a part's tokens are: the `key` of `buffered` (the arrays by key, or on Ray, the Stored of its shard)."""
 
-    stem: str
-    name: str = ""
-    entry: Entry | None = None
-    buffered: object = None
-    key: tuple = (False, None)
+    buffered: object
+    key: tuple
+
+    def arrays(self) -> tuple[list, list]:
+        """The part's tokens and ends, where they are in this process."""
+        return self.buffered[self.key]
 
 
 @dataclass
@@ -65,11 +66,11 @@ class StoreAssembly:
     spec: WriteSpec
     manifest: Manifest
     itemsize: int
-    segments: Segments | None = None  # the segment writer, where it runs in this process (place_ready)
     lease: Lease | None = None  # the run's hold on OUT (layout/lease.py): checked before each checkpoint and meta
     done_keys: set[str] = field(default_factory=set)  # keys of the done checkpoints
     committed: set[tuple] = field(default_factory=set)  # Entry.key of every part in a committed segment
     made: dict[tuple, list[Segment]] = field(default_factory=dict)  # (stem, group) -> its committed segments
+    uploaded: int = 0  # bytes of tokens and ends uploaded by this process (place_ready)
     # relpath -> (shard, checkpoint, its parts not yet in a committed segment): checkpointed once there are none
     waiting: dict[str, tuple[Shard, Checkpoint, set]] = field(default_factory=dict)
     results: dict[str, list] = field(default_factory=dict)  # relpath -> [ckpt, buffered, sources not walked, shard]
@@ -80,6 +81,7 @@ class StoreAssembly:
         self.cursors = {stem: _Cursor(sources(self.manifest, stem, self.spec.val_fraction)) for stem in stems}
         for cursor in self.cursors.values():
             cursor.advance()
+        self.segments = Segments(self.out, self.spec.concat, self.itemsize)
 
     # -- a rerun ---------------------------------------------------------------------------------------
 
@@ -108,16 +110,10 @@ class StoreAssembly:
             bases = [base for base, suffixes in by_segment.items() if "bin" in suffixes]
             for segment in pool.map(lambda base: Segment.parse(bucket.get(f"{base}.json")[0]), bases):
                 self._made(segment)
-        for segments in self.made.values():
-            segments.sort(key=lambda p: p.seq)
 
     def _made(self, segment: Segment) -> None:
         self.made.setdefault((segment.stem, segment.group), []).append(segment)
         self.committed.update(e.key for e in segment.entries)
-
-    def seqs(self) -> dict[tuple, int]:
-        """The segments each file has: the writer's next segment of it follows them."""
-        return {file: len(segments) for file, segments in self.made.items()}
 
     def is_done(self, shard: Shard) -> bool:
         return self.out.checkpoint(shard) in self.done_keys
@@ -133,16 +129,16 @@ class StoreAssembly:
         self.results[shard.relpath] = [ckpt, buffered, 1 + held_too, shard]
         self._checkpoint_if_in(shard.relpath)
 
-    def ready(self, excluded: frozenset[str] = frozenset()) -> list[Step]:
-        """The steps whose turn has come: each split's next sources, while their shards are done (or excluded, or
-        done before), then the split's end."""
-        steps = []
+    def ready(self, excluded: frozenset[str] = frozenset()) -> list[Planned]:
+        """The segments closed as their turn comes: each split's next sources, while their shards are done (or
+        excluded, or done before), then the split's end."""
+        planned = []
         for stem, cursor in self.cursors.items():
             while cursor.head is not None:
                 shard, held = cursor.head
                 if shard.relpath in self.results:
                     result = self.results[shard.relpath]
-                    steps += self._steps(stem, shard, held, *result[:2])
+                    planned += self._add(stem, shard, held, *result[:2])
                     result[2] -= 1
                     if not result[2]:  # every split has walked past it
                         del self.results[shard.relpath]
@@ -151,20 +147,20 @@ class StoreAssembly:
                 cursor.advance()
             if cursor.head is None and not cursor.ended:
                 cursor.ended = True
-                steps.append(Step(stem))
-        return steps
+                planned += self.segments.end(stem)
+        return planned
 
     def unplaced(self) -> list[tuple[Shard, Checkpoint, object]]:
         """Done shards whose parts wait in memory for their turn: (shard, checkpoint, buffered)."""
         return [(shard, ckpt, buffered) for ckpt, buffered, _, shard in self.results.values()]
 
-    def _steps(self, stem: str, shard: Shard, held: bool, ckpt: Checkpoint, buffered) -> list[Step]:
-        steps = []
+    def _add(self, stem: str, shard: Shard, held: bool, ckpt: Checkpoint, buffered) -> list[Planned]:
+        planned = []
         for part in ckpt.source_parts(held):
             entry = Entry(shard.relpath, held, part.group, part.tokens, part.documents)
             if entry.key not in self.committed:
-                steps.append(Step(stem, part_name(shard, part.key), entry, buffered, part.key))
-        return steps
+                planned += self.segments.add(stem, part_name(shard, part.key), entry, Step(buffered, part.key))
+        return planned
 
     def commit(self, segments: list[Segment]) -> None:
         """Segments committed: their parts' shards checkpointed where they have no part left outside one."""
@@ -190,22 +186,26 @@ class StoreAssembly:
             del self.waiting[relpath]
 
     def place_ready(self, excluded: frozenset[str] = frozenset()) -> None:
-        """The steps whose turn has come, by this process's segment writer."""
-        self.commit(write_steps(self.segments, self.ready(excluded), lambda step: step.buffered[step.key]))
+        """The segments whose turn has come, uploaded by this process (its tokens are here: a run without Ray)."""
+        for planned in self.ready(excluded):
+            self.uploaded += upload_segment(self.out, planned.segment, [step.arrays() for step in planned.sources])
+            self.commit([planned.segment])
 
     # -- finalize ----------------------------------------------------------------------------------------
 
     def finish(self, excluded: frozenset[str]) -> dict[str, SplitEntry]:
         """Each split file composed from its segments on the server, its .idx and .parts written; meta's `splits`."""
-        entries = {}
-        for split in output_splits(self.manifest, self.spec.val_fraction):
+        entries, val = {}, self.spec.val_fraction
+        for split in output_splits(self.manifest, val):
             stem = split_file_stem(split)
             raw = self._parts_list(stem, excluded)
             if self.spec.concat:
                 files = {group: segments for (of, group), segments in self.made.items() if of == stem}
                 if self.spec.group_by is None:
                     files.setdefault(None, [])  # a split of no part (every shard left out): an empty file, as on disk
+                order = {(s.relpath, held): n for n, (s, held) in enumerate(sources(self.manifest, stem, val))}
                 for group, segments in files.items():
+                    segments.sort(key=lambda segment: order[segment.entries[0].shard, segment.entries[0].held])
                     self._compose(stem, group, segments)
             self.out.bucket.put(self.out.key(f"{stem}.parts"), raw)
             (self.out.work / f"{stem}.parts").write_bytes(raw)  # skipped.json is made from it
@@ -259,18 +259,6 @@ class StoreAssembly:
         if self.spec.concat:
             for found in list(bucket.list(out.segments)):
                 bucket.delete(found.key)
-
-
-def write_steps(segments: Segments, steps: list[Step], arrays) -> list[Segment]:
-    """The steps done by a segment writer, `arrays(step)` the tokens and ends of a step's part; returns the segments
-    committed."""
-    made = []
-    for step in steps:
-        if step.entry is None:
-            made += segments.end(step.stem)
-        else:
-            made += segments.add(step.stem, step.name, step.entry, *arrays(step))
-    return made
 
 
 def _checkpoint(bucket, key: str) -> Checkpoint:

@@ -1,0 +1,62 @@
+"""write/segments.py: which parts a segment of an OUT on a store holds, decided from the parts' counts alone, in
+split order: a part joins its file's open segment, closed once it holds SEGMENT_BYTES; a large part that comes with
+no segment open is a segment of its own (uploaded where its tokens are); a file's last segment may be short. And a
+segment's upload checks its parts' tokens against their counts before a byte is sent."""
+
+import numpy as np
+import pytest
+
+from tokpipe.layout.stored import StoredOut
+from tokpipe.write.segments import SEGMENT_BYTES, Entry, Segment, Segments, upload_segment
+
+TOKENS_A_MIB = (1 << 20) // 4  # uint32
+
+
+def _closed(segments: Segments, sizes_mib: list[float], group=None) -> list[list[str]]:
+    """The segments closed as parts of these sizes (MiB, named p0, p1, ...) come to train's file, then its end: each
+    as the names of the parts it holds."""
+    closed = []
+    for n, mib in enumerate(sizes_mib):
+        entry = Entry(f"train/p{n}.jsonl", False, group, int(mib * TOKENS_A_MIB), 1)
+        closed += segments.add("train", f"p{n}", entry, source=n)
+    closed += segments.end("train")
+    return [[f"p{source}" for source in planned.sources] for planned in closed]
+
+
+def test_large_parts_stand_alone_and_small_ones_gather_until_the_least_part():
+    assert SEGMENT_BYTES == 5 << 20  # S3's least part of a multipart upload, which the composing of a file needs
+    segments = Segments(StoredOut.of("s3://b/out"), concat=True, itemsize=4)
+    # p0 large and no segment open: alone. p1..p3 small: gathered, then p3 (large) closes their segment (9 MiB).
+    # p4 large: alone. p5, p6: 4 MiB, the file's last segment, short.
+    closed = _closed(segments, [6, 2, 1.5, 5.5, 8, 3, 1])
+    assert closed == [["p0"], ["p1", "p2", "p3"], ["p4"], ["p5", "p6"]]
+
+
+def test_a_segment_is_named_by_its_first_part_and_counts_its_parts():
+    segments = Segments(StoredOut.of("s3://b/out"), concat=True, itemsize=4)
+    segments.add("val", "a", Entry("train/a.jsonl", True, None, 100, 2), source="a")
+    (planned,) = segments.end("val") + segments.end("train")
+    assert planned.segment == Segment(
+        "val", None, "segments/val/a", [Entry("train/a.jsonl", True, None, 100, 2)], tokens=100, documents=2
+    )
+
+
+def test_each_group_s_file_has_segments_of_its_own():
+    segments = Segments(StoredOut.of("s3://b/out"), concat=True, itemsize=4)
+    segments.add("train", "p0", Entry("train/p0.jsonl", False, "en", TOKENS_A_MIB, 1), source=0)
+    segments.add("train", "p0", Entry("train/p0.jsonl", False, "de", TOKENS_A_MIB, 1), source=1)
+    names = [planned.segment.name for planned in segments.end("train")]
+    assert names == ["segments/train/groups/en/p0", "segments/train/groups/de/p0"]
+
+
+def test_with_no_concat_every_part_is_a_segment_of_its_own():
+    segments = Segments(StoredOut.of("s3://b/out"), concat=False, itemsize=4)
+    assert _closed(segments, [0.001, 0.001, 7]) == [["p0"], ["p1"], ["p2"]]
+
+
+def test_an_upload_whose_tokens_are_not_the_counted_ones_sends_nothing():
+    segment = Segment("train", None, "segments/train/a", [Entry("train/a.jsonl", False, None, 3, 1)], 3, 1)
+    arrays = [([np.array([1, 2], np.uint32)], [np.array([2], np.int64)])]
+    # No bucket is reached: the store of this URL does not exist, and the count is checked first.
+    with pytest.raises(ValueError, match="the tokens of train/a.jsonl's part are not the 3 counted"):
+        upload_segment(StoredOut.of("s3://no-such-bucket/out"), segment, arrays)
