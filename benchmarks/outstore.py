@@ -25,7 +25,7 @@ from store import BUCKET, start_weed
 import tokpipe.store
 from tokpipe.inputs.manifest import build_manifest
 
-# Loaded by every Python process of a run (PYTHONPATH), so Ray's workers and the SegmentWriter actor count theirs
+# Loaded by every Python process of a run (PYTHONPATH), so Ray's workers and the Placer actors count theirs
 # too: a line per request sent, "OPERATION BYTES", appended to a file of the process's own.
 COUNTER = """
 import os
@@ -65,15 +65,15 @@ def requests(folder: Path) -> tuple[Counter, int]:
 
 
 def peaks(monitor: TreeMonitor) -> dict:
-    """MiB: the driver's peak RSS, the largest of a shard worker's, and the SegmentWriter's (on a store) or the
-    Placers' (on disk): the processes that hold tokens on their way to storage."""
+    """MiB: the driver's peak RSS, the largest of a shard worker's, and the Placers' (which write the parts on disk,
+    or upload the segments to a store): the processes that hold tokens on their way to storage."""
     stats = monitor.stats.values()
 
     def peak(chosen) -> int:
         return round(max((s.hwm for s in stats if chosen(s)), default=0) / 2**20)
 
     def writes(s) -> bool:
-        return any("SegmentWriter" in n or "Placer" in n for n in s.names)
+        return any("Placer" in n for n in s.names)
 
     return {
         "driver_mib": peak(lambda s: s.kind == "driver"),

@@ -220,13 +220,13 @@ def test_on_a_store_a_node_that_shares_no_file_system_is_lost_mid_run_and_the_by
     url = s3_server.url(f"{s3_prefix}/out")
     ray = str(Path(sys.executable).parent / "ray")
     temp = tempfile.mkdtemp(prefix="tpnodes-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    # The second node is lost as it uploads its second segment (LOSE_NODE_SITE in its processes, from outside
-    # tmp_path, which it does not see): tokens in its object store, and an upload in flight, go with it.
+    # The second node is lost in its second shard (LOSE_NODE_SITE in its processes, from outside tmp_path, which it
+    # does not see: at its worker's 10th batch of ~6 a shard), its first done and waiting there or uploaded.
     (Path(temp) / "site").mkdir()
     (Path(temp) / "site" / "sitecustomize.py").write_text(LOSE_NODE_SITE)
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
-    lose = {"TOKPIPE_TESTS_LOSE_NODE_AT": "tokpipe.write.segments.Segment.record:2", "PYTHONPATH": f"{temp}/site"}
+    lose = {"TOKPIPE_TESTS_LOSE_NODE_AT": "tokpipe.write.shard.ShardWriter._encode:10", "PYTHONPATH": f"{temp}/site"}
     address = f"127.0.0.1:{random.randint(20000, 29999)}"
     run = second = None
     sessions = []

@@ -240,10 +240,14 @@ def test_a_run_on_ray_into_a_store_is_the_reference(s3_server, s3_prefix, manife
     assert open_uploads(s3_server, s3_prefix) == []
 
 
-def test_large_parts_are_uploaded_where_they_are_and_the_file_keeps_split_order(s3_server, s3_prefix, tmp_path):
+@pytest.mark.parametrize("buffer", [[], ["--shard-buffer", "1"]], ids=["in memory", "past the shard buffer"])
+def test_large_parts_are_uploaded_where_they_are_and_the_file_keeps_split_order(
+    s3_server, s3_prefix, tmp_path, buffer
+):
     # Shards of 4 copies of the example's first train shard (6 MiB of tokens: a segment of its own, uploaded by the
     # node that tokenized it) and of 1 (1.5 MiB: gathered with the next parts): segments [0], [1, 2, 3], [4], [5],
-    # uploaded at once, in any order, composed in the order of their first parts (test_write_segments.py).
+    # uploaded at once, in any order, composed in the order of their first parts (test_write_segments.py). Past
+    # the shard buffer, the large parts wait in files of their node's (write/shard.py Spilled), removed once up.
     copies = [4, 1, 1, 4, 4, 1]
     data = tmp_path / "mixed" / "train"
     data.mkdir(parents=True)
@@ -251,8 +255,9 @@ def test_large_parts_are_uploaded_where_they_are_and_the_file_keeps_split_order(
         (data / f"part-{n:02d}.jsonl.zst").write_bytes(EXAMPLE_TRAIN_FILES[0].read_bytes() * count)
     write_manifest(build_manifest(data.parent), tmp_path / "m.json")
     url = s3_server.url(s3_prefix)
-    run = tokpipe(*run_args(tmp_path / "m.json", url, "--ray-only", "--workers", "2"))
+    run = tokpipe(*run_args(tmp_path / "m.json", url, "--ray-only", "--workers", "2", *buffer))
     assert run.returncode == 0, run.stdout + run.stderr
+    assert not StoredOut.of(url).work.exists()  # spilled files included
     objects = stored_objects(s3_server, s3_prefix)
     reference = reference_tokens(EXAMPLE_TRAIN_FILES[:1], QWEN3 / "tokenizer.json", QWEN3_EOS)
     _assert_split(objects, "train", np.tile(reference, sum(copies)))

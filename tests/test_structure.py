@@ -176,7 +176,8 @@ def test_only_the_contract_takes_a_key_of_meta_or_run_json():
 
 def test_two_modules_touch_a_token_files_bytes():
     """The readers read a split's token files through one reader, whose file access is one module (read/maps.py:
-    mapped, read, checked); the write path reads a shard's ends where it copies them (write/place.py)."""
+    mapped, read, checked); the write path reads a shard's ends where it copies them (write/place.py), and an OUT
+    on a store's large parts from its node's files where they are uploaded (write/segments.py)."""
     touching = {
         _module_name(path)
         for path in PACKAGE.rglob("*.py")
@@ -184,7 +185,7 @@ def test_two_modules_touch_a_token_files_bytes():
         if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
         if (_name(call.func.value), call.func.attr) in {("np", "memmap"), ("np", "fromfile"), ("_libc", "mmap")}
     }
-    assert touching == {"tokpipe.read.maps", "tokpipe.write.place"}
+    assert touching == {"tokpipe.read.maps", "tokpipe.write.place", "tokpipe.write.segments"}
 
 
 # The tests that are of no one module: the public API (tokpipe/__init__.py's names), the docs' blocks and trees,

@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,7 @@ from tokpipe.inputs.manifest import Shard, build_manifest
 from tokpipe.layout.files import ShardFiles
 from tokpipe.layout.records import Checkpoint
 from tokpipe.layout.tokens import to_dtype
+from tokpipe.write.segments import Spilled, part_arrays
 from tokpipe.write.shard import EncodeSpec, tokenize_shard
 
 SHARDS = list(build_manifest(EXAMPLE_CACHE).shards())
@@ -428,3 +430,28 @@ def test_the_share_of_lines_not_json_is_of_the_shard_from_its_start_resumes_incl
     # Its resumed attempt reads 8 lines, none JSON: counted alone they would fail it at its first batch.
     with pytest.raises(SourceError, match=f"^{path}: 8 of the 12 lines read are not JSON objects "):
         tokenize_shard(shard, tmp_path / "out", spec)
+
+
+def test_for_an_out_on_a_store_a_large_part_past_the_buffer_goes_to_files_of_the_node(tmp_path):
+    """An OUT on a store has no files of its shards: past buffer_bytes its parts of at least a segment's size
+    (6 MiB of tokens here) go to files of this node's, in this run's spill folder (an earlier run's removed), for
+    the node's Placer to upload and then remove; its small parts (the held-out one, 0.6 MiB) stay in memory."""
+    copies, fraction = 4, 0.1
+    shard_file = tmp_path / "big.jsonl.zst"
+    shard_file.write_bytes(Path(TRAIN.path).read_bytes() * copies)  # zstd frames one after another: one stream
+    shard = _shard_of(shard_file)
+    earlier = tmp_path / "spill" / "earlier-run"
+    earlier.mkdir(parents=True)
+    spill = str((tmp_path / "spill" / "this-run").relative_to(tempfile.gettempdir()))
+    spec = spec_for(QWEN3, batch_bytes=256 << 10, val_fraction=fraction, buffer_bytes=1 << 20, spill=spill)
+    result = tokenize_shard(shard, "s3://bucket/out", spec)
+    large, small = result.buffered[False, None], result.buffered[True, None]
+    assert isinstance(large, Spilled) and isinstance(small, tuple)
+    assert Path(large.bin).parent.parent.parent.parent == tmp_path / "spill" / "this-run" and not earlier.exists()
+    for held, part in ((False, large), (True, small)):
+        tokens, ends = _joined(part_arrays(part))
+        one = reference_tokens([Path(TRAIN.path)], QWEN3 / "tokenizer.json", QWEN3_EOS, keep=held_out(fraction, held))
+        assert np.array_equal(tokens, np.tile(one, copies)) and ends[-1] == len(tokens)
+    assert result.checkpoint.done and result.checkpoint.tokens == len(_joined(part_arrays(large))[0])
+    large.remove()
+    assert not Path(large.bin).exists() and not Path(large.idx).exists()

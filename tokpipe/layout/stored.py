@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import secrets
 import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -73,6 +74,12 @@ class StoredOut:
     def work(self) -> Path:
         """The local folder that holds this run's records while it runs (files.work_folder)."""
         return work_folder(str(self.url))
+
+    def spill_name(self) -> str:
+        """A run's folder for its large parts past --shard-buffer (write/shard.py Spilled), named from each node's
+        temporary folder: under `work`, so that the driver's node removes it with the run's records, and this
+        run's alone (a node removes its earlier runs' as it first spills)."""
+        return str((self.work / "spill" / secrets.token_hex(4)).relative_to(tempfile.gettempdir()))
 
     @property
     def layout(self) -> Layout:

@@ -19,7 +19,7 @@ from tokpipe.store import StoreUnavailable
 from tokpipe.write.assembly import COPY_BATCH_BYTES, Assembler
 from tokpipe.write.segments import Planned
 from tokpipe.write.shard import keep
-from tokpipe.write.stored import StoreAssembly
+from tokpipe.write.stored import Step, StoreAssembly
 
 
 def get(ref):
@@ -221,13 +221,20 @@ class StoreCopies(Copies):
         return self.assembler.ready(excluded)
 
     def _send(self) -> tuple[str, list[Planned], ray.ObjectRef]:
+        """A segment to the node that holds most of its tokens: the node of its large part if it has one (which
+        holds more than its small ones together, and may be in that node's files: Spilled)."""
         planned = self.queue.popleft()
         tokens: Counter = Counter()
+        sources = []
         for step, entry in zip(planned.sources, planned.segment.entries):
             if isinstance(step.buffered, Stored):
                 tokens[step.buffered.node] += entry.tokens
-        node, placer = self._placer(tokens.most_common(1)[0][0] if tokens else self.here)
-        return node, [planned], placer.upload.remote(str(self.assembler.out), planned.segment, planned.sources)
+                sources.append(step)
+            else:  # tokenized by the driver before Ray took over: this part of its shard's, sent with the call
+                tokens[self.here] += entry.tokens
+                sources.append(Step({step.key: step.buffered[step.key]}, step.key))
+        node, placer = self._placer(tokens.most_common(1)[0][0])
+        return node, [planned], placer.upload.remote(str(self.assembler.out), planned.segment, sources)
 
     def _took(self, items: list[Planned], result) -> None:
         node, segment, uploaded = result

@@ -85,6 +85,7 @@ class _Run:
     # layout/stored.py), and which shards its checkpoints hold (the store's listing: `is_done`).
     target: str
     is_done: Callable[[Shard], bool] | None = None
+    spill: str = ""  # an OUT on a store: where its workers' large parts go past --shard-buffer (EncodeSpec.spill)
 
     @property
     def stored(self) -> bool:
@@ -193,7 +194,7 @@ def _tokenize(run: _Run, assembler: Assembler, plan: Standing) -> Tally:
     run.clock.planned = time.monotonic()
     run.clock.series.mark("tokenize")
     try:
-        spec = encode_spec(run.opts, run.info, backend)
+        spec = encode_spec(run.opts, run.info, backend, spill=run.spill)
         if not run.cluster.address and run.cluster.fit[1]:
             run.tell(Said(run.cluster.fit[1]))
             run.log(run.cluster.fit[1])
@@ -260,7 +261,7 @@ def _tokenize_on_ray(
     watch, check = NodeWatch(), None
     if run.cluster.address:  # every node sees the shards, the tokenizer and OUT, or the run stops here
         check = check_nodes(run.manifest, run.info, run.target if run.stored else run.out, run.log, watch)
-    spec = encode_spec(run.opts, run.info, backend, shape.read_ahead)
+    spec = encode_spec(run.opts, run.info, backend, shape.read_ahead, run.spill)
     progress.workers = run.clock.workers = shape.workers
     if run.stored:
         copies = StoreCopies(assembler, shape.nodes)
@@ -389,7 +390,8 @@ def _run_stored(manifest, manifest_path, info, url: str, opts, clock: Timeline, 
         assembler = StoreAssembly(stored, opts.output, manifest, np.dtype(info.dtype).itemsize, lease=lease)
         assembler.resume()
         work = stored.work
-        run = _Run(manifest, work, info, opts, RunLog(work), clock, cluster, tell, url, assembler.is_done)
+        spill = stored.spill_name()
+        run = _Run(manifest, work, info, opts, RunLog(work), clock, cluster, tell, url, assembler.is_done, spill)
         cluster.log_to(Layout(work).log(RAY_LOG))  # uploaded with the other logs
         clock.series = Series(work)
         return _work(run, assembler, _plan(run, manifest_path))

@@ -42,8 +42,11 @@ def run_identity(manifest: Manifest, info: TokenizerInfo, opts: RunOptions) -> d
     } | ({"group_by": opts.group_by} if opts.group_by is not None else {})
 
 
-def encode_spec(opts: RunOptions, info: TokenizerInfo, backend: str, read_ahead: bool = False) -> EncodeSpec:
-    """What every worker of this run needs to write its shards' bytes."""
+def encode_spec(
+    opts: RunOptions, info: TokenizerInfo, backend: str, read_ahead: bool = False, spill: str = ""
+) -> EncodeSpec:
+    """What every worker of this run needs to write its shards' bytes; `spill`: an OUT on a store's folder for
+    large parts (layout/stored.py spill_name)."""
     return EncodeSpec(
         info.path,
         backend,
@@ -58,6 +61,7 @@ def encode_spec(opts: RunOptions, info: TokenizerInfo, backend: str, read_ahead:
         buffer_bytes=0 if opts.no_concat else opts.buffer_mib << 20,
         read_ahead=read_ahead,
         group_by=opts.group_by,
+        spill=spill,
     )
 
 

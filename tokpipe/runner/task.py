@@ -21,7 +21,7 @@ from tokpipe.layout.stored import StoredOut
 from tokpipe.runner.nodes import NodeCheck, ensure_seen
 from tokpipe.write.memory import MemoryGuard, memory_guard
 from tokpipe.write.place import place
-from tokpipe.write.segments import Segment, upload_segment
+from tokpipe.write.segments import Segment, Spilled, upload_segment
 from tokpipe.write.shard import EncodeSpec, ShardResult, keep, tokenize_shard
 from tokpipe.write.stored import Step
 
@@ -88,8 +88,9 @@ def shard_task(
         for shard in shards:
             room = max(0, spec.buffer_bytes - guard.held)  # the pack's shards before this one keep theirs here
             result = _one_shard(shard, out, replace(spec, buffer_bytes=room), guard, board, tag, stall_timeout, again)
-            if result.buffered is not None:
-                guard.held += sum(a.nbytes for tokens, ends in result.buffered.values() for a in tokens + ends)
+            if result.buffered is not None:  # in memory (not Spilled)
+                held = [v for v in result.buffered.values() if not isinstance(v, Spilled)]
+                guard.held += sum(a.nbytes for tokens, ends in held for a in tokens + ends)
             buffers.append(result.buffered)
             results.append(replace(result, buffered=None))
     finally:
@@ -210,16 +211,22 @@ class Placer:
     def upload(self, out: str, segment: Segment, sources: list[Step]) -> tuple[str, Segment, int]:
         """For an OUT on a store: a segment uploaded from this node (write/segments.py), its parts' tokens read
         from the object stores that hold them, this node's for all but small parts gathered from other nodes (or
-        sent with the call: parts the driver tokenized before Ray took over). Every part is read before anything
-        is written: a part lost with its node fails the call first. Says which node uploaded it, and how much."""
+        sent with the call: parts the driver tokenized before Ray took over); a large part moved into this node's
+        files (Spilled) read from there, and they removed once it is up. Every part is read before anything is
+        written: a part lost with its node fails the call first. Says which node uploaded it, and how much."""
         stored = {step.buffered.ref for step in sources if isinstance(step.buffered, Stored)}
         values = dict(zip(stored, ray.get(list(stored))))
-
-        def arrays(step: Step):
-            held = step.buffered
-            return (values[held.ref][held.index] if isinstance(held, Stored) else held)[step.key]
-
-        return self.node, segment, upload_segment(StoredOut.of(out), segment, [arrays(step) for step in sources])
+        # Each step with its shard's parts as this process holds them (from Ray, or sent with the call).
+        here = [
+            replace(step, buffered=values[step.buffered.ref][step.buffered.index])
+            if isinstance(step.buffered, Stored)
+            else step
+            for step in sources
+        ]
+        uploaded = upload_segment(StoredOut.of(out), segment, [step.arrays() for step in here])
+        for step in here:
+            step.release()
+        return self.node, segment, uploaded
 
     def keep(self, out: str, done: list[tuple[Checkpoint, Stored]], check: NodeCheck | None) -> int:
         """shard.keep for done shards whose buffered parts are in this node's object store; returns how many."""

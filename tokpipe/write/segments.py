@@ -16,12 +16,17 @@ segment's key is its first part's (a function of split, shard and part), and the
 same part on a rerun, so that an attempt that commits the same key commits the same bytes, and of two exactly one
 commit succeeds (`Exists`: the other's stands).
 
+A part waits for its upload in its worker's memory, then its node's object store (Buffered); past --shard-buffer a
+large one waits in files of its node (Spilled), which only that node's Placer reads.
+
 With --no-concat nothing is gathered: every part is a segment of its own, its file in meta.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 import orjson
@@ -38,6 +43,40 @@ SEGMENT_BYTES = MIN_PART
 # upload of UPLOAD_PART_BYTES a request, so that no copy of the whole is made in memory.
 WHOLE_PUT_BYTES = 64 << 20
 UPLOAD_PART_BYTES = 16 << 20
+
+
+# A part's tokens and its document ends (counted from the part's start), as the arrays they were encoded in.
+Buffered = tuple[list[np.ndarray], list[np.ndarray]]
+
+
+@dataclass(frozen=True)
+class Spilled:
+    """A large part of a shard of an OUT on a store, moved past --shard-buffer out of the worker's memory into files
+    of its node (EncodeSpec.spill). The largest part of its segment, so that node's Placer uploads it
+    (runner/copies.py) and then removes them; no checkpoint covers them (a lost node loses them as it loses its
+    object store's). Only a part of at least SEGMENT_BYTES: the small ones, gathered from other nodes, stay in
+    memory."""
+
+    bin: str
+    idx: str
+    dtype: str
+
+    def arrays(self) -> Buffered:
+        return [_mapped(self.bin, self.dtype)], [_mapped(self.idx, IDX_DTYPE)]
+
+    def remove(self) -> None:
+        for path in (self.bin, self.idx):
+            Path(path).unlink(missing_ok=True)
+
+
+def _mapped(path: str, dtype) -> np.ndarray:
+    """A file's array, read from the page cache as it is uploaded (a large part is never copied whole)."""
+    return np.memmap(path, dtype, mode="r") if os.path.getsize(path) else np.zeros(0, dtype)
+
+
+def part_arrays(value: Buffered | Spilled) -> Buffered:
+    """A buffered part's tokens and ends, in memory or in its node's files."""
+    return value.arrays() if isinstance(value, Spilled) else value
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,10 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import shutil
+import tempfile
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -30,9 +33,7 @@ from tokpipe.layout.records import IDX_DTYPE, MAX_GROUPS, Checkpoint, PartCounts
 from tokpipe.layout.tokens import held_out, to_dtype
 from tokpipe.store import is_url
 from tokpipe.write.memory import memory_guard
-
-# A part's tokens and its document ends (counted from the part's start), as the arrays they were encoded in.
-Buffered = tuple[list[np.ndarray], list[np.ndarray]]
+from tokpipe.write.segments import SEGMENT_BYTES, Buffered, Spilled
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,9 @@ class EncodeSpec:
     # split file, when the shard is done (0: into its own files as it goes, e.g. --no-concat, whose output
     # they are). Past it they go to its own files, checkpointed from then on, and are copied into place.
     buffer_bytes: int = 0
+    # For an OUT on a store: where, under each node's temporary folder, a shard's large parts go past buffer_bytes
+    # (Spilled); this run's own (layout/stored.py spill_name). Empty: they stay in memory.
+    spill: str = ""
 
 
 @dataclass
@@ -70,7 +74,7 @@ class ShardResult:
     encoder_resets: int = 0  # times the encoder's cache was dropped to keep the worker under its memory limit
     # The parts of a shard that kept them in memory (EncodeSpec.buffer_bytes): the runner writes them into
     # place (place.place), and writes the checkpoint, which nothing on disk covered until then.
-    buffered: dict[PartKey, Buffered] | None = None
+    buffered: dict[PartKey, Buffered | Spilled] | None = None
     # On Ray, where the buffered parts wait (the node's object store; they travel apart from the result).
     buffered_on: str | None = None
 
@@ -142,6 +146,7 @@ class PartWriter:
         self.text_bytes = resumed.text_bytes
         self.bin_hash, self.idx_hash = hashlib.sha256(), hashlib.sha256()
         self.buffered: Buffered | None = None if files else ([], [])
+        self.spilled: Spilled | None = None  # an OUT on a store's large part, moved to files (ShardWriter._spill_large)
         self.buffered_bytes, self.cut = 0, 0
         if files:
             self.bin, self.cut = _open_at(files[0], self.tokens * np.dtype(dtype).itemsize, self.bin_hash)
@@ -168,6 +173,7 @@ class PartWriter:
         """From memory to the part's own files: what was buffered, and from here on what comes (checkpointed)."""
         self.bin, self.idx = _spilled(bin_path, idx_path, self.buffered)
         self.buffered, self.buffered_bytes = None, 0
+        self.spilled = Spilled(str(bin_path), str(idx_path), self.dtype)
 
     def counts(self, done: bool) -> PartCounts:
         """The part as the checkpoint holds it; its checksums once the shard is done."""
@@ -208,12 +214,15 @@ def tokenize_shard(
     or when stopped, they go to the shard's own files, and it checkpoints from then on as any resumed shard.
     `again`: begun afresh even if its checkpoint says done, for a buffered shard whose tokens were lost with a
     Ray node before all its parts were placed (a Placer may have written the checkpoint with its first part).
-    With OUT on a store they stay in memory whatever their size (a stopped shard is begun again: nothing of it is
-    kept)."""
+    With OUT on a store they stay in memory but past spec.buffer_bytes its large parts, which go to files of this
+    node's (Spilled); a stopped shard is begun again: nothing of it is kept."""
     started = time.monotonic()
-    if is_url(os.fspath(out)):  # OUT on a store (layout/stored.py): in memory, the runner's to upload and checkpoint
+    if is_url(os.fspath(out)):  # OUT on a store (layout/stored.py): the runner's to upload and checkpoint
         writer = ShardWriter(shard, None, Checkpoint(), spec)
-        writer.run(on_batch, stop)
+        try:
+            writer.run(on_batch, stop)
+        finally:
+            writer.close()
         return writer.result(time.monotonic() - started)
     files = ShardFiles.of(out, shard)
     files.folder.mkdir(parents=True, exist_ok=True)
@@ -260,6 +269,7 @@ class ShardWriter:
         self.parts = self._writers()
         self.cut = sum(part.cut for part in self.parts.values())
         self.seconds_before = ckpt.seconds  # of the attempts before
+        self.spill_files: ShardFiles | None = None  # OUT on a store: where its large parts went (_spill_large)
         self.began = self.last_commit = time.monotonic()
 
     def _writers(self) -> dict[PartKey, PartWriter]:
@@ -308,6 +318,8 @@ class ShardWriter:
             if self.buffering and spill:
                 self._spill()
                 self.last_commit = 0.0  # checkpointed at once: what was in memory is now covered on disk
+            elif spec.spill and self.buffered_bytes > spec.buffer_bytes:
+                self._spill_large()
             if stopping:
                 self._commit()
                 return
@@ -369,11 +381,29 @@ class ShardWriter:
             part.spill(*self.files.part(key))
         self.buffering = False
 
+    def _spill_large(self) -> None:
+        """OUT on a store: the parts of at least SEGMENT_BYTES of tokens into files of this node's, in a folder of
+        this attempt's (a retry's never meets them); the folders of the OUT's earlier runs go (a run killed leaves
+        them on nodes the driver's cleaning never sees)."""
+        itemsize = np.dtype(self.spec.dtype).itemsize
+        large = [p for p in self.parts.values() if p.buffered is not None and p.tokens * itemsize >= SEGMENT_BYTES]
+        if not large:
+            return
+        root = Path(tempfile.gettempdir()) / self.spec.spill
+        if self.spill_files is None:
+            for earlier in root.parent.iterdir() if root.parent.is_dir() else []:
+                if earlier != root:
+                    shutil.rmtree(earlier, ignore_errors=True)
+            self.spill_files = ShardFiles.of(root / f"{os.getpid()}-{uuid.uuid4().hex[:8]}", self.shard)
+        for part in large:
+            part.spill(*self.spill_files.part(part.key))
+
     def _commit(self, done: bool = False) -> None:
         """The parts' bytes fsynced, then the checkpoint that covers them (a buffering shard's is the runner's to
         write, once its parts are placed)."""
-        for part in self.parts.values():
-            part.sync()
+        if not self.buffering:  # a buffering shard's files (an OUT on a store's large parts) need no fsync
+            for part in self.parts.values():
+                part.sync()
         ckpt = self.ckpt
         ckpt.skipped, ckpt.repaired, ckpt.done = dict(self.skipped), dict(self.repaired), done
         ckpt.seconds = round(self.seconds_before + time.monotonic() - self.began, 3)
@@ -386,7 +416,9 @@ class ShardWriter:
             part.close()
 
     def result(self, seconds: float) -> ShardResult:
-        buffered = {key: part.buffered for key, part in self.parts.items()} if self.buffering else None
+        buffered = None
+        if self.buffering:
+            buffered = {key: part.buffered or part.spilled for key, part in self.parts.items()}
         cut = self.cut // np.dtype(self.spec.dtype).itemsize
         resets = self.memory.resets - self.resets_before
         return ShardResult(self.shard.split, self.shard.key, self.ckpt, self.resumed, cut, seconds, resets, buffered)

@@ -28,7 +28,7 @@ from tokpipe.layout.records import IDX_DTYPE, Checkpoint, part_record, parts_lin
 from tokpipe.layout.run import WriteSpec, output_splits, sources
 from tokpipe.layout.stored import StoredOut, part_name
 from tokpipe.store import MIN_PART, Upload, compose
-from tokpipe.write.segments import Entry, Planned, Segment, Segments, upload_segment
+from tokpipe.write.segments import Entry, Planned, Segment, Segments, Spilled, part_arrays, upload_segment
 
 # GETs in flight where a rerun or finalize reads many small objects (segments' .json, checkpoints)
 REQUESTS_AT_ONCE = 16
@@ -42,8 +42,13 @@ class Step:
     key: tuple
 
     def arrays(self) -> tuple[list, list]:
-        """The part's tokens and ends, where they are in this process."""
-        return self.buffered[self.key]
+        """The part's tokens and ends, where they are in this process (or in files of this node's)."""
+        return part_arrays(self.buffered[self.key])
+
+    def release(self) -> None:
+        """Once the part is uploaded: its files of this node's removed, if it went to some (Spilled)."""
+        if isinstance(self.buffered[self.key], Spilled):
+            self.buffered[self.key].remove()
 
 
 @dataclass
@@ -189,6 +194,8 @@ class StoreAssembly:
         """The segments whose turn has come, uploaded by this process (its tokens are here: a run without Ray)."""
         for planned in self.ready(excluded):
             self.uploaded += upload_segment(self.out, planned.segment, [step.arrays() for step in planned.sources])
+            for step in planned.sources:
+                step.release()
             self.commit([planned.segment])
 
     # -- finalize ----------------------------------------------------------------------------------------
