@@ -6,6 +6,7 @@ request the run made of the store (each process of the run counts its own, throu
 sitecustomize on PYTHONPATH), by operation and bytes sent, per shard; bytes uploaded over the output's bytes.
 
     .venv/bin/python benchmarks/outstore.py --runs 2
+    .venv/bin/python benchmarks/outstore.py --runs 2 --size 250MB --shards 16   # a distinct corpus, larger parts
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import signal
 from collections import Counter
 from pathlib import Path
 
-from harness import SHARED, manifest_of, tokpipe_run
+from harness import SHARED, build_distinct_corpus, manifest_of, parse_size, tokpipe_run
 from procmon import TreeMonitor
 from store import BUCKET, start_weed
 
@@ -86,17 +87,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=2, help="runs of each, alternating")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/tokpipe-bench/outstore"))
+    parser.add_argument("--size", help="JSONL bytes of a distinct corpus (harness.py) instead of the shared one")
+    parser.add_argument("--shards", type=int, default=16, help="the distinct corpus's shards")
     args = parser.parse_args()
-    shutil.rmtree(args.work_dir, ignore_errors=True)
+    for made in ("hook", "weed", "out", "corpus"):
+        shutil.rmtree(args.work_dir / made, ignore_errors=True)
+    for old in args.work_dir.glob("requests-*"):
+        shutil.rmtree(old)
     hook = args.work_dir / "hook"
     hook.mkdir(parents=True)
     (hook / "sitecustomize.py").write_text(COUNTER)
+    if args.size:  # built once, kept in the work dir
+        size = parse_size(args.size)
+        local = Path(build_distinct_corpus(str(SHARED), size, 2, -(-size // args.shards), args.work_dir).path)
     proc, _ = start_weed(args.work_dir / "weed")
     try:
-        local = args.work_dir / "corpus"
-        for shard in build_manifest(SHARED).shards():  # the shared corpus as a plain folder: one manifest for both
-            (local / shard.relpath).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(shard.path, local / shard.relpath)
+        if not args.size:
+            local = args.work_dir / "corpus"
+            for shard in build_manifest(SHARED).shards():  # the shared corpus as a folder: one manifest for both
+                (local / shard.relpath).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(shard.path, local / shard.relpath)
         manifest = manifest_of(local, args.work_dir)
         shards = sum(build_manifest(local).counts.values())
         bucket = tokpipe.store.Bucket(BUCKET, os.environ["AWS_ENDPOINT_URL"])

@@ -141,6 +141,16 @@ def test_an_out_on_a_store_exports_its_tokens(finished_stored, example_reference
         assert result.stdout.splitlines()[0].endswith(" documents; downloaded from the store (a copy)")
 
 
+def test_a_shuffled_export_of_an_out_on_a_store_is_refused_in_one_line(finished_stored, tmp_path):
+    result = cli("export", finished_stored, "--format", "llmc", "--shuffle", "1", "--dest", tmp_path / "llmc")
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        f"tokpipe export: error: --shuffle reads the documents at random places, on a store a request each: copy"
+        f" {finished_stored} first (aws s3 sync, rclone) and export from the copy"
+    ]
+    assert not (tmp_path / "llmc").exists()
+
+
 def test_llmc_splits_a_document_longer_than_a_shard(finished_example, tmp_path):
     _, tokens, ends = tokpipe_split(finished_example, "val")
     limit = int(np.diff(ends, prepend=0).max()) - 1

@@ -366,6 +366,11 @@ def export(
     if shuffle is not None and fmt != "llmc":
         raise UserError("--shuffle is for --format llmc: Megatron-LM shuffles its samples itself (its shuffle index)")
     data: Output = open_output(out)
+    if shuffle is not None and stored_of(data.path) is not None:
+        raise UserError(
+            f"--shuffle reads the documents at random places, on a store a request each: copy {out} first (aws s3"
+            " sync, rclone) and export from the copy"
+        )
     dest = Path(dest)
     _refuse_out_files(data, dest, _touched(data, fmt, dest))
     _prepare(dest, force)

@@ -1,40 +1,36 @@
 """The one reader of a split's token files (TokenFiles): a finished split's one file, --no-concat's files, its
 groups', or what an unfinished OUT's records cover (placed parts, shards' own files), read as one stream of
 tokens and one of document ends, any number of files, with no descriptor held, a bounded number of maps, each
-file checked whenever it is mapped or read (maps.py, the one place its bytes are touched). The loader reads
-windows and document starts through it; open_output, verify, inspect, report and export a file's tokens and
-ends (mapped), a range's bytes (read: verify's hashing) or the tokens and ends at given places (gathered file
-by file).
+file checked whenever it is mapped or read (maps.py, the one place its bytes are touched; on a store, ranged
+GETs). The loader reads windows and document starts through it; open_output, verify, inspect, report and export
+ranges (file_range), a range's bytes (token_bytes: verify's hashing) or tokens and ends at given places.
 
-Files: a --no-concat split is one file per shard (SlimPajama: ~59k), and a batch of 64 windows in a
-seeded order reads ~64 of them. Making a map and dropping it costs 14-28 us (open, fstat, mmap, close,
-the first page's fault, munmap), reading a window from a kept one ~1.3: so a file once read stays mapped,
-up to MAPS maps, the kernel's vm.max_map_count less RESERVED for the rest of the process (61,434 at the
-common 65,530); past that the least recently read eighth is dropped. Keeping 64 (before issue 47) mapped
-nearly every file again every batch on a split of 300 (257-483 batches/s against ~21,000 concatenated).
-Reading a window with pread instead of mapping took 9 us a window with its open and close (a batch of 64
-at 0.15-0.18x the concatenated split's rate, against 0.53-0.57x here), 3.7 us with a descriptor kept
+Files: a --no-concat split is one file per shard (SlimPajama: ~59k), and a batch of 64 windows in a seeded order
+reads ~64 of them. Making a map and dropping it costs 14-28 us (open, fstat, mmap, close, the first page's fault,
+munmap), reading a window from a kept one ~1.3: so a file once read stays mapped, up to MAPS maps, the kernel's
+vm.max_map_count less RESERVED for the rest of the process (61,434 at the common 65,530); past that the least
+recently read eighth is dropped. Keeping 64 (before issue 47) mapped nearly every file again every batch on a split
+of 300 (257-483 batches/s against ~21,000 concatenated). Reading a window with pread instead took 9 us with its
+open and close (0.15-0.18x the concatenated split's rate, against 0.53-0.57x here), 3.7 us with a descriptor kept
 (which `ulimit -n` caps).
 
-Windows: one row gather a batch, whatever files it reads. `_view()` is the process's memory from the
-lowest address a map has had to the highest, as an array of the split's dtype, and its windows the
-seq_len + 1 tokens from every address on: a window is row (its start in the stream + its file's shift,
-the file's first token's address / itemsize less the file's place in the stream) less the view's first.
-Only rows wholly in a mapped file are read, under the lock that drops maps, so nothing between the maps
-is touched; a window across files' ends (one in six where files hold one document each, seq_len 512) is
-read token by token from the view, each token from its own file's map, in a second gather. The loader's
-token maps are madvise(MADV_RANDOM): a window faults in its own pages, not the kernel's 128 KB readahead
-around each (the other readers read files from start to end: theirs read ahead).
+Windows: one row gather a batch, whatever files it reads. `_view()` is the process's memory from the lowest address
+a map has had to the highest, as an array of the split's dtype, and its windows the seq_len + 1 tokens from every
+address on: a window is row (its start in the stream + its file's shift, the file's first token's address /
+itemsize less the file's place in the stream) less the view's first. Only rows wholly in a mapped file are read,
+under the lock that drops maps, so nothing between the maps is touched; a window across files' ends (one in six
+where files hold one document each, seq_len 512) is read token by token from the view, each token from its own
+file's map, in a second gather. The loader's token maps are madvise(MADV_RANDOM): a window faults in its own pages,
+not the kernel's 128 KB readahead around each (the other readers read files from start to end: theirs read ahead).
 
-Document ends: a binary search of an .idx probes ~log2(documents) entries; cold, each new page it
-touches is a read (2-4 a search beyond the window's own, measured at issue 28). For a file of more
-than SMALL documents, every SPARSE-th end is kept in memory (1/512 of the .idx: 380 KB at 10^11
-tokens, read once when the file is first searched); a search finds its block of SPARSE ends there, then
-within the block (one 4 KB page: ends are 8 bytes from offset 0) compares with the 8 ends that close its
-sub-blocks of 64, then with the sub-block's 64: one page a key, ~30 us a batch of 64 windows. That is
-per file a batch touches; a split of at most MERGED documents (16 MB of ends) instead keeps every place
-a document starts, all files' merged (each file's start, each end), in memory, and maps no .idx: one
-search a batch whatever files it touches (~16 us a batch of 64, 7 files or one).
+Document ends: a binary search of an .idx probes ~log2(documents) entries; cold, each new page it touches is a read
+(2-4 a search beyond the window's own, measured at issue 28). For a file of more than SMALL documents, every
+SPARSE-th end is kept in memory (1/512 of the .idx: 380 KB at 10^11 tokens, read once when the file is first
+searched); a search finds its block of SPARSE ends there, then within the block (one 4 KB page: ends are 8 bytes
+from offset 0) compares with the 8 ends that close its sub-blocks of 64, then with the sub-block's 64: one page a
+key, ~30 us a batch of 64 windows. That is per file a batch touches; a split of at most MERGED documents (16 MB of
+ends) instead keeps every place a document starts, all files' merged (each file's start, each end), in memory, and
+maps no .idx: one search a batch whatever files it touches (~16 us a batch of 64, 7 files or one).
 """
 
 from __future__ import annotations
@@ -178,18 +174,27 @@ class TokenFiles:
             return self._tokens.get(f, np.zeros(0, self.dtype))
 
     def file_ends(self, f: int) -> np.ndarray:
-        """File f's document ends, counted from its first token: mapped; a part of a file being assembled (its
-        tokens not from the file's start: one shard's ends), read and counted from there."""
+        """File f's document ends, counted from its first token: mapped."""
         with self._lock:
             self._read_now(f)
             if f not in self._ends:
                 self._make_room()
-                first, count = self.entries[f].doc_offset, self.entries[f].documents
-                mapped = not self.entries[f].token_offset
-                self._ends[f] = (
-                    self._local[f][1].mapped(IDX_DTYPE, first=first)[:count] if mapped else self._read_ends(f)
-                )
+                file = self.entries[f]
+                if file.token_offset:  # a part of a file being assembled (one shard's): read, counted from it
+                    self._ends[f] = self._read_ends(f)
+                else:
+                    self._ends[f] = self._local[f][1].mapped(IDX_DTYPE, first=file.doc_offset)[: file.documents]
             return self._ends[f]
+
+    def file_range(self, f: int, first: int, stop: int, ends: bool = False) -> np.ndarray:
+        """File f's tokens (or document ends, counted from its first token) [first, stop): a slice of its map, or
+        on a store a ranged GET (no split file of a store's is held whole)."""
+        which = self._local[f][ends]
+        if not isinstance(which, StoreFile):
+            return (self.file_ends(f) if ends else self.file_tokens(f))[first:stop]
+        if ends:
+            return self._read_ends(f, first, max(stop - first, 0))
+        return which.array(self.dtype, self.entries[f].token_offset + first, max(stop - first, 0))
 
     def _read_ends(self, f: int, first: int = 0, count: int | None = None) -> np.ndarray:
         """File f's document ends [first, first + count) (all from first), read, counted from its first token."""
@@ -203,8 +208,7 @@ class TokenFiles:
         return TokenFile(self.entries[f].name, self.file_tokens(f), self.file_ends(f))
 
     def token_bytes(self, f: int, start: int, stop: int, buffer: bytearray) -> Iterator[memoryview]:
-        """Bytes [start, stop) of file f's tokens, counted from its first token, read (not mapped: verify hashes
-        them), a view of `buffer` at a time."""
+        """Bytes [start, stop) of file f's tokens, from its first token, read a view of `buffer` at a time."""
         first = self.entries[f].token_offset * self.dtype.itemsize
         return self._local[f][0].read(first + start, first + stop, buffer)
 
@@ -227,21 +231,20 @@ class TokenFiles:
         f = int(np.searchsorted(self.starts, start, side="right")) - 1
         while start < stop:
             base = int(self.starts[f])
-            piece = self.file_tokens(f)[start - base : stop - base]
-            pieces.append(piece)
-            start += len(piece)
+            pieces.append(self.file_range(f, start - base, min(stop, int(self.ends[f])) - base))
+            start += len(pieces[-1])
             f += 1
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces) if pieces else np.zeros(0, self.dtype)
 
     def read_ends(self, start: int, stop: int) -> np.ndarray:
         """Document ends [start, stop) of the stream, counted from its start (one file's: a slice of its map)."""
         if len(self) == 1:
-            return self.file_ends(0)[start:stop]
+            return self.file_range(0, start, stop, ends=True)
         pieces = []
         f = int(np.searchsorted(self.firsts, start, side="right")) - 1
         while start < stop:
-            first = int(self.firsts[f])
-            pieces.append(self.file_ends(f)[start - first : stop - first] + int(self.starts[f]))
+            first, last = int(self.firsts[f]), min(stop, int(self.firsts[f + 1]))
+            pieces.append(self.file_range(f, start - first, last - first, ends=True) + int(self.starts[f]))
             start += len(pieces[-1])
             f += 1
         return np.concatenate(pieces) if pieces else np.zeros(0, IDX_DTYPE)

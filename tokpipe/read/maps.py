@@ -216,6 +216,8 @@ class StoreFile:
 
     def array(self, dtype: np.dtype, first: int, count: int) -> np.ndarray:
         itemsize = np.dtype(dtype).itemsize
+        if not count:  # no range to ask for
+            return np.zeros(0, dtype)
         return np.frombuffer(self._get(first * itemsize, (first + count) * itemsize), dtype)
 
     def mapped(self, dtype: np.dtype, random: bool = False, first: int = 0) -> np.ndarray:

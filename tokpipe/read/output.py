@@ -15,29 +15,40 @@ import numpy as np
 
 from tokpipe.layout.files import Layout
 from tokpipe.layout.meta import Meta, SplitEntry, finished_meta
-from tokpipe.layout.stored import reader_out
+from tokpipe.layout.stored import reader_out, stored_of
 from tokpipe.read.files import TokenFile, TokenFiles
 
 
 class Joined:
-    """A split's tokens, or its document ends counted from its start, across its files as one array: len(), [i]
-    and [a:b] (a copy, where it crosses files)."""
+    """A split's tokens, or its document ends counted from its start, across its files as one array (or, given `f`,
+    one file's alone, counted from its start): len(), [i], [a:b] (a copy, where it crosses files or is read from a
+    store) and np.asarray (all of it, read at once)."""
 
-    def __init__(self, files: TokenFiles, ends: bool):
-        self.files, self.is_ends = files, ends
+    def __init__(self, files: TokenFiles, ends: bool, f: int | None = None):
+        self.files, self.is_ends, self.f = files, ends, f
         self.dtype = np.dtype("<i8") if ends else files.dtype
 
     def __len__(self) -> int:
+        if self.f is not None:
+            entry = self.files.entries[self.f]
+            return entry.documents if self.is_ends else entry.tokens
         return self.files.documents if self.is_ends else self.files.tokens
 
     def __getitem__(self, key):
         if isinstance(key, slice):
             start, stop, _ = key.indices(len(self))
+            if self.f is not None:
+                return self.files.file_range(self.f, start, max(start, stop), self.is_ends)
             return (self.files.read_ends if self.is_ends else self.files.read)(start, max(start, stop))
         index = key + len(self) if key < 0 else key
         if not 0 <= index < len(self):
             raise IndexError(f"index {key} is out of bounds for {len(self):,}")
+        if self.f is not None:
+            return self[index : index + 1][0]
         return self.files.gather(np.array([index]), self.is_ends)[0]
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return np.asarray(self[:], dtype)
 
 
 @dataclass(frozen=True)
@@ -50,22 +61,32 @@ class Split:
     groups: dict[str, Split] = field(default_factory=dict)  # --group-by: value -> the group's documents alone
 
     @property
+    def stored(self) -> bool:
+        """Whether its files are on a store (read by ranged GETs: never mapped, never held whole)."""
+        return stored_of(self.reader.out) is not None
+
+    @property
     def files(self) -> list[TokenFile]:
-        """Each of its files, read (every one mapped)."""
+        """Each of its files, read (every one mapped; on a store its tokens a Joined of the file, its ends read)."""
+        if self.stored:
+            return [
+                TokenFile(e.name, Joined(self.reader, False, f), self.reader.file_ends(f))
+                for f, e in enumerate(self.reader.entries)
+            ]
         return [self.reader.file(f) for f in range(len(self.reader))]
 
     @property
     def tokens(self) -> np.memmap | Joined:
         """The split's tokens: its one file's, a read-only np.memmap (a view of the reader's map: np.memmap's own
-        keeps a descriptor open); a Joined over a --no-concat split's files."""
-        if len(self.reader) == 1:
+        keeps a descriptor open); a Joined over a --no-concat split's files, or of an OUT on a store."""
+        if len(self.reader) == 1 and not self.stored:
             return self.reader.file_tokens(0).view(np.memmap)
         return Joined(self.reader, ends=False)
 
     @property
     def ends(self) -> np.ndarray | Joined:
         """Document ends counted from the split's start: document i is tokens[ends[i-1]:ends[i]]."""
-        return self.reader.file_ends(0) if len(self.reader) == 1 else Joined(self.reader, ends=True)
+        return self.reader.file_ends(0) if len(self.reader) == 1 and not self.stored else Joined(self.reader, True)
 
     def document(self, i: int) -> np.ndarray:
         ends = self.ends

@@ -53,51 +53,53 @@ class PartScan:
 _buffers = threading.local()
 
 
-def _scan_parts(
-    read,
-    tokens: np.ndarray,
-    ends: np.ndarray,
-    parts: list[Part],
-    dtype: np.dtype,
-    eos_id: int,
-    bos_id: int | None,
-) -> PartScan:
+def _scan_parts(read, ends_at, parts: list[Part], dtype: np.dtype, eos_id: int, bos_id: int | None) -> PartScan:
     """Hash and scan parts of a file, reading each byte once (`read`: its bytes [a, b), a buffer at a time; a thread
-    per group: hashlib and numpy drop the GIL). Ends in the .idx are hashed relative to the part's first token."""
+    per group: hashlib and numpy drop the GIL): the ids, and each document's last (EOS) and first (BOS) token in
+    the buffer that holds it. `ends_at(a, b)`: the file's document ends [a, b), read part by part. Ends in the .idx
+    are hashed relative to the part's first token."""
     scan = PartScan()
     buffer = getattr(_buffers, "buffer", None) or bytearray(HASH_CHUNK)
     _buffers.buffer = buffer
     for r in parts:
-        hasher = hashlib.sha256()
-        start, end = r.token_offset * dtype.itemsize, r.token_end * dtype.itemsize
-        try:
-            for view in read(start, end, buffer):
-                chunk = np.frombuffer(view, dtype=dtype, count=len(view) // dtype.itemsize)
-                hasher.update(view)
-                if chunk.size:
-                    scan.top = max(scan.top, int(chunk.max()))
-                    scan.eos += int(np.count_nonzero(chunk == eos_id))
-                    scan.bos += int(np.count_nonzero(chunk == bos_id)) if bos_id is not None else 0
-        except ShortRead as short:
-            raise RuntimeError(f"the file ended at byte {short.at} while its size said {end}") from None
-        if r.record["sha256"] is not None and hasher.hexdigest() != r.record["sha256"]:
-            scan.bad_bin.append(r.name)
-        range_ends = np.asarray(ends[r.doc_offset : r.doc_end])
+        range_ends = np.asarray(ends_at(r.doc_offset, r.doc_end))
         relative = range_ends - r.token_offset
         if (
             r.record["idx_sha256"] is not None
             and hashlib.sha256(memoryview(relative)).hexdigest() != r.record["idx_sha256"]
         ):
             scan.bad_idx.append(r.name)
-        if len(range_ends):
-            scan.increasing &= bool(
-                relative[0] > 0 and np.all(np.diff(range_ends) > 0) and range_ends[-1] <= len(tokens)
-            )
-            if scan.increasing:
-                scan.not_eos_ended += int(np.count_nonzero(np.asarray(tokens[range_ends - 1]) != eos_id))
-                if bos_id is not None:
-                    starts = np.concatenate([[r.token_offset], range_ends[:-1]])
-                    scan.not_bos_started += int(np.count_nonzero(np.asarray(tokens[starts]) != bos_id))
+        # Each end within the part, after the one before it: then every document lies in the part's tokens.
+        ordered = not len(range_ends) or bool(
+            relative[0] > 0 and np.all(np.diff(range_ends) > 0) and range_ends[-1] <= r.token_end
+        )
+        scan.increasing &= ordered
+        starts = np.concatenate([[r.token_offset], range_ends[:-1]])
+        hasher, at = hashlib.sha256(), r.token_offset  # `at`: the buffer's first token in the file
+        start, end = r.token_offset * dtype.itemsize, r.token_end * dtype.itemsize
+        try:
+            for view in read(start, end, buffer):
+                chunk = np.frombuffer(view, dtype=dtype, count=len(view) // dtype.itemsize)
+                hasher.update(view)
+                if not chunk.size:
+                    continue
+                scan.top = max(scan.top, int(chunk.max()))
+                scan.eos += int(np.count_nonzero(chunk == eos_id))
+                scan.bos += int(np.count_nonzero(chunk == bos_id)) if bos_id is not None else 0
+                if ordered and len(range_ends):
+                    stop = at + chunk.size
+                    here = np.searchsorted(range_ends, [at, stop], "right")  # the ends whose last token is here
+                    last = range_ends[here[0] : here[1]]
+                    scan.not_eos_ended += int(np.count_nonzero(chunk[last - 1 - at] != eos_id))
+                    if bos_id is not None:
+                        here = np.searchsorted(starts, [at, stop])  # the starts here
+                        first = starts[here[0] : here[1]]
+                        scan.not_bos_started += int(np.count_nonzero(chunk[first - at] != bos_id))
+                at += chunk.size
+        except ShortRead as short:
+            raise RuntimeError(f"the file ended at byte {short.at} while its size said {end}") from None
+        if r.record["sha256"] is not None and hasher.hexdigest() != r.record["sha256"]:
+            scan.bad_bin.append(r.name)
     return scan
 
 
@@ -320,10 +322,13 @@ def _file_problems(out: Path, file: SplitFile, dtype: np.dtype) -> list[str | No
 
 
 def _scan_file(reader: TokenFiles, f: int, parts: list[Part], eos_id: int, bos_id: int | None) -> PartScan:
-    """Parts of file f of the split, hashed from its bytes read, their ends checked in its maps."""
-    tokens, ends = reader.file_tokens(f), reader.file_ends(f)
-    scan = _scan_parts(partial(reader.token_bytes, f), tokens, ends, parts, reader.dtype, eos_id, bos_id)
-    scan.end = (int(ends[-1]) if len(ends) else 0, len(tokens))
+    """Parts of file f of the split, hashed and scanned from its bytes read (on a store by ranged GETs: no split
+    file is held whole), with the file's last document end and its tokens."""
+    ends_at = partial(reader.file_range, f, ends=True)
+    scan = _scan_parts(partial(reader.token_bytes, f), ends_at, parts, reader.dtype, eos_id, bos_id)
+    documents = reader.entries[f].documents
+    last = ends_at(documents - 1, documents) if documents else np.zeros(0, np.int64)
+    scan.end = (int(last[0]) if len(last) else 0, int(reader.ends[f] - reader.starts[f]))
     reader.release(f)
     return scan
 
