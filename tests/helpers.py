@@ -475,6 +475,26 @@ if "TOKPIPE_TESTS_LOSE_NODE_AT" in os.environ:
     at_call(target, int(call), lambda: lose_node(session))
 """
 )
+# A Ray worker killed (SIGKILL) at the n-th call of a function of tokpipe's in it, once in the run (a marker file
+# says it was done), with segments of more than 1 MiB uploaded as multipart uploads (write/segments.py): this file
+# as sitecustomize.py on the PYTHONPATH of a `tokpipe run` and its workers, TOKPIPE_TESTS_KILL_WORKER_AT=
+# module.function:n:marker in its environment.
+KILL_WORKER_SITE = (
+    _AT_CALL
+    + """
+if "TOKPIPE_TESTS_KILL_WORKER_AT" in os.environ:
+    import tokpipe.write.segments
+    tokpipe.write.segments.WHOLE_PUT_BYTES = 1 << 20
+    target, call, marker = os.environ["TOKPIPE_TESTS_KILL_WORKER_AT"].split(":")
+    def in_a_worker(args):  # Ray's title for its workers' processes
+        return open("/proc/self/cmdline", "rb").read().startswith(b"ray::")
+    def kill_once():
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+    at_call(target, int(call), kill_once, in_a_worker)
+"""
+)
 LOST_NODE_RUN = (
     _LOSE_NODE
     + """

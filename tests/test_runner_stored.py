@@ -17,6 +17,7 @@ from helpers import (
     EXAMPLE_HOLDOUT_FILES,
     EXAMPLE_TRAIN_FILES,
     GROUP_FIELD,
+    KILL_WORKER_SITE,
     QWEN3,
     QWEN3_EOS,
     held_out,
@@ -261,6 +262,31 @@ def test_large_parts_are_uploaded_where_they_are_and_the_file_keeps_split_order(
     objects = stored_objects(s3_server, s3_prefix)
     reference = reference_tokens(EXAMPLE_TRAIN_FILES[:1], QWEN3 / "tokenizer.json", QWEN3_EOS)
     _assert_split(objects, "train", np.tile(reference, sum(copies)))
+    assert open_uploads(s3_server, s3_prefix) == []
+
+
+def test_a_placer_killed_inside_an_upload_leaves_no_open_upload_and_the_bytes_are_the_reference(
+    s3_server, s3_prefix, repeated, tmp_path
+):
+    # The Placer is killed as it completes its first multipart upload (segments past 1 MiB are): the call fails, the
+    # segment goes to a new Placer, and the upload the first one left open is aborted before the run finishes.
+    manifest, reference = repeated
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(KILL_WORKER_SITE)
+    marker = tmp_path / "killed"
+    env = {
+        "PYTHONPATH": str(tmp_path / "site"),
+        "TOKPIPE_TESTS_KILL_WORKER_AT": f"tokpipe.store.upload.Upload.finish:1:{marker}",
+    }
+    url = s3_server.url(s3_prefix)
+    run = tokpipe(*run_args(manifest, url, "--ray-only", "--workers", "2"), env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert marker.exists()  # the Placer was killed
+    objects = stored_objects(s3_server, s3_prefix)
+    for stem, expected in reference.items():
+        _assert_split(objects, stem, expected)
+    log = objects["logs/run.log"].decode()
+    assert re.search(r"^\S+ \S+ placing on node .+ failed \(ActorDiedError: ", log, re.M), log
     assert open_uploads(s3_server, s3_prefix) == []
 
 

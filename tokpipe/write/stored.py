@@ -96,8 +96,7 @@ class StoreAssembly:
         removed (made again from the segments, which stay until meta.json is written: a split file is created
         create-only)."""
         bucket, out = self.out.bucket, self.out
-        for key, upload in bucket.uploads(out.prefix):
-            bucket.abort(key, upload)
+        self.abort_uploads()
         by_segment: dict[str, set[str]] = {}
         for found in bucket.list(out.prefix):
             if found.key.startswith(out.checkpoints):
@@ -115,6 +114,12 @@ class StoreAssembly:
             bases = [base for base, suffixes in by_segment.items() if "bin" in suffixes]
             for segment in pool.map(lambda base: Segment.parse(bucket.get(f"{base}.json")[0]), bases):
                 self._made(segment)
+
+    def abort_uploads(self) -> None:
+        """The multipart uploads open under OUT's prefix aborted: a killed attempt's, or a Placer's killed inside
+        one (its segment was uploaded again by another)."""
+        for key, upload in self.out.bucket.uploads(self.out.prefix):
+            self.out.bucket.abort(key, upload)
 
     def _made(self, segment: Segment) -> None:
         self.made.setdefault((segment.stem, segment.group), []).append(segment)
@@ -201,7 +206,9 @@ class StoreAssembly:
     # -- finalize ----------------------------------------------------------------------------------------
 
     def finish(self, excluded: frozenset[str]) -> dict[str, SplitEntry]:
-        """Each split file composed from its segments on the server, its .idx and .parts written; meta's `splits`."""
+        """Each split file composed from its segments on the server, its .idx and .parts written; meta's `splits`.
+        First the uploads left open this run aborted: a finished run leaves none."""
+        self.abort_uploads()
         entries, val = {}, self.spec.val_fraction
         for split in output_splits(self.manifest, val):
             stem = split_file_stem(split)
