@@ -216,6 +216,9 @@ class StoreCopies(Copies):
 
     def __init__(self, assembler: StoreAssembly, nodes: int):
         super().__init__(assembler, Path(), assembler.itemsize, nodes, None, lambda line: None)
+        alive = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]
+        for node in {self.here, *alive}:  # each node's Placer ready before its first segment
+            self._placer(node)[1].warm.remote(str(assembler.out))
 
     def _ready(self, excluded: frozenset[str]) -> list[Planned]:
         return self.assembler.ready(excluded)

@@ -208,6 +208,11 @@ class Placer:
         ]
         return self.node, place(out, parts, itemsize)
 
+    def warm(self, out: str) -> None:
+        """For an OUT on a store: its client made (boto3's import and a client: ~1.5 s of a new actor's first
+        upload, which on a small corpus was the whole of the tokenizing) before the first segment comes."""
+        self.client = StoredOut.of(out).bucket.client  # kept by the process for its uploads (store/bucket.py)
+
     def upload(self, out: str, segment: Segment, sources: list[Step]) -> tuple[str, Segment, int]:
         """For an OUT on a store: a segment uploaded from this node (write/segments.py), its parts' tokens read
         from the object stores that hold them, this node's for all but small parts gathered from other nodes (or
