@@ -21,14 +21,17 @@ from helpers import (
     QWEN3,
     QWEN3_EOS,
     held_out,
+    kill_9,
     open_uploads,
     reference_tokens,
     repeated_example,
     repeated_reference,
     run_args,
+    start,
     store_out_run,
     stored_objects,
     tokpipe,
+    wait_for,
     write_jsonl,
 )
 
@@ -241,6 +244,18 @@ def test_a_run_on_ray_into_a_store_is_the_reference(s3_server, s3_prefix, manife
     assert open_uploads(s3_server, s3_prefix) == []
 
 
+def _mixed(tmp_path: Path, copies: list[int]) -> tuple[Path, np.ndarray]:
+    """A manifest of train shards of these many copies each of the example's first train shard (4: 6 MiB of tokens,
+    a large part; 1: 1.5 MiB, a small one), and its train.bin's reference."""
+    data = tmp_path / "mixed" / "train"
+    data.mkdir(parents=True)
+    for n, count in enumerate(copies):
+        (data / f"part-{n:02d}.jsonl.zst").write_bytes(EXAMPLE_TRAIN_FILES[0].read_bytes() * count)
+    write_manifest(build_manifest(data.parent), tmp_path / "m.json")
+    reference = reference_tokens(EXAMPLE_TRAIN_FILES[:1], QWEN3 / "tokenizer.json", QWEN3_EOS)
+    return tmp_path / "m.json", np.tile(reference, sum(copies))
+
+
 @pytest.mark.parametrize("buffer", [[], ["--shard-buffer", "1"]], ids=["in memory", "past the shard buffer"])
 def test_large_parts_are_uploaded_where_they_are_and_the_file_keeps_split_order(
     s3_server, s3_prefix, tmp_path, buffer
@@ -249,19 +264,58 @@ def test_large_parts_are_uploaded_where_they_are_and_the_file_keeps_split_order(
     # node that tokenized it) and of 1 (1.5 MiB: gathered with the next parts): segments [0], [1, 2, 3], [4], [5],
     # uploaded at once, in any order, composed in the order of their first parts (test_write_segments.py). Past
     # the shard buffer, the large parts wait in files of their node's (write/shard.py Spilled), removed once up.
-    copies = [4, 1, 1, 4, 4, 1]
-    data = tmp_path / "mixed" / "train"
-    data.mkdir(parents=True)
-    for n, count in enumerate(copies):
-        (data / f"part-{n:02d}.jsonl.zst").write_bytes(EXAMPLE_TRAIN_FILES[0].read_bytes() * count)
-    write_manifest(build_manifest(data.parent), tmp_path / "m.json")
+    manifest, reference = _mixed(tmp_path, [4, 1, 1, 4, 4, 1])
     url = s3_server.url(s3_prefix)
-    run = tokpipe(*run_args(tmp_path / "m.json", url, "--ray-only", "--workers", "2", *buffer))
+    run = tokpipe(*run_args(manifest, url, "--ray-only", "--workers", "2", *buffer))
     assert run.returncode == 0, run.stdout + run.stderr
     assert not StoredOut.of(url).work.exists()  # spilled files included
+    _assert_split(stored_objects(s3_server, s3_prefix), "train", reference)
+    assert open_uploads(s3_server, s3_prefix) == []
+
+
+def test_a_segment_not_committed_before_one_that_is_is_made_again_with_the_same_parts(s3_server, s3_prefix, tmp_path):
+    # What a kill leaves when uploads commit out of order, made exactly: a run killed as it finalizes (every segment
+    # committed, every shard checkpointed), then the second of train.bin's four segments and its shards' checkpoints
+    # removed, as if its upload had not finished while the third's had. The rerun tokenizes those shards again and
+    # gathers their parts from the same first part into the same segment.
+    manifest, reference = _mixed(tmp_path, [4, 1, 1, 4, 4, 1])
+    url = s3_server.url(s3_prefix)
+    killed = store_out_run(manifest, url, kill=("tokpipe.write.stored.StoreAssembly.finish", 1))
+    assert killed.returncode == -9, killed.stdout + killed.stderr
+    left = stored_objects(s3_server, s3_prefix)
+    segments = sorted(n for n in left if n.startswith("segments/") and n.endswith(".bin"))
+    assert segments == [f"segments/train/train__part-{n:02d}.bin" for n in (0, 1, 4, 5)]
+    client = s3_server.client()
+    for name in ["segments/train/train__part-01.bin", *(f"shards/train/train__part-{n:02d}.json" for n in (1, 2, 3))]:
+        client.delete_object(Bucket=s3_server.bucket, Key=f"{s3_prefix}/{name}")
+    rerun = store_out_run(manifest, url)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert "6 shards, 5.2 MiB; 3 done, 0 partial, 3 to start" in rerun.stdout
+    _assert_split(stored_objects(s3_server, s3_prefix), "train", reference)
+    assert open_uploads(s3_server, s3_prefix) == []
+
+
+def test_a_ray_run_killed_while_segments_upload_at_once_then_the_same_command_is_the_reference(
+    s3_server, s3_prefix, tmp_path
+):
+    # Segments commit in any order on Ray (four uploads at a time): a kill -9 of the whole run once one is committed
+    # may leave later ones committed and earlier ones not, and large parts in files of the node (--shard-buffer 1).
+    manifest, reference = _mixed(tmp_path, [4, 1, 1, 4, 4, 1, 4, 1, 4])
+    url, args = s3_server.url(s3_prefix), ("--ray-only", "--workers", "2", "--shard-buffer", "1")
+    run = start(manifest, url, *args, logs=tmp_path)
+
+    def committed() -> bool:  # two of its five segments
+        objects = stored_objects(s3_server, s3_prefix)
+        return sum(n.startswith("segments/") and n.endswith(".bin") for n in objects) >= 2
+
+    wait_for(lambda: committed() or run.poll() is not None)
+    kill_9(run)
+    assert "meta.json" not in stored_objects(s3_server, s3_prefix), run.log.read_text()
+    rerun = tokpipe(*run_args(manifest, url, *args))
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     objects = stored_objects(s3_server, s3_prefix)
-    reference = reference_tokens(EXAMPLE_TRAIN_FILES[:1], QWEN3 / "tokenizer.json", QWEN3_EOS)
-    _assert_split(objects, "train", np.tile(reference, sum(copies)))
+    _assert_split(objects, "train", reference)
+    assert not [name for name in objects if name.startswith("segments/")]
     assert open_uploads(s3_server, s3_prefix) == []
 
 
