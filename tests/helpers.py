@@ -522,7 +522,7 @@ class RayNodes:
 
     def __init__(self, tmp_path: Path):
         self.temp = tempfile.mkdtemp(prefix="tpnodes-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-        self.address = f"127.0.0.1:{random.randint(20000, 29999)}"
+        self.address = f"127.0.0.1:{random.randint(*RAY_HEAD_PORTS)}"
         self.env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_AUTH_MODE": "disabled"}
         self.site = tmp_path / "lose-node-site"
         self.sessions: list[int] = []
@@ -892,11 +892,18 @@ def _port_free(port: int) -> bool:
             return False
 
 
+# Ports below Linux's ephemeral range (32768 on): a server restarted on its ports (S3Server.launch) finds them free,
+# not taken meanwhile by a connection of Ray's or boto3's (a restart that lost one answered InternalError past
+# every retry); above Ray's workers' (10002-19999). Ray heads the tests start take RAY_HEAD_PORTS.
+WEED_BASES = range(20000, 32768 - 10000 - 10)
+RAY_HEAD_PORTS = (23000, 29999)
+
+
 def _port_base() -> int:
-    """A port from which len(WEED_PORTS) ports, and each + 10000 (weed's gRPC ports), are free: at most 65535."""
+    """A port from which len(WEED_PORTS) ports, and each + 10000 (weed's gRPC ports), are free."""
     rng = random.SystemRandom()
     for _ in range(200):
-        base = rng.randrange(20000, 55535 - len(WEED_PORTS))
+        base = rng.choice(WEED_BASES)
         if all(_port_free(p) and _port_free(p + 10000) for p in range(base, base + len(WEED_PORTS))):
             return base
     raise RuntimeError("no free ports for weed mini")

@@ -25,6 +25,7 @@ from helpers import (
     EXAMPLE_CACHE,
     LOSE_NODE_SITE,
     QWEN3,
+    RAY_HEAD_PORTS,
     checkpoints,
     kill_9,
     open_uploads,
@@ -149,7 +150,7 @@ def test_with_address_a_node_that_cannot_see_out_stops_the_run_naming_node_and_p
     temp = tempfile.mkdtemp(prefix="tpnodes-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
-    address = f"127.0.0.1:{random.randint(20000, 29999)}"
+    address = f"127.0.0.1:{random.randint(*RAY_HEAD_PORTS)}"
     node_id = "ab" * 28  # Ray's testing hook names the second node, for the exact line
     blind = f"node 127.0.0.2 ({node_id}) cannot see OUT"
     advice = (
@@ -227,7 +228,7 @@ def test_on_a_store_a_node_that_shares_no_file_system_is_lost_mid_run_and_the_by
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
     lose = {"TOKPIPE_TESTS_LOSE_NODE_AT": "tokpipe.write.shard.ShardWriter._encode:10", "PYTHONPATH": f"{temp}/site"}
-    address = f"127.0.0.1:{random.randint(20000, 29999)}"
+    address = f"127.0.0.1:{random.randint(*RAY_HEAD_PORTS)}"
     run = second = None
     sessions = []
     try:

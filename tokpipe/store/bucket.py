@@ -25,6 +25,7 @@ TRIES = 10
 # A command's first request (Bucket.check): refused after these, so that an endpoint that is not there is said in
 # seconds (connection refused: ~1 s) rather than after TRIES' minute or two.
 CHECK_TRIES = 2
+DELETE_BATCH = 1000  # keys a DeleteObjects request may name (S3's most)
 READ_TIMEOUT = 300  # seconds: a part copy of 5 GiB is one request, answered when it is done
 CONNECT_TIMEOUT = 10
 
@@ -215,6 +216,19 @@ class Bucket:
 
     def delete(self, key: str, if_match: str | None = None) -> None:
         self.call(key, "delete_object", Key=key, **({"IfMatch": if_match} if if_match else {}))
+
+    def delete_many(self, keys: list[str]) -> None:
+        """Remove these objects, DELETE_BATCH a request (DeleteObjects): a run's 60,000 segments' 180,000 objects in
+        180 requests, not 180,000 (at a cloud store's ~30 ms a request, 90 minutes one by one)."""
+        for at in range(0, len(keys), DELETE_BATCH):
+            batch = [{"Key": key} for key in keys[at : at + DELETE_BATCH]]
+            answer = self.call(keys[at], "delete_objects", Delete={"Objects": batch, "Quiet": True})
+            if answer.get("Errors"):  # per key, in a 200 answer: said as the store's refusal of that key
+                from botocore.exceptions import ClientError
+
+                error = answer["Errors"][0]
+                failed = ClientError({"Error": {"Code": error.get("Code"), "Message": error.get("Message")}}, "Delete")
+                raise _error(failed, self.where(error.get("Key", keys[at])), self.endpoint)
 
     def uploads(self, prefix: str) -> list[tuple[str, str]]:
         """The multipart uploads begun under the prefix and neither completed nor aborted: (key, upload id)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import pickle
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -249,15 +250,20 @@ class StoreAssembly:
         base = out.of_local(out.layout.split(stem, group))
         compose(bucket, f"{base}.bin", [(out.key(p.name) + ".bin", 0, p.tokens * self.itemsize) for p in segments])
         upload, chunk, size, shift = None, [], 0, 0
-        for segment in segments:
-            ends = np.frombuffer(bucket.get(out.key(segment.name) + ".idx")[0], dtype=IDX_DTYPE) + shift
-            shift += segment.tokens
-            chunk.append(ends.tobytes())
-            size += ends.nbytes
-            if size >= MIN_PART:
-                upload = upload or Upload.begin(bucket, f"{base}.idx")
-                upload.send(chunk)
-                chunk, size = [], 0
+
+        def idx(segment: Segment) -> bytes:
+            return bucket.get(out.key(segment.name) + ".idx")[0]
+
+        with ThreadPoolExecutor(REQUESTS_AT_ONCE) as pool:
+            for segment, raw in zip(segments, _ahead(pool, idx, segments)):
+                ends = np.frombuffer(raw, dtype=IDX_DTYPE) + shift
+                shift += segment.tokens
+                chunk.append(ends.tobytes())
+                size += ends.nbytes
+                if size >= MIN_PART:
+                    upload = upload or Upload.begin(bucket, f"{base}.idx")
+                    upload.send(chunk)
+                    chunk, size = [], 0
         if upload is None:
             bucket.put(f"{base}.idx", b"".join(chunk))
         else:
@@ -271,8 +277,19 @@ class StoreAssembly:
         bucket.put(out.key("meta.pkl"), pickle.dumps(meta, protocol=4))
         bucket.put(out.key("meta.json"), json.dumps(meta).encode())
         if self.spec.concat:
-            for found in list(bucket.list(out.segments)):
-                bucket.delete(found.key)
+            bucket.delete_many([found.key for found in bucket.list(out.segments)])
+
+
+def _ahead(pool: ThreadPoolExecutor, fn, items: list) -> Iterator:
+    """fn(item) for each item, in order, REQUESTS_AT_ONCE * 4 of them asked ahead: a request's latency hidden, never
+    every answer held at once (a split's 60,000 segments' .idx: its whole index)."""
+    asked: deque = deque()
+    for item in items:
+        asked.append(pool.submit(fn, item))
+        if len(asked) > REQUESTS_AT_ONCE * 4:
+            yield asked.popleft().result()
+    while asked:
+        yield asked.popleft().result()
 
 
 def _checkpoint(bucket, key: str) -> Checkpoint:
