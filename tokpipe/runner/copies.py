@@ -1,7 +1,7 @@
-"""The writes that assemble the split files on Ray while shards still tokenize: Placer actors (task.Placer)
-write each part where its tokens are; what goes where is the Assembler's. A placing call that fails comes back
-here: its parts go again, and those whose tokens were lost with a node wait for their shard to be tokenized
-again (Losses, in runner/schedule.py)."""
+"""The writes that assemble OUT on Ray while shards still tokenize: Placer actors (task.Placer) write each part
+where its tokens are, into the split files (Copies), or for an OUT on a store upload each segment (StoreCopies);
+what goes where is the assembler's. A placing call that fails comes back here: its parts go again, and those whose
+tokens were lost with a node wait for their shard to be tokenized again (Losses, in runner/schedule.py)."""
 
 from __future__ import annotations
 
@@ -39,34 +39,24 @@ def _where(part: Part) -> tuple[str, str | None]:
     return part.stem, part.buffered[0].node if part.buffered else None
 
 
-class Copies:
-    """A Placer actor on each node that holds tokens (task.Placer) takes no CPU of the shards': a shard's
-    buffered parts are written on the node whose object store holds them (never through the driver, whose
-    own CPU stays per shard, not per byte), the parts copied from shards' own files by the placers in turn
-    (OUT is on storage all of them see). Parts wait in a queue while every slot is busy, so the next call
-    takes all of them: with thousands of tiny shards, one call and one fsync cover many. AT_ONCE calls a node:
-    one writes while the other waits on its fsync.
-    """
+class Placing:
+    """What the writes that assemble OUT while shards still tokenize share, on disk (Copies) and on a store
+    (StoreCopies): a Placer actor on each node (task.Placer), made when first needed, AT_ONCE calls to each; the
+    items the assembler has ready (`_ready`) queued and each sent where its tokens are (`_send`), taken back done
+    (`_took`) or failed and sent again; an item some of whose tokens (`_held`) went with a lost node parked until its
+    shard is tokenized again."""
 
     AT_ONCE = 2
 
-    def __init__(
-        self,
-        assembler: Assembler,
-        out: Path,
-        itemsize: int,
-        nodes: int,
-        check: ray.ObjectRef | None,
-        log: RunLog,
-    ):
-        self.assembler, self.out, self.itemsize, self.check, self.log = assembler, out, itemsize, check, log
+    def __init__(self, assembler, itemsize: int, nodes: int):
+        self.assembler, self.itemsize = assembler, itemsize
         self.slots = self.AT_ONCE * nodes
         self.here = ray.get_runtime_context().get_node_id()
         self.placers: dict[str, ray.actor.ActorHandle] = {}  # node -> its Placer, made when first needed
         self.turn = 0  # which placer copies the next parts from files
-        self.queue: deque[Part] = deque()
-        self.parked: list[Part] = []  # parts whose tokens went with a lost node, until they are made again
-        self.running: dict = {}  # ObjectRef -> (its Placer's node, its parts, the refs of their tokens as sent)
+        self.queue: deque = deque()
+        self.parked: list = []  # items whose tokens went with a lost node, until they are made again
+        self.running: dict = {}  # ObjectRef -> (its Placer's node, its items, the refs of their tokens as sent)
         self.bytes_by_node: Counter = Counter()
 
     @property
@@ -97,35 +87,6 @@ class Copies:
                 continue
             node, items, call = self._send()
             self.running[call] = (node, items, [[s.ref for s in self._held(item)] for item in items])
-
-    def _ready(self, excluded: frozenset[str]) -> list[Part]:
-        if not self.assembler.concat:  # --no-concat: nothing to copy, a part is listed as it is
-            parts = self.assembler.ready(excluded)
-            self.assembler.placed(parts, [p.record for p in parts])
-            return []
-        return self.assembler.ready(excluded)
-
-    def _send(self) -> tuple[str, list[Part], ray.ObjectRef]:
-        """The next parts of one file whose tokens are on one node (or in files), up to COPY_BATCH_BYTES, to place."""
-        stem, node = _where(self.queue[0])
-        batch, size = [], 0
-        while self.queue and _where(self.queue[0]) == (stem, node) and not self._lost(self.queue[0]):
-            batch.append(self.queue.popleft())
-            size += batch[-1].record["tokens"] * self.itemsize
-            if size >= COPY_BATCH_BYTES:
-                break
-        node, placer = self._placer(node)
-        return node, batch, placer.place.remote(str(self.out), batch, self.itemsize, self.check)
-
-    def _took(self, parts: list[Part], result) -> None:
-        wrote, records = result
-        self.assembler.placed(parts, records)
-        self.bytes_by_node[wrote] += sum(r["tokens"] for r in records) * self.itemsize
-
-    @staticmethod
-    def _held(part: Part) -> list[Stored]:
-        """Where an item's tokens wait on Ray (none: in files, or sent with the call)."""
-        return [part.buffered[0]] if part.buffered else []
 
     def _lost(self, item) -> bool:
         """Whether some of an item's tokens went with a lost node (their shard is being tokenized again)."""
@@ -183,6 +144,47 @@ class Copies:
         self.queue.extend(item for item in self.parked if not self._lost(item))
         self.parked = [item for item in self.parked if self._lost(item)]
 
+
+class Copies(Placing):
+    """Parts written into split files on storage every node sees: a shard's buffered parts on the node whose object
+    store holds them (never through the driver, whose own CPU stays per shard, not per byte), the parts copied from
+    shards' own files by the placers in turn. Parts wait in a queue while every slot is busy, so the next call takes
+    all of them: with thousands of tiny shards, one call and one fsync cover many. Two calls a node: one writes while
+    the other waits on its fsync."""
+
+    def __init__(self, assembler: Assembler, out: Path, itemsize: int, nodes: int, check, log: RunLog):
+        super().__init__(assembler, itemsize, nodes)
+        self.out, self.check, self.log = out, check, log
+
+    def _ready(self, excluded: frozenset[str]) -> list[Part]:
+        if not self.assembler.concat:  # --no-concat: nothing to copy, a part is listed as it is
+            parts = self.assembler.ready(excluded)
+            self.assembler.placed(parts, [p.record for p in parts])
+            return []
+        return self.assembler.ready(excluded)
+
+    def _send(self) -> tuple[str, list[Part], ray.ObjectRef]:
+        """The next parts of one file whose tokens are on one node (or in files), up to COPY_BATCH_BYTES, to place."""
+        stem, node = _where(self.queue[0])
+        batch, size = [], 0
+        while self.queue and _where(self.queue[0]) == (stem, node) and not self._lost(self.queue[0]):
+            batch.append(self.queue.popleft())
+            size += batch[-1].record["tokens"] * self.itemsize
+            if size >= COPY_BATCH_BYTES:
+                break
+        node, placer = self._placer(node)
+        return node, batch, placer.place.remote(str(self.out), batch, self.itemsize, self.check)
+
+    def _took(self, parts: list[Part], result) -> None:
+        wrote, records = result
+        self.assembler.placed(parts, records)
+        self.bytes_by_node[wrote] += sum(r["tokens"] for r in records) * self.itemsize
+
+    @staticmethod
+    def _held(part: Part) -> list[Stored]:
+        """Where an item's tokens wait on Ray (none: in files, or sent with the call)."""
+        return [part.buffered[0]] if part.buffered else []
+
     def keep(self, done: list[tuple]) -> int:
         """Done shards whose place this run will not know (a shard before them failed): their buffered parts
         written to their own files and checkpointed (shard.keep), on the node that holds them, so that the rerun
@@ -205,7 +207,7 @@ class Copies:
         return kept
 
 
-class StoreCopies(Copies):
+class StoreCopies(Placing):
     """On a store (layout/stored.py): the segments the driver closes (write/stored.py, from the parts' counts) each
     uploaded by the Placer of the node that holds most of its tokens: a large part from its own node, never moved;
     small parts gathered from the nodes that hold them. AT_ONCE calls a node: an upload waits on the network,
@@ -215,7 +217,7 @@ class StoreCopies(Copies):
     AT_ONCE = 4
 
     def __init__(self, assembler: StoreAssembly, nodes: int):
-        super().__init__(assembler, Path(), assembler.itemsize, nodes, None, lambda line: None)
+        super().__init__(assembler, assembler.itemsize, nodes)
         alive = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]
         for node in {self.here, *alive}:  # each node's Placer ready before its first segment
             self._placer(node)[1].warm.remote(str(assembler.out))

@@ -32,7 +32,7 @@ from tokpipe.errors import NodeError, RayUnavailable
 from tokpipe.inputs.manifest import Manifest, Shard
 from tokpipe.layout.files import stall_dump
 from tokpipe.options import RunOptions
-from tokpipe.runner.copies import Copies, get
+from tokpipe.runner.copies import Placing, get
 from tokpipe.runner.events import Listener, Said
 from tokpipe.runner.local import DoneShards, Tally, describe_failure
 from tokpipe.runner.nodes import NodeWatch
@@ -249,7 +249,7 @@ class Losses:
         self.tasks, self.watch, self.log, self.tell = tasks, tasks.watch, tasks.log, tell
         self.unsaid: dict[str, tuple[float, set[str], set[str]]] = {}  # node -> found at, shards ran, waited there
 
-    def lose(self, node: str, copies: Copies, ran: list[Shard] = (), taken: list[Stored] = ()) -> bool:
+    def lose(self, node: str, copies: Placing, ran: list[Shard] = (), taken: list[Stored] = ()) -> bool:
         """A node is lost: the shards done and waiting in its object store are tokenized again (with `taken`,
         those marked lost already), those running there go again as their tasks fail (`ran`: one that failed,
         which may come before the node is found lost or after). Said in one line (`say`). Stops the run if no
@@ -275,9 +275,9 @@ class Losses:
             )
         return bool(stored)
 
-    def placing_failed(self, copies: Copies, node: str, lost: list[Stored], error: Exception) -> None:
+    def placing_failed(self, copies: Placing, node: str, lost: list[Stored], error: Exception) -> None:
         """A placing call failed: its Placer, or the node its tokens were on, is gone. The shards whose tokens it
-        lost are tokenized again; its other parts go again as they are (Copies.collect)."""
+        lost are tokenized again; its other parts go again as they are (Placing.collect)."""
         self.log(
             f"placing on node {self.watch.name(node)} failed ({describe_failure(error)}):"
             f" {_plural(len(lost), 'shard')} to tokenize again"
@@ -308,26 +308,26 @@ class Losses:
 
 class Scheduler:
     """Runs every unfinished shard to completion or failure (Tasks), copying finished ones into place as their
-    offsets become known (Copies), and tokenizing again what a node lost held (Losses). Afterwards the tally's
-    `failed` (relpath -> error) says which shards failed."""
+    offsets become known (Copies; on a store, StoreCopies), and tokenizing again what a node lost held (Losses).
+    Afterwards the tally's `failed` (relpath -> error) says which shards failed."""
 
     def __init__(self, tasks: Tasks, tell: Listener):
         self.tasks, self.log, self.tally, self.watch = tasks, tasks.log, tasks.tally, tasks.watch
         self.losses = Losses(tasks, tell)
         self.done = 0  # shards finished, for the progress counts
 
-    def run(self, progress: Progress, copies: Copies, done: int) -> None:
+    def run(self, progress: Progress, copies: Placing, done: int) -> None:
         """Tokenize every unfinished shard, placing what can be meanwhile; returns once the last is tokenized.
         `done`: shards finished before (this run's, in the driver), for the progress counts."""
         self.done = done
         self._loop(progress, copies, None)
 
-    def drain(self, progress: Progress, copies: Copies, excluded: frozenset[str]) -> None:
+    def drain(self, progress: Progress, copies: Placing, excluded: frozenset[str]) -> None:
         """Place everything whose place is known (with `excluded` left out), tokenizing again what a node lost
         meanwhile held."""
         self._loop(progress, copies, excluded)
 
-    def _loop(self, progress: Progress, copies: Copies, excluded: frozenset[str] | None) -> None:
+    def _loop(self, progress: Progress, copies: Placing, excluded: frozenset[str] | None) -> None:
         """`excluded` None: until every shard is tokenized; else until every part is placed (the tail, in which
         the driver also waits on the copies)."""
         tasks, failed = self.tasks, self.tally.failed
@@ -367,7 +367,7 @@ class Scheduler:
         tasks.read_board()
         progress.update(*tasks.totals, done=self.done, running=0, failed=len(failed), final=True)
 
-    def _collect(self, ref, copies: Copies) -> None:
+    def _collect(self, ref, copies: Placing) -> None:
         """Take a finished task's results."""
         task = self.tasks.running.pop(ref)
         try:
@@ -394,7 +394,7 @@ class Scheduler:
         for node in {r.buffered_on for r in results} & self.watch.lost:  # done there just before it was lost
             self.losses.lose(node, copies)
 
-    def _failed(self, task: _Task, error: Exception, copies: Copies) -> None:
+    def _failed(self, task: _Task, error: Exception, copies: Placing) -> None:
         """A task that failed: the node it ran on, if that is lost, said lost; the task retried (Tasks.retry)."""
         crashed = not isinstance(error, ray.exceptions.RayTaskError)  # the worker died, not the shard's code
         if crashed and _tag(task.shards) not in self.tasks.nodes:  # begun since the board's last snapshot, maybe
