@@ -8,7 +8,18 @@ import shutil
 import time
 
 import pytest
-from helpers import EXAMPLE_CACHE, HOLDOUT, QWEN3, TRAIN_0, TRAIN_1, cli
+from helpers import (
+    EXAMPLE_CACHE,
+    EXAMPLE_TRAIN_FILES,
+    HOLDOUT,
+    QWEN3,
+    QWEN3_EOS,
+    TRAIN_0,
+    TRAIN_1,
+    cli,
+    held_out,
+    reference_tokens,
+)
 
 from tokpipe.cli import parser
 from tokpipe.commands.status import report, status
@@ -155,6 +166,22 @@ def test_resume_command_gives_switches_without_a_value(killed):
         0.05,
         True,
     )
+
+
+def test_a_train_shard_s_tokens_held_out_for_val_are_said_with_its_split(tmp_path):
+    # status counts the work of each split's shards, held-out documents included; the line says how much of it
+    # went to val.bin, so that it adds up to what `run` printed for train.bin and val.bin.
+    manifest = tmp_path / "m.json"
+    write_manifest(build_manifest(EXAMPLE_CACHE), manifest)
+    out = tmp_path / "out"
+    run = cli("run", "--manifest", manifest, "--tokenizer", QWEN3, "--out", out, "--val-fraction", "0.01")
+    assert run.returncode == 0, run.stdout + run.stderr
+    tokenizer = QWEN3 / "tokenizer.json"
+    held = len(reference_tokens(EXAMPLE_TRAIN_FILES, tokenizer, QWEN3_EOS, keep=held_out(0.01, True)))
+    kept = len(reference_tokens(EXAMPLE_TRAIN_FILES, tokenizer, QWEN3_EOS, keep=held_out(0.01, False)))
+    line = next(line for line in cli("status", out).stdout.splitlines() if line.startswith("  train "))
+    said = f"{held + kept:>15,} tokens  {293:>12,} documents  ({held:,} of the tokens held out for val.bin)"
+    assert line.endswith(said), line
 
 
 def test_status_counts_each_groups_committed_tokens(finished_grouped, grouped_reference):

@@ -49,6 +49,7 @@ class ShardStatus:
     skipped: dict[str, int] = field(default_factory=dict)  # lines skipped, by reason
     text_bytes: int = 0  # decompressed input bytes consumed (0: a checkpoint older than the field)
     seconds: float = 0.0  # tokenizing, summed over attempts
+    held: int = 0  # of `tokens`, those of the documents held out for val.bin (--val-fraction)
 
     @property
     def bytes_per_token(self) -> float | None:
@@ -135,7 +136,7 @@ def status(out: str | os.PathLike) -> RunStatus:
         shards.append(
             ShardStatus(
                 shard.split, shard.relpath, state, shard.size, read, tokens, documents, error, writing,
-                ckpt.lines, dict(ckpt.skipped), ckpt.text_bytes, round(ckpt.seconds, 3),
+                ckpt.lines, dict(ckpt.skipped), ckpt.text_bytes, round(ckpt.seconds, 3), held_tokens,
             )  # fmt: skip
         )
         for split, part in ckpt.group_parts(shard.split):
@@ -225,9 +226,11 @@ def report(st: RunStatus) -> str:
     lines.append(f"shards: {', '.join(f'{st.count(s)} {s}' for s in states)} (of {len(st.shards)})")
     for split in dict.fromkeys(s.split for s in st.shards):
         mine = [s for s in st.shards if s.split == split]
+        held = sum(s.held for s in mine)
         lines.append(
             f"  {split:<11} {st.count('done', split)}/{len(mine)} done  "
             f"{sum(s.tokens for s in mine):>15,} tokens  {sum(s.documents for s in mine):>12,} documents"
+            + (f"  ({held:,} of the tokens held out for val.bin)" if held else "")
         )
     for split, groups in st.groups.items():
         largest = sorted(groups.items(), key=lambda g: -g[1][0])
