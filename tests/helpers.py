@@ -893,8 +893,9 @@ def _port_free(port: int) -> bool:
 
 
 # Ports below Linux's ephemeral range (32768 on): a server restarted on its ports (S3Server.launch) finds them free,
-# not taken meanwhile by a connection of Ray's or boto3's (a restart that lost one answered InternalError past
-# every retry); above Ray's workers' (10002-19999). Ray heads the tests start take RAY_HEAD_PORTS.
+# not taken meanwhile by a connection of Ray's or boto3's (the likely cause, unproven, of a restart that answered
+# InternalError past every retry, once in six runs); above Ray's workers' (10002-19999). Ray heads the tests start
+# take RAY_HEAD_PORTS.
 WEED_BASES = range(20000, 32768 - 10000 - 10)
 RAY_HEAD_PORTS = (23000, 29999)
 

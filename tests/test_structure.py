@@ -174,7 +174,7 @@ def test_only_the_contract_takes_a_key_of_meta_or_run_json():
     assert found == []
 
 
-def test_two_modules_touch_a_token_files_bytes():
+def test_three_modules_touch_a_token_files_bytes():
     """The readers read a split's token files through one reader, whose file access is one module (read/maps.py:
     mapped, read, checked); the write path reads a shard's ends where it copies them (write/place.py), and an OUT
     on a store's large parts from its node's files where they are uploaded (write/segments.py)."""

@@ -74,7 +74,7 @@ def _scan_parts(read, ends_at, parts: list[Part], dtype: np.dtype, eos_id: int, 
             relative[0] > 0 and np.all(np.diff(range_ends) > 0) and range_ends[-1] <= r.token_end
         )
         scan.increasing &= ordered
-        starts = np.concatenate([[r.token_offset], range_ends[:-1]])
+        starts = np.concatenate([[r.token_offset], range_ends[:-1]]) if bos_id is not None else None
         hasher, at = hashlib.sha256(), r.token_offset  # `at`: the buffer's first token in the file
         start, end = r.token_offset * dtype.itemsize, r.token_end * dtype.itemsize
         try:

@@ -21,9 +21,9 @@ from tokpipe.layout.stored import StoredOut
 from tokpipe.runner.nodes import NodeCheck, ensure_seen
 from tokpipe.write.memory import MemoryGuard, memory_guard
 from tokpipe.write.place import place
-from tokpipe.write.segments import Segment, Spilled, upload_segment
+from tokpipe.write.segments import Planned, Segment, Spilled
 from tokpipe.write.shard import EncodeSpec, ShardResult, keep, tokenize_shard
-from tokpipe.write.stored import Step
+from tokpipe.write.stored import Step, upload_planned
 
 REPORT_EVERY = 1.0  # seconds between a worker's progress reports
 
@@ -228,10 +228,7 @@ class Placer:
             else step
             for step in sources
         ]
-        uploaded = upload_segment(StoredOut.of(out), segment, [step.arrays() for step in here])
-        for step in here:
-            step.release()
-        return self.node, segment, uploaded
+        return self.node, segment, upload_planned(StoredOut.of(out), Planned(segment, here))
 
     def keep(self, out: str, done: list[tuple[Checkpoint, Stored]], check: NodeCheck | None) -> int:
         """shard.keep for done shards whose buffered parts are in this node's object store; returns how many."""

@@ -5,9 +5,8 @@ server from its segments, its .idx, its .parts, meta.pkl and meta.json last.
 
 A rerun lists OUT's prefix once: the done checkpoints (those shards are not tokenized again), the committed segments
 (read back: the parts in them are not uploaded again), the segments never committed (removed) and the multipart
-uploads a killed attempt left open (aborted). A shard done but not
-checkpointed (a part of it not yet in a committed segment when the run stopped) is tokenized again; its parts already
-in a segment are passed over.
+uploads a killed attempt left open (aborted). A shard done but not checkpointed (a part of it not yet in a committed
+segment when the run stopped) is tokenized again; its parts already in a segment are passed over.
 """
 
 from __future__ import annotations
@@ -76,7 +75,6 @@ class StoreAssembly:
     done_keys: set[str] = field(default_factory=set)  # keys of the done checkpoints
     committed: set[tuple] = field(default_factory=set)  # Entry.key of every part in a committed segment
     made: dict[tuple, list[Segment]] = field(default_factory=dict)  # (stem, group) -> its committed segments
-    uploaded: int = 0  # bytes of tokens and ends uploaded by this process (place_ready)
     # relpath -> (shard, checkpoint, its parts not yet in a committed segment): checkpointed once there are none
     waiting: dict[str, tuple[Shard, Checkpoint, set]] = field(default_factory=dict)
     results: dict[str, list] = field(default_factory=dict)  # relpath -> [ckpt, buffered, sources not walked, shard]
@@ -199,9 +197,7 @@ class StoreAssembly:
     def place_ready(self, excluded: frozenset[str] = frozenset()) -> None:
         """The segments whose turn has come, uploaded by this process (its tokens are here: a run without Ray)."""
         for planned in self.ready(excluded):
-            self.uploaded += upload_segment(self.out, planned.segment, [step.arrays() for step in planned.sources])
-            for step in planned.sources:
-                step.release()
+            upload_planned(self.out, planned)
             self.commit([planned.segment])
 
     # -- finalize ----------------------------------------------------------------------------------------
@@ -278,6 +274,15 @@ class StoreAssembly:
         bucket.put(out.key("meta.json"), json.dumps(meta).encode())
         if self.spec.concat:
             bucket.delete_many([found.key for found in bucket.list(out.segments)])
+
+
+def upload_planned(out: StoredOut, planned: Planned) -> int:
+    """A segment uploaded by this process (segments.upload_segment), its parts' tokens where its steps say they are
+    here; a large part's files of this node's (Spilled) removed once it is up. Returns the bytes sent."""
+    uploaded = upload_segment(out, planned.segment, [step.arrays() for step in planned.sources])
+    for step in planned.sources:
+        step.release()
+    return uploaded
 
 
 def _ahead(pool: ThreadPoolExecutor, fn, items: list) -> Iterator:
