@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import threading
+from pathlib import Path
 
 import numpy as np
 import zstandard
@@ -208,7 +209,8 @@ def test_a_node_lost_at_any_moment_costs_its_shards_never_the_run(dataset, tmp_p
             else:
                 run = lost_node_run(target, 1, node_id if where.endswith("tokens") else "", session, *args)
             assert run.returncode == 0, f"{moment}: {run.stdout}{run.stderr}"
-            assert not session_processes(session), moment  # lost there
+            left = session_processes(session)
+            assert not left, f"{moment}: {[_cmdline(pid) for pid in left]}\n{run.stderr}"  # lost there
             # (The node of the moment before may be said lost too: Ray's GCS finds it dead 14-17 s after.)
             said = [LOST_LINE.fullmatch(line) for line in run.stderr.splitlines() if node_id[:8] in line]
             assert len(said) == 1 and said[0], f"{moment}: {run.stderr}"
@@ -222,3 +224,10 @@ def test_a_node_lost_at_any_moment_costs_its_shards_never_the_run(dataset, tmp_p
             assert (out / "logs" / "ray.log").exists()
             assert_out_is(out, expected)
             assert cli("verify", out).returncode == 0
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return "(gone)"
