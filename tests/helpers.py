@@ -456,22 +456,31 @@ _LOSE_NODE = (
     _AT_CALL
     + """
 def lose_node(session):
-    # Again until a pass finds none: a process of the node forked while a pass ran (a worker Ray was starting) had
-    # outlived it (seen once in a CI run: the run ended well, one process of the lost node still there).
-    for _ in range(100):
-        found = False
-        for pid in [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]:
-            try:
-                fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-                if int(fields[3]) == session and fields[0] != "Z":  # a zombie is dead already
-                    os.kill(pid, signal.SIGKILL)
-                    found = True
-            except (OSError, ValueError):
-                continue
-        if not found:
-            break
+    # The kills come from a process outside the session: one of the node's own, cut short (its Ray core worker exits
+    # the moment its raylet dies), had left processes forked during its pass alive (twice in CI: two ray::IDLE).
+    import subprocess, sys
+    subprocess.run([sys.executable, "-S", "-c", KILL_SESSION, str(session)], start_new_session=True)
     if os.getsid(0) == session:
         os.kill(os.getpid(), signal.SIGKILL)
+
+# kill -9 of every process of a session (argv: its id), again until a pass finds none: a process forked while a pass
+# ran (a worker Ray was starting) outlives that pass.
+KILL_SESSION = '''
+import os, signal, sys
+session = int(sys.argv[1])
+for _ in range(100):
+    found = False
+    for pid in [int(p) for p in os.listdir("/proc") if p.isdigit()]:
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            if int(fields[3]) == session and fields[0] != "Z":  # a zombie is dead already
+                os.kill(pid, signal.SIGKILL)
+                found = True
+        except (OSError, ValueError):
+            continue
+    if not found:
+        break
+'''
 """
 )
 LOSE_NODE_SITE = (
