@@ -69,5 +69,3 @@ def test_different_seeds_give_unrelated_orders():
         for b in range(a + 1, 4):
             assert np.count_nonzero(orders[a] == orders[b]) < 10
             assert abs(np.corrcoef(orders[a], orders[b])[0, 1]) < 0.02
-
-

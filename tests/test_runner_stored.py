@@ -258,9 +258,7 @@ def _mixed(tmp_path: Path, copies: list[int]) -> tuple[Path, np.ndarray]:
 
 
 @pytest.mark.parametrize("buffer", [[], ["--shard-buffer", "1"]], ids=["in memory", "past the shard buffer"])
-def test_large_parts_are_uploaded_where_they_are_and_the_file_keeps_split_order(
-    s3_server, s3_prefix, tmp_path, buffer
-):
+def test_large_parts_are_uploaded_where_they_are_and_the_file_keeps_split_order(s3_server, s3_prefix, tmp_path, buffer):
     # Shards of 4 copies of the example's first train shard (6 MiB of tokens: a segment of its own, uploaded by the
     # node that tokenized it) and of 1 (1.5 MiB: gathered with the next parts): segments [0], [1, 2, 3], [4], [5],
     # uploaded at once, in any order, composed in the order of their first parts (test_write_segments.py). Past

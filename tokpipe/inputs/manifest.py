@@ -202,8 +202,8 @@ def _identity(folder: Path) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
-def _shard(path: Path, relpath: str, blobs_dir: Path | None, base: Path, allow_outside: bool) -> Shard:
-    source = _resolve_pointer(path, blobs_dir).resolve()
+def _shard(pointed: Path, relpath: str, base: Path, allow_outside: bool) -> Shard:
+    source = pointed.resolve()
     if not allow_outside:
         _check_inside(str(source), relpath, str(base))
     try:
@@ -312,11 +312,12 @@ def build_manifest(
     files, passed_over = _walk(root, is_out)
     shards, files_passed_over = [], []
     for path, relpath in files:
-        json_head = _head(_resolve_pointer(path, blobs_dir)) if relpath.endswith(JSON_SUFFIX) else b""
+        pointed = _resolve_pointer(path, blobs_dir)
+        json_head = _head(pointed) if relpath.endswith(JSON_SUFFIX) else b""
         if why := not_a_shard(relpath, json_head):
             files_passed_over.append((relpath, why))
         else:
-            shards.append(_shard(path, relpath, blobs_dir, base, allow_outside))
+            shards.append(_shard(pointed, relpath, base, allow_outside))
     return manifest_of(
         str(root), str(base), allow_outside, repo_id, revision, shards, passed_over, lambda: _layout_hint(root),
         files_passed_over,
