@@ -128,7 +128,7 @@ class Placing:
                 self.queue.extend(items)
         held = [s for item in self.queue for s in self._held(item)]
         held += [s for _, items, _ in self.running.values() for item in items for s in self._held(item)]
-        held += [buffered for _, _, buffered in self.assembler.unplaced()]
+        held += self.assembler.held()
         return self._mark_lost(s for s in held if isinstance(s, Stored) and s.node == node)
 
     def _mark_lost(self, stored) -> list[Stored]:

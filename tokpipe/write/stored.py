@@ -159,9 +159,12 @@ class StoreAssembly:
                 planned += self.segments.end(stem)
         return planned
 
-    def unplaced(self) -> list[tuple[Shard, Checkpoint, object]]:
-        """Done shards whose parts wait in memory for their turn: (shard, checkpoint, buffered)."""
-        return [(shard, ckpt, buffered) for ckpt, buffered, _, shard in self.results.values()]
+    def held(self) -> list:
+        """Where the tokens of the parts not yet handed out wait (the buffered of their shards): done shards whose
+        turn has not come, and parts in a segment still gathering, which closes later and would be sent to the node
+        of a lost shard's tokens (a Placer made there waits ~14 s for Ray's GCS to find the node dead)."""
+        gathering = [step.buffered for segment in self.segments.open.values() for step in segment.sources]
+        return [buffered for _, buffered, _, _ in self.results.values()] + gathering
 
     def _add(self, stem: str, shard: Shard, held: bool, ckpt: Checkpoint, buffered) -> list[Planned]:
         planned = []

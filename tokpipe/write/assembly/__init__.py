@@ -75,6 +75,10 @@ class Assembler:
         """Done shards whose parts wait in memory for a place not known yet: (shard, checkpoint, buffered)."""
         return self.plan.unplaced()
 
+    def held(self) -> list:
+        """Where the tokens of the parts not yet handed out wait (the buffered of their shards)."""
+        return [buffered for _, _, buffered in self.plan.unplaced()]
+
     def ready(self, excluded: frozenset[str] = frozenset()) -> list[Part]:
         return self.plan.ready(self.splits, excluded)
 
