@@ -447,7 +447,7 @@ def killed_run(target: str, call: int, manifest, out, *extra, batch_bytes: int =
 
 # The loss of a Ray node at a point in the code: kill -9 of every process of the node (its `ray start` runs in a
 # session of its own: its raylet, its workers, its Placer, its agents), as a machine that is lost takes them all.
-# LOSE_NODE_SITE does it in the node's own processes, at the n-th call in a process of a function of tokpipe's
+# LOSE_NODE_SITE does it in the node's own processes, at the n-th call on the node of a function of tokpipe's
 # (TOKPIPE_TESTS_LOSE_NODE_AT=module.function:n in the node's environment, this file as sitecustomize.py on its
 # PYTHONPATH: RayNodes.add). LOST_NODE_RUN does it from a `tokpipe run` (argv: module.function or
 # module.Class.method, n, a node id, the node's session, then the CLI's arguments), at the n-th call of that
@@ -489,7 +489,18 @@ LOSE_NODE_SITE = (
 if "TOKPIPE_TESTS_LOSE_NODE_AT" in os.environ:
     target, call = os.environ["TOKPIPE_TESTS_LOSE_NODE_AT"].rsplit(":", 1)
     session = os.getsid(0)
-    at_call(target, int(call), lambda: lose_node(session))
+    # The n-th call on the node, in whichever of its processes: a byte appended to a file of the node's for each, the
+    # offset after it the call's number. (Counted in each process, the node was once not lost at all: a run under
+    # load ended before one process of it made 10 calls.)
+    calls = os.path.join(os.path.dirname(__file__), f"calls-{session}")
+    def nth_on_node(args):
+        fd = os.open(calls, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        try:
+            os.write(fd, b".")
+            return os.lseek(fd, 0, os.SEEK_CUR) == int(call)
+        finally:
+            os.close(fd)
+    at_call(target, 1, lambda: lose_node(session), nth_on_node)
 """
 )
 # A Ray worker killed (SIGKILL) at the n-th call of a function of tokpipe's in it, once in the run (a marker file

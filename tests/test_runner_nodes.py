@@ -222,7 +222,7 @@ def test_on_a_store_a_node_that_shares_no_file_system_is_lost_mid_run_and_the_by
     ray = str(Path(sys.executable).parent / "ray")
     temp = tempfile.mkdtemp(prefix="tpnodes-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     # The second node is lost in its second shard (LOSE_NODE_SITE in its processes, from outside tmp_path, which it
-    # does not see: at its worker's 10th batch of ~6 a shard), its first done and waiting there or uploaded.
+    # does not see: at its 10th batch of ~6 a shard), its first done and waiting there or uploaded.
     (Path(temp) / "site").mkdir()
     (Path(temp) / "site" / "sitecustomize.py").write_text(LOSE_NODE_SITE)
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
