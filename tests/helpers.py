@@ -490,8 +490,7 @@ if "TOKPIPE_TESTS_LOSE_NODE_AT" in os.environ:
     target, call = os.environ["TOKPIPE_TESTS_LOSE_NODE_AT"].rsplit(":", 1)
     session = os.getsid(0)
     # The n-th call on the node, in whichever of its processes: a byte appended to a file of the node's for each, the
-    # offset after it the call's number. (Counted in each process, the node was once not lost at all: a run under
-    # load ended before one process of it made 10 calls.)
+    # offset after it the call's number: a node's workers are processes Ray starts and ends as it likes.
     calls = os.path.join(os.path.dirname(__file__), f"calls-{session}")
     def nth_on_node(args):
         fd = os.open(calls, os.O_WRONLY | os.O_APPEND | os.O_CREAT)

@@ -221,13 +221,14 @@ def test_on_a_store_a_node_that_shares_no_file_system_is_lost_mid_run_and_the_by
     url = s3_server.url(f"{s3_prefix}/out")
     ray = str(Path(sys.executable).parent / "ray")
     temp = tempfile.mkdtemp(prefix="tpnodes-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    # The second node is lost in its second shard (LOSE_NODE_SITE in its processes, from outside tmp_path, which it
-    # does not see: at its 10th batch of ~6 a shard), its first done and waiting there or uploaded.
+    # The second node is lost in its first shard (LOSE_NODE_SITE in its processes, from outside tmp_path, which it
+    # does not see: at its 3rd batch of ~6 a shard). Not later: lost at its 10th batch, the node was not lost at all in
+    # 2 of 9 runs under load (CI once): the run had ended first.
     (Path(temp) / "site").mkdir()
     (Path(temp) / "site" / "sitecustomize.py").write_text(LOSE_NODE_SITE)
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
-    lose = {"TOKPIPE_TESTS_LOSE_NODE_AT": "tokpipe.write.shard.ShardWriter._encode:10", "PYTHONPATH": f"{temp}/site"}
+    lose = {"TOKPIPE_TESTS_LOSE_NODE_AT": "tokpipe.write.shard.ShardWriter._encode:3", "PYTHONPATH": f"{temp}/site"}
     address = f"127.0.0.1:{random.randint(*RAY_HEAD_PORTS)}"
     run = second = None
     sessions = []
@@ -250,8 +251,9 @@ def test_on_a_store_a_node_that_shares_no_file_system_is_lost_mid_run_and_the_by
         assert any("Ray runtime started" in line for line in second.stdout), "the second node did not start"
         run = start(tmp_path / "m.json", url, "--workers", "2", ray=address, tokenizer=tmp_path / "tok", logs=tmp_path)
         assert run.wait(timeout=600) == 0, run.log.read_text()
-        assert re.search(r"^ray: node 127\.0\.0\.2 \S+ lost: ", run.log.read_text(), re.M), run.log.read_text()
         objects = stored_objects(s3_server, f"{s3_prefix}/out")
+        said = run.log.read_text() + objects["logs/run.log"].decode()  # the latter: which node assembled what
+        assert re.search(r"^ray: node 127\.0\.0\.2 \S+ lost: ", run.log.read_text(), re.M), said
         for stem, expected in repeated_reference(copies).items():
             assert np.array_equal(np.frombuffer(objects[f"{stem}.bin"], dtype=np.uint32), expected), stem
         assert open_uploads(s3_server, f"{s3_prefix}/out") == []
