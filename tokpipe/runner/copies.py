@@ -120,13 +120,14 @@ class Placing:
     def lose(self, node: str) -> list[Stored]:
         """A node is lost: its Placer goes, the calls to it go again (one still making it would wait for the GCS
         to find the node dead), and every shard whose tokens wait in its object store (to be scheduled, queued,
-        being placed) is marked lost. Returns their Stored, each to tokenize again."""
+        parked for tokens another node lost, being placed) is marked lost. Returns their Stored, each to tokenize
+        again."""
         self.placers.pop(node, None)
         for handle, (placer_node, items, _) in list(self.running.items()):
             if placer_node == node:
                 del self.running[handle]
                 self.queue.extend(items)
-        held = [s for item in self.queue for s in self._held(item)]
+        held = [s for item in [*self.queue, *self.parked] for s in self._held(item)]
         held += [s for _, items, _ in self.running.values() for item in items for s in self._held(item)]
         held += self.assembler.held()
         return self._mark_lost(s for s in held if isinstance(s, Stored) and s.node == node)

@@ -385,13 +385,14 @@ class Scheduler:
             if results[0].buffered_on is None:  # alone, a shard has at least the room it had in its pack
                 raise RuntimeError(f"shard {task.shards[0].relpath}, tokenized again, did not keep its tokens")
             copies.found(task.redo, task.buffered, results[0].buffered_on)
-            return
-        for index, (shard, result) in enumerate(zip(task.shards, results)):
-            stored = Stored(shard, task.buffered, result.buffered_on, index) if result.buffered_on else None
-            copies.assembler.done(shard, result.checkpoint, stored)
-            self.tally.add(shard, result, self.log)
-        self.done += len(task.shards)
-        for node in {r.buffered_on for r in results} & self.watch.lost:  # done there just before it was lost
+        else:
+            for index, (shard, result) in enumerate(zip(task.shards, results)):
+                stored = Stored(shard, task.buffered, result.buffered_on, index) if result.buffered_on else None
+                copies.assembler.done(shard, result.checkpoint, stored)
+                self.tally.add(shard, result, self.log)
+            self.done += len(task.shards)
+        # Done there just before it was lost (a shard tokenized again too): its tokens are lost with it.
+        for node in {r.buffered_on for r in results} & self.watch.lost:
             self.losses.lose(node, copies)
 
     def _failed(self, task: _Task, error: Exception, copies: Placing) -> None:
