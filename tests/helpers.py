@@ -542,6 +542,30 @@ def lost_node_run(target: str, call: int, node: str, session: int, *args) -> sub
     return subprocess.run(command, capture_output=True, text=True, timeout=600, env=_env(None))
 
 
+# A `tokpipe run` (argv: its arguments) whose driver is held up 1 s after handing each shard task to Ray, as a
+# loaded machine may hold it up: a worker free at once has begun the task, and reported, before the call returns.
+SLOW_DRIVER_RUN = """
+import sys, time
+import ray.remote_function
+submit = ray.remote_function.RemoteFunction._remote
+def held_up(self, *args, **kwargs):
+    refs = submit(self, *args, **kwargs)
+    if self._function_name.endswith(".shard_task"):
+        time.sleep(1)
+    return refs
+ray.remote_function.RemoteFunction._remote = held_up
+from tokpipe import cli
+cli.main(sys.argv[1:])
+"""
+
+
+def slow_driver_run(*args, ray: str) -> subprocess.CompletedProcess:
+    """`tokpipe ARGS` on the session's Ray (`ray`), its driver held up after each shard task it submits
+    (SLOW_DRIVER_RUN)."""
+    command = [sys.executable, "-c", SLOW_DRIVER_RUN, *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=_env(ray))
+
+
 class RayNodes:
     """A Ray cluster of `ray start` nodes on this machine, each in a session of its own: a head with no CPUs (as
     large clusters run theirs), nodes added (`add`) and lost as a test needs; every process of it stopped at the

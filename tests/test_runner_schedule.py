@@ -28,6 +28,7 @@ from helpers import (
     reference_tokens,
     run_args,
     session_processes,
+    slow_driver_run,
     tokpipe,
     write_jsonl,
 )
@@ -79,8 +80,10 @@ def test_a_stuck_shard_is_cancelled_with_a_stack_dump_and_reported(dataset, tmp_
     # 3 s without progress is a stall. A shard's clock starts when a worker takes it (its first report), so the
     # seconds its worker takes to start on a busy machine are not counted (from submission, under pytest -n 2 on
     # 2 cores, real shards were reported stalled at 5 s). The 600-id tokenizer: the stall, not Qwen3, is the subject.
+    # The driver held up after each submission: a worker free at once reports before the driver goes on, and that
+    # report still starts the clock (taken for an earlier attempt's, the stuck shard was never cancelled: a hang).
     args = ("--stall-timeout", "3", "--max-retries", "1")
-    result = tokpipe(*run_args(tmp_path / "m.json", out, *args, tokenizer=small_tokenizer), ray=ray_address)
+    result = slow_driver_run(*run_args(tmp_path / "m.json", out, *args, tokenizer=small_tokenizer), ray=ray_address)
     assert result.returncode == 1
     dump = out / "logs" / "stall-train-train__zz_stuck.txt"
     assert [line for line in result.stderr.splitlines() if not line.startswith("[tokpipe]")][:1] == [

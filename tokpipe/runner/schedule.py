@@ -190,8 +190,12 @@ class Tasks:
             remote = self.task
             if where := self.watch.steer(self.cpus):
                 remote = self.task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(where, soft=True))
+            # The clock read before the call: a worker free at once beats within milliseconds, maybe before the call
+            # returns to a driver a loaded machine holds up; a beat older than `submitted` is taken for the last
+            # attempt's, and a shard stuck from its start was never found stalled (the run hung, seen under load).
+            submitted = time.time()
             ref, buffered = remote.remote(task.shards, self.common, self.check, task.redo is not None)
-            self.running[ref] = replace(task, submitted=time.time(), buffered=buffered)
+            self.running[ref] = replace(task, submitted=submitted, buffered=buffered)
 
     def retry(self, task: _Task, error: Exception, crashed: bool) -> None:
         """A task that failed: a pack's shards go again one by one; a shard whose worker or node died (`crashed`)
