@@ -249,7 +249,9 @@ def test_on_a_store_a_node_that_shares_no_file_system_is_lost_mid_run_and_the_by
         sessions.append(second.pid)
         # Joined before the run starts, which fits its workers to the CPUs it finds.
         assert any("Ray runtime started" in line for line in second.stdout), "the second node did not start"
-        run = start(tmp_path / "m.json", url, "--workers", "2", ray=address, tokenizer=tmp_path / "tok", logs=tmp_path)
+        # --ray-only: every shard on the nodes' workers, none in the driver, which could leave the second node few.
+        args = ("--workers", "2", "--ray-only")
+        run = start(tmp_path / "m.json", url, *args, ray=address, tokenizer=tmp_path / "tok", logs=tmp_path)
         assert run.wait(timeout=600) == 0, run.log.read_text()
         objects = stored_objects(s3_server, f"{s3_prefix}/out")
         said = run.log.read_text() + objects["logs/run.log"].decode()  # the latter: which node assembled what

@@ -170,6 +170,7 @@ NODE_LOST = {
     "while a shard done there waits in its store": ("driver, its tokens", "tokpipe.write.assembly.Assembler.done"),
     "as the last parts are placed (finalize)": ("driver", "tokpipe.runner.schedule.Scheduler.drain"),
 }
+ON_THE_NODES = ("--workers", "2", "--ray-only")  # every shard on the nodes' workers, none in the driver
 LOST_LINE = re.compile(
     r"ray: node 127\.0\.0\.2 \([0-9a-f]{8}\) lost: (it held no shard of the run|(?P<shards>\d+) shards? to"
     r" tokenize again \((?P<running>\d+) running there, (?P<waiting>\d+) done and waiting there to be placed\))"
@@ -178,7 +179,8 @@ LOST_LINE = re.compile(
 
 def test_a_node_lost_at_any_moment_costs_its_shards_never_the_run(dataset, tmp_path, small_tokenizer, small_reference):
     # Two copies of the example (6 shards, each's tokens in Ray's object store, not inline: over 100 KiB). A head
-    # with no CPUs, so the shards run on the nodes, and each node runs its workers and its Placer.
+    # with no CPUs, so the shards run on the nodes, and each node runs its workers and its Placer; --ray-only, so
+    # none in the driver (which, done before the node began, once left it nothing to lose it in).
     for split in ("train", "validation"):
         shutil.copytree(dataset / split / "chunk1", dataset / split / "chunk2")
     manifest = tmp_path / "m.json"
@@ -188,7 +190,7 @@ def test_a_node_lost_at_any_moment_costs_its_shards_never_the_run(dataset, tmp_p
         # The only node with CPUs lost mid-shard: no node left can run a shard; one line says so, exit 1.
         first = cluster.add("a0" * 28, "127.0.0.2", lose_at="tokpipe.write.shard.ShardWriter._encode:1")
         out = tmp_path / "out"
-        args = run_args(manifest, out, "--address", cluster.address, "--workers", "2", tokenizer=small_tokenizer)
+        args = run_args(manifest, out, "--address", cluster.address, *ON_THE_NODES, tokenizer=small_tokenizer)
         stopped = tokpipe(*args)
         assert stopped.returncode == 1, stopped.stdout + stopped.stderr
         assert stopped.stderr.splitlines()[-1] == (
@@ -206,7 +208,7 @@ def test_a_node_lost_at_any_moment_costs_its_shards_never_the_run(dataset, tmp_p
             node_id = f"c{n}" * 28
             session = cluster.add(node_id, "127.0.0.2", lose_at=f"{target}:1" if where == "node" else None)
             out = tmp_path / f"out-{n}"
-            args = run_args(manifest, out, "--address", cluster.address, "--workers", "2", tokenizer=small_tokenizer)
+            args = run_args(manifest, out, "--address", cluster.address, *ON_THE_NODES, tokenizer=small_tokenizer)
             if where == "node":
                 run = tokpipe(*args)
             else:
