@@ -254,8 +254,9 @@ def test_on_a_store_a_node_that_shares_no_file_system_is_lost_mid_run_and_the_by
         run = start(tmp_path / "m.json", url, *args, ray=address, tokenizer=tmp_path / "tok", logs=tmp_path)
         assert run.wait(timeout=600) == 0, run.log.read_text()
         objects = stored_objects(s3_server, f"{s3_prefix}/out")
-        said = run.log.read_text() + objects["logs/run.log"].decode()  # the latter: which node assembled what
-        assert re.search(r"^ray: node 127\.0\.0\.2 \S+ lost: ", run.log.read_text(), re.M), said
+        terminal = run.log.read_text()
+        said = terminal + objects["logs/run.log"].decode()  # the latter: which node assembled what
+        assert re.search(r"^ray: node 127\.0\.0\.2 \S+ lost: ", terminal, re.M), said
         for stem, expected in repeated_reference(copies).items():
             assert np.array_equal(np.frombuffer(objects[f"{stem}.bin"], dtype=np.uint32), expected), stem
         assert open_uploads(s3_server, f"{s3_prefix}/out") == []
