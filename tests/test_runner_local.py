@@ -15,6 +15,7 @@ from tokpipe.runner.driver import Standing
 from tokpipe.runner.identity import encode_spec
 from tokpipe.runner.local import Tally, tokenize_while
 from tokpipe.runner.progress import Progress, RunLog
+from tokpipe.runner.storage import DoneShards
 from tokpipe.write.assembly import Assembler
 from tokpipe.write.finalize import finalize
 
@@ -36,7 +37,7 @@ def _tokenize_here(out, info, busy, helpers: int) -> tuple[int, Tally, Assembler
     progress = Progress(out, MANIFEST.size, plan, itemsize, Series(out))
     tally = Tally(0)
     spec = encode_spec(OPTIONS, info, "fastokens")
-    done = tokenize_while(MANIFEST, out, spec, busy, progress, tally, RunLog(out), assembler, helpers)
+    done = tokenize_while(MANIFEST, out, spec, busy, progress, tally, RunLog(out), assembler, DoneShards(out), helpers)
     progress.close()
     return done, tally, assembler
 

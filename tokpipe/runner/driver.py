@@ -7,35 +7,29 @@ from __future__ import annotations
 import os
 import shlex
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from tokpipe.durability import write_json_atomic
 from tokpipe.errors import terminate_on_sigterm
-from tokpipe.inputs.manifest import Manifest, Shard, load_manifest, write_manifest
+from tokpipe.inputs.manifest import Manifest, load_manifest
 from tokpipe.inputs.objects import check_reachable
 from tokpipe.inputs.tokenizer import TokenizerInfo, choose_backend, load_tokenizer_info
-from tokpipe.layout.files import FAILED, RAY_LOG, Layout, LayoutWriter, out_folder
-from tokpipe.layout.meta import Meta, load_meta
-from tokpipe.layout.records import Checkpoint
+from tokpipe.layout.files import FAILED, RAY_LOG, Layout
+from tokpipe.layout.meta import Meta
 from tokpipe.layout.run import finished_with
 from tokpipe.layout.series import Series
-from tokpipe.layout.stored import StoredOut
 from tokpipe.options import RunOptions
 from tokpipe.runner.cluster import Cluster
 from tokpipe.runner.events import Finished, Listener, Said, silent
-from tokpipe.runner.identity import check_options, encode_spec, finished_read_only, record_run, refusals_noted
+from tokpipe.runner.identity import check_options, encode_spec
 from tokpipe.runner.local import Tally, tokenize_while
 from tokpipe.runner.progress import Progress, RunLog, Timeline
 from tokpipe.runner.sample import SAMPLE_LINE_BYTES, count_groups, sample_texts
-from tokpipe.store import Url, is_url
-from tokpipe.write.assembly import Assembler
-from tokpipe.write.finalize import finalize, finalize_stored
-from tokpipe.write.shard import keep
-from tokpipe.write.stored import StoreAssembly
+from tokpipe.runner.storage import Folder, Prefix, storage_of
+from tokpipe.store import Url
 
 # Ray's start costs 2.5-5 s and several CPU-seconds here; the driver tokenizes 10-15 MB/s of
 # compressed input. Less than this much input, or less than a second and a half of the driver's
@@ -53,7 +47,7 @@ class RunSummary:
     meta: dict | None
     redone_tokens: int
     seconds: float
-    out: Path | None = None  # set when this call finalized OUT; then the fields below say how it went
+    out: Path | Url | None = None  # set when this call finalized OUT (a folder, a prefix's URL); then the fields below
     phases: str = ""  # where the time went (Timeline.report)
     lacking: list[tuple[str, int, int]] = field(default_factory=list)  # shards with no --text-field on most lines
     text_field: str = "text"
@@ -74,22 +68,18 @@ class _Run:
     """What the steps of one run share: its inputs, options, and where it tells and times what it does."""
 
     manifest: Manifest  # OUT's copy, which its shards stream from
-    out: Path
+    out: Folder | Prefix  # where OUT lives (runner/storage.py)
     info: TokenizerInfo
     opts: RunOptions
     log: RunLog
     clock: Timeline
     cluster: Cluster
     tell: Listener  # what the run says as it goes (events.Said)
-    # Where the tokens go: OUT (`out`), or an OUT on a store, its URL (`out` is then its records' local folder,
-    # layout/stored.py), and which shards its checkpoints hold (the store's listing: `is_done`).
-    target: str
-    is_done: Callable[[Shard], bool] | None = None
-    spill: str = ""  # an OUT on a store: where its workers' large parts go past --shard-buffer (EncodeSpec.spill)
 
-    @property
-    def stored(self) -> bool:
-        return is_url(self.target)
+    def say(self, text: str, logged: str | None = None) -> None:
+        """Tell it, and log it (or `logged`, its longer form)."""
+        self.tell(Said(text))
+        self.log(logged or text)
 
 
 @dataclass
@@ -114,10 +104,10 @@ class _Handover:
 
 
 def _plan(run: _Run, manifest_path) -> Standing:
-    out, manifest, info, log = run.out, run.manifest, run.info, run.log
+    manifest, info, log = run.manifest, run.info, run.log
     shards, done, partial, done_bytes = sum(manifest.counts.values()), 0, 0, 0
     for shard in manifest.shards():  # one checkpoint in memory at a time: manifests may hold 100,000s of shards
-        ckpt = (Checkpoint(done=True) if run.is_done(shard) else None) if run.stored else Checkpoint.of(out, shard)
+        ckpt = run.out.checkpoint(shard)
         done += ckpt is not None and ckpt.done
         partial += ckpt is not None and not ckpt.done
         done_bytes += shard.size if ckpt and ckpt.done else (ckpt.source_pos if ckpt else 0)
@@ -140,33 +130,6 @@ def _plan(run: _Run, manifest_path) -> Standing:
     return Standing(shards, done, partial, done_bytes)
 
 
-def _resume(run: _Run) -> Assembler:
-    """Take up OUT's split files where an earlier attempt left them (Assembler.resume), and say which
-    finished shards move to new offsets in them, and which are tokenized again."""
-    assembler = Assembler(run.out, np.dtype(run.info.dtype).itemsize, run.opts.output)
-    assembler.resume(run.manifest)
-    if assembler.moved:
-        what = ", ".join(f"{n} in {stem}" for stem, n in assembler.moved.items())
-        run.tell(
-            Said(
-                f"moving finished shards to their new offsets, after the shards added before them ({what}): copied"
-                " from the split files as they were, none tokenized again"
-            )
-        )
-        run.log(f"moving finished shards to their new offsets: {what}")
-    if assembler.lost:
-        n = len(assembler.lost)
-        what = f"{n} shard{'s' if n != 1 else ''} (e.g. {assembler.lost[0]})"
-        run.tell(
-            Said(
-                f"tokenizing again {what}: their tokens are in no file a rerun can keep (placed but not yet listed"
-                " when the last run stopped, or in a split file that changed since)"
-            )
-        )
-        run.log(f"tokenizing again: {', '.join(assembler.lost)}")
-    return assembler
-
-
 def _choose_backend(run: _Run) -> str:
     """The encoder, proven exact on the first documents of each split; --group-by's field checked first."""
     sample, passed_over = sample_texts(run.manifest, run.opts.text_field)
@@ -183,18 +146,19 @@ def _choose_backend(run: _Run) -> str:
     return backend
 
 
-def _tokenize(run: _Run, assembler: Assembler, plan: Standing) -> Tally:
+def _tokenize(run: _Run, assembler, plan: Standing) -> Tally:
     """Tokenize every unfinished shard, assembling the split files as shards finish: in this process
     while Ray starts, then on Ray. What finalize has left is the last copies."""
     backend = _choose_backend(run)
     run.cluster.warm(backend, run.info.path)
     itemsize = np.dtype(run.info.dtype).itemsize
-    progress = Progress(run.out, run.manifest.size, plan, itemsize, run.clock.series, run.tell, on_disk=not run.stored)
+    series, on_disk = run.clock.series, run.out.on_disk
+    progress = Progress(run.out.records, run.manifest.size, plan, itemsize, series, run.tell, on_disk=on_disk)
     tally = Tally(run.opts.worker_memory << 20)
     run.clock.planned = time.monotonic()
     run.clock.series.mark("tokenize")
     try:
-        spec = encode_spec(run.opts, run.info, backend, spill=run.spill)
+        spec = encode_spec(run.opts, run.info, backend, spill=run.out.spill)
         if not run.cluster.address and run.cluster.fit[1]:
             run.tell(Said(run.cluster.fit[1]))
             run.log(run.cluster.fit[1])
@@ -209,15 +173,15 @@ def _tokenize(run: _Run, assembler: Assembler, plan: Standing) -> Tally:
         progress.workers = run.clock.workers = 1 if run.cluster.address else run.cluster.fit[0]
         done = plan.done + tokenize_while(
             run.manifest,
-            run.target,
+            run.out.name,
             spec,
             handover.driver_goes_on,
             progress,
             tally,
             run.log,
             assembler,
+            run.out.is_done,
             helpers,
-            run.is_done,
         )
         # A shard that failed here failed as a task would after its retries (what raised here, a source
         # error or a full disk, raises again on a worker): it is no reason to start Ray.
@@ -229,23 +193,17 @@ def _tokenize(run: _Run, assembler: Assembler, plan: Standing) -> Tally:
             run.tell(Said(f"ray: not needed, every shard was {what} here{here}"))
             progress.update(0, 0, 0, done=done, running=0, failed=len(tally.failed), final=True)
             run.clock.tokenized_now(assembler.placed_tokens * itemsize)
-            if tally.failed and not run.opts.skip_failed and not run.stored:  # on a store: no file to keep them in
-                unplaced = assembler.unplaced()
-                for shard, ckpt, buffered in unplaced:
-                    keep(run.out, shard, ckpt, buffered)
-                _kept(run, len(unplaced))
+            if tally.failed and not run.opts.skip_failed:
+                _kept(run, run.out.keep(assembler))
     finally:
         progress.close()
     run.clock.read_bytes, run.clock.shard_seconds = progress.read_this_run, tally.shard_seconds
     return tally
 
 
-def _tokenize_on_ray(
-    run: _Run, backend: str, assembler: Assembler, progress: Progress, tally: Tally, done: int
-) -> None:
+def _tokenize_on_ray(run: _Run, backend: str, assembler, progress: Progress, tally: Tally, done: int) -> None:
     """The shards the driver did not finish, on Ray's workers; their copies into the split files too."""
-    from tokpipe.runner.copies import Copies, StoreCopies  # with Ray's import: only for runs that use it
-    from tokpipe.runner.nodes import NodeWatch, check_nodes
+    from tokpipe.runner.nodes import NodeWatch, check_nodes  # with Ray's import: only for runs that use it
     from tokpipe.runner.schedule import Scheduler, Tasks
 
     shape = run.cluster.wait()
@@ -260,21 +218,20 @@ def _tokenize_on_ray(
     run.tell(Said(f"ray: {shape.where}, {shape.workers} workers{both}{nodes}"))
     watch, check = NodeWatch(), None
     if run.cluster.address:  # every node sees the shards, the tokenizer and OUT, or the run stops here
-        check = check_nodes(run.manifest, run.info, run.target if run.stored else run.out, run.log, watch)
-    spec = encode_spec(run.opts, run.info, backend, shape.read_ahead, run.spill)
+        check = check_nodes(run.manifest, run.info, run.out.name, run.log, watch)
+    spec = encode_spec(run.opts, run.info, backend, shape.read_ahead, run.out.spill)
     progress.workers = run.clock.workers = shape.workers
-    if run.stored:
-        copies = StoreCopies(assembler, shape.nodes)
-    else:
-        copies = Copies(assembler, run.out, assembler.itemsize, shape.nodes, check, run.log)
-    tasks = Tasks(run.manifest, run.target, spec, run.opts, shape.workers, run.log, tally, check, watch, run.is_done)
+    copies = run.out.placing(assembler, shape.nodes, check, run.log)
+    tasks = Tasks(
+        run.manifest, run.out.name, spec, run.opts, shape.workers, run.log, tally, check, watch, run.out.is_done
+    )
     scheduler = Scheduler(tasks, run.tell)
     scheduler.run(progress, copies, done)
     run.clock.tokenized_now(assembler.placed_tokens * assembler.itemsize)
     # Failed shards block their split's assembly; with --skip-failed it goes on without them.
     scheduler.drain(progress, copies, frozenset(tally.failed) if run.opts.skip_failed else frozenset())
-    if tally.failed and not run.opts.skip_failed and not run.stored:
-        _kept(run, copies.keep(assembler.unplaced()))
+    if tally.failed and not run.opts.skip_failed:
+        _kept(run, run.out.keep(assembler, copies))
     if shape.nodes > 1:
         by_node = copies.bytes_by_node.most_common()
         run.log("assembled by node: " + ", ".join(f"{node[:8]} {size / 1e6:,.1f} MB" for node, size in by_node))
@@ -297,7 +254,7 @@ def _report_failures(run: _Run, tally: Tally) -> bool:
                 "written after the last checkpoints redone"
             )
         )
-    failures_file = Layout(run.out).log(FAILED)
+    failures_file = Layout(run.out.records).log(FAILED)
     if not failed:
         failures_file.unlink(missing_ok=True)
         return True
@@ -331,39 +288,33 @@ def run(
     (events.Said); by default nothing is said, and a progress bar is drawn only for a listener."""
     clock = Timeline(time.monotonic())
     cluster = Cluster(opts, exits_after=not wait_for_ray)
-    out = os.fspath(out) if is_url(os.fspath(out)) else out_folder(out, new_ok=True)
     try:
-        return _run(manifest_path, tokenizer, out, opts, clock, cluster, tell)
+        return _run(manifest_path, tokenizer, storage_of(out), opts, clock, cluster, tell)
     finally:
         cluster.stop()
 
 
 def _run(
-    manifest_path, tokenizer, out: Path, opts: RunOptions, clock: Timeline, cluster: Cluster, tell: Listener
+    manifest_path, tokenizer, out: Folder | Prefix, opts: RunOptions, clock: Timeline, cluster: Cluster, tell: Listener
 ) -> RunSummary:
     manifest = load_manifest(manifest_path)
     check_reachable(manifest)  # shards on a store: a wrong key, no bucket, no store there refused before any work
-    if is_url(out):
-        StoredOut.of(out).check()
+    out.check()
     if cluster.address or opts.ray_only or manifest.size > EAGER_RAY_BYTES:
         cluster.start()  # now, while the driver plans: a cluster to join, or more than the driver does alone
     info = load_tokenizer_info(tokenizer, opts.eos, opts.bos_token, opts.tokenizer_revision)
     check_options(opts, info, tokenizer)
-    if is_url(out):
-        return _run_stored(manifest, manifest_path, info, out, opts, clock, cluster, tell)
-    out.mkdir(parents=True, exist_ok=True)
-    if not os.access(out, os.W_OK):  # a read-only mount: a finished run is nothing to do there too
-        return _nothing_to_do(out, finished_read_only(out, manifest, info, opts), clock, tell)
-    with LayoutWriter(out).lock(), refusals_noted(out):
-        manifest = _record(out, manifest, info, opts, tell)
-        run = _Run(manifest, out, info, opts, RunLog(out), clock, cluster, tell, str(out))
-        cluster.log_to(Layout(out).log(RAY_LOG))  # OUT is this run's: Ray's lines go there from now on
-        meta = load_meta(Layout(out))
-        if finished_with(meta, manifest):
+    if (meta := out.read_only(manifest, info, opts)) is not None:  # a read-only mount: finished, nothing to do
+        return _nothing_to_do(out, meta, clock, tell)
+    with out.held(manifest, info, opts, tell) as manifest:
+        run = _Run(manifest, out, info, opts, RunLog(out.records), clock, cluster, tell)
+        cluster.log_to(Layout(out.records).log(RAY_LOG))  # OUT is this run's: Ray's lines go there from now on
+        if finished_with(meta := out.finished(), manifest):
+            out.clean(tell)
             return _nothing_to_do(out, meta, clock, tell)
         # Before the plan: it may find placed shards whose place is not kept, to tokenize again.
-        assembler = _resume(run)
-        clock.series = Series(out)
+        assembler = out.assembly(manifest, np.dtype(info.dtype).itemsize, opts.output, run.say)
+        clock.series = Series(out.records)
         return _work(run, assembler, _plan(run, manifest_path))
 
 
@@ -379,54 +330,33 @@ def _work(run: _Run, assembler, plan: Standing) -> RunSummary:
     return summary
 
 
-def _run_stored(manifest, manifest_path, info, url: str, opts, clock: Timeline, cluster, tell) -> RunSummary:
-    """_run for an OUT on a store (layout/stored.py): its lease for a lock, its records in a local folder and uploaded,
-    the parts uploaded in segments while shards tokenize, the split files composed from them at the end."""
-    from tokpipe.runner.stored import held_store, stored_meta
-
-    with held_store(url, manifest, info, opts, tell) as (stored, manifest, lease):
-        if finished_with(meta := stored_meta(stored), manifest):
-            return _nothing_to_do(url, meta, clock, tell)
-        assembler = StoreAssembly(stored, opts.output, manifest, np.dtype(info.dtype).itemsize, lease=lease)
-        assembler.resume()
-        work = stored.work
-        spill = stored.spill_name()
-        run = _Run(manifest, work, info, opts, RunLog(work), clock, cluster, tell, url, assembler.is_done, spill)
-        cluster.log_to(Layout(work).log(RAY_LOG))  # uploaded with the other logs
-        clock.series = Series(work)
-        return _work(run, assembler, _plan(run, manifest_path))
-
-
-def _nothing_to_do(out: Path | str, meta: Meta, clock: Timeline, tell: Listener) -> RunSummary:
+def _nothing_to_do(out: Folder | Prefix, meta: Meta, clock: Timeline, tell: Listener) -> RunSummary:
     tell(
         Said(
-            f"{out} is already finished ({Layout(out).meta_json}); nothing to do. Check it with: "
-            f"tokpipe verify {shlex.quote(str(out))}"
+            f"{out.name} is already finished ({out.show(Layout('').meta_json.name)}); nothing to do. Check it with: "
+            f"tokpipe verify {shlex.quote(out.name)}"
         )
     )
     return RunSummary(True, {}, meta.as_dict(), 0, time.monotonic() - clock.start)
 
 
-def _record(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOptions, tell: Listener) -> Manifest:
-    """Record this run in OUT (run.json, a copy of the manifest); returns the manifest of OUT's copy."""
-    record_run(out, manifest, info, opts, tell)
-    write_manifest(manifest, Layout(out).manifest)  # what `verify --sample` and `status` read
-    return replace(manifest, source=Layout(out).manifest)  # from here on, its shards stream from OUT's copy
-
-
-def _finalize(run: _Run, assembler: Assembler, tally: Tally, redone: int) -> RunSummary:
+def _finalize(run: _Run, assembler, tally: Tally, redone: int) -> RunSummary:
     """The last copies and meta; then what the run made, as a value."""
     run.clock.series.mark("finalize")
-    if run.stored:
-        meta = Meta.of(finalize_stored(assembler, run.manifest, run.info, run.opts.output, tally.failed))
-    else:
-        meta = Meta.of(finalize(run.out, run.manifest, run.info, run.opts.output, tally.failed, assembler))
+    meta = Meta.of(run.out.finalize(assembler, run.manifest, run.info, run.opts.output, tally.failed))
     seconds = time.monotonic() - run.clock.start
     phases = run.clock.report(time.monotonic(), meta)
     run.clock.series.mark("finished")
     run.log(phases)
     run.log(f"finished: {meta.tokens:,} tokens in {seconds:.1f}s")
-    out = Url.parse(run.target) if run.stored else run.out
     return RunSummary(
-        True, tally.failed, meta.as_dict(), redone, seconds, out, phases, tally.lacking, run.opts.text_field
+        True,
+        tally.failed,
+        meta.as_dict(),
+        redone,
+        seconds,
+        run.out.where,
+        phases,
+        tally.lacking,
+        run.opts.text_field,
     )

@@ -15,8 +15,6 @@ from pathlib import Path
 
 from tokpipe.errors import TooManyGroups
 from tokpipe.inputs.manifest import Manifest, Shard
-from tokpipe.layout.files import ShardFiles
-from tokpipe.layout.records import Checkpoint
 from tokpipe.runner.progress import Progress, RunLog
 from tokpipe.store import StoreUnavailable, is_url
 from tokpipe.write.assembly import Assembler
@@ -58,8 +56,8 @@ def tokenize_while(
     tally: Tally,
     log,
     assembler: Assembler,
+    is_done: Callable[[Shard], bool],
     helpers: int = 0,
-    is_done: Callable[[Shard], bool] | None = None,
 ) -> int:
     """Tokenize shards in this process, and in `helpers` processes beside it, while `busy()` (Ray starting):
     each shard stops at its next batch once Ray is up, checkpointed, and a worker goes on from there. Returns
@@ -68,9 +66,8 @@ def tokenize_while(
     Ray's start takes seconds that the driver would otherwise wait through, and with it the machine's cores: a
     corpus of a few small shards is done before it is up, and a large one has its first shards done on every
     core. Only regular files: a pipe could block the driver, which alone watches for stalls. `out`: where the tokens
-    go (an OUT on a store: its URL, and `is_done` says which shards its checkpoints hold)."""
+    go, as the user names OUT (runner/storage.py), and `is_done` which shards it holds done."""
     here = _Here(busy, progress, tally, log, assembler)
-    is_done = is_done or DoneShards(out)
     shards = (
         s for s in manifest.shards() if not is_done(s) and (is_url(s.path) or stat.S_ISREG(os.stat(s.path).st_mode))
     )
@@ -216,22 +213,3 @@ def describe_failure(error: Exception) -> str:
     cause = getattr(error, "cause", None) or error
     text = str(cause).strip().splitlines()
     return f"{type(cause).__name__}: {text[-1] if text else ''}"
-
-
-class DoneShards:
-    """Whether a shard has a done checkpoint, asked once for every shard of a run: each checkpoints' folder
-    is listed once, and a checkpoint read only where one exists (a read that raised for each of 2,500 new
-    shards was a tenth of the driver's time on them). A checkpoint that appears after the listing is read
-    by the shard's task, which returns at once."""
-
-    def __init__(self, out: Path):
-        self.out, self.listed = out, {}
-
-    def __call__(self, shard: Shard) -> bool:
-        path = ShardFiles.of(self.out, shard).checkpoint
-        if path.parent not in self.listed:
-            self.listed[path.parent] = set(os.listdir(path.parent)) if path.parent.is_dir() else set()
-        if path.name not in self.listed[path.parent]:
-            return False
-        ckpt = Checkpoint.load(path)
-        return ckpt is not None and ckpt.done

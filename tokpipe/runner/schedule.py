@@ -34,7 +34,7 @@ from tokpipe.layout.files import stall_dump
 from tokpipe.options import RunOptions
 from tokpipe.runner.copies import Placing, get
 from tokpipe.runner.events import Listener, Said
-from tokpipe.runner.local import DoneShards, Tally, describe_failure
+from tokpipe.runner.local import Tally, describe_failure
 from tokpipe.runner.nodes import NodeWatch
 from tokpipe.runner.progress import Progress, RunLog
 from tokpipe.runner.task import ProgressBoard, Stored, shard_task, ship_tokenizer
@@ -138,7 +138,7 @@ class Tasks:
         tally: Tally,
         check: ray.ObjectRef | None,
         watch: NodeWatch,
-        is_done: Callable[[Shard], bool] | None = None,
+        is_done: Callable[[Shard], bool],
     ):
         self.out, self.opts, self.workers, self.log, self.tally = out, opts, workers, log, tally
         self.check, self.watch = check, watch  # check: on a cluster, the NodeCheck a node not probed runs
@@ -156,9 +156,8 @@ class Tasks:
         self.board = ProgressBoard.options(scheduling_strategy=here).remote()
         shipped = ship_tokenizer(spec) if is_url(str(out)) else None  # no file system shared with the nodes
         self.common = ray.put((str(out), spec, self.board, opts.stall_timeout, shipped))  # see task.shard_task
-        # Not those that failed in this process already (tokenize_while). `out`: where the tokens go (an OUT on a
-        # store: its URL, and `is_done` says which shards its checkpoints hold).
-        is_done = is_done or DoneShards(out)
+        # Not those that failed in this process already (tokenize_while). `out`: where the tokens go, as the user
+        # names OUT (runner/storage.py), and `is_done` which shards it holds done.
 
         def unfinished() -> Iterator[Shard]:  # read twice: the manifest streams, 60,000 shards are not held
             return (s for s in manifest.shards() if not is_done(s) and s.relpath not in tally.failed)

@@ -1,8 +1,9 @@
-"""runner/stored.py (with write/stored.py and write/segments.py): `tokpipe run --out s3://BUCKET/PREFIX` against the
-session's real S3 server (SeaweedFS). The objects a run leaves are downloaded, as `aws s3 sync` copies them, and
-compared with the reference (tests/helpers.py), never with tokpipe's own output: the split files and their indexes
-byte for byte; a kill -9 at a chosen point of the run, then the same command: the same bytes, what was committed
-kept; a second run refused while the first holds OUT's lease; no multipart upload left open, no segment left."""
+"""runner/storage.py's Prefix (with write/stored.py and write/segments.py): `tokpipe run --out s3://BUCKET/PREFIX`
+against the session's real S3 server (SeaweedFS). The objects a run leaves are downloaded, as `aws s3 sync` copies
+them, and compared with the reference (tests/helpers.py), never with tokpipe's own output: the split files and their
+indexes byte for byte; a kill -9 at a chosen point of the run, then the same command: the same bytes, what was
+committed kept; a second run refused while the first holds OUT's lease; no multipart upload left open, no segment
+left."""
 
 import json
 import os

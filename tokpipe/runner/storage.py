@@ -1,0 +1,278 @@
+"""Where a run's OUT lives: a folder (`Folder`) or a prefix of an object store's bucket (`Prefix`), chosen once where
+the run starts (`storage_of`), as read/maps.py chooses a file. The driver tells one story over either; each does its
+own way what that story asks of OUT:
+
+- `held`: OUT held for this run alone (a folder's lock, a prefix's lease), refusals noted, the run recorded (run.json,
+  the manifest's copy); yields the manifest of that copy, whose shards the run streams from;
+- `records`: the local folder of the run's records while it lasts (OUT itself; for a prefix, a folder of its own,
+  uploaded: layout/stored.py), where its logs, progress and failures go;
+- `finished`: meta, once OUT is finished; `clean` removes what a killed finish left beside a finished OUT;
+- `assembly`: the split files' assembler, resumed (write/assembly: in place; write/stored.py: segments composed on the
+  server), and `is_done` / `checkpoint`: which shards are done;
+- `placing`: the writes into place on Ray, by the Placers (runner/copies.py);
+- `keep`: the done shards a failed one holds back, kept for the rerun;
+- `finalize`: the last copies, the split files, meta (last).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+from tokpipe.errors import UserError
+from tokpipe.inputs.manifest import Manifest, Shard, write_manifest
+from tokpipe.inputs.tokenizer import TokenizerInfo
+from tokpipe.layout.files import Layout, LayoutWriter, ShardFiles, out_folder
+from tokpipe.layout.meta import Meta, load_meta
+from tokpipe.layout.records import Checkpoint
+from tokpipe.layout.run import WriteSpec
+from tokpipe.layout.stored import StoredOut
+from tokpipe.options import RunOptions
+from tokpipe.runner.events import Listener, Said
+from tokpipe.runner.identity import (
+    describe_changes,
+    finished_read_only,
+    identity_changes,
+    record_run,
+    refusals_noted,
+    run_identity,
+)
+from tokpipe.store import Url, is_url
+from tokpipe.write.assembly import Assembler
+from tokpipe.write.finalize import finalize, finalize_stored
+from tokpipe.write.shard import keep
+from tokpipe.write.stored import StoreAssembly
+
+
+def storage_of(out: str | os.PathLike) -> Folder | Prefix:
+    """OUT as the user names it (`--out`): a URL is a prefix of a bucket, anything else a folder."""
+    return Prefix(StoredOut.of(os.fspath(out))) if is_url(os.fspath(out)) else Folder(out_folder(out, new_ok=True))
+
+
+class DoneShards:
+    """Whether a shard has a done checkpoint, asked once for every shard of a run: each checkpoints' folder
+    is listed once, and a checkpoint read only where one exists (a read that raised for each of 2,500 new
+    shards was a tenth of the driver's time on them). A checkpoint that appears after the listing is read
+    by the shard's task, which returns at once."""
+
+    def __init__(self, out: Path):
+        self.out, self.listed = out, {}
+
+    def __call__(self, shard: Shard) -> bool:
+        path = ShardFiles.of(self.out, shard).checkpoint
+        if path.parent not in self.listed:
+            self.listed[path.parent] = set(os.listdir(path.parent)) if path.parent.is_dir() else set()
+        if path.name not in self.listed[path.parent]:
+            return False
+        ckpt = Checkpoint.load(path)
+        return ckpt is not None and ckpt.done
+
+
+class Folder:
+    """OUT in a folder of a file system (every node's, on a cluster): written in place, its lock a file's."""
+
+    on_disk = True  # progress compares OUT's growth with its file system's free space
+
+    def __init__(self, path: Path):
+        self.path = self.records = self.where = path
+        self.name = str(path)
+        self.is_done = DoneShards(path)
+        self.spill = ""  # a large part past --shard-buffer goes to its shard's own files in OUT (write/shard.py)
+
+    def show(self, name: str) -> Path:
+        """A file of OUT as a user names it."""
+        return self.path / name
+
+    def check(self) -> None:
+        """Nothing to refuse before the run's work: a folder is made, or refused, when it is held."""
+
+    def read_only(self, manifest: Manifest, info: TokenizerInfo, opts: RunOptions) -> Meta | None:
+        """The meta of OUT finished with this run where this process may not write it (a read-only mount); anything
+        else there is refused (identity.finished_read_only). None where it may."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        return None if os.access(self.path, os.W_OK) else finished_read_only(self.path, manifest, info, opts)
+
+    @contextmanager
+    def held(self, manifest: Manifest, info: TokenizerInfo, opts: RunOptions, tell: Listener) -> Iterator[Manifest]:
+        with LayoutWriter(self.path).lock(), refusals_noted(self.path):
+            record_run(self.path, manifest, info, opts, tell)
+            write_manifest(manifest, Layout(self.path).manifest)  # what `verify --sample` and `status` read
+            yield replace(manifest, source=Layout(self.path).manifest)
+
+    def finished(self) -> Meta | None:
+        return load_meta(Layout(self.path))
+
+    def clean(self, tell: Listener) -> None:
+        """Nothing: a folder's finish leaves nothing beside OUT's files (finalize renames, then writes meta)."""
+
+    def checkpoint(self, shard: Shard) -> Checkpoint | None:
+        return Checkpoint.of(self.path, shard)
+
+    def assembly(self, manifest: Manifest, itemsize: int, spec: WriteSpec, say) -> Assembler:
+        """The split files taken up where an earlier attempt left them (Assembler.resume); `say`s which finished
+        shards move to new offsets in them, and which are tokenized again."""
+        assembler = Assembler(self.path, itemsize, spec)
+        assembler.resume(manifest)
+        if assembler.moved:
+            what = ", ".join(f"{n} in {stem}" for stem, n in assembler.moved.items())
+            say(
+                f"moving finished shards to their new offsets, after the shards added before them ({what}): copied"
+                " from the split files as they were, none tokenized again"
+            )
+        if assembler.lost:
+            n = len(assembler.lost)
+            say(
+                f"tokenizing again {n} shard{'s' if n != 1 else ''} (e.g. {assembler.lost[0]}): their tokens are in no"
+                " file a rerun can keep (placed but not yet listed when the last run stopped, or in a split file that"
+                " changed since)",
+                f"tokenizing again: {', '.join(assembler.lost)}",
+            )
+        return assembler
+
+    def placing(self, assembler: Assembler, nodes: int, check, log):
+        from tokpipe.runner.copies import Copies  # with Ray's import: only for runs that use it
+
+        return Copies(assembler, self.path, assembler.itemsize, nodes, check, log)
+
+    def keep(self, assembler: Assembler, placing=None) -> int:
+        """The done shards whose place a failed one keeps unknown, written to their own files and checkpointed
+        (shard.keep), where their tokens are: the rerun places them without tokenizing them again."""
+        if placing is not None:
+            return placing.keep(assembler.unplaced())
+        unplaced = assembler.unplaced()
+        for shard, ckpt, buffered in unplaced:
+            keep(self.path, shard, ckpt, buffered)
+        return len(unplaced)
+
+    def finalize(self, assembler: Assembler, manifest: Manifest, info: TokenizerInfo, spec, excluded) -> dict:
+        return finalize(self.path, manifest, info, spec, excluded, assembler)
+
+
+class Prefix:
+    """OUT under a prefix of a bucket (layout/stored.py): held by a lease (layout/lease.py: a second run on a live OUT
+    is refused in one line; after a kill -9 the same command resumes within one lease); its records written in a
+    local folder of the run's (`records`) and uploaded, run.json and the manifest's copy at the start, the logs at the
+    end, whatever the end (a kill -9 loses that attempt's logs, never a token); its parts uploaded in segments while
+    shards tokenize, the split files composed from them on the server at the end (write/stored.py)."""
+
+    on_disk = False  # a store's space is no file system's
+
+    def __init__(self, out: StoredOut):
+        self.out, self.name, self.records, self.where = out, str(out), out.work, out.url
+        self.spill = out.spill_name()  # where a worker's large parts wait past --shard-buffer (EncodeSpec.spill)
+        self.assembler: StoreAssembly | None = None
+        self.lease = None
+
+    def show(self, name: str) -> Url:
+        return self.out.url / name
+
+    def check(self) -> None:
+        """Refuse, before any work, a store that cannot be used (store.Bucket.check: one line, exit 2)."""
+        self.out.check()
+
+    def read_only(self, manifest: Manifest, info: TokenizerInfo, opts: RunOptions) -> None:
+        """A store refuses a write when it is made (StoreRefused), with the store's own words."""
+
+    @contextmanager
+    def held(self, manifest: Manifest, info: TokenizerInfo, opts: RunOptions, tell: Listener) -> Iterator[Manifest]:
+        from tokpipe.layout.lease import Lease
+
+        with Lease(self.out.bucket, self.out.lock) as self.lease:
+            shutil.rmtree(self.records, ignore_errors=True)  # what an earlier attempt on this machine left
+            self.records.mkdir(parents=True)
+            try:
+                yield self._record(manifest, info, opts, tell)
+            finally:
+                if self._upload_logs():  # else the logs stay here, the one copy of them
+                    shutil.rmtree(self.records, ignore_errors=True)
+
+    def _record(self, manifest: Manifest, info: TokenizerInfo, opts: RunOptions, tell: Listener) -> Manifest:
+        """Refuse an OUT that holds a run with other inputs (or, not yet on a store, more shards: an append); start
+        over one that holds no token; then write run.json and the manifest's copy, here and on the store."""
+        bucket, out, layout = self.out.bucket, self.out, self.out.layout
+        found = bucket.get(out.of_local(layout.run_json))
+        if found is not None:
+            layout.run_json.write_bytes(found[0])
+        changed = identity_changes(self.records, run_identity(manifest, info, opts))
+        if changed:
+            if self._holds_tokens():
+                append = (
+                    " (appending shards to an OUT on a store is not supported yet)"
+                    if list(changed) == ["manifest_sha256"]
+                    else ""
+                )
+                raise UserError(
+                    f"{out} holds a run with other inputs ({describe_changes(changed)}){append}; use a new --out, or"
+                    " the original inputs to resume"
+                )
+            for found in list(bucket.list(out.prefix)):
+                if found.key != out.lock:
+                    bucket.delete(found.key)
+            layout.run_json.unlink()
+            tell(Said(f"{out} holds no token yet: starting it over with these inputs ({describe_changes(changed)})"))
+        record_run(self.records, manifest, info, opts, tell)
+        write_manifest(manifest, layout.manifest)
+        for path in (layout.run_json, layout.manifest):
+            bucket.put(out.of_local(path), path.read_bytes())
+        return replace(manifest, source=layout.manifest)  # its shards stream from the local copy
+
+    def _holds_tokens(self) -> bool:
+        """Whether OUT holds anything made under its recorded identity: a segment, a checkpoint, a split file."""
+        out = self.out
+        return any(
+            out.name(found.key) not in ("run.json", "manifest.json", ".lock")
+            and not found.key.startswith(out.key("logs/"))
+            for found in out.bucket.list(out.prefix)
+        )
+
+    def _upload_logs(self) -> bool:
+        """The run's logs, each uploaded whole; whether they were (a store that does not answer: the run's error is
+        said, and the logs stay in the local folder)."""
+        logs = self.records / "logs"
+        try:
+            for path in sorted(logs.iterdir()) if logs.is_dir() else []:
+                self.out.bucket.put(self.out.of_local(path), path.read_bytes())
+        except OSError:
+            return False
+        return True
+
+    def finished(self) -> Meta | None:
+        found = self.out.bucket.get(self.out.of_local(self.out.layout.meta_json))
+        return None if found is None else Meta.of(json.loads(found[0]))
+
+    def clean(self, tell: Listener) -> None:
+        """What a finish killed after meta.json left: its segments (a second copy of every token) removed, and said."""
+        left = [found.key for found in self.out.bucket.list(self.out.segments)]
+        if left:
+            self.out.bucket.delete_many(left)
+            where = self.show("segments/")
+            tell(Said(f"removed {len(left):,} objects that a finish killed after meta.json left under {where}"))
+
+    def is_done(self, shard: Shard) -> bool:
+        return self.assembler.is_done(shard)
+
+    def checkpoint(self, shard: Shard) -> Checkpoint | None:
+        """Done or not, as the store's listing says (its checkpoints are read by finalize alone)."""
+        return Checkpoint(done=True) if self.is_done(shard) else None
+
+    def assembly(self, manifest: Manifest, itemsize: int, spec: WriteSpec, say) -> StoreAssembly:
+        self.assembler = StoreAssembly(self.out, spec, manifest, itemsize, lease=self.lease)
+        self.assembler.resume()
+        return self.assembler
+
+    def placing(self, assembler: StoreAssembly, nodes: int, check, log):
+        from tokpipe.runner.copies import StoreCopies  # with Ray's import: only for runs that use it
+
+        return StoreCopies(assembler, nodes)
+
+    def keep(self, assembler: StoreAssembly, placing=None) -> int:
+        """None kept: the rerun tokenizes again the done shards a failed one held back (docs/stores.md)."""
+        return 0
+
+    def finalize(self, assembler: StoreAssembly, manifest: Manifest, info: TokenizerInfo, spec, excluded) -> dict:
+        return finalize_stored(assembler, manifest, info, spec, excluded)
