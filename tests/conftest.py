@@ -242,6 +242,13 @@ def grouped_reference() -> dict[str, dict[str, tuple]]:
     }
 
 
+@pytest.fixture(params=["in a folder", "on a store"])
+def finished_either(request) -> str:
+    """A finished OUT of the example in a folder (the test's own copy) or on the session's S3 server (shared: readers
+    only): what a reader does alike on both."""
+    return str(request.getfixturevalue("out" if request.param == "in a folder" else "finished_stored"))
+
+
 @pytest.fixture
 def out(finished_example, tmp_path) -> Path:
     """A copy of finished_example that a test may damage."""

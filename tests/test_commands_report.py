@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import EXAMPLE_CACHE, QWEN3, REPO, cli, unguarded
+from helpers import EXAMPLE_CACHE, QWEN3, REPO, cli, tokpipe, unguarded
 
 from tokpipe.layout import series as series_mod
 from tokpipe.layout.series import Series, read_series
@@ -275,3 +275,18 @@ def test_a_damaged_log_is_a_note_of_the_page_and_the_rest_is_drawn(killed_exampl
         f"{out}/logs/progress.json is damaged (JSONDecodeError: Expecting ',' delimiter: line 1 column 31 (char 30)):"
         " a log, not the run's state: the next run writes it anew"
     ]
+
+
+def test_the_page_s_default_place_is_out_in_a_folder_and_the_current_folder_for_an_out_on_a_store(
+    finished_either, tmp_path
+):
+    result = tokpipe("report", finished_either, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    if finished_either.startswith("s3://"):
+        shown = f"{finished_either.rsplit('/', 1)[1]}-report.html"
+        page = tmp_path / shown
+    else:
+        page = Path(finished_either) / "report.html"
+        shown = str(page)
+    assert result.stdout.startswith(f"{shown}: ")
+    assert "859,703" in page.read_text()  # train's tokens, as meta says

@@ -173,6 +173,12 @@ def test_an_unfinished_out_is_refused(out):
         Sequences(out)
 
 
+def test_an_out_on_a_store_is_refused_in_one_line_that_says_to_read_a_copy():
+    # No request is made: the URL alone says where OUT is (no server needed).
+    with pytest.raises(ValueError, match="^s3://tok/qwen3 is an OUT on a store, which tokpipe.data does not read yet"):
+        Sequences("s3://tok/qwen3", "train", 128)
+
+
 def test_a_damaged_out_or_a_missing_split_or_too_few_windows_is_refused(out):
     with pytest.raises(ValueError, match="has no split 'test'; its splits: train, validation"):
         Sequences(out, "test")

@@ -156,6 +156,29 @@ def test_a_kill_9_in_finalize_then_the_same_command_finalizes_again(s3_server, s
     assert open_uploads(s3_server, s3_prefix) == []
 
 
+def test_a_kill_9_after_meta_json_leaves_segments_status_shows_and_the_rerun_removes(s3_server, s3_prefix, manifest):
+    url = s3_server.url(s3_prefix)
+    killed = store_out_run(manifest, url, kill=("tokpipe.store.bucket.Bucket.delete_many", 1))  # the segments' removal
+    assert killed.returncode == -9, killed.stdout + killed.stderr
+    left = [name for name in stored_objects(s3_server, s3_prefix) if name.startswith("segments/")]
+    assert len(left) == 6  # train.bin's and val.bin's segment, each its .bin, .idx and .json
+    status = tokpipe("status", url)
+    assert status.returncode == 0, status.stderr
+    assert status.stdout.splitlines()[:2] == [
+        f"{url}: finished",
+        f"LEFT OVER: 6 objects under {url}/segments/ that a finish killed after meta.json left (a second copy of"
+        f" tokens): the run's command removes them",
+    ]
+    rerun = store_out_run(manifest, url)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert rerun.stdout.splitlines()[-2:] == [
+        f"removed 6 objects that a finish killed after meta.json left under {url}/segments/",
+        f"{url} is already finished ({url}/meta.json); nothing to do. Check it with: tokpipe verify {url}",
+    ]
+    assert _finished_names(stored_objects(s3_server, s3_prefix)) == FINISHED
+    assert tokpipe("status", url).stdout.splitlines()[1].startswith("shards: 3 done")
+
+
 def test_the_store_killed_mid_upload_and_started_again_is_waited_for(s3_server, s3_prefix, repeated):
     manifest, reference = repeated
     url = s3_server.url(s3_prefix)

@@ -26,7 +26,7 @@ from tokpipe.layout.files import FAILED, PROGRESS, REFUSED, RUN_LOG, Layout, loc
 from tokpipe.layout.meta import load_meta
 from tokpipe.layout.records import Checkpoint
 from tokpipe.layout.run import RunRecord, load_run
-from tokpipe.layout.stored import reader_out
+from tokpipe.layout.stored import left_over, reader_out
 
 # progress.json is rewritten every 2 s while shards run; older than this, the live run is doing
 # something else (starting Ray, finalizing) or is stuck.
@@ -70,6 +70,7 @@ class RunStatus:
     groups: dict[str, dict[str, list[int]]] = field(default_factory=dict)
     refused: str | None = None  # why the last run stopped before OUT held a token
     warnings: list[str] = field(default_factory=list)  # the logs found damaged, passed over
+    left_over: tuple[str, int] | None = None  # where a finish killed after meta.json left objects, and how many
 
     def count(self, state: str, split: str | None = None) -> int:
         return sum(1 for s in self.shards if s.state == state and split in (None, s.split))
@@ -100,7 +101,8 @@ def resume_command(out: str, run: RunRecord | None, fix: dict | None = None) -> 
 
 def status(out: str | os.PathLike) -> RunStatus:
     out = os.fspath(out)
-    folder = Layout(reader_out(out))
+    copy = reader_out(out)
+    folder = Layout(copy)
     if not folder.manifest.is_file():
         raise UserError(
             f"{out} holds no tokpipe run (no manifest.json): start one with tokpipe run --manifest M "
@@ -173,7 +175,8 @@ def status(out: str | os.PathLike) -> RunStatus:
     groups = {split: dict(sorted(g.items())) for split, g in groups.items()}
     why = refused and refused["error"]
     live_progress = progress if live else None
-    return RunStatus(out, state, shards, holder, live_progress, age, next_step, disk, groups, why, warnings)
+    left = left_over(copy) if meta is not None else None
+    return RunStatus(out, state, shards, holder, live_progress, age, next_step, disk, groups, why, warnings, left)
 
 
 def _log(folder: Layout, name: str, warnings: list[str]) -> dict | None:
@@ -196,6 +199,12 @@ def report(st: RunStatus) -> str:
     lines = []
     if st.state == "finished":
         lines.append(f"{st.out}: finished")
+        if st.left_over:
+            where, n = st.left_over
+            lines.append(
+                f"LEFT OVER: {n:,} objects under {where} that a finish killed after meta.json left (a second copy of"
+                " tokens): the run's command removes them"
+            )
     elif st.state == "running" and st.count("done") == len(st.shards):
         lines.append(f"{st.out}: finalizing ({st.holder}): every shard is done, the split files are being written")
     elif st.state == "running" and st.progress:

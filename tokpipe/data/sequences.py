@@ -49,6 +49,7 @@ from tokpipe.data.permutation import Permutation
 from tokpipe.errors import UserError
 from tokpipe.layout.files import Layout
 from tokpipe.layout.meta import OutputError, SplitEntry, finished_meta
+from tokpipe.layout.stored import on_store
 from tokpipe.read.files import TokenFiles
 
 STATE_FORMAT = 3  # 1: the fingerprint was meta's parts_sha256; 2: the group was not recorded
@@ -151,6 +152,11 @@ class Sequences:
             raise ValueError(f"rank {rank} of world_size {world_size}: need 0 <= rank < world_size")
         if not isinstance(out, (str, os.PathLike)):
             raise ValueError(f"out {out!r}: need a path (a str or an os.PathLike)")
+        if on_store(out):
+            raise OutputError(
+                f"{out} is an OUT on a store, which tokpipe.data does not read yet: read a local or mounted copy"
+                " (aws s3 sync, rclone copy, mountpoint-s3; docs/stores.md, Reading it)"
+            )
         self.out, self.split = Path(os.path.abspath(out)), name(split, "split")
         self.group = None if group is None else name(group, "group")
         try:

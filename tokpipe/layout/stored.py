@@ -124,13 +124,18 @@ class RecordsCopy(type(Path())):
 RECORD_GETS = 16
 
 
+def on_store(out: str | os.PathLike) -> bool:
+    """Whether OUT, as a command or a caller names it, is on a store (a URL), not in a folder."""
+    return is_url(os.fspath(out))
+
+
 def reader_out(out: str | os.PathLike) -> Path:
     """OUT as a reader (status, verify, inspect, report, export, tokpipe.data) names it: a folder (out_folder), or an
     OUT on a store, whose records are copied into a temporary folder (removed at exit) and whose token files are read
     where they are. One LIST, then a GET per record."""
     if getattr(out, "stored", None) is not None:  # a copy already: one reader handing OUT to another
         return out
-    if not is_url(os.fspath(out)):
+    if not on_store(out):
         return out_folder(out)
     stored = StoredOut.of(os.fspath(out))
     stored.check()
@@ -163,3 +168,13 @@ def shown(out: Path, name: str) -> str:
     """How a reader names a file of OUT: its path, or for an OUT on a store (reader_out) its URL."""
     stored = stored_of(out)
     return str(out / name) if stored is None else str(stored.url / name)
+
+
+def left_over(out: Path) -> tuple[str, int] | None:
+    """For a reader's copy of a finished OUT on a store (reader_out): where the objects a finish killed after meta.json
+    left are (its segments, a second copy of every token), and how many; None where there are none, or on a disk."""
+    stored = stored_of(out)
+    if stored is None:
+        return None
+    n = sum(1 for _ in stored.bucket.list(stored.segments))
+    return (str(stored.url / f"{SEGMENTS}/"), n) if n else None

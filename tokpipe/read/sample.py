@@ -31,8 +31,8 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
     compare them with their span in the bins: an independent check of the backend and of the offsets.
     A document over PIECE_CHARS is re-encoded a piece at a time, exactly as whole (tokenizer.Encoder),
     so the check's memory is a piece's, not the document's: `tokenizers` needs 150-350 bytes a character."""
-    out = Path(out)
     data = open_output(out)
+    out = data.path  # a folder, or a local copy of the records of an OUT on a store (layout/stored.py reader_out)
     meta = data.record
     json_path = tokenizer_json_path(tokenizer or meta.tokenizer_path)
     if hashlib.sha256(json_path.read_bytes()).hexdigest() != meta.tokenizer_sha256:

@@ -1,4 +1,6 @@
-"""`tokpipe report OUT [-o FILE]`: a run drawn on one self-contained HTML page (default OUT/report.html).
+"""`tokpipe report OUT [-o FILE]`: a run drawn on one self-contained HTML page (default OUT/report.html; for an OUT on
+a store, `<its last name>-report.html` in the current folder: such an OUT has one writer, its run, and the page is for
+a browser here).
 
 For a finished run and for one still running, killed or failed: the summary a trainer needs, document
 lengths, per-shard tokens / bytes per token / time / skips, throughput over time with the phases and
@@ -16,6 +18,7 @@ from pathlib import Path
 from tokpipe.commands.report.data import Report, build
 from tokpipe.durability import write_atomic
 from tokpipe.layout.files import Layout
+from tokpipe.layout.stored import reader_out, stored_of
 
 __all__ = ["Report", "build", "write_report"]
 
@@ -26,8 +29,15 @@ def write_report(
     """Write the page; returns (its path, its size in bytes)."""
     from tokpipe.commands.report.page import render
 
+    out = reader_out(out)  # once: build reads the same copy of a store's records
     report = build(out, tokenizer)
-    path = Path(dest) if dest is not None else Layout(out).report
+    stored = stored_of(out)
+    if dest is not None:
+        path = Path(dest)
+    elif stored is not None:
+        path = Path(f"{Path(stored.url.key).name or stored.url.bucket}-report.html")
+    else:
+        path = Layout(out).report
     data = render(report).encode("utf-8")
     write_atomic(path, data)
     return path, len(data)
