@@ -45,6 +45,7 @@ from tokpipe.inputs.tokenizer import load_tokenizer_info
 from tokpipe.layout.files import Layout
 from tokpipe.runner import nodes
 from tokpipe.runner.nodes import NodeCheck, unseen
+from tokpipe.runner.storage import storage_of
 
 
 def test_a_node_checks_out_the_tokenizer_and_a_shard_of_each_folder(tmp_path, monkeypatch):
@@ -299,7 +300,7 @@ def test_on_a_store_a_node_checks_out_with_its_own_credentials(s3_server, s3_pre
         r" key \(AWS_SECRET_ACCESS_KEY\) \(.+\)\)",
         problem,
     )
-    assert nodes.refusal([f"node 127.0.0.2 (ab) {problem}"], on_store=True).endswith(
+    assert nodes.refusal([f"node 127.0.0.2 (ab) {problem}"], storage_of(url)).endswith(
         ": every node reads OUT on the store with its own credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,"
         " AWS_ENDPOINT_URL in the environment of its `ray start`, or an instance role); give them to it or take the"
         " node out of the cluster, and rerun the same command"

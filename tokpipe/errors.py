@@ -32,6 +32,11 @@ def too_many_groups(group_by: str, where: str, values, limit: int, within: str =
     )
 
 
+class Unavailable(OSError):
+    """Storage that did not answer through every retry (an object store's: store.StoreUnavailable): the run stops,
+    resumable, as on a full disk; no other shard or node would do better."""
+
+
 class NodeError(UserError):
     """A cluster node cannot see, at the driver's path, what the run needs (runner/nodes.py): raised in a
     task, it stops the run with its one line. Exit code 2."""

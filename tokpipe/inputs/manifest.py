@@ -56,6 +56,16 @@ class Shard:
     key: str  # file-system-safe unique name of the shard inside OUT/shards/<split>/
     etag: str | None = None  # of an object on a store, as listed: every read asks for it (a replaced one fails)
 
+    @property
+    def on_store(self) -> bool:
+        """An object on a store (read by ranged GETs through each process's own client), not a file."""
+        return is_url(self.path)
+
+    def may_block(self) -> bool:
+        """Whether reading it could block: a pipe or a device, not a regular file nor an object on a store. Only the
+        driver watches for stalls, so it never reads such a shard itself."""
+        return not self.on_store and not stat.S_ISREG(os.stat(self.path).st_mode)
+
 
 @dataclass(frozen=True)
 class Manifest:

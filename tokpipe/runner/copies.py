@@ -11,11 +11,11 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from tokpipe.errors import NodeError, TooManyGroups
+from tokpipe.errors import NodeError, TooManyGroups, Unavailable
 from tokpipe.layout.records import Checkpoint, Part
 from tokpipe.runner.progress import RunLog
+from tokpipe.runner.storage import Folder, Prefix
 from tokpipe.runner.task import Placer, Stored
-from tokpipe.store import StoreUnavailable
 from tokpipe.write.assembly import COPY_BATCH_BYTES, Assembler
 from tokpipe.write.segments import Planned
 from tokpipe.write.shard import keep
@@ -24,12 +24,12 @@ from tokpipe.write.stored import Step, StoreAssembly
 
 def get(ref):
     """ray.get; a node's NodeError, a shard's TooManyGroups (--group-by), or a store that did not answer through
-    its retries (StoreUnavailable), raised as itself: its one line, not Ray's traceback around it. Each stops the
+    its retries (Unavailable), raised as itself: its one line, not Ray's traceback around it. Each stops the
     run: no other shard or node can do better."""
     try:
         return ray.get(ref)
     except ray.exceptions.RayTaskError as e:
-        if isinstance(e.cause, (NodeError, TooManyGroups, StoreUnavailable)):
+        if isinstance(e.cause, (NodeError, TooManyGroups, Unavailable)):
             raise e.cause from None
         raise
 
@@ -206,6 +206,14 @@ class Copies(Placing):
             except ray.exceptions.RayError as e:
                 self.log(f"keeping the shards on node {node[:8]} failed ({type(e).__name__}): the rerun tokenizes them")
         return kept
+
+
+def placing(out: Folder | Prefix, assembler, nodes: int, check, log: RunLog) -> Placing:
+    """The Placers' work where OUT lives (runner/storage.py): parts written into its split files, or segments
+    uploaded to its prefix."""
+    if isinstance(out, Prefix):
+        return StoreCopies(assembler, nodes)
+    return Copies(assembler, out.path, assembler.itemsize, nodes, check, log)
 
 
 class StoreCopies(Placing):

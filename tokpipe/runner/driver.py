@@ -203,7 +203,8 @@ def _tokenize(run: _Run, assembler, plan: Standing) -> Tally:
 
 def _tokenize_on_ray(run: _Run, backend: str, assembler, progress: Progress, tally: Tally, done: int) -> None:
     """The shards the driver did not finish, on Ray's workers; their copies into the split files too."""
-    from tokpipe.runner.nodes import NodeWatch, check_nodes  # with Ray's import: only for runs that use it
+    from tokpipe.runner.copies import placing  # with Ray's import: only for runs that use it
+    from tokpipe.runner.nodes import NodeWatch, check_nodes
     from tokpipe.runner.schedule import Scheduler, Tasks
 
     shape = run.cluster.wait()
@@ -218,13 +219,11 @@ def _tokenize_on_ray(run: _Run, backend: str, assembler, progress: Progress, tal
     run.tell(Said(f"ray: {shape.where}, {shape.workers} workers{both}{nodes}"))
     watch, check = NodeWatch(), None
     if run.cluster.address:  # every node sees the shards, the tokenizer and OUT, or the run stops here
-        check = check_nodes(run.manifest, run.info, run.out.name, run.log, watch)
+        check = check_nodes(run.manifest, run.info, run.out, run.log, watch)
     spec = encode_spec(run.opts, run.info, backend, shape.read_ahead, run.out.spill)
     progress.workers = run.clock.workers = shape.workers
-    copies = run.out.placing(assembler, shape.nodes, check, run.log)
-    tasks = Tasks(
-        run.manifest, run.out.name, spec, run.opts, shape.workers, run.log, tally, check, watch, run.out.is_done
-    )
+    copies = placing(run.out, assembler, shape.nodes, check, run.log)
+    tasks = Tasks(run.manifest, run.out, spec, run.opts, shape.workers, run.log, tally, check, watch)
     scheduler = Scheduler(tasks, run.tell)
     scheduler.run(progress, copies, done)
     run.clock.tokenized_now(assembler.placed_tokens * assembler.itemsize)

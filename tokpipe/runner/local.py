@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tokpipe.errors import TooManyGroups
+from tokpipe.errors import TooManyGroups, Unavailable
 from tokpipe.inputs.manifest import Manifest, Shard
 from tokpipe.runner.progress import Progress, RunLog
-from tokpipe.store import StoreUnavailable, is_url
 from tokpipe.write.assembly import Assembler
 from tokpipe.write.shard import EncodeSpec, ShardResult, tokenize_shard
 
@@ -69,7 +67,7 @@ def tokenize_while(
     go, as the user names OUT (runner/storage.py), and `is_done` which shards it holds done."""
     here = _Here(busy, progress, tally, log, assembler)
     shards = (
-        s for s in manifest.shards() if not is_done(s) and (is_url(s.path) or stat.S_ISREG(os.stat(s.path).st_mode))
+        s for s in manifest.shards() if not is_done(s) and not s.may_block()
     )
     here.pool = _Helpers(helpers, out, spec) if helpers else None
     try:
@@ -112,8 +110,8 @@ class _Here:
     def take(self, shard: Shard, outcome) -> None:
         """A shard's outcome, here or in a helper ((result, read), or its exception): placed if done, counted
         either way. TooManyGroups stops the run: no shard of it can do better; so does a store that did not
-        answer through its retries (StoreUnavailable): every shard would wait them out."""
-        if isinstance(outcome, TooManyGroups | StoreUnavailable):
+        answer through its retries (Unavailable): every shard would wait them out."""
+        if isinstance(outcome, TooManyGroups | Unavailable):
             raise outcome
         if isinstance(outcome, BaseException):
             self.tally.failed[shard.relpath] = describe_failure(outcome)

@@ -7,8 +7,9 @@ Unchecked, such a node failed every shard it took on whichever file of OUT it op
 dump's), or worse, wrote shards to a disk of its own where the driver never sees them.
 
 What a node checks (`unseen`), and why that is enough:
-- OUT: it reads back the token the driver wrote there for this run (a folder of the node's own at
-  the same path lacks it), then writes, fsyncs and removes a file of its own beside it.
+- OUT, as where it lives says (runner/storage.py `unseen`): it reads back the token the driver wrote there for
+  this run (a folder of the node's own at the same path lacks it), then writes and removes a file of its own
+  beside it.
 - the tokenizer.json, read whole: its sha256 must be the run's (a copy of another version would
   encode other ids). Workers read no other file of the tokenizer.
 - the shards: one in each folder the manifest's shards lie in (at most MAX_FOLDERS, spread evenly)
@@ -17,8 +18,8 @@ What a node checks (`unseen`), and why that is enough:
   sample catches a partial copy. Not every shard: 60,000 shards on hundreds of nodes would be
   millions of round trips to the shared storage, for what a few hundred prove.
 With OUT on an object store (layout/stored.py) the nodes share no file system: a node reads back the token the
-driver put under OUT on the store and writes and removes an object of its own there, with its own credentials
-(`_unseen_on_store`); the tokenizer comes to it through Ray's object store (task.ship_tokenizer), the shards are on
+driver put under OUT on the store and writes and removes an object of its own there, with its own credentials;
+the tokenizer comes to it through Ray's object store (task.ship_tokenizer), the shards are on
 the store too (each read through the node's own client).
 """
 
@@ -37,13 +38,11 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from tokpipe.durability import write_atomic
 from tokpipe.errors import NodeError, UserError
 from tokpipe.inputs.manifest import Manifest
 from tokpipe.inputs.tokenizer import TokenizerInfo
-from tokpipe.layout.files import RUN_LOG, Layout
-from tokpipe.layout.stored import StoredOut
-from tokpipe.store import Exists, StoreRefused, StoreUnavailable, is_url
+from tokpipe.layout.files import RUN_LOG
+from tokpipe.runner.storage import Folder, Prefix, storage_of
 
 MAX_FOLDERS = 256  # of the shards' folders, one shard each
 SAMPLE = 32  # shards more, spread over the manifest
@@ -72,7 +71,7 @@ class NodeCheck:
         firsts: dict[str, tuple[str, int]] = {}  # folder -> its first shard
         sample = []
         for i, shard in enumerate(manifest.shards()):
-            if is_url(shard.path):  # on a store, not a mount: each node reads it through its own client
+            if shard.on_store:  # not on a mount: each node reads it through its own client
                 continue
             firsts.setdefault(os.path.dirname(shard.path), (shard.path, shard.size))
             if i % step == 0:
@@ -86,26 +85,9 @@ class NodeCheck:
 def unseen(check: NodeCheck, who: str) -> str | None:
     """What this machine cannot see of what the run needs, in a few words; None when it sees it all.
     `who` names the file it writes under OUT (unique among the processes that check at once)."""
-    if is_url(check.out):
-        return _unseen_on_store(check, who)
-    out = Path(check.out)
-    token_file = Layout(out).node_check()
-    try:
-        token = token_file.read_text()
-    except OSError as e:
-        if not out.is_dir():
-            return f"cannot see OUT {out} ({e.strerror})"
-        token = None
-    if token != check.token:
-        return f"sees another folder at OUT {out} than the driver's (without this run's {token_file.name})"
-    mine = Layout(out).node_check(who)
-    try:
-        with open(mine, "wb") as f:
-            f.write(check.token.encode())
-            os.fsync(f.fileno())
-        mine.unlink()
-    except OSError as e:
-        return f"cannot write under OUT {out} ({e.strerror})"
+    out = storage_of(check.out)
+    if (problem := out.unseen(check.token, who)) or not out.on_disk:
+        return problem  # on a store: the tokenizer comes through Ray's object store (task.py), the shards are objects
     try:
         digest = hashlib.sha256(Path(check.tokenizer).read_bytes()).hexdigest()
     except OSError as e:
@@ -126,40 +108,10 @@ def unseen(check: NodeCheck, who: str) -> str | None:
     return None
 
 
-def _unseen_on_store(check: NodeCheck, who: str) -> str | None:
-    """unseen for an OUT on a store (layout/stored.py), with this machine's own credentials: it reads back the
-    token the driver put there for this run, then writes (create-only) and removes an object of its own beside it.
-    The tokenizer comes through Ray's object store (task.py), the shards are on the store: nothing else to see."""
-    stored = StoredOut.of(check.out)
-    token, mine = stored.of_local(stored.layout.node_check()), stored.of_local(stored.layout.node_check(who))
-    try:
-        found = stored.bucket.get(token)
-    except (StoreRefused, StoreUnavailable) as e:
-        return f"cannot read OUT {check.out} ({e})"
-    if found is None or found[0] != check.token.encode():
-        return f"sees another OUT at {check.out} than the driver's (without this run's {Path(token).name})"
-    try:
-        stored.bucket.put(mine, check.token.encode(), create=True)
-        stored.bucket.delete(mine)
-    except (StoreRefused, StoreUnavailable, Exists) as e:
-        return f"cannot write under OUT {check.out} ({e})"
-    return None
-
-
-def refusal(problems: list[str], on_store: bool = False) -> str:
+def refusal(problems: list[str], out: Folder | Prefix) -> str:
     """The one line that stops the run: the first node's problem, how many more, what to do."""
     more = f" (and {len(problems) - 1} more nodes, in OUT/logs/{RUN_LOG})" if len(problems) > 1 else ""
-    if on_store:
-        return (
-            f"{problems[0]}{more}: every node reads OUT on the store with its own credentials (AWS_ACCESS_KEY_ID,"
-            " AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL in the environment of its `ray start`, or an instance role);"
-            " give them to it or take the node out of the cluster, and rerun the same command"
-        )
-    return (
-        f"{problems[0]}{more}: every node must see the shards, the tokenizer and OUT at the driver's paths"
-        " (storage they all mount alike); mount it there or take the node out of the cluster, and rerun the"
-        " same command"
-    )
+    return f"{problems[0]}{more}: {out.every_node}, and rerun the same command"
 
 
 def _node() -> str:
@@ -171,17 +123,12 @@ def _probe(check: NodeCheck) -> str | None:
     return problem and f"{_node()} {problem}"
 
 
-def check_nodes(manifest: Manifest, info: TokenizerInfo, out: Path | str, log, watch: NodeWatch) -> ray.ObjectRef:
+def check_nodes(manifest: Manifest, info: TokenizerInfo, out: Folder | Prefix, log, watch: NodeWatch) -> ray.ObjectRef:
     """Probe every alive node; refuse (UserError) if one cannot see what the run needs. Returns the
     NodeCheck, in Ray's object store, that the tasks take (and check on a node not probed here). A node whose
     raylet takes no connection is lost (the GCS yet to say so): a probe there would wait PROBE_SECONDS."""
-    check = NodeCheck.of(manifest, info, out)
-    on_store = is_url(check.out)
-    if on_store:
-        stored = StoredOut.of(check.out)
-        stored.bucket.put(stored.of_local(stored.layout.node_check()), check.token.encode())
-    else:
-        write_atomic(Layout(out).node_check(), check.token.encode())
+    check = NodeCheck.of(manifest, info, out.name)
+    out.post_token(check.token)
     probe = ray.remote(num_cpus=0, max_retries=0, name="tokpipe node check")(_probe)
     nodes = [node for node in watch.up if watch.answers(node)]
     for node in watch.up - set(nodes):
@@ -206,7 +153,7 @@ def check_nodes(manifest: Manifest, info: TokenizerInfo, out: Path | str, log, w
     for problem in problems:
         log(f"node check: {problem}")
     if problems:
-        raise UserError(refusal(problems, on_store))
+        raise UserError(refusal(problems, out))
     unchecked = f"; {len(nodes) - len(passed)} did not answer in {PROBE_SECONDS}s, checked at their first task"
     log(
         f"node check: {len(passed)} nodes see OUT, the tokenizer and {len(check.shards)} shards"
@@ -226,7 +173,7 @@ def ensure_seen(check: NodeCheck | None) -> None:
     node = ray.get_runtime_context().get_node_id()
     # A Placer runs two calls at once in one process: each thread writes a file of its own.
     if node not in check.checked and (problem := unseen(check, f"{node}-{os.getpid()}-{threading.get_ident()}")):
-        raise NodeError(refusal([f"{_node()} {problem}"], is_url(check.out)))
+        raise NodeError(refusal([f"{_node()} {problem}"], storage_of(check.out)))
     _passed.add(check.token)
 
 

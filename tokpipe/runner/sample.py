@@ -3,15 +3,12 @@ encoder is proven exact on (and which refuse a --text-field no document has), an
 
 from __future__ import annotations
 
-import os
-import stat
 from collections import Counter
 
 from tokpipe.errors import SourceError, UserError, too_many_groups
 from tokpipe.inputs.manifest import Manifest
 from tokpipe.inputs.source import fields_of, read_batches
 from tokpipe.layout.records import MAX_GROUPS
-from tokpipe.store import is_url
 
 SAMPLE_BYTES = 256 << 10  # of input per split, to prove the fast backend exact on this data (with HARD_CASES)
 # A longer line is passed over by the sample (said in the backend's line), not read whole: the driver's
@@ -28,7 +25,7 @@ def sample_texts(manifest: Manifest, text_field: str) -> tuple[list[str], int]:
     for split in manifest.counts:
         shard = next(manifest.shards(split))
         path, etag = shard.path, shard.etag
-        if not is_url(path) and not stat.S_ISREG(os.stat(path).st_mode):  # a pipe or device: reading could block
+        if shard.may_block():
             continue
         try:
             found = fields_of(path, etag)
@@ -58,7 +55,7 @@ def count_groups(manifest: Manifest, text_field: str, group_by: str) -> None:
     documents); workers and the assembly refuse what this could not see."""
     for split in manifest.counts:
         shard, values, read = next(manifest.shards(split)), set(), 0
-        if not is_url(shard.path) and not stat.S_ISREG(os.stat(shard.path).st_mode):
+        if shard.may_block():
             continue
         try:
             for batch in read_batches(shard.path, text_field, group_by=group_by, etag=shard.etag):

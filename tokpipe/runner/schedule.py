@@ -21,14 +21,13 @@ from __future__ import annotations
 import re
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from tokpipe.errors import NodeError, RayUnavailable
+from tokpipe.errors import NodeError, RayUnavailable, Unavailable
 from tokpipe.inputs.manifest import Manifest, Shard
 from tokpipe.layout.files import stall_dump
 from tokpipe.options import RunOptions
@@ -37,8 +36,8 @@ from tokpipe.runner.events import Listener, Said
 from tokpipe.runner.local import Tally, describe_failure
 from tokpipe.runner.nodes import NodeWatch
 from tokpipe.runner.progress import Progress, RunLog
+from tokpipe.runner.storage import Folder, Prefix
 from tokpipe.runner.task import ProgressBoard, Stored, shard_task, ship_tokenizer
-from tokpipe.store import StoreUnavailable, is_url
 from tokpipe.write.shard import EncodeSpec
 
 POLL_EVERY = 0.5  # seconds between looks at progress and stalls
@@ -130,7 +129,7 @@ class Tasks:
     def __init__(
         self,
         manifest: Manifest,
-        out: Path,
+        out: Folder | Prefix,
         spec: EncodeSpec,
         opts: RunOptions,
         workers: int,
@@ -138,7 +137,6 @@ class Tasks:
         tally: Tally,
         check: ray.ObjectRef | None,
         watch: NodeWatch,
-        is_done: Callable[[Shard], bool],
     ):
         self.out, self.opts, self.workers, self.log, self.tally = out, opts, workers, log, tally
         self.check, self.watch = check, watch  # check: on a cluster, the NodeCheck a node not probed runs
@@ -154,10 +152,10 @@ class Tasks:
         # when the driver's node had no worker to spare), and losing that node stalled the driver's reads of it.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.board = ProgressBoard.options(scheduling_strategy=here).remote()
-        shipped = ship_tokenizer(spec) if is_url(str(out)) else None  # no file system shared with the nodes
-        self.common = ray.put((str(out), spec, self.board, opts.stall_timeout, shipped))  # see task.shard_task
-        # Not those that failed in this process already (tokenize_while). `out`: where the tokens go, as the user
-        # names OUT (runner/storage.py), and `is_done` which shards it holds done.
+        shipped = None if out.on_disk else ship_tokenizer(spec)  # a store: no file system shared with the nodes
+        self.common = ray.put((out.name, spec, self.board, opts.stall_timeout, shipped))  # see task.shard_task
+        # Not those done (in OUT: runner/storage.py), nor those that failed in this process already (tokenize_while).
+        is_done = out.is_done
 
         def unfinished() -> Iterator[Shard]:  # read twice: the manifest streams, 60,000 shards are not held
             return (s for s in manifest.shards() if not is_done(s) and s.relpath not in tally.failed)
@@ -226,7 +224,8 @@ class Tasks:
             ray.cancel(ref, force=True)
             shards = task.shards
             # The dump of the shard it was on: a pack's shards before it removed their empty ones.
-            dump = next((d for s in shards if (d := stall_dump(self.out, s)).exists()), stall_dump(self.out, shards[0]))
+            dumps = [stall_dump(self.out.name, s) for s in shards]
+            dump = next((d for d in dumps if d.exists()), dumps[0])
             self.log(f"{_name(shards)}: no progress for {quiet:.0f}s, cancelled (stack dump: {dump})")
             if len(shards) > 1:  # which of them stalled is unknown: each goes again alone, with its own retries
                 self.again.extend(_Task([s]) for s in shards)
@@ -378,7 +377,7 @@ class Scheduler:
         except NodeError as e:  # a node the driver did not probe: it stops the run
             self.log(f"node check: {e}")
             raise
-        except StoreUnavailable as e:  # every shard would wait out the same retries: the run stops, resumable
+        except Unavailable as e:  # every shard would wait out the same retries: the run stops, resumable
             self.log(f"shard {task.shards[0].relpath}: {e}")
             raise
         except (ray.exceptions.RayError, OSError) as e:

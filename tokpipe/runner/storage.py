@@ -9,7 +9,7 @@ own way what that story asks of OUT:
 - `finished`: meta, once OUT is finished; `clean` removes what a killed finish left beside a finished OUT;
 - `assembly`: the split files' assembler, resumed (write/assembly: in place; write/stored.py: segments composed on the
   server), and `is_done` / `checkpoint`: which shards are done;
-- `placing`: the writes into place on Ray, by the Placers (runner/copies.py);
+- `post_token` / `unseen`: what each node of a cluster must see of OUT (runner/nodes.py);
 - `keep`: the done shards a failed one holds back, kept for the rerun;
 - `finalize`: the last copies, the split files, meta (last).
 """
@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
+from tokpipe.durability import write_atomic
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import Manifest, Shard, write_manifest
 from tokpipe.inputs.tokenizer import TokenizerInfo
@@ -134,10 +135,38 @@ class Folder:
             )
         return assembler
 
-    def placing(self, assembler: Assembler, nodes: int, check, log):
-        from tokpipe.runner.copies import Copies  # with Ray's import: only for runs that use it
+    # What every node must do (runner/nodes.py), said where one does not.
+    every_node = (
+        "every node must see the shards, the tokenizer and OUT at the driver's paths (storage they all mount alike);"
+        " mount it there or take the node out of the cluster"
+    )
 
-        return Copies(assembler, self.path, assembler.itemsize, nodes, check, log)
+    def post_token(self, token: str) -> None:
+        """This run's token in OUT, which each node reads back (runner/nodes.py): a node that sees another folder
+        at the driver's path (its own disk's) lacks it."""
+        write_atomic(Layout(self.path).node_check(), token.encode())
+
+    def unseen(self, token: str, who: str) -> str | None:
+        """What this node cannot see of OUT: the driver's token read back, then a file of its own (`who`'s)
+        written, fsynced and removed beside it. None when it sees it."""
+        token_file = Layout(self.path).node_check()
+        try:
+            found = token_file.read_text()
+        except OSError as e:
+            if not self.path.is_dir():
+                return f"cannot see OUT {self.path} ({e.strerror})"
+            found = None
+        if found != token:
+            return f"sees another folder at OUT {self.path} than the driver's (without this run's {token_file.name})"
+        mine = Layout(self.path).node_check(who)
+        try:
+            with open(mine, "wb") as f:
+                f.write(token.encode())
+                os.fsync(f.fileno())
+            mine.unlink()
+        except OSError as e:
+            return f"cannot write under OUT {self.path} ({e.strerror})"
+        return None
 
     def keep(self, assembler: Assembler, placing=None) -> int:
         """The done shards whose place a failed one keeps unknown, written to their own files and checkpointed
@@ -265,10 +294,34 @@ class Prefix:
         self.assembler.resume()
         return self.assembler
 
-    def placing(self, assembler: StoreAssembly, nodes: int, check, log):
-        from tokpipe.runner.copies import StoreCopies  # with Ray's import: only for runs that use it
+    every_node = (
+        "every node reads OUT on the store with its own credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,"
+        " AWS_ENDPOINT_URL in the environment of its `ray start`, or an instance role); give them to it or take the"
+        " node out of the cluster"
+    )
 
-        return StoreCopies(assembler, nodes)
+    def post_token(self, token: str) -> None:
+        self.out.bucket.put(self.out.of_local(self.out.layout.node_check()), token.encode())
+
+    def unseen(self, token: str, who: str) -> str | None:
+        """With this node's own credentials: the token the driver put there read back, then an object of its own
+        (`who`'s) written (create-only) and removed beside it."""
+        from tokpipe.store import Exists, StoreRefused, StoreUnavailable
+
+        out = self.out
+        key, mine = out.of_local(out.layout.node_check()), out.of_local(out.layout.node_check(who))
+        try:
+            found = out.bucket.get(key)
+        except (StoreRefused, StoreUnavailable) as e:
+            return f"cannot read OUT {self.name} ({e})"
+        if found is None or found[0] != token.encode():
+            return f"sees another OUT at {self.name} than the driver's (without this run's {Path(key).name})"
+        try:
+            out.bucket.put(mine, token.encode(), create=True)
+            out.bucket.delete(mine)
+        except (StoreRefused, StoreUnavailable, Exists) as e:
+            return f"cannot write under OUT {self.name} ({e})"
+        return None
 
     def keep(self, assembler: StoreAssembly, placing=None) -> int:
         """None kept: the rerun tokenizes again the done shards a failed one held back (docs/stores.md)."""

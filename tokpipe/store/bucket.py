@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from tokpipe.errors import SourceError, UserError
+from tokpipe.errors import SourceError, Unavailable, UserError
 
 SCHEME = "s3://"
 # S3's rules for a multipart upload: every part but the last at least MIN_PART, none over MAX_PART, at most
@@ -70,7 +70,7 @@ class StoreRefused(UserError):
     """The store refuses what no retry changes: credentials, a missing bucket, no permission."""
 
 
-class StoreUnavailable(OSError):
+class StoreUnavailable(Unavailable):
     """The store did not answer (or answered 5xx) through every retry: the run stops, resumable."""
 
 

@@ -30,9 +30,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tokpipe.errors import SourceError
+from tokpipe.errors import SourceError, Unavailable
 from tokpipe.inputs.source.batch import MISSING_GROUP, TextBatch, decode_utf8, group_value
-from tokpipe.store import StoreUnavailable, is_url, open_read
+from tokpipe.store import is_url, open_read
 
 PIECE_BYTES = 1 << 20  # about this much of a row group is decoded at a time
 TEXT_TYPES = (pa.string(), pa.large_string(), pa.binary(), pa.large_binary())
@@ -51,7 +51,7 @@ def _open(path: str, etag: str | None = None) -> tuple[pq.ParquetFile, int]:
     source = open_read(path, etag, ahead=0) if is_url(path) else path
     try:
         parquet = pq.ParquetFile(source, page_checksum_verification=True)
-    except StoreUnavailable:  # the store's failure, not the file's: the run stops, resumable
+    except Unavailable:  # the store's failure, not the file's: the run stops, resumable
         raise
     except (pa.ArrowException, OSError) as e:
         raise SourceError(
@@ -88,7 +88,7 @@ def _pieces(
                         values, first = values.slice(start_row - first), start_row
                     data_read = data_before + group.total_byte_size * (read - row) // group.num_rows
                     yield values, first, file_size * data_read // data_size
-            except StoreUnavailable:
+            except Unavailable:
                 raise
             except (pa.ArrowException, OSError) as e:
                 raise SourceError(
