@@ -143,7 +143,7 @@ def test_a_kill_9_inside_a_segment_leaves_it_uncommitted_and_the_rerun_removes_i
 def test_a_kill_9_in_finalize_then_the_same_command_finalizes_again(s3_server, s3_prefix, manifest, example_reference):
     url = s3_server.url(s3_prefix)
     # As val.bin is composed: train.bin, .idx and .parts are made, meta.json is not.
-    killed = store_out_run(manifest, url, kill=("tokpipe.write.stored.StoreAssembly._compose", 2))
+    killed = store_out_run(manifest, url, kill=("tokpipe.write.finalize._compose", 2))
     assert killed.returncode == -9, killed.stdout + killed.stderr
     assert {"train.bin", "train.idx", "train.parts"} <= set(stored_objects(s3_server, s3_prefix))
     rerun = store_out_run(manifest, url)
@@ -303,7 +303,7 @@ def test_a_segment_not_committed_before_one_that_is_is_made_again_with_the_same_
     # gathers their parts from the same first part into the same segment.
     manifest, reference = _mixed(tmp_path, [4, 1, 1, 4, 4, 1])
     url = s3_server.url(s3_prefix)
-    killed = store_out_run(manifest, url, kill=("tokpipe.write.stored.StoreAssembly.finish", 1))
+    killed = store_out_run(manifest, url, kill=("tokpipe.write.finalize._compose_split", 1))
     assert killed.returncode == -9, killed.stdout + killed.stderr
     left = stored_objects(s3_server, s3_prefix)
     segments = sorted(n for n in left if n.startswith("segments/") and n.endswith(".bin"))

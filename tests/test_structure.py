@@ -103,6 +103,19 @@ def test_no_module_over_450_lines():
     assert {name: n for name, n in sizes.items() if n > MAX_LINES} == {}
 
 
+def test_no_class_of_the_write_path_the_layout_or_the_runner_over_160_lines():
+    # A class a reader holds in one sitting (issue 52): past this, its parts are classes or functions of their own.
+    sizes = {
+        f"{path.relative_to(PACKAGE.parent)}:{node.name}": node.end_lineno - node.lineno + 1
+        for package in ("write", "layout", "runner")
+        for path in (PACKAGE / package).rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef)
+    }
+    assert len(sizes) > 20
+    assert {name: n for name, n in sizes.items() if n > 160} == {}
+
+
 def test_import_and_help_load_no_heavy_dependency():
     code = (
         "import sys, contextlib, io, tokpipe, tokpipe.cli\n"

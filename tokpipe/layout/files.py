@@ -75,7 +75,7 @@ class ShardFiles:
 
     @classmethod
     def of(cls, out: str | os.PathLike, shard: Shard) -> ShardFiles:
-        return cls(Path(out) / "shards" / shard.split, shard.key)
+        return cls(Layout(out).shards / shard.split, shard.key)
 
     @property
     def checkpoint(self) -> Path:
@@ -170,6 +170,11 @@ class Layout:
             if Path(folder) == self.root:
                 subfolders[:] = [name for name in subfolders if name in own]
             yield Path(folder), set(files)
+
+    @property
+    def shards(self) -> Path:
+        """Every shard's checkpoint (and own files, and lock), under shards/<split>/."""
+        return self.root / "shards"
 
     def shard(self, shard: Shard) -> ShardFiles:
         return ShardFiles.of(self.root, shard)

@@ -88,14 +88,14 @@ class StoredOut:
 
     @property
     def lock(self) -> str:
-        return self.key(".lock")
+        return self.of_local(self.layout.lock_file)
 
     def checkpoint(self, shard: Shard) -> str:
         return self.of_local(self.layout.shard(shard).checkpoint)
 
     @property
     def checkpoints(self) -> str:
-        return self.key("shards") + "/"
+        return self.of_local(self.layout.shards) + "/"
 
     def segment(self, stem: str, group: str | None, first: str) -> str:
         """A segment of a split file (of its group's, --group-by), without its suffix: named by its first part."""

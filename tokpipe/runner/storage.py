@@ -28,7 +28,7 @@ from tokpipe.durability import write_atomic
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import Manifest, Shard, write_manifest
 from tokpipe.inputs.tokenizer import TokenizerInfo
-from tokpipe.layout.files import Layout, LayoutWriter, ShardFiles, out_folder
+from tokpipe.layout.files import RECORD, Layout, LayoutWriter, ShardFiles, out_folder
 from tokpipe.layout.meta import Meta, load_meta
 from tokpipe.layout.records import Checkpoint
 from tokpipe.layout.run import WriteSpec
@@ -254,9 +254,7 @@ class Prefix:
         """Whether OUT holds anything made under its recorded identity: a segment, a checkpoint, a split file."""
         out = self.out
         return any(
-            out.name(found.key) not in ("run.json", "manifest.json", ".lock")
-            and not found.key.startswith(out.key("logs/"))
-            for found in out.bucket.list(out.prefix)
+            out.name(found.key).split("/")[0] not in RECORD for found in out.bucket.list(out.prefix)
         )
 
     def _upload_logs(self) -> bool:

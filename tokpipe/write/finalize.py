@@ -1,15 +1,21 @@
 """Finished shards -> OUT/<stem>.bin, .idx and .parts per split, then meta.pkl, then meta.json (last:
 it marks a finished run).
 
-What tokpipe.write.assembly has not placed yet is placed here; then each split's files are renamed from
-their .tmp names, and meta.pkl and meta.json are written. The .parts file stays: `verify` checks
-every range against its sha256 on all cores, and no pass over a whole split file ever runs on one core.
+In a folder (`finalize`), what tokpipe.write.assembly has not placed yet is placed here; then each split's files are
+renamed from their .tmp names, and meta.pkl and meta.json are written. On a store (`finalize_stored`), the last parts
+go into segments (write/stored.py), each split file is composed from its segments on the server, its .idx made from
+theirs, then meta.pkl and meta.json, and the segments go. The .parts file stays: `verify` checks every range against
+its sha256 on all cores, and no pass over a whole split file ever runs on one core.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -21,10 +27,13 @@ from tokpipe.inputs.manifest import Manifest
 from tokpipe.inputs.tokenizer import TokenizerInfo
 from tokpipe.layout.files import SKIPPED, Layout, LayoutWriter, split_file_stem
 from tokpipe.layout.meta import Delimiters, Meta, SplitEntry
-from tokpipe.layout.records import read_parts
-from tokpipe.layout.run import WriteSpec, output_splits
+from tokpipe.layout.records import IDX_DTYPE, Checkpoint, part_record, parts_line, read_parts, split_entry_of
+from tokpipe.layout.run import WriteSpec, output_splits, sources
+from tokpipe.layout.stored import part_name
+from tokpipe.store import MIN_PART, Upload, compose
 from tokpipe.write.assembly import Assembler
-from tokpipe.write.stored import StoreAssembly
+from tokpipe.write.segments import Segment
+from tokpipe.write.stored import REQUESTS_AT_ONCE, StoreAssembly
 
 
 def write_skip_log(out: Path, splits: dict[str, SplitEntry]) -> None:
@@ -124,12 +133,100 @@ def finalize_stored(
     assembly: StoreAssembly, manifest: Manifest, info: TokenizerInfo, spec: WriteSpec, excluded: dict[str, str]
 ) -> dict:
     """finalize for an OUT on a store (write/stored.py): the last parts into segments (with --skip-failed, past the
-    shards left out), the split files composed on the server, then meta.pkl and meta.json, last."""
+    shards left out), the split files composed on the server, then meta.pkl and meta.json, last; then the segments
+    removed (the split files hold their bytes). First the uploads left open this run aborted: a finished run leaves
+    none."""
     assembly.place_ready(frozenset(excluded))  # a run without Ray: the split files' last segments
-    splits = assembly.finish(frozenset(excluded))
-    write_skip_log(assembly.out.work, splits)
-    refuse_empty_splits(assembly.out.work, splits, spec.text_field)
+    assembly.abort_uploads()
+    out, layout = assembly.out, assembly.out.layout
+    splits = {}
+    for split in output_splits(manifest, spec.val_fraction):
+        stem = split_file_stem(split)
+        raw = _parts_list(assembly, stem, frozenset(excluded))
+        if spec.concat:
+            _compose_split(assembly, stem)
+        out.bucket.put(out.of_local(layout.parts(stem)), raw)
+        layout.parts(stem).write_bytes(raw)  # skipped.json is made from it
+        splits[split] = split_entry_of(stem, raw, spec)
+    write_skip_log(out.work, splits)
+    refuse_empty_splits(out.work, splits, spec.text_field)
     meta = meta_of(info, spec, splits, excluded, manifest)
     assembly.lease_check()
-    assembly.write_meta(meta)
+    out.bucket.put(out.of_local(layout.meta_pkl), pickle.dumps(meta, protocol=4))
+    out.bucket.put(out.of_local(layout.meta_json), json.dumps(meta).encode())
+    if spec.concat:
+        out.bucket.delete_many([found.key for found in out.bucket.list(out.segments)])
     return meta
+
+
+def _parts_list(assembly: StoreAssembly, stem: str, excluded: frozenset[str]) -> bytes:
+    """A split's parts list, as on disk: its sources' lines in order, from their checkpoints."""
+    out, spec = assembly.out, assembly.spec
+    listed = [(shard, held) for shard, held in sources(assembly.manifest, stem, spec.val_fraction)]
+    listed = [(shard, held) for shard, held in listed if shard.relpath not in excluded]
+
+    def checkpoint(source) -> Checkpoint:
+        return Checkpoint.parse(json.loads(out.bucket.get(out.checkpoint(source[0]))[0]))
+
+    with ThreadPoolExecutor(REQUESTS_AT_ONCE) as pool:
+        lines = []
+        for (shard, held), ckpt in zip(listed, pool.map(checkpoint, listed)):
+            for group in ckpt.line_groups(held):
+                record = part_record(shard, ckpt, (held, group))
+                if not spec.concat and ckpt.part((held, group)) is not None:
+                    name = out.name(out.segment(stem, group, part_name(shard, (held, group))))
+                    record.update(bin=f"{name}.bin", idx=f"{name}.idx")
+                lines.append(parts_line(record))
+    return b"".join(lines)
+
+
+def _compose_split(assembly: StoreAssembly, stem: str) -> None:
+    """A split's files (its groups', --group-by), each from its segments in the order of their first parts."""
+    files = {group: segments for (of, group), segments in assembly.made.items() if of == stem}
+    if assembly.spec.group_by is None:
+        files.setdefault(None, [])  # a split of no part (every shard left out): an empty file, as on disk
+    walk = sources(assembly.manifest, stem, assembly.spec.val_fraction)
+    order = {(shard.relpath, held): n for n, (shard, held) in enumerate(walk)}
+    for group, segments in files.items():
+        segments.sort(key=lambda segment: order[segment.entries[0].shard, segment.entries[0].held])
+        _compose(assembly, stem, group, segments)
+
+
+def _compose(assembly: StoreAssembly, stem: str, group: str | None, segments: list[Segment]) -> None:
+    """A split file (or its group's) from its segments, on the server; its .idx from theirs, each shifted."""
+    bucket, out, itemsize = assembly.out.bucket, assembly.out, assembly.itemsize
+    base = out.of_local(out.layout.split(stem, group))
+    compose(bucket, f"{base}.bin", [(out.key(p.name) + ".bin", 0, p.tokens * itemsize) for p in segments])
+    upload, chunk, size, shift = None, [], 0, 0
+
+    def idx(segment: Segment) -> bytes:
+        return bucket.get(out.key(segment.name) + ".idx")[0]
+
+    with ThreadPoolExecutor(REQUESTS_AT_ONCE) as pool:
+        for segment, raw in zip(segments, _ahead(pool, idx, segments)):
+            ends = np.frombuffer(raw, dtype=IDX_DTYPE) + shift
+            shift += segment.tokens
+            chunk.append(ends.tobytes())
+            size += ends.nbytes
+            if size >= MIN_PART:
+                upload = upload or Upload.begin(bucket, f"{base}.idx")
+                upload.send(chunk)
+                chunk, size = [], 0
+    if upload is None:
+        bucket.put(f"{base}.idx", b"".join(chunk))
+    else:
+        if chunk:
+            upload.send(chunk)
+        upload.finish(create=False)
+
+
+def _ahead(pool: ThreadPoolExecutor, fn, items: list) -> Iterator:
+    """fn(item) for each item, in order, REQUESTS_AT_ONCE * 4 of them asked ahead: a request's latency hidden, never
+    every answer held at once (a split's 60,000 segments' .idx: its whole index)."""
+    asked: deque = deque()
+    for item in items:
+        asked.append(pool.submit(fn, item))
+        if len(asked) > REQUESTS_AT_ONCE * 4:
+            yield asked.popleft().result()
+    while asked:
+        yield asked.popleft().result()

@@ -25,12 +25,16 @@ With --no-concat nothing is gathered: every part is a segment of its own, its fi
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import orjson
 
+from tokpipe.layout.files import ShardFiles
 from tokpipe.layout.records import IDX_DTYPE
 from tokpipe.layout.stored import StoredOut
 from tokpipe.store import MIN_PART, Bucket, Exists, Upload
@@ -72,6 +76,26 @@ class Spilled:
 def _mapped(path: str, dtype) -> np.ndarray:
     """A file's array, read from the page cache as it is uploaded (a large part is never copied whole)."""
     return np.memmap(path, dtype, mode="r") if os.path.getsize(path) else np.zeros(0, dtype)
+
+
+def spill_large(parts, spec, shard, files: ShardFiles | None) -> ShardFiles:
+    """A shard's buffered parts (write/shard.py PartWriter) of at least SEGMENT_BYTES of tokens into files of this
+    node's, in a folder of this attempt's (a retry's never meets them), under spec.spill; the folders of the OUT's
+    earlier runs go (a run killed leaves them on nodes the driver's cleaning never sees). Returns the attempt's
+    files."""
+    itemsize = np.dtype(spec.dtype).itemsize
+    large = [p for p in parts if p.buffered is not None and p.tokens * itemsize >= SEGMENT_BYTES]
+    if not large:
+        return files
+    root = Path(tempfile.gettempdir()) / spec.spill
+    if files is None:
+        for earlier in root.parent.iterdir() if root.parent.is_dir() else []:
+            if earlier != root:
+                shutil.rmtree(earlier, ignore_errors=True)
+        files = ShardFiles.of(root / f"{os.getpid()}-{uuid.uuid4().hex[:8]}", shard)
+    for part in large:
+        part.spill(*files.part(part.key))
+    return files
 
 
 def part_arrays(value: Buffered | Spilled) -> Buffered:

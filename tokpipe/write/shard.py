@@ -11,10 +11,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
-import shutil
-import tempfile
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +30,7 @@ from tokpipe.layout.records import IDX_DTYPE, MAX_GROUPS, Checkpoint, PartCounts
 from tokpipe.layout.tokens import held_out, to_dtype
 from tokpipe.store import is_url
 from tokpipe.write.memory import memory_guard
-from tokpipe.write.segments import SEGMENT_BYTES, Buffered, Spilled
+from tokpipe.write.segments import Buffered, Spilled, spill_large
 
 
 @dataclass(frozen=True)
@@ -269,7 +266,7 @@ class ShardWriter:
         self.parts = self._writers()
         self.cut = sum(part.cut for part in self.parts.values())
         self.seconds_before = ckpt.seconds  # of the attempts before
-        self.spill_files: ShardFiles | None = None  # OUT on a store: where its large parts went (_spill_large)
+        self.spill_files: ShardFiles | None = None  # OUT on a store: where its large parts went (spill_large)
         self.began = self.last_commit = time.monotonic()
 
     def _writers(self) -> dict[PartKey, PartWriter]:
@@ -319,7 +316,7 @@ class ShardWriter:
                 self._spill()
                 self.last_commit = 0.0  # checkpointed at once: what was in memory is now covered on disk
             elif spec.spill and self.buffered_bytes > spec.buffer_bytes:
-                self._spill_large()
+                self.spill_files = spill_large(self.parts.values(), spec, self.shard, self.spill_files)
             if stopping:
                 self._commit()
                 return
@@ -380,23 +377,6 @@ class ShardWriter:
         for key, part in self.parts.items():
             part.spill(*self.files.part(key))
         self.buffering = False
-
-    def _spill_large(self) -> None:
-        """OUT on a store: the parts of at least SEGMENT_BYTES of tokens into files of this node's, in a folder of
-        this attempt's (a retry's never meets them); the folders of the OUT's earlier runs go (a run killed leaves
-        them on nodes the driver's cleaning never sees)."""
-        itemsize = np.dtype(self.spec.dtype).itemsize
-        large = [p for p in self.parts.values() if p.buffered is not None and p.tokens * itemsize >= SEGMENT_BYTES]
-        if not large:
-            return
-        root = Path(tempfile.gettempdir()) / self.spec.spill
-        if self.spill_files is None:
-            for earlier in root.parent.iterdir() if root.parent.is_dir() else []:
-                if earlier != root:
-                    shutil.rmtree(earlier, ignore_errors=True)
-            self.spill_files = ShardFiles.of(root / f"{os.getpid()}-{uuid.uuid4().hex[:8]}", self.shard)
-        for part in large:
-            part.spill(*self.spill_files.part(part.key))
 
     def _commit(self, done: bool = False) -> None:
         """The parts' bytes fsynced, then the checkpoint that covers them (a buffering shard's is the runner's to

@@ -1,7 +1,7 @@
 """An OUT on a store assembled (layout/stored.py): the shards' parts gathered into segments in split order
 (write/segments.py), each segment uploaded where its tokens are (here, or by runner/copies.py on Ray), a shard's
-checkpoint written once all its parts are in committed segments, and at the end each split file composed on the
-server from its segments, its .idx, its .parts, meta.pkl and meta.json last.
+checkpoint written once all its parts are in committed segments; at the end finalize.py composes each split file
+on the server from its segments.
 
 A rerun lists OUT's prefix once: the done checkpoints (those shards are not tokenized again), the committed segments
 (read back: the parts in them are not uploaded again), the segments never committed (removed) and the multipart
@@ -12,22 +12,16 @@ segment when the run stopped) is tokenized again; its parts already in a segment
 from __future__ import annotations
 
 import json
-import pickle
-from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
-
 from tokpipe.inputs.manifest import Manifest, Shard
-from tokpipe.layout.files import split_file_stem
+from tokpipe.layout.files import RECORD, split_file_stem
 from tokpipe.layout.lease import Lease
-from tokpipe.layout.meta import SplitEntry
-from tokpipe.layout.records import IDX_DTYPE, Checkpoint, part_record, parts_line, split_entry_of
+from tokpipe.layout.records import Checkpoint
 from tokpipe.layout.run import WriteSpec, output_splits, sources
 from tokpipe.layout.stored import StoredOut, part_name
-from tokpipe.store import MIN_PART, Upload, compose
 from tokpipe.write.segments import Entry, Planned, Segment, Segments, Spilled, part_arrays, upload_segment
 
 # GETs in flight where a rerun or finalize reads many small objects (segments' .json, checkpoints)
@@ -103,7 +97,7 @@ class StoreAssembly:
             elif found.key.startswith(out.segments):
                 base, _, suffix = found.key.rpartition(".")
                 by_segment.setdefault(base, set()).add(suffix)
-            elif found.key.endswith((".bin", ".idx", ".parts")) and not found.key.startswith(out.key("logs/")):
+            elif found.key.endswith((".bin", ".idx", ".parts")) and out.name(found.key).split("/")[0] not in RECORD:
                 bucket.delete(found.key)
         for base, suffixes in by_segment.items():
             if "bin" not in suffixes:  # never committed
@@ -203,81 +197,6 @@ class StoreAssembly:
             upload_planned(self.out, planned)
             self.commit([planned.segment])
 
-    # -- finalize ----------------------------------------------------------------------------------------
-
-    def finish(self, excluded: frozenset[str]) -> dict[str, SplitEntry]:
-        """Each split file composed from its segments on the server, its .idx and .parts written; meta's `splits`.
-        First the uploads left open this run aborted: a finished run leaves none."""
-        self.abort_uploads()
-        entries, val = {}, self.spec.val_fraction
-        for split in output_splits(self.manifest, val):
-            stem = split_file_stem(split)
-            raw = self._parts_list(stem, excluded)
-            if self.spec.concat:
-                files = {group: segments for (of, group), segments in self.made.items() if of == stem}
-                if self.spec.group_by is None:
-                    files.setdefault(None, [])  # a split of no part (every shard left out): an empty file, as on disk
-                order = {(s.relpath, held): n for n, (s, held) in enumerate(sources(self.manifest, stem, val))}
-                for group, segments in files.items():
-                    segments.sort(key=lambda segment: order[segment.entries[0].shard, segment.entries[0].held])
-                    self._compose(stem, group, segments)
-            self.out.bucket.put(self.out.key(f"{stem}.parts"), raw)
-            (self.out.work / f"{stem}.parts").write_bytes(raw)  # skipped.json is made from it
-            entries[split] = split_entry_of(stem, raw, self.spec)
-        return entries
-
-    def _parts_list(self, stem: str, excluded: frozenset[str]) -> bytes:
-        """The split's parts list, as on disk: its sources' lines in order, from their checkpoints."""
-        bucket, out = self.out.bucket, self.out
-        listed = [(shard, held) for shard, held in sources(self.manifest, stem, self.spec.val_fraction)]
-        listed = [(shard, held) for shard, held in listed if shard.relpath not in excluded]
-        with ThreadPoolExecutor(REQUESTS_AT_ONCE) as pool:
-            ckpts = pool.map(lambda source: _checkpoint(bucket, out.checkpoint(source[0])), listed)
-            lines = []
-            for (shard, held), ckpt in zip(listed, ckpts):
-                for group in ckpt.line_groups(held):
-                    record = part_record(shard, ckpt, (held, group))
-                    if not self.spec.concat and ckpt.part((held, group)) is not None:
-                        name = out.name(out.segment(stem, group, part_name(shard, (held, group))))
-                        record.update(bin=f"{name}.bin", idx=f"{name}.idx")
-                    lines.append(parts_line(record))
-        return b"".join(lines)
-
-    def _compose(self, stem: str, group: str | None, segments: list[Segment]) -> None:
-        """A split file (or its group's) from its segments, on the server; its .idx from theirs, each shifted."""
-        bucket, out = self.out.bucket, self.out
-        base = out.of_local(out.layout.split(stem, group))
-        compose(bucket, f"{base}.bin", [(out.key(p.name) + ".bin", 0, p.tokens * self.itemsize) for p in segments])
-        upload, chunk, size, shift = None, [], 0, 0
-
-        def idx(segment: Segment) -> bytes:
-            return bucket.get(out.key(segment.name) + ".idx")[0]
-
-        with ThreadPoolExecutor(REQUESTS_AT_ONCE) as pool:
-            for segment, raw in zip(segments, _ahead(pool, idx, segments)):
-                ends = np.frombuffer(raw, dtype=IDX_DTYPE) + shift
-                shift += segment.tokens
-                chunk.append(ends.tobytes())
-                size += ends.nbytes
-                if size >= MIN_PART:
-                    upload = upload or Upload.begin(bucket, f"{base}.idx")
-                    upload.send(chunk)
-                    chunk, size = [], 0
-        if upload is None:
-            bucket.put(f"{base}.idx", b"".join(chunk))
-        else:
-            if chunk:
-                upload.send(chunk)
-            upload.finish(create=False)
-
-    def write_meta(self, meta: dict) -> None:
-        """meta.pkl, then meta.json, last: a finished OUT; then the segments go (the split files hold their bytes)."""
-        bucket, out = self.out.bucket, self.out
-        bucket.put(out.key("meta.pkl"), pickle.dumps(meta, protocol=4))
-        bucket.put(out.key("meta.json"), json.dumps(meta).encode())
-        if self.spec.concat:
-            bucket.delete_many([found.key for found in bucket.list(out.segments)])
-
 
 def upload_planned(out: StoredOut, planned: Planned) -> int:
     """A segment uploaded by this process (segments.upload_segment), its parts' tokens where its steps say they are
@@ -286,19 +205,3 @@ def upload_planned(out: StoredOut, planned: Planned) -> int:
     for step in planned.sources:
         step.release()
     return uploaded
-
-
-def _ahead(pool: ThreadPoolExecutor, fn, items: list) -> Iterator:
-    """fn(item) for each item, in order, REQUESTS_AT_ONCE * 4 of them asked ahead: a request's latency hidden, never
-    every answer held at once (a split's 60,000 segments' .idx: its whole index)."""
-    asked: deque = deque()
-    for item in items:
-        asked.append(pool.submit(fn, item))
-        if len(asked) > REQUESTS_AT_ONCE * 4:
-            yield asked.popleft().result()
-    while asked:
-        yield asked.popleft().result()
-
-
-def _checkpoint(bucket, key: str) -> Checkpoint:
-    return Checkpoint.parse(json.loads(bucket.get(key)[0]))
