@@ -1,6 +1,6 @@
 """What --group-by costs (issue 29): throughput with and without it, and the cost of a group's files.
 
-  python benchmarks/groups.py [--runs 3] [--workers 2] [--work-dir /tmp/tokpipe-bench]
+  python benchmarks/groups.py [--runs 3] [--workers 2] [--work-dir WORK_DIR]
 
 1. Throughput: `tokpipe run` of the shared SlimPajama-style cache (29 MB, 8 shards, 4 groups in
    meta.redpajama_set_name) with and without `--group-by meta.redpajama_set_name`, the same workers,

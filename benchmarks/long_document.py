@@ -2,7 +2,7 @@
 another small one; `tokpipe run --workers N` and then `tokpipe verify OUT --sample 3` (which samples all
 three), each watched as a whole process tree (driver, Ray's processes, its workers: procmon.TreeMonitor).
 
-    python benchmarks/long_document.py --sizes 5MB --trees before=/tmp/wt-old
+    python benchmarks/long_document.py --sizes 5MB --trees before=../OLD
     python benchmarks/long_document.py --sizes 62MB,200MB
     python benchmarks/long_document.py --calls 2MB
 

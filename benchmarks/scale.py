@@ -1,9 +1,9 @@
 """Measurements behind the scale model in benchmarks/README.md (issue 10), on distinct text.
 
-    python benchmarks/scale.py tail    --trees before=/tmp/wt-old,after=. --size 250MB --workers 2
-    python benchmarks/scale.py memory  --trees before=/tmp/wt-old,after=. --size 550MB --workers 1
+    python benchmarks/scale.py tail    --trees before=../OLD,after=. --size 250MB --workers 2
+    python benchmarks/scale.py memory  --trees before=../OLD,after=. --size 550MB --workers 1
     python benchmarks/scale.py rates   --size 250MB
-    python benchmarks/scale.py driver  --trees before=/tmp/wt-old,after=. --shards 5000 --pack-shards 1,64
+    python benchmarks/scale.py driver  --trees before=../OLD,after=. --shards 5000 --pack-shards 1,64
     python benchmarks/scale.py cluster --size 100MB
     python benchmarks/scale.py cores   --size 250MB --shard-size 12.5MB
 
