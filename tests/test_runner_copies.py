@@ -21,7 +21,7 @@ def part(shard, node):
     return SimpleNamespace(buffered=[Stored(shard, ray.put(shard), node, 0)])
 held = [part("done, its turn to come, on x", "x").buffered[0]]
 assembler = SimpleNamespace(held=lambda: held)
-copies = Copies(assembler, "out", 4, 2, None, None)
+copies = Copies(SimpleNamespace(name="out"), assembler, 4, 2, None, None)
 copies.queue.append(part("queued, on x", "x"))
 copies.parked += [part("parked for another lost shard, on x", "x"), part("parked, on y", "y")]
 everything = [*held, *(p.buffered[0] for p in [*copies.queue, *copies.parked])]

@@ -51,6 +51,7 @@ from helpers import (
     shard_workers,
     shards_begun,
     start,
+    stored_objects,
     tokpipe,
     wait_for,
     write_jsonl,
@@ -390,11 +391,15 @@ def test_a_document_too_long_for_the_backend_sample_is_passed_over_in_one_line_a
 
 
 @pytest.mark.parametrize("where", ["on Ray's workers", "in the driver"])
-def test_a_failed_shard_keeps_the_shards_done_after_it_and_the_rerun_reads_only_it(tmp_path, small_tokenizer, where):
+@pytest.mark.parametrize("out_on", ["a folder", "a store"])
+def test_a_failed_shard_keeps_the_shards_done_after_it_and_the_rerun_reads_only_it(
+    tmp_path, small_tokenizer, where, out_on, request
+):
     # Fourteen shards of the example's documents, the third a zstd download cut in half. The shards after it are
-    # done but have no place in train.bin before it is fixed: they are kept in their own files, so the rerun, after
-    # the fix, reads the fixed shard alone. On Ray (an embedded one: a cluster's nodes would refuse the fixed shard,
-    # its size not the manifest's) they go in packs of two, the failed pack's shards again one by one.
+    # done but have no place in train.bin before it is fixed: they are kept in their own files (on a store, their
+    # objects), so the rerun, after the fix, reads the fixed shard alone. On Ray (an embedded one: a cluster's nodes
+    # would refuse the fixed shard, its size not the manifest's) they go in packs of two, the failed pack's shards
+    # again one by one.
     texts = [json.dumps({"text": text}) for path in EXAMPLE_TRAIN_FILES for text in reference_texts(path)]
     data = tmp_path / "data"
     files = [write_jsonl(data / "train" / f"s{k:02d}.jsonl", texts[20 * k : 20 * k + 20]) for k in range(14) if k != 2]
@@ -402,7 +407,18 @@ def test_a_failed_shard_keeps_the_shards_done_after_it_and_the_rerun_reads_only_
     cut = data / "train" / "s02.jsonl.zst"
     cut.write_bytes(whole[: len(whole) // 2])
     write_manifest(build_manifest(data), tmp_path / "m.json")
-    out = tmp_path / "out"
+    if out_on == "a folder":
+        out = tmp_path / "out"
+
+        def objects() -> dict[str, bytes]:
+            return {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    else:
+        server, prefix = request.getfixturevalue("s3_server"), request.getfixturevalue("s3_prefix")
+        out = server.url(prefix)
+
+        def objects() -> dict[str, bytes]:
+            return stored_objects(server, prefix)
+
     ray = ("--ray-only",) if where == "on Ray's workers" else ()
     args = run_args(tmp_path / "m.json", out, "--workers", "2", *ray, tokenizer=small_tokenizer)
     failed = tokpipe(*args)
@@ -412,7 +428,7 @@ def test_a_failed_shard_keeps_the_shards_done_after_it_and_the_rerun_reads_only_
     )
     assert "shards: 13 done, 0 partial, 0 pending, 1 failed (of 14)" in cli("status", out).stdout.splitlines()
     if ray:
-        assert "train/s02.jsonl.zst) failed (SourceError: " in (out / "logs" / "run.log").read_text()  # its pack
+        assert "train/s02.jsonl.zst) failed (SourceError: " in objects()["logs/run.log"].decode()  # its pack
 
     listed = cut.stat().st_size  # the shard's size in the manifest, which the progress counts it by
     cut.write_bytes(whole)
@@ -424,7 +440,9 @@ def test_a_failed_shard_keeps_the_shards_done_after_it_and_the_rerun_reads_only_
     tokenizer = small_tokenizer / "tokenizer.json"
     eos = reference_tokenizer(tokenizer).token_to_id("<|endoftext|>")
     files.insert(2, cut)
+    left = objects()
     assert np.array_equal(
-        np.fromfile(out / "train.bin", dtype=np.uint16), reference_tokens(files, tokenizer, eos, np.uint16)
+        np.frombuffer(left["train.bin"], dtype=np.uint16), reference_tokens(files, tokenizer, eos, np.uint16)
     )
+    assert not [name for name in left if name.startswith(("shards/", "segments/")) and name.endswith((".bin", ".idx"))]
     assert cli("verify", out).returncode == 0

@@ -25,6 +25,7 @@ from helpers import (
     reference_tokens,
     run_args,
     snapshot_files,
+    stored_objects,
     tokpipe,
     write_jsonl,
 )
@@ -138,37 +139,62 @@ def test_a_manifest_that_only_gained_shards_resumes_as_an_append(dataset, tmp_pa
 
 
 # What an append is tested with: the options of the runs, by name, and the finished shards it moves in each split
-# file (--no-concat: none, a split is its parts' own files).
+# file, in a folder and on a store (--no-concat: none, a split is its parts' own files). On a store every split file
+# is made anew from its segments: each split's finished shards are taken from the files as they were.
 APPEND_MODES = {
-    "plain": ((), "2 in train"),
-    "--group-by": (("--group-by", GROUP_FIELD), "2 in train"),
-    "--val-fraction": (("--val-fraction", "0.3"), "2 in train, 3 in val"),
-    "--no-concat": (("--no-concat",), None),
+    "plain": ((), "2 in train", "2 in train, 1 in val"),
+    "--group-by": (("--group-by", GROUP_FIELD), "2 in train", "2 in train, 1 in val"),
+    "--val-fraction": (("--val-fraction", "0.3"), "2 in train, 3 in val", "2 in train, 3 in val"),
+    "--no-concat": (("--no-concat",), None, None),
 }
 # The shards an append adds: one that sorts before every finished shard of train (and so before val.bin's held-out
 # parts), one between train's two.
 ADDED_FIRST, ADDED_BETWEEN = "train/chunk0/example_train_a.jsonl.zst", "train/chunk1/example_train_0a.jsonl.zst"
 
 
-def _split_tokens(out: Path, meta: dict, split: str, group: str | None = None) -> np.ndarray:
+def _split_tokens(files: dict[str, bytes], meta: dict, split: str, group: str | None = None) -> np.ndarray:
     """A finished split's tokens (or one group's), read from the files meta names."""
     entry = meta["splits"][split] if group is None else meta["splits"][split]["groups"][group]
-    files = [entry["file"]] if "file" in entry else [f["bin"] for f in entry["files"]]
-    return np.concatenate([np.fromfile(out / f, dtype=np.uint16) for f in files])
+    names = [entry["file"]] if "file" in entry else [f["bin"] for f in entry["files"]]
+    return np.concatenate([np.frombuffer(files[name], dtype=np.uint16) for name in names])
 
 
+@pytest.mark.parametrize("out_on", ["a folder", "a store"])
 @pytest.mark.parametrize("mode", APPEND_MODES)
 def test_shards_added_before_finished_ones_move_them_and_tokenize_only_the_new(
-    dataset, tmp_path, small_tokenizer, mode
+    dataset, tmp_path, small_tokenizer, mode, out_on, request
 ):
     """An append of shards that sort first and in the middle of a split: the finished shards' parts move to
     their new offsets in the split files (each group's, val.bin's held-out parts too), none is tokenized
     again, and the output is a fresh run's of the whole dataset, by the reference."""
-    out, (options, moved) = tmp_path / "out", APPEND_MODES[mode]
+    options, moved_in_folder, moved_on_store = APPEND_MODES[mode]
+    if out_on == "a folder":
+        out, moved = tmp_path / "out", moved_in_folder
+        said = f"moving finished shards to their new offsets, after the shards added before them ({moved}): copied"
+        said += " from the split files as they were, none tokenized again"
+
+        def files() -> dict[str, bytes]:
+            return {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+        def checkpoints() -> dict[str, int]:
+            return {p.as_posix(): p.stat().st_mtime_ns for p in (out / "shards").rglob("*.json")}
+    else:
+        server, prefix = request.getfixturevalue("s3_server"), request.getfixturevalue("s3_prefix")
+        out, moved = server.url(prefix), moved_on_store
+        said = f"taking finished shards from the split files as they were ({moved}), copied on the server to"
+        said += f" {out}/sources/: none tokenized again"
+
+        def files() -> dict[str, bytes]:
+            return stored_objects(server, prefix)
+
+        def checkpoints() -> dict[str, str]:
+            listed = server.client().list_objects_v2(Bucket=server.bucket, Prefix=f"{prefix}/shards/")["Contents"]
+            return {o["Key"]: o["ETag"] for o in listed if o["Key"].endswith(".json")}
+
     write_manifest(build_manifest(dataset), tmp_path / "before.json")
     first = tokpipe(*run_args(tmp_path / "before.json", out, *options, tokenizer=small_tokenizer))
     assert first.returncode == 0, first.stderr
-    done_at = {p: p.stat().st_mtime_ns for p in (out / "shards").rglob("*.json")}
+    done_at = checkpoints()
 
     add_shards(dataset, ADDED_FIRST, ADDED_BETWEEN)
     write_manifest(build_manifest(dataset), tmp_path / "after.json")
@@ -178,15 +204,13 @@ def test_shards_added_before_finished_ones_move_them_and_tokenize_only_the_new(
     assert (
         lines[0] == f"the manifest gained 2 shards since {out} was started: appending them (finished shards are kept)"
     )
-    said = f"moving finished shards to their new offsets, after the shards added before them ({moved}): copied from"
-    assert [line for line in lines if line.startswith("moving")] == (
-        [f"{said} the split files as they were, none tokenized again"] if moved else []
-    )
+    assert [line for line in lines if line.startswith(("moving", "taking"))] == ([said] if moved else [])
     assert re.search(r": 5 shards, .*; 3 done, 0 partial, 2 to start$", rerun.stdout, re.M), rerun.stdout
     assert "tokenizing again" not in rerun.stdout
-    assert {p: p.stat().st_mtime_ns for p in done_at} == done_at  # no finished shard was tokenized again
+    assert {key: stamp for key, stamp in checkpoints().items() if key in done_at} == done_at  # none done again
 
-    meta = json.loads((out / "meta.json").read_text())
+    found = files()
+    meta = json.loads(found["meta.json"])
     tokenizer = small_tokenizer / "tokenizer.json"
     eos = reference_tokenizer(tokenizer).token_to_id("<|endoftext|>")
     train, holdout = snapshot_files(dataset, "train"), snapshot_files(dataset, "validation")
@@ -197,11 +221,11 @@ def test_shards_added_before_finished_ones_move_them_and_tokenize_only_the_new(
         "train/chunk1/example_train_1.jsonl.zst",
     ]
     if mode == "--group-by":
-        for split, files in (("train", train), ("validation", holdout)):
-            groups = reference_by_group(files, tokenizer, GROUP_FIELD, eos)
+        for split, shards in (("train", train), ("validation", holdout)):
+            groups = reference_by_group(shards, tokenizer, GROUP_FIELD, eos)
             assert list(meta["splits"][split]["groups"]) == list(groups)
             for group, (tokens, _, _) in groups.items():
-                assert np.array_equal(_split_tokens(out, meta, split, group), tokens), (split, group)
+                assert np.array_equal(_split_tokens(found, meta, split, group), tokens), (split, group)
     else:
         keep = held_out(0.3, False) if mode == "--val-fraction" else None
         expected = {"train": reference_tokens(train, tokenizer, eos, np.uint16, keep=keep)}
@@ -210,8 +234,10 @@ def test_shards_added_before_finished_ones_move_them_and_tokenize_only_the_new(
             held = reference_tokens(train, tokenizer, eos, np.uint16, keep=held_out(0.3, True))
             expected["validation"] = np.concatenate([held, expected["validation"]])
         for split, tokens in expected.items():
-            assert np.array_equal(_split_tokens(out, meta, split), tokens), split
-    assert not (out / "moving").exists()
+            assert np.array_equal(_split_tokens(found, meta, split), tokens), split
+    assert not [name for name in found if name.startswith(("moving/", "sources/"))]
+    if mode != "--no-concat":
+        assert not [name for name in found if name.startswith("segments/")]
     assert cli("verify", out).returncode == 0
 
 

@@ -25,6 +25,7 @@ from helpers import (
     held_out,
     kill_9,
     open_uploads,
+    plain_copy_of_example,
     reference_tokens,
     repeated_example,
     repeated_reference,
@@ -166,17 +167,74 @@ def test_a_kill_9_after_meta_json_leaves_segments_status_shows_and_the_rerun_rem
     assert status.returncode == 0, status.stderr
     assert status.stdout.splitlines()[:2] == [
         f"{url}: finished",
-        f"LEFT OVER: 6 objects under {url}/segments/ that a finish killed after meta.json left (a second copy of"
-        f" tokens): the run's command removes them",
+        f"LEFT OVER: 6 objects under {url} that a finish killed after meta.json left (a second copy of tokens,"
+        " segments/ or kept parts): the run's command removes them",
     ]
     rerun = store_out_run(manifest, url)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert rerun.stdout.splitlines()[-2:] == [
-        f"removed 6 objects that a finish killed after meta.json left under {url}/segments/",
+        f"removed 6 objects that a finish killed after meta.json left under {url}",
         f"{url} is already finished ({url}/meta.json); nothing to do. Check it with: tokpipe verify {url}",
     ]
     assert _finished_names(stored_objects(s3_server, s3_prefix)) == FINISHED
     assert tokpipe("status", url).stdout.splitlines()[1].startswith("shards: 3 done")
+
+
+# The moments of an append to a finished OUT on a store that a kill -9 lands at: as its split files are copied to
+# sources/ (the second copy), once run.json is this run's (the first thing a resume does), as a segment takes a
+# finished part from the sources.
+APPEND_KILLED_AT = {
+    "copying the split files": ("tokpipe.layout.stored.compose", 2),
+    "run.json written, meta not yet removed": ("tokpipe.write.stored.StoreAssembly.resume", 1),
+    "a part read from the sources": ("tokpipe.write.segments.Kept.arrays", 1),
+}
+
+
+@pytest.mark.parametrize("moment", APPEND_KILLED_AT)
+def test_an_append_killed_at_any_moment_then_the_same_command_is_one_run_over_all_shards(
+    s3_server, s3_prefix, tmp_path, example_reference, moment
+):
+    # The example less its first train shard, finished; then the manifest gains it (it sorts first: every finished
+    # part of train.bin moves). Killed at a moment of the append, the same command ends at one run's bytes.
+    data = plain_copy_of_example(tmp_path / "data")
+    first = data / "train" / "chunk1" / "example_train_0.jsonl.zst"
+    aside = first.read_bytes()
+    first.unlink()
+    write_manifest(build_manifest(data), tmp_path / "before.json")
+    url = s3_server.url(s3_prefix)
+    assert store_out_run(tmp_path / "before.json", url).returncode == 0
+    first.write_bytes(aside)
+    write_manifest(build_manifest(data), tmp_path / "after.json")
+    killed = store_out_run(tmp_path / "after.json", url, kill=APPEND_KILLED_AT[moment])
+    assert killed.returncode == -9, killed.stdout + killed.stderr
+    rerun = store_out_run(tmp_path / "after.json", url)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert re.search(r": 3 shards, .*; 2 done, 0 partial, 1 to start$", rerun.stdout, re.M), rerun.stdout
+    objects = stored_objects(s3_server, s3_prefix)
+    for stem, expected in example_reference.items():
+        _assert_split(objects, stem, expected)
+    assert _finished_names(objects) == FINISHED  # no source, no segment left
+    assert open_uploads(s3_server, s3_prefix) == []
+    assert tokpipe("verify", url).returncode == 0
+
+
+def test_an_append_to_an_unfinished_out_on_a_store_is_refused_in_one_line(s3_server, s3_prefix, tmp_path):
+    data = plain_copy_of_example(tmp_path / "data")
+    first = data / "train" / "chunk1" / "example_train_0.jsonl.zst"
+    aside = first.read_bytes()
+    first.unlink()
+    write_manifest(build_manifest(data), tmp_path / "before.json")
+    url = s3_server.url(s3_prefix)
+    killed = store_out_run(tmp_path / "before.json", url, kill=("tokpipe.write.finalize._compose_split", 1))
+    assert killed.returncode == -9, killed.stdout + killed.stderr
+    first.write_bytes(aside)
+    write_manifest(build_manifest(data), tmp_path / "after.json")
+    refused = tokpipe(*run_args(tmp_path / "after.json", url))
+    assert refused.returncode == 2
+    assert refused.stderr == (
+        f"tokpipe run: error: {url} holds an unfinished run of fewer shards: shards are appended to a finished OUT"
+        " on a store; finish it first (the command that started it), then run this one\n"
+    )
 
 
 def test_the_store_killed_mid_upload_and_started_again_is_waited_for(s3_server, s3_prefix, repeated):

@@ -175,7 +175,7 @@ def status(out: str | os.PathLike) -> RunStatus:
     groups = {split: dict(sorted(g.items())) for split, g in groups.items()}
     why = refused and refused["error"]
     live_progress = progress if live else None
-    left = left_over(copy) if meta is not None else None
+    left = left_over(copy, meta.concat) if meta is not None else None
     return RunStatus(out, state, shards, holder, live_progress, age, next_step, disk, groups, why, warnings, left)
 
 
@@ -203,7 +203,7 @@ def report(st: RunStatus) -> str:
             where, n = st.left_over
             lines.append(
                 f"LEFT OVER: {n:,} objects under {where} that a finish killed after meta.json left (a second copy of"
-                " tokens): the run's command removes them"
+                " tokens, segments/ or kept parts): the run's command removes them"
             )
     elif st.state == "running" and st.count("done") == len(st.shards):
         lines.append(f"{st.out}: finalizing ({st.holder}): every shard is done, the split files are being written")

@@ -26,10 +26,12 @@ from pathlib import Path
 
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import Shard
-from tokpipe.layout.files import Layout, PartKey, group_stem, out_folder, work_folder
-from tokpipe.store import Bucket, Url, is_url
+from tokpipe.layout.files import RECORD, Layout, PartKey, group_stem, out_folder, work_folder
+from tokpipe.layout.meta import Meta
+from tokpipe.store import Bucket, Url, compose, is_url
 
 SEGMENTS = "segments"
+SOURCES = "sources"  # a finished OUT's split files as they were, while shards appended to it are assembled
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,42 @@ class StoredOut:
     def segments(self) -> str:
         return self.key(SEGMENTS) + "/"
 
+    @property
+    def sources(self) -> str:
+        return self.key(SOURCES) + "/"
+
+    def copy_to_sources(self, meta: Meta) -> None:
+        """A finished OUT's split files (.bin, .idx, each group's, and .parts) copied on the server under `sources`,
+        whence an append takes their finished parts (write/stored.py HeldParts); no token through this process."""
+        names = [name for entry in meta.splits.values() for f in entry.token_files() for name in (f.bin, f.idx)]
+        for name in names + [entry.parts for entry in meta.splits.values()]:
+            size = self.bucket.head(self.key(name)).size
+            compose(self.bucket, f"{self.sources}{name}", [(self.key(name), 0, size)], create=False)
+
+    def holds_tokens(self) -> bool:
+        """Whether OUT holds anything made under its recorded identity: a segment, a checkpoint, a split file."""
+        return any(self.name(found.key).split("/")[0] not in RECORD for found in self.bucket.list(self.prefix))
+
+    def upload_logs(self) -> bool:
+        """The run's logs (`work`'s), each uploaded whole; whether they were (a store that does not answer: the
+        run's error is said, and the logs stay in the local folder)."""
+        logs = self.work / "logs"
+        try:
+            for path in sorted(logs.iterdir()) if logs.is_dir() else []:
+                self.bucket.put(self.of_local(path), path.read_bytes())
+        except OSError:
+            return False
+        return True
+
+    def leftovers(self, concat: bool) -> list[str]:
+        """The objects a finished OUT no longer needs, a second copy of tokens its split files hold: the segments
+        (but with --no-concat, where they are the split's files), the parts kept for a rerun (write/stored.py
+        keep) and the split files an append moved (`sources`). Finalize removes them after meta.json; a finish
+        killed before it is done leaves them."""
+        found = [o.key for o in self.bucket.list(self.checkpoints) if o.key.endswith((".bin", ".idx"))]
+        found += [o.key for o in self.bucket.list(self.sources)]
+        return found + ([o.key for o in self.bucket.list(self.segments)] if concat else [])
+
 
 def part_name(shard: Shard, key: PartKey) -> str:
     """A part's name among its file's: its shard's key, and what it holds out (val.bin's part of a train shard)."""
@@ -170,11 +208,11 @@ def shown(out: Path, name: str) -> str:
     return str(out / name) if stored is None else str(stored.url / name)
 
 
-def left_over(out: Path) -> tuple[str, int] | None:
+def left_over(out: Path, concat: bool) -> tuple[str, int] | None:
     """For a reader's copy of a finished OUT on a store (reader_out): where the objects a finish killed after meta.json
-    left are (its segments, a second copy of every token), and how many; None where there are none, or on a disk."""
+    left are (StoredOut.leftovers), and how many; None where there are none, or on a disk."""
     stored = stored_of(out)
     if stored is None:
         return None
-    n = sum(1 for _ in stored.bucket.list(stored.segments))
-    return (str(stored.url / f"{SEGMENTS}/"), n) if n else None
+    n = len(stored.leftovers(concat))
+    return (str(stored.url), n) if n else None

@@ -6,7 +6,6 @@ tokens were lost with a node wait for their shard to be tokenized again (Losses,
 from __future__ import annotations
 
 from collections import Counter, deque
-from pathlib import Path
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -16,9 +15,8 @@ from tokpipe.layout.records import Checkpoint, Part
 from tokpipe.runner.progress import RunLog
 from tokpipe.runner.storage import Folder, Prefix
 from tokpipe.runner.task import Placer, Stored
-from tokpipe.write.assembly import COPY_BATCH_BYTES, Assembler
+from tokpipe.write.assembly import COPY_BATCH_BYTES
 from tokpipe.write.segments import Planned
-from tokpipe.write.shard import keep
 from tokpipe.write.stored import Step, StoreAssembly
 
 
@@ -48,8 +46,8 @@ class Placing:
 
     AT_ONCE = 2
 
-    def __init__(self, assembler, itemsize: int, nodes: int):
-        self.assembler, self.itemsize = assembler, itemsize
+    def __init__(self, out: Folder | Prefix, assembler, itemsize: int, nodes: int, check, log: RunLog):
+        self.out, self.assembler, self.itemsize, self.check, self.log = out, assembler, itemsize, check, log
         self.slots = self.AT_ONCE * nodes
         self.here = ray.get_runtime_context().get_node_id()
         self.placers: dict[str, ray.actor.ActorHandle] = {}  # node -> its Placer, made when first needed
@@ -139,6 +137,27 @@ class Placing:
             s.ref = None
         return lost
 
+    def keep(self, done: list[tuple]) -> int:
+        """Done shards whose place this run will not know (a shard before them failed): their buffered parts kept
+        where OUT lives and checkpointed (runner/storage.py keep_shard), by the node that holds them, so that the
+        rerun places them without tokenizing them again. Returns how many were kept; one whose node is lost
+        meanwhile is not (the rerun tokenizes it again)."""
+        by_node: dict[str, list[tuple[Checkpoint, Stored]]] = {}
+        kept = 0
+        for shard, ckpt, buffered in done:
+            if isinstance(buffered, Stored):
+                by_node.setdefault(buffered.node, []).append((ckpt, buffered))
+            else:  # tokenized in this process while Ray started
+                self.out.keep_shard(shard, ckpt, buffered)
+                kept += 1
+        calls = {self._placer(n)[1].keep.remote(self.out.name, held, self.check): n for n, held in by_node.items()}
+        for call, node in calls.items():
+            try:
+                kept += get(call)
+            except ray.exceptions.RayError as e:
+                self.log(f"keeping the shards on node {node[:8]} failed ({type(e).__name__}): the rerun tokenizes them")
+        return kept
+
     def found(self, stored: Stored, ref: ray.ObjectRef, node: str) -> None:
         """A lost shard tokenized again: its parts take their tokens from the new copy (the first of `ref`)."""
         stored.ref, stored.node, stored.index = ref, node, 0
@@ -153,9 +172,6 @@ class Copies(Placing):
     all of them: with thousands of tiny shards, one call and one fsync cover many. Two calls a node: one writes while
     the other waits on its fsync."""
 
-    def __init__(self, assembler: Assembler, out: Path, itemsize: int, nodes: int, check, log: RunLog):
-        super().__init__(assembler, itemsize, nodes)
-        self.out, self.check, self.log = out, check, log
 
     def _ready(self, excluded: frozenset[str]) -> list[Part]:
         if not self.assembler.concat:  # --no-concat: nothing to copy, a part is listed as it is
@@ -174,7 +190,7 @@ class Copies(Placing):
             if size >= COPY_BATCH_BYTES:
                 break
         node, placer = self._placer(node)
-        return node, batch, placer.place.remote(str(self.out), batch, self.itemsize, self.check)
+        return node, batch, placer.place.remote(self.out.name, batch, self.itemsize, self.check)
 
     def _took(self, parts: list[Part], result) -> None:
         wrote, records = result
@@ -186,34 +202,13 @@ class Copies(Placing):
         """Where an item's tokens wait on Ray (none: in files, or sent with the call)."""
         return [part.buffered[0]] if part.buffered else []
 
-    def keep(self, done: list[tuple]) -> int:
-        """Done shards whose place this run will not know (a shard before them failed): their buffered parts
-        written to their own files and checkpointed (shard.keep), on the node that holds them, so that the rerun
-        places them without tokenizing them again. Returns how many were kept; one whose node is lost meanwhile
-        is not (the rerun tokenizes it again)."""
-        by_node: dict[str, list[tuple[Checkpoint, Stored]]] = {}
-        kept = 0
-        for shard, ckpt, buffered in done:
-            if isinstance(buffered, Stored):
-                by_node.setdefault(buffered.node, []).append((ckpt, buffered))
-            else:  # tokenized in this process while Ray started
-                keep(self.out, shard, ckpt, buffered)
-                kept += 1
-        calls = {self._placer(n)[1].keep.remote(str(self.out), held, self.check): n for n, held in by_node.items()}
-        for call, node in calls.items():
-            try:
-                kept += get(call)
-            except ray.exceptions.RayError as e:
-                self.log(f"keeping the shards on node {node[:8]} failed ({type(e).__name__}): the rerun tokenizes them")
-        return kept
-
 
 def placing(out: Folder | Prefix, assembler, nodes: int, check, log: RunLog) -> Placing:
     """The Placers' work where OUT lives (runner/storage.py): parts written into its split files, or segments
     uploaded to its prefix."""
     if isinstance(out, Prefix):
-        return StoreCopies(assembler, nodes)
-    return Copies(assembler, out.path, assembler.itemsize, nodes, check, log)
+        return StoreCopies(out, assembler, nodes, check, log)
+    return Copies(out, assembler, assembler.itemsize, nodes, check, log)
 
 
 class StoreCopies(Placing):
@@ -225,8 +220,8 @@ class StoreCopies(Placing):
 
     AT_ONCE = 4
 
-    def __init__(self, assembler: StoreAssembly, nodes: int):
-        super().__init__(assembler, assembler.itemsize, nodes)
+    def __init__(self, out: Prefix, assembler: StoreAssembly, nodes: int, check, log: RunLog):
+        super().__init__(out, assembler, assembler.itemsize, nodes, check, log)
         alive = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]
         for node in {self.here, *alive}:  # each node's Placer ready before its first segment
             self._placer(node)[1].warm.remote(str(assembler.out))

@@ -309,7 +309,7 @@ def _run(
         run = _Run(manifest, out, info, opts, RunLog(out.records), clock, cluster, tell)
         cluster.log_to(Layout(out.records).log(RAY_LOG))  # OUT is this run's: Ray's lines go there from now on
         if finished_with(meta := out.finished(), manifest):
-            out.clean(tell)
+            out.clean(meta, tell)
             return _nothing_to_do(out, meta, clock, tell)
         # Before the plan: it may find placed shards whose place is not kept, to tokenize again.
         assembler = out.assembly(manifest, np.dtype(info.dtype).itemsize, opts.output, run.say)

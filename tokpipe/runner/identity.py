@@ -107,7 +107,8 @@ def record_run(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOpti
             LayoutWriter(out).start_over()
             tell(Said(f"{out} holds no token yet: starting it over with these inputs ({what})"))
         elif list(changed) == ["manifest_sha256"] and Layout(out).manifest.exists():
-            _check_append(out, load_manifest(Layout(out).manifest), manifest, tell)
+            check_append(str(out), load_manifest(Layout(out).manifest), manifest, tell)
+            LayoutWriter(out).unfinish()  # until the new finalize
         else:
             raise UserError(
                 f"{out} holds a run with other inputs ({what}); use a new --out, or the original inputs to resume"
@@ -146,7 +147,7 @@ def finished_read_only(out: Path, manifest: Manifest, info: TokenizerInfo, opts:
     return meta
 
 
-def _check_append(out: Path, old_manifest: Manifest, manifest: Manifest, tell: Listener) -> None:
+def check_append(out: str, old_manifest: Manifest, manifest: Manifest, tell: Listener) -> None:
     """Every shard of the old manifest must be in the new one, the same size (on a store, the same ETag). Both list
     a split's shards in path order (docs/design.md), so one merged pass per split compares them, holding neither
     manifest."""
@@ -169,4 +170,3 @@ def _check_append(out: Path, old_manifest: Manifest, manifest: Manifest, tell: L
     tell(
         Said(f"the manifest gained {gained} shards since {out} was started: appending them (finished shards are kept)")
     )
-    LayoutWriter(out).unfinish()  # until the new finalize

@@ -26,9 +26,9 @@ from pathlib import Path
 
 from tokpipe.durability import write_atomic
 from tokpipe.errors import UserError
-from tokpipe.inputs.manifest import Manifest, Shard, write_manifest
+from tokpipe.inputs.manifest import Manifest, Shard, load_manifest, write_manifest
 from tokpipe.inputs.tokenizer import TokenizerInfo
-from tokpipe.layout.files import RECORD, Layout, LayoutWriter, ShardFiles, out_folder
+from tokpipe.layout.files import Layout, LayoutWriter, ShardFiles, out_folder
 from tokpipe.layout.meta import Meta, load_meta
 from tokpipe.layout.records import Checkpoint
 from tokpipe.layout.run import WriteSpec
@@ -36,6 +36,7 @@ from tokpipe.layout.stored import StoredOut
 from tokpipe.options import RunOptions
 from tokpipe.runner.events import Listener, Said
 from tokpipe.runner.identity import (
+    check_append,
     describe_changes,
     finished_read_only,
     identity_changes,
@@ -48,6 +49,7 @@ from tokpipe.write.assembly import Assembler
 from tokpipe.write.finalize import finalize, finalize_stored
 from tokpipe.write.shard import keep
 from tokpipe.write.stored import StoreAssembly
+from tokpipe.write.stored import keep as keep_on_store
 
 
 def storage_of(out: str | os.PathLike) -> Folder | Prefix:
@@ -74,7 +76,22 @@ class DoneShards:
         return ckpt is not None and ckpt.done
 
 
-class Folder:
+class Storage:
+    """What the driver asks of OUT wherever it lives; Folder and Prefix each do the rest their own way."""
+
+    def keep(self, assembler, placing=None) -> int:
+        """The done shards whose place a failed one keeps unknown, kept where OUT lives and checkpointed
+        (`keep_shard`), by the node that holds their tokens (`placing`, on Ray) or here: the rerun places them
+        without tokenizing them again. Returns how many were kept."""
+        if placing is not None:
+            return placing.keep(assembler.unplaced())
+        unplaced = assembler.unplaced()
+        for shard, ckpt, buffered in unplaced:
+            self.keep_shard(shard, ckpt, buffered)
+        return len(unplaced)
+
+
+class Folder(Storage):
     """OUT in a folder of a file system (every node's, on a cluster): written in place, its lock a file's."""
 
     on_disk = True  # progress compares OUT's growth with its file system's free space
@@ -108,7 +125,7 @@ class Folder:
     def finished(self) -> Meta | None:
         return load_meta(Layout(self.path))
 
-    def clean(self, tell: Listener) -> None:
+    def clean(self, meta: Meta, tell: Listener) -> None:
         """Nothing: a folder's finish leaves nothing beside OUT's files (finalize renames, then writes meta)."""
 
     def checkpoint(self, shard: Shard) -> Checkpoint | None:
@@ -168,21 +185,15 @@ class Folder:
             return f"cannot write under OUT {self.path} ({e.strerror})"
         return None
 
-    def keep(self, assembler: Assembler, placing=None) -> int:
-        """The done shards whose place a failed one keeps unknown, written to their own files and checkpointed
-        (shard.keep), where their tokens are: the rerun places them without tokenizing them again."""
-        if placing is not None:
-            return placing.keep(assembler.unplaced())
-        unplaced = assembler.unplaced()
-        for shard, ckpt, buffered in unplaced:
-            keep(self.path, shard, ckpt, buffered)
-        return len(unplaced)
+    def keep_shard(self, shard: Shard, ckpt: Checkpoint, buffered) -> None:
+        """A done shard's buffered parts written to its own files and fsynced, then its checkpoint (shard.keep)."""
+        keep(self.path, shard, ckpt, buffered)
 
     def finalize(self, assembler: Assembler, manifest: Manifest, info: TokenizerInfo, spec, excluded) -> dict:
         return finalize(self.path, manifest, info, spec, excluded, assembler)
 
 
-class Prefix:
+class Prefix(Storage):
     """OUT under a prefix of a bucket (layout/stored.py): held by a lease (layout/lease.py: a second run on a live OUT
     is refused in one line; after a kill -9 the same command resumes within one lease); its records written in a
     local folder of the run's (`records`) and uploaded, run.json and the manifest's copy at the start, the logs at the
@@ -217,7 +228,7 @@ class Prefix:
             try:
                 yield self._record(manifest, info, opts, tell)
             finally:
-                if self._upload_logs():  # else the logs stay here, the one copy of them
+                if self.out.upload_logs():  # else the logs stay here, the one copy of them
                     shutil.rmtree(self.records, ignore_errors=True)
 
     def _record(self, manifest: Manifest, info: TokenizerInfo, opts: RunOptions, tell: Listener) -> Manifest:
@@ -228,17 +239,14 @@ class Prefix:
         if found is not None:
             layout.run_json.write_bytes(found[0])
         changed = identity_changes(self.records, run_identity(manifest, info, opts))
-        if changed:
-            if self._holds_tokens():
-                append = (
-                    " (appending shards to an OUT on a store is not supported yet)"
-                    if list(changed) == ["manifest_sha256"]
-                    else ""
-                )
+        if changed and self.out.holds_tokens():
+            if list(changed) != ["manifest_sha256"]:
                 raise UserError(
-                    f"{out} holds a run with other inputs ({describe_changes(changed)}){append}; use a new --out, or"
-                    " the original inputs to resume"
+                    f"{out} holds a run with other inputs ({describe_changes(changed)}); use a new --out, or the"
+                    " original inputs to resume"
                 )
+            self._append(manifest, tell)
+        elif changed:
             for found in list(bucket.list(out.prefix)):
                 if found.key != out.lock:
                     bucket.delete(found.key)
@@ -250,35 +258,35 @@ class Prefix:
             bucket.put(out.of_local(path), path.read_bytes())
         return replace(manifest, source=layout.manifest)  # its shards stream from the local copy
 
-    def _holds_tokens(self) -> bool:
-        """Whether OUT holds anything made under its recorded identity: a segment, a checkpoint, a split file."""
-        out = self.out
-        return any(
-            out.name(found.key).split("/")[0] not in RECORD for found in out.bucket.list(out.prefix)
-        )
-
-    def _upload_logs(self) -> bool:
-        """The run's logs, each uploaded whole; whether they were (a store that does not answer: the run's error is
-        said, and the logs stay in the local folder)."""
-        logs = self.records / "logs"
-        try:
-            for path in sorted(logs.iterdir()) if logs.is_dir() else []:
-                self.out.bucket.put(self.out.of_local(path), path.read_bytes())
-        except OSError:
-            return False
-        return True
+    def _append(self, manifest: Manifest, tell: Listener) -> None:
+        """The manifest gained shards (identity.check_append) of a finished OUT: its split files are copied on the
+        server to `sources/`, whence the new split files take their finished parts (write/stored.py), none tokenized
+        again; then this run's run.json is written, and the rerun's resume removes meta. A kill before run.json
+        copies them again. A --no-concat OUT's parts are its segments, which stay. An OUT not finished is refused:
+        its committed segments were gathered in the order of the shards it had."""
+        out, layout = self.out, self.out.layout
+        meta = self.finished()
+        if meta is None:
+            raise UserError(
+                f"{out} holds an unfinished run of fewer shards: shards are appended to a finished OUT on a store;"
+                " finish it first (the command that started it), then run this one"
+            )
+        layout.manifest.write_bytes(out.bucket.get(out.of_local(layout.manifest))[0])
+        check_append(self.name, load_manifest(layout.manifest), manifest, tell)
+        self.clean(meta, tell)
+        if meta.concat:
+            out.copy_to_sources(meta)
 
     def finished(self) -> Meta | None:
         found = self.out.bucket.get(self.out.of_local(self.out.layout.meta_json))
         return None if found is None else Meta.of(json.loads(found[0]))
 
-    def clean(self, tell: Listener) -> None:
-        """What a finish killed after meta.json left: its segments (a second copy of every token) removed, and said."""
-        left = [found.key for found in self.out.bucket.list(self.out.segments)]
+    def clean(self, meta: Meta, tell: Listener) -> None:
+        """What a finish killed after meta.json left (StoredOut.leftovers, a second copy of tokens) removed; said."""
+        left = self.out.leftovers(meta.concat)
         if left:
             self.out.bucket.delete_many(left)
-            where = self.show("segments/")
-            tell(Said(f"removed {len(left):,} objects that a finish killed after meta.json left under {where}"))
+            tell(Said(f"removed {len(left):,} objects that a finish killed after meta.json left under {self.name}"))
 
     def is_done(self, shard: Shard) -> bool:
         return self.assembler.is_done(shard)
@@ -288,8 +296,16 @@ class Prefix:
         return Checkpoint(done=True) if self.is_done(shard) else None
 
     def assembly(self, manifest: Manifest, itemsize: int, spec: WriteSpec, say) -> StoreAssembly:
+        """The split files' segments taken up where an earlier attempt left them (StoreAssembly.resume); `say`s
+        which finished shards an append takes from the split files as they were."""
         self.assembler = StoreAssembly(self.out, spec, manifest, itemsize, lease=self.lease)
         self.assembler.resume()
+        if self.assembler.held_parts.moved:
+            what = ", ".join(f"{n} in {stem}" for stem, n in self.assembler.held_parts.moved.items())
+            say(
+                f"taking finished shards from the split files as they were ({what}), copied on the server to"
+                f" {self.show('sources/')}: none tokenized again"
+            )
         return self.assembler
 
     every_node = (
@@ -321,9 +337,9 @@ class Prefix:
             return f"cannot write under OUT {self.name} ({e})"
         return None
 
-    def keep(self, assembler: StoreAssembly, placing=None) -> int:
-        """None kept: the rerun tokenizes again the done shards a failed one held back (docs/stores.md)."""
-        return 0
+    def keep_shard(self, shard: Shard, ckpt: Checkpoint, buffered) -> None:
+        """A done shard's buffered parts uploaded to its own files' keys, then its checkpoint (write/stored.py keep)."""
+        keep_on_store(self.out, shard, ckpt, buffered)
 
     def finalize(self, assembler: StoreAssembly, manifest: Manifest, info: TokenizerInfo, spec, excluded) -> dict:
         return finalize_stored(assembler, manifest, info, spec, excluded)

@@ -19,10 +19,11 @@ from tokpipe.layout.files import stall_dump
 from tokpipe.layout.records import Checkpoint, Part
 from tokpipe.layout.stored import StoredOut
 from tokpipe.runner.nodes import NodeCheck, ensure_seen
+from tokpipe.runner.storage import storage_of
 from tokpipe.write.memory import MemoryGuard, memory_guard
 from tokpipe.write.place import place
 from tokpipe.write.segments import Planned, Segment, Spilled
-from tokpipe.write.shard import EncodeSpec, ShardResult, keep, tokenize_shard
+from tokpipe.write.shard import EncodeSpec, ShardResult, tokenize_shard
 from tokpipe.write.stored import Step, upload_planned
 
 REPORT_EVERY = 1.0  # seconds between a worker's progress reports
@@ -231,9 +232,11 @@ class Placer:
         return self.node, segment, upload_planned(StoredOut.of(out), Planned(segment, here))
 
     def keep(self, out: str, done: list[tuple[Checkpoint, Stored]], check: NodeCheck | None) -> int:
-        """shard.keep for done shards whose buffered parts are in this node's object store; returns how many."""
+        """Done shards whose buffered parts are in this node's object store kept where OUT lives (runner/storage.py
+        keep_shard); returns how many."""
         ensure_seen(check)
         values = ray.get([stored.ref for _, stored in done])
+        where = storage_of(out)
         for (ckpt, stored), value in zip(done, values):
-            keep(out, stored.shard, ckpt, value[stored.index])
+            where.keep_shard(stored.shard, ckpt, value[stored.index])
         return len(done)

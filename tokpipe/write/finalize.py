@@ -154,8 +154,7 @@ def finalize_stored(
     assembly.lease_check()
     out.bucket.put(out.of_local(layout.meta_pkl), pickle.dumps(meta, protocol=4))
     out.bucket.put(out.of_local(layout.meta_json), json.dumps(meta).encode())
-    if spec.concat:
-        out.bucket.delete_many([found.key for found in out.bucket.list(out.segments)])
+    out.bucket.delete_many(out.leftovers(spec.concat))
     return meta
 
 

@@ -78,6 +78,59 @@ def _mapped(path: str, dtype) -> np.ndarray:
     return np.memmap(path, dtype, mode="r") if os.path.getsize(path) else np.zeros(0, dtype)
 
 
+@dataclass(frozen=True)
+class Kept:
+    """A done shard's part held in objects of OUT on the store, whence a segment takes it instead of tokenizing the
+    shard again: its own files' keys (shards/<split>/...<key>.bin, .idx), where a run that ended with a shard
+    before it failed kept it (`keep_parts`), or its range of a split file as it was before shards were appended
+    (sources/<stem>.bin: `start` and `tokens` of it, its ends from `doc_start`, counted from the file's start). Its
+    tokens are read in ranges into a file of this node's (a part may be larger than a process should hold), its
+    ends in one. Such objects go once OUT is finished (write/finalize.py)."""
+
+    bucket: Bucket
+    bin: str
+    idx: str
+    dtype: str
+    start: int = 0
+    tokens: int | None = None  # None: the whole object
+    doc_start: int = 0
+    documents: int | None = None
+
+    def arrays(self) -> Buffered:
+        itemsize = np.dtype(self.dtype).itemsize
+        size, at = None if self.tokens is None else self.tokens * itemsize, self.start * itemsize
+        tokens = tempfile.NamedTemporaryFile(prefix="tokpipe-kept-", delete=False)
+        with tokens:
+            while size is None or tokens.tell() < size:
+                want = UPLOAD_PART_BYTES if size is None else min(UPLOAD_PART_BYTES, size - tokens.tell())
+                if not (data := self.bucket.read(self.bin, at, at + want)[0]):
+                    break
+                tokens.write(data)
+                at += len(data)
+        if self.documents is None:
+            raw = self.bucket.get(self.idx)[0]
+        else:
+            end = (self.doc_start + self.documents) * 8
+            raw = self.bucket.read(self.idx, self.doc_start * 8, end)[0] if self.documents else b""
+        ends = np.frombuffer(raw, dtype=IDX_DTYPE) - self.start
+        mapped = _mapped(tokens.name, self.dtype)
+        os.unlink(tokens.name)  # its pages stay while mapped; nothing is left once the upload drops them
+        return [mapped], [ends]
+
+
+def keep_parts(out: StoredOut, files: ShardFiles, buffered: dict) -> None:
+    """A done shard's buffered parts (in memory, or Spilled) uploaded whole to its own files' keys (Kept), each
+    .idx then .bin; its checkpoint is the caller's to write after them."""
+    for key, value in buffered.items():
+        tokens, ends = part_arrays(value)
+        bin_path, idx_path = files.part(key)
+        ends = np.concatenate(ends).astype(IDX_DTYPE) if ends else np.zeros(0, IDX_DTYPE)
+        out.bucket.put(out.of_local(idx_path), ends.tobytes())
+        _upload(out.bucket, out.of_local(bin_path), tokens, create=False)
+        if isinstance(value, Spilled):
+            value.remove()
+
+
 def spill_large(parts, spec, shard, files: ShardFiles | None) -> ShardFiles:
     """A shard's buffered parts (write/shard.py PartWriter) of at least SEGMENT_BYTES of tokens into files of this
     node's, in a folder of this attempt's (a retry's never meets them), under spec.spill; the folders of the OUT's
@@ -98,9 +151,9 @@ def spill_large(parts, spec, shard, files: ShardFiles | None) -> ShardFiles:
     return files
 
 
-def part_arrays(value: Buffered | Spilled) -> Buffered:
-    """A buffered part's tokens and ends, in memory or in its node's files."""
-    return value.arrays() if isinstance(value, Spilled) else value
+def part_arrays(value: Buffered | Spilled | Kept) -> Buffered:
+    """A buffered part's tokens and ends, in memory, in its node's files, or kept on the store."""
+    return value.arrays() if isinstance(value, Spilled | Kept) else value
 
 
 @dataclass(frozen=True)
@@ -213,11 +266,12 @@ def upload_segment(out: StoredOut, segment: Segment, arrays: list[tuple[list[np.
     return sum(a.nbytes for a in tokens) + ends.nbytes
 
 
-def _upload(bucket: Bucket, key: str, arrays: list[np.ndarray]) -> None:
-    """The arrays' bytes as one object, create-only: one PUT, or past WHOLE_PUT_BYTES a multipart upload."""
+def _upload(bucket: Bucket, key: str, arrays: list[np.ndarray], create: bool = True) -> None:
+    """The arrays' bytes as one object, create-only where asked: one PUT, or past WHOLE_PUT_BYTES a multipart
+    upload."""
     views = [memoryview(a).cast("B") for a in arrays if a.nbytes]
     if sum(len(v) for v in views) <= WHOLE_PUT_BYTES:
-        bucket.put(key, b"".join(views), create=True)
+        bucket.put(key, b"".join(views), create=create)
         return
     upload = Upload.begin(bucket, key)
     try:
@@ -236,4 +290,4 @@ def _upload(bucket: Bucket, key: str, arrays: list[np.ndarray]) -> None:
     except BaseException:
         upload.abort()
         raise
-    upload.finish(create=True)
+    upload.finish(create=create)

@@ -14,15 +14,25 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from tokpipe.inputs.manifest import Manifest, Shard
-from tokpipe.layout.files import RECORD, split_file_stem
+from tokpipe.layout.files import RECORD, ShardFiles, split_file_stem
 from tokpipe.layout.lease import Lease
-from tokpipe.layout.records import Checkpoint
+from tokpipe.layout.records import Checkpoint, PartCounts, parts_of, record_key
 from tokpipe.layout.run import WriteSpec, output_splits, sources
 from tokpipe.layout.stored import StoredOut, part_name
-from tokpipe.write.segments import Entry, Planned, Segment, Segments, Spilled, part_arrays, upload_segment
+from tokpipe.write.segments import (
+    Entry,
+    Kept,
+    Planned,
+    Segment,
+    Segments,
+    Spilled,
+    keep_parts,
+    part_arrays,
+    upload_segment,
+)
 
 # GETs in flight where a rerun or finalize reads many small objects (segments' .json, checkpoints)
 REQUESTS_AT_ONCE = 16
@@ -58,6 +68,59 @@ class _Cursor:
 
 
 @dataclass
+class HeldParts:
+    """Finished parts held in objects of OUT on the store, which a rerun's segments take instead of tokenizing their
+    shards again (segments.Kept): the parts a run that a failed shard stopped kept (`kept`, by its shard's files'
+    keys, write/stored.py keep), and the ranges of a finished OUT's split files that an append copied to sources/
+    (`sourced`, runner/storage.py Prefix._append: ~200 bytes a part, each dropped as the walk takes it)."""
+
+    out: StoredOut
+    spec: WriteSpec
+    dtype: str
+    kept: set[tuple[str, str]] = field(default_factory=set)  # (split, key) of the shards with parts kept
+    sourced: dict[tuple[str, bool], list[tuple[PartCounts, Kept]]] = field(default_factory=dict)  # (relpath, held)
+    moved: dict[str, int] = field(default_factory=dict)  # stem -> finished shards taken from its sources
+
+    def note(self, key: str) -> bool:
+        """A key of OUT's listing: whether it is one of these (a kept part's, a source's)."""
+        if key.startswith(self.out.sources):
+            if key.endswith(".parts"):
+                self._sources(key)
+            return True
+        if key.startswith(self.out.checkpoints) and key.endswith((".bin", ".idx")):
+            name = self.out.name(key).split("/")
+            self.kept.add((name[1], name[-1].removesuffix(".bin").removesuffix(".idx")))
+            return True
+        return False
+
+    def _sources(self, parts_key: str) -> None:
+        """Where each finished part of a split file an append moved (Prefix._append) is: its range of the file."""
+        stem = parts_key.removeprefix(self.out.sources).removesuffix(".parts")
+        dtype = self.dtype
+        for part in parts_of(stem, self.out.bucket.get(parts_key)[0]):
+            held, group = record_key(part.record)
+            if self.spec.group_by is not None and group is None:
+                continue  # a shard's accounting line alone: its documents are in its groups' parts
+            base = self.out.sources + self.out.name(self.out.of_local(self.out.layout.split(stem, group)))
+            where = Kept(self.out.bucket, f"{base}.bin", f"{base}.idx", dtype, part.token_offset, part.tokens)
+            where = replace(where, doc_start=part.doc_offset, documents=part.documents)
+            counts = PartCounts(held, group, part.tokens, part.documents)
+            if (part.name, held) not in self.sourced:
+                self.moved[stem] = self.moved.get(stem, 0) + 1
+            self.sourced.setdefault((part.name, held), []).append((counts, where))
+
+    def take(self, shard: Shard, held: bool) -> tuple[list[PartCounts], dict]:
+        """A done shard's parts of one source, and where each is held (none: they are in committed segments)."""
+        if (shard.relpath, held) in self.sourced:
+            found = self.sourced.pop((shard.relpath, held))
+            return [counts for counts, _ in found], {counts.key: where for counts, where in found}
+        if (shard.split, shard.key) not in self.kept:
+            return [], {}
+        ckpt, where = kept(self.out, shard, self.dtype)
+        return ckpt.source_parts(held), where
+
+
+@dataclass
 class StoreAssembly:
     """The driver's side of an OUT on a store: which shards are done, what each file's segments are, what comes next."""
 
@@ -80,6 +143,7 @@ class StoreAssembly:
         for cursor in self.cursors.values():
             cursor.advance()
         self.segments = Segments(self.out, self.spec.concat, self.itemsize)
+        self.held_parts = HeldParts(self.out, self.spec, f"<u{self.itemsize}")
 
     # -- a rerun ---------------------------------------------------------------------------------------
 
@@ -90,10 +154,15 @@ class StoreAssembly:
         create-only)."""
         bucket, out = self.out.bucket, self.out
         self.abort_uploads()
+        for path in (out.layout.meta_json, out.layout.meta_pkl):  # a finished OUT's, appended to: unfinished now
+            bucket.delete(out.of_local(path))
         by_segment: dict[str, set[str]] = {}
         for found in bucket.list(out.prefix):
+            if self.held_parts.note(found.key):
+                continue
             if found.key.startswith(out.checkpoints):
-                self.done_keys.add(found.key)
+                if found.key.endswith(".json"):
+                    self.done_keys.add(found.key)
             elif found.key.startswith(out.segments):
                 base, _, suffix = found.key.rpartition(".")
                 by_segment.setdefault(base, set()).add(suffix)
@@ -127,7 +196,7 @@ class StoreAssembly:
         """A shard done: its parts (`buffered`: their arrays by key, or where they wait on Ray) go to the writer as
         their turn comes; its checkpoint once they are all committed."""
         left = {(shard.relpath, *part.key) for part in ckpt.parts} - self.committed
-        self.waiting[shard.relpath] = (shard, ckpt, left)
+        self.waiting[shard.relpath] = (shard, ckpt, left, buffered)
         held_too = self.spec.val_fraction > 0 and shard.split == "train"  # its held-out part is a source of val
         self.results[shard.relpath] = [ckpt, buffered, 1 + held_too, shard]
         self._checkpoint_if_in(shard.relpath)
@@ -141,11 +210,13 @@ class StoreAssembly:
                 shard, held = cursor.head
                 if shard.relpath in self.results:
                     result = self.results[shard.relpath]
-                    planned += self._add(stem, shard, held, *result[:2])
+                    planned += self._add(stem, shard, held, result[0].source_parts(held), result[1])
                     result[2] -= 1
                     if not result[2]:  # every split has walked past it
                         del self.results[shard.relpath]
-                elif not (self.is_done(shard) or shard.relpath in excluded):
+                elif self.is_done(shard):  # its parts in committed segments, or held on the store
+                    planned += self._add(stem, shard, held, *self.held_parts.take(shard, held))
+                elif shard.relpath not in excluded:
                     break
                 cursor.advance()
             if cursor.head is None and not cursor.ended:
@@ -160,9 +231,14 @@ class StoreAssembly:
         gathering = [step.buffered for segment in self.segments.open.values() for step in segment.sources]
         return [buffered for _, buffered, _, _ in self.results.values()] + gathering
 
-    def _add(self, stem: str, shard: Shard, held: bool, ckpt: Checkpoint, buffered) -> list[Planned]:
+    def unplaced(self) -> list[tuple[Shard, Checkpoint, object]]:
+        """Done shards with a part in no committed segment (a shard before them failed, or their segment still
+        gathers): (shard, checkpoint, buffered), for the runner to keep."""
+        return [(shard, ckpt, buffered) for shard, ckpt, _, buffered in self.waiting.values()]
+
+    def _add(self, stem: str, shard: Shard, held: bool, parts: list[PartCounts], buffered) -> list[Planned]:
         planned = []
-        for part in ckpt.source_parts(held):
+        for part in parts:
             entry = Entry(shard.relpath, held, part.group, part.tokens, part.documents)
             if entry.key not in self.committed:
                 planned += self.segments.add(stem, part_name(shard, part.key), entry, Step(buffered, part.key))
@@ -184,7 +260,7 @@ class StoreAssembly:
             self.lease.check()
 
     def _checkpoint_if_in(self, relpath: str) -> None:
-        shard, ckpt, left = self.waiting[relpath]
+        shard, ckpt, left, _ = self.waiting[relpath]
         if not left:
             self.lease_check()
             self.out.bucket.put(self.out.checkpoint(shard), json.dumps(asdict(ckpt)).encode())
@@ -205,3 +281,17 @@ def upload_planned(out: StoredOut, planned: Planned) -> int:
     for step in planned.sources:
         step.release()
     return uploaded
+
+
+def kept(out: StoredOut, shard: Shard, dtype: str) -> tuple[Checkpoint, dict]:
+    """A shard `keep` kept: its checkpoint, and where each of its parts is (segments.Kept)."""
+    ckpt = Checkpoint.parse(json.loads(out.bucket.get(out.checkpoint(shard))[0]))
+    files = ShardFiles.of(out.work, shard)
+    return ckpt, {p.key: Kept(out.bucket, *(out.of_local(f) for f in files.part(p.key)), dtype) for p in ckpt.parts}
+
+
+def keep(out: StoredOut, shard: Shard, ckpt: Checkpoint, buffered: dict) -> None:
+    """shard.keep on a store: a done shard's buffered parts uploaded to its own files' keys (segments.Kept), then its
+    checkpoint: the rerun takes them into its segments instead of tokenizing the shard again."""
+    keep_parts(out, ShardFiles.of(out.work, shard), buffered)
+    out.bucket.put(out.checkpoint(shard), json.dumps(asdict(ckpt)).encode())
