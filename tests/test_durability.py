@@ -7,8 +7,9 @@ import errno
 import hashlib
 import json
 import os
+import subprocess
+import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -32,14 +33,16 @@ from tokpipe.durability import (
 def test_write_atomic_replaces_the_whole_file_and_fsyncs_data_then_directory(tmp_path, monkeypatch):
     path = tmp_path / "state.json"
     path.write_bytes(b"old")
-    synced = []
-    real_fsync = os.fsync
+    done = []
+    real_fsync, real_replace = os.fsync, os.replace
     monkeypatch.setattr(
-        durability.os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd)
+        durability.os, "fsync", lambda fd: done.append(os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd)
     )
+    monkeypatch.setattr(durability.os, "replace", lambda a, b: done.append("replace") or real_replace(a, b))
     write_atomic(path, b"new bytes")
     assert path.read_bytes() == b"new bytes" and sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
-    assert synced == [str(tmp_path / "state.json.tmp"), str(tmp_path)]  # the data, then the rename
+    # The data (a file of its own, unnamed while written), the rename, then the folder.
+    assert done[1:] == ["replace", str(tmp_path)] and done[0].startswith(f"{tmp_path}/")
 
 
 def test_a_crash_before_the_rename_leaves_the_old_file(tmp_path, monkeypatch):
@@ -58,29 +61,39 @@ def test_a_crash_before_the_rename_leaves_the_old_file(tmp_path, monkeypatch):
     assert json.loads(path.read_text()) == {"v": 3} and not (tmp_path / "meta.json.tmp").exists()
 
 
-def test_threads_that_replace_one_file_at_once_each_replace_it_whole(tmp_path, monkeypatch):
-    # A Placer's two calls at once, a shard's train and held-out parts, each then writing its checkpoint. The
-    # first writer waits in its fsync for the second to reach its own (at most 0.3 s: with one replace at a time
-    # it never does), so without that the two .tmp writes meet and the second rename finds no .tmp.
-    path, inside = tmp_path / "checkpoint.json", threading.Event()
-    real_fsync = os.fsync
+RACE = """
+import sys
+from pathlib import Path
+from tokpipe.durability import write_atomic
+path, me = Path(sys.argv[1]), sys.argv[2]
+for n in range(40):
+    write_atomic(path, f"{me}:{n}:".encode() * 20_000)
+"""
 
-    def meeting_fsync(fd):
-        if os.readlink(f"/proc/self/fd/{fd}").endswith(".tmp"):
-            if inside.is_set():
-                inside.clear()
-            else:
-                inside.set()
-                deadline = time.monotonic() + 0.3
-                while inside.is_set() and time.monotonic() < deadline:
-                    time.sleep(0.005)
-        real_fsync(fd)
 
-    monkeypatch.setattr(durability.os, "fsync", meeting_fsync)
+def test_processes_and_threads_that_replace_one_file_at_once_each_replace_it_whole(tmp_path):
+    # A node's workers each writing its copy of a shipped tokenizer, and a Placer's two calls each writing a
+    # checkpoint: 6 processes and 2 threads replace one file 40 times each, while a reader reads it. Each rename
+    # finds its own file (a shared .tmp name failed here: FileNotFoundError), every read is one writer's whole.
+    path = tmp_path / "tokenizer.json"
+    write_atomic(path, b"first")
+    procs = [subprocess.Popen([sys.executable, "-c", RACE, str(path), f"p{k}"]) for k in range(6)]
+    reads, stop = [], threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            reads.append(path.read_bytes())
+
+    reader = threading.Thread(target=read)
+    reader.start()
     with ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda v: write_json_atomic(path, {"v": v}), (1, 2)))
-    assert json.loads(path.read_text()) in ({"v": 1}, {"v": 2})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.json"]
+        list(pool.map(lambda t: [write_atomic(path, f"t{t}:{n}:".encode() * 20_000) for n in range(40)], (0, 1)))
+    assert [proc.wait() for proc in procs] == [0] * 6
+    stop.set()
+    reader.join()
+    for data in [*reads, path.read_bytes()]:
+        assert data == b"first" or data == data[: data.index(b":", data.index(b":") + 1) + 1] * 20_000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokenizer.json"]
 
 
 @pytest.mark.parametrize("start, end, buffer", [(0, 0, 8), (0, 100_000, 4096), (123, 99_999, 1000), (5, 6, 1)])
