@@ -1,5 +1,5 @@
 """Segment uploads of an OUT on a store (write/segments.py) alone, to a `weed mini` of this machine: what one node's
-Placer sends (runner/copies.py, StoreCopies: AT_ONCE uploads at a time, each a thread of the actor), for the two
+Placer sends (runner/copies.py, SegmentUploads: AT_ONCE uploads at a time, each a thread of the actor), for the two
 shapes of segment a run makes: large parts, each a segment of its own (16 MiB of tokens: a shard of ~16 MB of text),
 and small parts gathered into 5 MiB segments (1 MiB of tokens a part). MB/s of tokens, and the uploading process's
 CPU per GB (the rest of the wall is the server's, on the same cores). What benchmarks/README.md's projection of a
@@ -20,7 +20,7 @@ import numpy as np
 from store import BUCKET, start_weed
 
 from tokpipe.layout.stored import StoredOut
-from tokpipe.write.segments import Entry, Segments, upload_segment
+from tokpipe.write.segments import Entry, Gatherer, upload_segment
 
 TOKENS_MB = 256  # MB of tokens a measure uploads
 
@@ -30,7 +30,7 @@ def planned(out: StoredOut, part_mib: int) -> tuple[list, dict]:
     rng = np.random.default_rng(part_mib)
     tokens = rng.integers(0, 151669, size=part_mib << 18, dtype=np.uint32)
     ends = np.arange(1, tokens.size // 1024 + 1, dtype=np.int64) * 1024
-    segments, closed = Segments(out, concat=True, itemsize=4), []
+    segments, closed = Gatherer(out, concat=True, itemsize=4), []
     for n in range(TOKENS_MB * 10**6 // tokens.nbytes):
         closed += segments.add("train", f"p{n:04d}", Entry(f"p{n:04d}", False, None, tokens.size, ends.size), n)
     return closed + segments.end("train"), ([tokens], [ends])

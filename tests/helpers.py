@@ -451,7 +451,7 @@ def killed_run(target: str, call: int, manifest, out, *extra, batch_bytes: int =
 # (TOKPIPE_TESTS_LOSE_NODE_AT=module.function:n in the node's environment, this file as sitecustomize.py on its
 # PYTHONPATH: RayNodes.add). LOST_NODE_RUN does it from a `tokpipe run` (argv: module.function or
 # module.Class.method, n, a node id, the node's session, then the CLI's arguments), at the n-th call of that
-# function given something on that node (a Stored there), or with an empty node id at its n-th call.
+# function given something on that node (an OnNode there), or with an empty node id at its n-th call.
 _LOSE_NODE = (
     _AT_CALL
     + """

@@ -6,22 +6,22 @@ import json
 import subprocess
 import sys
 
-# A driver joined to the session's Ray (argv: its address) with a Copies whose parts wait in each place a part can
-# wait, their tokens on node "x" or "y"; prints the shards `lose("x")` returned, and those whose tokens are marked
-# lost (ref None).
+# A driver joined to the session's Ray (argv: its address) with a SplitFileWrites whose parts wait in each place a
+# part can wait, their tokens on node "x" or "y"; prints the shards `lose("x")` returned, and those whose tokens are
+# marked lost (ref None).
 LOSE = """
 import json, sys
 from types import SimpleNamespace
 import ray
-from tokpipe.runner.copies import Copies
-from tokpipe.runner.task import Stored
+from tokpipe.runner.copies import SplitFileWrites
+from tokpipe.runner.task import OnNode
 
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
 def part(shard, node):
-    return SimpleNamespace(buffered=[Stored(shard, ray.put(shard), node, 0)])
+    return SimpleNamespace(buffered=[OnNode(shard, ray.put(shard), node, 0)])
 held = [part("done, its turn to come, on x", "x").buffered[0]]
 assembler = SimpleNamespace(held=lambda: held)
-copies = Copies(SimpleNamespace(name="out"), assembler, 4, 2, None, None)
+copies = SplitFileWrites(SimpleNamespace(name="out"), assembler, 4, 2, None, None)
 copies.queue.append(part("queued, on x", "x"))
 copies.parked += [part("parked for another lost shard, on x", "x"), part("parked, on y", "y")]
 everything = [*held, *(p.buffered[0] for p in [*copies.queue, *copies.parked])]

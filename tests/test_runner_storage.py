@@ -180,6 +180,22 @@ def test_a_kill_9_after_meta_json_leaves_segments_status_shows_and_the_rerun_rem
     assert tokpipe("status", url).stdout.splitlines()[1].startswith("shards: 3 done")
 
 
+def _example_and_its_first_train_shard_added(tmp_path: Path):
+    """The manifest of the example less its first train shard (before.json), and what puts the shard back and writes
+    after.json (it sorts first: every finished part of train.bin moves)."""
+    data = plain_copy_of_example(tmp_path / "data")
+    first = data / "train" / "chunk1" / "example_train_0.jsonl.zst"
+    aside = first.read_bytes()
+    first.unlink()
+    write_manifest(build_manifest(data), tmp_path / "before.json")
+
+    def after() -> None:
+        first.write_bytes(aside)
+        write_manifest(build_manifest(data), tmp_path / "after.json")
+
+    return tmp_path / "before.json", after
+
+
 # The moments of an append to a finished OUT on a store that a kill -9 lands at: as its split files are copied to
 # sources/ (the second copy), once run.json is this run's (the first thing a resume does), as a segment takes a
 # finished part from the sources.
@@ -196,15 +212,10 @@ def test_an_append_killed_at_any_moment_then_the_same_command_is_one_run_over_al
 ):
     # The example less its first train shard, finished; then the manifest gains it (it sorts first: every finished
     # part of train.bin moves). Killed at a moment of the append, the same command ends at one run's bytes.
-    data = plain_copy_of_example(tmp_path / "data")
-    first = data / "train" / "chunk1" / "example_train_0.jsonl.zst"
-    aside = first.read_bytes()
-    first.unlink()
-    write_manifest(build_manifest(data), tmp_path / "before.json")
+    before, after = _example_and_its_first_train_shard_added(tmp_path)
     url = s3_server.url(s3_prefix)
-    assert store_out_run(tmp_path / "before.json", url).returncode == 0
-    first.write_bytes(aside)
-    write_manifest(build_manifest(data), tmp_path / "after.json")
+    assert store_out_run(before, url).returncode == 0
+    after()
     killed = store_out_run(tmp_path / "after.json", url, kill=APPEND_KILLED_AT[moment])
     assert killed.returncode == -9, killed.stdout + killed.stderr
     rerun = store_out_run(tmp_path / "after.json", url)
@@ -219,16 +230,11 @@ def test_an_append_killed_at_any_moment_then_the_same_command_is_one_run_over_al
 
 
 def test_an_append_to_an_unfinished_out_on_a_store_is_refused_in_one_line(s3_server, s3_prefix, tmp_path):
-    data = plain_copy_of_example(tmp_path / "data")
-    first = data / "train" / "chunk1" / "example_train_0.jsonl.zst"
-    aside = first.read_bytes()
-    first.unlink()
-    write_manifest(build_manifest(data), tmp_path / "before.json")
+    before, after = _example_and_its_first_train_shard_added(tmp_path)
     url = s3_server.url(s3_prefix)
-    killed = store_out_run(tmp_path / "before.json", url, kill=("tokpipe.write.finalize._compose_split", 1))
+    killed = store_out_run(before, url, kill=("tokpipe.write.finalize._compose_split", 1))
     assert killed.returncode == -9, killed.stdout + killed.stderr
-    first.write_bytes(aside)
-    write_manifest(build_manifest(data), tmp_path / "after.json")
+    after()
     refused = tokpipe(*run_args(tmp_path / "after.json", url))
     assert refused.returncode == 2
     assert refused.stderr == (
@@ -452,4 +458,36 @@ def test_skip_failed_through_the_store_leaves_the_failed_shard_out(s3_server, s3
     objects = stored_objects(s3_server, s3_prefix)
     _assert_split(objects, "train", example_reference["train"])
     assert list(json.loads(objects["meta.json"])["excluded"]) == ["train/b.jsonl"]
+    assert open_uploads(s3_server, s3_prefix) == []
+
+
+def test_a_kill_9_while_a_failed_shard_s_neighbours_are_kept_then_the_fix_and_rerun_are_exact(
+    s3_server, s3_prefix, tmp_path
+):
+    # b fails; a (its segment still gathering), c and d are done: each is kept, its parts to its own keys, then its
+    # checkpoint. Killed as the second is kept: a is kept, c and d not. Once b is fixed, the rerun takes a from its
+    # kept objects, tokenizes b, c and d, and leaves none of the kept objects.
+    data = tmp_path / "data" / "train"
+    data.mkdir(parents=True)
+    shutil.copyfile(EXAMPLE_TRAIN_FILES[0], data / "a.jsonl.zst")
+    bad = write_jsonl(data / "b.jsonl", ["not json", "not json either", "nope"])
+    shutil.copyfile(EXAMPLE_TRAIN_FILES[1], data / "c.jsonl.zst")
+    shutil.copyfile(EXAMPLE_TRAIN_FILES[0], data / "d.jsonl.zst")
+    write_manifest(build_manifest(data.parent), tmp_path / "m.json")
+    url = s3_server.url(s3_prefix)
+    killed = store_out_run(tmp_path / "m.json", url, kill=("tokpipe.runner.storage.Prefix.keep_shard", 2))
+    assert killed.returncode == -9, killed.stdout + killed.stderr
+    assert [n for n in stored_objects(s3_server, s3_prefix) if n.startswith("shards/")] == [
+        "shards/train/train__a.bin",
+        "shards/train/train__a.idx",
+        "shards/train/train__a.json",
+    ]
+    write_jsonl(bad, [json.dumps({"text": "b, fixed"})])
+    rerun = store_out_run(tmp_path / "m.json", url)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert "4 shards, 1.1 MiB; 1 done, 0 partial, 3 to start" in rerun.stdout
+    objects = stored_objects(s3_server, s3_prefix)
+    files = [data / name for name in ("a.jsonl.zst", "b.jsonl", "c.jsonl.zst", "d.jsonl.zst")]
+    _assert_split(objects, "train", reference_tokens(files, QWEN3 / "tokenizer.json", QWEN3_EOS))
+    assert not [n for n in objects if n.startswith(("shards/", "segments/")) and n.endswith((".bin", ".idx"))]
     assert open_uploads(s3_server, s3_prefix) == []

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from tokpipe.layout.stored import StoredOut
-from tokpipe.write.segments import SEGMENT_BYTES, Entry, Segment, Segments, upload_segment
+from tokpipe.write.segments import SEGMENT_BYTES, Entry, Gatherer, Segment, upload_segment
 
 TOKENS_A_MIB = (1 << 20) // 4  # uint32
 
 
-def _closed(segments: Segments, sizes_mib: list[float], group=None) -> list[list[str]]:
+def _closed(segments: Gatherer, sizes_mib: list[float], group=None) -> list[list[str]]:
     """The segments closed as parts of these sizes (MiB, named p0, p1, ...) come to train's file, then its end: each
     as the names of the parts it holds."""
     closed = []
@@ -25,7 +25,7 @@ def _closed(segments: Segments, sizes_mib: list[float], group=None) -> list[list
 
 def test_large_parts_stand_alone_and_small_ones_gather_until_the_least_part():
     assert SEGMENT_BYTES == 5 << 20  # S3's least part of a multipart upload, which the composing of a file needs
-    segments = Segments(StoredOut.of("s3://b/out"), concat=True, itemsize=4)
+    segments = Gatherer(StoredOut.of("s3://b/out"), concat=True, itemsize=4)
     # p0 large and no segment open: alone. p1..p3 small: gathered, then p3 (large) closes their segment (9 MiB).
     # p4 large: alone. p5, p6: 4 MiB, the file's last segment, short.
     closed = _closed(segments, [6, 2, 1.5, 5.5, 8, 3, 1])
@@ -33,7 +33,7 @@ def test_large_parts_stand_alone_and_small_ones_gather_until_the_least_part():
 
 
 def test_a_segment_is_named_by_its_first_part_and_counts_its_parts():
-    segments = Segments(StoredOut.of("s3://b/out"), concat=True, itemsize=4)
+    segments = Gatherer(StoredOut.of("s3://b/out"), concat=True, itemsize=4)
     segments.add("val", "a", Entry("train/a.jsonl", True, None, 100, 2), source="a")
     (planned,) = segments.end("val") + segments.end("train")
     assert planned.segment == Segment(
@@ -42,7 +42,7 @@ def test_a_segment_is_named_by_its_first_part_and_counts_its_parts():
 
 
 def test_each_group_s_file_has_segments_of_its_own():
-    segments = Segments(StoredOut.of("s3://b/out"), concat=True, itemsize=4)
+    segments = Gatherer(StoredOut.of("s3://b/out"), concat=True, itemsize=4)
     segments.add("train", "p0", Entry("train/p0.jsonl", False, "en", TOKENS_A_MIB, 1), source=0)
     segments.add("train", "p0", Entry("train/p0.jsonl", False, "de", TOKENS_A_MIB, 1), source=1)
     names = [planned.segment.name for planned in segments.end("train")]
@@ -50,7 +50,7 @@ def test_each_group_s_file_has_segments_of_its_own():
 
 
 def test_with_no_concat_every_part_is_a_segment_of_its_own():
-    segments = Segments(StoredOut.of("s3://b/out"), concat=False, itemsize=4)
+    segments = Gatherer(StoredOut.of("s3://b/out"), concat=False, itemsize=4)
     assert _closed(segments, [0.001, 0.001, 7]) == [["p0"], ["p1"], ["p2"]]
 
 

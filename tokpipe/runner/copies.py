@@ -1,7 +1,8 @@
 """The writes that assemble OUT on Ray while shards still tokenize: Placer actors (task.Placer) write each part
-where its tokens are, into the split files (Copies), or for an OUT on a store upload each segment (StoreCopies);
-what goes where is the assembler's. A placing call that fails comes back here: its parts go again, and those whose
-tokens were lost with a node wait for their shard to be tokenized again (Losses, in runner/schedule.py)."""
+where its tokens are, into the split files (SplitFileWrites), or for an OUT on a store upload each segment
+(SegmentUploads); what goes where is the assembler's. A placing call that fails comes back here: its parts go
+again, and those whose tokens were lost with a node wait for their shard to be tokenized again (Losses, in
+runner/schedule.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ from tokpipe.errors import NodeError, TooManyGroups, Unavailable
 from tokpipe.layout.records import Checkpoint, Part
 from tokpipe.runner.progress import RunLog
 from tokpipe.runner.storage import Folder, Prefix
-from tokpipe.runner.task import Placer, Stored
+from tokpipe.runner.task import OnNode, Placer
 from tokpipe.write.assembly import COPY_BATCH_BYTES
-from tokpipe.write.segments import Planned
-from tokpipe.write.stored import Step, StoreAssembly
+from tokpipe.write.segments import ClosedSegment
+from tokpipe.write.stored import PartTokens, StoreAssembly
 
 
 def get(ref):
@@ -37,9 +38,9 @@ def _where(part: Part) -> tuple[str, str | None]:
     return part.stem, part.buffered[0].node if part.buffered else None
 
 
-class Placing:
-    """What the writes that assemble OUT while shards still tokenize share, on disk (Copies) and on a store
-    (StoreCopies): a Placer actor on each node (task.Placer), made when first needed, AT_ONCE calls to each; the
+class Placers:
+    """What the writes that assemble OUT while shards still tokenize share, on disk (SplitFileWrites) and on a store
+    (SegmentUploads): a Placer actor on each node (task.Placer), made when first needed, AT_ONCE calls to each; the
     items the assembler has ready (`_ready`) queued and each sent where its tokens are (`_send`), taken back done
     (`_took`) or failed and sent again; an item some of whose tokens (`_held`) went with a lost node parked until its
     shard is tokenized again."""
@@ -90,10 +91,10 @@ class Placing:
         """Whether some of an item's tokens went with a lost node (their shard is being tokenized again)."""
         return any(stored.ref is None for stored in self._held(item))
 
-    def collect(self) -> list[tuple[str, list[Stored], Exception]]:
+    def collect(self) -> list[tuple[str, list[OnNode], Exception]]:
         """List the copies that are done. A call that failed is taken back: its Placer is not called again, its
         parts go again, but those whose tokens Ray says are lost, which wait for their shard to be tokenized again.
-        Returns, for each call that failed, its Placer's node, the Stored whose tokens it lost, and the error."""
+        Returns, for each call that failed, its Placer's node, the OnNode whose tokens it lost, and the error."""
         if not self.running:
             return []
         done, _ = ray.wait(list(self.running), num_returns=len(self.running), timeout=0)
@@ -115,10 +116,10 @@ class Placing:
             self._took(items, result)
         return failed
 
-    def lose(self, node: str) -> list[Stored]:
+    def lose(self, node: str) -> list[OnNode]:
         """A node is lost: its Placer goes, the calls to it go again (one still making it would wait for the GCS
         to find the node dead), and every shard whose tokens wait in its object store (to be scheduled, queued,
-        parked for tokens another node lost, being placed) is marked lost. Returns their Stored, each to tokenize
+        parked for tokens another node lost, being placed) is marked lost. Returns their OnNode, each to tokenize
         again."""
         self.placers.pop(node, None)
         for handle, (placer_node, items, _) in list(self.running.items()):
@@ -128,10 +129,10 @@ class Placing:
         held = [s for item in [*self.queue, *self.parked] for s in self._held(item)]
         held += [s for _, items, _ in self.running.values() for item in items for s in self._held(item)]
         held += self.assembler.held()
-        return self._mark_lost(s for s in held if isinstance(s, Stored) and s.node == node)
+        return self._mark_lost(s for s in held if isinstance(s, OnNode) and s.node == node)
 
-    def _mark_lost(self, stored) -> list[Stored]:
-        """Mark each Stored lost once (its parts are parked as the queue reaches them); returns those newly lost."""
+    def _mark_lost(self, stored) -> list[OnNode]:
+        """Mark each OnNode lost once (its parts are parked as the queue reaches them); returns those newly lost."""
         lost = list({id(s): s for s in stored if s.ref is not None}.values())
         for s in lost:
             s.ref = None
@@ -142,10 +143,10 @@ class Placing:
         where OUT lives and checkpointed (runner/storage.py keep_shard), by the node that holds them, so that the
         rerun places them without tokenizing them again. Returns how many were kept; one whose node is lost
         meanwhile is not (the rerun tokenizes it again)."""
-        by_node: dict[str, list[tuple[Checkpoint, Stored]]] = {}
+        by_node: dict[str, list[tuple[Checkpoint, OnNode]]] = {}
         kept = 0
         for shard, ckpt, buffered in done:
-            if isinstance(buffered, Stored):
+            if isinstance(buffered, OnNode):
                 by_node.setdefault(buffered.node, []).append((ckpt, buffered))
             else:  # tokenized in this process while Ray started
                 self.out.keep_shard(shard, ckpt, buffered)
@@ -158,14 +159,14 @@ class Placing:
                 self.log(f"keeping the shards on node {node[:8]} failed ({type(e).__name__}): the rerun tokenizes them")
         return kept
 
-    def found(self, stored: Stored, ref: ray.ObjectRef, node: str) -> None:
+    def found(self, stored: OnNode, ref: ray.ObjectRef, node: str) -> None:
         """A lost shard tokenized again: its parts take their tokens from the new copy (the first of `ref`)."""
         stored.ref, stored.node, stored.index = ref, node, 0
         self.queue.extend(item for item in self.parked if not self._lost(item))
         self.parked = [item for item in self.parked if self._lost(item)]
 
 
-class Copies(Placing):
+class SplitFileWrites(Placers):
     """Parts written into split files on storage every node sees: a shard's buffered parts on the node whose object
     store holds them (never through the driver, whose own CPU stays per shard, not per byte), the parts copied from
     shards' own files by the placers in turn. Parts wait in a queue while every slot is busy, so the next call takes
@@ -198,25 +199,25 @@ class Copies(Placing):
         self.bytes_by_node[wrote] += sum(r["tokens"] for r in records) * self.itemsize
 
     @staticmethod
-    def _held(part: Part) -> list[Stored]:
+    def _held(part: Part) -> list[OnNode]:
         """Where an item's tokens wait on Ray (none: in files, or sent with the call)."""
         return [part.buffered[0]] if part.buffered else []
 
 
-def placing(out: Folder | Prefix, assembler, nodes: int, check, log: RunLog) -> Placing:
+def placing(out: Folder | Prefix, assembler, nodes: int, check, log: RunLog) -> Placers:
     """The Placers' work where OUT lives (runner/storage.py): parts written into its split files, or segments
     uploaded to its prefix."""
     if isinstance(out, Prefix):
-        return StoreCopies(out, assembler, nodes, check, log)
-    return Copies(out, assembler, assembler.itemsize, nodes, check, log)
+        return SegmentUploads(out, assembler, nodes, check, log)
+    return SplitFileWrites(out, assembler, assembler.itemsize, nodes, check, log)
 
 
-class StoreCopies(Placing):
+class SegmentUploads(Placers):
     """On a store (layout/stored.py): the segments the driver closes (write/stored.py, from the parts' counts) each
     uploaded by the Placer of the node that holds most of its tokens: a large part from its own node, never moved;
     small parts gathered from the nodes that hold them. AT_ONCE calls a node: an upload waits on the network,
     not a core. A segment committed comes back, and the shards whose parts are all in one are checkpointed. Lost
-    tokens, lost nodes: as Copies."""
+    tokens, lost nodes: as SplitFileWrites."""
 
     AT_ONCE = 4
 
@@ -226,30 +227,30 @@ class StoreCopies(Placing):
         for node in {self.here, *alive}:  # each node's Placer ready before its first segment
             self._placer(node)[1].warm.remote(str(assembler.out))
 
-    def _ready(self, excluded: frozenset[str]) -> list[Planned]:
+    def _ready(self, excluded: frozenset[str]) -> list[ClosedSegment]:
         return self.assembler.ready(excluded)
 
-    def _send(self) -> tuple[str, list[Planned], ray.ObjectRef]:
+    def _send(self) -> tuple[str, list[ClosedSegment], ray.ObjectRef]:
         """A segment to the node that holds most of its tokens: the node of its large part if it has one (which
         holds more than its small ones together, and may be in that node's files: Spilled)."""
         planned = self.queue.popleft()
         tokens: Counter = Counter()
         sources = []
         for step, entry in zip(planned.sources, planned.segment.entries):
-            if isinstance(step.buffered, Stored):
+            if isinstance(step.buffered, OnNode):
                 tokens[step.buffered.node] += entry.tokens
                 sources.append(step)
             else:  # tokenized by the driver before Ray took over: this part of its shard's, sent with the call
                 tokens[self.here] += entry.tokens
-                sources.append(Step({step.key: step.buffered[step.key]}, step.key))
+                sources.append(PartTokens({step.key: step.buffered[step.key]}, step.key))
         node, placer = self._placer(tokens.most_common(1)[0][0])
         return node, [planned], placer.upload.remote(str(self.assembler.out), planned.segment, sources)
 
-    def _took(self, items: list[Planned], result) -> None:
+    def _took(self, items: list[ClosedSegment], result) -> None:
         node, segment, uploaded = result
         self.assembler.commit([segment])
         self.bytes_by_node[node] += uploaded
 
     @staticmethod
-    def _held(planned: Planned) -> list[Stored]:
-        return [step.buffered for step in planned.sources if isinstance(step.buffered, Stored)]
+    def _held(planned: ClosedSegment) -> list[OnNode]:
+        return [step.buffered for step in planned.sources if isinstance(step.buffered, OnNode)]

@@ -31,13 +31,13 @@ from tokpipe.errors import NodeError, RayUnavailable, Unavailable
 from tokpipe.inputs.manifest import Manifest, Shard
 from tokpipe.layout.files import stall_dump
 from tokpipe.options import RunOptions
-from tokpipe.runner.copies import Placing, get
+from tokpipe.runner.copies import Placers, get
 from tokpipe.runner.events import Listener, Said
 from tokpipe.runner.local import Tally, describe_failure
 from tokpipe.runner.nodes import NodeWatch
 from tokpipe.runner.progress import Progress, RunLog
 from tokpipe.runner.storage import Folder, Prefix
-from tokpipe.runner.task import ProgressBoard, Stored, shard_task, ship_tokenizer
+from tokpipe.runner.task import OnNode, ProgressBoard, shard_task, ship_tokenizer
 from tokpipe.write.shard import EncodeSpec
 
 POLL_EVERY = 0.5  # seconds between looks at progress and stalls
@@ -105,13 +105,13 @@ def _plural(n: int, what: str) -> str:
 @dataclass(frozen=True)
 class _Task:
     """A task as the driver keeps it: its shards and how often they stalled or their worker died; once
-    submitted, when, and the reference to the parts it buffered. `redo`: the Stored of a shard tokenized again
+    submitted, when, and the reference to the parts it buffered. `redo`: the OnNode of a shard tokenized again
     because its node was lost (its parts have their place already, and wait for these tokens)."""
 
     shards: list[Shard]
     stalls: int = 0
     crashes: int = 0
-    redo: Stored | None = None
+    redo: OnNode | None = None
     submitted: float = 0.0
     buffered: ray.ObjectRef | None = None
 
@@ -251,7 +251,7 @@ class Losses:
         self.tasks, self.watch, self.log, self.tell = tasks, tasks.watch, tasks.log, tell
         self.unsaid: dict[str, tuple[float, set[str], set[str]]] = {}  # node -> found at, shards ran, waited there
 
-    def lose(self, node: str, copies: Placing, ran: list[Shard] = (), taken: list[Stored] = ()) -> bool:
+    def lose(self, node: str, copies: Placers, ran: list[Shard] = (), taken: list[OnNode] = ()) -> bool:
         """A node is lost: the shards done and waiting in its object store are tokenized again (with `taken`,
         those marked lost already), those running there go again as their tasks fail (`ran`: one that failed,
         which may come before the node is found lost or after). Said in one line (`say`). Stops the run if no
@@ -277,9 +277,9 @@ class Losses:
             )
         return bool(stored)
 
-    def placing_failed(self, copies: Placing, node: str, lost: list[Stored], error: Exception) -> None:
+    def placing_failed(self, copies: Placers, node: str, lost: list[OnNode], error: Exception) -> None:
         """A placing call failed: its Placer, or the node its tokens were on, is gone. The shards whose tokens it
-        lost are tokenized again; its other parts go again as they are (Placing.collect)."""
+        lost are tokenized again; its other parts go again as they are (Placers.collect)."""
         self.log(
             f"placing on node {self.watch.name(node)} failed ({describe_failure(error)}):"
             f" {_plural(len(lost), 'shard')} to tokenize again"
@@ -310,7 +310,8 @@ class Losses:
 
 class Scheduler:
     """Runs every unfinished shard to completion or failure (Tasks), copying finished ones into place as their
-    offsets become known (Copies; on a store, StoreCopies), and tokenizing again what a node lost held (Losses).
+    offsets become known (SplitFileWrites; on a store, SegmentUploads), and tokenizing again what a node lost held
+    (Losses).
     Afterwards the tally's `failed` (relpath -> error) says which shards failed."""
 
     def __init__(self, tasks: Tasks, tell: Listener):
@@ -318,18 +319,18 @@ class Scheduler:
         self.losses = Losses(tasks, tell)
         self.done = 0  # shards finished, for the progress counts
 
-    def run(self, progress: Progress, copies: Placing, done: int) -> None:
+    def run(self, progress: Progress, copies: Placers, done: int) -> None:
         """Tokenize every unfinished shard, placing what can be meanwhile; returns once the last is tokenized.
         `done`: shards finished before (this run's, in the driver), for the progress counts."""
         self.done = done
         self._loop(progress, copies, None)
 
-    def drain(self, progress: Progress, copies: Placing, excluded: frozenset[str]) -> None:
+    def drain(self, progress: Progress, copies: Placers, excluded: frozenset[str]) -> None:
         """Place everything whose place is known (with `excluded` left out), tokenizing again what a node lost
         meanwhile held."""
         self._loop(progress, copies, excluded)
 
-    def _loop(self, progress: Progress, copies: Placing, excluded: frozenset[str] | None) -> None:
+    def _loop(self, progress: Progress, copies: Placers, excluded: frozenset[str] | None) -> None:
         """`excluded` None: until every shard is tokenized; else until every part is placed (the tail, in which
         the driver also waits on the copies)."""
         tasks, failed = self.tasks, self.tally.failed
@@ -369,7 +370,7 @@ class Scheduler:
         tasks.read_board()
         progress.update(*tasks.totals, done=self.done, running=0, failed=len(failed), final=True)
 
-    def _collect(self, ref, copies: Placing) -> None:
+    def _collect(self, ref, copies: Placers) -> None:
         """Take a finished task's results."""
         task = self.tasks.running.pop(ref)
         try:
@@ -389,7 +390,7 @@ class Scheduler:
             copies.found(task.redo, task.buffered, results[0].buffered_on)
         else:
             for index, (shard, result) in enumerate(zip(task.shards, results)):
-                stored = Stored(shard, task.buffered, result.buffered_on, index) if result.buffered_on else None
+                stored = OnNode(shard, task.buffered, result.buffered_on, index) if result.buffered_on else None
                 copies.assembler.done(shard, result.checkpoint, stored)
                 self.tally.add(shard, result, self.log)
             self.done += len(task.shards)
@@ -397,7 +398,7 @@ class Scheduler:
         for node in {r.buffered_on for r in results} & self.watch.lost:
             self.losses.lose(node, copies)
 
-    def _failed(self, task: _Task, error: Exception, copies: Placing) -> None:
+    def _failed(self, task: _Task, error: Exception, copies: Placers) -> None:
         """A task that failed: the node it ran on, if that is lost, said lost; the task retried (Tasks.retry)."""
         crashed = not isinstance(error, ray.exceptions.RayTaskError)  # the worker died, not the shard's code
         if crashed and _tag(task.shards) not in self.tasks.nodes:  # begun since the board's last snapshot, maybe

@@ -22,9 +22,9 @@ from tokpipe.runner.nodes import NodeCheck, ensure_seen
 from tokpipe.runner.storage import storage_of
 from tokpipe.write.memory import MemoryGuard, memory_guard
 from tokpipe.write.place import place
-from tokpipe.write.segments import Planned, Segment, Spilled
+from tokpipe.write.segments import ClosedSegment, Segment, Spilled
 from tokpipe.write.shard import EncodeSpec, ShardResult, tokenize_shard
-from tokpipe.write.stored import Step, upload_planned
+from tokpipe.write.stored import PartTokens, upload_closed
 
 REPORT_EVERY = 1.0  # seconds between a worker's progress reports
 
@@ -169,7 +169,7 @@ def _one_shard(
 
 
 @dataclass(eq=False)
-class Stored:
+class OnNode:
     """Where a done shard's buffered parts are: the `index`th of the second return (`ref`) of a shard_task on
     `node`. One per shard, shared by its parts and by the plan's entry for it, and changed in place: when the node
     is lost the shard is tokenized again (`ref` None meanwhile), and this points at the new copy for all of them."""
@@ -178,6 +178,14 @@ class Stored:
     ref: ray.ObjectRef | None
     node: str
     index: int
+
+
+def fetch(where: list[OnNode]):
+    """The parts of the shards `where` names, from the object stores that hold them, in one ray.get: a function
+    from an OnNode to its shard's parts by key (shard.ShardResult.buffered)."""
+    refs = list({w.ref for w in where})
+    values = dict(zip(refs, ray.get(refs)))
+    return lambda w: values[w.ref][w.index]
 
 
 @ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)
@@ -199,12 +207,9 @@ class Placer:
         """place.place, after reading the buffered parts; says which node wrote them. `check`: a call's argument,
         not the actor's: Ray could not restart an actor whose constructor took a reference that went."""
         ensure_seen(check)
-        stored = {part.buffered[0].ref for part in parts if part.buffered is not None}
-        values = dict(zip(stored, ray.get(list(stored))))
+        held = fetch([part.buffered[0] for part in parts if part.buffered])
         parts = [
-            replace(part, buffered=(values[part.buffered[0].ref][part.buffered[0].index], part.buffered[1]))
-            if part.buffered
-            else part
+            replace(part, buffered=(held(part.buffered[0]), part.buffered[1])) if part.buffered else part
             for part in parts
         ]
         return self.node, place(out, parts, itemsize)
@@ -214,29 +219,25 @@ class Placer:
         upload, which on a small corpus was the whole of the tokenizing) before the first segment comes."""
         self.client = StoredOut.of(out).bucket.client  # kept by the process for its uploads (store/bucket.py)
 
-    def upload(self, out: str, segment: Segment, sources: list[Step]) -> tuple[str, Segment, int]:
+    def upload(self, out: str, segment: Segment, sources: list[PartTokens]) -> tuple[str, Segment, int]:
         """For an OUT on a store: a segment uploaded from this node (write/segments.py), its parts' tokens read
         from the object stores that hold them, this node's for all but small parts gathered from other nodes (or
         sent with the call: parts the driver tokenized before Ray took over); a large part moved into this node's
         files (Spilled) read from there, and they removed once it is up. Every part is read before anything is
         written: a part lost with its node fails the call first. Says which node uploaded it, and how much."""
-        stored = {step.buffered.ref for step in sources if isinstance(step.buffered, Stored)}
-        values = dict(zip(stored, ray.get(list(stored))))
+        held = fetch([step.buffered for step in sources if isinstance(step.buffered, OnNode)])
         # Each step with its shard's parts as this process holds them (from Ray, or sent with the call).
         here = [
-            replace(step, buffered=values[step.buffered.ref][step.buffered.index])
-            if isinstance(step.buffered, Stored)
-            else step
+            replace(step, buffered=held(step.buffered)) if isinstance(step.buffered, OnNode) else step
             for step in sources
         ]
-        return self.node, segment, upload_planned(StoredOut.of(out), Planned(segment, here))
+        return self.node, segment, upload_closed(StoredOut.of(out), ClosedSegment(segment, here))
 
-    def keep(self, out: str, done: list[tuple[Checkpoint, Stored]], check: NodeCheck | None) -> int:
+    def keep(self, out: str, done: list[tuple[Checkpoint, OnNode]], check: NodeCheck | None) -> int:
         """Done shards whose buffered parts are in this node's object store kept where OUT lives (runner/storage.py
         keep_shard); returns how many."""
         ensure_seen(check)
-        values = ray.get([stored.ref for _, stored in done])
-        where = storage_of(out)
-        for (ckpt, stored), value in zip(done, values):
-            where.keep_shard(stored.shard, ckpt, value[stored.index])
+        held, where = fetch([on_node for _, on_node in done]), storage_of(out)
+        for ckpt, on_node in done:
+            where.keep_shard(on_node.shard, ckpt, held(on_node))
         return len(done)

@@ -3,7 +3,7 @@ uploaded once, into a segment of at least SEGMENT_BYTES (a split file's last seg
 finalize can compose the split file from its segments on the server (store.compose: every source but the last at
 least MIN_PART).
 
-What a segment holds is decided by the driver from the parts' counts alone (`Segments`, in split order): a part
+What a segment holds is decided by the driver from the parts' counts alone (`Gatherer`, in split order): a part
 joins its file's open segment, which is closed once it holds SEGMENT_BYTES. A large part that comes with no segment
 open is a segment of its own: for a corpus of large shards, nearly every part, uploaded from the node whose object
 store holds it (runner/copies.py) and never moved. Segments are uploaded in parallel, in any order
@@ -194,9 +194,9 @@ class Segment:
 
 
 @dataclass
-class Planned:
+class ClosedSegment:
     """A segment to upload, and where each of its parts' tokens are (`sources`, one per entry: write/stored.py's
-    Step)."""
+    PartTokens)."""
 
     segment: Segment
     sources: list
@@ -212,7 +212,7 @@ class _Open:
     nbytes: int = 0
 
 
-class Segments:
+class Gatherer:
     """Gathers each split file's parts, given in split order, into segments, each closed once it is large enough
     (`add`) or its file has no more parts (`end`); each returns the segments just closed, to upload. No token
     passes through it: a part's size is its count of tokens."""
@@ -221,7 +221,7 @@ class Segments:
         self.out, self.concat, self.itemsize = out, concat, itemsize
         self.open: dict[tuple[str, str | None], _Open] = {}
 
-    def add(self, stem: str, name: str, entry: Entry, source) -> list[Planned]:
+    def add(self, stem: str, name: str, entry: Entry, source) -> list[ClosedSegment]:
         """A part, the next of its file (stem, entry.group): `name` its part name, `source` where its tokens are."""
         file = (stem, entry.group)
         segment = self.open.setdefault(file, _Open())
@@ -233,16 +233,16 @@ class Segments:
             return [self._close(file)]
         return []
 
-    def end(self, stem: str) -> list[Planned]:
+    def end(self, stem: str) -> list[ClosedSegment]:
         """The split's files have no more parts: their last segments are closed, however short."""
         return [self._close(file) for file in [file for file in self.open if file[0] == stem]]
 
-    def _close(self, file: tuple[str, str | None]) -> Planned:
+    def _close(self, file: tuple[str, str | None]) -> ClosedSegment:
         segment = self.open.pop(file)
         stem, group = file
         name = self.out.name(self.out.segment(stem, group, segment.names[0]))
         tokens, documents = sum(e.tokens for e in segment.entries), sum(e.documents for e in segment.entries)
-        return Planned(Segment(stem, group, name, segment.entries, tokens, documents), segment.sources)
+        return ClosedSegment(Segment(stem, group, name, segment.entries, tokens, documents), segment.sources)
 
 
 def upload_segment(out: StoredOut, segment: Segment, arrays: list[tuple[list[np.ndarray], list[np.ndarray]]]) -> int:

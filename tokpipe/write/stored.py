@@ -23,11 +23,11 @@ from tokpipe.layout.records import Checkpoint, PartCounts, parts_of, record_key
 from tokpipe.layout.run import WriteSpec, output_splits, sources
 from tokpipe.layout.stored import StoredOut, part_name
 from tokpipe.write.segments import (
+    ClosedSegment,
     Entry,
+    Gatherer,
     Kept,
-    Planned,
     Segment,
-    Segments,
     Spilled,
     keep_parts,
     part_arrays,
@@ -39,8 +39,8 @@ REQUESTS_AT_ONCE = 16
 
 
 @dataclass(frozen=True)
-class Step:
-    """Where a part's tokens are: the `key` of `buffered` (the arrays by key, or on Ray, the Stored of its shard)."""
+class PartTokens:
+    """Where a part's tokens are: the `key` of `buffered` (the arrays by key, or on Ray, the OnNode of its shard)."""
 
     buffered: object
     key: tuple
@@ -142,7 +142,7 @@ class StoreAssembly:
         self.cursors = {stem: _Cursor(sources(self.manifest, stem, self.spec.val_fraction)) for stem in stems}
         for cursor in self.cursors.values():
             cursor.advance()
-        self.segments = Segments(self.out, self.spec.concat, self.itemsize)
+        self.segments = Gatherer(self.out, self.spec.concat, self.itemsize)
         self.held_parts = HeldParts(self.out, self.spec, f"<u{self.itemsize}")
 
     # -- a rerun ---------------------------------------------------------------------------------------
@@ -201,7 +201,7 @@ class StoreAssembly:
         self.results[shard.relpath] = [ckpt, buffered, 1 + held_too, shard]
         self._checkpoint_if_in(shard.relpath)
 
-    def ready(self, excluded: frozenset[str] = frozenset()) -> list[Planned]:
+    def ready(self, excluded: frozenset[str] = frozenset()) -> list[ClosedSegment]:
         """The segments closed as their turn comes: each split's next sources, while their shards are done (or
         excluded, or done before), then the split's end."""
         planned = []
@@ -236,12 +236,12 @@ class StoreAssembly:
         gathers): (shard, checkpoint, buffered), for the runner to keep."""
         return [(shard, ckpt, buffered) for shard, ckpt, _, buffered in self.waiting.values()]
 
-    def _add(self, stem: str, shard: Shard, held: bool, parts: list[PartCounts], buffered) -> list[Planned]:
+    def _add(self, stem: str, shard: Shard, held: bool, parts: list[PartCounts], buffered) -> list[ClosedSegment]:
         planned = []
         for part in parts:
             entry = Entry(shard.relpath, held, part.group, part.tokens, part.documents)
             if entry.key not in self.committed:
-                planned += self.segments.add(stem, part_name(shard, part.key), entry, Step(buffered, part.key))
+                planned += self.segments.add(stem, part_name(shard, part.key), entry, PartTokens(buffered, part.key))
         return planned
 
     def commit(self, segments: list[Segment]) -> None:
@@ -270,11 +270,11 @@ class StoreAssembly:
     def place_ready(self, excluded: frozenset[str] = frozenset()) -> None:
         """The segments whose turn has come, uploaded by this process (its tokens are here: a run without Ray)."""
         for planned in self.ready(excluded):
-            upload_planned(self.out, planned)
+            upload_closed(self.out, planned)
             self.commit([planned.segment])
 
 
-def upload_planned(out: StoredOut, planned: Planned) -> int:
+def upload_closed(out: StoredOut, planned: ClosedSegment) -> int:
     """A segment uploaded by this process (segments.upload_segment), its parts' tokens where its steps say they are
     here; a large part's files of this node's (Spilled) removed once it is up. Returns the bytes sent."""
     uploaded = upload_segment(out, planned.segment, [step.arrays() for step in planned.sources])

@@ -37,7 +37,7 @@ COPY_BATCH_BYTES = 1 << 30  # of tokens per placing call: one fsync covers many 
 
 
 class Assembler:
-    """One run's assembly, driven three ways (runner/local.py in the driver, runner/schedule.py's Copies on
+    """One run's assembly, driven three ways (runner/local.py in the driver, runner/schedule.py's SplitFileWrites on
     Ray, finalize.py for what is left): `resume` first (recovery.py); then feed it finished shards (`done`),
     hand what `ready` returns (plan.py) to `place` (anywhere, any order, in batches, or here: `place_ready`),
     report what came back (`placed`: listing.py); `finish` when `complete`."""
