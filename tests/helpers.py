@@ -375,21 +375,28 @@ EMBEDDED_RAY_2_WORKERS = (
 )
 
 
-def start(manifest, out, *extra, ray: str | None = None, tokenizer=QWEN3, logs: Path | None = None) -> subprocess.Popen:
-    """`tokpipe run` in its own process group, as a shell would start it; its output goes to `proc.log`, beside
-    OUT (or in `logs`: an OUT on a store). `ray` as for `tokpipe`."""
-    log = (logs or Path(out).parent) / f"run-{time.monotonic_ns()}.log"
-    with open(log, "w") as output:
+def launch(command: list, logs: Path, ray: str | None = None, apart: bool = False) -> subprocess.Popen:
+    """A tokpipe process (`command`: python's arguments, `-m tokpipe.cli ...` or `-c SCRIPT ...`) in its own
+    process group, as a shell starts one; its output goes to `proc.log` in `logs` (with `apart`, its stderr to
+    `proc.err`: a test of what it says on each). `ray` as for `tokpipe`. wait_for(..., run=proc) watches it."""
+    log = logs / f"run-{time.monotonic_ns()}.log"
+    err = log.with_suffix(".err") if apart else log
+    with open(log, "w") as output, open(err, "w") if apart else contextlib.nullcontext(subprocess.STDOUT) as errors:
         proc = subprocess.Popen(
-            _cli(run_args(manifest, out, *extra, tokenizer=tokenizer)),
+            [sys.executable, *map(str, command)],
             stdout=output,
-            stderr=subprocess.STDOUT,
+            stderr=errors,
             start_new_session=True,
             env=_env(ray),
             preexec_fn=_hears_ctrl_c,
         )
-    proc.log = log  # its stdout and stderr
+    proc.log, proc.err = log, err
     return proc
+
+
+def start(manifest, out, *extra, ray: str | None = None, tokenizer=QWEN3, logs: Path | None = None) -> subprocess.Popen:
+    """`tokpipe run` (run_args) launched, its output beside OUT (or in `logs`: an OUT on a store)."""
+    return launch(_cli(run_args(manifest, out, *extra, tokenizer=tokenizer))[1:], logs or Path(out).parent, ray)
 
 
 # What every kill at a point in the code shares (KILLED_RUN, LOSE_NODE_SITE, LOST_NODE_RUN, STORE_OUT_RUN):
@@ -633,11 +640,21 @@ def kill_9(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def wait_for(condition, timeout: float = 120) -> None:
+def wait_for(condition, timeout: float = 120, run: subprocess.Popen | None = None) -> None:
+    """Until `condition()` holds. A `run` (launch's) that ends first fails the test at once, with its exit code and
+    output (a Ray start that timed out under load, not a ProcessLookupError later); so does the timeout."""
     deadline = time.monotonic() + timeout
     while not condition():
-        assert time.monotonic() < deadline, "timed out waiting for the run to get there"
+        ended = run is not None and run.poll() is not None
+        if ended or time.monotonic() >= deadline:
+            what = "the run ended before it got there" if ended else "timed out waiting for the run to get there"
+            raise AssertionError(what + ("" if run is None else f" (exit {run.returncode}):\n{output(run)}"))
         time.sleep(0.05)
+
+
+def output(run: subprocess.Popen) -> str:
+    """What a launched run printed so far: its output, then its stderr where it went apart."""
+    return run.log.read_text() + (run.err.read_text() if run.err != run.log else "")
 
 
 def checkpoints(out: Path) -> list[dict]:

@@ -10,10 +10,8 @@ bytes), joining the session's Ray where their work is more than the driver alone
 Every run uses the session's 600-id tokenizer: Qwen3 is not the subject, and its load costs a run ~1.8 CPU-s
 and each Ray worker of it ~1.3."""
 
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,8 +22,10 @@ from helpers import (
     alive,
     assert_out_is,
     descendants,
+    launch,
     plain_copy_of_example,
     tokpipe,
+    wait_for,
 )
 
 from tokpipe.inputs.manifest import build_manifest, write_manifest
@@ -39,27 +39,15 @@ def run_args(manifest: Path, out: Path, tokenizer: Path, *extra) -> list:
 
 
 def start(args: list, prefix: tuple = ("-m", "tokpipe.cli")) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, *prefix, *map(str, args)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "PYTHONUNBUFFERED": "1"},
-    )
-
-
-def wait_until(proc: subprocess.Popen, moment) -> None:
-    deadline = time.monotonic() + 180
-    while not moment():
-        assert proc.poll() is None, "the run ended before it could be stopped: " + "".join(proc.communicate())
-        assert time.monotonic() < deadline, "the run never got to the moment"
-        time.sleep(0.01)
+    """The run launched (helpers.launch), its stderr apart, its logs beside OUT (`args` end with OUT's options)."""
+    return launch([*prefix, *args], Path(args[args.index("--out") + 1]).parent, apart=True)
 
 
 def assert_stopped_cleanly(proc: subprocess.Popen, processes=frozenset()) -> str:
     """Exit 143, stderr's one line beside progress, no Ray handler's stack; nothing of the run left. Returns
     the run's stdout."""
-    stdout, stderr = proc.communicate(timeout=180)
+    proc.wait(timeout=180)
+    stdout, stderr = proc.log.read_text(), proc.err.read_text()
     assert proc.returncode == 143, stdout + stderr
     assert [line for line in stderr.splitlines() if not line.startswith("[tokpipe] ")] == [MESSAGE], stderr
     deadline = time.monotonic() + 5  # workers exit as they see their raylet go: allow them a moment
@@ -87,7 +75,7 @@ def test_before_ray_starts(tmp_path, small_tokenizer, small_reference):
     """The driver has recorded the run and checks the backend; Ray starts only once it has tokenized 1.5 s."""
     manifest, out = example(tmp_path), tmp_path / "out"
     proc = start(run_args(manifest, out, small_tokenizer, *SLOW))
-    wait_until(proc, lambda: (out / "run.json").exists())
+    wait_for(lambda: (out / "run.json").exists(), 180, run=proc)
     processes = descendants(proc.pid)
     proc.send_signal(signal.SIGTERM)
     assert not processes  # no Ray yet
@@ -124,7 +112,7 @@ def test_while_ray_starts_and_the_driver_tokenizes(tmp_path, small_tokenizer, sm
     manifest, out = tmp_path / "m.json", tmp_path / "out"
     write_manifest(build_manifest(data, allow_outside=True), manifest)
     proc = start(run_args(manifest, out, small_tokenizer, *SLOW))
-    wait_until(proc, lambda: "worker.io" in _threads(proc.pid))
+    wait_for(lambda: "worker.io" in _threads(proc.pid), 180, run=proc)
     processes = descendants(proc.pid)
     proc.send_signal(signal.SIGTERM)
     assert processes  # Ray's own, children of the run
@@ -137,7 +125,7 @@ def test_while_ray_starts_and_the_driver_tokenizes(tmp_path, small_tokenizer, sm
 def test_while_workers_run_checkpoints_are_kept(tmp_path, small_tokenizer, small_reference, ray_address):
     manifest, out = example(tmp_path), tmp_path / "out"
     proc = start(run_args(manifest, out, small_tokenizer, "--ray-only", *SLOW))
-    wait_until(proc, lambda: (out / "shards").is_dir() and any((out / "shards").rglob("*.json")))  # a checkpoint
+    wait_for(lambda: (out / "shards").is_dir() and any((out / "shards").rglob("*.json")), 180, run=proc)  # checkpoint
     processes = descendants(proc.pid)
     proc.send_signal(signal.SIGTERM)
     assert processes  # Ray's processes and workers, children of the run

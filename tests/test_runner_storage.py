@@ -320,12 +320,11 @@ def test_no_concat_through_the_store_keeps_each_part_as_an_object(s3_server, s3_
     assert open_uploads(s3_server, s3_prefix) == []
 
 
-@pytest.mark.parametrize("workers", [2])
-def test_a_run_on_ray_into_a_store_is_the_reference(s3_server, s3_prefix, manifest, example_reference, workers):
-    url = s3_server.url(s3_prefix)
-    run = tokpipe(*run_args(manifest, url, "--ray-only", "--workers", workers))
+def test_a_run_on_ray_into_a_store_is_the_reference(s3_server, s3_prefix, manifest, example_reference, ray_address):
+    url = s3_server.url(s3_prefix)  # the session's Ray, whose workers have the server's key in their environment
+    run = tokpipe(*run_args(manifest, url, "--ray-only", "--workers", "2"), ray=ray_address)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert f"ray: embedded local instance, {workers} workers" in run.stdout
+    assert f"ray: cluster {ray_address}, 2 workers" in run.stdout
     objects = stored_objects(s3_server, s3_prefix)
     for stem, expected in example_reference.items():
         _assert_split(objects, stem, expected)
@@ -346,14 +345,16 @@ def _mixed(tmp_path: Path, copies: list[int]) -> tuple[Path, np.ndarray]:
 
 
 @pytest.mark.parametrize("buffer", [[], ["--shard-buffer", "1"]], ids=["in memory", "past the shard buffer"])
-def test_large_parts_are_uploaded_where_they_are_and_the_file_keeps_split_order(s3_server, s3_prefix, tmp_path, buffer):
+def test_large_parts_are_uploaded_where_they_are_and_the_file_keeps_split_order(
+    s3_server, s3_prefix, tmp_path, buffer, ray_address
+):
     # Shards of 4 copies of the example's first train shard (6 MiB of tokens: a segment of its own, uploaded by the
     # node that tokenized it) and of 1 (1.5 MiB: gathered with the next parts): segments [0], [1, 2, 3], [4], [5],
     # uploaded at once, in any order, composed in the order of their first parts (test_write_segments.py). Past
     # the shard buffer, the large parts wait in files of their node's (write/shard.py Spilled), removed once up.
     manifest, reference = _mixed(tmp_path, [4, 1, 1, 4, 4, 1])
     url = s3_server.url(s3_prefix)
-    run = tokpipe(*run_args(manifest, url, "--ray-only", "--workers", "2", *buffer))
+    run = tokpipe(*run_args(manifest, url, "--ray-only", "--workers", "2", *buffer), ray=ray_address)
     assert run.returncode == 0, run.stdout + run.stderr
     assert not StoredOut.of(url).work.exists()  # spilled files included
     _assert_split(stored_objects(s3_server, s3_prefix), "train", reference)

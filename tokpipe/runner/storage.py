@@ -232,7 +232,7 @@ class Prefix(Storage):
                     shutil.rmtree(self.records, ignore_errors=True)
 
     def _record(self, manifest: Manifest, info: TokenizerInfo, opts: RunOptions, tell: Listener) -> Manifest:
-        """Refuse an OUT that holds a run with other inputs (or, not yet on a store, more shards: an append); start
+        """Refuse an OUT that holds a run with other inputs, but a manifest that only gained shards (`_append`); start
         over one that holds no token; then write run.json and the manifest's copy, here and on the store."""
         bucket, out, layout = self.out.bucket, self.out, self.out.layout
         found = bucket.get(out.of_local(layout.run_json))
