@@ -97,7 +97,7 @@ def test_a_parts_list_gives_each_part_its_offsets_and_meta_its_sums(tmp_path):
     assert raw.count(b"\n") == 3
     (tmp_path / "val.parts").write_bytes(raw)
     assert list(read_parts(tmp_path / "val.parts")) == records
-    parts = parts_of("val", raw)
+    parts = parts_of("val", read_parts(raw))
     assert [(p.seq, p.token_offset, p.doc_offset, p.token_end, p.doc_end) for p in parts] == [
         (0, 0, 0, 10, 2),
         (1, 10, 2, 14, 3),
@@ -152,8 +152,11 @@ def test_each_loader_refuses_its_file_damaged_in_one_line_naming_it_and_what_to_
         f"{assembled} is damaged (JSONDecodeError: unexpected character, expected a string key: line 1 column 2"
         f" (char 1)): {rerun}: it keeps the parts listed before the damaged line and places the others again"
     )
+    # The rerun's reading of the same list: its records end at the damaged line (what follows is placed again).
+    assert [r["shard"] for r in read_parts(assembled, torn="stop")] == ["a"]
     assembled.write_bytes(parts_line({"shard": "a", "tokens": 1, "documents": 1}) + b'{"shard": "c"')  # cut by a crash
     assert [p.name for p in listed_parts(out, "val")] == ["a"]
+    assert [r["shard"] for r in read_parts(assembled, torn="stop")] == ["a"]
 
     out.log(PROGRESS).parent.mkdir(exist_ok=True)
     out.log(PROGRESS).write_text("[1, 2]")

@@ -42,13 +42,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import orjson
 
 from tokpipe.data.arguments import integer, name
 from tokpipe.data.permutation import Permutation
 from tokpipe.errors import UserError
 from tokpipe.layout.files import Layout
 from tokpipe.layout.meta import OutputError, SplitEntry, finished_meta
+from tokpipe.layout.records import read_parts
 from tokpipe.layout.stored import on_store
 from tokpipe.read.files import TokenFiles
 
@@ -124,7 +124,7 @@ def stream_fingerprint(out: Path, entry: SplitEntry, dtype: str, group: str | No
     if hashlib.sha256(raw).hexdigest() != entry.parts_sha256:
         raise ValueError(f"{out / entry.parts} is not the parts list meta describes: tokpipe verify {out}")
     digest = hashlib.sha256(f"tokpipe token stream {dtype}\n".encode())
-    for record in map(orjson.loads, raw.splitlines()):
+    for record in read_parts(raw):
         if record["tokens"] and (group is None or record.get("group") == group):
             digest.update(f"{record['tokens']} {record['sha256']}\n".encode())
     return digest.hexdigest()

@@ -4,9 +4,10 @@ split summed from them, and the files an unfinished split is read from."""
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -239,42 +240,48 @@ def parts_line(record: dict) -> bytes:
     return orjson.dumps(record) + b"\n"
 
 
-def read_parts(path: Path, sha256: str | None = None) -> Iterator[dict]:
-    """The records of a split's parts list, a line at a time; `sha256`: meta's, for a finished split's, checked
-    once it is read (a list cut at a line's end parses). Damaged, it is refused: a rerun lists the parts again."""
-    fix = f"remove {Layout(path.parent).meta_json} and {rerun(path.parent)}: it lists the split's parts again"
+def read_parts(source: Path | bytes, sha256: str | None = None, torn: str = "refuse") -> Iterator[dict]:
+    """The records of a parts list, a line at a time: the one reader of `<stem>.parts` (its path, or its bytes: an
+    OUT on a store's), of `<stem>.parts.tmp` while it is written and of a moved split's source list. `sha256`:
+    meta's, for a finished split's, checked once it is read. `torn` says what a line that does not parse is:
+    - "refuse": damage, refused in one line with its fix (a finished list's, or a reader's of any);
+    - "cut": as "refuse", but a last line without its newline is no record (a list being written, read by a
+      reader: a crash cut it before its fsync returned, so its part is not listed);
+    - "stop": where the records end, as far as they are whole (the rerun's: what follows is placed again)."""
+    path = source if isinstance(source, Path) else Path("<stem>.parts")
+    if path.name.endswith(".tmp"):
+        fix = f"{rerun(path.parent)}: it keeps the parts listed before the damaged line and places the others again"
+    else:
+        fix = f"remove {Layout(path.parent).meta_json} and {rerun(path.parent)}: it lists the split's parts again"
     hasher = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open(source, "rb") if isinstance(source, Path) else io.BytesIO(source) as f:
         for line in f:
             hasher.update(line)
+            if torn != "refuse" and not line.endswith(b"\n"):
+                return
             try:
-                yield orjson.loads(line)
+                record = orjson.loads(line)
             except orjson.JSONDecodeError as e:
+                if torn == "stop":
+                    return
                 raise damaged(path, e, fix) from None
+            yield record
     if sha256 is not None and hasher.hexdigest() != sha256:
         raise damaged(path, ValueError("its sha256 is not the one meta records"), fix)
 
 
 def listed_parts(out: Layout, stem: str) -> list[Part]:
     """The parts listed so far in a split's parts list being assembled (none before it is begun), whole lines
-    only: a line a crash cut short was never fsynced, so its part is not placed."""
+    only (read_parts' "cut")."""
     path = out.assembly(stem)[2]
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        return []
-    try:
-        return parts_of(stem, raw[: raw.rfind(b"\n") + 1])
-    except orjson.JSONDecodeError as e:
-        fix = f"{rerun(out.root)}: it keeps the parts listed before the damaged line and places the others again"
-        raise damaged(path, e, fix) from None
+    return parts_of(stem, read_parts(path, torn="cut")) if path.exists() else []
 
 
-def parts_of(stem: str, raw: bytes) -> list[Part]:
-    """The parts listed in a .parts file's bytes, at the offsets their order gives them in their file
+def parts_of(stem: str, records: Iterable[dict]) -> list[Part]:
+    """The parts a parts list's records (read_parts) list, at the offsets their order gives them in their file
     (the split's, or their group's)."""
     parts, offsets = [], {}
-    for seq, record in enumerate(map(orjson.loads, raw.splitlines())):
+    for seq, record in enumerate(records):
         tokens, documents = offsets.get(record.get("group"), (0, 0))
         parts.append(Part(stem, seq, tokens, documents, record))
         offsets[record.get("group")] = (tokens + record["tokens"], documents + record["documents"])
@@ -296,7 +303,7 @@ def split_entry_of(stem: str, raw: bytes, spec: WriteSpec) -> SplitEntry:
     groups: dict[str, dict] = {}  # value -> its counts and files
     own: list[SplitFile] = []
     skipped, repaired, shards = Counter(), Counter(), 0
-    for record in map(orjson.loads, raw.splitlines()):
+    for record in read_parts(raw):
         for key in counts:
             counts[key] += record.get(key, 0)
         files = own
@@ -340,7 +347,7 @@ def _placed(out: Layout, stem: str) -> dict[tuple[str, PartKey], SplitFile]:
     or where a finalize stopped before meta.json (its files renamed, its parts list first), all."""
     renamed = not out.assembly(stem)[2].exists() and out.parts(stem).exists()
     placed = {}
-    for part in parts_of(stem, out.parts(stem).read_bytes()) if renamed else listed_parts(out, stem):
+    for part in parts_of(stem, read_parts(out.parts(stem))) if renamed else listed_parts(out, stem):
         paths = [path if path.is_file() else path.with_suffix("") for path in out.assembly(stem, part.group)[:2]]
         if part.tokens and paths[0].is_file():
             bin_name, idx_name = (str(path.relative_to(out.root)) for path in paths)

@@ -22,7 +22,7 @@ from tokpipe.durability import HASH_CHUNK, ShortRead
 from tokpipe.errors import UserError
 from tokpipe.layout.files import Layout, load_meta_pkl
 from tokpipe.layout.meta import Meta, SplitEntry, SplitFile
-from tokpipe.layout.records import Part, parts_of
+from tokpipe.layout.records import Part, parts_of, read_parts
 from tokpipe.layout.stored import reader_out, shown, stored_of
 from tokpipe.read.files import TokenFiles
 from tokpipe.read.maps import size_of
@@ -117,7 +117,7 @@ def _parts(out: Path, split: str, entry: SplitEntry, check) -> list[Part] | None
     same = hashlib.sha256(raw).hexdigest() == entry.parts_sha256
     if not check(f"{split}: parts list sha256 matches meta", same, "" if same else f"{path} changed since finalize"):
         return None
-    parts = parts_of(split, raw)
+    parts = parts_of(split, read_parts(raw))
     t, d = sum(p.tokens for p in parts), sum(p.documents for p in parts)
     check(
         f"{split}: parts add up to meta",

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field, replace
 from tokpipe.inputs.manifest import Manifest, Shard
 from tokpipe.layout.files import RECORD, ShardFiles, split_file_stem
 from tokpipe.layout.lease import Lease
-from tokpipe.layout.records import Checkpoint, PartCounts, parts_of, record_key
+from tokpipe.layout.records import Checkpoint, PartCounts, parts_of, read_parts, record_key
 from tokpipe.layout.run import WriteSpec, output_splits, sources
 from tokpipe.layout.stored import StoredOut, part_name
 from tokpipe.write.segments import (
@@ -97,7 +97,7 @@ class HeldParts:
         """Where each finished part of a split file an append moved (Prefix._append) is: its range of the file."""
         stem = parts_key.removeprefix(self.out.sources).removesuffix(".parts")
         dtype = self.dtype
-        for part in parts_of(stem, self.out.bucket.get(parts_key)[0]):
+        for part in parts_of(stem, read_parts(self.out.bucket.get(parts_key)[0])):
             held, group = record_key(part.record)
             if self.spec.group_by is not None and group is None:
                 continue  # a shard's accounting line alone: its documents are in its groups' parts

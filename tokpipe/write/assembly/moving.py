@@ -28,11 +28,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import orjson
-
 from tokpipe.durability import copy_file, fsync_dir
 from tokpipe.layout.files import Layout, PartKey
-from tokpipe.layout.records import record_key
+from tokpipe.layout.records import read_parts, record_key
 
 
 def _order(relpath: str, group: str | None) -> tuple:
@@ -66,7 +64,7 @@ class Moving:
         self.sources = [self._open(n) for n in self.numbers]
 
     def _open(self, n: int) -> _Source:
-        source = _Source(n, _records(self.out.moving_source(self.stem, n)[2]))
+        source = _Source(n, read_parts(self.out.moving_source(self.stem, n)[2], torn="stop"))
         source.advance()
         return source
 
@@ -155,13 +153,3 @@ def _remove(out: Layout, stem: str) -> None:
     shutil.rmtree(out.moving(stem), ignore_errors=True)
     if out.moving(stem).parent.is_dir() and not any(out.moving(stem).parent.iterdir()):
         out.moving(stem).parent.rmdir()
-
-
-def _records(path: Path) -> Iterator[dict]:
-    """A parts list's records, one line at a time; a last line cut by a crash is no part (never fsynced)."""
-    with open(path, "rb") as f:
-        for line in f:
-            try:
-                yield orjson.loads(line)
-            except orjson.JSONDecodeError:
-                return

@@ -11,14 +11,11 @@ go (`lost`: tokenized again).
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
-
-import orjson
 
 from tokpipe.durability import HASH_CHUNK, own_inode
 from tokpipe.inputs.manifest import Manifest
 from tokpipe.layout.files import Layout, LayoutWriter, split_file_stem
-from tokpipe.layout.records import IDX_DTYPE, Checkpoint, part_record, parts_line, record_key
+from tokpipe.layout.records import IDX_DTYPE, Checkpoint, part_record, parts_line, read_parts, record_key
 from tokpipe.layout.run import WriteSpec, output_splits, sources
 from tokpipe.write.assembly.moving import Moving
 from tokpipe.write.assembly.split import Groups, SplitAssembly
@@ -65,7 +62,8 @@ class Recovery:
         not made yet."""
         moving = Moving(self.out, stem) if self.concat else None
         renew = moving is not None and moving.unstarted()
-        listed = [] if renew else _listed(self.out.assembly(stem)[2])
+        parts_tmp = self.out.assembly(stem)[2]
+        listed = [] if renew or not parts_tmp.exists() else list(read_parts(parts_tmp, torn="stop"))
         state = self._start(manifest, stem)
         kept = self._kept(listed, state)
         if self.concat and len(kept) < len(listed):
@@ -164,17 +162,6 @@ class Recovery:
             state.moving = Moving(self.out, state.stem)
         elif moving:  # every part moved from them is kept
             moving.end()
-
-
-def _listed(parts_tmp: Path) -> list[dict]:
-    """The records of a parts list, as far as they are whole (a line cut by a crash: its fsync never returned)."""
-    records = []
-    for line in parts_tmp.read_bytes().splitlines() if parts_tmp.exists() else []:
-        try:
-            records.append(orjson.loads(line))
-        except orjson.JSONDecodeError:
-            break
-    return records
 
 
 def _short(out: Layout, state: SplitAssembly, itemsize: int) -> bool:
