@@ -64,6 +64,16 @@ def _finished_names(objects: dict[str, bytes]) -> set[str]:
     return {name for name in objects if not name.startswith(("shards/", "logs/"))}
 
 
+def _assert_finished_as(server, prefix: str, reference: dict[str, np.ndarray]) -> None:
+    """OUT's objects: each split file the reference's, exactly OUT's files left (no segment, source or kept part), no
+    multipart upload open."""
+    objects = stored_objects(server, prefix)
+    for stem, expected in reference.items():
+        _assert_split(objects, stem, expected)
+    assert _finished_names(objects) == FINISHED
+    assert open_uploads(server, prefix) == []
+
+
 def test_a_run_into_a_store_is_the_reference_and_leaves_no_segment_and_no_open_upload(
     s3_server, s3_prefix, manifest, example_reference
 ):
@@ -113,11 +123,7 @@ def test_a_kill_9_between_segments_then_the_same_command_keeps_what_was_committe
     rerun = store_out_run(manifest, url)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert f"{COPIES + 1} shards, 3.4 MiB; 8 done, 0 partial, 2 to start" in rerun.stdout
-    objects = stored_objects(s3_server, s3_prefix)
-    for stem, expected in reference.items():
-        _assert_split(objects, stem, expected)
-    assert _finished_names(objects) == FINISHED
-    assert open_uploads(s3_server, s3_prefix) == []
+    _assert_finished_as(s3_server, s3_prefix, reference)
 
 
 def test_a_kill_9_inside_a_segment_leaves_it_uncommitted_and_the_rerun_removes_it(s3_server, s3_prefix, repeated):
@@ -134,11 +140,7 @@ def test_a_kill_9_inside_a_segment_leaves_it_uncommitted_and_the_rerun_removes_i
     assert open_uploads(s3_server, s3_prefix) == [f"{s3_prefix}/{segment}.bin"]
     rerun = store_out_run(manifest, url, whole_put=1 << 20)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    objects = stored_objects(s3_server, s3_prefix)
-    for stem, expected in reference.items():
-        _assert_split(objects, stem, expected)
-    assert _finished_names(objects) == FINISHED
-    assert open_uploads(s3_server, s3_prefix) == []
+    _assert_finished_as(s3_server, s3_prefix, reference)
 
 
 def test_a_kill_9_in_finalize_then_the_same_command_finalizes_again(s3_server, s3_prefix, manifest, example_reference):
@@ -150,11 +152,7 @@ def test_a_kill_9_in_finalize_then_the_same_command_finalizes_again(s3_server, s
     rerun = store_out_run(manifest, url)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert "3 shards, 1.1 MiB; 3 done, 0 partial, 0 to start" in rerun.stdout
-    objects = stored_objects(s3_server, s3_prefix)
-    for stem, expected in example_reference.items():
-        _assert_split(objects, stem, expected)
-    assert _finished_names(objects) == FINISHED
-    assert open_uploads(s3_server, s3_prefix) == []
+    _assert_finished_as(s3_server, s3_prefix, example_reference)
 
 
 def test_a_kill_9_after_meta_json_leaves_segments_status_shows_and_the_rerun_removes(s3_server, s3_prefix, manifest):
@@ -221,11 +219,7 @@ def test_an_append_killed_at_any_moment_then_the_same_command_is_one_run_over_al
     rerun = store_out_run(tmp_path / "after.json", url)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert re.search(r": 3 shards, .*; 2 done, 0 partial, 1 to start$", rerun.stdout, re.M), rerun.stdout
-    objects = stored_objects(s3_server, s3_prefix)
-    for stem, expected in example_reference.items():
-        _assert_split(objects, stem, expected)
-    assert _finished_names(objects) == FINISHED  # no source, no segment left
-    assert open_uploads(s3_server, s3_prefix) == []
+    _assert_finished_as(s3_server, s3_prefix, example_reference)  # no source, no segment left
     assert tokpipe("verify", url).returncode == 0
 
 
@@ -250,11 +244,7 @@ def test_the_store_killed_mid_upload_and_started_again_is_waited_for(s3_server, 
     # the PUT is retried with backoff (botocore's standard mode) until it answers.
     run = store_out_run(manifest, url, kill=("tokpipe.write.segments._upload", 2), server=s3_server)
     assert run.returncode == 0, run.stdout + run.stderr
-    objects = stored_objects(s3_server, s3_prefix)
-    for stem, expected in reference.items():
-        _assert_split(objects, stem, expected)
-    assert _finished_names(objects) == FINISHED
-    assert open_uploads(s3_server, s3_prefix) == []
+    _assert_finished_as(s3_server, s3_prefix, reference)
 
 
 def test_a_second_run_is_refused_in_one_line_while_the_first_holds_the_lease(s3_server, s3_prefix, manifest):
@@ -325,11 +315,7 @@ def test_a_run_on_ray_into_a_store_is_the_reference(s3_server, s3_prefix, manife
     run = tokpipe(*run_args(manifest, url, "--ray-only", "--workers", "2"), ray=ray_address)
     assert run.returncode == 0, run.stdout + run.stderr
     assert f"ray: cluster {ray_address}, 2 workers" in run.stdout
-    objects = stored_objects(s3_server, s3_prefix)
-    for stem, expected in example_reference.items():
-        _assert_split(objects, stem, expected)
-    assert _finished_names(objects) == FINISHED
-    assert open_uploads(s3_server, s3_prefix) == []
+    _assert_finished_as(s3_server, s3_prefix, example_reference)
 
 
 def _mixed(tmp_path: Path, copies: list[int]) -> tuple[Path, np.ndarray]:

@@ -44,7 +44,7 @@ from tokpipe.runner.identity import (
     refusals_noted,
     run_identity,
 )
-from tokpipe.store import Url, is_url
+from tokpipe.store import Exists, StoreRefused, StoreUnavailable, Url, is_url
 from tokpipe.write.assembly import Assembler
 from tokpipe.write.finalize import finalize, finalize_stored
 from tokpipe.write.shard import keep
@@ -320,8 +320,6 @@ class Prefix(Storage):
     def unseen(self, token: str, who: str) -> str | None:
         """With this node's own credentials: the token the driver put there read back, then an object of its own
         (`who`'s) written (create-only) and removed beside it."""
-        from tokpipe.store import Exists, StoreRefused, StoreUnavailable
-
         out = self.out
         key, mine = out.of_local(out.layout.node_check()), out.of_local(out.layout.node_check(who))
         try:

@@ -27,13 +27,13 @@ from tokpipe.inputs.manifest import Manifest
 from tokpipe.inputs.tokenizer import TokenizerInfo
 from tokpipe.layout.files import SKIPPED, Layout, LayoutWriter, split_file_stem
 from tokpipe.layout.meta import Delimiters, Meta, SplitEntry
-from tokpipe.layout.records import IDX_DTYPE, Checkpoint, part_record, parts_line, read_parts, split_entry_of
+from tokpipe.layout.records import IDX_DTYPE, part_record, parts_line, read_parts, split_entry_of
 from tokpipe.layout.run import WriteSpec, output_splits, sources
 from tokpipe.layout.stored import part_name
 from tokpipe.store import MIN_PART, Upload, compose
 from tokpipe.write.assembly import Assembler
 from tokpipe.write.segments import Segment
-from tokpipe.write.stored import REQUESTS_AT_ONCE, StoreAssembly
+from tokpipe.write.stored import REQUESTS_AT_ONCE, StoreAssembly, stored_checkpoint
 
 
 def write_skip_log(out: Path, splits: dict[str, SplitEntry]) -> None:
@@ -163,13 +163,9 @@ def _parts_list(assembly: StoreAssembly, stem: str, excluded: frozenset[str]) ->
     out, spec = assembly.out, assembly.spec
     listed = [(shard, held) for shard, held in sources(assembly.manifest, stem, spec.val_fraction)]
     listed = [(shard, held) for shard, held in listed if shard.relpath not in excluded]
-
-    def checkpoint(source) -> Checkpoint:
-        return Checkpoint.parse(json.loads(out.bucket.get(out.checkpoint(source[0]))[0]))
-
     with ThreadPoolExecutor(REQUESTS_AT_ONCE) as pool:
         lines = []
-        for (shard, held), ckpt in zip(listed, pool.map(checkpoint, listed)):
+        for (shard, held), ckpt in zip(listed, pool.map(lambda source: stored_checkpoint(out, source[0]), listed)):
             for group in ckpt.line_groups(held):
                 record = part_record(shard, ckpt, (held, group))
                 if not spec.concat and ckpt.part((held, group)) is not None:

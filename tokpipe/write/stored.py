@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 from tokpipe.inputs.manifest import Manifest, Shard
 from tokpipe.layout.files import RECORD, ShardFiles, split_file_stem
@@ -96,14 +96,15 @@ class HeldParts:
     def _sources(self, parts_key: str) -> None:
         """Where each finished part of a split file an append moved (Prefix._append) is: its range of the file."""
         stem = parts_key.removeprefix(self.out.sources).removesuffix(".parts")
-        dtype = self.dtype
         for part in parts_of(stem, read_parts(self.out.bucket.get(parts_key)[0])):
             held, group = record_key(part.record)
             if self.spec.group_by is not None and group is None:
                 continue  # a shard's accounting line alone: its documents are in its groups' parts
             base = self.out.sources + self.out.name(self.out.of_local(self.out.layout.split(stem, group)))
-            where = Kept(self.out.bucket, f"{base}.bin", f"{base}.idx", dtype, part.token_offset, part.tokens)
-            where = replace(where, doc_start=part.doc_offset, documents=part.documents)
+            where = Kept(
+                self.out.bucket, f"{base}.bin", f"{base}.idx", self.dtype, part.token_offset, part.tokens,
+                part.doc_offset, part.documents,
+            )  # fmt: skip
             counts = PartCounts(held, group, part.tokens, part.documents)
             if (part.name, held) not in self.sourced:
                 self.moved[stem] = self.moved.get(stem, 0) + 1
@@ -283,9 +284,14 @@ def upload_closed(out: StoredOut, planned: ClosedSegment) -> int:
     return uploaded
 
 
+def stored_checkpoint(out: StoredOut, shard: Shard) -> Checkpoint:
+    """A done shard's checkpoint on the store."""
+    return Checkpoint.parse(json.loads(out.bucket.get(out.checkpoint(shard))[0]))
+
+
 def kept(out: StoredOut, shard: Shard, dtype: str) -> tuple[Checkpoint, dict]:
     """A shard `keep` kept: its checkpoint, and where each of its parts is (segments.Kept)."""
-    ckpt = Checkpoint.parse(json.loads(out.bucket.get(out.checkpoint(shard))[0]))
+    ckpt = stored_checkpoint(out, shard)
     files = ShardFiles.of(out.work, shard)
     return ckpt, {p.key: Kept(out.bucket, *(out.of_local(f) for f in files.part(p.key)), dtype) for p in ckpt.parts}
 
