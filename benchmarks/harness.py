@@ -159,7 +159,8 @@ def load_texts(source: str | Path, limit: int | None = None) -> list[str]:
 
     found, size = [], 0
     for shard in build_manifest(str(source)).shards():
-        data = b"".join(block for block, *_ in decompressed_blocks(shard.path, format_of(shard.path)))
+        with open(shard.path, "rb") as raw:
+            data = b"".join(block for block, *_ in decompressed_blocks(raw, shard.path, format_of(shard.path)))
         for line in data.splitlines():
             try:
                 text = orjson.loads(line).get("text")

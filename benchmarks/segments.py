@@ -20,7 +20,8 @@ import numpy as np
 from store import BUCKET, start_weed
 
 from tokpipe.layout.stored import StoredOut
-from tokpipe.write.segments import Entry, Gatherer, upload_segment
+from tokpipe.write.segments import Entry, Gatherer
+from tokpipe.write.stored import upload_segment
 
 TOKENS_MB = 256  # MB of tokens a measure uploads
 

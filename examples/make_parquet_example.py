@@ -29,7 +29,9 @@ from tokpipe.inputs.source.jsonl import decompressed_blocks
 
 def rows_of(path: str) -> list[str | None]:
     rows = []
-    for line in b"".join(block for block, *_ in decompressed_blocks(path, format_of(path))).splitlines():
+    with open(path, "rb") as raw:
+        text = b"".join(block for block, *_ in decompressed_blocks(raw, path, format_of(path)))
+    for line in text.splitlines():
         if line.strip():
             value = json.loads(line).get("text")
             rows.append(value if isinstance(value, str) else None)

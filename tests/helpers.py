@@ -517,8 +517,8 @@ KILL_WORKER_SITE = (
     _AT_CALL
     + """
 if "TOKPIPE_TESTS_KILL_WORKER_AT" in os.environ:
-    import tokpipe.write.segments
-    tokpipe.write.segments.WHOLE_PUT_BYTES = 1 << 20
+    import tokpipe.store.upload
+    tokpipe.store.upload.WHOLE_PUT_BYTES = 1 << 20
     target, call, marker = os.environ["TOKPIPE_TESTS_KILL_WORKER_AT"].split(":")
     def in_a_worker(args):  # Ray's title for its workers' processes
         return open("/proc/self/cmdline", "rb").read().startswith(b"ray::")
@@ -1139,8 +1139,8 @@ STORE_OUT_RUN = (
     _AT_CALL
     + """
 import sys
-import tokpipe.runner.driver, tokpipe.runner.local, tokpipe.write.segments
-tokpipe.write.segments.WHOLE_PUT_BYTES = int(sys.argv[1])
+import tokpipe.runner.driver, tokpipe.runner.local, tokpipe.store.upload
+tokpipe.store.upload.WHOLE_PUT_BYTES = int(sys.argv[1])
 driver_shards, target, call, server = int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 if driver_shards:
     taken, take = [], tokpipe.runner.local._Here.take

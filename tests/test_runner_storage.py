@@ -39,9 +39,8 @@ from helpers import (
 )
 
 from tokpipe.inputs.manifest import build_manifest, write_manifest
-from tokpipe.layout.lease import Lease
 from tokpipe.layout.stored import StoredOut
-from tokpipe.store import Bucket, Url
+from tokpipe.store import Bucket, Lease, Url
 
 # What a finished run leaves on the store, besides its checkpoints (shards/) and logs (logs/).
 FINISHED = {"run.json", "manifest.json", "meta.pkl", "meta.json"}

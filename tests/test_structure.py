@@ -3,6 +3,7 @@ neither `import tokpipe` nor the CLI's start pays for Ray, pyarrow, gigatoken or
 they share code through helpers.py and conftest.py's fixtures, never by importing one another."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -89,6 +90,26 @@ def test_each_layer_imports_only_the_layers_below_it():
         if _layer(module) in LAYERS and _layer(dependency) not in {_layer(module), *LAYERS[_layer(module)], *BASICS}
     }
     assert wrong == set()
+
+
+def test_six_modules_reach_a_store_and_only_the_store_package_imports_boto3():
+    """Where a path may be a URL, and where an object is read or written, each said in one module of its concern: a
+    shard's path (inputs/manifest.py), a dataset listed (objects.py), a shard opened (source/), OUT on a store's objects
+    (layout/stored.py), what writes them (write/stored.py), what reads its token files (read/maps.py)."""
+    graph = _imports()
+    outside = [m for m in graph if _layer(m) != "tokpipe.store"]
+    reaching = {m for m in outside if any(_layer(d) == "tokpipe.store" for d in graph[m])}
+    assert reaching == {
+        "tokpipe.inputs.manifest",
+        "tokpipe.inputs.objects",
+        "tokpipe.inputs.source",
+        "tokpipe.layout.stored",
+        "tokpipe.write.stored",
+        "tokpipe.read.maps",
+    }
+    importing = re.compile(r"^\s*(import|from) boto", re.MULTILINE)
+    boto3 = {_module_name(p) for p in PACKAGE.rglob("*.py") if importing.search(p.read_text())}
+    assert boto3 and {m for m in boto3 if _layer(m) != "tokpipe.store"} == set()
 
 
 def test_the_readers_import_neither_the_write_path_nor_the_runner():

@@ -6,8 +6,9 @@ segment's upload checks its parts' tokens against their counts before a byte is 
 import numpy as np
 import pytest
 
-from tokpipe.layout.stored import StoredOut
-from tokpipe.write.segments import SEGMENT_BYTES, Entry, Gatherer, Segment, upload_segment
+from tokpipe.layout.stored import SEGMENT_BYTES, StoredOut
+from tokpipe.write.segments import Entry, Gatherer, Segment
+from tokpipe.write.stored import upload_segment
 
 TOKENS_A_MIB = (1 << 20) // 4  # uint32
 

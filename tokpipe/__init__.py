@@ -23,12 +23,11 @@ from __future__ import annotations
 import os
 
 from tokpipe._version import __version__
-from tokpipe.inputs.manifest import Manifest, write_manifest
+from tokpipe.inputs.manifest import Manifest, on_store, write_manifest
 from tokpipe.inputs.manifest import build_manifest as _build_manifest
 from tokpipe.layout.files import is_out
 from tokpipe.read.output import Output, Split, open_output
 from tokpipe.read.verify import verify
-from tokpipe.store import is_url
 
 __all__ = ["build_manifest", "run", "verify", "open_output", "Output", "Split", "Manifest", "__version__"]
 
@@ -45,7 +44,7 @@ def build_manifest(
     (what `run` reads). A tokpipe OUT inside the dataset is passed over (`Manifest.passed_over` says so).
     `dataset_dir`: a folder, or a prefix on an object store (s3://BUCKET/PREFIX, docs/stores.md)."""
     build = _build_manifest
-    if is_url(dataset_dir):
+    if on_store(dataset_dir):
         from tokpipe.inputs.objects import build_store_manifest as build  # boto3 only for a dataset on a store
 
     manifest = build(dataset_dir, repo_id=repo_id, revision=revision, allow_outside=allow_outside, is_out=is_out)

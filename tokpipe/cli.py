@@ -21,7 +21,6 @@ from tokpipe.inputs.source.batch import MISSING_GROUP
 from tokpipe.layout.files import RUN_LOG, Layout
 from tokpipe.layout.meta import Meta, SplitEntry
 from tokpipe.options import RunOptions, positive
-from tokpipe.store import Url
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 
@@ -74,16 +73,16 @@ def _manifest_lines(manifest, dest: Path) -> list[str]:
     return lines
 
 
-def _where(out: Path | Url, split: SplitEntry) -> str:
-    """Where a split's tokens are: OUT a folder, or on a store (a Url)."""
-    meta_json = out / Layout("").meta_json.name
+def _where(out: Path | str, split: SplitEntry) -> str:
+    """Where a split's tokens are: OUT a folder, or on a store (its URL)."""
+    meta_json = f"{out}/{Layout('').meta_json.name}"
     if split.groups is not None:  # --group-by
         n = len(split.groups)
         return f"the files of {n:,} group{'s' if n != 1 else ''} listed in {meta_json}"
     if split.file is None:  # --no-concat
         n = len(split.files)
         return f"{n:,} file{'s' if n != 1 else ''} listed in {meta_json}"
-    return str(out / split.file)
+    return f"{out}/{split.file}"
 
 
 def _groups_line(group_by: str, groups: dict[str, SplitEntry]) -> str:
@@ -121,7 +120,7 @@ def summary_lines(summary) -> list[str]:
     tokens = meta.tokens
     seconds = summary.seconds
     lines.append(summary.phases)
-    meta_pkl = out / Layout("").meta_pkl.name  # OUT a folder, or on a store (a Url)
+    meta_pkl = f"{out}/{Layout('').meta_pkl.name}"  # OUT a folder, or on a store (its URL)
     lines.append(
         f"done in {seconds:.1f}s ({tokens / seconds / 1e6:.2f}M tokens/s overall); meta: {meta_pkl}. "
         f"Next: tokpipe verify {shlex.quote(str(out))}"

@@ -42,6 +42,12 @@ from tokpipe.inputs.names import (
 from tokpipe.store import is_url
 
 MANIFEST_VERSION = 1
+
+
+def on_store(path: str | os.PathLike) -> bool:
+    """Whether a dataset's or a shard's path is on an object store (an s3:// URL), not in a folder."""
+    return is_url(path)
+
 # A snapshot file that is not a symlink but a tiny text file naming a blob: what git and copy tools
 # leave of the cache's symlinks on filesystems or transfers that drop them.
 POINTER_MAX_BYTES = 512
@@ -59,7 +65,7 @@ class Shard:
     @property
     def on_store(self) -> bool:
         """An object on a store (read by ranged GETs through each process's own client), not a file."""
-        return is_url(self.path)
+        return on_store(self.path)
 
     def may_block(self) -> bool:
         """Whether reading it could block: a pipe or a device, not a regular file nor an object on a store. Only the
@@ -148,7 +154,7 @@ def _resolve_pointer(path: Path, blobs_dir: Path | None) -> Path:
 def _check_inside(shard_path: str, relpath: str, base: str) -> None:
     # normpath first: "base/../elsewhere" is outside, whatever its first component says. An object's key is its
     # name, never a path to resolve.
-    where = shard_path if is_url(shard_path) else os.path.normpath(shard_path)
+    where = shard_path if on_store(shard_path) else os.path.normpath(shard_path)
     if not where.startswith(base.rstrip("/") + "/"):
         raise UserError(
             f"{relpath} resolves to {shard_path}, outside the dataset folder {base}; pass --allow-outside if "
@@ -314,7 +320,7 @@ def build_manifest(
     is_out: Callable[[Path], bool] | None = None,
 ) -> Manifest:
     """The ordered shard list of a dataset in a folder (one under an s3:// prefix: objects.py, which
-    tokpipe.build_manifest calls for a URL). Shards whose bytes lie outside it (through symlinks) are
+    tokpipe.build_manifest calls where `on_store`). Shards whose bytes lie outside it (through symlinks) are
     refused unless allow_outside: a manifest must not quietly read files from elsewhere. `is_out` tells a
     tokpipe OUT (tokpipe/layout/ knows one; the commands pass it): one inside the dataset is passed over."""
     root, blobs_dir, repo_id, revision = _locate(Path(dataset_dir).absolute(), repo_id, revision)

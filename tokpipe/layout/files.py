@@ -24,7 +24,6 @@ from tokpipe.durability import fsync_dir, write_atomic, write_json_atomic
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import Shard
 from tokpipe.inputs.names import shard_key
-from tokpipe.store import is_url
 
 # OUT/logs/ holds these, and a stack dump per stalled shard (stall_dump).
 RUN_LOG = "run.log"  # the effective configuration, shard failures, stalls, the outcome
@@ -347,9 +346,9 @@ def is_out(folder: Path, names: Collection[str] | None = None) -> bool:
     return all(m.name in names for m in marks) if names is not None else all(m.is_file() for m in marks)
 
 
-def stall_dump(out: str | os.PathLike, shard: Shard) -> Path:
-    """Where a stalled shard's stack dump goes: OUT/logs/, or for an OUT on a store its logs' local folder."""
-    return Layout(work_folder(out) if is_url(out) else out).log(f"stall-{shard.split}-{shard.key}.txt")
+def stall_dump(records: Path, shard: Shard) -> Path:
+    """Where a stalled shard's stack dump goes: the logs of the run's records (layout/stored.py records_of)."""
+    return Layout(records).log(f"stall-{shard.split}-{shard.key}.txt")
 
 
 def work_folder(url: str) -> Path:

@@ -28,10 +28,14 @@ from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import Shard
 from tokpipe.layout.files import RECORD, Layout, PartKey, group_stem, out_folder, work_folder
 from tokpipe.layout.meta import Meta
-from tokpipe.store import Bucket, Url, compose, is_url
+from tokpipe.store import MIN_PART, Bucket, Exists, Lease, StoreRefused, StoreUnavailable, Url, compose, is_url
 
 SEGMENTS = "segments"
 SOURCES = "sources"  # a finished OUT's split files as they were, while shards appended to it are assembled
+# A segment is closed once it holds this many bytes of tokens (write/segments.py). S3's least part: the most segments
+# a split file may be composed of in one go is 10,000 (50 GB of them at this size; past it store.compose goes in two
+# steps), and what an uploader holds of a segment of small parts is about this.
+SEGMENT_BYTES = MIN_PART
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,10 @@ class StoredOut:
     def lock(self) -> str:
         return self.of_local(self.layout.lock_file)
 
+    def lease(self) -> Lease:
+        """OUT held by one run (store/lease.py): its lock, a lease that ends by itself after a kill -9."""
+        return Lease(self.bucket, self.lock)
+
     def checkpoint(self, shard: Shard) -> str:
         return self.of_local(self.layout.shard(shard).checkpoint)
 
@@ -119,6 +127,24 @@ class StoredOut:
         for name in names + [entry.parts for entry in meta.splits.values()]:
             size = self.bucket.head(self.key(name)).size
             compose(self.bucket, f"{self.sources}{name}", [(self.key(name), 0, size)], create=False)
+
+    def unseen(self, token: str, who: str) -> str | None:
+        """What a node cannot see of OUT, with its own credentials (runner/nodes.py): the token the driver put there
+        read back, then an object of its own (`who`'s) written (create-only) and removed beside it. None: it sees it."""
+        key, mine = self.of_local(self.layout.node_check()), self.of_local(self.layout.node_check(who))
+        bucket = self.bucket
+        try:
+            found = bucket.get(key)
+        except (StoreRefused, StoreUnavailable) as e:
+            return f"cannot read OUT {self} ({e})"
+        if found is None or found[0] != token.encode():
+            return f"sees another OUT at {self} than the driver's (without this run's {Path(key).name})"
+        try:
+            bucket.put(mine, token.encode(), create=True)
+            bucket.delete(mine)
+        except (StoreRefused, StoreUnavailable, Exists) as e:
+            return f"cannot write under OUT {self} ({e})"
+        return None
 
     def holds_tokens(self) -> bool:
         """Whether OUT holds anything made under its recorded identity: a segment, a checkpoint, a split file."""
@@ -165,6 +191,12 @@ RECORD_GETS = 16
 def on_store(out: str | os.PathLike) -> bool:
     """Whether OUT, as a command or a caller names it, is on a store (a URL), not in a folder."""
     return is_url(os.fspath(out))
+
+
+def records_of(out: str) -> Path:
+    """Where a run's records are on this machine (its logs: a stalled shard's stack dump): OUT itself, or for an OUT on
+    a store its local folder (StoredOut.work)."""
+    return work_folder(out) if on_store(out) else Path(out)
 
 
 def reader_out(out: str | os.PathLike) -> Path:

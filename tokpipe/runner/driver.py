@@ -29,7 +29,6 @@ from tokpipe.runner.local import Tally, tokenize_while
 from tokpipe.runner.progress import Progress, RunLog, Timeline
 from tokpipe.runner.sample import SAMPLE_LINE_BYTES, count_groups, sample_texts
 from tokpipe.runner.storage import Folder, Prefix, storage_of
-from tokpipe.store import Url
 
 # Ray's start costs 2.5-5 s and several CPU-seconds here; the driver tokenizes 10-15 MB/s of
 # compressed input. Less than this much input, or less than a second and a half of the driver's
@@ -47,7 +46,7 @@ class RunSummary:
     meta: dict | None
     redone_tokens: int
     seconds: float
-    out: Path | Url | None = None  # set when this call finalized OUT (a folder, a prefix's URL); then the fields below
+    out: Path | str | None = None  # set when this call finalized OUT (a folder, a prefix's URL); then the fields below
     phases: str = ""  # where the time went (Timeline.report)
     lacking: list[tuple[str, int, int]] = field(default_factory=list)  # shards with no --text-field on most lines
     text_field: str = "text"

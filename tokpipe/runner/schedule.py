@@ -224,7 +224,7 @@ class Tasks:
             ray.cancel(ref, force=True)
             shards = task.shards
             # The dump of the shard it was on: a pack's shards before it removed their empty ones.
-            dumps = [stall_dump(self.out.name, s) for s in shards]
+            dumps = [stall_dump(self.out.records, s) for s in shards]
             dump = next((d for d in dumps if d.exists()), dumps[0])
             self.log(f"{_name(shards)}: no progress for {quiet:.0f}s, cancelled (stack dump: {dump})")
             if len(shards) > 1:  # which of them stalled is unknown: each goes again alone, with its own retries

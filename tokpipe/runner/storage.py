@@ -32,7 +32,7 @@ from tokpipe.layout.files import Layout, LayoutWriter, ShardFiles, out_folder
 from tokpipe.layout.meta import Meta, load_meta
 from tokpipe.layout.records import Checkpoint
 from tokpipe.layout.run import WriteSpec
-from tokpipe.layout.stored import StoredOut
+from tokpipe.layout.stored import StoredOut, on_store
 from tokpipe.options import RunOptions
 from tokpipe.runner.events import Listener, Said
 from tokpipe.runner.identity import (
@@ -44,7 +44,6 @@ from tokpipe.runner.identity import (
     refusals_noted,
     run_identity,
 )
-from tokpipe.store import Exists, StoreRefused, StoreUnavailable, Url, is_url
 from tokpipe.write.assembly import Assembler
 from tokpipe.write.finalize import finalize, finalize_stored
 from tokpipe.write.shard import keep
@@ -54,7 +53,7 @@ from tokpipe.write.stored import keep as keep_on_store
 
 def storage_of(out: str | os.PathLike) -> Folder | Prefix:
     """OUT as the user names it (`--out`): a URL is a prefix of a bucket, anything else a folder."""
-    return Prefix(StoredOut.of(os.fspath(out))) if is_url(os.fspath(out)) else Folder(out_folder(out, new_ok=True))
+    return Prefix(StoredOut.of(os.fspath(out))) if on_store(out) else Folder(out_folder(out, new_ok=True))
 
 
 class DoneShards:
@@ -102,9 +101,9 @@ class Folder(Storage):
         self.is_done = DoneShards(path)
         self.spill = ""  # a large part past --shard-buffer goes to its shard's own files in OUT (write/shard.py)
 
-    def show(self, name: str) -> Path:
+    def show(self, name: str) -> str:
         """A file of OUT as a user names it."""
-        return self.path / name
+        return str(self.path / name)
 
     def check(self) -> None:
         """Nothing to refuse before the run's work: a folder is made, or refused, when it is held."""
@@ -194,7 +193,7 @@ class Folder(Storage):
 
 
 class Prefix(Storage):
-    """OUT under a prefix of a bucket (layout/stored.py): held by a lease (layout/lease.py: a second run on a live OUT
+    """OUT under a prefix of a bucket (layout/stored.py): held by a lease (store/lease.py: a second run on a live OUT
     is refused in one line; after a kill -9 the same command resumes within one lease); its records written in a
     local folder of the run's (`records`) and uploaded, run.json and the manifest's copy at the start, the logs at the
     end, whatever the end (a kill -9 loses that attempt's logs, never a token); its parts uploaded in segments while
@@ -203,13 +202,13 @@ class Prefix(Storage):
     on_disk = False  # a store's space is no file system's
 
     def __init__(self, out: StoredOut):
-        self.out, self.name, self.records, self.where = out, str(out), out.work, out.url
+        self.out, self.name, self.records, self.where = out, str(out), out.work, str(out.url)
         self.spill = out.spill_name()  # where a worker's large parts wait past --shard-buffer (EncodeSpec.spill)
         self.assembler: StoreAssembly | None = None
         self.lease = None
 
-    def show(self, name: str) -> Url:
-        return self.out.url / name
+    def show(self, name: str) -> str:
+        return str(self.out.url / name)
 
     def check(self) -> None:
         """Refuse, before any work, a store that cannot be used (store.Bucket.check: one line, exit 2)."""
@@ -220,9 +219,7 @@ class Prefix(Storage):
 
     @contextmanager
     def held(self, manifest: Manifest, info: TokenizerInfo, opts: RunOptions, tell: Listener) -> Iterator[Manifest]:
-        from tokpipe.layout.lease import Lease
-
-        with Lease(self.out.bucket, self.out.lock) as self.lease:
+        with self.out.lease() as self.lease:
             shutil.rmtree(self.records, ignore_errors=True)  # what an earlier attempt on this machine left
             self.records.mkdir(parents=True)
             try:
@@ -318,22 +315,7 @@ class Prefix(Storage):
         self.out.bucket.put(self.out.of_local(self.out.layout.node_check()), token.encode())
 
     def unseen(self, token: str, who: str) -> str | None:
-        """With this node's own credentials: the token the driver put there read back, then an object of its own
-        (`who`'s) written (create-only) and removed beside it."""
-        out = self.out
-        key, mine = out.of_local(out.layout.node_check()), out.of_local(out.layout.node_check(who))
-        try:
-            found = out.bucket.get(key)
-        except (StoreRefused, StoreUnavailable) as e:
-            return f"cannot read OUT {self.name} ({e})"
-        if found is None or found[0] != token.encode():
-            return f"sees another OUT at {self.name} than the driver's (without this run's {Path(key).name})"
-        try:
-            out.bucket.put(mine, token.encode(), create=True)
-            out.bucket.delete(mine)
-        except (StoreRefused, StoreUnavailable, Exists) as e:
-            return f"cannot write under OUT {self.name} ({e})"
-        return None
+        return self.out.unseen(token, who)
 
     def keep_shard(self, shard: Shard, ckpt: Checkpoint, buffered) -> None:
         """A done shard's buffered parts uploaded to its own files' keys, then its checkpoint (write/stored.py keep)."""

@@ -17,7 +17,7 @@ from tokpipe.durability import write_atomic
 from tokpipe.inputs.manifest import Shard
 from tokpipe.layout.files import stall_dump
 from tokpipe.layout.records import Checkpoint, Part
-from tokpipe.layout.stored import StoredOut
+from tokpipe.layout.stored import StoredOut, records_of
 from tokpipe.runner.nodes import NodeCheck, ensure_seen
 from tokpipe.runner.storage import storage_of
 from tokpipe.write.memory import MemoryGuard, memory_guard
@@ -130,7 +130,7 @@ def _one_shard(
     # `ps` shows which shard each worker is on (Ray sets the title back to ray::IDLE after the task).
     # Ray's own setter, as it uses for task names; the task name itself is the same for every shard.
     getattr(ray._raylet, "setproctitle", lambda title: None)(f"ray::tokpipe {shard.split}/{shard.key}")
-    dump_path = stall_dump(out, shard)
+    dump_path = stall_dump(records_of(out), shard)
     dump_path.parent.mkdir(parents=True, exist_ok=True)  # an OUT on a store: a local folder, on every node
     pending = [0, 0, 0]
     last_report = 0.0  # the first batch is reported at once: the beat that says the shard is moving
@@ -220,7 +220,7 @@ class Placer:
         self.client = StoredOut.of(out).bucket.client  # kept by the process for its uploads (store/bucket.py)
 
     def upload(self, out: str, segment: Segment, sources: list[PartTokens]) -> tuple[str, Segment, int]:
-        """For an OUT on a store: a segment uploaded from this node (write/segments.py), its parts' tokens read
+        """For an OUT on a store: a segment uploaded from this node (write/stored.py), its parts' tokens read
         from the object stores that hold them, this node's for all but small parts gathered from other nodes (or
         sent with the call: parts the driver tokenized before Ray took over); a large part moved into this node's
         files (Spilled) read from there, and they removed once it is up. Every part is read before anything is

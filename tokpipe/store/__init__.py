@@ -14,8 +14,9 @@ disk does, resumable. A refusal that no retry changes (a wrong key, a missing bu
 UserError: one line naming the URL and what the store answered. `Bucket.check`, the preflight of a command,
 makes CHECK_TRIES tries only: an unreachable endpoint is refused in seconds, not after minutes of backoff.
 
-bucket.py holds the bucket and its errors; reader.py a shard read as a file; upload.py what writes an object in
-pieces: a multipart upload of data (`Upload`) or of copies of other objects' ranges (`compose`).
+bucket.py holds the bucket and its errors; lease.py a lock that ends by itself; reader.py a shard read as a file;
+upload.py what writes an object in pieces: a multipart upload of data (`Upload`) or of copies of other objects'
+ranges (`compose`).
 
 A shard on a store is read through `Reader`, a file object over ranged GETs of READ_AHEAD bytes (the sources take
 it where they take an open file): a worker holds one such piece, never the object, and a GET that breaks off
@@ -40,8 +41,9 @@ from tokpipe.store.bucket import (
     Url,
     is_url,
 )
+from tokpipe.store.lease import Lease
 from tokpipe.store.reader import Reader, open_read
-from tokpipe.store.upload import Upload, compose
+from tokpipe.store.upload import Upload, compose, put_buffers
 
 __all__ = [
     "MAX_PART",
@@ -51,6 +53,7 @@ __all__ = [
     "Bucket",
     "Changed",
     "Exists",
+    "Lease",
     "Object",
     "Reader",
     "StoreRefused",
@@ -60,4 +63,5 @@ __all__ = [
     "compose",
     "is_url",
     "open_read",
+    "put_buffers",
 ]

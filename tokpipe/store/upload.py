@@ -16,6 +16,10 @@ from tokpipe.store.bucket import MAX_PART, MAX_PARTS, MIN_PART, Bucket, Exists
 # for a segment of tens of MB on a cloud store, so one at a time, 60,000 segments would take hours after the workers
 # finished; the parts of one upload may be copied in any order.
 COPIES_AT_ONCE = 32
+# An object of up to this many bytes is one PUT (put_buffers); a larger one a multipart upload of UPLOAD_PART_BYTES a
+# request.
+WHOLE_PUT_BYTES = 64 << 20
+UPLOAD_PART_BYTES = 16 << 20
 
 
 @dataclass
@@ -136,3 +140,30 @@ def _complete(bucket: Bucket, key: str, upload: str, etags: list[tuple[int, str]
     except Exists:
         bucket.abort(key, upload)
         raise
+
+
+def put_buffers(bucket: Bucket, key: str, buffers: list, create: bool = True) -> None:
+    """The buffers' bytes (numpy arrays, bytes, ...) as one object, create-only where asked: one PUT, or past
+    WHOLE_PUT_BYTES a multipart upload, so that no copy of the whole is made in memory."""
+    views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
+    if sum(len(v) for v in views) <= WHOLE_PUT_BYTES:
+        bucket.put(key, b"".join(views), create=create)
+        return
+    upload = Upload.begin(bucket, key)
+    try:
+        chunk, size = [], 0
+        for view in views:
+            while len(view):
+                take = view[: UPLOAD_PART_BYTES - size]
+                chunk.append(take)
+                size += len(take)
+                view = view[len(take) :]
+                if size == UPLOAD_PART_BYTES:
+                    upload.send(chunk)
+                    chunk, size = [], 0
+        if chunk:
+            upload.send(chunk)
+    except BaseException:
+        upload.abort()
+        raise
+    upload.finish(create=create)

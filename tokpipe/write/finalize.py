@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-from collections import deque
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,13 +25,11 @@ from tokpipe.inputs.manifest import Manifest
 from tokpipe.inputs.tokenizer import TokenizerInfo
 from tokpipe.layout.files import SKIPPED, Layout, LayoutWriter, split_file_stem
 from tokpipe.layout.meta import Delimiters, Meta, SplitEntry
-from tokpipe.layout.records import IDX_DTYPE, part_record, parts_line, read_parts, split_entry_of
+from tokpipe.layout.records import part_record, parts_line, read_parts, split_entry_of
 from tokpipe.layout.run import WriteSpec, output_splits, sources
 from tokpipe.layout.stored import part_name
-from tokpipe.store import MIN_PART, Upload, compose
 from tokpipe.write.assembly import Assembler
-from tokpipe.write.segments import Segment
-from tokpipe.write.stored import REQUESTS_AT_ONCE, StoreAssembly, stored_checkpoint
+from tokpipe.write.stored import REQUESTS_AT_ONCE, StoreAssembly, compose_split, stored_checkpoint
 
 
 def write_skip_log(out: Path, splits: dict[str, SplitEntry]) -> None:
@@ -144,7 +140,7 @@ def finalize_stored(
         stem = split_file_stem(split)
         raw = _parts_list(assembly, stem, frozenset(excluded))
         if spec.concat:
-            _compose_split(assembly, stem)
+            compose_split(assembly, stem)
         out.bucket.put(out.of_local(layout.parts(stem)), raw)
         layout.parts(stem).write_bytes(raw)  # skipped.json is made from it
         splits[split] = split_entry_of(stem, raw, spec)
@@ -173,55 +169,3 @@ def _parts_list(assembly: StoreAssembly, stem: str, excluded: frozenset[str]) ->
                     record.update(bin=f"{name}.bin", idx=f"{name}.idx")
                 lines.append(parts_line(record))
     return b"".join(lines)
-
-
-def _compose_split(assembly: StoreAssembly, stem: str) -> None:
-    """A split's files (its groups', --group-by), each from its segments in the order of their first parts."""
-    files = {group: segments for (of, group), segments in assembly.made.items() if of == stem}
-    if assembly.spec.group_by is None:
-        files.setdefault(None, [])  # a split of no part (every shard left out): an empty file, as on disk
-    walk = sources(assembly.manifest, stem, assembly.spec.val_fraction)
-    order = {(shard.relpath, held): n for n, (shard, held) in enumerate(walk)}
-    for group, segments in files.items():
-        segments.sort(key=lambda segment: order[segment.entries[0].shard, segment.entries[0].held])
-        _compose(assembly, stem, group, segments)
-
-
-def _compose(assembly: StoreAssembly, stem: str, group: str | None, segments: list[Segment]) -> None:
-    """A split file (or its group's) from its segments, on the server; its .idx from theirs, each shifted."""
-    bucket, out, itemsize = assembly.out.bucket, assembly.out, assembly.itemsize
-    base = out.of_local(out.layout.split(stem, group))
-    compose(bucket, f"{base}.bin", [(out.key(p.name) + ".bin", 0, p.tokens * itemsize) for p in segments])
-    upload, chunk, size, shift = None, [], 0, 0
-
-    def idx(segment: Segment) -> bytes:
-        return bucket.get(out.key(segment.name) + ".idx")[0]
-
-    with ThreadPoolExecutor(REQUESTS_AT_ONCE) as pool:
-        for segment, raw in zip(segments, _ahead(pool, idx, segments)):
-            ends = np.frombuffer(raw, dtype=IDX_DTYPE) + shift
-            shift += segment.tokens
-            chunk.append(ends.tobytes())
-            size += ends.nbytes
-            if size >= MIN_PART:
-                upload = upload or Upload.begin(bucket, f"{base}.idx")
-                upload.send(chunk)
-                chunk, size = [], 0
-    if upload is None:
-        bucket.put(f"{base}.idx", b"".join(chunk))
-    else:
-        if chunk:
-            upload.send(chunk)
-        upload.finish(create=False)
-
-
-def _ahead(pool: ThreadPoolExecutor, fn, items: list) -> Iterator:
-    """fn(item) for each item, in order, REQUESTS_AT_ONCE * 4 of them asked ahead: a request's latency hidden, never
-    every answer held at once (a split's 60,000 segments' .idx: its whole index)."""
-    asked: deque = deque()
-    for item in items:
-        asked.append(pool.submit(fn, item))
-        if len(asked) > REQUESTS_AT_ONCE * 4:
-            yield asked.popleft().result()
-    while asked:
-        yield asked.popleft().result()

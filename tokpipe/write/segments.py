@@ -7,7 +7,7 @@ What a segment holds is decided by the driver from the parts' counts alone (`Gat
 joins its file's open segment, which is closed once it holds SEGMENT_BYTES. A large part that comes with no segment
 open is a segment of its own: for a corpus of large shards, nearly every part, uploaded from the node whose object
 store holds it (runner/copies.py) and never moved. Segments are uploaded in parallel, in any order
-(`upload_segment`): the order of a split file's segments is the order of their first parts (write/stored.py).
+(write/stored.py upload_segment): the order of a split file's segments is the order of their first parts.
 
 A segment is three objects: its .json (the parts it holds), its .idx (its documents' ends, counted from its first
 token) and its .bin (its tokens), written in that order: the .bin, a create-only PUT (or a multipart upload
@@ -36,17 +36,10 @@ import orjson
 
 from tokpipe.layout.files import ShardFiles
 from tokpipe.layout.records import IDX_DTYPE
-from tokpipe.layout.stored import StoredOut
-from tokpipe.store import MIN_PART, Bucket, Exists, Upload
+from tokpipe.layout.stored import SEGMENT_BYTES, StoredOut
 
-# A segment is closed once it holds this many bytes of tokens. S3's least part: the most segments a split file may
-# be composed of in one go is 10,000 (50 GB of them at this size; past it store.compose goes in two steps), and what
-# an uploader holds of a segment of small parts is about this.
-SEGMENT_BYTES = MIN_PART
-# A .bin of up to this many bytes is one PUT; a larger one (a segment that ends with a large part) a multipart
-# upload of UPLOAD_PART_BYTES a request, so that no copy of the whole is made in memory.
-WHOLE_PUT_BYTES = 64 << 20
-UPLOAD_PART_BYTES = 16 << 20
+# A kept part's tokens are read in ranged GETs of this many bytes into a file of the node's (Kept.arrays).
+KEPT_READ_BYTES = 16 << 20
 
 
 # A part's tokens and its document ends (counted from the part's start), as the arrays they were encoded in.
@@ -82,12 +75,12 @@ def _mapped(path: str, dtype) -> np.ndarray:
 class Kept:
     """A done shard's part held in objects of OUT on the store, whence a segment takes it instead of tokenizing the
     shard again: its own files' keys (shards/<split>/...<key>.bin, .idx), where a run that ended with a shard
-    before it failed kept it (`keep_parts`), or its range of a split file as it was before shards were appended
+    before it failed kept it (write/stored.py keep), or its range of a split file as it was before shards were appended
     (sources/<stem>.bin: `start` and `tokens` of it, its ends from `doc_start`, counted from the file's start). Its
     tokens are read in ranges into a file of this node's (a part may be larger than a process should hold), its
     ends in one. Such objects go once OUT is finished (write/finalize.py)."""
 
-    bucket: Bucket
+    out: StoredOut
     bin: str
     idx: str
     dtype: str
@@ -102,33 +95,20 @@ class Kept:
         tokens = tempfile.NamedTemporaryFile(prefix="tokpipe-kept-", delete=False)
         with tokens:
             while size is None or tokens.tell() < size:
-                want = UPLOAD_PART_BYTES if size is None else min(UPLOAD_PART_BYTES, size - tokens.tell())
-                if not (data := self.bucket.read(self.bin, at, at + want)[0]):
+                want = KEPT_READ_BYTES if size is None else min(KEPT_READ_BYTES, size - tokens.tell())
+                if not (data := self.out.bucket.read(self.bin, at, at + want)[0]):
                     break
                 tokens.write(data)
                 at += len(data)
         if self.documents is None:
-            raw = self.bucket.get(self.idx)[0]
+            raw = self.out.bucket.get(self.idx)[0]
         else:
             end = (self.doc_start + self.documents) * 8
-            raw = self.bucket.read(self.idx, self.doc_start * 8, end)[0] if self.documents else b""
+            raw = self.out.bucket.read(self.idx, self.doc_start * 8, end)[0] if self.documents else b""
         ends = np.frombuffer(raw, dtype=IDX_DTYPE) - self.start
         mapped = _mapped(tokens.name, self.dtype)
         os.unlink(tokens.name)  # its pages stay while mapped; nothing is left once the upload drops them
         return [mapped], [ends]
-
-
-def keep_parts(out: StoredOut, files: ShardFiles, buffered: dict) -> None:
-    """A done shard's buffered parts (in memory, or Spilled) uploaded whole to its own files' keys (Kept), each
-    .idx then .bin; its checkpoint is the caller's to write after them."""
-    for key, value in buffered.items():
-        tokens, ends = part_arrays(value)
-        bin_path, idx_path = files.part(key)
-        ends = np.concatenate(ends).astype(IDX_DTYPE) if ends else np.zeros(0, IDX_DTYPE)
-        out.bucket.put(out.of_local(idx_path), ends.tobytes())
-        _upload(out.bucket, out.of_local(bin_path), tokens, create=False)
-        if isinstance(value, Spilled):
-            value.remove()
 
 
 def spill_large(parts, spec, shard, files: ShardFiles | None) -> ShardFiles:
@@ -243,51 +223,3 @@ class Gatherer:
         name = self.out.name(self.out.segment(stem, group, segment.names[0]))
         tokens, documents = sum(e.tokens for e in segment.entries), sum(e.documents for e in segment.entries)
         return ClosedSegment(Segment(stem, group, name, segment.entries, tokens, documents), segment.sources)
-
-
-def upload_segment(out: StoredOut, segment: Segment, arrays: list[tuple[list[np.ndarray], list[np.ndarray]]]) -> int:
-    """A segment's objects (.json, .idx, then .bin: the commit), `arrays` its parts' tokens and ends in its order.
-    Returns the bytes uploaded. A segment another attempt committed stands (the same parts, the same bytes)."""
-    tokens, ends, shift = [], [], 0
-    for entry, (part_tokens, part_ends) in zip(segment.entries, arrays, strict=True):
-        if sum(a.size for a in part_tokens) != entry.tokens:
-            raise ValueError(f"{segment.name}: the tokens of {entry.shard}'s part are not the {entry.tokens} counted")
-        tokens += part_tokens
-        ends += [a + shift for a in part_ends] if shift else part_ends
-        shift += entry.tokens
-    bucket, key = out.bucket, out.key(segment.name)
-    bucket.put(f"{key}.json", segment.record())
-    ends = np.concatenate(ends).astype(IDX_DTYPE) if ends else np.zeros(0, IDX_DTYPE)
-    bucket.put(f"{key}.idx", ends.tobytes())
-    try:
-        _upload(bucket, f"{key}.bin", tokens)
-    except Exists:  # another attempt committed this segment: the same parts, the same bytes
-        pass
-    return sum(a.nbytes for a in tokens) + ends.nbytes
-
-
-def _upload(bucket: Bucket, key: str, arrays: list[np.ndarray], create: bool = True) -> None:
-    """The arrays' bytes as one object, create-only where asked: one PUT, or past WHOLE_PUT_BYTES a multipart
-    upload."""
-    views = [memoryview(a).cast("B") for a in arrays if a.nbytes]
-    if sum(len(v) for v in views) <= WHOLE_PUT_BYTES:
-        bucket.put(key, b"".join(views), create=create)
-        return
-    upload = Upload.begin(bucket, key)
-    try:
-        chunk, size = [], 0
-        for view in views:
-            while len(view):
-                take = view[: UPLOAD_PART_BYTES - size]
-                chunk.append(take)
-                size += len(take)
-                view = view[len(take) :]
-                if size == UPLOAD_PART_BYTES:
-                    upload.send(chunk)
-                    chunk, size = [], 0
-        if chunk:
-            upload.send(chunk)
-    except BaseException:
-        upload.abort()
-        raise
-    upload.finish(create=create)

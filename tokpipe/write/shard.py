@@ -27,8 +27,8 @@ from tokpipe.inputs.source import BATCH_BYTES, read_batches
 from tokpipe.inputs.source.batch import SKIP_LOG_CAP, TextBatch, not_json_lines
 from tokpipe.layout.files import PartKey, ShardFiles
 from tokpipe.layout.records import IDX_DTYPE, MAX_GROUPS, Checkpoint, PartCounts
+from tokpipe.layout.stored import on_store
 from tokpipe.layout.tokens import held_out, to_dtype
-from tokpipe.store import is_url
 from tokpipe.write.memory import memory_guard
 from tokpipe.write.segments import Buffered, Spilled, spill_large
 
@@ -214,7 +214,7 @@ def tokenize_shard(
     With OUT on a store they stay in memory but past spec.buffer_bytes its large parts, which go to files of this
     node's (Spilled); a stopped shard is begun again: nothing of it is kept."""
     started = time.monotonic()
-    if is_url(os.fspath(out)):  # OUT on a store (layout/stored.py): the runner's to upload and checkpoint
+    if on_store(out):  # OUT on a store (layout/stored.py): the runner's to upload and checkpoint
         writer = ShardWriter(shard, None, Checkpoint(), spec)
         try:
             writer.run(on_batch, stop)

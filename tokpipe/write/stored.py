@@ -12,16 +12,19 @@ segment when the run stopped) is tokenized again; its parts already in a segment
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 from tokpipe.inputs.manifest import Manifest, Shard
 from tokpipe.layout.files import RECORD, ShardFiles, split_file_stem
-from tokpipe.layout.lease import Lease
-from tokpipe.layout.records import Checkpoint, PartCounts, parts_of, read_parts, record_key
+from tokpipe.layout.records import IDX_DTYPE, Checkpoint, PartCounts, parts_of, read_parts, record_key
 from tokpipe.layout.run import WriteSpec, output_splits, sources
 from tokpipe.layout.stored import StoredOut, part_name
+from tokpipe.store import MIN_PART, Exists, Lease, Upload, compose, put_buffers
 from tokpipe.write.segments import (
     ClosedSegment,
     Entry,
@@ -29,9 +32,7 @@ from tokpipe.write.segments import (
     Kept,
     Segment,
     Spilled,
-    keep_parts,
     part_arrays,
-    upload_segment,
 )
 
 # GETs in flight where a rerun or finalize reads many small objects (segments' .json, checkpoints)
@@ -102,7 +103,7 @@ class HeldParts:
                 continue  # a shard's accounting line alone: its documents are in its groups' parts
             base = self.out.sources + self.out.name(self.out.of_local(self.out.layout.split(stem, group)))
             where = Kept(
-                self.out.bucket, f"{base}.bin", f"{base}.idx", self.dtype, part.token_offset, part.tokens,
+                self.out, f"{base}.bin", f"{base}.idx", self.dtype, part.token_offset, part.tokens,
                 part.doc_offset, part.documents,
             )  # fmt: skip
             counts = PartCounts(held, group, part.tokens, part.documents)
@@ -129,7 +130,7 @@ class StoreAssembly:
     spec: WriteSpec
     manifest: Manifest
     itemsize: int
-    lease: Lease | None = None  # the run's hold on OUT (layout/lease.py): checked before each checkpoint and meta
+    lease: Lease | None = None  # the run's hold on OUT (store/lease.py): checked before each checkpoint and meta
     done_keys: set[str] = field(default_factory=set)  # keys of the done checkpoints
     committed: set[tuple] = field(default_factory=set)  # Entry.key of every part in a committed segment
     made: dict[tuple, list[Segment]] = field(default_factory=dict)  # (stem, group) -> its committed segments
@@ -275,8 +276,29 @@ class StoreAssembly:
             self.commit([planned.segment])
 
 
+def upload_segment(out: StoredOut, segment: Segment, arrays: list[tuple[list[np.ndarray], list[np.ndarray]]]) -> int:
+    """A segment's objects (.json, .idx, then .bin: the commit), `arrays` its parts' tokens and ends in its order.
+    Returns the bytes uploaded. A segment another attempt committed stands (the same parts, the same bytes)."""
+    tokens, ends, shift = [], [], 0
+    for entry, (part_tokens, part_ends) in zip(segment.entries, arrays, strict=True):
+        if sum(a.size for a in part_tokens) != entry.tokens:
+            raise ValueError(f"{segment.name}: the tokens of {entry.shard}'s part are not the {entry.tokens} counted")
+        tokens += part_tokens
+        ends += [a + shift for a in part_ends] if shift else part_ends
+        shift += entry.tokens
+    bucket, key = out.bucket, out.key(segment.name)
+    bucket.put(f"{key}.json", segment.record())
+    ends = np.concatenate(ends).astype(IDX_DTYPE) if ends else np.zeros(0, IDX_DTYPE)
+    bucket.put(f"{key}.idx", ends.tobytes())
+    try:
+        put_buffers(bucket, f"{key}.bin", tokens)
+    except Exists:  # another attempt committed this segment: the same parts, the same bytes
+        pass
+    return sum(a.nbytes for a in tokens) + ends.nbytes
+
+
 def upload_closed(out: StoredOut, planned: ClosedSegment) -> int:
-    """A segment uploaded by this process (segments.upload_segment), its parts' tokens where its steps say they are
+    """A segment uploaded by this process (upload_segment), its parts' tokens where its steps say they are
     here; a large part's files of this node's (Spilled) removed once it is up. Returns the bytes sent."""
     uploaded = upload_segment(out, planned.segment, [step.arrays() for step in planned.sources])
     for step in planned.sources:
@@ -293,11 +315,72 @@ def kept(out: StoredOut, shard: Shard, dtype: str) -> tuple[Checkpoint, dict]:
     """A shard `keep` kept: its checkpoint, and where each of its parts is (segments.Kept)."""
     ckpt = stored_checkpoint(out, shard)
     files = ShardFiles.of(out.work, shard)
-    return ckpt, {p.key: Kept(out.bucket, *(out.of_local(f) for f in files.part(p.key)), dtype) for p in ckpt.parts}
+    return ckpt, {p.key: Kept(out, *(out.of_local(f) for f in files.part(p.key)), dtype) for p in ckpt.parts}
 
 
 def keep(out: StoredOut, shard: Shard, ckpt: Checkpoint, buffered: dict) -> None:
-    """shard.keep on a store: a done shard's buffered parts uploaded to its own files' keys (segments.Kept), then its
-    checkpoint: the rerun takes them into its segments instead of tokenizing the shard again."""
-    keep_parts(out, ShardFiles.of(out.work, shard), buffered)
+    """shard.keep on a store: a done shard's buffered parts (in memory, or Spilled) uploaded whole to its own files'
+    keys (segments.Kept), each .idx then .bin, then its checkpoint: the rerun takes them into its segments instead of
+    tokenizing the shard again."""
+    files = ShardFiles.of(out.work, shard)
+    for key, value in buffered.items():
+        tokens, ends = part_arrays(value)
+        bin_path, idx_path = files.part(key)
+        ends = np.concatenate(ends).astype(IDX_DTYPE) if ends else np.zeros(0, IDX_DTYPE)
+        out.bucket.put(out.of_local(idx_path), ends.tobytes())
+        put_buffers(out.bucket, out.of_local(bin_path), tokens, create=False)
+        if isinstance(value, Spilled):
+            value.remove()
     out.bucket.put(out.checkpoint(shard), json.dumps(asdict(ckpt)).encode())
+
+
+def compose_split(assembly: StoreAssembly, stem: str) -> None:
+    """A split's files (its groups', --group-by), each from its segments in the order of their first parts."""
+    files = {group: segments for (of, group), segments in assembly.made.items() if of == stem}
+    if assembly.spec.group_by is None:
+        files.setdefault(None, [])  # a split of no part (every shard left out): an empty file, as on disk
+    walk = sources(assembly.manifest, stem, assembly.spec.val_fraction)
+    order = {(shard.relpath, held): n for n, (shard, held) in enumerate(walk)}
+    for group, segments in files.items():
+        segments.sort(key=lambda segment: order[segment.entries[0].shard, segment.entries[0].held])
+        _compose(assembly, stem, group, segments)
+
+
+def _compose(assembly: StoreAssembly, stem: str, group: str | None, segments: list[Segment]) -> None:
+    """A split file (or its group's) from its segments, on the server; its .idx from theirs, each shifted."""
+    bucket, out, itemsize = assembly.out.bucket, assembly.out, assembly.itemsize
+    base = out.of_local(out.layout.split(stem, group))
+    compose(bucket, f"{base}.bin", [(out.key(p.name) + ".bin", 0, p.tokens * itemsize) for p in segments])
+    upload, chunk, size, shift = None, [], 0, 0
+
+    def idx(segment: Segment) -> bytes:
+        return bucket.get(out.key(segment.name) + ".idx")[0]
+
+    with ThreadPoolExecutor(REQUESTS_AT_ONCE) as pool:
+        for segment, raw in zip(segments, _ahead(pool, idx, segments)):
+            ends = np.frombuffer(raw, dtype=IDX_DTYPE) + shift
+            shift += segment.tokens
+            chunk.append(ends.tobytes())
+            size += ends.nbytes
+            if size >= MIN_PART:
+                upload = upload or Upload.begin(bucket, f"{base}.idx")
+                upload.send(chunk)
+                chunk, size = [], 0
+    if upload is None:
+        bucket.put(f"{base}.idx", b"".join(chunk))
+    else:
+        if chunk:
+            upload.send(chunk)
+        upload.finish(create=False)
+
+
+def _ahead(pool: ThreadPoolExecutor, fn, items: list) -> Iterator:
+    """fn(item) for each item, in order, REQUESTS_AT_ONCE * 4 of them asked ahead: a request's latency hidden, never
+    every answer held at once (a split's 60,000 segments' .idx: its whole index)."""
+    asked: deque = deque()
+    for item in items:
+        asked.append(pool.submit(fn, item))
+        if len(asked) > REQUESTS_AT_ONCE * 4:
+            yield asked.popleft().result()
+    while asked:
+        yield asked.popleft().result()

@@ -4,8 +4,9 @@ The format is sniffed from the file's first bytes, never trusted from its name (
 be plain JSONL): zstd, gzip or plain JSONL (jsonl.py), or Parquet (parquet.py). Both report through
 batch.py, the one place where a line becomes a document, a counted skip or a counted repair.
 
-A shard's path is a local path or an s3:// URL (tokpipe/store/reader.py opens either); `etag`, the ETag the manifest
-recorded of a shard on a store, goes with every read of it.
+A shard's path is a local path or an s3:// URL, opened here alone (store.open_read opens either) and handed to the
+format's reader; `etag`, the ETag the manifest recorded of a shard on a store, goes with every read of it. Parquet is
+read by ranges where its footer says (no read-ahead on a store), JSON Lines from start to end.
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ def fields_of(path: str, etag: str | None = None) -> Counter:
     """The fields documents of this shard have, each weighted by how much text it holds in the first
     lines (JSONL), or the columns (Parquet, string columns weighing more): what --text-field can name."""
     kind = format_of(path, etag)
-    if kind == "parquet":
-        from tokpipe.inputs.source.parquet import parquet_fields
+    with open_read(path, etag, ahead=0 if kind == "parquet" else None) as raw:
+        if kind == "parquet":
+            from tokpipe.inputs.source.parquet import parquet_fields
 
-        return parquet_fields(path, etag)
-    return jsonl_fields(path, kind, etag=etag)
+            return parquet_fields(raw, path)
+        return jsonl_fields(raw, path, kind)
 
 
 def read_batches(
@@ -61,11 +63,11 @@ def read_batches(
     TextBatch.frame). With `group_by` (a dotted path into a JSON line, or a Parquet column or a struct column's
     field by dot), each batch says each document's group."""
     kind = format_of(path, etag)
-    if kind == "parquet":
-        from tokpipe.inputs.source.parquet import read_parquet_batches  # pyarrow is imported only where Parquet is read
+    with open_read(path, etag, ahead=0 if kind == "parquet" else None) as raw:
+        if kind == "parquet":
+            from tokpipe.inputs.source.parquet import read_parquet_batches  # pyarrow imported only where Parquet is
 
-        yield from read_parquet_batches(path, text_field, start_line, batch_bytes, max_line_bytes, group_by, etag)
-    else:
-        yield from read_jsonl_batches(
-            path, kind, text_field, start_line, start_offset, batch_bytes, max_line_bytes, group_by, etag, start_frame
-        )
+            yield from read_parquet_batches(raw, path, text_field, start_line, batch_bytes, max_line_bytes, group_by)
+        else:
+            start = (start_line, start_offset, start_frame)
+            yield from read_jsonl_batches(raw, path, kind, text_field, *start, batch_bytes, max_line_bytes, group_by)

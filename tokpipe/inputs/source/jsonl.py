@@ -29,7 +29,6 @@ import zstandard
 
 from tokpipe.errors import SourceError
 from tokpipe.inputs.source.batch import TextBatch, decode_utf8, field_at, group_value
-from tokpipe.store import open_read
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 # A zstd skippable frame's magic is 0x184D2A50..0x184D2A5F, little-endian: these three bytes after 0x50..0x5F.
@@ -103,24 +102,23 @@ def _plain_blocks(raw, path: str, start: int, block_bytes: int) -> Iterator[tupl
 
 
 def decompressed_blocks(
-    path: str, kind: str, block_bytes: int = BLOCK, etag: str | None = None, start: tuple[int, int] = (0, 0)
+    raw, path: str, kind: str, block_bytes: int = BLOCK, start: tuple[int, int] = (0, 0)
 ) -> Iterator[tuple[bytes, int, tuple[int, int]]]:
     """The shard's decompressed bytes in pieces of at most block_bytes, each with the bytes of the file read so far
     and where its zstd frame began (in the file, in the text; (0, 0) for the other formats). `kind`: its compression,
     as tokpipe.inputs.source.format_of sniffed it (zstd, gzip or none). From `start`, a place in the file where
     reading may begin, and the decompressed bytes before it: a frame's of zstd, a byte offset of plain JSONL, (0, 0)
-    for gzip. `etag`: of a shard on a store, which every read asks for (store.Reader)."""
-    with open_read(path, etag) as raw:
-        if kind == "zstd":
-            raw.seek(start[0])
-            blocks = _zstd_blocks(raw, path, start)
-        elif kind == "gzip":
-            blocks = _gzip_blocks(raw, path)
-        else:
-            blocks = _plain_blocks(raw, path, start[0], block_bytes)
-        for block, frame in blocks:
-            for at in range(0, len(block), block_bytes):  # only a very compressible zstd block is cut
-                yield block[at : at + block_bytes] if len(block) > block_bytes else block, raw.tell(), frame
+    for gzip. `raw`: the shard's bytes, opened (tokpipe.inputs.source: a file, or a Reader of an object)."""
+    if kind == "zstd":
+        raw.seek(start[0])
+        blocks = _zstd_blocks(raw, path, start)
+    elif kind == "gzip":
+        blocks = _gzip_blocks(raw, path)
+    else:
+        blocks = _plain_blocks(raw, path, start[0], block_bytes)
+    for block, frame in blocks:
+        for at in range(0, len(block), block_bytes):  # only a very compressible zstd block is cut
+            yield block[at : at + block_bytes] if len(block) > block_bytes else block, raw.tell(), frame
 
 
 def _from_offset(
@@ -225,10 +223,10 @@ def _parse(lines: list, first_line_no: int, text_field: str, batch: TextBatch, g
             group(group_value(field_at(obj, group_by)))
 
 
-def jsonl_fields(path: str, kind: str, sample_bytes: int = 1 << 20, etag: str | None = None) -> Counter:
+def jsonl_fields(raw, path: str, kind: str, sample_bytes: int = 1 << 20) -> Counter:
     """Keys of the JSON objects in the first `sample_bytes` of the shard, by the characters of text they hold."""
     fields = Counter()
-    for lines, *_ in _lines(decompressed_blocks(path, kind, sample_bytes, etag), sample_bytes):
+    for lines, *_ in _lines(decompressed_blocks(raw, path, kind, sample_bytes), sample_bytes):
         for line in lines[:-1] if len(lines) > 1 else lines:  # the last may be cut by the sample's end
             try:
                 obj = orjson.loads(line)
@@ -241,21 +239,21 @@ def jsonl_fields(path: str, kind: str, sample_bytes: int = 1 << 20, etag: str | 
 
 
 def read_jsonl_batches(
+    raw,
     path: str,
     kind: str,
     text_field: str,
     start_line: int,
     start_offset: int,
+    start_frame: tuple[int, int],
     batch_bytes: int,
     max_line_bytes: int,
     group_by: str | None = None,
-    etag: str | None = None,
-    start_frame: tuple[int, int] = (0, 0),
 ) -> Iterator[TextBatch]:
     """Batches of about `batch_bytes` of input, resuming after `start_line` lines / `start_offset` bytes; a zstd
     shard from `start_frame`, where the frame that offset is in begins (a checkpoint's; (0, 0): from the start)."""
     start = (start_offset, start_offset) if kind == "none" else start_frame if kind == "zstd" else (0, 0)
-    blocks = decompressed_blocks(path, kind, min(BLOCK, batch_bytes), etag, start)
+    blocks = decompressed_blocks(raw, path, kind, min(BLOCK, batch_bytes), start)
     line_no, offset = start_line, start_offset
     batch = TextBatch([], 0, offset, 0, 0)
     for lines, consumed, source_pos, frame in _lines(

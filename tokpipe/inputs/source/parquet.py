@@ -22,7 +22,6 @@ ranged GET; the columns it skips and the row groups before a resume's are never 
 from __future__ import annotations
 
 import io
-import os
 from collections import Counter
 from collections.abc import Iterator
 
@@ -32,7 +31,6 @@ import pyarrow.parquet as pq
 
 from tokpipe.errors import SourceError, Unavailable
 from tokpipe.inputs.source.batch import MISSING_GROUP, TextBatch, decode_utf8, group_value
-from tokpipe.store import is_url, open_read
 
 PIECE_BYTES = 1 << 20  # about this much of a row group is decoded at a time
 TEXT_TYPES = (pa.string(), pa.large_string(), pa.binary(), pa.large_binary())
@@ -45,10 +43,9 @@ def _one_line(error: Exception) -> str:
     return " ".join(str(error).split())
 
 
-def _open(path: str, etag: str | None = None) -> tuple[pq.ParquetFile, int]:
-    """The file with its footer read, and its size; its bytes from the local path, or from the store by ranged GETs
-    (each If-Match etag)."""
-    source = open_read(path, etag, ahead=0) if is_url(path) else path
+def _open(source, path: str) -> tuple[pq.ParquetFile, int]:
+    """The file with its footer read, and its size. `source`: its bytes, opened (tokpipe.inputs.source: a file, or an
+    object read by ranged GETs)."""
     try:
         parquet = pq.ParquetFile(source, page_checksum_verification=True)
     except Unavailable:  # the store's failure, not the file's: the run stops, resumable
@@ -58,7 +55,7 @@ def _open(path: str, etag: str | None = None) -> tuple[pq.ParquetFile, int]:
             f"{path}: not a complete Parquet file, its footer is missing or broken (truncated download?): "
             f"{_one_line(e)}"
         ) from None
-    return parquet, source.seek(0, io.SEEK_END) if is_url(path) else os.path.getsize(path)
+    return parquet, source.seek(0, io.SEEK_END)
 
 
 def _pieces(
@@ -159,8 +156,8 @@ def _parse(
     batch.text_bytes += sum(sizes)
 
 
-def parquet_fields(path: str, etag: str | None = None) -> Counter:
-    parquet, _ = _open(path, etag)
+def parquet_fields(source, path: str) -> Counter:
+    parquet, _ = _open(source, path)
     with parquet:
         return Counter(
             {f.name: 2 if f.type in TEXT_TYPES or str(f.type) in VIEW_TYPES else 1 for f in parquet.schema_arrow}
@@ -168,17 +165,17 @@ def parquet_fields(path: str, etag: str | None = None) -> Counter:
 
 
 def read_parquet_batches(
+    source,
     path: str,
     text_field: str,
     start_line: int,
     batch_bytes: int,
     max_text_bytes: int,
     group_by: str | None = None,
-    etag: str | None = None,
 ) -> Iterator[TextBatch]:
     """Batches of about `batch_bytes` of text, resuming after `start_line` rows (a checkpoint's offset
     is the same number)."""
-    parquet, size = _open(path, etag)
+    parquet, size = _open(source, path)
     with parquet:
         columns = parquet.schema_arrow.names
         if text_field not in columns:

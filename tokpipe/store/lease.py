@@ -1,5 +1,5 @@
-"""OUT's lock on an object store: a lease. A store has no flock, and a run killed with kill -9 (or a lost node,
-a preempted machine) never unlocks: the lock must end by itself.
+"""OUT's lock on an object store: a lease (on the key layout/stored.py names: StoredOut.lease). A store has no
+flock, and a run killed with kill -9 (or a lost node, a preempted machine) never unlocks: the lock must end by itself.
 
 OUT/.lock is made only where there is none (`If-None-Match: *`), holding who holds it and when it last said so;
 the live run says so again every `seconds / 3` (a PUT `If-Match` its ETag: a run whose lease was taken learns it
@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from tokpipe.errors import UserError
-from tokpipe.store import Bucket, Exists
+from tokpipe.store.bucket import Bucket, Exists
 
 LEASE_SECONDS = 60.0
 # Clocks of two machines may disagree by this much: a lease is taken over only once it is this far past its end.

@@ -1,4 +1,4 @@
-"""layout/lease: OUT's lock on an object store, a lease on the real S3 server of the session (SeaweedFS). One run
+"""store/lease: OUT's lock on an object store, a lease on the real S3 server of the session (SeaweedFS). One run
 holds it; another is refused in one line while it is live; it is taken over once it has expired, or at once when
 its holder is a process of this machine that is gone (a kill -9); of two runs taking it at once one wins; a run
 whose lease was taken learns it at its next renewal; the end removes it."""
@@ -15,9 +15,7 @@ import pytest
 from helpers import wait_for
 
 from tokpipe.errors import UserError
-from tokpipe.layout import lease
-from tokpipe.layout.lease import Lease
-from tokpipe.store import Bucket, Url
+from tokpipe.store import Bucket, Lease, Url, lease
 
 
 def _lease(s3_server, s3_prefix, seconds=60.0) -> Lease:
@@ -76,7 +74,7 @@ def test_a_lease_is_renewed_while_held_and_taken_over_once_it_has_expired(s3_ser
 def test_a_lease_held_by_a_process_of_this_machine_that_is_gone_is_taken_at_once(s3_server, s3_prefix):
     # A run killed with kill -9: its lease lives on for a minute, but its process is gone.
     code = (
-        "import sys; from tokpipe.layout.lease import Lease; from tokpipe.store import Bucket, Url\n"
+        "import sys; from tokpipe.store import Lease; from tokpipe.store import Bucket, Url\n"
         f"Lease(Bucket.of(Url.parse('s3://{s3_server.bucket}/')), '{s3_prefix}/out/.lock').acquire()\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
