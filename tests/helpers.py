@@ -582,6 +582,9 @@ class RayNodes:
         self.temp = tempfile.mkdtemp(prefix="tpnodes-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
         self.address = f"127.0.0.1:{random.randint(*RAY_HEAD_PORTS)}"
         self.env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_AUTH_MODE": "disabled"}
+        # A lost node found dead in ~1.5 s, not Ray's 15 (5 failed checks 3 s apart): the suite's node tests waited
+        # on that. A check's timeout stays 10 s, so a node busy on a loaded machine is never taken for lost.
+        self.env |= {"RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "3"}
         self.site = tmp_path / "lose-node-site"
         self.sessions: list[int] = []
 
