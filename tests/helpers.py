@@ -1166,16 +1166,28 @@ cli.main(sys.argv[6:])
 
 
 def store_out_run(
-    manifest, url: str, *extra, whole_put=64 << 20, driver_shards=0, kill=("", 0), server: S3Server | None = None
+    manifest,
+    url: str,
+    *extra,
+    whole_put=64 << 20,
+    driver_shards=0,
+    kill=("", 0),
+    server: S3Server | None = None,
+    tokenizer=QWEN3,
 ) -> subprocess.CompletedProcess:
     """`tokpipe run` (run_args) into `url` as STORE_OUT_RUN runs it; `kill`: (module.function, n) to SIGKILL it at
     the n-th call, or with `server`, to SIGKILL that S3 server, which is then started again on its data."""
-    args = [whole_put, driver_shards, *kill, server.proc.pid if server else 0, *run_args(manifest, url, *extra)]
+    cli_args = run_args(manifest, url, *extra, tokenizer=tokenizer)
+    args = [whole_put, driver_shards, *kill, server.proc.pid if server else 0, *cli_args]
     command = [sys.executable, "-c", STORE_OUT_RUN, *map(str, args)]
-    if server is None:
-        return subprocess.run(command, capture_output=True, text=True)
-    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    server.proc.wait()  # killed by the run
+    if server is None:  # unbuffered (_env): what a run killed said is what it printed
+        return subprocess.run(command, capture_output=True, text=True, env=_env(None))
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(None))
+    while server.proc.poll() is None:  # until the run kills it; a run that ended first fails the test, with its output
+        if run.poll() is not None:
+            said = run.stderr.read()
+            raise AssertionError(f"the run ended (exit {run.returncode}) before it killed the server:\n{said}")
+        time.sleep(0.05)
     server.proc = None
     server.launch()
     stdout, stderr = run.communicate()

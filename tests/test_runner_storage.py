@@ -22,6 +22,7 @@ from helpers import (
     KILL_WORKER_SITE,
     QWEN3,
     QWEN3_EOS,
+    cli,
     held_out,
     kill_9,
     open_uploads,
@@ -54,9 +55,11 @@ def _ends(tokens: np.ndarray, eos: int = QWEN3_EOS) -> np.ndarray:
 
 
 def _assert_split(objects: dict[str, bytes], stem: str, expected: np.ndarray) -> None:
-    tokens = np.frombuffer(objects[f"{stem}.bin"], dtype=np.uint32)
+    """A split file and its index: the reference's tokens (in its dtype: Qwen3's uint32, the small tokenizer's uint16),
+    and each document's end, after its EOS (the reference's last token)."""
+    tokens = np.frombuffer(objects[f"{stem}.bin"], dtype=expected.dtype)
     assert np.array_equal(tokens, expected), f"{stem}.bin differs from the reference"
-    assert np.array_equal(np.frombuffer(objects[f"{stem}.idx"], dtype=np.int64), _ends(expected))
+    assert np.array_equal(np.frombuffer(objects[f"{stem}.idx"], dtype=np.int64), _ends(expected, expected[-1]))
 
 
 def _finished_names(objects: dict[str, bytes]) -> set[str]:
@@ -107,74 +110,60 @@ def repeated(tmp_path) -> tuple[Path, dict[str, np.ndarray]]:
     return path, repeated_reference(COPIES)
 
 
-def test_a_kill_9_between_segments_then_the_same_command_keeps_what_was_committed(s3_server, s3_prefix, repeated):
-    manifest, reference = repeated
-    url = s3_server.url(s3_prefix)
-    # At the third segment's commit (train's last): the first two are committed, their 8 shards checkpointed.
-    killed = store_out_run(manifest, url, kill=("tokpipe.write.segments.Segment.record", 3))
-    assert killed.returncode == -9, killed.stdout + killed.stderr
-    left = stored_objects(s3_server, s3_prefix)
-    assert "meta.json" not in left
-    assert sorted(name for name in left if name.startswith(("shards/", "segments/"))) == [
-        *(f"segments/train/train__part-{n:02d}.{suffix}" for n in (0, 4) for suffix in ("bin", "idx", "json")),
-        *(f"shards/train/train__part-{n:02d}.json" for n in range(8)),
-    ]
-    rerun = store_out_run(manifest, url)
-    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    assert f"{COPIES + 1} shards, 3.4 MiB; 8 done, 0 partial, 2 to start" in rerun.stdout
-    _assert_finished_as(s3_server, s3_prefix, reference)
+# Every moment of a run into a store that a kill -9 lands at, in the order a run comes to them: each the n-th call of a
+# function (module.function or module.Class.method, where the call looks it up), before it runs. Its segments over
+# 1 MiB are multipart uploads. After each, the same command resumes and is killed at the next.
+KILLED_AT = {
+    "the lease taken, the run not yet recorded": ("tokpipe.runner.storage.record_run", 1),
+    "inside a segment: its .json and .idx up, its .bin's upload open": ("tokpipe.store.upload.Upload.finish", 1),
+    "a segment committed, its shards not yet checkpointed": ("tokpipe.write.stored.StoreAssembly.commit", 1),
+    "in finalize, before the parts lists": ("tokpipe.write.finalize._parts_list", 1),
+    "train.bin composed, val.bin not": ("tokpipe.write.stored._compose", 2),
+    "the split files made, meta not": ("tokpipe.write.finalize.meta_of", 1),
+    "meta.json written, the segments not yet removed": ("tokpipe.store.bucket.Bucket.delete_many", 1),
+    "the rerun removing what that finish left": ("tokpipe.store.bucket.Bucket.delete_many", 1),
+    "the logs uploaded at the end": ("tokpipe.layout.stored.StoredOut.upload_logs", 1),
+}
 
 
-def test_a_kill_9_inside_a_segment_leaves_it_uncommitted_and_the_rerun_removes_it(s3_server, s3_prefix, repeated):
-    manifest, reference = repeated
+def test_a_kill_9_at_every_moment_of_a_run_into_a_store_then_the_same_command_is_the_reference(
+    s3_server, s3_prefix, manifest, small_tokenizer, small_reference
+):
     url = s3_server.url(s3_prefix)
-    # Segments over 1 MiB are multipart uploads: killed as the first one completes, its upload is left open, and its
-    # .json and .idx lie there without the .bin that commits them.
-    killed = store_out_run(manifest, url, whole_put=1 << 20, kill=("tokpipe.store.upload.Upload.finish", 1))
-    assert killed.returncode == -9, killed.stdout + killed.stderr
-    segment = "segments/train/train__part-00"
-    # and the lease of the run killed, which the rerun takes over at once: its holder is gone from this machine
-    left = set(stored_objects(s3_server, s3_prefix))
+    found = {}
+    for moment, kill in KILLED_AT.items():
+        killed = store_out_run(manifest, url, whole_put=1 << 20, kill=kill, tokenizer=small_tokenizer)
+        assert killed.returncode == -9, f"{moment}: {killed.stdout}{killed.stderr}"
+        objects, uploads = stored_objects(s3_server, s3_prefix), open_uploads(s3_server, s3_prefix)
+        found[moment] = (killed.stdout, set(objects), uploads, cli("status", url).stdout.splitlines())
+    # What each kill left, as the next run found it.
+    segment = "segments/train/train__chunk1__example_train_0"
+    _, left, uploads, _ = found["inside a segment: its .json and .idx up, its .bin's upload open"]
     assert left == {".lock", "run.json", "manifest.json", f"{segment}.json", f"{segment}.idx"}
-    assert open_uploads(s3_server, s3_prefix) == [f"{s3_prefix}/{segment}.bin"]
-    rerun = store_out_run(manifest, url, whole_put=1 << 20)
-    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    _assert_finished_as(s3_server, s3_prefix, reference)
-
-
-def test_a_kill_9_in_finalize_then_the_same_command_finalizes_again(s3_server, s3_prefix, manifest, example_reference):
-    url = s3_server.url(s3_prefix)
-    # As val.bin is composed: train.bin, .idx and .parts are made, meta.json is not.
-    killed = store_out_run(manifest, url, kill=("tokpipe.write.finalize._compose", 2))
-    assert killed.returncode == -9, killed.stdout + killed.stderr
-    assert {"train.bin", "train.idx", "train.parts"} <= set(stored_objects(s3_server, s3_prefix))
-    rerun = store_out_run(manifest, url)
-    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    assert "3 shards, 1.1 MiB; 3 done, 0 partial, 0 to start" in rerun.stdout
-    _assert_finished_as(s3_server, s3_prefix, example_reference)
-
-
-def test_a_kill_9_after_meta_json_leaves_segments_status_shows_and_the_rerun_removes(s3_server, s3_prefix, manifest):
-    url = s3_server.url(s3_prefix)
-    killed = store_out_run(manifest, url, kill=("tokpipe.store.bucket.Bucket.delete_many", 1))  # the segments' removal
-    assert killed.returncode == -9, killed.stdout + killed.stderr
-    left = [name for name in stored_objects(s3_server, s3_prefix) if name.startswith("segments/")]
-    assert len(left) == 6  # train.bin's and val.bin's segment, each its .bin, .idx and .json
-    status = tokpipe("status", url)
-    assert status.returncode == 0, status.stderr
-    assert status.stdout.splitlines()[:2] == [
-        f"{url}: finished",
-        f"LEFT OVER: 6 objects under {url} that a finish killed after meta.json left (a second copy of tokens,"
-        " segments/ or kept parts): the run's command removes them",
-    ]
-    rerun = store_out_run(manifest, url)
-    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    assert rerun.stdout.splitlines()[-2:] == [
+    assert uploads == [f"{s3_prefix}/{segment}.bin"]
+    _, left, _, _ = found["a segment committed, its shards not yet checkpointed"]
+    assert left == {".lock", "run.json", "manifest.json", f"{segment}.json", f"{segment}.idx", f"{segment}.bin"}
+    said, left, _, _ = found["train.bin composed, val.bin not"]
+    assert "3 shards, 1.1 MiB; 3 done, 0 partial, 0 to start" in said  # none tokenized again
+    assert {"train.bin", "train.idx", "train.parts"} <= left and not {"val.bin", "meta.json"} & left
+    for moment in ("meta.json written, the segments not yet removed", "the rerun removing what that finish left"):
+        _, left, _, status = found[moment]
+        assert len([name for name in left if name.startswith("segments/")]) == 6, moment  # 2 segments' 3 objects
+        assert status[:2] == [
+            f"{url}: finished",
+            f"LEFT OVER: 6 objects under {url} that a finish killed after meta.json left (a second copy of tokens,"
+            " segments/ or kept parts): the run's command removes them",
+        ]
+    said, _, _, status = found["the logs uploaded at the end"]
+    assert said.splitlines()[-2:] == [
         f"removed 6 objects that a finish killed after meta.json left under {url}",
         f"{url} is already finished ({url}/meta.json); nothing to do. Check it with: tokpipe verify {url}",
     ]
-    assert _finished_names(stored_objects(s3_server, s3_prefix)) == FINISHED
-    assert tokpipe("status", url).stdout.splitlines()[1].startswith("shards: 3 done")
+    assert status[1] == "shards: 3 done, 0 partial, 0 pending, 0 failed (of 3)"
+    rerun = store_out_run(manifest, url, whole_put=1 << 20, tokenizer=small_tokenizer)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert rerun.stdout.splitlines()[-1].startswith(f"{url} is already finished")
+    _assert_finished_as(s3_server, s3_prefix, small_reference)
 
 
 def _example_and_its_first_train_shard_added(tmp_path: Path):
@@ -225,7 +214,7 @@ def test_an_append_killed_at_any_moment_then_the_same_command_is_one_run_over_al
 def test_an_append_to_an_unfinished_out_on_a_store_is_refused_in_one_line(s3_server, s3_prefix, tmp_path):
     before, after = _example_and_its_first_train_shard_added(tmp_path)
     url = s3_server.url(s3_prefix)
-    killed = store_out_run(before, url, kill=("tokpipe.write.finalize._compose_split", 1))
+    killed = store_out_run(before, url, kill=("tokpipe.write.finalize.compose_split", 1))
     assert killed.returncode == -9, killed.stdout + killed.stderr
     after()
     refused = tokpipe(*run_args(tmp_path / "after.json", url))
@@ -241,7 +230,7 @@ def test_the_store_killed_mid_upload_and_started_again_is_waited_for(s3_server, 
     url = s3_server.url(s3_prefix)
     # At the second segment's .bin (its .json and .idx sent): the server killed, then started again on its data;
     # the PUT is retried with backoff (botocore's standard mode) until it answers.
-    run = store_out_run(manifest, url, kill=("tokpipe.write.segments._upload", 2), server=s3_server)
+    run = store_out_run(manifest, url, kill=("tokpipe.write.stored.put_buffers", 2), server=s3_server)
     assert run.returncode == 0, run.stdout + run.stderr
     _assert_finished_as(s3_server, s3_prefix, reference)
 
@@ -353,7 +342,7 @@ def test_a_segment_not_committed_before_one_that_is_is_made_again_with_the_same_
     # gathers their parts from the same first part into the same segment.
     manifest, reference = _mixed(tmp_path, [4, 1, 1, 4, 4, 1])
     url = s3_server.url(s3_prefix)
-    killed = store_out_run(manifest, url, kill=("tokpipe.write.finalize._compose_split", 1))
+    killed = store_out_run(manifest, url, kill=("tokpipe.write.finalize.compose_split", 1))
     assert killed.returncode == -9, killed.stdout + killed.stderr
     left = stored_objects(s3_server, s3_prefix)
     segments = sorted(n for n in left if n.startswith("segments/") and n.endswith(".bin"))
