@@ -66,6 +66,7 @@ def _axis(ax, which: str = "x", log: bool = False) -> None:
 
 
 def _svg(fig) -> str:
+    fig.tight_layout()
     buf = io.StringIO()
     fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
     _plt().close(fig)
@@ -98,7 +99,6 @@ def lengths(found: list[Lengths]) -> str:
         ax.set_title(f"{L.split}: {L.documents:,} documents{sampled}")
         ax.set_xlabel("tokens per document (log scale)")
         ax.set_ylabel("documents")
-    fig.tight_layout()
     return _svg(fig)
 
 
@@ -145,9 +145,8 @@ def shards(S: Shards) -> str:
                 linewidths=0,
                 rasterized=True,
             )
-            marked = [
-                i for i, c in enumerate(colours) if c in (RED, ORANGE)
-            ]  # outliers, failed, partial: drawn larger, on top
+            # outliers, failed, partial: drawn larger, on top
+            marked = [i for i, c in enumerate(colours) if c in (RED, ORANGE)]
             if marked and title != "lines skipped":
                 ax.scatter(
                     x[marked], values[marked], s=14, c=[colours[i] for i in marked], linewidths=0, rasterized=True
@@ -157,7 +156,6 @@ def shards(S: Shards) -> str:
             ax.set_ylabel(title, fontsize=9)
             _axis(ax, "y")
         axes[-1].set_xlabel(f"shard, in manifest order ({len(rows):,} shards: every shard drawn)")
-    fig.tight_layout()
     return _svg(fig)
 
 
@@ -190,6 +188,11 @@ def throughput(series: list[dict], state: str) -> str:
     t0 = min(x["t"] for x in series)
     span = max(x["t"] for x in series) - t0
     unit, scale = ("hours", 3600) if span > 3 * 3600 else ("minutes", 60) if span > 180 else ("seconds", 1)
+
+    def at(t):  # a time on the x axis
+        return (t - t0) / scale
+
+    corner = {"xycoords": ("data", "axes fraction"), "textcoords": "offset points", "va": "top", "fontsize": 8.5}
     fig, axes = plt.subplots(3, 1, figsize=(WIDTH, 6.2), sharex=True, gridspec_kw={"height_ratios": [3, 3, 2]})
     tried = attempts(series)
     for a in tried:
@@ -202,53 +205,32 @@ def throughput(series: list[dict], state: str) -> str:
         for (start, phase), nxt in zip(marks, [m[0] for m in marks[1:]] + [end]):
             if phase in PHASE_COLOURS and nxt > start:
                 for ax in axes:
-                    ax.axvspan(
-                        (start - t0) / scale, (nxt - t0) / scale, color=PHASE_COLOURS[phase], zorder=0, linewidth=0
-                    )
+                    ax.axvspan(at(start), at(nxt), color=PHASE_COLOURS[phase], zorder=0, linewidth=0)
         if len(tried) > 1:
             for ax in axes:
-                ax.axvline((marks[0][0] - t0) / scale, color="#555", linestyle="--", linewidth=0.9)
-            axes[0].annotate(
-                f"attempt {a}",
-                ((marks[0][0] - t0) / scale, 1),
-                xycoords=("data", "axes fraction"),
-                xytext=(3, -2),
-                textcoords="offset points",
-                va="top",
-                fontsize=8.5,
-                color="#333",
-            )
+                ax.axvline(at(marks[0][0]), color="#555", linestyle="--", linewidth=0.9)
+            axes[0].annotate(f"attempt {a}", (at(marks[0][0]), 1), xytext=(3, -2), color="#333", **corner)
         ended = {p for _, p in marks} & {"failed", "finished"}
         live = a == tried[-1] and state == "running"
         if not ended and not live:
             ended = {"stopped (killed?)"}
         if ended - {"finished"}:
             what = (ended - {"finished"}).pop()
-            axes[0].annotate(
-                what,
-                ((end - t0) / scale, 1),
-                xycoords=("data", "axes fraction"),
-                xytext=(-3, -2),
-                textcoords="offset points",
-                ha="right",
-                va="top",
-                color=RED if what == "failed" else "#555",
-                fontsize=8.5,
-            )
+            colour = RED if what == "failed" else "#555"
+            axes[0].annotate(what, (at(end), 1), xytext=(-3, -2), ha="right", color=colour, **corner)
         if len(points) >= 2:
             t, tok, mb, running = _rates(points)
-            x = (t - t0) / scale
+            x = at(t)
             axes[0].stairs(tok / 1e6, x, color=BLUE, linewidth=1.4, baseline=None)
             axes[1].stairs(mb, x, color="#00897b", linewidth=1.4, baseline=None)
             axes[2].step(x, running, where="post", color=ORANGE, linewidth=1.4)
         elif points:
-            axes[2].plot([(points[0]["t"] - t0) / scale], [_busy(points[0])], "o", color=ORANGE)
+            axes[2].plot([at(points[0]["t"])], [_busy(points[0])], "o", color=ORANGE)
     for ax, label in zip(axes, ("M tokens/s", "input MB/s", "workers busy %")):
         ax.set_ylabel(label)
         ax.set_ylim(bottom=0)
     axes[2].set_ylim(0, 105)
     axes[-1].set_xlabel(f"{unit} since the first attempt started")
-    fig.tight_layout()
     return _svg(fig)
 
 
@@ -276,10 +258,8 @@ def health(h: Health) -> str:
         ax1.annotate(f"{v:,}", (v, yy), xytext=(4, 0), textcoords="offset points", ha="left", va="center", fontsize=8.5)
     ax1.set_title("ids vs what holds them (log scale)")
     flagged = {f["name"] for f in h.flags if not f["ok"]}
-    boundary_bad, zero_bad = (
-        any(n.startswith(f"share of {h.boundary}") for n in flagged),
-        "share of id 0" in flagged,
-    )
+    boundary_bad = any(n.startswith(f"share of {h.boundary}") for n in flagged)
+    zero_bad = "share of id 0" in flagged
     # The delimiter and id 0 always get a bar, below the most frequent ids: their shares are the checks.
     bars = [(_label(c), 100 * c["share"], RED if c["id"] == 0 and zero_bad else BLUE) for c in h.common]
     bars += [
@@ -305,7 +285,6 @@ def health(h: Health) -> str:
         )
     ax2.set_xlabel("% of ids scanned")
     ax2.set_title("most frequent ids (decoded), the delimiter and id 0")
-    fig.tight_layout()
     return _svg(fig)
 
 
@@ -316,6 +295,8 @@ def progress(p: ProgressStats) -> str:
     fig, ax = plt.subplots(figsize=(WIDTH, 0.7 + 0.45 * len(splits)))
     y = np.arange(len(splits))[::-1]
     left = np.zeros(len(splits))
+    total = max(sum(p.by_split[s][x] for x in STATES for s in splits), 1)
+    inside = {"ha": "center", "va": "center", "color": "white", "fontsize": 8.5, "fontweight": "bold"}
     for state in STATES:
         values = np.array([p.by_split[s][state] for s in splits], dtype=float)
         if values.any():
@@ -323,22 +304,13 @@ def progress(p: ProgressStats) -> str:
                 y, values, left=left, color=STATE_COLOURS[state], height=0.6, label=f"{state} {int(values.sum()):,}"
             )
             for yy, lft, v in zip(y, left, values):
-                if v and v / max(sum(p.by_split[s][x] for x in STATES for s in splits), 1) > 0.04:
-                    ax.annotate(
-                        f"{int(v):,}",
-                        (lft + v / 2, yy),
-                        ha="center",
-                        va="center",
-                        color="white",
-                        fontsize=8.5,
-                        fontweight="bold",
-                    )
+                if v and v / total > 0.04:
+                    ax.annotate(f"{int(v):,}", (lft + v / 2, yy), **inside)
             left += values
     ax.set_yticks(y, splits)
     ax.set_xlabel("shards")
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False, fontsize=9)
-    fig.tight_layout()
     return _svg(fig)
 
 
@@ -364,5 +336,4 @@ def groups(found: list) -> str:
         ax.set_title(f"{split}: tokens per group")
         _axis(ax)
         ax.set_xlim(0, max(g.tokens for g in mine) * 1.45 or 1)
-    fig.tight_layout()
     return _svg(fig)

@@ -105,9 +105,7 @@ class Shards:
     median_bytes_per_token: float | None
     outliers: list[str]  # relpaths whose bytes per token is off the median by more than OUTLIER_FACTOR
     skipped: dict[str, int]  # lines skipped by reason, all shards
-    rows: list[ShardStatus] = field(
-        default_factory=list, repr=False
-    )  # every shard, in manifest order: for the charts only
+    rows: list[ShardStatus] = field(default_factory=list, repr=False)  # every shard, in manifest order: the charts'
 
 
 @dataclass(frozen=True)
@@ -185,8 +183,8 @@ def _summary(meta: Meta | None, run: RunRecord) -> dict:
 
 
 def _split_stats(out: Path, meta: Meta | None, manifest, val_fraction: float) -> list[SplitStats]:
+    keys = ("tokens", "documents", "lines", "skipped", "repaired", "held_out", "held_in", "shards")
     if meta is not None:
-        keys = ("tokens", "documents", "lines", "skipped", "repaired", "held_out", "held_in", "shards")
         return [
             SplitStats(name, s.file or f"{split_file_stem(name)}/", *(getattr(s, k) for k in keys))
             for name, s in meta.splits.items()
@@ -206,20 +204,8 @@ def _split_stats(out: Path, meta: Meta | None, manifest, val_fraction: float) ->
                 n.update(lines=ckpt.lines, held_out=ckpt.counts(True)[1], shards=1)
                 skipped.update(ckpt.skipped)
                 repaired.update(ckpt.repaired)
-        stats.append(
-            SplitStats(
-                name,
-                split_bin_name(stem),
-                n["tokens"],
-                n["documents"],
-                n["lines"],
-                dict(sorted(skipped.items())),
-                dict(sorted(repaired.items())),
-                n["held_out"],
-                n["held_in"],
-                n["shards"],
-            )
-        )
+        by_reason = {"skipped": dict(sorted(skipped.items())), "repaired": dict(sorted(repaired.items()))}
+        stats.append(SplitStats(name, split_bin_name(stem), *(by_reason.get(k, n[k]) for k in keys)))
     return stats
 
 
@@ -350,16 +336,6 @@ def build(out: str | os.PathLike, tokenizer: str | None = None) -> Report:
         )
     series = read_series(out)
     return Report(
-        str(out),
-        time.time(),
-        meta is not None,
-        summary,
-        splits,
-        _group_stats(out, meta, manifest),
-        lengths,
-        shards,
-        health,
-        series,
-        _progress(st, series),
-        notes,
-    )
+        str(out), time.time(), meta is not None, summary, splits, _group_stats(out, meta, manifest), lengths, shards,
+        health, series, _progress(st, series), notes,
+    )  # fmt: skip
