@@ -62,14 +62,13 @@ def _manifest_lines(manifest, dest: Path) -> list[str]:
             names = [*names[: MANIFEST_NAMES_SHOWN - 1], f"... ({n - MANIFEST_NAMES_SHOWN:,} more) ...", names[-1]]
         size = sum(s.size for s in shards) / 2**20
         lines.append(f"  {split}: {n:,} shard{'s' if n != 1 else ''}, {size:,.1f} MiB: {', '.join(names)}")
-    for relpath, why in manifest.passed_over[:PASSED_OVER_SHOWN]:
-        lines.append(f"passed over {relpath}/: {why}")
-    if len(manifest.passed_over) > PASSED_OVER_SHOWN:
-        lines.append(f"passed over {len(manifest.passed_over) - PASSED_OVER_SHOWN:,} more folders")
-    for relpath, why in manifest.files_passed_over[:PASSED_OVER_SHOWN]:
-        lines.append(f"passed over {relpath}: {why}")
-    if len(manifest.files_passed_over) > PASSED_OVER_SHOWN:
-        lines.append(f"passed over {len(manifest.files_passed_over) - PASSED_OVER_SHOWN:,} more files of data")
+    for passed, slash, what in (
+        (manifest.passed_over, "/", "folders"),
+        (manifest.files_passed_over, "", "files of data"),
+    ):
+        lines += [f"passed over {relpath}{slash}: {why}" for relpath, why in passed[:PASSED_OVER_SHOWN]]
+        if len(passed) > PASSED_OVER_SHOWN:
+            lines.append(f"passed over {len(passed) - PASSED_OVER_SHOWN:,} more {what}")
     return lines
 
 
@@ -117,13 +116,11 @@ def summary_lines(summary) -> list[str]:
             f"NOTE: {len(summary.lacking)} shards have no {summary.text_field!r} field on most lines (e.g. {shard}:"
             f" {missing:,} of {read:,} lines): is --text-field right for them?"
         )
-    tokens = meta.tokens
-    seconds = summary.seconds
     lines.append(summary.phases)
     meta_pkl = f"{out}/{Layout('').meta_pkl.name}"  # OUT a folder, or on a store (its URL)
     lines.append(
-        f"done in {seconds:.1f}s ({tokens / seconds / 1e6:.2f}M tokens/s overall); meta: {meta_pkl}. "
-        f"Next: tokpipe verify {shlex.quote(str(out))}"
+        f"done in {summary.seconds:.1f}s ({meta.tokens / summary.seconds / 1e6:.2f}M tokens/s overall); "
+        f"meta: {meta_pkl}. Next: tokpipe verify {shlex.quote(str(out))}"
     )
     return lines
 
@@ -269,8 +266,14 @@ def parser() -> argparse.ArgumentParser:
     _add_options(r)
     r.set_defaults(func=_cmd_run)
 
-    v = sub.add_parser("verify", help="check a finished OUT; exit 0 only when every check holds")
-    v.add_argument("out")
+    def reader(name: str, func, help: str) -> argparse.ArgumentParser:
+        """The parser of a command that reads an OUT: its first argument."""
+        command = sub.add_parser(name, help=help)
+        command.add_argument("out")
+        command.set_defaults(func=func)
+        return command
+
+    v = reader("verify", _cmd_verify, "check a finished OUT; exit 0 only when every check holds")
     v.add_argument("--json", action="store_true", help="machine-readable report")
     v.add_argument(
         "--sample",
@@ -281,17 +284,13 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--seed", type=int, default=0, help="which documents --sample picks (default: 0)")
     v.add_argument("--tokenizer", help="the run's tokenizer, if it moved since the run (default: the path in meta)")
     v.add_argument("--jobs", type=positive(int), help="threads checking checksums and ids (default: all cores)")
-    v.set_defaults(func=_cmd_verify)
 
-    st = sub.add_parser("status", help="where a run stands (running, killed, failed or finished) and what to run next")
-    st.add_argument("out")
+    st = reader("status", _cmd_status, "where a run stands (running, killed, failed or finished) and what to run next")
     st.add_argument("--json", action="store_true", help="machine-readable status")
-    st.set_defaults(func=_cmd_status)
 
-    i = sub.add_parser(
-        "inspect", help="the eye test: decode random windows, flag broken token ids; exit 1 on a red flag"
+    i = reader(
+        "inspect", _cmd_inspect, "the eye test: decode random windows, flag broken token ids; exit 1 on a red flag"
     )
-    i.add_argument("out")
     i.add_argument("--split", default="train", help="train, validation (or val), test (default: train)")
     i.add_argument(
         "-n",
@@ -302,20 +301,16 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--window", type=positive(int), default=64, help="tokens per window (default: 64)")
     i.add_argument("--seed", type=int, help="seed of the window positions (default: a new one, printed)")
     i.add_argument("--tokenizer", help="the run's tokenizer, if it is no longer where run.json says")
-    i.set_defaults(func=_cmd_inspect)
 
-    rp = sub.add_parser(
-        "report", help="draw a run (finished, running, killed or failed) on one self-contained HTML page"
+    rp = reader(
+        "report", _cmd_report, "draw a run (finished, running, killed or failed) on one self-contained HTML page"
     )
-    rp.add_argument("out")
     rp.add_argument("-o", "--output", metavar="FILE", help="where to write the page (default: OUT/report.html)")
     rp.add_argument(
         "--tokenizer", help="the run's tokenizer, if it is no longer where run.json says (to decode the common ids)"
     )
-    rp.set_defaults(func=_cmd_report)
 
-    e = sub.add_parser("export", help="write a finished OUT as Megatron-LM or llm.c training files")
-    e.add_argument("out")
+    e = reader("export", _cmd_export, "write a finished OUT as Megatron-LM or llm.c training files")
     e.add_argument("--format", required=True, choices=("megatron", "llmc"))
     e.add_argument("--dest", required=True, help="folder to write to (must be empty, unless --force)")
     e.add_argument(
@@ -327,7 +322,6 @@ def parser() -> argparse.ArgumentParser:
         metavar="SEED",
         help="llmc: write the documents in an order drawn from SEED (each once, whole), not the split's order",
     )
-    e.set_defaults(func=_cmd_export)
     return p
 
 
@@ -357,12 +351,9 @@ def main(argv: list[str] | None = None) -> int:
 def _command(args) -> int:
     try:
         return args.func(args)
-    except UserError as e:
+    except (UserError, RayUnavailable) as e:  # RayUnavailable: Ray did not start, or no node left can run a shard
         print(f"tokpipe {args.command}: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except RayUnavailable as e:  # Ray did not start, or no node left can run a shard
-        print(f"tokpipe {args.command}: error: {e}", file=sys.stderr)
-        return EXIT_FAILED
+        return EXIT_USAGE if isinstance(e, UserError) else EXIT_FAILED
     except OSError as e:  # disk full, permissions, a vanished mount: the cause is outside tokpipe
         print(f"tokpipe {args.command}: error: {e}; fix the cause and rerun the same command", file=sys.stderr)
         return EXIT_FAILED
