@@ -42,11 +42,20 @@ from tokpipe.inputs.names import (
 from tokpipe.store import is_url
 
 MANIFEST_VERSION = 1
+HEADER = (
+    "root",
+    "base",
+    "allow_outside",
+    "repo_id",
+    "revision",
+    "fingerprint",
+)  # a manifest's fields before its shards
 
 
 def on_store(path: str | os.PathLike) -> bool:
     """Whether a dataset's or a shard's path is on an object store (an s3:// URL), not in a folder."""
     return is_url(path)
+
 
 # A snapshot file that is not a symlink but a tiny text file naming a blob: what git and copy tools
 # leave of the cache's symlinks on filesystems or transfers that drop them.
@@ -95,15 +104,7 @@ class Manifest:
         return shards if split is None else (s for s in shards if s.split == split)
 
     def header(self) -> dict:
-        return {
-            "version": MANIFEST_VERSION,
-            "root": self.root,
-            "base": self.base,
-            "allow_outside": self.allow_outside,
-            "repo_id": self.repo_id,
-            "revision": self.revision,
-            "fingerprint": self.fingerprint,
-        }
+        return {"version": MANIFEST_VERSION} | {k: getattr(self, k) for k in HEADER}
 
 
 def fingerprint_of(shards: Iterable[Shard]) -> str:
@@ -367,20 +368,11 @@ def manifest_of(
         other = keys.setdefault((shard.split, shard.key), shard.relpath)
         if other != shard.relpath:
             raise UserError(f"{other} and {shard.relpath} would be written to the same shard file: rename one")
-    counts = dict(Counter(s.split for s in shards))
+    counts, size = dict(Counter(s.split for s in shards)), sum(s.size for s in shards)
     return Manifest(
-        root,
-        base,
-        allow_outside,
-        repo_id,
-        revision,
-        fingerprint_of(shards),
-        counts,
-        sum(s.size for s in shards),
-        tuple(shards),
-        tuple(passed_over),
-        tuple(sorted(files_passed_over)),
-    )
+        root, base, allow_outside, repo_id, revision, fingerprint_of(shards), counts, size, tuple(shards),
+        tuple(passed_over), tuple(sorted(files_passed_over)),
+    )  # fmt: skip
 
 
 def write_manifest(manifest: Manifest, path: str | os.PathLike) -> None:
@@ -422,17 +414,7 @@ def load_manifest(path: str | os.PathLike) -> Manifest:
         if header.get("version") != MANIFEST_VERSION:
             raise ValueError(f"version {header.get('version')!r}, expected {MANIFEST_VERSION}")
         fingerprint = fingerprint_of(tallied(_read_shards(path), header))
-        manifest = Manifest(
-            header["root"],
-            header["base"],
-            header["allow_outside"],
-            header["repo_id"],
-            header["revision"],
-            header["fingerprint"],
-            dict(counts),
-            size,
-            path,
-        )
+        manifest = Manifest(*(header[k] for k in HEADER), dict(counts), size, path)
     except FileNotFoundError:
         raise UserError(
             f"manifest {path} does not exist: create it with `tokpipe manifest --dataset-dir DIR -o {path}`"

@@ -173,7 +173,6 @@ class SplitFileWrites(Placers):
     all of them: with thousands of tiny shards, one call and one fsync cover many. Two calls a node: one writes while
     the other waits on its fsync."""
 
-
     def _ready(self, excluded: frozenset[str]) -> list[Part]:
         if not self.assembler.concat:  # --no-concat: nothing to copy, a part is listed as it is
             parts = self.assembler.ready(excluded)

@@ -66,9 +66,7 @@ def tokenize_while(
     core. Only regular files: a pipe could block the driver, which alone watches for stalls. `out`: where the tokens
     go, as the user names OUT (runner/storage.py), and `is_done` which shards it holds done."""
     here = _Here(busy, progress, tally, log, assembler)
-    shards = (
-        s for s in manifest.shards() if not is_done(s) and not s.may_block()
-    )
+    shards = (s for s in manifest.shards() if not is_done(s) and not s.may_block())
     here.pool = _Helpers(helpers, out, spec) if helpers else None
     try:
         here.tend(shards)
