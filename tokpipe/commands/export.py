@@ -64,16 +64,7 @@ SHUFFLE_DOCUMENTS = 1 << 16  # documents per step of a shuffled export
 SHUFFLE_TOKENS = 1 << 22  # tokens gathered per step: ~50 MB of index and tokens
 
 MEGATRON_INDEX_HEADER = b"MMIDIDX\x00\x00"
-MEGATRON_DTYPE_CODES = {
-    "uint8": 1,
-    "int8": 2,
-    "int16": 3,
-    "int32": 4,
-    "int64": 5,
-    "float64": 6,
-    "float32": 7,
-    "uint16": 8,
-}
+MEGATRON_DTYPE_CODES = dict(uint8=1, int8=2, int16=3, int32=4, int64=5, float64=6, float32=7, uint16=8)  # DType
 
 LLMC_HEADER_INTS = 256
 LLMC_SHARD_TOKENS = 100_000_000  # the size of llm.c's and modded-nanogpt's fineweb shards
@@ -132,9 +123,8 @@ def _shuffled(split: Split, seed: int) -> Iterator[tuple[np.ndarray, np.ndarray]
             b = max(int(np.searchsorted(through, through[a] - lengths[a] + SHUFFLE_TOKENS, side="right")), a + 1)
             if lengths[a] > SHUFFLE_TOKENS:  # a long document alone: a slice, no index per token
                 yield reader.read(int(starts[a]), int(stops[a])), lengths[a:b]
-                a = b
-                continue
-            yield reader.gather(_positions(starts[a:b], lengths[a:b])), lengths[a:b]
+            else:
+                yield reader.gather(_positions(starts[a:b], lengths[a:b])), lengths[a:b]
             a = b
 
 
@@ -190,8 +180,7 @@ class LlmcShards:
             self.f = open(tmp, "xb")
             self.f.write(bytes(LLMC_HEADER_INTS * 4))  # the header, once the token count is known
             self.written.append((tmp, final, 0, 0))
-        for begin in range(0, len(tokens), CHUNK):
-            self.f.write(memoryview(to_dtype(np.asarray(tokens[begin : begin + CHUNK]), self.dtype)))
+        _write_tokens(self.f, tokens, self.dtype)
         self.filled += len(tokens)
         self.documents += documents
 
@@ -208,9 +197,9 @@ class LlmcShards:
         self.f, self.filled, self.documents = None, 0, 0
 
 
-def _write_tokens(f, tokens: np.ndarray, start: int, stop: int, dtype: str) -> None:
-    for begin in range(start, stop, CHUNK):
-        f.write(memoryview(to_dtype(np.asarray(tokens[begin : min(begin + CHUNK, stop)]), dtype)))
+def _write_tokens(f, tokens: np.ndarray, dtype: str) -> None:
+    for begin in range(0, len(tokens), CHUNK):
+        f.write(memoryview(to_dtype(np.asarray(tokens[begin : begin + CHUNK]), dtype)))
 
 
 def _finish(f) -> None:
@@ -230,7 +219,7 @@ def _megatron_bin(data: Output, split: Split, tmp: Path, dtype: str) -> str:
     stored = stored_of(data.path) is not None  # OUT on a store: its tokens read by ranged GETs, written here
     if not _same_bytes(data, dtype) or stored:
         with open(tmp, "xb") as f:
-            _write_tokens(f, split.tokens, 0, len(split.tokens), dtype)
+            _write_tokens(f, split.tokens, dtype)
             _finish(f)
         if stored:
             return "downloaded from the store (a copy)"
@@ -270,11 +259,8 @@ def _megatron_split(data: Output, split: Split, prefix: Path, dtype: str) -> tup
     how = _megatron_bin(data, split, pairs[0][0], dtype)
     pairs[1][0].unlink(missing_ok=True)
     with open(pairs[1][0], "xb") as f:
-        f.write(MEGATRON_INDEX_HEADER)
-        f.write(struct.pack("<Q", 1))
-        f.write(struct.pack("<B", MEGATRON_DTYPE_CODES[dtype]))
-        f.write(struct.pack("<Q", n))  # sequences: one per document
-        f.write(struct.pack("<Q", n + 1))  # entries of document_indices
+        # version 1, the dtype's code, the sequences (one per document), the entries of document_indices
+        f.write(MEGATRON_INDEX_HEADER + struct.pack("<QBQQ", 1, MEGATRON_DTYPE_CODES[dtype], n, n + 1))
         # The three arrays one after the other, each built a chunk at a time from the document ends.
         for section in ("lengths", "pointers", "documents"):
             for begin in range(0, n, CHUNK):
