@@ -90,15 +90,12 @@ class _Handover:
     ray_only: bool
     since: float = field(default_factory=time.monotonic)
 
-    def start_ray_if_due(self) -> None:
-        if not self.cluster.started and time.monotonic() - self.since > LOCAL_SECONDS:
-            self.cluster.start()
-
     def driver_goes_on(self) -> bool:
         """Start Ray if it is due; then whether the driver goes on: while there is no Ray ready to take over."""
         if self.cluster.address or self.ray_only:
             return False
-        self.start_ray_if_due()
+        if not self.cluster.started and time.monotonic() - self.since > LOCAL_SECONDS:
+            self.cluster.start()
         return not self.cluster.working()
 
 
@@ -140,8 +137,7 @@ def _choose_backend(run: _Run) -> str:
         )
     if run.opts.group_by is not None:
         count_groups(run.manifest, run.opts.text_field, run.opts.group_by)
-    run.tell(Said(f"backend {backend}: {why}"))
-    run.log(f"backend {backend}: {why}")
+    run.say(f"backend {backend}: {why}")
     return backend
 
 
@@ -159,8 +155,7 @@ def _tokenize(run: _Run, assembler, plan: Standing) -> Tally:
     try:
         spec = encode_spec(run.opts, run.info, backend, spill=run.out.spill)
         if not run.cluster.address and run.cluster.fit[1]:
-            run.tell(Said(run.cluster.fit[1]))
-            run.log(run.cluster.fit[1])
+            run.say(run.cluster.fit[1])
         handover = _Handover(run.cluster, run.opts.ray_only)
         # An embedded Ray started at once (a large input) takes seconds to come up: the machine's cores tokenize
         # meanwhile, in helper processes beside the driver, but for one that Ray's start keeps busy (on 2 cores a
@@ -211,8 +206,7 @@ def _tokenize_on_ray(run: _Run, backend: str, assembler, progress: Progress, tal
     # switch it off (a Python caller's process; runner/cluster.py, Cluster._start).
     terminate_on_sigterm()
     if shape.note and run.cluster.address:  # an embedded Ray's was said before it started
-        run.tell(Said(shape.note))
-        run.log(shape.note)
+        run.say(shape.note)
     both = " (2 CPUs each: reading overlaps encoding)" if shape.read_ahead else ""
     nodes = f" on {shape.nodes} nodes" if shape.nodes > 1 else ""
     run.tell(Said(f"ray: {shape.where}, {shape.workers} workers{both}{nodes}"))
@@ -348,13 +342,5 @@ def _finalize(run: _Run, assembler, tally: Tally, redone: int) -> RunSummary:
     run.log(phases)
     run.log(f"finished: {meta.tokens:,} tokens in {seconds:.1f}s")
     return RunSummary(
-        True,
-        tally.failed,
-        meta.as_dict(),
-        redone,
-        seconds,
-        run.out.where,
-        phases,
-        tally.lacking,
-        run.opts.text_field,
+        True, tally.failed, meta.as_dict(), redone, seconds, run.out.where, phases, tally.lacking, run.opts.text_field
     )

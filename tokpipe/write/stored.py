@@ -25,15 +25,7 @@ from tokpipe.layout.records import IDX_DTYPE, Checkpoint, PartCounts, parts_of, 
 from tokpipe.layout.run import WriteSpec, output_splits, sources
 from tokpipe.layout.stored import StoredOut, part_name
 from tokpipe.store import MIN_PART, Exists, Lease, Upload, compose, put_buffers
-from tokpipe.write.segments import (
-    ClosedSegment,
-    Entry,
-    Gatherer,
-    Kept,
-    Segment,
-    Spilled,
-    part_arrays,
-)
+from tokpipe.write.segments import ClosedSegment, Entry, Gatherer, Kept, Segment, Spilled, part_arrays
 
 # GETs in flight where a rerun or finalize reads many small objects (segments' .json, checkpoints)
 REQUESTS_AT_ONCE = 16
