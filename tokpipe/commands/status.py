@@ -79,16 +79,9 @@ class RunStatus:
 def resume_command(out: str, run: RunRecord | None, fix: dict | None = None) -> str:
     """The `tokpipe run` that continues OUT: its manifest copy, the recorded tokenizer and options, with
     `fix` (option -> value, None: without it) over them."""
-    args = [
-        "tokpipe",
-        "run",
-        "--manifest",
-        os.path.join(out, Layout(out).manifest.name),  # as OUT was named, not normalized
-        "--tokenizer",
-        (run and run.tokenizer_path) or "TOKENIZER",
-        "--out",
-        out,
-    ]
+    manifest = os.path.join(out, Layout(out).manifest.name)  # as OUT was named, not normalized
+    tokenizer = (run and run.tokenizer_path) or "TOKENIZER"
+    args = ["tokpipe", "run", "--manifest", manifest, "--tokenizer", tokenizer, "--out", out]
     # run.json keeps the options given other than their defaults, by RunOptions field name; the CLI
     # flags are those names with dashes.
     for name, value in {**(run.options if run else {}), **(fix or {})}.items():
@@ -135,12 +128,10 @@ def status(out: str | os.PathLike) -> RunStatus:
         # A shard's committed work includes the documents it holds out for val.bin (--val-fraction).
         held_tokens, held_documents = ckpt.counts(True)
         tokens, documents = ckpt.tokens + held_tokens, ckpt.documents + held_documents
-        shards.append(
-            ShardStatus(
-                shard.split, shard.relpath, state, shard.size, read, tokens, documents, error, writing,
-                ckpt.lines, dict(ckpt.skipped), ckpt.text_bytes, round(ckpt.seconds, 3), held_tokens,
-            )  # fmt: skip
-        )
+        shards.append(ShardStatus(
+            shard.split, shard.relpath, state, shard.size, read, tokens, documents, error, writing,
+            ckpt.lines, dict(ckpt.skipped), ckpt.text_bytes, round(ckpt.seconds, 3), held_tokens,
+        ))  # fmt: skip
         for split, part in ckpt.group_parts(shard.split):
             committed = groups.setdefault(split, {}).setdefault(part.group, [0, 0])
             committed[0] += part.tokens
@@ -148,12 +139,8 @@ def status(out: str | os.PathLike) -> RunStatus:
 
     progress = _log(folder, PROGRESS, warnings)
     age = time.time() - progress["updated_at"] if progress else None
-    live = (
-        holder is not None
-        and progress is not None
-        and age < PROGRESS_FRESH_S
-        and holder.startswith(f"pid {progress['pid']} ")
-    )
+    fresh = progress is not None and age < PROGRESS_FRESH_S
+    live = holder is not None and fresh and holder.startswith(f"pid {progress['pid']} ")
     if meta is not None:
         state, next_step = "finished", f"tokpipe verify {shlex.quote(out)}"
     elif holder is not None:
@@ -189,10 +176,6 @@ def _log(folder: Layout, name: str, warnings: list[str]) -> dict | None:
         return None
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.1f} MiB"
-
-
 def report(st: RunStatus) -> str:
     size = sum(s.size for s in st.shards)
     read = sum(s.read for s in st.shards)
@@ -219,11 +202,8 @@ def report(st: RunStatus) -> str:
     elif st.refused:
         lines.append(f"{st.out}: holds no token yet; the last run was refused: {st.refused}")
     else:
-        why = (
-            f"{st.count('failed')} shards failed in the last run"
-            if st.count("failed")
-            else "no run holds it (killed or crashed)"
-        )
+        failed = st.count("failed")
+        why = f"{failed} shards failed in the last run" if failed else "no run holds it (killed or crashed)"
         since = f"; last progress report {duration(st.last_report_age)} ago" if st.last_report_age is not None else ""
         lines.append(f"{st.out}: stopped before finishing: {why}{since}")
     orphans = sum(s.writing for s in st.shards) if st.state == "stopped" else 0
@@ -249,7 +229,7 @@ def report(st: RunStatus) -> str:
     tokens, documents = sum(s.tokens for s in st.shards), sum(s.documents for s in st.shards)
     lines.append(
         f"committed: {tokens:,} tokens, {documents:,} documents; {100 * read / size if size else 100:.1f}% of "
-        f"{_mib(size)} read"
+        f"{size / 2**20:,.1f} MiB read"
     )
     if st.progress:
         p = st.progress
@@ -258,11 +238,7 @@ def report(st: RunStatus) -> str:
     for state, label in (("partial", "partial"), ("failed", "FAILED ")):
         listed = [s for s in st.shards if s.state == state]
         for s in listed[:LIST_AT_MOST]:
-            what = (
-                f"{s.error}"
-                if s.error
-                else f"{100 * s.read / s.size if s.size else 0:.0f}% read, {s.tokens:,} tokens committed"
-            )
+            what = s.error or f"{100 * s.read / s.size if s.size else 0:.0f}% read, {s.tokens:,} tokens committed"
             lines.append(f"  {label} {s.relpath}: {what}")
         if len(listed) > LIST_AT_MOST:
             lines.append(f"  … and {len(listed) - LIST_AT_MOST} more {state}")
