@@ -48,9 +48,8 @@ EOS_MIN_EXPECTED = 10  # ... judged only when at least this many EOS are expecte
 # this many tokens is what a 16-bit wrap leaves.
 HIGH_IDS_MIN_SCANNED = 100_000
 COMMON_IDS = 8
-CONTROL_CHARS = re.compile(
-    "[\x00-\x08\x0b-\x1f\x7f-\x9f]"
-)  # all but \t and \n: a web page's ESC must not drive the terminal
+# All but \t and \n: a web page's ESC must not drive the terminal.
+CONTROL_CHARS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 @dataclass(frozen=True)
@@ -120,20 +119,10 @@ def _source(
 ) -> Source:
     """A Source of what meta records, or while OUT is unfinished, run.json."""
     return Source(
-        split=name,
-        finished=finished,
-        dtype=np.dtype(record.dtype),
-        vocab_size=record.vocab_size,
-        eos_id=record.eos_token_id,
-        eos_token=record.eos_token,
-        tokenizer=record.tokenizer,
-        tokenizer_sha256=record.tokenizer_sha256,
-        tokenizer_path=tokenizer_path,
-        documents=documents,
-        files=files,
-        bos_id=record.bos_placed,
-        eos_written=record.delimiters.eos,
-    )
+        name, finished, np.dtype(record.dtype), record.vocab_size, record.eos_token_id, record.eos_token,
+        record.tokenizer, record.tokenizer_sha256, tokenizer_path, documents, files, record.bos_placed,
+        record.delimiters.eos,
+    )  # fmt: skip
 
 
 def load_decoder(source: Source, tokenizer: str | None) -> tuple[Callable[[np.ndarray], str], str]:
@@ -241,71 +230,48 @@ def red_flags(source: Source, scan: IdScan) -> list[Check]:
     """The histogram's checks; `ok` False is a red flag."""
     n = max(scan.scanned, 1)
     limit = int(np.iinfo(source.dtype).max) + 1
-    checks = [
-        Check(
-            "dtype holds vocab",
-            source.vocab_size <= limit,
-            f"{source.dtype.name} holds ids < {limit:,}; vocab_size {source.vocab_size:,}"
-            + ("" if source.vocab_size <= limit else f": every id ≥ {limit:,} was wrapped (Phantom Zero)"),
-        ),
-        Check(
-            "max id < vocab_size",
-            scan.max_id < source.vocab_size,
-            f"max id {scan.max_id:,}, vocab_size {source.vocab_size:,}"
-            + (
-                ""
-                if scan.max_id < source.vocab_size
-                else f": the file is not {source.dtype.name}, or not this tokenizer's"
-            ),
-        ),
-    ]
+    checks = []
+
+    def check(name: str, ok: bool, detail: str, why: str) -> None:
+        """A check, its detail followed by what a red flag means."""
+        checks.append(Check(name, ok, detail + ("" if ok else why)))
+
+    check(
+        "dtype holds vocab",
+        source.vocab_size <= limit,
+        f"{source.dtype.name} holds ids < {limit:,}; vocab_size {source.vocab_size:,}",
+        f": every id ≥ {limit:,} was wrapped (Phantom Zero)",
+    )
+    check(
+        "max id < vocab_size",
+        scan.max_id < source.vocab_size,
+        f"max id {scan.max_id:,}, vocab_size {source.vocab_size:,}",
+        f": the file is not {source.dtype.name}, or not this tokenizer's",
+    )
     zero_share = scan.zeros / n
     zeros_ok = source.boundary[1] == 0 or zero_share <= ZERO_SHARE_MAX
-    checks.append(
-        Check(
-            "share of id 0",
-            zeros_ok,
-            f"{zero_share:.3%}"
-            + ("" if zeros_ok else f" (> {ZERO_SHARE_MAX:.0%}): a uint32 file read as uint16, or zero-filled bytes"),
-        )
-    )
+    why = f" (> {ZERO_SHARE_MAX:.0%}): a uint32 file read as uint16, or zero-filled bytes"
+    check("share of id 0", zeros_ok, f"{zero_share:.3%}", why)
     expected_share = source.documents / source.tokens if source.tokens else 0.0
     expected = expected_share * scan.scanned
     name, boundary_id = source.boundary
-    eos_share = scan.boundaries / n
     eos_ok = expected < EOS_MIN_EXPECTED or 1 / EOS_RATIO_MAX <= scan.boundaries / expected <= EOS_RATIO_MAX
-    checks.append(
-        Check(
-            f"share of {name} (id {boundary_id})",
-            eos_ok,
-            f"{eos_share:.3%}, expected {expected_share:.3%} from {source.documents:,} documents in "
-            f"{source.tokens:,} tokens"
-            + ("" if eos_ok else f": document boundaries are lost (ids wrapped? another {name}?)"),
-        )
+    check(
+        f"share of {name} (id {boundary_id})",
+        eos_ok,
+        f"{scan.boundaries / n:.3%}, expected {expected_share:.3%} from {source.documents:,} documents in "
+        f"{source.tokens:,} tokens",
+        f": document boundaries are lost (ids wrapped? another {name}?)",
     )
-    top_share = scan.top / n
-    top_ok = top_share <= TOP_SHARE_MAX
-    checks.append(
-        Check(
-            f"ids near the {source.dtype.name} limit",
-            top_ok,
-            f"{top_share:.3%} in its top {TOP_VALUES} values" + ("" if top_ok else ": saturated or padded ids"),
-        )
-    )
+    top = f"{scan.top / n:.3%} in its top {TOP_VALUES} values"
+    check(f"ids near the {source.dtype.name} limit", scan.top / n <= TOP_SHARE_MAX, top, ": saturated or padded ids")
     if source.vocab_size > 1 << 16:
-        high_ok = scan.high > 0 or scan.scanned < HIGH_IDS_MIN_SCANNED
-        checks.append(
-            Check(
-                "ids ≥ 65,536 present",
-                high_ok,
-                f"{scan.high / n:.2%}"
-                + (
-                    ""
-                    if high_ok
-                    else f" of {scan.scanned:,} tokens with a {source.vocab_size:,}-id vocabulary:"
-                    " looks wrapped to 16 bits (Phantom Zero)"
-                ),
-            )
+        check(
+            "ids ≥ 65,536 present",
+            scan.high > 0 or scan.scanned < HIGH_IDS_MIN_SCANNED,
+            f"{scan.high / n:.2%}",
+            f" of {scan.scanned:,} tokens with a {source.vocab_size:,}-id vocabulary: looks wrapped to 16 bits"
+            " (Phantom Zero)",
         )
     return checks
 
