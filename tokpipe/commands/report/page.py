@@ -63,14 +63,9 @@ def _reasons(d: dict) -> str:
 
 def _summary(r: Report) -> str:
     s = r.summary
-    delims = " and ".join(k.upper() for k in ("bos", "eos") if s["delimiters"][k])
-    where = (
-        "before"
-        if s["delimiters"]["bos"] and not s["delimiters"]["eos"]
-        else "after"
-        if not s["delimiters"]["bos"]
-        else "around"
-    )
+    placed = s["delimiters"]
+    delims = " and ".join(k.upper() for k in ("bos", "eos") if placed[k])
+    where = "around" if placed["bos"] and placed["eos"] else "before" if placed["bos"] else "after"
     bos = (
         f"<code>{_e(s.get('bos_token'))}</code> = {s['bos_token_id']}"
         if s["bos_token_id"] is not None
@@ -81,12 +76,10 @@ def _summary(r: Report) -> str:
         f"<br><span class=muted>sha256</span> <code>{_e(s['tokenizer_sha256'])}</code>"
         f"<br><span class=muted>path</span> <code>{_e(s['tokenizer_path'])}</code>"
     )
+    vocab = f"{s['vocab_size']:,} <span class=muted>(len(tokenizer): build the model's embedding from this)</span>"
     rows = [
         ["dtype", f"<code>{_e(s['dtype'])}</code>"],
-        [
-            "vocab_size",
-            f"{s['vocab_size']:,} <span class=muted>(len(tokenizer): build the model's embedding from this)</span>",
-        ],
+        ["vocab_size", vocab],
         ["EOS", f"<code>{_e(s['eos_token'])}</code> = {s['eos_token_id']}"],
         ["BOS", bos],
         ["delimiters", f"{_e(delims)} {where} each document"],
@@ -95,40 +88,14 @@ def _summary(r: Report) -> str:
         ["val fraction", f"{s['val_fraction']}"],
     ]
     if s.get("excluded"):
-        rows.append(
-            [
-                "EXCLUDED",
-                f'<span class="bad">{len(s["excluded"])} failed shards left out: {_e(", ".join(s["excluded"]))}</span>',
-            ]
-        )
+        excluded = f"{len(s['excluded'])} failed shards left out: {_e(', '.join(s['excluded']))}"
+        rows.append(["EXCLUDED", f'<span class="bad">{excluded}</span>'])
     facts = _table(["what a trainer needs", ""], rows)
-    head = [
-        "split",
-        "file",
-        "tokens",
-        "documents",
-        "lines read",
-        "lines skipped",
-        "skipped by reason",
-        "repaired",
-        "held out",
-        "held in",
-        "shards",
-    ]
+    head = ["split", "file", "tokens", "documents", "lines read", "lines skipped", "skipped by reason", "repaired"]
+    head += ["held out", "held in", "shards"]
     split_rows = [
-        [
-            _e(x.name),
-            f"<code>{_e(x.file)}</code>",
-            _n(x.tokens),
-            _n(x.documents),
-            _n(x.lines),
-            _n(sum(x.skipped.values())),
-            _reasons(x.skipped),
-            _reasons(x.repaired),
-            _n(x.held_out),
-            _n(x.held_in),
-            _n(x.shards),
-        ]
+        [_e(x.name), f"<code>{_e(x.file)}</code>", *map(_n, (x.tokens, x.documents, x.lines, sum(x.skipped.values())))]
+        + [_reasons(x.skipped), _reasons(x.repaired), *map(_n, (x.held_out, x.held_in, x.shards))]
         for x in r.splits
     ]
     what = "meta.json: exact" if r.finished else "committed so far (shard checkpoints): the run is not finished"
@@ -178,11 +145,9 @@ def _shards(r: Report) -> str:
         else "no input bytes recorded (checkpoints of an earlier tokpipe)"
     )
     out = [
-        (
-            f"<h2>Shards</h2><p class=note>{legend}<br>{median}; "
-            "input bytes are the decompressed lines (JSONL) or texts (Parquet) read."
-            f" Lines skipped by reason: {_reasons(S.skipped)}</p>"
-        ),
+        f"<h2>Shards</h2><p class=note>{legend}<br>{median}; "
+        "input bytes are the decompressed lines (JSONL) or texts (Parquet) read."
+        f" Lines skipped by reason: {_reasons(S.skipped)}</p>",
         figure,
     ]
     named = [x for x in rows if x.relpath in outliers or x.state == "failed" or (x.state == "partial")]
@@ -198,16 +163,12 @@ def _shards(r: Report) -> str:
             ]
             for x in shown
         ]
-        more = (
-            f"<p class=note>… and {len(named) - len(shown):,} more (the page's data lists up to 500)</p>"
-            if len(named) > len(shown)
-            else ""
-        )
         out.append(
             "<p><b>Shards to look at</b> (outliers, failed, partial):</p>"
             + _table(["shard", "state", "tokens", "bytes/token", "error"], table, {2, 3})
-            + more
         )
+        if len(named) > len(shown):
+            out.append(f"<p class=note>… and {len(named) - len(shown):,} more (the page's data lists up to 500)</p>")
     return "".join(out)
 
 
