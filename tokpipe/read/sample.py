@@ -36,13 +36,8 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
     meta = data.record
     json_path = tokenizer_json_path(tokenizer or meta.tokenizer_path)
     if hashlib.sha256(json_path.read_bytes()).hexdigest() != meta.tokenizer_sha256:
-        return [
-            Check(
-                "sample: tokenizer is the run's",
-                False,
-                f"{json_path} is not the tokenizer this run used (sha256 differs); pass --tokenizer",
-            )
-        ]
+        why = f"{json_path} is not the tokenizer this run used (sha256 differs); pass --tokenizer"
+        return [Check("sample: tokenizer is the run's", False, why)]
     reference = HFEncoder(str(json_path))
     manifest = load_manifest(Layout(out).manifest)
     check_reachable(manifest)  # its sources on a store: a wrong key or no store there said in one line, now
@@ -149,12 +144,6 @@ def _checks(
                 f"{passed_over[split]} more passed over, not checked: over {PIECE_CHARS:,} characters, and this"
                 " tokenizer's pre-tokenizer is not one tokpipe can cut exactly (tokpipe/inputs/pieces.py)"
             )
-        docs = len(results.get(split, []))
-        checks.append(
-            Check(
-                f"{split}: {docs} sampled documents re-tokenized by tokenizers match",
-                not mismatches.get(split),
-                "; ".join(notes),
-            )
-        )
+        name = f"{split}: {len(results.get(split, []))} sampled documents re-tokenized by tokenizers match"
+        checks.append(Check(name, not mismatches.get(split), "; ".join(notes)))
     return checks

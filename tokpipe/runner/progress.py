@@ -97,13 +97,8 @@ class Progress:
         elif final or now - self.last_line >= self.every:
             self.last_line = now
             pct = 100 * read / self.total if self.total else 100.0
-            when = (
-                f" in {duration(elapsed)}"
-                if final
-                else f", ETA {duration(eta)}"
-                if eta is not None
-                else ", ETA unknown"
-            )
+            eta_said = f", ETA {duration(eta)}" if eta is not None else ", ETA unknown"
+            when = f" in {duration(elapsed)}" if final else eta_said
             self.tell(
                 Said(
                     f"[tokpipe] {pct:5.1f}% of {self.total / 2**20:,.1f} MiB read{when} | {done}/{self.shards} "
