@@ -53,8 +53,6 @@ SMALL = 64 * SPARSE  # an .idx of at most 64 pages is searched whole: ~5 us a ba
 SUB_BLOCKS = np.arange(1, 8) * (SPARSE // 8) - 1  # the last end of each sub-block of a block but the last
 IN_SUB_BLOCK = np.arange(SPARSE // 8 - 1)
 UNMAPPED = -(1 << 62)  # a file's shift while it is not mapped: its windows' rows come out negative
-
-
 MAPS = max(kernel_max_maps() - RESERVED, 1024)  # the most maps a split holds (tokens and, searched file by file, ends)
 
 

@@ -215,12 +215,7 @@ def tokenize_shard(
     node's (Spilled); a stopped shard is begun again: nothing of it is kept."""
     started = time.monotonic()
     if on_store(out):  # OUT on a store (layout/stored.py): the runner's to upload and checkpoint
-        writer = ShardWriter(shard, None, Checkpoint(), spec)
-        try:
-            writer.run(on_batch, stop)
-        finally:
-            writer.close()
-        return writer.result(time.monotonic() - started)
+        return _attempt(ShardWriter(shard, None, Checkpoint(), spec), on_batch, stop, started)
     files = ShardFiles.of(out, shard)
     files.folder.mkdir(parents=True, exist_ok=True)
     with open(files.lock, "a+") as lock:
@@ -229,11 +224,15 @@ def tokenize_shard(
         ckpt = Checkpoint() if again else Checkpoint.load(files.checkpoint) or Checkpoint()
         if ckpt.done:
             return ShardResult(shard.split, shard.key, ckpt, ckpt.tokens, 0, time.monotonic() - started)
-        writer = ShardWriter(shard, files, ckpt, spec)
-        try:
-            writer.run(on_batch, stop)
-        finally:
-            writer.close()
+        return _attempt(ShardWriter(shard, files, ckpt, spec), on_batch, stop, started)
+
+
+def _attempt(writer: ShardWriter, on_batch, stop, started: float) -> ShardResult:
+    """The writer run to the shard's end (or a stop), closed whatever happens; its result."""
+    try:
+        writer.run(on_batch, stop)
+    finally:
+        writer.close()
     return writer.result(time.monotonic() - started)
 
 
