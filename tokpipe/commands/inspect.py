@@ -119,10 +119,20 @@ def _source(
 ) -> Source:
     """A Source of what meta records, or while OUT is unfinished, run.json."""
     return Source(
-        name, finished, np.dtype(record.dtype), record.vocab_size, record.eos_token_id, record.eos_token,
-        record.tokenizer, record.tokenizer_sha256, tokenizer_path, documents, files, record.bos_placed,
-        record.delimiters.eos,
-    )  # fmt: skip
+        split=name,
+        finished=finished,
+        dtype=np.dtype(record.dtype),
+        vocab_size=record.vocab_size,
+        eos_id=record.eos_token_id,
+        eos_token=record.eos_token,
+        tokenizer=record.tokenizer,
+        tokenizer_sha256=record.tokenizer_sha256,
+        tokenizer_path=tokenizer_path,
+        documents=documents,
+        files=files,
+        bos_id=record.bos_placed,
+        eos_written=record.delimiters.eos,
+    )
 
 
 def load_decoder(source: Source, tokenizer: str | None) -> tuple[Callable[[np.ndarray], str], str]:
