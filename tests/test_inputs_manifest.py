@@ -315,7 +315,7 @@ NOT_READ = (
 )
 PASSED_OVER_FILES = (
     ("en/alpaca.json", NOT_JSON_LINES),
-    ("en/dataset_info.json", NOT_JSON_LINES),
+    ("en/dataset_info.json", "Hugging Face datasets' metadata, never data"),
     ("en/more.jsonl.xz", NOT_READ),
 )
 
@@ -439,10 +439,10 @@ def test_a_dataset_on_a_store_is_refused_and_passed_over_as_on_disk(s3_server, s
     with pytest.raises(UserError) as none:
         api.build_manifest(s3_server.url(f"{s3_prefix}/notes"))
     assert str(none.value) == (
-        f"no shards (*.jsonl, *.jsonl.zst, *.jsonl.zstd, *.jsonl.gz, *.json.gz, *.json.zst, *.parquet) under "
-        f"{s3_server.url(s3_prefix)}/notes/; found readme.txt in {s3_server.url(s3_prefix)}/notes/; expected a Hugging"
-        " Face cache root (holding datasets--ORG--NAME/), one datasets--ORG--NAME folder, a snapshots/REV folder, or a"
-        " folder of *.jsonl[.zst|.gz] or *.parquet shards"
+        "no shards (*.jsonl, *.jsonl.zst, *.jsonl.zstd, *.jsonl.gz, *.json.gz, *.json.zst, *.ndjson, *.parquet) under "
+        f"{s3_server.url(s3_prefix)}/notes/; passed over readme.txt: {NOT_READ}; found readme.txt in"
+        f" {s3_server.url(s3_prefix)}/notes/; expected a Hugging Face cache root (holding datasets--ORG--NAME/), one"
+        " datasets--ORG--NAME folder, a snapshots/REV folder, or a folder of *.jsonl[.zst|.gz] or *.parquet shards"
     )
     with pytest.raises(UserError) as nothing:
         api.build_manifest(s3_server.url(f"{s3_prefix}/not"))  # a prefix of notes/, but no folder

@@ -39,15 +39,17 @@ def build_manifest(
     repo_id: str | None = None,
     revision: str | None = None,
     allow_outside: bool = False,
+    configs: tuple[str, ...] = (),
 ) -> Manifest:
     """`tokpipe manifest`: the dataset's shards, splits and order; also written to `output` when given
     (what `run` reads). A tokpipe OUT inside the dataset is passed over (`Manifest.passed_over` says so).
-    `dataset_dir`: a folder, or a prefix on an object store (s3://BUCKET/PREFIX, docs/stores.md)."""
+    `dataset_dir`: a folder, or a prefix on an object store (s3://BUCKET/PREFIX, docs/stores.md). `configs`: which
+    of the dataset card's configs to read (default: its default one; tokpipe/inputs/card.py)."""
     build = _build_manifest
     if on_store(dataset_dir):
         from tokpipe.inputs.objects import build_store_manifest as build  # boto3 only for a dataset on a store
 
-    manifest = build(dataset_dir, repo_id=repo_id, revision=revision, allow_outside=allow_outside, is_out=is_out)
+    manifest = build(dataset_dir, repo_id, revision, allow_outside, is_out, configs)
     if output is not None:
         write_manifest(manifest, output)
     return manifest

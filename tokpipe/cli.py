@@ -33,7 +33,11 @@ def _cmd_manifest(args) -> int:
         example = Path(args.output) / "NAME.json"
         raise UserError(f"-o {args.output} is a folder: name the manifest's file (e.g. -o {example})")
     manifest = tokpipe.build_manifest(
-        args.dataset_dir, repo_id=args.repo_id, revision=args.revision, allow_outside=args.allow_outside
+        args.dataset_dir,
+        repo_id=args.repo_id,
+        revision=args.revision,
+        allow_outside=args.allow_outside,
+        configs=tuple(args.config),
     )
     name = (manifest.repo_id or Path(manifest.root).name).replace("/", "--")
     dest = Path(args.output or Path("manifests") / f"{name}.json")
@@ -55,6 +59,8 @@ def _manifest_lines(manifest, dest: Path) -> list[str]:
         f"{where}: {sum(counts.values())} shards ({', '.join(f'{k} {v}' for k, v in counts.items())}), "
         f"{manifest.size / 2**20:,.1f} MiB -> {dest}"
     ]
+    if manifest.config is not None:
+        lines.append(f"  config {manifest.config}: the files its README.md's data_files name, in its splits")
     for split, n in counts.items():
         shards = list(manifest.shards(split))
         names = [s.relpath for s in shards]
@@ -246,6 +252,14 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--repo-id", help="ORG/NAME, when the cache holds several datasets")
     m.add_argument("--revision", help="ref or commit of the snapshot (default: refs/main)")
     m.add_argument("--allow-outside", action="store_true", help="accept shards that symlink to files outside DIR")
+    m.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="read this config of the dataset card's (README.md's configs:), as load_dataset(NAME) does; repeat it to"
+        " read several (default: the card's default config)",
+    )
     m.set_defaults(func=_cmd_manifest)
 
     r = sub.add_parser("run", help="tokenize a manifest into OUT (rerun the same command to resume)")

@@ -30,15 +30,8 @@ import ijson
 import orjson
 
 from tokpipe.errors import UserError
-from tokpipe.inputs.names import (
-    DATA_FILE,
-    JSON_HEAD_BYTES,
-    JSON_SUFFIX,
-    SHARD_SUFFIXES,
-    not_a_shard,
-    shard_key,
-    split_of,
-)
+from tokpipe.inputs.card import CARD, Chosen, choose, configs_of, split_in
+from tokpipe.inputs.names import DATA_FILE, JSON_SUFFIX, SHARD_SUFFIXES, first_line, not_a_shard, shard_key
 from tokpipe.store import is_url
 
 MANIFEST_VERSION = 1
@@ -97,6 +90,7 @@ class Manifest:
     passed_over: tuple[tuple[str, str], ...] = ()
     # (relpath, why) of each file of data the builder did not list (not JSON Lines, a format tokpipe does not read)
     files_passed_over: tuple[tuple[str, str], ...] = ()
+    config: str | None = None  # the card's configs read, by name (inputs/card.py); None: the files' names' rules
 
     def shards(self, split: str | None = None) -> Iterator[Shard]:
         """The shards in manifest order (of one split, or all): one pass over the file of a loaded manifest."""
@@ -104,7 +98,7 @@ class Manifest:
         return shards if split is None else (s for s in shards if s.split == split)
 
     def header(self) -> dict:
-        return {"version": MANIFEST_VERSION} | {k: getattr(self, k) for k in HEADER}
+        return {"version": MANIFEST_VERSION} | {k: getattr(self, k) for k in HEADER} | {"config": self.config}
 
 
 def fingerprint_of(shards: Iterable[Shard]) -> str:
@@ -219,7 +213,7 @@ def _identity(folder: Path) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
-def _shard(pointed: Path, relpath: str, base: Path, allow_outside: bool) -> Shard:
+def _shard(pointed: Path, relpath: str, split: str, base: Path, allow_outside: bool) -> Shard:
     source = pointed.resolve()
     if not allow_outside:
         _check_inside(str(source), relpath, str(base))
@@ -232,7 +226,7 @@ def _shard(pointed: Path, relpath: str, base: Path, allow_outside: bool) -> Shar
         raise UserError(
             f"{relpath} is not a regular file (a named pipe, a socket or a device): put the shard there, or remove it"
         )
-    return Shard(split=split_of(relpath), relpath=relpath, path=str(source), size=st.st_size, key=shard_key(relpath))
+    return Shard(split=split, relpath=relpath, path=str(source), size=st.st_size, key=shard_key(relpath))
 
 
 def _layout_hint(directory: Path) -> str:
@@ -319,31 +313,38 @@ def build_manifest(
     revision: str | None = None,
     allow_outside: bool = False,
     is_out: Callable[[Path], bool] | None = None,
+    configs: tuple[str, ...] = (),
 ) -> Manifest:
     """The ordered shard list of a dataset in a folder (one under an s3:// prefix: objects.py, which
-    tokpipe.build_manifest calls where `on_store`). Shards whose bytes lie outside it (through symlinks) are
-    refused unless allow_outside: a manifest must not quietly read files from elsewhere. `is_out` tells a
-    tokpipe OUT (tokpipe/layout/ knows one; the commands pass it): one inside the dataset is passed over."""
+    tokpipe.build_manifest calls where `on_store`): the files of the card's config (`configs`, else its default:
+    card.py), or without one, every file of data, in the splits their names say. Shards whose bytes lie outside it
+    (through symlinks) are refused unless allow_outside: a manifest must not quietly read files from elsewhere.
+    `is_out` tells a tokpipe OUT (tokpipe/layout/ knows one; the commands pass it): one inside the dataset is passed
+    over."""
     root, blobs_dir, repo_id, revision = _locate(Path(dataset_dir).absolute(), repo_id, revision)
     base = (blobs_dir.parent if blobs_dir else root).resolve()
+    card = root / CARD
+    text = _resolve_pointer(card, blobs_dir).read_text(errors="replace") if card.is_file() else ""
+    chosen = choose(configs_of(text), configs, repo_id or str(root))
     files, passed_over = _walk(root, is_out)
     shards, files_passed_over = [], []
     for path, relpath in files:
+        split = split_in(chosen, relpath)
         pointed = _resolve_pointer(path, blobs_dir)
-        json_head = _head(pointed) if relpath.endswith(JSON_SUFFIX) else b""
-        if why := not_a_shard(relpath, json_head):
+        json_head = _first_line(pointed) if relpath.endswith(JSON_SUFFIX) and split else b""
+        if why := chosen.why_not() if split is None else not_a_shard(relpath, json_head):
             files_passed_over.append((relpath, why))
         else:
-            shards.append(_shard(pointed, relpath, base, allow_outside))
+            shards.append(_shard(pointed, relpath, split, base, allow_outside))
     return manifest_of(
         str(root), str(base), allow_outside, repo_id, revision, shards, passed_over, lambda: _layout_hint(root),
-        files_passed_over,
+        files_passed_over, chosen,
     )  # fmt: skip
 
 
-def _head(path: Path) -> bytes:
+def _first_line(path: Path) -> bytes:
     with open(path, "rb") as f:
-        return f.read(JSON_HEAD_BYTES)
+        return first_line(lambda start, stop: f.read(stop - start))
 
 
 def manifest_of(
@@ -356,11 +357,13 @@ def manifest_of(
     passed_over: list[tuple[str, str]],
     hint: Callable[[], str],
     files_passed_over: list[tuple[str, str]] = (),
+    chosen: Chosen | None = None,
 ) -> Manifest:
     """The manifest of the shards a walk found (of a folder, or of a prefix on a store): in order, each key once.
-    None found: refused, with `hint()` (layout_hint) of what the dataset dir holds."""
+    None found: refused, with `hint()` (layout_hint) of what the dataset dir holds, and each file passed over."""
     if not shards:
-        raise UserError(f"no shards (*{', *'.join(SHARD_SUFFIXES)}) under {root}; {hint()}")
+        why = "".join(f"; passed over {relpath}: {why}" for relpath, why in sorted(files_passed_over))
+        raise UserError(f"no shards (*{', *'.join(SHARD_SUFFIXES)}) under {root}{why}; {hint()}")
     # The order of docs/design.md: per split, plain string order of the path relative to the snapshot root.
     shards.sort(key=lambda s: s.relpath)
     keys = {}
@@ -371,7 +374,7 @@ def manifest_of(
     counts, size = dict(Counter(s.split for s in shards)), sum(s.size for s in shards)
     return Manifest(
         root, base, allow_outside, repo_id, revision, fingerprint_of(shards), counts, size, tuple(shards),
-        tuple(passed_over), tuple(sorted(files_passed_over)),
+        tuple(passed_over), tuple(sorted(files_passed_over)), None if chosen is None else ", ".join(chosen.names),
     )  # fmt: skip
 
 
@@ -414,7 +417,7 @@ def load_manifest(path: str | os.PathLike) -> Manifest:
         if header.get("version") != MANIFEST_VERSION:
             raise ValueError(f"version {header.get('version')!r}, expected {MANIFEST_VERSION}")
         fingerprint = fingerprint_of(tallied(_read_shards(path), header))
-        manifest = Manifest(*(header[k] for k in HEADER), dict(counts), size, path)
+        manifest = Manifest(*(header[k] for k in HEADER), dict(counts), size, path, config=header.get("config"))
     except FileNotFoundError:
         raise UserError(
             f"manifest {path} does not exist: create it with `tokpipe manifest --dataset-dir DIR -o {path}`"

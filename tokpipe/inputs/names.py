@@ -8,14 +8,16 @@ import orjson
 
 from tokpipe.errors import UserError
 
-SHARD_SUFFIXES = (".jsonl", ".jsonl.zst", ".jsonl.zstd", ".jsonl.gz", ".json.gz", ".json.zst", ".parquet")
+SHARD_SUFFIXES = (".jsonl", ".jsonl.zst", ".jsonl.zstd", ".jsonl.gz", ".json.gz", ".json.zst", ".ndjson", ".parquet")
 # A `.json` file is a shard when it is JSON Lines, as Hugging Face datasets' json builder reads it (C4's uncompressed
 # files, many a dataset's train.json): its first line is a JSON object. Else (a dataset_info.json, a JSON array) it is
 # passed over, named, as is a file of a data format tokpipe does not read: never left out without a word.
 JSON_SUFFIX = ".json"
-# A file of data, read or not: x.json, x.jsonl.xz, x.csv.gz, x.arrow (every shard suffix but .parquet too)
-DATA_FILE = re.compile(r"\.(jsonl?|csv|tsv|arrow)(\.\w+)?$", re.IGNORECASE)
-JSON_HEAD_BYTES = 1 << 20  # read of a .json file to find its first line
+# A file of data, read or not: x.json, x.jsonl.xz, x.csv.gz, x.arrow, x.txt, x.tar (every shard suffix but .parquet too)
+DATA_FILE = re.compile(r"\.(jsonl?|ndjson|csv|tsv|arrow|txt|tar)(\.\w+)?$", re.IGNORECASE)
+JSON_HEAD_BYTES = 1 << 20  # read of a .json file at a time to find its first line (first_line)
+# Files Hugging Face datasets never reads as data (datasets/data_files.py FILES_TO_IGNORE), and save_to_disk's state.
+METADATA_FILES = {"config.json", "dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}
 # Splits as Hugging Face datasets finds them in a repository's paths (src/datasets/data_files.py, read at
 # b7cb10b: SPLIT_KEYWORDS, and the KEYWORDS_IN_DIR_NAME / KEYWORDS_IN_FILENAME patterns with NON_WORDS_CHARS; the
 # hub's "File names and splits" page): a keyword anywhere in a folder or file name, delimited by the name's ends
@@ -58,9 +60,27 @@ def shard_key(relpath: str) -> str:
     return relpath.replace("/", "__")
 
 
+def first_line(read) -> bytes:
+    """A .json file's first line (past leading blank space), however long: `read(start, stop)` gives its bytes, read
+    JSON_HEAD_BYTES at a time until a newline or its end."""
+    held, at, start = bytearray(), 0, None  # start: where the line begins, once a byte not blank is read
+    while piece := read(at, at + JSON_HEAD_BYTES):
+        searched, at = len(held), at + len(piece)
+        held += piece
+        if start is None:
+            if not held.strip():
+                continue
+            start = searched = len(held) - len(held.lstrip())
+        if held.find(b"\n", searched) >= 0:
+            break
+    return b"" if start is None else bytes(held[start:]).split(b"\n", 1)[0]
+
+
 def not_a_shard(relpath: str, json_head: bytes) -> str | None:
-    """Why a file of data the walk met is no shard (None: it is one). A .json file is one when its first line, in
-    `json_head` (its first JSON_HEAD_BYTES), is a JSON object: it is JSON Lines."""
+    """Why a file of data the walk met is no shard (None: it is one). A .json file is one when its first line
+    (`json_head`: first_line's) is a JSON object: it is JSON Lines."""
+    if relpath.rsplit("/", 1)[-1] in METADATA_FILES:
+        return "Hugging Face datasets' metadata, never data"
     if relpath.endswith(SHARD_SUFFIXES):
         return None
     if not relpath.endswith(JSON_SUFFIX):

@@ -13,20 +13,14 @@ and every read of the shard asks for that ETag (tokpipe/store/reader.py).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import PurePosixPath
 
 from tokpipe.errors import UserError
+from tokpipe.inputs.card import CARD, choose, configs_of, split_in
 from tokpipe.inputs.manifest import Manifest, Shard, layout_hint, manifest_of, pick_revision
-from tokpipe.inputs.names import (
-    DATA_FILE,
-    JSON_HEAD_BYTES,
-    JSON_SUFFIX,
-    SHARD_SUFFIXES,
-    not_a_shard,
-    shard_key,
-    split_of,
-)
+from tokpipe.inputs.names import DATA_FILE, JSON_SUFFIX, SHARD_SUFFIXES, first_line, not_a_shard, shard_key
 from tokpipe.store import Bucket, Object, Url, is_url
 
 REPO_PREFIX = "datasets--"
@@ -38,9 +32,11 @@ def build_store_manifest(
     revision: str | None = None,
     allow_outside: bool = False,
     is_out: Callable[..., bool] | None = None,
+    configs: tuple[str, ...] = (),
 ) -> Manifest:
-    """The ordered shard list of a dataset under an s3:// prefix; `is_out(folder, names)` tells a tokpipe OUT from
-    the names of the objects in a folder. A store's keys hold no link: `allow_outside` changes nothing here."""
+    """The ordered shard list of a dataset under an s3:// prefix, by manifest.py's rules (the card's config read);
+    `is_out(folder, names)` tells a tokpipe OUT from the names of the objects in a folder. A store's keys hold no
+    link: `allow_outside` changes nothing here."""
     url = Url.parse(dataset_dir)
     bucket = Bucket.of(url)
     prefix = url.key.rstrip("/") + "/" if url.key.strip("/") else ""  # a folder: `a/b` holds a/b/x, not a/bc
@@ -49,16 +45,18 @@ def build_store_manifest(
     if not listed:
         raise UserError(f"--dataset-dir {bucket.where(prefix)} holds no object: is the bucket or the prefix misspelt?")
     root, repo, repo_id, revision = _locate(bucket, prefix, listed, repo_id, revision)
+    card = bucket.get(root + CARD)[0].decode(errors="replace") if root + CARD in listed else ""
+    chosen = choose(configs_of(card), configs, repo_id or bucket.where(root))
     files, passed_over = _walk(listed, root, is_out)
     shards, files_passed_over = [], []
     for found, relpath in files:
-        json_head = bucket.read(found.key, 0, JSON_HEAD_BYTES, found.etag)[0] if relpath.endswith(JSON_SUFFIX) else b""
-        if why := not_a_shard(relpath, json_head):
+        split = split_in(chosen, relpath)
+        read = functools.partial(_read, bucket, found)
+        json_head = first_line(read) if relpath.endswith(JSON_SUFFIX) and split else b""
+        if why := chosen.why_not() if split is None else not_a_shard(relpath, json_head):
             files_passed_over.append((relpath, why))
         else:
-            shards.append(
-                Shard(split_of(relpath), relpath, bucket.where(found.key), found.size, shard_key(relpath), found.etag)
-            )
+            shards.append(Shard(split, relpath, bucket.where(found.key), found.size, shard_key(relpath), found.etag))
     return manifest_of(
         bucket.where(root),
         bucket.where(repo if repo is not None else root),
@@ -71,7 +69,12 @@ def build_store_manifest(
             bucket.where(root), sorted({k[len(root) :].split("/")[0] for k in listed if k.startswith(root)})
         ),
         files_passed_over,
+        chosen,
     )
+
+
+def _read(bucket: Bucket, found: Object, start: int, stop: int) -> bytes:
+    return bucket.read(found.key, start, stop, found.etag)[0]
 
 
 def check_reachable(manifest: Manifest) -> None:

@@ -1,0 +1,191 @@
+"""inputs/card.py: a hub repo's README.md `configs:`, read as Hugging Face `datasets` reads them. Each test makes a
+replica of a real repo's layout (its folders, file names and card) and compares, split by split, the documents of
+the shards `tokpipe manifest` lists with those `datasets.load_dataset` itself gives (the reference), or checks that
+both refuse. Documents are compared as multisets of their non-empty texts (tokpipe skips an empty one, counted)."""
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from helpers import cli
+
+import tokpipe
+from tokpipe.errors import UserError
+from tokpipe.inputs.manifest import build_manifest
+from tokpipe.inputs.source import read_batches
+
+datasets = pytest.importorskip("datasets")
+
+
+def _write(path: Path, texts: list[str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+
+
+def _card(root: Path, configs: str) -> None:
+    (root / "README.md").write_text(f"---\nconfigs:\n{configs}---\n# A dataset\n")
+
+
+def _tokpipe(root: Path, *configs: str) -> dict[str, Counter]:
+    found: dict[str, Counter] = {}
+    for shard in build_manifest(root, configs=configs).shards():
+        texts = (t for batch in read_batches(shard.path) for t in batch.texts)
+        found.setdefault(shard.split, Counter()).update(texts)
+    return found
+
+
+def _datasets(root: Path, tmp_path: Path, *configs: str | None) -> dict[str, Counter]:
+    found: dict[str, Counter] = {}
+    for name in configs:
+        loaded = datasets.load_dataset(str(root), name, cache_dir=str(tmp_path / "hf-cache"))
+        for split, rows in loaded.items():
+            found.setdefault(split, Counter()).update(t for t in rows["text"] if t)
+    return found
+
+
+def test_of_two_configs_one_a_superset_the_one_asked_is_read_and_none_asked_is_refused(tmp_path):
+    # allenai/c4: en, and en.noblocklist, which holds en's documents and more; neither is the default.
+    root = tmp_path / "c4"
+    for config, extra in (("en", []), ("en.noblocklist", ["blocked page"])):
+        _write(root / config / "c4-train.00000-of-00002.json", ["a page", "another page", *extra])
+        _write(root / config / "c4-train.00001-of-00002.json", ["a third page"])
+        _write(root / config / "c4-validation.00000-of-00001.json", ["held out", *extra])
+    _card(root, "".join(
+        f"- config_name: {c}\n  data_files:\n  - split: train\n    path: {c}/c4-train.*.json\n"
+        f"  - split: validation\n    path: {c}/c4-validation.*.json\n"
+        for c in ("en", "en.noblocklist")
+    ))  # fmt: skip
+    assert _tokpipe(root, "en") == _datasets(root, tmp_path, "en")
+    assert _tokpipe(root, "en.noblocklist") == _datasets(root, tmp_path, "en.noblocklist")
+    with pytest.raises(ValueError):
+        datasets.load_dataset(str(root), cache_dir=str(tmp_path / "hf-cache"))
+    with pytest.raises(UserError) as refused:
+        build_manifest(root)
+    assert str(refused.value) == (
+        f"{root}'s README.md lists configs en, en.noblocklist and none is the default: pick one with --config NAME"
+        " (repeat it to read several)"
+    )
+
+
+def test_the_default_config_leaves_out_a_sample_that_repeats_its_documents(tmp_path):
+    # HuggingFaceFW/fineweb: the default config is data/*/*; sample/10BT/ repeats some of its documents.
+    root = tmp_path / "fineweb"
+    _write(root / "data" / "CC-MAIN-2024-10" / "000_00000.jsonl", ["one", "two"])
+    _write(root / "data" / "CC-MAIN-2024-18" / "000_00000.jsonl", ["three"])
+    _write(root / "sample" / "10BT" / "000_00000.jsonl", ["one", "three"])
+    _card(root, "- config_name: default\n  data_files: data/*/*\n- config_name: sample\n  data_files: sample/10BT/*\n")
+    assert _tokpipe(root) == _datasets(root, tmp_path, None) == {"train": Counter(["one", "two", "three"])}
+    assert _tokpipe(root, "sample") == _datasets(root, tmp_path, "sample")
+
+
+def test_a_card_s_own_split_folders_go_to_the_splits_it_names(tmp_path):
+    # A card that declares validation = heldout/* and test = final_eval/*, whose names no split keyword matches.
+    root = tmp_path / "repo"
+    _write(root / "data" / "part-0.jsonl", ["trained on"])
+    _write(root / "heldout" / "part-0.jsonl", ["validated on"])
+    _write(root / "final_eval" / "part-0.jsonl", ["tested on"])
+    _card(root, (
+        "- config_name: default\n  data_files:\n  - split: train\n    path: data/*\n"
+        "  - split: validation\n    path: heldout/*\n  - split: test\n    path: final_eval/*\n"
+    ))  # fmt: skip
+    assert _tokpipe(root) == _datasets(root, tmp_path, None)
+    assert _tokpipe(root)["validation"] == Counter(["validated on"])
+
+
+def test_a_lone_config_is_the_default_and_a_parquet_conversion_beside_raw_files_is_read_once(tmp_path):
+    # A repo whose card points at data/*.parquet (the hub's conversion) beside raw/*.jsonl of the same documents.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path / "repo"
+    (root / "data").mkdir(parents=True)
+    pq.write_table(pa.table({"text": ["first", "second"]}), root / "data" / "train-00000-of-00001.parquet")
+    _write(root / "raw" / "train.jsonl", ["first", "second"])
+    _card(root, "- config_name: plain\n  data_files:\n  - split: train\n    path: data/*.parquet\n")
+    assert _tokpipe(root) == _datasets(root, tmp_path, None) == {"train": Counter(["first", "second"])}
+
+
+def test_configs_with_no_default_are_read_one_or_several_each_file_once(tmp_path):
+    # wikimedia/wikipedia: a config per dump and language, none the default.
+    root = tmp_path / "wikipedia"
+    _write(root / "20231101.en" / "train-00000-of-00001.jsonl", ["Paris is a city"])
+    _write(root / "20231101.fr" / "train-00000-of-00001.jsonl", ["Paris est une ville"])
+    _card(root, "".join(f"- config_name: {c}\n  data_files:\n  - split: train\n    path: {c}/train-*\n" for c in (
+        "20231101.en", "20231101.fr"
+    )))  # fmt: skip
+    both = _datasets(root, tmp_path, "20231101.en", "20231101.fr")
+    assert _tokpipe(root, "20231101.en", "20231101.fr") == both
+    assert sum(both["train"].values()) == 2
+    run = cli("manifest", "--dataset-dir", root, "-o", tmp_path / "m.json", "--config", "20231101.fr")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[1] == "  config 20231101.fr: the files its README.md's data_files name, in its splits"
+    passed = "passed over 20231101.en/train-00000-of-00001.jsonl: not in the data_files of config 20231101.fr"
+    assert any(line.startswith(passed) for line in lines)
+    assert json.loads((tmp_path / "m.json").read_text())["config"] == "20231101.fr"
+    wrong = cli("manifest", "--dataset-dir", root, "-o", tmp_path / "m.json", "--config", "20231101.de")
+    assert wrong.returncode == 2
+    assert wrong.stderr.strip() == (
+        f"tokpipe manifest: error: --config 20231101.de: {root}'s README.md lists configs 20231101.en, 20231101.fr;"
+        " name one of them"
+    )
+
+
+def test_a_config_with_a_data_dir_alone_splits_its_files_by_their_names(tmp_path):
+    root = tmp_path / "repo"
+    _write(root / "v2" / "train.jsonl", ["new train"])
+    _write(root / "v2" / "test.jsonl", ["new test"])
+    _write(root / "v1" / "train.jsonl", ["old train"])
+    _card(root, "- config_name: v2\n  data_dir: v2\n  default: true\n- config_name: v1\n  data_dir: v1\n")
+    assert _tokpipe(root) == _datasets(root, tmp_path, None) == {
+        "train": Counter(["new train"]),
+        "test": Counter(["new test"]),
+    }
+
+
+def test_without_configs_the_names_say_the_splits(tmp_path):
+    root = tmp_path / "repo"
+    _write(root / "train" / "part-0.jsonl", ["a"])
+    _write(root / "validation" / "part-0.jsonl", ["b"])
+    (root / "README.md").write_text("# no YAML header\n")
+    assert _tokpipe(root) == _datasets(root, tmp_path, None)
+
+
+def test_ndjson_a_json_of_long_lines_and_metadata_files_are_read_as_datasets_reads_them(tmp_path):
+    root = tmp_path / "repo"
+    _write(root / "data" / "train-0.ndjson", ["ndjson text"])
+    long = "x" * (3 << 20)  # a first line past the 1 MiB read at a time
+    _write(root / "data" / "train-1.json", [long, "after it"])
+    (root / "dataset_infos.json").write_text('{"default": {"description": ""}}\n')  # one line, a JSON object
+    assert _tokpipe(root) == _datasets(root, tmp_path, None) == {"train": Counter(["ndjson text", long, "after it"])}
+    manifest = build_manifest(root)
+    assert manifest.files_passed_over == (("dataset_infos.json", "Hugging Face datasets' metadata, never data"),)
+
+
+def test_no_shards_is_refused_naming_each_file_passed_over(tmp_path):
+    root = tmp_path / "repo"
+    (root / "data").mkdir(parents=True)
+    (root / "data" / "train.csv").write_text("text\na\n")
+    (root / "data" / "all.json").write_text('[{"text": "a"}]\n')
+    with pytest.raises(UserError) as refused:
+        build_manifest(root)
+    said = str(refused.value)
+    assert "; passed over data/all.json: not JSON Lines (its first line is not a JSON object" in said
+    assert "; passed over data/train.csv: a format tokpipe does not read" in said
+
+
+def test_a_snapshot_on_a_store_is_read_by_the_same_card(tmp_path, s3_server, s3_prefix):
+    root = tmp_path / "c4"
+    _write(root / "en" / "c4-train.00000-of-00001.json", ["a page"])
+    _write(root / "en.noblocklist" / "c4-train.00000-of-00001.json", ["a page", "blocked page"])
+    _card(root, "- config_name: en\n  data_files: en/*.json\n- config_name: en.noblocklist\n  data_files: en.no*/*\n")
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        s3_server.put(f"{s3_prefix}/{path.relative_to(root).as_posix()}", path.read_bytes())
+    url = s3_server.url(s3_prefix)
+    on_store = tokpipe.build_manifest(url, configs=("en.noblocklist",))  # the API's: a URL's objects listed
+    shard = "en.noblocklist/c4-train.00000-of-00001.json"
+    assert [(s.split, s.relpath) for s in on_store.shards()] == [("train", shard)]
+    assert on_store.config == "en.noblocklist"
+    with pytest.raises(UserError, match=r"lists configs en, en.noblocklist and none is the default"):
+        tokpipe.build_manifest(url)

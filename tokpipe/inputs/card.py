@@ -1,0 +1,170 @@
+"""A hub repo's dataset card (README.md): its YAML `configs:`, read as Hugging Face `datasets` reads them, so that a
+manifest holds the files `load_dataset` would read, in the same splits, each once.
+
+A config names its files per split in `data_files` (datasets/utils/metadata.py MetadataConfigs, read at 5.2): a glob
+or a list of globs (the train split), or a list of `{split, path}` (path a glob or a list of them), relative to the
+repo's root, or to the config's `data_dir`. The config read is the one asked (`--config`, repeatable: several
+configs' files, each file once), else the default: a lone config, the one named `default`, or the one marked
+`default: true`; with several and none the default, the manifest is refused naming them, as `load_dataset` asks
+which. A config with a data_dir and no data_files, and a repo whose card has no `configs:`, are read by the file
+names' rules (names.py) under it.
+
+Globs are fsspec's, as `datasets` resolves them: `*` and `?` within a name, `**` across folders; a hidden file or
+folder (`.x`, `__x`) matches only a pattern that names it so.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tokpipe.errors import UserError
+from tokpipe.inputs.names import split_of
+
+CARD = "README.md"
+# The splits a manifest holds (train.bin, val.bin, test: docs/design.md); a config's other split names are refused.
+SPLITS = ("train", "validation", "test")
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """The configs read and each split's globs (over the repo's relpaths), in the card's order."""
+
+    names: tuple[str, ...]
+    patterns: dict[str, list[str]]  # split -> globs, relative to the repo's root
+    folders: tuple[str, ...] = ()  # data_dirs of configs with no data_files: their files split by their names
+
+    def split_of(self, relpath: str) -> str | None:
+        """The split a file is read into (None: no config read names it); two splits naming it are refused."""
+        named = {split for split, globs in self.patterns.items() if any(_match(g, relpath) for g in globs)}
+        named |= {split_of(relpath.removeprefix(f"{f}/")) for f in self.folders if relpath.startswith(f"{f}/")}
+        named = sorted(named)
+        if len(named) > 1:
+            raise UserError(
+                f"{relpath} is in the data_files of {' and '.join(named)} of config {', '.join(self.names)}"
+                f" ({CARD}), and Hugging Face datasets would read it into each: fix the card's data_files"
+            )
+        return named[0] if named else None
+
+    def why_not(self) -> str:
+        return f"not in the data_files of config {', '.join(self.names)} ({CARD}'s configs)"
+
+
+def split_in(chosen: Chosen | None, relpath: str) -> str | None:
+    """The split a file of data is read into: its config's (None: not in the configs read), or its name's."""
+    return split_of(relpath) if chosen is None else chosen.split_of(relpath)
+
+
+def configs_of(card: str) -> dict[str, dict]:
+    """The card's configs by name, as its YAML front matter lists them ({} without one)."""
+    if not card.startswith("---"):
+        return {}
+    import yaml  # only where a card has a YAML header
+
+    front = card.split("\n---", 1)[0].removeprefix("---")
+    try:
+        data = yaml.safe_load(front) or {}
+    except yaml.YAMLError as e:
+        raise UserError(f"{CARD}'s YAML header does not parse ({' '.join(str(e).split())}): fix the card") from None
+    listed = data.get("configs") if isinstance(data, dict) else None
+    if listed is None:
+        return {}
+    if not isinstance(listed, list) or not all(isinstance(c, dict) and "config_name" in c for c in listed):
+        raise UserError(f"{CARD}'s configs: is not a list of configs, each with a config_name: fix the card")
+    return {str(c["config_name"]): c for c in listed}
+
+
+def choose(configs: dict[str, dict], asked: tuple[str, ...], where: str) -> Chosen | None:
+    """The configs to read: those `asked`, else the default one; None where the card lists none."""
+    if not configs:
+        if asked:
+            raise UserError(f"--config {asked[0]}: {where} has no configs in its {CARD}; leave --config out")
+        return None
+    names = ", ".join(configs)
+    if asked:
+        unknown = [name for name in asked if name not in configs]
+        if unknown:
+            raise UserError(f"--config {unknown[0]}: {where}'s {CARD} lists configs {names}; name one of them")
+    else:
+        default = [n for n, c in configs.items() if len(configs) == 1 or n == "default" or c.get("default")]
+        if len(default) != 1:
+            raise UserError(
+                f"{where}'s {CARD} lists configs {names} and "
+                + ("none is the default" if not default else f"several defaults ({', '.join(default)})")
+                + ": pick one with --config NAME (repeat it to read several)"
+            )
+        asked = tuple(default)
+    patterns: dict[str, list[str]] = {}
+    folders = []
+    for name in asked:
+        config = configs[name]
+        data_dir = str(config.get("data_dir") or "").strip("/")
+        if config.get("data_files") is None:
+            if not data_dir:
+                raise UserError(f"config {name} names neither data_files nor a data_dir ({CARD}): fix the card")
+            folders.append(data_dir)
+            continue
+        for split, globs in _data_files(config["data_files"], name).items():
+            patterns.setdefault(split, []).extend(f"{data_dir}/{g}" if data_dir else g for g in globs)
+    return Chosen(tuple(asked), patterns, tuple(folders))
+
+
+def _data_files(data_files, config: str) -> dict[str, list[str]]:
+    """A config's data_files as {split: globs} (datasets' sanitize_patterns): a glob or a list of them is train's."""
+    if isinstance(data_files, str):
+        data_files = [data_files]
+    if isinstance(data_files, dict):
+        data_files = [{"split": split, "path": path} for split, path in data_files.items()]
+    if not isinstance(data_files, list):
+        raise UserError(f"config {config}'s data_files is not a glob, a list, or a list of splits' paths ({CARD})")
+    if not any(isinstance(item, dict) for item in data_files):
+        found = {"train": [str(g) for g in data_files]}
+    else:
+        found = {}
+        for item in data_files:
+            if not (isinstance(item, dict) and "split" in item and isinstance(item.get("path"), (str, list))):
+                raise UserError(f"config {config}'s data_files mixes globs and splits' paths ({CARD})")
+            path = item["path"]
+            found[str(item["split"])] = [path] if isinstance(path, str) else [str(p) for p in path]
+    for split in found:
+        if split not in SPLITS:
+            raise UserError(
+                f"config {config}'s split {split!r} ({CARD}): tokpipe writes the splits {', '.join(SPLITS)};"
+                " read it with a card that names it one of them"
+            )
+    return found
+
+
+def _match(glob: str, relpath: str) -> bool:
+    return _compiled(glob)(relpath)
+
+
+_GLOBS: dict[str, Callable[[str], bool]] = {}
+
+
+def _compiled(glob: str) -> Callable[[str], bool]:
+    """fsspec's glob as a test of a relpath; a hidden name (`.x`, `__x`) matched only where the glob says it."""
+    if glob not in _GLOBS:
+        pattern, i = "", 0
+        glob = glob.removeprefix("./")
+        while i < len(glob):
+            if glob.startswith("**/", i):
+                pattern, i = pattern + "(?:[^/]+/)*", i + 3
+            elif glob.startswith("**", i):
+                pattern, i = pattern + ".*", i + 2
+            elif glob[i] == "*":
+                pattern, i = pattern + "[^/]*", i + 1
+            elif glob[i] == "?":
+                pattern, i = pattern + "[^/]", i + 1
+            elif glob[i] == "[" and "]" in glob[i + 1 :]:
+                end = glob.index("]", i + 1)
+                pattern, i = pattern + "[" + glob[i + 1 : end].replace("!", "^", 1) + "]", end + 1
+            else:
+                pattern, i = pattern + re.escape(glob[i]), i + 1
+        full = re.compile(pattern + r"\Z")
+        hidden_asked = any(part.startswith((".", "__")) for part in glob.split("/"))
+        _GLOBS[glob] = lambda relpath: bool(full.match(relpath)) and (
+            hidden_asked or not any(part.startswith((".", "__")) for part in relpath.split("/"))
+        )
+    return _GLOBS[glob]
