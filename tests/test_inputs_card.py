@@ -144,12 +144,38 @@ def test_a_config_with_a_data_dir_alone_splits_its_files_by_their_names(tmp_path
     }
 
 
-def test_without_configs_the_names_say_the_splits(tmp_path):
+# Repos with no configs in their card: which files datasets reads, and into which split, by the first rule any file
+# fits (the hub's data/{split}-NNNNN-of-NNNNN.* files alone; else a split named in folders; in file names; all train).
+WITHOUT_CONFIGS = {
+    "split folders": {"train/part-0.jsonl": ["a"], "validation/part-0.jsonl": ["b"]},
+    "split folders and a file beside them": {"train/a.jsonl": ["a"], "test/b.jsonl": ["b"], "raw/a.jsonl": ["a", "b"]},
+    "a split folder outranks split file names": {"train/a.jsonl": ["a"], "c4-validation.0.json": ["b"]},
+    "split file names and one that names none": {"x-train.jsonl": ["a"], "x-test.jsonl": ["b"], "notes.jsonl": ["c"]},
+    "the hub's sharded files beside others": {
+        "data/train-00000-of-00001.jsonl": ["a"],
+        "data/test-00000-of-00001.jsonl": ["b"],
+        "raw/train.jsonl": ["a"],
+        "extra/more.jsonl": ["c"],
+    },
+    "nothing named": {"cc/en/part-0001.jsonl": ["a"], "cc/fr/part-0001.jsonl": ["b"]},
+}
+
+
+@pytest.mark.parametrize("layout", WITHOUT_CONFIGS)
+def test_without_configs_the_files_and_splits_are_those_datasets_infers(tmp_path, layout):
     root = tmp_path / "repo"
-    _write(root / "train" / "part-0.jsonl", ["a"])
-    _write(root / "validation" / "part-0.jsonl", ["b"])
+    for relpath, texts in WITHOUT_CONFIGS[layout].items():
+        _write(root / relpath, texts)
     (root / "README.md").write_text("# no YAML header\n")
     assert _tokpipe(root) == _datasets(root, tmp_path, None)
+
+
+def test_a_file_datasets_would_not_read_is_named_with_why(tmp_path):
+    root = tmp_path / "repo"
+    for relpath, texts in WITHOUT_CONFIGS["split folders and a file beside them"].items():
+        _write(root / relpath, texts)
+    why = "names no split in a folder's name, where other files do: Hugging Face datasets reads none of it"
+    assert build_manifest(root).files_passed_over == (("raw/a.jsonl", why),)
 
 
 def test_ndjson_a_json_of_long_lines_and_metadata_files_are_read_as_datasets_reads_them(tmp_path):
@@ -167,11 +193,11 @@ def test_no_shards_is_refused_naming_each_file_passed_over(tmp_path):
     root = tmp_path / "repo"
     (root / "data").mkdir(parents=True)
     (root / "data" / "train.csv").write_text("text\na\n")
-    (root / "data" / "all.json").write_text('[{"text": "a"}]\n')
+    (root / "data" / "train-all.json").write_text('[{"text": "a"}]\n')
     with pytest.raises(UserError) as refused:
         build_manifest(root)
     said = str(refused.value)
-    assert "; passed over data/all.json: not JSON Lines (its first line is not a JSON object" in said
+    assert "; passed over data/train-all.json: not JSON Lines (its first line is not a JSON object" in said
     assert "; passed over data/train.csv: a format tokpipe does not read" in said
 
 

@@ -13,7 +13,7 @@ from helpers import EXAMPLE_CACHE, cli, plain_copy_of_example, run_args, tokpipe
 import tokpipe as api
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import build_manifest, load_manifest, write_manifest
-from tokpipe.inputs.names import split_of
+from tokpipe.inputs.names import splits_of
 from tokpipe.store import Url
 
 REPO_DIR = EXAMPLE_CACHE / "datasets--tokpipe-realdata--slimpajama-mini"
@@ -56,7 +56,7 @@ def test_cache_root_repo_folder_and_snapshot_give_the_same_shards():
     ],
 )
 def test_split_comes_from_the_path_as_hf_datasets_name_it(relpath, split):
-    assert split_of(relpath) == split
+    assert splits_of([relpath]) == ({relpath: split}, {})  # a repo of one file
 
 
 def test_a_split_is_named_anywhere_in_a_folder_or_file_name_by_hugging_face_datasets_keywords():
@@ -82,7 +82,7 @@ def test_a_split_is_named_anywhere_in_a_folder_or_file_name_by_hugging_face_data
         "interval_3.jsonl": "train",
         "developer.jsonl": "train",
     }
-    assert {relpath: split_of(relpath) for relpath in cases} == cases
+    assert {relpath: splits_of([relpath])[0][relpath] for relpath in cases} == cases
 
 
 def test_a_path_that_names_two_splits_is_refused_in_one_line(tmp_path):
@@ -263,23 +263,23 @@ def test_shards_that_resolve_outside_the_dataset_are_refused_unless_allowed(tmp_
 
 def test_each_folder_is_walked_once_and_the_links_passed_over_are_said(tmp_path):
     data = tmp_path / "data"
-    write_jsonl(data / "train" / "a.jsonl", ['{"text": "a"}'])
+    write_jsonl(data / "texts" / "a.jsonl", ['{"text": "a"}'])
     write_jsonl(data / ".store" / "s.jsonl", ['{"text": "s"}'])  # hidden: walked only through the link below
     (data / "extra").mkdir()
-    (data / "extra" / "mirror").symlink_to("../train")  # a folder listed already
+    (data / "extra" / "mirror").symlink_to("../texts")  # a folder listed already
     (data / "loop").symlink_to(".")  # the dataset folder itself: walked through it, no end
     (data / "stored").symlink_to(".store")  # a folder not listed otherwise: walked
     # Files are not deduplicated: in a cache two snapshot files may link to one blob (two identical files).
-    (data / "train" / "b.jsonl").symlink_to("a.jsonl")
+    (data / "texts" / "b.jsonl").symlink_to("a.jsonl")
     result = cli("manifest", "--dataset-dir", data, "-o", tmp_path / "m.json")
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[1:] == [
-        "  train: 3 shards, 0.0 MiB: stored/s.jsonl, train/a.jsonl, train/b.jsonl",
-        "passed over extra/mirror/: a link to train/, listed already",
+        "  train: 3 shards, 0.0 MiB: stored/s.jsonl, texts/a.jsonl, texts/b.jsonl",
+        "passed over extra/mirror/: a link to texts/, listed already",
         "passed over loop/: a link to the dataset folder, above it (a loop)",
     ]
     shards = list(load_manifest(tmp_path / "m.json").shards())
-    assert [s.path for s in shards] == [str(data / ".store" / "s.jsonl"), *[str(data / "train" / "a.jsonl")] * 2]
+    assert [s.path for s in shards] == [str(data / ".store" / "s.jsonl"), *[str(data / "texts" / "a.jsonl")] * 2]
 
 
 def test_a_runs_out_inside_the_dataset_is_passed_over(tmp_path, small_tokenizer):
@@ -301,8 +301,8 @@ DATA_FILES = {
     "en/c4-train.00000-of-00001.json": b'{"text": "one"}\n{"text": "two"}\n',
     "en/c4-validation.00000-of-00001.json": b'{"text": "three"}\n',
     "en/dataset_info.json": b'{\n  "description": "C4"\n}\n',
-    "en/alpaca.json": b'[{"text": "four"}]\n',
-    "en/more.jsonl.xz": b"\xfd7zXZ\x00",
+    "en/c4-train.alpaca.json": b'[{"text": "four"}]\n',
+    "en/c4-train.more.jsonl.xz": b"\xfd7zXZ\x00",
     "README.md": b"# C4\n",
 }
 NOT_JSON_LINES = (
@@ -314,9 +314,9 @@ NOT_READ = (
     " it to one of those to tokenize it"
 )
 PASSED_OVER_FILES = (
-    ("en/alpaca.json", NOT_JSON_LINES),
+    ("en/c4-train.alpaca.json", NOT_JSON_LINES),
+    ("en/c4-train.more.jsonl.xz", NOT_READ),
     ("en/dataset_info.json", "Hugging Face datasets' metadata, never data"),
-    ("en/more.jsonl.xz", NOT_READ),
 )
 
 
@@ -431,8 +431,8 @@ def test_a_dataset_on_a_store_is_refused_and_passed_over_as_on_disk(s3_server, s
     assert [s.relpath for s in m.shards()] == ["train/a.jsonl"]
     assert m.passed_over == (("out", "a tokpipe OUT, never input"),)
 
-    s3_server.put(f"{data}/train_test_0.jsonl", b'{"text": "a"}\n')
-    with pytest.raises(UserError, match=r"^train_test_0.jsonl names more than one split \(test and train\)"):
+    s3_server.put(f"{data}/train/dev/x.jsonl", b'{"text": "a"}\n')
+    with pytest.raises(UserError, match=r"^train/dev/x.jsonl names more than one split \(train and validation\)"):
         api.build_manifest(s3_server.url(data))
 
     s3_server.put(f"{s3_prefix}/notes/readme.txt", b"hi")

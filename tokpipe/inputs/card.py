@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokpipe.errors import UserError
-from tokpipe.inputs.names import split_of
+from tokpipe.inputs.names import splits_of
 
 CARD = "README.md"
 # The splits a manifest holds (train.bin, val.bin, test: docs/design.md); a config's other split names are refused.
@@ -35,11 +35,11 @@ class Chosen:
     patterns: dict[str, list[str]]  # split -> globs, relative to the repo's root
     folders: tuple[str, ...] = ()  # data_dirs of configs with no data_files: their files split by their names
 
-    def split_of(self, relpath: str) -> str | None:
-        """The split a file is read into (None: no config read names it); two splits naming it are refused."""
+    def split_of(self, relpath: str, inferred: dict[str, str]) -> str | None:
+        """The split a file is read into (None: no config read names it), `inferred` its split in a data_dir; two
+        splits naming it are refused."""
         named = {split for split, globs in self.patterns.items() if any(_match(g, relpath) for g in globs)}
-        named |= {split_of(relpath.removeprefix(f"{f}/")) for f in self.folders if relpath.startswith(f"{f}/")}
-        named = sorted(named)
+        named = sorted(named | ({inferred[relpath]} if relpath in inferred else set()))
         if len(named) > 1:
             raise UserError(
                 f"{relpath} is in the data_files of {' and '.join(named)} of config {', '.join(self.names)}"
@@ -51,9 +51,17 @@ class Chosen:
         return f"not in the data_files of config {', '.join(self.names)} ({CARD}'s configs)"
 
 
-def split_in(chosen: Chosen | None, relpath: str) -> str | None:
-    """The split a file of data is read into: its config's (None: not in the configs read), or its name's."""
-    return split_of(relpath) if chosen is None else chosen.split_of(relpath)
+def splits(chosen: Chosen | None, relpaths: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """The split each file of data is read into, and why each other is left out: by the configs read (in a data_dir,
+    by its files' names), or without a card's configs, by the names (names.splits_of)."""
+    if chosen is None:
+        return splits_of(relpaths)
+    inferred = {}
+    for folder in chosen.folders:
+        under = splits_of([r.removeprefix(f"{folder}/") for r in relpaths if r.startswith(f"{folder}/")])[0]
+        inferred |= {f"{folder}/{relpath}": split for relpath, split in under.items()}
+    placed = {r: split for r in relpaths if (split := chosen.split_of(r, inferred))}
+    return placed, {r: chosen.why_not() for r in relpaths if r not in placed}
 
 
 def configs_of(card: str) -> dict[str, dict]:

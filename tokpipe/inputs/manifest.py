@@ -30,7 +30,7 @@ import ijson
 import orjson
 
 from tokpipe.errors import UserError
-from tokpipe.inputs.card import CARD, Chosen, choose, configs_of, split_in
+from tokpipe.inputs.card import CARD, Chosen, choose, configs_of, splits
 from tokpipe.inputs.names import DATA_FILE, JSON_SUFFIX, SHARD_SUFFIXES, first_line, not_a_shard, shard_key
 from tokpipe.store import is_url
 
@@ -327,12 +327,13 @@ def build_manifest(
     text = _resolve_pointer(card, blobs_dir).read_text(errors="replace") if card.is_file() else ""
     chosen = choose(configs_of(text), configs, repo_id or str(root))
     files, passed_over = _walk(root, is_out)
+    placed, left = splits(chosen, [relpath for _, relpath in files])
     shards, files_passed_over = [], []
     for path, relpath in files:
-        split = split_in(chosen, relpath)
+        split = placed.get(relpath)
         pointed = _resolve_pointer(path, blobs_dir)
         json_head = _first_line(pointed) if relpath.endswith(JSON_SUFFIX) and split else b""
-        if why := chosen.why_not() if split is None else not_a_shard(relpath, json_head):
+        if why := left.get(relpath) or not_a_shard(relpath, json_head):
             files_passed_over.append((relpath, why))
         else:
             shards.append(_shard(pointed, relpath, split, base, allow_outside))

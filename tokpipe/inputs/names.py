@@ -33,23 +33,45 @@ _NAMES_SPLIT = {
 }
 
 
-def split_of(relpath: str) -> str:
-    """The split a shard belongs to, from its path as HF datasets names splits (SPLIT_KEYWORDS); `train` otherwise.
+# The hub's sharded files, data/{split}-00000-of-00003.*: where there are any, HF datasets reads them alone.
+SHARDED = re.compile(r"data/(?P<split>[^/]+?)-[0-9]{5}-of-[0-9]{5}[^/]*\.[^/]*")
 
-    A split in a folder name outranks one in the file name (`train/wiki_test_0.jsonl` is train), as HF datasets
-    looks at folders first. A path that names two splits at the same rank (`train/dev/`, `train_test_0.jsonl`),
-    which HF datasets would read into both, is refused. Unlike HF datasets, letter case is ignored (`Validation/`)."""
+
+def split_of(relpath: str, rank: str = "folders") -> str | None:
+    """The split a path names (SPLIT_KEYWORDS) in its folders' names, or with rank "file" in its file's name; None:
+    none. A path that names two at once (`train/dev/`, `train_test_0.jsonl`), which HF datasets would read into
+    both, is refused. Unlike HF datasets, letter case is ignored (`Validation/`)."""
     *folders, name = relpath.split("/")
-    for names in (folders, [name]):
-        named = sorted(split for split, pattern in _NAMES_SPLIT.items() if any(pattern.search(n) for n in names))
-        if len(named) > 1:
-            raise UserError(
-                f"{relpath} names more than one split ({' and '.join(named)}), and Hugging Face datasets would read it"
-                " into each: give it a path that names one (a folder of symlinks to the shards, with --allow-outside)"
-            )
+    names = folders if rank == "folders" else [name]
+    named = sorted(split for split, pattern in _NAMES_SPLIT.items() if any(pattern.search(n) for n in names))
+    if len(named) > 1:
+        raise UserError(
+            f"{relpath} names more than one split ({' and '.join(named)}), and Hugging Face datasets would read it"
+            " into each: give it a path that names one (a folder of symlinks to the shards, with --allow-outside)"
+        )
+    return named[0] if named else None
+
+
+def splits_of(relpaths: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """The split of each file of data, as HF datasets infers splits where no card says (data_files.py
+    _get_data_files_patterns, read at 5.2): the first of these that any file fits decides for all, and a file that
+    does not fit it is left out, (relpath -> why): the hub's data/{split}-NNNNN-of-NNNNN.* files (SHARDED); else
+    paths that name a split in a folder (`train/`, `en/c4-validation/`); else in the file's name
+    (`c4-validation.00000.json`); else all, train. A sharded file's own split name other than the three is train."""
+    data = [r for r in relpaths if r.rsplit("/", 1)[-1] not in METADATA_FILES]
+    sharded = {r: m["split"] for r in data if (m := SHARDED.fullmatch(r))}
+    if sharded:
+        why = "not one of data/{split}-NNNNN-of-NNNNN.*, which Hugging Face datasets reads alone where there are any"
+        return {r: split_of(f"{s}.", "file") or "train" for r, s in sharded.items()}, {
+            r: why for r in data if r not in sharded
+        }
+    for rank in ("folders", "file"):
+        named = {r: split for r in data if (split := split_of(r, rank))}
         if named:
-            return named[0]
-    return "train"
+            where = "a folder's name" if rank == "folders" else "a file's name"
+            why = f"names no split in {where}, where other files do: Hugging Face datasets reads none of it"
+            return named, {r: why for r in data if r not in named}
+    return dict.fromkeys(data, "train"), {}
 
 
 def shard_key(relpath: str) -> str:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import PurePosixPath
 
 from tokpipe.errors import UserError
-from tokpipe.inputs.card import CARD, choose, configs_of, split_in
+from tokpipe.inputs.card import CARD, choose, configs_of, splits
 from tokpipe.inputs.manifest import Manifest, Shard, layout_hint, manifest_of, pick_revision
 from tokpipe.inputs.names import DATA_FILE, JSON_SUFFIX, SHARD_SUFFIXES, first_line, not_a_shard, shard_key
 from tokpipe.store import Bucket, Object, Url, is_url
@@ -48,12 +48,13 @@ def build_store_manifest(
     card = bucket.get(root + CARD)[0].decode(errors="replace") if root + CARD in listed else ""
     chosen = choose(configs_of(card), configs, repo_id or bucket.where(root))
     files, passed_over = _walk(listed, root, is_out)
+    placed, left = splits(chosen, [relpath for _, relpath in files])
     shards, files_passed_over = [], []
     for found, relpath in files:
-        split = split_in(chosen, relpath)
+        split = placed.get(relpath)
         read = functools.partial(_read, bucket, found)
         json_head = first_line(read) if relpath.endswith(JSON_SUFFIX) and split else b""
-        if why := chosen.why_not() if split is None else not_a_shard(relpath, json_head):
+        if why := left.get(relpath) or not_a_shard(relpath, json_head):
             files_passed_over.append((relpath, why))
         else:
             shards.append(Shard(split, relpath, bucket.where(found.key), found.size, shard_key(relpath), found.etag))
