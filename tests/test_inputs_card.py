@@ -4,6 +4,7 @@ the shards `tokpipe manifest` lists with those `datasets.load_dataset` itself gi
 both refuse. Documents are compared as multisets of their non-empty texts (tokpipe skips an empty one, counted)."""
 
 import json
+import random
 from collections import Counter
 from pathlib import Path
 
@@ -215,3 +216,25 @@ def test_a_snapshot_on_a_store_is_read_by_the_same_card(tmp_path, s3_server, s3_
     assert on_store.config == "en.noblocklist"
     with pytest.raises(UserError, match=r"lists configs en, en.noblocklist and none is the default"):
         tokpipe.build_manifest(url)
+
+
+# Folder and file names of real repos, combined at random (seeded): whatever the layout, tokpipe reads what datasets
+# reads, or refuses in one line (a split named in other letter case, a path that names two).
+FOLDERS = ["", "data/", "train/", "test/", "validation/", "raw/", "en/", "data/train/", "data/dev/", "sample/10BT/"]
+FOLDERS += ["eval/", "Validation/", "train-v2/", "my_test/", "data/train_x/"]
+FILES = ["part-0.jsonl", "train.jsonl", "test.jsonl", "c4-validation.00000.json", "x-train-1.jsonl", "notes.jsonl"]
+FILES += ["train-00000-of-00001.jsonl", "test-00000-of-00001.jsonl", "validation-00000-of-00002.jsonl", "dev.jsonl"]
+FILES += ["a.ndjson", "training_data.jsonl"]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_random_layout_is_read_as_datasets_reads_it_or_refused(tmp_path, seed):
+    rnd = random.Random(seed)
+    root = tmp_path / "repo"
+    for relpath in {rnd.choice(FOLDERS) + rnd.choice(FILES) for _ in range(rnd.randint(1, 5))}:
+        _write(root / relpath, [f"{relpath}#{n}" for n in range(2)])
+    try:
+        found = _tokpipe(root)
+    except UserError:
+        return  # one line, which the tests above check
+    assert found == _datasets(root, tmp_path, None)

@@ -62,7 +62,7 @@ def test_split_comes_from_the_path_as_hf_datasets_name_it(relpath, split):
 def test_a_split_is_named_anywhere_in_a_folder_or_file_name_by_hugging_face_datasets_keywords():
     """HF datasets' rule (src/datasets/data_files.py): its keywords and aliases, delimited by the name's ends or by
     `-`, `_`, `.`, a space or a digit; a folder's split outranks the file name's. Each case below was checked
-    against datasets 5.2.0's own resolution of a one-file repository, but `Validation/`: letter case is ignored."""
+    against datasets 5.2.0's own resolution of a one-file repository."""
     cases = {
         "en/c4-validation.00000-of-00008.json.gz": "validation",  # allenai/c4
         "en/c4-train.00000-of-01024.json.gz": "train",
@@ -76,13 +76,21 @@ def test_a_split_is_named_anywhere_in_a_folder_or_file_name_by_hugging_face_data
         "my test/a.jsonl": "test",
         "test_evaluation.jsonl": "test",  # two keywords of one split
         "train/wiki_test_0.jsonl": "train",  # the folder outranks the file name
-        "Validation/x.jsonl": "validation",
         "trainer_notes/a.jsonl": "train",  # not delimited: no keyword, so train
         "contest/a.jsonl": "train",
         "interval_3.jsonl": "train",
         "developer.jsonl": "train",
     }
     assert {relpath: splits_of([relpath])[0][relpath] for relpath in cases} == cases
+
+
+def test_a_split_named_in_other_letter_case_is_refused_in_one_line():
+    with pytest.raises(UserError) as refused:
+        splits_of(["train/a.jsonl", "Validation/b.jsonl"])
+    assert str(refused.value) == (
+        "Validation/b.jsonl names the validation split in other letter case, which Hugging Face datasets does not take"
+        " for a split (it would train on it, or leave it out): rename it in lower case, or name it in a card's configs"
+    )
 
 
 def test_a_path_that_names_two_splits_is_refused_in_one_line(tmp_path):

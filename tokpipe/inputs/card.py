@@ -170,7 +170,10 @@ def _compiled(glob: str) -> Callable[[str], bool]:
                 pattern, i = pattern + "[" + glob[i + 1 : end].replace("!", "^", 1) + "]", end + 1
             else:
                 pattern, i = pattern + re.escape(glob[i]), i + 1
-        full = re.compile(pattern + r"\Z")
+        try:
+            full = re.compile(pattern + r"\Z")
+        except re.error as e:
+            raise UserError(f"data_files glob {glob!r} ({CARD}) is not a glob ({e}): fix the card") from None
         hidden_asked = any(part.startswith((".", "__")) for part in glob.split("/"))
         _GLOBS[glob] = lambda relpath: bool(full.match(relpath)) and (
             hidden_asked or not any(part.startswith((".", "__")) for part in relpath.split("/"))

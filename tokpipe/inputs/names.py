@@ -28,8 +28,11 @@ SPLIT_KEYWORDS = {
     "test": ("test", "testing", "eval", "evaluation"),
 }
 _NAMES_SPLIT = {
-    split: re.compile(rf"(?:^|(?<=[-._ 0-9]))(?:{'|'.join(words)})(?=[-._ 0-9]|$)", re.IGNORECASE)
+    split: re.compile(rf"(?:^|(?<=[-._ 0-9]))(?:{'|'.join(words)})(?=[-._ 0-9]|$)")
     for split, words in SPLIT_KEYWORDS.items()
+}
+_NAMES_SPLIT_ANY_CASE = {
+    split: re.compile(pattern.pattern, re.IGNORECASE) for split, pattern in _NAMES_SPLIT.items()
 }
 
 
@@ -40,10 +43,17 @@ SHARDED = re.compile(r"data/(?P<split>[^/]+?)-[0-9]{5}-of-[0-9]{5}[^/]*\.[^/]*")
 def split_of(relpath: str, rank: str = "folders") -> str | None:
     """The split a path names (SPLIT_KEYWORDS) in its folders' names, or with rank "file" in its file's name; None:
     none. A path that names two at once (`train/dev/`, `train_test_0.jsonl`), which HF datasets would read into
-    both, is refused. Unlike HF datasets, letter case is ignored (`Validation/`)."""
+    both, is refused; so is one that names a split in other letter case only (`Validation/`), which HF datasets
+    does not take for one (it would train on it, or leave it out)."""
     *folders, name = relpath.split("/")
     names = folders if rank == "folders" else [name]
     named = sorted(split for split, pattern in _NAMES_SPLIT.items() if any(pattern.search(n) for n in names))
+    cased = sorted(s for s, pattern in _NAMES_SPLIT_ANY_CASE.items() if any(pattern.search(n) for n in names))
+    if cased and not named:
+        raise UserError(
+            f"{relpath} names the {cased[0]} split in other letter case, which Hugging Face datasets does not take for"
+            " a split (it would train on it, or leave it out): rename it in lower case, or name it in a card's configs"
+        )
     if len(named) > 1:
         raise UserError(
             f"{relpath} names more than one split ({' and '.join(named)}), and Hugging Face datasets would read it"
