@@ -238,3 +238,31 @@ def test_a_random_layout_is_read_as_datasets_reads_it_or_refused(tmp_path, seed)
     except UserError:
         return  # one line, which the tests above check
     assert found == _datasets(root, tmp_path, None)
+
+
+def test_a_card_load_dataset_refuses_is_refused_in_one_line_saying_why(tmp_path):
+    root = tmp_path / "repo"
+    _write(root / "data" / "a.jsonl", ["a"])
+    refusals = {
+        "- config_name: one\n  default: true\n  data_files: data/*\n- config_name: two\n  default: true\n"
+        "  data_files: data/*\n": f"{root}'s README.md marks several configs the default (one, two): fix the card",
+        "- config_name: default\n  data_files:\n  - split: train\n    path: data/*\n"
+        "  - split: test\n    path: held/*\n": (
+            "config default's test data_files (held/*) name no file of data (README.md): load_dataset"
+            " refuses such a config too; fix the card, or pick another with --config NAME"
+        ),
+        "- config_name: default\n  data_files:\n  - data/*\n  - data/a.*\n": (
+            "data/a.jsonl is named by two of config default's data_files (data/*, data/a.*), and Hugging Face datasets"
+            " would read it twice (README.md): fix the card's data_files"
+        ),
+    }
+    for n, (configs, said) in enumerate(refusals.items()):
+        _card(root, configs)
+        with pytest.raises(UserError) as refused:
+            build_manifest(root)
+        assert str(refused.value) == said
+        if n < 2:  # datasets refuses these cards; the last it reads, the file's documents twice
+            with pytest.raises(ValueError):
+                datasets.load_dataset(str(root), cache_dir=str(tmp_path / f"hf-cache-{n}"))
+        else:
+            assert _datasets(root, tmp_path, None) == {"train": Counter({"a": 2})}

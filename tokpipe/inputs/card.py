@@ -34,6 +34,7 @@ class Chosen:
     names: tuple[str, ...]
     patterns: dict[str, list[str]]  # split -> globs, relative to the repo's root
     folders: tuple[str, ...] = ()  # data_dirs of configs with no data_files: their files split by their names
+    each: tuple[tuple[str, str, tuple[str, ...]], ...] = ()  # (config, split, its globs): each must name a file
 
     def split_of(self, relpath: str, inferred: dict[str, str]) -> str | None:
         """The split a file is read into (None: no config read names it), `inferred` its split in a data_dir; two
@@ -56,6 +57,19 @@ def splits(chosen: Chosen | None, relpaths: list[str]) -> tuple[dict[str, str], 
     by its files' names), or without a card's configs, by the names (names.splits_of)."""
     if chosen is None:
         return splits_of(relpaths)
+    for config, split, globs in chosen.each:  # as load_dataset, which refuses a config of a split with no file
+        twice = next((r for r in relpaths if sum(_match(g, r) for g in globs) > 1), None)
+        if twice is not None:
+            raise UserError(
+                f"{twice} is named by two of config {config}'s data_files ({', '.join(globs)}), and Hugging Face"
+                f" datasets would read it twice ({CARD}): fix the card's data_files"
+            )
+        if not any(_match(g, r) for g in globs for r in relpaths):
+            named = "data_dir" if split == "" else f"{split} data_files"
+            raise UserError(
+                f"config {config}'s {named} ({', '.join(globs)}) name no file of data ({CARD}): load_dataset refuses"
+                " such a config too; fix the card, or pick another with --config NAME"
+            )
     inferred = {}
     for folder in chosen.folders:
         under = splits_of([r.removeprefix(f"{folder}/") for r in relpaths if r.startswith(f"{folder}/")])[0]
@@ -90,21 +104,22 @@ def choose(configs: dict[str, dict], asked: tuple[str, ...], where: str) -> Chos
             raise UserError(f"--config {asked[0]}: {where} has no configs in its {CARD}; leave --config out")
         return None
     names = ", ".join(configs)
+    default = [n for n, c in configs.items() if len(configs) == 1 or n == "default" or c.get("default")]
+    if len(default) > 1:  # load_dataset refuses the card, whichever config is asked
+        raise UserError(f"{where}'s {CARD} marks several configs the default ({', '.join(default)}): fix the card")
     if asked:
         unknown = [name for name in asked if name not in configs]
         if unknown:
             raise UserError(f"--config {unknown[0]}: {where}'s {CARD} lists configs {names}; name one of them")
+    elif not default:
+        raise UserError(
+            f"{where}'s {CARD} lists configs {names} and none is the default: pick one with --config NAME (repeat it to"
+            " read several)"
+        )
     else:
-        default = [n for n, c in configs.items() if len(configs) == 1 or n == "default" or c.get("default")]
-        if len(default) != 1:
-            raise UserError(
-                f"{where}'s {CARD} lists configs {names} and "
-                + ("none is the default" if not default else f"several defaults ({', '.join(default)})")
-                + ": pick one with --config NAME (repeat it to read several)"
-            )
         asked = tuple(default)
     patterns: dict[str, list[str]] = {}
-    folders = []
+    folders, each = [], []
     for name in asked:
         config = configs[name]
         data_dir = str(config.get("data_dir") or "").strip("/")
@@ -112,10 +127,13 @@ def choose(configs: dict[str, dict], asked: tuple[str, ...], where: str) -> Chos
             if not data_dir:
                 raise UserError(f"config {name} names neither data_files nor a data_dir ({CARD}): fix the card")
             folders.append(data_dir)
+            each.append((name, "", (f"{data_dir}/**",)))
             continue
         for split, globs in _data_files(config["data_files"], name).items():
-            patterns.setdefault(split, []).extend(f"{data_dir}/{g}" if data_dir else g for g in globs)
-    return Chosen(tuple(asked), patterns, tuple(folders))
+            globs = tuple(f"{data_dir}/{g}" if data_dir else g for g in globs)
+            patterns.setdefault(split, []).extend(globs)
+            each.append((name, split, globs))
+    return Chosen(tuple(asked), patterns, tuple(folders), tuple(each))
 
 
 def _data_files(data_files, config: str) -> dict[str, list[str]]:
