@@ -69,6 +69,27 @@ def test_of_two_configs_one_a_superset_the_one_asked_is_read_and_none_asked_is_r
     )
 
 
+def test_wikitext_s_two_sizes_of_parquet_files_are_read_one_at_a_time(tmp_path):
+    # Salesforce/wikitext: wikitext-103-raw-v1 and wikitext-2-raw-v1 (a subset of it), each with three splits.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path / "wikitext"
+    for config, texts in (("wikitext-103-raw-v1", ["big", "small"]), ("wikitext-2-raw-v1", ["small"])):
+        for split in ("train", "validation", "test"):
+            (root / config).mkdir(parents=True, exist_ok=True)
+            table = pa.table({"text": [f"{split}: {t}" for t in texts]})
+            pq.write_table(table, root / config / f"{split}-00000-of-00001.parquet")
+    _card(root, "".join(
+        f"- config_name: {c}\n  data_files:\n"
+        + "".join(f"  - split: {s}\n    path: {c}/{s}-*\n" for s in ("train", "validation", "test"))
+        for c in ("wikitext-103-raw-v1", "wikitext-2-raw-v1")
+    ))  # fmt: skip
+    for config in ("wikitext-103-raw-v1", "wikitext-2-raw-v1"):
+        assert _tokpipe(root, config) == _datasets(root, tmp_path, config)
+    assert _tokpipe(root, "wikitext-2-raw-v1")["test"] == Counter(["test: small"])
+
+
 def test_the_default_config_leaves_out_a_sample_that_repeats_its_documents(tmp_path):
     # HuggingFaceFW/fineweb: the default config is data/*/*; sample/10BT/ repeats some of its documents.
     root = tmp_path / "fineweb"
@@ -195,11 +216,14 @@ def test_no_shards_is_refused_naming_each_file_passed_over(tmp_path):
     (root / "data").mkdir(parents=True)
     (root / "data" / "train.csv").write_text("text\na\n")
     (root / "data" / "train-all.json").write_text('[{"text": "a"}]\n')
+    (root / "data" / "train.txt.gz").write_bytes(b"")
+    (root / "data" / "train-0.tar").write_bytes(b"")
     with pytest.raises(UserError) as refused:
         build_manifest(root)
     said = str(refused.value)
     assert "; passed over data/train-all.json: not JSON Lines (its first line is not a JSON object" in said
-    assert "; passed over data/train.csv: a format tokpipe does not read" in said
+    for name in ("train.csv", "train.txt.gz", "train-0.tar"):
+        assert f"; passed over data/{name}: a format tokpipe does not read" in said
 
 
 def test_a_snapshot_on_a_store_is_read_by_the_same_card(tmp_path, s3_server, s3_prefix):
