@@ -210,6 +210,70 @@ def test_with_address_a_node_that_cannot_see_out_stops_the_run_naming_node_and_p
 
 
 @pytest.mark.skipif(not _can_make_mount_namespaces(), reason="needs root and unshare -m")
+def test_a_node_that_joins_mid_run_and_cannot_see_out_gets_no_shard_and_the_run_ends_exact(
+    tmp_path, dataset, small_tokenizer, small_reference
+):
+    # The run on a node that sees everything (a head with no CPUs); a second joins once a shard is checkpointed, with
+    # a tmpfs over OUT's parent in its namespace: named in one line, it gets no shard, and the first ends the run.
+    copies = 8
+    for split in ("train", "validation"):
+        for n in range(2, copies + 1):
+            shutil.copytree(dataset / split / "chunk1", dataset / split / f"chunk{n}")
+    write_manifest(build_manifest(dataset), tmp_path / "m.json")
+    node_local = tmp_path / "node-local"
+    node_local.mkdir()
+    out = node_local / "out"
+    ray = str(Path(sys.executable).parent / "ray")
+    temp = tempfile.mkdtemp(prefix="tpnodes-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    address = f"127.0.0.1:{random.randint(*RAY_HEAD_PORTS)}"
+    run, sessions = None, []
+    try:
+        _start_head(address, temp, env, 0, sessions)
+        node = [ray, "start", "--address", address, "--node-ip-address", "127.0.0.2", "--num-cpus", "1"]
+        up = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "start_new_session": True}
+        first = subprocess.Popen(node, env=env, **up)
+        sessions.append(first.pid)
+        assert first.wait(timeout=120) == 0, first.stdout.read()  # up (its processes stay, in its session)
+        args = ("--address", address, "--workers", "2", "--ray-only", *HF)
+        run = start(tmp_path / "m.json", out, *args, tokenizer=small_tokenizer)
+        wait_for(lambda: bool(checkpoints(out)), run=run)
+        inner = (
+            f"mount -t tmpfs none {node_local} && exec {ray} start --address {address} --node-ip-address 127.0.0.3"
+            " --num-cpus 1 --block"
+        )
+        blind = subprocess.Popen(
+            ["unshare", "-m", "--propagation", "private", "bash", "-c", inner],
+            env={**env, "RAY_OVERRIDE_NODE_ID_FOR_TESTING": "cd" * 28},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        sessions.append(blind.pid)
+        assert run.wait(timeout=300) == 0, run.log.read_text()
+        said = run.log.read_text().splitlines()
+        assert (
+            f"ray: node 127.0.0.3 ({'cd' * 28}) cannot see OUT {out} (No such file or directory): it joined the"
+            " cluster and gets no shard of this run" in said
+        ), said
+        assembled = next(line for line in (out / "logs" / "run.log").read_text().splitlines() if "assembled by" in line)
+        assert "cdcdcdcd" not in assembled, assembled
+        reference = {stem: np.concatenate([tokens] * copies) for stem, tokens in small_reference.items()}
+        for stem, tokens in reference.items():
+            assert np.array_equal(np.fromfile(out / f"{stem}.bin", dtype=np.uint16), tokens), stem
+    finally:
+        if run is not None and run.poll() is None:
+            kill_9(run)
+        for session in sessions:
+            for pid in session_processes(session):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not any(session_processes(session) for session in sessions), timeout=30)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.mark.skipif(not _can_make_mount_namespaces(), reason="needs root and unshare -m")
 def test_on_a_store_a_node_that_shares_no_file_system_is_lost_mid_run_and_the_bytes_are_the_reference(
     tmp_path, s3_server, s3_prefix
 ):

@@ -22,7 +22,9 @@ from helpers import (
     assert_out_is,
     cli,
     keep_killing,
+    launch,
     lost_node_run,
+    output,
     reference_texts,
     reference_tokenizer,
     reference_tokens,
@@ -30,6 +32,7 @@ from helpers import (
     session_processes,
     slow_driver_run,
     tokpipe,
+    wait_for,
     write_jsonl,
 )
 
@@ -100,7 +103,7 @@ def test_consecutive_small_shards_go_in_packs_up_to_the_limit_and_a_large_one_al
     # 1 worker: a pack takes at most a quarter of what is left (206 bytes: 51; then 176: 44; 141: 35; 41: 10).
     sizes = [10, 20, 30, 5, 100, 0, 1, 40]
     shards = [Shard("train", f"s{i}", f"/s{i}", size, f"s{i}") for i, size in enumerate(sizes)]
-    assert [[s.size for s in pack] for pack in packs(iter(shards), sum(sizes), 1)] == [
+    assert [[s.size for s in pack] for pack in packs(iter(shards), sum(sizes), lambda: 1)] == [
         [10, 20],
         [30, 5],
         [100],
@@ -108,17 +111,17 @@ def test_consecutive_small_shards_go_in_packs_up_to_the_limit_and_a_large_one_al
         [40],
     ]
     many = [Shard("train", f"t{i}", f"/t{i}", 0, f"t{i}") for i in range(PACK_SHARDS + 1)]
-    assert [len(pack) for pack in packs(iter(many), 0, 1)] == [PACK_SHARDS, 1]
+    assert [len(pack) for pack in packs(iter(many), 0, lambda: 1)] == [PACK_SHARDS, 1]
 
 
 def test_packs_shrink_with_what_is_left_and_the_last_shards_go_alone():
     # 16 shards of 10 bytes, 2 workers: a quarter of a worker's share of what is left, 160 // 8 = 20, then
     # 140 // 8 = 17 (one shard)... so no worker is left with a pack to finish while the other has nothing.
     shards = [Shard("train", f"s{i:02d}", f"/s{i}", 10, f"s{i}") for i in range(16)]
-    assert [len(pack) for pack in packs(iter(shards), 160, 2)] == [2] + [1] * 14
+    assert [len(pack) for pack in packs(iter(shards), 160, lambda: 2)] == [2] + [1] * 14
     # A larger run starts with the full PACK_BYTES and ends alone all the same.
     big = [Shard("train", f"b{i:03d}", f"/b{i}", 4 << 20, f"b{i}") for i in range(300)]
-    sized = [len(pack) for pack in packs(iter(big), 300 * (4 << 20), 2)]
+    sized = [len(pack) for pack in packs(iter(big), 300 * (4 << 20), lambda: 2)]
     assert sized[:3] == [8, 8, 8] and sized[-8:] == [1] * 8 and sum(sized) == 300
 
 
@@ -236,3 +239,29 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
     except OSError:
         return "(gone)"
+
+
+def test_a_node_that_joins_mid_run_spends_its_cpus_on_shards(dataset, tmp_path, small_tokenizer, small_reference):
+    # Eight copies of the example on one node of 1 CPU (a head with none): --workers 2 runs 1 until a second node
+    # joins, once the first shard is checkpointed; then 2, the second node's Placer placing what it tokenized.
+    copies = 8
+    for split in ("train", "validation"):
+        for n in range(2, copies + 1):
+            shutil.copytree(dataset / split / "chunk1", dataset / split / f"chunk{n}")
+    manifest, out = tmp_path / "m.json", tmp_path / "out"
+    write_manifest(build_manifest(dataset), manifest)
+    with RayNodes(tmp_path) as cluster:
+        cluster.add("a0" * 28, "127.0.0.2")
+        args = run_args(manifest, out, "--address", cluster.address, *ON_THE_NODES, *HF, tokenizer=small_tokenizer)
+        run = launch(["-m", "tokpipe.cli", *args], tmp_path)
+        wait_for(lambda: (out / "shards").is_dir() and any((out / "shards").rglob("*.json")), run=run)
+        cluster.add("b1" * 28, "127.0.0.3")
+        assert run.wait(timeout=300) == 0, output(run)
+    said = output(run)
+    assert "--workers 2 is more than the 1 CPUs of the cluster: running 1" in said
+    assert "ray: node 127.0.0.3 (b1b1b1b1) joined (1 CPU): 2 workers now" in said.splitlines()
+    log = (out / "logs" / "run.log").read_text().splitlines()
+    assembled = next(line for line in log if "assembled by node" in line)
+    assert "b1b1b1b1" in assembled, assembled  # what it tokenized, placed by its Placer
+    assert_out_is(out, {stem: np.concatenate([tokens] * copies) for stem, tokens in small_reference.items()})
+

@@ -2,7 +2,9 @@
 node sees the shards, the tokenizer and OUT at the driver's paths: storage that all of them mount alike.
 That is checked before any shard is tokenized, by a zero-CPU probe task pinned to each alive node; a node
 that joins later (or whose probe did not answer in time) checks itself in its first task, once per worker
-process. A node that cannot see a path stops the run with one line naming the node and the path (exit 2).
+process. A node of the start that cannot see a path stops the run with one line naming the node and the path
+(exit 2); one that joined mid-run is named in one line and gets no shard (runner/schedule.py), unless no other
+node can run one.
 Unchecked, such a node failed every shard it took on whichever file of OUT it opened first (a stall
 dump's), or worse, wrote shards to a disk of its own where the driver never sees them.
 
@@ -188,26 +190,42 @@ class NodeWatch:
     def __init__(self):
         self.known: dict[str, dict] = {}  # every node seen alive: its ray.nodes() entry
         self.alive: set[str] = set()  # as the GCS said at the last look
-        self.up: set[str] = set()  # those, less the lost
+        self.up: set[str] = set()  # those, less the lost and the refused
         self.lost: set[str] = set()  # those the run has given up
+        self.refused: set[str] = set()  # nodes that joined mid-run and cannot see what the run needs: no shard
+        self.joined: list[str] = []  # nodes first seen alive since the start, until the scheduler takes them
         self.looked = 0.0
         self.turn = 0  # of the node `steer` names next
         self._look()
+        self.joined.clear()  # the nodes at the start did not join
+        self.initial = set(self.known)
 
     def _look(self) -> set[str]:
         """Look at the nodes now; returns those the GCS found dead that the run has not yet given up."""
         self.looked = time.monotonic()
         nodes = ray.nodes()
+        self.joined += [n["NodeID"] for n in nodes if n["Alive"] and n["NodeID"] not in self.known]
         self.known.update((n["NodeID"], n) for n in nodes if n["Alive"])
         self.alive = {n["NodeID"] for n in nodes if n["Alive"]}
-        self.up = self.alive - self.lost
+        self.up = self.alive - self.lost - self.refused
         return {n["NodeID"] for n in nodes if not n["Alive"] and n["NodeID"] in self.known} - self.lost
 
+    def refuse(self, node: str) -> None:
+        """A node that joined and failed its check: no shard goes there any more (`steer`)."""
+        self.refused.add(node)
+        self.up.discard(node)
+
+    def capacity(self) -> tuple[int, int]:
+        """The CPUs and the memory (bytes) of the nodes up, as Ray counts them."""
+        resources = [self.known[node]["Resources"] for node in self.up]
+        return int(sum(r.get("CPU", 0) for r in resources)), int(sum(r.get("memory", 0) for r in resources))
+
     def steer(self, cpus: int) -> str | None:
-        """A node up to send the next task to, in turn, while a node lost is one the GCS has yet to find dead:
-        until it does, Ray's scheduler leases new tasks there and waits (4 tasks, another node free: 14.4 s,
-        against none sent with a soft affinity to that node). None otherwise: Ray's scheduling, as always."""
-        if not self.lost & self.alive:
+        """A node up to send the next task to, in turn, while a node lost is one the GCS has yet to find dead, or a
+        node refused is alive: until it is found dead, Ray's scheduler leases new tasks there and waits (4 tasks,
+        another node free: 14.4 s, against none sent with a soft affinity to that node). None otherwise: Ray's
+        scheduling, as always."""
+        if not (self.lost | self.refused) & self.alive:
             return None
         able = sorted(node for node in self.up if self.known[node]["Resources"].get("CPU", 0) >= cpus)
         self.turn += 1

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 import ray
@@ -31,6 +31,7 @@ from tokpipe.errors import NodeError, RayUnavailable, Unavailable
 from tokpipe.inputs.manifest import Manifest, Shard
 from tokpipe.layout.files import stall_dump
 from tokpipe.options import RunOptions
+from tokpipe.runner.cluster import fit_workers
 from tokpipe.runner.copies import Placers, get
 from tokpipe.runner.events import Listener, Said
 from tokpipe.runner.local import Tally, describe_failure
@@ -57,21 +58,21 @@ PACK_BYTES = 32 << 20
 PACK_SHARDS = 64
 
 
-def packs(shards: Iterator[Shard], left: int, workers: int) -> Iterator[list[Shard]]:
+def packs(shards: Iterator[Shard], left: int, workers: Callable[[], int]) -> Iterator[list[Shard]]:
     """The shards in order, one task's at a time: consecutive ones while they come to at most PACK_BYTES,
-    PACK_SHARDS, and a quarter of a worker's share of what is `left` (a larger shard alone). Lazy: each is taken
-    when the task before it is made.
+    PACK_SHARDS, and a quarter of a worker's share of what is `left` (a larger shard alone), `workers()` the workers
+    the run has as the pack is made (they follow the cluster). Lazy: each is taken when the task before it is made.
 
     What is left shrinks as packs are made, and so do they (guided self-scheduling): the last tasks are single
     shards, so no worker finishes a pack long after the others went idle. With a quarter of the whole run's
     share, 2 workers on 64 shards of 5.6 MB took packs of 5 to the end, and one waited up to a pack (~1.6 s) for
     the other."""
-    pack, size, limit = [], 0, min(PACK_BYTES, left // (4 * workers))
+    pack, size, limit = [], 0, min(PACK_BYTES, left // (4 * workers()))
     for shard in shards:
         if pack and (size + shard.size > limit or len(pack) == PACK_SHARDS):
             yield pack
             left -= size
-            pack, size, limit = [], 0, min(PACK_BYTES, left // (4 * workers))
+            pack, size, limit = [], 0, min(PACK_BYTES, left // (4 * workers()))
         pack.append(shard)
         size += shard.size
     if pack:
@@ -160,7 +161,7 @@ class Tasks:
         def unfinished() -> Iterator[Shard]:  # read twice: the manifest streams, 60,000 shards are not held
             return (s for s in manifest.shards() if not is_done(s) and s.relpath not in tally.failed)
 
-        self.packs = packs(unfinished(), sum(s.size for s in unfinished()), workers)
+        self.packs = packs(unfinished(), sum(s.size for s in unfinished()), lambda: self.workers)
         self.packed = False  # every shard is in a task (or was)
         self.again: deque[_Task] = deque()
         self.running: dict[ray.ObjectRef, _Task] = {}  # by the reference to its results
@@ -315,7 +316,7 @@ class Scheduler:
     Afterwards the tally's `failed` (relpath -> error) says which shards failed."""
 
     def __init__(self, tasks: Tasks, tell: Listener):
-        self.tasks, self.log, self.tally, self.watch = tasks, tasks.log, tasks.tally, tasks.watch
+        self.tasks, self.log, self.tally, self.watch, self.tell = tasks, tasks.log, tasks.tally, tasks.watch, tell
         self.losses = Losses(tasks, tell)
         self.done = 0  # shards finished, for the progress counts
 
@@ -365,17 +366,44 @@ class Scheduler:
             tasks.cancel_stalled(now)
             for node in self.watch.gone():
                 self.losses.lose(node, copies)
+            self._follow(progress, copies)
             self.losses.say()
         self.losses.say(now=True)
         tasks.read_board()
         progress.update(*tasks.totals, done=self.done, running=0, failed=len(failed), final=True)
+
+    def _follow(self, progress: Progress, copies: Placers) -> None:
+        """The run follows the cluster: for nodes that joined since the last look, a line each, and the workers of
+        the cluster as it is now (up to --workers), for which Ray has the CPUs; Ray sends them tasks as any node.
+        A node that joined checks itself at its first task (nodes.ensure_seen), and is refused if it fails."""
+        joined, self.watch.joined = self.watch.joined, []
+        if not joined:
+            return
+        cpus, memory = self.watch.capacity()
+        opts = self.tasks.opts
+        workers = fit_workers(opts.workers, cpus, memory, opts.worker_memory, cluster=True)[0]
+        self.tasks.workers = progress.workers = max(1, min(workers, cpus // self.tasks.cpus))
+        copies.slots = copies.AT_ONCE * len(self.watch.up)
+        for node in joined:
+            cpu = int(self.watch.known[node]["Resources"].get("CPU", 0))
+            self.tell(Said(f"ray: node {self.watch.name(node)} joined ({_plural(cpu, 'CPU')}): "
+                           f"{_plural(self.tasks.workers, 'worker')} now"))  # fmt: skip
 
     def _collect(self, ref, copies: Placers) -> None:
         """Take a finished task's results."""
         task = self.tasks.running.pop(ref)
         try:
             results = get(ref)
-        except NodeError as e:  # a node the driver did not probe: it stops the run
+        except NodeError as e:  # a node the driver did not probe: one that joined since gets no shard, and the task
+            # goes again elsewhere; a node of the start, or one no other node can stand in for, stops the run
+            node = re.search(r"\(([0-9a-f]{56})\)", str(e))
+            if node and node[1] not in self.watch.initial:
+                self.watch.refuse(node[1])
+                if self.watch.can_run(self.tasks.cpus):  # a look at the nodes now: those up, less it
+                    said = str(e).split(f": {self.tasks.out.every_node}")[0]
+                    self.tell(Said(f"ray: {said}: it joined the cluster and gets no shard of this run"))
+                    self.tasks.again.append(task)
+                    return
             self.log(f"node check: {e}")
             raise
         except Unavailable as e:  # every shard would wait out the same retries: the run stops, resumable
