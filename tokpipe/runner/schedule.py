@@ -14,6 +14,8 @@ A node lost (runner/nodes.py, NodeWatch) costs what it held, never the run: the 
 object store to be placed are tokenized again on the nodes left (their place in the split is kept: the same
 counts, the same bytes), those that ran there go again as a dead worker's do, and one line says which node and
 how many shards. With no node left that can run a shard, the run stops with one line; the same command resumes.
+The run follows the cluster: a node that joins is said, and the workers are refitted to the cluster as it is (up
+to --workers); Ray gives it tasks as any node, and one that fails its check gets none (Scheduler._follow).
 """
 
 from __future__ import annotations
