@@ -141,7 +141,7 @@ def checkpointed(out: Path) -> int:
     return len(list((out / "shards").rglob("*.json"))) if (out / "shards").is_dir() else 0
 
 
-def one_try(manifest: Path, out: Path, workers: int, mode: str, seed: int, shards: int) -> dict:
+def one_try(manifest: Path, out: Path, workers: int, mode: str, seed: int, shards: int, extra=()) -> dict:
     """One run on a fresh cluster of a head and `workers` worker nodes; `mode` what happens to them mid-run (none,
     lose, elastic, gain). Returns what it did: `seconds` the run's, `whole` the try's (the cluster's start and stop
     too), `events` the losses and joins made, with when."""
@@ -153,7 +153,7 @@ def one_try(manifest: Path, out: Path, workers: int, mode: str, seed: int, shard
         cluster.wait_for(1 + workers)
         command = cli("run", "--manifest", manifest, "--tokenizer", TOKENIZER, "--out", out)
         command += ["--address", cluster.address, "--workers", str(1 + workers + (mode == "gain"))]
-        command += ["--checkpoint-interval", "1"]
+        command += ["--checkpoint-interval", "1", *extra]
         started = time.monotonic()
         proc = spawn(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         events = []
@@ -202,17 +202,19 @@ def main() -> int:
     p.add_argument("--shard-size", default="21MB", help="of JSONL (248MB / 21MB: 12 shards)")
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/tokpipe-bench"))
     p.add_argument("--reference", action="store_true", help="check the uninterrupted run against `tokenizers`")
+    p.add_argument("--backend", help="the run's --backend (hf: ~3x slower than fastokens, runs that last here)")
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a cluster's processes stopped on the way out too
     work = args.work_dir.resolve()
     corpus = build_distinct_corpus(str(SHARED), parse_size(args.size), 2, parse_size(args.shard_size), work)
     manifest = manifest_of(Path(corpus.path), work)
     shards, workers = len(corpus.shards), 2 if args.mode == "elastic" else 1
+    extra = ("--backend", args.backend) if args.backend else ()
     if args.mode == "gain":
-        return gain(manifest, work, shards, args.tries)
+        return gain(manifest, work, shards, args.tries, extra)
 
     whole = work / "nodes-uninterrupted"
-    first = one_try(manifest, whole, workers, "none", 0, shards)
+    first = one_try(manifest, whole, workers, "none", 0, shards, extra)
     print(f"uninterrupted: exit {first['rc']} in {first['seconds']:.1f}s", flush=True)
     if first["rc"] != 0:
         print("\n".join(first["lines"][-20:]))
@@ -223,7 +225,7 @@ def main() -> int:
     failures, seconds, wholes = 0, [], []
     out = work / "nodes-soaked"
     for n in range(1, args.tries + 1):
-        t = one_try(manifest, out, workers, args.mode, n, shards)
+        t = one_try(manifest, out, workers, args.mode, n, shards, extra)
         same = t["rc"] == 0 and all(filecmp.cmp(whole / f, out / f, shallow=False) for f in TOKEN_FILES)
         said = [line for line in t["lines"] if line.startswith(NODE_SAID)]
         ray_lines = [line for line in t["lines"] if "(raylet)" in line or "\x1b[" in line or "Traceback" in line]
@@ -250,12 +252,12 @@ def main() -> int:
     return 1 if failures else 0
 
 
-def gain(manifest: Path, work: Path, shards: int, tries: int) -> int:
+def gain(manifest: Path, work: Path, shards: int, tries: int, extra=()) -> int:
     """A run that gains a node halfway against the same run on the bigger cluster from the start, alternated."""
     times: dict[str, list[float]] = {"gains a node halfway": [], "3 nodes from the start": []}
     for n in range(tries):
         for what, workers, mode in (("gains a node halfway", 1, "gain"), ("3 nodes from the start", 2, "none")):
-            t = one_try(manifest, work / "nodes-gain", workers, mode, n, shards)
+            t = one_try(manifest, work / "nodes-gain", workers, mode, n, shards, extra)
             joined = [line for line in t["lines"] if " joined (" in line]
             if t["rc"] != 0 or (mode == "gain" and not joined):
                 print(f"{what}: exit {t['rc']}, said {joined or 'no join'}\n" + "\n".join(t["lines"][-20:]))
