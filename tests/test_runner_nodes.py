@@ -140,6 +140,35 @@ def _start_head(address: str, temp: str, env: dict, cpus: int, sessions: list[in
     assert first.wait(timeout=120) == 0, first.stdout.read()
 
 
+def _stop(run, sessions: list[int], temp: str, node: subprocess.Popen | None = None) -> None:
+    """A run still going killed (kill -9), every process of the cluster's sessions too (its nodes', their workers'),
+    a node started here reaped, and the cluster's temp folder removed."""
+    if run is not None and run.poll() is None:
+        kill_9(run)
+    for session in sessions:
+        for pid in session_processes(session):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    if node is not None:
+        node.wait()
+    wait_for(lambda: not any(session_processes(session) for session in sessions), timeout=30)
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+def _blind_node(node_local: Path, address: str, ip: str, node_id: str, env: dict) -> subprocess.Popen:
+    """A node of 1 CPU at `ip` with this id (Ray's testing hook) that cannot see `node_local`: a tmpfs over it, in a
+    mount namespace of its own (a folder of the same name on the node's own disk). Joins the cluster at `address`."""
+    ray = str(Path(sys.executable).parent / "ray")
+    inner = f"mount -t tmpfs none {node_local} && exec {ray} start --address {address} --node-ip-address {ip}"
+    return subprocess.Popen(
+        ["unshare", "-m", "--propagation", "private", "bash", "-c", f"{inner} --num-cpus 1 --block"],
+        env={**env, "RAY_OVERRIDE_NODE_ID_FOR_TESTING": node_id},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
 def test_with_address_a_node_that_cannot_see_out_stops_the_run_naming_node_and_path(tmp_path, small_tokenizer):
     # A folder of the same name on the second node's own disk: a tmpfs over OUT's parent, in its namespace.
     node_local = tmp_path / "node-local"
@@ -147,7 +176,6 @@ def test_with_address_a_node_that_cannot_see_out_stops_the_run_naming_node_and_p
     write_jsonl(tmp_path / "data" / "train" / "a.jsonl", ['{"text": "one document"}'] * 3)
     write_jsonl(tmp_path / "data" / "train" / "b.jsonl", ['{"text": "another"}'] * 3)
     write_manifest(build_manifest(tmp_path / "data"), tmp_path / "m.json")
-    ray = str(Path(sys.executable).parent / "ray")
     temp = tempfile.mkdtemp(prefix="tpnodes-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
@@ -169,17 +197,7 @@ def test_with_address_a_node_that_cannot_see_out_stops_the_run_naming_node_and_p
         late = start(tmp_path / "m.json", late_out, *HF, ray=address, tokenizer=small_tokenizer)
         probed = late_out / "logs" / "run.log"
         wait_for(lambda: "node check: 1 nodes see" in _text(probed) or late.poll() is not None, timeout=120)
-        inner = (
-            f"mount -t tmpfs none {node_local} && exec {ray} start --address {address} --node-ip-address 127.0.0.2"
-            " --num-cpus 1 --block"
-        )
-        second = subprocess.Popen(
-            ["unshare", "-m", "--propagation", "private", "bash", "-c", inner],
-            env={**env, "RAY_OVERRIDE_NODE_ID_FOR_TESTING": node_id},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        second = _blind_node(node_local, address, "127.0.0.2", node_id, env)
         sessions.append(second.pid)
         assert late.wait(timeout=180) == 2, late.log.read_text()
         output = late.log.read_text().splitlines()
@@ -197,16 +215,7 @@ def test_with_address_a_node_that_cannot_see_out_stops_the_run_naming_node_and_p
         assert not (out / "shards").exists()
         assert second.poll() is None  # the node was there all along
     finally:
-        if late is not None and late.poll() is None:
-            kill_9(late)
-        for session in sessions:  # the head's, the second node's (in its namespace), their workers
-            for pid in session_processes(session):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        if second is not None:
-            second.wait()
-        wait_for(lambda: not any(session_processes(session) for session in sessions), timeout=30)
-        shutil.rmtree(temp, ignore_errors=True)
+        _stop(late, sessions, temp, second)  # the head's, the second node's (in its namespace), their workers
 
 
 @pytest.mark.skipif(not _can_make_mount_namespaces(), reason="needs root and unshare -m")
@@ -239,17 +248,7 @@ def test_a_node_that_joins_mid_run_and_cannot_see_out_gets_no_shard_and_the_run_
         args = ("--address", address, "--workers", "2", "--ray-only", *HF)
         run = start(tmp_path / "m.json", out, *args, tokenizer=small_tokenizer)
         wait_for(lambda: bool(checkpoints(out)), run=run)
-        inner = (
-            f"mount -t tmpfs none {node_local} && exec {ray} start --address {address} --node-ip-address 127.0.0.3"
-            " --num-cpus 1 --block"
-        )
-        blind = subprocess.Popen(
-            ["unshare", "-m", "--propagation", "private", "bash", "-c", inner],
-            env={**env, "RAY_OVERRIDE_NODE_ID_FOR_TESTING": "cd" * 28},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        blind = _blind_node(node_local, address, "127.0.0.3", "cd" * 28, env)
         sessions.append(blind.pid)
         assert run.wait(timeout=300) == 0, run.log.read_text()
         said = run.log.read_text().splitlines()
@@ -263,14 +262,7 @@ def test_a_node_that_joins_mid_run_and_cannot_see_out_gets_no_shard_and_the_run_
         for stem, tokens in reference.items():
             assert np.array_equal(np.fromfile(out / f"{stem}.bin", dtype=np.uint16), tokens), stem
     finally:
-        if run is not None and run.poll() is None:
-            kill_9(run)
-        for session in sessions:
-            for pid in session_processes(session):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: not any(session_processes(session) for session in sessions), timeout=30)
-        shutil.rmtree(temp, ignore_errors=True)
+        _stop(run, sessions, temp)
 
 
 @pytest.mark.skipif(not _can_make_mount_namespaces(), reason="needs root and unshare -m")
@@ -326,16 +318,7 @@ def test_on_a_store_a_node_that_shares_no_file_system_is_lost_mid_run_and_the_by
             assert np.array_equal(np.frombuffer(objects[f"{stem}.bin"], dtype=np.uint32), expected), stem
         assert open_uploads(s3_server, f"{s3_prefix}/out") == []
     finally:
-        if run is not None and run.poll() is None:
-            kill_9(run)
-        for session in sessions:
-            for pid in session_processes(session):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        if second is not None:
-            second.wait()
-        wait_for(lambda: not any(session_processes(session) for session in sessions), timeout=30)
-        shutil.rmtree(temp, ignore_errors=True)
+        _stop(run, sessions, temp, second)
 
 
 def test_on_a_store_a_node_checks_out_with_its_own_credentials(s3_server, s3_prefix):
