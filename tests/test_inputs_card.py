@@ -192,6 +192,25 @@ def test_without_configs_the_files_and_splits_are_those_datasets_infers(tmp_path
     assert _tokpipe(root) == _datasets(root, tmp_path, None)
 
 
+def test_files_of_two_formats_are_read_in_the_one_most_are_as_datasets_reads_them(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path / "repo"
+    for n in range(2):
+        (root / "data").mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"text": [f"parquet {n}"]}), root / "data" / f"part-{n}.parquet")
+    _write(root / "raw" / "all.jsonl", ["parquet 0", "parquet 1"])  # the same documents, as JSON Lines
+    assert _tokpipe(root) == _datasets(root, tmp_path, None) == {"train": Counter(["parquet 0", "parquet 1"])}
+    why = "not Parquet, the format of most of its split's files: Hugging Face datasets reads those alone"
+    assert build_manifest(root).files_passed_over == (("raw/all.jsonl", why),)
+    _write(root / "test" / "a.jsonl", ["test"])
+    (root / "train").mkdir()
+    (root / "data").rename(root / "train" / "data")
+    with pytest.raises(UserError, match=r"^the splits' files are of different formats \(test JSON, train Parquet\)"):
+        build_manifest(root)
+
+
 def test_a_file_datasets_would_not_read_is_named_with_why(tmp_path):
     root = tmp_path / "repo"
     for relpath, texts in WITHOUT_CONFIGS["split folders and a file beside them"].items():
@@ -222,8 +241,8 @@ def test_no_shards_is_refused_naming_each_file_passed_over(tmp_path):
         build_manifest(root)
     said = str(refused.value)
     assert "; passed over data/train-all.json: not JSON Lines (its first line is not a JSON object" in said
-    for name in ("train.csv", "train.txt.gz", "train-0.tar"):
-        assert f"; passed over data/{name}: a format tokpipe does not read" in said
+    for name in ("train.csv", "train.txt.gz", "train-0.tar"):  # HF datasets would read the JSON file alone (a draw)
+        assert f"; passed over data/{name}: not JSON, the format of most of its split's files" in said
 
 
 def test_a_snapshot_on_a_store_is_read_by_the_same_card(tmp_path, s3_server, s3_prefix):

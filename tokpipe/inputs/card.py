@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokpipe.errors import UserError
-from tokpipe.inputs.names import splits_of
+from tokpipe.inputs.names import one_format, splits_of
 
 CARD = "README.md"
 # The splits a manifest holds (train.bin, val.bin, test: docs/design.md); a config's other split names are refused.
@@ -54,9 +54,12 @@ class Chosen:
 
 def splits(chosen: Chosen | None, relpaths: list[str]) -> tuple[dict[str, str], dict[str, str]]:
     """The split each file of data is read into, and why each other is left out: by the configs read (in a data_dir,
-    by its files' names), or without a card's configs, by the names (names.splits_of)."""
+    by its files' names), or without a card's configs, by the names (names.splits_of); of those, the files of the
+    one format HF datasets reads them in (names.one_format)."""
     if chosen is None:
-        return splits_of(relpaths)
+        placed, left = splits_of(relpaths)
+        kept, other = one_format(placed)
+        return kept, left | other
     for config, split, globs in chosen.each:  # as load_dataset, which refuses a config of a split with no file
         twice = next((r for r in relpaths if sum(_match(g, r) for g in globs) > 1), None)
         if twice is not None:
@@ -75,7 +78,8 @@ def splits(chosen: Chosen | None, relpaths: list[str]) -> tuple[dict[str, str], 
         under = splits_of([r.removeprefix(f"{folder}/") for r in relpaths if r.startswith(f"{folder}/")])[0]
         inferred |= {f"{folder}/{relpath}": split for relpath, split in under.items()}
     placed = {r: split for r in relpaths if (split := chosen.split_of(r, inferred))}
-    return placed, {r: chosen.why_not() for r in relpaths if r not in placed}
+    kept, other = one_format(placed)
+    return kept, {r: chosen.why_not() for r in relpaths if r not in placed} | other
 
 
 def configs_of(card: str) -> dict[str, dict]:

@@ -84,6 +84,46 @@ def splits_of(relpaths: list[str]) -> tuple[dict[str, str], dict[str, str]]:
     return dict.fromkeys(data, "train"), {}
 
 
+# The builder HF datasets reads a file with, by a suffix of its name (datasets/packaged_modules _EXTENSION_TO_MODULE),
+# and those it prefers on a draw of counts, first to last (load.py infer_module_for_data_files_list).
+FORMATS = {".json": "JSON", ".jsonl": "JSON", ".ndjson": "JSON", ".parquet": "Parquet", ".geoparquet": "Parquet"}
+FORMATS |= {".gpq": "Parquet", ".csv": "CSV", ".tsv": "CSV", ".arrow": "Arrow", ".txt": "text", ".tar": "WebDataset"}
+PREFERRED = (".parquet", ".arrow", ".jsonl", ".json", ".csv")
+
+
+def one_format(placed: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """The files placed in splits, as HF datasets reads them: in the one format most of each split's files are (each
+    suffix of a name counted, `x.jsonl.zst` .jsonl and .zst), the others left out, (relpath -> why). Splits of two
+    formats are refused: HF datasets refuses them."""
+    by_split: dict[str, list[str]] = {}
+    for relpath, split in placed.items():
+        by_split.setdefault(split, []).append(relpath)
+    chosen = {split: _format(relpaths) for split, relpaths in by_split.items()}
+    if len(set(chosen.values())) > 1:
+        what = ", ".join(f"{split} {fmt}" for split, fmt in chosen.items())
+        raise UserError(
+            f"the splits' files are of different formats ({what}), and Hugging Face datasets refuses to read such"
+            " splits: give each split files of one format, or name them in a card's configs"
+        )
+    if not chosen:
+        return placed, {}
+    fmt = next(iter(chosen.values()))
+    suffixes = "|".join(re.escape(s) for s, f in FORMATS.items() if f == fmt)
+    of = re.compile(rf".*({suffixes})(\..+)?")
+    why = f"not {fmt}, the format of most of its split's files: Hugging Face datasets reads those alone"
+    kept = {relpath: split for relpath, split in placed.items() if of.fullmatch(relpath)}
+    return kept, {relpath: why for relpath in placed if relpath not in kept}
+
+
+def _format(relpaths: list[str]) -> str | None:
+    counts: dict[str, int] = {}
+    for relpath in relpaths:
+        for part in relpath.rsplit("/", 1)[-1].split(".")[1:]:
+            counts["." + part.lower()] = counts.get("." + part.lower(), 0) + 1
+    ranked = sorted(counts, key=lambda s: (counts[s], *(s == p for p in PREFERRED), s), reverse=True)
+    return next((FORMATS[s] for s in ranked if s in FORMATS), None)
+
+
 def shard_key(relpath: str) -> str:
     for suffix in (*SHARD_SUFFIXES, JSON_SUFFIX):
         if relpath.endswith(suffix):
