@@ -211,6 +211,19 @@ def test_files_of_two_formats_are_read_in_the_one_most_are_as_datasets_reads_the
         build_manifest(root)
 
 
+def test_a_sharded_file_of_a_split_tokpipe_does_not_write_is_refused(tmp_path):
+    root = tmp_path / "repo"
+    _write(root / "data" / "train-00000-of-00001.jsonl", ["a"])
+    _write(root / "data" / "dev-00000-of-00001.jsonl", ["b"])
+    assert set(_datasets(root, tmp_path, None)) == {"train", "dev"}  # a split of its own, not validation
+    with pytest.raises(UserError) as refused:
+        build_manifest(root)
+    assert str(refused.value) == (
+        "data/dev-00000-of-00001.jsonl is of a split named 'dev', which Hugging Face datasets reads as a split of that"
+        " name; tokpipe writes train, validation and test: name its files one of those in a card's configs"
+    )
+
+
 def test_a_file_datasets_would_not_read_is_named_with_why(tmp_path):
     root = tmp_path / "repo"
     for relpath, texts in WITHOUT_CONFIGS["split folders and a file beside them"].items():

@@ -67,14 +67,19 @@ def splits_of(relpaths: list[str]) -> tuple[dict[str, str], dict[str, str]]:
     _get_data_files_patterns, read at 5.2): the first of these that any file fits decides for all, and a file that
     does not fit it is left out, (relpath -> why): the hub's data/{split}-NNNNN-of-NNNNN.* files (SHARDED); else
     paths that name a split in a folder (`train/`, `en/c4-validation/`); else in the file's name
-    (`c4-validation.00000.json`); else all, train. A sharded file's own split name other than the three is train."""
+    (`c4-validation.00000.json`); else all, train. A sharded file's own split name other than the three, which HF
+    datasets reads as a split of that name, is refused."""
     data = [r for r in relpaths if r.rsplit("/", 1)[-1] not in METADATA_FILES]
     sharded = {r: m["split"] for r in data if (m := SHARDED.fullmatch(r))}
+    for relpath, split in sharded.items():
+        if split not in SPLIT_KEYWORDS:
+            raise UserError(
+                f"{relpath} is of a split named {split!r}, which Hugging Face datasets reads as a split of that name;"
+                " tokpipe writes train, validation and test: name its files one of those in a card's configs"
+            )
     if sharded:
         why = "not one of data/{split}-NNNNN-of-NNNNN.*, which Hugging Face datasets reads alone where there are any"
-        return {r: split_of(f"{s}.", "file") or "train" for r, s in sharded.items()}, {
-            r: why for r in data if r not in sharded
-        }
+        return dict(sharded), {r: why for r in data if r not in sharded}
     for rank in ("folders", "file"):
         named = {r: split for r in data if (split := split_of(r, rank))}
         if named:
