@@ -178,8 +178,12 @@ def one_try(manifest: Path, out: Path, workers: int, mode: str, seed: int, shard
             time.sleep(rnd.uniform(1, 4))
         output = proc.communicate(timeout=1200)[0]
         seconds = time.monotonic() - started
+        log = out / "logs" / "run.log"
+        said = log.read_text().splitlines() if log.exists() else []
+        refits = [line.split(" ", 2)[-1] for line in said if " cluster: " in line]
     lines, whole = output.splitlines(), time.monotonic() - whole
-    return {"rc": proc.returncode, "seconds": seconds, "whole": whole, "events": events, "lines": lines}
+    done = {"rc": proc.returncode, "seconds": seconds, "whole": whole, "events": events, "lines": lines}
+    return done | {"refits": refits}
 
 
 def check_reference(corpus, out: Path) -> bool:
@@ -241,6 +245,8 @@ def main() -> int:
             f"{f', Ray lines: {len(ray_lines)}' if ray_lines else ''}",
             flush=True,
         )
+        if t["refits"]:
+            print("  run.log: " + "; ".join(t["refits"]), flush=True)
         if not ok:
             shown = [line for line in t["lines"] if not line.startswith("[tokpipe]")]
             print("  its output, less progress lines:\n  " + "\n  ".join(shown), flush=True)

@@ -386,6 +386,8 @@ class Scheduler:
         workers = fit_workers(opts.workers, cpus, memory, opts.worker_memory, cluster=True)[0]
         self.tasks.workers = progress.workers = max(1, min(workers, cpus // self.tasks.cpus))
         copies.slots = copies.AT_ONCE * len(self.watch.up)
+        self.log(f"cluster: {len(self.watch.up)} nodes up, {cpus} CPUs, {memory / 2**30:,.1f} GiB of memory for tasks:"
+                 f" {_plural(self.tasks.workers, 'worker')}")  # fmt: skip
         for node in joined:
             cpu = int(self.watch.known[node]["Resources"].get("CPU", 0))
             self.tell(Said(f"ray: node {self.watch.name(node)} joined ({_plural(cpu, 'CPU')}): "
