@@ -39,7 +39,12 @@ class Unavailable(OSError):
 
 class NodeError(UserError):
     """A cluster node cannot see, at the driver's path, what the run needs (runner/nodes.py): raised in a
-    task, it stops the run with its one line. Exit code 2."""
+    task, it stops the run with its one line (exit code 2), unless the node joined mid-run and others can stand in
+    (runner/schedule.py). `node`: its id; `said`: the node and what it cannot see, without what to do."""
+
+    def __init__(self, message: str, node: str = "", said: str = ""):
+        super().__init__(message)
+        self.node, self.said = node, said  # pickled with it (its __dict__), from the task to the driver
 
 
 class RayUnavailable(Exception):

@@ -175,7 +175,8 @@ def ensure_seen(check: NodeCheck | None) -> None:
     node = ray.get_runtime_context().get_node_id()
     # A Placer runs two calls at once in one process: each thread writes a file of its own.
     if node not in check.checked and (problem := unseen(check, f"{node}-{os.getpid()}-{threading.get_ident()}")):
-        raise NodeError(refusal([f"{_node()} {problem}"], storage_of(check.out)))
+        said = f"{_node()} {problem}"
+        raise NodeError(refusal([said], storage_of(check.out)), node=node, said=said)
     _passed.add(check.token)
 
 

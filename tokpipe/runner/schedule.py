@@ -400,12 +400,10 @@ class Scheduler:
             results = get(ref)
         except NodeError as e:  # a node the driver did not probe: one that joined since gets no shard, and the task
             # goes again elsewhere; a node of the start, or one no other node can stand in for, stops the run
-            node = re.search(r"\(([0-9a-f]{56})\)", str(e))
-            if node and node[1] not in self.watch.initial:
-                self.watch.refuse(node[1])
+            if e.node and e.node not in self.watch.initial:
+                self.watch.refuse(e.node)
                 if self.watch.can_run(self.tasks.cpus):  # a look at the nodes now: those up, less it
-                    said = str(e).split(f": {self.tasks.out.every_node}")[0]
-                    self.tell(Said(f"ray: {said}: it joined the cluster and gets no shard of this run"))
+                    self.tell(Said(f"ray: {e.said}: it joined the cluster and gets no shard of this run"))
                     self.tasks.again.append(task)
                     return
             self.log(f"node check: {e}")
