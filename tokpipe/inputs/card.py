@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokpipe.errors import UserError
-from tokpipe.inputs.names import one_format, splits_of
+from tokpipe.inputs.names import is_metadata, one_format, splits_of
 
 CARD = "README.md"
 # The splits a manifest holds (train.bin, val.bin, test: docs/design.md); a config's other split names are refused.
@@ -55,7 +55,8 @@ class Chosen:
 def splits(chosen: Chosen | None, relpaths: list[str]) -> tuple[dict[str, str], dict[str, str]]:
     """The split each file of data is read into, and why each other is left out: by the configs read (in a data_dir,
     by its files' names), or without a card's configs, by the names (names.splits_of); of those, the files of the
-    one format HF datasets reads them in (names.one_format)."""
+    one format HF datasets reads them in (names.one_format). HF's metadata files are in neither: never data."""
+    relpaths = [r for r in relpaths if not is_metadata(r)]
     if chosen is None:
         placed, left = splits_of(relpaths)
         kept, other = one_format(placed)

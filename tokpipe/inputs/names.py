@@ -69,8 +69,7 @@ def splits_of(relpaths: list[str]) -> tuple[dict[str, str], dict[str, str]]:
     paths that name a split in a folder (`train/`, `en/c4-validation/`); else in the file's name
     (`c4-validation.00000.json`); else all, train. A sharded file's own split name other than the three, which HF
     datasets reads as a split of that name, is refused."""
-    data = [r for r in relpaths if r.rsplit("/", 1)[-1] not in METADATA_FILES]
-    sharded = {r: m["split"] for r in data if (m := SHARDED.fullmatch(r))}
+    sharded = {r: m["split"] for r in relpaths if (m := SHARDED.fullmatch(r))}
     for relpath, split in sharded.items():
         if split not in SPLIT_KEYWORDS:
             raise UserError(
@@ -79,14 +78,19 @@ def splits_of(relpaths: list[str]) -> tuple[dict[str, str], dict[str, str]]:
             )
     if sharded:
         why = "not one of data/{split}-NNNNN-of-NNNNN.*, which Hugging Face datasets reads alone where there are any"
-        return dict(sharded), {r: why for r in data if r not in sharded}
+        return dict(sharded), {r: why for r in relpaths if r not in sharded}
     for rank in ("folders", "file"):
-        named = {r: split for r in data if (split := split_of(r, rank))}
+        named = {r: split for r in relpaths if (split := split_of(r, rank))}
         if named:
             where = "a folder's name" if rank == "folders" else "a file's name"
             why = f"names no split in {where}, where other files do: Hugging Face datasets reads none of it"
-            return named, {r: why for r in data if r not in named}
-    return dict.fromkeys(data, "train"), {}
+            return named, {r: why for r in relpaths if r not in named}
+    return dict.fromkeys(relpaths, "train"), {}
+
+
+def is_metadata(relpath: str) -> bool:
+    """One of HF datasets' own files (METADATA_FILES): never data, whatever globs or names match it."""
+    return relpath.rsplit("/", 1)[-1] in METADATA_FILES
 
 
 # The builder HF datasets reads a file with, by a suffix of its name (datasets/packaged_modules _EXTENSION_TO_MODULE),
@@ -156,7 +160,7 @@ def first_line(read) -> bytes:
 def not_a_shard(relpath: str, json_head: bytes) -> str | None:
     """Why a file of data the walk met is no shard (None: it is one). A .json file is one when its first line
     (`json_head`: first_line's) is a JSON object: it is JSON Lines."""
-    if relpath.rsplit("/", 1)[-1] in METADATA_FILES:
+    if is_metadata(relpath):
         return "Hugging Face datasets' metadata, never data"
     if relpath.endswith(SHARD_SUFFIXES):
         return None
