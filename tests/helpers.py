@@ -26,6 +26,7 @@ import os
 import random
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -573,6 +574,12 @@ def slow_driver_run(*args, ray: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=300, env=_env(ray))
 
 
+def can_make_mount_namespaces() -> bool:
+    """Whether this machine lets a test give a process a mount namespace of its own (a node that cannot see OUT)."""
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True) if shutil.which("unshare") else None
+    return os.geteuid() == 0 and probe is not None and probe.returncode == 0
+
+
 class RayNodes:
     """A Ray cluster of `ray start` nodes on this machine, each in a session of its own: a head with no CPUs (as
     large clusters run theirs), nodes added (`add`) and lost as a test needs; every process of it stopped at the
@@ -595,18 +602,31 @@ class RayNodes:
         self._start([*head, "--include-dashboard", "false", "--temp-dir", self.temp, "--disable-usage-stats"])
         return self
 
-    def add(self, node_id: str, ip: str, lose_at: str | None = None) -> int:
+    def add(self, node_id: str, ip: str, lose_at: str | None = None, blind: Path | None = None) -> int:
         """A node of one CPU at `ip` (127.0.0.2, ...) with this id (56 hex digits), up and joined; `lose_at`
-        (module.function:n) loses it there (LOSE_NODE_SITE). Returns its session."""
+        (module.function:n) loses it there (LOSE_NODE_SITE); `blind`, a folder it cannot see: a tmpfs over it, in a
+        mount namespace of its own (a folder of the same name on the node's own disk). Returns its session."""
         env = {"RAY_OVERRIDE_NODE_ID_FOR_TESTING": node_id}
         if lose_at:
             env |= {"TOKPIPE_TESTS_LOSE_NODE_AT": lose_at, "PYTHONPATH": str(self.site)}
         node = ["--address", self.address, "--node-ip-address", ip, "--num-cpus", "1", "--disable-usage-stats"]
-        return self._start([*node, "--object-store-memory", str(128 << 20), "--block"], env)
+        return self._start([*node, "--object-store-memory", str(128 << 20), "--block"], env, blind)
 
-    def _start(self, args: list[str], env: dict | None = None) -> int:
+    def lose(self, session: int) -> None:
+        """A node lost as a machine is: every process of its session killed (SIGKILL), again until a pass finds none
+        (a worker Ray was forking outlives the pass that missed it)."""
+        while pids := session_processes(session):
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+    def _start(self, args: list[str], env: dict | None = None, blind: Path | None = None) -> int:
+        command = [str(Path(sys.executable).parent / "ray"), "start", *args]
+        if blind is not None:
+            mount = f"mount -t tmpfs none {shlex.quote(str(blind))} && exec {shlex.join(command)}"
+            command = ["unshare", "-m", "--propagation", "private", "bash", "-c", mount]
         proc = subprocess.Popen(
-            [str(Path(sys.executable).parent / "ray"), "start", *args],
+            command,
             env={**self.env, **(env or {})},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

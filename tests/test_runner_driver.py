@@ -41,15 +41,12 @@ from helpers import (
     held_out,
     kill_9,
     killed_run,
-    parent_pid,
     reference_by_group,
     reference_ids,
     reference_texts,
     reference_tokenizer,
     reference_tokens,
     run_args,
-    shard_workers,
-    shards_begun,
     start,
     stored_objects,
     tokpipe,
@@ -252,54 +249,6 @@ def test_disk_full_stops_the_shard_clearly_and_the_rerun_completes(
         assert_out_is(out, small_reference)
     finally:
         subprocess.run(["umount", "-l", str(disk)])
-
-
-def test_multi_node_cluster_with_a_node_removed_mid_run(manifest, tmp_path, small_tokenizer, small_reference):
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
-    try:
-        out = tmp_path / "out"
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tokpipe.cli",
-                *map(
-                    str,
-                    run_args(
-                        manifest,
-                        out,
-                        "--address",
-                        cluster.address,
-                        "--workers",
-                        "2",
-                        "--checkpoint-interval",
-                        "0.2",
-                        *HF,
-                        tokenizer=small_tokenizer,
-                    ),
-                ),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        wait_for(lambda: shards_begun(out) > sum(c["done"] for c in checkpoints(out)))  # mid-shard
-        # Remove the node whose raylet runs a shard worker right now: a machine lost mid-shard.
-        # (Workers of other runs on this machine, another xdist worker's, have other parents, or are gone.)
-        parents = {parent_pid(pid) for pid in shard_workers("")}
-        busy = next(n for n in nodes if n.all_processes["raylet"][0].process.pid in parents)
-        assert proc.poll() is None and not (out / "meta.json").exists()
-        cluster.remove_node(busy)
-        cluster.add_node(num_cpus=1)
-        output, _ = proc.communicate(timeout=240)
-        assert proc.returncode == 0, output
-        assert re.search(rf"^ray: cluster {re.escape(cluster.address)}, 2 workers on 3 nodes$", output, re.M), output
-        assert_out_is(out, small_reference)
-    finally:
-        cluster.shutdown()
 
 
 def test_ctrl_c_stops_the_run_with_exit_130_and_the_same_command_resumes(

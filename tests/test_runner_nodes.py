@@ -26,6 +26,8 @@ from helpers import (
     LOSE_NODE_SITE,
     QWEN3,
     RAY_HEAD_PORTS,
+    RayNodes,
+    can_make_mount_namespaces,
     checkpoints,
     kill_9,
     open_uploads,
@@ -123,12 +125,6 @@ def _text(path: Path) -> str:
     return path.read_text() if path.exists() else ""
 
 
-def _can_make_mount_namespaces() -> bool:
-    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True) if shutil.which("unshare") else None
-    return os.geteuid() == 0 and probe is not None and probe.returncode == 0
-
-
-@pytest.mark.skipif(not _can_make_mount_namespaces(), reason="needs root and unshare -m")
 def _start_head(address: str, temp: str, env: dict, cpus: int, sessions: list[int]) -> None:
     """A Ray head at `address` on 127.0.0.1, started (`ray start --head`) in a session of its own, added to
     `sessions` before it is waited for: every process of the cluster is found at the end, and stopped."""
@@ -155,20 +151,7 @@ def _stop(run, sessions: list[int], temp: str, node: subprocess.Popen | None = N
     shutil.rmtree(temp, ignore_errors=True)
 
 
-def _blind_node(node_local: Path, address: str, ip: str, node_id: str, env: dict) -> subprocess.Popen:
-    """A node of 1 CPU at `ip` with this id (Ray's testing hook) that cannot see `node_local`: a tmpfs over it, in a
-    mount namespace of its own (a folder of the same name on the node's own disk). Joins the cluster at `address`."""
-    ray = str(Path(sys.executable).parent / "ray")
-    inner = f"mount -t tmpfs none {node_local} && exec {ray} start --address {address} --node-ip-address {ip}"
-    return subprocess.Popen(
-        ["unshare", "-m", "--propagation", "private", "bash", "-c", f"{inner} --num-cpus 1 --block"],
-        env={**env, "RAY_OVERRIDE_NODE_ID_FOR_TESTING": node_id},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-
-
+@pytest.mark.skipif(not can_make_mount_namespaces(), reason="needs root and unshare -m")
 def test_with_address_a_node_that_cannot_see_out_stops_the_run_naming_node_and_path(tmp_path, small_tokenizer):
     # A folder of the same name on the second node's own disk: a tmpfs over OUT's parent, in its namespace.
     node_local = tmp_path / "node-local"
@@ -176,29 +159,20 @@ def test_with_address_a_node_that_cannot_see_out_stops_the_run_naming_node_and_p
     write_jsonl(tmp_path / "data" / "train" / "a.jsonl", ['{"text": "one document"}'] * 3)
     write_jsonl(tmp_path / "data" / "train" / "b.jsonl", ['{"text": "another"}'] * 3)
     write_manifest(build_manifest(tmp_path / "data"), tmp_path / "m.json")
-    temp = tempfile.mkdtemp(prefix="tpnodes-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    env.pop("RAY_ADDRESS", None)
-    address = f"127.0.0.1:{random.randint(*RAY_HEAD_PORTS)}"
     node_id = "ab" * 28  # Ray's testing hook names the second node, for the exact line
     blind = f"node 127.0.0.2 ({node_id}) cannot see OUT"
     advice = (
         ": every node must see the shards, the tokenizer and OUT at the driver's paths (storage they all mount"
         " alike); mount it there or take the node out of the cluster, and rerun the same command"
     )
-    late = second = None
-    sessions = []
-    try:
-        # A head with no CPUs (as large clusters run theirs): a shard waits for a node that has some.
-        _start_head(address, temp, env, 0, sessions)
-
+    # A head with no CPUs (as large clusters run theirs): a shard waits for a node that has some.
+    with RayNodes(tmp_path) as cluster:
         # A node that joins mid-run was not probed at the start: it checks itself at its first shard.
         late_out = node_local / "late"
-        late = start(tmp_path / "m.json", late_out, *HF, ray=address, tokenizer=small_tokenizer)
+        late = start(tmp_path / "m.json", late_out, *HF, ray=cluster.address, tokenizer=small_tokenizer)
         probed = late_out / "logs" / "run.log"
-        wait_for(lambda: "node check: 1 nodes see" in _text(probed) or late.poll() is not None, timeout=120)
-        second = _blind_node(node_local, address, "127.0.0.2", node_id, env)
-        sessions.append(second.pid)
+        wait_for(lambda: "node check: 1 nodes see" in _text(probed), run=late)
+        second = cluster.add(node_id, "127.0.0.2", blind=node_local)
         assert late.wait(timeout=180) == 2, late.log.read_text()
         output = late.log.read_text().splitlines()
         assert output[-1] == f"tokpipe run: error: {blind} {late_out} (No such file or directory){advice}"
@@ -208,64 +182,15 @@ def test_with_address_a_node_that_cannot_see_out_stops_the_run_naming_node_and_p
         # With that node in the cluster from the start, the run refuses before any shard is tokenized.
         out = node_local / "out"
         refused = tokpipe(
-            *run_args(tmp_path / "m.json", out, "--address", address, *HF, tokenizer=small_tokenizer), timeout=180
+            *run_args(tmp_path / "m.json", out, "--address", cluster.address, *HF, tokenizer=small_tokenizer)
         )
         assert refused.returncode == 2, refused.stdout + refused.stderr
         assert refused.stderr.splitlines() == [f"tokpipe run: error: {blind} {out} (No such file or directory){advice}"]
         assert not (out / "shards").exists()
-        assert second.poll() is None  # the node was there all along
-    finally:
-        _stop(late, sessions, temp, second)  # the head's, the second node's (in its namespace), their workers
+        assert session_processes(second)  # the node was there all along
 
 
-@pytest.mark.skipif(not _can_make_mount_namespaces(), reason="needs root and unshare -m")
-def test_a_node_that_joins_mid_run_and_cannot_see_out_gets_no_shard_and_the_run_ends_exact(
-    tmp_path, dataset, small_tokenizer, small_reference
-):
-    # The run on a node that sees everything (a head with no CPUs); a second joins once a shard is checkpointed, with
-    # a tmpfs over OUT's parent in its namespace: named in one line, it gets no shard, and the first ends the run.
-    copies = 8
-    for split in ("train", "validation"):
-        for n in range(2, copies + 1):
-            shutil.copytree(dataset / split / "chunk1", dataset / split / f"chunk{n}")
-    write_manifest(build_manifest(dataset), tmp_path / "m.json")
-    node_local = tmp_path / "node-local"
-    node_local.mkdir()
-    out = node_local / "out"
-    ray = str(Path(sys.executable).parent / "ray")
-    temp = tempfile.mkdtemp(prefix="tpnodes-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    env.pop("RAY_ADDRESS", None)
-    address = f"127.0.0.1:{random.randint(*RAY_HEAD_PORTS)}"
-    run, sessions = None, []
-    try:
-        _start_head(address, temp, env, 0, sessions)
-        node = [ray, "start", "--address", address, "--node-ip-address", "127.0.0.2", "--num-cpus", "1"]
-        up = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "start_new_session": True}
-        first = subprocess.Popen(node, env=env, **up)
-        sessions.append(first.pid)
-        assert first.wait(timeout=120) == 0, first.stdout.read()  # up (its processes stay, in its session)
-        args = ("--address", address, "--workers", "2", "--ray-only", *HF)
-        run = start(tmp_path / "m.json", out, *args, tokenizer=small_tokenizer)
-        wait_for(lambda: bool(checkpoints(out)), run=run)
-        blind = _blind_node(node_local, address, "127.0.0.3", "cd" * 28, env)
-        sessions.append(blind.pid)
-        assert run.wait(timeout=300) == 0, run.log.read_text()
-        said = run.log.read_text().splitlines()
-        assert (
-            f"ray: node 127.0.0.3 ({'cd' * 28}) cannot see OUT {out} (No such file or directory): it joined the"
-            " cluster and gets no shard of this run" in said
-        ), said
-        assembled = next(line for line in (out / "logs" / "run.log").read_text().splitlines() if "assembled by" in line)
-        assert "cdcdcdcd" not in assembled, assembled
-        reference = {stem: np.concatenate([tokens] * copies) for stem, tokens in small_reference.items()}
-        for stem, tokens in reference.items():
-            assert np.array_equal(np.fromfile(out / f"{stem}.bin", dtype=np.uint16), tokens), stem
-    finally:
-        _stop(run, sessions, temp)
-
-
-@pytest.mark.skipif(not _can_make_mount_namespaces(), reason="needs root and unshare -m")
+@pytest.mark.skipif(not can_make_mount_namespaces(), reason="needs root and unshare -m")
 def test_on_a_store_a_node_that_shares_no_file_system_is_lost_mid_run_and_the_bytes_are_the_reference(
     tmp_path, s3_server, s3_prefix
 ):

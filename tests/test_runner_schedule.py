@@ -15,11 +15,13 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import pytest
 import zstandard
 from helpers import (
     EXAMPLE_TRAIN_FILES,
     RayNodes,
     assert_out_is,
+    can_make_mount_namespaces,
     cli,
     keep_killing,
     launch,
@@ -241,27 +243,52 @@ def _cmdline(pid: int) -> str:
         return "(gone)"
 
 
-def test_a_node_that_joins_mid_run_spends_its_cpus_on_shards(dataset, tmp_path, small_tokenizer, small_reference):
-    # Eight copies of the example on one node of 1 CPU (a head with none): --workers 2 runs 1 until a second node
-    # joins, once the first shard is checkpointed; then 2, the second node's Placer placing what it tokenized.
-    copies = 8
+@pytest.mark.skipif(not can_make_mount_namespaces(), reason="needs root and unshare -m")
+def test_the_run_follows_the_cluster_as_nodes_join_fail_their_check_and_are_lost_and_replaced(
+    dataset, tmp_path, small_tokenizer, small_reference
+):
+    # Sixteen copies of the example, OUT in a folder a blind node cannot see, on one node of 1 CPU (a head with
+    # none): --workers 2 runs 1 until a second node joins, once a shard is checkpointed; a node that joins with a
+    # tmpfs over OUT's parent is named in one line and gets no shard; the first node lost leaves 1 worker, and its
+    # replacement brings the run back to 2, as an autoscaler replaces a lost spot node.
+    copies = 16
     for split in ("train", "validation"):
         for n in range(2, copies + 1):
             shutil.copytree(dataset / split / "chunk1", dataset / split / f"chunk{n}")
-    manifest, out = tmp_path / "m.json", tmp_path / "out"
+    manifest, node_local = tmp_path / "m.json", tmp_path / "node-local"
     write_manifest(build_manifest(dataset), manifest)
+    node_local.mkdir()
+    out = node_local / "out"
     with RayNodes(tmp_path) as cluster:
-        cluster.add("a0" * 28, "127.0.0.2")
+        first = cluster.add("a0" * 28, "127.0.0.2")
         args = run_args(manifest, out, "--address", cluster.address, *ON_THE_NODES, *HF, tokenizer=small_tokenizer)
         run = launch(["-m", "tokpipe.cli", *args], tmp_path)
         wait_for(lambda: (out / "shards").is_dir() and any((out / "shards").rglob("*.json")), run=run)
+        cluster.add("cd" * 28, "127.0.0.4", blind=node_local)
         cluster.add("b1" * 28, "127.0.0.3")
+        wait_for(lambda: "(b1b1b1b1) joined" in output(run), run=run)
+        cluster.lose(first)
+        wait_for(lambda: "(a0a0a0a0) lost" in output(run), run=run)
+        cluster.add("e2" * 28, "127.0.0.5")
         assert run.wait(timeout=300) == 0, output(run)
-    said = output(run)
+    said = output(run).splitlines()
     assert "--workers 2 is more than the 1 CPUs of the cluster: running 1" in said
-    assert "ray: node 127.0.0.3 (b1b1b1b1) joined (1 CPU): 2 workers now" in said.splitlines()
-    log = (out / "logs" / "run.log").read_text().splitlines()
-    assembled = next(line for line in log if "assembled by node" in line)
-    assert "b1b1b1b1" in assembled, assembled  # what it tokenized, placed by its Placer
+    port = cluster.address.split(":")[1]  # the cluster as the GCS names it: this machine's address
+    assert any(re.fullmatch(rf"ray: cluster [\d.]+:{port}, 1 worker on 2 nodes", line) for line in said), said
+    blind = [line for line in said if "(cdcdcdcd" in line]  # its join said before its first task, or not at all
+    assert blind[-1] == (
+        f"ray: node 127.0.0.4 ({'cd' * 28}) cannot see OUT {out} (No such file or directory): it joined the cluster"
+        " and gets no shard of this run"
+    )
+    assert blind[:-1] in ([], ["ray: node 127.0.0.4 (cdcdcdcd) joined (1 CPU): 2 workers now"]), blind
+    nodes = [line for line in said if line.startswith("ray: node") and line not in blind]
+    assert [nodes[0], nodes[2]] == [
+        "ray: node 127.0.0.3 (b1b1b1b1) joined (1 CPU): 2 workers now",
+        "ray: node 127.0.0.5 (e2e2e2e2) joined (1 CPU): 2 workers now",
+    ], nodes
+    assert len(nodes) == 3 and LOST_LINE.fullmatch(nodes[1]), nodes  # what it cost is the moment's
+    assembled = next(line for line in (out / "logs" / "run.log").read_text().splitlines() if "assembled by" in line)
+    for joined in ("b1b1b1b1", "e2e2e2e2"):  # what each tokenized, placed by its Placer
+        assert joined in assembled, assembled
+    assert "cdcdcdcd" not in assembled, assembled
     assert_out_is(out, {stem: np.concatenate([tokens] * copies) for stem, tokens in small_reference.items()})
-

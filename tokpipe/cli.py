@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tokpipe._version import __version__
 from tokpipe.errors import RayUnavailable, ReaderMayLeave, UserError, terminate_on_sigterm, terminated
+from tokpipe.fmt import plural
 from tokpipe.inputs.source.batch import MISSING_GROUP
 from tokpipe.layout.files import RUN_LOG, Layout
 from tokpipe.layout.meta import Meta, SplitEntry
@@ -67,7 +68,7 @@ def _manifest_lines(manifest, dest: Path) -> list[str]:
         if n > MANIFEST_NAMES_SHOWN:
             names = [*names[: MANIFEST_NAMES_SHOWN - 1], f"... ({n - MANIFEST_NAMES_SHOWN:,} more) ...", names[-1]]
         size = sum(s.size for s in shards) / 2**20
-        lines.append(f"  {split}: {n:,} shard{'s' if n != 1 else ''}, {size:,.1f} MiB: {', '.join(names)}")
+        lines.append(f"  {split}: {plural(n, 'shard')}, {size:,.1f} MiB: {', '.join(names)}")
     for passed, slash, what in (
         (manifest.passed_over, "/", "folders"),
         (manifest.files_passed_over, "", "files of data"),
@@ -83,10 +84,10 @@ def _where(out: Path | str, split: SplitEntry) -> str:
     meta_json = f"{out}/{Layout('').meta_json.name}"
     if split.groups is not None:  # --group-by
         n = len(split.groups)
-        return f"the files of {n:,} group{'s' if n != 1 else ''} listed in {meta_json}"
+        return f"the files of {plural(n, 'group')} listed in {meta_json}"
     if split.file is None:  # --no-concat
         n = len(split.files)
-        return f"{n:,} file{'s' if n != 1 else ''} listed in {meta_json}"
+        return f"{plural(n, 'file')} listed in {meta_json}"
     return f"{out}/{split.file}"
 
 

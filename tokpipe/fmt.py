@@ -23,6 +23,11 @@ def size(n: float) -> str:
     return f"{n / 1e3:,.1f} kB"
 
 
+def plural(n: int, what: str) -> str:
+    """1,024 shards, 1 shard."""
+    return f"{n:,} {what}{'s' if n != 1 else ''}"
+
+
 def free_bytes(path: str | os.PathLike) -> int:
     """Bytes an unprivileged writer may still use on path's file system."""
     st = os.statvfs(path)

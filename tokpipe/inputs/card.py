@@ -198,7 +198,8 @@ def _compiled(glob: str) -> Callable[[str], bool]:
         except re.error as e:
             raise UserError(f"data_files glob {glob!r} ({CARD}) is not a glob ({e}): fix the card") from None
         hidden_asked = any(part.startswith((".", "__")) for part in glob.split("/"))
-        _GLOBS[glob] = lambda relpath: bool(full.match(relpath)) and (
-            hidden_asked or not any(part.startswith((".", "__")) for part in relpath.split("/"))
+        _GLOBS[glob] = lambda relpath: (
+            bool(full.match(relpath))
+            and (hidden_asked or not any(part.startswith((".", "__")) for part in relpath.split("/")))
         )
     return _GLOBS[glob]

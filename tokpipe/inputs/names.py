@@ -31,9 +31,7 @@ _NAMES_SPLIT = {
     split: re.compile(rf"(?:^|(?<=[-._ 0-9]))(?:{'|'.join(words)})(?=[-._ 0-9]|$)")
     for split, words in SPLIT_KEYWORDS.items()
 }
-_NAMES_SPLIT_ANY_CASE = {
-    split: re.compile(pattern.pattern, re.IGNORECASE) for split, pattern in _NAMES_SPLIT.items()
-}
+_NAMES_SPLIT_ANY_CASE = {split: re.compile(pattern.pattern, re.IGNORECASE) for split, pattern in _NAMES_SPLIT.items()}
 
 
 # The hub's sharded files, data/{split}-00000-of-00003.*: where there are any, HF datasets reads them alone.

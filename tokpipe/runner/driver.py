@@ -14,6 +14,7 @@ import numpy as np
 
 from tokpipe.durability import write_json_atomic
 from tokpipe.errors import terminate_on_sigterm
+from tokpipe.fmt import plural
 from tokpipe.inputs.manifest import Manifest, load_manifest
 from tokpipe.inputs.objects import check_reachable
 from tokpipe.inputs.tokenizer import TokenizerInfo, choose_backend, load_tokenizer_info
@@ -209,7 +210,7 @@ def _tokenize_on_ray(run: _Run, backend: str, assembler, progress: Progress, tal
         run.say(shape.note)
     both = " (2 CPUs each: reading overlaps encoding)" if shape.read_ahead else ""
     nodes = f" on {shape.nodes} nodes" if shape.nodes > 1 else ""
-    run.tell(Said(f"ray: {shape.where}, {shape.workers} workers{both}{nodes}"))
+    run.tell(Said(f"ray: {shape.where}, {plural(shape.workers, 'worker')}{both}{nodes}"))
     watch, check = NodeWatch(), None
     if run.cluster.address:  # every node sees the shards, the tokenizer and OUT, or the run stops here
         check = check_nodes(run.manifest, run.info, run.out, run.log, watch)

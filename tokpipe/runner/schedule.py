@@ -30,6 +30,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tokpipe.errors import NodeError, RayUnavailable, Unavailable
+from tokpipe.fmt import plural
 from tokpipe.inputs.manifest import Manifest, Shard
 from tokpipe.layout.files import stall_dump
 from tokpipe.options import RunOptions
@@ -99,10 +100,6 @@ def _died_on(error: Exception) -> str | None:
     "... is dead or unavailable. Node IP: %s, node ID: %s. ...")."""
     found = re.search(r"node ID: ([0-9a-f]+)", str(error)) if isinstance(error, ray.exceptions.NodeDiedError) else None
     return found and found[1]
-
-
-def _plural(n: int, what: str) -> str:
-    return f"{n} {what}{'s' if n != 1 else ''}"
 
 
 @dataclass(frozen=True)
@@ -275,7 +272,7 @@ class Losses:
             self.say(now=True)
             raise RayUnavailable(
                 f"node {self.watch.name(node)} was lost, and no node left in the cluster can run a shard"
-                f" ({_plural(self.tasks.cpus, 'CPU')}): start one (`ray start --address ...`) and rerun the same"
+                f" ({plural(self.tasks.cpus, 'CPU')}): start one (`ray start --address ...`) and rerun the same"
                 " command"
             )
         return bool(stored)
@@ -285,7 +282,7 @@ class Losses:
         lost are tokenized again; its other parts go again as they are (Placers.collect)."""
         self.log(
             f"placing on node {self.watch.name(node)} failed ({describe_failure(error)}):"
-            f" {_plural(len(lost), 'shard')} to tokenize again"
+            f" {plural(len(lost), 'shard')} to tokenize again"
         )
         for where in {node} | {stored.node for stored in lost}:
             if where in self.watch.lost or self.watch.confirms(where):
@@ -302,7 +299,7 @@ class Losses:
                 continue
             del self.unsaid[node]
             line = f"ray: node {self.watch.name(node)} lost: " + (
-                f"{_plural(len(running | waiting), 'shard')} to tokenize again ({len(running)} running there,"
+                f"{plural(len(running | waiting), 'shard')} to tokenize again ({len(running)} running there,"
                 f" {len(waiting)} done and waiting there to be placed)"
                 if running | waiting
                 else "it held no shard of the run"
@@ -320,6 +317,7 @@ class Scheduler:
     def __init__(self, tasks: Tasks, tell: Listener):
         self.tasks, self.log, self.tally, self.watch, self.tell = tasks, tasks.log, tasks.tally, tasks.watch, tell
         self.losses = Losses(tasks, tell)
+        self.fitted = set(self.watch.up)  # the nodes the workers were last fitted to
         self.done = 0  # shards finished, for the progress counts
 
     def run(self, progress: Progress, copies: Placers, done: int) -> None:
@@ -375,23 +373,25 @@ class Scheduler:
         progress.update(*tasks.totals, done=self.done, running=0, failed=len(failed), final=True)
 
     def _follow(self, progress: Progress, copies: Placers) -> None:
-        """The run follows the cluster: for nodes that joined since the last look, a line each, and the workers of
-        the cluster as it is now (up to --workers), for which Ray has the CPUs; Ray sends them tasks as any node.
-        A node that joined checks itself at its first task (nodes.ensure_seen), and is refused if it fails."""
-        joined, self.watch.joined = self.watch.joined, []
-        if not joined:
+        """The run follows the cluster: for nodes that joined since the last look, a line each, and, when a node
+        joined, was lost or was refused, the workers of the cluster as it is now (up to --workers), for which Ray has
+        the CPUs; Ray sends them tasks as any node. A node that joined checks itself at its first task
+        (nodes.ensure_seen), and is refused if it fails: said once, whether or not its join was said before."""
+        joined, self.watch.joined = [n for n in self.watch.joined if n not in self.watch.refused], []
+        if not joined and self.watch.up == self.fitted:
             return
+        self.fitted = set(self.watch.up)
         cpus, memory = self.watch.capacity()
         opts = self.tasks.opts
         workers = fit_workers(opts.workers, cpus, memory, opts.worker_memory, cluster=True)[0]
         self.tasks.workers = progress.workers = max(1, min(workers, cpus // self.tasks.cpus))
         copies.slots = copies.AT_ONCE * len(self.watch.up)
         self.log(f"cluster: {len(self.watch.up)} nodes up, {cpus} CPUs, {memory / 2**30:,.1f} GiB of memory for tasks:"
-                 f" {_plural(self.tasks.workers, 'worker')}")  # fmt: skip
+                 f" {plural(self.tasks.workers, 'worker')}")  # fmt: skip
         for node in joined:
             cpu = int(self.watch.known[node]["Resources"].get("CPU", 0))
-            self.tell(Said(f"ray: node {self.watch.name(node)} joined ({_plural(cpu, 'CPU')}): "
-                           f"{_plural(self.tasks.workers, 'worker')} now"))  # fmt: skip
+            self.tell(Said(f"ray: node {self.watch.name(node)} joined ({plural(cpu, 'CPU')}): "
+                           f"{plural(self.tasks.workers, 'worker')} now"))  # fmt: skip
 
     def _collect(self, ref, copies: Placers) -> None:
         """Take a finished task's results."""
@@ -401,9 +401,11 @@ class Scheduler:
         except NodeError as e:  # a node the driver did not probe: one that joined since gets no shard, and the task
             # goes again elsewhere; a node of the start, or one no other node can stand in for, stops the run
             if e.node and e.node not in self.watch.initial:
+                first = e.node not in self.watch.refused  # other tasks Ray sent there fail as this one did
                 self.watch.refuse(e.node)
                 if self.watch.can_run(self.tasks.cpus):  # a look at the nodes now: those up, less it
-                    self.tell(Said(f"ray: {e.said}: it joined the cluster and gets no shard of this run"))
+                    if first:
+                        self.tell(Said(f"ray: {e.said}: it joined the cluster and gets no shard of this run"))
                     self.tasks.again.append(task)
                     return
             self.log(f"node check: {e}")

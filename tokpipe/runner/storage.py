@@ -26,6 +26,7 @@ from pathlib import Path
 
 from tokpipe.durability import write_atomic
 from tokpipe.errors import UserError
+from tokpipe.fmt import plural
 from tokpipe.inputs.manifest import Manifest, Shard, load_manifest, write_manifest
 from tokpipe.inputs.tokenizer import TokenizerInfo
 from tokpipe.layout.files import Layout, LayoutWriter, ShardFiles, out_folder
@@ -144,7 +145,7 @@ class Folder(Storage):
         if assembler.lost:
             n = len(assembler.lost)
             say(
-                f"tokenizing again {n} shard{'s' if n != 1 else ''} (e.g. {assembler.lost[0]}): their tokens are in no"
+                f"tokenizing again {plural(n, 'shard')} (e.g. {assembler.lost[0]}): their tokens are in no"
                 " file a rerun can keep (placed but not yet listed when the last run stopped, or in a split file that"
                 " changed since)",
                 f"tokenizing again: {', '.join(assembler.lost)}",
