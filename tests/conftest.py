@@ -4,6 +4,7 @@ corpus on an object store. Helpers and the independent reference are in helpers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -136,26 +137,22 @@ def ray_cluster():
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """The session's Ray, if started, ends with the session: its holder stops every process of it; a holder
-    that does not within a minute is killed, and so is every process left with its marker. So does its S3
-    server, killed (SIGKILL), its data removed."""
+    """The session's Ray, if started, ends with the session: its holder and every process with its marker killed
+    (SIGKILL), again until none is left (a worker forked meanwhile); not ray.shutdown, which took ~5 s of each
+    xdist worker's end. So does its S3 server, killed (SIGKILL), its data removed."""
     while _s3_servers:
         server = _s3_servers.pop()
         server.kill()
         shutil.rmtree(server.folder, ignore_errors=True)
     while _ray_holder:
         holder, temp = _ray_holder.pop()
-        holder.stdin.close()
-        try:
-            holder.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            holder.kill()
-            holder.wait()
-        for pid in _processes_of(temp):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        holder.kill()
+        holder.wait()
+        while pids := _processes_of(temp):
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
         shutil.rmtree(temp, ignore_errors=True)
 
 

@@ -16,7 +16,12 @@ from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import build_manifest
 from tokpipe.inputs.source import read_batches
 
-datasets = pytest.importorskip("datasets")
+
+def _load(root: Path, *name: str, cache_dir: Path):
+    """`datasets.load_dataset` itself, the reference (imported here: 1.1 s, paid by the tests that use it)."""
+    import datasets
+
+    return datasets.load_dataset(str(root), *name, cache_dir=str(cache_dir))
 
 
 def _write(path: Path, texts: list[str]) -> None:
@@ -39,7 +44,7 @@ def _tokpipe(root: Path, *configs: str) -> dict[str, Counter]:
 def _datasets(root: Path, tmp_path: Path, *configs: str | None) -> dict[str, Counter]:
     found: dict[str, Counter] = {}
     for name in configs:
-        loaded = datasets.load_dataset(str(root), name, cache_dir=str(tmp_path / "hf-cache"))
+        loaded = _load(root, name, cache_dir=tmp_path / "hf-cache")
         for split, rows in loaded.items():
             found.setdefault(split, Counter()).update(t for t in rows["text"] if t)
     return found
@@ -60,7 +65,7 @@ def test_of_two_configs_one_a_superset_the_one_asked_is_read_and_none_asked_is_r
     assert _tokpipe(root, "en") == _datasets(root, tmp_path, "en")
     assert _tokpipe(root, "en.noblocklist") == _datasets(root, tmp_path, "en.noblocklist")
     with pytest.raises(ValueError):
-        datasets.load_dataset(str(root), cache_dir=str(tmp_path / "hf-cache"))
+        _load(root, cache_dir=tmp_path / "hf-cache")
     with pytest.raises(UserError) as refused:
         build_manifest(root)
     assert str(refused.value) == (
@@ -160,10 +165,14 @@ def test_a_config_with_a_data_dir_alone_splits_its_files_by_their_names(tmp_path
     _write(root / "v2" / "test.jsonl", ["new test"])
     _write(root / "v1" / "train.jsonl", ["old train"])
     _card(root, "- config_name: v2\n  data_dir: v2\n  default: true\n- config_name: v1\n  data_dir: v1\n")
-    assert _tokpipe(root) == _datasets(root, tmp_path, None) == {
-        "train": Counter(["new train"]),
-        "test": Counter(["new test"]),
-    }
+    assert (
+        _tokpipe(root)
+        == _datasets(root, tmp_path, None)
+        == {
+            "train": Counter(["new train"]),
+            "test": Counter(["new test"]),
+        }
+    )
 
 
 # Repos with no configs in their card: which files datasets reads, and into which split, by the first rule any file
@@ -319,6 +328,6 @@ def test_a_card_load_dataset_refuses_is_refused_in_one_line_saying_why(tmp_path)
         assert str(refused.value) == said
         if n < 2:  # datasets refuses these cards; the last it reads, the file's documents twice
             with pytest.raises(ValueError):
-                datasets.load_dataset(str(root), cache_dir=str(tmp_path / f"hf-cache-{n}"))
+                _load(root, cache_dir=tmp_path / f"hf-cache-{n}")
         else:
             assert _datasets(root, tmp_path, None) == {"train": Counter({"a": 2})}

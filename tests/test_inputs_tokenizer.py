@@ -22,7 +22,6 @@ from helpers import (
     tokpipe,
 )
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoTokenizer
 
 from tokpipe.errors import UserError
 from tokpipe.inputs import tokenizer
@@ -40,6 +39,8 @@ TOKENIZER_JSON = str(QWEN3 / "tokenizer.json")
 
 
 def test_qwen3_info_matches_transformers():
+    from transformers import AutoTokenizer  # 1.7 s to import: paid by the test that uses it, not by collection
+
     info = load_tokenizer_info(QWEN3)
     hf = AutoTokenizer.from_pretrained(str(QWEN3), local_files_only=True, trust_remote_code=False)
     assert info.vocab_size == len(hf) == 151669  # base vocabulary plus added tokens, not 151,643 nor 50,304

@@ -358,13 +358,13 @@ def test_a_segment_not_committed_before_one_that_is_is_made_again_with_the_same_
 
 
 def test_a_ray_run_killed_while_segments_upload_at_once_then_the_same_command_is_the_reference(
-    s3_server, s3_prefix, tmp_path
+    s3_server, s3_prefix, tmp_path, ray_address
 ):
     # Segments commit in any order on Ray (four uploads at a time): a kill -9 of the whole run once one is committed
     # may leave later ones committed and earlier ones not, and large parts in files of the node (--shard-buffer 1).
     manifest, reference = _mixed(tmp_path, [4, 1, 1, 4, 4, 1, 4, 1, 4])
     url, args = s3_server.url(s3_prefix), ("--ray-only", "--workers", "2", "--shard-buffer", "1")
-    run = start(manifest, url, *args, logs=tmp_path)
+    run = start(manifest, url, *args, logs=tmp_path, ray=ray_address)
 
     def committed() -> bool:  # two of its five segments (listed only: a live run removes objects)
         listed = s3_server.client().list_objects_v2(Bucket=s3_server.bucket, Prefix=f"{s3_prefix}/segments/")
@@ -373,7 +373,7 @@ def test_a_ray_run_killed_while_segments_upload_at_once_then_the_same_command_is
     wait_for(lambda: committed() or run.poll() is not None)
     kill_9(run)
     assert run.returncode == -signal.SIGKILL, run.log.read_text()  # killed while it ran, not after it finished
-    rerun = tokpipe(*run_args(manifest, url, *args))
+    rerun = tokpipe(*run_args(manifest, url, *args), ray=ray_address)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     objects = stored_objects(s3_server, s3_prefix)
     _assert_split(objects, "train", reference)
