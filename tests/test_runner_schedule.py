@@ -292,3 +292,4 @@ def test_the_run_follows_the_cluster_as_nodes_join_fail_their_check_and_are_lost
         assert joined in assembled, assembled
     assert "cdcdcdcd" not in assembled, assembled
     assert_out_is(out, {stem: np.concatenate([tokens] * copies) for stem, tokens in small_reference.items()})
+    assert cli("verify", out).returncode == 0

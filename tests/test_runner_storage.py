@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import (
-    EXAMPLE_HOLDOUT_FILES,
     EXAMPLE_TRAIN_FILES,
     GROUP_FIELD,
     KILL_WORKER_SITE,
@@ -77,15 +76,16 @@ def _assert_finished_as(server, prefix: str, reference: dict[str, np.ndarray]) -
 
 
 def test_a_run_into_a_store_is_the_reference_and_leaves_no_segment_and_no_open_upload(
-    s3_server, s3_prefix, manifest, example_reference
+    s3_server, s3_prefix, manifest, small_tokenizer, small_reference
 ):
     url = s3_server.url(s3_prefix)
-    run = store_out_run(manifest, url)
+    run = store_out_run(manifest, url, tokenizer=small_tokenizer)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert f"train: 859,703 tokens, 293 documents, 2 lines skipped (empty_text 2) -> {url}/train.bin" in run.stdout
+    tokens = len(small_reference["train"])
+    assert f"train: {tokens:,} tokens, 293 documents, 2 lines skipped (empty_text 2) -> {url}/train.bin" in run.stdout
     assert not any(line.startswith("disk:") for line in run.stdout.splitlines())  # no file system's free space
     objects = stored_objects(s3_server, s3_prefix)
-    for stem, expected in example_reference.items():
+    for stem, expected in small_reference.items():
         _assert_split(objects, stem, expected)
     assert _finished_names(objects) == FINISHED
     assert sorted(name for name in objects if name.startswith("shards/")) == [
@@ -94,7 +94,7 @@ def test_a_run_into_a_store_is_the_reference_and_leaves_no_segment_and_no_open_u
         "shards/validation/validation__chunk1__example_holdout_0.json",
     ]
     meta = json.loads(objects["meta.json"])
-    assert (meta["splits"]["train"]["file"], meta["splits"]["train"]["tokens"]) == ("train.bin", 859_703)
+    assert (meta["splits"]["train"]["file"], meta["splits"]["train"]["tokens"]) == ("train.bin", tokens)
     assert open_uploads(s3_server, s3_prefix) == []
     assert not StoredOut.of(url).work.exists()  # the run's local records, uploaded, are gone from this machine
     secret = s3_server.secret.encode()  # in no object of OUT (run.json, the logs, ...), and in nothing printed
@@ -235,10 +235,12 @@ def test_the_store_killed_mid_upload_and_started_again_is_waited_for(s3_server, 
     _assert_finished_as(s3_server, s3_prefix, reference)
 
 
-def test_a_second_run_is_refused_in_one_line_while_the_first_holds_the_lease(s3_server, s3_prefix, manifest):
+def test_a_second_run_is_refused_in_one_line_while_the_first_holds_the_lease(
+    s3_server, s3_prefix, manifest, small_tokenizer
+):
     url = s3_server.url(s3_prefix)
     with Lease(Bucket.of(Url.parse(url)), f"{s3_prefix}/.lock"):  # a live run of this process holds OUT
-        refused = tokpipe(*run_args(manifest, url))
+        refused = tokpipe(*run_args(manifest, url, tokenizer=small_tokenizer))
     assert refused.returncode == 2
     assert re.fullmatch(
         rf"tokpipe run: error: {re.escape(url)} is in use by another tokpipe run \(pid {os.getpid()} on "
@@ -249,15 +251,15 @@ def test_a_second_run_is_refused_in_one_line_while_the_first_holds_the_lease(s3_
     assert set(stored_objects(s3_server, s3_prefix)) == set()  # refused before any work: not even run.json
 
 
-def test_held_out_documents_through_the_store(s3_server, s3_prefix, manifest):
+def test_held_out_documents_through_the_store(s3_server, s3_prefix, manifest, small_tokenizer, small_reference):
     url = s3_server.url(s3_prefix)
-    run = store_out_run(manifest, url, "--val-fraction", "0.1")
+    run = store_out_run(manifest, url, "--val-fraction", "0.1", tokenizer=small_tokenizer)
     assert run.returncode == 0, run.stdout + run.stderr
     objects = stored_objects(s3_server, s3_prefix)
-    tokenizer = QWEN3 / "tokenizer.json"
-    train = reference_tokens(EXAMPLE_TRAIN_FILES, tokenizer, QWEN3_EOS, keep=held_out(0.1, False))
-    held = reference_tokens(EXAMPLE_TRAIN_FILES, tokenizer, QWEN3_EOS, keep=held_out(0.1, True))
-    val = reference_tokens(EXAMPLE_HOLDOUT_FILES, tokenizer, QWEN3_EOS)
+    tokenizer, eos = small_tokenizer / "tokenizer.json", int(small_reference["val"][-1])
+    train = reference_tokens(EXAMPLE_TRAIN_FILES, tokenizer, eos, np.uint16, keep=held_out(0.1, False))
+    held = reference_tokens(EXAMPLE_TRAIN_FILES, tokenizer, eos, np.uint16, keep=held_out(0.1, True))
+    val = small_reference["val"]
     _assert_split(objects, "train", train)
     _assert_split(objects, "val", np.concatenate([held, val]))  # in manifest order: train, then validation
     assert open_uploads(s3_server, s3_prefix) == []
@@ -281,9 +283,11 @@ def test_groups_through_the_store(s3_server, s3_prefix, manifest, grouped_refere
     assert open_uploads(s3_server, s3_prefix) == []
 
 
-def test_no_concat_through_the_store_keeps_each_part_as_an_object(s3_server, s3_prefix, manifest, example_reference):
+def test_no_concat_through_the_store_keeps_each_part_as_an_object(
+    s3_server, s3_prefix, manifest, small_tokenizer, small_reference
+):
     url = s3_server.url(s3_prefix)
-    run = store_out_run(manifest, url, "--no-concat")
+    run = store_out_run(manifest, url, "--no-concat", tokenizer=small_tokenizer)
     assert run.returncode == 0, run.stdout + run.stderr
     objects = stored_objects(s3_server, s3_prefix)
     meta = json.loads(objects["meta.json"])
@@ -292,8 +296,8 @@ def test_no_concat_through_the_store_keeps_each_part_as_an_object(s3_server, s3_
         "segments/train/train__chunk1__example_train_0.bin",
         "segments/train/train__chunk1__example_train_1.bin",
     ]
-    tokens = np.concatenate([np.frombuffer(objects[f["bin"]], dtype=np.uint32) for f in files])
-    assert np.array_equal(tokens, example_reference["train"])
+    tokens = np.concatenate([np.frombuffer(objects[f["bin"]], dtype=np.uint16) for f in files])
+    assert np.array_equal(tokens, small_reference["train"])
     assert "train.bin" not in objects
     assert open_uploads(s3_server, s3_prefix) == []
 
@@ -419,7 +423,9 @@ def test_ray_takes_over_the_driver_s_open_segment(s3_server, s3_prefix, repeated
     assert open_uploads(s3_server, s3_prefix) == []
 
 
-def test_skip_failed_through_the_store_leaves_the_failed_shard_out(s3_server, s3_prefix, tmp_path, example_reference):
+def test_skip_failed_through_the_store_leaves_the_failed_shard_out(
+    s3_server, s3_prefix, tmp_path, small_tokenizer, small_reference
+):
     data = tmp_path / "with-a-bad-shard" / "train"
     data.mkdir(parents=True)
     shutil.copyfile(EXAMPLE_TRAIN_FILES[0], data / "a.jsonl.zst")
@@ -427,11 +433,11 @@ def test_skip_failed_through_the_store_leaves_the_failed_shard_out(s3_server, s3
     shutil.copyfile(EXAMPLE_TRAIN_FILES[1], data / "c.jsonl.zst")
     write_manifest(build_manifest(data.parent), tmp_path / "m.json")
     url = s3_server.url(s3_prefix)
-    run = store_out_run(tmp_path / "m.json", url, "--skip-failed")
+    run = store_out_run(tmp_path / "m.json", url, "--skip-failed", tokenizer=small_tokenizer)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "EXCLUDED 1 failed shards (recorded in meta['excluded']): train/b.jsonl" in run.stdout
     objects = stored_objects(s3_server, s3_prefix)
-    _assert_split(objects, "train", example_reference["train"])
+    _assert_split(objects, "train", small_reference["train"])
     assert list(json.loads(objects["meta.json"])["excluded"]) == ["train/b.jsonl"]
     assert open_uploads(s3_server, s3_prefix) == []
 
