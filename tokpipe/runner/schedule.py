@@ -223,9 +223,7 @@ class Tasks:
             del self.running[ref]
             ray.cancel(ref, force=True)
             shards = task.shards
-            # The dump of the shard it was on: a pack's shards before it removed their empty ones.
-            dumps = [stall_dump(self.out.records, s) for s in shards]
-            dump = next((d for d in dumps if d.exists()), dumps[0])
+            dump = stall_dump(self.out.records, shards[0])  # the task's, a pack's under its first shard's name
             self.log(f"{_name(shards)}: no progress for {quiet:.0f}s, cancelled (stack dump: {dump})")
             if len(shards) > 1:  # which of them stalled is unknown: each goes again alone, with its own retries
                 self.again.extend(_Task([s]) for s in shards)

@@ -27,6 +27,10 @@ from tokpipe.write.shard import EncodeSpec, ShardResult, tokenize_shard
 from tokpipe.write.stored import PartTokens, upload_closed
 
 REPORT_EVERY = 1.0  # seconds between a worker's progress reports
+# Seconds between arms of a task's stall watchdog: each arm (faulthandler.dump_traceback_later) starts a thread.
+# Reports and arms per shard and per batch were most of a worker's time on two-document shards: 2-3 ms a shard
+# against ~0.25 ms of encoding (py-spy, 20,000 such shards, 2 workers).
+REARM_EVERY = 0.25
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)
@@ -78,25 +82,29 @@ def shard_task(
     ensure_seen(check)
     spec = local_tokenizer(spec, shipped)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one worker per core: no thread pool inside each
-    # The pack's progress goes under its first shard's name: the driver's stall clock is the task's.
-    tag = f"{shards[0].split}/{shards[0].key}"
     node = ray.get_runtime_context().get_node_id()
-    # Started: the stall clock runs from here, not from submission; and the driver knows where, should it lose the node.
-    board.report.remote(tag, 0, 0, 0, node=node)
-    guard = memory_guard(spec.memory_limit, spec.backend, spec.tokenizer_json)
+    # The pack's progress and stack dump go under its first shard's name: the driver's stall clock is the task's.
+    dump_path = stall_dump(records_of(out), shards[0])
+    dump_path.parent.mkdir(parents=True, exist_ok=True)  # an OUT on a store: a local folder, on every node
     results, buffers = [], []
-    try:
-        for shard in shards:
-            room = max(0, spec.buffer_bytes - guard.held)  # the pack's shards before this one keep theirs here
-            result = _one_shard(shard, out, replace(spec, buffer_bytes=room), guard, board, tag, stall_timeout, again)
-            if result.buffered is not None:  # in memory (not Spilled)
-                held = [v for v in result.buffered.values() if not isinstance(v, Spilled)]
-                guard.held += sum(a.nbytes for tokens, ends in held for a in tokens + ends)
-            buffers.append(result.buffered)
-            results.append(replace(result, buffered=None))
-    finally:
-        guard.held = 0
-        board.report.remote(tag, 0, 0, 0, finished=True)
+    with open(dump_path, "a") as dump:
+        progress = _Progress(board, f"{shards[0].split}/{shards[0].key}", node, dump, stall_timeout)
+        guard = memory_guard(spec.memory_limit, spec.backend, spec.tokenizer_json)
+        try:
+            for shard in shards:
+                room = max(0, spec.buffer_bytes - guard.held)  # the pack's shards before this one keep theirs here
+                result = _one_shard(shard, out, replace(spec, buffer_bytes=room), guard, progress, again)
+                if result.buffered is not None:  # in memory (not Spilled)
+                    held = [v for v in result.buffered.values() if not isinstance(v, Spilled)]
+                    guard.held += sum(a.nbytes for tokens, ends in held for a in tokens + ends)
+                buffers.append(result.buffered)
+                results.append(replace(result, buffered=None))
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+            guard.held = 0
+            progress.report(finished=True)
+    if dump_path.stat().st_size == 0:
+        dump_path.unlink()
     if any(b is not None for b in buffers):
         results = [replace(r, buffered_on=node) if b is not None else r for r, b in zip(results, buffers)]
     return results, buffers
@@ -124,48 +132,48 @@ def local_tokenizer(spec: EncodeSpec, shipped: tuple[str, ray.ObjectRef] | None)
     return replace(spec, tokenizer_json=str(path))
 
 
+class _Progress:
+    """A task's progress, over all of its shards: reported to the ProgressBoard as it starts (the stall clock runs
+    from there, not from submission; and the driver knows the node, should it lose it), then at most every
+    REPORT_EVERY as batches come, the rest with its end; and its stall watchdog, armed again as batches come (at
+    most every REARM_EVERY), which writes the stacks to `dump` if none comes for most of the stall timeout."""
+
+    def __init__(self, board, tag: str, node: str, dump, stall_timeout: float):
+        self.board, self.tag, self.dump, self.stall_timeout = board, tag, dump, stall_timeout
+        self.pending, self.reported, self.armed = [0, 0, 0], time.monotonic(), 0.0
+        board.report.remote(tag, 0, 0, 0, node=node)
+        self.arm()
+
+    def arm(self) -> None:
+        now = time.monotonic()
+        if now - self.armed >= REARM_EVERY:
+            # Fires in a C watchdog thread, so it works even when Python is stuck holding the GIL.
+            faulthandler.dump_traceback_later(max(self.stall_timeout * 0.8, 0.5), file=self.dump)
+            self.armed = now
+
+    def __call__(self, file_bytes: int, documents: int, tokens: int) -> None:
+        """A batch read and encoded (tokenize_shard's on_batch)."""
+        self.arm()
+        self.pending = [self.pending[0] + file_bytes, self.pending[1] + documents, self.pending[2] + tokens]
+        if time.monotonic() - self.reported >= REPORT_EVERY:
+            self.report()
+
+    def report(self, finished: bool = False) -> None:
+        self.board.report.remote(self.tag, *self.pending, finished=finished)
+        self.pending, self.reported = [0, 0, 0], time.monotonic()
+
+
 def _one_shard(
-    shard: Shard, out: str, spec: EncodeSpec, guard: MemoryGuard, board, tag: str, stall_timeout: float, again: bool
+    shard: Shard, out: str, spec: EncodeSpec, guard: MemoryGuard, progress: _Progress, again: bool
 ) -> ShardResult:
     # `ps` shows which shard each worker is on (Ray sets the title back to ray::IDLE after the task).
     # Ray's own setter, as it uses for task names; the task name itself is the same for every shard.
     getattr(ray._raylet, "setproctitle", lambda title: None)(f"ray::tokpipe {shard.split}/{shard.key}")
-    dump_path = stall_dump(records_of(out), shard)
-    dump_path.parent.mkdir(parents=True, exist_ok=True)  # an OUT on a store: a local folder, on every node
-    pending = [0, 0, 0]
-    last_report = 0.0  # the first batch is reported at once: the beat that says the shard is moving
-
-    with open(dump_path, "a") as dump:
-
-        def arm_dump() -> None:
-            # Fires in a C watchdog thread, so it works even when Python is stuck holding the GIL.
-            faulthandler.dump_traceback_later(max(stall_timeout * 0.8, 0.5), file=dump)
-
-        def on_batch(file_bytes: int, documents: int, tokens: int) -> None:
-            nonlocal last_report
-            arm_dump()
-            pending[0] += file_bytes
-            pending[1] += documents
-            pending[2] += tokens
-            if time.monotonic() - last_report >= REPORT_EVERY:
-                board.report.remote(tag, *pending)
-                pending[:] = [0, 0, 0]
-                last_report = time.monotonic()
-
-        arm_dump()
-        # The encoder is loaded before the shard is opened, and its load counts as progress: 1-2 s per
-        # worker here, more on a busy machine, which a short --stall-timeout took for a stall.
-        guard.encoder()
-        board.report.remote(tag, 0, 0, 0)
-        arm_dump()
-        try:
-            result = tokenize_shard(shard, out, spec, on_batch, again=again)
-        finally:
-            faulthandler.cancel_dump_traceback_later()
-            board.report.remote(tag, *pending)
-    if dump_path.stat().st_size == 0:
-        dump_path.unlink()
-    return result
+    # The encoder is loaded before the shard is opened, and its load counts as progress: 1-2 s per
+    # worker here, more on a busy machine, which a short --stall-timeout took for a stall.
+    guard.encoder()
+    progress(0, 0, 0)
+    return tokenize_shard(shard, out, spec, progress, again=again)
 
 
 @dataclass(eq=False)
