@@ -1195,8 +1195,9 @@ def store_out_run(
     server: S3Server | None = None,
     tokenizer=QWEN3,
 ) -> subprocess.CompletedProcess:
-    """`tokpipe run` (run_args) into `url` as STORE_OUT_RUN runs it; `kill`: (module.function, n) to SIGKILL it at
-    the n-th call, or with `server`, to SIGKILL that S3 server, which is then started again on its data."""
+    """`tokpipe run` (run_args) into `url` (or a folder) as STORE_OUT_RUN runs it; `kill`: (module.function, n) to
+    SIGKILL it at the n-th call, or with `server`, to SIGKILL that S3 server, which is then started again on its
+    data."""
     cli_args = run_args(manifest, url, *extra, tokenizer=tokenizer)
     args = [whole_put, driver_shards, *kill, server.proc.pid if server else 0, *cli_args]
     command = [sys.executable, "-c", STORE_OUT_RUN, *map(str, args)]

@@ -410,17 +410,29 @@ def test_a_placer_killed_inside_an_upload_leaves_no_open_upload_and_the_bytes_ar
     assert open_uploads(s3_server, s3_prefix) == []
 
 
-def test_ray_takes_over_the_driver_s_open_segment(s3_server, s3_prefix, repeated):
+@pytest.mark.parametrize("out_on", ["a folder", "a store"])
+def test_ray_takes_over_from_the_driver_and_tokenizes_only_the_shards_it_did_not(repeated, tmp_path, out_on, request):
+    # The driver tokenizes two shards (3.2 MB of tokens: on a store, a segment still open), then Ray's workers the
+    # others, and only those: every shard is read once. Before, the driver's went to Ray again: on a folder each
+    # said "resumed" from its checkpoint, on a store tokenized again (their checkpoints not yet there).
     manifest, reference = repeated
-    url = s3_server.url(s3_prefix)
-    # The driver tokenizes two shards (3.2 MB of tokens: a segment still open), then Ray's workers the others.
-    run = store_out_run(manifest, url, "--workers", "2", driver_shards=2)
+    if out_on == "a folder":
+        out = tmp_path / "out"
+    else:
+        server, prefix = request.getfixturevalue("s3_server"), request.getfixturevalue("s3_prefix")
+        out = server.url(prefix)
+    run = store_out_run(manifest, out, "--workers", "2", driver_shards=2)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "ray: embedded local instance, 2 workers" in run.stdout
-    objects = stored_objects(s3_server, s3_prefix)
+    read = sum(Path(s["path"]).stat().st_size for s in json.loads(manifest.read_text())["shards"])
+    assert f", {read / 1e6:,.1f} MB of input read" in run.stdout and "resumed" not in run.stdout, run.stdout
+    if out_on == "a folder":
+        objects = {p.name: p.read_bytes() for p in out.glob("*.*")}
+    else:
+        objects = stored_objects(server, prefix)
+        assert open_uploads(server, prefix) == []
     for stem, expected in reference.items():
         _assert_split(objects, stem, expected)
-    assert open_uploads(s3_server, s3_prefix) == []
 
 
 def test_skip_failed_through_the_store_leaves_the_failed_shard_out(

@@ -26,6 +26,10 @@ class Tally:
     memory_limit: int  # of a worker, for the log
     shard_seconds: float = 0.0  # that shards took in this run, whether done or stopped (ShardResult.seconds)
     failed: dict[str, str] = field(default_factory=dict)  # shard relpath -> last error
+    # Shards finished in the driver while Ray started: Ray's tasks pass them over. OUT's listing of checkpoints
+    # (DoneShards) was taken before they were done, and on 20,000 two-document shards 2,594 went to Ray's workers
+    # again, each to find its checkpoint done and be said "resumed".
+    here: set[str] = field(default_factory=set)
     resumed: list[ShardResult] = field(default_factory=list)  # shards that went on from a checkpoint
     lacking: list[tuple[str, int, int]] = field(default_factory=list)  # (shard, lines without the text, lines)
 
@@ -121,6 +125,7 @@ class _Here:
             self.tally.shard_seconds += result.seconds
             return
         self.done += 1
+        self.tally.here.add(shard.relpath)
         self.tally.add(shard, result, self.log)
         self.assembler.done(shard, result.checkpoint, result.buffered)
         self.assembler.place_ready()  # into the split file now, as a Ray run's copies do: no tail at the end

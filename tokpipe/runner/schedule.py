@@ -158,7 +158,8 @@ class Tasks:
         is_done = out.is_done
 
         def unfinished() -> Iterator[Shard]:  # read twice: the manifest streams, 60,000 shards are not held
-            return (s for s in manifest.shards() if not is_done(s) and s.relpath not in tally.failed)
+            left = (s for s in manifest.shards() if s.relpath not in tally.here and s.relpath not in tally.failed)
+            return (s for s in left if not is_done(s))
 
         self.packs = packs(unfinished(), sum(s.size for s in unfinished()), lambda: self.workers)
         self.packed = False  # every shard is in a task (or was)
