@@ -24,6 +24,7 @@ from tokpipe.durability import (
     hash_range,
     open_direct,
     own_inode,
+    write_all_atomic,
     write_at,
     write_atomic,
     write_json_atomic,
@@ -43,6 +44,27 @@ def test_write_atomic_replaces_the_whole_file_and_fsyncs_data_then_directory(tmp
     assert path.read_bytes() == b"new bytes" and sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
     # The data (a file of its own, unnamed while written), the rename, then the folder.
     assert done[1:] == ["replace", str(tmp_path)] and done[0].startswith(f"{tmp_path}/")
+
+
+def test_write_all_atomic_fsyncs_each_file_then_each_folder_once_after_the_last_rename(tmp_path, monkeypatch):
+    # A Placer's call of many small shards: their checkpoints in two folders, N + 2 fsyncs rather than 2N.
+    files = {tmp_path / folder / f"{n}.json": f"{folder} {n}".encode() for folder in ("a", "b") for n in range(3)}
+    for path in files:
+        path.parent.mkdir(exist_ok=True)
+    (tmp_path / "a" / "0.json").write_bytes(b"old")
+    done = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(
+        durability.os, "fsync", lambda fd: done.append(os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd)
+    )
+    monkeypatch.setattr(durability.os, "replace", lambda a, b: done.append("replace") or real_replace(a, b))
+    write_all_atomic(files)
+    assert {path: path.read_bytes() for path in files} == files
+    # Each file's data (a file of its own in its folder, unnamed while written), then its rename; the folders once
+    # each, after every rename.
+    assert len(done) == 14 and done[1:-2:2] == ["replace"] * 6, done
+    assert all(data.startswith(f"{tmp_path}/{folder}/") for data, folder in zip(done[:-2:2], "aaabbb")), done
+    assert done[-2:] == [str(tmp_path / "a"), str(tmp_path / "b")]
 
 
 def test_a_crash_before_the_rename_leaves_the_old_file(tmp_path, monkeypatch):

@@ -44,25 +44,43 @@ def write_atomic(path: Path, data: bytes) -> None:
     over `path`; the last rename wins, whole. A fixed temporary name, one writer's truncating another's, failed 3
     runs in ~30 into a store. A writer killed before its link leaves nothing; where the file system has no
     O_TMPFILE, the file is named from the start, and a kill leaves it (`<name>.<pid>-<thread>.tmp`)."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
-    folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    write_all_atomic({path: data})
+
+
+def write_all_atomic(files: dict[Path, bytes]) -> None:
+    """Each file replaced as write_atomic does, and each folder that holds them fsynced once, after the last rename:
+    a Placer's call of N small shards writes their N checkpoints with N + 1 fsyncs, not 2N. A crash before that
+    fsync can lose renames, never a file's bytes: each checkpoint stands alone, and one lost is a shard placed
+    again, the same bytes, as after a kill between two of them."""
+    folders: dict[Path, int] = {}
     try:
-        try:
-            fd, named = os.open(".", os.O_TMPFILE | os.O_WRONLY, 0o666, dir_fd=folder), False
-        except OSError:  # EOPNOTSUPP (FUSE, NFS, tmpfs of old kernels), EISDIR (kernels before 3.11)
-            fd, named = os.open(tmp.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666, dir_fd=folder), True
-        with open(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-            if not named:
-                tmp.unlink(missing_ok=True)  # a name a killed writer of this pid and thread left
-                # linkat(AT_SYMLINK_FOLLOW), which os.link uses only given a folder's descriptor
-                os.link(f"/proc/self/fd/{f.fileno()}", tmp.name, dst_dir_fd=folder)
-        os.replace(tmp, path)
-        os.fsync(folder)
+        for path, data in files.items():
+            if path.parent not in folders:
+                folders[path.parent] = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+            _replace(path, data, folders[path.parent])
+        for folder in folders.values():
+            os.fsync(folder)
     finally:
-        os.close(folder)
+        for folder in folders.values():
+            os.close(folder)
+
+
+def _replace(path: Path, data: bytes, folder: int) -> None:
+    """`path` (in the open `folder`) replaced by `data`, whole and fsynced before its name is swapped in."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+    try:
+        fd, named = os.open(".", os.O_TMPFILE | os.O_WRONLY, 0o666, dir_fd=folder), False
+    except OSError:  # EOPNOTSUPP (FUSE, NFS, tmpfs of old kernels), EISDIR (kernels before 3.11)
+        fd, named = os.open(tmp.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666, dir_fd=folder), True
+    with open(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+        if not named:
+            tmp.unlink(missing_ok=True)  # a name a killed writer of this pid and thread left
+            # linkat(AT_SYMLINK_FOLLOW), which os.link uses only given a folder's descriptor
+            os.link(f"/proc/self/fd/{f.fileno()}", tmp.name, dst_dir_fd=folder)
+    os.replace(tmp, path)
 
 
 def write_json_atomic(path: Path, data: dict) -> None:

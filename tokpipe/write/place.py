@@ -9,13 +9,14 @@ finalize for what is left. assembly.py decides what goes where; this module only
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
-from tokpipe.durability import HASH_CHUNK, copy_range, hash_range, open_direct, write_at, write_json_atomic
+from tokpipe.durability import HASH_CHUNK, copy_range, hash_range, open_direct, write_all_atomic, write_at
 from tokpipe.layout.files import Layout
 from tokpipe.layout.records import IDX_DTYPE, Part
 
@@ -68,8 +69,8 @@ def place(out: str | os.PathLike, parts: list[Part], itemsize: int) -> list[dict
             idx_f.close()
             if direct is not None:
                 os.close(direct)
-    for path, ckpt in dict(part.checkpoint for part in parts if part.checkpoint).items():
-        write_json_atomic(Path(path), asdict(ckpt))
+    checkpoints = dict(part.checkpoint for part in parts if part.checkpoint)
+    write_all_atomic({Path(path): json.dumps(asdict(ckpt)).encode() for path, ckpt in checkpoints.items()})
     return records
 
 
