@@ -411,11 +411,12 @@ def test_a_placer_killed_inside_an_upload_leaves_no_open_upload_and_the_bytes_ar
 
 
 @pytest.mark.parametrize("out_on", ["a folder", "a store"])
-def test_ray_takes_over_from_the_driver_and_tokenizes_only_the_shards_it_did_not(repeated, tmp_path, out_on, request):
-    # The driver tokenizes two shards (3.2 MB of tokens: on a store, a segment still open), then Ray's workers the
-    # others, and only those: every shard is read once. Before, the driver's went to Ray again: on a folder each
-    # said "resumed" from its checkpoint, on a store tokenized again (their checkpoints not yet there).
-    manifest, reference = repeated
+def test_ray_takes_over_from_the_driver_and_tokenizes_only_the_shards_it_did_not(tmp_path, out_on, request):
+    # Four copies of a shard: the driver tokenizes two (3.2 MB of tokens: on a store, a segment still open), then
+    # Ray's workers the others, and only those: every shard is read once. Before, the driver's went to Ray again:
+    # on a folder each said "resumed" from its checkpoint, on a store tokenized again (no checkpoint there yet).
+    manifest, reference = tmp_path / "m.json", repeated_reference(4)
+    write_manifest(build_manifest(repeated_example(tmp_path / "data", 4)), manifest)
     if out_on == "a folder":
         out = tmp_path / "out"
     else:
