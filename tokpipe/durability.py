@@ -84,7 +84,12 @@ def _replace(path: Path, data: bytes, folder: int) -> None:
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
-    write_atomic(path, json.dumps(data).encode())
+    write_all_json_atomic({path: data})
+
+
+def write_all_json_atomic(files: dict[Path, dict]) -> None:
+    """JSON objects written as write_all_atomic writes files (a Placer's call's checkpoints)."""
+    write_all_atomic({path: json.dumps(data).encode() for path, data in files.items()})
 
 
 def open_direct(path: str | os.PathLike) -> int | None:
