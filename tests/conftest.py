@@ -4,14 +4,13 @@ corpus on an object store. Helpers and the independent reference are in helpers.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
 import os
 import re
 import secrets
 import select
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from helpers import (
     build_out,
     built_once,
     crash_in_batch,
+    kill_until_gone,
     plain_copy_of_example,
     reference_by_group,
     reference_texts,
@@ -148,11 +148,7 @@ def pytest_sessionfinish(session, exitstatus):
         holder, temp = _ray_holder.pop()
         holder.kill()
         holder.wait()
-        while pids := _processes_of(temp):
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.05)
+        kill_until_gone(functools.partial(_processes_of, temp))
         shutil.rmtree(temp, ignore_errors=True)
 
 

@@ -37,6 +37,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -574,6 +575,18 @@ def slow_driver_run(*args, ray: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=300, env=_env(ray))
 
 
+def kill_until_gone(find: Callable[[], list[int]], timeout: float = 30) -> None:
+    """kill -9 of every process `find()` lists, again until it lists none (a process forked while a pass ran, a worker
+    Ray was starting, outlives that pass); one still there after `timeout` fails the test."""
+    deadline = time.monotonic() + timeout
+    while pids := find():
+        assert time.monotonic() < deadline, f"processes that outlived kill -9 for {timeout:.0f} s: {pids}"
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+
+
 def can_make_mount_namespaces() -> bool:
     """Whether this machine lets a test give a process a mount namespace of its own (a node that cannot see OUT)."""
     probe = subprocess.run(["unshare", "-m", "true"], capture_output=True) if shutil.which("unshare") else None
@@ -613,12 +626,8 @@ class RayNodes:
         return self._start([*node, "--object-store-memory", str(128 << 20), "--block"], env, blind)
 
     def lose(self, session: int) -> None:
-        """A node lost as a machine is: every process of its session killed (SIGKILL), again until a pass finds none
-        (a worker Ray was forking outlives the pass that missed it)."""
-        while pids := session_processes(session):
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        """A node lost as a machine is: every process of its session killed (SIGKILL)."""
+        kill_until_gone(lambda: session_processes(session))
 
     def _start(self, args: list[str], env: dict | None = None, blind: Path | None = None) -> int:
         command = [str(Path(sys.executable).parent / "ray"), "start", *args]
@@ -642,11 +651,7 @@ class RayNodes:
         raise AssertionError("ray start failed:\n" + "".join(said))
 
     def __exit__(self, *exc) -> None:
-        for session in self.sessions:
-            for pid in session_processes(session):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: not any(session_processes(session) for session in self.sessions), timeout=30)
+        kill_until_gone(lambda: [pid for session in self.sessions for pid in session_processes(session)])
         shutil.rmtree(self.temp, ignore_errors=True)
 
 
@@ -1243,6 +1248,13 @@ def stored_objects(server: S3Server, prefix: str) -> dict[str, bytes]:
             body = server.client().get_object(Bucket=server.bucket, Key=item["Key"])["Body"].read()
             found[item["Key"].removeprefix(prefix + "/")] = body
     return found
+
+
+def out_files(out: Path | str, server: S3Server | None = None) -> dict[str, bytes]:
+    """Every file of an OUT by its name relative to it: a folder's, or an OUT on `server`'s objects (its URL)."""
+    if server is None:
+        return {p.relative_to(out).as_posix(): p.read_bytes() for p in Path(out).rglob("*") if p.is_file()}
+    return stored_objects(server, str(out).removeprefix(f"s3://{server.bucket}/"))
 
 
 def open_uploads(server: S3Server, prefix: str) -> list[str]:

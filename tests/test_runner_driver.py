@@ -41,6 +41,7 @@ from helpers import (
     held_out,
     kill_9,
     killed_run,
+    out_files,
     reference_by_group,
     reference_ids,
     reference_texts,
@@ -48,7 +49,6 @@ from helpers import (
     reference_tokens,
     run_args,
     start,
-    stored_objects,
     tokpipe,
     wait_for,
     write_jsonl,
@@ -363,18 +363,8 @@ def test_a_failed_shard_keeps_the_shards_done_after_it_and_the_rerun_reads_only_
     cut = data / "train" / "s02.jsonl.zst"
     cut.write_bytes(whole[: len(whole) // 2])
     write_manifest(build_manifest(data), tmp_path / "m.json")
-    if out_on == "a folder":
-        out = tmp_path / "out"
-
-        def objects() -> dict[str, bytes]:
-            return {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    else:
-        server, prefix = request.getfixturevalue("s3_server"), request.getfixturevalue("s3_prefix")
-        out = server.url(prefix)
-
-        def objects() -> dict[str, bytes]:
-            return stored_objects(server, prefix)
-
+    server = None if out_on == "a folder" else request.getfixturevalue("s3_server")
+    out = tmp_path / "out" if server is None else server.url(request.getfixturevalue("s3_prefix"))
     ray = ("--ray-only",) if where == "on Ray's workers" else ()
     args = run_args(tmp_path / "m.json", out, "--workers", "2", *ray, tokenizer=small_tokenizer)
     failed = tokpipe(*args)
@@ -384,7 +374,8 @@ def test_a_failed_shard_keeps_the_shards_done_after_it_and_the_rerun_reads_only_
     )
     assert "shards: 13 done, 0 partial, 0 pending, 1 failed (of 14)" in cli("status", out).stdout.splitlines()
     if ray:
-        assert "train/s02.jsonl.zst) failed (SourceError: " in objects()["logs/run.log"].decode()  # its pack
+        log = out_files(out, server)["logs/run.log"].decode()
+        assert "train/s02.jsonl.zst) failed (SourceError: " in log  # its pack
 
     listed = cut.stat().st_size  # the shard's size in the manifest, which the progress counts it by
     cut.write_bytes(whole)
@@ -396,7 +387,7 @@ def test_a_failed_shard_keeps_the_shards_done_after_it_and_the_rerun_reads_only_
     tokenizer = small_tokenizer / "tokenizer.json"
     eos = reference_tokenizer(tokenizer).token_to_id("<|endoftext|>")
     files.insert(2, cut)
-    left = objects()
+    left = out_files(out, server)
     assert np.array_equal(
         np.frombuffer(left["train.bin"], dtype=np.uint16), reference_tokens(files, tokenizer, eos, np.uint16)
     )

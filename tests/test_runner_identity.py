@@ -20,12 +20,12 @@ from helpers import (
     bind_mount,
     cli,
     held_out,
+    out_files,
     reference_by_group,
     reference_tokenizer,
     reference_tokens,
     run_args,
     snapshot_files,
-    stored_objects,
     tokpipe,
     write_jsonl,
 )
@@ -169,12 +169,9 @@ def test_shards_added_before_finished_ones_move_them_and_tokenize_only_the_new(
     again, and the output is a fresh run's of the whole dataset, by the reference."""
     options, moved_in_folder, moved_on_store = APPEND_MODES[mode]
     if out_on == "a folder":
-        out, moved = tmp_path / "out", moved_in_folder
+        out, moved, server = tmp_path / "out", moved_in_folder, None
         said = f"moving finished shards to their new offsets, after the shards added before them ({moved}): copied"
         said += " from the split files as they were, none tokenized again"
-
-        def files() -> dict[str, bytes]:
-            return {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
 
         def checkpoints() -> dict[str, int]:
             return {p.as_posix(): p.stat().st_mtime_ns for p in (out / "shards").rglob("*.json")}
@@ -183,9 +180,6 @@ def test_shards_added_before_finished_ones_move_them_and_tokenize_only_the_new(
         out, moved = server.url(prefix), moved_on_store
         said = f"taking finished shards from the split files as they were ({moved}), copied on the server to"
         said += f" {out}/sources/: none tokenized again"
-
-        def files() -> dict[str, bytes]:
-            return stored_objects(server, prefix)
 
         def checkpoints() -> dict[str, str]:
             listed = server.client().list_objects_v2(Bucket=server.bucket, Prefix=f"{prefix}/shards/")["Contents"]
@@ -209,7 +203,7 @@ def test_shards_added_before_finished_ones_move_them_and_tokenize_only_the_new(
     assert "tokenizing again" not in rerun.stdout
     assert {key: stamp for key, stamp in checkpoints().items() if key in done_at} == done_at  # none done again
 
-    found = files()
+    found = out_files(out, server)
     meta = json.loads(found["meta.json"])
     tokenizer = small_tokenizer / "tokenizer.json"
     eos = reference_tokenizer(tokenizer).token_to_id("<|endoftext|>")

@@ -4,14 +4,12 @@ second node runs in a mount namespace of its own, with a tmpfs over OUT's parent
 disk at the same path): the run refuses before any shard is tokenized, in one line naming the node and
 the path, and a node that joins mid-run stops the run with the same line at its first shard."""
 
-import contextlib
 import hashlib
 import json
 import os
 import random
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -30,6 +28,7 @@ from helpers import (
     can_make_mount_namespaces,
     checkpoints,
     kill_9,
+    kill_until_gone,
     open_uploads,
     repeated_example,
     repeated_reference,
@@ -141,13 +140,9 @@ def _stop(run, sessions: list[int], temp: str, node: subprocess.Popen | None = N
     a node started here reaped, and the cluster's temp folder removed."""
     if run is not None and run.poll() is None:
         kill_9(run)
-    for session in sessions:
-        for pid in session_processes(session):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    kill_until_gone(lambda: [pid for session in sessions for pid in session_processes(session)])
     if node is not None:
         node.wait()
-    wait_for(lambda: not any(session_processes(session) for session in sessions), timeout=30)
     shutil.rmtree(temp, ignore_errors=True)
 
 

@@ -25,6 +25,7 @@ from helpers import (
     held_out,
     kill_9,
     open_uploads,
+    out_files,
     plain_copy_of_example,
     reference_tokens,
     repeated_example,
@@ -417,23 +418,18 @@ def test_ray_takes_over_from_the_driver_and_tokenizes_only_the_shards_it_did_not
     # on a folder each said "resumed" from its checkpoint, on a store tokenized again (no checkpoint there yet).
     manifest, reference = tmp_path / "m.json", repeated_reference(4)
     write_manifest(build_manifest(repeated_example(tmp_path / "data", 4)), manifest)
-    if out_on == "a folder":
-        out = tmp_path / "out"
-    else:
-        server, prefix = request.getfixturevalue("s3_server"), request.getfixturevalue("s3_prefix")
-        out = server.url(prefix)
+    server = None if out_on == "a folder" else request.getfixturevalue("s3_server")
+    out = tmp_path / "out" if server is None else server.url(request.getfixturevalue("s3_prefix"))
     run = store_out_run(manifest, out, "--workers", "2", driver_shards=2)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "ray: embedded local instance, 2 workers" in run.stdout
     read = sum(Path(s["path"]).stat().st_size for s in json.loads(manifest.read_text())["shards"])
     assert f", {read / 1e6:,.1f} MB of input read" in run.stdout and "resumed" not in run.stdout, run.stdout
-    if out_on == "a folder":
-        objects = {p.name: p.read_bytes() for p in out.glob("*.*")}
-    else:
-        objects = stored_objects(server, prefix)
-        assert open_uploads(server, prefix) == []
+    objects = out_files(out, server)
     for stem, expected in reference.items():
         _assert_split(objects, stem, expected)
+    if server is not None:
+        assert open_uploads(server, str(out).removeprefix(f"s3://{server.bucket}/")) == []
 
 
 def test_skip_failed_through_the_store_leaves_the_failed_shard_out(
