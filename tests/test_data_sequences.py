@@ -18,7 +18,7 @@ import pytest
 from helpers import EXAMPLE_TRAIN_FILES, QWEN3, QWEN3_EOS, build_out, reference_documents
 
 from tokpipe.data import Batch, Mixture, Permutation, Sequences
-from tokpipe.data.sequences import epoch_seed
+from tokpipe.data.permutation import epoch_seed
 from tokpipe.options import RunOptions
 
 L = 512  # seq_len: the example's train split (859,703 tokens) has 1,679 windows of it
@@ -173,12 +173,6 @@ def test_an_unfinished_out_is_refused(out):
         Sequences(out)
 
 
-def test_an_out_on_a_store_is_refused_in_one_line_that_says_to_read_a_copy():
-    # No request is made: the URL alone says where OUT is (no server needed).
-    with pytest.raises(ValueError, match="^s3://tok/qwen3 is an OUT on a store, which tokpipe.data does not read yet"):
-        Sequences("s3://tok/qwen3", "train", 128)
-
-
 def test_a_damaged_out_or_a_missing_split_or_too_few_windows_is_refused(out):
     with pytest.raises(ValueError, match="has no split 'test'; its splits: train, validation"):
         Sequences(out, "test")
@@ -208,7 +202,7 @@ def test_a_state_from_other_content_seq_len_seed_or_split_is_refused_naming_what
         Sequences(finished_bos, seq_len=L).load_state_dict(state)
     with pytest.raises(
         ValueError,
-        match=r"loader state of format 3 \(format 1, missing split, seq_len, seed, fingerprint, offset\)",
+        match=r"loader state of format 4 \(format 1, missing split, seq_len, seed, fingerprint, offset\)",
     ):
         Sequences(finished_example, seq_len=L).load_state_dict({"format": 1, "epoch": 0})
 
@@ -250,7 +244,7 @@ def test_a_state_of_another_group_or_split_is_refused_for_that_reason_alone(fini
     change of the data (whose clause once came first, and was the only one for a group)."""
     github = Sequences(finished_grouped, "train", seq_len=128, group="RedPajamaGithub")
     state = json.loads(json.dumps(github.state_dict()))
-    assert state["group"] == "RedPajamaGithub" and state["format"] == 3
+    assert state["group"] == "RedPajamaGithub" and state["format"] == 4 and state["order"] is None
     refusals = {
         "group differs ('RedPajamaGithub' saved, 'RedPajamaWikipedia' here)": dict(group="RedPajamaWikipedia"),
         "group differs ('RedPajamaGithub' saved, None here)": dict(),
@@ -263,7 +257,7 @@ def test_a_state_of_another_group_or_split_is_refused_for_that_reason_alone(fini
         with pytest.raises(ValueError) as refused:
             other.load_state_dict(state)
         assert str(refused.value) == f"cannot load this loader state: {reason}"
-    old = {k: v for k, v in state.items() if k != "group"} | {"format": 2}  # a state of format 2 names no group
+    old = {k: v for k, v in state.items() if k not in ("group", "order")} | {"format": 2}  # names no group
     with pytest.raises(ValueError) as refused:
         Sequences(finished_grouped, "train", seq_len=128, group="RedPajamaWikipedia").load_state_dict(old)
     assert str(refused.value) == (
@@ -272,6 +266,7 @@ def test_a_state_of_another_group_or_split_is_refused_for_that_reason_alone(fini
         f"record its group))"
     )
     github.load_state_dict(old)  # of its own group, it loads
+    github.load_state_dict({k: v for k, v in state.items() if k != "order"} | {"format": 3})  # nor an order
 
 
 # -- what a long run meets at the edges -------------------------------------------------------------------

@@ -79,7 +79,8 @@ class Mixture:
         scale = math.lcm(*(w.denominator for w in exact))
         self._shares = [int(w * scale) for w in exact]  # integer weights, in proportion
         self._total = sum(self._shares)
-        self.files = TokenFiles.joined([s.files for s in self.sources.values()])
+        on_store = any(s.geometry is not None for s in self.sources.values())  # read through their caches
+        self.files = None if on_store else TokenFiles.joined([s.files for s in self.sources.values()])
         self._origins = np.cumsum([0] + [s.files.tokens for s in self.sources.values()][:-1])  # each source's
         self._lock = threading.Lock()  # the draw and the sources' positions move together under it
         self.drawn = 0
@@ -141,10 +142,31 @@ class Mixture:
         batch_size = integer(batch_size, "batch_size")
         with self._lock:
             picks, windows, starts = self._rows(batch_size)
-            offsets, bounds = self.files.doc_starts(starts, self.seq_len)
-            tokens = self.files.windows(starts, self.seq_len)
+            if self.files is None:
+                tokens, offsets, bounds = self._read_each(picks, windows)
+            else:
+                offsets, bounds = self.files.doc_starts(starts, self.seq_len)
+                tokens = self.files.windows(starts, self.seq_len)
             self._move(batch_size)
+            for s, position in zip(self.sources.values(), self._positions):
+                s.keep_at(*position)
             return Batch(tokens, windows, offsets, bounds, self._names[picks].tolist(), self._state())
+
+    def _read_each(self, picks: np.ndarray, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rows read by their sources (sources on a store, each through its cache), put back in row order."""
+        tokens = np.empty((len(picks), self.seq_len + 1), dtype=np.int64)
+        read, counts = [], np.zeros(len(picks), dtype=np.int64)
+        for i, source in enumerate(self.sources.values()):
+            rows = np.flatnonzero(picks == i)
+            if len(rows):
+                tokens[rows], offsets, bounds = source.read(windows[rows])
+                counts[rows] = np.diff(bounds)
+                read.append((rows, offsets, bounds))
+        bounds = np.concatenate([[0], np.cumsum(counts)])
+        offsets = np.empty(bounds[-1], dtype=np.int64)
+        for rows, found, within in read:  # each row's starts at its place
+            offsets[np.repeat(bounds[rows] - within[:-1], np.diff(within)) + np.arange(len(found))] = found
+        return tokens, offsets, bounds
 
     def _state(self) -> dict:
         return {

@@ -157,6 +157,22 @@ class Permutation:
         return f"Permutation({self.n}, seed={self.seed})"
 
 
+def epoch_seeds(seed: int, epochs: range, what: str = "epoch") -> list[int]:
+    """Each epoch's seed (`what` "buffer": each buffer's of an epoch, tokpipe.data.blocks): the blake2b of
+    "tokpipe.data {what} {seed} {epoch}", its common prefix hashed once
+    (0.43 us an epoch against 0.88: a split of 20 windows passes an epoch every 20 of its rows)."""
+    prefix, seeds = hashlib.blake2b(f"tokpipe.data {what} {seed} ".encode(), digest_size=8), []
+    for epoch in epochs:
+        digest = prefix.copy()
+        digest.update(b"%d" % epoch)
+        seeds.append(int.from_bytes(digest.digest(), "little"))
+    return seeds
+
+
+def epoch_seed(seed: int, epoch: int, what: str = "epoch") -> int:
+    return epoch_seeds(seed, range(epoch, epoch + 1), what)[0]
+
+
 def _round_keys(seeds: list[int]) -> bytes:
     """Each seed's round keys, one after another: the blake2b of "tokpipe.data.Permutation {seed}", its common
     prefix hashed once."""

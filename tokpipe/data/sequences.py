@@ -44,17 +44,21 @@ from pathlib import Path
 import numpy as np
 
 from tokpipe.data.arguments import integer, name
-from tokpipe.data.permutation import Permutation
+from tokpipe.data.blocks import BlockOrder, Geometry
+from tokpipe.data.cache import BlockCache
+from tokpipe.data.permutation import Permutation, epoch_seed, epoch_seeds
 from tokpipe.errors import UserError
 from tokpipe.layout.files import Layout
 from tokpipe.layout.meta import OutputError, SplitEntry, finished_meta
 from tokpipe.layout.records import read_parts
-from tokpipe.layout.stored import on_store
+from tokpipe.layout.stored import copy_records, on_store, reader_out, shown
 from tokpipe.read.files import TokenFiles
 
-STATE_FORMAT = 3  # 1: the fingerprint was meta's parts_sha256; 2: the group was not recorded
-STATE_KEYS = ("split", "group", "seq_len", "seed", "tokens", "fingerprint", "epoch", "offset")
-WITHOUT = {1: ("group", "tokens"), 2: ("group",), 3: ()}  # the keys a state of an older format lacks
+META_JSON, META_PKL = Layout("").meta_json.name, Layout("").meta_pkl.name  # what a loader copies of a store's records
+STATE_FORMAT = 4  # 1: the fingerprint was meta's parts_sha256; 2: the group was not recorded; 3: nor the order
+STATE_KEYS = ("split", "group", "seq_len", "seed", "tokens", "fingerprint", "order", "epoch", "offset")
+WITHOUT = {1: ("group", "tokens", "order"), 2: ("group", "order"), 3: ("order",), 4: ()}  # an older format lacks
+CACHE_SIZE = 4 << 30  # bytes of blocks a loader on a store keeps in its cache_dir: a buffer read and the next
 AHEAD = 16384  # a rank's windows looked up at once: a Permutation lookup costs mostly per call (its passes)
 ORDERS = 1 << 16  # values encrypted at once for the orders of a split of at most ORDERS // 16 windows (512 KB)
 
@@ -99,21 +103,6 @@ class Batch:
         return dataclasses.replace(self, **{a: torch.from_numpy(getattr(self, a)).pin_memory().numpy() for a in arrays})
 
 
-def epoch_seeds(seed: int, epochs: range) -> list[int]:
-    """Each epoch's seed: the blake2b of "tokpipe.data epoch {seed} {epoch}", its common prefix hashed once
-    (0.43 us an epoch against 0.88: a split of 20 windows passes an epoch every 20 of its rows)."""
-    prefix, seeds = hashlib.blake2b(f"tokpipe.data epoch {seed} ".encode(), digest_size=8), []
-    for epoch in epochs:
-        digest = prefix.copy()
-        digest.update(b"%d" % epoch)
-        seeds.append(int.from_bytes(digest.digest(), "little"))
-    return seeds
-
-
-def epoch_seed(seed: int, epoch: int) -> int:
-    return epoch_seeds(seed, range(epoch, epoch + 1))[0]
-
-
 def stream_fingerprint(out: Path, entry: SplitEntry, dtype: str, group: str | None) -> str:
     """The sha256 of the dtype and each part's (token count, token sha256), in order: the same for the same
     tokens however the files are named or laid out. A tokpipe 0.1 OUT's split has no parts list: its
@@ -143,6 +132,8 @@ class Sequences:
         rank: int = 0,
         world_size: int = 1,
         group: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        cache_size: int = CACHE_SIZE,
     ):
         self.seq_len = integer(seq_len, "seq_len", 1)
         self.seed = integer(seed, "seed", None)
@@ -152,20 +143,23 @@ class Sequences:
             raise ValueError(f"rank {rank} of world_size {world_size}: need 0 <= rank < world_size")
         if not isinstance(out, (str, os.PathLike)):
             raise ValueError(f"out {out!r}: need a path (a str or an os.PathLike)")
-        if on_store(out):
-            raise OutputError(
-                f"{out} is an OUT on a store, which tokpipe.data does not read yet: read a local or mounted copy"
-                " (aws s3 sync, rclone copy, mountpoint-s3; docs/stores.md, Reading it)"
-            )
-        self.out, self.split = Path(os.path.abspath(out)), name(split, "split")
-        self.group = None if group is None else name(group, "group")
+        self.cache_size = integer(cache_size, "cache_size", 1)
+        if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+            raise ValueError(f"cache_dir {cache_dir!r}: need a path (a str or an os.PathLike)")
+        self.cache_dir = Path(os.path.abspath(cache_dir if cache_dir is not None else default_cache_dir()))
+        self.split, self.group = name(split, "split"), None if group is None else name(group, "group")
+        self.out = os.fspath(out) if on_store(out) else Path(os.path.abspath(out))  # a URL, or a folder
+        records = reader_out(self.out, [META_JSON, META_PKL]) if on_store(out) else self.out  # its meta: here
+        layout = Layout(records)
         try:
-            meta = finished_meta(Layout(self.out))  # not finished: its OutputError, a ValueError
+            meta = finished_meta(layout)  # not finished: its OutputError, a ValueError
         except OutputError:
+            if on_store(out):
+                raise OutputError(f"{out} is not a finished tokpipe output: tokpipe status {out}") from None
             raise
         except UserError as e:  # a hostile or damaged meta.pkl: the restricted unpickler refused it
             raise ValueError(
-                f"{Layout(self.out).meta_pkl} cannot be read safely ({e}): tokpipe verify {self.out}"
+                f"{shown(records, META_PKL)} cannot be read safely ({e}): tokpipe verify {self.out}"
             ) from None
         self.record, self.meta = meta, meta.as_dict()  # meta.pkl, as a record and as its dict
         if split not in meta.splits:
@@ -179,8 +173,11 @@ class Sequences:
                 raise ValueError(f"split {split} of {self.out} has no group {group!r}; {have}")
             legacy = f"{self._legacy_fingerprint} group {group}"
             self._legacy_fingerprint = hashlib.sha256(legacy.encode()).hexdigest()
-        self.fingerprint = stream_fingerprint(self.out, entry, meta.dtype, group)
-        self.files = TokenFiles(self.out, (groups[group] if group else entry).token_files(), meta.dtype, windows=True)
+        if on_store(out) and entry.parts is not None:
+            copy_records(records, [entry.parts])
+        self.fingerprint = stream_fingerprint(records, entry, meta.dtype, group)
+        files = (groups[group] if group else entry).token_files()
+        self.files = TokenFiles(records, files, meta.dtype, windows=True)
         self.len = max(self.files.tokens - 1, 0) // self.seq_len
         if self.len < self.world_size:
             raise ValueError(
@@ -189,6 +186,13 @@ class Sequences:
             )
         self._lock = threading.Lock()  # the position (epoch, offset, _ahead) moves under it
         self._orders = (0, np.zeros((0, 0), np.int64))  # a split of few windows: (first epoch, its and the next orders)
+        self.geometry = self._blocks = self._cache = None  # a store's: how blocks cut it, their order, its cache
+        self._kept = (-1, 0, 0)  # the epoch and the positions of the buffer whose blocks the cache keeps
+        if on_store(out):
+            self.geometry = Geometry.fitted(self.len, self.seq_len, self.files.dtype.itemsize, self.cache_size)
+            self._blocks = BlockOrder(self.geometry, self.seed)
+            g, folder = self.geometry, f"{self.fingerprint[:16]}-{self.seq_len}x{self.geometry.per_block}"
+            self._cache = BlockCache(self.files, self.seq_len, g, self.cache_dir / folder)
         self._set_position(0, 0)
 
     def __len__(self) -> int:
@@ -198,7 +202,8 @@ class Sequences:
         """Pickled as a reference: where the OUT is, the options and the position (a DataLoader's spawned
         worker reopens the files instead of receiving the split)."""
         options = dict(split=self.split, seq_len=self.seq_len, seed=self.seed, rank=self.rank)
-        options |= dict(world_size=self.world_size, group=self.group)
+        options |= dict(world_size=self.world_size, group=self.group, cache_dir=str(self.cache_dir))
+        options |= dict(cache_size=self.cache_size)
         return _reopen, (str(self.out), options, self.state_dict())
 
     def window(self, i: int) -> np.ndarray:
@@ -216,6 +221,19 @@ class Sequences:
         self._ahead = np.zeros(0, np.int64)  # this rank's next windows from the position on
         if (self.len - self.offset) // self.world_size == 0:
             self._set_position(epoch + 1, 0)
+        else:
+            self.keep_at(self.epoch, self.offset)
+
+    def keep_at(self, epoch: int, offset: int) -> None:
+        """On a store: the blocks of the buffer this rank reads from (epoch, offset) kept in the cache, the next
+        buffer's fetched meanwhile, the others let go (tokpipe.data.cache)."""
+        position, kept = offset + self.rank, self._kept
+        if self._cache is None or (kept[0] == epoch and kept[1] <= position < kept[2]):
+            return  # (a look at each batch cost 9% of a batch read from the cache)
+        order = self._blocks
+        buffer = order.buffer_of(epoch, position)
+        self._kept = (epoch, *order.positions_of(epoch, buffer))
+        self._cache.keep(order.blocks_of(epoch, buffer), order.blocks_of(*order.after(epoch, buffer)))
 
     def _windows_ahead(self, epoch: int, offset: int) -> np.ndarray:
         """This rank's next windows from (epoch, offset): the rest of the epoch (AHEAD at most) by a Permutation
@@ -225,6 +243,8 @@ class Sequences:
         taken as one slice (take(32) of 20 windows crossed 2-3 epochs, a loop step of numpy calls each: 23 us
         measured before, 10 after, most of it the epochs' seeds and orders)."""
         first, n, step = offset + self.rank, (self.len - offset) // self.world_size, self.world_size
+        if self._blocks is not None:
+            return self._blocks.windows(epoch, first + step * np.arange(min(AHEAD, n), dtype=np.int64))
         domain = 1 << max(2, (self.len - 1).bit_length())  # Permutation's: the power of 2 it walks in
         if domain > ORDERS // 16:
             order = Permutation(self.len, epoch_seed(self.seed, epoch))
@@ -275,6 +295,7 @@ class Sequences:
         count = integer(count, "count")
         with self._lock:
             (self.epoch, self.offset, self._ahead), _ = self._advance(count, keep=False)
+            self.keep_at(self.epoch, self.offset)
 
     def next_batch(self, batch_size: int) -> Batch:
         """This rank's next `batch_size` windows (0: an empty batch), with the state right after them. The
@@ -283,18 +304,25 @@ class Sequences:
         with self._lock:
             position, taken = self._advance(batch_size, keep=True)
             windows = _joined(taken)
-            starts = windows * self.seq_len
-            offsets, bounds = self.files.doc_starts(starts, self.seq_len)
-            tokens = self.files.windows(starts, self.seq_len)
+            tokens, offsets, bounds = self.read(windows)
             self.epoch, self.offset, self._ahead = position
+            self.keep_at(self.epoch, self.offset)
             return Batch(tokens, windows, offsets, bounds, state=self._state())
+
+    def read(self, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """These windows' tokens (B, seq_len + 1) int64 and document starts (offsets, bounds): from the split's files,
+        or on a store through the cache."""
+        if self._cache is not None:
+            return self._cache.read(windows)
+        starts = windows * self.seq_len
+        offsets, bounds = self.files.doc_starts(starts, self.seq_len)
+        return self.files.windows(starts, self.seq_len), offsets, bounds
 
     def batch_of(self, windows: np.ndarray, state: dict | None = None) -> Batch:
         """These windows' tokens and document starts (no position advanced)."""
         windows = np.asarray(windows, dtype=np.int64)
-        starts = windows * self.seq_len
-        offsets, bounds = self.files.doc_starts(starts, self.seq_len)
-        return Batch(self.files.windows(starts, self.seq_len), windows, offsets, bounds, state=state)
+        tokens, offsets, bounds = self.read(windows)
+        return Batch(tokens, windows, offsets, bounds, state=state)
 
     def _state(self) -> dict:
         return {
@@ -305,6 +333,7 @@ class Sequences:
             "seed": self.seed,
             "tokens": self.files.tokens,
             "fingerprint": self.fingerprint,
+            "order": None if self.geometry is None else self.geometry.as_state(),
             "epoch": self.epoch,
             "offset": self.offset,
         }
@@ -329,6 +358,8 @@ class Sequences:
             integer(state[key], f"loader state's {key}", 1 if key == "seq_len" else 0 if key != "seed" else None)
         differ = [k for k in ("split", "group", "seq_len", "seed") if k in state and state[k] != getattr(self, k)]
         said = [f"{k} differs ({state[k]!r} saved, {getattr(self, k)!r} here)" for k in differ]
+        if state.get("order") != (here := None if self.geometry is None else self.geometry.as_state()):
+            said.append(f"the order differs ({_order(state.get('order'))} saved; {_order(here)} here)")
         if "split" not in differ and "group" not in differ:  # the same stream, unless its data changed
             said[:0] = self._data_differs(state)
         if said:
@@ -363,6 +394,18 @@ class Sequences:
         epoch, offset = self.check_state(state)
         with self._lock:
             self._set_position(epoch, offset)
+
+
+def default_cache_dir() -> Path:
+    """Where a loader on a store caches blocks unless told: tokpipe's folder of the user's cache (XDG_CACHE_HOME)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokpipe"
+
+
+def _order(order: dict | None) -> str:
+    """A state's order, in words."""
+    if order is None:
+        return "every window in one permutation"  # an OUT in a folder
+    return f"blocks of {order['block']:,} windows, {order['buffer']:,} a buffer"  # on a store, by its cache_size
 
 
 def _joined(taken: list[np.ndarray]) -> np.ndarray:

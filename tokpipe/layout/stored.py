@@ -199,10 +199,11 @@ def records_of(out: str) -> Path:
     return work_folder(out) if on_store(out) else Path(out)
 
 
-def reader_out(out: str | os.PathLike) -> Path:
+def reader_out(out: str | os.PathLike, names: list[str] | None = None) -> Path:
     """OUT as a reader (status, verify, inspect, report, export, tokpipe.data) names it: a folder (out_folder), or an
     OUT on a store, whose records are copied into a temporary folder (removed at exit) and whose token files are read
-    where they are. One LIST, then a GET per record."""
+    where they are: every record (one LIST, then a GET each), or the records `names` names (a GET each: the loader's
+    meta and parts list, where a LIST and a GET per shard's checkpoint would cost each DataLoader worker seconds)."""
     if getattr(out, "stored", None) is not None:  # a copy already: one reader handing OUT to another
         return out
     if not on_store(out):
@@ -212,21 +213,28 @@ def reader_out(out: str | os.PathLike) -> Path:
     copy = RecordsCopy(tempfile.mkdtemp(prefix="tokpipe-read-"))
     copy.stored = stored
     atexit.register(shutil.rmtree, copy, True)
-    bucket = stored.bucket
-    records = [o.key for o in bucket.list(stored.prefix) if not o.key.endswith((".bin", ".idx"))]
-    if not records:
-        raise UserError(f"{stored} holds no object: give the --out of a tokpipe run")
+    if names is None:
+        names = [stored.name(o.key) for o in stored.bucket.list(stored.prefix) if not o.key.endswith((".bin", ".idx"))]
+        if not names:
+            raise UserError(f"{stored} holds no object: give the --out of a tokpipe run")
+    copy_records(copy, names)
+    return copy
 
-    def fetch(key: str) -> None:
-        path = copy / stored.name(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        found = bucket.get(key)
-        if found is not None:  # removed since the LIST: a live run's segment
+
+def copy_records(copy: Path, names: list[str]) -> None:
+    """OUT's records `names` copied from the store into a reader's copy (reader_out), RECORD_GETS at a time; one
+    that is not there (removed since a LIST: a live run's segment) is left out."""
+    stored = stored_of(copy)
+
+    def fetch(name: str) -> None:
+        found = stored.bucket.get(stored.key(name))
+        if found is not None:
+            path = copy / name
+            path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(found[0])
 
     with ThreadPoolExecutor(RECORD_GETS) as pool:
-        list(pool.map(fetch, records))
-    return copy
+        list(pool.map(fetch, names))
 
 
 def stored_of(out: Path) -> StoredOut | None:

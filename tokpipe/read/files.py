@@ -351,7 +351,7 @@ class TokenFiles:
             return np.zeros(0, np.int64), np.zeros(1, np.int64)
         if self.documents <= MERGED:  # one search for the whole batch, whatever files it touches
             places = self.merged()
-            return _within(places, np.searchsorted(places, np.concatenate([starts, starts + seq_len + 1])), starts)
+            return within(places, np.searchsorted(places, np.concatenate([starts, starts + seq_len + 1])), starts)
         groups, crossing = self.by_file(starts, seq_len + 1)
         if len(groups) == 1 and not crossing.size and starts.all():  # one file, no window at its start
             f = groups[0][0]
@@ -386,7 +386,7 @@ class TokenFiles:
         counted from their window's start, window by window, as (found, bounds): window j's are
         found[bounds[j]:bounds[j + 1]]."""
         ends = self.file_ends(f)
-        return _within(ends, self._search(f, ends, np.concatenate([local, local + seq_len + 1])), local)
+        return within(ends, self._search(f, ends, np.concatenate([local, local + seq_len + 1])), local)
 
     def merged(self) -> np.ndarray:
         """Every place a document starts, in the stream: each file's start and each document's end, sorted,
@@ -430,7 +430,7 @@ def _spanned(first: np.ndarray, last: np.ndarray) -> np.ndarray:
     return np.unique(np.repeat(first - np.cumsum(width) + width, width) + np.arange(int(width.sum())))
 
 
-def _within(ends: np.ndarray, at: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def within(ends: np.ndarray, at: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The ends from at[j] to at[B + j] (B = len(starts)), less starts[j], row j after row j, as (found,
     bounds): row j's are found[bounds[j]:bounds[j + 1]]."""
     first, counts = at[: len(starts)], at[len(starts) :] - at[: len(starts)]

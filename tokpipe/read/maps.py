@@ -83,7 +83,7 @@ class LocalFile:
                 f"{path} holds {status.st_size:,} bytes, meta says {what}: the file is not the one meta describes "
                 f"({verify})"
             )
-        return cls(path, size, _identity(status)[:2] if growing else _identity(status))
+        return cls(path, size, identity(status)[:2] if growing else identity(status))
 
     def opened(self) -> int:
         """A descriptor of the file, while it is the one first seen; else OutputError naming it and what changed."""
@@ -93,7 +93,7 @@ class LocalFile:
             raise OutputError(
                 f"{self.path} is gone since the loader was made: reopen it on a finished output"
             ) from None
-        now, seen = _identity(os.fstat(fd)), self.seen
+        now, seen = identity(os.fstat(fd)), self.seen
         if now[: len(seen)] == seen:
             return fd
         os.close(fd)
@@ -126,9 +126,10 @@ class LocalFile:
             raise ShortRead(first + len(found), first + count)
         return found
 
-    def mapped(self, dtype: np.dtype, random: bool = False, first: int = 0) -> np.ndarray:
+    def mapped(self, dtype: np.dtype, random: bool = False, first: int = 0, populate: bool = False) -> np.ndarray:
         """A read-only array over the file's pages, its items from `first` to `size`; no descriptor kept. (A plain
-        ndarray: slicing an np.memmap costs 2x, its __array_finalize__.) random: madvise(MADV_RANDOM)."""
+        ndarray: slicing an np.memmap costs 2x, its __array_finalize__.) random: madvise(MADV_RANDOM). populate: every
+        page mapped at once (MAP_POPULATE), for a file that will be read whole (a loader's cached block)."""
         dtype = np.dtype(dtype)
         start = first * dtype.itemsize
         offset = start - start % mmap.ALLOCATIONGRANULARITY  # where a map may begin: at a page
@@ -136,7 +137,8 @@ class LocalFile:
         try:
             if self.size <= start:  # mmap cannot map an empty file, nor nothing
                 return np.zeros(0, dtype)
-            address = _libc.mmap(None, self.size - offset, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+            address = _libc.mmap(None, self.size - offset, mmap.PROT_READ, flags, fd, offset)
         finally:
             os.close(fd)
         if address in (None, MAP_FAILED):
@@ -147,7 +149,7 @@ class LocalFile:
         return np.asarray(_Mapping(address, self.size - offset, start - offset, dtype))
 
 
-def _identity(status: os.stat_result) -> tuple[int, int, int, int]:
+def identity(status: os.stat_result) -> tuple[int, int, int, int]:
     return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
 
 

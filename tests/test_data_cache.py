@@ -1,0 +1,215 @@
+"""tokpipe.data on an OUT on a store (SeaweedFS): blocks fetched by ranged GETs into a bounded cache that ranks share.
+
+Tokens are compared with the reference encoding of the example (helpers), document starts with those the loader
+gives on the local copy (whose own are checked against the reference documents in test_data_sequences), the windows
+an epoch covers with the local copy's, and the bytes sent with what the store's GETs returned (Bucket.read wrapped).
+"""
+
+import pickle
+import time
+
+import numpy as np
+import pytest
+from helpers import S3Server
+
+import tokpipe.data.cache
+import tokpipe.store.bucket
+from tokpipe.data import Mixture, Sequences
+from tokpipe.data.workers import Batches
+
+L, B = 256, 16  # the example's train split: 3,358 windows of 256 tokens
+CACHE = 128 << 10  # blocks of 32 windows (32 KiB), 2 a buffer: 105 blocks, 53 buffers an epoch
+
+
+def cache_bytes(folder) -> int:
+    """The bytes of the files in the cache (a block being fetched too)."""
+    held = 0
+    for path in folder.rglob("*"):
+        try:
+            held += path.stat().st_size
+        except FileNotFoundError:  # renamed or removed meanwhile
+            pass
+    return held
+
+
+@pytest.fixture
+def sent(monkeypatch) -> list[int]:
+    """The bytes every GET of this process returns, counted."""
+    count, read = [0], tokpipe.store.bucket.Bucket.read
+
+    def counted(self, key, start, end, etag=None):
+        data, size = read(self, key, start, end, etag)
+        count[0] += len(data)
+        return data, size
+
+    monkeypatch.setattr(tokpipe.store.bucket.Bucket, "read", counted)
+    return count
+
+
+def test_two_ranks_in_lockstep_cover_an_epoch_as_on_a_local_copy_through_a_bounded_cache(
+    finished_stored, finished_example, example_reference, tmp_path, sent
+):
+    reference = example_reference["train"].astype(np.int64)
+    cache = tmp_path / "cache"
+    ranks = [
+        Sequences(finished_stored, "train", L, seed=7, rank=r, world_size=2, cache_dir=cache, cache_size=CACHE)
+        for r in range(2)
+    ]
+    local = Sequences(finished_example, "train", L, seed=7)
+    assert len(ranks[0]) == 3358 and ranks[0].state_dict()["order"] == {"block": 32, "buffer": 2}
+    drawn, most = ([], []), 0
+    for _ in range(3358 // 2 // B + 1):  # an epoch, and a batch of the next
+        for r, s in enumerate(ranks):
+            batch = s.next_batch(B)
+            for row, w in zip(batch.tokens, batch.windows.tolist()):
+                assert np.array_equal(row, reference[w * L : w * L + L + 1])
+            mapped = local.batch_of(batch.windows)
+            assert np.array_equal(batch.doc_offsets, mapped.doc_offsets)
+            assert np.array_equal(batch.doc_bounds, mapped.doc_bounds)
+            drawn[r].append(batch.windows)
+            most = max(most, cache_bytes(cache))
+    epoch = [np.concatenate(d)[:1679] for d in drawn]  # each rank's part of the epoch
+    assert sorted(np.concatenate(epoch).tolist()) == list(range(3358))  # as the ranks on a local copy: each once
+    assert most <= 2 * CACHE
+    split = (finished_example / "train.bin").stat().st_size
+    assert sent[0] <= 1.25 * split, f"{sent[0]:,} bytes sent for a split of {split:,}"
+    assert abs(np.corrcoef(np.arange(1679), epoch[0])[0, 1]) < 0.2  # shuffled: no trend from first window to last
+
+
+@pytest.mark.parametrize("merged", [1 << 21, 64], ids=["ends in memory", "ends by the index"])
+def test_document_starts_are_those_of_the_local_copy_also_where_a_document_ends_on_a_blocks_last_token(
+    finished_stored, finished_example, tmp_path, monkeypatch, merged
+):
+    """At most MERGED documents (2^21), every place a document starts is held in memory; past it, index.bin says which
+    of the .idx's ends each block takes, fetched with it (MERGED lowered below the example's 293 train documents).
+    At seq_len 76, blocks of 107 windows: a document ends at token 97,584, the last token of block 11 (the first of
+    block 12's windows), which both blocks hold."""
+    monkeypatch.setattr(tokpipe.data.cache, "MERGED", merged)
+    reader = Sequences(finished_stored, "train", 76, seed=9, cache_dir=tmp_path, cache_size=CACHE)
+    local = Sequences(finished_example, "train", 76, seed=9)
+    assert reader.geometry.per_block == 107 and 97_584 == 12 * 107 * 76
+    if merged == 64:
+        assert (next(tmp_path.iterdir()) / "index.bin").stat().st_size == 8 * (reader.geometry.blocks + 1)
+    for _ in range(len(reader) // 256 + 1):
+        batch = reader.next_batch(256)
+        mapped = local.batch_of(batch.windows)
+        assert np.array_equal(batch.doc_offsets, mapped.doc_offsets)
+        assert np.array_equal(batch.doc_bounds, mapped.doc_bounds)
+
+
+def test_a_state_taken_mid_epoch_resumes_exactly_and_is_refused_by_another_order(
+    finished_stored, finished_example, tmp_path
+):
+    def ranks(cache_size=CACHE):
+        return [
+            Sequences(
+                finished_stored, "train", L, seed=2, rank=r, world_size=2, cache_dir=tmp_path, cache_size=cache_size
+            )
+            for r in range(2)
+        ]
+
+    whole, first = ranks(), ranks()
+    expected = [[s.next_batch(B).windows for s in whole] for _ in range(60)]
+    taken = [[s.next_batch(B).windows for s in first] for _ in range(25)]
+    state = first[0].state_dict()
+    assert state == first[1].state_dict() and state["offset"] == 25 * B * 2
+    again = ranks()
+    for s in again:
+        s.load_state_dict(state)
+    taken += [[s.next_batch(B).windows for s in again] for _ in range(35)]  # across the epoch's end
+    for got, want in zip(taken, expected):
+        assert all(np.array_equal(g, w) for g, w in zip(got, want))
+    refusals = {
+        "the order differs (blocks of 32 windows, 2 a buffer saved; every window in one permutation here)": Sequences(
+            finished_example, "train", L, seed=2
+        ),
+        "the order differs (blocks of 32 windows, 2 a buffer saved; blocks of 64 windows, 2 a buffer here)": ranks(
+            2 * CACHE
+        )[0],
+    }
+    for reason, other in refusals.items():
+        with pytest.raises(ValueError) as refused:
+            other.load_state_dict(state)
+        assert str(refused.value) == f"cannot load this loader state: {reason}"
+    local_state = Sequences(finished_example, "train", L, seed=2).state_dict()  # of today's order
+    with pytest.raises(ValueError, match="the order differs \\(every window in one permutation saved"):
+        again[0].load_state_dict(local_state)
+
+
+def test_dataloader_workers_on_a_store_give_the_loaders_batches_and_it_pickles_as_a_reference(
+    finished_stored, tmp_path
+):
+    reader = Sequences(finished_stored, "train", L, seed=4, cache_dir=tmp_path, cache_size=CACHE)
+    assert len(pickle.dumps(reader)) < 2048
+    alone = Sequences(finished_stored, "train", L, seed=4, cache_dir=tmp_path, cache_size=CACHE)
+    expected = [alone.next_batch(B) for _ in range(30)]
+    workers = [Batches(reader, B).worker(w, 3) for w in range(3)]
+    got = [next(workers[i % 3]) for i in range(30)]  # DataLoader takes batch i from worker i % 3
+    for g, e in zip(got, expected):
+        assert np.array_equal(g.tokens, e.tokens) and g.state == e.state
+
+
+def test_a_mixture_of_groups_on_a_store_reads_each_row_from_its_group(finished_grouped, s3_server, s3_prefix, tmp_path):
+    url = s3_server.upload(finished_grouped, s3_prefix)
+    groups = ("RedPajamaGithub", "RedPajamaWikipedia")
+    sources = {
+        g: Sequences(url, "train", 128, seed=1, group=g, cache_dir=tmp_path, cache_size=64 << 10) for g in groups
+    }
+    mixture = Mixture(sources, {"RedPajamaGithub": 2, "RedPajamaWikipedia": 1})
+    local = {g: Sequences(finished_grouped, "train", 128, group=g) for g in groups}
+    for _ in range(20):
+        batch = mixture.next_batch(32)
+        for i, (name, w) in enumerate(zip(batch.sources, batch.windows.tolist())):
+            one = local[name].batch_of(np.array([w]))
+            assert np.array_equal(batch.tokens[i], one.tokens[0])
+            assert np.array_equal(batch.doc_starts[i], one.doc_starts[0])
+    assert sorted(set(batch.sources)) == sorted(groups)
+
+
+def test_the_store_failing_mid_epoch_raises_one_line_and_the_loader_goes_on_from_where_it_was(
+    finished_example, tmp_path, monkeypatch
+):
+    server = S3Server(tmp_path / "s3")  # its own: it is killed
+    server.launch()
+    server.ready()
+    for name, value in server.env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(tokpipe.store.bucket, "TRIES", 2)  # botocore's tries before the error (10 take minutes)
+    try:
+        url = server.upload(finished_example, "out")
+        options = dict(seed=5, cache_size=CACHE)
+        whole = Sequences(url, "train", L, cache_dir=tmp_path / "whole", **options)
+        expected = [whole.next_batch(B).windows for _ in range(40)]
+        reader = Sequences(url, "train", L, cache_dir=tmp_path / "cache", **options)
+        taken = [reader.next_batch(B).windows for _ in range(3)]
+        server.kill()
+        for _ in range(40):  # until a batch needs a block the cache does not hold
+            before = reader.state_dict()
+            try:
+                taken.append(reader.next_batch(B).windows)
+            except OSError as e:
+                failed = str(e)
+                break
+        assert "\n" not in failed and failed.endswith("not fetched: the loader did not move"), failed
+        assert "cannot reach the store" in failed
+        assert reader.state_dict() == before
+        server.launch()
+        server.ready()
+        while len(taken) < 40:  # as a trainer that retries: a SeaweedFS just started may answer 500 for a moment
+            before = reader.state_dict()
+            try:
+                taken.append(reader.next_batch(B).windows)
+            except OSError:
+                assert reader.state_dict() == before
+                time.sleep(0.2)
+        assert all(np.array_equal(g, w) for g, w in zip(taken, expected))
+    finally:
+        server.kill()
+
+
+def test_an_unfinished_out_on_a_store_is_refused_in_one_line(out, s3_server, s3_prefix):
+    (out / "meta.json").unlink()
+    url = s3_server.upload(out, s3_prefix)
+    with pytest.raises(ValueError) as refused:
+        Sequences(url, "train", L)
+    assert str(refused.value) == f"{url} is not a finished tokpipe output: tokpipe status {url}"
