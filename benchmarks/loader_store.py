@@ -5,11 +5,12 @@ The shared data's OUT (benchmarks/loader.py shared_outs: its train split, 8.5 M 
 SeaweedFS `weed mini` on 127.0.0.1 (benchmarks/store.py start_weed). Each round runs two ranks (world_size 2), each
 its own process and all at once, as a node's two ranks under DDP: first reading the store through one cache_dir of
 `--cache-size`, then the local OUT; rounds alternate. The ranks step in lockstep, at a barrier before each batch
-(free-running, the rank that started later lagged buffers behind, and fetched again what the other had removed). Each rank takes `--epochs` epochs of batches of `--batch`
-windows of `--seq-len`; its rate is batches over the time spent in next_batch (what a trainer waits for). Rank 0
-samples the cache folder's bytes every 5 ms (every file in it, those being written too). Every GET's bytes are
-counted (tokpipe.store.Bucket.read wrapped, in each rank), the index and the next epoch's first buffer included, and
-divided by the split's bytes times the epochs. The first epoch's windows of both ranks, as a multiset, must be those
+(free-running, the rank that started later lagged buffers behind, and fetched again what the other had removed).
+Each rank takes `--epochs` epochs of batches of `--batch` windows of `--seq-len`; its rate is batches over the time
+spent in next_batch (what a trainer waits for), its CPU its process's; SeaweedFS's CPU beside. Meanwhile this
+process samples the cache folder's bytes every 5 ms (every file in it, those being written too). Every GET's bytes
+are counted (tokpipe.store.Bucket.read wrapped, in each rank), the next epoch's first buffer included, and divided
+by the split's bytes times the epochs. The first epoch's windows of both ranks, as a multiset, must be those
 of the ranks on the local copy.
 
 Shuffle (no store needed): an epoch's order at the same cache size, as world size 1 reads it, for the store's order,
@@ -32,7 +33,6 @@ import os
 import shutil
 import statistics
 import sys
-import threading
 import time
 import types
 from pathlib import Path
@@ -59,21 +59,6 @@ def rank(args, barrier) -> dict:
         return data, size
 
     bucket.Bucket.read = counted
-    sizes, done = [], threading.Event()
-
-    def sample() -> None:
-        started = time.perf_counter()
-        while not done.wait(0.005):
-            held = 0
-            for entry in (e for d in Path(args.cache_dir).glob("*") for e in os.scandir(d)):
-                try:
-                    held += entry.stat().st_size
-                except FileNotFoundError:  # removed meanwhile
-                    pass
-            sizes.append((round(time.perf_counter() - started, 3), held))
-
-    if args.rank == 0 and args.on == "store":
-        threading.Thread(target=sample, daemon=True).start()
     opened = began = time.perf_counter()
     s = Sequences(
         args.source, "train", args.seq_len, seed=args.seed, rank=args.rank, world_size=2,
@@ -88,12 +73,11 @@ def rank(args, barrier) -> dict:
         spent += time.perf_counter() - started
         batches += 1
         taken.append(batch.windows)
-    done.set()
     cpu = time.process_time()
     first = np.concatenate(taken)[:per_epoch]
     return {
-        "rate": batches / spent, "open_s": opened, "cpu_s": cpu, "wall_s": time.perf_counter() - began, "fetched": fetched[0], "windows": first.tolist(),
-        "cache_max": max((b for _, b in sizes), default=0), "cache_over_time": sizes[:: max(1, len(sizes) // 40)],
+        "rate": batches / spent, "open_s": opened, "cpu_s": cpu, "wall_s": time.perf_counter() - began,
+        "fetched": fetched[0], "windows": first.tolist(),
     }  # fmt: skip
 
 
@@ -109,10 +93,31 @@ def both_ranks(source: str, on: str, cache: Path, args, seed: int) -> list[dict]
     ]
     for run in runs:
         run.start()
+    sizes, started = [], time.perf_counter()
+    while any(run.is_alive() for run in runs) and results.empty():
+        sizes.append((round(time.perf_counter() - started, 2), cache_bytes(cache)))
+        time.sleep(0.005)
     found = dict(results.get() for _ in runs)
     for run in runs:
         run.join()
+    found[0] |= {"cache_max": max(b for _, b in sizes), "cache_over_time": sizes[:: max(1, len(sizes) // 40)]}
     return [found[0], found[1]]
+
+
+def cpu_of(pid: int) -> float:
+    """A process's CPU seconds so far (/proc/PID/stat: user and system)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cache_bytes(folder: Path) -> int:
+    held = 0
+    for path in folder.rglob("*"):
+        try:
+            held += path.stat().st_size
+        except FileNotFoundError:  # removed meanwhile
+            pass
+    return held
 
 
 def _rank(args, barrier, results) -> None:
@@ -134,6 +139,8 @@ def shuffle_measures(order: np.ndarray, n: int) -> dict:
 def py1e_order(shard_sizes: np.ndarray, seed: int, block_size: int) -> np.ndarray | None:
     """MosaicML streaming's py1e order of one epoch, where the package is installed (its modules loaded alone: the
     package's own __init__ imports torch)."""
+    if "streaming.base.shuffle.py1e" in sys.modules:  # loaded by an earlier call
+        return sys.modules["streaming.base.shuffle.py1e"].get_shuffle_py1e(shard_sizes, 1, seed, 0, block_size)
     spec = importlib.util.find_spec("streaming")
     if spec is None:
         return None
@@ -189,13 +196,16 @@ def main() -> None:
         cache = args.work_dir / "loader-store-cache"
         rows = []
         for r in range(args.rounds):
+            served = cpu_of(weed.pid)
             store = both_ranks(url, "store", cache, args, args.seed + r)
+            served = cpu_of(weed.pid) - served
             local = both_ranks(str(out), "local", cache, args, args.seed + r)
             same = sorted(store[0]["windows"] + store[1]["windows"]) == sorted(
                 local[0]["windows"] + local[1]["windows"]
             )
             rows.append({
-                "cpu_s": [round(s["cpu_s"], 2) for s in store + local], "wall_s": [round(s["wall_s"], 2) for s in store + local],
+                "cpu_s": [round(s["cpu_s"], 2) for s in store + local], "weed_cpu_s": round(served, 2),
+                "wall_s": [round(s["wall_s"], 2) for s in store + local],
                 "store_batches_s": round(store[0]["rate"]), "local_batches_s": round(local[0]["rate"]),
                 "ratio": round(store[0]["rate"] / local[0]["rate"], 2),
                 "fetched_over_split": round(sum(s["fetched"] for s in store) / (split * args.epochs), 3),

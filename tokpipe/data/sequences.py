@@ -29,6 +29,10 @@ left) leaves it where it was, so a trainer that retries skips no window. OUT is 
 (Hydra changes the working directory). One Sequences may be shared by threads (a batch is taken and
 read under its lock: one thread at a time), and it pickles as a reference (OUT, options, position;
 under 1 KB): a DataLoader worker reopens the files.
+
+An OUT on a store (a URL) is read through a bounded local cache (tokpipe.data.cache) in an order a store can serve
+(tokpipe.data.blocks: its blocks in a seeded order, the windows of a buffer of blocks shuffled): every rule above
+holds but the order, which the state records ("order": None for a folder's), and a loader of another order refuses.
 """
 
 from __future__ import annotations
