@@ -86,6 +86,7 @@ class TokenFiles:
         self._used = np.zeros(len(files), np.int64)  # when each file was last read: the least recent are dropped
         self._reads = 0
         self._dropping = len(files) * (1 if self.documents <= MERGED else 2) > MAPS  # (else no read is timed)
+        self._holding = int(np.count_nonzero(np.diff(self.starts)))  # files that hold a token: each mapped once read
         self._shift = np.full(len(files), UNMAPPED)  # its first token's address / itemsize less its stream place
         self._low = self._high = 0  # every map so far lay in [low, high): the view's addresses
         self._views: dict[int, np.ndarray] = {}  # seq_len -> the view's windows of seq_len + 1 (0: its tokens)
@@ -286,61 +287,62 @@ class TokenFiles:
                 shift = self._shift[0] - self._low // self.dtype.itemsize
                 return self._view(seq_len)[starts + shift].astype(np.int64)
         first = self.ends.searchsorted(starts, "right")  # the file each window starts in
-        crossed = self.ends.searchsorted(starts + seq_len, "right") - first  # the files' ends it crosses
-        if len(starts) + int(crossed.sum()) > max(MAPS // 4, 1):
-            return self._in_parts(starts, first, crossed, seq_len)
+        return self._gather(starts, first, seq_len, whole=True)
+
+    def _gather(self, starts, first, seq_len, whole=False) -> np.ndarray:
+        """windows() of a batch (`whole`: in parts where it reads more files than MAPS // 4, as only a split of
+        more files can) or of one part (none dropped here), under the lock, every file mapped first: a window in
+        one file is a row of the view's windows, all in one row gather (those across files' ends in place of one
+        that is not, then read token by token: _across), the file each of those ends in searched for them alone
+        (for every window: ~5 us a batch of 64, its keys unsorted). Once every file holding a token is mapped, no
+        row is negative: none is checked (numpy's min, sum or max ~2 us each; a few values' through a list ~1)."""
+        room = self.ends[first] - starts  # its tokens in its first file: no more than seq_len, it crosses its end
+        across = (room <= seq_len).nonzero()[0]
+        last = self.ends.searchsorted(starts[across] + seq_len, "right")
+        if whole and len(self) > MAPS // 4 and len(starts) + sum((last - first[across]).tolist()) > max(MAPS // 4, 1):
+            return self._in_parts(starts, first, seq_len)
         with self._lock:
-            return self._gather(starts, first, crossed, seq_len)
+            while True:
+                rows = starts + self._shift[first] - self._low // self.dtype.itemsize
+                mapped = len(self._tokens) == self._holding
+                if not len(across) and (mapped or rows.min(initial=0) >= 0):  # every file mapped, none across
+                    self._read_now(first)
+                    return self._view(seq_len)[rows].astype(np.int64)
+                tokens = self._across(starts[across], room[across], first[across], last, seq_len)
+                if mapped or (rows.min(initial=0) >= 0 and tokens.min(initial=0) >= 0):  # every file mapped
+                    break
+                self._touch(np.union1d(first, _spanned(first[across], last)))
+            self._read_now(first, last)
+            if len(across) == len(starts):
+                out = np.empty((len(starts), seq_len + 1), dtype=np.int64)
+            else:
+                rows[across] = rows[room.argmax()]  # a window in one file: the one with the most room there
+                out = self._view(seq_len)[rows].astype(np.int64)
+            out[across] = self._view(0)[tokens]
+            return out
 
-    def _gather(self, starts, first, crossed, seq_len) -> np.ndarray:
-        """Under the lock: windows() of at most MAPS // 4 files (none dropped here), every file mapped first:
-        a window in one file is a row of the view's windows, all in one row gather (those across files'
-        ends in place of one that is not, then read token by token: _across)."""
-        across = crossed.nonzero()[0]
-        while True:
-            rows = starts + self._shift[first] - self._low // self.dtype.itemsize
-            if not len(across) and rows.min(initial=0) >= 0:  # every file mapped, no window across ends
-                self._read_now(first)
-                return self._view(seq_len)[rows].astype(np.int64)
-            tokens = self._across(rows[across], starts[across], first[across], crossed[across], seq_len)
-            if rows.min(initial=0) >= 0 and tokens.min(initial=0) >= 0:  # every file mapped
-                break
-            self._touch(_spanned(first, first + crossed))
-        self._read_now(first, first + crossed)
-        if len(across) == len(starts):
-            out = np.empty((len(starts), seq_len + 1), dtype=np.int64)
-        else:
-            rows[across] = rows[crossed.argmin()]
-            out = self._view(seq_len)[rows].astype(np.int64)
-        out[across] = self._view(0)[tokens]
-        return out
+    def _across(self, starts, room, first, last, seq_len) -> np.ndarray:
+        """Under the lock: the view's index of each token of these windows across files' ends, its stream place plus
+        its file's shift (the first file's, one more past each end: an empty file's skipped), negative where unmapped.
+        7 numpy calls for the first end, 6 for each further one (a step of shifts added past each took 11 and 15)."""
+        columns = np.arange(seq_len + 1)
+        files = first[:, None] + (columns >= room[:, None])
+        for j in range(1, max((last - first).tolist(), default=0)):  # a window's last file's end lies past it
+            files += columns >= (self.ends[np.minimum(first + j, last)] - starts)[:, None]
+        return (starts - self._low // self.dtype.itemsize)[:, None] + columns + self._shift[files]
 
-    def _across(self, rows, starts, first, crossed, seq_len) -> np.ndarray:
-        """Under the lock: the view's index of each token of these windows across files' ends: their row's,
-        plus, from each end they cross on, the step from that file's shift to the next one's (an empty
-        file's steps cancel out); negative where a file is not mapped. Numpy calls cost most here (3-7 us
-        each on a loaded machine): the first end is one where, each further one (tiny files) ~10 calls."""
-        columns, room = np.arange(seq_len + 1), (self.ends[first] - starts)[:, None]  # room: tokens in the first
-        step = (self._shift[first + 1] - self._shift[first])[:, None]
-        tokens = rows[:, None] + np.where(columns < room, columns, columns + step)
-        for j in range(1, int(crossed.max(initial=0))):  # past a window's last end, a step of 0
-            f = np.minimum(first + j, first + crossed - 1)
-            step = np.where(crossed > j, self._shift[f + 1] - self._shift[f], 0)
-            tokens += (columns >= (self.ends[f] - starts)[:, None]) * step[:, None]
-        return tokens
-
-    def _in_parts(self, starts, first, crossed, seq_len) -> np.ndarray:
+    def _in_parts(self, starts, first, seq_len) -> np.ndarray:
         """windows() of a batch that reads more files than MAPS // 4: a part of that many files at a time, by
         the file they start in, and a window across that many files or more (tiny files) piece by piece."""
         out, group = np.empty((len(starts), seq_len + 1), dtype=np.int64), max(MAPS // 4, 1)
+        crossed = self.ends.searchsorted(starts + seq_len, "right") - first  # the files' ends each crosses
         for row in np.flatnonzero(crossed >= group).tolist():
             out[row] = self.read(int(starts[row]), int(starts[row]) + seq_len + 1)
         rows = np.flatnonzero(crossed < group)
         part = np.searchsorted(_spanned(first[rows], first[rows] + crossed[rows]), first[rows]) // group
         order = np.argsort(part, kind="stable")
         for some in np.split(rows[order], np.flatnonzero(np.diff(part[order])) + 1):
-            with self._lock:
-                out[some] = self._gather(starts[some], first[some], crossed[some], seq_len)
+            out[some] = self._gather(starts[some], first[some], seq_len)
         return out
 
     def doc_starts(self, starts: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
