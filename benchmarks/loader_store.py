@@ -20,6 +20,9 @@ are loaded alone). Measured: the correlation of draw position and window index; 
 consecutive windows over the split's windows (1/3 for a uniform permutation); and how many of 64 equal regions of
 the split a batch of 64 consecutive draws touches (40.6 expected of a uniform permutation).
 
+With `--litdata PYTHON` (a Python with litdata and torch), litdata_store.py then reads the same tokens from the same
+SeaweedFS through litdata's StreamingDataset at the same cache size, one rank, and ours is read the same way.
+
     .venv/bin/python benchmarks/loader_store.py --rounds 3 --cache-size 8MiB --seq-len 256 --batch 64
 """
 
@@ -32,6 +35,7 @@ import multiprocessing
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 import types
@@ -102,6 +106,22 @@ def both_ranks(source: str, on: str, cache: Path, args, seed: int) -> list[dict]
         run.join()
     found[0] |= {"cache_max": max(b for _, b in sizes), "cache_over_time": sizes[:: max(1, len(sizes) // 40)]}
     return [found[0], found[1]]
+
+
+def one_rank(url: str, cache: Path, args) -> dict:
+    """Our loader as litdata_store.py reads: one rank, an epoch of warm-up, then an epoch timed."""
+    from tokpipe.data import Sequences
+
+    shutil.rmtree(cache, ignore_errors=True)
+    s = Sequences(url, "train", args.seq_len, seed=args.seed, cache_dir=cache, cache_size=args.cache_size)
+    for _ in range(len(s) // args.batch):
+        s.next_batch(args.batch)
+    spent = 0.0
+    for _ in range(len(s) // args.batch):
+        started = time.perf_counter()
+        s.next_batch(args.batch)
+        spent += time.perf_counter() - started
+    return {"batches_s": round(len(s) // args.batch / spent)}
 
 
 def cpu_of(pid: int) -> float:
@@ -183,6 +203,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--cache-size", type=parse_size, default=8 << 20)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--litdata", metavar="PYTHON", help="a Python with litdata and torch: litdata_store.py too")
     args = parser.parse_args()
     out = shared_outs(args.work_dir)["concat"]
     weed, env = start_weed(args.work_dir / "loader-store-weed")
@@ -217,6 +238,12 @@ def main() -> None:
         print("ratio median", statistics.median(r["ratio"] for r in rows))
         print(json.dumps(shuffles(out, args), indent=1))
         print("cache over time (s, bytes), round 1:", rows[0]["cache_over_time"])
+        if args.litdata:
+            script = [args.litdata, str(Path(__file__).with_name("litdata_store.py")), "--out", str(out)]
+            script += ["--bucket", BUCKET, "--seq-len", str(args.seq_len), "--batch", str(args.batch)]
+            script += ["--cache-size", f"{args.cache_size // 1_000_000}MB"]
+            print("litdata:", subprocess.run(script, capture_output=True, text=True, env={**os.environ, **env}).stdout)
+            print("ours, one rank the same way:", one_rank(url, cache, args))
     finally:
         weed.kill()
 
