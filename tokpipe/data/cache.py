@@ -76,10 +76,13 @@ class BlockCache:
     def read(self, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """These windows' tokens (B, seq_len + 1) int64 and document starts (offsets, bounds), fetching any block
         not in the cache first. A fetch that fails raises (nothing is left half made)."""
-        blocks = windows // self.geometry.per_block
-        for b in np.unique(blocks[self._shift[blocks] == UNMAPPED]).tolist():
-            self._map(b)
-        starts = self._shift[blocks] + (windows % self.geometry.per_block) * self.seq_len
+        blocks, within_block = np.divmod(windows, self.geometry.per_block)
+        shifts = self._shift[blocks]
+        if shifts.min(initial=0) == UNMAPPED:  # (np.unique of none cost 6 us a batch)
+            for b in np.unique(blocks[shifts == UNMAPPED]).tolist():
+                self._map(b)
+            shifts = self._shift[blocks]
+        starts = shifts + within_block * self.seq_len
         tokens = self._windows()[starts - self._low // self.dtype.itemsize].astype(np.int64)
         places = self._places_merged()
         at = np.searchsorted(places, np.concatenate([starts, starts + self.seq_len + 1]))
