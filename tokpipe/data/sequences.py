@@ -195,7 +195,8 @@ class Sequences:
         if on_store(out):
             self.geometry = Geometry.fitted(self.len, self.seq_len, self.files.dtype.itemsize, self.cache_size)
             self._blocks = BlockOrder(self.geometry, self.seed)
-            g, folder = self.geometry, f"{self.fingerprint[:16]}-{self.seq_len}x{self.geometry.per_block}"
+            # a folder a run's ranks share and another run's never (its order, by its seed, removes others' blocks)
+            g, folder = self.geometry, f"{self.fingerprint[:16]}-{self.seq_len}x{self.geometry.per_block}-{self.seed}"
             self._cache = BlockCache(self.files, self.seq_len, g, self.cache_dir / folder)
         self._set_position(0, 0)
 
