@@ -116,7 +116,7 @@ class BlockCache:
             except (FileNotFoundError, OutputError):
                 continue
         else:
-            raise OSError(f"block {b} of {self.files.out} was removed from {self.folder} as often as it was fetched")
+            raise OSError(f"block {b} was removed from {self.folder} as often as it was fetched: another run reads it")
         step = self.dtype.itemsize
         address = tokens.ctypes.data
         self._maps[b], self._shift[b] = tokens, address // step
