@@ -145,7 +145,8 @@ class BlockCache:
     def keep(self, now: np.ndarray, ahead: np.ndarray) -> None:
         """The blocks of the buffer read now mapped (fetched first where the cache does not hold them), those of the
         next fetched into the cache meanwhile; the blocks of the buffer read before unmapped and removed from the
-        cache, and at the first call every block but these (a loader killed before left them).
+        cache, and at the first call every block but these, and their temporary and lock files (a loader killed
+        before left them).
 
         Only the buffer this rank leaves is removed: a rank that removed every block but its own two removed those a
         rank ahead was fetching for its next buffer (a rank that opens, or lags a buffer). Mapped at once, not as
@@ -160,7 +161,7 @@ class BlockCache:
         if self._read_before is None:
             for path in self.folder.iterdir():
                 stem = path.name.partition(".")[0]
-                if path.suffix in (".blk", ".tmp") and stem.isdigit() and int(stem) not in wanted:
+                if path.suffix in (".blk", ".tmp", ".fetch") and stem.isdigit() and int(stem) not in wanted:
                     path.unlink(missing_ok=True)
         else:
             for b in self._read_before - wanted:
