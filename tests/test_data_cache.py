@@ -6,6 +6,7 @@ an epoch covers with the local copy's, and the bytes sent with what the store's 
 """
 
 import pickle
+import shutil
 import time
 
 import numpy as np
@@ -205,6 +206,17 @@ def test_the_store_failing_mid_epoch_raises_one_line_and_the_loader_goes_on_from
         assert all(np.array_equal(g, w) for g, w in zip(taken, expected))
     finally:
         server.kill()
+
+
+def test_a_cache_folder_removed_mid_epoch_is_made_again_and_the_windows_go_on(finished_stored, tmp_path):
+    whole = Sequences(finished_stored, "train", L, seed=6, cache_dir=tmp_path / "whole", cache_size=CACHE)
+    expected = [whole.next_batch(B).windows for _ in range(60)]
+    reader = Sequences(finished_stored, "train", L, seed=6, cache_dir=tmp_path / "cache", cache_size=CACHE)
+    taken = [reader.next_batch(B).windows for _ in range(20)]
+    shutil.rmtree(tmp_path / "cache")  # a user clearing ~/.cache under a live run
+    taken += [reader.next_batch(B).windows for _ in range(40)]
+    assert all(np.array_equal(g, w) for g, w in zip(taken, expected))
+    assert cache_bytes(tmp_path / "cache") <= 2 * CACHE
 
 
 def test_an_unfinished_out_on_a_store_is_refused_in_one_line(out, s3_server, s3_prefix):

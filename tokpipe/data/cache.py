@@ -27,6 +27,7 @@ tokens' bytes at 1,000 tokens a document) under an flock as a block is, and read
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import secrets
@@ -152,20 +153,22 @@ class BlockCache:
         rank ahead was fetching for its next buffer (a rank that opens, or lags a buffer). Mapped at once, not as
         windows need them: a rank that moves on first removes them from the cache, and a block mapped stays readable
         (one that a rank had not mapped yet was fetched again: 1.14x the split's bytes an epoch, against 1.00). A
-        block that cannot be fetched now is asked again, and its error raised, by the read that needs it."""
+        block that cannot be fetched now is asked again, and its error raised, by the read that needs it: keep
+        raises nothing, so a batch read is never lost after the position moved."""
         read, wanted = set(now.tolist()), set(now.tolist()) | set(ahead.tolist())
         for b in [b for b in self._maps if b not in read]:
             del self._maps[b], self._places[b]
             self._shift[b] = UNMAPPED
             self._merged = None
-        if self._read_before is None:
-            for path in self.folder.iterdir():
-                stem = path.name.partition(".")[0]
-                if path.suffix in (".blk", ".tmp", ".fetch") and stem.isdigit() and int(stem) not in wanted:
-                    path.unlink(missing_ok=True)
-        else:
-            for b in self._read_before - wanted:
-                self._path(b).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # (a cache folder removed meanwhile: the fetches make it again)
+            if self._read_before is None:
+                for path in self.folder.iterdir():
+                    stem = path.name.partition(".")[0]
+                    if path.suffix in (".blk", ".tmp", ".fetch") and stem.isdigit() and int(stem) not in wanted:
+                        path.unlink(missing_ok=True)
+            else:
+                for b in self._read_before - wanted:
+                    self._path(b).unlink(missing_ok=True)
         self._read_before = read
         for b in now.tolist() + ahead.tolist():
             self._fetched(b, wait=False)
@@ -198,6 +201,7 @@ class BlockCache:
     def _fetch(self, b: int) -> None:
         """Block b fetched into the cache by one process of those that want it (the flock of <b>.fetch)."""
         path = self._path(b)
+        self.folder.mkdir(parents=True, exist_ok=True)  # (removed since the loader opened: made again)
         with _flocked(self.folder / f"{b}.fetch"):
             if path.exists():
                 return
