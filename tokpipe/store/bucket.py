@@ -242,7 +242,8 @@ class Bucket:
 
 
 def _status(error: Exception) -> int | None:
-    return getattr(error, "response", {}).get("ResponseMetadata", {}).get("HTTPStatusCode")
+    # (a ReadTimeoutError's response is None: a store that stopped answering mid-request was an AttributeError)
+    return (getattr(error, "response", None) or {}).get("ResponseMetadata", {}).get("HTTPStatusCode")
 
 
 def _broke_off(error: Exception) -> bool:
