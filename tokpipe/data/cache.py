@@ -59,8 +59,8 @@ class BlockCache:
         _forget_before_boot(folder)
         # where documents start: of a split of at most MERGED documents, all in memory (TokenFiles' rule: 16 MB
         # at most); of a larger one, which of its ends each block takes (index.bin), GET with the block
-        self._merged_all = files.merged() if files.documents <= MERGED else None
-        self._first_doc = None if self._merged_all is not None else self._index()
+        self._split_places = files.merged() if files.documents <= MERGED else None
+        self._first_doc = None if self._split_places is not None else self._index()
         self._pool = ThreadPoolExecutor(FETCHERS, thread_name_prefix="tokpipe-fetch")
         self._fetches: dict[int, Future] = {}
         self._maps: dict[int, np.ndarray] = {}  # block -> its tokens, mapped
@@ -139,7 +139,7 @@ class BlockCache:
             path.unlink(missing_ok=True)  # not a block this geometry writes: fetched again
             raise FileNotFoundError(path)
         places = file.array(IDX_DTYPE, first, (status.st_size // IDX_DTYPE.itemsize) - first)
-        return file.mapped(self.dtype, populate=True)[:count], places
+        return file.mapped(self.dtype)[:count], places
 
     # -- the buffers kept ---------------------------------------------------------------------------------------
 
@@ -209,9 +209,9 @@ class BlockCache:
             start = b * g.per_block * L
             stop = start + self._tokens_of(b)
             tokens = self.files.read(start, stop)
-            if self._merged_all is not None:
-                places = self._merged_all[
-                    np.searchsorted(self._merged_all, start) : np.searchsorted(self._merged_all, stop)
+            if self._split_places is not None:
+                places = self._split_places[
+                    np.searchsorted(self._split_places, start) : np.searchsorted(self._split_places, stop)
                 ]
             else:
                 last = min(int(self._first_doc[b + 1]) + 1, self.files.documents)

@@ -126,10 +126,9 @@ class LocalFile:
             raise ShortRead(first + len(found), first + count)
         return found
 
-    def mapped(self, dtype: np.dtype, random: bool = False, first: int = 0, populate: bool = False) -> np.ndarray:
+    def mapped(self, dtype: np.dtype, random: bool = False, first: int = 0) -> np.ndarray:
         """A read-only array over the file's pages, its items from `first` to `size`; no descriptor kept. (A plain
-        ndarray: slicing an np.memmap costs 2x, its __array_finalize__.) random: madvise(MADV_RANDOM). populate: every
-        page mapped at once (MAP_POPULATE), for a file that will be read whole (a loader's cached block)."""
+        ndarray: slicing an np.memmap costs 2x, its __array_finalize__.) random: madvise(MADV_RANDOM)."""
         dtype = np.dtype(dtype)
         start = first * dtype.itemsize
         offset = start - start % mmap.ALLOCATIONGRANULARITY  # where a map may begin: at a page
@@ -137,8 +136,7 @@ class LocalFile:
         try:
             if self.size <= start:  # mmap cannot map an empty file, nor nothing
                 return np.zeros(0, dtype)
-            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
-            address = _libc.mmap(None, self.size - offset, mmap.PROT_READ, flags, fd, offset)
+            address = _libc.mmap(None, self.size - offset, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
         finally:
             os.close(fd)
         if address in (None, MAP_FAILED):
