@@ -1103,6 +1103,60 @@ class S3Server:
         return self.url(prefix)
 
 
+class Relay:
+    """A TCP relay on a port of its own to a server at `endpoint` (http://host:port), which can go away (`down`: its
+    connections cut, new ones refused) and come back (`up`): a store restarted, as its clients see it, without
+    restarting the store. A SeaweedFS restarted on its folder answered InternalError past every retry now and then,
+    which failed the suite's test of waiting for a store, not tokpipe's waiting."""
+
+    def __init__(self, endpoint: str):
+        host, port = endpoint.rsplit("/", 1)[1].split(":")
+        self.target, self.port = (host, int(port)), _free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.connections: list[socket.socket] = []
+        self.accepted = 0  # connections relayed since the last `up`
+        self.up()
+
+    def up(self) -> None:
+        self.listener, self.accepted = socket.create_server(("127.0.0.1", self.port)), 0
+        threading.Thread(target=self._accept, args=(self.listener,), daemon=True).start()
+
+    def down(self) -> None:
+        self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept of its thread, which close alone does not
+        self.listener.close()
+        for connection in self.connections:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+            connection.close()
+        self.connections = []
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            self.connections += [client, upstream]
+            self.accepted += 1
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=_pipe, args=(source, sink), daemon=True).start()
+
+
+def _pipe(source: socket.socket, sink: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while data := source.recv(1 << 16):
+            sink.sendall(data)
+    with contextlib.suppress(OSError):
+        sink.shutdown(socket.SHUT_WR)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def example_with_train_0_as(dest: Path, layout: str) -> Path:
     """The example's shards as a plain folder (plain_copy_of_example), its first train shard rewritten: as plain
     JSONL (`plain`, example_train_0.jsonl) or as zstd in 40 frames laid out as pzstd lays them out (`pzstd`). The same

@@ -15,6 +15,7 @@ import pytest
 from helpers import (
     SESSION_RAYS,
     TRAIN_1,
+    Relay,
     assert_out_is,
     checkpoints,
     cli,
@@ -105,16 +106,18 @@ def test_a_replaced_or_removed_object_is_never_read_as_the_one_listed(s3_server,
         Reader(bucket, key, etag).seek(0, 2)  # its size asked for (Parquet's first call): a HEAD
 
 
-def test_a_store_restarted_mid_read_is_waited_for(s3_server, s3_prefix):
-    bucket, key, data, etag = _object(s3_server, s3_prefix, 2 * MIB)
-    reader = Reader(bucket, key, etag, ahead=MIB)
+def test_a_store_away_mid_read_is_waited_for(s3_server, s3_prefix):
+    _, key, data, etag = _object(s3_server, s3_prefix, 2 * MIB)
+    relay = Relay(s3_server.endpoint)
+    reader = Reader(Bucket(s3_server.bucket, relay.endpoint), key, etag, ahead=MIB)
     assert reader.read(MIB) == data[:MIB]
-    s3_server.kill()
-    restart = threading.Timer(1.0, s3_server.launch)  # on its data: the object is still there
-    restart.start()
+    relay.down()  # its connection cut, new ones refused, for a second
+    back = threading.Timer(1.0, relay.up)
+    back.start()
     assert reader.read(MIB) == data[MIB:]  # botocore's retries, with backoff, until it answers again
-    restart.join()
-    s3_server.ready()
+    back.join()
+    assert relay.accepted == 1  # the second MiB was asked for after the store came back
+    relay.down()
 
 
 def test_a_store_away_past_every_retry_is_one_line_and_an_oserror(s3_server, s3_prefix, monkeypatch):
