@@ -78,7 +78,11 @@ class ShardFiles:
 
     @property
     def checkpoint(self) -> Path:
-        return self.folder / f"{self.key}.json"
+        return self.folder / self.checkpoint_name(self.key)
+
+    @staticmethod
+    def checkpoint_name(key: str) -> str:
+        return f"{key}.json"
 
     @property
     def lock(self) -> Path:

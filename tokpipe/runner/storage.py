@@ -67,12 +67,14 @@ class DoneShards:
         self.out, self.listed = out, {}
 
     def __call__(self, shard: Shard) -> bool:
-        path = ShardFiles.of(self.out, shard).checkpoint
-        if path.parent not in self.listed:
-            self.listed[path.parent] = set(os.listdir(path.parent)) if path.parent.is_dir() else set()
-        if path.name not in self.listed[path.parent]:
+        # Names compared as strings, a Path made only for a checkpoint that exists: pathlib per shard was 1.7 of
+        # the driver's 13.6 CPU-s on 20,000 two-document shards (py-spy).
+        if shard.split not in self.listed:
+            folder = ShardFiles.of(self.out, shard).folder
+            self.listed[shard.split] = set(os.listdir(folder)) if folder.is_dir() else set()
+        if ShardFiles.checkpoint_name(shard.key) not in self.listed[shard.split]:
             return False
-        ckpt = Checkpoint.load(path)
+        ckpt = Checkpoint.load(ShardFiles.of(self.out, shard).checkpoint)
         return ckpt is not None and ckpt.done
 
 
