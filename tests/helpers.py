@@ -661,6 +661,31 @@ def _hears_ctrl_c() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+# A shard's lock held as a Ray worker outliving its driver holds it: by a process of its own (a process's own
+# locks never keep it out).
+HOLDS_A_SHARD = """
+import sys
+from pathlib import Path
+from tokpipe.layout.files import ShardFiles, shard_lock
+with shard_lock(ShardFiles(Path(sys.argv[1]), sys.argv[2])):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
+
+@contextlib.contextmanager
+def held_elsewhere(folder: Path, key: str):
+    """The lock of the shard of `key` in `folder` (OUT/shards/<split>) held by another process while in the block."""
+    command = [sys.executable, "-c", HOLDS_A_SHARD, str(folder), key]
+    holder = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        yield
+    finally:
+        holder.stdin.close()
+        holder.wait()
+
+
 def kill_9(proc: subprocess.Popen) -> None:
     """SIGKILL a `start`ed run's whole process group (the driver, and an embedded Ray's processes), as
     `kill -9 -PGID` does; a driver on the shared cluster leaves its workers to Ray, which ends them."""
@@ -688,12 +713,6 @@ def output(run: subprocess.Popen) -> str:
 def checkpoints(out: Path) -> list[dict]:
     """Every shard checkpoint in OUT, as JSON."""
     return [json.loads(p.read_text()) for p in (out / "shards").rglob("*.json")] if (out / "shards").exists() else []
-
-
-def shards_begun(out: Path) -> int:
-    """Shards some attempt has begun (each takes its lock first); those with no done checkpoint are under way
-    (a shard that buffers its parts writes its checkpoint only once they are placed)."""
-    return len(list((out / "shards").rglob("*.lock"))) if (out / "shards").exists() else 0
 
 
 # Set in the environment of the session's Ray (conftest.ray_cluster), which its workers inherit: the workers

@@ -17,6 +17,7 @@ from helpers import (
     TRAIN_0,
     TRAIN_1,
     cli,
+    held_elsewhere,
     held_out,
     reference_tokens,
 )
@@ -115,8 +116,7 @@ def test_live_run_shows_rate_and_eta(killed):
 
 
 def test_workers_left_over_from_a_killed_run_are_seen(killed):
-    with open(killed / "shards" / "train" / "train__chunk1__example_train_1.lock", "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # what a Ray worker outliving its driver holds
+    with held_elsewhere(killed / "shards" / "train", "train__chunk1__example_train_1"):
         st = status(killed)
         assert [s.writing for s in st.shards] == [False, True, False]
         assert "1 shards are still being written by workers of the stopped run" in report(st)

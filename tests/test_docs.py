@@ -311,7 +311,7 @@ def _named_by_the_code() -> set[str]:
         *(out.run_json, out.manifest, out.lock_file, out.meta_pkl, out.meta_json, out.report),
         *(out.log(v) for k, v in vars(out_files).items() if k.isupper() and isinstance(v, str)),
         *(out.node_check(), out.node_check("Who"), out_files.stall_dump(out, shard)),
-        *(own.bin, own.idx, own.checkpoint, own.lock, *own.part((True, None)), *own.part((False, "Group"))),
+        *(own.bin, own.idx, own.checkpoint, own.lock[0], *own.part((True, None)), *own.part((False, "Group"))),
         *own.part((True, "Group")),
         *splits,
         *(path.with_suffix("") for path in splits),  # a split's files once done: the .tmp renamed away

@@ -27,9 +27,9 @@ TRAIN_0, TRAIN_1, HOLDOUT = MANIFEST.shards()
 def test_a_shard_s_files_are_named_by_its_split_and_key(tmp_path):
     files = ShardFiles.of(tmp_path, TRAIN_1)
     base = tmp_path / "shards" / "train" / "train__chunk1__example_train_1"
-    assert (files.bin, files.idx, files.checkpoint, files.lock) == tuple(
-        Path(f"{base}{ext}") for ext in (".bin", ".idx", ".json", ".lock")
-    )
+    assert (files.bin, files.idx, files.checkpoint) == tuple(Path(f"{base}{ext}") for ext in (".bin", ".idx", ".json"))
+    # Its lock: a byte of its split's one lock file, at the first 7 bytes of the blake2b of its key.
+    assert files.lock == (tmp_path / "shards" / "train" / "shards.lock", 0xBB05B45A4AB0CD)
     held = tmp_path / "shards" / "train" / "held-out" / "train__chunk1__example_train_1"
     assert files.part((True, None)) == (Path(f"{held}.bin"), Path(f"{held}.idx"))
 

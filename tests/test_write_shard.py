@@ -3,6 +3,7 @@
 import hashlib
 import json
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ from helpers import (
     QWEN3_EOS,
     Crash,
     crash_in_batch,
+    held_elsewhere,
     held_out,
     is_held_out,
     reference_by_group,
@@ -103,6 +105,21 @@ def test_finished_shard_is_not_redone(tmp_path):
     calls = []
     result = tokenize_shard(HOLDOUT, tmp_path, spec, on_batch=lambda *a: calls.append(a))
     assert calls == [] and result.checkpoint.done and result.redone_tokens == 0
+
+
+def test_a_worker_left_over_from_a_killed_run_is_waited_out(tmp_path):
+    """The shard's lock held by another process (a Ray worker outliving its driver): a new worker waits for it to
+    let go, then takes the shard up as it stands."""
+    files, spec, taken = ShardFiles.of(tmp_path, HOLDOUT), spec_for(QWEN3), []
+    tokenize_shard(HOLDOUT, tmp_path / "once", spec)  # the encoder loaded: what the worker does next is the shard
+    files.folder.mkdir(parents=True)
+    worker = threading.Thread(target=lambda: taken.append(tokenize_shard(HOLDOUT, tmp_path, spec)))
+    with held_elsewhere(files.folder, files.key):
+        worker.start()
+        worker.join(1.0)
+        assert worker.is_alive() and taken == []
+    worker.join(60)
+    assert taken[0].checkpoint.done and taken[0].checkpoint.tokens > 0
 
 
 def test_a_write_error_stops_the_shard_and_a_rerun_completes_identically(tmp_path, monkeypatch):
@@ -367,7 +384,7 @@ def test_a_shard_begun_afresh_keeps_its_parts_in_memory_and_writes_nothing(tmp_p
         )
         assert np.array_equal(tokens, expected) and ends[-1] == len(expected) and tokens.dtype == np.uint32
     assert result.checkpoint.done and result.checkpoint.tokens == len(_joined(result.buffered[False, None])[0])
-    assert [p.name for p in files.bin.parent.rglob("*") if p.is_file()] == [files.lock.name]
+    assert [p.name for p in files.bin.parent.rglob("*") if p.is_file()] == ["shards.lock"]
 
 
 def test_a_shard_past_its_buffer_goes_on_in_its_own_files_and_survives_a_crash(tmp_path):

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from tokpipe.errors import UserError
 from tokpipe.fmt import disk_line, duration, free_bytes
 from tokpipe.inputs.manifest import load_manifest
-from tokpipe.layout.files import FAILED, PROGRESS, REFUSED, RUN_LOG, Layout, lock_holder
+from tokpipe.layout.files import FAILED, PROGRESS, REFUSED, RUN_LOG, Layout, lock_holder, shard_locked
 from tokpipe.layout.meta import load_meta
 from tokpipe.layout.records import Checkpoint
 from tokpipe.layout.run import RunRecord, load_run
@@ -123,7 +123,7 @@ def status(out: str | os.PathLike) -> RunStatus:
             state = "partial" if found else "pending"
         read = shard.size if ckpt.done else ckpt.source_pos
         # Ray workers can outlive a killed driver for a while; their shard locks say which are still written.
-        writing = not ckpt.done and lock_holder(files.lock) is not None
+        writing = not ckpt.done and shard_locked(files)
         error = failures.get(shard.relpath) if state == "failed" else None
         # A shard's committed work includes the documents it holds out for val.bin (--val-fraction).
         held_tokens, held_documents = ckpt.counts(True)

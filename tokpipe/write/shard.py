@@ -8,7 +8,6 @@ cut off and redone. A shard resumed any number of times ends byte-identical to o
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import time
@@ -25,7 +24,7 @@ from tokpipe.errors import SourceError, too_many_groups
 from tokpipe.inputs.manifest import Shard
 from tokpipe.inputs.source import BATCH_BYTES, read_batches
 from tokpipe.inputs.source.batch import SKIP_LOG_CAP, TextBatch, not_json_lines
-from tokpipe.layout.files import PartKey, ShardFiles
+from tokpipe.layout.files import PartKey, ShardFiles, shard_lock
 from tokpipe.layout.records import IDX_DTYPE, MAX_GROUPS, Checkpoint, PartCounts
 from tokpipe.layout.stored import on_store
 from tokpipe.layout.tokens import held_out, to_dtype
@@ -218,9 +217,7 @@ def tokenize_shard(
         return _attempt(ShardWriter(shard, None, Checkpoint(), spec), on_batch, stop, started)
     files = ShardFiles.of(out, shard)
     files.folder.mkdir(parents=True, exist_ok=True)
-    with open(files.lock, "a+") as lock:
-        # A worker left over from a killed run may still be writing this shard: wait it out.
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with shard_lock(files):
         ckpt = Checkpoint() if again else Checkpoint.load(files.checkpoint) or Checkpoint()
         if ckpt.done:
             return ShardResult(shard.split, shard.key, ckpt, ckpt.tokens, 0, time.monotonic() - started)
