@@ -666,7 +666,8 @@ def _hears_ctrl_c() -> None:
 HOLDS_A_SHARD = """
 import sys
 from pathlib import Path
-from tokpipe.layout.files import ShardFiles, shard_lock
+from tokpipe.layout.files import ShardFiles
+from tokpipe.layout.locks import shard_lock
 with shard_lock(ShardFiles(Path(sys.argv[1]), sys.argv[2])):
     print("held", flush=True)
     sys.stdin.read()

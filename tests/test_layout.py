@@ -16,7 +16,8 @@ from helpers import EXAMPLE_CACHE, run_args, tokpipe
 
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import build_manifest
-from tokpipe.layout.files import PROGRESS, Layout, LayoutWriter, ShardFiles, load_meta_pkl, lock_holder, split_file_stem
+from tokpipe.layout.files import PROGRESS, Layout, LayoutWriter, ShardFiles, load_meta_pkl, split_file_stem
+from tokpipe.layout.locks import lock_holder
 from tokpipe.layout.records import Checkpoint, PartCounts, listed_parts, parts_line, parts_of, read_parts, split_entry
 from tokpipe.layout.run import WriteSpec, output_splits, sources
 

@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass, field
 from tokpipe.errors import UserError
 from tokpipe.fmt import disk_line, duration, free_bytes
 from tokpipe.inputs.manifest import load_manifest
-from tokpipe.layout.files import FAILED, PROGRESS, REFUSED, RUN_LOG, Layout, lock_holder, shard_locked
+from tokpipe.layout.files import FAILED, PROGRESS, REFUSED, RUN_LOG, Layout
+from tokpipe.layout.locks import lock_holder, shard_locked
 from tokpipe.layout.meta import load_meta
 from tokpipe.layout.records import Checkpoint
 from tokpipe.layout.run import RunRecord, load_run
