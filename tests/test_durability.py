@@ -60,11 +60,25 @@ def test_write_all_atomic_fsyncs_each_file_then_each_folder_once_after_the_last_
     monkeypatch.setattr(durability.os, "replace", lambda a, b: done.append("replace") or real_replace(a, b))
     write_all_atomic(files)
     assert {path: path.read_bytes() for path in files} == files
-    # Each file's data (a file of its own in its folder, unnamed while written), then its rename; the folders once
-    # each, after every rename.
-    assert len(done) == 14 and done[1:-2:2] == ["replace"] * 6, done
-    assert all(data.startswith(f"{tmp_path}/{folder}/") for data, folder in zip(done[:-2:2], "aaabbb")), done
+    # Each file's data (a file of its own in its folder, unnamed while written) fsynced, all at once, before any
+    # rename; then the renames; the folders once each, after every rename.
+    assert len(done) == 14 and done[6:12] == ["replace"] * 6, done
+    assert sorted(data.rsplit("/", 1)[0] for data in done[:6]) == [f"{tmp_path}/{folder}" for folder in "aaabbb"]
     assert done[-2:] == [str(tmp_path / "a"), str(tmp_path / "b")]
+
+
+def test_write_all_atomic_holds_at_most_fsyncs_at_once_files_open(tmp_path, monkeypatch):
+    monkeypatch.setattr(durability, "FSYNCS_AT_ONCE", 4)
+    files = {tmp_path / f"{n}.json": b"%d" % n for n in range(10)}
+    opened, real_open = [], os.open
+    monkeypatch.setattr(
+        durability.os, "open", lambda *a, **k: opened.append(len(os.listdir("/proc/self/fd"))) or real_open(*a, **k)
+    )
+    before = len(os.listdir("/proc/self/fd"))
+    write_all_atomic(files)
+    assert {path: path.read_bytes() for path in files} == files
+    assert len(os.listdir("/proc/self/fd")) == before  # every descriptor closed
+    assert max(opened) - before <= 4 + 1  # a batch's files and their folder's
 
 
 def test_a_crash_before_the_rename_leaves_the_old_file(tmp_path, monkeypatch):

@@ -240,7 +240,7 @@ def test_kill_9_mid_file_at_one_worker_then_two_workers_gives_identical_bytes(
     # Batches of 64 KiB and a checkpoint after each (the interval a microsecond): killed as the first shard's
     # second checkpoint is to be written, its first written, the second batch's tokens beyond it.
     extra = ("--workers", "1", "--checkpoint-interval", "0.000001", "--shard-buffer", "0")
-    step = ("tokpipe.write.shard.write_json_atomic", 2)
+    step = ("tokpipe.write.shard.write_atomic", 2)
     killed_run(*step, manifest, out, *extra, batch_bytes=64 << 10, tokenizer=small_tokenizer)
     assert any(
         0 < json.loads(p.read_text())["lines"] and not json.loads(p.read_text())["done"]

@@ -121,7 +121,7 @@ def test_val_fraction_gives_the_same_val_bin_at_any_workers_with_a_kill_9_betwee
     # Killed as the second shard's checkpoint is to be written: the first train shard's is (its documents
     # placed in train and val), the second's tokens are in place.
     killed_run(
-        "tokpipe.write.place.write_all_json_atomic",
+        "tokpipe.write.place.write_all_atomic",
         2,
         manifest,
         out,
@@ -299,7 +299,7 @@ def test_group_by_kill_9_mid_shard_then_rerun_gives_each_groups_reference_files(
     # third checkpoint is to be written, its second written, the third batch's tokens beyond it.
     mid_shard = ("--checkpoint-interval", "0.000001", "--shard-buffer", "0")
     killed_run(
-        "tokpipe.write.shard.write_json_atomic",
+        "tokpipe.write.shard.write_atomic",
         3,
         manifest,
         out,

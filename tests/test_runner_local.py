@@ -11,6 +11,7 @@ from tokpipe.inputs.tokenizer import load_tokenizer_info
 from tokpipe.layout.records import Checkpoint
 from tokpipe.layout.series import Series
 from tokpipe.options import RunOptions
+from tokpipe.runner import local
 from tokpipe.runner.driver import Standing
 from tokpipe.runner.identity import encode_spec
 from tokpipe.runner.local import Tally, tokenize_while
@@ -50,6 +51,27 @@ def test_helpers_tokenize_beside_the_driver_and_the_driver_places_their_shards(t
     finalize(out, MANIFEST, info, OPTIONS.output, assembler=assembler)
     assert_out_is(out, small_reference)
     assert not [p for p in (out / "shards").rglob("*") if p.suffix in (".bin", ".idx")]  # written once, in place
+
+
+@pytest.mark.parametrize("every, placings", [(0, 3 + 1), (3600, 1 + 1)])
+def test_the_driver_places_its_done_shards_at_most_every_place_every_and_all_at_its_end(
+    tmp_path, info, small_reference, monkeypatch, every, placings
+):
+    """The driver's 3 shards placed as each is done (and looked for once more at its end), or, PLACE_EVERY longer
+    than the run, the first at once and the other two at its end: each placing fsyncs the split's files."""
+    monkeypatch.setattr(local, "PLACE_EVERY", every)
+    calls, place_ready = [], Assembler.place_ready
+
+    def counted(assembler, *args):
+        calls.append(1)
+        return place_ready(assembler, *args)
+
+    monkeypatch.setattr(Assembler, "place_ready", counted)
+    out = tmp_path / "out"
+    done, _, assembler = _tokenize_here(out, info, lambda: True, helpers=0)
+    assert done == 3 and len(calls) == placings and assembler.complete
+    finalize(out, MANIFEST, info, OPTIONS.output, assembler=assembler)
+    assert_out_is(out, small_reference)
 
 
 def test_helpers_told_to_stop_leave_checkpoints_a_rerun_goes_on_from(tmp_path, info, small_tokenizer, small_reference):

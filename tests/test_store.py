@@ -239,7 +239,7 @@ def test_kill_9_mid_shard_then_the_rerun_reads_the_rest_by_a_ranged_get(
     where its checkpoint says: plain JSONL at its byte offset, zstd of several frames at the frame that holds it."""
     manifest, out = _manifest_of(s3_server, s3_prefix, tmp_path, train_0), tmp_path / "out"
     extra = ("--workers", "1", "--checkpoint-interval", "0.000001", "--shard-buffer", "0")
-    step = ("tokpipe.write.shard.write_json_atomic", 2)
+    step = ("tokpipe.write.shard.write_atomic", 2)
     killed_run(*step, manifest, out, *extra, batch_bytes=64 << 10, tokenizer=small_tokenizer)
     [ckpt] = [c for c in checkpoints(out) if not c["done"]]
     start = ckpt["offset"] if train_0 == "plain" else ckpt["frame_source_pos"]

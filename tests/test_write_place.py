@@ -16,7 +16,7 @@ from tokpipe.inputs.manifest import build_manifest, write_manifest
 # checkpoint (its bytes in place are written again).
 KILL_POINTS = {
     "while writing a part's tokens": ("tokpipe.write.place.write_at", 2, 1),
-    "after its bytes are fsynced, before its checkpoint": ("tokpipe.write.place.write_all_json_atomic", 1, 0),
+    "after its bytes are fsynced, before its checkpoint": ("tokpipe.write.place.write_all_atomic", 1, 0),
     "after its checkpoint, before its line in .parts": ("tokpipe.write.assembly.Assembler.placed", 1, 1),
 }
 

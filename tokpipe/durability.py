@@ -14,6 +14,7 @@ import mmap
 import os
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HASH_CHUNK = 8 << 20  # bytes read per call when hashing a file range
@@ -51,13 +52,29 @@ def write_all_atomic(files: dict[Path, bytes]) -> None:
     """Each file replaced as write_atomic does, and each folder that holds them fsynced once, after the last rename:
     a Placer's call of N small shards writes their N checkpoints with N + 1 fsyncs, not 2N. A crash before that
     fsync can lose renames, never a file's bytes: each checkpoint stands alone, and one lost is a shard placed
-    again, the same bytes, as after a kill between two of them."""
+    again, the same bytes, as after a kill between two of them. The files' fsyncs are made at once, on threads
+    (FSYNCS_AT_ONCE): a file system's journal commit then covers several. One after another, they held a Placer
+    behind the workers on 20,000 two-document shards, and on a loaded machine each was ~0.3-0.7 ms (64 files:
+    265-709 us a file, against 180-352 at once)."""
     folders: dict[Path, int] = {}
+    items = list(files.items())
     try:
-        for path, data in files.items():
-            if path.parent not in folders:
-                folders[path.parent] = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-            _replace(path, data, folders[path.parent])
+        for start in range(0, len(items), FSYNCS_AT_ONCE):
+            unnamed: list[tuple[Path, int, bool]] = []
+            try:
+                for path, data in items[start : start + FSYNCS_AT_ONCE]:
+                    if path.parent not in folders:
+                        folders[path.parent] = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+                    unnamed.append((path, *_written(path, data, folders[path.parent])))
+                if len(unnamed) > 1:
+                    list(_fsyncs().map(os.fsync, [fd for _, fd, _ in unnamed]))
+                else:
+                    os.fsync(unnamed[0][1])
+                for path, fd, named in unnamed:
+                    _swap_in(path, fd, named, folders[path.parent])
+            finally:
+                for _, fd, _ in unnamed:
+                    os.close(fd)
         for folder in folders.values():
             os.fsync(folder)
     finally:
@@ -65,31 +82,49 @@ def write_all_atomic(files: dict[Path, bytes]) -> None:
             os.close(folder)
 
 
-def _replace(path: Path, data: bytes, folder: int) -> None:
-    """`path` (in the open `folder`) replaced by `data`, whole and fsynced before its name is swapped in."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+FSYNCS_AT_ONCE = 16
+_pools: dict[int, ThreadPoolExecutor] = {}  # pid -> its threads (a fork has none of its parent's)
+
+
+def _fsyncs() -> ThreadPoolExecutor:
+    if os.getpid() not in _pools:
+        _pools[os.getpid()] = ThreadPoolExecutor(FSYNCS_AT_ONCE, thread_name_prefix="tokpipe-fsync")
+    return _pools[os.getpid()]
+
+
+def _tmp(path: Path) -> Path:
+    """A name of this writer's own (process and thread) beside `path`."""
+    return path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+
+
+def _written(path: Path, data: bytes, folder: int) -> tuple[int, bool]:
+    """`data` in a new file of the open `folder`, not fsynced: its descriptor, and whether it is named (_tmp) yet."""
     try:
         fd, named = os.open(".", os.O_TMPFILE | os.O_WRONLY, 0o666, dir_fd=folder), False
     except OSError:  # EOPNOTSUPP (FUSE, NFS, tmpfs of old kernels), EISDIR (kernels before 3.11)
-        fd, named = os.open(tmp.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666, dir_fd=folder), True
-    with open(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-        if not named:
-            tmp.unlink(missing_ok=True)  # a name a killed writer of this pid and thread left
-            # linkat(AT_SYMLINK_FOLLOW), which os.link uses only given a folder's descriptor
-            os.link(f"/proc/self/fd/{f.fileno()}", tmp.name, dst_dir_fd=folder)
+        fd, named = os.open(_tmp(path).name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666, dir_fd=folder), True
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, named
+
+
+def _swap_in(path: Path, fd: int, named: bool, folder: int) -> None:
+    """The file written (and fsynced) on `fd` renamed over `path`: linked under its _tmp name first if unnamed."""
+    tmp = _tmp(path)
+    if not named:
+        tmp.unlink(missing_ok=True)  # a name a killed writer of this pid and thread left
+        # linkat(AT_SYMLINK_FOLLOW), which os.link uses only given a folder's descriptor
+        os.link(f"/proc/self/fd/{fd}", tmp.name, dst_dir_fd=folder)
     os.replace(tmp, path)
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
-    write_all_json_atomic({path: data})
-
-
-def write_all_json_atomic(files: dict[Path, dict]) -> None:
-    """JSON objects written as write_all_atomic writes files (a Placer's call's checkpoints)."""
-    write_all_atomic({path: json.dumps(data).encode() for path, data in files.items()})
+    write_atomic(path, json.dumps(data).encode())
 
 
 def open_direct(path: str | os.PathLike) -> int | None:

@@ -93,6 +93,11 @@ class Checkpoint:
     def of(cls, out: str | os.PathLike, shard: Shard) -> Checkpoint | None:
         return cls.load(ShardFiles.of(out, shard).checkpoint)
 
+    def encoded(self) -> bytes:
+        """The checkpoint's file, as `load` reads it. orjson takes 1 us where asdict and json took 50, once a shard:
+        on 20,000 two-document shards, a CPU-s of the Placer's."""
+        return orjson.dumps(self)
+
     @classmethod
     def parse(cls, raw: dict) -> Checkpoint:
         """A checkpoint from its JSON: ValueError or TypeError where it is none."""

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
-from tokpipe.durability import HASH_CHUNK, copy_range, hash_range, open_direct, write_all_json_atomic, write_at
+from tokpipe.durability import HASH_CHUNK, copy_range, hash_range, open_direct, write_all_atomic, write_at
 from tokpipe.layout.files import Layout
 from tokpipe.layout.records import IDX_DTYPE, Part
 
@@ -69,7 +68,7 @@ def place(out: str | os.PathLike, parts: list[Part], itemsize: int) -> list[dict
             if direct is not None:
                 os.close(direct)
     checkpoints = dict(part.checkpoint for part in parts if part.checkpoint)
-    write_all_json_atomic({Path(path): asdict(ckpt) for path, ckpt in checkpoints.items()})
+    write_all_atomic({Path(path): ckpt.encoded() for path, ckpt in checkpoints.items()})
     return records
 
 

@@ -14,12 +14,12 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from tokpipe.durability import HASH_CHUNK, hash_range, write_json_atomic
+from tokpipe.durability import HASH_CHUNK, hash_range, write_atomic
 from tokpipe.errors import SourceError, too_many_groups
 from tokpipe.inputs.manifest import Shard
 from tokpipe.inputs.source import BATCH_BYTES, read_batches
@@ -244,7 +244,7 @@ def keep(out: str | os.PathLike, shard: Shard, ckpt: Checkpoint, buffered: dict[
             f.flush()
             os.fsync(f.fileno())
             f.close()
-    write_json_atomic(files.checkpoint, asdict(ckpt))
+    write_atomic(files.checkpoint, ckpt.encoded())
 
 
 class ShardWriter:
@@ -386,7 +386,7 @@ class ShardWriter:
         ckpt.seconds = round(self.seconds_before + time.monotonic() - self.began, 3)
         self._count_parts(done)
         if not self.buffering:
-            write_json_atomic(self.files.checkpoint, asdict(ckpt))
+            write_atomic(self.files.checkpoint, ckpt.encoded())
 
     def close(self) -> None:
         for part in self.parts.values():

@@ -15,7 +15,7 @@ import json
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -257,7 +257,7 @@ class StoreAssembly:
         shard, ckpt, left, _ = self.waiting[relpath]
         if not left:
             self.lease_check()
-            self.out.bucket.put(self.out.checkpoint(shard), json.dumps(asdict(ckpt)).encode())
+            self.out.bucket.put(self.out.checkpoint(shard), ckpt.encoded())
             self.done_keys.add(self.out.checkpoint(shard))
             del self.waiting[relpath]
 
@@ -323,7 +323,7 @@ def keep(out: StoredOut, shard: Shard, ckpt: Checkpoint, buffered: dict) -> None
         put_buffers(out.bucket, out.of_local(bin_path), tokens, create=False)
         if isinstance(value, Spilled):
             value.remove()
-    out.bucket.put(out.checkpoint(shard), json.dumps(asdict(ckpt)).encode())
+    out.bucket.put(out.checkpoint(shard), ckpt.encoded())
 
 
 def compose_split(assembly: StoreAssembly, stem: str) -> None:
