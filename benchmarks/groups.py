@@ -94,9 +94,7 @@ def part_cost(folder: Path, parts: int, part_bytes: int) -> float:
 
 def assembly_cost(folder: Path, shards: int, groups: int) -> float:
     """Seconds of the driver per shard: Assembler.ready and .placed (--no-concat: no copy) as each shard is done."""
-    from dataclasses import asdict
-
-    from tokpipe.durability import write_json_atomic
+    from tokpipe.durability import write_atomic
     from tokpipe.inputs.manifest import Manifest, Shard
     from tokpipe.layout.files import ShardFiles
     from tokpipe.layout.records import Checkpoint, PartCounts
@@ -112,7 +110,7 @@ def assembly_cost(folder: Path, shards: int, groups: int) -> float:
     for shard in source:
         path = ShardFiles.of(folder, shard).checkpoint
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, asdict(ckpt))
+        write_atomic(path, ckpt.encoded())
     assembler = Assembler(folder, 4, opts.output)
     assembler.resume(manifest)
     started = time.perf_counter()
