@@ -96,8 +96,8 @@ def assembly_cost(folder: Path, shards: int, groups: int) -> float:
     """Seconds of the driver per shard: Assembler.ready and .placed (--no-concat: no copy) as each shard is done."""
     from tokpipe.durability import write_atomic
     from tokpipe.inputs.manifest import Manifest, Shard
+    from tokpipe.layout.checkpoints import Checkpoint, PartCounts
     from tokpipe.layout.files import ShardFiles
-    from tokpipe.layout.records import Checkpoint, PartCounts
     from tokpipe.options import RunOptions
     from tokpipe.write.assembly import Assembler
 

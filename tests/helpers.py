@@ -713,7 +713,17 @@ def output(run: subprocess.Popen) -> str:
 
 def checkpoints(out: Path) -> list[dict]:
     """Every shard checkpoint in OUT, as JSON."""
-    return [json.loads(p.read_text()) for p in (out / "shards").rglob("*.json")] if (out / "shards").exists() else []
+    return list(checkpoints_by_key(out).values())
+
+
+def checkpoints_by_key(out: Path) -> dict[str, dict]:
+    """Every shard checkpoint in OUT by the shard's key, as JSON: its own file's, else its entry in a file of those
+    placed together (placed/)."""
+    found, files = {}, sorted((out / "shards").rglob("*.json")) if (out / "shards").exists() else []
+    for path in files:
+        if path.parent.name == "placed":
+            found |= json.loads(path.read_text())
+    return found | {path.stem: json.loads(path.read_text()) for path in files if path.parent.name != "placed"}
 
 
 # Set in the environment of the session's Ray (conftest.ray_cluster), which its workers inherit: the workers

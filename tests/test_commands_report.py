@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import EXAMPLE_CACHE, QWEN3, REPO, cli, tokpipe, unguarded
+from helpers import EXAMPLE_CACHE, QWEN3, REPO, checkpoints_by_key, cli, tokpipe, unguarded
 
 from tokpipe.layout import series as series_mod
 from tokpipe.layout.series import Series, read_series
@@ -96,7 +96,7 @@ def test_finished_run_page_matches_meta_parts_idx_and_bins(finished_example, tmp
             r["skipped"],
             "done",
         )
-        ckpt = json.loads(next((out / "shards").rglob(f"*{Path(row['relpath']).name.split('.')[0]}*.json")).read_text())
+        [ckpt] = [c for key, c in checkpoints_by_key(out).items() if Path(row["relpath"]).name.split(".")[0] in key]
         assert row["text_bytes"] == ckpt["text_bytes"] == ckpt["offset"] > 0  # JSONL: every decompressed byte read
         assert row["seconds"] == ckpt["seconds"] > 0
     assert sum(data["shards"]["skipped"].values()) == sum(sum(m["skipped"].values()) for m in meta["splits"].values())
@@ -175,7 +175,7 @@ def test_killed_run_page_matches_checkpoints_and_status(tmp_path):
         (sum(s.size for s in st.shards) - sum(s.read for s in st.shards)) / 200_000
     )
 
-    ckpts = {p.stem: json.loads(p.read_text()) for p in (out / "shards").rglob("*.json")}
+    ckpts = checkpoints_by_key(out)
     assert sorted(c["done"] for c in ckpts.values()) == [False, True]
     run = json.loads((out / "run.json").read_text())
     for key in ("dtype", "vocab_size", "eos_token_id", "tokenizer", "tokenizer_sha256", "delimiters", "val_fraction"):

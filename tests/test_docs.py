@@ -298,7 +298,10 @@ def _tree() -> list[str]:
 
 
 # The sample values that stand for the tree's <placeholders> in the paths the code names.
-SAMPLES = {"Split": "<split>", "Key": "<key>", "Stem": "<stem>", "Group": "<group>", "/7/": "/<n>/", "Who": "<who>"}
+SAMPLES = {
+    **{"Split": "<split>", "Key": "<key>", "Digest": "<digest>", "Stem": "<stem>", "Group": "<group>"},
+    **{"/7/": "/<n>/", "Who": "<who>"},
+}
 
 
 def _named_by_the_code() -> set[str]:
@@ -312,6 +315,7 @@ def _named_by_the_code() -> set[str]:
         *(out.log(v) for k, v in vars(out_files).items() if k.isupper() and isinstance(v, str)),
         *(out.node_check(), out.node_check("Who"), out_files.stall_dump(out, shard)),
         *(own.bin, own.idx, own.checkpoint, own.lock[0], *own.part((True, None)), *own.part((False, "Group"))),
+        out.placed("Split", "Digest"),
         *own.part((True, "Group")),
         *splits,
         *(path.with_suffix("") for path in splits),  # a split's files once done: the .tmp renamed away
@@ -339,7 +343,7 @@ def test_the_out_tree_is_every_file_the_code_names():
     tree = _tree()
     assert sorted(_named_by_the_code() - set(tree)) == []  # named by the code, on no line
     assert sorted(set(tree) - _named_by_the_code()) == []  # on a line, named by no code
-    assert len(tree) == len(set(tree)) == 47
+    assert len(tree) == len(set(tree)) == 48
 
 
 def _undescribed(out: Path) -> list[str]:

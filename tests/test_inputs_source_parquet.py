@@ -38,8 +38,8 @@ from tokpipe.errors import SourceError
 from tokpipe.inputs.manifest import build_manifest
 from tokpipe.inputs.source import read_batches
 from tokpipe.inputs.tokenizer import load_tokenizer_info
+from tokpipe.layout.checkpoints import Checkpoint
 from tokpipe.layout.files import ShardFiles
-from tokpipe.layout.records import Checkpoint
 from tokpipe.options import RunOptions
 from tokpipe.runner.identity import encode_spec
 from tokpipe.store import Bucket

@@ -16,9 +16,10 @@ from helpers import EXAMPLE_CACHE, run_args, tokpipe
 
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import build_manifest
+from tokpipe.layout.checkpoints import Checkpoint, Checkpoints, PartCounts, write_placed
 from tokpipe.layout.files import PROGRESS, Layout, LayoutWriter, ShardFiles, load_meta_pkl, split_file_stem
 from tokpipe.layout.locks import lock_holder
-from tokpipe.layout.records import Checkpoint, PartCounts, listed_parts, parts_line, parts_of, read_parts, split_entry
+from tokpipe.layout.records import listed_parts, parts_line, parts_of, read_parts, split_entry
 from tokpipe.layout.run import WriteSpec, output_splits, sources
 
 MANIFEST = build_manifest(EXAMPLE_CACHE)
@@ -42,6 +43,34 @@ def test_a_checkpoint_round_trips_and_a_missing_one_is_none(tmp_path):
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(asdict(ckpt)))
     assert Checkpoint.of(tmp_path, HOLDOUT) == ckpt
+
+
+def test_checkpoints_read_a_shard_s_own_file_first_then_its_entry_in_a_placing_s_file(tmp_path):
+    """Checkpoints, as a run's start, status and report ask for them: a shard's own file where it has one, else its
+    entry in a file of the shards placed together (named by the blake2b of its bytes); each split's folders listed
+    once, so a checkpoint written after the listing is not seen; `forget` removes a shard's every checkpoint."""
+    own, placed = Checkpoint(lines=5, offset=9), Checkpoint(lines=7, tokens=70, documents=7, done=True)
+    write_placed(Layout(tmp_path), {"train": {TRAIN_0.key: placed, TRAIN_1.key: placed}})
+    data = json.dumps({TRAIN_0.key: asdict(placed), TRAIN_1.key: asdict(placed)}, separators=(",", ":")).encode()
+    [file] = (tmp_path / "shards" / "train" / "placed").iterdir()
+    assert file.name == f"{hashlib.blake2b(data, digest_size=8).hexdigest()}.json" and file.read_bytes() == data
+    ShardFiles.of(tmp_path, TRAIN_1).checkpoint.write_bytes(own.encoded())
+
+    checkpoints = Checkpoints(tmp_path)
+    assert [checkpoints.of(s) for s in (TRAIN_0, TRAIN_1, HOLDOUT)] == [placed, own, None]
+    assert [checkpoints.done(s) for s in (TRAIN_0, TRAIN_1, HOLDOUT)] == [True, False, False]
+    ShardFiles.of(tmp_path, HOLDOUT).checkpoint.parent.mkdir(parents=True)
+    ShardFiles.of(tmp_path, HOLDOUT).checkpoint.write_bytes(own.encoded())
+    assert checkpoints.of(HOLDOUT) is None  # after the listing: the shard's task reads it
+    assert Checkpoints(tmp_path).of(HOLDOUT) == own
+
+    checkpoints.forget(TRAIN_0)  # its entry goes; TRAIN_1's moves to a file of its own before the old one goes
+    assert checkpoints.of(TRAIN_0) is None and Checkpoints(tmp_path).of(TRAIN_0) is None
+    [file] = (tmp_path / "shards" / "train" / "placed").iterdir()
+    assert json.loads(file.read_bytes()) == {TRAIN_1.key: asdict(placed)}
+    checkpoints.forget(TRAIN_1)
+    assert Checkpoints(tmp_path).of(TRAIN_1) is None
+    assert list((tmp_path / "shards" / "train" / "placed").iterdir()) == []
 
 
 def test_a_checkpoint_of_format_1_is_read_as_this_format_and_a_later_one_refused(tmp_path):

@@ -121,7 +121,7 @@ def test_val_fraction_gives_the_same_val_bin_at_any_workers_with_a_kill_9_betwee
     # Killed as the second shard's checkpoint is to be written: the first train shard's is (its documents
     # placed in train and val), the second's tokens are in place.
     killed_run(
-        "tokpipe.write.place.write_all_atomic",
+        "tokpipe.write.place.write_placed",
         2,
         manifest,
         out,

@@ -8,7 +8,7 @@ from helpers import EXAMPLE_CACHE, assert_out_is, run_args, tokpipe
 
 from tokpipe.inputs.manifest import build_manifest, write_manifest
 from tokpipe.inputs.tokenizer import load_tokenizer_info
-from tokpipe.layout.records import Checkpoint
+from tokpipe.layout.checkpoints import Checkpoint, Checkpoints
 from tokpipe.layout.series import Series
 from tokpipe.options import RunOptions
 from tokpipe.runner import local
@@ -16,7 +16,6 @@ from tokpipe.runner.driver import Standing
 from tokpipe.runner.identity import encode_spec
 from tokpipe.runner.local import Tally, tokenize_while
 from tokpipe.runner.progress import Progress, RunLog
-from tokpipe.runner.storage import DoneShards
 from tokpipe.write.assembly import Assembler
 from tokpipe.write.finalize import finalize
 
@@ -38,7 +37,8 @@ def _tokenize_here(out, info, busy, helpers: int) -> tuple[int, Tally, Assembler
     progress = Progress(out, MANIFEST.size, plan, itemsize, Series(out))
     tally = Tally(0)
     spec = encode_spec(OPTIONS, info, "fastokens")
-    done = tokenize_while(MANIFEST, out, spec, busy, progress, tally, RunLog(out), assembler, DoneShards(out), helpers)
+    done_before = Checkpoints(out).done
+    done = tokenize_while(MANIFEST, out, spec, busy, progress, tally, RunLog(out), assembler, done_before, helpers)
     progress.close()
     return done, tally, assembler
 

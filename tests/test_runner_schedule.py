@@ -22,6 +22,7 @@ from helpers import (
     RayNodes,
     assert_out_is,
     can_make_mount_namespaces,
+    checkpoints,
     cli,
     keep_killing,
     launch,
@@ -38,7 +39,8 @@ from helpers import (
     write_jsonl,
 )
 
-from tokpipe.inputs.manifest import Shard, build_manifest, write_manifest
+from tokpipe.inputs.manifest import Shard, build_manifest, load_manifest, write_manifest
+from tokpipe.layout.checkpoints import Checkpoints
 from tokpipe.runner.schedule import PACK_SHARDS, packs
 
 HF = ("--backend", "hf")  # the slow reference encoder: runs last long enough to be hit mid-way
@@ -58,9 +60,7 @@ def test_killed_workers_are_retried_and_a_shard_that_keeps_dying_is_reported(
     assert failing.returncode == 1 and len(killed) == 2  # the first attempt and its one retry
     assert "FAILED train/chunk1/example_train_0.jsonl.zst" in failing.stderr and "Traceback" not in failing.stderr
     assert not (out / "meta.json").exists()
-    assert json.loads((out / "shards" / "validation" / "validation__chunk1__example_holdout_0.json").read_text())[
-        "done"
-    ]
+    assert Checkpoints(out).of(next(s for s in load_manifest(manifest).shards() if "holdout" in s.key)).done
     assert "example_train_0" in json.loads((out / "logs" / "failed.json").read_text()).popitem()[0]
 
     # The rerun tries again; one of its workers is killed once mid-shard and Ray retries it from the checkpoint.
@@ -97,8 +97,7 @@ def test_a_stuck_shard_is_cancelled_with_a_stack_dump_and_reported(dataset, tmp_
     assert "format_of" in dump.read_text()  # the stack shows where it hangs
     log = (out / "logs" / "run.log").read_text()
     assert log.count("shard train/zz_stuck.jsonl: no progress for") == 2
-    done = [json.loads(p.read_text())["done"] for p in (out / "shards").rglob("*.json")]
-    assert done == [True, True, True]  # the other shards finished
+    assert [c["done"] for c in checkpoints(out)] == [True, True, True]  # the other shards finished
 
 
 def test_consecutive_small_shards_go_in_packs_up_to_the_limit_and_a_large_one_alone():

@@ -16,7 +16,7 @@ from tokpipe.inputs.manifest import build_manifest, write_manifest
 # checkpoint (its bytes in place are written again).
 KILL_POINTS = {
     "while writing a part's tokens": ("tokpipe.write.place.write_at", 2, 1),
-    "after its bytes are fsynced, before its checkpoint": ("tokpipe.write.place.write_all_atomic", 1, 0),
+    "after its bytes are fsynced, before its checkpoint": ("tokpipe.write.place.write_placed", 1, 0),
     "after its checkpoint, before its line in .parts": ("tokpipe.write.assembly.Assembler.placed", 1, 1),
 }
 
@@ -42,8 +42,10 @@ def test_a_kill_9_at_each_step_of_placing_a_buffered_shard_loses_nothing(
 def test_a_buffered_part_is_written_at_its_offset_and_its_checkpoint_after(tmp_path):
     """place() of a part from memory: the tokens at the part's offset, its document ends moved by it, and the
     checkpoint it carries written once the bytes are fsynced."""
+    from tokpipe.inputs.manifest import Shard
+    from tokpipe.layout.checkpoints import Checkpoint, Checkpoints
     from tokpipe.layout.files import Layout
-    from tokpipe.layout.records import Checkpoint, Part
+    from tokpipe.layout.records import Part
     from tokpipe.write.place import place
 
     bin_tmp, idx_tmp, _ = Layout(tmp_path).assembly("train")
@@ -52,14 +54,17 @@ def test_a_buffered_part_is_written_at_its_offset_and_its_checkpoint_after(tmp_p
     tokens = [np.array([7, 8, 9], dtype=np.uint32), np.array([10], dtype=np.uint32)]
     ends = [np.array([3], dtype="<i8"), np.array([4], dtype="<i8")]
     record = {"shard": "train/b.jsonl", "tokens": 4, "documents": 2, "sha256": "x", "idx_sha256": "y"}
-    checkpoint = (str(tmp_path / "b.json"), Checkpoint(tokens=4, documents=2, done=True))
+    checkpoint = ("train", "train__b", Checkpoint(tokens=4, documents=2, done=True))
     part = Part(
         "train", 1, 5, 2, record, buffered=({(False, None): (tokens, ends)}, (False, None)), checkpoint=checkpoint
     )
     assert place(tmp_path, [part], 4) == [record]
     assert np.fromfile(bin_tmp, dtype=np.uint32).tolist() == [0, 1, 2, 3, 4, 7, 8, 9, 10]
     assert np.fromfile(idx_tmp, dtype="<i8").tolist() == [2, 5, 8, 9]
-    assert Checkpoint.load(tmp_path / "b.json") == checkpoint[1]
+    [placed] = (tmp_path / "shards" / "train" / "placed").iterdir()  # one file a placing, its shards' by key
+    assert placed.read_bytes() == checkpoint[2].encoded().join([b'{"train__b":', b"}"])
+    shard = Shard(split="train", relpath="train/b.jsonl", path="b.jsonl", size=0, key="train__b")
+    assert Checkpoints(tmp_path).of(shard) == checkpoint[2]
 
 
 def test_a_moved_part_is_copied_from_where_it_was_and_its_document_ends_rebased(tmp_path):

@@ -33,8 +33,8 @@ from helpers import (
 
 from tokpipe.errors import SourceError, TooManyGroups
 from tokpipe.inputs.manifest import Shard, build_manifest
+from tokpipe.layout.checkpoints import Checkpoint
 from tokpipe.layout.files import ShardFiles
-from tokpipe.layout.records import Checkpoint
 from tokpipe.layout.tokens import to_dtype
 from tokpipe.write.segments import Spilled, part_arrays
 from tokpipe.write.shard import EncodeSpec, tokenize_shard

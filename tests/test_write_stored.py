@@ -5,7 +5,7 @@ each of them is found (runner/copies.py marks those of that node lost), whicheve
 from helpers import EXAMPLE_CACHE
 
 from tokpipe.inputs.manifest import build_manifest
-from tokpipe.layout.records import Checkpoint, PartCounts
+from tokpipe.layout.checkpoints import Checkpoint, PartCounts
 from tokpipe.layout.run import WriteSpec
 from tokpipe.layout.stored import StoredOut
 from tokpipe.write.stored import StoreAssembly

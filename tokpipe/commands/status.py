@@ -22,10 +22,10 @@ from dataclasses import asdict, dataclass, field
 from tokpipe.errors import UserError
 from tokpipe.fmt import disk_line, duration, free_bytes
 from tokpipe.inputs.manifest import load_manifest
+from tokpipe.layout.checkpoints import Checkpoint, Checkpoints
 from tokpipe.layout.files import FAILED, PROGRESS, REFUSED, RUN_LOG, Layout
 from tokpipe.layout.locks import lock_holder, shard_locked
 from tokpipe.layout.meta import load_meta
-from tokpipe.layout.records import Checkpoint
 from tokpipe.layout.run import RunRecord, load_run
 from tokpipe.layout.stored import left_over, reader_out
 
@@ -111,10 +111,10 @@ def status(out: str | os.PathLike) -> RunStatus:
     failures = {} if holder else _log(folder, FAILED, warnings) or {}
     refused = None if holder else _log(folder, REFUSED, warnings)
 
-    shards, groups = [], {}
+    shards, groups, checkpoints = [], {}, Checkpoints(copy)
     for shard in manifest.shards():
         files = folder.shard(shard)
-        found = Checkpoint.load(files.checkpoint)
+        found = checkpoints.of(shard)
         ckpt = found or Checkpoint()
         if ckpt.done:
             state = "done"

@@ -184,6 +184,12 @@ class Layout:
     def shard(self, shard: Shard) -> ShardFiles:
         return ShardFiles.of(self.root, shard)
 
+    def placed(self, split: str, digest: str = "") -> Path:
+        """The checkpoints of a split's shards that a placing wrote from memory into their split file, by key, in a
+        file named by the blake2b of its bytes (write/place.py); without `digest`, their folder."""
+        folder = self.shards / split / "placed"
+        return folder / f"{digest}.json" if digest else folder
+
     def split(self, stem: str, group: str | None = None) -> Path:
         """A split's file, without its suffix: OUT/<stem>, or a group's OUT/<stem>/<group>."""
         return self.root / stem if group is None else self.root / stem / group_stem(group)

@@ -1,21 +1,21 @@
-"""What OUT's records hold: a shard's checkpoint and its parts, the lines of a parts list, meta's entry for a
-split summed from them, and the files an unfinished split is read from."""
+"""What OUT's records hold: a shard's parts, the lines of a parts list, meta's entry for a split summed from them,
+and the files an unfinished split is read from (a shard's checkpoint: checkpoints.py)."""
 
 from __future__ import annotations
 
 import hashlib
 import io
-import os
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import orjson
 
 from tokpipe.inputs.manifest import Manifest, Shard
-from tokpipe.layout.files import Layout, PartKey, ShardFiles, damaged, load_json, rerun, split_bin_name
+from tokpipe.layout.checkpoints import Checkpoint, Checkpoints, PartCounts
+from tokpipe.layout.files import Layout, PartKey, damaged, rerun, split_bin_name
 from tokpipe.layout.meta import SplitEntry, SplitFile
 from tokpipe.layout.run import WriteSpec, sources
 
@@ -25,136 +25,6 @@ IDX_DTYPE = np.dtype("<i8")  # document ends, cumulative token counts
 # shard and in the split (a field with one value per document, an id or a url, would make a file per document).
 MAX_GROUPS = 1000
 GROUP_COUNTS = ("tokens", "documents", "text_bytes")  # of a group, in meta: text_bytes are its texts' UTF-8
-
-
-# The checkpoint's format: 2 holds a shard's parts in `parts`, each by its key. 1 (no `format` field) held the
-# held-out documents in val_* fields beside the groups; a checkpoint of it is converted when loaded (_format_1).
-CHECKPOINT_FORMAT = 2
-
-
-@dataclass
-class PartCounts:
-    """A shard's part as its checkpoint counts it: its documents that go to one file (of its split, or held out
-    for val.bin; with --group-by, a group's), and once the shard is done the sha256 of its .bin and of its document
-    ends (counted from its start): finalize records them per part, so verify checks ranges on all cores."""
-
-    held: bool = False
-    group: str | None = None
-    tokens: int = 0  # delimiters included
-    documents: int = 0
-    text_bytes: int = 0  # of its texts, UTF-8: counted in a group's part (meta's per group), 0 in another
-    sha256: str | None = None
-    idx_sha256: str | None = None
-
-    @property
-    def key(self) -> PartKey:
-        return self.held, self.group
-
-
-@dataclass
-class Checkpoint:
-    """How far a shard got. Everything here is covered by fsynced .bin/.idx bytes."""
-
-    format: int = CHECKPOINT_FORMAT
-    lines: int = 0  # input lines consumed = documents + held out + sum(skipped)
-    offset: int = 0  # decompressed input bytes consumed
-    source_pos: int = 0  # bytes of the shard file read (compressed), for progress only
-    # zstd of several frames: where the frame that `offset` lies in begins, in the file and decompressed
-    # (TextBatch.frame): a resume decodes from there, not from the file's start (a shard on a store: a ranged GET)
-    frame_source_pos: int = 0
-    frame_offset: int = 0
-    # Of its own documents, those in its split: its own parts' sums (of what it held out for val.bin: counts(True)).
-    documents: int = 0
-    tokens: int = 0  # delimiters included
-    skipped: dict[str, int] = field(default_factory=dict)
-    repaired: dict[str, int] = field(default_factory=dict)
-    skip_log: list[list] = field(default_factory=list)  # first [line, reason] pairs, capped
-    done: bool = False
-    # Its parts, in key order: its own documents, then those it held out; a group's in value order. Without
-    # --group-by a shard has its own part from its start (and, holding out, its held-out one); with it, a part
-    # per group it met.
-    parts: list[PartCounts] = field(default_factory=list)
-    # For `tokpipe report`: decompressed input bytes consumed (TextBatch.text_bytes summed), and seconds
-    # spent, summed over attempts (an interrupted attempt counts up to its last checkpoint).
-    text_bytes: int = 0
-    seconds: float = field(default=0.0, compare=False)  # not content: two runs of the same shard differ here
-
-    @classmethod
-    def load(cls, path: Path) -> Checkpoint | None:
-        """The checkpoint at `path` (OUT/shards/<split>/<key>.json), None where the shard has none; one of format 1,
-        converted. A damaged one is refused, by the run too: the shard's tokens it covers are on the same storage."""
-        try:
-            found = load_json(path)
-            return None if found is None else cls.parse(found)
-        except (ValueError, TypeError) as e:  # not JSON; fields no checkpoint has
-            raise damaged(path, e, f"remove it and {rerun(path.parents[2])}: the shard is tokenized again") from None
-
-    @classmethod
-    def of(cls, out: str | os.PathLike, shard: Shard) -> Checkpoint | None:
-        return cls.load(ShardFiles.of(out, shard).checkpoint)
-
-    def encoded(self) -> bytes:
-        """The checkpoint's file, as `load` reads it. orjson takes 1 us where asdict and json took 50, once a shard:
-        on 20,000 two-document shards, a CPU-s of the Placer's."""
-        return orjson.dumps(self)
-
-    @classmethod
-    def parse(cls, raw: dict) -> Checkpoint:
-        """A checkpoint from its JSON: ValueError or TypeError where it is none."""
-        raw = raw if "format" in raw else _format_1(raw)
-        if raw["format"] != CHECKPOINT_FORMAT:
-            raise ValueError(f"a checkpoint of format {raw['format']}; this tokpipe reads {CHECKPOINT_FORMAT} and 1")
-        return cls(**{**raw, "parts": [PartCounts(**part) for part in raw.get("parts", [])]})
-
-    def part(self, key: PartKey) -> PartCounts | None:
-        """The shard's part of this key, None where it has none (with --group-by, a group it did not meet, or its
-        own documents: they are in its groups' parts)."""
-        return next((part for part in self.parts if part.key == key), None)
-
-    def source_parts(self, held: bool) -> list[PartCounts]:
-        """The shard's parts in one source of a split file (layout/run.py's `sources`): its own documents' (in its
-        split), or (held) those it held out for val.bin."""
-        return [part for part in self.parts if part.held == held]
-
-    def counts(self, held: bool) -> tuple[int, int]:
-        """The tokens and documents of a source's parts."""
-        parts = self.source_parts(held)
-        return sum(part.tokens for part in parts), sum(part.documents for part in parts)
-
-    def line_groups(self, held: bool) -> list[str | None]:
-        """The groups of a source's lines in its split's parts list, in order: its own source begins with the
-        shard's accounting line (None), which is its part's line where the shard has one part there (without
-        --group-by); then a line per part. The one place that says which lines a shard has."""
-        groups = [part.group for part in self.source_parts(held)]
-        return groups if held or None in groups else [None, *groups]
-
-    def group_parts(self, split: str) -> Iterator[tuple[str, PartCounts]]:
-        """The parts of the shard's groups (--group-by), each with the split it goes to: its own, or (held out)
-        validation."""
-        for part in self.parts:
-            if part.group is not None:
-                yield ("validation" if part.held else split), part
-
-
-def _format_1(raw: dict) -> dict:
-    """A checkpoint of format 1 as format 2. It held its own part's counts in its own fields (with --group-by,
-    their sums, and the parts in `groups`), and those of what it held out in val_* fields (and `val_groups`). A
-    part is made only where those say it has one: with counts, or the checksums of a done shard (or, written
-    before shards were hashed, no sha256 field at all: no --group-by, no held-out documents then), so a shard
-    resumed has the parts of one never interrupted."""
-    raw, hashed = dict(raw), "sha256" in raw
-    held = {k: raw.pop(f"val_{k}", v) for k, v in (("documents", 0), ("tokens", 0), ("sha256", None))}
-    held["idx_sha256"] = raw.pop("val_idx_sha256", None)
-    groups, val_groups = raw.pop("groups", {}), raw.pop("val_groups", {})
-    own = {"documents": raw.get("documents", 0), "tokens": raw.get("tokens", 0)}
-    own |= {"sha256": raw.pop("sha256", None), "idx_sha256": raw.pop("idx_sha256", None)}
-    parts = [PartCounts(False, group, **counts) for group, counts in groups.items()]
-    if not groups and (own["tokens"] or own["documents"] or own["sha256"] is not None or not hashed):
-        parts.append(PartCounts(False, None, **own))
-    parts += [PartCounts(True, group, **counts) for group, counts in val_groups.items()]
-    if not val_groups and (held["tokens"] or held["documents"] or held["sha256"] is not None):
-        parts.append(PartCounts(True, None, **held))
-    return raw | {"format": CHECKPOINT_FORMAT, "parts": [asdict(part) for part in parts]}
 
 
 # -- parts lists and split files ---------------------------------------------------------------------
@@ -174,10 +44,10 @@ class Part:
     record: dict
     bin: str = ""
     idx: str = ""
-    # A buffered shard's parts (on Ray, the reference to them) with this part's key; its checkpoint (path,
+    # A buffered shard's parts (on Ray, the reference to them) with this part's key; its checkpoint (split, key,
     # Checkpoint), written once placed: nothing on disk covered the shard before (shard.ShardResult.buffered).
     buffered: tuple | None = None
-    checkpoint: tuple[str, Checkpoint] | None = None
+    checkpoint: tuple[str, str, Checkpoint] | None = None
     moved_from: tuple[int, int] | None = None
 
     @property
@@ -368,11 +238,11 @@ def unfinished_files(out: Layout, manifest: Manifest, stem: str, val_fraction: f
     (with --val-fraction, val's include the train shards' held-out ones; with --group-by, a shard has a part per
     group), in the split file being assembled where its parts list lists it (placed), else in the shard's own
     files, as far as its checkpoint covers them (a live worker may be appending beyond). Files still written."""
-    placed = _placed(out, stem)
+    placed, checkpoints = _placed(out, stem), Checkpoints(out.root)
     files = []
     for shard, held in sources(manifest, stem, val_fraction):
         paths = out.shard(shard)
-        ckpt = Checkpoint.load(paths.checkpoint) or Checkpoint()
+        ckpt = checkpoints.of(shard) or Checkpoint()
         for part in ckpt.source_parts(held):
             if (shard.relpath, part.key) in placed:  # copied into the split file, its own files gone
                 files.append(placed[shard.relpath, part.key])

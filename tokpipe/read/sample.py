@@ -17,9 +17,9 @@ from tokpipe.inputs.manifest import load_manifest
 from tokpipe.inputs.objects import check_reachable
 from tokpipe.inputs.source import read_batches
 from tokpipe.inputs.tokenizer import PIECE_CHARS, HFEncoder, tokenizer_json_path
+from tokpipe.layout.checkpoints import Checkpoints
 from tokpipe.layout.files import Layout, split_file_stem
 from tokpipe.layout.meta import Meta
-from tokpipe.layout.records import Checkpoint
 from tokpipe.layout.run import sources
 from tokpipe.layout.tokens import held_out
 from tokpipe.read.output import open_output
@@ -91,14 +91,14 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
 def _population(out: Path, meta: Meta, manifest) -> list[tuple]:
     """Every document of the output as (split, shard, held-out part or not, group, number within split), a part
     at a time. With --group-by a split is its groups one after the other, in meta's order."""
-    population = []
+    population, checkpoints = [], Checkpoints(out)
     for split, entry in meta.splits.items():
         groups = entry.groups if entry.groups is not None else {None: entry}
         base = dict(zip(groups, np.cumsum([0] + [g.documents for g in groups.values()]).tolist()))
         for shard, held in sources(manifest, split_file_stem(split), meta.val_fraction):
             if shard.relpath in meta.excluded:
                 continue
-            ckpt = Checkpoint.of(out, shard)
+            ckpt = checkpoints.of(shard)
             for part in ckpt.source_parts(held):
                 population.append((split, shard, held, part.group, base[part.group], part.documents))
                 base[part.group] += part.documents

@@ -12,7 +12,8 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tokpipe.errors import NodeError, TooManyGroups, Unavailable
-from tokpipe.layout.records import Checkpoint, Part
+from tokpipe.layout.checkpoints import Checkpoint
+from tokpipe.layout.records import Part
 from tokpipe.runner.progress import RunLog
 from tokpipe.runner.storage import Folder, Prefix
 from tokpipe.runner.task import OnNode, Placer

@@ -29,9 +29,9 @@ from tokpipe.errors import UserError
 from tokpipe.fmt import plural
 from tokpipe.inputs.manifest import Manifest, Shard, load_manifest, write_manifest
 from tokpipe.inputs.tokenizer import TokenizerInfo
-from tokpipe.layout.files import Layout, LayoutWriter, ShardFiles, out_folder
+from tokpipe.layout.checkpoints import Checkpoint, Checkpoints
+from tokpipe.layout.files import Layout, LayoutWriter, out_folder
 from tokpipe.layout.meta import Meta, load_meta
-from tokpipe.layout.records import Checkpoint
 from tokpipe.layout.run import WriteSpec
 from tokpipe.layout.stored import StoredOut, on_store
 from tokpipe.options import RunOptions
@@ -57,27 +57,6 @@ def storage_of(out: str | os.PathLike) -> Folder | Prefix:
     return Prefix(StoredOut.of(os.fspath(out))) if on_store(out) else Folder(out_folder(out, new_ok=True))
 
 
-class DoneShards:
-    """Whether a shard has a done checkpoint, asked once for every shard of a run: each checkpoints' folder
-    is listed once, and a checkpoint read only where one exists (a read that raised for each of 2,500 new
-    shards was a tenth of the driver's time on them). A checkpoint that appears after the listing is read
-    by the shard's task, which returns at once."""
-
-    def __init__(self, out: Path):
-        self.out, self.listed = out, {}
-
-    def __call__(self, shard: Shard) -> bool:
-        # Names compared as strings, a Path made only for a checkpoint that exists: pathlib per shard was 1.7 of
-        # the driver's 13.6 CPU-s on 20,000 two-document shards (py-spy).
-        if shard.split not in self.listed:
-            folder = ShardFiles.of(self.out, shard).folder
-            self.listed[shard.split] = set(os.listdir(folder)) if folder.is_dir() else set()
-        if ShardFiles.checkpoint_name(shard.key) not in self.listed[shard.split]:
-            return False
-        ckpt = Checkpoint.load(ShardFiles.of(self.out, shard).checkpoint)
-        return ckpt is not None and ckpt.done
-
-
 class Storage:
     """What the driver asks of OUT wherever it lives; Folder and Prefix each do the rest their own way."""
 
@@ -101,7 +80,8 @@ class Folder(Storage):
     def __init__(self, path: Path):
         self.path = self.records = self.where = path
         self.name = str(path)
-        self.is_done = DoneShards(path)
+        checkpoints = Checkpoints(path)
+        self.checkpoint, self.is_done = checkpoints.of, checkpoints.done
         self.spill = ""  # a large part past --shard-buffer goes to its shard's own files in OUT (write/shard.py)
 
     def show(self, name: str) -> str:
@@ -129,9 +109,6 @@ class Folder(Storage):
 
     def clean(self, meta: Meta, tell: Listener) -> None:
         """Nothing: a folder's finish leaves nothing beside OUT's files (finalize renames, then writes meta)."""
-
-    def checkpoint(self, shard: Shard) -> Checkpoint | None:
-        return Checkpoint.of(self.path, shard)
 
     def assembly(self, manifest: Manifest, itemsize: int, spec: WriteSpec, say) -> Assembler:
         """The split files taken up where an earlier attempt left them (Assembler.resume); `say`s which finished

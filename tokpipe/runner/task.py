@@ -15,8 +15,9 @@ import ray
 
 from tokpipe.durability import write_atomic
 from tokpipe.inputs.manifest import Shard
+from tokpipe.layout.checkpoints import Checkpoint
 from tokpipe.layout.files import stall_dump
-from tokpipe.layout.records import Checkpoint, Part
+from tokpipe.layout.records import Part
 from tokpipe.layout.stored import StoredOut, records_of
 from tokpipe.runner.nodes import NodeCheck, ensure_seen
 from tokpipe.runner.storage import storage_of

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tokpipe.durability import HASH_CHUNK, copy_range, hash_range, open_direct, write_all_atomic, write_at
+from tokpipe.durability import HASH_CHUNK, copy_range, hash_range, open_direct, write_at
+from tokpipe.layout.checkpoints import Checkpoint, write_placed
 from tokpipe.layout.files import Layout
 from tokpipe.layout.records import IDX_DTYPE, Part
 
@@ -67,8 +68,11 @@ def place(out: str | os.PathLike, parts: list[Part], itemsize: int) -> list[dict
             idx_f.close()
             if direct is not None:
                 os.close(direct)
-    checkpoints = dict(part.checkpoint for part in parts if part.checkpoint)
-    write_all_atomic({Path(path): ckpt.encoded() for path, ckpt in checkpoints.items()})
+    placed: dict[str, dict[str, Checkpoint]] = {}
+    for split, key, ckpt in (part.checkpoint for part in parts if part.checkpoint):
+        placed.setdefault(split, {})[key] = ckpt
+    if placed:
+        write_placed(Layout(out), placed)
     return records
 
 

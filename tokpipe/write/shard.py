@@ -24,9 +24,10 @@ from tokpipe.errors import SourceError, too_many_groups
 from tokpipe.inputs.manifest import Shard
 from tokpipe.inputs.source import BATCH_BYTES, read_batches
 from tokpipe.inputs.source.batch import SKIP_LOG_CAP, TextBatch, not_json_lines
+from tokpipe.layout.checkpoints import Checkpoint, PartCounts
 from tokpipe.layout.files import PartKey, ShardFiles
 from tokpipe.layout.locks import shard_lock
-from tokpipe.layout.records import IDX_DTYPE, MAX_GROUPS, Checkpoint, PartCounts
+from tokpipe.layout.records import IDX_DTYPE, MAX_GROUPS
 from tokpipe.layout.stored import on_store
 from tokpipe.layout.tokens import held_out, to_dtype
 from tokpipe.write.memory import memory_guard

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tokpipe.inputs.manifest import Manifest, Shard
+from tokpipe.layout.checkpoints import Checkpoint, PartCounts
 from tokpipe.layout.files import RECORD, ShardFiles, split_file_stem
-from tokpipe.layout.records import IDX_DTYPE, Checkpoint, PartCounts, parts_of, read_parts, record_key
+from tokpipe.layout.records import IDX_DTYPE, parts_of, read_parts, record_key
 from tokpipe.layout.run import WriteSpec, output_splits, sources
 from tokpipe.layout.stored import StoredOut, part_name
 from tokpipe.store import MIN_PART, Exists, Lease, Upload, compose, put_buffers

@@ -22,9 +22,10 @@ from tokpipe.commands.inspect import load_decoder, open_source, red_flags, scan_
 from tokpipe.commands.status import RunStatus, ShardStatus, status
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import load_manifest
+from tokpipe.layout.checkpoints import Checkpoint, Checkpoints
 from tokpipe.layout.files import Layout, split_bin_name, split_file_stem
 from tokpipe.layout.meta import Meta, load_meta
-from tokpipe.layout.records import Checkpoint, read_parts
+from tokpipe.layout.records import read_parts
 from tokpipe.layout.run import RunRecord, load_run, output_splits, sources
 from tokpipe.layout.series import read_series
 from tokpipe.layout.stored import reader_out
@@ -75,8 +76,9 @@ def _group_stats(out: Path, meta: Meta | None, manifest) -> list[GroupStats]:
             for group, g in (s.groups or {}).items()
         ]
     found: dict[tuple[str, str], Counter] = {}
+    checkpoints = Checkpoints(out)
     for shard in manifest.shards():
-        ckpt = Checkpoint.of(out, shard) or Checkpoint()
+        ckpt = checkpoints.of(shard) or Checkpoint()
         for split, part in ckpt.group_parts(shard.split):
             found.setdefault((split, part.group), Counter()).update(
                 tokens=part.tokens, documents=part.documents, text_bytes=part.text_bytes
@@ -189,13 +191,13 @@ def _split_stats(out: Path, meta: Meta | None, manifest, val_fraction: float) ->
             SplitStats(name, s.file or f"{split_file_stem(name)}/", *(getattr(s, k) for k in keys))
             for name, s in meta.splits.items()
         ]
-    stats = []
+    stats, checkpoints = [], Checkpoints(out)
     for name in output_splits(manifest, val_fraction):
         stem = split_file_stem(name)
         n = Counter()
         skipped, repaired = Counter(), Counter()
         for shard, held in sources(manifest, stem, val_fraction):
-            ckpt = Checkpoint.of(out, shard) or Checkpoint()
+            ckpt = checkpoints.of(shard) or Checkpoint()
             tokens, documents = ckpt.counts(held)
             n.update(tokens=tokens, documents=documents)
             if held:

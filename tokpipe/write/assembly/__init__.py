@@ -23,9 +23,10 @@ from __future__ import annotations
 import os
 
 from tokpipe.inputs.manifest import Manifest, Shard
+from tokpipe.layout.checkpoints import Checkpoint
 from tokpipe.layout.files import LayoutWriter
 from tokpipe.layout.meta import SplitEntry
-from tokpipe.layout.records import Checkpoint, Part
+from tokpipe.layout.records import Part
 from tokpipe.layout.run import WriteSpec
 from tokpipe.write.assembly.listing import Listing
 from tokpipe.write.assembly.plan import Plan

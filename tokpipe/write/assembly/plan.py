@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 from tokpipe.inputs.manifest import Shard
+from tokpipe.layout.checkpoints import Checkpoint, Checkpoints
 from tokpipe.layout.files import LayoutWriter, PartKey
-from tokpipe.layout.records import Checkpoint, Part, part_record
+from tokpipe.layout.records import Part, part_record
 from tokpipe.layout.run import WriteSpec
 from tokpipe.write.assembly.split import Groups, SplitAssembly
 
@@ -20,6 +21,8 @@ class Plan:
         # Done shards not yet scheduled (those that finished out of order), with how many parts still need them
         # and the parts they kept in memory.
         self.finished: dict[str, tuple[Shard, Checkpoint, int, object]] = {}
+        # Those done before this run: a shard done in it comes to `done`, and one done before is listed at the start.
+        self.before = Checkpoints(out.root)
 
     def done(self, shard: Shard, ckpt: Checkpoint, buffered: object = None) -> None:
         """A shard finished in this run (its checkpoint as its task returned it); `buffered`: the parts it kept
@@ -34,7 +37,7 @@ class Plan:
     def _checkpoint(self, shard: Shard) -> tuple[Checkpoint | None, object]:
         """The shard's checkpoint, and its buffered parts if it kept them in memory (None: in its own files)."""
         if shard.relpath not in self.finished:
-            return Checkpoint.load(self.out.shard(shard).checkpoint), None
+            return self.before.of(shard), None
         _, ckpt, uses, buffered = self.finished.pop(shard.relpath)
         if uses > 1:  # its other part has yet to be scheduled
             self.finished[shard.relpath] = (shard, ckpt, uses - 1, buffered)
@@ -74,7 +77,7 @@ class Plan:
         source = s.moving.take(shard.relpath, key) if s.moving is not None else None
         if s.head_buffered is not None:
             buffered = (s.head_buffered, key) if bin_path is not None else None
-            checkpoint = (str(files.checkpoint), s.head_ckpt)
+            checkpoint = (shard.split, shard.key, s.head_ckpt)
             return Part(s.stem, seq, tokens, documents, record, buffered=buffered, checkpoint=checkpoint)
         if source is not None and bin_path is not None:  # in the split file as it was: moved from there
             s.moved_until = seq

@@ -14,8 +14,9 @@ import itertools
 
 from tokpipe.durability import HASH_CHUNK, own_inode
 from tokpipe.inputs.manifest import Manifest
+from tokpipe.layout.checkpoints import Checkpoints
 from tokpipe.layout.files import Layout, LayoutWriter, split_file_stem
-from tokpipe.layout.records import IDX_DTYPE, Checkpoint, part_record, parts_line, read_parts, record_key
+from tokpipe.layout.records import IDX_DTYPE, part_record, parts_line, read_parts, record_key
 from tokpipe.layout.run import WriteSpec, output_splits, sources
 from tokpipe.write.assembly.moving import Moving
 from tokpipe.write.assembly.split import Groups, SplitAssembly
@@ -33,6 +34,7 @@ class Recovery:
 
     def resume(self, manifest: Manifest) -> list[SplitAssembly]:
         """Every split's assembly, as far as an earlier attempt got, in manifest order of splits."""
+        self.checkpoints = Checkpoints(self.out.root)
         return [self._resume(manifest, split_file_stem(split)) for split in output_splits(manifest, self.val_fraction)]
 
     def _resume(self, manifest: Manifest, stem: str) -> SplitAssembly:
@@ -99,7 +101,7 @@ class Recovery:
     def _head_known(self, state: SplitAssembly) -> bool:
         """Whether there is a head whose parts are known (with --group-by, once its checkpoint is done)."""
         while state.head is not None and state.head_parts is None and self.group_by is not None:
-            ckpt = Checkpoint.of(self.out.root, state.head[0])
+            ckpt = self.checkpoints.of(state.head[0])
             if ckpt is None or not ckpt.done:
                 break
             state.head_ckpt, state.head_parts = ckpt, self.groups.head_parts(state, ckpt)
@@ -119,8 +121,7 @@ class Recovery:
         with open(bin_tmp, "rb") as bin_f, open(idx_tmp, "rb") as idx_f:
             while state.head is not None:
                 shard, held = state.head
-                files = self.out.shard(shard)
-                ckpt = Checkpoint.load(files.checkpoint)
+                files, ckpt = self.out.shard(shard), self.checkpoints.of(shard)
                 if ckpt is None or not ckpt.done or files.part((held, None))[0].exists():
                     break  # not done, or in its own files still: placed from them as usual
                 record = part_record(shard, ckpt, (held, None))
@@ -141,10 +142,10 @@ class Recovery:
         rest = itertools.dropwhile(lambda source: source != state.head, rest)
         moving, moved = Moving(self.out, state.stem), 0
         for shard, held in rest:
-            files = self.out.shard(shard)
-            ckpt = Checkpoint.load(files.checkpoint)
+            ckpt = self.checkpoints.of(shard)
             if ckpt is None or not ckpt.done:
                 continue
+            files = self.out.shard(shard)
             needed = [part.key for part in ckpt.source_parts(held)]
             if (shard, held) == state.head and state.head_parts is not None:  # of the head, its parts not kept yet
                 needed = [key for key in needed if key[1] in state.head_parts]
@@ -153,7 +154,7 @@ class Recovery:
             if len(found) == len(gone):
                 moved += bool(found)
                 continue
-            files.checkpoint.unlink()
+            self.checkpoints.forget(shard)
             self.lost.append(shard.relpath)
             if (shard, held) == state.head:
                 state.head_ckpt = None  # its parts wait for it to be done again

@@ -9,8 +9,9 @@ from pathlib import Path
 
 from tokpipe.errors import too_many_groups
 from tokpipe.inputs.manifest import Shard
+from tokpipe.layout.checkpoints import Checkpoint
 from tokpipe.layout.files import Layout, split_file_stem
-from tokpipe.layout.records import MAX_GROUPS, Checkpoint, Part
+from tokpipe.layout.records import MAX_GROUPS, Part
 from tokpipe.write.assembly.moving import Moving
 
 
