@@ -32,6 +32,7 @@ def shard_lock(files: ShardFiles) -> Iterator[None]:
     if not kept:
         if fd is not None:
             os.close(fd)
+        path.parent.mkdir(parents=True, exist_ok=True)  # a shard's files go beside it
         fd = _lock_files[path] = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     fcntl.lockf(fd, fcntl.LOCK_EX, 1, at)
     try:

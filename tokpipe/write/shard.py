@@ -218,8 +218,7 @@ def tokenize_shard(
     if on_store(out):  # OUT on a store (layout/stored.py): the runner's to upload and checkpoint
         return _attempt(ShardWriter(shard, None, Checkpoint(), spec), on_batch, stop, started)
     files = ShardFiles.of(out, shard)
-    files.folder.mkdir(parents=True, exist_ok=True)
-    with shard_lock(files):
+    with shard_lock(files):  # its folder made where it is not
         ckpt = Checkpoint() if again else Checkpoint.load(files.checkpoint) or Checkpoint()
         if ckpt.done:
             return ShardResult(shard.split, shard.key, ckpt, ckpt.tokens, 0, time.monotonic() - started)
