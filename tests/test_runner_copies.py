@@ -1,10 +1,12 @@
 """runner/copies.py: the writes that assemble OUT on Ray. A node lost, every shard whose tokens waited in its object
 store is marked lost at once, wherever its parts wait: none may go to a Placer made on the lost node, which would
-wait for Ray's GCS to find it dead (~14 s)."""
+wait for Ray's GCS to find it dead (~14 s). Parts the driver holds in its own memory are placed too."""
 
 import json
 import subprocess
 import sys
+
+from helpers import EXAMPLE_CACHE, assert_out_is
 
 # A driver joined to the session's Ray (argv: its address) with a SplitFileWrites whose parts wait in each place a
 # part can wait, their tokens on node "x" or "y"; prints the shards `lose("x")` returned, and those whose tokens are
@@ -34,3 +36,55 @@ def test_a_node_lost_marks_lost_every_shard_whose_tokens_waited_there(ray_addres
     assert found.returncode == 0, found.stderr
     on_x = ["done, its turn to come, on x", "parked for another lost shard, on x", "queued, on x"]
     assert json.loads(found.stdout.splitlines()[-1]) == [on_x, on_x]
+
+
+# A driver joined to the session's Ray (argv: its address, the example's dataset, the tokenizer, OUT) whose every
+# shard was tokenized in its own process, their tokens in its memory (as its helpers leave the shards they finished
+# after one that stopped for Ray's workers), placed by SplitFileWrites' Placers, then finalized.
+IN_DRIVER = """
+import sys
+from pathlib import Path
+import ray
+from tokpipe.inputs.manifest import build_manifest
+from tokpipe.inputs.tokenizer import load_tokenizer_info
+from tokpipe.options import RunOptions
+from tokpipe.runner.copies import SplitFileWrites
+from tokpipe.runner.identity import encode_spec
+from tokpipe.runner.progress import RunLog
+from tokpipe.runner.storage import Folder
+from tokpipe.write.assembly import Assembler
+from tokpipe.write.finalize import finalize
+from tokpipe.write.shard import tokenize_shard
+
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+manifest, info, out = build_manifest(Path(sys.argv[2])), load_tokenizer_info(sys.argv[3]), Path(sys.argv[4])
+opts = RunOptions()
+out.mkdir()
+assembler = Assembler(out, 2, opts.output)
+assembler.resume(manifest)
+spec = encode_spec(opts, info, "hf")
+for shard in reversed(list(manifest.shards())):  # the last first: its place is not known when it is done
+    result = tokenize_shard(shard, out, spec)
+    assert isinstance(result.buffered, dict)
+    assembler.done(shard, result.checkpoint, result.buffered)
+copies = SplitFileWrites(Folder(out), assembler, 2, 1, None, RunLog(out))
+copies.feed()
+while copies.busy:
+    ray.wait(list(copies.running), num_returns=1)
+    assert copies.collect() == []
+    copies.feed()
+finalize(out, manifest, info, opts.output, assembler=assembler)
+"""
+
+
+def test_shards_whose_tokens_the_driver_holds_are_placed_by_the_placers(
+    ray_address, tmp_path, small_tokenizer, small_reference
+):
+    """Before, such a part was taken for one in a node's object store: AttributeError ('dict' object has no
+    attribute 'node'), and the run stopped (seen on 20,000 two-document shards with the driver's helpers, 1 run in
+    3)."""
+    out = tmp_path / "out"
+    args = [sys.executable, "-c", IN_DRIVER, ray_address, EXAMPLE_CACHE, small_tokenizer, out]
+    placed = subprocess.run(args, capture_output=True, text=True)
+    assert placed.returncode == 0, placed.stderr
+    assert_out_is(out, small_reference)

@@ -35,8 +35,9 @@ def get(ref):
 
 
 def _where(part: Part) -> tuple[str, str | None]:
-    """A part's split file, and the node whose object store holds its tokens (None: they are in files)."""
-    return part.stem, part.buffered[0].node if part.buffered else None
+    """A part's split file, and the node whose object store holds its tokens (None: they are in files, or in the
+    driver's memory and sent with the call)."""
+    return part.stem, part.buffered[0].node if part.buffered and isinstance(part.buffered[0], OnNode) else None
 
 
 class Placers:
@@ -200,8 +201,9 @@ class SplitFileWrites(Placers):
 
     @staticmethod
     def _held(part: Part) -> list[OnNode]:
-        """Where an item's tokens wait on Ray (none: in files, or sent with the call)."""
-        return [part.buffered[0]] if part.buffered else []
+        """Where an item's tokens wait on Ray (none: in files, or sent with the call: a shard the driver's helpers
+        finished while Ray started, after one that stopped for Ray's workers)."""
+        return [part.buffered[0]] if part.buffered and isinstance(part.buffered[0], OnNode) else []
 
 
 def placing(out: Folder | Prefix, assembler, nodes: int, check, log: RunLog) -> Placers:

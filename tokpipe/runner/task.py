@@ -213,13 +213,17 @@ class Placer:
         self.node = ray.get_runtime_context().get_node_id()
 
     def place(self, out: str, parts: list[Part], itemsize: int, check: NodeCheck | None) -> tuple[str, list[dict]]:
-        """place.place, after reading the buffered parts; says which node wrote them. `check`: a call's argument,
-        not the actor's: Ray could not restart an actor whose constructor took a reference that went."""
+        """place.place, after reading the buffered parts from this node's object store (those the driver held come
+        with the call); says which node wrote them. `check`: a call's argument, not the actor's: Ray could not
+        restart an actor whose constructor took a reference that went."""
         ensure_seen(check)
-        held = fetch([part.buffered[0] for part in parts if part.buffered])
+        on_ray = [
+            part.buffered[0] if part.buffered and isinstance(part.buffered[0], OnNode) else None for part in parts
+        ]
+        held = fetch([where for where in on_ray if where is not None])
         parts = [
-            replace(part, buffered=(held(part.buffered[0]), part.buffered[1])) if part.buffered else part
-            for part in parts
+            part if where is None else replace(part, buffered=(held(where), part.buffered[1]))
+            for part, where in zip(parts, on_ray)
         ]
         return self.node, place(out, parts, itemsize)
 
