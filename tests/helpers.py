@@ -1334,6 +1334,34 @@ def stored_objects(server: S3Server, prefix: str) -> dict[str, bytes]:
     return found
 
 
+def checkpoint_names(objects: dict[str, bytes]) -> list[str]:
+    """The shards checkpointed in OUT's files or objects (by name relative to OUT), each as its checkpoint of its own
+    is named (shards/<split>/<key>.json), whether it has one or an entry in a file of those placed together."""
+    names = set()
+    for name, data in objects.items():
+        folder, _, file = name.rpartition("/")
+        if name.startswith("shards/") and folder.endswith("/placed"):
+            names.update(f"{folder.removesuffix('/placed')}/{key}.json" for key in json.loads(data))
+        elif name.startswith("shards/") and file.endswith(".json"):
+            names.add(name)
+    return sorted(names)
+
+
+def forget_stored_checkpoints(server: S3Server, prefix: str, names: list[str]) -> None:
+    """The checkpoints of these shards (as checkpoint_names names them) removed from OUT on `server`, as if they had
+    never been written: their own objects, and their entries in placed objects (written back without them)."""
+    client = server.client()
+    for name, data in stored_objects(server, prefix).items():
+        folder = name.rpartition("/")[0]
+        if name in names:
+            client.delete_object(Bucket=server.bucket, Key=f"{prefix}/{name}")
+        elif name.startswith("shards/") and folder.endswith("/placed"):
+            found = json.loads(data)
+            kept = {k: v for k, v in found.items() if f"{folder.removesuffix('/placed')}/{k}.json" not in names}
+            if kept != found:
+                client.put_object(Bucket=server.bucket, Key=f"{prefix}/{name}", Body=json.dumps(kept).encode())
+
+
 def out_files(out: Path | str, server: S3Server | None = None) -> dict[str, bytes]:
     """Every file of an OUT by its name relative to it: a folder's, or an OUT on `server`'s objects (its URL)."""
     if server is None:

@@ -47,13 +47,14 @@ def test_a_checkpoint_round_trips_and_a_missing_one_is_none(tmp_path):
 
 def test_checkpoints_read_a_shard_s_own_file_first_then_its_entry_in_a_placing_s_file(tmp_path):
     """Checkpoints, as a run's start, status and report ask for them: a shard's own file where it has one, else its
-    entry in a file of the shards placed together (named by the blake2b of its bytes); each split's folders listed
+    entry in a file of the shards placed together (named by the blake2b of its keys); each split's folders listed
     once, so a checkpoint written after the listing is not seen; `forget` removes a shard's every checkpoint."""
     own, placed = Checkpoint(lines=5, offset=9), Checkpoint(lines=7, tokens=70, documents=7, done=True)
     write_placed(Layout(tmp_path), {"train": {TRAIN_0.key: placed, TRAIN_1.key: placed}})
     data = json.dumps({TRAIN_0.key: asdict(placed), TRAIN_1.key: asdict(placed)}, separators=(",", ":")).encode()
+    keys = f"{TRAIN_0.key}\n{TRAIN_1.key}".encode()  # named by its keys: the same shards placed again, the same name
     [file] = (tmp_path / "shards" / "train" / "placed").iterdir()
-    assert file.name == f"{hashlib.blake2b(data, digest_size=8).hexdigest()}.json" and file.read_bytes() == data
+    assert file.name == f"{hashlib.blake2b(keys, digest_size=8).hexdigest()}.json" and file.read_bytes() == data
     ShardFiles.of(tmp_path, TRAIN_1).checkpoint.write_bytes(own.encoded())
 
     checkpoints = Checkpoints(tmp_path)

@@ -21,7 +21,9 @@ from helpers import (
     KILL_WORKER_SITE,
     QWEN3,
     QWEN3_EOS,
+    checkpoint_names,
     cli,
+    forget_stored_checkpoints,
     held_out,
     kill_9,
     open_uploads,
@@ -89,7 +91,7 @@ def test_a_run_into_a_store_is_the_reference_and_leaves_no_segment_and_no_open_u
     for stem, expected in small_reference.items():
         _assert_split(objects, stem, expected)
     assert _finished_names(objects) == FINISHED
-    assert sorted(name for name in objects if name.startswith("shards/")) == [
+    assert checkpoint_names(objects) == [
         "shards/train/train__chunk1__example_train_0.json",
         "shards/train/train__chunk1__example_train_1.json",
         "shards/validation/validation__chunk1__example_holdout_0.json",
@@ -352,9 +354,8 @@ def test_a_segment_not_committed_before_one_that_is_is_made_again_with_the_same_
     left = stored_objects(s3_server, s3_prefix)
     segments = sorted(n for n in left if n.startswith("segments/") and n.endswith(".bin"))
     assert segments == [f"segments/train/train__part-{n:02d}.bin" for n in (0, 1, 4, 5)]
-    client = s3_server.client()
-    for name in ["segments/train/train__part-01.bin", *(f"shards/train/train__part-{n:02d}.json" for n in (1, 2, 3))]:
-        client.delete_object(Bucket=s3_server.bucket, Key=f"{s3_prefix}/{name}")
+    s3_server.client().delete_object(Bucket=s3_server.bucket, Key=f"{s3_prefix}/segments/train/train__part-01.bin")
+    forget_stored_checkpoints(s3_server, s3_prefix, [f"shards/train/train__part-{n:02d}.json" for n in (1, 2, 3)])
     rerun = store_out_run(manifest, url)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert "6 shards, 5.2 MiB; 3 done, 0 partial, 3 to start" in rerun.stdout

@@ -192,7 +192,7 @@ class Layout:
 
     def placed(self, split: str, digest: str = "") -> Path:
         """The checkpoints of a split's shards that a placing wrote from memory into their split file, by key, in a
-        file named by the blake2b of its bytes (write/place.py); without `digest`, their folder."""
+        file named by the blake2b of its keys (write/place.py); without `digest`, their folder."""
         folder = self.shards / split / "placed"
         return folder / f"{digest}.json" if digest else folder
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +28,7 @@ from tokpipe.layout.records import part_record, parts_line, read_parts, split_en
 from tokpipe.layout.run import WriteSpec, output_splits, sources
 from tokpipe.layout.stored import part_name
 from tokpipe.write.assembly import Assembler
-from tokpipe.write.stored import REQUESTS_AT_ONCE, StoreAssembly, compose_split, stored_checkpoint
+from tokpipe.write.stored import StoreAssembly, compose_split
 
 
 def write_skip_log(out: Path, splits: dict[str, SplitEntry]) -> None:
@@ -159,13 +158,12 @@ def _parts_list(assembly: StoreAssembly, stem: str, excluded: frozenset[str]) ->
     out, spec = assembly.out, assembly.spec
     listed = [(shard, held) for shard, held in sources(assembly.manifest, stem, spec.val_fraction)]
     listed = [(shard, held) for shard, held in listed if shard.relpath not in excluded]
-    with ThreadPoolExecutor(REQUESTS_AT_ONCE) as pool:
-        lines = []
-        for (shard, held), ckpt in zip(listed, pool.map(lambda source: stored_checkpoint(out, source[0]), listed)):
-            for group in ckpt.line_groups(held):
-                record = part_record(shard, ckpt, (held, group))
-                if not spec.concat and ckpt.part((held, group)) is not None:
-                    name = out.name(out.segment(stem, group, part_name(shard, (held, group))))
-                    record.update(bin=f"{name}.bin", idx=f"{name}.idx")
-                lines.append(parts_line(record))
+    lines = []
+    for (shard, held), ckpt in zip(listed, assembly.checkpoints.of([shard for shard, _ in listed])):
+        for group in ckpt.line_groups(held):
+            record = part_record(shard, ckpt, (held, group))
+            if not spec.concat and ckpt.part((held, group)) is not None:
+                name = out.name(out.segment(stem, group, part_name(shard, (held, group))))
+                record.update(bin=f"{name}.bin", idx=f"{name}.idx")
+            lines.append(parts_line(record))
     return b"".join(lines)

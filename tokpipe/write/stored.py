@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tokpipe.inputs.manifest import Manifest, Shard
-from tokpipe.layout.checkpoints import Checkpoint, PartCounts
+from tokpipe.layout.checkpoints import Checkpoint, PartCounts, placed_file
 from tokpipe.layout.files import RECORD, ShardFiles, split_file_stem
 from tokpipe.layout.records import IDX_DTYPE, parts_of, read_parts, record_key
 from tokpipe.layout.run import WriteSpec, output_splits, sources
@@ -116,6 +116,58 @@ class HeldParts:
 
 
 @dataclass
+class StoredCheckpoints:
+    """The done shards of an OUT on a store and their checkpoints: a shard's own object (one kept for a rerun:
+    `keep`), else its entry in an object of those checkpointed together (layout/checkpoints.py's placed: one a
+    commit of segments, not a PUT a shard from the driver, nor a GET a shard at finalize)."""
+
+    out: StoredOut
+    own: set[str] = field(default_factory=set)  # keys of the done checkpoints of their own
+    placed: dict[str, str] = field(default_factory=dict)  # a done checkpoint's key -> the placed object holding it
+    unread: list[str] = field(default_factory=list)  # placed objects listed, not yet read (read_placed)
+
+    def note(self, key: str) -> bool:
+        """A key of OUT's listing: whether it is a checkpoint's or a placed object's."""
+        if not (key.startswith(self.out.checkpoints) and key.endswith(".json")):
+            return False
+        (self.unread.append if key.split("/")[-2] == "placed" else self.own.add)(key)
+        return True
+
+    def read_placed(self, pool: ThreadPoolExecutor) -> None:
+        """The placed objects the listing found, read: which shard's checkpoint each holds."""
+        read = pool.map(lambda key: json.loads(self.out.bucket.get(key)[0]), self.unread)
+        for key, keys in zip(self.unread, read):
+            folder = self.out.layout.shards / self.out.name(key).split("/")[1]
+            self.placed.update((self.out.of_local(ShardFiles(folder, k).checkpoint), key) for k in keys)
+        self.unread = []
+
+    def is_done(self, shard: Shard) -> bool:
+        key = self.out.checkpoint(shard)
+        return key in self.own or key in self.placed
+
+    def write(self, ready: dict[str, dict[str, tuple[Shard, Checkpoint]]]) -> None:
+        """Done shards' checkpoints (split -> key -> (shard, checkpoint)), an object a split."""
+        for split, by_key in ready.items():
+            digest, data = placed_file({key: ckpt for key, (_, ckpt) in by_key.items()})
+            key = self.out.of_local(self.out.layout.placed(split, digest))
+            self.out.bucket.put(key, data)
+            self.placed.update((self.out.checkpoint(shard), key) for shard, _ in by_key.values())
+
+    def of(self, shards: list[Shard]) -> list[Checkpoint]:
+        """Done shards' checkpoints, in order, each placed object read once; REQUESTS_AT_ONCE GETs at a time."""
+        keys = [self.out.checkpoint(shard) for shard in shards]
+        objects = list({self.placed[key] for key in keys if key not in self.own and key in self.placed})
+        own = [shard for shard, key in zip(shards, keys) if key in self.own or key not in self.placed]
+        with ThreadPoolExecutor(REQUESTS_AT_ONCE) as pool:
+            read = dict(zip(objects, pool.map(lambda key: json.loads(self.out.bucket.get(key)[0]), objects)))
+            owned = dict(zip((s.relpath for s in own), pool.map(lambda s: stored_checkpoint(self.out, s), own)))
+        return [
+            owned[shard.relpath] if shard.relpath in owned else Checkpoint.parse(read[self.placed[key]][shard.key])
+            for shard, key in zip(shards, keys)
+        ]
+
+
+@dataclass
 class StoreAssembly:
     """The driver's side of an OUT on a store: which shards are done, what each file's segments are, what comes next."""
 
@@ -124,7 +176,6 @@ class StoreAssembly:
     manifest: Manifest
     itemsize: int
     lease: Lease | None = None  # the run's hold on OUT (store/lease.py): checked before each checkpoint and meta
-    done_keys: set[str] = field(default_factory=set)  # keys of the done checkpoints
     committed: set[tuple] = field(default_factory=set)  # Entry.key of every part in a committed segment
     made: dict[tuple, list[Segment]] = field(default_factory=dict)  # (stem, group) -> its committed segments
     # relpath -> (shard, checkpoint, its parts not yet in a committed segment): checkpointed once there are none
@@ -139,6 +190,7 @@ class StoreAssembly:
             cursor.advance()
         self.segments = Gatherer(self.out, self.spec.concat, self.itemsize)
         self.held_parts = HeldParts(self.out, self.spec, f"<u{self.itemsize}")
+        self.checkpoints = StoredCheckpoints(self.out)
 
     # -- a rerun ---------------------------------------------------------------------------------------
 
@@ -153,12 +205,9 @@ class StoreAssembly:
             bucket.delete(out.of_local(path))
         by_segment: dict[str, set[str]] = {}
         for found in bucket.list(out.prefix):
-            if self.held_parts.note(found.key):
+            if self.held_parts.note(found.key) or self.checkpoints.note(found.key):
                 continue
-            if found.key.startswith(out.checkpoints):
-                if found.key.endswith(".json"):
-                    self.done_keys.add(found.key)
-            elif found.key.startswith(out.segments):
+            if found.key.startswith(out.segments):
                 base, _, suffix = found.key.rpartition(".")
                 by_segment.setdefault(base, set()).add(suffix)
             elif found.key.endswith((".bin", ".idx", ".parts")) and out.name(found.key).split("/")[0] not in RECORD:
@@ -171,6 +220,7 @@ class StoreAssembly:
             bases = [base for base, suffixes in by_segment.items() if "bin" in suffixes]
             for segment in pool.map(lambda base: Segment.parse(bucket.get(f"{base}.json")[0]), bases):
                 self._made(segment)
+            self.checkpoints.read_placed(pool)
 
     def abort_uploads(self) -> None:
         """The multipart uploads open under OUT's prefix aborted: a killed attempt's, or a Placer's killed inside
@@ -183,7 +233,7 @@ class StoreAssembly:
         self.committed.update(e.key for e in segment.entries)
 
     def is_done(self, shard: Shard) -> bool:
-        return self.out.checkpoint(shard) in self.done_keys
+        return self.checkpoints.is_done(shard)
 
     # -- while shards are tokenized ------------------------------------------------------------------
 
@@ -194,7 +244,7 @@ class StoreAssembly:
         self.waiting[shard.relpath] = (shard, ckpt, left, buffered)
         held_too = self.spec.val_fraction > 0 and shard.split == "train"  # its held-out part is a source of val
         self.results[shard.relpath] = [ckpt, buffered, 1 + held_too, shard]
-        self._checkpoint_if_in(shard.relpath)
+        self._checkpoint([shard.relpath])
 
     def ready(self, excluded: frozenset[str] = frozenset()) -> list[ClosedSegment]:
         """The segments closed as their turn comes: each split's next sources, while their shards are done (or
@@ -241,26 +291,32 @@ class StoreAssembly:
 
     def commit(self, segments: list[Segment]) -> None:
         """Segments committed: their parts' shards checkpointed where they have no part left outside one."""
+        touched = []
         for segment in segments:
             self._made(segment)
             self.placed_tokens += segment.tokens
             for entry in segment.entries:
                 if entry.shard in self.waiting:
                     self.waiting[entry.shard][2].discard(entry.key)
-                    self._checkpoint_if_in(entry.shard)
+                    touched.append(entry.shard)
+        self._checkpoint(touched)
 
     def lease_check(self) -> None:
         """Raise (UserError) once another run took OUT's lease: this one writes nothing more."""
         if self.lease is not None:
             self.lease.check()
 
-    def _checkpoint_if_in(self, relpath: str) -> None:
-        shard, ckpt, left, _ = self.waiting[relpath]
-        if not left:
+    def _checkpoint(self, relpaths: list[str]) -> None:
+        """Those of these shards with no part left outside a committed segment checkpointed together: one object a
+        split (layout/checkpoints.py's `placed`), not a PUT a shard from the driver."""
+        ready: dict[str, dict[str, tuple[Shard, Checkpoint]]] = {}
+        for relpath in dict.fromkeys(relpaths):
+            if relpath in self.waiting and not self.waiting[relpath][2]:
+                shard, ckpt, _, _ = self.waiting.pop(relpath)
+                ready.setdefault(shard.split, {})[shard.key] = (shard, ckpt)
+        if ready:
             self.lease_check()
-            self.out.bucket.put(self.out.checkpoint(shard), ckpt.encoded())
-            self.done_keys.add(self.out.checkpoint(shard))
-            del self.waiting[relpath]
+            self.checkpoints.write(ready)
 
     def place_ready(self, excluded: frozenset[str] = frozenset()) -> None:
         """The segments whose turn has come, uploaded by this process (its tokens are here: a run without Ray)."""
