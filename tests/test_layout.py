@@ -65,12 +65,15 @@ def test_checkpoints_read_a_shard_s_own_file_first_then_its_entry_in_a_placing_s
     assert checkpoints.of(HOLDOUT) is None  # after the listing: the shard's task reads it
     assert Checkpoints(tmp_path).of(HOLDOUT) == own
 
-    checkpoints.forget(TRAIN_0)  # its entry goes; TRAIN_1's moves to a file of its own before the old one goes
+    checkpoints.forget([TRAIN_0])  # its entry goes; TRAIN_1's moves to a file of its own before the old one goes
     assert checkpoints.of(TRAIN_0) is None and Checkpoints(tmp_path).of(TRAIN_0) is None
     [file] = (tmp_path / "shards" / "train" / "placed").iterdir()
     assert json.loads(file.read_bytes()) == {TRAIN_1.key: asdict(placed)}
-    checkpoints.forget(TRAIN_1)
+    checkpoints.forget([TRAIN_1])
     assert Checkpoints(tmp_path).of(TRAIN_1) is None
+    assert list((tmp_path / "shards" / "train" / "placed").iterdir()) == []
+    write_placed(Layout(tmp_path), {"train": {TRAIN_0.key: placed, TRAIN_1.key: placed}})
+    Checkpoints(tmp_path).forget([TRAIN_0, TRAIN_1])  # a file's every entry at once: the file goes, none written
     assert list((tmp_path / "shards" / "train" / "placed").iterdir()) == []
 
 

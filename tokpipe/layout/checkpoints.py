@@ -176,24 +176,29 @@ class Checkpoints:
         ckpt = self.of(shard)
         return ckpt is not None and ckpt.done
 
-    def forget(self, shard: Shard) -> None:
-        """The shard's checkpoints removed (it is tokenized again): its own file, and its entry in placed files."""
-        self.out.shard(shard).checkpoint.unlink(missing_ok=True)
-        names, placed = self._listing(shard.split)
-        if (digest := placed.pop(shard.key, None)) is not None:
-            path = self.out.placed(shard.split, digest)
-            rest = {key: raw for key, raw in _load_placed(path).items() if key != shard.key}
+    def forget(self, shards: list[Shard]) -> None:
+        """These shards' checkpoints removed (they are tokenized again): their own files, and their entries in placed
+        files, each such file written again once (without them) whatever number of them it held."""
+        gone: dict[tuple[str, str], set[str]] = {}  # (split, placed file) -> the keys it loses
+        for shard in shards:
+            self.out.shard(shard).checkpoint.unlink(missing_ok=True)
+            if (digest := self._listing(shard.split)[1].pop(shard.key, None)) is not None:
+                gone.setdefault((shard.split, digest), set()).add(shard.key)
+        for (split, digest), keys in gone.items():
+            path = self.out.placed(split, digest)
+            rest = {key: raw for key, raw in _load_placed(path).items() if key not in keys}
             if rest:  # the others in a file of their own before this one goes: a kill leaves both, not neither
-                placed |= dict.fromkeys(rest, write_placed(self.out, {shard.split: rest})[shard.split])
+                self.listed[split][1].update(dict.fromkeys(rest, write_placed(self.out, {split: rest})[split]))
             path.unlink()
-            self.read = (None, {})
+        self.read = (None, {})
 
     def _listing(self, split: str) -> tuple[set[str], dict[str, str]]:
         if split not in self.listed:
-            folder, placed = self.out.placed(split).parent, {}
-            for name in sorted(os.listdir(self.out.placed(split))) if self.out.placed(split).is_dir() else []:
+            placing, placed = self.out.placed(split), {}
+            for name in sorted(os.listdir(placing)) if placing.is_dir() else []:
                 if name.endswith(".json"):
-                    placed |= dict.fromkeys(_load_placed(self.out.placed(split) / name), name.removesuffix(".json"))
+                    placed |= dict.fromkeys(_load_placed(placing / name), name.removesuffix(".json"))
+            folder = placing.parent
             self.listed[split] = (set(os.listdir(folder)) if folder.is_dir() else set()), placed
         return self.listed[split]
 

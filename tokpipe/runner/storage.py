@@ -80,8 +80,8 @@ class Folder(Storage):
     def __init__(self, path: Path):
         self.path = self.records = self.where = path
         self.name = str(path)
-        checkpoints = Checkpoints(path)
-        self.checkpoint, self.is_done = checkpoints.of, checkpoints.done
+        self.checkpoints = Checkpoints(path)  # listed once for the run: its plan, its assembly, its tasks
+        self.checkpoint, self.is_done = self.checkpoints.of, self.checkpoints.done
         self.spill = ""  # a large part past --shard-buffer goes to its shard's own files in OUT (write/shard.py)
 
     def show(self, name: str) -> str:
@@ -113,7 +113,7 @@ class Folder(Storage):
     def assembly(self, manifest: Manifest, itemsize: int, spec: WriteSpec, say) -> Assembler:
         """The split files taken up where an earlier attempt left them (Assembler.resume); `say`s which finished
         shards move to new offsets in them, and which are tokenized again."""
-        assembler = Assembler(self.path, itemsize, spec)
+        assembler = Assembler(self.path, itemsize, spec, self.checkpoints)
         assembler.resume(manifest)
         if assembler.moved:
             what = ", ".join(f"{n} in {stem}" for stem, n in assembler.moved.items())

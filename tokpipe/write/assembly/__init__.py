@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 
 from tokpipe.inputs.manifest import Manifest, Shard
-from tokpipe.layout.checkpoints import Checkpoint
+from tokpipe.layout.checkpoints import Checkpoint, Checkpoints
 from tokpipe.layout.files import LayoutWriter
 from tokpipe.layout.meta import SplitEntry
 from tokpipe.layout.records import Part
@@ -43,11 +43,13 @@ class Assembler:
     hand what `ready` returns (plan.py) to `place` (anywhere, any order, in batches, or here: `place_ready`),
     report what came back (`placed`: listing.py); `finish` when `complete`."""
 
-    def __init__(self, out: str | os.PathLike, itemsize: int, spec: WriteSpec = WriteSpec()):
+    def __init__(self, out: str | os.PathLike, itemsize: int, spec: WriteSpec = WriteSpec(), checkpoints=None):
+        """`checkpoints`: OUT's Checkpoints as the run that drives it lists them (runner/storage.py), not listed again
+        here (each split's folders, and every placed file read)."""
         self.out, self.itemsize, self.concat = LayoutWriter(out), itemsize, spec.concat
-        groups = Groups(spec.group_by)
-        self.recovery = Recovery(self.out, itemsize, spec, groups)
-        self.plan = Plan(self.out, spec, groups)
+        groups, checkpoints = Groups(spec.group_by), checkpoints or Checkpoints(out)
+        self.recovery = Recovery(self.out, itemsize, spec, groups, checkpoints)
+        self.plan = Plan(self.out, spec, groups, checkpoints)
         self.listing = Listing(self.out, itemsize, spec)
         self.splits: list[SplitAssembly] = []  # by `resume`
 

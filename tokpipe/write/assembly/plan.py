@@ -15,14 +15,14 @@ class Plan:
     """Feed it finished shards (`done`); `ready` hands out the parts whose offsets are now known, each split's
     in order (with --group-by a shard has a part per group, each at its group's file's offset)."""
 
-    def __init__(self, out: LayoutWriter, spec: WriteSpec, groups: Groups):
+    def __init__(self, out: LayoutWriter, spec: WriteSpec, groups: Groups, checkpoints: Checkpoints):
         self.out, self.groups = out, groups
         self.val_fraction, self.concat = spec.val_fraction, spec.concat
         # Done shards not yet scheduled (those that finished out of order), with how many parts still need them
         # and the parts they kept in memory.
         self.finished: dict[str, tuple[Shard, Checkpoint, int, object]] = {}
         # Those done before this run: a shard done in it comes to `done`, and one done before is listed at the start.
-        self.before = Checkpoints(out.root)
+        self.before = checkpoints
 
     def done(self, shard: Shard, ckpt: Checkpoint, buffered: object = None) -> None:
         """A shard finished in this run (its checkpoint as its task returned it); `buffered`: the parts it kept

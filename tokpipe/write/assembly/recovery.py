@@ -26,15 +26,14 @@ from tokpipe.write.place import is_in_place
 class Recovery:
     """What a rerun keeps of each split, and which shards it tokenizes again (`lost`)."""
 
-    def __init__(self, out: LayoutWriter, itemsize: int, spec: WriteSpec, groups: Groups):
-        self.out, self.itemsize, self.groups = out, itemsize, groups
+    def __init__(self, out: LayoutWriter, itemsize: int, spec: WriteSpec, groups: Groups, checkpoints: Checkpoints):
+        self.out, self.itemsize, self.groups, self.checkpoints = out, itemsize, groups, checkpoints
         self.val_fraction, self.concat, self.group_by = spec.val_fraction, spec.concat, spec.group_by
         self.lost: list[str] = []  # shards tokenized again: their placed files were gone, their place not kept
         self.moved: dict[str, int] = {}  # split stem -> finished shards whose parts move to new offsets
 
     def resume(self, manifest: Manifest) -> list[SplitAssembly]:
         """Every split's assembly, as far as an earlier attempt got, in manifest order of splits."""
-        self.checkpoints = Checkpoints(self.out.root)
         return [self._resume(manifest, split_file_stem(split)) for split in output_splits(manifest, self.val_fraction)]
 
     def _resume(self, manifest: Manifest, stem: str) -> SplitAssembly:
@@ -140,7 +139,7 @@ class Recovery:
         (`moved`); the sources go if none is."""
         rest = sources(manifest, state.stem, self.val_fraction)
         rest = itertools.dropwhile(lambda source: source != state.head, rest)
-        moving, moved = Moving(self.out, state.stem), 0
+        moving, moved, lost = Moving(self.out, state.stem), 0, []
         for shard, held in rest:
             ckpt = self.checkpoints.of(shard)
             if ckpt is None or not ckpt.done:
@@ -154,10 +153,11 @@ class Recovery:
             if len(found) == len(gone):
                 moved += bool(found)
                 continue
-            self.checkpoints.forget(shard)
+            lost.append(shard)
             self.lost.append(shard.relpath)
             if (shard, held) == state.head:
                 state.head_ckpt = None  # its parts wait for it to be done again
+        self.checkpoints.forget(lost)
         if moved:
             self.moved[state.stem] = moved
             state.moving = Moving(self.out, state.stem)
