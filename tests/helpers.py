@@ -435,7 +435,7 @@ KILLED_RUN = (
     + """
 import dataclasses, sys
 import tokpipe.runner.driver
-tokpipe.runner.driver.EAGER_RAY_BYTES = tokpipe.runner.driver.LOCAL_SECONDS = float("inf")  # no Ray
+tokpipe.runner.driver.RAY_PAYS = tokpipe.runner.driver.LOCAL_SECONDS = float("inf")  # no Ray, no helpers
 target, call, batch_bytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 at_call(target, call, lambda: os.kill(os.getpid(), signal.SIGKILL))
 if batch_bytes:
@@ -1211,7 +1211,7 @@ def example_with_train_0_as(dest: Path, layout: str) -> Path:
 STORE_RUN = """
 import os, signal, sys
 import tokpipe.runner.driver, tokpipe.store, tokpipe.store.bucket, tokpipe.store.reader
-tokpipe.runner.driver.EAGER_RAY_BYTES = tokpipe.runner.driver.LOCAL_SECONDS = float("inf")  # no Ray
+tokpipe.runner.driver.RAY_PAYS = tokpipe.runner.driver.LOCAL_SECONDS = float("inf")  # no Ray, no helpers
 record, server, kill_key, kill_at = sys.argv[1], int(sys.argv[4]), sys.argv[5], int(sys.argv[6])
 tokpipe.store.bucket.TRIES, tokpipe.store.reader.READ_AHEAD = int(sys.argv[2]), int(sys.argv[3])
 read, made = tokpipe.store.Bucket.read, []
@@ -1265,7 +1265,7 @@ if driver_shards:
         return len(taken) < driver_shards
     tokpipe.runner.local._Here.take, tokpipe.runner.driver._Handover.driver_goes_on = counted, goes_on
 else:
-    tokpipe.runner.driver.EAGER_RAY_BYTES = tokpipe.runner.driver.LOCAL_SECONDS = float("inf")  # no Ray
+    tokpipe.runner.driver.RAY_PAYS = tokpipe.runner.driver.LOCAL_SECONDS = float("inf")  # no Ray, no helpers
 if call:
     at_call(target, call, lambda: os.killpg(server, signal.SIGKILL) if server else os.kill(os.getpid(), signal.SIGKILL))
 from tokpipe import cli

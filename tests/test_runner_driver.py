@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -55,6 +56,7 @@ from helpers import (
 )
 
 from tokpipe.inputs.manifest import build_manifest, write_manifest
+from tokpipe.runner import driver
 
 HF = ("--backend", "hf")  # the slow reference encoder: runs last long enough to be hit mid-way
 
@@ -393,3 +395,35 @@ def test_a_failed_shard_keeps_the_shards_done_after_it_and_the_rerun_reads_only_
     )
     assert not [name for name in left if name.startswith(("shards/", "segments/")) and name.endswith((".bin", ".idx"))]
     assert cli("verify", out).returncode == 0
+
+
+class _Cluster:
+    """What the handover asks of runner/cluster.Cluster, on a machine of 4 cores."""
+
+    address, fit, started = None, (4, ""), False
+
+    def start(self):
+        self.started = True
+
+    def working(self):
+        return False
+
+
+@pytest.mark.parametrize("read_at_3s, starts", [(30 << 20, False), (10 << 20, True)])
+def test_ray_starts_only_for_a_run_that_its_rate_here_says_outlasts_ray_s_start(monkeypatch, read_at_3s, starts):
+    """100 MiB over 3 s: 30 MiB read leaves 7 s at that rate, under RAY_PAYS, and the run ends here with a helper a
+    core but the driver's; 10 MiB leaves 27 s, and Ray starts, its start given a helper's core. Not before MEASURED
+    seconds, the helpers' start still in the rate."""
+    clock = [0.0]
+    monkeypatch.setattr(driver, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    cluster = _Cluster()
+    progress = SimpleNamespace(total=100 << 20, start_bytes=0, read_this_run=0, shards=1, done=0, done_before=0)
+    handover = driver._Handover(cluster, False, 6.25, progress, since=0.0)
+    assert handover.helpers() == 3
+    clock[0], progress.read_this_run = 2.9, 1 << 20
+    assert handover.driver_goes_on() and not cluster.started
+    clock[0], progress.read_this_run = 3.01, read_at_3s
+    assert handover.driver_goes_on() and cluster.started == starts
+    assert handover.helpers() == (2 if starts else 3)
+    assert driver._Handover(cluster, False, 2.5).helpers() == 2  # a second of work each at most
+    assert driver._Handover(cluster, False, driver.LOCAL_SECONDS).helpers() == 0  # the driver alone

@@ -1,10 +1,16 @@
-"""runner/local: while Ray starts, the driver and helper processes beside it tokenize; a helper's shard comes
-back to the driver, which places it; told to stop, every shard stops at its next batch, checkpointed. With the
+"""runner/local: while Ray starts (or instead of it), the driver and helper processes beside it tokenize; a helper's
+shards come back to the driver, which places them; told to stop, every shard stops at its next batch, checkpointed;
+a helper killed leaves its shards to Ray, never a wait for them. With the
 600-id tokenizer: each helper process loads it, and Qwen3's load (~1.1 CPU-s each) is not the subject."""
+
+import os
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
-from helpers import EXAMPLE_CACHE, assert_out_is, run_args, tokpipe
+from helpers import EXAMPLE_CACHE, assert_out_is, run_args, session_processes, tokpipe, wait_for
 
 from tokpipe.inputs.manifest import build_manifest, write_manifest
 from tokpipe.inputs.tokenizer import load_tokenizer_info
@@ -38,7 +44,8 @@ def _tokenize_here(out, info, busy, helpers: int) -> tuple[int, Tally, Assembler
     tally = Tally(0)
     spec = encode_spec(OPTIONS, info, "fastokens")
     done_before = Checkpoints(out).done
-    done = tokenize_while(MANIFEST, out, spec, busy, progress, tally, RunLog(out), assembler, done_before, helpers)
+    pool = local.Helpers(lambda: helpers, str(out), ("fastokens", info.path)) if helpers else None
+    done = tokenize_while(MANIFEST, out, spec, busy, progress, tally, RunLog(out), assembler, done_before, pool)
     progress.close()
     return done, tally, assembler
 
@@ -86,3 +93,45 @@ def test_helpers_told_to_stop_leave_checkpoints_a_rerun_goes_on_from(tmp_path, i
     rerun = tokpipe(*run_args(manifest, tmp_path / "out", tokenizer=small_tokenizer))
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert_out_is(tmp_path / "out", small_reference)
+
+
+def test_a_helper_killed_leaves_its_shards_unfinished_and_the_driver_goes_on(
+    tmp_path, info, small_tokenizer, small_reference, monkeypatch
+):
+    """The OOM killer's SIGKILL, as a helper takes its first pack: no wait for what it held (multiprocessing's Pool
+    started another process and its call never came back: the run hung), no shard failed for it; its shards are
+    left, neither done nor failed, for Ray's workers (here, the run that goes on) to tokenize."""
+    submit, killed = local.Helpers.submit, []
+
+    def killing(helpers, pack, spec):
+        submit(helpers, pack, spec)
+        for process in helpers.pool._processes.values():
+            os.kill(process.pid, signal.SIGKILL)
+        killed.extend(s.relpath for s in pack)
+
+    monkeypatch.setattr(local.Helpers, "submit", killing)
+    out = tmp_path / "out"
+    done, tally, _ = _tokenize_here(out, info, lambda: True, helpers=1)
+    assert killed and done == 3 - len(killed) and tally.failed == {}
+    assert not [s for s in MANIFEST.shards() if s.relpath in killed and Checkpoint.of(out, s)]
+    manifest = tmp_path / "m.json"
+    write_manifest(MANIFEST, manifest)
+    rerun = tokpipe(*run_args(manifest, out, tokenizer=small_tokenizer))
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert_out_is(out, small_reference)
+
+
+def test_helpers_die_with_a_driver_killed(tmp_path, info):
+    """A driver killed (kill -9) leaves no helper writing on into OUT beside its rerun: each is killed with it."""
+    code = (
+        "import os\n"
+        "from tokpipe.runner.local import Helpers\n"
+        f"helpers = Helpers(lambda: 2, {str(tmp_path)!r}, ('fastokens', {info.path!r}))\n"
+        "helpers.pool.submit(os.getpid).result()\n"
+        "print(*helpers.pool._processes, flush=True)\n"
+        "os.kill(os.getpid(), 9)\n"
+    )
+    driver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    pids = [int(pid) for pid in driver.stdout.readline().split()]
+    assert driver.wait(60) == -signal.SIGKILL and len(pids) == 2
+    wait_for(lambda: not session_processes(driver.pid), 30)

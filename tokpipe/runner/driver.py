@@ -4,6 +4,7 @@ Ray while finished ones are copied into their split files, report failures, fina
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import time
@@ -17,7 +18,7 @@ from tokpipe.errors import terminate_on_sigterm
 from tokpipe.fmt import plural
 from tokpipe.inputs.manifest import Manifest, load_manifest
 from tokpipe.inputs.objects import check_reachable
-from tokpipe.inputs.tokenizer import TokenizerInfo, choose_backend, load_tokenizer_info
+from tokpipe.inputs.tokenizer import FAST_BACKENDS, TokenizerInfo, choose_backend, load_tokenizer_info
 from tokpipe.layout.files import FAILED, RAY_LOG, Layout
 from tokpipe.layout.meta import Meta
 from tokpipe.layout.run import finished_with
@@ -26,20 +27,25 @@ from tokpipe.options import RunOptions
 from tokpipe.runner.cluster import Cluster
 from tokpipe.runner.events import Finished, Listener, Said, silent
 from tokpipe.runner.identity import check_options, encode_spec
-from tokpipe.runner.local import Tally, tokenize_while
+from tokpipe.runner.local import Helpers, Tally, tokenize_while
 from tokpipe.runner.progress import Progress, RunLog, Timeline
 from tokpipe.runner.sample import SAMPLE_LINE_BYTES, count_groups, sample_texts
 from tokpipe.runner.storage import Folder, Prefix, storage_of
 
-# Ray's start costs 2.5-5 s and several CPU-seconds here; the driver tokenizes 10-15 MB/s of
-# compressed input. Less than this much input, or less than a second and a half of the driver's
-# work, and the run ends before Ray would be up: it is started only past these.
-EAGER_RAY_BYTES = 16 << 20
+# Ray's start takes a small machine's core for seconds (2 cores here: 5-8 s until its workers are busy, 8.1 s on
+# 800 MB of input), and on one machine it makes no run faster: what it brings is a long run's safety (stalled
+# shards cancelled, crashed workers retried, memory watched). A run that the driver and a helper a core end within
+# RAY_PAYS seconds, over by the time Ray would be up, is tokenized here and Ray is never started. A longer one starts
+# Ray at once if its input says so, or once its rate here does (after MEASURED seconds: past the helpers' start,
+# ~1 s); the cores tokenize meanwhile. A run the driver alone ends within LOCAL_SECONDS has no helpers either.
+RAY_PAYS = 8.0
+MEASURED = 3.0
 LOCAL_SECONDS = 1.5
-# A shard's own cost to the driver, as the input it would read meanwhile: ~1 ms (20,000 two-document shards took it
-# 18.8 s alone, 0.2 MB of input a second). 20,000 such shards counted by their bytes alone (15 MiB) started Ray only
-# once the driver had worked LOCAL_SECONDS, and it was up 7 s later, the driver's core taken.
-SHARD_BYTES = 12 << 10
+# A core's work before any is measured, at its fastest (a wrong guess here costs Ray's start MEASURED seconds late):
+# compressed input a core tokenizes a second (3.5-16 MB/s here, by corpus), and a shard's own cost, as input bytes
+# (its checkpoint, lock and place: ~0.3 ms a two-document shard).
+CORE_BYTES = 16 << 20
+SHARD_BYTES = 5 << 10
 LOOK_EVERY = 0.05  # seconds: how often the driver, tokenizing while Ray starts, asks whether Ray took over
 
 
@@ -89,27 +95,52 @@ class _Run:
 
 @dataclass
 class _Handover:
-    """The driver tokenizes until Ray can take over. Ray is started once the driver has worked
-    LOCAL_SECONDS without finishing; `driver_goes_on` is asked between batches."""
+    """The driver (and its helpers) tokenize until Ray can take over, or to the end if the run is short (RAY_PAYS):
+    `driver_goes_on` is asked between batches, `helpers` whenever the driver hands them shards."""
 
     cluster: Cluster
     ray_only: bool
-    since: float = field(default_factory=time.monotonic)
+    seconds: float  # one core's, for the shards left (_core_seconds)
+    progress: Progress | None = None  # the run's, once it tokenizes
+    since: float = 0.0  # when the run began to tokenize
     looked: float = float("-inf")  # when Ray was last asked whether it is working
     goes_on: bool = True  # what that ask said
 
     def driver_goes_on(self) -> bool:
-        """Start Ray if it is due; then whether the driver goes on: while there is no Ray ready to take over.
-        Asked of Ray at most every LOOK_EVERY: once up, each ask is a ray.wait, ~1 s of the driver's CPU over the
-        6,000 two-document shards it tokenized while Ray's workers loaded their encoders (py-spy)."""
+        """Start Ray if the run turns out long; then whether the driver goes on: while there is no Ray ready to
+        take over. Asked of Ray at most every LOOK_EVERY: once up, each ask is a ray.wait, ~1 s of the driver's CPU
+        over the 6,000 two-document shards it tokenized while Ray's workers loaded their encoders (py-spy)."""
         if self.cluster.address or self.ray_only:
             return False
         now = time.monotonic()
-        if not self.cluster.started and now - self.since > LOCAL_SECONDS:
-            self.cluster.start()
+        if not self.cluster.started:
+            if now - self.since > MEASURED and self._left(now) > RAY_PAYS:
+                self.cluster.start()
+            return True
         if self.goes_on and now - self.looked >= LOOK_EVERY:
             self.looked, self.goes_on = now, not self.cluster.working()
         return self.goes_on
+
+    def helpers(self) -> int:
+        """Processes beside the driver now: one a core but the driver's, but for the core Ray's start takes once
+        started (on 2 cores a helper beside it made the run slower: 8.9-12.1 s against 7.4-10.5 s on 241 MB, its
+        encoder's load and Ray's start contending with the driver); one a second of the run's work at most (its
+        start is ~1 s of a core), none for a run the driver alone ends soon."""
+        if self.cluster.address or self.ray_only or self.seconds <= LOCAL_SECONDS:
+            return 0
+        return min(self.cluster.fit[0] - (2 if self.cluster.started else 1), int(self.seconds))
+
+    def _left(self, now: float) -> float:
+        """The seconds the run has left at the rate it has gone here (its input and shards, as _core_seconds)."""
+        p = self.progress
+        done = p.read_this_run + SHARD_BYTES * (p.done - p.done_before)
+        left = p.total - p.start_bytes - p.read_this_run + SHARD_BYTES * (p.shards - p.done)
+        return (now - self.since) * left / done if done else float("inf")
+
+
+def _core_seconds(size: int, shards: int) -> float:
+    """What one core takes to tokenize `shards` shards of `size` bytes of input."""
+    return (size + SHARD_BYTES * shards) / CORE_BYTES
 
 
 def _plan(run: _Run, manifest_path) -> Standing:
@@ -155,55 +186,55 @@ def _choose_backend(run: _Run) -> str:
 
 
 def _tokenize(run: _Run, assembler, plan: Standing) -> Tally:
-    """Tokenize every unfinished shard, assembling the split files as shards finish: in this process
-    while Ray starts, then on Ray. What finalize has left is the last copies."""
-    backend = _choose_backend(run)
-    run.cluster.warm(backend, run.info.path)
-    itemsize = np.dtype(run.info.dtype).itemsize
-    series, on_disk = run.clock.series, run.out.on_disk
-    progress = Progress(run.out.records, run.manifest.size, plan, itemsize, series, run.tell, on_disk=on_disk)
-    tally = Tally(run.opts.worker_memory << 20)
-    run.clock.planned = time.monotonic()
-    run.clock.series.mark("tokenize")
-    try:
-        spec = encode_spec(run.opts, run.info, backend, spill=run.out.spill)
-        if not run.cluster.address and run.cluster.fit[1]:
-            run.say(run.cluster.fit[1])
-        handover = _Handover(run.cluster, run.opts.ray_only)
-        # An embedded Ray started at once (a large input) takes seconds to come up: the machine's cores tokenize
-        # meanwhile, in helper processes beside the driver, but for one that Ray's start keeps busy (on 2 cores a
-        # helper made the run slower: 8.9-12.1 s against 7.4-10.5 s on 241 MB, its encoder's load and Ray's
-        # start contending with the driver).
-        eager = run.cluster.started and not run.cluster.address and not run.opts.ray_only
-        helpers = max(run.cluster.fit[0] - 2, 0) if eager else 0
-        # The busy share counts the workers the run will have from its start: the cores that wait for Ray show.
-        progress.workers = run.clock.workers = 1 if run.cluster.address else run.cluster.fit[0]
-        done = plan.done + tokenize_while(
-            run.manifest,
-            run.out.name,
-            spec,
-            handover.driver_goes_on,
-            progress,
-            tally,
-            run.log,
-            assembler,
-            run.out.is_done,
-            helpers,
-        )
-        # A shard that failed here failed as a task would after its retries (what raised here, a source
-        # error or a full disk, raises again on a worker): it is no reason to start Ray.
-        if done + len(tally.failed) < plan.shards:
-            _tokenize_on_ray(run, backend, assembler, progress, tally, done)
-        else:
-            what = "tokenized (or failed)" if tally.failed else "tokenized"
-            here = " while it started" if run.cluster.started else ""
-            run.tell(Said(f"ray: not needed, every shard was {what} here{here}"))
-            progress.update(0, 0, 0, done=done, running=0, failed=len(tally.failed), final=True)
-            run.clock.tokenized_now(assembler.placed_tokens * itemsize)
-            if tally.failed and not run.opts.skip_failed:
-                _kept(run, run.out.keep(assembler))
-    finally:
-        progress.close()
+    """Tokenize every unfinished shard, assembling the split files as shards finish: in this process and its
+    helpers (started first, their encoders loading while the driver checks the backend) while Ray starts or
+    instead of it, then on Ray. What finalize has left is the last copies."""
+    left = _core_seconds(run.manifest.size - plan.done_bytes, plan.shards - plan.done)
+    handover = _Handover(run.cluster, run.opts.ray_only, left)
+    likely = run.opts.backend if run.opts.backend != "auto" else FAST_BACKENDS[0]
+    helpers = Helpers(handover.helpers, str(run.out.name), (likely, run.info.path)) if handover.helpers() else None
+    with helpers or contextlib.nullcontext():
+        backend = _choose_backend(run)
+        run.cluster.warm(backend, run.info.path)
+        itemsize = np.dtype(run.info.dtype).itemsize
+        series, on_disk = run.clock.series, run.out.on_disk
+        progress = Progress(run.out.records, run.manifest.size, plan, itemsize, series, run.tell, on_disk=on_disk)
+        handover.progress, handover.since = progress, time.monotonic()  # its rate, from here
+        tally = Tally(run.opts.worker_memory << 20)
+        run.clock.planned = time.monotonic()
+        run.clock.series.mark("tokenize")
+        try:
+            spec = encode_spec(run.opts, run.info, backend, spill=run.out.spill)
+            if not run.cluster.address and run.cluster.fit[1]:
+                run.say(run.cluster.fit[1])
+            # The busy share counts the workers the run will have from its start: the cores that wait for Ray show.
+            progress.workers = run.clock.workers = 1 if run.cluster.address else run.cluster.fit[0]
+            done = plan.done + tokenize_while(
+                run.manifest,
+                run.out.name,
+                spec,
+                handover.driver_goes_on,
+                progress,
+                tally,
+                run.log,
+                assembler,
+                run.out.is_done,
+                helpers,
+            )
+            # A shard that failed here failed as a task would after its retries (what raised here, a source
+            # error or a full disk, raises again on a worker): it is no reason to start Ray.
+            if done + len(tally.failed) < plan.shards:
+                _tokenize_on_ray(run, backend, assembler, progress, tally, done)
+            else:
+                what = "tokenized (or failed)" if tally.failed else "tokenized"
+                here = " while it started" if run.cluster.started else ""
+                run.tell(Said(f"ray: not needed, every shard was {what} here{here}"))
+                progress.update(0, 0, 0, done=done, running=0, failed=len(tally.failed), final=True)
+                run.clock.tokenized_now(assembler.placed_tokens * itemsize)
+                if tally.failed and not run.opts.skip_failed:
+                    _kept(run, run.out.keep(assembler))
+        finally:
+            progress.close()
     run.clock.read_bytes, run.clock.shard_seconds = progress.read_this_run, tally.shard_seconds
     return tally
 
@@ -305,9 +336,9 @@ def _run(
     manifest = load_manifest(manifest_path)
     check_reachable(manifest)  # shards on a store: a wrong key, no bucket, no store there refused before any work
     out.check()
-    work = manifest.size + SHARD_BYTES * sum(manifest.counts.values())  # as input bytes: see SHARD_BYTES
-    if cluster.address or opts.ray_only or work > EAGER_RAY_BYTES:
-        cluster.start()  # now, while the driver plans: a cluster to join, or more than the driver does alone
+    shards = sum(manifest.counts.values())
+    if cluster.address or opts.ray_only or _core_seconds(manifest.size, shards) > RAY_PAYS * cluster.fit[0]:
+        cluster.start()  # now, while the driver plans: a cluster to join, or a run longer than Ray's start
     info = load_tokenizer_info(tokenizer, opts.eos, opts.bos_token, opts.tokenizer_revision)
     check_options(opts, info, tokenizer)
     if (meta := out.read_only(manifest, info, opts)) is not None:  # a read-only mount: finished, nothing to do

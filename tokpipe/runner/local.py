@@ -6,15 +6,22 @@ Nothing here imports Ray: a run that never needs it never pays for its import (0
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 import multiprocessing
 import os
+import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokpipe.errors import TooManyGroups, Unavailable
 from tokpipe.inputs.manifest import Manifest, Shard
+from tokpipe.inputs.tokenizer import encoder
 from tokpipe.runner.progress import Progress, RunLog
 from tokpipe.write.assembly import Assembler
 from tokpipe.write.shard import EncodeSpec, ShardResult, tokenize_shard
@@ -23,6 +30,11 @@ from tokpipe.write.shard import EncodeSpec, ShardResult, tokenize_shard
 # files, the parts list and the folder of the checkpoints, and per shard, on 20,000 two-document shards, that was
 # 1.4 s of the driver's wall while Ray started (py-spy), its cores otherwise idle. A kill loses what waits.
 PLACE_EVERY = 0.25
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# A helper's pack: its call's cost to the driver is per pack, and a pack small enough to end soon after the last
+# shard is handed out (~0.1 s of a core) and to keep the progress moving.
+HELPER_PACK_BYTES = 1 << 20
+HELPER_PACK_SHARDS = 64
 
 
 @dataclass
@@ -65,19 +77,18 @@ def tokenize_while(
     log,
     assembler: Assembler,
     is_done: Callable[[Shard], bool],
-    helpers: int = 0,
+    helpers: Helpers | None = None,
 ) -> int:
-    """Tokenize shards in this process, and in `helpers` processes beside it, while `busy()` (Ray starting):
-    each shard stops at its next batch once Ray is up, checkpointed, and a worker goes on from there. Returns
-    the shards finished.
+    """Tokenize shards in this process, and in the `helpers` processes beside it, while `busy()` (Ray starting, or
+    not needed): each shard stops at its next batch once Ray is up, checkpointed, and a worker goes on from there.
+    Returns the shards finished; the helpers are closed by then, their cores Ray's workers'.
 
     Ray's start takes seconds that the driver would otherwise wait through, and with it the machine's cores: a
-    corpus of a few small shards is done before it is up, and a large one has its first shards done on every
-    core. Only regular files: a pipe could block the driver, which alone watches for stalls. `out`: where the tokens
-    go, as the user names OUT (runner/storage.py), and `is_done` which shards it holds done."""
-    here = _Here(busy, progress, tally, log, assembler)
+    corpus of small shards is done before it is up, and a large one has its first shards done on every core. Only
+    regular files: a pipe could block the driver, which alone watches for stalls. `out`: where the tokens go, as
+    the user names OUT (runner/storage.py), and `is_done` which shards it holds done."""
+    here = _Here(busy, progress, tally, log, assembler, spec, helpers)
     shards = (s for s in manifest.shards() if not is_done(s) and not s.may_block())
-    here.pool = _Helpers(helpers, out, spec) if helpers else None
     try:
         here.tend(shards)
         while busy() and (shard := next(shards, None)) is not None:
@@ -90,12 +101,12 @@ def tokenize_while(
                 continue
             here.take(shard, (result, [0, 0, 0]))
             here.tend(shards)
-        while here.pool is not None and here.pool.running:
+        while helpers is not None and helpers.running:
             here.tend(shards, wait=True)
         here.place()
     finally:
-        if here.pool is not None:
-            here.pool.close()
+        if helpers is not None:
+            helpers.close()
     progress.base = here.totals
     return here.done
 
@@ -109,7 +120,8 @@ class _Here:
     tally: Tally
     log: Callable[[str], None]
     assembler: Assembler
-    pool: _Helpers | None = None
+    spec: EncodeSpec
+    pool: Helpers | None
     done: int = 0
     totals: list[int] = field(default_factory=lambda: [0, 0, 0])  # input bytes, documents, tokens read here
     placed_at: float = float("-inf")  # when the done shards' parts were last placed (PLACE_EVERY)
@@ -152,8 +164,12 @@ class _Here:
             self.pool.stop.set()
         for shard, outcome in self.pool.ended(wait):
             self.take(shard, outcome)
-        while not self.pool.stop.is_set() and self.pool.has_room() and (shard := next(shards, None)) is not None:
-            self.pool.submit(shard)
+        # A quarter of a process's share of what is left at most, as Ray's packs (schedule.packs): no helper still
+        # on its pack long after the others ended.
+        p = self.progress
+        limit = min(HELPER_PACK_BYTES, (p.total - p.start_bytes - p.read_this_run) // (4 * (1 + self.pool.room())))
+        while not self.pool.stop.is_set() and self.pool.has_room() and (pack := _pack(shards, limit)):
+            self.pool.submit(pack, self.spec)
 
     def on_batch(self, shards, read: tuple[int, int, int]) -> None:
         """After each of the driver's batches: its progress, and the helpers tended."""
@@ -165,56 +181,107 @@ class _Here:
         )
 
 
-class _Helpers:
-    """Processes beside the driver that tokenize while Ray starts (multiprocessing's pool: Ray is not up to
-    run them). Told to stop, each stops its shard at the next batch, checkpointed, as the driver does."""
+def _pack(shards: Iterator[Shard], limit: int) -> list[Shard]:
+    """A helper's next shards: consecutive ones until they come to `limit` bytes, at most HELPER_PACK_SHARDS."""
+    pack, size = [], 0
+    for shard in itertools.islice(shards, HELPER_PACK_SHARDS):
+        pack.append(shard)
+        size += shard.size
+        if size >= limit:
+            break
+    return pack
 
-    def __init__(self, processes: int, out: Path, spec: EncodeSpec):
-        # forkserver: not a fork of the driver, whose threads (Ray's start) a fork would copy mid-step.
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["tokpipe.write.shard"])
+
+class Helpers:
+    """Processes beside the driver that tokenize with it (concurrent.futures' pool: Ray is not up to run them),
+    started with the run, each loading `warm`'s encoder (the backend the check will likely pick) while the driver
+    checks: a helper's first shard came 1.6 s after the driver's when started once the check was done. A helper
+    takes a pack of shards a call: a call a shard (multiprocessing's Pool, its three threads) cost the driver ~5 ms
+    of its CPU a shard, 20,000 two-document shards 103 s. A helper that dies breaks the pool: what it held is left
+    for Ray, never waited for (the Pool replaced the process and its call never returned: the run hung). Told to
+    stop, each stops its shard at the next batch, checkpointed, and passes over the rest of its pack."""
+
+    def __init__(self, room: Callable[[], int], out: str, warm: tuple[str, str]):
+        # spawn: not a fork of the driver, whose threads (Ray's start) a fork would copy mid-step; and each helper a
+        # child of the driver's, killed with it (_helper_start). A forkserver's outlived a kill -9 of the driver,
+        # waiting on a call queue whose ends they held both of.
+        context = multiprocessing.get_context("spawn")
         self.stop = context.Event()
-        self.pool = context.Pool(processes, _helper_start, (self.stop,))
-        self.processes, self.out, self.spec = processes, out, spec
-        self.running: dict = {}  # AsyncResult -> shard
+        self.pool = ProcessPoolExecutor(room(), context, initializer=_helper_start, initargs=(self.stop, os.getpid()))
+        self.room, self.out = room, out
+        self.running: dict[Future, list[Shard]] = {}
+        self.broken = False  # a helper died: the pool takes no more
+        for _ in range(room()):  # a process started for each
+            self.pool.submit(encoder, *warm)
 
     def has_room(self) -> bool:
-        return len(self.running) < self.processes
+        return not self.broken and len(self.running) < self.room()
 
-    def submit(self, shard: Shard) -> None:
-        self.running[self.pool.apply_async(_helper_shard, (shard, str(self.out), self.spec))] = shard
+    def submit(self, pack: list[Shard], spec: EncodeSpec) -> None:
+        try:
+            self.running[self.pool.submit(_helper_pack, pack, self.out, spec)] = pack
+        except BrokenProcessPool:  # a helper died warming: the pack is left for Ray, as a running one would be
+            self.broken = True
 
     def ended(self, wait: bool) -> list[tuple[Shard, object]]:
-        """(shard, (result, read) or the exception it raised) of each helper's shard that ended; with `wait`,
-        after waiting a moment for one."""
+        """(shard, (result, read) or the exception it raised) of each shard of the helpers' packs that ended;
+        with `wait`, after waiting a moment for one."""
         if wait and self.running:
-            next(iter(self.running)).wait(0.05)
+            futures.wait(self.running, timeout=0.05, return_when=futures.FIRST_COMPLETED)
         outcomes = []
-        for r in [r for r in self.running if r.ready()]:
-            shard = self.running.pop(r)
+        for done in [f for f in self.running if f.done()]:
+            del self.running[done]
             try:
-                outcomes.append((shard, r.get()))
-            except Exception as e:  # the shard's failure, raised in the helper
-                outcomes.append((shard, e))
+                outcomes += done.result()
+            except BrokenProcessPool:  # a helper killed (the OOM killer): its shards go to Ray, from checkpoints
+                self.broken = True
         return outcomes
 
+    def __enter__(self) -> Helpers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
-        """Ended: every shard handed out has come back (or the run is stopping, and they are killed)."""
-        self.pool.terminate()
-        self.pool.join()
+        """Ended: every pack handed out has come back (or the run is stopping, and they are killed). Again: nothing."""
+        self.stop.set()
+        processes = list((self.pool._processes or {}).values())  # the executor kills none of its own on shutdown
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            process.kill()
+            process.join()
 
 
 _stop = None  # in a helper: the event that tells it to stop
 
 
-def _helper_start(stop) -> None:
+def _helper_start(stop, driver: int) -> None:
     global _stop
     _stop = stop
+    # Killed with the driver: a driver killed (kill -9) leaves no helper writing on into OUT beside its rerun. One
+    # killed before this line ran is gone already: the helper was adopted.
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != driver:
+        os._exit(1)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core: no thread pool inside each
 
 
+def _helper_pack(shards: list[Shard], out: str, spec: EncodeSpec) -> list[tuple[Shard, object]]:
+    """A helper's pack, shard after shard until told to stop: each shard with its outcome, (the result, what it read:
+    input bytes, documents, tokens) or the exception it raised."""
+    outcomes = []
+    for shard in shards:
+        if _stop.is_set():
+            break  # the pack's rest goes to Ray
+        try:
+            outcomes.append((shard, _helper_shard(shard, out, spec)))
+        except Exception as e:  # the shard's failure, told to the driver
+            outcomes.append((shard, e))
+    return outcomes
+
+
 def _helper_shard(shard: Shard, out: str, spec: EncodeSpec) -> tuple[ShardResult, list[int]]:
-    """tokenize_shard in a helper, with what it read (input bytes, documents, tokens) for the driver's progress."""
     read = [0, 0, 0]
 
     def on_batch(*counts: int) -> None:

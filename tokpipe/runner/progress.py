@@ -53,6 +53,7 @@ class Progress:
         self.out, self.total, self.shards, self.itemsize, self.series = out, total_bytes, plan.shards, itemsize, series
         self.tell = tell
         done_bytes, self.done_before = plan.done_bytes, plan.done
+        self.done = plan.done  # shards, as last updated
         self.start_bytes, self.t0, self.started_at, self.every = done_bytes, time.monotonic(), time.time(), every
         self.disk: dict | None = None  # the output's projected size, once a shard of this run is done
         self.on_disk = on_disk  # False: OUT on a store, whose space is no file system's to compare it with
@@ -83,7 +84,7 @@ class Progress:
         # Workers report the compressed bytes they have read, and a shard's last report may miss the
         # file's tail (zstd's frame end, the reports still in flight): a finished run has read it all.
         read = self.total if final and done == self.shards else self.start_bytes + file_bytes
-        self.read_this_run = read - self.start_bytes
+        self.read_this_run, self.done = read - self.start_bytes, done
         rate = file_bytes / elapsed
         eta = (self.total - read) / rate if rate > 0 else None
         if self.disk is None and self.on_disk and done > self.done_before and file_bytes and tokens:
