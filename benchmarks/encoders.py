@@ -35,7 +35,7 @@ CHECK_MB = 4  # of text whose ids each fast backend must match tokenizers' on
 
 def one(backend: str, corpus_path: str) -> dict:
     """Run in a fresh process: load, encode everything twice, check a sample against tokenizers."""
-    from tokpipe.inputs.tokenizer import encoder
+    from tokpipe.inputs.encoders import encoder
 
     texts = load_texts(corpus_path, HF_MB * 10**6 if backend == "hf" else None)
     mb = sum(len(t.encode()) for t in texts) / 1e6

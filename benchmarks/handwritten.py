@@ -20,7 +20,7 @@ import zstandard
 
 
 def work(k: int, paths: list[str], backend: str, tokenizer_json: str, eos: int, out_dir: str) -> int:
-    from tokpipe.inputs.tokenizer import encoder  # the same encoder object tokpipe's workers call
+    from tokpipe.inputs.encoders import encoder  # the same encoder object tokpipe's workers call
 
     enc, tokens = encoder(backend, tokenizer_json), 0
     with open(f"{out_dir}/part-{k:03d}.bin", "wb") as out:

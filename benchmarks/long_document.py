@@ -95,7 +95,7 @@ def exact(out: Path, small: list[str], parts: list[str], skipped_huge: bool) -> 
 
 CALL = """
 import ctypes, sys, time
-from tokpipe.inputs.tokenizer import encoder
+from tokpipe.inputs.encoders import encoder
 backend, path, whole = sys.argv[1], sys.argv[2], sys.argv[3] == "whole"
 text = open(path, encoding="utf-8").read()
 enc = encoder(backend, {tokenizer!r})

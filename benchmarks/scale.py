@@ -109,7 +109,7 @@ def cmd_rates(args) -> list[dict]:
     import numpy as np
 
     from tokpipe.durability import HASH_CHUNK, hash_range
-    from tokpipe.inputs.tokenizer import GigatokenEncoder
+    from tokpipe.inputs.encoders import GigatokenEncoder
     from tokpipe.layout.records import Part
     from tokpipe.read.verify import verify
     from tokpipe.write.place import place

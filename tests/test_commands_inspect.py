@@ -9,7 +9,7 @@ from helpers import QWEN3, QWEN3_EOS, cli
 
 from tokpipe.commands.inspect import EOS_MARK, Source, TokenFile, inspect, red_flags, render, scan_ids
 from tokpipe.errors import UserError
-from tokpipe.inputs.tokenizer import encoder
+from tokpipe.inputs.encoders import encoder
 from tokpipe.layout.files import load_meta_pkl
 
 

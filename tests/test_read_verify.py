@@ -214,7 +214,7 @@ def test_a_grouped_output_is_verified_group_by_group(finished_grouped, tmp_path)
 
 
 def test_sample_re_encodes_a_long_document_a_piece_at_a_time(tmp_path, monkeypatch):
-    from tokpipe.inputs.tokenizer import PIECE_CHARS, HFEncoder
+    from tokpipe.inputs.encoders import PIECE_CHARS, HFEncoder
     from tokpipe.read.sample import verify_sample
 
     texts = ["a short one", long_document(PIECE_CHARS + 5_000), "another short one"]
@@ -239,7 +239,7 @@ def test_sample_re_encodes_a_long_document_a_piece_at_a_time(tmp_path, monkeypat
 
 
 def test_sample_passes_over_a_long_document_of_a_tokenizer_it_cannot_cut_and_says_so(tmp_path):
-    from tokpipe.inputs.tokenizer import PIECE_CHARS
+    from tokpipe.inputs.encoders import PIECE_CHARS
     from tokpipe.read.sample import verify_sample
 
     tokenizer = tmp_path / "tokenizer"

@@ -34,7 +34,7 @@ def info(small_tokenizer):
     return load_tokenizer_info(small_tokenizer)
 
 
-def _tokenize_here(out, info, busy, helpers: int) -> tuple[int, Tally, Assembler]:
+def _tokenize_here(out, info, busy, helpers: int, warm: str | None = None) -> tuple[int, Tally, Assembler]:
     out.mkdir()
     itemsize = np.dtype(info.dtype).itemsize  # 2: the 600-id tokenizer's ids are uint16
     assembler = Assembler(out, itemsize, OPTIONS.output)
@@ -44,7 +44,7 @@ def _tokenize_here(out, info, busy, helpers: int) -> tuple[int, Tally, Assembler
     tally = Tally(0)
     spec = encode_spec(OPTIONS, info, "fastokens")
     done_before = Checkpoints(out).done
-    pool = local.Helpers(lambda: helpers, str(out), ("fastokens", info.path)) if helpers else None
+    pool = local.Helpers(lambda: helpers, str(out), ("fastokens", warm or info.path)) if helpers else None
     done = tokenize_while(MANIFEST, out, spec, busy, progress, tally, RunLog(out), assembler, done_before, pool)
     progress.close()
     return done, tally, assembler
@@ -85,7 +85,7 @@ def test_helpers_told_to_stop_leave_checkpoints_a_rerun_goes_on_from(tmp_path, i
     """Ray up at the driver's first batch: every shard begun stops there, its buffered tokens in its own files,
     checkpointed; the run that goes on from them ends with the reference bytes."""
     looks = []
-    done, _, _ = _tokenize_here(tmp_path / "out", info, lambda: len(looks.append(1) or looks) < 3, helpers=2)
+    done, _, _ = _tokenize_here(tmp_path / "out", info, lambda: len(looks.append(1) or looks) < 3, helpers=1)
     stopped = [c for s in MANIFEST.shards() if (c := Checkpoint.of(tmp_path / "out", s)) and not c.done]
     assert stopped and all(c.lines > 0 for c in stopped)  # the driver's shard at least, stopped after a batch
     manifest = tmp_path / "m.json"
@@ -135,3 +135,22 @@ def test_helpers_die_with_a_driver_killed(tmp_path, info):
     pids = [int(pid) for pid in driver.stdout.readline().split()]
     assert driver.wait(60) == -signal.SIGKILL and len(pids) == 2
     wait_for(lambda: not session_processes(driver.pid), 30)
+
+
+def test_a_helper_stuck_past_stop_wait_is_killed_and_its_shards_left(
+    tmp_path, info, small_tokenizer, small_reference, monkeypatch
+):
+    """Told to stop, a helper has STOP_WAIT to end its batch: one stuck (here in its encoder's load, from a FIFO no one
+    writes) would hold the run for good, and is killed instead; its packs are left, neither done nor failed, for
+    Ray's workers, which are watched for stalls."""
+    monkeypatch.setattr(local, "STOP_WAIT", 0.5)
+    fifo = tmp_path / "tokenizer.json"
+    os.mkfifo(fifo)
+    looks, out = [], tmp_path / "out"
+    done, tally, _ = _tokenize_here(out, info, lambda: len(looks.append(1) or looks) < 20, helpers=1, warm=str(fifo))
+    assert done == 1 and tally.failed == {}  # the driver's one; the helper's two are left
+    manifest = tmp_path / "m.json"
+    write_manifest(MANIFEST, manifest)
+    rerun = tokpipe(*run_args(manifest, out, tokenizer=small_tokenizer))
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert_out_is(out, small_reference)

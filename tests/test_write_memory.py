@@ -16,9 +16,9 @@ HOLDOUT = list(build_manifest(EXAMPLE_CACHE).shards())[-1]
 
 
 def test_a_worker_over_its_memory_limit_drops_the_encoder_cache_and_writes_the_same_bytes(tmp_path, monkeypatch):
-    import tokpipe.inputs.tokenizer
+    import tokpipe.inputs.encoders
     import tokpipe.write.memory
-    from tokpipe.inputs.tokenizer import encoder
+    from tokpipe.inputs.encoders import encoder
 
     spec = spec_for(QWEN3, batch_bytes=64 << 10, memory_limit=512 << 20)
     tokenize_shard(HOLDOUT, tmp_path / "unbounded", spec_for(QWEN3, memory_limit=0))
@@ -32,7 +32,7 @@ def test_a_worker_over_its_memory_limit_drops_the_encoder_cache_and_writes_the_s
 
     def drop_encoder(*args) -> None:
         grown[0] = 0
-        tokpipe.inputs.tokenizer.drop_encoder(*args)
+        tokpipe.inputs.encoders.drop_encoder(*args)
 
     monkeypatch.setattr(tokpipe.write.memory, "resident_bytes", resident_bytes)
     monkeypatch.setattr(tokpipe.write.memory, "drop_encoder", drop_encoder)

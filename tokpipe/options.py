@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass, field, fields
 
 from tokpipe.errors import UserError
+from tokpipe.inputs.encoders import BACKENDS
 from tokpipe.inputs.source.batch import MISSING_GROUP
-from tokpipe.inputs.tokenizer import BACKENDS
 from tokpipe.layout.run import WriteSpec
 
 

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from tokpipe.errors import UserError
+from tokpipe.inputs.encoders import encoder
 from tokpipe.inputs.manifest import load_manifest
-from tokpipe.inputs.tokenizer import encoder, load_tokenizer_info
+from tokpipe.inputs.tokenizer import load_tokenizer_info
 from tokpipe.layout.files import Layout, split_file_stem
 from tokpipe.layout.meta import Meta
 from tokpipe.layout.records import unfinished_files

@@ -13,10 +13,12 @@ from pathlib import Path
 
 import numpy as np
 
+from tokpipe.inputs.encoders import HFEncoder
 from tokpipe.inputs.manifest import load_manifest
 from tokpipe.inputs.objects import check_reachable
+from tokpipe.inputs.pieces import PIECE_CHARS
 from tokpipe.inputs.source import read_batches
-from tokpipe.inputs.tokenizer import PIECE_CHARS, HFEncoder, tokenizer_json_path
+from tokpipe.inputs.tokenizer import tokenizer_json_path
 from tokpipe.layout.checkpoints import Checkpoints
 from tokpipe.layout.files import Layout, split_file_stem
 from tokpipe.layout.meta import Meta
@@ -29,7 +31,7 @@ from tokpipe.read.verify import Check
 def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str | None = None) -> list[Check]:
     """Re-tokenize k random documents from the source with `tokenizers` (the reference: docs/design.md) and
     compare them with their span in the bins: an independent check of the backend and of the offsets.
-    A document over PIECE_CHARS is re-encoded a piece at a time, exactly as whole (tokenizer.Encoder),
+    A document over PIECE_CHARS is re-encoded a piece at a time, exactly as whole (encoders.Encoder),
     so the check's memory is a piece's, not the document's: `tokenizers` needs 150-350 bytes a character."""
     data = open_output(out)
     out = data.path  # a folder, or a local copy of the records of an OUT on a store (layout/stored.py reader_out)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tokpipe.errors import RayUnavailable, ReaderMayLeave, keep_sigterm
 from tokpipe.fmt import free_bytes, size
-from tokpipe.inputs.tokenizer import encoder
+from tokpipe.inputs.encoders import encoder
 from tokpipe.options import RunOptions
 from tokpipe.runner.local import describe_failure
 

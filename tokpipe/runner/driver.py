@@ -16,9 +16,10 @@ import numpy as np
 from tokpipe.durability import write_json_atomic
 from tokpipe.errors import terminate_on_sigterm
 from tokpipe.fmt import plural
+from tokpipe.inputs.encoders import choose_backend, likely_backend
 from tokpipe.inputs.manifest import Manifest, load_manifest
 from tokpipe.inputs.objects import check_reachable
-from tokpipe.inputs.tokenizer import FAST_BACKENDS, TokenizerInfo, choose_backend, load_tokenizer_info
+from tokpipe.inputs.tokenizer import TokenizerInfo, load_tokenizer_info
 from tokpipe.layout.files import FAILED, RAY_LOG, Layout
 from tokpipe.layout.meta import Meta
 from tokpipe.layout.run import finished_with
@@ -32,12 +33,13 @@ from tokpipe.runner.progress import Progress, RunLog, Timeline
 from tokpipe.runner.sample import SAMPLE_LINE_BYTES, count_groups, sample_texts
 from tokpipe.runner.storage import Folder, Prefix, storage_of
 
-# Ray's start takes a small machine's core for seconds (2 cores here: 5-8 s until its workers are busy, 8.1 s on
-# 800 MB of input), and on one machine it makes no run faster: what it brings is a long run's safety (stalled
-# shards cancelled, crashed workers retried, memory watched). A run that the driver and a helper a core end within
-# RAY_PAYS seconds, over by the time Ray would be up, is tokenized here and Ray is never started. A longer one starts
-# Ray at once if its input says so, or once its rate here does (after MEASURED seconds: past the helpers' start,
-# ~1 s); the cores tokenize meanwhile. A run the driver alone ends within LOCAL_SECONDS has no helpers either.
+# Ray's start takes a small machine's core for seconds (2 cores here: 5-8 s until its workers are busy; 424 MB of
+# distinct text took 12.8 s with it, 8.1 without; 800 MB 16.8 and 13.3), and on one machine it makes no run
+# faster: what it brings is a long run's safety (stalled shards cancelled, crashed workers retried, memory watched).
+# A run that the driver and a helper a core end within RAY_PAYS seconds, over by the time Ray would be up, is
+# tokenized here and Ray is never started. A longer one starts Ray at once if its input says so, or once its rate
+# here does (after MEASURED seconds: past the helpers' start, ~1 s); the cores tokenize meanwhile. A run the driver
+# alone ends within LOCAL_SECONDS has no helpers either.
 RAY_PAYS = 8.0
 MEASURED = 3.0
 LOCAL_SECONDS = 1.5
@@ -191,8 +193,8 @@ def _tokenize(run: _Run, assembler, plan: Standing) -> Tally:
     instead of it, then on Ray. What finalize has left is the last copies."""
     left = _core_seconds(run.manifest.size - plan.done_bytes, plan.shards - plan.done)
     handover = _Handover(run.cluster, run.opts.ray_only, left)
-    likely = run.opts.backend if run.opts.backend != "auto" else FAST_BACKENDS[0]
-    helpers = Helpers(handover.helpers, str(run.out.name), (likely, run.info.path)) if handover.helpers() else None
+    likely = (likely_backend(run.opts.backend), run.info.path)
+    helpers = Helpers(handover.helpers, str(run.out.name), likely) if handover.helpers() else None
     with helpers or contextlib.nullcontext():
         backend = _choose_backend(run)
         run.cluster.warm(backend, run.info.path)
@@ -339,7 +341,8 @@ def _run(
     shards = sum(manifest.counts.values())
     if cluster.address or opts.ray_only or _core_seconds(manifest.size, shards) > RAY_PAYS * cluster.fit[0]:
         cluster.start()  # now, while the driver plans: a cluster to join, or a run longer than Ray's start
-    info = load_tokenizer_info(tokenizer, opts.eos, opts.bos_token, opts.tokenizer_revision)
+    backend = likely_backend(opts.backend)  # its encoder loading meanwhile, for the backend check
+    info = load_tokenizer_info(tokenizer, opts.eos, opts.bos_token, opts.tokenizer_revision, prefetch=backend)
     check_options(opts, info, tokenizer)
     if (meta := out.read_only(manifest, info, opts)) is not None:  # a read-only mount: finished, nothing to do
         return _nothing_to_do(out, meta, clock, tell)

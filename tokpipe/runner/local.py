@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokpipe.errors import TooManyGroups, Unavailable
+from tokpipe.inputs.encoders import encoder
 from tokpipe.inputs.manifest import Manifest, Shard
-from tokpipe.inputs.tokenizer import encoder
 from tokpipe.runner.progress import Progress, RunLog
 from tokpipe.write.assembly import Assembler
 from tokpipe.write.shard import EncodeSpec, ShardResult, tokenize_shard
@@ -35,6 +35,8 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # shard is handed out (~0.1 s of a core) and to keep the progress moving.
 HELPER_PACK_BYTES = 1 << 20
 HELPER_PACK_SHARDS = 64
+# Told to stop, a helper ends its shard's batch (1 MiB of text: ~0.8 s with the slowest backend here) or is killed.
+STOP_WAIT = 10.0
 
 
 @dataclass
@@ -161,14 +163,14 @@ class _Here:
         if self.pool is None:
             return
         if not self.busy():
-            self.pool.stop.set()
+            self.pool.halt()
         for shard, outcome in self.pool.ended(wait):
             self.take(shard, outcome)
         # A quarter of a process's share of what is left at most, as Ray's packs (schedule.packs): no helper still
         # on its pack long after the others ended.
         p = self.progress
         limit = min(HELPER_PACK_BYTES, (p.total - p.start_bytes - p.read_this_run) // (4 * (1 + self.pool.room())))
-        while not self.pool.stop.is_set() and self.pool.has_room() and (pack := _pack(shards, limit)):
+        while self.pool.halted is None and self.pool.has_room() and (pack := _pack(shards, limit)):
             self.pool.submit(pack, self.spec)
 
     def on_batch(self, shards, read: tuple[int, int, int]) -> None:
@@ -211,11 +213,14 @@ class Helpers:
         self.room, self.out = room, out
         self.running: dict[Future, list[Shard]] = {}
         self.broken = False  # a helper died: the pool takes no more
+        self.halted: float | None = None  # when the helpers were told to stop
         for _ in range(room()):  # a process started for each
             self.pool.submit(encoder, *warm)
 
     def has_room(self) -> bool:
-        return not self.broken and len(self.running) < self.room()
+        """Two packs a helper: its next one queued, not waiting on the driver's placing (~50 ms every PLACE_EVERY
+        on 20,000 two-document shards)."""
+        return not self.broken and len(self.running) < 2 * self.room()
 
     def submit(self, pack: list[Shard], spec: EncodeSpec) -> None:
         try:
@@ -223,9 +228,18 @@ class Helpers:
         except BrokenProcessPool:  # a helper died warming: the pack is left for Ray, as a running one would be
             self.broken = True
 
+    def halt(self) -> None:
+        """Each helper to stop its shard at its next batch, checkpointed, and pass over the rest of its pack."""
+        if self.halted is None:
+            self.stop.set()
+            self.halted = time.monotonic()
+
     def ended(self, wait: bool) -> list[tuple[Shard, object]]:
         """(shard, (result, read) or the exception it raised) of each shard of the helpers' packs that ended;
-        with `wait`, after waiting a moment for one."""
+        with `wait`, after waiting a moment for one. Helpers told to stop STOP_WAIT ago are killed: one stuck in a
+        shard leaves it to Ray's workers, which are watched for stalls, not to hold the run."""
+        if self.halted is not None and self.running and time.monotonic() - self.halted > STOP_WAIT:
+            self._kill()
         if wait and self.running:
             futures.wait(self.running, timeout=0.05, return_when=futures.FIRST_COMPLETED)
         outcomes = []
@@ -245,10 +259,12 @@ class Helpers:
 
     def close(self) -> None:
         """Ended: every pack handed out has come back (or the run is stopping, and they are killed). Again: nothing."""
-        self.stop.set()
-        processes = list((self.pool._processes or {}).values())  # the executor kills none of its own on shutdown
+        self.halt()
+        self._kill()
         self.pool.shutdown(wait=False, cancel_futures=True)
-        for process in processes:
+
+    def _kill(self) -> None:
+        for process in list((self.pool._processes or {}).values()):  # the executor kills none of its own
             process.kill()
             process.join()
 

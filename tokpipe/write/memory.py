@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from tokpipe.inputs.tokenizer import drop_encoder, encoder
+from tokpipe.inputs.encoders import drop_encoder, encoder
 
 BATCH_HEADROOM = 64 << 20  # least room the word cache gets before it is dropped
 
