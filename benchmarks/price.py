@@ -6,7 +6,8 @@ its exit), the marginal cost (full corpus minus tiny), their ratio, the whole-ru
 tokpipe's time goes (from the timestamps of its own output lines), with both sides' CPU seconds.
 
     python benchmarks/price.py --size 250MB --workers 2
-    python benchmarks/price.py --size 800MB --base 424MB --shards 64 --long-tail   # the marginal past Ray's start
+    python benchmarks/price.py --size 800MB --base 424MB --shards 64 --long-tail             # the whole run
+    python benchmarks/price.py --size 800MB --base 424MB --shards 64 --long-tail --ray-only  # past Ray's start
 """
 
 import argparse
@@ -62,6 +63,12 @@ def main() -> None:
         help="a never-seen identifier after every 4th word (harness.build_distinct_corpus): distinct documents past"
         " the distinct text at hand (453 MB here), for a marginal measured where both sides run at full speed",
     )
+    p.add_argument(
+        "--ray-only",
+        action="store_true",
+        help="tokpipe's runs on Ray's workers from their start (its hidden --ray-only): a marginal past Ray's start"
+        " where the base alone would end before Ray is up, and so run without it",
+    )
     args = p.parse_args()
     size = parse_size(args.size)
     shard_bytes = -(-size // args.shards)
@@ -81,7 +88,7 @@ def main() -> None:
     backend = args.backend
     for _ in range(args.repeats):
         for corpus_name in ("tiny", "full"):
-            tp = tokpipe_run(manifests[corpus_name], out / "tokpipe", args.workers)
+            tp = tokpipe_run(manifests[corpus_name], out / "tokpipe", args.workers, *["--ray-only"] * args.ray_only)
             tp |= phases(tp) | {"tokens": _meta_tokens(out / "tokpipe")}
             backend = backend or next(line for _, line in tp["lines"] if line.startswith("backend ")).split()[1].rstrip(
                 ":"

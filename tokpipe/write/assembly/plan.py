@@ -65,10 +65,13 @@ class Plan:
 
     def _part(self, s: SplitAssembly, shard: Shard, key: PartKey) -> Part:
         """The head's part of `key`, next in its file; or with --group-by, the shard's accounting line (no part)."""
-        files, group = self.out.shard(shard), key[1]
-        bin_path, idx_path = files.part(key) if s.head_ckpt.part(key) is not None else (None, None)
+        group, exists = key[1], s.head_ckpt.part(key) is not None
+        # A part in memory, concatenated, needs no paths: building them was half of this function's CPU (20,000
+        # two-document shards: 0.56 -> 0.29 s, py-spy).
+        named = exists and (s.head_buffered is None or not self.concat)
+        bin_path, idx_path = self.out.shard(shard).part(key) if named else (None, None)
         record = part_record(shard, s.head_ckpt, key)
-        if not self.concat and bin_path is not None:  # the part's files are the split's: meta lists them
+        if not self.concat and exists:  # the part's files are the split's: meta lists them
             record.update(bin=str(bin_path.relative_to(self.out.root)), idx=str(idx_path.relative_to(self.out.root)))
         if self.concat and group is not None and group not in s.offsets:  # a group's first part
             self.out.new_assembly_files(s.stem, group)
@@ -76,7 +79,7 @@ class Plan:
         s.scheduled += 1
         source = s.moving.take(shard.relpath, key) if s.moving is not None else None
         if s.head_buffered is not None:
-            buffered = (s.head_buffered, key) if bin_path is not None else None
+            buffered = (s.head_buffered, key) if exists else None
             checkpoint = (shard.split, shard.key, s.head_ckpt)
             return Part(s.stem, seq, tokens, documents, record, buffered=buffered, checkpoint=checkpoint)
         if source is not None and bin_path is not None:  # in the split file as it was: moved from there
