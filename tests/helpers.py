@@ -436,6 +436,8 @@ KILLED_RUN = (
 import dataclasses, sys
 import tokpipe.runner.driver
 tokpipe.runner.driver.RAY_PAYS = tokpipe.runner.driver.LOCAL_SECONDS = float("inf")  # no Ray, no helpers
+if os.environ.get("TOKPIPE_TESTS_HELPERS"):  # but a helper a core beside the driver, as a run of a few seconds has
+    tokpipe.runner.driver.LOCAL_SECONDS, tokpipe.runner.driver.CORE_BYTES = 0.0, 1
 target, call, batch_bytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 at_call(target, call, lambda: os.kill(os.getpid(), signal.SIGKILL))
 if batch_bytes:
@@ -447,10 +449,15 @@ cli.main(sys.argv[4:])
 )
 
 
-def killed_run(target: str, call: int, manifest, out, *extra, batch_bytes: int = 0, tokenizer=QWEN3) -> None:
-    """`tokpipe run` (run_args) killed by SIGKILL at the `call`-th call of `target` (KILLED_RUN)."""
+def killed_run(
+    target: str, call: int, manifest, out, *extra, batch_bytes: int = 0, tokenizer=QWEN3, helpers: bool = False
+) -> None:
+    """`tokpipe run` (run_args) killed by SIGKILL at the `call`-th call of `target` in the driver (KILLED_RUN); with
+    `helpers`, a helper process a core beside it."""
     args = [target, call, batch_bytes, *run_args(manifest, out, *extra, tokenizer=tokenizer)]
-    killed = subprocess.run([sys.executable, "-c", KILLED_RUN, *map(str, args)], capture_output=True, text=True)
+    env = os.environ | ({"TOKPIPE_TESTS_HELPERS": "1"} if helpers else {})
+    command = [sys.executable, "-c", KILLED_RUN, *map(str, args)]
+    killed = subprocess.run(command, capture_output=True, text=True, env=env)
     assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
 
 

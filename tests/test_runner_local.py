@@ -4,13 +4,14 @@ a helper killed leaves its shards to Ray, never a wait for them. With the
 600-id tokenizer: each helper process loads it, and Qwen3's load (~1.1 CPU-s each) is not the subject."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from helpers import EXAMPLE_CACHE, assert_out_is, run_args, session_processes, tokpipe, wait_for
+from helpers import EXAMPLE_CACHE, assert_out_is, cli, killed_run, run_args, session_processes, tokpipe, wait_for
 
 from tokpipe.inputs.manifest import build_manifest, write_manifest
 from tokpipe.inputs.tokenizer import load_tokenizer_info
@@ -154,3 +155,31 @@ def test_a_helper_stuck_past_stop_wait_is_killed_and_its_shards_left(
     rerun = tokpipe(*run_args(manifest, out, tokenizer=small_tokenizer))
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert_out_is(out, small_reference)
+
+
+@pytest.mark.parametrize("call", [1, 2])
+def test_a_run_with_helpers_killed_at_a_placing_then_the_same_command_is_the_reference(
+    dataset, tmp_path, small_tokenizer, small_reference, call
+):
+    """Three copies of the example, a helper beside the driver, the driver killed (kill -9) at its first or second
+    placing of done shards: what the helpers' packs had done and not yet placed is lost with it, and the same
+    command tokenizes that again to the reference bytes."""
+    for split in ("train", "validation"):
+        for copy in ("chunk2", "chunk3"):
+            shutil.copytree(dataset / split / "chunk1", dataset / split / copy)
+    manifest, out = tmp_path / "m.json", tmp_path / "out"
+    write_manifest(build_manifest(dataset), manifest)
+    killed_run(
+        "tokpipe.write.assembly.Assembler.place_ready",
+        call,
+        manifest,
+        out,
+        "--workers",
+        "2",
+        tokenizer=small_tokenizer,
+        helpers=True,
+    )
+    rerun = tokpipe(*run_args(manifest, out, tokenizer=small_tokenizer))
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert_out_is(out, {stem: np.concatenate([tokens] * 3) for stem, tokens in small_reference.items()})
+    assert cli("verify", out).returncode == 0
