@@ -44,7 +44,7 @@ def test_a_worker_over_its_memory_limit_drops_the_encoder_cache_and_writes_the_s
 
 
 class _StandIn:
-    """An encoder as the guard sees it, loaded and dropped as tokenizer.encoder and drop_encoder do."""
+    """An encoder as the guard sees it, loaded and dropped as encoders.encoder and drop_encoder do."""
 
     def __init__(self, bounded_cache: bool):
         self.bounded_cache = bounded_cache

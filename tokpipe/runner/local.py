@@ -47,8 +47,8 @@ class Tally:
     shard_seconds: float = 0.0  # that shards took in this run, whether done or stopped (ShardResult.seconds)
     failed: dict[str, str] = field(default_factory=dict)  # shard relpath -> last error
     # Shards finished in the driver while Ray started: Ray's tasks pass them over. OUT's listing of checkpoints
-    # (DoneShards) was taken before they were done, and on 20,000 two-document shards 2,594 went to Ray's workers
-    # again, each to find its checkpoint done and be said "resumed".
+    # (layout/checkpoints.py) was taken before they were done, and on 20,000 two-document shards 2,594 went to Ray's
+    # workers again, each to find its checkpoint done and be said "resumed".
     here: set[str] = field(default_factory=set)
     resumed: list[ShardResult] = field(default_factory=list)  # shards that went on from a checkpoint
     lacking: list[tuple[str, int, int]] = field(default_factory=list)  # (shard, lines without the text, lines)
