@@ -133,10 +133,10 @@ class _Handover:
         return min(self.cluster.fit[0] - (2 if self.cluster.started else 1), int(self.seconds))
 
     def _left(self, now: float) -> float:
-        """The seconds the run has left at the rate it has gone here (its input and shards, as _core_seconds)."""
+        """The seconds the run has left at the rate it has gone here: its work (_core_seconds) left over done."""
         p = self.progress
-        done = p.read_this_run + SHARD_BYTES * (p.done - p.done_before)
-        left = p.total - p.start_bytes - p.read_this_run + SHARD_BYTES * (p.shards - p.done)
+        done = _core_seconds(p.read_this_run, p.done - p.done_before)
+        left = _core_seconds(p.total - p.start_bytes - p.read_this_run, p.shards - p.done)
         return (now - self.since) * left / done if done else float("inf")
 
 

@@ -135,7 +135,7 @@ class StoredCheckpoints:
 
     def read_placed(self, pool: ThreadPoolExecutor) -> None:
         """The placed objects the listing found, read: which shard's checkpoint each holds."""
-        read = pool.map(lambda key: json.loads(self.out.bucket.get(key)[0]), self.unread)
+        read = pool.map(self._load, self.unread)
         for key, keys in zip(self.unread, read):
             folder = self.out.layout.shards / self.out.name(key).split("/")[1]
             self.placed.update((self.out.of_local(ShardFiles(folder, k).checkpoint), key) for k in keys)
@@ -144,6 +144,10 @@ class StoredCheckpoints:
     def is_done(self, shard: Shard) -> bool:
         key = self.out.checkpoint(shard)
         return key in self.own or key in self.placed
+
+    def _load(self, key: str) -> dict:
+        """A placed object: key -> checkpoint of the shards it holds."""
+        return json.loads(self.out.bucket.get(key)[0])
 
     def write(self, ready: dict[str, dict[str, tuple[Shard, Checkpoint]]]) -> None:
         """Done shards' checkpoints (split -> key -> (shard, checkpoint)), an object a split."""
@@ -159,7 +163,7 @@ class StoredCheckpoints:
         objects = list({self.placed[key] for key in keys if key not in self.own and key in self.placed})
         own = [shard for shard, key in zip(shards, keys) if key in self.own or key not in self.placed]
         with ThreadPoolExecutor(REQUESTS_AT_ONCE) as pool:
-            read = dict(zip(objects, pool.map(lambda key: json.loads(self.out.bucket.get(key)[0]), objects)))
+            read = dict(zip(objects, pool.map(self._load, objects)))
             owned = dict(zip((s.relpath for s in own), pool.map(lambda s: stored_checkpoint(self.out, s), own)))
         return [
             owned[shard.relpath] if shard.relpath in owned else Checkpoint.parse(read[self.placed[key]][shard.key])
