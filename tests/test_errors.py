@@ -96,12 +96,12 @@ def _threads(pid: int) -> list[str]:
 def test_while_ray_starts_and_the_driver_tokenizes(tmp_path, small_tokenizer, small_reference, ray_address):
     """The moment Ray's C++ side printed its failure-signal handler's stack at (`*** SIGTERM received at ...`,
     `PC: @ ...`, twice): Ray's core worker is up in the driver (its `worker.io` thread runs), Ray has not
-    taken over from the driver yet. The example thirteen times over (symlinks to its files) keeps the driver
-    tokenizing with the reference encoder well past it: ten times over did with Qwen3, which `hf` encodes 1.3x
-    slower than the 600-id tokenizer (three times over, the driver had finished under load from other tests:
-    Ray's start took 9 s; five times over, it had on a quieter machine, once in the whole suite)."""
+    taken over from the driver yet. The example sixty times over (symlinks to its files) keeps the driver
+    tokenizing with the reference encoder well past it, and its rate after 3 s projects work enough for Ray's start
+    to pay (runner/driver.py RAY_START_CPU): twenty times over, 17 s on one quiet core, did not, Ray's start adding a
+    fifth to it (three times over, the driver had finished under load from other tests: Ray's start took 9 s)."""
     data = tmp_path / "data"
-    copies = 13
+    copies = 60
     train = [data / f"train/copy{i}/part{k}.jsonl.zst" for i in range(copies) for k in range(len(EXAMPLE_TRAIN_FILES))]
     val = [
         data / f"validation/copy{i}/part{k}.jsonl.zst" for i in range(copies) for k in range(len(EXAMPLE_HOLDOUT_FILES))

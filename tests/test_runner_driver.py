@@ -409,6 +409,15 @@ class _Cluster:
         return False
 
 
+@pytest.mark.parametrize(
+    "core_seconds, cores, pays", [(21.4, 2, False), (25.1, 2, True), (128, 16, False), (129, 16, True)]
+)
+def test_ray_pays_for_work_past_its_start_and_five_times_what_its_start_costs(core_seconds, cores, pays):
+    """800 MB of text on 2 cores (21.4 core-seconds at CORE_BYTES) is over 8 s a core, but Ray's start would add a
+    fifth to it: no Ray. On 16 cores the 8 s a core is the bound."""
+    assert driver._ray_pays(core_seconds, cores) == pays
+
+
 @pytest.mark.parametrize("read_at_3s, starts", [(30 << 20, False), (10 << 20, True)])
 def test_ray_starts_only_for_a_run_that_its_rate_here_says_outlasts_ray_s_start(monkeypatch, read_at_3s, starts):
     """100 MiB over 3 s: 30 MiB read leaves 7 s at that rate, under RAY_PAYS, and the run ends here with a helper a

@@ -45,7 +45,9 @@ def _tokenize_here(out, info, busy, helpers: int, warm: str | None = None) -> tu
     tally = Tally(0)
     spec = encode_spec(OPTIONS, info, "fastokens")
     done_before = Checkpoints(out).done
-    pool = local.Helpers(lambda: helpers, str(out), ("fastokens", warm or info.path)) if helpers else None
+    pool = local.Helpers(lambda: helpers, str(out)) if helpers else None
+    if pool is not None:
+        pool.warm("fastokens", warm or info.path)
     done = tokenize_while(MANIFEST, out, spec, busy, progress, tally, RunLog(out), assembler, done_before, pool)
     progress.close()
     return done, tally, assembler
@@ -127,7 +129,7 @@ def test_helpers_die_with_a_driver_killed(tmp_path, info):
     code = (
         "import os\n"
         "from tokpipe.runner.local import Helpers\n"
-        f"helpers = Helpers(lambda: 2, {str(tmp_path)!r}, ('fastokens', {info.path!r}))\n"
+        f"helpers = Helpers(lambda: 2, {str(tmp_path)!r})\n"
         "helpers.pool.submit(os.getpid).result()\n"
         "print(*helpers.pool._processes, flush=True)\n"
         "os.kill(os.getpid(), 9)\n"

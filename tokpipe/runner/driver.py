@@ -36,11 +36,13 @@ from tokpipe.runner.storage import Folder, Prefix, storage_of
 # Ray's start takes a small machine's core for seconds (2 cores here: 5-8 s until its workers are busy; 424 MB of
 # distinct text took 12.8 s with it, 8.1 without; 800 MB 16.8 and 13.3), and on one machine it makes no run
 # faster: what it brings is a long run's safety (stalled shards cancelled, crashed workers retried, memory watched).
-# A run that the driver and a helper a core end within RAY_PAYS seconds, over by the time Ray would be up, is
-# tokenized here and Ray is never started. A longer one starts Ray at once if its input says so, or once its rate
-# here does (after MEASURED seconds: past the helpers' start, ~1 s); the cores tokenize meanwhile. A run the driver
-# alone ends within LOCAL_SECONDS has no helpers either.
+# A run that the driver and a helper a core end within RAY_PAYS seconds, over by the time Ray would be up, or whose
+# work Ray's own start (RAY_START_CPU: its GCS, raylet, agents and monitors took 4.7 CPU-s here) would add over a
+# fifth to, is tokenized here and Ray is never started. A longer one starts Ray at once if its input says so, or
+# once its rate here does (after MEASURED seconds: past the helpers' start, ~1 s); the cores tokenize meanwhile. A
+# run the driver alone ends within LOCAL_SECONDS has no helpers either.
 RAY_PAYS = 8.0
+RAY_START_CPU = 5.0
 MEASURED = 3.0
 LOCAL_SECONDS = 1.5
 # A core's work before any is measured, at its fastest (a wrong guess here costs Ray's start MEASURED seconds late):
@@ -88,6 +90,8 @@ class _Run:
     clock: Timeline
     cluster: Cluster
     tell: Listener  # what the run says as it goes (events.Said)
+    handover: _Handover
+    helpers: Helpers | None
 
     def say(self, text: str, logged: str | None = None) -> None:
         """Tell it, and log it (or `logged`, its longer form)."""
@@ -116,7 +120,7 @@ class _Handover:
             return False
         now = time.monotonic()
         if not self.cluster.started:
-            if now - self.since > MEASURED and self._left(now) > RAY_PAYS:
+            if now - self.since > MEASURED and _ray_pays(self._left(now) * self.cluster.fit[0], self.cluster.fit[0]):
                 self.cluster.start()
             return True
         if self.goes_on and now - self.looked >= LOOK_EVERY:
@@ -143,6 +147,12 @@ class _Handover:
 def _core_seconds(size: int, shards: int) -> float:
     """What one core takes to tokenize `shards` shards of `size` bytes of input."""
     return (size + SHARD_BYTES * shards) / CORE_BYTES
+
+
+def _ray_pays(core_seconds: float, cores: int) -> bool:
+    """Whether work of `core_seconds` on `cores` is long enough for Ray's start: over RAY_PAYS seconds on every core,
+    and over five times what Ray's start costs."""
+    return core_seconds > max(RAY_PAYS * cores, 5 * RAY_START_CPU)
 
 
 def _plan(run: _Run, manifest_path) -> Standing:
@@ -189,54 +199,51 @@ def _choose_backend(run: _Run) -> str:
 
 def _tokenize(run: _Run, assembler, plan: Standing) -> Tally:
     """Tokenize every unfinished shard, assembling the split files as shards finish: in this process and its
-    helpers (started first, their encoders loading while the driver checks the backend) while Ray starts or
-    instead of it, then on Ray. What finalize has left is the last copies."""
-    left = _core_seconds(run.manifest.size - plan.done_bytes, plan.shards - plan.done)
-    handover = _Handover(run.cluster, run.opts.ray_only, left)
-    likely = (likely_backend(run.opts.backend), run.info.path)
-    helpers = Helpers(handover.helpers, str(run.out.name), likely) if handover.helpers() else None
-    with helpers or contextlib.nullcontext():
-        backend = _choose_backend(run)
-        run.cluster.warm(backend, run.info.path)
-        itemsize = np.dtype(run.info.dtype).itemsize
-        series, on_disk = run.clock.series, run.out.on_disk
-        progress = Progress(run.out.records, run.manifest.size, plan, itemsize, series, run.tell, on_disk=on_disk)
-        handover.progress, handover.since = progress, time.monotonic()  # its rate, from here
-        tally = Tally(run.opts.worker_memory << 20)
-        run.clock.planned = time.monotonic()
-        run.clock.series.mark("tokenize")
-        try:
-            spec = encode_spec(run.opts, run.info, backend, spill=run.out.spill)
-            if not run.cluster.address and run.cluster.fit[1]:
-                run.say(run.cluster.fit[1])
-            # The busy share counts the workers the run will have from its start: the cores that wait for Ray show.
-            progress.workers = run.clock.workers = 1 if run.cluster.address else run.cluster.fit[0]
-            done = plan.done + tokenize_while(
-                run.manifest,
-                run.out.name,
-                spec,
-                handover.driver_goes_on,
-                progress,
-                tally,
-                run.log,
-                assembler,
-                run.out.is_done,
-                helpers,
-            )
-            # A shard that failed here failed as a task would after its retries (what raised here, a source
-            # error or a full disk, raises again on a worker): it is no reason to start Ray.
-            if done + len(tally.failed) < plan.shards:
-                _tokenize_on_ray(run, backend, assembler, progress, tally, done)
-            else:
-                what = "tokenized (or failed)" if tally.failed else "tokenized"
-                here = " while it started" if run.cluster.started else ""
-                run.tell(Said(f"ray: not needed, every shard was {what} here{here}"))
-                progress.update(0, 0, 0, done=done, running=0, failed=len(tally.failed), final=True)
-                run.clock.tokenized_now(assembler.placed_tokens * itemsize)
-                if tally.failed and not run.opts.skip_failed:
-                    _kept(run, run.out.keep(assembler))
-        finally:
-            progress.close()
+    helpers (started with the run, their encoders loading while the driver plans and checks the backend) while
+    Ray starts or instead of it, then on Ray. What finalize has left is the last copies."""
+    handover = run.handover
+    handover.seconds = _core_seconds(run.manifest.size - plan.done_bytes, plan.shards - plan.done)
+    backend = _choose_backend(run)
+    run.cluster.warm(backend, run.info.path)
+    itemsize = np.dtype(run.info.dtype).itemsize
+    series, on_disk = run.clock.series, run.out.on_disk
+    progress = Progress(run.out.records, run.manifest.size, plan, itemsize, series, run.tell, on_disk=on_disk)
+    handover.progress, handover.since = progress, time.monotonic()  # its rate, from here
+    tally = Tally(run.opts.worker_memory << 20)
+    run.clock.planned = time.monotonic()
+    run.clock.series.mark("tokenize")
+    try:
+        spec = encode_spec(run.opts, run.info, backend, spill=run.out.spill)
+        if not run.cluster.address and run.cluster.fit[1]:
+            run.say(run.cluster.fit[1])
+        # The busy share counts the workers the run will have from its start: the cores that wait for Ray show.
+        progress.workers = run.clock.workers = 1 if run.cluster.address else run.cluster.fit[0]
+        done = plan.done + tokenize_while(
+            run.manifest,
+            run.out.name,
+            spec,
+            handover.driver_goes_on,
+            progress,
+            tally,
+            run.log,
+            assembler,
+            run.out.is_done,
+            run.helpers,
+        )
+        # A shard that failed here failed as a task would after its retries (what raised here, a source
+        # error or a full disk, raises again on a worker): it is no reason to start Ray.
+        if done + len(tally.failed) < plan.shards:
+            _tokenize_on_ray(run, backend, assembler, progress, tally, done)
+        else:
+            what = "tokenized (or failed)" if tally.failed else "tokenized"
+            here = " while it started" if run.cluster.started else ""
+            run.tell(Said(f"ray: not needed, every shard was {what} here{here}"))
+            progress.update(0, 0, 0, done=done, running=0, failed=len(tally.failed), final=True)
+            run.clock.tokenized_now(assembler.placed_tokens * itemsize)
+            if tally.failed and not run.opts.skip_failed:
+                _kept(run, run.out.keep(assembler))
+    finally:
+        progress.close()
     run.clock.read_bytes, run.clock.shard_seconds = progress.read_this_run, tally.shard_seconds
     return tally
 
@@ -339,23 +346,30 @@ def _run(
     check_reachable(manifest)  # shards on a store: a wrong key, no bucket, no store there refused before any work
     out.check()
     shards = sum(manifest.counts.values())
-    if cluster.address or opts.ray_only or _core_seconds(manifest.size, shards) > RAY_PAYS * cluster.fit[0]:
+    if cluster.address or opts.ray_only or _ray_pays(_core_seconds(manifest.size, shards), cluster.fit[0]):
         cluster.start()  # now, while the driver plans: a cluster to join, or a run longer than Ray's start
-    backend = likely_backend(opts.backend)  # its encoder loading meanwhile, for the backend check
-    info = load_tokenizer_info(tokenizer, opts.eos, opts.bos_token, opts.tokenizer_revision, prefetch=backend)
-    check_options(opts, info, tokenizer)
-    if (meta := out.read_only(manifest, info, opts)) is not None:  # a read-only mount: finished, nothing to do
-        return _nothing_to_do(out, meta, clock, tell)
-    with out.held(manifest, info, opts, tell) as manifest:
-        run = _Run(manifest, out, info, opts, RunLog(out.records), clock, cluster, tell)
-        cluster.log_to(Layout(out.records).log(RAY_LOG))  # OUT is this run's: Ray's lines go there from now on
-        if finished_with(meta := out.finished(), manifest):
-            out.clean(meta, tell)
+    handover = _Handover(cluster, opts.ray_only, _core_seconds(manifest.size, shards))  # refined by the plan
+    # The helpers start now, their imports beside the tokenizer's load: a helper's first shard came 0.9 s after the
+    # driver's when started after the plan (800 MB, 2 cores).
+    helpers = Helpers(handover.helpers, str(out.name)) if handover.helpers() else None
+    with helpers or contextlib.nullcontext():
+        backend = likely_backend(opts.backend)  # its encoder loading meanwhile, for the backend check
+        info = load_tokenizer_info(tokenizer, opts.eos, opts.bos_token, opts.tokenizer_revision, prefetch=backend)
+        if helpers is not None:
+            helpers.warm(backend, info.path)
+        check_options(opts, info, tokenizer)
+        if (meta := out.read_only(manifest, info, opts)) is not None:  # a read-only mount: finished, nothing to do
             return _nothing_to_do(out, meta, clock, tell)
-        # Before the plan: it may find placed shards whose place is not kept, to tokenize again.
-        assembler = out.assembly(manifest, np.dtype(info.dtype).itemsize, opts.output, run.say)
-        clock.series = Series(out.records)
-        return _work(run, assembler, _plan(run, manifest_path))
+        with out.held(manifest, info, opts, tell) as manifest:
+            run = _Run(manifest, out, info, opts, RunLog(out.records), clock, cluster, tell, handover, helpers)
+            cluster.log_to(Layout(out.records).log(RAY_LOG))  # OUT is this run's: Ray's lines go there from now on
+            if finished_with(meta := out.finished(), manifest):
+                out.clean(meta, tell)
+                return _nothing_to_do(out, meta, clock, tell)
+            # Before the plan: it may find placed shards whose place is not kept, to tokenize again.
+            assembler = out.assembly(manifest, np.dtype(info.dtype).itemsize, opts.output, run.say)
+            clock.series = Series(out.records)
+            return _work(run, assembler, _plan(run, manifest_path))
 
 
 def _work(run: _Run, assembler, plan: Standing) -> RunSummary:

@@ -14,7 +14,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +30,11 @@ from tokpipe.write.shard import EncodeSpec, ShardResult, tokenize_shard
 # files, the parts list and the folder of the checkpoints, and per shard, on 20,000 two-document shards, that was
 # 1.4 s of the driver's wall while Ray started (py-spy), its cores otherwise idle. A kill loses what waits.
 PLACE_EVERY = 0.25
+# Placings run in a thread of their own while the driver tokenizes on: in the driver's thread, writing and fsyncing
+# 1.36 GB of tokens took 3.7 s of its 13.6 (800 MB of text, no Ray, py-spy), the disk's waits its cores' idle time.
+# Past this many bytes of tokens waiting for the next placing, the driver waits for the one under way (the disk
+# slower than the tokenizing).
+PLACE_BACKLOG = 256 << 20
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # A helper's pack: its call's cost to the driver is per pack, and a pack small enough to end soon after the last
 # shard is handed out (~0.1 s of a core) and to keep the progress moving.
@@ -89,7 +94,7 @@ def tokenize_while(
     corpus of small shards is done before it is up, and a large one has its first shards done on every core. Only
     regular files: a pipe could block the driver, which alone watches for stalls. `out`: where the tokens go, as
     the user names OUT (runner/storage.py), and `is_done` which shards it holds done."""
-    here = _Here(busy, progress, tally, log, assembler, spec, helpers)
+    here = _Here(busy, progress, tally, log, assembler, spec, helpers, ThreadPoolExecutor(1, "tokpipe-place"))
     shards = (s for s in manifest.shards() if not is_done(s) and not s.may_block())
     try:
         here.tend(shards)
@@ -106,7 +111,9 @@ def tokenize_while(
         while helpers is not None and helpers.running:
             here.tend(shards, wait=True)
         here.place()
+        here.placed()
     finally:
+        here.writer.shutdown()  # the placing under way ends first: nothing writes OUT once this returns
         if helpers is not None:
             helpers.close()
     progress.base = here.totals
@@ -124,9 +131,13 @@ class _Here:
     assembler: Assembler
     spec: EncodeSpec
     pool: Helpers | None
+    writer: ThreadPoolExecutor  # where the placings run, one at a time, in order
     done: int = 0
     totals: list[int] = field(default_factory=lambda: [0, 0, 0])  # input bytes, documents, tokens read here
     placed_at: float = float("-inf")  # when the done shards' parts were last placed (PLACE_EVERY)
+    placing: Future | None = None  # the placing under way
+    waiting: list[tuple] = field(default_factory=list)  # (shard, checkpoint, buffered) of the next placing
+    backlog: int = 0  # tokens waiting
 
     def stopping(self) -> bool:
         return not self.busy()
@@ -149,14 +160,24 @@ class _Here:
         self.done += 1
         self.tally.here.add(shard.relpath)
         self.tally.add(shard, result, self.log)
-        self.assembler.done(shard, result.checkpoint, result.buffered)
-        if time.monotonic() - self.placed_at >= PLACE_EVERY:
+        self.waiting.append((shard, result.checkpoint, result.buffered))
+        self.backlog += result.checkpoint.tokens * self.assembler.itemsize
+        due = time.monotonic() - self.placed_at >= PLACE_EVERY and (self.placing is None or self.placing.done())
+        if due or self.backlog > PLACE_BACKLOG:
             self.place()
 
     def place(self) -> None:
-        """Into the split file now, as a Ray run's copies do: no tail at the end."""
-        self.assembler.place_ready()
+        """The shards done since the last placing into the split files, in the writer's thread, as a Ray run's copies
+        do: no tail at the end."""
+        self.placed()
+        waiting, self.waiting, self.backlog = self.waiting, [], 0
+        self.placing = self.writer.submit(_place, self.assembler, waiting)
         self.placed_at = time.monotonic()
+
+    def placed(self) -> None:
+        """Once the placing under way is done (what it raised, raised here)."""
+        if self.placing is not None:
+            self.placing.result()
 
     def tend(self, shards, wait: bool = False) -> None:
         """The helpers' ended shards taken, new ones handed out while Ray is not up (else all told to stop)."""
@@ -183,6 +204,12 @@ class _Here:
         )
 
 
+def _place(assembler: Assembler, done: list[tuple]) -> None:
+    for shard, ckpt, buffered in done:
+        assembler.done(shard, ckpt, buffered)
+    assembler.place_ready()
+
+
 def _pack(shards: Iterator[Shard], limit: int) -> list[Shard]:
     """A helper's next shards: consecutive ones until they come to `limit` bytes, at most HELPER_PACK_SHARDS."""
     pack, size = [], 0
@@ -196,14 +223,14 @@ def _pack(shards: Iterator[Shard], limit: int) -> list[Shard]:
 
 class Helpers:
     """Processes beside the driver that tokenize with it (concurrent.futures' pool: Ray is not up to run them),
-    started with the run, each loading `warm`'s encoder (the backend the check will likely pick) while the driver
+    started with the run, each loading the encoder the check will likely pick (`warm`) while the driver plans and
     checks: a helper's first shard came 1.6 s after the driver's when started once the check was done. A helper
     takes a pack of shards a call: a call a shard (multiprocessing's Pool, its three threads) cost the driver ~5 ms
     of its CPU a shard, 20,000 two-document shards 103 s. A helper that dies breaks the pool: what it held is left
     for Ray, never waited for (the Pool replaced the process and its call never returned: the run hung). Told to
     stop, each stops its shard at the next batch, checkpointed, and passes over the rest of its pack."""
 
-    def __init__(self, room: Callable[[], int], out: str, warm: tuple[str, str]):
+    def __init__(self, room: Callable[[], int], out: str):
         # spawn: not a fork of the driver, whose threads (Ray's start) a fork would copy mid-step; and each helper a
         # child of the driver's, killed with it (_helper_start). A forkserver's outlived a kill -9 of the driver,
         # waiting on a call queue whose ends they held both of.
@@ -214,8 +241,12 @@ class Helpers:
         self.running: dict[Future, list[Shard]] = {}
         self.broken = False  # a helper died: the pool takes no more
         self.halted: float | None = None  # when the helpers were told to stop (closed: no pool, no stop)
-        for _ in range(room()):  # a process started for each
-            self.pool.submit(encoder, *warm)
+        self.pool.submit(os.getpid)  # every process started now (spawn: all at the first call)
+
+    def warm(self, backend: str, tokenizer_json: str) -> None:
+        """Each helper loading the encoder of the backend the check will likely pick."""
+        for _ in range(self.room()):
+            self.pool.submit(encoder, backend, tokenizer_json)
 
     def has_room(self) -> bool:
         """Two packs a helper: its next one queued, not waiting on the driver's placing (~50 ms every PLACE_EVERY
