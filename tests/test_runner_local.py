@@ -3,6 +3,7 @@ shards come back to the driver, which places them; told to stop, every shard sto
 a helper killed leaves its shards to Ray, never a wait for them. With the
 600-id tokenizer: each helper process loads it, and Qwen3's load (~1.1 CPU-s each) is not the subject."""
 
+import mmap
 import os
 import shutil
 import signal
@@ -53,10 +54,23 @@ def _tokenize_here(out, info, busy, helpers: int, warm: str | None = None) -> tu
     return done, tally, assembler
 
 
-def test_helpers_tokenize_beside_the_driver_and_the_driver_places_their_shards(tmp_path, info, small_reference):
+def test_helpers_tokenize_beside_the_driver_and_the_driver_places_their_shards(
+    tmp_path, info, small_reference, monkeypatch
+):
+    """A helper's tokens come back in its pack's memory file, mapped in the driver, not through the pool's pipe."""
+    came, parts_read = [], local._parts_read
+
+    def mapped(outcomes, tokens):
+        read = parts_read(outcomes, tokens)
+        came.extend(result.buffered for _, (result, _) in read)
+        return read
+
+    monkeypatch.setattr(local, "_parts_read", mapped)
     out = tmp_path / "out"
     done, tally, assembler = _tokenize_here(out, info, lambda: True, helpers=2)
     assert done == 3 and tally.failed == {} and tally.shard_seconds > 0
+    arrays = [a for buffered in came for tokens, ends in buffered.values() for a in tokens + ends]
+    assert arrays and all(isinstance(a.base.obj, mmap.mmap) for a in arrays)  # a helper's shard at least, mapped
     assert assembler.complete  # every shard placed as it came back, in split order
     finalize(out, MANIFEST, info, OPTIONS.output, assembler=assembler)
     assert_out_is(out, small_reference)

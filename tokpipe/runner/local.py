@@ -7,7 +7,9 @@ Nothing here imports Ray: a run that never needs it never pays for its import (0
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import itertools
+import mmap
 import multiprocessing
 import os
 import signal
@@ -18,6 +20,8 @@ from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from tokpipe.errors import TooManyGroups, Unavailable
 from tokpipe.inputs.encoders import encoder
@@ -238,7 +242,7 @@ class Helpers:
         self.stop = context.Event()
         self.pool = ProcessPoolExecutor(room(), context, initializer=_helper_start, initargs=(self.stop, os.getpid()))
         self.room, self.out = room, out
-        self.running: dict[Future, list[Shard]] = {}
+        self.running: dict[Future, int] = {}  # a pack's call -> the memory file its tokens come back in
         self.broken = False  # a helper died: the pool takes no more
         self.halted: float | None = None  # when the helpers were told to stop (closed: no pool, no stop)
         self.pool.submit(os.getpid)  # every process started now (spawn: all at the first call)
@@ -254,10 +258,14 @@ class Helpers:
         return not self.broken and len(self.running) < 2 * self.room()
 
     def submit(self, pack: list[Shard], spec: EncodeSpec) -> None:
+        tokens = os.memfd_create("tokpipe-pack", os.MFD_CLOEXEC)
         try:
-            self.running[self.pool.submit(_helper_pack, pack, self.out, spec)] = pack
+            self.running[self.pool.submit(_helper_pack, pack, self.out, spec, f"/proc/{os.getpid()}/fd/{tokens}")] = (
+                tokens
+            )
         except BrokenProcessPool:  # a helper died warming: the pack is left for Ray, as a running one would be
             self.broken = True
+            os.close(tokens)
 
     def halt(self) -> None:
         """Each helper to stop its shard at its next batch, checkpointed, and pass over the rest of its pack."""
@@ -275,11 +283,13 @@ class Helpers:
             futures.wait(self.running, timeout=0.05, return_when=futures.FIRST_COMPLETED)
         outcomes = []
         for done in [f for f in self.running if f.done()]:
-            del self.running[done]
+            tokens = self.running.pop(done)
             try:
-                outcomes += done.result()
+                outcomes += _parts_read(done.result(), tokens)
             except BrokenProcessPool:  # a helper killed (the OOM killer): its shards go to Ray, from checkpoints
                 self.broken = True
+            finally:
+                os.close(tokens)  # what was mapped stays, until its arrays are placed and gone
         return outcomes
 
     def __enter__(self) -> Helpers:
@@ -299,6 +309,9 @@ class Helpers:
         self._kill()
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.pool = self.stop = None
+        for tokens in self.running.values():
+            os.close(tokens)
+        self.running.clear()
 
     def _kill(self) -> None:
         for process in list((self.pool._processes or {}).values()):  # the executor kills none of its own
@@ -320,28 +333,73 @@ def _helper_start(stop, driver: int) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core: no thread pool inside each
 
 
-def _helper_pack(shards: list[Shard], out: str, spec: EncodeSpec) -> list[tuple[Shard, object]]:
+def _helper_pack(shards: list[Shard], out: str, spec: EncodeSpec, tokens: str) -> list[tuple[Shard, object]]:
     """A helper's pack, shard after shard until told to stop: each shard with its outcome, (the result, what it read:
-    input bytes, documents, tokens) or the exception it raised."""
+    input bytes, documents, tokens) or the exception it raised. The tokens of its parts in memory go to `tokens`, the
+    driver's memory file for the pack, the result saying where (_At): pickled into the pool's pipe they cost the
+    helper ~1 s of CPU and the driver's reading thread ~0.9 s on 800 MB of text (py-spy)."""
     outcomes = []
-    for shard in shards:
-        if _stop.is_set():
-            break  # the pack's rest goes to Ray
-        try:
-            outcomes.append((shard, _helper_shard(shard, out, spec)))
-        except Exception as e:  # the shard's failure, told to the driver
-            outcomes.append((shard, e))
+    with open(tokens, "wb") as file:
+        for shard in shards:
+            if _stop.is_set():
+                break  # the pack's rest goes to Ray
+            try:
+                outcomes.append((shard, _helper_shard(shard, out, spec, file)))
+            except Exception as e:  # the shard's failure, told to the driver
+                outcomes.append((shard, e))
     return outcomes
 
 
-def _helper_shard(shard: Shard, out: str, spec: EncodeSpec) -> tuple[ShardResult, list[int]]:
+def _helper_shard(shard: Shard, out: str, spec: EncodeSpec, file) -> tuple[ShardResult, list[int]]:
     read = [0, 0, 0]
 
     def on_batch(*counts: int) -> None:
         for i, n in enumerate(counts):
             read[i] += n
 
-    return tokenize_shard(shard, out, spec, on_batch, stop=_stop.is_set), read
+    result = tokenize_shard(shard, out, spec, on_batch, stop=_stop.is_set)
+    if result.buffered:
+        at = {
+            key: _written(value, file) if isinstance(value, tuple) else value for key, value in result.buffered.items()
+        }
+        result = dataclasses.replace(result, buffered=at)
+    return result, read
+
+
+@dataclass(frozen=True)
+class _At:
+    """Where an array of a helper's is in its pack's memory file."""
+
+    offset: int
+    dtype: str
+    count: int
+
+
+def _written(buffered: tuple[list, list], file) -> tuple[list[_At], list[_At]]:
+    """A part's tokens and ends (write/segments.py Buffered) written to `file`, and where."""
+    at = ([], [])
+    for arrays, where in zip(buffered, at):
+        for array in arrays:
+            where.append(_At(file.tell(), array.dtype.str, len(array)))
+            file.write(memoryview(array).cast("B"))
+    return at
+
+
+def _parts_read(outcomes: list[tuple[Shard, object]], tokens: int) -> list[tuple[Shard, object]]:
+    """A pack's outcomes with their parts' arrays back, as views of its memory file mapped here (no copy)."""
+    size = os.fstat(tokens).st_size
+    memory = mmap.mmap(tokens, size, prot=mmap.PROT_READ) if size else b""
+    for i, (shard, outcome) in enumerate(outcomes):
+        if isinstance(outcome, tuple) and outcome[0].buffered:
+            result, read = outcome
+            arrays = {
+                key: tuple([np.frombuffer(memory, a.dtype, a.count, a.offset) for a in where] for where in value)
+                if isinstance(value, tuple)
+                else value
+                for key, value in result.buffered.items()
+            }
+            outcomes[i] = (shard, (dataclasses.replace(result, buffered=arrays), read))
+    return outcomes
 
 
 def describe_failure(error: Exception) -> str:
