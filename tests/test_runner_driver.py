@@ -427,12 +427,26 @@ def test_ray_starts_only_for_a_run_that_its_rate_here_says_outlasts_ray_s_start(
     monkeypatch.setattr(driver, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     cluster = _Cluster()
     progress = SimpleNamespace(total=100 << 20, start_bytes=0, read_this_run=0, shards=1, done=0, done_before=0)
-    handover = driver._Handover(cluster, False, 6.25, progress, since=0.0)
+    handover = driver._Handover(cluster, False, 6.25, 600.0, progress, since=0.0)
     assert handover.helpers() == 3
     clock[0], progress.read_this_run = 2.9, 1 << 20
     assert handover.driver_goes_on() and not cluster.started
     clock[0], progress.read_this_run = 3.01, read_at_3s
     assert handover.driver_goes_on() and cluster.started == starts
     assert handover.helpers() == (2 if starts else 3)
-    assert driver._Handover(cluster, False, 2.5).helpers() == 2  # a second of work each at most
-    assert driver._Handover(cluster, False, driver.LOCAL_SECONDS).helpers() == 0  # the driver alone
+    assert driver._Handover(cluster, False, 2.5, 600.0).helpers() == 2  # a second of work each at most
+    assert driver._Handover(cluster, False, driver.LOCAL_SECONDS, 600.0).helpers() == 0  # the driver alone
+
+
+def test_a_run_here_that_reads_and_finishes_nothing_for_the_stall_timeout_starts_ray(monkeypatch):
+    """A helper stuck in a shard, the rest done: the run's rate says it is short, but nothing has moved for
+    --stall-timeout (60 s here), so Ray starts, to take the shard from the helper and watch it."""
+    clock = [0.0]
+    monkeypatch.setattr(driver, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    cluster = _Cluster()
+    progress = SimpleNamespace(total=100 << 20, start_bytes=0, read_this_run=99 << 20, shards=4, done=3, done_before=0)
+    handover = driver._Handover(cluster, False, 6.25, 60.0, progress, since=0.0)
+    for clock[0] in (3.5, 30.0, 63.0):
+        assert handover.driver_goes_on() and not cluster.started  # 60 s since it last moved, at 3.5 s: not yet
+    clock[0] = 63.6
+    assert handover.driver_goes_on() and cluster.started

@@ -107,10 +107,12 @@ class _Handover:
     cluster: Cluster
     ray_only: bool
     seconds: float  # one core's, for the shards left (_core_seconds)
+    stall_timeout: float  # --stall-timeout
     progress: Progress | None = None  # the run's, once it tokenizes
     since: float = 0.0  # when the run began to tokenize
     looked: float = float("-inf")  # when Ray was last asked whether it is working
     goes_on: bool = True  # what that ask said
+    moved: tuple[int, float] = (-1, 0.0)  # bytes read and shards done here, and when they last grew
 
     def driver_goes_on(self) -> bool:
         """Start Ray if the run turns out long; then whether the driver goes on: while there is no Ray ready to
@@ -120,7 +122,12 @@ class _Handover:
             return False
         now = time.monotonic()
         if not self.cluster.started:
-            if now - self.since > MEASURED and _ray_pays(self._left(now) * self.cluster.fit[0], self.cluster.fit[0]):
+            # A helper stuck in a shard holds the run no longer than --stall-timeout: Ray starts, the helpers are told
+            # to stop, the stuck one is killed (STOP_WAIT), and its shard goes to Ray's workers, watched for stalls.
+            if (amount := self.progress.read_this_run + self.progress.done) != self.moved[0]:
+                self.moved = (amount, now)
+            long = now - self.since > MEASURED and _ray_pays(self._left(now) * self.cluster.fit[0], self.cluster.fit[0])
+            if long or now - self.moved[1] > self.stall_timeout:
                 self.cluster.start()
             return True
         if self.goes_on and now - self.looked >= LOOK_EVERY:
@@ -348,7 +355,8 @@ def _run(
     shards = sum(manifest.counts.values())
     if cluster.address or opts.ray_only or _ray_pays(_core_seconds(manifest.size, shards), cluster.fit[0]):
         cluster.start()  # now, while the driver plans: a cluster to join, or a run longer than Ray's start
-    handover = _Handover(cluster, opts.ray_only, _core_seconds(manifest.size, shards))  # refined by the plan
+    # Its work is the manifest's until the plan says what is left (_tokenize).
+    handover = _Handover(cluster, opts.ray_only, _core_seconds(manifest.size, shards), opts.stall_timeout)
     # The helpers start now, their imports beside the tokenizer's load: a helper's first shard came 0.9 s after the
     # driver's when started after the plan (800 MB, 2 cores).
     helpers = Helpers(handover.helpers, str(out.name)) if handover.helpers() else None
