@@ -19,6 +19,7 @@ from concurrent import futures
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 import numpy as np
@@ -239,6 +240,7 @@ class Helpers:
         # child of the driver's, killed with it (_helper_start). A forkserver's outlived a kill -9 of the driver,
         # waiting on a call queue whose ends they held both of.
         context = multiprocessing.get_context("spawn")
+        _quiet_tracker()
         self.stop = context.Event()
         self.pool = ProcessPoolExecutor(room(), context, initializer=_helper_start, initargs=(self.stop, os.getpid()))
         self.room, self.out = room, out
@@ -317,6 +319,20 @@ class Helpers:
         for process in list((self.pool._processes or {}).values()):  # the executor kills none of its own
             process.kill()
             process.join()
+
+
+def _quiet_tracker() -> None:
+    """multiprocessing's resource tracker (the pool's semaphores are its) started with its stderr on /dev/null: it
+    outlives a driver killed by kill -9, and said on the user's terminal that 10 semaphores leaked, which it then
+    removes. Its stderr is the process's fd 2 as it is at the tracker's start, so for that moment fd 2 is elsewhere."""
+    quiet, terminal = os.open(os.devnull, os.O_WRONLY), os.dup(2)
+    os.dup2(quiet, 2)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        os.dup2(terminal, 2)
+        os.close(terminal)
+        os.close(quiet)
 
 
 _stop = None  # in a helper: the event that tells it to stop
