@@ -158,6 +158,17 @@ def test_helpers_die_with_a_driver_killed(tmp_path, info):
     assert driver.stderr.read() == ""
 
 
+def test_a_helper_dead_before_the_tokenizer_is_loaded_leaves_the_driver_alone(tmp_path, info):
+    """A helper killed as it starts (the OOM killer) breaks the pool before the driver knows which encoder to warm:
+    the warming is passed over, no pack is handed out, and the run goes on without helpers (a traceback, at 2a718ec)."""
+    helpers = local.Helpers(lambda: 1, str(tmp_path))
+    helpers._kill()
+    wait_for(lambda: helpers.pool._broken, 30)
+    helpers.warm("fastokens", info.path)
+    assert helpers.broken and not helpers.has_room()
+    helpers.close()
+
+
 def test_a_helper_stuck_past_stop_wait_is_killed_and_its_shards_left(
     tmp_path, info, small_tokenizer, small_reference, monkeypatch
 ):

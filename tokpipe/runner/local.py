@@ -251,8 +251,11 @@ class Helpers:
 
     def warm(self, backend: str, tokenizer_json: str) -> None:
         """Each helper loading the encoder of the backend the check will likely pick."""
-        for _ in range(self.room()):
-            self.pool.submit(encoder, backend, tokenizer_json)
+        try:
+            for _ in range(self.room()):
+                self.pool.submit(encoder, backend, tokenizer_json)
+        except BrokenProcessPool:  # a helper died starting: the driver goes on alone, Ray's workers if it is long
+            self.broken = True
 
     def has_room(self) -> bool:
         """Two packs a helper: its next one queued, not waiting on the driver's placing (~50 ms every PLACE_EVERY
