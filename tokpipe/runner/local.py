@@ -264,10 +264,9 @@ class Helpers:
 
     def submit(self, pack: list[Shard], spec: EncodeSpec) -> None:
         tokens = os.memfd_create("tokpipe-pack", os.MFD_CLOEXEC)
+        path = f"/proc/{os.getpid()}/fd/{tokens}"  # the helper opens the driver's file by its path
         try:
-            self.running[self.pool.submit(_helper_pack, pack, self.out, spec, f"/proc/{os.getpid()}/fd/{tokens}")] = (
-                tokens
-            )
+            self.running[self.pool.submit(_helper_pack, pack, self.out, spec, path)] = tokens
         except BrokenProcessPool:  # a helper died warming: the pack is left for Ray, as a running one would be
             self.broken = True
             os.close(tokens)
@@ -400,7 +399,7 @@ def _written(buffered: tuple[list, list], file) -> tuple[list[_At], list[_At]]:
     for arrays, where in zip(buffered, at):
         for array in arrays:
             where.append(_At(file.tell(), array.dtype.str, len(array)))
-            file.write(memoryview(array).cast("B"))
+            file.write(memoryview(np.ascontiguousarray(array)).cast("B"))
     return at
 
 
