@@ -112,7 +112,7 @@ class _Handover:
     since: float = 0.0  # when the run began to tokenize
     looked: float = float("-inf")  # when Ray was last asked whether it is working
     goes_on: bool = True  # what that ask said
-    moved: tuple[int, float] = (-1, 0.0)  # bytes read and shards done here, and when they last grew
+    moved: tuple[tuple[int, int], float] = ((-1, -1), 0.0)  # (bytes read, shards done) here, and when they last grew
 
     def driver_goes_on(self) -> bool:
         """Start Ray if the run turns out long; then whether the driver goes on: while there is no Ray ready to
@@ -124,7 +124,7 @@ class _Handover:
         if not self.cluster.started:
             # A helper stuck in a shard holds the run no longer than --stall-timeout: Ray starts, the helpers are told
             # to stop, the stuck one is killed (STOP_WAIT), and its shard goes to Ray's workers, watched for stalls.
-            if (amount := self.progress.read_this_run + self.progress.done) != self.moved[0]:
+            if (amount := (self.progress.read_this_run, self.progress.done)) != self.moved[0]:
                 self.moved = (amount, now)
             long = now - self.since > MEASURED and _ray_pays(self._left(now) * self.cluster.fit[0], self.cluster.fit[0])
             if long or now - self.moved[1] > self.stall_timeout:

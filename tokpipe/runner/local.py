@@ -116,7 +116,7 @@ def tokenize_while(
         while helpers is not None and helpers.running:
             here.tend(shards, wait=True)
         here.place()
-        here.placed()
+        here.wait_placing()
     finally:
         here.writer.shutdown()  # the placing under way ends first: nothing writes OUT once this returns
         if helpers is not None:
@@ -174,13 +174,13 @@ class _Here:
     def place(self) -> None:
         """The shards done since the last placing into the split files, in the writer's thread, as a Ray run's copies
         do: no tail at the end."""
-        self.placed()
+        self.wait_placing()
         waiting, self.waiting, self.backlog = self.waiting, [], 0
         self.placing = self.writer.submit(_place, self.assembler, waiting)
         self.placed_at = time.monotonic()
 
-    def placed(self) -> None:
-        """Once the placing under way is done (what it raised, raised here)."""
+    def wait_placing(self) -> None:
+        """Until the placing under way is done (what it raised, raised here)."""
         if self.placing is not None:
             self.placing.result()
 
