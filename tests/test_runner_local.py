@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -82,8 +83,18 @@ def test_the_driver_places_its_done_shards_at_most_every_place_every_and_all_at_
     tmp_path, info, small_reference, monkeypatch, every, placings
 ):
     """The driver's 3 shards placed as each is done (and looked for once more at its end), or, PLACE_EVERY longer
-    than the run, the first at once and the other two at its end: each placing fsyncs the split's files."""
+    than the run, the first at once and the other two at its end: each placing fsyncs the split's files. Here the
+    writer places as it is handed a placing: a thread's placing still under way defers the next (a race, not the
+    rule)."""
+
+    class Inline(ThreadPoolExecutor):
+        def submit(self, fn, *args):
+            done = Future()
+            done.set_result(fn(*args))
+            return done
+
     monkeypatch.setattr(local, "PLACE_EVERY", every)
+    monkeypatch.setattr(local, "ThreadPoolExecutor", Inline)
     calls, place_ready = [], Assembler.place_ready
 
     def counted(assembler, *args):
