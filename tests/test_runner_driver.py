@@ -450,3 +450,17 @@ def test_a_run_here_that_reads_and_finishes_nothing_for_the_stall_timeout_starts
         assert handover.driver_goes_on() and not cluster.started  # 60 s since it last moved, at 3.5 s: not yet
     clock[0] = 63.6
     assert handover.driver_goes_on() and cluster.started
+
+
+def test_a_rerun_of_a_finished_out_starts_neither_ray_nor_helpers(monkeypatch, small_out, small_tokenizer):
+    """Its manifest made to look like hours of work (CORE_BYTES of 1 byte): the run it finished would start Ray and
+    a helper a core; its rerun, finding it finished, starts none, and says so."""
+    started = []
+    monkeypatch.setattr(driver, "CORE_BYTES", 1)
+    monkeypatch.setattr(driver.Cluster, "start", lambda cluster: started.append("ray"))
+    monkeypatch.setattr(driver, "Helpers", lambda *args: started.append("helpers"))
+    assert driver._ray_pays(driver._core_seconds(100, 1), 16)  # what the manifest's 100s of KB would say
+    said = []
+    summary = driver.run(small_out / "manifest.json", small_tokenizer, small_out, tell=said.append)
+    assert summary.finished and started == []
+    assert said[-1].text.startswith(f"{small_out} is already finished (")

@@ -352,11 +352,13 @@ def _run(
     manifest = load_manifest(manifest_path)
     check_reachable(manifest)  # shards on a store: a wrong key, no bucket, no store there refused before any work
     out.check()
-    shards = sum(manifest.counts.values())
-    if cluster.address or opts.ray_only or _ray_pays(_core_seconds(manifest.size, shards), cluster.fit[0]):
+    # Its work is the manifest's until the plan says what is left (_tokenize); none where OUT is finished with it: its
+    # rerun starts no Ray and no helper (OUT's meta read before it is held, a hint; the check that counts comes then).
+    finished = finished_with(out.finished(), manifest)
+    work = 0.0 if finished else _core_seconds(manifest.size, sum(manifest.counts.values()))
+    if not finished and (cluster.address or opts.ray_only or _ray_pays(work, cluster.fit[0])):
         cluster.start()  # now, while the driver plans: a cluster to join, or a run longer than Ray's start
-    # Its work is the manifest's until the plan says what is left (_tokenize).
-    handover = _Handover(cluster, opts.ray_only, _core_seconds(manifest.size, shards), opts.stall_timeout)
+    handover = _Handover(cluster, opts.ray_only, work, opts.stall_timeout)
     # The helpers start now, their imports beside the tokenizer's load: a helper's first shard came 0.9 s after the
     # driver's when started after the plan (800 MB, 2 cores).
     helpers = Helpers(handover.helpers, str(out.name)) if handover.helpers() else None
