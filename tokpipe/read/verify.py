@@ -13,7 +13,6 @@ import shlex
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -53,16 +52,16 @@ class PartScan:
 _buffers = threading.local()
 
 
-def _scan_parts(read, ends_at, parts: list[Part], dtype: np.dtype, eos_id: int, bos_id: int | None) -> PartScan:
-    """Hash and scan parts of a file, reading each byte once (`read`: its bytes [a, b), a buffer at a time; a thread
-    per group: hashlib and numpy drop the GIL): the ids, and each document's last (EOS) and first (BOS) token in
-    the buffer that holds it. `ends_at(a, b)`: the file's document ends [a, b), read part by part. Ends in the .idx
-    are hashed relative to the part's first token."""
-    scan = PartScan()
+def _scan_file(reader: TokenFiles, f: int, parts: list[Part], eos_id: int, bos_id: int | None) -> PartScan:
+    """Parts of file f of the split, hashed and scanned reading each byte once (on a store by ranged GETs: no split
+    file is held whole; a thread per group: hashlib and numpy drop the GIL): the ids, and each document's last (EOS)
+    and first (BOS) token in the buffer that holds it; then the file's last document end and its tokens. Ends in the
+    .idx are hashed relative to the part's first token."""
+    scan, dtype = PartScan(), reader.dtype
     buffer = getattr(_buffers, "buffer", None) or bytearray(HASH_CHUNK)
     _buffers.buffer = buffer
     for r in parts:
-        range_ends = np.asarray(ends_at(r.doc_offset, r.doc_end))
+        range_ends = reader.file_range(f, r.doc_offset, r.doc_end, ends=True)
         relative = range_ends - r.token_offset
         if (
             r.record["idx_sha256"] is not None
@@ -78,7 +77,7 @@ def _scan_parts(read, ends_at, parts: list[Part], dtype: np.dtype, eos_id: int, 
         hasher, at = hashlib.sha256(), r.token_offset  # `at`: the buffer's first token in the file
         start, end = r.token_offset * dtype.itemsize, r.token_end * dtype.itemsize
         try:
-            for view in read(start, end, buffer):
+            for view in reader.token_bytes(f, start, end, buffer):
                 chunk = np.frombuffer(view, dtype=dtype, count=len(view) // dtype.itemsize)
                 hasher.update(view)
                 if not chunk.size:
@@ -100,6 +99,10 @@ def _scan_parts(read, ends_at, parts: list[Part], dtype: np.dtype, eos_id: int, 
             raise RuntimeError(f"the file ended at byte {short.at} while its size said {end}") from None
         if r.record["sha256"] is not None and hasher.hexdigest() != r.record["sha256"]:
             scan.bad_bin.append(r.name)
+    documents = reader.entries[f].documents
+    last = reader.file_range(f, documents - 1, documents, ends=True) if documents else np.zeros(0, np.int64)
+    scan.end = (int(last[0]) if len(last) else 0, int(reader.ends[f] - reader.starts[f]))
+    reader.release(f)
     return scan
 
 
@@ -190,25 +193,15 @@ def verify(out: str | os.PathLike, jobs: int | None = None) -> list[Check]:
     check("eos id in vocab", 0 <= eos_id < vocab_size, f"eos {eos_id}, vocab {vocab_size}")
 
     for split, entry in meta.splits.items():
-        _verify_split(out, split, entry, dtype, vocab_size, eos_id, check, jobs, meta.bos_placed, meta.delimiters.eos)
+        _verify_split(out, split, entry, meta, dtype, check, jobs)
     if meta.excluded:
         # Not a failure: the user chose --skip-failed. But nobody should mistake the output for the whole corpus.
         check(f"note: {len(meta.excluded)} shards excluded by --skip-failed", True, ", ".join(meta.excluded))
     return checks
 
 
-def _verify_split(
-    out: Path,
-    split: str,
-    entry: SplitEntry,
-    dtype: np.dtype,
-    vocab_size: int,
-    eos_id: int,
-    check,
-    jobs: int,
-    bos_id: int | None,
-    eos_written: bool,
-) -> None:
+def _verify_split(out: Path, split: str, entry: SplitEntry, meta: Meta, dtype: np.dtype, check, jobs: int) -> None:
+    vocab_size, eos_id, bos_id, eos_written = meta.vocab_size, meta.eos_token_id, meta.bos_placed, meta.delimiters.eos
     docs_expected = entry.documents
     if entry.lines is not None:
         _check_lines(split, entry, check)
@@ -319,18 +312,6 @@ def _file_problems(out: Path, file: SplitFile, dtype: np.dtype) -> list[str | No
         return [None, None, idx_path, None]
     entries = None if idx_size == 8 * documents else f"{idx_size / 8:,.0f} entries, {documents:,} documents"
     return [None, None, None, entries]
-
-
-def _scan_file(reader: TokenFiles, f: int, parts: list[Part], eos_id: int, bos_id: int | None) -> PartScan:
-    """Parts of file f of the split, hashed and scanned from its bytes read (on a store by ranged GETs: no split
-    file is held whole), with the file's last document end and its tokens."""
-    ends_at = partial(reader.file_range, f, ends=True)
-    scan = _scan_parts(partial(reader.token_bytes, f), ends_at, parts, reader.dtype, eos_id, bos_id)
-    documents = reader.entries[f].documents
-    last = ends_at(documents - 1, documents) if documents else np.zeros(0, np.int64)
-    scan.end = (int(last[0]) if len(last) else 0, int(reader.ends[f] - reader.starts[f]))
-    reader.release(f)
-    return scan
 
 
 def _where(names: list[str], parts: list[Part]) -> str:
