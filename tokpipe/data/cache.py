@@ -173,10 +173,8 @@ class BlockCache:
         for b in now.tolist() + ahead.tolist():
             self._fetched(b, wait=False)
         for b in now[self._shift[now] == UNMAPPED].tolist():
-            try:
+            with contextlib.suppress(OSError, OutputError):
                 self._map(b)
-            except (OSError, OutputError):
-                pass
 
     # -- fetching -----------------------------------------------------------------------------------------------
 
@@ -205,22 +203,17 @@ class BlockCache:
         with _flocked(self.folder / f"{b}.fetch"):
             if path.exists():
                 return
-            g, L = self.geometry, self.seq_len
-            start = b * g.per_block * L
+            start = b * self.geometry.per_block * self.seq_len
             stop = start + self._tokens_of(b)
             tokens = self.files.read(start, stop)
             if self._split_places is not None:
-                places = self._split_places[
-                    np.searchsorted(self._split_places, start) : np.searchsorted(self._split_places, stop)
-                ]
+                first, last = np.searchsorted(self._split_places, [start, stop]).tolist()
+                places = self._split_places[first:last]
             else:
                 last = min(int(self._first_doc[b + 1]) + 1, self.files.documents)
                 ends = self.files.read_ends(int(self._first_doc[b]), last)
-                files = self.files.starts[:-1]
-                places = np.concatenate(
-                    [files[(files >= start) & (files < stop)], ends[(ends >= start) & (ends < stop)]]
-                )
-                places = np.unique(places)
+                places = np.concatenate([self.files.starts[:-1], ends])  # each file's start, each document's end
+                places = np.unique(places[(places >= start) & (places < stop)])
             places = places - start
             data = tokens.tobytes()
             _write(path, [data, bytes(_aligned(len(data)) - len(data)), places.astype(IDX_DTYPE).tobytes()])
@@ -283,19 +276,14 @@ def _forget_before_boot(folder: Path) -> None:
             path.unlink(missing_ok=True)
 
 
-class _flocked:
+@contextlib.contextmanager
+def _flocked(path: Path):
     """An flock held on a lock file while a block (or the index) is made; the file removed after."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __enter__(self):
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-
-    def __exit__(self, *exc):
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        os.close(self.fd)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        os.close(fd)
