@@ -224,29 +224,24 @@ class TokenFiles:
                 self._views[seq_len] = np.lib.stride_tricks.as_strided(self._view(0), shape, (step, step))
         return self._views[seq_len]
 
-    def read(self, start: int, stop: int) -> np.ndarray:
-        """Tokens [start, stop) of the stream, across files where they cross from one into the next."""
-        pieces = []
-        f = int(np.searchsorted(self.starts, start, side="right")) - 1
+    def read(self, start: int, stop: int, ends: bool = False) -> np.ndarray:
+        """Tokens [start, stop) of the stream (`ends`: document ends, counted from its start), across files where they
+        cross from one into the next."""
+        firsts, pieces = self.firsts if ends else self.starts, []
+        f = int(np.searchsorted(firsts, start, side="right")) - 1
         while start < stop:
-            base = int(self.starts[f])
-            pieces.append(self.file_range(f, start - base, min(stop, int(self.ends[f])) - base))
-            start += len(pieces[-1])
+            first, last = int(firsts[f]), min(stop, int(firsts[f + 1]))
+            piece = self.file_range(f, start - first, last - first, ends)
+            pieces.append(piece + int(self.starts[f]) if ends else piece)
+            start += len(piece)
             f += 1
-        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces) if pieces else np.zeros(0, self.dtype)
+        if len(pieces) == 1:
+            return pieces[0]
+        return np.concatenate(pieces) if pieces else np.zeros(0, IDX_DTYPE if ends else self.dtype)
 
     def read_ends(self, start: int, stop: int) -> np.ndarray:
         """Document ends [start, stop) of the stream, counted from its start (one file's: a slice of its map)."""
-        if len(self) == 1:
-            return self.file_range(0, start, stop, ends=True)
-        pieces = []
-        f = int(np.searchsorted(self.firsts, start, side="right")) - 1
-        while start < stop:
-            first, last = int(self.firsts[f]), min(stop, int(self.firsts[f + 1]))
-            pieces.append(self.file_range(f, start - first, last - first, ends=True) + int(self.starts[f]))
-            start += len(pieces[-1])
-            f += 1
-        return np.concatenate(pieces) if pieces else np.zeros(0, IDX_DTYPE)
+        return self.file_range(0, start, stop, ends=True) if len(self) == 1 else self.read(start, stop, ends=True)
 
     def gather(self, at: np.ndarray, ends: bool = False) -> np.ndarray:
         """The tokens at positions `at` of the stream (`ends`: the ends of documents `at`, counted from its start),
