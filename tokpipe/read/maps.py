@@ -221,10 +221,7 @@ class StoreFile:
         return np.frombuffer(self._get(first * itemsize, (first + count) * itemsize), dtype)
 
     def mapped(self, dtype: np.dtype, random: bool = False, first: int = 0) -> np.ndarray:
-        itemsize = np.dtype(dtype).itemsize
-        if first * itemsize >= self.size:
-            return np.zeros(0, dtype)
-        return np.frombuffer(self._get(first * itemsize, self.size), dtype)
+        return self.array(dtype, first, max(self.size // np.dtype(dtype).itemsize - first, 0))
 
 
 def recorded(out: Path, name: str, size: int, what: str, growing: bool = False) -> LocalFile | StoreFile:
