@@ -148,9 +148,11 @@ class Sequences:
         if not isinstance(out, (str, os.PathLike)):
             raise ValueError(f"out {out!r}: need a path (a str or an os.PathLike)")
         self.cache_size = integer(cache_size, "cache_size", 1)
-        if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+        if cache_dir is None:  # tokpipe's folder of the user's cache (XDG_CACHE_HOME)
+            cache_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokpipe"
+        if not isinstance(cache_dir, (str, os.PathLike)):
             raise ValueError(f"cache_dir {cache_dir!r}: need a path (a str or an os.PathLike)")
-        self.cache_dir = Path(os.path.abspath(cache_dir if cache_dir is not None else default_cache_dir()))
+        self.cache_dir = Path(os.path.abspath(cache_dir))
         self.split, self.group = name(split, "split"), None if group is None else name(group, "group")
         self.out = os.fspath(out) if on_store(out) else Path(os.path.abspath(out))  # a URL, or a folder
         records = reader_out(self.out, [META_JSON, META_PKL]) if on_store(out) else self.out  # its meta: here
@@ -206,9 +208,8 @@ class Sequences:
     def __reduce__(self):
         """Pickled as a reference: where the OUT is, the options and the position (a DataLoader's spawned
         worker reopens the files instead of receiving the split)."""
-        options = dict(split=self.split, seq_len=self.seq_len, seed=self.seed, rank=self.rank)
-        options |= dict(world_size=self.world_size, group=self.group, cache_dir=str(self.cache_dir))
-        options |= dict(cache_size=self.cache_size)
+        keys = ("split", "seq_len", "seed", "rank", "world_size", "group", "cache_size")
+        options = {key: getattr(self, key) for key in keys} | {"cache_dir": str(self.cache_dir)}
         return _reopen, (str(self.out), options, self.state_dict())
 
     def window(self, i: int) -> np.ndarray:
@@ -399,11 +400,6 @@ class Sequences:
         epoch, offset = self.check_state(state)
         with self._lock:
             self._set_position(epoch, offset)
-
-
-def default_cache_dir() -> Path:
-    """Where a loader on a store caches blocks unless told: tokpipe's folder of the user's cache (XDG_CACHE_HOME)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokpipe"
 
 
 def _order(order: dict | None) -> str:
