@@ -78,9 +78,7 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
                 start = int(ends[d - 1]) if d else 0
                 got = tokens[start : int(ends[d])]
                 results.setdefault(split, []).append(d)
-                in_pieces[split] = in_pieces.get(split, 0) + (
-                    len(text) > PIECE_CHARS and reference.piece_tokens is not None
-                )
+                in_pieces[split] = in_pieces.get(split, 0) + (len(text) > PIECE_CHARS)  # (none where passed over)
                 if not _matches(got, before, flat[end - length : end], after):
                     mismatches.setdefault(split, []).append(
                         f"document {d} ({shard.relpath}{', held out' if held else ''}, its document {number})"
