@@ -156,9 +156,8 @@ class Sequences:
         self.split, self.group = name(split, "split"), None if group is None else name(group, "group")
         self.out = os.fspath(out) if on_store(out) else Path(os.path.abspath(out))  # a URL, or a folder
         records = reader_out(self.out, [META_JSON, META_PKL]) if on_store(out) else self.out  # its meta: here
-        layout = Layout(records)
         try:
-            meta = finished_meta(layout)  # not finished: its OutputError, a ValueError
+            meta = finished_meta(Layout(records))  # not finished: its OutputError, a ValueError
         except OutputError:
             if on_store(out):
                 raise OutputError(f"{out} is not a finished tokpipe output: tokpipe status {out}") from None
@@ -182,8 +181,7 @@ class Sequences:
         if on_store(out) and entry.parts is not None:
             copy_records(records, [entry.parts])
         self.fingerprint = stream_fingerprint(records, entry, meta.dtype, group)
-        files = (groups[group] if group else entry).token_files()
-        self.files = TokenFiles(records, files, meta.dtype, windows=True)
+        self.files = TokenFiles(records, (groups[group] if group else entry).token_files(), meta.dtype, windows=True)
         self.len = max(self.files.tokens - 1, 0) // self.seq_len
         if self.len < self.world_size:
             raise ValueError(
