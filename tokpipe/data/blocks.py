@@ -103,7 +103,6 @@ class BlockOrder:
         return int(before[buffer]), int(before[buffer + 1])
 
     def blocks_of(self, epoch: int, buffer: int) -> np.ndarray:
-        """The blocks of buffer j of epoch e."""
         g = self.geometry
         return self._epoch(epoch)[0][buffer * g.buffer : (buffer + 1) * g.buffer]
 

@@ -203,7 +203,6 @@ class TokenFiles:
         return ends - file.token_offset if file.token_offset else ends
 
     def file(self, f: int) -> TokenFile:
-        """File f, read."""
         return TokenFile(self.entries[f].name, self.file_tokens(f), self.file_ends(f))
 
     def token_bytes(self, f: int, start: int, stop: int, buffer: bytearray) -> Iterator[memoryview]:
