@@ -87,8 +87,7 @@ class BlockCache:
         tokens = self._windows()[starts - self._low // self.dtype.itemsize].astype(np.int64)
         places = self._places_merged()
         at = np.searchsorted(places, np.concatenate([starts, starts + self.seq_len + 1]))
-        offsets, bounds = within(places, at, starts)
-        return tokens, offsets, bounds
+        return tokens, *within(places, at, starts)
 
     def _windows(self) -> np.ndarray:
         if self._view is None:

@@ -98,8 +98,7 @@ def _population(out: Path, meta: Meta, manifest) -> list[tuple]:
         for shard, held in sources(manifest, split_file_stem(split), meta.val_fraction):
             if shard.relpath in meta.excluded:
                 continue
-            ckpt = checkpoints.of(shard)
-            for part in ckpt.source_parts(held):
+            for part in checkpoints.of(shard).source_parts(held):
                 population.append((split, shard, held, part.group, base[part.group], part.documents))
                 base[part.group] += part.documents
     return population

@@ -205,8 +205,7 @@ def _verify_split(out: Path, split: str, entry: SplitEntry, meta: Meta, dtype: n
     docs_expected = entry.documents
     if entry.lines is not None:
         _check_lines(split, entry, check)
-    files = entry.token_files()
-    if not _check_files(out, split, entry, files, dtype, check):
+    if not _check_files(out, split, entry, entry.token_files(), dtype, check):
         return
     parts = _parts(out, split, entry, check)
     if parts is None:
