@@ -3,6 +3,7 @@ datasets would read it into, and its key in OUT. The same rules for a folder (ma
 object store (objects.py)."""
 
 import re
+from collections import Counter
 
 import orjson
 
@@ -102,10 +103,7 @@ def one_format(placed: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
     """The files placed in splits, as HF datasets reads them: in the one format most of each split's files are (each
     suffix of a name counted, `x.jsonl.zst` .jsonl and .zst), the others left out, (relpath -> why). Splits of two
     formats are refused: HF datasets refuses them."""
-    by_split: dict[str, list[str]] = {}
-    for relpath, split in placed.items():
-        by_split.setdefault(split, []).append(relpath)
-    chosen = {split: _format(relpaths) for split, relpaths in by_split.items()}
+    chosen = {split: _format([r for r, s in placed.items() if s == split]) for split in dict.fromkeys(placed.values())}
     if len(set(chosen.values())) > 1:
         what = ", ".join(f"{split} {fmt}" for split, fmt in chosen.items())
         raise UserError(
@@ -123,20 +121,14 @@ def one_format(placed: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
 
 
 def _format(relpaths: list[str]) -> str | None:
-    counts: dict[str, int] = {}
-    for relpath in relpaths:
-        for part in relpath.rsplit("/", 1)[-1].split(".")[1:]:
-            counts["." + part.lower()] = counts.get("." + part.lower(), 0) + 1
+    counts = Counter("." + part.lower() for relpath in relpaths for part in relpath.rsplit("/", 1)[-1].split(".")[1:])
     ranked = sorted(counts, key=lambda s: (counts[s], *(s == p for p in PREFERRED), s), reverse=True)
     return next((FORMATS[s] for s in ranked if s in FORMATS), None)
 
 
 def shard_key(relpath: str) -> str:
-    for suffix in (*SHARD_SUFFIXES, JSON_SUFFIX):
-        if relpath.endswith(suffix):
-            relpath = relpath[: -len(suffix)]
-            break
-    return relpath.replace("/", "__")
+    suffix = next((s for s in (*SHARD_SUFFIXES, JSON_SUFFIX) if relpath.endswith(s)), "")
+    return relpath.removesuffix(suffix).replace("/", "__")
 
 
 def first_line(read) -> bytes:
