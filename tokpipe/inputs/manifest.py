@@ -16,6 +16,7 @@ deduplicated: in a cache two snapshot files may rightly link to one blob.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import heapq
 import json
@@ -31,7 +32,7 @@ import orjson
 
 from tokpipe.errors import UserError
 from tokpipe.inputs.card import CARD, Chosen, choose, configs_of, splits
-from tokpipe.inputs.names import DATA_FILE, JSON_SUFFIX, SHARD_SUFFIXES, first_line, not_a_shard, shard_key
+from tokpipe.inputs.names import DATA_FILE, SHARD_SUFFIXES, not_a_shard, shard_key
 from tokpipe.store import is_url
 
 MANIFEST_VERSION = 1
@@ -330,22 +331,21 @@ def build_manifest(
     placed, left = splits(chosen, [relpath for _, relpath in files])
     shards, files_passed_over = [], []
     for path, relpath in files:
-        split = placed.get(relpath)
         pointed = _resolve_pointer(path, blobs_dir)
-        json_head = _first_line(pointed) if relpath.endswith(JSON_SUFFIX) and split else b""
-        if why := left.get(relpath) or not_a_shard(relpath, json_head):
+        if why := left.get(relpath) or not_a_shard(relpath, functools.partial(_read, pointed)):
             files_passed_over.append((relpath, why))
         else:
-            shards.append(_shard(pointed, relpath, split, base, allow_outside))
+            shards.append(_shard(pointed, relpath, placed[relpath], base, allow_outside))
     return manifest_of(
         str(root), str(base), allow_outside, repo_id, revision, shards, passed_over, lambda: _layout_hint(root),
         files_passed_over, chosen,
     )  # fmt: skip
 
 
-def _first_line(path: Path) -> bytes:
+def _read(path: Path, start: int, stop: int) -> bytes:
     with open(path, "rb") as f:
-        return first_line(lambda start, stop: f.read(stop - start))
+        f.seek(start)
+        return f.read(stop - start)
 
 
 def manifest_of(

@@ -147,9 +147,9 @@ def first_line(read) -> bytes:
     return b"" if start is None else bytes(held[start:]).split(b"\n", 1)[0]
 
 
-def not_a_shard(relpath: str, json_head: bytes) -> str | None:
+def not_a_shard(relpath: str, read) -> str | None:
     """Why a file of data the walk met is no shard (None: it is one). A .json file is one when its first line
-    (`json_head`: first_line's) is a JSON object: it is JSON Lines."""
+    (first_line, through `read`) is a JSON object: it is JSON Lines."""
     if is_metadata(relpath):
         return "Hugging Face datasets' metadata, never data"
     if relpath.endswith(SHARD_SUFFIXES):
@@ -159,9 +159,8 @@ def not_a_shard(relpath: str, json_head: bytes) -> str | None:
             "a format tokpipe does not read (it reads JSON Lines, plain or zstd- or gzip-compressed, and Parquet):"
             " convert it to one of those to tokenize it"
         )
-    line = json_head.lstrip().split(b"\n", 1)[0]
     try:
-        if isinstance(orjson.loads(line), dict):
+        if isinstance(orjson.loads(first_line(read)), dict):
             return None
     except orjson.JSONDecodeError:
         pass

@@ -20,7 +20,7 @@ from pathlib import PurePosixPath
 from tokpipe.errors import UserError
 from tokpipe.inputs.card import CARD, choose, configs_of, splits
 from tokpipe.inputs.manifest import Manifest, Shard, layout_hint, manifest_of, pick_revision
-from tokpipe.inputs.names import DATA_FILE, JSON_SUFFIX, SHARD_SUFFIXES, first_line, not_a_shard, shard_key
+from tokpipe.inputs.names import DATA_FILE, SHARD_SUFFIXES, not_a_shard, shard_key
 from tokpipe.store import Bucket, Object, Url, is_url
 
 REPO_PREFIX = "datasets--"
@@ -51,12 +51,10 @@ def build_store_manifest(
     placed, left = splits(chosen, [relpath for _, relpath in files])
     shards, files_passed_over = [], []
     for found, relpath in files:
-        split = placed.get(relpath)
-        read = functools.partial(_read, bucket, found)
-        json_head = first_line(read) if relpath.endswith(JSON_SUFFIX) and split else b""
-        if why := left.get(relpath) or not_a_shard(relpath, json_head):
+        if why := left.get(relpath) or not_a_shard(relpath, functools.partial(_read, bucket, found)):
             files_passed_over.append((relpath, why))
         else:
+            split = placed[relpath]
             shards.append(Shard(split, relpath, bucket.where(found.key), found.size, shard_key(relpath), found.etag))
     return manifest_of(
         bucket.where(root),
