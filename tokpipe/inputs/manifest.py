@@ -36,14 +36,7 @@ from tokpipe.inputs.names import DATA_FILE, SHARD_SUFFIXES, not_a_shard, shard_k
 from tokpipe.store import is_url
 
 MANIFEST_VERSION = 1
-HEADER = (
-    "root",
-    "base",
-    "allow_outside",
-    "repo_id",
-    "revision",
-    "fingerprint",
-)  # a manifest's fields before its shards
+HEADER = ("root", "base", "allow_outside", "repo_id", "revision", "fingerprint")  # the fields before the shards
 
 
 def on_store(path: str | os.PathLike) -> bool:
