@@ -32,7 +32,7 @@ import orjson
 
 from tokpipe.errors import UserError
 from tokpipe.inputs.card import CARD, Chosen, choose, configs_of, splits
-from tokpipe.inputs.names import DATA_FILE, SHARD_SUFFIXES, not_a_shard, shard_key
+from tokpipe.inputs.names import DATA_FILE, REPO_PREFIX, SHARD_SUFFIXES, not_a_shard, repo_id_of, shard_key
 from tokpipe.store import is_url
 
 MANIFEST_VERSION = 1
@@ -236,6 +236,18 @@ def layout_hint(where: str, names: list[str]) -> str:
     )
 
 
+def pick_repo(repo_ids: list[str], repo_id: str | None, where: str, hint: Callable[[], str]) -> str:
+    """Which of the datasets of a cache at `where` to read: `repo_id`, else the only one; `hint()`: layout_hint."""
+    found = [r for r in repo_ids if repo_id in (None, r)]
+    if not found:
+        what = "dataset repos" if repo_id is None else f"dataset {repo_id!r}"
+        raise UserError(f"no {what} in the Hugging Face cache at {where}; {hint()}")
+    if len(found) > 1:
+        names = ", ".join(found)
+        raise UserError(f"the cache at {where} holds several datasets ({names}): pick one with --repo-id ORG/NAME")
+    return found[0]
+
+
 def pick_revision(repo_id: str, snapshots: dict[str, str], refs: dict[str, str], revision: str | None) -> str:
     """The commit whose snapshot to read, of a repo's `snapshots` (commit -> where) and `refs` (name -> commit):
     `revision` (a ref or a commit), else refs/main, else the only snapshot."""
@@ -265,14 +277,14 @@ def _locate(
     if not dataset_dir.is_dir():
         raise UserError(f"--dataset-dir {dataset_dir} is not a directory; " + _layout_hint(dataset_dir.parent))
     cache_root, snapshot = None, None
-    if dataset_dir.name.startswith("datasets--"):
+    if dataset_dir.name.startswith(REPO_PREFIX):
         cache_root = dataset_dir.parent
-        repo_id = repo_id or dataset_dir.name.removeprefix("datasets--").replace("--", "/")
-    elif dataset_dir.parent.name == "snapshots" and dataset_dir.parent.parent.name.startswith("datasets--"):
+        repo_id = repo_id or repo_id_of(dataset_dir.name)
+    elif dataset_dir.parent.name == "snapshots" and dataset_dir.parent.parent.name.startswith(REPO_PREFIX):
         cache_root = dataset_dir.parent.parent.parent
-        repo_id = repo_id or dataset_dir.parent.parent.name.removeprefix("datasets--").replace("--", "/")
+        repo_id = repo_id or repo_id_of(dataset_dir.parent.parent.name)
         snapshot = dataset_dir.name
-    elif any(p.name.startswith("datasets--") for p in dataset_dir.iterdir()):
+    elif any(p.name.startswith(REPO_PREFIX) for p in dataset_dir.iterdir()):
         cache_root = dataset_dir
     if cache_root is None:
         return dataset_dir, None, None, None
@@ -281,19 +293,8 @@ def _locate(
     from huggingface_hub import scan_cache_dir
 
     # scan_cache_dir also warns about stray files beside the repos (a README, a manifest); those are fine.
-    repos = [r for r in scan_cache_dir(cache_root).repos if r.repo_type == "dataset"]
-    if repo_id is not None:
-        repos = [r for r in repos if r.repo_id == repo_id]
-        if not repos:
-            raise UserError(
-                f"no dataset {repo_id!r} in the Hugging Face cache at {cache_root}; " + _layout_hint(cache_root)
-            )
-    if not repos:
-        raise UserError(f"no dataset repos in the Hugging Face cache at {cache_root}; " + _layout_hint(cache_root))
-    if len(repos) > 1:
-        names = ", ".join(sorted(r.repo_id for r in repos))
-        raise UserError(f"the cache at {cache_root} holds several datasets ({names}): pick one with --repo-id ORG/NAME")
-    repo = repos[0]
+    repos = {r.repo_id: r for r in scan_cache_dir(cache_root).repos if r.repo_type == "dataset"}
+    repo = repos[pick_repo(sorted(repos), repo_id, str(cache_root), lambda: _layout_hint(cache_root))]
     snapshots = {r.commit_hash: str(r.snapshot_path) for r in repo.revisions}
     rev = pick_revision(
         repo.repo_id, snapshots, {ref: r.commit_hash for r in repo.revisions for ref in r.refs}, snapshot or revision

@@ -9,6 +9,7 @@ import orjson
 
 from tokpipe.errors import UserError
 
+REPO_PREFIX = "datasets--"  # a dataset repo's folder in a Hugging Face cache: datasets--ORG--NAME
 SHARD_SUFFIXES = (".jsonl", ".jsonl.zst", ".jsonl.zstd", ".jsonl.gz", ".json.gz", ".json.zst", ".ndjson", ".parquet")
 # A `.json` file is a shard when it is JSON Lines, as Hugging Face datasets' json builder reads it (C4's uncompressed
 # files, many a dataset's train.json): its first line is a JSON object. Else (a dataset_info.json, a JSON array) it is
@@ -85,6 +86,11 @@ def splits_of(relpaths: list[str]) -> tuple[dict[str, str], dict[str, str]]:
             why = f"names no split in {where}, where other files do: Hugging Face datasets reads none of it"
             return named, {r: why for r in relpaths if r not in named}
     return dict.fromkeys(relpaths, "train"), {}
+
+
+def repo_id_of(folder: str) -> str:
+    """ORG/NAME of a cache's datasets--ORG--NAME folder."""
+    return folder.removeprefix(REPO_PREFIX).replace("--", "/")
 
 
 def is_metadata(relpath: str) -> bool:

@@ -19,11 +19,9 @@ from pathlib import PurePosixPath
 
 from tokpipe.errors import UserError
 from tokpipe.inputs.card import CARD, choose, configs_of, splits
-from tokpipe.inputs.manifest import Manifest, Shard, layout_hint, manifest_of, pick_revision
-from tokpipe.inputs.names import DATA_FILE, SHARD_SUFFIXES, not_a_shard, shard_key
+from tokpipe.inputs.manifest import Manifest, Shard, layout_hint, manifest_of, pick_repo, pick_revision
+from tokpipe.inputs.names import DATA_FILE, REPO_PREFIX, SHARD_SUFFIXES, not_a_shard, repo_id_of, shard_key
 from tokpipe.store import Bucket, Object, Url, is_url
-
-REPO_PREFIX = "datasets--"
 
 
 def build_store_manifest(
@@ -57,19 +55,15 @@ def build_store_manifest(
             split = placed[relpath]
             shards.append(Shard(split, relpath, bucket.where(found.key), found.size, shard_key(relpath), found.etag))
     return manifest_of(
-        bucket.where(root),
-        bucket.where(repo if repo is not None else root),
-        allow_outside,
-        repo_id,
-        revision,
-        shards,
-        passed_over,
-        lambda: layout_hint(
-            bucket.where(root), sorted({k[len(root) :].split("/")[0] for k in listed if k.startswith(root)})
-        ),
-        files_passed_over,
-        chosen,
-    )
+        bucket.where(root), bucket.where(repo or root), allow_outside, repo_id, revision, shards, passed_over,
+        lambda: _hint(bucket, listed, root), files_passed_over, chosen,
+    )  # fmt: skip
+
+
+def _hint(bucket: Bucket, listed: dict[str, Object], folder: str) -> str:
+    """layout_hint of what a folder holds."""
+    names = {key[len(folder) :].partition("/")[0] for key in listed if key.startswith(folder)}
+    return layout_hint(bucket.where(folder), sorted(names))
 
 
 def _read(bucket: Bucket, found: Object, start: int, stop: int) -> bytes:
@@ -90,24 +84,15 @@ def _locate(
     """(shard root, repo folder, repo id, revision) for any of the accepted layouts, as prefixes ending in `/`."""
     *above, name = [""] + prefix.rstrip("/").split("/")
     if name.startswith(REPO_PREFIX):  # one repo folder
-        return _snapshot(bucket, prefix, listed, repo_id or _repo_id(name), revision)
+        return _snapshot(bucket, prefix, listed, repo_id or repo_id_of(name), revision)
     if len(above) >= 3 and above[-1] == "snapshots" and above[-2].startswith(REPO_PREFIX):  # one snapshot
-        return prefix, prefix.rsplit("/", 3)[0] + "/", repo_id or _repo_id(above[-2]), name
+        return prefix, prefix.rsplit("/", 3)[0] + "/", repo_id or repo_id_of(above[-2]), name
     folders = {rel.partition("/")[0] for rel in (key[len(prefix) :] for key in listed) if "/" in rel}
-    repos = sorted(f for f in folders if f.startswith(REPO_PREFIX))
+    repos = {repo_id_of(f): f for f in sorted(folders) if f.startswith(REPO_PREFIX)}
     if not repos:
         return prefix, None, None, None
-    if repo_id is not None:
-        repos = [r for r in repos if _repo_id(r) == repo_id]
-        if not repos:
-            found = layout_hint(bucket.where(prefix), sorted({k[len(prefix) :].partition("/")[0] for k in listed}))
-            raise UserError(f"no dataset {repo_id!r} in the Hugging Face cache at {bucket.where(prefix)}; {found}")
-    if len(repos) > 1:
-        names = ", ".join(_repo_id(r) for r in repos)
-        raise UserError(
-            f"the cache at {bucket.where(prefix)} holds several datasets ({names}): pick one with --repo-id ORG/NAME"
-        )
-    return _snapshot(bucket, f"{prefix}{repos[0]}/", listed, _repo_id(repos[0]), revision)
+    repo_id = pick_repo(list(repos), repo_id, bucket.where(prefix), lambda: _hint(bucket, listed, prefix))
+    return _snapshot(bucket, f"{prefix}{repos[repo_id]}/", listed, repo_id, revision)
 
 
 def _snapshot(
@@ -155,7 +140,3 @@ def _walk(
 
 def _hidden(relpath: str) -> bool:
     return any(part.startswith(".") for part in relpath.split("/")[:-1])
-
-
-def _repo_id(folder: str) -> str:
-    return folder.removeprefix(REPO_PREFIX).replace("--", "/")
