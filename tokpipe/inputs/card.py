@@ -15,6 +15,7 @@ folder (`.x`, `__x`) matches only a pattern that names it so.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,9 +49,6 @@ class Chosen:
             )
         return named[0] if named else None
 
-    def why_not(self) -> str:
-        return f"not in the data_files of config {', '.join(self.names)} ({CARD}'s configs)"
-
 
 def splits(chosen: Chosen | None, relpaths: list[str]) -> tuple[dict[str, str], dict[str, str]]:
     """The split each file of data is read into, and why each other is left out: by the configs read (in a data_dir,
@@ -80,7 +78,8 @@ def splits(chosen: Chosen | None, relpaths: list[str]) -> tuple[dict[str, str], 
         inferred |= {f"{folder}/{relpath}": split for relpath, split in under.items()}
     placed = {r: split for r in relpaths if (split := chosen.split_of(r, inferred))}
     kept, other = one_format(placed)
-    return kept, {r: chosen.why_not() for r in relpaths if r not in placed} | other
+    why = f"not in the data_files of config {', '.join(chosen.names)} ({CARD}'s configs)"
+    return kept, {r: why for r in relpaths if r not in placed} | other
 
 
 def configs_of(card: str) -> dict[str, dict]:
@@ -171,35 +170,31 @@ def _match(glob: str, relpath: str) -> bool:
     return _compiled(glob)(relpath)
 
 
-_GLOBS: dict[str, Callable[[str], bool]] = {}
-
-
+@functools.cache
 def _compiled(glob: str) -> Callable[[str], bool]:
     """fsspec's glob as a test of a relpath; a hidden name (`.x`, `__x`) matched only where the glob says it."""
-    if glob not in _GLOBS:
-        pattern, i = "", 0
-        glob = glob.removeprefix("./")
-        while i < len(glob):
-            if glob.startswith("**/", i):
-                pattern, i = pattern + "(?:[^/]+/)*", i + 3
-            elif glob.startswith("**", i):
-                pattern, i = pattern + ".*", i + 2
-            elif glob[i] == "*":
-                pattern, i = pattern + "[^/]*", i + 1
-            elif glob[i] == "?":
-                pattern, i = pattern + "[^/]", i + 1
-            elif glob[i] == "[" and "]" in glob[i + 1 :]:
-                end = glob.index("]", i + 1)
-                pattern, i = pattern + "[" + glob[i + 1 : end].replace("!", "^", 1) + "]", end + 1
-            else:
-                pattern, i = pattern + re.escape(glob[i]), i + 1
-        try:
-            full = re.compile(pattern + r"\Z")
-        except re.error as e:
-            raise UserError(f"data_files glob {glob!r} ({CARD}) is not a glob ({e}): fix the card") from None
-        hidden_asked = any(part.startswith((".", "__")) for part in glob.split("/"))
-        _GLOBS[glob] = lambda relpath: (
-            bool(full.match(relpath))
-            and (hidden_asked or not any(part.startswith((".", "__")) for part in relpath.split("/")))
-        )
-    return _GLOBS[glob]
+    pattern, i = "", 0
+    glob = glob.removeprefix("./")
+    while i < len(glob):
+        if glob.startswith("**/", i):
+            pattern, i = pattern + "(?:[^/]+/)*", i + 3
+        elif glob.startswith("**", i):
+            pattern, i = pattern + ".*", i + 2
+        elif glob[i] == "*":
+            pattern, i = pattern + "[^/]*", i + 1
+        elif glob[i] == "?":
+            pattern, i = pattern + "[^/]", i + 1
+        elif glob[i] == "[" and "]" in glob[i + 1 :]:
+            end = glob.index("]", i + 1)
+            pattern, i = pattern + "[" + glob[i + 1 : end].replace("!", "^", 1) + "]", end + 1
+        else:
+            pattern, i = pattern + re.escape(glob[i]), i + 1
+    try:
+        full = re.compile(pattern + r"\Z")
+    except re.error as e:
+        raise UserError(f"data_files glob {glob!r} ({CARD}) is not a glob ({e}): fix the card") from None
+    hidden_asked = any(part.startswith((".", "__")) for part in glob.split("/"))
+    return lambda relpath: (
+        bool(full.match(relpath))
+        and (hidden_asked or not any(part.startswith((".", "__")) for part in relpath.split("/")))
+    )
