@@ -28,10 +28,7 @@ changed under a run does).
 """
 
 from tokpipe.store.bucket import (
-    MAX_PART,
-    MAX_PARTS,
     MIN_PART,
-    SCHEME,
     Bucket,
     Changed,
     Exists,
@@ -46,10 +43,7 @@ from tokpipe.store.reader import Reader, open_read
 from tokpipe.store.upload import Upload, compose, put_buffers
 
 __all__ = [
-    "MAX_PART",
-    "MAX_PARTS",
     "MIN_PART",
-    "SCHEME",
     "Bucket",
     "Changed",
     "Exists",
