@@ -12,6 +12,7 @@ on the same machine, within a lease on another.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -35,9 +36,6 @@ class Holder:
     pid: int
     renewed: float  # unix time of the holder's last renewal, by its clock
     seconds: float  # the lease's length
-
-    def describe(self) -> str:
-        return f"pid {self.pid} on {self.host}"
 
     def gone(self, now: float) -> bool:
         """Whether the lease has ended: expired, or held by a process of this machine that no longer runs."""
@@ -72,23 +70,24 @@ class Lease:
 
     def acquire(self) -> None:
         """Hold OUT, or refuse (UserError, one line) while another run's lease is live."""
-        try:
+        with contextlib.suppress(Exists):
             self.etag = self.bucket.put(self.key, self._record(), create=True)
             return
-        except Exists:
-            pass
         found = self.bucket.get(self.key)
         if found is None:  # released between our create and this read: try once more
             self.etag = self.bucket.put(self.key, self._record(), create=True)
             return
         raw, etag = found
-        holder = _holder(raw)
+        try:
+            holder = Holder(**json.loads(raw))
+        except (ValueError, TypeError):
+            holder = None
         if holder is not None and not holder.gone(time.time()):
             left = holder.renewed + holder.seconds + SKEW - time.time()
             raise UserError(
-                f"{self.bucket.where(self.key).removesuffix('/.lock')} is in use by another tokpipe run"
-                f" ({holder.describe()}); wait for it to finish or stop it (a run killed without a word frees it"
-                f" within {max(left, 0):.0f} s, when its lease ends)"
+                f"{self.bucket.where(self.key).removesuffix('/.lock')} is in use by another tokpipe run (pid"
+                f" {holder.pid} on {holder.host}); wait for it to finish or stop it (a run killed without a word frees"
+                f" it within {max(left, 0):.0f} s, when its lease ends)"
             )
         try:  # expired, gone, or not a lease tokpipe wrote: take it, unless another run takes it first
             self.etag = self.bucket.put(self.key, self._record(), if_match=etag)
@@ -138,10 +137,3 @@ class Lease:
         if self._thread is not None:
             self._thread.join()
         self.release()
-
-
-def _holder(raw: bytes) -> Holder | None:
-    try:
-        return Holder(**json.loads(raw))
-    except (ValueError, TypeError):
-        return None
