@@ -105,12 +105,6 @@ def _client(endpoint: str | None, tries: int | None = None):
     return _clients[endpoint, tries]
 
 
-def endpoint_of_environment() -> str | None:
-    """The endpoint the AWS SDKs take from this environment (AWS_ENDPOINT_URL_S3, then AWS_ENDPOINT_URL), or None
-    for AWS itself."""
-    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
-
-
 @dataclass(frozen=True)
 class Bucket:
     """One bucket, by name and endpoint (no secret: it pickles into Ray's task arguments as it is)."""
@@ -120,7 +114,9 @@ class Bucket:
 
     @classmethod
     def of(cls, url: Url) -> Bucket:
-        return cls(url.bucket, endpoint_of_environment())
+        """URL's bucket at the endpoint the AWS SDKs take from this environment (AWS_ENDPOINT_URL_S3, then
+        AWS_ENDPOINT_URL), or None for AWS itself."""
+        return cls(url.bucket, os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None)
 
     @property
     def client(self):
