@@ -164,8 +164,6 @@ class FastokensEncoder(Encoder):
 
 _ENCODER_CLASSES = {"hf": HFEncoder, "fastokens": FastokensEncoder, "gigatoken": GigatokenEncoder}
 _encoders: dict[tuple[str, str], Encoder] = {}
-
-
 _loads: dict[tuple[str, str], threading.Lock] = {}  # one load of each at a time: a second caller waits for it
 _loads_lock = threading.Lock()
 
@@ -213,10 +211,8 @@ def drop_encoder(backend: str, tokenizer_json: str) -> None:
     """
     _encoders.pop((backend, tokenizer_json), None)
     gc.collect()
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: what was freed is reused by the next cache anyway
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: what was freed is reused by the next cache all the same
-        pass
 
 
 def _differing(found: tuple[np.ndarray, np.ndarray], reference: tuple[np.ndarray, np.ndarray]) -> list[int]:

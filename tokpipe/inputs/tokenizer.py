@@ -42,9 +42,7 @@ def dtype_for(vocab_size: int) -> str:
 
 
 def _token_content(value) -> str | None:
-    if isinstance(value, dict):
-        return value.get("content")
-    return value
+    return value.get("content") if isinstance(value, dict) else value
 
 
 HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+")  # ORG/NAME, as the hub names a repository
@@ -135,8 +133,7 @@ def load_tokenizer_info(
 ) -> TokenizerInfo:
     """What the output depends on, from a local tokenizer (folder or tokenizer.json) or a hub name
     ORG/NAME found in the local Hugging Face cache (at `revision`, default main). `prefetch`: a backend whose
-    encoder loads meanwhile, in a thread (fastokens' and gigatoken's loaders let go of the GIL: Qwen3's 1.1 s
-    went on beside as much of the caller's work)."""
+    encoder loads meanwhile, in a thread (encoders.prefetch)."""
     json_path, repo_id, commit = _resolve(path, revision)
     json_str = str(json_path if repo_id else json_path.resolve())  # a snapshot's path, not its blob's
     if prefetch is not None:
