@@ -132,9 +132,7 @@ def _parse(
         sizes = pc.binary_length(values).fill_null(0).to_pylist()
         try:
             texts = values.to_pylist()
-        except (
-            UnicodeDecodeError
-        ):  # pyarrow does not check UTF-8 when reading: take the bytes, decoded row by row below
+        except UnicodeDecodeError:  # pyarrow does not check UTF-8 when reading: the bytes, decoded row by row below
             texts = values.cast(pa.large_binary()).to_pylist()
     else:
         sizes, texts = [0] * len(values), [None] * len(values)  # every row text_not_string, below
