@@ -106,10 +106,8 @@ class Lease:
 
     def release(self) -> None:
         if self.lost is None and self.etag is not None:
-            try:
+            with contextlib.suppress(Exists):  # taken over meanwhile: it is the other run's now
                 self.bucket.delete(self.key, if_match=self.etag)
-            except Exists:  # taken over meanwhile: it is the other run's now
-                pass
         self.etag = None
 
     def check(self) -> None:
