@@ -268,10 +268,9 @@ def read_jsonl_batches(
         batch.lines += len(lines)
         lines.clear()  # the batch has the texts; a suspended _lines still holds this list
         batch.text_bytes += consumed
+        batch.end_offset, batch.source_pos, batch.frame = offset, source_pos, frame
         if batch.text_bytes >= batch_bytes:
-            batch.end_offset, batch.source_pos, batch.frame = offset, source_pos, frame
             yield batch
             batch = TextBatch([], 0, offset, 0, 0)
     if batch.lines:
-        batch.end_offset, batch.source_pos, batch.frame = offset, source_pos, frame
         yield batch
