@@ -158,10 +158,12 @@ def load_tokenizer_info(
             f"BOS token {bos_token!r} is not in the tokenizer's vocabulary: pass the right one with --bos-token"
         )
     bos = bos_token or _token_content(config.get("bos_token"))
-    name = repo_id or (json_path.parent.name if json_path.name == "tokenizer.json" else json_path.stem)
-    info = TokenizerInfo(
+    # What follows the info (the backend check, inspect's decoding) encodes with the reference:
+    # this load serves it, instead of a second one of the same file.
+    encoders.keep_reference(json_str, tok)
+    return TokenizerInfo(
         path=json_str,
-        name=name,
+        name=repo_id or (json_path.parent.name if json_path.name == "tokenizer.json" else json_path.stem),
         sha256=sha256,
         vocab_size=vocab_size,
         eos_token=eos,
@@ -172,10 +174,6 @@ def load_tokenizer_info(
         repo_id=repo_id,
         revision=commit,
     )
-    # What follows the info (the backend check, inspect's decoding) encodes with the reference:
-    # this load serves it, instead of a second one of the same file.
-    encoders.keep_reference(info.path, tok)
-    return info
 
 
 _parsed: dict[str, tuple[Tokenizer, int]] = {}  # sha256 of a tokenizer.json -> (its tokenizer, vocab_size)
