@@ -32,7 +32,7 @@ import orjson
 
 from tokpipe.errors import UserError
 from tokpipe.inputs.card import CARD, Chosen, choose, configs_of, splits
-from tokpipe.inputs.names import DATA_FILE, REPO_PREFIX, SHARD_SUFFIXES, not_a_shard, repo_id_of, shard_key
+from tokpipe.inputs.names import DATA_FILE, REPO_PREFIX, SHARD_SUFFIXES, first_line, not_a_shard, repo_id_of, shard_key
 from tokpipe.store import is_url
 
 MANIFEST_VERSION = 1
@@ -326,7 +326,7 @@ def build_manifest(
     shards, files_passed_over = [], []
     for path, relpath in files:
         pointed = _resolve_pointer(path, blobs_dir)
-        if why := left.get(relpath) or not_a_shard(relpath, functools.partial(_read, pointed)):
+        if why := left.get(relpath) or not_a_shard(relpath, functools.partial(_first_line, pointed)):
             files_passed_over.append((relpath, why))
         else:
             shards.append(_shard(pointed, relpath, placed[relpath], base, allow_outside))
@@ -336,10 +336,9 @@ def build_manifest(
     )  # fmt: skip
 
 
-def _read(path: Path, start: int, stop: int) -> bytes:
+def _first_line(path: Path) -> bytes:
     with open(path, "rb") as f:
-        f.seek(start)
-        return f.read(stop - start)
+        return first_line(lambda start, stop: f.read(stop - start))
 
 
 def manifest_of(

@@ -153,9 +153,9 @@ def first_line(read) -> bytes:
     return b"" if start is None else bytes(held[start:]).split(b"\n", 1)[0]
 
 
-def not_a_shard(relpath: str, read) -> str | None:
+def not_a_shard(relpath: str, head) -> str | None:
     """Why a file of data the walk met is no shard (None: it is one). A .json file is one when its first line
-    (first_line, through `read`) is a JSON object: it is JSON Lines."""
+    (`head()`: first_line's) is a JSON object: it is JSON Lines."""
     if is_metadata(relpath):
         return "Hugging Face datasets' metadata, never data"
     if relpath.endswith(SHARD_SUFFIXES):
@@ -166,7 +166,7 @@ def not_a_shard(relpath: str, read) -> str | None:
             " convert it to one of those to tokenize it"
         )
     try:
-        if isinstance(orjson.loads(first_line(read)), dict):
+        if isinstance(orjson.loads(head()), dict):
             return None
     except orjson.JSONDecodeError:
         pass

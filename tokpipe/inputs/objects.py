@@ -20,7 +20,7 @@ from pathlib import PurePosixPath
 from tokpipe.errors import UserError
 from tokpipe.inputs.card import CARD, choose, configs_of, splits
 from tokpipe.inputs.manifest import Manifest, Shard, layout_hint, manifest_of, pick_repo, pick_revision
-from tokpipe.inputs.names import DATA_FILE, REPO_PREFIX, SHARD_SUFFIXES, not_a_shard, repo_id_of, shard_key
+from tokpipe.inputs.names import DATA_FILE, REPO_PREFIX, SHARD_SUFFIXES, first_line, not_a_shard, repo_id_of, shard_key
 from tokpipe.store import Bucket, Object, Url, is_url
 
 
@@ -49,7 +49,7 @@ def build_store_manifest(
     placed, left = splits(chosen, [relpath for _, relpath in files])
     shards, files_passed_over = [], []
     for found, relpath in files:
-        if why := left.get(relpath) or not_a_shard(relpath, functools.partial(_read, bucket, found)):
+        if why := left.get(relpath) or not_a_shard(relpath, functools.partial(_first_line, bucket, found)):
             files_passed_over.append((relpath, why))
         else:
             split = placed[relpath]
@@ -66,8 +66,8 @@ def _hint(bucket: Bucket, listed: dict[str, Object], folder: str) -> str:
     return layout_hint(bucket.where(folder), sorted(names))
 
 
-def _read(bucket: Bucket, found: Object, start: int, stop: int) -> bytes:
-    return bucket.read(found.key, start, stop, found.etag)[0]
+def _first_line(bucket: Bucket, found: Object) -> bytes:
+    return first_line(lambda start, stop: bucket.read(found.key, start, stop, found.etag)[0])
 
 
 def check_reachable(manifest: Manifest) -> None:
