@@ -153,7 +153,7 @@ def main() -> None:
         text, body = b"", "\n".join(docs).encode() + b"\n"
         while len(text) < args.text_mb << 20:
             text += body
-        client = tokpipe.store._client(env["AWS_ENDPOINT_URL"])
+        client = tokpipe.store.Bucket(BUCKET, env["AWS_ENDPOINT_URL"]).client
         results = {}
         for name, path in shards(text, args.work_dir / "shards").items():
             etag = client.put_object(Bucket=BUCKET, Key=path.name, Body=path.read_bytes())["ETag"]
