@@ -14,7 +14,7 @@ import time
 
 from tokpipe.commands.report import charts
 from tokpipe.commands.report.charts import GREEN, GREY, ORANGE, PHASE_COLOURS, RED, SPLIT_COLOURS, STATE_COLOURS
-from tokpipe.commands.report.data import STATES, Report
+from tokpipe.commands.report.data import STATES, ProgressStats, Report
 from tokpipe.fmt import duration
 
 STYLE = (
@@ -129,7 +129,6 @@ def _shards(r: Report) -> str:
     if not rows:
         return ""
     outliers = set(S.outliers)
-    figure = charts.shards(S)
     legend = " ".join(
         f'<span style="color:{c}">■</span> {k}' for k, c in SPLIT_COLOURS.items() if any(x.split == k for x in rows)
     )
@@ -148,7 +147,7 @@ def _shards(r: Report) -> str:
         f"<h2>Shards</h2><p class=note>{legend}<br>{median}; "
         "input bytes are the decompressed lines (JSONL) or texts (Parquet) read."
         f" Lines skipped by reason: {_reasons(S.skipped)}</p>",
-        figure,
+        charts.shards(S),
     ]
     named = [x for x in rows if x.relpath in outliers or x.state == "failed" or (x.state == "partial")]
     if named:
@@ -179,7 +178,6 @@ def _throughput(r: Report) -> str:
             head + "<p class=note>No time series in this OUT (logs/series.jsonl is written by <code>tokpipe run</code>"
             " from this version on).</p>"
         )
-    figure = charts.throughput(r.series, r.progress.state)
     attempts = charts.attempts(r.series)
     legend = " ".join(
         f'<span style="background:{c};padding:0 8px;border:1px solid #ccc"></span> {p}'
@@ -190,7 +188,7 @@ def _throughput(r: Report) -> str:
         f"{len(attempts)} attempt{'s' if len(attempts) > 1 else ''}, {points:,} points; phases: {legend}."
         " Rates are per interval between points (input bytes: compressed, as read)."
     )
-    return f"{head}<p class=note>{note}</p>{figure}"
+    return f"{head}<p class=note>{note}</p>{charts.throughput(r.series, r.progress.state)}"
 
 
 def _health(r: Report) -> str:
@@ -211,11 +209,14 @@ def _health(r: Report) -> str:
     return "".join(out)
 
 
+def _badge(p: ProgressStats) -> str:
+    colour = {"finished": GREEN, "running": ORANGE}.get(p.state, RED if p.counts["failed"] else GREY)
+    return f'<span class="badge" style="background:{colour}">{p.state}</span>'
+
+
 def _progress(r: Report) -> str:
     p = r.progress
-    badge = {"finished": GREEN, "running": ORANGE, "stopped": RED if p.counts["failed"] else GREY}[p.state]
-    head = f'<h2>Where the run stands: <span class="badge" style="background:{badge}">{p.state}</span></h2>'
-    figure = charts.progress(p)
+    head = f"<h2>Where the run stands: {_badge(p)}</h2>"
     lines = [
         f"shards: {', '.join(f'{p.counts[s]:,} {s}' for s in STATES)} (of {sum(p.counts.values()):,}); "
         f"{100 * p.bytes_read / max(p.bytes_total, 1):.1f}% of {p.bytes_total / 2**20:,.1f} MiB of input read"
@@ -231,12 +232,11 @@ def _progress(r: Report) -> str:
         lines.append(f"left: ~{duration(p.eta_s)} of tokenizing at that rate, once resumed")
     if p.holder:
         lines.append(f"held by {_e(p.holder)}")
-    return f"{head}<p>{'<br>'.join(lines)}</p>{figure}<p>Next:</p><pre>{_e(p.next)}</pre>"
+    return f"{head}<p>{'<br>'.join(lines)}</p>{charts.progress(p)}<p>Next:</p><pre>{_e(p.next)}</pre>"
 
 
 def render(r: Report) -> str:
     state = r.progress.state
-    colour = {"finished": GREEN, "running": ORANGE}.get(state, RED if r.progress.counts["failed"] else GREY)
     generated = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.generated_at))
     blob = json.dumps(r.as_json(), separators=(",", ":"), ensure_ascii=True).replace("</", "<\\/")
     notes = "".join(f"<li>{_e(n)}</li>" for n in r.notes)
@@ -247,8 +247,7 @@ def render(r: Report) -> str:
         f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>tokpipe report: {_e(r.out)}</title>'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<style>{STYLE}</style></head><body>"
-        f"<h1>tokpipe report: <code>{_e(r.out)}</code> "
-        f'<span class="badge" style="background:{colour}">{state}</span></h1>'
+        f"<h1>tokpipe report: <code>{_e(r.out)}</code> {_badge(r.progress)}</h1>"
         f"<p class=note>generated {generated} by <code>tokpipe report</code> from OUT's files; "
         "the data behind it is in the "
         "<code>tokpipe-data</code> JSON block of this page.</p>"
