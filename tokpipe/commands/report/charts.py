@@ -65,6 +65,12 @@ def _axis(ax, which: str = "x", log: bool = False) -> None:
     axis.set_major_formatter(FuncFormatter(_si))
 
 
+def _bar_labels(ax, y, values, labels: list[str], points: float, **style) -> None:
+    """Each horizontal bar's label just past its end, `points` to the right."""
+    for yy, v, label in zip(y, values, labels):
+        ax.annotate(label, (v, yy), xytext=(points, 0), textcoords="offset points", va="center", **style)
+
+
 def _svg(fig) -> str:
     fig.tight_layout()
     buf = io.StringIO()
@@ -254,8 +260,7 @@ def health(h: Health) -> str:
     _axis(ax1, log=True)
     ax1.set_xlim(1, max(values) * 300)
     ax1.set_yticks(y, names)
-    for yy, v in zip(y, values):
-        ax1.annotate(f"{v:,}", (v, yy), xytext=(4, 0), textcoords="offset points", ha="left", va="center", fontsize=8.5)
+    _bar_labels(ax1, y, values, [f"{v:,}" for v in values], 4, fontsize=8.5)
     ax1.set_title("ids vs what holds them (log scale)")
     flagged = {f["name"] for f in h.flags if not f["ok"]}
     boundary_bad = any(n.startswith(f"share of {h.boundary}") for n in flagged)
@@ -273,16 +278,7 @@ def health(h: Health) -> str:
     yc = np.arange(len(bars))[::-1]
     ax2.barh(yc, [b[1] for b in bars], color=[b[2] for b in bars], height=0.7)
     ax2.set_yticks(yc, [b[0] for b in bars], fontsize=8.5)
-    for yy, (_, share, _) in zip(yc, bars):
-        ax2.annotate(
-            f"{share:.2f}%",
-            (share, yy),
-            xytext=(3, 0),
-            textcoords="offset points",
-            va="center",
-            fontsize=7.5,
-            color="#444",
-        )
+    _bar_labels(ax2, yc, [b[1] for b in bars], [f"{b[1]:.2f}%" for b in bars], 3, fontsize=7.5, color="#444")
     ax2.set_xlabel("% of ids scanned")
     ax2.set_title("most frequent ids (decoded), the delimiter and id 0")
     return _svg(fig)
@@ -324,14 +320,8 @@ def groups(found: list) -> str:
         mine = [g for g in found if g.split == split]
         y = np.arange(len(mine))[::-1]
         ax.barh(y, [g.tokens for g in mine], color="#1f77b4", height=0.6)
-        for yy, g in zip(y, mine):
-            ax.annotate(
-                f" {g.documents:,} docs, {g.bytes_per_token or 0:.2f} B/token",
-                (g.tokens, yy),
-                va="center",
-                fontsize=8,
-                color="#444",
-            )
+        labels = [f" {g.documents:,} docs, {g.bytes_per_token or 0:.2f} B/token" for g in mine]
+        _bar_labels(ax, y, [g.tokens for g in mine], labels, 0, fontsize=8, color="#444")
         ax.set_yticks(y, [_short(g.group, 28) for g in mine])
         ax.set_title(f"{split}: tokens per group")
         _axis(ax)
