@@ -113,14 +113,6 @@ def shards(S: Shards) -> str:
     rows = S.rows
     plt = _plt()
     outliers = set(S.outliers)
-    bpt = np.array([x.bytes_per_token or np.nan for x in rows])
-    skipped = np.array([sum(x.skipped.values()) for x in rows])
-    panels = [
-        ("tokens", np.array([x.tokens for x in rows]), None),
-        ("input bytes per token", bpt, S.median_bytes_per_token),
-        ("seconds tokenizing", np.array([x.seconds for x in rows]), None),
-        ("lines skipped", skipped, None),
-    ]
 
     def colour(x) -> str:
         if x.state != "done":
@@ -128,11 +120,18 @@ def shards(S: Shards) -> str:
         return RED if x.relpath in outliers else SPLIT_COLOURS.get(x.split, BLUE)
 
     colours = [colour(x) for x in rows]
+    bpt = np.array([x.bytes_per_token or np.nan for x in rows])
+    panels = [  # (title, values, the median's line, colours)
+        ("tokens", np.array([x.tokens for x in rows]), None, colours),
+        ("input bytes per token", bpt, S.median_bytes_per_token, colours),
+        ("seconds tokenizing", np.array([x.seconds for x in rows]), None, colours),
+        ("lines skipped", np.array([sum(x.skipped.values()) for x in rows]), None, SKIP),
+    ]
     if len(rows) <= BARS_AT_MOST:
         fig, axes = plt.subplots(1, 4, figsize=(WIDTH, 1.2 + 0.28 * len(rows)), sharey=True)
         y = np.arange(len(rows))[::-1]
-        for ax, (title, values, median) in zip(axes, panels):
-            ax.barh(y, np.nan_to_num(values), color=SKIP if title == "lines skipped" else colours, height=0.7)
+        for ax, (title, values, median, c) in zip(axes, panels):
+            ax.barh(y, np.nan_to_num(values), color=c, height=0.7)
             if median:
                 ax.axvline(median, color="#222", linestyle="--", linewidth=1)
             ax.set_title(title, fontsize=10)
@@ -142,18 +141,10 @@ def shards(S: Shards) -> str:
     else:
         fig, axes = plt.subplots(4, 1, figsize=(WIDTH, 7.5), sharex=True)
         x = np.arange(len(rows))
-        for ax, (title, values, median) in zip(axes, panels):
-            ax.scatter(
-                x,
-                values,
-                s=6 if len(rows) < 2000 else 2,
-                c=SKIP if title == "lines skipped" else colours,
-                linewidths=0,
-                rasterized=True,
-            )
-            # outliers, failed, partial: drawn larger, on top
-            marked = [i for i, c in enumerate(colours) if c in (RED, ORANGE)]
-            if marked and title != "lines skipped":
+        marked = [i for i, c in enumerate(colours) if c in (RED, ORANGE)]  # outliers, failed, partial
+        for ax, (title, values, median, c) in zip(axes, panels):
+            ax.scatter(x, values, s=6 if len(rows) < 2000 else 2, c=c, linewidths=0, rasterized=True)
+            if marked and c is colours:  # drawn larger, on top
                 ax.scatter(
                     x[marked], values[marked], s=14, c=[colours[i] for i in marked], linewidths=0, rasterized=True
                 )
