@@ -25,9 +25,8 @@ from tokpipe.inputs.encoders import encoder
 from tokpipe.inputs.manifest import load_manifest
 from tokpipe.inputs.tokenizer import load_tokenizer_info
 from tokpipe.layout.files import Layout, split_file_stem
-from tokpipe.layout.meta import Meta
 from tokpipe.layout.records import unfinished_files
-from tokpipe.layout.run import RunRecord, load_run, output_splits
+from tokpipe.layout.run import load_run, output_splits
 from tokpipe.layout.stored import reader_out
 from tokpipe.read.files import TokenFile, TokenFiles
 from tokpipe.read.output import open_output
@@ -97,28 +96,25 @@ def _split_name(wanted: str, available: list[str]) -> str:
 
 def open_source(out: str | os.PathLike, split: str) -> Source:
     """A split of OUT as far as it is written: a finished OUT's split files, or what an unfinished one's checkpoints
-    and parts lists cover (records.unfinished_files), each read through the one reader of a split's files."""
+    and parts lists cover (records.unfinished_files), each read through the one reader of a split's files.
+    What is known of the run comes from meta, or while OUT is unfinished, run.json."""
     out = reader_out(out)
-    run = load_run(Layout(out))
-    tokenizer_path = run.tokenizer_path if run is not None else None
-    if Layout(out).is_finished():
+    layout = Layout(out)
+    run = load_run(layout)
+    finished = layout.is_finished()
+    if finished:
         data = open_output(out)
         name = _split_name(split, list(data.splits))
-        files = data.splits[name].files
-        return _source(name, True, data.record, files, sum(len(f.ends) for f in files), tokenizer_path)
-    if run is None or not Layout(out).manifest.is_file():
-        raise UserError(f"{out} holds no tokpipe run (no meta.json, run.json or manifest.json)")
-    manifest = load_manifest(Layout(out).manifest)
-    name = _split_name(split, output_splits(manifest, run.val_fraction))
-    written = unfinished_files(Layout(out), manifest, split_file_stem(name), run.val_fraction)
-    reader = TokenFiles(out, written, run.dtype)
-    return _source(name, False, run, [reader.file(f) for f in range(len(reader))], reader.documents, tokenizer_path)
-
-
-def _source(
-    name: str, finished: bool, record: Meta | RunRecord, files: list[TokenFile], documents: int, tokenizer_path
-) -> Source:
-    """A Source of what meta records, or while OUT is unfinished, run.json."""
+        record, files = data.record, data.splits[name].files
+        documents = sum(len(f.ends) for f in files)
+    else:
+        if run is None or not layout.manifest.is_file():
+            raise UserError(f"{out} holds no tokpipe run (no meta.json, run.json or manifest.json)")
+        manifest = load_manifest(layout.manifest)
+        name = _split_name(split, output_splits(manifest, run.val_fraction))
+        written = unfinished_files(layout, manifest, split_file_stem(name), run.val_fraction)
+        reader = TokenFiles(out, written, run.dtype)
+        record, files, documents = run, [reader.file(f) for f in range(len(reader))], reader.documents
     return Source(
         split=name,
         finished=finished,
@@ -128,7 +124,7 @@ def _source(
         eos_token=record.eos_token,
         tokenizer=record.tokenizer,
         tokenizer_sha256=record.tokenizer_sha256,
-        tokenizer_path=tokenizer_path,
+        tokenizer_path=run.tokenizer_path if run is not None else None,
         documents=documents,
         files=files,
         bos_id=record.bos_placed,
