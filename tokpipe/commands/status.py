@@ -33,13 +33,14 @@ from tokpipe.layout.stored import left_over, reader_out
 # something else (starting Ray, finalizing) or is stuck.
 PROGRESS_FRESH_S = 10.0
 LIST_AT_MOST = 10  # partial and failed shards listed by name; the rest are counted
+STATES = ("done", "partial", "pending", "failed")  # a shard's, in the order status counts them
 
 
 @dataclass(frozen=True)
 class ShardStatus:
     split: str
     relpath: str
-    state: str  # done | partial | pending | failed
+    state: str  # one of STATES
     size: int  # bytes of the shard file
     read: int  # of those, covered by the checkpoint
     tokens: int  # committed
@@ -212,8 +213,7 @@ def report(st: RunStatus) -> str:
         lines.append(
             f"  {orphans} shards are still being written by workers of the stopped run; a rerun waits for them"
         )
-    states = ("done", "partial", "pending", "failed")
-    lines.append(f"shards: {', '.join(f'{st.count(s)} {s}' for s in states)} (of {len(st.shards)})")
+    lines.append(f"shards: {', '.join(f'{st.count(s)} {s}' for s in STATES)} (of {len(st.shards)})")
     for split in dict.fromkeys(s.split for s in st.shards):
         mine = [s for s in st.shards if s.split == split]
         held = sum(s.held for s in mine)

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from tokpipe.commands.inspect import load_decoder, open_source, red_flags, scan_ids
-from tokpipe.commands.status import RunStatus, ShardStatus, status
+from tokpipe.commands.status import STATES, RunStatus, ShardStatus, status
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import load_manifest
 from tokpipe.layout.checkpoints import Checkpoint, Checkpoints
@@ -35,7 +35,6 @@ LENGTH_BLOCKS = 64
 LENGTH_BINS = 40
 SHARDS_LISTED = 500  # per-shard rows in the page's data: all of a smaller run, else the notable ones
 OUTLIER_FACTOR = 1.5  # a shard's bytes per token off the run's median by more than this factor is named
-STATES = ("done", "partial", "pending", "failed")  # the words of `tokpipe status`
 
 
 @dataclass(frozen=True)
