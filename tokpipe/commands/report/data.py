@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -74,14 +74,12 @@ def _group_stats(out: Path, meta: Meta | None, manifest) -> list[GroupStats]:
             for split, s in meta.splits.items()
             for group, g in (s.groups or {}).items()
         ]
-    found: dict[tuple[str, str], Counter] = {}
+    found: dict[tuple[str, str], Counter] = defaultdict(Counter)
     checkpoints = Checkpoints(out)
     for shard in manifest.shards():
         ckpt = checkpoints.of(shard) or Checkpoint()
         for split, part in ckpt.group_parts(shard.split):
-            found.setdefault((split, part.group), Counter()).update(
-                tokens=part.tokens, documents=part.documents, text_bytes=part.text_bytes
-            )
+            found[split, part.group].update(tokens=part.tokens, documents=part.documents, text_bytes=part.text_bytes)
     return [GroupStats(*key, n["tokens"], n["documents"], n["text_bytes"]) for key, n in sorted(found.items())]
 
 
@@ -193,8 +191,7 @@ def _split_stats(out: Path, meta: Meta | None, manifest, val_fraction: float) ->
     stats, checkpoints = [], Checkpoints(out)
     for name in output_splits(manifest, val_fraction):
         stem = split_file_stem(name)
-        n = Counter()
-        skipped, repaired = Counter(), Counter()
+        n, skipped, repaired = Counter(), Counter(), Counter()
         for shard, held in sources(manifest, stem, val_fraction):
             ckpt = checkpoints.of(shard) or Checkpoint()
             tokens, documents = ckpt.counts(held)
@@ -318,17 +315,14 @@ def build(out: str | os.PathLike, tokenizer: str | None = None) -> Report:
     summary = _summary(meta, run)
     splits = _split_stats(out, meta, manifest, (meta or run).val_fraction)
     notes = list(st.warnings)  # the logs status found damaged
-    lengths, health = [], []
-    for s in splits:
-        if (found := _lengths(out, s.name)) is not None:
-            lengths.append(found)
-            if found.sampled < found.documents:
-                notes.append(
-                    f"{s.name}: document lengths from {found.sampled:,} of {found.documents:,} documents"
-                    f" ({LENGTH_BLOCKS} evenly spread blocks)"
-                )
-        if (h := _health(out, s.name, tokenizer)) is not None:
-            health.append(h)
+    lengths = [found for s in splits if (found := _lengths(out, s.name)) is not None]
+    notes += [
+        f"{x.split}: document lengths from {x.sampled:,} of {x.documents:,} documents"
+        f" ({LENGTH_BLOCKS} evenly spread blocks)"
+        for x in lengths
+        if x.sampled < x.documents
+    ]
+    health = [h for s in splits if (h := _health(out, s.name, tokenizer)) is not None]
     shards = _shards(out, st, meta)
     if not shards.all_listed:
         notes.append(
