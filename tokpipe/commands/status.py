@@ -142,7 +142,7 @@ def status(out: str | os.PathLike) -> RunStatus:
     progress = _log(folder, PROGRESS, warnings)
     age = time.time() - progress["updated_at"] if progress else None
     fresh = progress is not None and age < PROGRESS_FRESH_S
-    live = holder is not None and fresh and holder.startswith(f"pid {progress['pid']} ")
+    live = progress if holder is not None and fresh and holder.startswith(f"pid {progress['pid']} ") else None
     if meta is not None:
         state, next_step = "finished", f"tokpipe verify {shlex.quote(out)}"
     elif holder is not None:
@@ -163,9 +163,8 @@ def status(out: str | os.PathLike) -> RunStatus:
         disk = {**disk, "free_bytes": free_bytes(out)}
     groups = {split: dict(sorted(g.items())) for split, g in groups.items()}
     why = refused and refused["error"]
-    live_progress = progress if live else None
     left = left_over(copy, meta.concat) if meta is not None else None
-    return RunStatus(out, state, shards, holder, live_progress, age, next_step, disk, groups, why, warnings, left)
+    return RunStatus(out, state, shards, holder, live, age, next_step, disk, groups, why, warnings, left)
 
 
 def _log(folder: Layout, name: str, warnings: list[str]) -> dict | None:
