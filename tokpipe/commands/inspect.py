@@ -213,11 +213,8 @@ def scan_ids(source: Source) -> IdScan:
         ids = np.concatenate([np.asarray(s.tokens) for s in source.files])
     else:  # evenly spread blocks, from the first bytes on (where the seeds' eye test looked) to the end
         block = SCAN_TOKENS // SCAN_BLOCKS
-        pieces = []
-        for pos in np.linspace(0, total - block, SCAN_BLOCKS).astype(np.int64):
-            file, offset = source.locate(int(pos))
-            pieces.append(np.asarray(file.tokens[offset : offset + block]))
-        ids = np.concatenate(pieces)
+        located = [source.locate(int(pos)) for pos in np.linspace(0, total - block, SCAN_BLOCKS).astype(np.int64)]
+        ids = np.concatenate([np.asarray(file.tokens[offset : offset + block]) for file, offset in located])
     values, counts = np.unique(ids, return_counts=True)
     order = np.argsort(counts, kind="stable")[::-1][:COMMON_IDS]
     limit = int(np.iinfo(source.dtype).max)
@@ -354,9 +351,8 @@ def report(ins: Inspection) -> str:
         else f"{ins.scan.scanned:,} tokens in {SCAN_BLOCKS} blocks spread over the split"
     )
     *checks, verdict = verify_report(ins.flags).splitlines()
-    lines += ["", f"── token ids: {scanned} ──", *checks]
-    lines.append("most common: " + ", ".join(f"{i} {text!r} {share:.1%}" for i, text, share in ins.common))
-    lines.append(verdict)
+    common = ", ".join(f"{i} {text!r} {share:.1%}" for i, text, share in ins.common)
+    lines += ["", f"── token ids: {scanned} ──", *checks, f"most common: {common}", verdict]
     if not ins.ok:
         lines.append("RED FLAGS: do not train on this before you know why (README, Troubleshooting)")
     return "\n".join(lines)
