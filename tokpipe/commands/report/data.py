@@ -157,11 +157,7 @@ class Report:
 
     def as_json(self) -> dict:
         """The page's data block: everything but the per-shard arrays only the charts use."""
-        rows, self.shards.rows = self.shards.rows, []
-        try:
-            data = asdict(self)
-        finally:
-            self.shards.rows = rows
+        data = asdict(replace(self, shards=replace(self.shards, rows=[])))
         data["shards"].pop("rows")
         return data
 
