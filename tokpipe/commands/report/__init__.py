@@ -30,7 +30,6 @@ def write_report(
     from tokpipe.commands.report.page import render
 
     out = reader_out(out)  # once: build reads the same copy of a store's records
-    report = build(out, tokenizer)
     stored = stored_of(out)
     if dest is not None:
         path = Path(dest)
@@ -38,6 +37,6 @@ def write_report(
         path = Path(f"{Path(stored.url.key).name or stored.url.bucket}-report.html")
     else:
         path = Layout(out).report
-    data = render(report).encode("utf-8")
+    data = render(build(out, tokenizer)).encode("utf-8")
     write_atomic(path, data)
     return path, len(data)
