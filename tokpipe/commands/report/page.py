@@ -200,10 +200,9 @@ def _health(r: Report) -> str:
         return out[0] + "<p>No tokens written yet.</p>"
     for h in r.health:
         scanned = "the whole split" if h.whole else "evenly spread blocks"
-        out.append(f"<h3>{_e(h.split)}: {h.scanned:,} ids scanned ({scanned})</h3>")
         rows = [[("✔ " if f["ok"] else "✘ ") + _e(f["name"]), _e(f["detail"])] for f in h.flags]
-        out.append(_table(["check", "found"], rows, classes=["ok" if f["ok"] else "bad" for f in h.flags]))
-        out.append(charts.health(h))
+        table = _table(["check", "found"], rows, classes=["ok" if f["ok"] else "bad" for f in h.flags])
+        out += [f"<h3>{_e(h.split)}: {h.scanned:,} ids scanned ({scanned})</h3>", table, charts.health(h)]
         if h.decoded:
             out.append(f"<p class=note>ids not decoded: {_e(h.decoded)}</p>")
     return "".join(out)
