@@ -114,7 +114,6 @@ def status(out: str | os.PathLike) -> RunStatus:
 
     shards, groups, checkpoints = [], {}, Checkpoints(copy)
     for shard in manifest.shards():
-        files = folder.shard(shard)
         found = checkpoints.of(shard)
         ckpt = found or Checkpoint()
         if ckpt.done:
@@ -125,7 +124,7 @@ def status(out: str | os.PathLike) -> RunStatus:
             state = "partial" if found else "pending"
         read = shard.size if ckpt.done else ckpt.source_pos
         # Ray workers can outlive a killed driver for a while; their shard locks say which are still written.
-        writing = not ckpt.done and shard_locked(files)
+        writing = not ckpt.done and shard_locked(folder.shard(shard))
         error = failures.get(shard.relpath) if state == "failed" else None
         # A shard's committed work includes the documents it holds out for val.bin (--val-fraction).
         held_tokens, held_documents = ckpt.counts(True)
