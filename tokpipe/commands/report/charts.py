@@ -195,9 +195,8 @@ def throughput(series: list[dict], state: str) -> str:
     for a in tried:
         mine = [x for x in series if x.get("attempt", x.get("a")) == a]
         points = [x for x in mine if "b" in x]
-        marks = [(x["t"], "plan") for x in mine if "attempt" in x] + [
-            (x["t"], x["phase"]) for x in mine if "phase" in x
-        ]
+        marks = [(x["t"], "plan") for x in mine if "attempt" in x]
+        marks += [(x["t"], x["phase"]) for x in mine if "phase" in x]
         end = max(x["t"] for x in mine)
         for (start, phase), nxt in zip(marks, [m[0] for m in marks[1:]] + [end]):
             if phase in PHASE_COLOURS and nxt > start:
@@ -305,8 +304,8 @@ def groups(found: list) -> str:
     """Tokens per group, one panel per split, each bar labelled with its documents and bytes per token."""
     plt = _plt()
     splits = list(dict.fromkeys(g.split for g in found))
-    rows = [len([g for g in found if g.split == s]) for s in splits]
-    fig, axes = plt.subplots(len(splits), 1, figsize=(WIDTH, 0.8 + 0.32 * sum(rows) + 0.5 * len(splits)), squeeze=False)
+    height = 0.8 + 0.32 * len(found) + 0.5 * len(splits)  # a row a group, a title a split
+    fig, axes = plt.subplots(len(splits), 1, figsize=(WIDTH, height), squeeze=False)
     for ax, split in zip(axes[:, 0], splits):
         mine = [g for g in found if g.split == split]
         y = np.arange(len(mine))[::-1]
