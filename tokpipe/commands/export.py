@@ -131,10 +131,9 @@ def _shuffled(split: Split, seed: int) -> Iterator[tuple[np.ndarray, np.ndarray]
 def _in_order(split: Split) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """The split's documents in file order, as _shuffled gives them: slices of at most CHUNK tokens
     (unless one document alone is longer)."""
-    ends, n = split.ends, len(split.ends)
     start = 0
-    for begin in range(0, n, CHUNK):
-        chunk = np.asarray(ends[begin : begin + CHUNK], dtype=np.int64)
+    for begin in range(0, len(split.ends), CHUNK):
+        chunk = np.asarray(split.ends[begin : begin + CHUNK], dtype=np.int64)
         a = 0
         while a < len(chunk):
             b = max(int(np.searchsorted(chunk, start + CHUNK, side="right")), a + 1)
