@@ -87,7 +87,5 @@ def is_in_place(bin_f, idx_f, record: dict, tokens: int, documents: int, itemsiz
     raw = os.pread(idx_f.fileno(), record["documents"] * IDX_DTYPE.itemsize, documents * IDX_DTYPE.itemsize)
     relative = np.frombuffer(raw, IDX_DTYPE) - tokens
     idx_sha256 = hashlib.sha256(memoryview(np.ascontiguousarray(relative))).hexdigest()
-    return len(relative) == record["documents"] and (bin_hash.hexdigest(), idx_sha256) == (
-        record["sha256"],
-        record["idx_sha256"],
-    )
+    listed = (record["sha256"], record["idx_sha256"])
+    return len(relative) == record["documents"] and (bin_hash.hexdigest(), idx_sha256) == listed
