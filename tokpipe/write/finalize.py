@@ -99,7 +99,7 @@ def meta_of(
     info: TokenizerInfo, spec: WriteSpec, splits: dict[str, SplitEntry], excluded: dict[str, str], manifest: Manifest
 ) -> dict:
     """meta as a run writes it: the tokenizer, what surrounds each document, the splits, what was left out."""
-    meta = Meta(
+    return Meta(
         info.dtype,
         info.vocab_size,
         info.eos_id,
@@ -120,8 +120,7 @@ def meta_of(
         excluded=dict(sorted(excluded.items())),
         manifest_sha256=manifest.fingerprint,
         tokpipe_version=__version__,
-    )
-    return meta.as_dict()
+    ).as_dict()
 
 
 def finalize_stored(
