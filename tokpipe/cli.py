@@ -83,11 +83,9 @@ def _where(out: Path | str, split: SplitEntry) -> str:
     """Where a split's tokens are: OUT a folder, or on a store (its URL)."""
     meta_json = f"{out}/{Layout('').meta_json.name}"
     if split.groups is not None:  # --group-by
-        n = len(split.groups)
-        return f"the files of {plural(n, 'group')} listed in {meta_json}"
+        return f"the files of {plural(len(split.groups), 'group')} listed in {meta_json}"
     if split.file is None:  # --no-concat
-        n = len(split.files)
-        return f"{plural(n, 'file')} listed in {meta_json}"
+        return f"{plural(len(split.files), 'file')} listed in {meta_json}"
     return f"{out}/{split.file}"
 
 
