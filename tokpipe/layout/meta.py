@@ -187,15 +187,9 @@ class Meta:
     def of(cls, raw: dict) -> Meta:
         """The meta a dict holds (KeyError, TypeError or ValueError where it is none)."""
         optional = {k: raw[k] for k in _OPTIONAL if k in raw}
-        return cls(
-            str(raw["dtype"]),
-            int(raw["vocab_size"]),
-            int(raw["eos_token_id"]),
-            {name: SplitEntry.of(entry) for name, entry in dict(raw["splits"]).items()},
-            delimiters=Delimiters.of(raw.get("delimiters")),
-            raw=raw,
-            **optional,
-        )
+        head = str(raw["dtype"]), int(raw["vocab_size"]), int(raw["eos_token_id"])
+        splits = {name: SplitEntry.of(entry) for name, entry in dict(raw["splits"]).items()}
+        return cls(*head, splits, delimiters=Delimiters.of(raw.get("delimiters")), raw=raw, **optional)
 
     def as_dict(self) -> dict:
         """The dict on disk: as read, or as this tokpipe writes it."""

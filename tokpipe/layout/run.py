@@ -61,10 +61,8 @@ class RunRecord:
     @classmethod
     def of(cls, raw: dict) -> RunRecord:
         known = {k: raw[k] for k in _OPTIONAL if k in raw}
-        delimiters = Delimiters.of(raw.get("delimiters"))
-        return cls(
-            str(raw["dtype"]), int(raw["vocab_size"]), int(raw["eos_token_id"]), delimiters=delimiters, raw=raw, **known
-        )
+        head = str(raw["dtype"]), int(raw["vocab_size"]), int(raw["eos_token_id"])
+        return cls(*head, delimiters=Delimiters.of(raw.get("delimiters")), raw=raw, **known)
 
     def identity(self) -> dict:
         """The identity as recorded, key by key, what a key's absence meant in its place: what a rerun's is compared
