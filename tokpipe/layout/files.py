@@ -207,11 +207,7 @@ class Layout:
     def assembly(self, stem: str, group: str | None = None) -> tuple[Path, Path, Path]:
         """A split's .bin, .idx (or its group's) and .parts while it is assembled; renamed without .tmp when done."""
         base = self.split(stem, group)
-        return (
-            base.with_name(base.name + ".bin.tmp"),
-            base.with_name(base.name + ".idx.tmp"),
-            self.root / f"{stem}.parts.tmp",
-        )
+        return Path(f"{base}.bin.tmp"), Path(f"{base}.idx.tmp"), self.root / f"{stem}.parts.tmp"
 
     def moving(self, stem: str) -> Path:
         """Where a split's files go when shards are added before finished ones (write/assembly/moving.py): each
