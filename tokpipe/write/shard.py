@@ -310,7 +310,9 @@ class ShardWriter:
             stopping = stop is not None and stop()
             spill = self.files is not None and (stopping or self.buffered_bytes > spec.buffer_bytes)
             if self.buffering and spill:
-                self._spill()
+                for key, part in self.parts.items():
+                    part.spill(*self.files.part(key))
+                self.buffering = False
                 self.last_commit = 0.0  # checkpointed at once: what was in memory is now covered on disk
             elif spec.spill and self.buffered_bytes > spec.buffer_bytes:
                 self.spill_files = spill_large(self.parts.values(), spec, self.shard, self.spill_files)
@@ -369,11 +371,6 @@ class ShardWriter:
         """The parts' counts (and once done, checksums) into the checkpoint, in key order."""
         self.ckpt.parts = [self.parts[key].counts(done) for key in sorted(self.parts, key=_order)]
         self.ckpt.tokens, self.ckpt.documents = self.ckpt.counts(held=False)
-
-    def _spill(self) -> None:
-        for key, part in self.parts.items():
-            part.spill(*self.files.part(key))
-        self.buffering = False
 
     def _commit(self, done: bool = False) -> None:
         """The parts' bytes fsynced, then the checkpoint that covers them (a buffering shard's is the runner's to
