@@ -196,18 +196,9 @@ def split_entry_of(stem: str, raw: bytes, spec: WriteSpec) -> SplitEntry:
     if spec.group_by is not None:
         name = Layout(Path()).split
         entries = {value: _entry(str(name(stem, value)), spec.concat, **g) for value, g in sorted(groups.items())}
-    return _entry(
-        stem,
-        spec.concat,
-        files=own,
-        groups=entries,
-        parts=f"{stem}.parts",
-        **counts,
-        skipped=dict(sorted(skipped.items())),
-        repaired=dict(sorted(repaired.items())),
-        shards=shards,
-        parts_sha256=hashlib.sha256(raw).hexdigest(),
-    )
+    counts |= {"skipped": dict(sorted(skipped.items())), "repaired": dict(sorted(repaired.items())), "shards": shards}
+    sha256 = hashlib.sha256(raw).hexdigest()
+    return _entry(stem, spec.concat, own, groups=entries, parts=f"{stem}.parts", parts_sha256=sha256, **counts)
 
 
 def _entry(name: str, concat: bool, files: list[SplitFile], **fields) -> SplitEntry:
