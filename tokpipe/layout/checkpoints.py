@@ -226,10 +226,7 @@ def placed_file(checkpoints: dict[str, Checkpoint | dict]) -> tuple[str, bytes]:
 
 
 def _load_placed(path: Path) -> dict:
-    try:
-        return load_json(path) or {}
-    except ValueError as e:
-        raise damaged(path, e, f"remove it and {rerun(path.parents[3])}: its shards are tokenized again") from None
+    return load_json(path, f"remove it and {rerun(path.parents[3])}: its shards are tokenized again") or {}
 
 
 def _parsed(raw: dict, path: Path) -> Checkpoint:

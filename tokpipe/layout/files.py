@@ -234,18 +234,12 @@ class Layout:
 
     def load_meta_json(self) -> dict | None:
         """meta.json, None before the run finished."""
-        try:
-            return load_json(self.meta_json)
-        except ValueError as e:
-            raise damaged(self.meta_json, e, meta_fix(self.meta_json)) from None
+        return load_json(self.meta_json, meta_fix(self.meta_json))
 
     def load_log(self, name: str) -> dict | None:
         """A JSON file of OUT/logs/ (progress.json, failed.json, refused.json), None where there is none. Damaged,
         it is refused as the others are; the readers that can go on without it (status, report) say so and go on."""
-        try:
-            return load_json(self.log(name))
-        except ValueError as e:
-            raise damaged(self.log(name), e, "a log, not the run's state: the next run writes it anew") from None
+        return load_json(self.log(name), "a log, not the run's state: the next run writes it anew")
 
 
 class LayoutWriter(Layout):
@@ -391,15 +385,20 @@ def meta_fix(path: Path) -> str:
     return f"remove it and {rerun(path.parent)}: it writes it again"
 
 
-def load_json(path: Path) -> dict | None:
-    """A JSON object of OUT, None where the file is absent; ValueError where it is none (cut short, garbled, not
-    UTF-8), which its loader refuses as `damaged` with what to do (made only then: 5 us a checkpoint)."""
+def load_json(path: Path, fix: str | None = None) -> dict | None:
+    """A JSON object of OUT, None where the file is absent; where it is none (cut short, garbled, not UTF-8),
+    refused here as `damaged` with `fix`, or without one a ValueError, which its loader refuses so with what to do
+    (made only then: 5 us a checkpoint)."""
     try:
         found = json.loads(path.read_bytes())
+        if not isinstance(found, dict):
+            raise ValueError(f"a JSON {type(found).__name__}, not an object")
     except FileNotFoundError:
         return None
-    if not isinstance(found, dict):
-        raise ValueError(f"a JSON {type(found).__name__}, not an object")
+    except ValueError as e:
+        if fix is None:
+            raise
+        raise damaged(path, e, fix) from None
     return found
 
 
