@@ -268,11 +268,8 @@ def copy_file(src: Path, dst: Path) -> str:
     "reflink", "copy_file_range" or "buffer"."""
     dst.unlink(missing_ok=True)  # a new inode: never write through a name that may be another file's link
     with open(src, "rb") as s, open(dst, "xb") as d:
-        how = (
-            "reflink"
-            if reflink(s.fileno(), d.fileno())
-            else copy_range(src, d.fileno(), os.fstat(s.fileno()).st_size, 0)
-        )
+        cloned = reflink(s.fileno(), d.fileno())
+        how = "reflink" if cloned else copy_range(src, d.fileno(), os.fstat(s.fileno()).st_size, 0)
         os.fsync(d.fileno())
     return how
 
