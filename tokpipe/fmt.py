@@ -36,11 +36,9 @@ def free_bytes(path: str | os.PathLike) -> int:
 
 def disk_line(disk: dict, tokens_per_byte: float | None = None, input_bytes: int = 0, itemsize: int = 0) -> str:
     """Whether the output fits: its projected size, what is still to write, the free space."""
-    how = (
-        f" ({tokens_per_byte:.3f} tokens per input byte so far x {size(input_bytes)} of input x {itemsize} bytes)"
-        if tokens_per_byte is not None
-        else ""
-    )
+    how = ""
+    if tokens_per_byte is not None:
+        how = f" ({tokens_per_byte:.3f} tokens per input byte so far x {size(input_bytes)} of input x {itemsize} bytes)"
     fits = disk["to_write_bytes"] <= disk["free_bytes"]
     verdict = (
         "fits"
