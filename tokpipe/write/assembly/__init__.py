@@ -97,11 +97,8 @@ class Assembler:
         self.place_ready(excluded)
         if not self.complete:
             head = next((s.head for s in self.splits if s.head is not None), None)
-            raise RuntimeError(
-                f"cannot finalize: shard {head[0].relpath} is unfinished"
-                if head
-                else "cannot finalize: parts handed out to copy were never placed"
-            )
+            why = f"shard {head[0].relpath} is unfinished" if head else "parts handed out to copy were never placed"
+            raise RuntimeError(f"cannot finalize: {why}")
 
     def place_ready(self, excluded: frozenset[str] = frozenset()) -> None:
         """Place, in this process, the parts whose place is known now."""
