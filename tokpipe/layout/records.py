@@ -216,11 +216,9 @@ def _placed(out: Layout, stem: str) -> dict[tuple[str, PartKey], SplitFile]:
     for part in parts_of(stem, read_parts(out.parts(stem))) if renamed else listed_parts(out, stem):
         paths = [path if path.is_file() else path.with_suffix("") for path in out.assembly(stem, part.group)[:2]]
         if part.tokens and paths[0].is_file():
-            bin_name, idx_name = (str(path.relative_to(out.root)) for path in paths)
+            names = (str(path.relative_to(out.root)) for path in paths)
             at = {"token_offset": part.token_offset, "doc_offset": part.doc_offset, "growing": True, "placed": True}
-            placed[part.name, record_key(part.record)] = SplitFile(
-                bin_name, idx_name, part.tokens, part.documents, **at
-            )
+            placed[part.name, record_key(part.record)] = SplitFile(*names, part.tokens, part.documents, **at)
     return placed
 
 
