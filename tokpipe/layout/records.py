@@ -102,13 +102,9 @@ def part_record(shard: Shard, ckpt: Checkpoint, key: PartKey) -> dict:
     return record
 
 
-def is_held_part(record: dict) -> bool:
-    return record.get("part") == "held-out"
-
-
 def record_key(record: dict) -> PartKey:
     """The key of the part a parts list's line is of (a shard's accounting line: (False, None))."""
-    return is_held_part(record), record.get("group")
+    return record.get("part") == "held-out", record.get("group")
 
 
 def parts_line(record: dict) -> bytes:
