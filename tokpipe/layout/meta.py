@@ -95,7 +95,8 @@ class SplitEntry:
         if "groups" in raw:
             files, concat, groups = (), True, {value: cls.of(g) for value, g in raw["groups"].items()}
         elif "files" in raw:
-            files, concat, groups = tuple(_file(f) for f in raw["files"]), False, None
+            files = tuple(SplitFile(f["bin"], f["idx"], int(f["tokens"]), int(f["documents"])) for f in raw["files"])
+            concat, groups = False, None
         else:  # tokpipe 0.1 did not name the .idx
             idx = raw.get("idx", Path(raw["file"]).with_suffix(".idx").name)
             files, concat, groups = (SplitFile(raw["file"], idx, tokens, documents),), True, None
@@ -144,10 +145,6 @@ class SplitEntry:
         if self.concat:
             return [(self.files[0], parts)]
         return [(f, [part.at_start()]) for f, part in zip(self.files, parts)]
-
-
-def _file(raw: dict) -> SplitFile:
-    return SplitFile(raw["bin"], raw["idx"], int(raw["tokens"]), int(raw["documents"]))
 
 
 # The keys of meta after the first three (which every tokpipe wrote) and its splits: an earlier tokpipe's meta may
