@@ -390,9 +390,7 @@ class ShardWriter:
             part.close()
 
     def result(self, seconds: float) -> ShardResult:
-        buffered = None
-        if self.buffering:
-            buffered = {key: part.buffered or part.spilled for key, part in self.parts.items()}
+        buffered = {key: part.buffered or part.spilled for key, part in self.parts.items()} if self.buffering else None
         cut = self.cut // np.dtype(self.spec.dtype).itemsize
         resets = self.memory.resets - self.resets_before
         return ShardResult(self.shard.split, self.shard.key, self.ckpt, self.resumed, cut, seconds, resets, buffered)
