@@ -405,12 +405,9 @@ def _compose(assembly: StoreAssembly, stem: str, group: str | None, segments: li
     base = out.of_local(out.layout.split(stem, group))
     compose(bucket, f"{base}.bin", [(out.key(p.name) + ".bin", 0, p.tokens * itemsize) for p in segments])
     upload, chunk, size, shift = None, [], 0, 0
-
-    def idx(segment: Segment) -> bytes:
-        return bucket.get(out.key(segment.name) + ".idx")[0]
-
+    idx_keys = [out.key(segment.name) + ".idx" for segment in segments]
     with ThreadPoolExecutor(REQUESTS_AT_ONCE) as pool:
-        for segment, raw in zip(segments, _ahead(pool, idx, segments)):
+        for segment, raw in zip(segments, _ahead(pool, lambda key: bucket.get(key)[0], idx_keys)):
             ends = np.frombuffer(raw, dtype=IDX_DTYPE) + shift
             shift += segment.tokens
             chunk.append(ends.tobytes())
