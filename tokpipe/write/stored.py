@@ -95,10 +95,8 @@ class HeldParts:
             if self.spec.group_by is not None and group is None:
                 continue  # a shard's accounting line alone: its documents are in its groups' parts
             base = self.out.sources + self.out.name(self.out.of_local(self.out.layout.split(stem, group)))
-            where = Kept(
-                self.out, f"{base}.bin", f"{base}.idx", self.dtype, part.token_offset, part.tokens,
-                part.doc_offset, part.documents,
-            )  # fmt: skip
+            bounds = (part.token_offset, part.tokens, part.doc_offset, part.documents)
+            where = Kept(self.out, f"{base}.bin", f"{base}.idx", self.dtype, *bounds)
             counts = PartCounts(held, group, part.tokens, part.documents)
             if (part.name, held) not in self.sourced:
                 self.moved[stem] = self.moved.get(stem, 0) + 1
