@@ -106,9 +106,8 @@ class Assembler:
         batch, size = [], 0
         for part in parts + [None]:
             if batch and (part is None or part.stem != batch[0].stem or size >= COPY_BATCH_BYTES):
-                self.placed(
-                    batch, place(self.out.root, batch, self.itemsize) if self.concat else [p.record for p in batch]
-                )
+                records = place(self.out.root, batch, self.itemsize) if self.concat else [p.record for p in batch]
+                self.placed(batch, records)
                 batch, size = [], 0
             if part is not None:
                 batch.append(part)
