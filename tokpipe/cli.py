@@ -191,10 +191,8 @@ def _cmd_export(args) -> int:
     for e in written:
         print(f"{e.path}: {e.tokens:,} tokens, {e.documents:,} documents{'; ' + e.how if e.how else ''}")
     if args.format == "megatron":
-        tokenizer = (
-            "--tokenizer-type HuggingFaceTokenizer --tokenizer-model TOKENIZER_DIR (the tokenizer folder of the run)"
-        )
-        print(f"Megatron-LM: {megatron_flags(written)} {tokenizer}")
+        tokenizer = "--tokenizer-type HuggingFaceTokenizer --tokenizer-model TOKENIZER_DIR"
+        print(f"Megatron-LM: {megatron_flags(written)} {tokenizer} (the tokenizer folder of the run)")
     else:
         print(
             f"llm.c / modded-nanogpt: train on {shlex.quote(str(Path(args.dest) / 'train_*.bin'))}, evaluate on "
