@@ -64,7 +64,6 @@ class Tally:
     lacking: list[tuple[str, int, int]] = field(default_factory=list)  # (shard, lines without the text, lines)
 
     def add(self, shard: Shard, result: ShardResult, log: RunLog) -> None:
-        """A shard done."""
         ckpt = result.checkpoint
         self.shard_seconds += result.seconds
         if result.resumed_tokens or result.redone_tokens:
@@ -106,9 +105,7 @@ def tokenize_while(
         while busy() and (shard := next(shards, None)) is not None:
             try:
                 result = tokenize_shard(shard, out, spec, lambda *read: here.on_batch(shards, read), stop=here.stopping)
-            except TooManyGroups:  # no shard of this run can do better: the run stops here
-                raise
-            except Exception as e:  # what a task's failure would be: the shard is failed, the others go on
+            except Exception as e:  # what a task's failure would be: the shard is failed, the others go on (take)
                 here.take(shard, e)
                 continue
             here.take(shard, (result, [0, 0, 0]))
