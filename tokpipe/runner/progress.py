@@ -34,7 +34,7 @@ class RunLog:
 
 
 class Progress:
-    """A tqdm bar on a terminal; a plain line every `every` seconds otherwise (CI, nohup, Slurm logs).
+    """A tqdm bar on a terminal; a plain line every 30 seconds otherwise (CI, nohup, Slurm logs).
 
     Also keeps OUT/logs/progress.json current, so `tokpipe status` can tell rate and ETA from files alone.
     """
@@ -47,14 +47,12 @@ class Progress:
         itemsize: int,
         series: Series,
         tell: Listener = silent,
-        every=30.0,
         on_disk: bool = True,
     ):
         self.out, self.total, self.shards, self.itemsize, self.series = out, total_bytes, plan.shards, itemsize, series
-        self.tell = tell
-        done_bytes, self.done_before = plan.done_bytes, plan.done
+        self.tell, self.done_before = tell, plan.done
         self.done = plan.done  # shards, as last updated
-        self.start_bytes, self.t0, self.started_at, self.every = done_bytes, time.monotonic(), time.time(), every
+        self.start_bytes, self.t0, self.started_at = plan.done_bytes, time.monotonic(), time.time()
         self.disk: dict | None = None  # the output's projected size, once a shard of this run is done
         self.on_disk = on_disk  # False: OUT on a store, whose space is no file system's to compare it with
         self.base = [0, 0, 0]  # file bytes, documents, tokens of this run before its Ray tasks (the driver's)
@@ -67,7 +65,7 @@ class Progress:
             # line's end, and that must be the least important part.
             self.bar = tqdm(
                 total=total_bytes,
-                initial=done_bytes,
+                initial=self.start_bytes,
                 unit="iB",
                 unit_scale=True,
                 unit_divisor=1024,
@@ -95,7 +93,7 @@ class Progress:
         if self.bar is not None:
             self.bar.set_postfix_str(f"{done}/{self.shards} shards{failures}, {rates}", refresh=False)
             self.bar.update(read - self.bar.n)
-        elif final or now - self.last_line >= self.every:
+        elif final or now - self.last_line >= 30.0:
             self.last_line = now
             pct = 100 * read / self.total if self.total else 100.0
             eta_said = f", ETA {duration(eta)}" if eta is not None else ", ETA unknown"
