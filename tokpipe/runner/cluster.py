@@ -58,10 +58,8 @@ def available_memory() -> int:
 
 def _cgroup(v2: str, v1: str) -> list[str] | None:
     for path in (Path("/sys/fs/cgroup") / v2, Path("/sys/fs/cgroup/cpu") / v1, Path("/sys/fs/cgroup/memory") / v1):
-        try:
+        with contextlib.suppress(OSError):
             return path.read_text().split()
-        except OSError:
-            continue
     return None
 
 
@@ -220,14 +218,13 @@ class Cluster:
         self.ready = threading.Event()
         self._done = threading.Event()  # the run no longer needs Ray
         self.shape: Shape | None = None
-        if not self.address:  # known before Ray starts: said at once
-            self.cpus = available_cpus()
-            self.fit = fit_workers(opts.workers, self.cpus, available_memory(), opts.worker_memory, cluster=False)
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._warm: tuple[str, str] | None = None  # (backend, tokenizer) to load in every worker, once known
         self._loading: list = []  # those loads, as tasks
-        if not self.address:
+        if not self.address:  # known before Ray starts: said at once
+            self.cpus = available_cpus()
+            self.fit = fit_workers(opts.workers, self.cpus, available_memory(), opts.worker_memory, cluster=False)
             # Processes Ray starts and then orphans (its agents, when the raylet dies) come back to this
             # process, not to init: stop() finds them all.
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
@@ -351,10 +348,8 @@ def _kill_descendants() -> None:
     while quiet < 2:
         pids = _descendants(os.getpid())
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         quiet = 0 if pids else quiet + 1
         time.sleep(0.02)
         with contextlib.suppress(ChildProcessError):
