@@ -50,9 +50,7 @@ class ProgressBoard:
     def report(
         self, key: str, file_bytes: int, documents: int, tokens: int, finished: bool = False, node: str | None = None
     ) -> None:
-        self.totals[0] += file_bytes
-        self.totals[1] += documents
-        self.totals[2] += tokens
+        self.totals = [a + b for a, b in zip(self.totals, (file_bytes, documents, tokens))]
         if finished:  # only running shards need a heartbeat: beats, and every snapshot, stay O(workers)
             self.beats.pop(key, None)
             self.nodes.pop(key, None)
