@@ -19,6 +19,8 @@ from tokpipe.layout.meta import Meta
 from tokpipe.layout.series import Series
 from tokpipe.runner.events import Listener, Said, silent
 
+LINE_EVERY = 30.0  # seconds between the plain progress lines of a run with no terminal
+
 
 class RunLog:
     """OUT/logs/run.log: the effective configuration, shard failures, stalls, the outcome."""
@@ -34,7 +36,7 @@ class RunLog:
 
 
 class Progress:
-    """A tqdm bar on a terminal; a plain line every 30 seconds otherwise (CI, nohup, Slurm logs).
+    """A tqdm bar on a terminal; a plain line every LINE_EVERY seconds otherwise (CI, nohup, Slurm logs).
 
     Also keeps OUT/logs/progress.json current, so `tokpipe status` can tell rate and ETA from files alone.
     """
@@ -93,7 +95,7 @@ class Progress:
         if self.bar is not None:
             self.bar.set_postfix_str(f"{done}/{self.shards} shards{failures}, {rates}", refresh=False)
             self.bar.update(read - self.bar.n)
-        elif final or now - self.last_line >= 30.0:
+        elif final or now - self.last_line >= LINE_EVERY:
             self.last_line = now
             pct = 100 * read / self.total if self.total else 100.0
             eta_said = f", ETA {duration(eta)}" if eta is not None else ", ETA unknown"
