@@ -133,9 +133,10 @@ def test_a_helper_killed_leaves_its_shards_unfinished_and_the_driver_goes_on(
 
     def killing(helpers, pack, spec):
         submit(helpers, pack, spec)
-        for process in helpers.pool._processes.values():
-            os.kill(process.pid, signal.SIGKILL)
-        killed.extend(s.relpath for s in pack)
+        if not killed:  # once: at a second pack the pool may have reaped it already (ProcessLookupError)
+            for process in helpers.pool._processes.values():
+                os.kill(process.pid, signal.SIGKILL)
+        killed.extend(s.relpath for s in pack)  # this pack too: the pool's one process is gone
 
     monkeypatch.setattr(local.Helpers, "submit", killing)
     out = tmp_path / "out"
