@@ -70,7 +70,19 @@ class Upload:
     def finish(self, create: bool = True) -> None:
         """Complete it: the object is the parts, in order. `create`: Exists if the key is taken (and this upload is
         aborted: what it held is not the object's)."""
-        _complete(self.bucket, self.key, self.upload, [(n, etag) for n, etag, _ in self.parts], create)
+        parts = {"Parts": [{"PartNumber": number, "ETag": etag} for number, etag, _ in self.parts]}
+        try:
+            self.bucket.call(
+                self.key,
+                "complete_multipart_upload",
+                Key=self.key,
+                UploadId=self.upload,
+                MultipartUpload=parts,
+                **({"IfNoneMatch": "*"} if create else {}),
+            )
+        except Exists:
+            self.abort()
+            raise
 
     def abort(self) -> None:
         self.bucket.abort(self.key, self.upload)
@@ -100,46 +112,29 @@ def compose(bucket: Bucket, key: str, sources: list[tuple[str, int, int]], creat
         for name in made:
             bucket.delete(name)
         return
-    upload = bucket.call(key, "create_multipart_upload", Key=key)["UploadId"]
+    upload = Upload.begin(bucket, key)
 
-    def copy(number: int, piece: tuple[str, int, int]) -> tuple[int, str]:
+    def copy(number: int, piece: tuple[str, int, int]) -> tuple[int, str, int]:
         source, start, end = piece
         span = {"CopySourceRange": f"bytes={start}-{end - 1}"} if end > start else {}
         answer = bucket.call(
             key,
             "upload_part_copy",
             Key=key,
-            UploadId=upload,
+            UploadId=upload.upload,
             PartNumber=number,
             CopySource={"Bucket": bucket.name, "Key": source},
             **span,
         )
-        return number, answer["CopyPartResult"]["ETag"]
+        return number, answer["CopyPartResult"]["ETag"], end - start
 
     try:
         with ThreadPoolExecutor(COPIES_AT_ONCE) as pool:
-            etags = list(pool.map(copy, range(1, len(pieces) + 1), pieces))
+            upload.parts = list(pool.map(copy, range(1, len(pieces) + 1), pieces))
     except BaseException:
-        bucket.abort(key, upload)
+        upload.abort()
         raise
-    _complete(bucket, key, upload, etags, create)
-
-
-def _complete(bucket: Bucket, key: str, upload: str, etags: list[tuple[int, str]], create: bool) -> None:
-    """CompleteMultipartUpload, create-only where asked; an upload that loses the key is aborted."""
-    parts = {"Parts": [{"PartNumber": number, "ETag": etag} for number, etag in etags]}
-    try:
-        bucket.call(
-            key,
-            "complete_multipart_upload",
-            Key=key,
-            UploadId=upload,
-            MultipartUpload=parts,
-            **({"IfNoneMatch": "*"} if create else {}),
-        )
-    except Exists:
-        bucket.abort(key, upload)
-        raise
+    upload.finish(create)
 
 
 def put_buffers(bucket: Bucket, key: str, buffers: list, create: bool = True) -> None:
