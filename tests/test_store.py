@@ -1,8 +1,8 @@
 """store: an object read as a file by ranged GETs of a bounded size, every one asking for the ETag the manifest
 recorded (a replaced or removed object fails by name); a store restarted mid-read waited for, one that stays away
 said in one line past its retries; a wrong key, a missing bucket or no store at all refused in one line, quickly.
-An object written in pieces: a multipart upload of data resumed from its recorded state after a crash, or of
-ranges of other objects copied on the server (past S3's 10,000 parts too), completed create-only, none left open.
+An object written in pieces: a multipart upload of data, or of ranges of other objects copied on the server (past
+S3's 10,000 parts too), completed create-only, none left open.
 Then a corpus on the store as a user runs it (OUT on a local disk): the reference's bytes, on Ray's workers too; no
 secret in anything written or printed; a kill -9 mid-shard resumed by a ranged read from the checkpoint's place; an
 object replaced after the manifest, a wrong key, a missing bucket, no store, a store gone mid-run, each said in one
@@ -168,21 +168,16 @@ def test_compose_copies_ranges_of_objects_on_the_server_into_one_create_only(s3_
     assert bucket.uploads(f"{s3_prefix}/") == []
 
 
-def test_an_upload_goes_on_after_a_crash_from_the_state_a_checkpoint_kept(s3_server, s3_prefix):
+def test_an_upload_of_parts_is_completed_create_only_or_aborted(s3_server, s3_prefix):
     bucket, key = Bucket(s3_server.bucket, s3_server.endpoint), f"{s3_prefix}/part.bin"
     first, second, last = b"x" * (5 * MIB), b"y" * (6 * MIB), b"z" * 10
     upload = Upload.begin(bucket, key)
     upload.send(first)
-    state = upload.state  # what the checkpoint keeps
-    upload.send(second)  # sent after the checkpoint: the crash's; the resumed upload sends it again
-    resumed = Upload.resume(bucket, key, state)
-    assert (resumed.upload, resumed.size) == (upload.upload, 5 * MIB)
-    resumed.send([second[:MIB], second[MIB:]])
-    resumed.send(last)
+    upload.send([second[:MIB], second[MIB:]])
+    upload.send(last)
     assert bucket.head(key) is None  # nothing to read before it is completed
-    resumed.finish()
+    upload.finish()
     assert bucket.get(key)[0] == first + second + last and bucket.uploads(f"{s3_prefix}/") == []
-    assert Upload.resume(bucket, key, state) is None  # completed: no upload to go on with
     again = Upload.begin(bucket, key)
     again.send(b"other")
     with pytest.raises(Exists):  # create-only: the finished object stays, the upload that lost is aborted
@@ -191,7 +186,7 @@ def test_an_upload_goes_on_after_a_crash_from_the_state_a_checkpoint_kept(s3_ser
     aborted = Upload.begin(bucket, f"{s3_prefix}/other.bin")
     aborted.send(first)
     aborted.abort()
-    assert Upload.resume(bucket, f"{s3_prefix}/other.bin", aborted.state) is None
+    assert bucket.uploads(f"{s3_prefix}/") == []
 
 
 def test_a_url_names_a_bucket_and_a_key():

@@ -24,39 +24,16 @@ UPLOAD_PART_BYTES = 16 << 20
 
 @dataclass
 class Upload:
-    """A multipart upload of `key` under way: the parts sent so far, (number, ETag, bytes) each. `state` is what a
-    checkpoint keeps; `resume` goes on from it after a crash, the parts checked against what the store holds."""
+    """A multipart upload of `key` under way: the parts sent so far, (number, ETag) each."""
 
     bucket: Bucket
     key: str
     upload: str  # the store's UploadId
-    parts: list[tuple[int, str, int]] = field(default_factory=list)
+    parts: list[tuple[int, str]] = field(default_factory=list)
 
     @classmethod
     def begin(cls, bucket: Bucket, key: str) -> Upload:
         return cls(bucket, key, bucket.call(key, "create_multipart_upload", Key=key)["UploadId"])
-
-    @classmethod
-    def resume(cls, bucket: Bucket, key: str, state: dict) -> Upload | None:
-        """The upload a checkpoint recorded, its parts as recorded (the store's may run beyond them: a part sent after
-        the checkpoint, sent again now); None where the store no longer has it (aborted) or lacks a recorded part."""
-        parts = [tuple(p) for p in state["parts"]]
-        try:
-            listed = bucket.call(key, "list_parts", Key=key, UploadId=state["upload"], MaxParts=MAX_PARTS)
-        except Exception:  # NoSuchUpload, as a StoreRefused: aborted or completed since
-            return None
-        held = {p["PartNumber"]: (p["ETag"], p["Size"]) for p in listed.get("Parts", [])}
-        if any(held.get(number) != (etag, size) for number, etag, size in parts):
-            return None
-        return cls(bucket, key, state["upload"], parts)
-
-    @property
-    def state(self) -> dict:
-        return {"upload": self.upload, "parts": [list(p) for p in self.parts]}
-
-    @property
-    def size(self) -> int:
-        return sum(size for _, _, size in self.parts)
 
     def send(self, data) -> None:
         """Upload `data` (bytes-like, or a list of them) as the next part: at least MIN_PART unless it is the last."""
@@ -65,12 +42,12 @@ class Upload:
         answer = self.bucket.call(
             self.key, "upload_part", Key=self.key, UploadId=self.upload, PartNumber=number, Body=body
         )
-        self.parts.append((number, answer["ETag"], len(body)))
+        self.parts.append((number, answer["ETag"]))
 
     def finish(self, create: bool = True) -> None:
         """Complete it: the object is the parts, in order. `create`: Exists if the key is taken (and this upload is
         aborted: what it held is not the object's)."""
-        parts = {"Parts": [{"PartNumber": number, "ETag": etag} for number, etag, _ in self.parts]}
+        parts = {"Parts": [{"PartNumber": number, "ETag": etag} for number, etag in self.parts]}
         try:
             self.bucket.call(
                 self.key,
@@ -114,7 +91,7 @@ def compose(bucket: Bucket, key: str, sources: list[tuple[str, int, int]], creat
         return
     upload = Upload.begin(bucket, key)
 
-    def copy(number: int, piece: tuple[str, int, int]) -> tuple[int, str, int]:
+    def copy(number: int, piece: tuple[str, int, int]) -> tuple[int, str]:
         source, start, end = piece
         span = {"CopySourceRange": f"bytes={start}-{end - 1}"} if end > start else {}
         answer = bucket.call(
@@ -126,7 +103,7 @@ def compose(bucket: Bucket, key: str, sources: list[tuple[str, int, int]], creat
             CopySource={"Bucket": bucket.name, "Key": source},
             **span,
         )
-        return number, answer["CopyPartResult"]["ETag"], end - start
+        return number, answer["CopyPartResult"]["ETag"]
 
     try:
         with ThreadPoolExecutor(COPIES_AT_ONCE) as pool:
