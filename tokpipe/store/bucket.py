@@ -192,7 +192,10 @@ class Bucket:
             try:
                 return answer["Body"].read(), int(answer["ContentRange"].rpartition("/")[2])
             except Exception as e:
-                if attempt == TRIES or not _broke_off(e):
+                from botocore import exceptions as aws
+
+                # Asked again only where the body broke off midway: a timeout, a closed connection, fewer bytes.
+                if attempt == TRIES or not isinstance(e, aws.HTTPClientError | aws.IncompleteReadError):
                     raise _error(e, self.where(key), self.endpoint) from None
             time.sleep(random.uniform(0, min(20, 2**attempt)))  # botocore's standard backoff
             attempt += 1
@@ -240,13 +243,6 @@ class Bucket:
 def _status(error: Exception) -> int | None:
     # (a ReadTimeoutError's response is None: a store that stopped answering mid-request was an AttributeError)
     return (getattr(error, "response", None) or {}).get("ResponseMetadata", {}).get("HTTPStatusCode")
-
-
-def _broke_off(error: Exception) -> bool:
-    """Whether reading a body failed midway: a timeout, a closed connection, fewer bytes than announced."""
-    from botocore import exceptions as aws
-
-    return isinstance(error, aws.HTTPClientError | aws.IncompleteReadError)
 
 
 # What the store answers that no retry changes: said in one line, exit 2.
