@@ -93,11 +93,9 @@ def _gzip_blocks(raw, path: str) -> Iterator[tuple[bytes, tuple[int, int]]]:
 def _plain_blocks(raw, path: str, start: int, block_bytes: int) -> Iterator[tuple[bytes, tuple[int, int]]]:
     """The bytes of a plain file from `start` on: a checkpoint's offset is a place in the file."""
     raw.seek(start)
-    empty = True
     while block := raw.read(block_bytes):
-        empty = False
         yield block, (0, 0)
-    if empty and start and raw.seek(0, io.SEEK_END) < start:
+    if start and raw.seek(0, io.SEEK_END) < start:  # (an object read from has its size known: no HEAD)
         raise SourceError(f"{path} is shorter than its checkpoint says: the file changed since the run began")
 
 
