@@ -88,16 +88,6 @@ def _is_hub_name(text: str) -> bool:
     return True
 
 
-def _cache_snapshot(json_path: Path) -> tuple[str, str] | None:
-    """(ORG/NAME, commit) of a tokenizer.json inside a Hugging Face cache snapshot
-    (models--ORG--NAME/snapshots/COMMIT/), as `status` prints a hub run's resume command; else None."""
-    snapshot = json_path.parent
-    repo = snapshot.parent.parent.name
-    if snapshot.parent.name == "snapshots" and repo.startswith("models--"):
-        return repo.removeprefix("models--").replace("--", "/", 1), snapshot.name
-    return None
-
-
 def _resolve(path: str | os.PathLike, revision: str | None = None) -> tuple[Path, str | None, str | None]:
     """(tokenizer.json, hub repo id, commit): a local path that exists wins over a hub name; the repo
     id and commit are None for a folder outside the Hugging Face cache."""
@@ -109,12 +99,18 @@ def _resolve(path: str | os.PathLike, revision: str | None = None) -> tuple[Path
                 f"no tokenizer at {path}: pass a local folder holding tokenizer.json (as saved by save_pretrained), "
                 "the tokenizer.json itself, or a hub name ORG/NAME in your Hugging Face cache; tokpipe never downloads"
             )
-        hub = _cache_snapshot(Path(os.path.abspath(candidate)))
-        if revision is not None and hub is None:
+        # Inside a Hugging Face cache snapshot (models--ORG--NAME/snapshots/COMMIT/): its ORG/NAME and commit, as
+        # `status` prints a hub run's resume command.
+        absolute = Path(os.path.abspath(candidate))
+        snapshot = absolute.parent
+        repo = snapshot.parent.parent.name
+        if snapshot.parent.name == "snapshots" and repo.startswith("models--"):
+            return absolute, repo.removeprefix("models--").replace("--", "/", 1), snapshot.name
+        if revision is not None:
             raise UserError(
                 f"--tokenizer-revision picks a revision of a hub name ORG/NAME; {path} is a local path: drop the option"
             )
-        return (Path(os.path.abspath(candidate)), *hub) if hub else (candidate, None, None)
+        return candidate, None, None
     found = _from_hub_cache(str(path), revision)
     return found, str(path), found.parent.name  # snapshots/<commit>/tokenizer.json
 
