@@ -116,13 +116,10 @@ class Lease:
             raise UserError(f"{self.bucket.where(self.key)}: {self.lost}; nothing it wrote is lost: rerun the command")
 
     def _keep(self) -> None:
-        while not self._stop.wait(self.seconds / 3):
-            try:
+        while self.lost is None and not self._stop.wait(self.seconds / 3):
+            # The store away for a moment: the next renewal tries again, well before the lease ends.
+            with contextlib.suppress(OSError):
                 self.renew()
-            except OSError:  # the store away for a moment: the next renewal tries again, well before the lease ends
-                continue
-            if self.lost is not None:
-                return
 
     def __enter__(self) -> Lease:
         self.acquire()
@@ -132,6 +129,5 @@ class Lease:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        self._thread.join()
         self.release()
