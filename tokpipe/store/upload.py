@@ -70,12 +70,12 @@ def compose(bucket: Bucket, key: str, sources: list[tuple[str, int, int]], creat
     reaches this process. Each source but the last must hold at least MIN_PART bytes; one over MAX_PART is copied
     in several parts. Past MAX_PARTS parts, runs of them are composed into objects of their own first (key +
     .compose-N), which the whole is then composed of, and removed. `create`: Exists if the key is taken."""
-    if not sources or all(end == start for _, start, end in sources):  # S3 has no multipart upload of 0 parts
-        bucket.put(key, b"", create=create)
-        return
     pieces = [
         (source, at, min(at + MAX_PART, end)) for source, start, end in sources for at in range(start, end, MAX_PART)
     ]
+    if not pieces:  # no byte to copy, and S3 has no multipart upload of 0 parts
+        bucket.put(key, b"", create=create)
+        return
     small = [p for p in pieces[:-1] if p[2] - p[1] < MIN_PART]
     if small:
         raise ValueError(f"{bucket.where(small[0][0])}: a part of {small[0][2] - small[0][1]:,} bytes before the last")
@@ -92,8 +92,7 @@ def compose(bucket: Bucket, key: str, sources: list[tuple[str, int, int]], creat
     upload = Upload.begin(bucket, key)
 
     def copy(number: int, piece: tuple[str, int, int]) -> tuple[int, str]:
-        source, start, end = piece
-        span = {"CopySourceRange": f"bytes={start}-{end - 1}"} if end > start else {}
+        source, start, end = piece  # never empty: a piece is a step of a range
         answer = bucket.call(
             key,
             "upload_part_copy",
@@ -101,7 +100,7 @@ def compose(bucket: Bucket, key: str, sources: list[tuple[str, int, int]], creat
             UploadId=upload.upload,
             PartNumber=number,
             CopySource={"Bucket": bucket.name, "Key": source},
-            **span,
+            CopySourceRange=f"bytes={start}-{end - 1}",
         )
         return number, answer["CopyPartResult"]["ETag"]
 
