@@ -91,8 +91,7 @@ def _gzip_blocks(raw, path: str) -> Iterator[tuple[bytes, tuple[int, int]]]:
 
 
 def _plain_blocks(raw, path: str, start: int, block_bytes: int) -> Iterator[tuple[bytes, tuple[int, int]]]:
-    """The bytes of a plain file from `start` on: a checkpoint's offset is a place in the file."""
-    raw.seek(start)
+    """The bytes of a plain file from `start` on, where it stands: a checkpoint's offset is a place in the file."""
     while block := raw.read(block_bytes):
         yield block, (0, 0)
     if start and raw.seek(0, io.SEEK_END) < start:  # (an object read from has its size known: no HEAD)
@@ -107,8 +106,8 @@ def decompressed_blocks(
     as tokpipe.inputs.source.format_of sniffed it (zstd, gzip or none). From `start`, a place in the file where
     reading may begin, and the decompressed bytes before it: a frame's of zstd, a byte offset of plain JSONL, (0, 0)
     for gzip. `raw`: the shard's bytes, opened (tokpipe.inputs.source: a file, or a Reader of an object)."""
+    raw.seek(start[0])
     if kind == "zstd":
-        raw.seek(start[0])
         blocks = _zstd_blocks(raw, path, start)
     elif kind == "gzip":
         blocks = _gzip_blocks(raw, path)
