@@ -48,29 +48,23 @@ def _token_content(value) -> str | None:
 HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+")  # ORG/NAME, as the hub names a repository
 
 
-def _download_command(repo_id: str, revision: str | None) -> str:
-    """How to put a repository's tokenizer into the cache, with the CLI this huggingface_hub ships
-    (`hf` since 0.34; before, `huggingface-cli`)."""
-    import huggingface_hub
-
-    version = tuple(int(part) for part in re.findall(r"\d+", huggingface_hub.__version__)[:2])
-    cli = "hf" if version >= (0, 34) else "huggingface-cli"
-    return f"{cli} download {repo_id}{f' --revision {revision}' if revision else ''} --include 'tokenizer*'"
-
-
 def _from_hub_cache(repo_id: str, revision: str | None) -> Path:
     """tokenizer.json of a hub repository's snapshot in the local Hugging Face cache, found as
     huggingface_hub finds it (HF_HUB_CACHE or HF_HOME; refs/REV or snapshots/COMMIT), never downloaded."""
-    from huggingface_hub import constants, hf_hub_download
+    from huggingface_hub import __version__, constants, hf_hub_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
         found = hf_hub_download(repo_id, "tokenizer.json", revision=revision, local_files_only=True)
     except LocalEntryNotFoundError:
+        # Fetched with the CLI this huggingface_hub ships: `hf` since 0.34; before, `huggingface-cli`.
+        version = tuple(int(part) for part in re.findall(r"\d+", __version__)[:2])
+        cli = "hf" if version >= (0, 34) else "huggingface-cli"
+        fetch = f"{cli} download {repo_id}{f' --revision {revision}' if revision else ''} --include 'tokenizer*'"
         raise UserError(
             f"no tokenizer {repo_id} (revision {revision or 'main'}) in the Hugging Face cache "
             f"{constants.HF_HUB_CACHE} (set by HF_HUB_CACHE or HF_HOME), and no local folder of that name: "
-            f"fetch it with `{_download_command(repo_id, revision)}`; tokpipe never downloads"
+            f"fetch it with `{fetch}`; tokpipe never downloads"
         ) from None
     return Path(os.path.abspath(found))  # the snapshot's path, not its blob's: the folder holds the config too
 
