@@ -261,23 +261,20 @@ class Sequences:
             return orders[epoch - start, first : first + step * n : step].copy()
         return orders[epoch - start :, first : first + step * n : step].reshape(-1)
 
-    def _advance(self, count: int, keep: bool) -> tuple[tuple[int, int, np.ndarray], list[np.ndarray]]:
+    def _advance(self, count: int) -> tuple[tuple[int, int, np.ndarray], np.ndarray]:
         """Under the lock, nothing moved: the position `count` of this rank's windows on, across epochs, as
-        (epoch, offset, the windows looked up ahead from there), and with keep, those windows' numbers."""
+        (epoch, offset, the windows looked up ahead from there), and those windows' numbers."""
         epoch, offset, ahead, taken = self.epoch, self.offset, self._ahead, []
         while count:
-            if keep and not ahead.size:
+            if not ahead.size:
                 ahead = self._windows_ahead(epoch, offset)
-            n = min(count, ahead.size) if keep else count
-            if keep:
-                taken.append(ahead[:n])
-            ahead = ahead[n:]
+            n = min(count, ahead.size)
+            taken.append(ahead[:n])
+            ahead = ahead[n:]  # (it may run on into the next epochs)
             count -= n
-            moved = self.moved(epoch, offset, n)
-            if moved[0] != epoch and not keep:  # (kept, the windows ahead run on into the next epochs)
-                ahead = np.zeros(0, np.int64)
-            epoch, offset = moved
-        return (epoch, offset, ahead), taken
+            epoch, offset = self.moved(epoch, offset, n)
+        windows = taken[0] if len(taken) == 1 else np.concatenate(taken) if taken else np.zeros(0, np.int64)
+        return (epoch, offset, ahead), windows
 
     def moved(self, epoch: int, offset: int, count: int) -> tuple[int, int]:
         """The position `count` of this rank's windows after (epoch, offset)."""
@@ -290,24 +287,25 @@ class Sequences:
         """The next `count` window numbers of this rank (across epochs), advancing the position."""
         count = integer(count, "count")
         with self._lock:
-            (self.epoch, self.offset, self._ahead), taken = self._advance(count, keep=True)
-        return _joined(taken)
+            (self.epoch, self.offset, self._ahead), windows = self._advance(count)
+        return windows
 
     def skip(self, count: int) -> None:
         """Advance the position by `count` of this rank's windows without reading them (a DataLoader
         worker skips the batches of the others)."""
         count = integer(count, "count")
         with self._lock:
-            (self.epoch, self.offset, self._ahead), _ = self._advance(count, keep=False)
-            self.keep_at(self.epoch, self.offset)
+            epoch, offset = self.moved(self.epoch, self.offset, count)
+            self._ahead = self._ahead[count:] if epoch == self.epoch else np.zeros(0, np.int64)
+            self.epoch, self.offset = epoch, offset
+            self.keep_at(epoch, offset)
 
     def next_batch(self, batch_size: int) -> Batch:
         """This rank's next `batch_size` windows (0: an empty batch), with the state right after them. The
         position moves once they are read: a read that fails raises and leaves it where it was."""
         batch_size = integer(batch_size, "batch_size")
         with self._lock:
-            position, taken = self._advance(batch_size, keep=True)
-            windows = _joined(taken)
+            position, windows = self._advance(batch_size)
             tokens, offsets, bounds = self.read(windows)
             self.epoch, self.offset, self._ahead = position
             self.keep_at(self.epoch, self.offset)
@@ -405,10 +403,6 @@ def _order(order: dict | None) -> str:
     if order is None:
         return "every window in one permutation"  # an OUT in a folder
     return f"blocks of {order['block']:,} windows, {order['buffer']:,} a buffer"  # on a store, by its cache_size
-
-
-def _joined(taken: list[np.ndarray]) -> np.ndarray:
-    return taken[0] if len(taken) == 1 else np.concatenate(taken) if taken else np.zeros(0, np.int64)
 
 
 def _reopen(out: str, options: dict, state: dict) -> Sequences:
