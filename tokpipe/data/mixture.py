@@ -260,19 +260,19 @@ def _check_same_tokenizer(sources: dict[str, Sequences]) -> None:
     """One tokenizer: the same tokenizer.json bytes, or else the same JSON content (read from where each
     was recorded, when the file there is still the one the OUT was made with), and the same vocab_size."""
     metas = {name: s.record for name, s in sources.items()}
+    named = ", ".join(f"{n}: {m.tokenizer or m.tokenizer_sha256} (vocab_size {m.vocab_size})" for n, m in metas.items())
     if len({m.vocab_size for m in metas.values()}) == 1:
         if len({m.tokenizer_sha256 for m in metas.values()}) == 1:
             return
         contents = {name: _content(m) for name, m in metas.items()}
         if None not in contents.values() and len(set(contents.values())) == 1:
             return
-    named = ", ".join(f"{n}: {m.tokenizer or m.tokenizer_sha256} (vocab_size {m.vocab_size})" for n, m in metas.items())
-    unread = [f"{m.tokenizer_path} ({n})" for n, m in metas.items() if _content(m) is None]
-    if unread and len({m.vocab_size for m in metas.values()}) == 1:
-        raise ValueError(
-            f"sources were made with different tokenizer.json files ({named}), and {', '.join(unread)} is no "
-            f"longer the file recorded to compare their content: put it back, or tokenize again with one tokenizer"
-        )
+        unread = [f"{metas[n].tokenizer_path} ({n})" for n, content in contents.items() if content is None]
+        if unread:
+            raise ValueError(
+                f"sources were made with different tokenizer.json files ({named}), and {', '.join(unread)} is no "
+                f"longer the file recorded to compare their content: put it back, or tokenize again with one tokenizer"
+            )
     raise ValueError(f"sources were made with different tokenizers ({named}): their ids mean different tokens")
 
 
