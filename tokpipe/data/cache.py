@@ -210,7 +210,7 @@ class BlockCache:
                 places = self._split_places[first:last]
             else:
                 last = min(int(self._first_doc[b + 1]) + 1, self.files.documents)
-                ends = self.files.read_ends(int(self._first_doc[b]), last)
+                ends = self.files.read(int(self._first_doc[b]), last, ends=True)
                 places = np.concatenate([self.files.starts[:-1], ends])  # each file's start, each document's end
                 places = np.unique(places[(places >= start) & (places < stop)])
             places = places - start
@@ -235,7 +235,7 @@ class BlockCache:
                 firsts = np.arange(g.blocks, dtype=np.int64) * g.per_block * self.seq_len
                 ended = np.zeros(g.blocks + 1, dtype=np.int64)  # ends between block b - 1's first token and b's
                 for first in range(0, files.documents, ENDS_READ):
-                    ends = files.read_ends(first, min(first + ENDS_READ, files.documents))
+                    ends = files.read(first, min(first + ENDS_READ, files.documents), ends=True)
                     ended += np.bincount(np.searchsorted(firsts, ends, side="right"), minlength=g.blocks + 1)
                 index = np.append(np.cumsum(ended)[: g.blocks], files.documents)
                 _write(path, [index.astype("<i8").tobytes()])

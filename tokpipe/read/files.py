@@ -238,10 +238,6 @@ class TokenFiles:
             return pieces[0]
         return np.concatenate(pieces) if pieces else np.zeros(0, IDX_DTYPE if ends else self.dtype)
 
-    def read_ends(self, start: int, stop: int) -> np.ndarray:
-        """Document ends [start, stop) of the stream, counted from its start (one file's: a slice of its map)."""
-        return self.file_range(0, start, stop, ends=True) if len(self) == 1 else self.read(start, stop, ends=True)
-
     def gather(self, at: np.ndarray, ends: bool = False) -> np.ndarray:
         """The tokens at positions `at` of the stream (`ends`: the ends of documents `at`, counted from its start),
         gathered file by file: a step per file they are in, never one per position."""

@@ -39,7 +39,7 @@ class Joined:
             start, stop, _ = key.indices(len(self))
             if self.f is not None:
                 return self.files.file_range(self.f, start, max(start, stop), self.is_ends)
-            return (self.files.read_ends if self.is_ends else self.files.read)(start, max(start, stop))
+            return self.files.read(start, max(start, stop), self.is_ends)
         index = key + len(self) if key < 0 else key
         if not 0 <= index < len(self):
             raise IndexError(f"index {key} is out of bounds for {len(self):,}")
