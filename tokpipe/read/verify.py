@@ -203,8 +203,16 @@ def verify(out: str | os.PathLike, jobs: int | None = None) -> list[Check]:
 def _verify_split(out: Path, split: str, entry: SplitEntry, meta: Meta, dtype: np.dtype, check, jobs: int) -> None:
     vocab_size, eos_id, bos_id, eos_written = meta.vocab_size, meta.eos_token_id, meta.bos_placed, meta.delimiters.eos
     docs_expected = entry.documents
-    if entry.lines is not None:
-        _check_lines(split, entry, check)
+    if entry.lines is not None:  # every line of the split's sources is a document or a skipped line
+        skipped = sum(entry.skipped.values())
+        # --val-fraction moves documents from train (held_out) to validation (held_in).
+        read = entry.documents - entry.held_in + entry.held_out
+        moved = f" (held out {entry.held_out:,}, held in {entry.held_in:,})" if entry.held_out or entry.held_in else ""
+        check(
+            f"{split}: documents + skipped == lines",
+            read + skipped == entry.lines,
+            f"{read:,} + {skipped:,} vs {entry.lines:,}{moved}",
+        )
     if not _check_files(out, split, entry, entry.token_files(), dtype, check):
         return
     parts = _parts(out, split, entry, check)
@@ -253,19 +261,6 @@ def _verify_split(out: Path, split: str, entry: SplitEntry, meta: Meta, dtype: n
         if bos_id is not None:
             not_started = sum(s.not_bos_started for s in scans)
             check(f"{split}: every document starts with BOS", not not_started, f"{not_started} do not")
-
-
-def _check_lines(split: str, entry: SplitEntry, check) -> None:
-    """Every line of the split's sources is a document or a skipped line."""
-    skipped = sum(entry.skipped.values())
-    # --val-fraction moves documents from train (held_out) to validation (held_in).
-    read = entry.documents - entry.held_in + entry.held_out
-    moved = f" (held out {entry.held_out:,}, held in {entry.held_in:,})" if entry.held_out or entry.held_in else ""
-    check(
-        f"{split}: documents + skipped == lines",
-        read + skipped == entry.lines,
-        f"{read:,} + {skipped:,} vs {entry.lines:,}{moved}",
-    )
 
 
 def _check_files(out: Path, split: str, entry: SplitEntry, files: list[SplitFile], dtype: np.dtype, check) -> bool:
