@@ -206,17 +206,13 @@ def _finish(f) -> None:
     os.fsync(f.fileno())
 
 
-def _same_bytes(data: Output, dtype: str) -> bool:
-    """Whether Megatron's .bin is the split file's bytes: the same width, and (uint32 read as int32)
-    every id below 2**31, which a vocabulary of at most 2**31 ids guarantees."""
-    return np.dtype(dtype).itemsize == data.dtype.itemsize and data.vocab_size <= 2**31
-
-
 def _megatron_bin(data: Output, split: Split, tmp: Path, dtype: str) -> str:
     """Give tmp the split's tokens as Megatron's .bin; returns how, in words."""
     tmp.unlink(missing_ok=True)  # a killed export's link to the split file: never write through it
     stored = stored_of(data.path) is not None  # OUT on a store: its tokens read by ranged GETs, written here
-    if not _same_bytes(data, dtype) or stored:
+    # The .bin is the split file's bytes where the widths agree and (uint32 read as int32) every id is below
+    # 2**31, which a vocabulary of at most 2**31 ids guarantees.
+    if np.dtype(dtype).itemsize != data.dtype.itemsize or data.vocab_size > 2**31 or stored:
         with open(tmp, "xb") as f:
             _write_tokens(f, split.tokens, dtype)
             _finish(f)
