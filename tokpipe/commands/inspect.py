@@ -79,11 +79,12 @@ class Source:
     def tokens(self) -> int:
         return sum(len(s.tokens) for s in self.files)
 
-    def locate(self, pos: int) -> tuple[TokenFile, int]:
-        """The file holding token `pos` of the split, and the token's offset in it."""
-        ends = np.cumsum([len(s.tokens) for s in self.files])
+    def locate(self, pos: int, documents: bool = False) -> tuple[TokenFile, int]:
+        """The file holding token `pos` of the split (`documents`: document `pos`), and its offset in it."""
+        sizes = [len(s.ends if documents else s.tokens) for s in self.files]
+        ends = np.cumsum(sizes)
         i = int(np.searchsorted(ends, pos, side="right"))
-        return self.files[i], int(pos - ends[i] + len(self.files[i].tokens))
+        return self.files[i], int(pos - ends[i] + sizes[i])
 
 
 def _split_name(wanted: str, available: list[str]) -> str:

@@ -205,17 +205,15 @@ def _split_stats(out: Path, meta: Meta | None, manifest, val_fraction: float) ->
 
 def _lengths(out: Path, split: str) -> Lengths | None:
     source = open_source(out, split)
-    total = sum(len(s.ends) for s in source.files)
+    total = source.documents
     if total == 0:
         return None
     if total <= LENGTH_SAMPLE:
         pieces = [np.diff(np.asarray(s.ends), prepend=0) for s in source.files if len(s.ends)]
     else:  # evenly spread blocks of consecutive documents, across segments
         block, pieces = LENGTH_SAMPLE // LENGTH_BLOCKS, []
-        starts = np.cumsum([0] + [len(s.ends) for s in source.files])
         for pos in np.linspace(0, total - block, LENGTH_BLOCKS).astype(np.int64):
-            i = int(np.searchsorted(starts, pos, side="right")) - 1
-            seg, first = source.files[i], int(pos - starts[i])
+            seg, first = source.locate(int(pos), documents=True)
             ends = np.asarray(seg.ends[max(first - 1, 0) : first + block])
             pieces.append(np.diff(ends, prepend=0) if first == 0 else np.diff(ends))
     lengths = np.concatenate(pieces)
