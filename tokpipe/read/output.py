@@ -43,9 +43,7 @@ class Joined:
         index = key + len(self) if key < 0 else key
         if not 0 <= index < len(self):
             raise IndexError(f"index {key} is out of bounds for {len(self):,}")
-        if self.f is not None:
-            return self[index : index + 1][0]
-        return self.files.gather(np.array([index]), self.is_ends)[0]
+        return self[index : index + 1][0]  # (a range: a file on a store is never fetched whole)
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         return np.asarray(self[:], dtype)
