@@ -162,16 +162,6 @@ class Window:
         return int(np.searchsorted(self.file.ends, self.start, side="right"))
 
 
-def sample_windows(source: Source, n: int, size: int, seed: int) -> list[Window]:
-    """n windows at uniformly random token positions of the split (a window stays inside one file)."""
-    windows = []
-    for pos in np.random.default_rng(seed).integers(0, source.tokens, size=n):
-        file, offset = source.locate(int(pos))
-        start = max(0, min(offset, len(file.tokens) - size))
-        windows.append(Window(file, start, np.asarray(file.tokens[start : start + size])))
-    return windows
-
-
 def _printable(text: str) -> str:
     return CONTROL_CHARS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
@@ -314,7 +304,11 @@ def inspect(
     decode, tokenizer_path = load_decoder(source, tokenizer)
     # A short seed, printed, so the same windows can be looked at again (or by a colleague).
     seed = secrets.randbelow(1_000_000) if seed is None else seed
-    windows = sample_windows(source, n, window, seed)
+    windows = []  # at uniformly random token positions, each moved back as far as it must to lie in one file
+    for pos in np.random.default_rng(seed).integers(0, source.tokens, size=n):
+        file, offset = source.locate(int(pos))
+        start = max(0, min(offset, len(file.tokens) - window))
+        windows.append(Window(file, start, np.asarray(file.tokens[start : start + window])))
     scan = scan_ids(source)
     n_scanned = max(scan.scanned, 1)
     common = [(i, decode(np.array([i])) if i < source.vocab_size else "?", c / n_scanned) for i, c in scan.common]
