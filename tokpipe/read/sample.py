@@ -62,8 +62,7 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
         for batch in read_batches(shard.path, meta.text_field, group_by=group_by, etag=shard.etag):
             texts = batch.texts
             if group_by is not None:  # the part's documents only: of its group
-                keep = [g == group for g in batch.groups]
-                texts = [t for t, k in zip(texts, keep) if k]
+                texts = [t for t, g in zip(texts, batch.groups) if g == group]
             if val_fraction and shard.split == "train":  # the part's documents only: held out, or kept
                 texts = [t for t, h in zip(texts, held_out(texts, val_fraction)) if h == held]
             picked = [(number, text) for number, text in enumerate(texts, start=seen) if number in needed]
