@@ -67,8 +67,10 @@ def _start_ray_holder() -> tuple[subprocess.Popen, str]:
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        # A local ray.init turns token authentication on, which drivers joining by address lack.
-        env={**os.environ, "RAY_AUTH_MODE": "disabled", SESSION_RAY_ENV: temp},
+        # A local ray.init turns token authentication on, which drivers joining by address lack. Ray starts a worker
+        # per CPU for the first driver's job, the holder's, which runs no task: idle all session, they took ~1 CPU-s a
+        # minute together (measured), ~9 CPU-s of each pytest process's session.
+        env={**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_prestart_worker_first_driver": "0", SESSION_RAY_ENV: temp},
     )
     return holder, temp
 
