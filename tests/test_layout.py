@@ -19,7 +19,7 @@ from tokpipe.inputs.manifest import build_manifest
 from tokpipe.layout.checkpoints import Checkpoint, Checkpoints, PartCounts, write_placed
 from tokpipe.layout.files import PROGRESS, Layout, LayoutWriter, ShardFiles, load_meta_pkl, split_file_stem
 from tokpipe.layout.locks import lock_holder
-from tokpipe.layout.records import listed_parts, parts_line, parts_of, read_parts, split_entry
+from tokpipe.layout.records import parts_line, parts_of, read_parts, split_entry
 from tokpipe.layout.run import WriteSpec, output_splits, sources
 
 MANIFEST = build_manifest(EXAMPLE_CACHE)
@@ -137,7 +137,7 @@ def test_a_parts_list_gives_each_part_its_offsets_and_meta_its_sums(tmp_path):
         (1, 10, 2, 14, 3),
         (2, 14, 3, 21, 4),
     ]
-    entry = split_entry("val", tmp_path / "val.parts", WriteSpec()).as_dict()
+    entry = split_entry("val", raw, WriteSpec()).as_dict()
     assert {k: v for k, v in entry.items() if k != "parts_sha256"} == {
         "file": "val.bin",
         "idx": "val.idx",
@@ -181,7 +181,7 @@ def test_each_loader_refuses_its_file_damaged_in_one_line_naming_it_and_what_to_
     assembled = out.assembly("val")[2]
     assembled.write_bytes(parts_line({"shard": "a", "tokens": 1, "documents": 1}) + b"{garbled\n" + b'{"shard": "c"')
     with pytest.raises(UserError) as refused:
-        listed_parts(out, "val")
+        list(read_parts(assembled, torn="cut"))
     assert str(refused.value) == (
         f"{assembled} is damaged (JSONDecodeError: unexpected character, expected a string key: line 1 column 2"
         f" (char 1)): {rerun}: it keeps the parts listed before the damaged line and places the others again"
@@ -189,7 +189,7 @@ def test_each_loader_refuses_its_file_damaged_in_one_line_naming_it_and_what_to_
     # The rerun's reading of the same list: its records end at the damaged line (what follows is placed again).
     assert [r["shard"] for r in read_parts(assembled, torn="stop")] == ["a"]
     assembled.write_bytes(parts_line({"shard": "a", "tokens": 1, "documents": 1}) + b'{"shard": "c"')  # cut by a crash
-    assert [p.name for p in listed_parts(out, "val")] == ["a"]
+    assert [r["shard"] for r in read_parts(assembled, torn="cut")] == ["a"]
     assert [r["shard"] for r in read_parts(assembled, torn="stop")] == ["a"]
 
     out.log(PROGRESS).parent.mkdir(exist_ok=True)

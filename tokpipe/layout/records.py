@@ -141,13 +141,6 @@ def read_parts(source: Path | bytes, sha256: str | None = None, torn: str = "ref
         raise damaged(path, ValueError("its sha256 is not the one meta records"), fix)
 
 
-def listed_parts(out: Layout, stem: str) -> list[Part]:
-    """The parts listed so far in a split's parts list being assembled (none before it is begun), whole lines
-    only (read_parts' "cut")."""
-    path = out.assembly(stem)[2]
-    return parts_of(stem, read_parts(path, torn="cut")) if path.exists() else []
-
-
 def parts_of(stem: str, records: Iterable[dict]) -> list[Part]:
     """The parts a parts list's records (read_parts) list, at the offsets their order gives them in their file
     (the split's, or their group's)."""
@@ -159,17 +152,13 @@ def parts_of(stem: str, records: Iterable[dict]) -> list[Part]:
     return parts
 
 
-def split_entry(stem: str, parts_path: Path, spec: WriteSpec) -> SplitEntry:
-    """meta's entry for a split, summed from its parts list, laid out as the run's options say. A split of
-    --no-concat has no file of its own: `files` lists its parts' files in order (their lines name them).
+def split_entry(stem: str, raw: bytes, spec: WriteSpec) -> SplitEntry:
+    """meta's entry for a split, summed from its parts list's bytes (an OUT on a store's: the list made in memory),
+    laid out as the run's options say. A split of --no-concat has no file of its own: `files` lists its parts'
+    files in order (their lines name them).
 
     With --group-by, `groups` holds each group's entry, in the order of their values: its tokens and
     documents, and its file (or files) as a split's; the split has none of its own."""
-    return split_entry_of(stem, parts_path.read_bytes(), spec)
-
-
-def split_entry_of(stem: str, raw: bytes, spec: WriteSpec) -> SplitEntry:
-    """split_entry of a parts list's bytes (an OUT on a store: the list made in memory)."""
     counts = dict.fromkeys(("tokens", "documents", "lines", "held_out", "held_in"), 0)
     groups: dict[str, dict] = {}  # value -> its counts and files
     own: list[SplitFile] = []
@@ -205,11 +194,14 @@ def _entry(name: str, concat: bool, files: list[SplitFile], **fields) -> SplitEn
 
 
 def _placed(out: Layout, stem: str) -> dict[tuple[str, PartKey], SplitFile]:
-    """The parts of a split in its file, by shard and part key: those listed in its parts list being assembled;
-    or where a finalize stopped before meta.json (its files renamed, its parts list first), all."""
-    renamed = not out.assembly(stem)[2].exists() and out.parts(stem).exists()
+    """The parts of a split in its file, by shard and part key: those listed so far in its parts list being
+    assembled (none before it is begun; whole lines only, read_parts' "cut"); or where a finalize stopped before
+    meta.json (its files renamed, its parts list first), all."""
+    renamed = not out.assembly(stem)[2].exists()
+    listing = out.parts(stem) if renamed else out.assembly(stem)[2]
+    records = read_parts(listing, torn="refuse" if renamed else "cut") if listing.exists() else ()
     placed = {}
-    for part in parts_of(stem, read_parts(out.parts(stem))) if renamed else listed_parts(out, stem):
+    for part in parts_of(stem, records):
         paths = [path if path.is_file() else path.with_suffix("") for path in out.assembly(stem, part.group)[:2]]
         if part.tokens and paths[0].is_file():
             names = (str(path.relative_to(out.root)) for path in paths)

@@ -24,7 +24,7 @@ from tokpipe.inputs.manifest import Manifest
 from tokpipe.inputs.tokenizer import TokenizerInfo
 from tokpipe.layout.files import SKIPPED, Layout, LayoutWriter, split_file_stem
 from tokpipe.layout.meta import Delimiters, Meta, SplitEntry
-from tokpipe.layout.records import part_record, parts_line, read_parts, split_entry_of
+from tokpipe.layout.records import part_record, parts_line, read_parts, split_entry
 from tokpipe.layout.run import WriteSpec, output_splits, sources
 from tokpipe.layout.stored import part_name
 from tokpipe.write.assembly import Assembler
@@ -141,7 +141,7 @@ def finalize_stored(
             compose_split(assembly, stem)
         out.bucket.put(out.of_local(layout.parts(stem)), raw)
         layout.parts(stem).write_bytes(raw)  # skipped.json is made from it
-        splits[split] = split_entry_of(stem, raw, spec)
+        splits[split] = split_entry(stem, raw, spec)
     write_skip_log(out.work, splits)
     refuse_empty_splits(out.work, splits, spec.text_field)
     meta = meta_of(info, spec, splits, excluded, manifest)

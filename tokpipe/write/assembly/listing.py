@@ -65,7 +65,7 @@ class Listing:
             if s.moving is not None:
                 s.moving.end()
                 s.moving = None
-            entries[s.stem] = split_entry(s.stem, self.out.assembly(s.stem)[2], self.spec)
+            entries[s.stem] = split_entry(s.stem, self.out.assembly(s.stem)[2].read_bytes(), self.spec)
             self.out.finish_split(s.stem, assembled)
         fsync_dir(self.out.root)
         if self.spec.concat:
