@@ -155,8 +155,8 @@ def finalize_stored(
 def _parts_list(assembly: StoreAssembly, stem: str, excluded: frozenset[str]) -> bytes:
     """A split's parts list, as on disk: its sources' lines in order, from their checkpoints."""
     out, spec = assembly.out, assembly.spec
-    listed = [(shard, held) for shard, held in sources(assembly.manifest, stem, spec.val_fraction)]
-    listed = [(shard, held) for shard, held in listed if shard.relpath not in excluded]
+    walk = sources(assembly.manifest, stem, spec.val_fraction)
+    listed = [(shard, held) for shard, held in walk if shard.relpath not in excluded]
     lines = []
     for (shard, held), ckpt in zip(listed, assembly.checkpoints.of([shard for shard, _ in listed])):
         for group in ckpt.line_groups(held):

@@ -109,8 +109,8 @@ class HeldParts:
             return [counts for counts, _ in found], {counts.key: where for counts, where in found}
         if (shard.split, shard.key) not in self.kept:
             return [], {}
-        ckpt, where = kept(self.out, shard, self.dtype)
-        return ckpt.source_parts(held), where
+        parts, files = stored_checkpoint(self.out, shard).source_parts(held), ShardFiles.of(self.out.work, shard)
+        return parts, {p.key: Kept(self.out, *map(self.out.of_local, files.part(p.key)), self.dtype) for p in parts}
 
 
 @dataclass
@@ -181,7 +181,7 @@ class StoreAssembly:
     committed: set[tuple] = field(default_factory=set)  # Entry.key of every part in a committed segment
     made: dict[tuple, list[Segment]] = field(default_factory=dict)  # (stem, group) -> its committed segments
     # relpath -> (shard, checkpoint, its parts not yet in a committed segment): checkpointed once there are none
-    waiting: dict[str, tuple[Shard, Checkpoint, set]] = field(default_factory=dict)
+    waiting: dict[str, tuple[Shard, Checkpoint, set, object]] = field(default_factory=dict)
     results: dict[str, list] = field(default_factory=dict)  # relpath -> [ckpt, buffered, sources not walked, shard]
     placed_tokens: int = 0  # in segments committed by this run (the run's phases say them)
 
@@ -360,13 +360,6 @@ def upload_closed(out: StoredOut, planned: ClosedSegment) -> int:
 def stored_checkpoint(out: StoredOut, shard: Shard) -> Checkpoint:
     """A done shard's checkpoint on the store."""
     return Checkpoint.parse(json.loads(out.bucket.get(out.checkpoint(shard))[0]))
-
-
-def kept(out: StoredOut, shard: Shard, dtype: str) -> tuple[Checkpoint, dict]:
-    """A shard `keep` kept: its checkpoint, and where each of its parts is (segments.Kept)."""
-    ckpt = stored_checkpoint(out, shard)
-    files = ShardFiles.of(out.work, shard)
-    return ckpt, {p.key: Kept(out, *(out.of_local(f) for f in files.part(p.key)), dtype) for p in ckpt.parts}
 
 
 def keep(out: StoredOut, shard: Shard, ckpt: Checkpoint, buffered: dict) -> None:
