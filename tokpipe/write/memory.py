@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 from tokpipe.inputs.encoders import drop_encoder, encoder
@@ -14,23 +15,21 @@ def resident_bytes() -> int:
     limit off. Not the shared pages: on Ray they include the object store's, which a worker maps and touches
     when it returns a shard's buffered parts, and which are not its to keep down."""
     try:
-        resident, shared = os.pread(_statm(), 128, 0).split()[1:3]
+        resident, shared = os.pread(_statm(os.getpid()), 128, 0).split()[1:3]
         return (int(resident) - int(shared)) * PAGE
     except OSError:
         return 0
 
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
-_opened: dict[int, int] = {}  # pid -> its /proc/self/statm, read again with pread
 
 
-def _statm() -> int:
-    """This process's statm, opened once (a fork opens its own: /proc/self is the opener's): opening it for each
-    look was 5-7% of a worker's time on 20,000 two-document shards (py-spy; 11 us against 2 us a look here)."""
-    pid = os.getpid()
-    if pid not in _opened:
-        _opened[pid] = os.open("/proc/self/statm", os.O_RDONLY)
-    return _opened[pid]
+@functools.cache
+def _statm(pid: int) -> int:
+    """This process's statm, opened once a `pid` and read again with pread (a fork opens its own: /proc/self is the
+    opener's): opening it for each look was 5-7% of a worker's time on 20,000 two-document shards (py-spy; 11 us
+    against 2 us a look here)."""
+    return os.open("/proc/self/statm", os.O_RDONLY)
 
 
 class MemoryGuard:
@@ -79,12 +78,7 @@ class MemoryGuard:
         return max(left - BATCH_HEADROOM if bounded else left // 3, BATCH_HEADROOM)
 
 
-_guards: dict[tuple[int, str, str], MemoryGuard] = {}
-
-
+@functools.cache
 def memory_guard(limit: int, backend: str, tokenizer_json: str) -> MemoryGuard:
     """The process's guard for that encoder and limit (shard.EncodeSpec's memory_limit, backend, tokenizer)."""
-    key = (limit, backend, tokenizer_json)
-    if key not in _guards:
-        _guards[key] = MemoryGuard(*key)
-    return _guards[key]
+    return MemoryGuard(limit, backend, tokenizer_json)

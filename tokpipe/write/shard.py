@@ -339,19 +339,15 @@ class ShardWriter:
                 raise ValueError(
                     f"{self.shard.relpath}: the encoder produced id {int(flat.max())} >= vocab_size {spec.vocab_size}"
                 )
-            if key not in self.parts:
-                self.parts[key] = self._group_writer(key)
+            if key not in self.parts:  # a group the shard meets for the first time; refused past MAX_GROUPS values
+                values = {group for _, group in self.parts} | {key[1]}
+                if len(values) > MAX_GROUPS:
+                    raise too_many_groups(spec.group_by, f"shard {self.shard.relpath} alone", values, MAX_GROUPS)
+                self.parts[key] = self._writer(PartCounts(*key))
             tokens += self.parts[key].append(flat, lengths, spec)
             if key[1] is not None:  # a group's texts' bytes: meta's per group
                 self.parts[key].text_bytes += sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
         return tokens
-
-    def _group_writer(self, key: PartKey) -> PartWriter:
-        """The part of a group the shard meets for the first time; refused past MAX_GROUPS values."""
-        values = {group for _, group in self.parts} | {key[1]}
-        if len(values) > MAX_GROUPS:
-            raise too_many_groups(self.spec.group_by, f"shard {self.shard.relpath} alone", values, MAX_GROUPS)
-        return self._writer(PartCounts(*key))
 
     def _count(self, batch: TextBatch) -> int:
         """A batch's lines, skips and parts into the checkpoint; returns the bytes of the shard file it read."""
