@@ -411,8 +411,7 @@ def load_meta_pkl(path: str | os.PathLike) -> dict:
     """meta.pkl without executing anything it may contain: plain containers and scalars only. FileNotFoundError
     before the run finished; a file cut short, garbled or hostile is `damaged`."""
     path = Path(path)
-    with open(path, "rb") as f:
-        raw = f.read()
+    raw = path.read_bytes()
     try:
         meta = _PlainUnpickler(io.BytesIO(raw)).load()
         if not isinstance(meta, dict):

@@ -15,7 +15,7 @@ from meta.pkl, the trainers' file (`finished_meta`), or from meta.json (`load_me
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tokpipe.errors import UserError
@@ -144,7 +144,7 @@ class SplitEntry:
             return [held for value, g in self.groups.items() for held in g.holding(by_group.get(value, []))]
         if self.concat:
             return [(self.files[0], parts)]
-        return [(f, [part.at_start()]) for f, part in zip(self.files, parts)]
+        return [(f, [replace(part, token_offset=0, doc_offset=0)]) for f, part in zip(self.files, parts)]
 
 
 # The keys of meta after the first three (which every tokpipe wrote) and its splits: an earlier tokpipe's meta may

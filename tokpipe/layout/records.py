@@ -7,7 +7,7 @@ import hashlib
 import io
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -65,10 +65,6 @@ class Part:
     @property
     def documents(self) -> int:
         return self.record["documents"]
-
-    def at_start(self) -> Part:
-        """The part alone in a file of its own (--no-concat): from the file's first token."""
-        return replace(self, token_offset=0, doc_offset=0)
 
     @property
     def token_end(self) -> int:
