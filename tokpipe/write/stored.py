@@ -182,7 +182,7 @@ class StoreAssembly:
     made: dict[tuple, list[Segment]] = field(default_factory=dict)  # (stem, group) -> its committed segments
     # relpath -> (shard, checkpoint, its parts not yet in a committed segment): checkpointed once there are none
     waiting: dict[str, tuple[Shard, Checkpoint, set, object]] = field(default_factory=dict)
-    results: dict[str, list] = field(default_factory=dict)  # relpath -> [ckpt, buffered, sources not walked, shard]
+    results: dict[str, list] = field(default_factory=dict)  # relpath -> [ckpt, buffered, sources not walked]
     placed_tokens: int = 0  # in segments committed by this run (the run's phases say them)
 
     def __post_init__(self):
@@ -245,7 +245,7 @@ class StoreAssembly:
         left = {(shard.relpath, *part.key) for part in ckpt.parts} - self.committed
         self.waiting[shard.relpath] = (shard, ckpt, left, buffered)
         held_too = self.spec.val_fraction > 0 and shard.split == "train"  # its held-out part is a source of val
-        self.results[shard.relpath] = [ckpt, buffered, 1 + held_too, shard]
+        self.results[shard.relpath] = [ckpt, buffered, 1 + held_too]
         self._checkpoint([shard.relpath])
 
     def ready(self, excluded: frozenset[str] = frozenset()) -> list[ClosedSegment]:
@@ -276,7 +276,7 @@ class StoreAssembly:
         turn has not come, and parts in a segment still gathering, which closes later and would be sent to the node
         of a lost shard's tokens (a Placer made there waits ~14 s for Ray's GCS to find the node dead)."""
         gathering = [step.buffered for segment in self.segments.open.values() for step in segment.sources]
-        return [buffered for _, buffered, _, _ in self.results.values()] + gathering
+        return [buffered for _, buffered, _ in self.results.values()] + gathering
 
     def unplaced(self) -> list[tuple[Shard, Checkpoint, object]]:
         """Done shards with a part in no committed segment (a shard before them failed, or their segment still

@@ -76,9 +76,8 @@ class Groups:
 
     def meet_shard(self, shard: Shard, ckpt: Checkpoint) -> None:
         """The groups of a done shard's parts, met by the split each goes to."""
-        for part in ckpt.parts:
-            if part.group is not None:
-                self.meet("val" if part.held else split_file_stem(shard.split), [part.group])
+        for split, part in ckpt.group_parts(shard.split):
+            self.meet(split_file_stem(split), [part.group])
 
     def meet(self, stem: str, groups) -> None:
         """Refuse a split that has more groups than MAX_GROUPS, as soon as its done shards show it."""
