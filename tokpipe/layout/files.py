@@ -332,10 +332,8 @@ class LayoutWriter(Layout):
     def holds_tokens(self) -> bool:
         """Whether OUT holds anything made under its recorded identity: then a rerun with other inputs is
         refused for good. Before that, the split files a run opened are empty and no shard has a file."""
-        for path in self._made():
-            if not path.is_dir() and ("shards" == path.relative_to(self.root).parts[0] or path.stat().st_size):
-                return True
-        return False
+        made = (path for path in self._made() if not path.is_dir())
+        return any("shards" == path.relative_to(self.root).parts[0] or path.stat().st_size for path in made)
 
     def start_over(self) -> None:
         """Remove the empty files and folders a refused run opened (OUT holds no token)."""

@@ -164,7 +164,7 @@ class Segment:
     documents: int
 
     def record(self) -> bytes:
-        return orjson.dumps({**asdict(self), "entries": [asdict(e) for e in self.entries]})
+        return orjson.dumps(asdict(self))
 
     @classmethod
     def parse(cls, raw: bytes) -> Segment:
