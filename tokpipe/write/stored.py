@@ -180,7 +180,7 @@ class StoreAssembly:
     lease: Lease | None = None  # the run's hold on OUT (store/lease.py): checked before each checkpoint and meta
     committed: set[tuple] = field(default_factory=set)  # Entry.key of every part in a committed segment
     made: dict[tuple, list[Segment]] = field(default_factory=dict)  # (stem, group) -> its committed segments
-    # relpath -> (shard, checkpoint, its parts not yet in a committed segment): checkpointed once there are none
+    # relpath -> (shard, checkpoint, its parts in no committed segment yet, buffered): checkpointed once none are
     waiting: dict[str, tuple[Shard, Checkpoint, set, object]] = field(default_factory=dict)
     results: dict[str, list] = field(default_factory=dict)  # relpath -> [ckpt, buffered, sources not walked]
     placed_tokens: int = 0  # in segments committed by this run (the run's phases say them)

@@ -116,8 +116,6 @@ class Moving:
 
     def end(self) -> None:
         """Remove the sources: every part taken from them is listed in the split file. Each parts list first."""
-        if not self:
-            return
         for n in self.numbers:
             self.out.moving_source(self.stem, n)[2].unlink()
             fsync_dir(self.out.moving_source(self.stem, n)[2].parent)
