@@ -178,12 +178,6 @@ class PartWriter:
         hashes = (self.bin_hash.hexdigest(), self.idx_hash.hexdigest()) if done else (None, None)
         return PartCounts(*self.key, self.tokens, self.documents, self.text_bytes, *hashes)
 
-    def sync(self) -> None:
-        if self.buffered is None:
-            for f in (self.bin, self.idx):
-                f.flush()
-                os.fsync(f.fileno())
-
     def close(self) -> None:
         if self.buffered is None:
             self.bin.close()
@@ -372,8 +366,9 @@ class ShardWriter:
         """The parts' bytes fsynced, then the checkpoint that covers them (a buffering shard's is the runner's to
         write, once its parts are placed)."""
         if not self.buffering:  # a buffering shard's files (an OUT on a store's large parts) need no fsync
-            for part in self.parts.values():
-                part.sync()
+            for f in (f for part in self.parts.values() for f in (part.bin, part.idx)):
+                f.flush()
+                os.fsync(f.fileno())
         ckpt = self.ckpt
         ckpt.skipped, ckpt.repaired, ckpt.done = dict(self.skipped), dict(self.repaired), done
         ckpt.seconds = round(self.seconds_before + time.monotonic() - self.began, 3)
