@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -209,23 +210,18 @@ def tokenize_shard(
     With OUT on a store they stay in memory but past spec.buffer_bytes its large parts, which go to files of this
     node's (Spilled); a stopped shard is begun again: nothing of it is kept."""
     started = time.monotonic()
-    if on_store(out):  # OUT on a store (layout/stored.py): the runner's to upload and checkpoint
-        return _attempt(ShardWriter(shard, None, Checkpoint(), spec), on_batch, stop, started)
-    files = ShardFiles.of(out, shard)
-    with shard_lock(files):  # its folder made where it is not
-        ckpt = Checkpoint() if again else Checkpoint.load(files.checkpoint) or Checkpoint()
+    # None: OUT on a store (layout/stored.py), the runner's to upload and checkpoint: no lock, no checkpoint
+    files = None if on_store(out) else ShardFiles.of(out, shard)
+    with nullcontext() if files is None else shard_lock(files):  # its folder made where it is not
+        ckpt = Checkpoint() if again or files is None else Checkpoint.load(files.checkpoint) or Checkpoint()
         if ckpt.done:
             return ShardResult(shard.split, shard.key, ckpt, ckpt.tokens, 0, time.monotonic() - started)
-        return _attempt(ShardWriter(shard, files, ckpt, spec), on_batch, stop, started)
-
-
-def _attempt(writer: ShardWriter, on_batch, stop, started: float) -> ShardResult:
-    """The writer run to the shard's end (or a stop), closed whatever happens; its result."""
-    try:
-        writer.run(on_batch, stop)
-    finally:
-        writer.close()
-    return writer.result(time.monotonic() - started)
+        writer = ShardWriter(shard, files, ckpt, spec)
+        try:
+            writer.run(on_batch, stop)
+        finally:
+            writer.close()
+        return writer.result(time.monotonic() - started)
 
 
 def keep(out: str | os.PathLike, shard: Shard, ckpt: Checkpoint, buffered: dict[PartKey, Buffered]) -> None:
