@@ -184,9 +184,9 @@ class ClosedSegment:
 
 @dataclass
 class _Open:
-    """A file's segment being gathered: its parts' names, entries and sources, and its bytes of tokens."""
+    """A file's segment being gathered: its first part's name (the segment's), parts' entries, sources, token bytes."""
 
-    names: list[str] = field(default_factory=list)
+    first: str
     entries: list[Entry] = field(default_factory=list)
     sources: list = field(default_factory=list)
     nbytes: int = 0
@@ -204,8 +204,7 @@ class Gatherer:
     def add(self, stem: str, name: str, entry: Entry, source) -> list[ClosedSegment]:
         """A part, the next of its file (stem, entry.group): `name` its part name, `source` where its tokens are."""
         file = (stem, entry.group)
-        segment = self.open.setdefault(file, _Open())
-        segment.names.append(name)
+        segment = self.open.setdefault(file, _Open(name))
         segment.entries.append(entry)
         segment.sources.append(source)
         segment.nbytes += entry.tokens * self.itemsize
@@ -220,6 +219,6 @@ class Gatherer:
     def _close(self, file: tuple[str, str | None]) -> ClosedSegment:
         segment = self.open.pop(file)
         stem, group = file
-        name = self.out.name(self.out.segment(stem, group, segment.names[0]))
+        name = self.out.name(self.out.segment(stem, group, segment.first))
         tokens, documents = sum(e.tokens for e in segment.entries), sum(e.documents for e in segment.entries)
         return ClosedSegment(Segment(stem, group, name, segment.entries, tokens, documents), segment.sources)
