@@ -131,7 +131,7 @@ def test_a_parts_list_gives_each_part_its_offsets_and_meta_its_sums(tmp_path):
     assert raw.count(b"\n") == 3
     (tmp_path / "val.parts").write_bytes(raw)
     assert list(read_parts(tmp_path / "val.parts")) == records
-    parts = parts_of("val", read_parts(raw))
+    parts = list(parts_of("val", read_parts(raw)))
     assert [(p.seq, p.token_offset, p.doc_offset, p.token_end, p.doc_end) for p in parts] == [
         (0, 0, 0, 10, 2),
         (1, 10, 2, 14, 3),

@@ -137,15 +137,14 @@ def read_parts(source: Path | bytes, sha256: str | None = None, torn: str = "ref
         raise damaged(path, ValueError("its sha256 is not the one meta records"), fix)
 
 
-def parts_of(stem: str, records: Iterable[dict]) -> list[Part]:
-    """The parts a parts list's records (read_parts) list, at the offsets their order gives them in their file
-    (the split's, or their group's)."""
-    parts, offsets = [], {}
+def parts_of(stem: str, records: Iterable[dict]) -> Iterator[Part]:
+    """The parts a parts list's records (read_parts) list, one at a time, at the offsets their order gives them in
+    their file (the split's, or their group's)."""
+    offsets = {}
     for seq, record in enumerate(records):
         tokens, documents = offsets.get(record.get("group"), (0, 0))
-        parts.append(Part(stem, seq, tokens, documents, record))
+        yield Part(stem, seq, tokens, documents, record)
         offsets[record.get("group")] = (tokens + record["tokens"], documents + record["documents"])
-    return parts
 
 
 def split_entry(stem: str, raw: bytes, spec: WriteSpec) -> SplitEntry:

@@ -120,7 +120,7 @@ def _parts(out: Path, split: str, entry: SplitEntry, check) -> list[Part] | None
     same = hashlib.sha256(raw).hexdigest() == entry.parts_sha256
     if not check(f"{split}: parts list sha256 matches meta", same, "" if same else f"{path} changed since finalize"):
         return None
-    parts = parts_of(split, read_parts(raw))
+    parts = list(parts_of(split, read_parts(raw)))
     t, d = sum(p.tokens for p in parts), sum(p.documents for p in parts)
     check(
         f"{split}: parts add up to meta",

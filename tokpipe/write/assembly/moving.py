@@ -25,12 +25,12 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokpipe.durability import copy_file, fsync_dir
 from tokpipe.layout.files import Layout, PartKey
-from tokpipe.layout.records import read_parts, record_key
+from tokpipe.layout.records import Part, parts_of, read_parts, record_key
 
 
 def _order(relpath: str, group: str | None) -> tuple:
@@ -40,19 +40,14 @@ def _order(relpath: str, group: str | None) -> tuple:
 
 @dataclass
 class _Source:
-    """One source's parts list, read as far as `record`, the next part, at `offsets` of its file."""
+    """One source's parts (records.parts_of: at their offsets in its files), read as far as `part`, the next one."""
 
     n: int
-    records: Iterator[dict]
-    record: dict | None = None
-    offsets: dict[str | None, tuple[int, int]] = field(default_factory=dict)  # group -> tokens, documents
+    parts: Iterator[Part]
+    part: Part | None = None
 
     def advance(self) -> None:
-        if self.record is not None:
-            group = self.record.get("group")
-            tokens, documents = self.offsets.get(group, (0, 0))
-            self.offsets[group] = (tokens + self.record["tokens"], documents + self.record["documents"])
-        self.record = next(self.records, None)
+        self.part = next(self.parts, None)
 
 
 class Moving:
@@ -64,7 +59,7 @@ class Moving:
         self.sources = [self._open(n) for n in self.numbers]
 
     def _open(self, n: int) -> _Source:
-        source = _Source(n, read_parts(self.out.moving_source(self.stem, n)[2], torn="stop"))
+        source = _Source(n, parts_of(self.stem, read_parts(self.out.moving_source(self.stem, n)[2], torn="stop")))
         source.advance()
         return source
 
@@ -100,19 +95,19 @@ class Moving:
         found, group = None, key[1]
         at = _order(relpath, group)
         for source in self.sources:
-            while source.record is not None and _order(source.record["shard"], source.record.get("group")) < at:
+            while source.part is not None and _order(source.part.name, source.part.group) < at:
                 source.advance()
-            record = source.record
-            if record is not None and (record["shard"], record_key(record)) == (relpath, key):
+            part = source.part
+            if part is not None and (part.name, record_key(part.record)) == (relpath, key):
                 bin_path, idx_path, _ = self.out.moving_source(self.stem, source.n, group)
-                found = (str(bin_path), str(idx_path), *source.offsets.get(group, (0, 0)))
+                found = (str(bin_path), str(idx_path), part.token_offset, part.doc_offset)
                 source.advance()
         return found
 
     @property
     def exhausted(self) -> bool:
         """Whether every source's parts were passed: none is taken from them any more."""
-        return all(source.record is None for source in self.sources)
+        return all(source.part is None for source in self.sources)
 
     def end(self) -> None:
         """Remove the sources: every part taken from them is listed in the split file. Each parts list first."""
