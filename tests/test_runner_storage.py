@@ -29,6 +29,7 @@ from helpers import (
     open_uploads,
     out_files,
     plain_copy_of_example,
+    reference_tokenizer,
     reference_tokens,
     repeated_example,
     repeated_reference,
@@ -317,50 +318,56 @@ def test_a_run_on_ray_into_a_store_is_the_reference(
     _assert_finished_as(s3_server, s3_prefix, small_reference)
 
 
-def _mixed(tmp_path: Path, copies: list[int]) -> tuple[Path, np.ndarray]:
-    """A manifest of train shards of these many copies each of the example's first train shard (4: 6 MiB of tokens,
-    a large part; 1: 1.5 MiB, a small one), and its train.bin's reference."""
+def _mixed(tmp_path: Path, copies: list[int], tokenizer: Path) -> tuple[Path, np.ndarray]:
+    """A manifest of train shards of these many copies each of the example's first train shard (with the 600-id
+    tokenizer, 4: 5.6 MiB of tokens, a large part; 1: 1.4 MiB, a small one; with Qwen3, 6.0 and 1.5), and its
+    train.bin's reference."""
     data = tmp_path / "mixed" / "train"
     data.mkdir(parents=True)
     for n, count in enumerate(copies):
         (data / f"part-{n:02d}.jsonl.zst").write_bytes(EXAMPLE_TRAIN_FILES[0].read_bytes() * count)
     write_manifest(build_manifest(data.parent), tmp_path / "m.json")
-    reference = reference_tokens(EXAMPLE_TRAIN_FILES[:1], QWEN3 / "tokenizer.json", QWEN3_EOS)
+    json_path = tokenizer / "tokenizer.json"
+    eos = reference_tokenizer(json_path).token_to_id("<|endoftext|>")
+    reference = reference_tokens(EXAMPLE_TRAIN_FILES[:1], json_path, eos, np.uint16)
     return tmp_path / "m.json", np.tile(reference, sum(copies))
 
 
 @pytest.mark.parametrize("buffer", [[], ["--shard-buffer", "1"]], ids=["in memory", "past the shard buffer"])
 def test_large_parts_are_uploaded_where_they_are_and_the_file_keeps_split_order(
-    s3_server, s3_prefix, tmp_path, buffer, ray_address
+    s3_server, s3_prefix, tmp_path, buffer, ray_address, small_tokenizer
 ):
-    # Shards of 4 copies of the example's first train shard (6 MiB of tokens: a segment of its own, uploaded by the
-    # node that tokenized it) and of 1 (1.5 MiB: gathered with the next parts): segments [0], [1, 2, 3], [4], [5],
+    # Shards of 4 copies of the example's first train shard (5.6 MiB of tokens: a segment of its own, uploaded by the
+    # node that tokenized it) and of 1 (1.4 MiB: gathered with the next parts): segments [0], [1, 2, 3], [4], [5],
     # uploaded at once, in any order, composed in the order of their first parts (test_write_segments.py). Past
     # the shard buffer, the large parts wait in files of their node's (write/shard.py Spilled), removed once up.
-    manifest, reference = _mixed(tmp_path, [4, 1, 1, 4, 4, 1])
+    manifest, reference = _mixed(tmp_path, [4, 1, 1, 4, 4, 1], small_tokenizer)
     url = s3_server.url(s3_prefix)
-    run = tokpipe(*run_args(manifest, url, "--ray-only", "--workers", "2", *buffer), ray=ray_address)
+    args = run_args(manifest, url, "--ray-only", "--workers", "2", *buffer, tokenizer=small_tokenizer)
+    run = tokpipe(*args, ray=ray_address)
     assert run.returncode == 0, run.stdout + run.stderr
     assert not StoredOut.of(url).work.exists()  # spilled files included
     _assert_split(stored_objects(s3_server, s3_prefix), "train", reference)
     assert open_uploads(s3_server, s3_prefix) == []
 
 
-def test_a_segment_not_committed_before_one_that_is_is_made_again_with_the_same_parts(s3_server, s3_prefix, tmp_path):
+def test_a_segment_not_committed_before_one_that_is_is_made_again_with_the_same_parts(
+    s3_server, s3_prefix, tmp_path, small_tokenizer
+):
     # What a kill leaves when uploads commit out of order, made exactly: a run killed as it finalizes (every segment
     # committed, every shard checkpointed), then the second of train.bin's four segments and its shards' checkpoints
     # removed, as if its upload had not finished while the third's had. The rerun tokenizes those shards again and
     # gathers their parts from the same first part into the same segment.
-    manifest, reference = _mixed(tmp_path, [4, 1, 1, 4, 4, 1])
+    manifest, reference = _mixed(tmp_path, [4, 1, 1, 4, 4, 1], small_tokenizer)
     url = s3_server.url(s3_prefix)
-    killed = store_out_run(manifest, url, kill=("tokpipe.write.finalize.compose_split", 1))
+    killed = store_out_run(manifest, url, kill=("tokpipe.write.finalize.compose_split", 1), tokenizer=small_tokenizer)
     assert killed.returncode == -9, killed.stdout + killed.stderr
     left = stored_objects(s3_server, s3_prefix)
     segments = sorted(n for n in left if n.startswith("segments/") and n.endswith(".bin"))
     assert segments == [f"segments/train/train__part-{n:02d}.bin" for n in (0, 1, 4, 5)]
     s3_server.client().delete_object(Bucket=s3_server.bucket, Key=f"{s3_prefix}/segments/train/train__part-01.bin")
     forget_stored_checkpoints(s3_server, s3_prefix, [f"shards/train/train__part-{n:02d}.json" for n in (1, 2, 3)])
-    rerun = store_out_run(manifest, url)
+    rerun = store_out_run(manifest, url, tokenizer=small_tokenizer)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert "6 shards, 5.2 MiB; 3 done, 0 partial, 3 to start" in rerun.stdout
     _assert_split(stored_objects(s3_server, s3_prefix), "train", reference)
@@ -368,13 +375,13 @@ def test_a_segment_not_committed_before_one_that_is_is_made_again_with_the_same_
 
 
 def test_a_ray_run_killed_while_segments_upload_at_once_then_the_same_command_is_the_reference(
-    s3_server, s3_prefix, tmp_path, ray_address
+    s3_server, s3_prefix, tmp_path, ray_address, small_tokenizer
 ):
     # Segments commit in any order on Ray (four uploads at a time): a kill -9 of the whole run once one is committed
     # may leave later ones committed and earlier ones not, and large parts in files of the node (--shard-buffer 1).
-    manifest, reference = _mixed(tmp_path, [4, 1, 1, 4, 4, 1, 4, 1, 4])
+    manifest, reference = _mixed(tmp_path, [4, 1, 1, 4, 4, 1, 4, 1, 4], small_tokenizer)
     url, args = s3_server.url(s3_prefix), ("--ray-only", "--workers", "2", "--shard-buffer", "1")
-    run = start(manifest, url, *args, logs=tmp_path, ray=ray_address)
+    run = start(manifest, url, *args, logs=tmp_path, ray=ray_address, tokenizer=small_tokenizer)
 
     def committed() -> bool:  # two of its five segments (listed only: a live run removes objects)
         listed = s3_server.client().list_objects_v2(Bucket=s3_server.bucket, Prefix=f"{s3_prefix}/segments/")
@@ -383,7 +390,7 @@ def test_a_ray_run_killed_while_segments_upload_at_once_then_the_same_command_is
     wait_for(lambda: committed() or run.poll() is not None)
     kill_9(run)
     assert run.returncode == -signal.SIGKILL, run.log.read_text()  # killed while it ran, not after it finished
-    rerun = tokpipe(*run_args(manifest, url, *args), ray=ray_address)
+    rerun = tokpipe(*run_args(manifest, url, *args, tokenizer=small_tokenizer), ray=ray_address)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     objects = stored_objects(s3_server, s3_prefix)
     _assert_split(objects, "train", reference)
