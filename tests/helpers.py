@@ -1324,11 +1324,15 @@ def repeated_example(dest: Path, copies: int) -> Path:
     return dest
 
 
-def repeated_reference(copies: int) -> dict[str, np.ndarray]:
-    """The reference tokens of repeated_example(dest, copies), per split file stem."""
-    tokenizer = QWEN3 / "tokenizer.json"
-    train = reference_tokens(EXAMPLE_TRAIN_FILES[:1], tokenizer, QWEN3_EOS)
-    return {"train": np.tile(train, copies), "val": reference_tokens(EXAMPLE_HOLDOUT_FILES, tokenizer, QWEN3_EOS)}
+def repeated_reference(copies: int, tokenizer: Path = QWEN3) -> dict[str, np.ndarray]:
+    """The reference tokens of repeated_example(dest, copies), per split file stem, with this tokenizer (a folder),
+    in the dtype a run writes them in."""
+    json_path = tokenizer / "tokenizer.json"
+    reference = reference_tokenizer(json_path)
+    eos = reference.token_to_id("<|endoftext|>")
+    dtype = np.uint16 if reference.get_vocab_size(with_added_tokens=True) <= 1 << 16 else np.uint32
+    train = reference_tokens(EXAMPLE_TRAIN_FILES[:1], json_path, eos, dtype)
+    return {"train": np.tile(train, copies), "val": reference_tokens(EXAMPLE_HOLDOUT_FILES, json_path, eos, dtype)}
 
 
 def stored_objects(server: S3Server, prefix: str) -> dict[str, bytes]:

@@ -49,7 +49,7 @@ from tokpipe.store import Bucket, Lease, Url
 # What a finished run leaves on the store, besides its checkpoints (shards/) and logs (logs/).
 FINISHED = {"run.json", "manifest.json", "meta.pkl", "meta.json"}
 FINISHED |= {f"{stem}.{suffix}" for stem in ("train", "val") for suffix in ("bin", "idx", "parts")}
-COPIES = 9  # of the example's first train shard: 14.2 MB of tokens, train.bin of 3 segments (4 shards, 4, 1)
+COPIES = 9  # of the example's first train shard: 13.3 MB of tokens (600 ids), train.bin of 3 segments (4, 4, 1)
 
 
 def _ends(tokens: np.ndarray, eos: int = QWEN3_EOS) -> np.ndarray:
@@ -107,11 +107,12 @@ def test_a_run_into_a_store_is_the_reference_and_leaves_no_segment_and_no_open_u
 
 
 @pytest.fixture
-def repeated(tmp_path) -> tuple[Path, dict[str, np.ndarray]]:
-    """A manifest of COPIES copies of the example's first train shard and its validation shard, and its reference."""
+def repeated(tmp_path, small_tokenizer) -> tuple[Path, dict[str, np.ndarray]]:
+    """A manifest of COPIES copies of the example's first train shard and its validation shard, and its reference
+    with the 600-id tokenizer (the runs' subject is the store, not Qwen3, whose load cost each process ~1.3 CPU-s)."""
     path = tmp_path / "repeated.json"
     write_manifest(build_manifest(repeated_example(tmp_path / "data", COPIES)), path)
-    return path, repeated_reference(COPIES)
+    return path, repeated_reference(COPIES, small_tokenizer)
 
 
 # Every moment of a run into a store that a kill -9 lands at, in the order a run comes to them: each the n-th call of a
@@ -229,12 +230,14 @@ def test_an_append_to_an_unfinished_out_on_a_store_is_refused_in_one_line(s3_ser
     )
 
 
-def test_the_store_killed_mid_upload_and_started_again_is_waited_for(s3_server, s3_prefix, repeated):
+def test_the_store_killed_mid_upload_and_started_again_is_waited_for(s3_server, s3_prefix, repeated, small_tokenizer):
     manifest, reference = repeated
     url = s3_server.url(s3_prefix)
     # At the second segment's .bin (its .json and .idx sent): the server killed, then started again on its data;
     # the PUT is retried with backoff (botocore's standard mode) until it answers.
-    run = store_out_run(manifest, url, kill=("tokpipe.write.stored.put_buffers", 2), server=s3_server)
+    run = store_out_run(
+        manifest, url, kill=("tokpipe.write.stored.put_buffers", 2), server=s3_server, tokenizer=small_tokenizer
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     _assert_finished_as(s3_server, s3_prefix, reference)
 
@@ -399,7 +402,7 @@ def test_a_ray_run_killed_while_segments_upload_at_once_then_the_same_command_is
 
 
 def test_a_placer_killed_inside_an_upload_leaves_no_open_upload_and_the_bytes_are_the_reference(
-    s3_server, s3_prefix, repeated, tmp_path
+    s3_server, s3_prefix, repeated, tmp_path, small_tokenizer
 ):
     # The Placer is killed as it completes its first multipart upload (segments past 1 MiB are): the call fails, the
     # segment goes to a new Placer, and the upload the first one left open is aborted before the run finishes.
@@ -412,7 +415,7 @@ def test_a_placer_killed_inside_an_upload_leaves_no_open_upload_and_the_bytes_ar
         "TOKPIPE_TESTS_KILL_WORKER_AT": f"tokpipe.store.upload.Upload.finish:1:{marker}",
     }
     url = s3_server.url(s3_prefix)
-    run = tokpipe(*run_args(manifest, url, "--ray-only", "--workers", "2"), env=env)
+    run = tokpipe(*run_args(manifest, url, "--ray-only", "--workers", "2", tokenizer=small_tokenizer), env=env)
     assert run.returncode == 0, run.stdout + run.stderr
     assert marker.exists()  # the Placer was killed
     objects = stored_objects(s3_server, s3_prefix)
