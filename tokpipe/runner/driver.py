@@ -211,9 +211,10 @@ def _tokenize(run: _Run, assembler, plan: Standing) -> Tally:
     handover = run.handover
     handover.seconds = _core_seconds(run.manifest.size - plan.done_bytes, plan.shards - plan.done)
     backend = _choose_backend(run)
-    # On a cluster the driver tokenizes nothing, and the node check's probes would start a worker process of their
-    # own on each node beside the loads, to which the shard tasks then went, their encoders not loaded (measured: 8
-    # worker processes for a run of --workers 2 on two nodes of one CPU, ~0.9 CPU-s each, against 5 unwarmed).
+    # On a cluster (where the driver tokenizes nothing) the encoders load once the node check is done: sent while its
+    # probes ran, each probe started a worker process of its own beside the loads, and the shard tasks went to it,
+    # its encoder not loaded (measured: 8 worker processes for a run of --workers 2 on two nodes of one CPU, ~0.6
+    # CPU-s each to start, against 6). Sent after, a load takes the probe's worker.
     if not run.cluster.address:
         run.cluster.warm(backend, run.info.path)
     itemsize = np.dtype(run.info.dtype).itemsize
@@ -277,6 +278,7 @@ def _tokenize_on_ray(run: _Run, backend: str, assembler, progress: Progress, tal
     watch, check = NodeWatch(), None
     if run.cluster.address:  # every node sees the shards, the tokenizer and OUT, or the run stops here
         check = check_nodes(run.manifest, run.info, run.out, run.log, watch)
+        run.cluster.warm(backend, run.info.path)  # after the check: _tokenize says why
     spec = encode_spec(run.opts, run.info, backend, shape.read_ahead, run.out.spill)
     progress.workers = run.clock.workers = shape.workers
     copies = placing(run.out, assembler, shape.nodes, check, run.log)
