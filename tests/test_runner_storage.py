@@ -29,7 +29,6 @@ from helpers import (
     open_uploads,
     out_files,
     plain_copy_of_example,
-    reference_tokenizer,
     reference_tokens,
     repeated_example,
     repeated_reference,
@@ -330,10 +329,7 @@ def _mixed(tmp_path: Path, copies: list[int], tokenizer: Path) -> tuple[Path, np
     for n, count in enumerate(copies):
         (data / f"part-{n:02d}.jsonl.zst").write_bytes(EXAMPLE_TRAIN_FILES[0].read_bytes() * count)
     write_manifest(build_manifest(data.parent), tmp_path / "m.json")
-    json_path = tokenizer / "tokenizer.json"
-    eos = reference_tokenizer(json_path).token_to_id("<|endoftext|>")
-    reference = reference_tokens(EXAMPLE_TRAIN_FILES[:1], json_path, eos, np.uint16)
-    return tmp_path / "m.json", np.tile(reference, sum(copies))
+    return tmp_path / "m.json", repeated_reference(sum(copies), tokenizer)["train"]  # the same shard, as many times
 
 
 @pytest.mark.parametrize("buffer", [[], ["--shard-buffer", "1"]], ids=["in memory", "past the shard buffer"])
