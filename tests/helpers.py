@@ -516,6 +516,23 @@ if "TOKPIPE_TESTS_LOSE_NODE_AT" in os.environ:
         finally:
             os.close(fd)
     at_call(target, 1, lambda: lose_node(session), nth_on_node)
+# The node to lose sure to begin a shard: left to Ray, the node that stays took all 6 shards in a CI run under load,
+# and the node was never lost. A node that stays (TOKPIPE_TESTS_WAIT_WHILE=file) holds each of its worker processes'
+# first shard while the file is there (60 s at most); the node to lose (TOKPIPE_TESTS_OPEN=file) removes it as it
+# begins its own first shard: a wrapper made after the loss's, so it runs before it.
+ENCODE = "tokpipe.write.shard.ShardWriter._encode"
+if "TOKPIPE_TESTS_WAIT_WHILE" in os.environ:
+    import time
+    def wait_for_the_other(shut=os.environ["TOKPIPE_TESTS_WAIT_WHILE"]):
+        deadline = time.monotonic() + 60
+        while os.path.exists(shut) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    at_call(ENCODE, 1, wait_for_the_other)
+if "TOKPIPE_TESTS_OPEN" in os.environ:
+    def open_the_gate(shut=os.environ["TOKPIPE_TESTS_OPEN"]):
+        if os.path.exists(shut):
+            os.remove(shut)
+    at_call(ENCODE, 1, open_the_gate)
 """
 )
 # A Ray worker killed (SIGKILL) at the n-th call of a function of tokpipe's in it, once in the run (a marker file
@@ -613,6 +630,7 @@ class RayNodes:
         # on that. A check's timeout stays 10 s, so a node busy on a loaded machine is never taken for lost.
         self.env |= {"RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "3"}
         self.site = tmp_path / "lose-node-site"
+        self.gate = Path(self.temp) / "shut"  # LOSE_NODE_SITE's: there while the nodes that wait for it wait
         self.sessions: list[int] = []
 
     def __enter__(self) -> RayNodes:
@@ -622,15 +640,24 @@ class RayNodes:
         self._start([*head, "--include-dashboard", "false", "--temp-dir", self.temp, "--disable-usage-stats"])
         return self
 
-    def add(self, node_id: str, ip: str, lose_at: str | None = None, blind: Path | None = None) -> int:
+    def add(self, node_id: str, ip: str, lose_at: str | None = None, blind: Path | None = None, gate: str = "") -> int:
         """A node of one CPU at `ip` (127.0.0.2, ...) with this id (56 hex digits), up and joined; `lose_at`
         (module.function:n) loses it there (LOSE_NODE_SITE); `blind`, a folder it cannot see: a tmpfs over it, in a
-        mount namespace of its own (a folder of the same name on the node's own disk). Returns its session."""
+        mount namespace of its own (a folder of the same name on the node's own disk); `gate` "waits": its workers'
+        first shards wait while the gate is shut (`shut`), "opens": its first shard opens it. Returns its session."""
         env = {"RAY_OVERRIDE_NODE_ID_FOR_TESTING": node_id}
         if lose_at:
-            env |= {"TOKPIPE_TESTS_LOSE_NODE_AT": lose_at, "PYTHONPATH": str(self.site)}
+            env["TOKPIPE_TESTS_LOSE_NODE_AT"] = lose_at
+        if gate:
+            env[{"waits": "TOKPIPE_TESTS_WAIT_WHILE", "opens": "TOKPIPE_TESTS_OPEN"}[gate]] = str(self.gate)
+        if lose_at or gate:
+            env["PYTHONPATH"] = str(self.site)
         node = ["--address", self.address, "--node-ip-address", ip, "--num-cpus", "1", "--disable-usage-stats"]
         return self._start([*node, "--object-store-memory", str(128 << 20), "--block"], env, blind)
+
+    def shut(self) -> None:
+        """Shut the gate: until a node that opens it begins a shard, the nodes that wait for it begin none."""
+        self.gate.touch()
 
     def lose(self, session: int) -> None:
         """A node lost as a machine is: every process of its session killed (SIGKILL)."""

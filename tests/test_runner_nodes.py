@@ -206,11 +206,15 @@ def test_on_a_store_a_node_that_shares_no_file_system_is_lost_mid_run_and_the_by
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
     lose = {"TOKPIPE_TESTS_LOSE_NODE_AT": "tokpipe.write.shard.ShardWriter._encode:3", "PYTHONPATH": f"{temp}/site"}
+    # The head begins no shard before the second node has begun one (LOSE_NODE_SITE's gate): left to Ray, the head
+    # once took all 25 and the node was never lost.
+    lose["TOKPIPE_TESTS_OPEN"] = gate = f"{temp}/shut"
+    waits = {"TOKPIPE_TESTS_WAIT_WHILE": gate, "PYTHONPATH": f"{temp}/site"}
     address = f"127.0.0.1:{random.randint(*RAY_HEAD_PORTS)}"
     run = second = None
     sessions = []
     try:
-        _start_head(address, temp, env, 1, sessions)
+        _start_head(address, temp, {**env, **waits}, 1, sessions)
         inner = (
             f"mount -t tmpfs none {tmp_path} && exec {ray} start --address {address} --node-ip-address 127.0.0.2"
             " --num-cpus 1 --block"
@@ -228,8 +232,10 @@ def test_on_a_store_a_node_that_shares_no_file_system_is_lost_mid_run_and_the_by
         assert any("Ray runtime started" in line for line in second.stdout), "the second node did not start"
         # --ray-only: every shard on the nodes' workers, none in the driver, which could leave the second node few.
         args = ("--workers", "2", "--ray-only")
+        Path(gate).touch()
         run = start(tmp_path / "m.json", url, *args, ray=address, tokenizer=tmp_path / "tok", logs=tmp_path)
         assert run.wait(timeout=600) == 0, run.log.read_text()
+        assert not Path(gate).exists()  # the second node began a shard
         objects = stored_objects(s3_server, f"{s3_prefix}/out")
         terminal = run.log.read_text()
         said = terminal + objects["logs/run.log"].decode()  # the latter: which node assembled what

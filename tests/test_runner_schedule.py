@@ -203,14 +203,16 @@ def test_a_node_lost_at_any_moment_costs_its_shards_never_the_run(dataset, tmp_p
         )
         assert not session_processes(first)
         # A node that stays joins; the same command resumes and finishes.
-        cluster.add("b1" * 28, "127.0.0.3")
+        cluster.add("b1" * 28, "127.0.0.3", gate="waits")
         resumed = tokpipe(*args)
         assert resumed.returncode == 0, resumed.stdout + resumed.stderr
         assert_out_is(out, expected)
 
         for n, (moment, (where, target)) in enumerate(NODE_LOST.items()):
             node_id = f"c{n}" * 28
-            session = cluster.add(node_id, "127.0.0.2", lose_at=f"{target}:1" if where == "node" else None)
+            # The node that stays begins no shard before this one has begun one: each moment is one of its shards'.
+            session = cluster.add(node_id, "127.0.0.2", f"{target}:1" if where == "node" else None, gate="opens")
+            cluster.shut()
             out = tmp_path / f"out-{n}"
             args = run_args(manifest, out, "--address", cluster.address, *ON_THE_NODES, tokenizer=small_tokenizer)
             if where == "node":
@@ -218,6 +220,7 @@ def test_a_node_lost_at_any_moment_costs_its_shards_never_the_run(dataset, tmp_p
             else:
                 run = lost_node_run(target, 1, node_id if where.endswith("tokens") else "", session, *args)
             assert run.returncode == 0, f"{moment}: {run.stdout}{run.stderr}"
+            assert not cluster.gate.exists(), moment  # the node began a shard
             left = session_processes(session)
             assert not left, f"{moment}: {[_cmdline(pid) for pid in left]}\n{run.stderr}"  # lost there
             # (The node of the moment before may be said lost too: Ray's GCS finds it dead 14-17 s after.)
