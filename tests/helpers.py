@@ -403,7 +403,7 @@ def start(manifest, out, *extra, ray: str | None = None, tokenizer=QWEN3, logs: 
 
 # What every kill at a point in the code shares (KILLED_RUN, LOSE_NODE_SITE, LOST_NODE_RUN, STORE_OUT_RUN):
 # at_call(target, n, effect, counts) wraps module.function or module.Class.method so that the n-th of its calls that
-# `counts(args)` runs `effect()` first.
+# `counts(args)` (n=0: every one) runs `effect()` first.
 _AT_CALL = """
 import importlib, os, signal
 
@@ -418,7 +418,7 @@ def at_call(target, call, effect, counts=lambda args: True):
     def at_it(*args, **kw):
         if counts(args):
             calls.append(1)
-            if len(calls) == call:
+            if call in (0, len(calls)):
                 effect()
         return original(*args, **kw)
     setattr(owner, attr, at_it)
@@ -502,7 +502,11 @@ for _ in range(100):
 LOSE_NODE_SITE = (
     _LOSE_NODE
     + """
-if "TOKPIPE_TESTS_LOSE_NODE_AT" in os.environ:
+import sys
+# In the node's Ray workers only, where tokpipe runs: `ray start` and its agents would import it for nothing (~0.3
+# CPU-s each, four a node).
+WORKER = sys.argv[0].endswith("default_worker.py")
+if WORKER and "TOKPIPE_TESTS_LOSE_NODE_AT" in os.environ:
     target, call = os.environ["TOKPIPE_TESTS_LOSE_NODE_AT"].rsplit(":", 1)
     session = os.getsid(0)
     # The n-th call on the node, in whichever of its processes: a byte appended to a file of the node's for each, the
@@ -516,19 +520,22 @@ if "TOKPIPE_TESTS_LOSE_NODE_AT" in os.environ:
         finally:
             os.close(fd)
     at_call(target, 1, lambda: lose_node(session), nth_on_node)
-# The node to lose sure to begin a shard: left to Ray, the node that stays took all 6 shards in a CI run under load,
-# and the node was never lost. A node that stays (TOKPIPE_TESTS_WAIT_WHILE=file) holds each of its worker processes'
-# first shard while the file is there (60 s at most); the node to lose (TOKPIPE_TESTS_OPEN=file) removes it as it
-# begins its own first shard: a wrapper made after the loss's, so it runs before it.
+# A gate, for what must happen while shards wait (a node joins, another is lost) and for which node begins first:
+# a node that waits (TOKPIPE_TESTS_WAIT_WHILE=file) holds every encode while the file is there (120 s at most), and
+# says so once (file.held); a node that opens it (TOKPIPE_TESTS_OPEN=file) removes the file as it begins its first
+# shard, in a wrapper made after the loss's, so it runs before it. (Left to Ray, the node to lose ran no shard in a CI
+# run under load, the node that stays all 6, and was never lost.)
 ENCODE = "tokpipe.write.shard.ShardWriter._encode"
-if "TOKPIPE_TESTS_WAIT_WHILE" in os.environ:
+if WORKER and "TOKPIPE_TESTS_WAIT_WHILE" in os.environ:
     import time
-    def wait_for_the_other(shut=os.environ["TOKPIPE_TESTS_WAIT_WHILE"]):
-        deadline = time.monotonic() + 60
+    def wait_at_the_gate(shut=os.environ["TOKPIPE_TESTS_WAIT_WHILE"]):
+        if os.path.exists(shut):
+            open(shut + ".held", "a").close()
+        deadline = time.monotonic() + 120
         while os.path.exists(shut) and time.monotonic() < deadline:
             time.sleep(0.05)
-    at_call(ENCODE, 1, wait_for_the_other)
-if "TOKPIPE_TESTS_OPEN" in os.environ:
+    at_call(ENCODE, 0, wait_at_the_gate)
+if WORKER and "TOKPIPE_TESTS_OPEN" in os.environ:
     def open_the_gate(shut=os.environ["TOKPIPE_TESTS_OPEN"]):
         if os.path.exists(shut):
             os.remove(shut)
@@ -542,7 +549,10 @@ if "TOKPIPE_TESTS_OPEN" in os.environ:
 KILL_WORKER_SITE = (
     _AT_CALL
     + """
-if "TOKPIPE_TESTS_KILL_WORKER_AT" in os.environ:
+import sys
+# The run (python -m) and its Ray workers: not the daemons of the Ray it embeds, which would import tokpipe for nothing.
+ours = sys.argv[0] == "-m" or sys.argv[0].endswith("default_worker.py")
+if ours and "TOKPIPE_TESTS_KILL_WORKER_AT" in os.environ:
     import tokpipe.store.upload
     tokpipe.store.upload.WHOLE_PUT_BYTES = 1 << 20
     target, call, marker = os.environ["TOKPIPE_TESTS_KILL_WORKER_AT"].split(":")
@@ -643,8 +653,8 @@ class RayNodes:
     def add(self, node_id: str, ip: str, lose_at: str | None = None, blind: Path | None = None, gate: str = "") -> int:
         """A node of one CPU at `ip` (127.0.0.2, ...) with this id (56 hex digits), up and joined; `lose_at`
         (module.function:n) loses it there (LOSE_NODE_SITE); `blind`, a folder it cannot see: a tmpfs over it, in a
-        mount namespace of its own (a folder of the same name on the node's own disk); `gate` "waits": its workers'
-        first shards wait while the gate is shut (`shut`), "opens": its first shard opens it. Returns its session."""
+        mount namespace of its own (a folder of the same name on the node's own disk); `gate` "waits": its shards
+        wait while the gate is shut (`shut_gate`), "opens": its first shard opens it. Returns its session."""
         env = {"RAY_OVERRIDE_NODE_ID_FOR_TESTING": node_id}
         if lose_at:
             env["TOKPIPE_TESTS_LOSE_NODE_AT"] = lose_at
@@ -655,9 +665,17 @@ class RayNodes:
         node = ["--address", self.address, "--node-ip-address", ip, "--num-cpus", "1", "--disable-usage-stats"]
         return self._start([*node, "--object-store-memory", str(128 << 20), "--block"], env, blind)
 
-    def shut(self) -> None:
-        """Shut the gate: until a node that opens it begins a shard, the nodes that wait for it begin none."""
+    def shut_gate(self) -> None:
+        """Until the gate opens (a node that opens it begins a shard, or `open_gate`), the nodes that wait hold."""
+        Path(f"{self.gate}.held").unlink(missing_ok=True)
         self.gate.touch()
+
+    def open_gate(self) -> None:
+        self.gate.unlink()
+
+    def held(self) -> bool:
+        """Whether a node's shard has waited at the gate (so the run is past its node check)."""
+        return Path(f"{self.gate}.held").exists()
 
     def lose(self, session: int) -> None:
         """A node lost as a machine is: every process of its session killed (SIGKILL)."""

@@ -212,7 +212,7 @@ def test_a_node_lost_at_any_moment_costs_its_shards_never_the_run(dataset, tmp_p
             node_id = f"c{n}" * 28
             # The node that stays begins no shard before this one has begun one: each moment is one of its shards'.
             session = cluster.add(node_id, "127.0.0.2", f"{target}:1" if where == "node" else None, gate="opens")
-            cluster.shut()
+            cluster.shut_gate()
             out = tmp_path / f"out-{n}"
             args = run_args(manifest, out, "--address", cluster.address, *ON_THE_NODES, tokenizer=small_tokenizer)
             if where == "node":
@@ -249,11 +249,13 @@ def _cmdline(pid: int) -> str:
 def test_the_run_follows_the_cluster_as_nodes_join_fail_their_check_and_are_lost_and_replaced(
     dataset, tmp_path, small_tokenizer, small_reference
 ):
-    # Sixteen copies of the example, OUT in a folder a blind node cannot see, on one node of 1 CPU (a head with
-    # none): --workers 2 runs 1 until a second node joins, once a shard is checkpointed; a node that joins with a
-    # tmpfs over OUT's parent is named in one line and gets no shard; the first node lost leaves 1 worker, and its
-    # replacement brings the run back to 2, as an autoscaler replaces a lost spot node.
-    copies = 16
+    # Four copies of the example, OUT in a folder a blind node cannot see, on one node of 1 CPU (a head with none):
+    # --workers 2 runs 1 until a second node joins; a node that joins with a tmpfs over OUT's parent is named in one
+    # line and gets no shard; the first node lost leaves 1 worker, and its replacement brings the run back to 2, as an
+    # autoscaler replaces a lost spot node. Every node's shards wait at the gate (RayNodes) until the last has joined:
+    # each step happens while shards run, whatever the machine's load (the reference encoder's slowness did it once,
+    # at 53 CPU-s), and each node that joins is the one free CPU when it gets its first task.
+    copies = 4
     for split in ("train", "validation"):
         for n in range(2, copies + 1):
             shutil.copytree(dataset / split / "chunk1", dataset / split / f"chunk{n}")
@@ -262,16 +264,20 @@ def test_the_run_follows_the_cluster_as_nodes_join_fail_their_check_and_are_lost
     node_local.mkdir()
     out = node_local / "out"
     with RayNodes(tmp_path) as cluster:
-        first = cluster.add("a0" * 28, "127.0.0.2")
-        args = run_args(manifest, out, "--address", cluster.address, *ON_THE_NODES, *HF, tokenizer=small_tokenizer)
+        first = cluster.add("a0" * 28, "127.0.0.2", gate="waits")
+        cluster.shut_gate()
+        args = run_args(manifest, out, "--address", cluster.address, *ON_THE_NODES, tokenizer=small_tokenizer)
         run = launch(["-m", "tokpipe.cli", *args], tmp_path)
-        wait_for(lambda: (out / "shards").is_dir() and any((out / "shards").rglob("*.json")), run=run)
-        cluster.add("cd" * 28, "127.0.0.4", blind=node_local)
-        cluster.add("b1" * 28, "127.0.0.3")
+        wait_for(cluster.held, run=run)  # a shard waits: the run is past its node check
+        cluster.add("cd" * 28, "127.0.0.4", blind=node_local, gate="waits")
+        wait_for(lambda: f"({'cd' * 28}) cannot see OUT" in output(run), run=run)
+        cluster.add("b1" * 28, "127.0.0.3", gate="waits")
         wait_for(lambda: "(b1b1b1b1) joined" in output(run), run=run)
         cluster.lose(first)
         wait_for(lambda: "(a0a0a0a0) lost" in output(run), run=run)
-        cluster.add("e2" * 28, "127.0.0.5")
+        cluster.add("e2" * 28, "127.0.0.5", gate="waits")
+        wait_for(lambda: "(e2e2e2e2) joined" in output(run), run=run)
+        cluster.open_gate()
         assert run.wait(timeout=300) == 0, output(run)
     said = output(run).splitlines()
     assert "--workers 2 is more than the 1 CPUs of the cluster: running 1" in said
