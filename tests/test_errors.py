@@ -93,15 +93,27 @@ def _threads(pid: int) -> list[str]:
     return names
 
 
+# The CLI, made to start its embedded Ray at once (a run of under 25 s of one core's work ends before Ray would pay:
+# runner/driver.py _ray_pays), as a longer run does.
+RAY_AT_ONCE = """
+import sys
+import tokpipe.runner.driver as driver
+from tokpipe import cli
+
+driver.MEASURED = driver.RAY_PAYS = driver.RAY_START_CPU = 0
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
 def test_while_ray_starts_and_the_driver_tokenizes(tmp_path, small_tokenizer, small_reference, ray_address):
     """The moment Ray's C++ side printed its failure-signal handler's stack at (`*** SIGTERM received at ...`,
     `PC: @ ...`, twice): Ray's core worker is up in the driver (its `worker.io` thread runs), Ray has not
-    taken over from the driver yet. The example sixty times over (symlinks to its files) keeps the driver
-    tokenizing with the reference encoder well past it, and its rate after 3 s projects work enough for Ray's start
-    to pay (runner/driver.py RAY_START_CPU): twenty times over, 17 s on one quiet core, did not, Ray's start adding a
-    fifth to it (three times over, the driver had finished under load from other tests: Ray's start took 9 s)."""
+    taken over from the driver yet. The driver starts Ray at once (RAY_AT_ONCE: otherwise only sixty copies of the
+    example on the reference encoder were work enough, ~23 CPU-s with the rerun), and sixteen copies (symlinks to
+    its files) keep it tokenizing with the reference encoder well past Ray's start (~13 s on a quiet core, where
+    Ray's start took 9 s under load from other tests)."""
     data = tmp_path / "data"
-    copies = 60
+    copies = 16
     train = [data / f"train/copy{i}/part{k}.jsonl.zst" for i in range(copies) for k in range(len(EXAMPLE_TRAIN_FILES))]
     val = [
         data / f"validation/copy{i}/part{k}.jsonl.zst" for i in range(copies) for k in range(len(EXAMPLE_HOLDOUT_FILES))
@@ -111,7 +123,7 @@ def test_while_ray_starts_and_the_driver_tokenizes(tmp_path, small_tokenizer, sm
         link.symlink_to(target)
     manifest, out = tmp_path / "m.json", tmp_path / "out"
     write_manifest(build_manifest(data, allow_outside=True), manifest)
-    proc = start(run_args(manifest, out, small_tokenizer, *SLOW))
+    proc = start(run_args(manifest, out, small_tokenizer, *SLOW), prefix=("-c", RAY_AT_ONCE))
     wait_for(lambda: "worker.io" in _threads(proc.pid), 180, run=proc)
     processes = descendants(proc.pid)
     proc.send_signal(signal.SIGTERM)

@@ -191,7 +191,7 @@ def test_on_a_store_a_node_that_shares_no_file_system_is_lost_mid_run_and_the_by
 ):
     # The corpus and OUT on the store; the manifest and the tokenizer in tmp_path, which the second node does not
     # see (a tmpfs over it in its mount namespace): the store is all the two nodes share, but the code.
-    copies = 24  # 38 MB of tokens: 25 shards, on both nodes, gathered by four into segments
+    copies = 8  # 13 MB of tokens: 9 shards, gathered by four into segments (S3's 5 MiB parts)
     corpus = s3_server.upload(repeated_example(tmp_path / "data", copies), f"{s3_prefix}/data")
     assert tokpipe("manifest", "--dataset-dir", corpus, "-o", tmp_path / "m.json").returncode == 0
     shutil.copytree(QWEN3, tmp_path / "tok")
