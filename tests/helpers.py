@@ -522,17 +522,22 @@ if WORKER and "TOKPIPE_TESTS_LOSE_NODE_AT" in os.environ:
     at_call(target, 1, lambda: lose_node(session), nth_on_node)
 # A gate, for what must happen while shards wait (a node joins, another is lost) and for which node begins first:
 # a node that waits (TOKPIPE_TESTS_WAIT_WHILE=file) holds every encode while the file is there (120 s at most), and
-# says so once (file.held); a node that opens it (TOKPIPE_TESTS_OPEN=file) removes the file as it begins its first
+# says so (file.held); a node that opens it (TOKPIPE_TESTS_OPEN=file) removes the file as it begins its first
 # shard, in a wrapper made after the loss's, so it runs before it. (Left to Ray, the node to lose ran no shard in a CI
 # run under load, the node that stays all 6, and was never lost.)
 ENCODE = "tokpipe.write.shard.ShardWriter._encode"
 if WORKER and "TOKPIPE_TESTS_WAIT_WHILE" in os.environ:
     import time
+    gave_up = []  # a process that waited 120 s for a gate that never opened waits no more: 120 s lost, not a hang
     def wait_at_the_gate(shut=os.environ["TOKPIPE_TESTS_WAIT_WHILE"]):
-        if os.path.exists(shut):
-            open(shut + ".held", "a").close()
+        if gave_up or not os.path.exists(shut):
+            return
+        open(shut + ".held", "a").close()
         deadline = time.monotonic() + 120
-        while os.path.exists(shut) and time.monotonic() < deadline:
+        while os.path.exists(shut):
+            if time.monotonic() > deadline:
+                gave_up.append(True)
+                return
             time.sleep(0.05)
     at_call(ENCODE, 0, wait_at_the_gate)
 if WORKER and "TOKPIPE_TESTS_OPEN" in os.environ:
