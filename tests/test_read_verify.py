@@ -272,12 +272,14 @@ def test_every_check_and_a_sample_hold_where_out_is_in_a_folder_or_on_a_store(fi
     assert f"ok    train: parts list present  ({finished_either}/train.parts)" in lines
 
 
-def test_a_token_changed_on_the_store_fails_the_checksum_read_by_ranged_gets(s3_server, s3_prefix, manifest):
+def test_a_token_changed_on_the_store_fails_the_checksum_read_by_ranged_gets(
+    s3_server, s3_prefix, manifest, small_tokenizer
+):
     url = s3_server.url(s3_prefix)
-    run = store_out_run(manifest, url)
+    run = store_out_run(manifest, url, tokenizer=small_tokenizer)
     assert run.returncode == 0, run.stdout + run.stderr
     key = f"{s3_prefix}/train.bin"
-    tokens = np.frombuffer(s3_server.client().get_object(Bucket=s3_server.bucket, Key=key)["Body"].read(), "<u4")
+    tokens = np.frombuffer(s3_server.client().get_object(Bucket=s3_server.bucket, Key=key)["Body"].read(), "<u2")
     tokens = tokens.copy()
     tokens[[100, 101]] = tokens[[101, 100]]
     s3_server.put(key, tokens.tobytes())

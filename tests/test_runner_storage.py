@@ -19,7 +19,6 @@ from helpers import (
     EXAMPLE_TRAIN_FILES,
     GROUP_FIELD,
     KILL_WORKER_SITE,
-    QWEN3,
     QWEN3_EOS,
     checkpoint_names,
     cli,
@@ -29,6 +28,7 @@ from helpers import (
     open_uploads,
     out_files,
     plain_copy_of_example,
+    reference_tokenizer,
     reference_tokens,
     repeated_example,
     repeated_reference,
@@ -198,30 +198,32 @@ APPEND_KILLED_AT = {
 
 @pytest.mark.parametrize("moment", APPEND_KILLED_AT)
 def test_an_append_killed_at_any_moment_then_the_same_command_is_one_run_over_all_shards(
-    s3_server, s3_prefix, tmp_path, example_reference, moment
+    s3_server, s3_prefix, tmp_path, small_tokenizer, small_reference, moment
 ):
     # The example less its first train shard, finished; then the manifest gains it (it sorts first: every finished
     # part of train.bin moves). Killed at a moment of the append, the same command ends at one run's bytes.
     before, after = _example_and_its_first_train_shard_added(tmp_path)
     url = s3_server.url(s3_prefix)
-    assert store_out_run(before, url).returncode == 0
+    assert store_out_run(before, url, tokenizer=small_tokenizer).returncode == 0
     after()
-    killed = store_out_run(tmp_path / "after.json", url, kill=APPEND_KILLED_AT[moment])
+    killed = store_out_run(tmp_path / "after.json", url, kill=APPEND_KILLED_AT[moment], tokenizer=small_tokenizer)
     assert killed.returncode == -9, killed.stdout + killed.stderr
-    rerun = store_out_run(tmp_path / "after.json", url)
+    rerun = store_out_run(tmp_path / "after.json", url, tokenizer=small_tokenizer)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert re.search(r": 3 shards, .*; 2 done, 0 partial, 1 to start$", rerun.stdout, re.M), rerun.stdout
-    _assert_finished_as(s3_server, s3_prefix, example_reference)  # no source, no segment left
+    _assert_finished_as(s3_server, s3_prefix, small_reference)  # no source, no segment left
     assert tokpipe("verify", url).returncode == 0
 
 
-def test_an_append_to_an_unfinished_out_on_a_store_is_refused_in_one_line(s3_server, s3_prefix, tmp_path):
+def test_an_append_to_an_unfinished_out_on_a_store_is_refused_in_one_line(
+    s3_server, s3_prefix, tmp_path, small_tokenizer
+):
     before, after = _example_and_its_first_train_shard_added(tmp_path)
     url = s3_server.url(s3_prefix)
-    killed = store_out_run(before, url, kill=("tokpipe.write.finalize.compose_split", 1))
+    killed = store_out_run(before, url, kill=("tokpipe.write.finalize.compose_split", 1), tokenizer=small_tokenizer)
     assert killed.returncode == -9, killed.stdout + killed.stderr
     after()
-    refused = tokpipe(*run_args(tmp_path / "after.json", url))
+    refused = tokpipe(*run_args(tmp_path / "after.json", url, tokenizer=small_tokenizer))
     assert refused.returncode == 2
     assert refused.stderr == (
         f"tokpipe run: error: {url} holds an unfinished run of fewer shards: shards are appended to a finished OUT"
@@ -463,7 +465,7 @@ def test_skip_failed_through_the_store_leaves_the_failed_shard_out(
 
 
 def test_a_kill_9_while_a_failed_shard_s_neighbours_are_kept_then_the_fix_and_rerun_are_exact(
-    s3_server, s3_prefix, tmp_path
+    s3_server, s3_prefix, tmp_path, small_tokenizer
 ):
     # b fails; a (its segment still gathering), c and d are done: each is kept, its parts to its own keys, then its
     # checkpoint. Killed as the second is kept: a is kept, c and d not. Once b is fixed, the rerun takes a from its
@@ -476,7 +478,8 @@ def test_a_kill_9_while_a_failed_shard_s_neighbours_are_kept_then_the_fix_and_re
     shutil.copyfile(EXAMPLE_TRAIN_FILES[0], data / "d.jsonl.zst")
     write_manifest(build_manifest(data.parent), tmp_path / "m.json")
     url = s3_server.url(s3_prefix)
-    killed = store_out_run(tmp_path / "m.json", url, kill=("tokpipe.runner.storage.Prefix.keep_shard", 2))
+    kill = ("tokpipe.runner.storage.Prefix.keep_shard", 2)
+    killed = store_out_run(tmp_path / "m.json", url, kill=kill, tokenizer=small_tokenizer)
     assert killed.returncode == -9, killed.stdout + killed.stderr
     assert [n for n in stored_objects(s3_server, s3_prefix) if n.startswith("shards/")] == [
         "shards/train/train__a.bin",
@@ -484,11 +487,13 @@ def test_a_kill_9_while_a_failed_shard_s_neighbours_are_kept_then_the_fix_and_re
         "shards/train/train__a.json",
     ]
     write_jsonl(bad, [json.dumps({"text": "b, fixed"})])
-    rerun = store_out_run(tmp_path / "m.json", url)
+    rerun = store_out_run(tmp_path / "m.json", url, tokenizer=small_tokenizer)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert "4 shards, 1.1 MiB; 1 done, 0 partial, 3 to start" in rerun.stdout
     objects = stored_objects(s3_server, s3_prefix)
     files = [data / name for name in ("a.jsonl.zst", "b.jsonl", "c.jsonl.zst", "d.jsonl.zst")]
-    _assert_split(objects, "train", reference_tokens(files, QWEN3 / "tokenizer.json", QWEN3_EOS))
+    tokenizer = small_tokenizer / "tokenizer.json"
+    eos = reference_tokenizer(tokenizer).token_to_id("<|endoftext|>")
+    _assert_split(objects, "train", reference_tokens(files, tokenizer, eos, np.uint16))
     assert not [n for n in objects if n.startswith(("shards/", "segments/")) and n.endswith((".bin", ".idx"))]
     assert open_uploads(s3_server, s3_prefix) == []
