@@ -39,6 +39,7 @@ from helpers import (
     reference_texts,
     reference_tokenizer,
     reference_tokens,
+    session_processes,
     shard_workers,
     store_out_run,
     unguarded,
@@ -71,6 +72,7 @@ def _start_ray_holder() -> tuple[subprocess.Popen, str]:
         # per CPU for the first driver's job, the holder's, which runs no task: idle all session, they took ~1 CPU-s a
         # minute together (measured), ~9 CPU-s of each pytest process's session.
         env={**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_prestart_worker_first_driver": "0", SESSION_RAY_ENV: temp},
+        start_new_session=True,  # every process of its Ray in its session: found at the end, whoever adopted it
     )
     return holder, temp
 
@@ -139,9 +141,11 @@ def ray_cluster():
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """The session's Ray, if started, ends with the session: its holder and every process with its marker killed
+    """The session's Ray, if started, ends with the session: its holder and every process of its session killed
     (SIGKILL), again until none is left (a worker forked meanwhile); not ray.shutdown, which took ~5 s of each
-    xdist worker's end. So does its S3 server, killed (SIGKILL), its data removed."""
+    xdist worker's end. By session, not by the marker in their environment: Ray's agents write their titles over
+    theirs, and under xdist both outlived every suite (orphans, for ~6 minutes). So does its S3 server, killed
+    (SIGKILL), its data removed."""
     while _s3_servers:
         server = _s3_servers.pop()
         server.kill()
@@ -150,22 +154,8 @@ def pytest_sessionfinish(session, exitstatus):
         holder, temp = _ray_holder.pop()
         holder.kill()
         holder.wait()
-        kill_until_gone(functools.partial(_processes_of, temp))
+        kill_until_gone(functools.partial(session_processes, holder.pid))
         shutil.rmtree(temp, ignore_errors=True)
-
-
-def _processes_of(temp: str) -> list[int]:
-    """PIDs of the processes started with this session's Ray marker (SESSION_RAY_ENV=temp) still running."""
-    marker = f"{SESSION_RAY_ENV}={temp}\0".encode()
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if marker in (entry / "environ").read_bytes():
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
 
 
 @pytest.fixture
