@@ -632,6 +632,11 @@ def can_make_mount_namespaces() -> bool:
     return os.geteuid() == 0 and probe is not None and probe.returncode == 0
 
 
+def gate_env(gate: Path, role: str) -> dict[str, str]:
+    """The environment that puts a node at LOSE_NODE_SITE's gate (the file `gate`): its `role` "waits" or "opens"."""
+    return {{"waits": "TOKPIPE_TESTS_WAIT_WHILE", "opens": "TOKPIPE_TESTS_OPEN"}[role]: str(gate)}
+
+
 class RayNodes:
     """A Ray cluster of `ray start` nodes on this machine, each in a session of its own: a head with no CPUs (as
     large clusters run theirs), nodes added (`add`) and lost as a test needs; every process of it stopped at the
@@ -664,7 +669,7 @@ class RayNodes:
         if lose_at:
             env["TOKPIPE_TESTS_LOSE_NODE_AT"] = lose_at
         if gate:
-            env[{"waits": "TOKPIPE_TESTS_WAIT_WHILE", "opens": "TOKPIPE_TESTS_OPEN"}[gate]] = str(self.gate)
+            env |= gate_env(self.gate, gate)
         if lose_at or gate:
             env["PYTHONPATH"] = str(self.site)
         node = ["--address", self.address, "--node-ip-address", ip, "--num-cpus", "1", "--disable-usage-stats"]

@@ -27,6 +27,7 @@ from helpers import (
     RayNodes,
     can_make_mount_namespaces,
     checkpoints,
+    gate_env,
     kill_9,
     kill_until_gone,
     open_uploads,
@@ -208,8 +209,9 @@ def test_on_a_store_a_node_that_shares_no_file_system_is_lost_mid_run_and_the_by
     lose = {"TOKPIPE_TESTS_LOSE_NODE_AT": "tokpipe.write.shard.ShardWriter._encode:3", "PYTHONPATH": f"{temp}/site"}
     # The head begins no shard before the second node has begun one (LOSE_NODE_SITE's gate): left to Ray, the head
     # once took all 25 and the node was never lost.
-    lose["TOKPIPE_TESTS_OPEN"] = gate = f"{temp}/shut"
-    waits = {"TOKPIPE_TESTS_WAIT_WHILE": gate, "PYTHONPATH": f"{temp}/site"}
+    gate = Path(temp) / "shut"
+    lose |= gate_env(gate, "opens")
+    waits = gate_env(gate, "waits") | {"PYTHONPATH": f"{temp}/site"}
     address = f"127.0.0.1:{random.randint(*RAY_HEAD_PORTS)}"
     run = second = None
     sessions = []
@@ -232,10 +234,10 @@ def test_on_a_store_a_node_that_shares_no_file_system_is_lost_mid_run_and_the_by
         assert any("Ray runtime started" in line for line in second.stdout), "the second node did not start"
         # --ray-only: every shard on the nodes' workers, none in the driver, which could leave the second node few.
         args = ("--workers", "2", "--ray-only")
-        Path(gate).touch()
+        gate.touch()
         run = start(tmp_path / "m.json", url, *args, ray=address, tokenizer=tmp_path / "tok", logs=tmp_path)
         assert run.wait(timeout=600) == 0, run.log.read_text()
-        assert not Path(gate).exists()  # the second node began a shard
+        assert not gate.exists()  # the second node began a shard
         objects = stored_objects(s3_server, f"{s3_prefix}/out")
         terminal = run.log.read_text()
         said = terminal + objects["logs/run.log"].decode()  # the latter: which node assembled what
