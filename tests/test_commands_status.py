@@ -1,11 +1,14 @@
 """status: from files alone, the state of a finished, killed, running or failed run, and the command to run next."""
 
+import contextlib
 import fcntl
 import json
 import os
 import shlex
 import shutil
+import socket
 import time
+from pathlib import Path
 
 import pytest
 from helpers import (
@@ -28,6 +31,7 @@ from tokpipe.errors import UserError
 from tokpipe.fmt import duration
 from tokpipe.inputs.manifest import build_manifest, write_manifest
 from tokpipe.inputs.tokenizer import load_tokenizer_info
+from tokpipe.layout.stored import StoredOut, on_store, records_of
 from tokpipe.options import RunOptions
 from tokpipe.runner.identity import record_run, refusals_noted
 
@@ -89,30 +93,65 @@ def test_killed_run_shows_what_is_committed_and_the_resume_command(killed):
     assert args.tokenizer == str(QWEN3 / "tokenizer.json") and args.workers == 2 and args.checkpoint_interval == 1.0
 
 
-def test_live_run_shows_rate_and_eta(killed):
-    with open(killed / ".lock", "a+") as lock:  # what a live `tokpipe run` holds
+@pytest.fixture(params=["in a folder", "on a store"])
+def killed_either(request, killed) -> str:
+    """The killed run's OUT in a folder (the test's copy), or uploaded under a prefix of the session's S3 server."""
+    if request.param == "in a folder":
+        return str(killed)
+    server, prefix = request.getfixturevalue("s3_server"), request.getfixturevalue("s3_prefix")
+    request.addfinalizer(lambda: shutil.rmtree(records_of(server.url(prefix)), ignore_errors=True))
+    return server.upload(killed, prefix)
+
+
+@contextlib.contextmanager
+def held(out: str):
+    """OUT held as a live `tokpipe run` holds it: a folder's lock flock-ed, naming the run; a store's lease."""
+    if on_store(out):
+        with StoredOut.of(out).lease():
+            yield
+        return
+    with open(Path(out) / ".lock", "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         lock.write(f"pid {os.getpid()} on {os.uname().nodename}")
         lock.flush()
-        assert status(killed).state == "running" and status(killed).progress is None
-        assert "not tokenizing now: starting up, or stuck" in report(status(killed))
+        yield
+
+
+def test_a_live_run_shows_rate_and_eta(killed_either):
+    """A live run's progress is in its records, which for an OUT on a store are its driver's folder (records_of)."""
+    out = killed_either
+    with held(out):
+        assert status(out).state == "running" and status(out).progress is None
+        log = f"{records_of(out)}/logs/run.log"
+        assert f"not tokenizing now: starting up, or stuck (see {log})" in report(status(out))
         now = time.time()
         progress = {
             "pid": os.getpid(), "started_at": now - 125, "updated_at": now, "bytes_read": 100, "bytes_total": 300,
             "documents": 20, "tokens": 5000, "tokens_per_s": 1.5e6, "eta_s": 3725.0,
             "shards": {"total": 3, "done": 1, "running": 2, "failed": 0},
         }  # fmt: skip
-        (killed / "logs").mkdir(exist_ok=True)
-        (killed / "logs" / "progress.json").write_text(json.dumps(progress))
-        st = status(killed)
+        (records_of(out) / "logs").mkdir(parents=True, exist_ok=True)
+        (records_of(out) / "logs" / "progress.json").write_text(json.dumps(progress))
+        st = status(out)
         assert st.state == "running" and st.progress == progress
         text = report(st)
-        assert f"running (pid {os.getpid()} on" in text and "started 2m05s ago" in text
+        assert f"running (pid {os.getpid()} on {socket.gethostname()}), started 2m05s ago" in text
         assert "rate: 1.50M tokens/s; ETA 1h02m; 2 shards running" in text
-        assert st.next == f"nothing yet; check again with: tokpipe status {killed}"
-    # The run died: the kernel dropped its lock, its last progress report is history.
-    st = status(killed)
+        assert st.next == f"nothing yet; check again with: tokpipe status {out}"
+    # The run died: the kernel dropped its lock (or it ended its lease), its last progress report is history.
+    st = status(out)
     assert st.state == "stopped" and st.progress is None and st.next.startswith("tokpipe run ")
+
+
+def test_a_run_on_another_machine_holds_an_out_on_a_store_until_its_lease_ends(killed, s3_server, s3_prefix):
+    """Its lease says who holds OUT, and that it was renewed; its progress is on that machine, not on the store."""
+    out = s3_server.upload(killed, s3_prefix)
+    running = f"{out}: running (pid 4242 on node-7): its progress is kept on that machine, where status shows it"
+    stopped = f"{out}: stopped before finishing: no run holds it (killed or crashed)"
+    for renewed, said in ((time.time(), running), (time.time() - 66, stopped)):  # a lease of 60 s, 5 s of skew
+        lease = {"host": "node-7", "pid": 4242, "renewed": renewed, "seconds": 60.0}
+        s3_server.put(f"{s3_prefix}/.lock", json.dumps(lease).encode())
+        assert report(status(out)).splitlines()[0] == said
 
 
 def test_workers_left_over_from_a_killed_run_are_seen(killed):

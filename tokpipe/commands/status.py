@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import socket
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -24,10 +25,10 @@ from tokpipe.fmt import disk_line, duration, free_bytes
 from tokpipe.inputs.manifest import load_manifest
 from tokpipe.layout.checkpoints import Checkpoint, Checkpoints
 from tokpipe.layout.files import FAILED, PROGRESS, REFUSED, RUN_LOG, Layout
-from tokpipe.layout.locks import lock_holder, shard_locked
+from tokpipe.layout.locks import shard_locked
 from tokpipe.layout.meta import load_meta
 from tokpipe.layout.run import RunRecord, load_run
-from tokpipe.layout.stored import left_over, reader_out
+from tokpipe.layout.stored import held_by, left_over, on_store, reader_out, records_of
 
 # progress.json is rewritten every 2 s while shards run; older than this, the live run is doing
 # something else (starting Ray, finalizing) or is stuck.
@@ -106,7 +107,7 @@ def status(out: str | os.PathLike) -> RunStatus:
     manifest = load_manifest(folder.manifest)
     run = load_run(folder)
     meta = load_meta(folder)
-    holder = lock_holder(folder.lock_file)
+    holder = held_by(copy)
     warnings: list[str] = []
     # failed.json is the last finished attempt's verdict; a live run is retrying those shards.
     failures = {} if holder else _log(folder, FAILED, warnings) or {}
@@ -138,7 +139,8 @@ def status(out: str | os.PathLike) -> RunStatus:
             committed[0] += part.tokens
             committed[1] += part.documents
 
-    progress = _log(folder, PROGRESS, warnings)
+    # A live run's progress is in its records: on a store, in its driver's folder (this machine's, or none here).
+    progress = _log(Layout(records_of(out)) if holder else folder, PROGRESS, warnings)
     age = time.time() - progress["updated_at"] if progress else None
     fresh = progress is not None and age < PROGRESS_FRESH_S
     live = progress if holder is not None and fresh and holder.startswith(f"pid {progress['pid']} ") else None
@@ -176,36 +178,37 @@ def _log(folder: Layout, name: str, warnings: list[str]) -> dict | None:
         return None
 
 
+def _headline(st: RunStatus) -> str:
+    """Where the run stands, in a line."""
+    if st.state == "finished":
+        return f"{st.out}: finished"
+    if st.state == "running" and st.count("done") == len(st.shards):
+        return f"{st.out}: finalizing ({st.holder}): every shard is done, the split files are being written"
+    if st.state == "running" and st.progress:
+        return f"{st.out}: running ({st.holder}), started {duration(time.time() - st.progress['started_at'])} ago"
+    if st.state == "running" and on_store(st.out) and not st.holder.endswith(f" on {socket.gethostname()}"):
+        return f"{st.out}: running ({st.holder}): its progress is kept on that machine, where status shows it"
+    if st.state == "running":
+        log = Layout(records_of(st.out)).log(RUN_LOG)
+        return f"{st.out}: a run holds it ({st.holder}) but is not tokenizing now: starting up, or stuck (see {log})"
+    if st.refused:
+        return f"{st.out}: holds no token yet; the last run was refused: {st.refused}"
+    failed = st.count("failed")
+    why = f"{failed} shards failed in the last run" if failed else "no run holds it (killed or crashed)"
+    since = f"; last progress report {duration(st.last_report_age)} ago" if st.last_report_age is not None else ""
+    return f"{st.out}: stopped before finishing: {why}{since}"
+
+
 def report(st: RunStatus) -> str:
     size = sum(s.size for s in st.shards)
     read = sum(s.read for s in st.shards)
-    lines = []
-    if st.state == "finished":
-        lines.append(f"{st.out}: finished")
-        if st.left_over:
-            where, n = st.left_over
-            lines.append(
-                f"LEFT OVER: {n:,} objects under {where} that a finish killed after meta.json left (a second copy of"
-                " tokens, segments/ or kept parts): the run's command removes them"
-            )
-    elif st.state == "running" and st.count("done") == len(st.shards):
-        lines.append(f"{st.out}: finalizing ({st.holder}): every shard is done, the split files are being written")
-    elif st.state == "running" and st.progress:
+    lines = [_headline(st)]
+    if st.left_over:
+        where, n = st.left_over
         lines.append(
-            f"{st.out}: running ({st.holder}), started {duration(time.time() - st.progress['started_at'])} ago"
+            f"LEFT OVER: {n:,} objects under {where} that a finish killed after meta.json left (a second copy of"
+            " tokens, segments/ or kept parts): the run's command removes them"
         )
-    elif st.state == "running":
-        lines.append(
-            f"{st.out}: a run holds it ({st.holder}) but is not tokenizing now: starting up, or stuck (see its "
-            "logs/run.log)"
-        )
-    elif st.refused:
-        lines.append(f"{st.out}: holds no token yet; the last run was refused: {st.refused}")
-    else:
-        failed = st.count("failed")
-        why = f"{failed} shards failed in the last run" if failed else "no run holds it (killed or crashed)"
-        since = f"; last progress report {duration(st.last_report_age)} ago" if st.last_report_age is not None else ""
-        lines.append(f"{st.out}: stopped before finishing: {why}{since}")
     orphans = sum(s.writing for s in st.shards) if st.state == "stopped" else 0
     if orphans:
         lines.append(

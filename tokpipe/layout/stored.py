@@ -20,6 +20,7 @@ import os
 import secrets
 import shutil
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +28,9 @@ from pathlib import Path
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import Shard
 from tokpipe.layout.files import RECORD, Layout, PartKey, group_stem, out_folder, work_folder
+from tokpipe.layout.locks import lock_holder
 from tokpipe.layout.meta import Meta
-from tokpipe.store import MIN_PART, Bucket, Exists, Lease, StoreRefused, StoreUnavailable, Url, compose, is_url
+from tokpipe.store import MIN_PART, Bucket, Exists, Holder, Lease, StoreRefused, StoreUnavailable, Url, compose, is_url
 
 SEGMENTS = "segments"
 SOURCES = "sources"  # a finished OUT's split files as they were, while shards appended to it are assembled
@@ -240,6 +242,17 @@ def copy_records(copy: Path, names: list[str]) -> None:
 def stored_of(out: Path) -> StoredOut | None:
     """The store an OUT's token files are on, for a reader's copy of its records (reader_out); None for a folder."""
     return getattr(out, "stored", None)
+
+
+def held_by(out: Path) -> str | None:
+    """Who holds OUT, for a reader (reader_out): "pid N on HOST" of the run that holds it, or None. A folder's lock is
+    flock-ed (layout/locks.py); an OUT on a store's is a lease (store/lease.py), read from the copy: held until it
+    ends, or at once when its holder is a process of this machine that is gone."""
+    lock = Layout(out).lock_file
+    if stored_of(out) is None:
+        return lock_holder(lock)
+    found = Holder.read(lock.read_bytes()) if lock.is_file() else None
+    return str(found) if found is not None and not found.gone(time.time()) else None
 
 
 def shown(out: Path, name: str) -> str:

@@ -28,7 +28,7 @@ changed under a run does).
 """
 
 from tokpipe.store.bucket import MIN_PART, Bucket, Changed, Exists, Object, StoreRefused, StoreUnavailable, Url, is_url
-from tokpipe.store.lease import Lease
+from tokpipe.store.lease import Holder, Lease
 from tokpipe.store.reader import Reader, open_read
 from tokpipe.store.upload import Upload, compose, put_buffers
 
@@ -37,6 +37,7 @@ __all__ = [
     "Bucket",
     "Changed",
     "Exists",
+    "Holder",
     "Lease",
     "Object",
     "Reader",

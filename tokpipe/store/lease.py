@@ -37,6 +37,17 @@ class Holder:
     renewed: float  # unix time of the holder's last renewal, by its clock
     seconds: float  # the lease's length
 
+    @classmethod
+    def read(cls, raw: bytes) -> Holder | None:
+        """The holder OUT/.lock names; None where it is not a lease tokpipe wrote."""
+        try:
+            return cls(**json.loads(raw))
+        except (ValueError, TypeError):
+            return None
+
+    def __str__(self) -> str:
+        return f"pid {self.pid} on {self.host}"
+
     def gone(self, now: float) -> bool:
         """Whether the lease has ended: expired, or held by a process of this machine that no longer runs."""
         if now > self.renewed + self.seconds + SKEW:
@@ -78,16 +89,13 @@ class Lease:
             self.etag = self.bucket.put(self.key, self._record(), create=True)
             return
         raw, etag = found
-        try:
-            holder = Holder(**json.loads(raw))
-        except (ValueError, TypeError):
-            holder = None
+        holder = Holder.read(raw)
         if holder is not None and not holder.gone(time.time()):
             left = holder.renewed + holder.seconds + SKEW - time.time()
             raise UserError(
-                f"{self.bucket.where(self.key).removesuffix('/.lock')} is in use by another tokpipe run (pid"
-                f" {holder.pid} on {holder.host}); wait for it to finish or stop it (a run killed without a word frees"
-                f" it within {max(left, 0):.0f} s, when its lease ends)"
+                f"{self.bucket.where(self.key).removesuffix('/.lock')} is in use by another tokpipe run ({holder});"
+                f" wait for it to finish or stop it (a run killed without a word frees it within {max(left, 0):.0f} s,"
+                " when its lease ends)"
             )
         try:  # expired, gone, or not a lease tokpipe wrote: take it, unless another run takes it first
             self.etag = self.bucket.put(self.key, self._record(), if_match=etag)
