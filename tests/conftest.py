@@ -320,6 +320,21 @@ def manifest(dataset, tmp_path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def unfinished_stored(s3_server, tmp_path_factory, small_tokenizer) -> str:
+    """The URL of an OUT of the example (600-id tokenizer) on the session's S3 server as a run killed (SIGKILL) as its
+    finish began leaves it: every shard done and checkpointed, its tokens in segments, no split file, no meta. Readers
+    only."""
+    from tokpipe.inputs.manifest import build_manifest, write_manifest
+
+    manifest = tmp_path_factory.mktemp("unfinished-stored") / "example.json"
+    write_manifest(build_manifest(EXAMPLE_CACHE), manifest)
+    url = s3_server.url(f"unfinished-stored-{secrets.token_hex(3)}")
+    killed = store_out_run(manifest, url, kill=("tokpipe.write.finalize.compose_split", 1), tokenizer=small_tokenizer)
+    assert killed.returncode == -9, killed.stdout + killed.stderr
+    return url
+
+
+@pytest.fixture(scope="session")
 def finished_stored(s3_server, tmp_path_factory) -> str:
     """The URL of a finished OUT of the example on the session's S3 server (`tokpipe run --out s3://...`). Readers
     only: a test that changes it makes its own."""

@@ -162,3 +162,23 @@ def test_an_out_on_a_store_is_inspected_where_it_is(finished_stored):
         "train: 859,703 tokens, 293 documents of a finished run; uint32, vocab_size 151,669,"
         " EOS '<|endoftext|>' = 151643"
     )
+
+
+def test_an_unfinished_out_on_a_store_is_inspected_through_its_segments(unfinished_stored, small_reference):
+    """Killed as its finish began: its tokens are in segments, several parts a segment, each part read in its range."""
+    from tokpipe.commands.inspect import open_source
+
+    in_segments = {
+        "train": ["train__chunk1__example_train_0.bin@0", "train__chunk1__example_train_0.bin@738494"],
+        "val": ["validation__chunk1__example_holdout_0.bin@0"],
+    }
+    for stem, names in in_segments.items():
+        source = open_source(unfinished_stored, stem)
+        assert not source.finished and [f.name for f in source.files] == names
+        assert np.array_equal(np.concatenate([np.asarray(f.tokens) for f in source.files]), small_reference[stem])
+    result = cli("inspect", unfinished_stored, "-n", "1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines()[0] == (
+        "train: 1,647,004 tokens, 293 documents of an unfinished run (2 shards with committed tokens); uint16,"
+        " vocab_size 600, EOS '<|endoftext|>' = 0"
+    )

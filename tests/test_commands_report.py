@@ -290,3 +290,24 @@ def test_the_page_s_default_place_is_out_in_a_folder_and_the_current_folder_for_
         shown = str(page)
     assert result.stdout.startswith(f"{shown}: ")
     assert "859,703" in page.read_text()  # train's tokens, as meta says
+
+
+def test_an_unfinished_out_on_a_store_is_drawn_from_its_checkpoints_and_segments(unfinished_stored, small_reference):
+    """Killed as its finish began: the page counts its checkpoints, and reads its documents and ids in its segments;
+    the command it gives names OUT by its URL."""
+    from tokpipe.commands.report import build
+    from tokpipe.commands.report.page import render
+
+    page = render(build(unfinished_stored))
+    assert f"<title>tokpipe report: {unfinished_stored}</title>" in page
+    data = page_data(page)
+    assert not data["finished"] and data["progress"]["state"] == "stopped"
+    assert data["progress"]["counts"] == {"done": 3, "partial": 0, "pending": 0, "failed": 0}
+    assert data["progress"]["next"].endswith(f" --out {unfinished_stored}")
+    for entry, stem in zip(data["lengths"], ("train", "val")):
+        ends = np.flatnonzero(small_reference[stem] == 0) + 1  # the 600-id tokenizer's EOS is id 0
+        assert (entry["documents"], entry["max"]) == (len(ends), np.diff(ends, prepend=0).max())
+    assert [(h["split"], h["scanned"]) for h in data["health"]] == [
+        ("train", len(small_reference["train"])),
+        ("validation", len(small_reference["val"])),
+    ]

@@ -75,6 +75,23 @@ def test_an_out_killed_between_its_two_metas_is_unfinished_to_every_reader(out, 
     assert cli("status", out).stdout.startswith(f"{out}: stopped before finishing")
 
 
+def test_an_unfinished_out_on_a_store_is_named_by_its_url_to_every_reader(unfinished_stored, tmp_path):
+    """Its records are read from a copy in a temporary folder, which no message names."""
+    url = unfinished_stored
+    unfinished = f"{url} is not a finished tokpipe output (no meta.json): see where it stands with tokpipe status {url}"
+    with pytest.raises(UserError) as refused:
+        tokpipe.open_output(url)
+    assert str(refused.value) == unfinished
+    exported = cli("export", url, "--format", "llmc", "--dest", tmp_path / "llmc")
+    assert (exported.returncode, exported.stderr) == (2, f"tokpipe export: error: {unfinished}\n")
+    verified = cli("verify", url)
+    assert (verified.returncode, verified.stdout.splitlines()[0]) == (
+        1,
+        f"FAIL  meta.pkl present  ({url}/meta.pkl is missing: the run has not finished (tokpipe status {url}))",
+    )
+    assert cli("status", url).stdout.startswith(f"{url}: stopped before finishing")
+
+
 def test_a_file_unlike_its_meta_is_refused_in_one_message_by_every_reader(out):
     """open_output (a UserError: one line, exit 2) and the loader (a ValueError) say the same thing of it."""
     with open(out / "val.bin", "ab") as f:

@@ -113,7 +113,7 @@ def open_source(out: str | os.PathLike, split: str) -> Source:
             raise UserError(f"{out} holds no tokpipe run (no meta.json, run.json or manifest.json)")
         manifest = load_manifest(layout.manifest)
         name = _split_name(split, output_splits(manifest, run.val_fraction))
-        written = unfinished_files(layout, manifest, split_file_stem(name), run.val_fraction)
+        written = unfinished_files(out, manifest, split_file_stem(name), run.val_fraction)
         reader = TokenFiles(out, written, run.dtype)
         record, files, documents = run, [reader.file(f) for f in range(len(reader))], reader.documents
     return Source(

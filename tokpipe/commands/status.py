@@ -96,9 +96,9 @@ def resume_command(out: str, run: RunRecord | None, fix: dict | None = None) -> 
 
 
 def status(out: str | os.PathLike) -> RunStatus:
-    out = os.fspath(out)
     copy = reader_out(out)
     folder = Layout(copy)
+    out = folder.where  # as the user names it: a reader's copy of an OUT on a store by its URL
     if not folder.manifest.is_file():
         raise UserError(
             f"{out} holds no tokpipe run (no manifest.json): start one with tokpipe run --manifest M "

@@ -133,7 +133,13 @@ class Layout:
     JSON files loaded). The changes of its state are LayoutWriter's."""
 
     def __init__(self, root: str | os.PathLike):
-        self.root = Path(root)
+        # A reader's copy of an OUT on a store's records (layout/stored.py RecordsCopy) is kept: it knows the store.
+        self.root = root if isinstance(root, Path) else Path(root)
+
+    @property
+    def where(self) -> str:
+        """How a message names OUT: its path, or for a reader's copy of an OUT on a store, its URL."""
+        return str(getattr(self.root, "stored", None) or self.root)
 
     def __fspath__(self) -> str:
         return os.fspath(self.root)

@@ -227,8 +227,8 @@ def finished_meta(out: Layout) -> Meta:
         missing = out.meta_pkl
     if missing is not None:
         raise OutputError(
-            f"{out.root} is not a finished tokpipe output (no {missing.name}): see where it stands with tokpipe "
-            f"status {shlex.quote(str(out.root))}"
+            f"{out.where} is not a finished tokpipe output (no {missing.name}): see where it stands with tokpipe "
+            f"status {shlex.quote(out.where)}"
         )
     return _parsed(raw, out.meta_pkl)
 

@@ -18,6 +18,7 @@ from tokpipe.layout.checkpoints import Checkpoint, Checkpoints, PartCounts
 from tokpipe.layout.files import Layout, PartKey, damaged, rerun, split_bin_name
 from tokpipe.layout.meta import SplitEntry, SplitFile
 from tokpipe.layout.run import WriteSpec, sources
+from tokpipe.layout.stored import segment_parts, stored_of
 
 IDX_DTYPE = np.dtype("<i8")  # document ends, cumulative token counts
 
@@ -205,12 +206,14 @@ def _placed(out: Layout, stem: str) -> dict[tuple[str, PartKey], SplitFile]:
     return placed
 
 
-def unfinished_files(out: Layout, manifest: Manifest, stem: str, val_fraction: float) -> list[SplitFile]:
-    """What an unfinished OUT holds of a split, as far as its records cover it: each part of the split in order
-    (with --val-fraction, val's include the train shards' held-out ones; with --group-by, a shard has a part per
-    group), in the split file being assembled where its parts list lists it (placed), else in the shard's own
-    files, as far as its checkpoint covers them (a live worker may be appending beyond). Files still written."""
-    placed, checkpoints = _placed(out, stem), Checkpoints(out.root)
+def unfinished_files(root: Path, manifest: Manifest, stem: str, val_fraction: float) -> list[SplitFile]:
+    """What an unfinished OUT (a reader's: layout/stored.py reader_out) holds of a split, as far as its records cover
+    it: each part of the split in order (with --val-fraction, val's include the train shards' held-out ones; with
+    --group-by, a shard has a part per group), in the split file being assembled where its parts list lists it
+    (placed), else in the shard's own files, as far as its checkpoint covers them (a live worker may be appending
+    beyond). Files still written. On a store, the parts of checkpointed shards, in their segments."""
+    out, on_store = Layout(root), stored_of(root) is not None
+    placed, checkpoints = segment_parts(root, stem) if on_store else _placed(out, stem), Checkpoints(root)
     files = []
     for shard, held in sources(manifest, stem, val_fraction):
         paths = out.shard(shard)
@@ -218,7 +221,7 @@ def unfinished_files(out: Layout, manifest: Manifest, stem: str, val_fraction: f
         for part in ckpt.source_parts(held):
             if (shard.relpath, part.key) in placed:  # copied into the split file, its own files gone
                 files.append(placed[shard.relpath, part.key])
-            elif part.tokens:
+            elif part.tokens and not on_store:
                 names = (str(path.relative_to(out.root)) for path in paths.part(part.key))
                 files.append(SplitFile(*names, part.tokens, part.documents, growing=True))
     return files

@@ -22,14 +22,16 @@ import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import orjson
 
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import Shard
 from tokpipe.layout.files import RECORD, Layout, PartKey, group_stem, out_folder, work_folder
 from tokpipe.layout.locks import lock_holder
-from tokpipe.layout.meta import Meta
+from tokpipe.layout.meta import Meta, SplitFile
 from tokpipe.store import MIN_PART, Bucket, Exists, Holder, Lease, StoreRefused, StoreUnavailable, Url, compose, is_url
 
 SEGMENTS = "segments"
@@ -173,6 +175,43 @@ class StoredOut:
         return found + ([o.key for o in self.bucket.list(self.segments)] if concat else [])
 
 
+@dataclass(frozen=True)
+class Entry:
+    """A part as a segment's .json lists it: whose (its shard's relpath), which of the shard's (held out, group), and
+    its counts."""
+
+    shard: str
+    held: bool
+    group: str | None
+    tokens: int
+    documents: int
+
+    @property
+    def key(self) -> tuple[str, bool, str | None]:
+        return self.shard, self.held, self.group
+
+
+@dataclass
+class Segment:
+    """A segment: its file (stem, group), its name (key without suffix), its parts and counts."""
+
+    stem: str
+    group: str | None
+    name: str
+    entries: list[Entry]
+    tokens: int
+    documents: int
+
+    def record(self) -> bytes:
+        return orjson.dumps(asdict(self))
+
+    @classmethod
+    def parse(cls, raw: bytes) -> Segment:
+        found = orjson.loads(raw)
+        found.pop("seq", None)  # a segment of 0.x's one writer, which numbered them; their order is their parts'
+        return cls(**{**found, "entries": [Entry(**e) for e in found["entries"]]})
+
+
 def part_name(shard: Shard, key: PartKey) -> str:
     """A part's name among its file's: its shard's key, and what it holds out (val.bin's part of a train shard)."""
     return shard.key + (".held-out" if key[0] else "")
@@ -253,6 +292,21 @@ def held_by(out: Path) -> str | None:
         return lock_holder(lock)
     found = Holder.read(lock.read_bytes()) if lock.is_file() else None
     return str(found) if found is not None and not found.gone(time.time()) else None
+
+
+def segment_parts(out: Path, stem: str) -> dict[tuple[str, PartKey], SplitFile]:
+    """For a reader's copy of an unfinished OUT on a store (reader_out): the parts of a split its segments hold, by
+    shard and part key, each a range of its segment (the segments' .json, copied with the records, say what each
+    holds). A part is read only where its shard is checkpointed: its segment is committed then."""
+    found = {}
+    for record in sorted((out / SEGMENTS / stem).rglob("*.json")):
+        segment, tokens, documents = Segment.parse(record.read_bytes()), 0, 0
+        for e in segment.entries:
+            at = {"token_offset": tokens, "doc_offset": documents, "placed": True, "growing": True}  # a range of it
+            names = f"{segment.name}.bin", f"{segment.name}.idx"
+            found[e.shard, (e.held, e.group)] = SplitFile(*names, e.tokens, e.documents, **at)
+            tokens, documents = tokens + e.tokens, documents + e.documents
+    return found
 
 
 def shown(out: Path, name: str) -> str:

@@ -50,6 +50,25 @@ def kernel_max_maps() -> int:
         return 65530  # the kernel's default
 
 
+def _unlike(path: str, found: int | None, size: int, what: str, growing: bool, out: str) -> OutputError | None:
+    """The refusal of a token file (of `found` bytes; None: missing) that does not hold the `size` bytes OUT's records
+    say (`what`, in words): exactly, or (`growing`: an unfinished OUT's, which a live run may still write, or a range
+    of a segment) at least."""
+    verify = f"tokpipe verify {shlex.quote(out)}"
+    if growing:  # an unfinished OUT: its checkpoints and parts lists say what it holds
+        verify, what = f"tokpipe status {shlex.quote(out)}", f"{what} that OUT's records cover"
+    if found is None:
+        lists = "OUT's records list" if growing else "meta lists"
+        return OutputError(f"{path} is missing though {lists} it: the output is damaged ({verify})")
+    if growing and found < size:
+        return OutputError(f"{path} holds {found:,} bytes, fewer than {what}: the output is damaged ({verify})")
+    if not growing and found != size:
+        return OutputError(
+            f"{path} holds {found:,} bytes, meta says {what}: the file is not the one meta describes ({verify})"
+        )
+    return None
+
+
 @dataclass(frozen=True, slots=True)  # two a file: 60,000 files are 120,000
 class LocalFile:
     """A token file of OUT on this machine, as it was first seen: read or mapped only while it is still that file.
@@ -66,23 +85,12 @@ class LocalFile:
     def recorded(cls, out: Path, path: Path, size: int, what: str, growing: bool = False) -> LocalFile:
         """The file, as first seen, once it holds the `size` bytes OUT's records say (`what`, in words): exactly, or
         (`growing`: a file a live run still writes) at least. Else OutputError, naming it."""
-        verify = f"tokpipe verify {shlex.quote(str(out))}"
-        if growing:  # an unfinished OUT: its checkpoints and parts lists say what it holds
-            verify, what = f"tokpipe status {shlex.quote(str(out))}", f"{what} that OUT's records cover"
         try:
             status = path.stat()
         except FileNotFoundError:
-            lists = "OUT's records list" if growing else "meta lists"
-            raise OutputError(f"{path} is missing though {lists} it: the output is damaged ({verify})") from None
-        if growing and status.st_size < size:
-            raise OutputError(
-                f"{path} holds {status.st_size:,} bytes, fewer than {what}: the output is damaged ({verify})"
-            )
-        if not growing and status.st_size != size:
-            raise OutputError(
-                f"{path} holds {status.st_size:,} bytes, meta says {what}: the file is not the one meta describes "
-                f"({verify})"
-            )
+            status = None
+        if error := _unlike(str(path), status and status.st_size, size, what, growing, str(out)):
+            raise error
         return cls(path, size, identity(status)[:2] if growing else identity(status))
 
     def opened(self) -> int:
@@ -193,11 +201,8 @@ class StoreFile:
     def recorded(cls, stored: StoredOut, name: str, size: int, what: str, growing: bool = False) -> StoreFile:
         """As LocalFile.recorded: the file, once it holds the `size` bytes OUT's records say (`what`, in words)."""
         url, found = str(stored.url / name), stored.bucket.head(stored.key(name))
-        verify = f"tokpipe verify {shlex.quote(str(stored))}"
-        if found is None:
-            raise OutputError(f"{url} is missing though meta lists it: the output is damaged ({verify})")
-        if found.size < size if growing else found.size != size:
-            raise OutputError(f"{url} holds {found.size:,} bytes, meta says {what}: the output is damaged ({verify})")
+        if error := _unlike(url, found and found.size, size, what, growing, str(stored)):
+            raise error
         return cls(stored.bucket, stored.key(name), size, found.etag, url)
 
     def _get(self, start: int, stop: int) -> bytes:

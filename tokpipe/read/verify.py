@@ -22,7 +22,7 @@ from tokpipe.errors import UserError
 from tokpipe.layout.files import Layout, load_meta_pkl
 from tokpipe.layout.meta import Meta, SplitEntry, SplitFile
 from tokpipe.layout.records import Part, parts_of, read_parts
-from tokpipe.layout.stored import reader_out, shown, stored_of
+from tokpipe.layout.stored import reader_out, shown
 from tokpipe.read.files import TokenFiles
 from tokpipe.read.maps import size_of
 
@@ -161,11 +161,11 @@ def verify(out: str | os.PathLike, jobs: int | None = None) -> list[Check]:
         checks.append(Check(name, bool(ok), detail))
         return bool(ok)
 
-    unfinished = f"the run has not finished (tokpipe status {shlex.quote(str(stored_of(out) or out))})"
+    unfinished = f"the run has not finished (tokpipe status {shlex.quote(Layout(out).where)})"
     try:
         raw = load_meta_pkl(Layout(out).meta_pkl)
     except FileNotFoundError:
-        check("meta.pkl present", False, f"{Layout(out).meta_pkl} is missing: {unfinished}")
+        check("meta.pkl present", False, f"{shown(out, Layout(out).meta_pkl.name)} is missing: {unfinished}")
         return checks
     except UserError as e:  # damaged, or hostile: the restricted unpickler refused it
         check("meta.pkl readable", False, str(e))
@@ -176,7 +176,7 @@ def verify(out: str | os.PathLike, jobs: int | None = None) -> list[Check]:
         check("meta.json readable", False, str(e))
         return checks
     if raw_json is None:  # written last: a run killed between the two metas
-        check("meta.json present", False, f"{Layout(out).meta_json} is missing: {unfinished}")
+        check("meta.json present", False, f"{shown(out, Layout(out).meta_json.name)} is missing: {unfinished}")
         return checks
     if not check("meta.pkl == meta.json", raw == raw_json, "" if raw == raw_json else "the two metas differ"):
         return checks

@@ -18,12 +18,12 @@ from tokpipe.inputs.manifest import Shard
 from tokpipe.layout.checkpoints import Checkpoint
 from tokpipe.layout.files import stall_dump
 from tokpipe.layout.records import Part
-from tokpipe.layout.stored import StoredOut, records_of
+from tokpipe.layout.stored import Segment, StoredOut, records_of
 from tokpipe.runner.nodes import NodeCheck, ensure_seen
 from tokpipe.runner.storage import storage_of
 from tokpipe.write.memory import MemoryGuard, memory_guard
 from tokpipe.write.place import place
-from tokpipe.write.segments import ClosedSegment, Segment, Spilled
+from tokpipe.write.segments import ClosedSegment, Spilled
 from tokpipe.write.shard import EncodeSpec, ShardResult, tokenize_shard
 from tokpipe.write.stored import PartTokens, upload_closed
 

@@ -28,15 +28,14 @@ import os
 import shutil
 import tempfile
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import orjson
 
 from tokpipe.layout.files import ShardFiles
 from tokpipe.layout.records import IDX_DTYPE
-from tokpipe.layout.stored import SEGMENT_BYTES, StoredOut
+from tokpipe.layout.stored import SEGMENT_BYTES, Entry, Segment, StoredOut
 
 # A kept part's tokens are read in ranged GETs of this many bytes into a file of the node's (Kept.arrays).
 KEPT_READ_BYTES = 16 << 20
@@ -134,43 +133,6 @@ def spill_large(parts, spec, shard, files: ShardFiles | None) -> ShardFiles:
 def part_arrays(value: Buffered | Spilled | Kept) -> Buffered:
     """A buffered part's tokens and ends, in memory, in its node's files, or kept on the store."""
     return value.arrays() if isinstance(value, Spilled | Kept) else value
-
-
-@dataclass(frozen=True)
-class Entry:
-    """A part as a segment's .json lists it: whose (its shard's relpath), which of the shard's (held out, group), and
-    its counts."""
-
-    shard: str
-    held: bool
-    group: str | None
-    tokens: int
-    documents: int
-
-    @property
-    def key(self) -> tuple[str, bool, str | None]:
-        return self.shard, self.held, self.group
-
-
-@dataclass
-class Segment:
-    """A segment: its file (stem, group), its name (key without suffix), its parts and counts."""
-
-    stem: str
-    group: str | None
-    name: str
-    entries: list[Entry]
-    tokens: int
-    documents: int
-
-    def record(self) -> bytes:
-        return orjson.dumps(asdict(self))
-
-    @classmethod
-    def parse(cls, raw: bytes) -> Segment:
-        found = orjson.loads(raw)
-        found.pop("seq", None)  # a segment of 0.x's one writer, which numbered them; their order is their parts'
-        return cls(**{**found, "entries": [Entry(**e) for e in found["entries"]]})
 
 
 @dataclass

@@ -24,9 +24,9 @@ from tokpipe.layout.checkpoints import Checkpoint, PartCounts, placed_file
 from tokpipe.layout.files import RECORD, ShardFiles, split_file_stem
 from tokpipe.layout.records import IDX_DTYPE, parts_of, read_parts, record_key
 from tokpipe.layout.run import WriteSpec, output_splits, sources
-from tokpipe.layout.stored import StoredOut, part_name
+from tokpipe.layout.stored import Entry, Segment, StoredOut, part_name
 from tokpipe.store import MIN_PART, Exists, Lease, Upload, compose, put_buffers
-from tokpipe.write.segments import ClosedSegment, Entry, Gatherer, Kept, Segment, Spilled, part_arrays
+from tokpipe.write.segments import ClosedSegment, Gatherer, Kept, Spilled, part_arrays
 
 # GETs in flight where a rerun or finalize reads many small objects (segments' .json, checkpoints)
 REQUESTS_AT_ONCE = 16

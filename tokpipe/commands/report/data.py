@@ -28,7 +28,7 @@ from tokpipe.layout.meta import Meta, load_meta
 from tokpipe.layout.records import read_parts
 from tokpipe.layout.run import RunRecord, load_run, output_splits, sources
 from tokpipe.layout.series import read_series
-from tokpipe.layout.stored import reader_out
+from tokpipe.layout.stored import reader_out, records_of
 
 LENGTH_SAMPLE = 1 << 20  # documents whose lengths are read per split: all of a smaller split, else evenly spread blocks
 LENGTH_BLOCKS = 64
@@ -304,7 +304,7 @@ def build(out: str | os.PathLike, tokenizer: str | None = None) -> Report:
     meta = load_meta(Layout(out)) if st.state == "finished" else None
     run = load_run(Layout(out))
     if run is None:
-        raise UserError(f"{out} has a manifest but no run.json: tokpipe run has not started there yet")
+        raise UserError(f"{st.out} has a manifest but no run.json: tokpipe run has not started there yet")
     manifest = load_manifest(Layout(out).manifest)
     summary = _summary(meta, run)
     splits = _split_stats(out, meta, manifest, (meta or run).val_fraction)
@@ -323,8 +323,8 @@ def build(out: str | os.PathLike, tokenizer: str | None = None) -> Report:
             f"{shards.count:,} shards: the page's data lists {len(shards.listed):,} of them"
             " (outliers, failed and partial); the charts draw all"
         )
-    series = read_series(out)
+    series = read_series(records_of(st.out) if st.holder else out)  # a live run's: in its records, as status reads
     return Report(
-        str(out), time.time(), meta is not None, summary, splits, _group_stats(out, meta, manifest), lengths, shards,
+        st.out, time.time(), meta is not None, summary, splits, _group_stats(out, meta, manifest), lengths, shards,
         health, series, _progress(st, series), notes,
     )  # fmt: skip
