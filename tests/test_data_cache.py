@@ -216,11 +216,3 @@ def test_a_cache_folder_removed_mid_epoch_is_made_again_and_the_windows_go_on(fi
     taken += [reader.next_batch(B).windows for _ in range(40)]
     assert all(np.array_equal(g, w) for g, w in zip(taken, expected))
     assert cache_bytes(tmp_path / "cache") <= 2 * CACHE
-
-
-def test_an_unfinished_out_on_a_store_is_refused_in_one_line(out, s3_server, s3_prefix):
-    (out / "meta.json").unlink()
-    url = s3_server.upload(out, s3_prefix)
-    with pytest.raises(ValueError) as refused:
-        Sequences(url, "train", L)
-    assert str(refused.value) == f"{url} is not a finished tokpipe output: tokpipe status {url}"

@@ -59,37 +59,36 @@ def test_a_grouped_split_is_its_groups_one_after_the_other_in_the_order_of_their
             assert np.array_equal(alone.document(documents - 1)[-1:], [QWEN3_EOS])
 
 
-def test_an_out_killed_between_its_two_metas_is_unfinished_to_every_reader(out, tmp_path):
-    """meta.json is the last file a run writes: without it OUT is not finished, to open_output (which read
-    meta.pkl alone, and opened it), export, the loader, inspect and status alike."""
+@pytest.fixture(params=["in a folder", "on a store"])
+def unfinished(request, out) -> tuple[str, str]:
+    """An unfinished OUT, and the meta it lacks first: in a folder, one killed between its two metas (meta.json is the
+    last file a run writes); on the session's S3 server, one killed as its finish began (unfinished_stored)."""
+    if request.param == "on a store":
+        return request.getfixturevalue("unfinished_stored"), "meta.pkl"
     (out / "meta.json").unlink()
-    unfinished = f"{out} is not a finished tokpipe output (no meta.json): see where it stands with tokpipe status {out}"
+    return str(out), "meta.json"
+
+
+def test_an_unfinished_out_is_unfinished_to_every_reader_named_as_the_user_names_it(unfinished, tmp_path):
+    """Without meta.json OUT is not finished, to open_output (which read meta.pkl alone, and opened it), export,
+    verify, the loader, inspect and status alike. An OUT on a store is named by its URL, never by the temporary
+    folder its records are copied into."""
+    out, lacking = unfinished
+    message = f"{out} is not a finished tokpipe output (no meta.json): see where it stands with tokpipe status {out}"
     with pytest.raises(UserError) as refused:
         tokpipe.open_output(out)
-    assert str(refused.value) == unfinished
+    assert str(refused.value) == message
     exported = cli("export", out, "--format", "llmc", "--dest", tmp_path / "llmc")
-    assert (exported.returncode, exported.stderr) == (2, f"tokpipe export: error: {unfinished}\n")
-    with pytest.raises(ValueError, match=f"^{re.escape(unfinished)}$"):
-        Sequences(out)
+    assert (exported.returncode, exported.stderr) == (2, f"tokpipe export: error: {message}\n")
+    verified = cli("verify", out)
+    assert (verified.returncode, verified.stdout.splitlines()[-2]) == (
+        1,
+        f"FAIL  {lacking} present  ({out}/{lacking} is missing: the run has not finished (tokpipe status {out}))",
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        Sequences(out, "train", 8, cache_dir=tmp_path / "cache")
     assert not inspect(out, n=0).source.finished
     assert cli("status", out).stdout.startswith(f"{out}: stopped before finishing")
-
-
-def test_an_unfinished_out_on_a_store_is_named_by_its_url_to_every_reader(unfinished_stored, tmp_path):
-    """Its records are read from a copy in a temporary folder, which no message names."""
-    url = unfinished_stored
-    unfinished = f"{url} is not a finished tokpipe output (no meta.json): see where it stands with tokpipe status {url}"
-    with pytest.raises(UserError) as refused:
-        tokpipe.open_output(url)
-    assert str(refused.value) == unfinished
-    exported = cli("export", url, "--format", "llmc", "--dest", tmp_path / "llmc")
-    assert (exported.returncode, exported.stderr) == (2, f"tokpipe export: error: {unfinished}\n")
-    verified = cli("verify", url)
-    assert (verified.returncode, verified.stdout.splitlines()[0]) == (
-        1,
-        f"FAIL  meta.pkl present  ({url}/meta.pkl is missing: the run has not finished (tokpipe status {url}))",
-    )
-    assert cli("status", url).stdout.startswith(f"{url}: stopped before finishing")
 
 
 def test_a_file_unlike_its_meta_is_refused_in_one_message_by_every_reader(out):
