@@ -323,6 +323,30 @@ def test_a_refused_run_leaves_out_to_the_corrected_command(tmp_path, monkeypatch
     assert cli("status", out).stdout.splitlines()[0] == f"{out}: finished"
 
 
+@pytest.mark.parametrize("out_on", ["a folder", "a store"])
+def test_an_out_that_holds_what_no_run_wrote_is_refused_and_left_as_it_was(out_on, manifest, small_tokenizer, request):
+    """A nanoGPT data folder (its prepare.py and train.bin) given as --out: a run would write among its files and
+    replace its train.bin. Refused in one line before any work, its files as they were."""
+    nanogpt = {"prepare.py": b"# tokenize openwebtext\n", "train.bin": bytes(range(256)) * 4}
+    if out_on == "a folder":
+        out, server = manifest.parent / "openwebtext", None
+        out.mkdir()
+        for name, data in nanogpt.items():
+            (out / name).write_bytes(data)
+    else:
+        server, prefix = request.getfixturevalue("s3_server"), request.getfixturevalue("s3_prefix")
+        out = server.url(prefix)
+        for name, data in nanogpt.items():
+            server.put(f"{prefix}/{name}", data)
+    refused = cli(*run_args(manifest, out, tokenizer=small_tokenizer))
+    assert (refused.returncode, refused.stderr) == (
+        2,
+        f"tokpipe run: error: {out} holds what no tokpipe run wrote (prepare.py, train.bin) and no run.json: --out"
+        " takes a new or empty folder, or a tokpipe run's OUT\n",
+    )
+    assert out_files(out, server) == nanogpt
+
+
 def test_a_finished_out_on_a_read_only_mount_is_nothing_to_do_and_anything_else_is_refused(
     finished_small, killed_example, small_tokenizer, tmp_path
 ):

@@ -22,7 +22,7 @@ from tokpipe.layout.series import Series
 from tokpipe.options import RunOptions
 from tokpipe.runner import local
 from tokpipe.runner.driver import Standing
-from tokpipe.runner.identity import encode_spec
+from tokpipe.runner.identity import encode_spec, record_run
 from tokpipe.runner.local import Tally, tokenize_while
 from tokpipe.runner.progress import Progress, RunLog
 from tokpipe.write.assembly import Assembler
@@ -39,6 +39,7 @@ def info(small_tokenizer):
 
 def _tokenize_here(out, info, busy, helpers: int, warm: str | None = None) -> tuple[int, Tally, Assembler]:
     out.mkdir()
+    record_run(out, MANIFEST, info, OPTIONS)  # as a run does before its first token: a rerun resumes this run
     itemsize = np.dtype(info.dtype).itemsize  # 2: the 600-id tokenizer's ids are uint16
     assembler = Assembler(out, itemsize, OPTIONS.output)
     assembler.resume(MANIFEST)

@@ -7,6 +7,7 @@ after a refusal) starts it over.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -15,7 +16,7 @@ from tokpipe.durability import write_json_atomic
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import Manifest, load_manifest
 from tokpipe.inputs.tokenizer import TokenizerInfo
-from tokpipe.layout.files import REFUSED, Layout, LayoutWriter
+from tokpipe.layout.files import RECORD, REFUSED, Layout, LayoutWriter
 from tokpipe.layout.meta import Meta, load_meta
 from tokpipe.layout.run import RUN_FORMAT, finished_with, load_run
 from tokpipe.options import RunOptions
@@ -117,6 +118,20 @@ def record_run(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOpti
     defaults = asdict(RunOptions())
     options = {k: v for k, v in asdict(opts).items() if v != defaults[k]}
     write_json_atomic(Layout(out).run_json, {**identity, "tokenizer_path": info.path, "options": options})
+
+
+def refuse_foreign(out: str | Path, names: Iterable[str]) -> None:
+    """Refuse to begin a run where something no tokpipe run wrote is: OUT is a new or empty folder (or prefix), or a
+    tokpipe run's. A run's files would lie among another's and replace those of the same names (a nanoGPT data
+    folder's train.bin). `names`: OUT's entries (a prefix's: its objects' first names); those a refused run leaves
+    (files.RECORD) are tokpipe's."""
+    foreign = sorted(set(names) - RECORD)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3:,} more" if len(foreign) > 3 else "")
+        raise UserError(
+            f"{out} holds what no tokpipe run wrote ({shown}) and no run.json: --out takes a new or empty folder, or"
+            " a tokpipe run's OUT"
+        )
 
 
 def identity_changes(out: Path, identity: dict) -> dict[str, tuple] | None:

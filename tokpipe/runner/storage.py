@@ -22,6 +22,7 @@ import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from itertools import islice
 from pathlib import Path
 
 from tokpipe.durability import write_atomic
@@ -32,7 +33,7 @@ from tokpipe.inputs.tokenizer import TokenizerInfo
 from tokpipe.layout.checkpoints import Checkpoint, Checkpoints
 from tokpipe.layout.files import Layout, LayoutWriter, out_folder
 from tokpipe.layout.meta import Meta, load_meta
-from tokpipe.layout.run import WriteSpec
+from tokpipe.layout.run import WriteSpec, load_run
 from tokpipe.layout.stored import StoredOut, on_store
 from tokpipe.options import RunOptions
 from tokpipe.runner.events import Listener, Said
@@ -43,6 +44,7 @@ from tokpipe.runner.identity import (
     identity_changes,
     record_run,
     refusals_noted,
+    refuse_foreign,
     run_identity,
 )
 from tokpipe.write.assembly import Assembler
@@ -99,6 +101,8 @@ class Folder(Storage):
 
     @contextmanager
     def held(self, manifest: Manifest, info: TokenizerInfo, opts: RunOptions, tell: Listener) -> Iterator[Manifest]:
+        if load_run(Layout(self.path)) is None:  # before OUT holds a file of this run's (its lock, its logs)
+            refuse_foreign(self.path, os.listdir(self.path))
         with LayoutWriter(self.path).lock(), refusals_noted(self.path):
             record_run(self.path, manifest, info, opts, tell)
             write_manifest(manifest, Layout(self.path).manifest)  # what `verify --sample` and `status` read
@@ -215,6 +219,8 @@ class Prefix(Storage):
         found = bucket.get(out.of_local(layout.run_json))
         if found is not None:
             layout.run_json.write_bytes(found[0])
+        else:  # a page of its objects tells: a prefix of another's data holds thousands
+            refuse_foreign(out, {out.name(o.key).split("/")[0] for o in islice(bucket.list(out.prefix), 1000)})
         changed = identity_changes(self.records, run_identity(manifest, info, opts))
         if changed and self.out.holds_tokens():
             if list(changed) != ["manifest_sha256"]:
