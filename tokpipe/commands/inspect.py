@@ -110,7 +110,7 @@ def open_source(out: str | os.PathLike, split: str) -> Source:
         documents = sum(len(f.ends) for f in files)
     else:
         if run is None or not layout.manifest.is_file():
-            raise UserError(f"{out} holds no tokpipe run (no meta.json, run.json or manifest.json)")
+            raise UserError(f"{layout.where} holds no tokpipe run (no meta.json, run.json or manifest.json)")
         manifest = load_manifest(layout.manifest)
         name = _split_name(split, output_splits(manifest, run.val_fraction))
         written = unfinished_files(out, manifest, split_file_stem(name), run.val_fraction)

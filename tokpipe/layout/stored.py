@@ -302,7 +302,8 @@ def segment_parts(out: Path, stem: str) -> dict[tuple[str, PartKey], SplitFile]:
     for record in sorted((out / SEGMENTS / stem).rglob("*.json")):
         segment, tokens, documents = Segment.parse(record.read_bytes()), 0, 0
         for e in segment.entries:
-            at = {"token_offset": tokens, "doc_offset": documents, "placed": True, "growing": True}  # a range of it
+            # "growing": its segment is checked to hold at least the part, since other parts follow it there
+            at = {"token_offset": tokens, "doc_offset": documents, "placed": True, "growing": True}
             names = f"{segment.name}.bin", f"{segment.name}.idx"
             found[e.shard, (e.held, e.group)] = SplitFile(*names, e.tokens, e.documents, **at)
             tokens, documents = tokens + e.tokens, documents + e.documents
