@@ -85,6 +85,17 @@ def test_a_lease_held_by_a_process_of_this_machine_that_is_gone_is_taken_at_once
     )
     subprocess.run([sys.executable, "-c", code], check=True)
     taker = _lease(s3_server, s3_prefix)
+    # The same PID and host name in another PID namespace (a container on the host's network) is no process of this
+    # one's: the lease is live until it ends.
+    raw, etag = taker.bucket.get(taker.key)
+    dead = json.loads(raw)
+    assert dead["machine"] == lease.this_machine() and dead["host"] == socket.gethostname()
+    elsewhere = {**dead, "machine": dead["machine"].rsplit(" ", 1)[0] + " pid:[4026531999]"}
+    taker.bucket.put(taker.key, json.dumps(elsewhere).encode(), if_match=etag)
+    with pytest.raises(UserError, match="is in use by another tokpipe run"):
+        taker.acquire()
+    raw, etag = taker.bucket.get(taker.key)
+    taker.bucket.put(taker.key, json.dumps(dead).encode(), if_match=etag)
     taker.acquire()
     assert _record(taker)["pid"] == os.getpid()
     taker.release()

@@ -5,7 +5,8 @@ OUT/.lock is made only where there is none (`If-None-Match: *`), holding who hol
 the live run says so again every `seconds / 3` (a PUT `If-Match` its ETag: a run whose lease was taken learns it
 there, and stops). It is removed at the end (DELETE `If-Match`). Another run that finds it is refused in one line
 while the lease is live; once it has expired (nothing renewed it for `seconds`, by the finder's clock, less
-SKEW), or at once when its holder is a process of this machine that is gone, it is taken over by a PUT
+SKEW), or at once when its holder is a process of this machine (its host name, boot and PID namespace) that is
+gone, it is taken over by a PUT
 `If-Match` its ETag: of two runs taking it at once, one wins. So after a kill -9 the same command resumes: at once
 on the same machine, within a lease on another.
 """
@@ -19,6 +20,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tokpipe.errors import UserError
 from tokpipe.store.bucket import Bucket, Exists
@@ -26,6 +28,16 @@ from tokpipe.store.bucket import Bucket, Exists
 LEASE_SECONDS = 60.0
 # Clocks of two machines may disagree by this much: a lease is taken over only once it is this far past its end.
 SKEW = 5.0
+
+
+def this_machine() -> str | None:
+    """This boot of this kernel and this PID namespace: where a PID names a process of this process table. Two
+    containers (a pod on its node's network) may share a host name, not their PIDs. None where there is no /proc."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot} {os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -36,6 +48,7 @@ class Holder:
     pid: int
     renewed: float  # unix time of the holder's last renewal, by its clock
     seconds: float  # the lease's length
+    machine: str | None = None  # this_machine() of the holder (None: a lease of a tokpipe before it)
 
     @classmethod
     def read(cls, raw: bytes) -> Holder | None:
@@ -52,8 +65,8 @@ class Holder:
         """Whether the lease has ended: expired, or held by a process of this machine that no longer runs."""
         if now > self.renewed + self.seconds + SKEW:
             return True
-        if self.host != socket.gethostname():
-            return False
+        if self.host != socket.gethostname() or self.machine not in (None, this_machine()):
+            return False  # another machine's, or another PID namespace's: its PID is not this process table's
         try:
             os.kill(self.pid, 0)
         except ProcessLookupError:
@@ -76,7 +89,7 @@ class Lease:
     _thread: threading.Thread | None = None
 
     def _record(self) -> bytes:
-        holder = Holder(socket.gethostname(), os.getpid(), time.time(), self.seconds)
+        holder = Holder(socket.gethostname(), os.getpid(), time.time(), self.seconds, this_machine())
         return json.dumps(holder.__dict__).encode()
 
     def acquire(self) -> None:
