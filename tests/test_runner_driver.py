@@ -55,6 +55,7 @@ from helpers import (
     write_jsonl,
 )
 
+from tokpipe.commands.inspect import open_source
 from tokpipe.inputs.manifest import build_manifest, write_manifest
 from tokpipe.runner import driver
 
@@ -374,7 +375,15 @@ def test_a_failed_shard_keeps_the_shards_done_after_it_and_the_rerun_reads_only_
     assert failed.stderr.splitlines()[-1] == (
         "1 shards failed; the rest are kept. Fix the cause and rerun the same command to retry them."
     )
-    assert "shards: 13 done, 0 partial, 0 pending, 1 failed (of 14)" in cli("status", out).stdout.splitlines()
+    said = cli("status", out).stdout.splitlines()
+    assert "shards: 13 done, 0 partial, 0 pending, 1 failed (of 14)" in said
+    assert said[-1].startswith(f"next: fix the cause of the failures above (details in {out}/logs/run.log), then: ")
+    # What is kept is what `inspect` reads of the failed run: the 13 shards' tokens, in order (on a store, in their
+    # segments and their kept objects).
+    tokenizer = small_tokenizer / "tokenizer.json"
+    eos = reference_tokenizer(tokenizer).token_to_id("<|endoftext|>")
+    kept = np.concatenate([np.asarray(f.tokens) for f in open_source(out, "train").files])
+    assert np.array_equal(kept, reference_tokens(files, tokenizer, eos, np.uint16))
     if ray:
         log = out_files(out, server)["logs/run.log"].decode()
         assert "train/s02.jsonl.zst) failed (SourceError: " in log  # its pack
@@ -386,8 +395,6 @@ def test_a_failed_shard_keeps_the_shards_done_after_it_and_the_rerun_reads_only_
     assert re.search(r": 14 shards, .*; 13 done, 0 partial, 1 to start$", rerun.stdout, re.M), rerun.stdout
     phases = next(line for line in rerun.stdout.splitlines() if line.startswith("phases: "))
     assert f", {listed / 1e6:,.1f} MB of input read" in phases  # the fixed shard's bytes (each other's: 0.1 MB)
-    tokenizer = small_tokenizer / "tokenizer.json"
-    eos = reference_tokenizer(tokenizer).token_to_id("<|endoftext|>")
     files.insert(2, cut)
     left = out_files(out, server)
     assert np.array_equal(

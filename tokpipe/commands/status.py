@@ -28,7 +28,7 @@ from tokpipe.layout.files import FAILED, PROGRESS, REFUSED, RUN_LOG, Layout
 from tokpipe.layout.locks import shard_locked
 from tokpipe.layout.meta import load_meta
 from tokpipe.layout.run import RunRecord, load_run
-from tokpipe.layout.stored import held_by, left_over, on_store, reader_out, records_of
+from tokpipe.layout.stored import held_by, left_over, on_store, reader_out, records_of, shown
 
 # progress.json is rewritten every 2 s while shards run; older than this, the live run is doing
 # something else (starting Ray, finalizing) or is stuck.
@@ -154,7 +154,7 @@ def status(out: str | os.PathLike) -> RunStatus:
         if refused and not refused["fix"]:
             next_step = f"what the refusal above says, then: {next_step} (with other inputs: OUT holds no token yet)"
         if failures:
-            log = Layout(out).log(RUN_LOG)
+            log = shown(copy, folder.log(RUN_LOG).relative_to(copy))
             next_step = f"fix the cause of the failures above (details in {log}), then: {next_step}"
         if not (run and run.tokenizer_path):
             sha = ((run and run.tokenizer_sha256) or "?")[:16]

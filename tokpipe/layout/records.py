@@ -211,7 +211,8 @@ def unfinished_files(root: Path, manifest: Manifest, stem: str, val_fraction: fl
     it: each part of the split in order (with --val-fraction, val's include the train shards' held-out ones; with
     --group-by, a shard has a part per group), in the split file being assembled where its parts list lists it
     (placed), else in the shard's own files, as far as its checkpoint covers them (a live worker may be appending
-    beyond). Files still written. On a store, the parts of checkpointed shards, in their segments."""
+    beyond). Files still written. On a store, the parts of checkpointed shards in their segments, and those a failed
+    shard kept (write/stored.py keep) in their shard's own files."""
     out, on_store = Layout(root), stored_of(root) is not None
     placed, checkpoints = segment_parts(root, stem) if on_store else _placed(out, stem), Checkpoints(root)
     files = []
@@ -221,7 +222,7 @@ def unfinished_files(root: Path, manifest: Manifest, stem: str, val_fraction: fl
         for part in ckpt.source_parts(held):
             if (shard.relpath, part.key) in placed:  # copied into the split file, its own files gone
                 files.append(placed[shard.relpath, part.key])
-            elif part.tokens and not on_store:
+            elif part.tokens and (not on_store or paths.checkpoint.is_file()):  # on a store: a kept part's
                 names = (str(path.relative_to(out.root)) for path in paths.part(part.key))
                 files.append(SplitFile(*names, part.tokens, part.documents, growing=True))
     return files
