@@ -7,6 +7,7 @@ the path, and a node that joins mid-run stops the run with the same line at its 
 import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -97,6 +98,40 @@ def test_a_node_checks_out_the_tokenizer_and_a_shard_of_each_folder(tmp_path, mo
     assert unseen(check, "n1") == f"sees the shard {shard['c/1'][0]} with 0 bytes, not the manifest's 18"
     (data / "train" / "c").rename(tmp_path / "c")  # a folder not mounted there
     assert unseen(check, "n1") == f"cannot read the shard {shard['c/1'][0]} (No such file or directory)"
+
+
+def test_a_node_that_runs_another_tokpipe_is_named_before_it_takes_a_shard(tmp_path):
+    """Tasks and their results pass between the driver and the nodes pickled, by module and class name: a node with
+    another tokpipe (a class moved) failed each placing call, made again for good. A node is a process here, its
+    tokpipe a copy of this one's, as installed elsewhere: the same code passes, a line changed does not."""
+    write_jsonl(tmp_path / "data" / "train" / "a.jsonl", ['{"text": "hello"}'])
+    out = tmp_path / "out"
+    (out / "logs").mkdir(parents=True)
+    check = NodeCheck.of(build_manifest(tmp_path / "data"), load_tokenizer_info(QWEN3), out)
+    Layout(out).node_check().write_text(check.token)
+    node = (
+        "import pickle, sys; from tokpipe.runner import nodes; print(nodes.unseen(pickle.load(sys.stdin.buffer), 'n1'))"
+    )
+    said = {}
+    for version in ("the same", "another"):
+        install = tmp_path / version.replace(" ", "-")
+        shutil.copytree(
+            Path(nodes.__file__).parents[1], install / "tokpipe", ignore=shutil.ignore_patterns("__pycache__")
+        )
+        if version == "another":
+            with open(install / "tokpipe" / "layout" / "stored.py", "a") as f:
+                f.write("# a line of another version\n")
+        env = {**os.environ, "PYTHONPATH": str(install)}  # (from tmp_path: -c puts the current folder first)
+        command = [sys.executable, "-c", node]
+        child = subprocess.run(command, input=pickle.dumps(check), env=env, cwd=tmp_path, capture_output=True)
+        assert child.returncode == 0, child.stderr.decode()
+        said[version] = child.stdout.decode().strip()
+    assert said["the same"] == "None"
+    other = rf"runs another tokpipe than the driver \({re.escape(str(install / 'tokpipe'))}: sha256 [0-9a-f]{{16}}, not"
+    assert re.fullmatch(rf"{other} the driver's {check.code[:16]}\)", said["another"]), said["another"]
+    assert nodes.refusal([f"node 10.0.0.7 (ab) {said['another']}"], storage_of(out)).endswith(
+        ": every node must run the driver's tokpipe (the same install), and rerun the same command"
+    )
 
 
 def test_threads_of_one_worker_that_check_a_node_at_once_all_pass(tmp_path, monkeypatch):

@@ -301,3 +301,39 @@ def test_the_run_follows_the_cluster_as_nodes_join_fail_their_check_and_are_lost
     assert "cdcdcdcd" not in assembled, assembled
     assert_out_is(out, {stem: np.concatenate([tokens] * copies) for stem, tokens in small_reference.items()})
     assert cli("verify", out).returncode == 0
+
+
+class _Watch:
+    """What Losses asks of NodeWatch: a cluster where every node stays up."""
+
+    lost: set = set()
+
+    def name(self, node: str) -> str:
+        return f"10.0.0.7 ({node[:8]})"
+
+    def confirms(self, node: str) -> bool:
+        return False
+
+
+def test_placing_that_fails_with_its_placer_up_stops_the_run_at_the_third_failure():
+    """A Placer killed is made again and goes on (tests/test_runner_storage.py kills them). A call whose Placer stays
+    up and that fails alike each time (here, as on a node with another tokpipe: its result cannot be read in the
+    driver) was made again for good, a core spinning, no word."""
+    from collections import deque
+
+    import ray
+
+    from tokpipe.errors import RayUnavailable
+    from tokpipe.runner.schedule import PLACING_TRIES, Losses
+
+    tasks = type("Tasks", (), {"watch": _Watch(), "again": deque(), "log": lambda self, line: None})()
+    losses = Losses(tasks, tell=lambda said: None)
+    unreadable = ray.exceptions.RaySystemError("AttributeError: Can't get attribute 'Segment' on <module 'x'>")
+    for _ in range(PLACING_TRIES - 1):
+        losses.placing_failed(None, "ab12cd34ef", [], unreadable)
+    with pytest.raises(RayUnavailable) as stopped:
+        losses.placing_failed(None, "ab12cd34ef", [], unreadable)
+    assert str(stopped.value) == (
+        "placing on node 10.0.0.7 (ab12cd34) failed 3 times, its Placer up (RaySystemError: System error:"
+        " AttributeError: Can't get attribute 'Segment' on <module 'x'>); details in OUT/logs/run.log"
+    )

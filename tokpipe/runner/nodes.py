@@ -9,6 +9,8 @@ Unchecked, such a node failed every shard it took on whichever file of OUT it op
 dump's), or worse, wrote shards to a disk of its own where the driver never sees them.
 
 What a node checks (`unseen`), and why that is enough:
+- its tokpipe, the driver's (code_digest): tasks and their results pass between them pickled, by module and class
+  name, and another version's may not read back (a class moved: each placing call failed, made again for good).
 - OUT, as where it lives says (runner/storage.py `unseen`): it reads back the token the driver wrote there for
   this run (a folder of the node's own at the same path lacks it), then writes and removes a file of its own
   beside it.
@@ -27,6 +29,7 @@ the store too (each read through the node's own client).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import secrets
@@ -64,6 +67,7 @@ class NodeCheck:
     tokenizer: str  # the tokenizer.json
     tokenizer_sha256: str
     shards: tuple[tuple[str, int], ...]  # (path, size) of the shards each node opens
+    code: str = ""  # the driver's code_digest()
     checked: frozenset[str] = frozenset()  # ids of the nodes whose probe passed
 
     @classmethod
@@ -81,12 +85,28 @@ class NodeCheck:
         folders = list(firsts.values())
         folders = folders[:: max(1, -(-len(folders) // MAX_FOLDERS))]  # none: every shard on a store
         shards = tuple(dict.fromkeys(folders + sample))
-        return cls(str(out), secrets.token_hex(16), info.path, info.sha256, shards)
+        return cls(str(out), secrets.token_hex(16), info.path, info.sha256, shards, code_digest())
+
+
+OTHER_CODE = "runs another tokpipe than the driver"
+
+
+@functools.cache
+def code_digest() -> str:
+    """This process's tokpipe: the sha256 of its modules' names and bytes (84 files: 4 ms, once a process)."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 def unseen(check: NodeCheck, who: str) -> str | None:
     """What this machine cannot see of what the run needs, in a few words; None when it sees it all.
     `who` names the file it writes under OUT (unique among the processes that check at once)."""
+    if check.code and (code := code_digest()) != check.code:
+        where = Path(__file__).resolve().parents[1]
+        return f"{OTHER_CODE} ({where}: sha256 {code[:16]}, not the driver's {check.code[:16]})"
     out = storage_of(check.out)
     if (problem := out.unseen(check.token, who)) or not out.on_disk:
         return problem  # on a store: the tokenizer comes through Ray's object store (task.py), the shards are objects
@@ -113,7 +133,8 @@ def unseen(check: NodeCheck, who: str) -> str | None:
 def refusal(problems: list[str], out: Folder | Prefix) -> str:
     """The one line that stops the run: the first node's problem, how many more, what to do."""
     more = f" (and {len(problems) - 1} more nodes, in OUT/logs/{RUN_LOG})" if len(problems) > 1 else ""
-    return f"{problems[0]}{more}: {out.every_node}, and rerun the same command"
+    fix = "every node must run the driver's tokpipe (the same install)" if OTHER_CODE in problems[0] else out.every_node
+    return f"{problems[0]}{more}: {fix}, and rerun the same command"
 
 
 def _node() -> str:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
@@ -32,7 +32,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tokpipe.errors import NodeError, RayUnavailable, Unavailable
 from tokpipe.fmt import plural
 from tokpipe.inputs.manifest import Manifest, Shard
-from tokpipe.layout.files import stall_dump
+from tokpipe.layout.files import RUN_LOG, stall_dump
 from tokpipe.options import RunOptions
 from tokpipe.runner.cluster import fit_workers
 from tokpipe.runner.copies import Placers, get
@@ -57,6 +57,7 @@ GATHER = 0.02
 # more than a quarter of a worker's share of what is left (`packs`). Ray's submit is most of the driver's cost
 # per task (0.66 of 1.29 ms, py-spy, 2,500 one-document shards, 16 workers on 2 cores), the rest is per shard;
 # at ~60 MB/s a core 32 MiB is half a second of a worker's tail.
+PLACING_TRIES = 3  # a live Placer's failed calls (a result the driver cannot read) before the run stops, not spins
 PACK_BYTES = 32 << 20
 PACK_SHARDS = 64
 
@@ -249,6 +250,7 @@ class Losses:
     def __init__(self, tasks: Tasks, tell: Listener):
         self.tasks, self.watch, self.log, self.tell = tasks, tasks.watch, tasks.log, tell
         self.unsaid: dict[str, tuple[float, set[str], set[str]]] = {}  # node -> found at, shards ran, waited there
+        self.placing_failures: Counter[str] = Counter()  # node -> calls of its live Placers that failed
 
     def lose(self, node: str, copies: Placers, ran: list[Shard] = (), taken: list[OnNode] = ()) -> bool:
         """A node is lost: the shards done and waiting in its object store are tokenized again (with `taken`,
@@ -288,6 +290,13 @@ class Losses:
                 self.lose(where, copies, taken=[s for s in lost if s.node == where])
                 lost = [s for s in lost if s.node != where]
         self.tasks.again.extendleft(_Task([stored.shard], redo=stored) for stored in lost)
+        if node not in self.watch.lost and not isinstance(error, ray.exceptions.RayActorError):
+            self.placing_failures[node] += 1
+            if self.placing_failures[node] >= PLACING_TRIES:
+                raise RayUnavailable(
+                    f"placing on node {self.watch.name(node)} failed {PLACING_TRIES} times, its Placer up"
+                    f" ({describe_failure(error)}); details in OUT/logs/{RUN_LOG}"
+                )
 
     def say(self, now: bool = False) -> None:
         """Say each node lost, in one line with what it cost, once POLL_EVERY has passed since it was found (or
