@@ -89,15 +89,15 @@ class NodeCheck:
 
 
 OTHER_CODE = "runs another tokpipe than the driver"
+PACKAGE = Path(__file__).resolve().parents[1]  # this process's tokpipe
 
 
 @functools.cache
 def code_digest() -> str:
     """This process's tokpipe: the sha256 of its modules' names and bytes (84 files: 4 ms, once a process)."""
-    root = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    for path in sorted(PACKAGE.rglob("*.py")):
+        digest.update(path.relative_to(PACKAGE).as_posix().encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
 
@@ -105,8 +105,7 @@ def unseen(check: NodeCheck, who: str) -> str | None:
     """What this machine cannot see of what the run needs, in a few words; None when it sees it all.
     `who` names the file it writes under OUT (unique among the processes that check at once)."""
     if check.code and (code := code_digest()) != check.code:
-        where = Path(__file__).resolve().parents[1]
-        return f"{OTHER_CODE} ({where}: sha256 {code[:16]}, not the driver's {check.code[:16]})"
+        return f"{OTHER_CODE} ({PACKAGE}: sha256 {code[:16]}, not the driver's {check.code[:16]})"
     out = storage_of(check.out)
     if (problem := out.unseen(check.token, who)) or not out.on_disk:
         return problem  # on a store: the tokenizer comes through Ray's object store (task.py), the shards are objects

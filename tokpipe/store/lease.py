@@ -6,9 +6,8 @@ the live run says so again every `seconds / 3` (a PUT `If-Match` its ETag: a run
 there, and stops). It is removed at the end (DELETE `If-Match`). Another run that finds it is refused in one line
 while the lease is live; once it has expired (nothing renewed it for `seconds`, by the finder's clock, less
 SKEW), or at once when its holder is a process of this machine (its host name, boot and PID namespace) that is
-gone, it is taken over by a PUT
-`If-Match` its ETag: of two runs taking it at once, one wins. So after a kill -9 the same command resumes: at once
-on the same machine, within a lease on another.
+gone, it is taken over by a PUT `If-Match` its ETag: of two runs taking it at once, one wins. So after a kill -9
+the same command resumes: at once on the same machine, within a lease on another.
 """
 
 from __future__ import annotations
