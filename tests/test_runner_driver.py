@@ -253,7 +253,13 @@ def test_disk_full_stops_the_shard_clearly_and_the_rerun_completes(
         assert full.returncode == 1
         assert "No space left on device" in full.stderr and "Traceback" not in full.stderr
         assert not (out / "meta.json").exists()
+        # Said when the first shard was done, counting what OUT did not hold yet (not only the input unread),
+        # and by status with the space as it is now.
+        said = re.search(r"disk: output projected at .*: (fits|WILL NOT FIT)", full.stdout)
+        assert said and said[1] == "WILL NOT FIT", full.stdout
+        assert re.search(r"\ndisk: .* 0\.0 kB free on OUT's file system: WILL NOT FIT", cli("status", out).stdout)
         subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)  # space freed
+        assert re.search(r"\ndisk: .* free on OUT's file system: fits\n", cli("status", out).stdout)
         rerun = tokpipe(*run_args(manifest, out, tokenizer=small_tokenizer))
         assert rerun.returncode == 0, rerun.stderr
         assert_out_is(out, small_reference)

@@ -34,19 +34,35 @@ def free_bytes(path: str | os.PathLike) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def held_bytes(folder: str | os.PathLike) -> int:
+    """Bytes the files under folder take on its file system: their blocks, so a split file written at its
+    shards' offsets counts what is written, not its length."""
+    held = 0
+    for parent, _, files in os.walk(folder):
+        for name in files:
+            try:
+                held += os.lstat(os.path.join(parent, name)).st_blocks * 512
+            except FileNotFoundError:  # removed by the run meanwhile
+                pass
+    return held
+
+
 def disk_line(disk: dict, tokens_per_byte: float | None = None, input_bytes: int = 0, itemsize: int = 0) -> str:
-    """Whether the output fits: its projected size, what is still to write, the free space."""
+    """Whether the output fits: its projected size, what is still to write (what OUT does not hold yet), the
+    free space. Not the tokens of the input still unread: those of the shards read but not yet placed (up to
+    one a worker, each shard of a few large ones) are to write too, and leaving them out said "fits" of a
+    4.6 MB output on a 3 MB disk."""
     how = ""
     if tokens_per_byte is not None:
         how = f" ({tokens_per_byte:.3f} tokens per input byte so far x {size(input_bytes)} of input x {itemsize} bytes)"
-    fits = disk["to_write_bytes"] <= disk["free_bytes"]
+    to_write = max(disk["projected_bytes"] - disk["held_bytes"], 0)
     verdict = (
         "fits"
-        if fits
-        else f"WILL NOT FIT: free {size(disk['to_write_bytes'] - disk['free_bytes'])} more, or use another --out; "
+        if to_write <= disk["free_bytes"]
+        else f"WILL NOT FIT: free {size(to_write - disk['free_bytes'])} more, or use another --out; "
         "a full disk stops the run, and rerunning the same command resumes it"
     )
     return (
-        f"disk: output projected at {size(disk['projected_bytes'])}{how}; {size(disk['to_write_bytes'])} still to"
+        f"disk: output projected at {size(disk['projected_bytes'])}{how}; {size(to_write)} still to"
         f" write, {size(disk['free_bytes'])} free on OUT's file system: {verdict}"
     )

@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from tokpipe.errors import UserError
-from tokpipe.fmt import disk_line, duration, free_bytes
+from tokpipe.fmt import disk_line, duration, free_bytes, held_bytes
 from tokpipe.inputs.manifest import load_manifest
 from tokpipe.layout.checkpoints import Checkpoint, Checkpoints
 from tokpipe.layout.files import FAILED, PROGRESS, REFUSED, RUN_LOG, Layout
@@ -68,7 +68,7 @@ class RunStatus:
     progress: dict | None  # the live run's progress.json, while fresh
     last_report_age: float | None  # seconds since progress.json was last written, by any run
     next: str  # what to run next
-    disk: dict | None = None  # the last run's projection of the output's size (progress.json), free space now
+    disk: dict | None = None  # the last run's projection of the output's size (progress.json); held and free now
     # --group-by: split -> group -> [tokens, documents] committed (held-out documents under validation)
     groups: dict[str, dict[str, list[int]]] = field(default_factory=dict)
     refused: str | None = None  # why the last run stopped before OUT held a token
@@ -161,7 +161,7 @@ def status(out: str | os.PathLike) -> RunStatus:
             next_step += f"   (TOKENIZER: the one with sha256 {sha}…; this run.json does not record its path)"
     disk = progress.get("disk") if progress and state != "finished" else None
     if disk:
-        disk = {**disk, "free_bytes": free_bytes(out)}
+        disk = {**disk, "held_bytes": held_bytes(out), "free_bytes": free_bytes(out)}  # as they are now
     groups = {split: dict(sorted(g.items())) for split, g in groups.items()}
     why = refused and refused["error"]
     left = left_over(copy, meta.concat) if meta is not None else None

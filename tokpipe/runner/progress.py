@@ -13,7 +13,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tokpipe.durability import write_json_atomic
-from tokpipe.fmt import disk_line, duration, free_bytes
+from tokpipe.fmt import disk_line, duration, free_bytes, held_bytes
 from tokpipe.layout.files import PROGRESS, RUN_LOG, Layout
 from tokpipe.layout.meta import Meta
 from tokpipe.layout.series import Series
@@ -87,8 +87,9 @@ class Progress:
         self.read_this_run, self.done = read - self.start_bytes, done
         rate = file_bytes / elapsed
         eta = (self.total - read) / rate if rate > 0 else None
-        if self.disk is None and self.on_disk and done > self.done_before and file_bytes and tokens:
-            self.disk = self._project_disk(file_bytes, tokens, read)
+        projected = self.disk is None and self.on_disk and done > self.done_before and file_bytes and tokens
+        if projected:
+            self.disk = self._project_disk(file_bytes, tokens)
         failures = f" ({failed} FAILED)" if failed else ""
         self.series.point(read, tokens, documents, running, done, self.workers, final)
         rates = f"{documents:,} docs, {tokens / elapsed / 1e6:.2f}M tok/s"
@@ -107,7 +108,7 @@ class Progress:
                     stderr=True,
                 )
             )
-        if final or now - self.last_file >= 2.0:
+        if final or projected or now - self.last_file >= 2.0:  # the projection kept at once, for status
             self.last_file = now
             write_json_atomic(
                 Layout(self.out).log(PROGRESS),
@@ -126,13 +127,13 @@ class Progress:
                 },
             )
 
-    def _project_disk(self, file_bytes: int, tokens: int, read: int) -> dict:
+    def _project_disk(self, file_bytes: int, tokens: int) -> dict:
         """The output's size from the tokens per input byte so far, beside the free space of OUT's file
         system; said once, when the first shard of this run is done, so that a disk too small is known
         hours before it fills (a full disk stops the run; it resumes once space is freed)."""
         disk = {
             "projected_bytes": int(tokens / file_bytes * self.total * self.itemsize),
-            "to_write_bytes": int(tokens / file_bytes * (self.total - read) * self.itemsize),
+            "held_bytes": held_bytes(self.out),
             "free_bytes": free_bytes(self.out),
         }
         self.tell(Said(disk_line(disk, tokens / file_bytes, self.total, self.itemsize)))
