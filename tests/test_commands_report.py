@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import EXAMPLE_CACHE, QWEN3, REPO, checkpoints_by_key, cli, tokpipe, unguarded
+from helpers import EXAMPLE_CACHE, QWEN3, REPO, can_make_mount_namespaces, checkpoints_by_key, cli, tokpipe, unguarded
 
 from tokpipe.layout import series as series_mod
 from tokpipe.layout.series import Series, read_series
@@ -290,6 +290,22 @@ def test_the_page_s_default_place_is_out_in_a_folder_and_the_current_folder_for_
         shown = str(page)
     assert result.stdout.startswith(f"{shown}: ")
     assert "859,703" in page.read_text()  # train's tokens, as meta says
+
+
+@pytest.mark.skipif(not can_make_mount_namespaces(), reason="needs root and unshare -m")
+def test_an_out_mounted_read_only_asks_for_the_page_s_place_in_one_line(out, tmp_path):
+    mounted = f"mount --bind {out} {out} && mount -o remount,ro,bind {out}"
+    report = f"{sys.executable} -m tokpipe.cli report {out}"
+    refused = subprocess.run(["unshare", "-m", "sh", "-c", f"{mounted} && {report}"], capture_output=True, text=True)
+    assert (refused.returncode, refused.stderr) == (
+        2,
+        f"tokpipe report: error: cannot write the page into {out} (Read-only file system): name its place with -o"
+        " FILE\n",
+    )
+    page = tmp_path / "page.html"
+    written = subprocess.run(["unshare", "-m", "sh", "-c", f"{mounted} && {report} -o {page}"], capture_output=True)
+    assert written.returncode == 0 and page.is_file(), written.stderr
+    assert not (out / "report.html").exists()
 
 
 def test_an_unfinished_out_on_a_store_is_drawn_from_its_checkpoints_and_segments(unfinished_stored, small_reference):

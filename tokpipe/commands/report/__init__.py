@@ -12,11 +12,13 @@ figures `charts` draws (matplotlib, imported only when a page is drawn, so `tokp
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
 from tokpipe.commands.report.data import Report, build
 from tokpipe.durability import write_atomic
+from tokpipe.errors import UserError
 from tokpipe.layout.files import Layout
 from tokpipe.layout.stored import reader_out, stored_of
 
@@ -38,5 +40,12 @@ def write_report(
     else:
         path = Layout(out).report
     data = render(build(out, tokenizer)).encode("utf-8")
-    write_atomic(path, data)
+    try:
+        write_atomic(path, data)
+    except OSError as e:
+        if dest is not None or e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        # A trainer's read-only mount of OUT: the default place is the one thing wrong, and the OSError named
+        # only the page's temporary name.
+        raise UserError(f"cannot write the page into {out} ({e.strerror}): name its place with -o FILE") from e
     return path, len(data)
