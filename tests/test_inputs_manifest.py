@@ -189,6 +189,56 @@ def test_pointer_to_a_missing_blob_is_a_clear_error(tmp_path):
         build_manifest(cache)
 
 
+@pytest.mark.parametrize("dataset_dir", ["cache", "repo folder", "snapshot"])
+def test_a_link_to_a_blob_not_there_names_the_repo_damaged_and_how_to_mend_it(tmp_path, dataset_dir):
+    # A blob removed by hand, or a copy of snapshots/ without all of blobs/: scan_cache_dir leaves the repo out.
+    cache = tmp_path / "cache"
+    shutil.copytree(EXAMPLE_CACHE, cache, symlinks=True)
+    repo = cache / REPO_DIR.name
+    blob = (repo / "snapshots" / REVISION / "train" / "chunk1" / "example_train_1.jsonl.zst").resolve()
+    blob.unlink()
+    given = {"cache": cache, "repo folder": repo, "snapshot": repo / "snapshots" / REVISION}[dataset_dir]
+    with pytest.raises(UserError) as refused:
+        build_manifest(given)
+    assert str(refused.value) == (
+        f"tokpipe-realdata/slimpajama-mini in the cache at {cache} is damaged (Blob missing (broken symlink): {blob}):"
+        " a download cut short or a blob removed; download it again (huggingface-cli download"
+        " tokpipe-realdata/slimpajama-mini --repo-type dataset), then run the manifest"
+    )
+    # Beside a whole repo, it is still one of the cache's datasets: never the other read in its place.
+    shutil.copytree(EXAMPLE_CACHE / REPO_DIR.name, cache / "datasets--other--set", symlinks=True)
+    with pytest.raises(UserError, match="several datasets .*other/set, tokpipe-realdata/slimpajama-mini"):
+        build_manifest(cache)
+
+
+def test_a_download_not_finished_is_refused_never_left_out(tmp_path):
+    # huggingface_hub downloads to blobs/<etag>.incomplete and links the snapshot's file to the blob once it is whole
+    # (file_download.py); with --local-dir, to .cache/huggingface/download/<folder>/<hash>.<etag>.incomplete
+    # (_local_folder.py). Until then the file is not in the dataset, and the manifest would have one shard less.
+    cache = tmp_path / "cache"
+    shutil.copytree(EXAMPLE_CACHE, cache, symlinks=True)
+    link = cache / REPO_DIR.name / "snapshots" / REVISION / "train" / "chunk1" / "example_train_1.jsonl.zst"
+    blob = link.resolve()
+    link.unlink()
+    blob.rename(f"{blob}.incomplete")
+    with pytest.raises(UserError) as refused:
+        build_manifest(cache)
+    assert str(refused.value) == (
+        f"{blob.parent} holds 1 download(s) not finished (blobs/{blob.name}.incomplete, 0.5 MB so far): their files"
+        " are not in the dataset yet. Let the download end, or run it again (huggingface-cli download"
+        " tokpipe-realdata/slimpajama-mini --repo-type dataset), then run the manifest; a download given up for good:"
+        " remove its .incomplete file"
+    )
+    local = plain_copy_of_example(tmp_path / "local")
+    downloading = local / ".cache" / "huggingface" / "download" / "train" / "chunk1"
+    downloading.mkdir(parents=True)
+    (downloading / "Yx3b.1926265470074e43.incomplete").write_bytes(b"\0" * 1500)
+    with pytest.raises(UserError, match=r"holds 1 download\(s\) not finished \(download/train/chunk1/Yx3b\."):
+        build_manifest(local)
+    (downloading / "Yx3b.1926265470074e43.incomplete").unlink()  # given up
+    assert build_manifest(local).counts == {"train": 2, "validation": 1}
+
+
 def test_several_datasets_need_a_repo_id(tmp_path):
     cache = tmp_path / "cache"
     shutil.copytree(EXAMPLE_CACHE, cache, symlinks=True)

@@ -21,6 +21,7 @@ import hashlib
 import heapq
 import json
 import os
+import re
 import stat
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -292,9 +293,17 @@ def _locate(
     # Imported here, not at the top: every Ray worker imports this module, and only `manifest` needs it (~0.1 s).
     from huggingface_hub import scan_cache_dir
 
-    # scan_cache_dir also warns about stray files beside the repos (a README, a manifest); those are fine.
-    repos = {r.repo_id: r for r in scan_cache_dir(cache_root).repos if r.repo_type == "dataset"}
-    repo = repos[pick_repo(sorted(repos), repo_id, str(cache_root), lambda: _layout_hint(cache_root))]
+    # scan_cache_dir warns of stray files beside the repos (fine), and of a damaged repo, which it leaves out.
+    scanned = scan_cache_dir(cache_root)
+    repos = {r.repo_id: r for r in scanned.repos if r.repo_type == "dataset"}
+    damaged = {repo_id_of(m[0]): str(w) for w in scanned.warnings if (m := re.search(f"{REPO_PREFIX}[^/]+", str(w)))}
+    picked = pick_repo(sorted({*repos, *damaged}), repo_id, str(cache_root), lambda: _layout_hint(cache_root))
+    if picked not in repos:
+        raise UserError(
+            f"{picked} in the cache at {cache_root} is damaged ({damaged[picked]}): a download cut short or a blob "
+            f"removed; download it again (huggingface-cli download {picked} --repo-type dataset), then run the manifest"
+        )
+    repo = repos[picked]
     snapshots = {r.commit_hash: str(r.snapshot_path) for r in repo.revisions}
     rev = pick_revision(
         repo.repo_id, snapshots, {ref: r.commit_hash for r in repo.revisions for ref in r.refs}, snapshot or revision
@@ -317,6 +326,7 @@ def build_manifest(
     `is_out` tells a tokpipe OUT (tokpipe/layout/ knows one; the commands pass it): one inside the dataset is passed
     over."""
     root, blobs_dir, repo_id, revision = _locate(Path(dataset_dir).absolute(), repo_id, revision)
+    _refuse_unfinished_downloads(root, blobs_dir, repo_id)
     base = (blobs_dir.parent if blobs_dir else root).resolve()
     card = root / CARD
     text = _resolve_pointer(card, blobs_dir).read_text(errors="replace") if card.is_file() else ""
@@ -334,6 +344,19 @@ def build_manifest(
         str(root), str(base), allow_outside, repo_id, revision, shards, passed_over, lambda: _layout_hint(root),
         files_passed_over, chosen,
     )  # fmt: skip
+
+
+def _refuse_unfinished_downloads(root: Path, blobs_dir: Path | None, repo_id: str | None) -> None:
+    """huggingface_hub downloads a file as `*.incomplete` (a blob; in a --local-dir folder, under .cache/) and puts it
+    in place once whole: one still running, or cut, is a file a manifest would leave out without a word."""
+    downloads = blobs_dir if blobs_dir is not None else root / ".cache" / "huggingface" / "download"
+    if unfinished := sorted(downloads.rglob("*.incomplete")) if downloads.is_dir() else []:
+        shown = f"{unfinished[0].relative_to(downloads.parent)}, {unfinished[0].stat().st_size / 1e6:,.1f} MB so far"
+        raise UserError(
+            f"{downloads} holds {len(unfinished):,} download(s) not finished ({shown}): their files are not in the "
+            f"dataset yet. Let the download end, or run it again (huggingface-cli download {repo_id or 'ORG/NAME'} "
+            "--repo-type dataset), then run the manifest; a download given up for good: remove its .incomplete file"
+        )
 
 
 def _first_line(path: Path) -> bytes:
