@@ -74,7 +74,7 @@ def test_window_i_is_its_tokens_as_int64(finished_example, example_reference):
     reference = example_reference["train"]
     for i in (0, 1, 838, len(s) - 1):
         assert s.window(i).dtype == np.int64 and np.array_equal(s.window(i), reference[i * L : i * L + L + 1])
-    with pytest.raises(IndexError, match="window 1679 is out of range: split train has 1679 windows of seq_len 512"):
+    with pytest.raises(IndexError, match="window 1679 is out of range: split train has 1,679 windows of seq_len 512"):
         s.window(1679)
 
 
@@ -474,7 +474,7 @@ def test_every_argument_is_what_it_says_or_refused_in_one_line(finished_example)
     assert s.state_dict() == before
     p = Permutation(np.uint8(5), np.int32(-3))
     assert (p.n, p.seed) == (5, -3) and type(p.n) is type(p.seed) is int
-    with pytest.raises(IndexError, match="^window -1 is out of range: split train has 1679 windows of seq_len 512$"):
+    with pytest.raises(IndexError, match="^window -1 is out of range: split train has 1,679 windows of seq_len 512$"):
         s.window(-1)
 
 

@@ -183,7 +183,7 @@ class Sequences:
         self.len = max(self.files.tokens - 1, 0) // self.seq_len
         if self.len < self.world_size:
             raise ValueError(
-                f"split {split} of {self.out} has {self.files.tokens:,} tokens: {self.len} windows of seq_len "
+                f"split {split} of {self.out} has {self.files.tokens:,} tokens: {self.len:,} windows of seq_len "
                 f"{self.seq_len}, fewer than world_size {self.world_size:,}"
             )
         self._lock = threading.Lock()  # the position (epoch, offset, _ahead) moves under it
@@ -213,7 +213,7 @@ class Sequences:
         i = integer(i, "window", None)
         if not 0 <= i < self.len:
             raise IndexError(
-                f"window {i} is out of range: split {self.split} has {self.len} windows of seq_len {self.seq_len}"
+                f"window {i} is out of range: split {self.split} has {self.len:,} windows of seq_len {self.seq_len}"
             )
         start = i * self.seq_len
         return self.files.read(start, start + self.seq_len + 1).astype(np.int64)
