@@ -147,6 +147,28 @@ def test_run_refuses_a_name_not_in_the_cache_in_one_line(hub_cache, tmp_path):
     )
 
 
+def test_a_chat_model_s_turn_end_is_no_document_end_unless_asked(hub_cache, tmp_path):
+    # Revision v1's tokenizer_config.json is a chat model's, as Qwen3-0.6B's (eos <|im_end|>); Qwen3-0.6B-Base's
+    # names <|endoftext|>. Pretraining documents ended with a turn's end would be a chat format the model never had.
+    manifest, out = tmp_path / "m.json", tmp_path / "out"
+    assert cli("manifest", "--dataset-dir", EXAMPLE_CACHE, "-o", manifest).returncode == 0
+    chat = ("--tokenizer", "Qwen/Qwen3-0.6B", "--tokenizer-revision", "v1")
+    refused = cli("run", "--manifest", manifest, *chat, "--out", out)
+    assert (refused.returncode, refused.stderr) == (
+        2,
+        "tokpipe run: error: Qwen/Qwen3-0.6B is a chat model's tokenizer: its eos '<|im_end|>' ends a chat turn, and"
+        " its base model's texts end with '<|endoftext|>': pass --eos '<|endoftext|>' to end documents so, or --eos"
+        " '<|im_end|>' to end them with the turn's end\n",
+    )
+    assert not out.exists()
+    # Either, asked for, is taken as it is.
+    for eos in ("<|endoftext|>", "<|im_end|>"):
+        info = load_tokenizer_info("Qwen/Qwen3-0.6B", eos_token=eos, revision="v1")
+        assert (info.eos_token, info.text_end) == (eos, None)
+    assert load_tokenizer_info("Qwen/Qwen3-0.6B", revision="v1").text_end == "<|endoftext|>"
+    assert load_tokenizer_info("Qwen/Qwen3-0.6B").text_end is None  # main: a base model's config
+
+
 def test_run_with_a_hub_name_records_repo_and_commit_in_meta(hub_cache, tmp_path, example_reference):
     manifest, out = tmp_path / "m.json", tmp_path / "out"
     assert cli("manifest", "--dataset-dir", EXAMPLE_CACHE, "-o", manifest).returncode == 0

@@ -96,7 +96,7 @@ class RunOptions:
         f" without it go to group {MISSING_GROUP}",
         metavar="FIELD",
     )
-    eos: str | None = option(None, "EOS token (default: the tokenizer's eos_token)")
+    eos: str | None = option(None, "EOS token (default: the tokenizer's eos_token, unless a chat model's turn end)")
     bos: bool = option(False, "place BOS before every document (the tokenizer's bos_token, or --bos-token)")
     bos_token: str | None = option(None, "the BOS token --bos places (default: the tokenizer's bos_token)")
     no_eos: bool = option(False, "no EOS after documents (with --bos: BOS-delimited documents)")

@@ -30,10 +30,16 @@ class TokenizerInfo:
     dtype: str  # uint16 | uint32
     repo_id: str | None = None  # ORG/NAME when --tokenizer named a hub repository (found in the HF cache)
     revision: str | None = None  # the commit of that repository's snapshot it was read from
+    text_end: str | None = None  # the token a text ends with, where the config's eos is a chat turn's end (TURN_ENDS)
 
     @property
     def id(self) -> str:
         return f"{self.name}@sha256:{self.sha256[:16]}"
+
+
+# A chat model's tokenizer_config.json names the end of a turn its eos_token, where its base model's names the end of
+# a text (Qwen2.5 and Qwen3 Instruct, SmolLM2-Instruct: <|im_end|>; Llama 3 Instruct: <|eot_id|>).
+TURN_ENDS = {"<|im_end|>": "<|endoftext|>", "<|eot_id|>": "<|end_of_text|>"}
 
 
 def dtype_for(vocab_size: int) -> str:
@@ -163,6 +169,7 @@ def load_tokenizer_info(
         dtype=dtype_for(vocab_size),
         repo_id=repo_id,
         revision=commit,
+        text_end=None if eos_token or tok.token_to_id(TURN_ENDS.get(eos, "")) is None else TURN_ENDS[eos],
     )
 
 

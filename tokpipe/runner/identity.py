@@ -7,6 +7,7 @@ after a refusal) starts it over.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -83,6 +84,13 @@ def check_options(opts: RunOptions, info: TokenizerInfo, tokenizer) -> None:
         )
     if opts.group_by is not None and not opts.group_by.strip("."):
         raise UserError("--group-by needs a field name (e.g. --group-by meta.redpajama_set_name)")
+    if info.text_end and not opts.no_eos:  # documents ended with a turn's end, unasked: pretraining data a chat format
+        raise UserError(
+            f"{tokenizer} is a chat model's tokenizer: its eos {info.eos_token!r} ends a chat turn, and its base"
+            f" model's texts end with {info.text_end!r}: pass --eos {shlex.quote(info.text_end)} to end documents"
+            f" so, or --eos {shlex.quote(info.eos_token)} to end them with the turn's end",
+            fix={"eos": info.text_end},
+        )
 
 
 @contextmanager
