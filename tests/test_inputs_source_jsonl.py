@@ -80,6 +80,17 @@ def test_multi_frame_zstd_reads_every_frame(tmp_path):
     assert read_all(path)[0] == ["a", "b"]
 
 
+def test_a_zstd_file_of_the_largest_window_is_read(tmp_path):
+    # What `cat *.jsonl | zstd --long=31` writes: a frame that declares a 2 GiB window (its size unknown when
+    # streamed), which zstandard's decoder refuses by default, as `zstd -d` does without --long=31.
+    params = zstandard.ZstdCompressionParameters.from_level(3, window_log=31, enable_ldm=True)
+    path = tmp_path / "long.jsonl.zst"
+    with open(path, "wb") as f, zstandard.ZstdCompressor(compression_params=params).stream_writer(f) as writer:
+        writer.write(b"".join(b'{"text": "line %d"}\n' % i for i in range(1000)))
+    assert zstandard.get_frame_parameters(path.read_bytes()).window_size == 1 << 31
+    assert read_all(path)[0] == [f"line {i}" for i in range(1000)]
+
+
 def test_a_zstd_file_that_starts_with_a_skippable_frame_is_zstd(tmp_path):
     # pzstd's layout: a skippable frame before each frame, holding that frame's compressed size.
     path = tmp_path / "pzstd.jsonl.zst"

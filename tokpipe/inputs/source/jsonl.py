@@ -38,6 +38,11 @@ GZIP_MAGIC = b"\x1f\x8b"
 BOM = b"\xef\xbb\xbf"
 COMPRESSED_CHUNK = 1 << 16  # fed to zstd at a time; its output, a few times larger, is one block
 BLOCK = 1 << 20  # most decompressed bytes split into lines at once
+# zstd's largest window (2 GiB, `zstd --long=31`), where zstandard's default refuses a frame of a window over 128 MiB
+# as "Frame requires too much memory for decoding" (`zstd -d` asks for --long=31 or --memory=2048MB). A valid file is
+# read: the window holds the frame's text as read, up to its size (peak RSS 670 MiB for 359 MB of text at
+# --long=31; 15 MiB at the default window), which counts in --worker-memory as any of a worker's memory.
+ZSTD_WINDOW_MAX = 1 << 31
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -63,7 +68,7 @@ def _zstd_blocks(raw, path: str, start: tuple[int, int]) -> Iterator[tuple[bytes
         read += len(chunk)
         while chunk:
             if frame is None:
-                frame = zstandard.ZstdDecompressor().decompressobj()
+                frame = zstandard.ZstdDecompressor(max_window_size=ZSTD_WINDOW_MAX).decompressobj()
                 begun = (read - len(chunk), produced)
             try:
                 block = frame.decompress(chunk)
