@@ -239,6 +239,17 @@ def test_a_download_not_finished_is_refused_never_left_out(tmp_path):
     assert build_manifest(local).counts == {"train": 2, "validation": 1}
 
 
+def test_a_manifest_that_is_a_folder_or_no_manifest_at_all_is_one_line(tmp_path):
+    # A dataset folder passed as --manifest, and a JSONL shard, whose parse error ijson gives over four lines.
+    (tmp_path / "shard.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n')
+    for given, said in (
+        (EXAMPLE_CACHE, f"tokpipe manifest --dataset-dir {EXAMPLE_CACHE} -o M.json` writes of a dataset folder"),
+        (tmp_path / "shard.jsonl", "(IncompleteJSONError: parse error: trailing garbage): rebuild it with"),
+    ):
+        refused = cli(*run_args(given, tmp_path / "out"))
+        assert refused.returncode == 2 and said in refused.stderr and refused.stderr.count("\n") == 1, refused.stderr
+
+
 def test_several_datasets_need_a_repo_id(tmp_path):
     cache = tmp_path / "cache"
     shutil.copytree(EXAMPLE_CACHE, cache, symlinks=True)

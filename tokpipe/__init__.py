@@ -23,9 +23,10 @@ from __future__ import annotations
 import os
 
 from tokpipe._version import __version__
-from tokpipe.inputs.manifest import Manifest, on_store, write_manifest
+from tokpipe.inputs.manifest import Manifest, write_manifest
 from tokpipe.inputs.manifest import build_manifest as _build_manifest
 from tokpipe.layout.files import is_out
+from tokpipe.layout.stored import on_store
 from tokpipe.read.output import Output, Split, open_output
 from tokpipe.read.verify import verify
 

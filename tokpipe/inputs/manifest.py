@@ -7,11 +7,8 @@ object store (s3://BUCKET/PREFIX) are walked by objects.py, by these rules, into
 paths are s3:// URLs, and each records the object's ETag.
 
 A manifest may list 100,000s of shards, so a loaded one never holds them: each pass over its
-shards streams them from the file (ijson), and what a driver keeps is its counts and size.
-
-The folders are walked each once, however many symlinks lead to one: a link to a folder listed already (a
-mirror, a loop) is passed over and said, and so is a tokpipe OUT found inside the dataset. Files are never
-deduplicated: in a cache two snapshot files may rightly link to one blob.
+shards streams them from the file (ijson), and what a driver keeps is its counts and size. Folders are walked each
+once (_walk); files are never deduplicated: in a cache two snapshot files may rightly link to one blob.
 """
 
 from __future__ import annotations
@@ -40,11 +37,6 @@ MANIFEST_VERSION = 1
 HEADER = ("root", "base", "allow_outside", "repo_id", "revision", "fingerprint")  # the fields before the shards
 
 
-def on_store(path: str | os.PathLike) -> bool:
-    """Whether a dataset's or a shard's path is on an object store (an s3:// URL), not in a folder."""
-    return is_url(path)
-
-
 # A snapshot file that is not a symlink but a tiny text file naming a blob: what git and copy tools
 # leave of the cache's symlinks on filesystems or transfers that drop them.
 POINTER_MAX_BYTES = 512
@@ -62,7 +54,7 @@ class Shard:
     @property
     def on_store(self) -> bool:
         """An object on a store (read by ranged GETs through each process's own client), not a file."""
-        return on_store(self.path)
+        return is_url(self.path)
 
     def may_block(self) -> bool:
         """Whether reading it could block: a pipe or a device, not a regular file nor an object on a store. Only the
@@ -144,7 +136,7 @@ def _resolve_pointer(path: Path, blobs_dir: Path | None) -> Path:
 def _check_inside(shard_path: str, relpath: str, base: str) -> None:
     # normpath first: "base/../elsewhere" is outside, whatever its first component says. An object's key is its
     # name, never a path to resolve.
-    where = shard_path if on_store(shard_path) else os.path.normpath(shard_path)
+    where = shard_path if is_url(shard_path) else os.path.normpath(shard_path)
     if not where.startswith(base.rstrip("/") + "/"):
         raise UserError(
             f"{relpath} resolves to {shard_path}, outside the dataset folder {base}; pass --allow-outside if "
@@ -320,7 +312,7 @@ def build_manifest(
     configs: tuple[str, ...] = (),
 ) -> Manifest:
     """The ordered shard list of a dataset in a folder (one under an s3:// prefix: objects.py, which
-    tokpipe.build_manifest calls where `on_store`): the files of the card's config (`configs`, else its default:
+    tokpipe.build_manifest calls for an s3:// URL): the files of the card's config (`configs`, else its default:
     card.py), or without one, every file of data, in the splits their names say. Shards whose bytes lie outside it
     (through symlinks) are refused unless allow_outside: a manifest must not quietly read files from elsewhere.
     `is_out` tells a tokpipe OUT (tokpipe/layout/ knows one; the commands pass it): one inside the dataset is passed
@@ -439,9 +431,15 @@ def load_manifest(path: str | os.PathLike) -> Manifest:
         raise UserError(
             f"manifest {path} does not exist: create it with `tokpipe manifest --dataset-dir DIR -o {path}`"
         ) from None
-    except (ValueError, KeyError, TypeError, AttributeError, ijson.JSONError) as e:
+    except IsADirectoryError:
         raise UserError(
-            f"manifest {path} is not a tokpipe manifest ({type(e).__name__}: {e}): rebuild it with `tokpipe manifest`"
+            f"manifest {path} is a folder: a manifest is the file `tokpipe manifest --dataset-dir {path} -o M.json` "
+            "writes of a dataset folder; pass that file"
+        ) from None
+    except (ValueError, KeyError, TypeError, AttributeError, ijson.JSONError) as e:
+        why = str(e).partition("\n")[0]  # ijson's parse errors go on to show the bytes over several lines
+        raise UserError(
+            f"manifest {path} is not a tokpipe manifest ({type(e).__name__}: {why}): rebuild it with `tokpipe manifest`"
         ) from None
     if fingerprint != manifest.fingerprint:
         raise UserError(
