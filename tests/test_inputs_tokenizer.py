@@ -49,6 +49,12 @@ def test_missing_tokenizer_and_unknown_eos_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="not in the tokenizer's vocabulary"):
         load_tokenizer_info(QWEN3, eos_token="<|nope|>")
     assert load_tokenizer_info(QWEN3 / "tokenizer.json", eos_token="<|im_end|>").eos_id == 151645
+    # What a user may mean: a SentencePiece model (Llama 2's original checkpoint), nanoGPT's tiktoken name.
+    (tmp_path / "tokenizer.model").write_bytes(b"\n\x0e")
+    with pytest.raises(UserError, match=r"\(.* holds tokenizer.model, a SentencePiece model: transformers writes its"):
+        load_tokenizer_info(tmp_path)
+    with pytest.raises(UserError, match=r"\(tiktoken's gpt2, as nanoGPT's prepare.py encodes, is the hub's openai-"):
+        load_tokenizer_info("gpt2")
 
 
 # -- hub tokenizer --------------------------------------------------------------------------------------------

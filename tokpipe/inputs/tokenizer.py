@@ -88,6 +88,18 @@ def _is_hub_name(text: str) -> bool:
     return True
 
 
+def _other_format(local: Path) -> str:
+    """What the user may mean by a tokenizer that is no tokenizer.json: a SentencePiece model (Llama 2's and
+    Mistral's original checkpoints), or nanoGPT's tiktoken name "gpt2"."""
+    if str(local) == "gpt2":
+        return " (tiktoken's gpt2, as nanoGPT's prepare.py encodes, is the hub's openai-community/gpt2)"
+    held = sorted(p.name for p in local.glob("*.model")) if local.is_dir() else []
+    if not held:
+        return ""
+    save = "AutoTokenizer.from_pretrained(MODEL).save_pretrained(DIR)"
+    return f" ({local} holds {', '.join(held)}, a SentencePiece model: transformers writes its tokenizer.json: {save})"
+
+
 def _resolve(path: str | os.PathLike, revision: str | None = None) -> tuple[Path, str | None, str | None]:
     """(tokenizer.json, hub repo id, commit): a local path that exists wins over a hub name; the repo
     id and commit are None for a folder outside the Hugging Face cache."""
@@ -98,6 +110,7 @@ def _resolve(path: str | os.PathLike, revision: str | None = None) -> tuple[Path
             raise UserError(
                 f"no tokenizer at {path}: pass a local folder holding tokenizer.json (as saved by save_pretrained), "
                 "the tokenizer.json itself, or a hub name ORG/NAME in your Hugging Face cache; tokpipe never downloads"
+                + _other_format(local)
             )
         # Inside a Hugging Face cache snapshot (models--ORG--NAME/snapshots/COMMIT/): its ORG/NAME and commit, as
         # `status` prints a hub run's resume command.
