@@ -41,6 +41,7 @@ from helpers import (
     write_jsonl,
 )
 
+from tokpipe.commands.inspect import open_source
 from tokpipe.inputs.manifest import build_manifest, write_manifest
 from tokpipe.layout.stored import StoredOut
 from tokpipe.store import Bucket, Lease, Url
@@ -188,11 +189,12 @@ def _example_and_its_first_train_shard_added(tmp_path: Path):
 
 # The moments of an append to a finished OUT on a store that a kill -9 lands at: as its split files are copied to
 # sources/ (the second copy), once run.json is this run's (the first thing a resume does), as a segment takes a
-# finished part from the sources.
+# finished part from the sources, as that segment is uploaded (its .json and .idx sent, not its .bin: the commit).
 APPEND_KILLED_AT = {
     "copying the split files": ("tokpipe.layout.stored.compose", 2),
     "run.json written, meta not yet removed": ("tokpipe.write.stored.StoreAssembly.resume", 1),
     "a part read from the sources": ("tokpipe.write.segments.Kept.arrays", 1),
+    "its segment half uploaded": ("tokpipe.write.stored.put_buffers", 1),
 }
 
 
@@ -208,6 +210,14 @@ def test_an_append_killed_at_any_moment_then_the_same_command_is_one_run_over_al
     after()
     killed = store_out_run(tmp_path / "after.json", url, kill=APPEND_KILLED_AT[moment], tokenizer=small_tokenizer)
     assert killed.returncode == -9, killed.stdout + killed.stderr
+    # Meanwhile a reader (inspect, report) reads the shards done before the append where they are: in the sources,
+    # in the segments committed; the first shard is read too once it is done.
+    tokenizer = small_tokenizer / "tokenizer.json"
+    eos = reference_tokenizer(tokenizer).token_to_id("<|endoftext|>")
+    train_1 = reference_tokens(EXAMPLE_TRAIN_FILES[1:], tokenizer, eos, np.uint16)
+    for split, expected in (("train", (train_1, small_reference["train"])), ("validation", (small_reference["val"],))):
+        read = np.concatenate([np.asarray(f.tokens) for f in open_source(url, split).files])
+        assert any(np.array_equal(read, tokens) for tokens in expected), (split, read.size)
     rerun = store_out_run(tmp_path / "after.json", url, tokenizer=small_tokenizer)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert re.search(r": 3 shards, .*; 2 done, 0 partial, 1 to start$", rerun.stdout, re.M), rerun.stdout

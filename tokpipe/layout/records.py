@@ -18,7 +18,7 @@ from tokpipe.layout.checkpoints import Checkpoint, Checkpoints, PartCounts
 from tokpipe.layout.files import Layout, PartKey, damaged, rerun, split_bin_name
 from tokpipe.layout.meta import SplitEntry, SplitFile
 from tokpipe.layout.run import WriteSpec, sources
-from tokpipe.layout.stored import segment_parts, stored_of
+from tokpipe.layout.stored import SOURCES, segment_parts, stored_of
 
 IDX_DTYPE = np.dtype("<i8")  # document ends, cumulative token counts
 
@@ -206,6 +206,19 @@ def _placed(out: Layout, stem: str) -> dict[tuple[str, PartKey], SplitFile]:
     return placed
 
 
+def _sourced(root: Path, stem: str) -> dict[tuple[str, PartKey], SplitFile]:
+    """For a reader's copy of an OUT on a store that shards are appended to: the finished parts of a split in the split
+    files the append moved to sources/ (runner/storage.py Prefix._append), by shard and part key, each a range of
+    its file, until the append's segments hold them."""
+    found, listed = {}, root / SOURCES / f"{stem}.parts"
+    for part in parts_of(stem, read_parts(listed)) if listed.is_file() else ():
+        key = record_key(part.record)
+        base = Layout(SOURCES).split(stem, key[1])
+        at = {"token_offset": part.token_offset, "doc_offset": part.doc_offset, "growing": True, "placed": True}
+        found[part.name, key] = SplitFile(f"{base}.bin", f"{base}.idx", part.tokens, part.documents, **at)
+    return found
+
+
 def unfinished_files(root: Path, manifest: Manifest, stem: str, val_fraction: float) -> list[SplitFile]:
     """What an unfinished OUT (a reader's: layout/stored.py reader_out) holds of a split, as far as its records cover
     it: each part of the split in order (with --val-fraction, val's include the train shards' held-out ones; with
@@ -214,7 +227,8 @@ def unfinished_files(root: Path, manifest: Manifest, stem: str, val_fraction: fl
     beyond). Files still written. On a store, the parts of checkpointed shards in their segments, and those a failed
     shard kept (write/stored.py keep) in their shard's own files."""
     out, on_store = Layout(root), stored_of(root) is not None
-    placed, checkpoints = segment_parts(root, stem) if on_store else _placed(out, stem), Checkpoints(root)
+    placed = {**_sourced(root, stem), **segment_parts(root, stem)} if on_store else _placed(out, stem)
+    checkpoints = Checkpoints(root)
     files = []
     for shard, held in sources(manifest, stem, val_fraction):
         paths = out.shard(shard)

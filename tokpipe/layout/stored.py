@@ -223,6 +223,7 @@ class RecordsCopy(type(Path())):
     A path made from it (`copy / name`) holds no `stored`: a reader asks the copy itself (`stored_of`)."""
 
     stored: StoredOut
+    tokens: frozenset[str] | None = None  # the names of the .bin objects the copy's LIST found; None: not listed
 
 
 # GETs in flight while a reader copies OUT's records (a checkpoint per shard: 60,000 of them for SlimPajama)
@@ -255,9 +256,11 @@ def reader_out(out: str | os.PathLike, names: list[str] | None = None) -> Path:
     copy.stored = stored
     atexit.register(shutil.rmtree, copy, True)
     if names is None:
-        names = [stored.name(o.key) for o in stored.bucket.list(stored.prefix) if not o.key.endswith((".bin", ".idx"))]
-        if not names:
+        listed = [stored.name(o.key) for o in stored.bucket.list(stored.prefix)]
+        if not listed:
             raise UserError(f"{stored} holds no object: give the --out of a tokpipe run")
+        names = [name for name in listed if not name.endswith((".bin", ".idx"))]
+        copy.tokens = frozenset(name for name in listed if name.endswith(".bin"))
     copy_records(copy, names)
     return copy
 
@@ -295,12 +298,15 @@ def held_by(out: Path) -> str | None:
 
 
 def segment_parts(out: Path, stem: str) -> dict[tuple[str, PartKey], SplitFile]:
-    """For a reader's copy of an unfinished OUT on a store (reader_out): the parts of a split its segments hold, by
-    shard and part key, each a range of its segment (the segments' .json, copied with the records, say what each
-    holds). A part is read only where its shard is checkpointed: its segment is committed then."""
-    found = {}
+    """For a reader's copy of an unfinished OUT on a store (reader_out): the parts of a split its committed segments
+    hold, by shard and part key, each a range of its segment (the segments' .json, copied with the records, say what
+    each holds; its .bin, the commit, is in the copy's listing). A part is read only where its shard is checkpointed:
+    its segment is committed then, unless it was done before an append, whose segments take it anew."""
+    found, committed = {}, getattr(out, "tokens", None)
     for record in sorted((out / SEGMENTS / stem).rglob("*.json")):
         segment, tokens, documents = Segment.parse(record.read_bytes()), 0, 0
+        if committed is not None and f"{segment.name}.bin" not in committed:
+            continue
         for e in segment.entries:
             # "growing": its segment is checked to hold at least the part, since other parts follow it there
             at = {"token_offset": tokens, "doc_offset": documents, "placed": True, "growing": True}
