@@ -260,6 +260,23 @@ def test_sample_passes_over_a_long_document_of_a_tokenizer_it_cannot_cut_and_say
     ]
 
 
+def test_a_sample_of_a_dataset_moved_or_changed_since_the_run_is_one_line(tmp_path):
+    # Else its documents would be read from elsewhere, or be other documents, and said not to match their tokens.
+    write_jsonl(tmp_path / "data" / "train" / "part.jsonl", [json.dumps({"text": t}) for t in ("one", "two")])
+    out = build_out(tmp_path / "out", QWEN3, dataset=tmp_path / "data")
+    part = tmp_path / "data" / "train" / "part.jsonl"
+    part.write_text(part.read_text() + '{"text": "three"}\n')
+    said = f"tokpipe verify: error: --sample re-reads documents from the run's dataset, and {part} (train/part.jsonl in"
+    advice = "put the dataset back as the run read it, or verify without --sample\n"
+    assert (
+        cli("verify", out, "--sample", "1").stderr
+        == f"{said} OUT's manifest.json) is 50 bytes, where the run read 32: {advice}"
+    )
+    part.unlink()
+    assert cli("verify", out, "--sample", "1").stderr == f"{said} OUT's manifest.json) is not there: {advice}"
+    assert cli("verify", out).returncode == 0  # the output itself holds
+
+
 def test_every_check_and_a_sample_hold_where_out_is_in_a_folder_or_on_a_store(finished_either):
     result = cli("verify", finished_either, "--sample", "2")
     assert result.returncode == 0, result.stdout + result.stderr

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
+from tokpipe.errors import UserError
 from tokpipe.inputs.encoders import HFEncoder
-from tokpipe.inputs.manifest import load_manifest
+from tokpipe.inputs.manifest import Shard, load_manifest
 from tokpipe.inputs.objects import check_reachable
 from tokpipe.inputs.pieces import PIECE_CHARS
 from tokpipe.inputs.source import read_batches
@@ -48,6 +49,8 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
     val_fraction, group_by = meta.val_fraction, meta.group_by
     population = _population(out, meta, manifest)
     picks = _picks(population, k, seed)
+    for shard in {population[i][1] for i in picks}:
+        _check_source(shard)
 
     results: dict[str, list[int]] = {}
     mismatches: dict[str, list[str]] = {}
@@ -85,6 +88,24 @@ def verify_sample(out: str | os.PathLike, k: int, seed: int = 0, tokenizer: str 
             if seen > last:
                 break
     return _checks(results, mismatches, in_pieces, passed_over)
+
+
+def _check_source(shard: Shard) -> None:
+    """A sampled file of the run's dataset is where the manifest says, as the run read it (its size): else its
+    documents would be said not to match their tokens. (An object on a store is read by its ETag: one replaced
+    fails its read.)"""
+    if shard.on_store:
+        return
+    try:
+        size = os.stat(shard.path).st_size
+    except FileNotFoundError:
+        size = None
+    if size != shard.size:
+        now = "is not there" if size is None else f"is {size:,} bytes, where the run read {shard.size:,}"
+        raise UserError(
+            f"--sample re-reads documents from the run's dataset, and {shard.path} ({shard.relpath} in OUT's "
+            f"manifest.json) {now}: put the dataset back as the run read it, or verify without --sample"
+        )
 
 
 def _population(out: Path, meta: Meta, manifest) -> list[tuple]:
