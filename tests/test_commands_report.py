@@ -299,13 +299,8 @@ def test_an_out_mounted_read_only_asks_for_the_page_s_place_in_one_line(out, tmp
     refused = subprocess.run(["unshare", "-m", "sh", "-c", f"{mounted} && {report}"], capture_output=True, text=True)
     assert (refused.returncode, refused.stderr) == (
         2,
-        f"tokpipe report: error: cannot write the page into {out} (Read-only file system): name its place with -o"
-        " FILE\n",
+        f"tokpipe report: error: cannot write the page into {out} (read-only here): name its place with -o FILE\n",
     )
-    page = tmp_path / "page.html"
-    written = subprocess.run(["unshare", "-m", "sh", "-c", f"{mounted} && {report} -o {page}"], capture_output=True)
-    assert written.returncode == 0 and page.is_file(), written.stderr
-    assert not (out / "report.html").exists()
 
 
 def test_an_unfinished_out_on_a_store_is_drawn_from_its_checkpoints_and_segments(unfinished_stored, small_reference):

@@ -12,7 +12,6 @@ figures `charts` draws (matplotlib, imported only when a page is drawn, so `tokp
 
 from __future__ import annotations
 
-import errno
 import os
 from pathlib import Path
 
@@ -39,13 +38,8 @@ def write_report(
         path = Path(f"{Path(stored.url.key).name or stored.url.bucket}-report.html")
     else:
         path = Layout(out).report
+        if not os.access(out, os.W_OK):  # a trainer's read-only mount of OUT: asked before the page is drawn
+            raise UserError(f"cannot write the page into {out} (read-only here): name its place with -o FILE")
     data = render(build(out, tokenizer)).encode("utf-8")
-    try:
-        write_atomic(path, data)
-    except OSError as e:
-        if dest is not None or e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
-            raise
-        # A trainer's read-only mount of OUT: the default place is the one thing wrong, and the OSError named
-        # only the page's temporary name.
-        raise UserError(f"cannot write the page into {out} ({e.strerror}): name its place with -o FILE") from e
+    write_atomic(path, data)
     return path, len(data)
