@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -131,6 +132,22 @@ def test_a_node_that_runs_another_tokpipe_is_named_before_it_takes_a_shard(tmp_p
     assert re.fullmatch(rf"{other} the driver's {check.code[:16]}\)", said["another"]), said["another"]
     assert nodes.refusal([f"node 10.0.0.7 (ab) {said['another']}"], storage_of(out)).endswith(
         ": every node must run the driver's tokpipe (the same install), and rerun the same command"
+    )
+
+
+def test_a_node_whose_encoder_or_reader_libraries_are_not_the_driver_s_is_named(tmp_path):
+    # The driver checked its encoder against `tokenizers` on a sample; a node's other fastokens (or tokenizers, or
+    # reader of the text) could write other ids. A node here is the driver's check with another version in it.
+    write_jsonl(tmp_path / "data" / "train" / "a.jsonl", ['{"text": "hello"}'])
+    out = tmp_path / "out"
+    (out / "logs").mkdir(parents=True)
+    check = NodeCheck.of(build_manifest(tmp_path / "data"), load_tokenizer_info(QWEN3), out)
+    Layout(out).node_check().write_text(check.token)
+    assert [name for name, _ in check.libraries] == list(nodes.LIBRARIES) and unseen(check, "n1") is None
+    version = dict(check.libraries)["fastokens"]
+    other = tuple((name, "0.0.1" if name == "fastokens" else v) for name, v in check.libraries)
+    assert unseen(replace(check, libraries=other), "n1") == (
+        f"runs another tokpipe than the driver (fastokens {version}, not the driver's 0.0.1)"
     )
 
 

@@ -11,6 +11,8 @@ dump's), or worse, wrote shards to a disk of its own where the driver never sees
 What a node checks (`unseen`), and why that is enough:
 - its tokpipe, the driver's (code_digest): tasks and their results pass between them pickled, by module and class
   name, and another version's may not read back (a class moved: each placing call failed, made again for good).
+  And the libraries that make the bytes, the driver's versions (LIBRARIES): the driver checked its encoder
+  against `tokenizers` on a sample, not a node's other version.
 - OUT, as where it lives says (runner/storage.py `unseen`): it reads back the token the driver wrote there for
   this run (a folder of the node's own at the same path lacks it), then writes and removes a file of its own
   beside it.
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import os
 import secrets
 import socket
@@ -68,6 +71,7 @@ class NodeCheck:
     tokenizer_sha256: str
     shards: tuple[tuple[str, int], ...]  # (path, size) of the shards each node opens
     code: str = ""  # the driver's code_digest()
+    libraries: tuple[tuple[str, str | None], ...] = ()  # the driver's library_versions()
     checked: frozenset[str] = frozenset()  # ids of the nodes whose probe passed
 
     @classmethod
@@ -85,7 +89,7 @@ class NodeCheck:
         folders = list(firsts.values())
         folders = folders[:: max(1, -(-len(folders) // MAX_FOLDERS))]  # none: every shard on a store
         shards = tuple(dict.fromkeys(folders + sample))
-        return cls(str(out), secrets.token_hex(16), info.path, info.sha256, shards, code_digest())
+        return cls(str(out), secrets.token_hex(16), info.path, info.sha256, shards, code_digest(), library_versions())
 
 
 OTHER_CODE = "runs another tokpipe than the driver"
@@ -101,11 +105,32 @@ def code_digest() -> str:
     return digest.hexdigest()
 
 
+# What the bytes of OUT depend on beside tokpipe: the encoders (inputs/encoders.py), and the readers of the shards'
+# text (JSON, zstd, Parquet).
+LIBRARIES = ("tokenizers", "fastokens", "gigatoken", "orjson", "zstandard", "pyarrow")
+
+
+@functools.cache
+def library_versions() -> tuple[tuple[str, str | None], ...]:
+    """This process's version of each of LIBRARIES (None: not installed)."""
+    found = []
+    for name in LIBRARIES:
+        try:
+            found.append((name, importlib.metadata.version(name)))
+        except importlib.metadata.PackageNotFoundError:
+            found.append((name, None))
+    return tuple(found)
+
+
 def unseen(check: NodeCheck, who: str) -> str | None:
     """What this machine cannot see of what the run needs, in a few words; None when it sees it all.
     `who` names the file it writes under OUT (unique among the processes that check at once)."""
     if check.code and (code := code_digest()) != check.code:
         return f"{OTHER_CODE} ({PACKAGE}: sha256 {code[:16]}, not the driver's {check.code[:16]})"
+    ours = dict(library_versions()) if check.libraries else {}
+    for name, theirs in check.libraries:
+        if ours[name] != theirs:
+            return f"{OTHER_CODE} ({name} {ours[name] or 'not installed'}, not the driver's {theirs or 'none'})"
     out = storage_of(check.out)
     if (problem := out.unseen(check.token, who)) or not out.on_disk:
         return problem  # on a store: the tokenizer comes through Ray's object store (task.py), the shards are objects
