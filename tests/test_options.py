@@ -160,6 +160,28 @@ def test_bos_then_text_then_eos_for_every_document(finished_bos):
     assert "train: every document starts with BOS" in checks and "train: BOS count == documents" in checks
 
 
+@pytest.mark.parametrize(
+    "delimiters, said",
+    [
+        ({}, "eos '<|endoftext|>' = 0"),
+        ({"bos": True}, "bos '<|endoftext|>' = 0 before each document, eos '<|endoftext|>' = 0 after it"),
+        ({"bos": True, "no_eos": True}, "bos '<|endoftext|>' = 0 before each document, no eos"),
+    ],
+    ids=["eos", "bos and eos", "bos alone"],
+)
+def test_the_first_line_says_the_ids_placed_around_every_document(
+    manifest, tmp_path, small_tokenizer, delimiters, said
+):
+    # What a trainer's config must match, as the run places it (the 600-id tokenizer: its <|endoftext|> is id 0).
+    heard = []
+    options = {"bos_token": "<|endoftext|>", **delimiters} if delimiters else {}
+    tokpipe_api.run(manifest, small_tokenizer, tmp_path / "out", workers=1, tell=heard.append, **options)
+    first = str(heard[0])
+    assert first.startswith("tokenizer small_tokenizer") and first.endswith(
+        f": vocab_size 600 (len(tokenizer), added tokens included), {said}, dtype uint16"
+    ), first
+
+
 def test_bos_without_eos_places_no_eos_anywhere(tmp_path):
     out = build_out(tmp_path / "out", QWEN3, options=RunOptions(bos=True, bos_token="<|im_start|>", no_eos=True))
     assert np.array_equal(

@@ -170,10 +170,15 @@ def _plan(run: _Run, manifest_path) -> Standing:
         done += ckpt is not None and ckpt.done
         partial += ckpt is not None and not ckpt.done
         done_bytes += shard.size if ckpt and ckpt.done else (ckpt.source_pos if ckpt else 0)
+    eos = f"eos {info.eos_token!r} = {info.eos_id}"
+    if run.opts.bos:  # what a trainer's config must match: the ids around every document, as placed
+        eos = f"bos {info.bos_token!r} = {info.bos_id} before each document, " + (
+            "no eos" if run.opts.no_eos else f"{eos} after it"
+        )
     run.tell(
         Said(
             f"tokenizer {info.id}: vocab_size {info.vocab_size:,} (len(tokenizer), added tokens included), "
-            f"eos {info.eos_token!r} = {info.eos_id}, dtype {info.dtype}"
+            f"{eos}, dtype {info.dtype}"
         )
     )
     run.tell(
