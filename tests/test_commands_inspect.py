@@ -147,6 +147,7 @@ def test_an_unfinished_grouped_run_is_inspected_through_each_shards_group_parts(
     for stem, reference in grouped_reference.items():
         source = open_source(out, stem)
         assert not source.finished and len(source.files) == {"train": 7, "val": 4}[stem]  # (shard, group) parts
+        assert source.shards == {"train": 2, "val": 1}[stem]  # what inspect's first line counts
         assert source.tokens == sum(len(t) for t, _, _ in reference.values())
         assert source.documents == sum(d for _, d, _ in reference.values())
         assert np.array_equal(

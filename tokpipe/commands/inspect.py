@@ -69,6 +69,7 @@ class Source:
     files: list[TokenFile]
     bos_id: int | None = None  # when the run placed BOS before documents
     eos_written: bool = True  # False: --no-eos
+    shards: int | None = None  # of an unfinished OUT: the shards its files hold committed tokens of
 
     @property
     def boundary(self) -> tuple[str, int]:
@@ -107,13 +108,13 @@ def open_source(out: str | os.PathLike, split: str) -> Source:
         data = open_output(out)
         name = _split_name(split, list(data.splits))
         record, files = data.record, data.splits[name].files
-        documents = sum(len(f.ends) for f in files)
+        documents, shards = sum(len(f.ends) for f in files), None
     else:
         if run is None or not layout.manifest.is_file():
             raise UserError(f"{layout.where} holds no tokpipe run (no meta.json, run.json or manifest.json)")
         manifest = load_manifest(layout.manifest)
         name = _split_name(split, output_splits(manifest, run.val_fraction))
-        written = unfinished_files(out, manifest, split_file_stem(name), run.val_fraction)
+        written, shards = unfinished_files(out, manifest, split_file_stem(name), run.val_fraction)
         reader = TokenFiles(out, written, run.dtype)
         record, files, documents = run, [reader.file(f) for f in range(len(reader))], reader.documents
     return Source(
@@ -130,6 +131,7 @@ def open_source(out: str | os.PathLike, split: str) -> Source:
         files=files,
         bos_id=record.bos_placed,
         eos_written=record.delimiters.eos,
+        shards=shards,
     )
 
 
@@ -321,7 +323,7 @@ def inspect(
 
 def report(ins: Inspection) -> str:
     src = ins.source
-    where = "a finished run" if src.finished else f"an unfinished run ({len(src.files)} shards with committed tokens)"
+    where = "a finished run" if src.finished else f"an unfinished run ({src.shards} shards with committed tokens)"
     lines = [
         f"{src.split}: {src.tokens:,} tokens, {src.documents:,} documents of {where}; "
         f"{src.dtype.name}, vocab_size {src.vocab_size:,}, EOS {src.eos_token!r} = {src.eos_id}",

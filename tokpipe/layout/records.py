@@ -219,19 +219,19 @@ def _sourced(root: Path, stem: str) -> dict[tuple[str, PartKey], SplitFile]:
     return found
 
 
-def unfinished_files(root: Path, manifest: Manifest, stem: str, val_fraction: float) -> list[SplitFile]:
+def unfinished_files(root: Path, manifest: Manifest, stem: str, val_fraction: float) -> tuple[list[SplitFile], int]:
     """What an unfinished OUT (a reader's: layout/stored.py reader_out) holds of a split, as far as its records cover
     it: each part of the split in order (with --val-fraction, val's include the train shards' held-out ones; with
     --group-by, a shard has a part per group), in the split file being assembled where its parts list lists it
     (placed), else in the shard's own files, as far as its checkpoint covers them (a live worker may be appending
     beyond). Files still written. On a store, the parts of checkpointed shards in their segments, and those a failed
-    shard kept (write/stored.py keep) in their shard's own files."""
+    shard kept (write/stored.py keep) in their shard's own files. With them, how many shards they are of."""
     out, on_store = Layout(root), stored_of(root) is not None
     placed = {**_sourced(root, stem), **segment_parts(root, stem)} if on_store else _placed(out, stem)
     checkpoints = Checkpoints(root)
-    files = []
+    files, shards = [], 0
     for shard, held in sources(manifest, stem, val_fraction):
-        paths = out.shard(shard)
+        paths, before = out.shard(shard), len(files)
         ckpt = checkpoints.of(shard) or Checkpoint()
         for part in ckpt.source_parts(held):
             if (shard.relpath, part.key) in placed:  # copied into the split file, its own files gone
@@ -239,4 +239,5 @@ def unfinished_files(root: Path, manifest: Manifest, stem: str, val_fraction: fl
             elif part.tokens and (not on_store or paths.checkpoint.is_file()):  # on a store: a kept part's
                 names = (str(path.relative_to(out.root)) for path in paths.part(part.key))
                 files.append(SplitFile(*names, part.tokens, part.documents, growing=True))
-    return files
+        shards += len(files) > before
+    return files, shards
