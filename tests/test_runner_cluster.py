@@ -6,13 +6,22 @@ import contextlib
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
-from helpers import REPO, assert_out_is, plain_copy_of_example, run_args, tokpipe, write_jsonl
+from helpers import (
+    REPO,
+    assert_out_is,
+    plain_copy_of_example,
+    run_args,
+    tokpipe,
+    write_jsonl,
+)
 
 from tokpipe.inputs.manifest import build_manifest, write_manifest
 from tokpipe.runner import cluster
@@ -174,3 +183,32 @@ def test_ray_that_does_not_start_is_one_line_saying_what_ray_said(tmp_path, smal
         result.stderr.splitlines()[-1],
     ), result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("listener", ["none", "http"])
+def test_an_address_where_ray_does_not_answer_is_one_line_at_once(tmp_path, small_tokenizer, listener):
+    # A typo in --address, a dashboard's port (HTTP): Ray's client tried each 20 times, ~40 s a try holding the GIL,
+    # 14 minutes without a word; a Ctrl-C or SIGTERM waited for it. (A port that takes connections and says nothing
+    # is told so after 10 s.)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        if listener == "http":
+            server.listen()
+            answer = threading.Thread(target=lambda: server.accept()[0].sendall(b"HTTP/1.0 400 Bad request\r\n\r\n"))
+            answer.start()
+        write_manifest(build_manifest(plain_copy_of_example(tmp_path / "data")), tmp_path / "m.json")
+        args = run_args(
+            tmp_path / "m.json", tmp_path / "out", "--address", address, "--ray-only", tokenizer=small_tokenizer
+        )
+        result = tokpipe(*args, timeout=120)
+    said = {
+        "none": f"nothing answers at {address}: Connection refused",
+        "http": f"what answers at {address} is not Ray (a dashboard's port?): a cluster's address is its head's GCS"
+        " port, 6379 unless `ray start --head --port` said another",
+    }[listener]
+    assert (result.returncode, result.stderr.splitlines()[-1]) == (
+        1,
+        f"tokpipe run: error: could not join the Ray cluster at {address} (ConnectionError: {said}): is it up (`ray"
+        " status`)? Then rerun",
+    )

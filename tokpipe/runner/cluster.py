@@ -14,7 +14,9 @@ import ctypes
 import logging
 import math
 import os
+import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -99,10 +101,42 @@ class Shape:
     note: str  # why fewer workers than asked, if so
 
 
+# How long a join waits for the cluster's address to answer as Ray's GCS does (a live one: in 6 ms here). Ray's own
+# client, given an address where nothing of Ray's answers, tried 20 times, ~40 s a try, holding the GIL: 14 minutes
+# without a word, and a Ctrl-C or SIGTERM waited for it.
+JOIN_ANSWER_SECONDS = 10
+HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # preface, empty SETTINGS
+
+
+def _answers_as_ray(address: str) -> None:
+    """A ConnectionError that says so, unless `address` (host:port, or ray://host:port) answers as Ray's GCS and
+    its client server do: gRPC, whose first frame is SETTINGS. "auto" is Ray's to find."""
+    if not (match := re.fullmatch(r"(?:ray://)?\[?([^\]]+?)\]?:(\d+)", address)):
+        return
+    try:
+        connection = socket.create_connection((match[1], int(match[2])), timeout=JOIN_ANSWER_SECONDS)
+    except OSError as e:  # refused, no route, no such host
+        raise ConnectionError(f"nothing answers at {address}: {e.strerror or e}") from None
+    first = b""
+    with connection:
+        try:
+            connection.sendall(HTTP2_HELLO)
+            while len(first) < 4 and (more := connection.recv(9)):
+                first += more
+        except OSError:  # a timeout: the port takes connections, and says nothing
+            raise ConnectionError(f"{address} takes a connection and says nothing in {JOIN_ANSWER_SECONDS} s") from None
+    if len(first) < 4 or first[3] != 4:
+        raise ConnectionError(
+            f"what answers at {address} is not Ray (a dashboard's port?): a cluster's address is its head's GCS port,"
+            " 6379 unless `ray start --head --port` said another"
+        )
+
+
 def _join(opts: RunOptions, address: str) -> Shape:
     """Ray started by joining the cluster at `address` (--address or RAY_ADDRESS): its workers fitted to it."""
     import ray
 
+    _answers_as_ray(address)
     ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
     alive = [n for n in ray.nodes() if n["Alive"]]
     cpus = int(ray.cluster_resources().get("CPU", 1))
@@ -331,9 +365,11 @@ class Cluster:
             # A SIGTERM from here on would cut the kill short and leave Ray's processes behind; the
             # process exits next anyway, with the run's own exit code (143 if a SIGTERM stopped it).
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        # Not while Ray starts: its client would wait a minute for the GCS it lost, holding the GIL.
-        # (Measured: 3-5 s; up to 43 s on this 2-core machine with a load average of 10-13.)
-        self.ready.wait()
+        # Not while an embedded Ray starts: its client would wait a minute for the GCS it lost, holding the GIL.
+        # (Measured: 3-5 s; up to 43 s on this 2-core machine with a load average of 10-13.) A join starts no
+        # process here, and may wait minutes on an address: a Ctrl-C or SIGTERM then must not wait with it.
+        if not self.address:
+            self.ready.wait()
         self.lines.silence()
         _kill_descendants()
         # Ray's exit handler would shut down what is gone; the process exits without it.

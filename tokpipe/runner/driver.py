@@ -271,6 +271,8 @@ def _tokenize_on_ray(run: _Run, backend: str, assembler, progress: Progress, tal
     from tokpipe.runner.nodes import NodeWatch, check_nodes
     from tokpipe.runner.schedule import Scheduler, Tasks
 
+    if run.cluster.address and not run.cluster.ready.is_set():  # said, where the wait is Ray's client's (minutes)
+        run.tell(Said(f"ray: joining the cluster at {run.cluster.address}"))
     shape = run.cluster.wait()
     # Over the C++ handler of Ray's core worker, where Ray was imported before the run could
     # switch it off (a Python caller's process; runner/cluster.py, Cluster._start).
