@@ -8,6 +8,7 @@ secret in anything written or printed; a kill -9 mid-shard resumed by a ranged r
 object replaced after the manifest, a wrong key, a missing bucket, no store, a store gone mid-run, each said in one
 line. Against a real S3 server (SeaweedFS, the s3_server fixture)."""
 
+import socket
 import threading
 from pathlib import Path
 
@@ -147,6 +148,31 @@ def test_check_refuses_what_no_retry_changes_in_one_line(s3_server):
         f"s3://no-such-bucket/: the store at {s3_server.endpoint} answered NoSuchBucket: there is no such bucket (The"
         " specified bucket does not exist)"
     )
+
+
+def test_check_of_an_endpoint_that_says_nothing_ends_in_its_own_read_timeout(monkeypatch):
+    # An endpoint that takes connections and never answers: the preflight waited READ_TIMEOUT (300 s, for a part
+    # copy) a try, 10 minutes without a word. Its own timeout here: a second.
+    monkeypatch.setattr(store.bucket, "CHECK_READ_TIMEOUT", 1)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        endpoint, said = f"http://127.0.0.1:{silent.getsockname()[1]}", []
+        checking = threading.Thread(target=lambda: said.append(_refusal(Bucket("tokpipe-tests", endpoint).check)))
+        checking.start()
+        checking.join(timeout=60)
+    assert not checking.is_alive() and said == [
+        f"s3://tokpipe-tests/: cannot reach the store at {endpoint} after 2 tries (Read timeout on endpoint URL:"
+        f' "{endpoint}/tokpipe-tests?list-type=2&prefix=&max-keys=1&encoding-type=url")'
+    ]
+
+
+def _refusal(call) -> str | None:
+    try:
+        call()
+    except StoreRefused as e:
+        return str(e)
+    return None
 
 
 def test_compose_copies_ranges_of_objects_on_the_server_into_one_create_only(s3_server, s3_prefix, monkeypatch):
