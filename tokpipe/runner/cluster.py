@@ -109,9 +109,10 @@ HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 
 
 
 def _answers_as_ray(address: str) -> None:
-    """A ConnectionError that says so, unless `address` (host:port, or ray://host:port) answers as Ray's GCS and
-    its client server do: gRPC, whose first frame is SETTINGS. "auto" is Ray's to find."""
-    if not (match := re.fullmatch(r"(?:ray://)?\[?([^\]]+?)\]?:(\d+)", address)):
+    """A ConnectionError that says so, unless `address` (host:port, ray://host:port; a dashboard's http:// URL is
+    asked too) answers as Ray's GCS and its client server do: gRPC, whose first frame is SETTINGS. "auto" is Ray's
+    to find."""
+    if not (match := re.fullmatch(r"(?:\w+://)?\[?([^\]/]+?)\]?:(\d+)/?", address)):
         return
     try:
         connection = socket.create_connection((match[1], int(match[2])), timeout=JOIN_ANSWER_SECONDS)
