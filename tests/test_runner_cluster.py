@@ -17,6 +17,7 @@ import pytest
 from helpers import (
     REPO,
     assert_out_is,
+    cli,
     plain_copy_of_example,
     run_args,
     tokpipe,
@@ -81,6 +82,17 @@ def test_a_text_field_no_document_has_stops_the_run_before_tokenizing(tmp_path, 
         " their fields: content, lang: pass --text-field NAME (e.g. --text-field content)"
     )
     assert not list((tmp_path / "out").glob("shards/*/*.json"))  # nothing tokenized
+    # A text nested in an object: the object is no field to suggest (naming it, the run was refused again, each
+    # line's "text" not a string).
+    write_jsonl(tmp_path / "data" / "train" / "code.jsonl", [json.dumps({"doc": {"body": "hello"}, "n": 1})])
+    write_manifest(build_manifest(tmp_path / "data"), tmp_path / "m.json")
+    nested = cli(*run_args(tmp_path / "m.json", tmp_path / "out", tokenizer=small_tokenizer))
+    assert (nested.returncode, nested.stderr) == (
+        2,
+        "tokpipe run: error: no document has a 'text' field in the first lines of each split's first shard, and none"
+        " of their fields (doc, n) holds text at a document's top level, which --text-field names: move the text up"
+        " (e.g. with `datasets`' map), into a dataset of its own\n",
+    )
 
 
 def test_a_shard_mostly_without_the_text_field_is_named(tmp_path, small_tokenizer):

@@ -40,10 +40,15 @@ def sample_texts(manifest: Manifest, text_field: str) -> tuple[list[str], int]:
             passed_over += first.skipped["too_long"]
         fields.update(found)
     if fields and text_field not in fields:
-        likely = max(fields, key=fields.get)
+        missing = f"no document has a {text_field!r} field in the first lines of each split's first shard"
+        names = ", ".join(sorted(fields))
+        if not fields[likely := max(fields, key=fields.get)]:  # an object, a number: naming it would be refused next
+            raise UserError(
+                f"{missing}, and none of their fields ({names}) holds text at a document's top level, which"
+                " --text-field names: move the text up (e.g. with `datasets`' map), into a dataset of its own"
+            )
         raise UserError(
-            f"no document has a {text_field!r} field in the first lines of each split's first shard; their fields:"
-            f" {', '.join(sorted(fields))}: pass --text-field NAME (e.g. --text-field {likely})",
+            f"{missing}; their fields: {names}: pass --text-field NAME (e.g. --text-field {likely})",
             fix={"text_field": likely},
         )
     return texts, passed_over

@@ -37,7 +37,7 @@ def format_of(path: str, etag: str | None = None) -> str:
 
 def fields_of(path: str, etag: str | None = None) -> Counter:
     """The fields documents of this shard have, each weighted by how much text it holds in the first
-    lines (JSONL), or the columns (Parquet, string columns weighing more): what --text-field can name."""
+    lines (JSONL), or the columns (Parquet, a string column 1): what --text-field can name; 0, a field of no text."""
     kind = format_of(path, etag)
     with open_read(path, etag, ahead=0 if kind == "parquet" else None) as raw:
         if kind == "parquet":

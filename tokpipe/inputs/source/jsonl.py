@@ -226,7 +226,8 @@ def _parse(lines: list, first_line_no: int, text_field: str, batch: TextBatch, g
 
 
 def jsonl_fields(raw, path: str, kind: str, sample_bytes: int = 1 << 20) -> Counter:
-    """Keys of the JSON objects in the first `sample_bytes` of the shard, by the characters of text they hold."""
+    """Keys of the JSON objects in the first `sample_bytes` of the shard, by the characters of text they hold (0: no
+    string: an object, a number)."""
     fields = Counter()
     for lines, *_ in _lines(decompressed_blocks(raw, path, kind, sample_bytes), sample_bytes):
         for line in lines[:-1] if len(lines) > 1 else lines:  # the last may be cut by the sample's end
@@ -235,7 +236,7 @@ def jsonl_fields(raw, path: str, kind: str, sample_bytes: int = 1 << 20) -> Coun
             except (orjson.JSONDecodeError, TypeError):
                 continue
             if isinstance(obj, dict):
-                fields.update({key: 1 + (len(value) if isinstance(value, str) else 0) for key, value in obj.items()})
+                fields.update({key: 1 + len(value) if isinstance(value, str) else 0 for key, value in obj.items()})
         break
     return fields
 

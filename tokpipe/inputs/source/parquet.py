@@ -158,7 +158,7 @@ def parquet_fields(source, path: str) -> Counter:
     parquet, _ = _open(source, path)
     with parquet:
         return Counter(
-            {f.name: 2 if f.type in TEXT_TYPES or str(f.type) in VIEW_TYPES else 1 for f in parquet.schema_arrow}
+            {f.name: 1 if f.type in TEXT_TYPES or str(f.type) in VIEW_TYPES else 0 for f in parquet.schema_arrow}
         )
 
 
