@@ -258,6 +258,9 @@ def test_disk_full_stops_the_shard_clearly_and_the_rerun_completes(
         said = re.search(r"disk: output projected at .*: (fits|WILL NOT FIT)", full.stdout)
         assert said and said[1] == "WILL NOT FIT", full.stdout
         assert re.search(r"\ndisk: .* 0\.0 kB free on OUT's file system: WILL NOT FIT", cli("status", out).stdout)
+        projection = json.loads(cli("status", out, "--json").stdout)["disk"]
+        assert projection["to_write_bytes"] == projection["projected_bytes"] - projection["held_bytes"] > 0
+        assert projection["free_bytes"] == 0
         subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)  # space freed
         assert re.search(r"\ndisk: .* free on OUT's file system: fits\n", cli("status", out).stdout)
         rerun = tokpipe(*run_args(manifest, out, tokenizer=small_tokenizer))

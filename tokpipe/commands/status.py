@@ -161,7 +161,9 @@ def status(out: str | os.PathLike) -> RunStatus:
             next_step += f"   (TOKENIZER: the one with sha256 {sha}…; this run.json does not record its path)"
     disk = progress.get("disk") if progress and state != "finished" else None
     if disk:
-        disk = {**disk, "held_bytes": held_bytes(out), "free_bytes": free_bytes(out)}  # as they are now
+        held = held_bytes(out)  # as it is now, and the free space (--json's to_write_bytes, as before: the line's)
+        disk = {**disk, "held_bytes": held, "free_bytes": free_bytes(out)}
+        disk["to_write_bytes"] = max(disk["projected_bytes"] - held, 0)
     groups = {split: dict(sorted(g.items())) for split, g in groups.items()}
     why = refused and refused["error"]
     left = left_over(copy, meta.concat) if meta is not None else None
