@@ -47,22 +47,34 @@ def held_bytes(folder: str | os.PathLike) -> int:
     return held
 
 
+def disk_now(projected_bytes: int, out: str | os.PathLike) -> dict:
+    """The output's projected size beside OUT's disk as it is now: what OUT holds, what is still to write (what it
+    does not hold yet), the free space. Not the tokens of the input still unread: those of the shards read but not
+    yet placed (up to one a worker, each shard of a few large ones) are to write too, and leaving them out said
+    "fits" of a 4.6 MB output on a 3 MB disk."""
+    held = held_bytes(out)
+    to_write = max(projected_bytes - held, 0)
+    return {
+        "projected_bytes": projected_bytes,
+        "held_bytes": held,
+        "to_write_bytes": to_write,
+        "free_bytes": free_bytes(out),
+    }
+
+
 def disk_line(disk: dict, tokens_per_byte: float | None = None, input_bytes: int = 0, itemsize: int = 0) -> str:
-    """Whether the output fits: its projected size, what is still to write (what OUT does not hold yet), the
-    free space. Not the tokens of the input still unread: those of the shards read but not yet placed (up to
-    one a worker, each shard of a few large ones) are to write too, and leaving them out said "fits" of a
-    4.6 MB output on a 3 MB disk."""
+    """Whether the output fits (disk_now): its projected size, what is still to write, the free space."""
     how = ""
     if tokens_per_byte is not None:
         how = f" ({tokens_per_byte:.3f} tokens per input byte so far x {size(input_bytes)} of input x {itemsize} bytes)"
-    to_write = max(disk["projected_bytes"] - disk["held_bytes"], 0)
+    fits = disk["to_write_bytes"] <= disk["free_bytes"]
     verdict = (
         "fits"
-        if to_write <= disk["free_bytes"]
-        else f"WILL NOT FIT: free {size(to_write - disk['free_bytes'])} more, or use another --out; "
+        if fits
+        else f"WILL NOT FIT: free {size(disk['to_write_bytes'] - disk['free_bytes'])} more, or use another --out; "
         "a full disk stops the run, and rerunning the same command resumes it"
     )
     return (
-        f"disk: output projected at {size(disk['projected_bytes'])}{how}; {size(to_write)} still to"
+        f"disk: output projected at {size(disk['projected_bytes'])}{how}; {size(disk['to_write_bytes'])} still to"
         f" write, {size(disk['free_bytes'])} free on OUT's file system: {verdict}"
     )

@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from tokpipe.errors import UserError
-from tokpipe.fmt import disk_line, duration, free_bytes, held_bytes
+from tokpipe.fmt import disk_line, disk_now, duration
 from tokpipe.inputs.manifest import load_manifest
 from tokpipe.layout.checkpoints import Checkpoint, Checkpoints
 from tokpipe.layout.files import FAILED, PROGRESS, REFUSED, RUN_LOG, Layout
@@ -161,9 +161,7 @@ def status(out: str | os.PathLike) -> RunStatus:
             next_step += f"   (TOKENIZER: the one with sha256 {sha}…; this run.json does not record its path)"
     disk = progress.get("disk") if progress and state != "finished" else None
     if disk:
-        held = held_bytes(out)  # as it is now, and the free space (--json's to_write_bytes, as before: the line's)
-        disk = {**disk, "held_bytes": held, "free_bytes": free_bytes(out)}
-        disk["to_write_bytes"] = max(disk["projected_bytes"] - held, 0)
+        disk = disk_now(disk["projected_bytes"], out)  # the run's projection beside OUT's disk as it is now
     groups = {split: dict(sorted(g.items())) for split, g in groups.items()}
     why = refused and refused["error"]
     left = left_over(copy, meta.concat) if meta is not None else None

@@ -13,7 +13,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tokpipe.durability import write_json_atomic
-from tokpipe.fmt import disk_line, duration, free_bytes, held_bytes
+from tokpipe.fmt import disk_line, disk_now, duration
 from tokpipe.layout.files import PROGRESS, RUN_LOG, Layout
 from tokpipe.layout.meta import Meta
 from tokpipe.layout.series import Series
@@ -131,11 +131,7 @@ class Progress:
         """The output's size from the tokens per input byte so far, beside the free space of OUT's file
         system; said once, when the first shard of this run is done, so that a disk too small is known
         hours before it fills (a full disk stops the run; it resumes once space is freed)."""
-        disk = {
-            "projected_bytes": int(tokens / file_bytes * self.total * self.itemsize),
-            "held_bytes": held_bytes(self.out),
-            "free_bytes": free_bytes(self.out),
-        }
+        disk = disk_now(int(tokens / file_bytes * self.total * self.itemsize), self.out)
         self.tell(Said(disk_line(disk, tokens / file_bytes, self.total, self.itemsize)))
         return disk
 
