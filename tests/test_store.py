@@ -10,6 +10,7 @@ line. Against a real S3 server (SeaweedFS, the s3_server fixture)."""
 
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -165,6 +166,25 @@ def test_check_of_an_endpoint_that_says_nothing_ends_in_its_own_read_timeout(mon
         f"s3://tokpipe-tests/: cannot reach the store at {endpoint} after 2 tries (Read timeout on endpoint URL:"
         f' "{endpoint}/tokpipe-tests?list-type=2&prefix=&max-keys=1&encoding-type=url")'
     ]
+
+
+def test_a_store_that_falls_silent_is_waited_for_a_copy_s_time_only_by_a_copy(monkeypatch):
+    # A copy on the server answers when it is done (a 5 GiB UploadPartCopy: minutes); any other request at once. With
+    # the copy's timeout for all, a store that fell silent held a run or a training loader 10 tries x 5 minutes.
+    monkeypatch.setattr(store.bucket, "TRIES", 1)
+    monkeypatch.setattr(store.bucket, "READ_TIMEOUT", 0.5)
+    monkeypatch.setattr(store.bucket, "COPY_READ_TIMEOUT", 2)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        bucket = Bucket("tokpipe-tests", f"http://127.0.0.1:{silent.getsockname()[1]}")
+        waited = {}
+        for name, call in (("get", lambda: bucket.get("k")), ("copy", Upload(bucket, "k", "u", [(1, "e")]).finish)):
+            began = time.monotonic()
+            with pytest.raises(StoreUnavailable, match="Read timeout"):
+                call()
+            waited[name] = time.monotonic() - began
+    assert waited["get"] < 2 <= waited["copy"], waited
 
 
 def _refusal(call) -> str | None:

@@ -26,10 +26,13 @@ TRIES = 10
 # seconds (connection refused: ~1 s) rather than after TRIES' minute or two.
 CHECK_TRIES = 2
 DELETE_BATCH = 1000  # keys a DeleteObjects request may name (S3's most)
-READ_TIMEOUT = 300  # seconds: a part copy of 5 GiB is one request, answered when it is done
 CONNECT_TIMEOUT = 10
-# The preflight's (CHECK_TRIES): a LIST of one key, answered at once where a store is. With READ_TIMEOUT an endpoint
-# that takes connections and says nothing held a command 10 minutes without a word.
+# Seconds a request waits for its answer. A copy on the server (UploadPartCopy of up to MAX_PART,
+# CompleteMultipartUpload of up to MAX_PARTS parts) answers when it is done; every other request at once where a
+# store is: botocore's default. With COPY_READ_TIMEOUT for all, a store that fell silent held a run or a training
+# loader TRIES x 5 minutes without a word; the preflight (CHECK_TRIES), a command 10 minutes.
+READ_TIMEOUT = 60
+COPY_READ_TIMEOUT = 300
 CHECK_READ_TIMEOUT = 15
 
 
@@ -82,7 +85,7 @@ class Changed(SourceError):
     changed under a run does."""
 
 
-# One client per endpoint (and one for its preflight) for the process, shared by its threads: boto3's clients are
+# One client per endpoint and patience (the preflight's, a copy's, the others') for the process, shared by its threads: boto3's clients are
 # thread-safe (its sessions are not: each client is made, under the lock, from a session of its own). A client a
 # thread, as before, cost 0.24 CPU-s and ~10 MB each (16 threads' made in 3.8 CPU-s here): a third of a store run's
 # extra CPU.
@@ -90,23 +93,23 @@ _clients: dict = {}
 _making = threading.Lock()
 
 
-def _client(endpoint: str | None, first: bool = False):
-    """The client of an endpoint; `first`: the preflight's (Bucket.check), of its own tries and read timeout."""
-    if (endpoint, first) in _clients:
-        return _clients[endpoint, first]
+def _client(endpoint: str | None, patience: str = "request"):
+    """The client of an endpoint for a "request", a "copy" on the server, or the "check" (Bucket.check)."""
+    if (endpoint, patience) in _clients:
+        return _clients[endpoint, patience]
     with _making:
-        if (endpoint, first) not in _clients:
+        if (endpoint, patience) not in _clients:
             import boto3  # here: only a run that touches a store pays for its import (~0.3 s)
             from botocore.config import Config
 
             config = Config(
-                retries={"mode": "standard", "total_max_attempts": CHECK_TRIES if first else TRIES},
-                read_timeout=CHECK_READ_TIMEOUT if first else READ_TIMEOUT,
+                retries={"mode": "standard", "total_max_attempts": CHECK_TRIES if patience == "check" else TRIES},
+                read_timeout={"check": CHECK_READ_TIMEOUT, "copy": COPY_READ_TIMEOUT}.get(patience, READ_TIMEOUT),
                 connect_timeout=CONNECT_TIMEOUT,
                 max_pool_connections=32,
             )
-            _clients[endpoint, first] = boto3.session.Session().client("s3", endpoint_url=endpoint, config=config)
-    return _clients[endpoint, first]
+            _clients[endpoint, patience] = boto3.session.Session().client("s3", endpoint_url=endpoint, config=config)
+    return _clients[endpoint, patience]
 
 
 @dataclass(frozen=True)
@@ -129,21 +132,22 @@ class Bucket:
     def where(self, key: str = "") -> str:
         return f"{SCHEME}{self.name}/{key}"
 
-    def call(self, key: str, operation: str, first: bool = False, **kw):
-        """client.operation(Bucket=..., **kw) about `key`, its errors as tokpipe's; a condition that does not hold
-        (412: a create-only write that finds the key taken, an If-Match that finds the object changed) is Exists."""
+    def call(self, key: str, operation: str, patience: str = "request", **kw):
+        """client.operation(Bucket=..., **kw) about `key` (_client's patience), its errors as tokpipe's; a condition
+        that does not hold (412: a create-only write that finds the key taken, an If-Match that finds the object
+        changed) is Exists."""
         try:
-            return getattr(_client(self.endpoint, first), operation)(Bucket=self.name, **kw)
+            return getattr(_client(self.endpoint, patience), operation)(Bucket=self.name, **kw)
         except Exception as e:
             if _status(e) == 412:
                 raise Exists(self.where(key)) from None
-            raise _error(e, self.where(key), self.endpoint, CHECK_TRIES if first else None) from None
+            raise _error(e, self.where(key), self.endpoint, CHECK_TRIES if patience == "check" else None) from None
 
     def check(self, prefix: str = "") -> None:
         """Refuse (StoreRefused, one line, after CHECK_TRIES tries) a store that cannot be used: unreachable, a wrong
         key, no bucket. A LIST, not a HEAD: a HEAD's error has no body to say which."""
         try:
-            self.call(prefix, "list_objects_v2", first=True, Prefix=prefix, MaxKeys=1)
+            self.call(prefix, "list_objects_v2", "check", Prefix=prefix, MaxKeys=1)
         except StoreUnavailable as e:  # before any work, nothing to resume: a refusal
             raise StoreRefused(str(e)) from None
 

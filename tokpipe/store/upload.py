@@ -52,6 +52,7 @@ class Upload:
             self.bucket.call(
                 self.key,
                 "complete_multipart_upload",
+                "copy",
                 Key=self.key,
                 UploadId=self.upload,
                 MultipartUpload=parts,
@@ -96,6 +97,7 @@ def compose(bucket: Bucket, key: str, sources: list[tuple[str, int, int]], creat
         answer = bucket.call(
             key,
             "upload_part_copy",
+            "copy",
             Key=key,
             UploadId=upload.upload,
             PartNumber=number,
