@@ -6,18 +6,24 @@ import os
 import shutil
 
 import huggingface_hub.constants
+import numpy as np
 import pytest
 from helpers import (
     EXAMPLE_CACHE,
+    EXAMPLE_TRAIN_FILES,
     QWEN3,
     QWEN3_EOS,
     assert_out_is,
     cli,
+    reference_texts,
+    run_args,
     tokpipe,
 )
 
 from tokpipe.errors import UserError
 from tokpipe.inputs.tokenizer import dtype_for, load_tokenizer_info
+from tokpipe.options import RunOptions
+from tokpipe.runner.identity import check_options
 
 GIGATOKEN_REORDERS = "\U00010d27\U00010f46"  # the hard case gigatoken 0.10 gets wrong
 TOKENIZER_JSON = str(QWEN3 / "tokenizer.json")
@@ -173,6 +179,45 @@ def test_a_chat_model_s_turn_end_is_no_document_end_unless_asked(hub_cache, tmp_
         assert (info.eos_token, info.text_end) == (eos, None)
     assert load_tokenizer_info("Qwen/Qwen3-0.6B", revision="v1").text_end == "<|endoftext|>"
     assert load_tokenizer_info("Qwen/Qwen3-0.6B").text_end is None  # main: a base model's config
+
+
+def test_a_bos_the_tokenizer_places_before_every_text_is_placed_or_left_out_only_when_asked(
+    small_tokenizer, manifest, tmp_path
+):
+    # Llama's, Mistral's and Gemma's tokenizer.json place a BOS before every text, as their model reads text:
+    # documents written without it, unasked, would train a model on texts unlike any it is given.
+    from tokenizers import AddedToken, Tokenizer, processors
+    from transformers import AutoTokenizer
+
+    llama, out = tmp_path / "llama-style", tmp_path / "out"
+    tok = Tokenizer.from_file(str(small_tokenizer / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken("<s>", special=True)])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 600)])
+    llama.mkdir()
+    tok.save(str(llama / "tokenizer.json"))
+    (llama / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))  # names no bos_token
+    info = load_tokenizer_info(llama)
+    assert (info.text_start, info.bos_token, info.bos_id) == ("<s>", "<s>", 600)
+    refused = cli(*run_args(manifest, out, tokenizer=llama))
+    assert (refused.returncode, refused.stderr) == (
+        2,
+        f"tokpipe run: error: {llama} places '<s>' before every text it encodes, as its model will read text: pass"
+        " --bos to place it before each document, or --no-bos to leave it out\n",
+    )
+    both = cli(*run_args(manifest, out, "--bos", "--no-bos", tokenizer=llama))
+    assert both.stderr.endswith("--bos places a BOS before every document and --no-bos none: pass one of them\n")
+    assert not out.exists()
+    check_options(RunOptions(no_bos=True), info, llama)  # taken as asked
+    assert load_tokenizer_info(small_tokenizer).text_start is None  # a GPT-2- or Qwen-style tokenizer places none
+
+    # With --bos, each document is what transformers' `tokenizer(text)` gives, then EOS.
+    ran = tokpipe(*run_args(manifest, out, "--bos", tokenizer=llama))
+    assert ran.returncode == 0, ran.stderr
+    assert "bos '<s>' = 600 before each document, eos '<|endoftext|>' = 0 after it" in ran.stdout
+    hf = AutoTokenizer.from_pretrained(str(llama))
+    texts = [text for path in EXAMPLE_TRAIN_FILES for text in reference_texts(path)]
+    expected = [id for ids in hf(texts)["input_ids"] for id in ids + [hf.convert_tokens_to_ids("<|endoftext|>")]]
+    assert np.fromfile(out / "train.bin", dtype=np.uint16).tolist() == expected
 
 
 def test_run_with_a_hub_name_records_repo_and_commit_in_meta(hub_cache, tmp_path, example_reference):

@@ -99,6 +99,7 @@ class RunOptions:
     eos: str | None = option(None, "EOS token (default: the tokenizer's eos_token, unless a chat model's turn end)")
     bos: bool = option(False, "place BOS before every document (the tokenizer's bos_token, or --bos-token)")
     bos_token: str | None = option(None, "the BOS token --bos places (default: the tokenizer's bos_token)")
+    no_bos: bool = option(False, "no BOS before documents, though the tokenizer places one before a text")
     no_eos: bool = option(False, "no EOS after documents (with --bos: BOS-delimited documents)")
     no_concat: bool = option(
         False, "keep each split as its shards' token files in order (listed in meta), never copied into one file"

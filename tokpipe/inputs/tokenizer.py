@@ -31,6 +31,7 @@ class TokenizerInfo:
     repo_id: str | None = None  # ORG/NAME when --tokenizer named a hub repository (found in the HF cache)
     revision: str | None = None  # the commit of that repository's snapshot it was read from
     text_end: str | None = None  # the token a text ends with, where the config's eos is a chat turn's end (TURN_ENDS)
+    text_start: str | None = None  # the token the tokenizer itself places before a text (_text_start)
 
     @property
     def id(self) -> str:
@@ -45,6 +46,13 @@ TURN_ENDS = {"<|im_end|>": "<|endoftext|>", "<|eot_id|>": "<|end_of_text|>"}
 def dtype_for(vocab_size: int) -> str:
     """The smallest unsigned type that holds every id: uint16 only when all ids are < 65536."""
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def _text_start(tok: Tokenizer) -> str | None:
+    """The token the tokenizer.json's post-processor places before a text (Llama's and Mistral's <s>, Gemma's <bos>,
+    Llama 3's <|begin_of_text|>), as `tokenizer(text)` returns it in `tokenizers` and transformers; None: none."""
+    placed, plain = (tok.encode("a", add_special_tokens=special).ids for special in (True, False))
+    return tok.id_to_token(placed[0]) if placed[:1] != plain[:1] else None
 
 
 def _token_content(value) -> str | None:
@@ -166,7 +174,8 @@ def load_tokenizer_info(
         raise UserError(
             f"BOS token {bos_token!r} is not in the tokenizer's vocabulary: pass the right one with --bos-token"
         )
-    bos = bos_token or _token_content(config.get("bos_token"))
+    text_start = _text_start(tok)
+    bos = bos_token or _token_content(config.get("bos_token")) or text_start
     # What follows the info (the backend check, inspect's decoding) encodes with the reference:
     # this load serves it, instead of a second one of the same file.
     encoders.keep_reference(json_str, tok)
@@ -183,6 +192,7 @@ def load_tokenizer_info(
         repo_id=repo_id,
         revision=commit,
         text_end=None if eos_token or tok.token_to_id(TURN_ENDS.get(eos, "")) is None else TURN_ENDS[eos],
+        text_start=text_start,
     )
 
 

@@ -68,7 +68,8 @@ def encode_spec(
 
 
 def check_options(opts: RunOptions, info: TokenizerInfo, tokenizer) -> None:
-    """Refuse documents no trainer could tell apart, a BOS the tokenizer does not have, a --group-by with no field.
+    """Refuse documents no trainer could tell apart, a BOS the tokenizer does not have, a --group-by with no field,
+    and, unasked, delimiters other than the model's (a chat turn's end, no BOS where the tokenizer places one).
     (A number an option cannot take is refused where the options are made: options.Number.)"""
     if opts.no_eos and not opts.bos:
         raise UserError(
@@ -77,6 +78,14 @@ def check_options(opts: RunOptions, info: TokenizerInfo, tokenizer) -> None:
         )
     if opts.bos_token and not opts.bos:
         raise UserError("--bos-token names the BOS that --bos places: add --bos")
+    if opts.bos and opts.no_bos:
+        raise UserError("--bos places a BOS before every document and --no-bos none: pass one of them")
+    if info.text_start and not (opts.bos or opts.no_bos):  # a model that will read every text after it, never trained so
+        raise UserError(
+            f"{tokenizer} places {info.text_start!r} before every text it encodes, as its model will read text: pass"
+            f" --bos to place it before each document, or --no-bos to leave it out",
+            fix={"bos": True},
+        )
     if opts.bos and info.bos_id is None:
         raise UserError(
             f"{tokenizer} names no bos_token (tokenizer_config.json): pass --bos-token TOKEN (e.g. --bos-token "
