@@ -80,7 +80,7 @@ def check_options(opts: RunOptions, info: TokenizerInfo, tokenizer) -> None:
         raise UserError("--bos-token names the BOS that --bos places: add --bos")
     if opts.bos and opts.no_bos:
         raise UserError("--bos places a BOS before every document and --no-bos none: pass one of them")
-    if info.text_start and not (opts.bos or opts.no_bos):  # a model that will read every text after it, never trained so
+    if info.text_start and not (opts.bos or opts.no_bos):  # a model will read every text after it, unlike its training
         raise UserError(
             f"{tokenizer} places {info.text_start!r} before every text it encodes, as its model will read text: pass"
             f" --bos to place it before each document, or --no-bos to leave it out",

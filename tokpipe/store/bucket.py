@@ -85,10 +85,10 @@ class Changed(SourceError):
     changed under a run does."""
 
 
-# One client per endpoint and patience (the preflight's, a copy's, the others') for the process, shared by its threads: boto3's clients are
-# thread-safe (its sessions are not: each client is made, under the lock, from a session of its own). A client a
-# thread, as before, cost 0.24 CPU-s and ~10 MB each (16 threads' made in 3.8 CPU-s here): a third of a store run's
-# extra CPU.
+# One client per endpoint and patience (the preflight's, a copy's, the others') for the process, shared by its
+# threads: boto3's clients are thread-safe (its sessions are not: each client is made, under the lock, from a session
+# of its own). A client a thread, as before, cost 0.24 CPU-s and ~10 MB each (16 threads' made in 3.8 CPU-s here): a
+# third of a store run's extra CPU.
 _clients: dict = {}
 _making = threading.Lock()
 
