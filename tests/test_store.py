@@ -8,6 +8,9 @@ secret in anything written or printed; a kill -9 mid-shard resumed by a ranged r
 object replaced after the manifest, a wrong key, a missing bucket, no store, a store gone mid-run, each said in one
 line. Against a real S3 server (SeaweedFS, the s3_server fixture)."""
 
+import contextlib
+import http.server
+import re
 import socket
 import threading
 import time
@@ -155,10 +158,8 @@ def test_check_of_an_endpoint_that_says_nothing_ends_in_its_own_read_timeout(mon
     # An endpoint that takes connections and never answers: the preflight waited READ_TIMEOUT (300 s, for a part
     # copy) a try, 10 minutes without a word. Its own timeout here: a second.
     monkeypatch.setattr(store.bucket, "CHECK_READ_TIMEOUT", 1)
-    with socket.socket() as silent:
-        silent.bind(("127.0.0.1", 0))
-        silent.listen()
-        endpoint, said = f"http://127.0.0.1:{silent.getsockname()[1]}", []
+    with _silent() as port:
+        endpoint, said = f"http://127.0.0.1:{port}", []
         checking = threading.Thread(target=lambda: said.append(_refusal(Bucket("tokpipe-tests", endpoint).check)))
         checking.start()
         checking.join(timeout=60)
@@ -174,10 +175,8 @@ def test_a_store_that_falls_silent_is_waited_for_a_copy_s_time_only_by_a_copy(mo
     monkeypatch.setattr(store.bucket, "TRIES", 1)
     monkeypatch.setattr(store.bucket, "READ_TIMEOUT", 0.5)
     monkeypatch.setattr(store.bucket, "COPY_READ_TIMEOUT", 2)
-    with socket.socket() as silent:
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(8)
-        bucket = Bucket("tokpipe-tests", f"http://127.0.0.1:{silent.getsockname()[1]}")
+    with _silent() as port:
+        bucket = Bucket("tokpipe-tests", f"http://127.0.0.1:{port}")
         waited = {}
         for name, call in (("get", lambda: bucket.get("k")), ("copy", Upload(bucket, "k", "u", [(1, "e")]).finish)):
             began = time.monotonic()
@@ -185,6 +184,50 @@ def test_a_store_that_falls_silent_is_waited_for_a_copy_s_time_only_by_a_copy(mo
                 call()
             waited[name] = time.monotonic() - began
     assert waited["get"] < 2 <= waited["copy"], waited
+
+
+def test_after_a_store_was_found_silent_requests_try_as_the_preflight_until_it_answers_again(monkeypatch):
+    # What follows such a failure (the run's logs uploaded and its lease released as it stops, a loader's next batch)
+    # waited all the tries again, each: a run into a store that fell silent took 40 minutes to stop.
+    monkeypatch.setattr(store.bucket, "TRIES", 3)
+    monkeypatch.setattr(store.bucket, "READ_TIMEOUT", 0.2)
+    monkeypatch.setattr(store.bucket, "CHECK_READ_TIMEOUT", 0.2)
+    with _silent() as port:
+        bucket = Bucket("tokpipe-tests", f"http://127.0.0.1:{port}")
+        assert _unavailable(lambda: bucket.get("a")).endswith("after 3 tries (Read timeout on endpoint URL: …)")
+        assert _unavailable(lambda: bucket.put("b", b"")).endswith("after 2 tries (Read timeout on endpoint URL: …)")
+    answering = http.server.HTTPServer(("127.0.0.1", port), _NotFound)  # the same endpoint answers again
+    threading.Thread(target=answering.handle_request).start()
+    assert bucket.get("a") is None  # it answered: the next silence is waited for as the first was
+    answering.server_close()
+    with _silent(port):
+        assert _unavailable(lambda: bucket.get("a")).endswith("after 3 tries (Read timeout on endpoint URL: …)")
+
+
+@contextlib.contextmanager
+def _silent(port: int = 0):
+    """An endpoint that takes connections and never answers, at `port` (0: a free one)."""
+    with socket.socket() as silent:
+        silent.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the port again, its connections just closed
+        silent.bind(("127.0.0.1", port))
+        silent.listen(8)
+        yield silent.getsockname()[1]
+
+
+class _NotFound(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        self.send_response(404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def _unavailable(call) -> str:
+    with pytest.raises(StoreUnavailable) as failed:
+        call()
+    return re.sub(r'\(Read timeout on endpoint URL: "[^"]*"\)', "(Read timeout on endpoint URL: …)", str(failed.value))
 
 
 def _refusal(call) -> str | None:

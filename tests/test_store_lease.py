@@ -15,8 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from helpers import wait_for
 
+import tokpipe.store.bucket
 from tokpipe.errors import UserError
-from tokpipe.store import Bucket, Lease, Url, lease
+from tokpipe.store import Bucket, Lease, StoreUnavailable, Url, lease
 
 
 def _lease(s3_server, s3_prefix, seconds=60.0) -> Lease:
@@ -48,6 +49,21 @@ def test_a_live_lease_refuses_another_run_in_one_line_and_its_end_frees_out(s3_s
     assert first.bucket.get(first.key) is None  # released
     with second:
         assert _record(second)["pid"] == os.getpid()
+
+
+def test_a_run_the_store_stopped_says_what_stopped_it_not_that_its_lease_stays(s3_server, s3_prefix, monkeypatch):
+    # A store that fell silent stopped the run; the lease's removal then fails too. The run's error is said, and
+    # the lease ends by itself. (Its removal's error replaced the run's: the user read of OUT/.lock.)
+    monkeypatch.setattr(tokpipe.store.bucket, "TRIES", 1)
+    held = _lease(s3_server, s3_prefix)
+    with pytest.raises(StoreUnavailable, match="^s3://tokpipe-tests/.*/train.bin: cannot reach"):
+        with held:
+            held.bucket = Bucket(s3_server.bucket, "http://127.0.0.1:9")  # where nothing answers
+            held.bucket.put(f"{s3_prefix}/out/train.bin", b"")
+    # Ended by no error: the removal's is said.
+    with pytest.raises(StoreUnavailable, match=r"^s3://tokpipe-tests/.*/other/\.lock: cannot reach"):
+        with Lease(_lease(s3_server, s3_prefix).bucket, f"{s3_prefix}/other/.lock") as alone:
+            alone.bucket = Bucket(s3_server.bucket, "http://127.0.0.1:9")
 
 
 def test_a_lease_is_renewed_while_held_and_taken_over_once_it_has_expired(s3_server, s3_prefix, monkeypatch):

@@ -209,8 +209,10 @@ class Prefix(Storage):
             try:
                 yield self._record(manifest, info, opts, tell)
             finally:
-                if self.out.upload_logs():  # else the logs stay here, the one copy of them
+                if self.out.upload_logs():
                     shutil.rmtree(self.records, ignore_errors=True)
+                else:  # the one copy of them
+                    tell(Said(f"the store did not take this run's logs: they are in {self.records / 'logs'}"))
 
     def _record(self, manifest: Manifest, info: TokenizerInfo, opts: RunOptions, tell: Listener) -> Manifest:
         """Refuse an OUT that holds a run with other inputs, but a manifest that only gained shards (`_append`); start

@@ -91,6 +91,11 @@ class Changed(SourceError):
 # third of a store run's extra CPU.
 _clients: dict = {}
 _making = threading.Lock()
+# Endpoints that a request of this process found unanswered after its tries: until one answers again, a request
+# there is tried as the preflight is (CHECK_TRIES of CHECK_READ_TIMEOUT). What follows such a failure (a run's logs
+# uploaded and its lease released as it stops, a loader's next batch) waited a whole TRIES again each: a run into a
+# store that fell silent took 40 minutes to stop.
+_unanswered: set = set()
 
 
 def _client(endpoint: str | None, patience: str = "request"):
@@ -108,7 +113,9 @@ def _client(endpoint: str | None, patience: str = "request"):
                 connect_timeout=CONNECT_TIMEOUT,
                 max_pool_connections=32,
             )
-            _clients[endpoint, patience] = boto3.session.Session().client("s3", endpoint_url=endpoint, config=config)
+            client = boto3.session.Session().client("s3", endpoint_url=endpoint, config=config)
+            client.meta.events.register("after-call.s3", lambda **_: _unanswered.discard(endpoint))  # any answer
+            _clients[endpoint, patience] = client
     return _clients[endpoint, patience]
 
 
@@ -127,7 +134,7 @@ class Bucket:
 
     @property
     def client(self):
-        return _client(self.endpoint)
+        return _client(self.endpoint, "check" if self.endpoint in _unanswered else "request")
 
     def where(self, key: str = "") -> str:
         return f"{SCHEME}{self.name}/{key}"
@@ -136,12 +143,14 @@ class Bucket:
         """client.operation(Bucket=..., **kw) about `key` (_client's patience), its errors as tokpipe's; a condition
         that does not hold (412: a create-only write that finds the key taken, an If-Match that finds the object
         changed) is Exists."""
+        if patience == "request" and self.endpoint in _unanswered:
+            patience = "check"
         try:
             return getattr(_client(self.endpoint, patience), operation)(Bucket=self.name, **kw)
         except Exception as e:
             if _status(e) == 412:
                 raise Exists(self.where(key)) from None
-            raise _error(e, self.where(key), self.endpoint, CHECK_TRIES if patience == "check" else None) from None
+            raise _error(e, self.where(key), self.endpoint, CHECK_TRIES if patience == "check" else TRIES) from None
 
     def check(self, prefix: str = "") -> None:
         """Refuse (StoreRefused, one line, after CHECK_TRIES tries) a store that cannot be used: unreachable, a wrong
@@ -269,11 +278,12 @@ def _error(error: Exception, where: str, endpoint: str | None, tries: int | None
     resumable) or, for what is neither, the exception itself."""
     from botocore import exceptions as aws
 
-    tries = TRIES if tries is None else tries
+    tries = tries or (CHECK_TRIES if endpoint in _unanswered else TRIES)
     store = f"the store at {endpoint}" if endpoint else "S3"
     if isinstance(error, aws.NoCredentialsError):
         return StoreRefused(f"{where}: no credentials for {store}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
     if isinstance(error, aws.ConnectionError | aws.HTTPClientError | aws.IncompleteReadError):
+        _unanswered.add(endpoint)
         return StoreUnavailable(f"{where}: cannot reach {store} after {tries} tries ({error})")
     if isinstance(error, aws.ClientError):
         code = error.response.get("Error", {}).get("Code", "")

@@ -147,7 +147,11 @@ class Lease:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, failed, *_) -> None:
         self._stop.set()
         self._thread.join()
-        self.release()
+        try:
+            self.release()
+        except OSError:
+            if failed is None:
+                raise  # else what stopped the run is what to say; the lease ends by itself, unrenewed
