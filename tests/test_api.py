@@ -2,9 +2,11 @@
 own behaviour is documented in test_read_output.py), with run's options by the names RunOptions gives them."""
 
 import json
+import subprocess
+import sys
 
 import pytest
-from helpers import EXAMPLE_CACHE
+from helpers import EXAMPLE_CACHE, assert_out_is
 
 import tokpipe
 from tokpipe.inputs.manifest import load_manifest
@@ -31,3 +33,26 @@ def test_api_mirrors_the_commands(out, tmp_path, capsys):
     assert json.loads((out / "run.json").read_text())["options"] == {"workers": 1}
     with pytest.raises(TypeError):
         tokpipe.run(tmp_path / "m.json", "t", tmp_path / "o", no_such_option=1)
+
+
+def test_a_caller_connected_to_ray_runs_on_its_ray_and_keeps_it(
+    manifest, tmp_path, small_tokenizer, small_reference, ray_address
+):
+    # A notebook or a Ray job that called ray.init: tokpipe.run refused ("Maybe you called ray.init twice by
+    # accident?"). Its Ray is used as it is, and left up for the caller's next call.
+    out = tmp_path / "out"
+    code = (
+        "import ray, sys, tokpipe\n"
+        f"ray.init(address={ray_address!r}, logging_level='ERROR')\n"
+        "heard = []\n"
+        f"summary = tokpipe.run({str(manifest)!r}, {str(small_tokenizer)!r}, {str(out)!r}, workers=2, ray_only=True,"
+        " tell=heard.append)\n"
+        "print(summary.finished, ray.get(ray.remote(lambda: 'up').remote()))\n"
+        "print(*[said for said in map(str, heard) if said.startswith('ray:')])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.splitlines()[-2:] == [
+        "True up",
+        f"ray: cluster {ray_address} (this process's ray.init), 2 workers",
+    ], result.stdout + result.stderr
+    assert_out_is(out, small_reference)

@@ -133,18 +133,20 @@ def _answers_as_ray(address: str) -> None:
         )
 
 
-def _join(opts: RunOptions, address: str) -> Shape:
-    """Ray started by joining the cluster at `address` (--address or RAY_ADDRESS): its workers fitted to it."""
+def _join(opts: RunOptions, address: str | None) -> Shape:
+    """Ray started by joining the cluster at `address` (--address or RAY_ADDRESS), or None: the Ray this process
+    is connected to already (a library caller's ray.init); its workers fitted to it."""
     import ray
 
-    _answers_as_ray(address)
-    ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+    if address is not None:
+        _answers_as_ray(address)
+        ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
     alive = [n for n in ray.nodes() if n["Alive"]]
     cpus = int(ray.cluster_resources().get("CPU", 1))
     widest = max((n["Resources"].get("CPU", 0) for n in alive), default=0)
     memory = int(sum(n["Resources"].get("memory", 0) for n in alive))
     workers, note = fit_workers(opts.workers, cpus, memory, opts.worker_memory, cluster=True)
-    where = f"cluster {ray.get_runtime_context().gcs_address}"
+    where = f"cluster {ray.get_runtime_context().gcs_address}" + ("" if address else " (this process's ray.init)")
     return Shape(workers, 2 * workers <= cpus and widest >= 2, len(alive), where, note)
 
 
@@ -264,6 +266,7 @@ class Cluster:
             # process, not to init: stop() finds them all.
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
         self._thread = threading.Thread(target=self._start, name="tokpipe ray start", daemon=True)
+        self.borrowed = False  # the Ray of a caller who had called ray.init: not tokpipe's to shut down
 
     @property
     def started(self) -> bool:
@@ -271,6 +274,7 @@ class Cluster:
 
     def start(self) -> None:
         if not self.started:
+            self.borrowed = not self.exits_after and "ray" in sys.modules and sys.modules["ray"].is_initialized()
             self.lines.open()
             self._thread.start()
 
@@ -292,7 +296,12 @@ class Cluster:
         # start. tokpipe's own (tokpipe.errors) stays.
         ray._private.utils.set_sigterm_handler = keep_sigterm
         try:
-            self.shape = _join(self.opts, self.address) if self.address else _embed(self.opts, self.fit, self.cpus)
+            if self.borrowed:  # the caller's Ray: used as it is, and left up
+                self.shape = _join(self.opts, None)
+            elif self.address:
+                self.shape = _join(self.opts, self.address)
+            else:
+                self.shape = _embed(self.opts, self.fit, self.cpus)
             with self._lock:
                 if self._warm:
                     self._load_in_workers(*self._warm)
@@ -358,7 +367,8 @@ class Cluster:
 
         if not self.exits_after:
             self.ready.wait()
-            ray.shutdown()
+            if not self.borrowed:
+                ray.shutdown()
             self._done.set()
             self._thread.join()
             return
