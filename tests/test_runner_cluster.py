@@ -27,6 +27,7 @@ from helpers import (
 from tokpipe.inputs.manifest import build_manifest, write_manifest
 from tokpipe.runner import cluster
 from tokpipe.runner.cluster import available_cpus, fit_workers
+from tokpipe.runner.sample import CHAT_TURNS
 
 GIB = 1 << 30
 
@@ -91,8 +92,30 @@ def test_a_text_field_no_document_has_stops_the_run_before_tokenizing(tmp_path, 
         2,
         "tokpipe run: error: no document has a 'text' field in the first lines of each split's first shard, and none"
         " of their fields (doc, n) holds text at a document's top level, which --text-field names: move the text up"
-        " (e.g. with `datasets`' map), into a dataset of its own\n",
+        f" (e.g. with `datasets`' map), into a dataset of its own; {CHAT_TURNS}\n",
     )
+    # A chat dataset: its id is no text to suggest (a run of it made a corpus of ids, exit 0), nor its turns.
+    chat = [json.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": "hi there"}]}) for i in range(3)]
+    write_jsonl(tmp_path / "data" / "train" / "code.jsonl", chat)
+    write_manifest(build_manifest(tmp_path / "data"), tmp_path / "m.json")
+    for field, said in (
+        (
+            "text",
+            "no document has a 'text' field in the first lines of each split's first shard, and none of their"
+            " fields (id, messages) holds text at a document's top level",
+        ),
+        (
+            "messages",
+            "the 'messages' field holds no text (a string) in the first lines of each split's first shard:"
+            " tokpipe tokenizes a string a document",
+        ),
+    ):
+        refused = cli(
+            *run_args(tmp_path / "m.json", tmp_path / "out", "--text-field", field, tokenizer=small_tokenizer)
+        )
+        assert refused.returncode == 2 and refused.stderr.startswith(f"tokpipe run: error: {said}"), refused.stderr
+        assert refused.stderr.endswith(f"; {CHAT_TURNS}\n")
+    assert not list((tmp_path / "out").glob("shards/*/*.json"))
 
 
 def test_a_shard_mostly_without_the_text_field_is_named(tmp_path, small_tokenizer):

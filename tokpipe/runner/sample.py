@@ -14,6 +14,9 @@ SAMPLE_BYTES = 256 << 10  # of input per split, to prove the fast backend exact 
 # A longer line is passed over by the sample (said in the backend's line), not read whole: the driver's
 # memory does not grow with a document's size. Books (~0.5 MB) are sampled.
 SAMPLE_LINE_BYTES = 4 << 20
+# A chat dataset's documents are lists of turns ({"role": ..., "content": ...}): which tokens mark a turn is the
+# model's chat template, not tokpipe's to guess.
+CHAT_TURNS = "a conversation's turns are made one text by the model's chat template first (apply_chat_template)"
 GROUP_SAMPLE_BYTES = 16 << 20  # of input per split read for --group-by's values before any tokenizing (~0.2 s)
 
 
@@ -21,7 +24,7 @@ def sample_texts(manifest: Manifest, text_field: str) -> tuple[list[str], int]:
     """The first documents of each split's first shard: what the backend is checked on, and how many
     lines over SAMPLE_LINE_BYTES it passed over. Refuses, before anything is tokenized, a --text-field
     that none of those shards has."""
-    texts, fields, passed_over = [], Counter(), 0
+    texts, fields, passed_over, not_text = [], Counter(), 0, 0
     for split in manifest.counts:
         shard = next(manifest.shards(split))
         path, etag = shard.path, shard.etag
@@ -38,14 +41,21 @@ def sample_texts(manifest: Manifest, text_field: str) -> tuple[list[str], int]:
         if text_field in found and first is not None:  # None: an empty shard
             texts += first.texts
             passed_over += first.skipped["too_long"]
+            not_text += first.skipped["text_not_string"]
         fields.update(found)
+    if not texts and not_text:  # a list, an object: what a string must be made of first
+        raise UserError(
+            f"the {text_field!r} field holds no text (a string) in the first lines of each split's first shard:"
+            f" tokpipe tokenizes a string a document; {CHAT_TURNS}"
+        )
     if fields and text_field not in fields:
         missing = f"no document has a {text_field!r} field in the first lines of each split's first shard"
         names = ", ".join(sorted(fields))
         if not fields[likely := max(fields, key=fields.get)]:  # an object, a number: naming it would be refused next
             raise UserError(
                 f"{missing}, and none of their fields ({names}) holds text at a document's top level, which"
-                " --text-field names: move the text up (e.g. with `datasets`' map), into a dataset of its own"
+                " --text-field names: move the text up (e.g. with `datasets`' map), into a dataset of its own;"
+                f" {CHAT_TURNS}"
             )
         raise UserError(
             f"{missing}; their fields: {names}: pass --text-field NAME (e.g. --text-field {likely})",

@@ -225,9 +225,14 @@ def _parse(lines: list, first_line_no: int, text_field: str, batch: TextBatch, g
             group(group_value(field_at(obj, group_by)))
 
 
+def _text_weight(value) -> int:
+    prose = isinstance(value, str) and (len(value) >= 64 or " " in value or "\n" in value)  # CJK has no spaces
+    return 1 + len(value) if prose else 0
+
+
 def jsonl_fields(raw, path: str, kind: str, sample_bytes: int = 1 << 20) -> Counter:
     """Keys of the JSON objects in the first `sample_bytes` of the shard, by the characters of text they hold (0: no
-    string: an object, a number)."""
+    text: an object, a list, a number, or a string of one short word: an id, a label, a language's code)."""
     fields = Counter()
     for lines, *_ in _lines(decompressed_blocks(raw, path, kind, sample_bytes), sample_bytes):
         for line in lines[:-1] if len(lines) > 1 else lines:  # the last may be cut by the sample's end
@@ -236,7 +241,7 @@ def jsonl_fields(raw, path: str, kind: str, sample_bytes: int = 1 << 20) -> Coun
             except (orjson.JSONDecodeError, TypeError):
                 continue
             if isinstance(obj, dict):
-                fields.update({key: 1 + len(value) if isinstance(value, str) else 0 for key, value in obj.items()})
+                fields.update({key: _text_weight(value) for key, value in obj.items()})
         break
     return fields
 
