@@ -23,6 +23,7 @@ from helpers import (
     EXAMPLE_CACHE,
     LFS_POINTER,
     built_once,
+    checkpoints,
     cli,
     pzstd_frames,
     reference_texts,
@@ -140,6 +141,33 @@ def test_a_shard_that_is_not_json_lines_fails_by_name_saying_so(runs, corpus):
     ) in first.stderr.splitlines()
 
 
+def test_a_shard_gone_since_the_manifest_fails_alone_and_a_dataset_gone_is_refused(tmp_path, small_tokenizer):
+    # Each was "[Errno 2] No such file or directory: ...; fix the cause and rerun the same command": the whole run
+    # stopped, and the same command could only stop again.
+    data, out = tmp_path / "data", tmp_path / "out"
+    for name in ("a", "b"):
+        write_jsonl(data / "train" / f"{name}.jsonl", [json.dumps({"text": f"document {name}"})])
+    write_manifest(build_manifest(data), tmp_path / "m.json")
+    (data / "train" / "b.jsonl").unlink()
+    result = tokpipe(*run_args(tmp_path / "m.json", out, tokenizer=small_tokenizer))
+    assert result.returncode == 1
+    assert [line for line in result.stderr.splitlines() if not line.startswith("[tokpipe]")] == [
+        f"FAILED train/b.jsonl: SourceError: {data / 'train' / 'b.jsonl'} is not there: the dataset moved or changed"
+        " since the manifest was made; put it back, or make the manifest again (`tokpipe manifest`): one of the same"
+        " files elsewhere resumes OUT",
+        "1 shard failed; the rest are kept. Fix the cause and rerun the same command to retry them.",
+    ]
+    assert [c["done"] for c in checkpoints(out)] == [True]  # a.jsonl's, kept
+    data.rename(tmp_path / "moved")  # or renamed, or its file system not mounted
+    refused = cli(*run_args(tmp_path / "m.json", out, tokenizer=small_tokenizer))
+    assert (refused.returncode, refused.stderr) == (
+        2,
+        f"tokpipe run: error: the manifest's dataset {data} is not there (moved, renamed, or its file system not"
+        " mounted): put it back, or make the manifest again where it is (`tokpipe manifest`): one of the same files"
+        " resumes OUT\n",
+    )
+
+
 def test_alone_in_a_dataset_a_shard_that_is_not_json_lines_is_not_blamed_on_the_text_field(tmp_path, small_tokenizer):
     data = tmp_path / "data"
     write_jsonl(data / "train" / "a.jsonl.zst", LFS_POINTER)
@@ -150,7 +178,7 @@ def test_alone_in_a_dataset_a_shard_that_is_not_json_lines_is_not_blamed_on_the_
         f"FAILED train/a.jsonl.zst: SourceError: {data / 'train' / 'a.jsonl.zst'}: 3 of the 3 lines read are not JSON"
         " objects (invalid_json 3, not_object 0): it is not JSON Lines (CSV? one JSON array? a Git LFS pointer?), or"
         " in a compression tokpipe does not read (it reads zstd and gzip), or binary",
-        "1 shards failed; the rest are kept. Fix the cause and rerun the same command to retry them.",
+        "1 shard failed; the rest are kept. Fix the cause and rerun the same command to retry them.",
     ]
     assert "--text-field" not in result.stdout + result.stderr
 

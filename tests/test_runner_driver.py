@@ -382,7 +382,7 @@ def test_a_failed_shard_keeps_the_shards_done_after_it_and_the_rerun_reads_only_
     failed = tokpipe(*args)
     assert failed.returncode == 1, failed.stdout + failed.stderr
     assert failed.stderr.splitlines()[-1] == (
-        "1 shards failed; the rest are kept. Fix the cause and rerun the same command to retry them."
+        "1 shard failed; the rest are kept. Fix the cause and rerun the same command to retry them."
     )
     said = cli("status", out).stdout.splitlines()
     assert "shards: 13 done, 0 partial, 0 pending, 1 failed (of 14)" in said

@@ -148,8 +148,8 @@ def _cmd_run(args) -> int:
     summary = run(args.manifest, args.tokenizer, args.out, opts, wait_for_ray=False, tell=_print_event)
     if not summary.finished:
         print(
-            f"{len(summary.failed)} shards failed; the rest are kept. Fix the cause and rerun the same command "
-            "to retry them.",
+            f"{plural(len(summary.failed), 'shard')} failed; the rest are kept. Fix the cause and rerun the same"
+            " command to retry them.",
             file=sys.stderr,
         )
         return EXIT_FAILED

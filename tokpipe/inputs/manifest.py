@@ -57,9 +57,11 @@ class Shard:
         return is_url(self.path)
 
     def may_block(self) -> bool:
-        """Whether reading it could block: a pipe or a device, not a regular file nor an object on a store. Only the
-        driver watches for stalls, so it never reads such a shard itself."""
-        return not self.on_store and not stat.S_ISREG(os.stat(self.path).st_mode)
+        """Whether reading it could block (a pipe, a device): the driver, which watches for stalls, never reads it."""
+        try:
+            return not self.on_store and not stat.S_ISREG(os.stat(self.path).st_mode)
+        except FileNotFoundError:  # its read fails the shard (store.open_read)
+            return False
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,14 @@ encoder is proven exact on (and which refuse a --text-field no document has), an
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 from tokpipe.errors import SourceError, UserError, too_many_groups
 from tokpipe.inputs.manifest import Manifest
 from tokpipe.inputs.source import fields_of, read_batches
 from tokpipe.layout.records import MAX_GROUPS
+from tokpipe.layout.stored import on_store
 
 SAMPLE_BYTES = 256 << 10  # of input per split, to prove the fast backend exact on this data (with HARD_CASES)
 # A longer line is passed over by the sample (said in the backend's line), not read whole: the driver's
@@ -24,6 +26,12 @@ def sample_texts(manifest: Manifest, text_field: str) -> tuple[list[str], int]:
     """The first documents of each split's first shard: what the backend is checked on, and how many
     lines over SAMPLE_LINE_BYTES it passed over. Refuses, before anything is tokenized, a --text-field
     that none of those shards has."""
+    if not on_store(manifest.base) and not os.path.isdir(manifest.base):  # else a line a shard
+        raise UserError(
+            f"the manifest's dataset {manifest.base} is not there (moved, renamed, or its file system not mounted):"
+            " put it back, or make the manifest again where it is (`tokpipe manifest`): one of the same files"
+            " resumes OUT"
+        )
     texts, fields, passed_over, not_text = [], Counter(), 0, 0
     for split in manifest.counts:
         shard = next(manifest.shards(split))

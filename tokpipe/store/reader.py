@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 
+from tokpipe.errors import SourceError
 from tokpipe.store.bucket import Bucket, Url, is_url
 
 # Bytes a sequential Reader asks of each GET (a JSONL shard): a worker holds one such piece. 8 MiB: 13 GETs for a
@@ -83,4 +84,10 @@ def open_read(path: str, etag: str | None = None, ahead: int | None = None):
     if is_url(path):
         url = Url.parse(path)
         return Reader(Bucket.of(url), url.key, etag, ahead)
-    return open(path, "rb", buffering=0)
+    try:
+        return open(path, "rb", buffering=0)
+    except FileNotFoundError:  # the shard's failure, not the run's (a full disk's, say): the others go on
+        raise SourceError(
+            f"{path} is not there: the dataset moved or changed since the manifest was made; put it back, or make the"
+            " manifest again (`tokpipe manifest`): one of the same files elsewhere resumes OUT"
+        ) from None
