@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from helpers import (
     REPO,
+    RayNodes,
     assert_out_is,
     cli,
     plain_copy_of_example,
@@ -247,3 +248,28 @@ def test_an_address_where_ray_does_not_answer_is_one_line_at_once(tmp_path, smal
         f"tokpipe run: error: could not join the Ray cluster at {address} (ConnectionError: {said}): is it up (`ray"
         " status`)? Then rerun",
     )
+
+
+def test_a_cluster_that_asks_for_its_token_says_so_and_its_token_joins_it(tmp_path, small_tokenizer, small_reference):
+    # Ray 2.59 on: `ray start --head` where a token is (a ray.init() leaves one in ~/.ray/auth_token) turns token
+    # authentication on, and a driver given an address sends none unless RAY_AUTH_MODE=token (Ray's rule): the run
+    # said "Failed to connect to Ray cluster at ...: is it up (`ray status`)?", after 20 s of Ray's tries.
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("0123456789abcdef" * 4)
+    write_manifest(build_manifest(plain_copy_of_example(tmp_path / "data")), tmp_path / "m.json")
+    nodes = RayNodes(tmp_path)
+    nodes.env |= {"HOME": str(tmp_path), "RAY_AUTH_MODE": "token"}  # a cluster's nodes each hold its token
+    with nodes:
+        nodes.add("d3" * 28, "127.0.0.2")
+        args = run_args(tmp_path / "m.json", tmp_path / "out", "--address", nodes.address, tokenizer=small_tokenizer)
+        env = {"HOME": str(tmp_path), "RAY_AUTH_MODE": None, "RAY_gcs_server_port_wait_time_s": "1"}  # one try
+        refused = tokpipe(*args, "--ray-only", env=env)
+        assert refused.returncode == 1 and refused.stderr.splitlines()[-1] == (
+            f"tokpipe run: error: could not join the Ray cluster at {nodes.address}: it asks for its token (Ray's token"
+            " authentication: a `ray start` turns it on where a token is, as a ray.init() leaves one in"
+            " ~/.ray/auth_token), and this run sent none: run with RAY_AUTH_MODE=token and the cluster's token (`ray"
+            " get-auth-token` on its head) in ~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN, then rerun"
+        ), refused.stderr
+        joined = tokpipe(*args, "--ray-only", env=env | {"RAY_AUTH_MODE": "token"})
+        assert joined.returncode == 0, joined.stdout + joined.stderr
+        assert_out_is(tmp_path / "out", small_reference)

@@ -176,6 +176,14 @@ def _did_not_start(error: BaseException, address: str | None) -> str:
     """The line that says Ray did not start: what Ray said, and what to do (an embedded Ray's temp folder short of
     room, if it is)."""
     said = describe_failure(error)
+    if address and "InvalidAuthToken" in str(error.__cause__):  # past Ray's 20 tries, "Failed to connect" alone
+        sent = "sent a token the cluster does not take" if os.environ.get("RAY_AUTH_MODE") == "token" else "sent none"
+        return (
+            f"could not join the Ray cluster at {address}: it asks for its token (Ray's token authentication: a `ray"
+            f" start` turns it on where a token is, as a ray.init() leaves one in ~/.ray/auth_token), and this run"
+            f" {sent}: run with RAY_AUTH_MODE=token and the cluster's token (`ray get-auth-token` on its head) in"
+            " ~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN, then rerun"
+        )
     if address:
         return f"could not join the Ray cluster at {address} ({said}): is it up (`ray status`)? Then rerun"
     # Where Ray's start puts its session, as Ray picks it (ray._common.utils.get_default_system_temp_dir).
