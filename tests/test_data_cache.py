@@ -180,6 +180,7 @@ def test_the_store_failing_mid_epoch_raises_one_line_and_the_loader_goes_on_from
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(tokpipe.store.bucket, "TRIES", 2)  # botocore's tries before the error (10 take minutes)
     monkeypatch.setattr(tokpipe.store.bucket, "READ_TIMEOUT", 1)  # a request to a stopped server: 1 s a try
+    monkeypatch.setattr(tokpipe.store.bucket, "CHECK_READ_TIMEOUT", 1)  # and once it was found silent (15 s a try)
     try:
         url = server.upload(finished_example, "out")
         options = dict(seed=5, cache_size=CACHE)
