@@ -158,7 +158,7 @@ def test_workers_left_over_from_a_killed_run_are_seen(killed):
     with held_elsewhere(killed / "shards" / "train", "train__chunk1__example_train_1"):
         st = status(killed)
         assert [s.writing for s in st.shards] == [False, True, False]
-        assert "1 shards are still being written by workers of the stopped run" in report(st)
+        assert "1 shard is still being written by workers of the stopped run" in report(st)
     assert not any(s.writing for s in status(killed).shards)
 
 
@@ -170,7 +170,7 @@ def test_failed_shards_are_named_with_their_error(killed):
     st = status(killed)
     assert states(st) == {TRAIN_0: "done", TRAIN_1: "partial", HOLDOUT: "failed"}
     text = report(st)
-    assert "stopped before finishing: 1 shards failed in the last run" in text
+    assert "stopped before finishing: 1 shard failed in the last run" in text
     assert f"FAILED  {HOLDOUT}: SourceError: truncated download" in text
     assert st.next.startswith("fix the cause of the failures above") and "tokpipe run --manifest" in st.next
 

@@ -18,6 +18,7 @@ from helpers import (
     REPO,
     RayNodes,
     assert_out_is,
+    bind_mount,
     cli,
     plain_copy_of_example,
     run_args,
@@ -126,20 +127,29 @@ def test_a_shard_mostly_without_the_text_field_is_named(tmp_path, small_tokenize
     result = tokpipe(*run_args(tmp_path / "m.json", tmp_path / "out", tokenizer=small_tokenizer))
     assert result.returncode == 0, result.stderr
     assert (
-        "NOTE: 1 shards have no 'text' field on most lines (e.g. train/b.jsonl: 3 of 4 lines):"
+        "NOTE: 1 shard has no 'text' field on most lines (e.g. train/b.jsonl: 3 of 4 lines):"
         " is --text-field right for them?" in result.stdout.splitlines()
     )
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
-def test_a_finished_run_leaves_no_process_behind(tmp_path, small_tokenizer):
+def test_a_finished_run_leaves_no_process_behind_nor_a_file_in_a_home_it_cannot_write(tmp_path, small_tokenizer):
+    # Ray (2.59 on) writes a token to ~/.ray/auth_token for a local instance where none is: a read-only home (a
+    # compute node's, a container's) stopped its start ("Ray did not start (OSError: [Errno 30] Read-only file
+    # system: '/home/.../.ray')").
     write_manifest(build_manifest(plain_copy_of_example(tmp_path / "data")), tmp_path / "m.json")
-    args = run_args(tmp_path / "m.json", tmp_path / "out", tokenizer=small_tokenizer)
+    args = run_args(tmp_path / "m.json", tmp_path / "out", "--ray-only", tokenizer=small_tokenizer)
     command = [sys.executable, "-m", "tokpipe.cli", *map(str, args)]
-    # A fresh session: every process the run starts carries its session id, whoever adopts it.
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    _, stderr = proc.communicate(timeout=300)
+    (tmp_path / "empty").mkdir()
+    with bind_mount(tmp_path / "empty", tmp_path / "home", read_only=True) as home:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"HOME": str(home)}
+        # A fresh session: every process the run starts carries its session id, whoever adopts it.
+        proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, env=env
+        )
+        stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr.decode()
+    assert "ray: embedded local instance" in stdout.decode() and not os.listdir(tmp_path / "empty")
     left = []
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():

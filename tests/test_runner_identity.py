@@ -118,7 +118,7 @@ def test_a_manifest_that_only_gained_shards_resumes_as_an_append(dataset, tmp_pa
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert (
-        lines[0] == f"the manifest gained 1 shards since {out} was started: appending them (finished shards are kept)"
+        lines[0] == f"the manifest gained 1 shard since {out} was started: appending them (finished shards are kept)"
     )
     assert re.fullmatch(
         rf"manifest {re.escape(str(dataset))}: 3 shards, 1\.1 MiB; 2 done, 0 partial, 1 to start", lines[2]

@@ -467,7 +467,7 @@ def test_skip_failed_through_the_store_leaves_the_failed_shard_out(
     url = s3_server.url(s3_prefix)
     run = store_out_run(tmp_path / "m.json", url, "--skip-failed", tokenizer=small_tokenizer)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "EXCLUDED 1 failed shards (recorded in meta['excluded']): train/b.jsonl" in run.stdout
+    assert "EXCLUDED 1 failed shard (recorded in meta['excluded']): train/b.jsonl" in run.stdout
     objects = stored_objects(s3_server, s3_prefix)
     _assert_split(objects, "train", small_reference["train"])
     assert list(json.loads(objects["meta.json"])["excluded"]) == ["train/b.jsonl"]

@@ -113,12 +113,14 @@ def summary_lines(summary) -> list[str]:
             lines.append(_groups_line(meta.group_by, s.groups))
     if meta.excluded:
         lines.append(
-            f"EXCLUDED {len(meta.excluded)} failed shards (recorded in meta['excluded']): {', '.join(meta.excluded)}"
+            f"EXCLUDED {plural(len(meta.excluded), 'failed shard')} (recorded in meta['excluded']):"
+            f" {', '.join(meta.excluded)}"
         )
     if summary.lacking:
         shard, missing, read = summary.lacking[0]
         lines.append(
-            f"NOTE: {len(summary.lacking)} shards have no {summary.text_field!r} field on most lines (e.g. {shard}:"
+            f"NOTE: {plural(len(summary.lacking), 'shard')} {'has' if len(summary.lacking) == 1 else 'have'} no"
+            f" {summary.text_field!r} field on most lines (e.g. {shard}:"
             f" {missing:,} of {read:,} lines): is --text-field right for them?"
         )
     lines.append(summary.phases)

@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from tokpipe.errors import UserError
-from tokpipe.fmt import disk_line, disk_now, duration
+from tokpipe.fmt import disk_line, disk_now, duration, plural
 from tokpipe.inputs.manifest import load_manifest
 from tokpipe.layout.checkpoints import Checkpoint, Checkpoints
 from tokpipe.layout.files import FAILED, PROGRESS, REFUSED, RUN_LOG, Layout
@@ -194,7 +194,7 @@ def _headline(st: RunStatus) -> str:
     if st.refused:
         return f"{st.out}: holds no token yet; the last run was refused: {st.refused}"
     failed = st.count("failed")
-    why = f"{failed} shards failed in the last run" if failed else "no run holds it (killed or crashed)"
+    why = f"{plural(failed, 'shard')} failed in the last run" if failed else "no run holds it (killed or crashed)"
     since = f"; last progress report {duration(st.last_report_age)} ago" if st.last_report_age is not None else ""
     return f"{st.out}: stopped before finishing: {why}{since}"
 
@@ -212,7 +212,8 @@ def report(st: RunStatus) -> str:
     orphans = sum(s.writing for s in st.shards) if st.state == "stopped" else 0
     if orphans:
         lines.append(
-            f"  {orphans} shards are still being written by workers of the stopped run; a rerun waits for them"
+            f"  {plural(orphans, 'shard')} {'is' if orphans == 1 else 'are'} still being written by workers of the"
+            " stopped run; a rerun waits for them"
         )
     lines.append(f"shards: {', '.join(f'{st.count(s)} {s}' for s in STATES)} (of {len(st.shards)})")
     for split in dict.fromkeys(s.split for s in st.shards):

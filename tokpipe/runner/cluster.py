@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import re
+import secrets
 import signal
 import socket
 import sys
@@ -160,6 +161,12 @@ def _embed(opts: RunOptions, fit: tuple[int, str], cpus: int) -> Shape:
     # The object store holds the shards done before their place in the split is known, each up
     # to --shard-buffer (EncodeSpec.buffer_bytes): room for two per worker.
     room = 2 * workers * (opts.buffer_mib << 20)
+    # Ray (2.59 on) turns token authentication on for a local instance and, where no token is, writes one to
+    # ~/.ray/auth_token: a read-only home (a compute node's, a container's) stopped its start, and the file left
+    # turned it on for the user's own `ray start --head` after. A token of this run's, in its environment, instead.
+    tokens = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+    if not any(map(os.environ.get, tokens)) and not (Path.home() / ".ray" / "auth_token").exists():
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(16)
     ray.init(
         address="local",
         num_cpus=workers * (2 if read_ahead else 1),
@@ -304,10 +311,8 @@ class Cluster:
         # start. tokpipe's own (tokpipe.errors) stays.
         ray._private.utils.set_sigterm_handler = keep_sigterm
         try:
-            if self.borrowed:  # the caller's Ray: used as it is, and left up
-                self.shape = _join(self.opts, None)
-            elif self.address:
-                self.shape = _join(self.opts, self.address)
+            if self.borrowed or self.address:  # the caller's Ray (used as it is, and left up), or a cluster
+                self.shape = _join(self.opts, None if self.borrowed else self.address)
             else:
                 self.shape = _embed(self.opts, self.fit, self.cpus)
             with self._lock:

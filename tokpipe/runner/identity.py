@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tokpipe.durability import write_json_atomic
 from tokpipe.errors import UserError
+from tokpipe.fmt import plural
 from tokpipe.inputs.manifest import Manifest, load_manifest
 from tokpipe.inputs.tokenizer import TokenizerInfo
 from tokpipe.layout.files import RECORD, REFUSED, Layout, LayoutWriter
@@ -199,6 +200,5 @@ def check_append(out: str, old_manifest: Manifest, manifest: Manifest, tell: Lis
             f"(e.g. {changed[0]}); use a new --out, or the original manifest to resume"
         )
     gained = sum(manifest.counts.values()) - sum(old_manifest.counts.values())
-    tell(
-        Said(f"the manifest gained {gained} shards since {out} was started: appending them (finished shards are kept)")
-    )
+    gained = plural(gained, "shard")
+    tell(Said(f"the manifest gained {gained} since {out} was started: appending them (finished shards are kept)"))
