@@ -117,6 +117,12 @@ def test_a_text_field_no_document_has_stops_the_run_before_tokenizing(tmp_path, 
         )
         assert refused.returncode == 2 and refused.stderr.startswith(f"tokpipe run: error: {said}"), refused.stderr
         assert refused.stderr.endswith(f"; {CHAT_TURNS}\n")
+    # A short sentence without spaces is text all the same, where it is not ASCII.
+    cjk = [json.dumps({"id": "s1", "sentence": "我们试试看！", "lang": "cmn"}, ensure_ascii=False)]
+    write_jsonl(tmp_path / "data" / "train" / "code.jsonl", cjk)
+    write_manifest(build_manifest(tmp_path / "data"), tmp_path / "m.json")
+    refused = cli(*run_args(tmp_path / "m.json", tmp_path / "out", tokenizer=small_tokenizer))
+    assert refused.stderr.endswith(": pass --text-field NAME (e.g. --text-field sentence)\n"), refused.stderr
     assert not list((tmp_path / "out").glob("shards/*/*.json"))
 
 

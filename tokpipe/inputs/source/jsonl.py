@@ -226,7 +226,8 @@ def _parse(lines: list, first_line_no: int, text_field: str, batch: TextBatch, g
 
 
 def _text_weight(value) -> int:
-    prose = isinstance(value, str) and (len(value) >= 64 or " " in value or "\n" in value)  # CJK has no spaces
+    # An id, a label, a language's code: one short ASCII word. (A Chinese sentence is one short word too, not ASCII.)
+    prose = isinstance(value, str) and (len(value) >= 64 or " " in value or "\n" in value or not value.isascii())
     return 1 + len(value) if prose else 0
 
 
