@@ -315,7 +315,7 @@ class _Watch:
         return False
 
 
-def test_placing_that_fails_with_its_placer_up_stops_the_run_at_the_third_failure():
+def test_placing_that_fails_with_its_placer_up_or_never_started_stops_the_run_at_the_third_failure():
     """A Placer killed is made again and goes on (tests/test_runner_storage.py kills them). A call whose Placer stays
     up and that fails alike each time (here, as on a node with another tokpipe: its result cannot be read in the
     driver) was made again for good, a core spinning, no word."""
@@ -336,4 +336,22 @@ def test_placing_that_fails_with_its_placer_up_stops_the_run_at_the_third_failur
     assert str(stopped.value) == (
         "placing on node 10.0.0.7 (ab12cd34) failed 3 times, its Placer up (RaySystemError: System error:"
         " AttributeError: Can't get attribute 'Segment' on <module 'x'>); details in OUT/logs/run.log"
+    )
+    # A Placer that never starts (a driver in RAY_AUTH_MODE=token, a cluster not) was made again 6,278 times in 40 s,
+    # without a word; one killed is made again and goes on.
+    from ray.core.generated.common_pb2 import ActorDiedErrorContext
+
+    killed = ray.exceptions.ActorDiedError(ActorDiedErrorContext(actor_id=bytes(16), error_message="killed"))
+    unborn = ray.exceptions.ActorDiedError(
+        ActorDiedErrorContext(never_started=True, actor_id=bytes(16), error_message="Actor creation cancelled.")
+    )
+    for _ in range(2 * PLACING_TRIES):
+        losses.placing_failed(None, "ef56ab78cd", [], killed)
+    for _ in range(PLACING_TRIES - 1):
+        losses.placing_failed(None, "ef56ab78cd", [], unborn)
+    with pytest.raises(RayUnavailable) as stopped:
+        losses.placing_failed(None, "ef56ab78cd", [], unborn)
+    assert str(stopped.value) == (
+        "placing on node 10.0.0.7 (ef56ab78) failed 3 times, its Placer never started (ActorDiedError: The actor never"
+        " ran - it was cancelled before it started running.); details in OUT/logs/run.log"
     )

@@ -57,7 +57,7 @@ GATHER = 0.02
 # more than a quarter of a worker's share of what is left (`packs`). Ray's submit is most of the driver's cost
 # per task (0.66 of 1.29 ms, py-spy, 2,500 one-document shards, 16 workers on 2 cores), the rest is per shard;
 # at ~60 MB/s a core 32 MiB is half a second of a worker's tail.
-PLACING_TRIES = 3  # a live Placer's failed calls (a result the driver cannot read) before the run stops, not spins
+PLACING_TRIES = 3  # failed calls of a node's Placer, live or never started, before the run stops, not spins
 PACK_BYTES = 32 << 20
 PACK_SHARDS = 64
 
@@ -96,9 +96,8 @@ def _tag(shards: list[Shard]) -> str:
 
 
 def _died_on(error: Exception) -> str | None:
-    """The node a NodeDiedError names, for a task that failed before its first beat said where it ran. Ray gives
-    it only in the message (ray.exceptions.NodeDiedError has no field for it; its format is in _raylet.so:
-    "... is dead or unavailable. Node IP: %s, node ID: %s. ...")."""
+    """The node a NodeDiedError names, for a task that failed before its first beat said where it ran: only in the
+    message (the error has no field for it; _raylet.so: "... is dead or unavailable. Node IP: %s, node ID: %s.")."""
     found = re.search(r"node ID: ([0-9a-f]+)", str(error)) if isinstance(error, ray.exceptions.NodeDiedError) else None
     return found and found[1]
 
@@ -280,22 +279,23 @@ class Losses:
 
     def placing_failed(self, copies: Placers, node: str, lost: list[OnNode], error: Exception) -> None:
         """A placing call failed: its Placer, or the node its tokens were on, is gone. The shards whose tokens it
-        lost are tokenized again; its other parts go again as they are (Placers.collect)."""
-        self.log(
-            f"placing on node {self.watch.name(node)} failed ({describe_failure(error)}):"
-            f" {plural(len(lost), 'shard')} to tokenize again"
-        )
+        lost are tokenized again; its other parts go again as they are (Placers.collect). A Placer that never starts
+        (a driver in RAY_AUTH_MODE=token, a cluster not) was made again 6,278 times in 40 s, without a word."""
+        failed = f"placing on node {self.watch.name(node)} failed ({describe_failure(error)})"
+        self.log(f"{failed}: {plural(len(lost), 'shard')} to tokenize again")
         for where in {node} | {stored.node for stored in lost}:
             if where in self.watch.lost or self.watch.confirms(where):
                 self.lose(where, copies, taken=[s for s in lost if s.node == where])
                 lost = [s for s in lost if s.node != where]
         self.tasks.again.extendleft(_Task([stored.shard], redo=stored) for stored in lost)
-        if node not in self.watch.lost and not isinstance(error, ray.exceptions.RayActorError):
+        died = isinstance(error, ray.exceptions.RayActorError)  # a Placer killed: made again, and it goes on
+        unborn = died and (error.actor_init_failed or "never ran" in str(error))
+        if node not in self.watch.lost and (unborn or not died):
             self.placing_failures[node] += 1
             if self.placing_failures[node] >= PLACING_TRIES:
                 raise RayUnavailable(
-                    f"placing on node {self.watch.name(node)} failed {PLACING_TRIES} times, its Placer up"
-                    f" ({describe_failure(error)}); details in OUT/logs/{RUN_LOG}"
+                    f"placing on node {self.watch.name(node)} failed {PLACING_TRIES} times, its Placer"
+                    f" {'never started' if unborn else 'up'} ({describe_failure(error)}); details in OUT/logs/{RUN_LOG}"
                 )
 
     def say(self, now: bool = False) -> None:
