@@ -99,7 +99,10 @@ _unanswered: set = set()
 
 
 def _client(endpoint: str | None, patience: str = "request"):
-    """The client of an endpoint for a "request", a "copy" on the server, or the "check" (Bucket.check)."""
+    """The client of an endpoint for a "request", a "copy" on the server, or the "check" (Bucket.check); a request
+    to an endpoint found silent (_unanswered) is tried as the check is."""
+    if patience == "request" and endpoint in _unanswered:
+        patience = "check"
     if (endpoint, patience) in _clients:
         return _clients[endpoint, patience]
     with _making:
@@ -134,7 +137,7 @@ class Bucket:
 
     @property
     def client(self):
-        return _client(self.endpoint, "check" if self.endpoint in _unanswered else "request")
+        return _client(self.endpoint)
 
     def where(self, key: str = "") -> str:
         return f"{SCHEME}{self.name}/{key}"
@@ -143,14 +146,13 @@ class Bucket:
         """client.operation(Bucket=..., **kw) about `key` (_client's patience), its errors as tokpipe's; a condition
         that does not hold (412: a create-only write that finds the key taken, an If-Match that finds the object
         changed) is Exists."""
-        if patience == "request" and self.endpoint in _unanswered:
-            patience = "check"
         try:
             return getattr(_client(self.endpoint, patience), operation)(Bucket=self.name, **kw)
         except Exception as e:
             if _status(e) == 412:
                 raise Exists(self.where(key)) from None
-            raise _error(e, self.where(key), self.endpoint, CHECK_TRIES if patience == "check" else TRIES) from None
+            tries = {"check": CHECK_TRIES, "copy": TRIES}.get(patience)  # a request's: as _client chose them
+            raise _error(e, self.where(key), self.endpoint, tries) from None
 
     def check(self, prefix: str = "") -> None:
         """Refuse (StoreRefused, one line, after CHECK_TRIES tries) a store that cannot be used: unreachable, a wrong
