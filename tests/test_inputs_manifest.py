@@ -357,9 +357,11 @@ def test_a_runs_out_inside_the_dataset_is_passed_over(tmp_path, small_tokenizer)
     write_manifest(build_manifest(data), tmp_path / "m.json")
     run = tokpipe(*run_args(tmp_path / "m.json", data / "out", tokenizer=small_tokenizer))
     assert run.returncode == 0, run.stderr
+    assert f"manifest {data}: 1 shard, 0.0 MiB; 0 done, 0 partial, 1 to start" in run.stdout.splitlines()
     assert (data / "out" / "logs" / "series.jsonl").exists()  # JSON Lines, as a shard's name says
     result = cli("manifest", "--dataset-dir", data, "-o", tmp_path / "again.json")
     assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0] == f"{data}: 1 shard (train 1), 0.0 MiB -> {tmp_path / 'again.json'}"
     assert result.stdout.splitlines()[-1] == "passed over out/: a tokpipe OUT, never input"
     assert list(load_manifest(tmp_path / "again.json").shards()) == list(load_manifest(tmp_path / "m.json").shards())
 

@@ -219,7 +219,7 @@ def test_with_address_a_node_that_cannot_see_out_stops_the_run_naming_node_and_p
         late_out = node_local / "late"
         late = start(tmp_path / "m.json", late_out, *HF, ray=cluster.address, tokenizer=small_tokenizer)
         probed = late_out / "logs" / "run.log"
-        wait_for(lambda: "node check: 1 nodes see" in _text(probed), run=late)
+        wait_for(lambda: "node check: 1 node sees" in _text(probed), run=late)
         second = cluster.add(node_id, "127.0.0.2", blind=node_local)
         assert late.wait(timeout=180) == 2, late.log.read_text()
         output = late.log.read_text().splitlines()

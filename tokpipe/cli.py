@@ -57,7 +57,7 @@ def _manifest_lines(manifest, dest: Path) -> list[str]:
     counts = manifest.counts
     where = f"{manifest.repo_id}@{manifest.revision[:12]}" if manifest.repo_id else manifest.root
     lines = [
-        f"{where}: {sum(counts.values())} shards ({', '.join(f'{k} {v}' for k, v in counts.items())}), "
+        f"{where}: {plural(sum(counts.values()), 'shard')} ({', '.join(f'{k} {v}' for k, v in counts.items())}), "
         f"{manifest.size / 2**20:,.1f} MiB -> {dest}"
     ]
     if manifest.config is not None:

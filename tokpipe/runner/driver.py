@@ -183,12 +183,12 @@ def _plan(run: _Run, manifest_path) -> Standing:
     )
     run.tell(
         Said(
-            f"manifest {manifest.repo_id or manifest.root}: {shards} shards, {manifest.size / 2**20:,.1f} MiB; "
-            f"{done} done, {partial} partial, {shards - done - partial} to start"
+            f"manifest {manifest.repo_id or manifest.root}: {plural(shards, 'shard')}, "
+            f"{manifest.size / 2**20:,.1f} MiB; {done} done, {partial} partial, {shards - done - partial} to start"
         )
     )
     log(
-        f"run: manifest {manifest_path} ({manifest.fingerprint[:16]}), tokenizer {info.id}, {shards} shards: "
+        f"run: manifest {manifest_path} ({manifest.fingerprint[:16]}), tokenizer {info.id}, {plural(shards, 'shard')}: "
         f"{done} done, {partial} partial"
     )
     return Standing(shards, done, partial, done_bytes)
@@ -305,7 +305,7 @@ def _tokenize_on_ray(run: _Run, backend: str, assembler, progress: Progress, tal
 def _kept(run: _Run, kept: int) -> None:
     """Log the done shards that a failed one kept from their place, written to their own files (shard.keep)."""
     if kept:
-        run.log(f"{kept} shards done after a failed one kept in their own files: the rerun places them as they are")
+        run.log(f"{plural(kept, 'shard')} done after a failed one kept in their own files: the rerun places them")
 
 
 def _report_failures(run: _Run, tally: Tally) -> bool:
@@ -315,8 +315,8 @@ def _report_failures(run: _Run, tally: Tally) -> bool:
         kept, redone = sum(r.resumed_tokens for r in resumed), sum(r.redone_tokens for r in resumed)
         run.tell(
             Said(
-                f"resumed {len(resumed)} shards from their checkpoints: {kept:,} tokens kept, {redone:,} tokens "
-                "written after the last checkpoints redone"
+                f"resumed {plural(len(resumed), 'shard')} from their checkpoints: {kept:,} tokens kept, "
+                f"{redone:,} tokens written after the last checkpoints redone"
             )
         )
     failures_file = Layout(run.out.records).log(FAILED)
@@ -327,14 +327,11 @@ def _report_failures(run: _Run, tally: Tally) -> bool:
     for relpath, error in failed.items():
         run.tell(Said(f"FAILED {relpath}: {error}", stderr=True))
     if not opts.skip_failed:
-        log(f"{len(failed)} shards failed; not finalized")
+        log(f"{plural(len(failed), 'shard')} failed; not finalized")
         return False
-    run.tell(
-        Said(
-            f"--skip-failed: finalizing without these {len(failed)} shards; meta records them as excluded", stderr=True
-        )
-    )
-    log(f"{len(failed)} shards failed; finalizing without them (--skip-failed)")
+    excluded = f"the failed {plural(len(failed), 'shard')}"
+    run.tell(Said(f"--skip-failed: finalizing without {excluded}; meta records them as excluded", stderr=True))
+    log(f"{plural(len(failed), 'shard')} failed; finalizing without them (--skip-failed)")
     return True
 
 

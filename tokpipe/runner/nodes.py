@@ -47,6 +47,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tokpipe.errors import NodeError, UserError
+from tokpipe.fmt import plural
 from tokpipe.inputs.manifest import Manifest
 from tokpipe.inputs.tokenizer import TokenizerInfo
 from tokpipe.layout.files import RUN_LOG
@@ -203,7 +204,8 @@ def check_nodes(manifest: Manifest, info: TokenizerInfo, out: Folder | Prefix, l
         raise UserError(refusal(problems, out))
     unchecked = f"; {len(nodes) - len(passed)} did not answer in {PROBE_SECONDS}s, checked at their first task"
     log(
-        f"node check: {len(passed)} nodes see OUT, the tokenizer and {len(check.shards)} shards"
+        f"node check: {plural(len(passed), 'node')} {'sees' if len(passed) == 1 else 'see'} OUT, the tokenizer and "
+        f"{plural(len(check.shards), 'shard')}"
         f"{unchecked if len(passed) < len(nodes) else ''}"
     )
     return ray.put(replace(check, checked=frozenset(passed)))
