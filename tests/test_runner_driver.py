@@ -38,6 +38,7 @@ from helpers import (
     VAL_DOCUMENTS,
     assert_out_is,
     checkpoints,
+    checkpoints_by_key,
     cli,
     held_out,
     kill_9,
@@ -286,6 +287,21 @@ def test_ctrl_c_stops_the_run_with_exit_130_and_the_same_command_resumes(
     )
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert_out_is(out, small_reference)
+
+
+def test_the_rerun_of_a_killed_run_says_what_checkpoints_kept_and_redid(killed_example, tmp_path, example_reference):
+    out = tmp_path / "out"
+    shutil.copytree(killed_example, out)
+    kept = checkpoints_by_key(out)["train__chunk1__example_train_1"]["tokens"]
+    written = (out / "shards" / "train" / "train__chunk1__example_train_1.bin").stat().st_size // 4
+    assert 0 < kept < written  # the kill left tokens past the last checkpoint: cut, then written again
+    rerun = tokpipe(*run_args(out / "manifest.json", out, "--workers", "2", "--checkpoint-interval", "1"))
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert (
+        f"resumed 1 shard from checkpoints: {kept:,} tokens kept, {written - kept:,} tokens written after the last "
+        "checkpoints redone"
+    ) in rerun.stdout.splitlines()
+    assert_out_is(out, example_reference)
 
 
 def test_a_run_the_driver_finishes_alone_never_imports_ray(tmp_path, small_tokenizer):

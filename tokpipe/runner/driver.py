@@ -315,7 +315,7 @@ def _report_failures(run: _Run, tally: Tally) -> bool:
         kept, redone = sum(r.resumed_tokens for r in resumed), sum(r.redone_tokens for r in resumed)
         run.tell(
             Said(
-                f"resumed {plural(len(resumed), 'shard')} from their checkpoints: {kept:,} tokens kept, "
+                f"resumed {plural(len(resumed), 'shard')} from checkpoints: {kept:,} tokens kept, "
                 f"{redone:,} tokens written after the last checkpoints redone"
             )
         )

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from tokpipe.errors import TooManyGroups, Unavailable
+from tokpipe.fmt import plural
 from tokpipe.inputs.encoders import encoder
 from tokpipe.inputs.manifest import Manifest, Shard
 from tokpipe.runner.progress import Progress, RunLog
@@ -71,7 +72,7 @@ class Tally:
             log(f"shard {shard.relpath}: resumed at {result.resumed_tokens:,} tokens, redid {result.redone_tokens:,}")
         if result.encoder_resets:
             log(
-                f"shard {shard.relpath}: encoder cache dropped {result.encoder_resets} times to stay under "
+                f"shard {shard.relpath}: encoder cache dropped {plural(result.encoder_resets, 'time')} to stay under "
                 f"{self.memory_limit >> 20} MiB"
             )
         if 2 * ckpt.skipped.get("no_text", 0) > ckpt.lines:
