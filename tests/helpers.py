@@ -575,6 +575,9 @@ LOST_NODE_RUN = (
     + """
 import sys
 target, call, node, session = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+if "TOKPIPE_TESTS_HEAD_SECONDS" in os.environ:  # the head lost: the run stops this soon, not at tokpipe's 30 s
+    import tokpipe.runner.nodes
+    tokpipe.runner.nodes.HEAD_SECONDS = float(os.environ["TOKPIPE_TESTS_HEAD_SECONDS"])
 def on_node(args):
     return not node or any(getattr(a, "node", None) == node for a in args)
 at_call(target, call, lambda: lose_node(session), on_node)
@@ -584,10 +587,13 @@ cli.main(sys.argv[5:])
 )
 
 
-def lost_node_run(target: str, call: int, node: str, session: int, *args) -> subprocess.CompletedProcess:
-    """`tokpipe run ARGS` that loses a Ray node at the `call`-th call of `target` in the driver (LOST_NODE_RUN)."""
+def lost_node_run(
+    target: str, call: int, node: str, session: int, *args, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """`tokpipe run ARGS` that loses a Ray node at the `call`-th call of `target` in the driver (LOST_NODE_RUN); `env`
+    as for `tokpipe`."""
     command = [sys.executable, "-c", LOST_NODE_RUN, target, str(call), node, str(session), *map(str, args)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=_env(None))
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=_env(None, env))
 
 
 # A `tokpipe run` (argv: its arguments) whose driver is held up 1 s after handing each shard task to Ray, as a

@@ -36,6 +36,10 @@ GIB = 1 << 30
 
 def test_workers_are_capped_by_the_cpus_and_by_their_memory():
     assert fit_workers(None, 16, 64 * GIB, 768, cluster=False) == (16, "")
+    assert fit_workers(2, 1, 64 * GIB, 768, cluster=True) == (
+        1,
+        "--workers 2 is more than the 1 CPU of the cluster: running 1",
+    )
     assert fit_workers(128, 2, 64 * GIB, 768, cluster=False) == (
         2,
         "--workers 128 is more than the 2 CPUs this process may use (its CPU affinity and cgroup quota): running 2",

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -237,6 +238,24 @@ def test_a_node_lost_at_any_moment_costs_its_shards_never_the_run(dataset, tmp_p
             assert_out_is(out, expected)
             assert cli("verify", out).returncode == 0
 
+        # The head lost (its GCS), its shards waiting at the gate on the node that stays: Ray's client ended the
+        # driver a minute later, exit 1, its one line in OUT/logs/ray.log, none on the terminal. One line says it
+        # once the GCS has taken no connection for HEAD_SECONDS (2 s here).
+        cluster.shut_gate()
+        args = run_args(manifest, tmp_path / "out-head", "--address", cluster.address, *ON_THE_NODES,
+                        tokenizer=small_tokenizer)  # fmt: skip
+        started = time.monotonic()
+        head = {"TOKPIPE_TESTS_HEAD_SECONDS": "2"}
+        run = lost_node_run("tokpipe.runner.schedule.Tasks.read_board", 2, "", cluster.sessions[0], *args, env=head)
+        assert (run.returncode, time.monotonic() - started < 40) == (1, True), run.stdout + run.stderr
+        port = cluster.address.rsplit(":", 1)[1]  # at the head's own address, as Ray names it
+        assert re.fullmatch(
+            rf"tokpipe run: error: the Ray cluster's head \(its GCS at [0-9.]+:{port}\) has taken no connection for 2"
+            " s: it was stopped, killed or cut off, and the cluster cannot go on without it; what is done is kept:"
+            " rerun the same command once the cluster is up again",
+            run.stderr.splitlines()[-1],
+        ), run.stderr
+
 
 def _cmdline(pid: int) -> str:
     try:
@@ -280,7 +299,7 @@ def test_the_run_follows_the_cluster_as_nodes_join_fail_their_check_and_are_lost
         cluster.open_gate()
         assert run.wait(timeout=300) == 0, output(run)
     said = output(run).splitlines()
-    assert "--workers 2 is more than the 1 CPUs of the cluster: running 1" in said
+    assert "--workers 2 is more than the 1 CPU of the cluster: running 1" in said
     port = cluster.address.split(":")[1]  # the cluster as the GCS names it: this machine's address
     assert any(re.fullmatch(rf"ray: cluster [\d.]+:{port}, 1 worker on 2 nodes", line) for line in said), said
     blind = [line for line in said if "(cdcdcdcd" in line]  # its join said before its first task, or not at all

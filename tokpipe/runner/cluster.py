@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokpipe.errors import RayUnavailable, ReaderMayLeave, keep_sigterm
-from tokpipe.fmt import free_bytes, size
+from tokpipe.fmt import free_bytes, plural, size
 from tokpipe.inputs.encoders import encoder
 from tokpipe.options import RunOptions
 from tokpipe.runner.local import describe_failure
@@ -73,7 +73,7 @@ def fit_workers(asked: int | None, cpus: int, memory: int, worker_memory_mib: in
     notes = []
     if workers > cpus:
         where = "of the cluster" if cluster else "this process may use (its CPU affinity and cgroup quota)"
-        notes.append(f"--workers {workers} is more than the {cpus} CPUs {where}: running {cpus}")
+        notes.append(f"--workers {workers} is more than the {plural(cpus, 'CPU')} {where}: running {cpus}")
         workers = cpus
     fit = max(1, memory // (worker_memory_mib << 20))
     if workers > fit:
