@@ -576,8 +576,8 @@ LOST_NODE_RUN = (
 import sys
 target, call, node, session = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 if "TOKPIPE_TESTS_HEAD_SECONDS" in os.environ:  # the head lost: the run stops this soon, not at tokpipe's 30 s
-    import tokpipe.runner.nodes
-    tokpipe.runner.nodes.HEAD_SECONDS = float(os.environ["TOKPIPE_TESTS_HEAD_SECONDS"])
+    import tokpipe.runner.head
+    tokpipe.runner.head.HEAD_SECONDS = float(os.environ["TOKPIPE_TESTS_HEAD_SECONDS"])
 def on_node(args):
     return not node or any(getattr(a, "node", None) == node for a in args)
 at_call(target, call, lambda: lose_node(session), on_node)

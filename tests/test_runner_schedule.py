@@ -238,9 +238,9 @@ def test_a_node_lost_at_any_moment_costs_its_shards_never_the_run(dataset, tmp_p
             assert_out_is(out, expected)
             assert cli("verify", out).returncode == 0
 
-        # The head lost (its GCS), its shards waiting at the gate on the node that stays: Ray's client ended the
+        # The head lost (its GCS), the shards waiting at the gate on the node that stays: Ray's client ended the
         # driver a minute later, exit 1, its one line in OUT/logs/ray.log, none on the terminal. One line says it
-        # once the GCS has taken no connection for HEAD_SECONDS (2 s here).
+        # once the GCS has taken no connection for HEAD_SECONDS (2 s here), and the run ends, exit 1.
         cluster.shut_gate()
         args = run_args(manifest, tmp_path / "out-head", "--address", cluster.address, *ON_THE_NODES,
                         tokenizer=small_tokenizer)  # fmt: skip
@@ -250,9 +250,9 @@ def test_a_node_lost_at_any_moment_costs_its_shards_never_the_run(dataset, tmp_p
         assert (run.returncode, time.monotonic() - started < 40) == (1, True), run.stdout + run.stderr
         port = cluster.address.rsplit(":", 1)[1]  # at the head's own address, as Ray names it
         assert re.fullmatch(
-            rf"tokpipe run: error: the Ray cluster's head \(its GCS at [0-9.]+:{port}\) has taken no connection for 2"
-            " s: it was stopped, killed or cut off, and the cluster cannot go on without it; what is done is kept:"
-            " rerun the same command once the cluster is up again",
+            rf"tokpipe run: error: Ray's head \(its GCS at [0-9.]+:{port}\) has taken no connection for 2 s: it was"
+            " stopped, killed or cut off, and Ray cannot go on without it; what is done is kept: rerun the same command"
+            r" \(on a cluster, once its head is up again\)",
             run.stderr.splitlines()[-1],
         ), run.stderr
 

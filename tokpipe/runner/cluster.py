@@ -14,10 +14,8 @@ import ctypes
 import logging
 import math
 import os
-import re
 import secrets
 import signal
-import socket
 import sys
 import threading
 import time
@@ -28,6 +26,7 @@ from tokpipe.errors import RayUnavailable, ReaderMayLeave, keep_sigterm
 from tokpipe.fmt import free_bytes, plural, size
 from tokpipe.inputs.encoders import encoder
 from tokpipe.options import RunOptions
+from tokpipe.runner.head import answers_as_ray, watch_head
 from tokpipe.runner.local import describe_failure
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
@@ -102,45 +101,13 @@ class Shape:
     note: str  # why fewer workers than asked, if so
 
 
-# How long a join waits for the cluster's address to answer as Ray's GCS does (a live one: in 6 ms here). Ray's own
-# client, given an address where nothing of Ray's answers, tried 20 times, ~40 s a try, holding the GIL: 14 minutes
-# without a word, and a Ctrl-C or SIGTERM waited for it.
-JOIN_ANSWER_SECONDS = 10
-HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # preface, empty SETTINGS
-
-
-def _answers_as_ray(address: str) -> None:
-    """A ConnectionError that says so, unless `address` (host:port, ray://host:port; a dashboard's http:// URL is
-    asked too) answers as Ray's GCS and its client server do: gRPC, whose first frame is SETTINGS. "auto" is Ray's
-    to find."""
-    if not (match := re.fullmatch(r"(?:\w+://)?\[?([^\]/]+?)\]?:(\d+)/?", address)):
-        return
-    try:
-        connection = socket.create_connection((match[1], int(match[2])), timeout=JOIN_ANSWER_SECONDS)
-    except OSError as e:  # refused, no route, no such host
-        raise ConnectionError(f"nothing answers at {address}: {e.strerror or e}") from None
-    first = b""
-    with connection:
-        try:
-            connection.sendall(HTTP2_HELLO)
-            while len(first) < 4 and (more := connection.recv(9)):
-                first += more
-        except OSError:  # a timeout: the port takes connections, and says nothing
-            raise ConnectionError(f"{address} takes a connection and says nothing in {JOIN_ANSWER_SECONDS} s") from None
-    if len(first) < 4 or first[3] != 4:
-        raise ConnectionError(
-            f"what answers at {address} is not Ray (a dashboard's port?): a cluster's address is its head's GCS port,"
-            " 6379 unless `ray start --head --port` said another"
-        )
-
-
 def _join(opts: RunOptions, address: str | None) -> Shape:
     """Ray started by joining the cluster at `address` (--address or RAY_ADDRESS), or None: the Ray this process
     is connected to already (a library caller's ray.init); its workers fitted to it."""
     import ray
 
     if address is not None:
-        _answers_as_ray(address)
+        answers_as_ray(address)
         ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
     alive = [n for n in ray.nodes() if n["Alive"]]
     cpus = int(ray.cluster_resources().get("CPU", 1))
@@ -324,8 +291,20 @@ class Cluster:
             self._error = e
             self.ready.set()
         # Ray starts its GCS and raylet with PR_SET_PDEATHSIG, which fires when the *thread* that
-        # started them ends, not the process: this one lives as long as the run.
+        # started them ends, not the process: this one lives as long as the run, and watches Ray's head.
+        if self._error is None:
+            watch_head(self._done, self._head_lost)
         self._done.wait()
+
+    def _head_lost(self, line: str) -> None:
+        """Ray's head gone (nodes.watch_head): said; in the CLI's process the run ends here, as Ray's client would
+        end it soon, wordless. Its work is durable, as at a kill -9: the same command resumes."""
+        print(f"tokpipe run: error: {line}", file=sys.stderr, flush=True)
+        if self.exits_after:
+            self.lines.silence()
+            _kill_descendants()
+            sys.stdout.flush()
+            os._exit(1)  # a run that failed
 
     def warm(self, backend: str, tokenizer_json: str) -> None:
         """Have every worker load the encoder now, before its first shard (at once if Ray is up, else

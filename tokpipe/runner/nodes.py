@@ -36,7 +36,6 @@ import hashlib
 import importlib.metadata
 import os
 import secrets
-import socket
 import stat
 import threading
 import time
@@ -46,23 +45,17 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from tokpipe.errors import NodeError, RayUnavailable, UserError
+from tokpipe.errors import NodeError, UserError
 from tokpipe.fmt import plural
 from tokpipe.inputs.manifest import Manifest
 from tokpipe.inputs.tokenizer import TokenizerInfo
 from tokpipe.layout.files import RUN_LOG
+from tokpipe.runner.head import WATCH_EVERY, takes_connection
 from tokpipe.runner.storage import Folder, Prefix, storage_of
 
 MAX_FOLDERS = 256  # of the shards' folders, one shard each
 SAMPLE = 32  # shards more, spread over the manifest
 PROBE_SECONDS = 30  # a node that has not answered by then checks itself in its first task
-# Between two looks at the nodes (NodeWatch.gone): ray.nodes() took 0.19 ms of the driver's CPU with 4 nodes, and
-# a connection to each raylet is one round trip.
-WATCH_EVERY = 2.0
-RAYLET_SECONDS = 2.0  # to connect to the raylet of a node where something failed: past it, the node is lost
-# The head's GCS taking no connection this long stops the run. Ray's own client ends the driver after 60 s of it
-# (gcs_rpc_server_reconnect_timeout_s), exit code 1 and not a word on the terminal: its line went to ray.log.
-HEAD_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -247,26 +240,13 @@ class NodeWatch:
         self.joined: list[str] = []  # nodes first seen alive since the start, until the scheduler takes them
         self.looked = 0.0
         self.turn = 0  # of the node `steer` names next
-        self.gcs = ray.get_runtime_context().gcs_address  # HOST:PORT
-        self.head_silent: float | None = None  # since when the GCS has taken no connection
         self._look()
         self.joined.clear()  # the nodes at the start did not join
         self.initial = set(self.known)
 
     def _look(self) -> set[str]:
-        """Look at the nodes now; returns those the GCS found dead that the run has not yet given up. While the GCS
-        takes no connection (ray.nodes() would wait for it), nothing is decided; after HEAD_SECONDS the run stops."""
+        """Look at the nodes now; returns those the GCS found dead that the run has not yet given up."""
         self.looked = time.monotonic()
-        if not _takes_connection(self.gcs):
-            self.head_silent = self.head_silent or self.looked
-            if self.looked - self.head_silent < HEAD_SECONDS:
-                return set()
-            raise RayUnavailable(
-                f"the Ray cluster's head (its GCS at {self.gcs}) has taken no connection for {HEAD_SECONDS:.0f} s:"
-                " it was stopped, killed or cut off, and the cluster cannot go on without it; what is done is kept:"
-                " rerun the same command once the cluster is up again"
-            )
-        self.head_silent = None
         nodes = ray.nodes()
         self.joined += [n["NodeID"] for n in nodes if n["Alive"] and n["NodeID"] not in self.known]
         self.known.update((n["NodeID"], n) for n in nodes if n["Alive"])
@@ -299,8 +279,7 @@ class NodeWatch:
         """The nodes lost, and not yet given up, if a look is due (or `now`): one raylet connection each."""
         if not now and time.monotonic() - self.looked < WATCH_EVERY:
             return set()
-        found = self._look()
-        return set() if self.head_silent else found | {node for node in self.up if not self.answers(node)}
+        return self._look() | {node for node in self.up if not self.answers(node)}
 
     def confirms(self, node: str) -> bool:
         """Whether a node where a task or a Placer failed is lost (the failure of one process there, a worker or
@@ -310,7 +289,7 @@ class NodeWatch:
     def answers(self, node: str) -> bool:
         """Whether a node's raylet takes a connection (one not known to be up: it would be, then)."""
         found = self.known.get(node)
-        return found is None or _takes_connection(f"{found['NodeManagerAddress']}:{found['NodeManagerPort']}")
+        return found is None or takes_connection(f"{found['NodeManagerAddress']}:{found['NodeManagerPort']}")
 
     def name(self, node: str) -> str:
         """How a line names a node: its address and the start of its id."""
@@ -321,13 +300,3 @@ class NodeWatch:
         """Whether a node left has the CPUs a shard task takes."""
         self._look()
         return any(self.known[node]["Resources"].get("CPU", 0) >= cpus for node in self.up)
-
-
-def _takes_connection(address: str) -> bool:
-    """Whether HOST:PORT takes a TCP connection within RAYLET_SECONDS."""
-    host, port = address.rsplit(":", 1)
-    try:
-        socket.create_connection((host, int(port)), RAYLET_SECONDS).close()
-    except OSError:
-        return False
-    return True
