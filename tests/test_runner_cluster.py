@@ -13,6 +13,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from helpers import (
     REPO,
@@ -127,6 +129,23 @@ def test_a_text_field_no_document_has_stops_the_run_before_tokenizing(tmp_path, 
     write_manifest(build_manifest(tmp_path / "data"), tmp_path / "m.json")
     refused = cli(*run_args(tmp_path / "m.json", tmp_path / "out", tokenizer=small_tokenizer))
     assert refused.stderr.endswith(": pass --text-field NAME (e.g. --text-field sentence)\n"), refused.stderr
+    # A chat dataset with its prompt beside its turns (HuggingFaceH4/ultrachat_200k's columns), JSON Lines or Parquet:
+    # the prompt is suggested, and the turns, which hold most of its text, are named (a run of the prompt alone left
+    # them out without a word).
+    prompt = "Write a haiku about the sea, please."
+    turns = [{"content": prompt, "role": "user"}, {"content": "Waves fold into foam.", "role": "assistant"}]
+    ultrachat = {"prompt": [prompt], "prompt_id": ["9f2c41"], "messages": [turns]}
+    write_jsonl(tmp_path / "data" / "train" / "code.jsonl", [json.dumps({k: v[0] for k, v in ultrachat.items()})])
+    (tmp_path / "parquet" / "data").mkdir(parents=True)
+    pq.write_table(pa.table(ultrachat), tmp_path / "parquet" / "data" / "train-00000-of-00001.parquet")
+    for data in ("data", "parquet"):
+        write_manifest(build_manifest(tmp_path / data), tmp_path / "m.json")
+        refused = cli(*run_args(tmp_path / "m.json", tmp_path / "out", tokenizer=small_tokenizer))
+        assert refused.stderr == (
+            "tokpipe run: error: no document has a 'text' field in the first lines of each split's first shard; their"
+            " fields: messages, prompt, prompt_id: pass --text-field NAME (e.g. --text-field prompt); messages holds"
+            f" lists of texts: {CHAT_TURNS}\n"
+        ), data
     assert not list((tmp_path / "out").glob("shards/*/*.json"))
 
 

@@ -59,14 +59,18 @@ def sample_texts(manifest: Manifest, text_field: str) -> tuple[list[str], int]:
     if fields and text_field not in fields:
         missing = f"no document has a {text_field!r} field in the first lines of each split's first shard"
         names = ", ".join(sorted(fields))
-        if not fields[likely := max(fields, key=fields.get)]:  # an object, a number: naming it would be refused next
+        if fields[likely := max(fields, key=fields.get)] <= 0:  # an object, a list: naming it would be refused next
             raise UserError(
                 f"{missing}, and none of their fields ({names}) holds text at a document's top level, which"
                 " --text-field names: move the text up (e.g. with `datasets`' map), into a dataset of its own;"
                 f" {CHAT_TURNS}"
             )
+        # Beside a prompt, its turns hold most of a chat dataset's text: a run of the prompt alone leaves them out.
+        turns = sorted(field for field, weight in fields.items() if weight < 0)
+        holds = f"; {', '.join(turns)} {'holds' if len(turns) == 1 else 'hold'} lists of texts: {CHAT_TURNS}"
         raise UserError(
-            f"{missing}; their fields: {names}: pass --text-field NAME (e.g. --text-field {likely})",
+            f"{missing}; their fields: {names}: pass --text-field NAME (e.g. --text-field {likely})"
+            + (holds if turns else ""),
             fix={"text_field": likely},
         )
     return texts, passed_over

@@ -227,13 +227,17 @@ def _parse(lines: list, first_line_no: int, text_field: str, batch: TextBatch, g
 
 def _text_weight(value) -> int:
     # An id, a label, a language's code: one short ASCII word. (A Chinese sentence is one short word too, not ASCII.)
+    if isinstance(value, list):  # of texts, or of objects with texts: a conversation's turns
+        texts = [v for item in value for v in (item.values() if isinstance(item, dict) else [item])]
+        return -1 if any(isinstance(v, str) for v in texts) else 0
     prose = isinstance(value, str) and (len(value) >= 64 or " " in value or "\n" in value or not value.isascii())
     return 1 + len(value) if prose else 0
 
 
 def jsonl_fields(raw, path: str, kind: str, sample_bytes: int = 1 << 20) -> Counter:
     """Keys of the JSON objects in the first `sample_bytes` of the shard, by the characters of text they hold (0: no
-    text: an object, a list, a number, or a string of one short word: an id, a label, a language's code)."""
+    text: an object, a number, or a string of one short word: an id, a label, a language's code; below 0: a list of
+    texts, a conversation's turns)."""
     fields = Counter()
     for lines, *_ in _lines(decompressed_blocks(raw, path, kind, sample_bytes), sample_bytes):
         for line in lines[:-1] if len(lines) > 1 else lines:  # the last may be cut by the sample's end

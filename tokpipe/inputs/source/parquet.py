@@ -155,11 +155,18 @@ def _parse(
 
 
 def parquet_fields(source, path: str) -> Counter:
+    """Its columns: 1 a column of text, -1 a list of texts (a conversation's turns), 0 other."""
     parquet, _ = _open(source, path)
     with parquet:
-        return Counter(
-            {f.name: 1 if f.type in TEXT_TYPES or str(f.type) in VIEW_TYPES else 0 for f in parquet.schema_arrow}
-        )
+        return Counter({f.name: _text_weight(f.type) for f in parquet.schema_arrow})
+
+
+def _text_weight(kind: pa.DataType) -> int:
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        turn = kind.value_type
+        parts = [field.type for field in turn] if pa.types.is_struct(turn) else [turn]
+        return -1 if any(_text_weight(part) > 0 for part in parts) else 0
+    return 1 if kind in TEXT_TYPES or str(kind) in VIEW_TYPES else 0
 
 
 def read_parquet_batches(
