@@ -37,7 +37,8 @@ def format_of(path: str, etag: str | None = None) -> str:
 
 def fields_of(path: str, etag: str | None = None) -> Counter:
     """The fields documents of this shard have, each weighted by how much text it holds in the first
-    lines (JSONL), or the columns (Parquet, a string column 1): what --text-field can name; 0, a field of no text."""
+    lines (JSONL), or the columns (Parquet, a string column 1): what --text-field can name; 0, a field of no text; below
+    0, a list of texts (a conversation's turns)."""
     kind = format_of(path, etag)
     with open_read(path, etag, ahead=0 if kind == "parquet" else None) as raw:
         if kind == "parquet":
