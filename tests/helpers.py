@@ -475,21 +475,23 @@ def lose_node(session):
     # The kills come from a process outside the session: one of the node's own, cut short (its Ray core worker exits
     # the moment its raylet dies), had left processes forked during its pass alive (twice in CI: two ray::IDLE).
     import subprocess, sys
-    subprocess.run([sys.executable, "-S", "-c", KILL_SESSION, str(session)], start_new_session=True)
+    only = os.environ.get("TOKPIPE_TESTS_LOSE_ONLY", "")  # the process of this name alone (Ray's head: gcs_server)
+    subprocess.run([sys.executable, "-S", "-c", KILL_SESSION, str(session), only], start_new_session=True)
     if os.getsid(0) == session:
         os.kill(os.getpid(), signal.SIGKILL)
 
-# kill -9 of every process of a session (argv: its id), again until a pass finds none: a process forked while a pass
-# ran (a worker Ray was starting) outlives that pass.
+# kill -9 of every process of a session (argv: its id; a name: only the processes of that name), again until a pass
+# finds none: a process forked while a pass ran (a worker Ray was starting) outlives that pass.
 KILL_SESSION = '''
 import os, signal, sys
-session = int(sys.argv[1])
+session, only = int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else ""
 for _ in range(100):
     found = False
     for pid in [int(p) for p in os.listdir("/proc") if p.isdigit()]:
         try:
-            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-            if int(fields[3]) == session and fields[0] != "Z":  # a zombie is dead already
+            name, fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)
+            fields = fields.split()
+            if int(fields[3]) == session and fields[0] != "Z" and name.endswith(f"({only}" if only else ""):
                 os.kill(pid, signal.SIGKILL)
                 found = True
         except (OSError, ValueError):

@@ -238,14 +238,15 @@ def test_a_node_lost_at_any_moment_costs_its_shards_never_the_run(dataset, tmp_p
             assert_out_is(out, expected)
             assert cli("verify", out).returncode == 0
 
-        # The head lost (its GCS), the shards waiting at the gate on the node that stays: Ray's client ended the
-        # driver a minute later, exit 1, its one line in OUT/logs/ray.log, none on the terminal. One line says it
-        # once the GCS has taken no connection for HEAD_SECONDS (2 s here), and the run ends, exit 1.
+        # The head's GCS lost (the driver's raylet, there too, stays: tests/test_runner_head.py has its loss), the
+        # shards waiting at the gate on the node that stays: Ray's client ended the driver a minute later, exit 1, its
+        # one line in OUT/logs/ray.log, none on the terminal. One line says it once the GCS has taken no connection
+        # for HEAD_SECONDS (2 s here), and the run ends, exit 1.
         cluster.shut_gate()
         args = run_args(manifest, tmp_path / "out-head", "--address", cluster.address, *ON_THE_NODES,
                         tokenizer=small_tokenizer)  # fmt: skip
         started = time.monotonic()
-        head = {"TOKPIPE_TESTS_HEAD_SECONDS": "2"}
+        head = {"TOKPIPE_TESTS_HEAD_SECONDS": "2", "TOKPIPE_TESTS_LOSE_ONLY": "gcs_server"}
         run = lost_node_run("tokpipe.runner.schedule.Tasks.read_board", 2, "", cluster.sessions[0], *args, env=head)
         assert (run.returncode, time.monotonic() - started < 40) == (1, True), run.stdout + run.stderr
         port = cluster.address.rsplit(":", 1)[1]  # at the head's own address, as Ray names it

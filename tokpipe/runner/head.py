@@ -57,15 +57,31 @@ def takes_connection(address: str) -> bool:
 
 
 def watch_head(done: threading.Event, lost: Callable[[str], None]) -> None:
-    """Until `done`, whether Ray's head, its GCS, takes a connection, every WATCH_EVERY; after HEAD_SECONDS without,
-    `lost(what to say)`. Left to Ray, its client ended the driver 60 s after the GCS was killed, whatever the driver
-    waited on (a task, the node check, the progress board): exit 1, its one line in OUT/logs/ray.log, not a word on
-    the terminal."""
+    """Until `done`, every WATCH_EVERY, whether the two processes of Ray the driver cannot work without take a
+    connection: the raylet of its own node (its object store), and the head's GCS; `lost(what to say)` once the
+    raylet has missed two looks, or the GCS HEAD_SECONDS (a GCS with fault tolerance comes back in seconds). Left to
+    Ray, its client ended the driver, whatever it waited on (a task, the node check, the progress board), with exit 1
+    and not a word on the terminal (its one line in OUT/logs/ray.log): 15 s after the raylet was killed, 60 s after
+    the GCS."""
     import ray
 
-    gcs, silent = ray.get_runtime_context().gcs_address, None
+    context = ray.get_runtime_context()
+    node = next(n for n in ray.nodes() if n["NodeID"] == context.get_node_id())
+    watch(f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}", context.gcs_address, done, lost)
+
+
+def watch(raylet: str, gcs: str, done: threading.Event, lost: Callable[[str], None]) -> None:
+    """watch_head's looks, at these addresses (HOST:PORT)."""
+    missed, silent = 0, None
     while not done.wait(WATCH_EVERY):
+        missed = 0 if takes_connection(raylet) else missed + 1
         silent = None if takes_connection(gcs) else silent or time.monotonic()
+        if missed >= 2:
+            return lost(
+                f"Ray's node on this machine (its raylet at {raylet}), through which the run works, is gone: it was"
+                " killed or stopped; what is done is kept: rerun the same command (on a cluster, once Ray runs on this"
+                " machine again)"
+            )
         if silent and time.monotonic() - silent >= HEAD_SECONDS:
             return lost(
                 f"Ray's head (its GCS at {gcs}) has taken no connection for {HEAD_SECONDS:.0f} s: it was stopped,"
