@@ -59,3 +59,18 @@ def test_while_both_answer_nothing_is_said_and_the_watch_ends_with_the_run(liste
     done.set()
     watching.join(timeout=5)
     assert not watching.is_alive() and said == []
+
+
+def test_a_stop_while_it_looks_is_no_news(listening, monkeypatch):
+    # The run stops Ray (Cluster.stop) and kills its raylet while the watch looks: that loss is the run's own.
+    done, said, looks = threading.Event(), [], []
+
+    def killed_while_looked_at(address):
+        looks.append(address)
+        if len(looks) == 3:  # the raylet's second look: the stop came meanwhile
+            done.set()
+        return address != "127.0.0.1:1"
+
+    monkeypatch.setattr(head, "takes_connection", killed_while_looked_at)
+    head.watch("127.0.0.1:1", listening, done, said.append)
+    assert (said, len(looks)) == ([], 4)

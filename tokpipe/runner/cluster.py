@@ -236,6 +236,7 @@ class Cluster:
         self.address = opts.address or os.environ.get("RAY_ADDRESS")
         self.ready = threading.Event()
         self._done = threading.Event()  # the run no longer needs Ray
+        self._stopping = threading.Event()  # the run stops Ray: its head and raylet going are no news
         self.shape: Shape | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
@@ -293,7 +294,7 @@ class Cluster:
         # Ray starts its GCS and raylet with PR_SET_PDEATHSIG, which fires when the *thread* that
         # started them ends, not the process: this one lives as long as the run, and watches Ray's head.
         if self._error is None:
-            watch_head(self._done, self._head_lost)
+            watch_head(self._stopping, self._head_lost)
         self._done.wait()
 
     def _head_lost(self, line: str) -> None:
@@ -357,6 +358,7 @@ class Cluster:
             return
         import ray
 
+        self._stopping.set()
         if not self.exits_after:
             self.ready.wait()
             if not self.borrowed:

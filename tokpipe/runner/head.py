@@ -76,6 +76,8 @@ def watch(raylet: str, gcs: str, done: threading.Event, lost: Callable[[str], No
     while not done.wait(WATCH_EVERY):
         missed = 0 if takes_connection(raylet) else missed + 1
         silent = None if takes_connection(gcs) else silent or time.monotonic()
+        if done.is_set():  # while it looked
+            return None
         if missed >= 2:
             return lost(
                 f"Ray's node on this machine (its raylet at {raylet}), through which the run works, is gone: it was"
