@@ -154,6 +154,22 @@ def test_a_run_on_another_machine_holds_an_out_on_a_store_until_its_lease_ends(k
         assert report(status(out)).splitlines()[0] == said
 
 
+def test_what_stopped_the_last_run_is_said_where_it_said_and_a_kill_is_not(killed):
+    # runner/driver.py notes the error that stops a run as run.log's last line (tests/test_runner_driver.py,
+    # test_runner_schedule.py, test_cli.py run such runs); an unexpected error's traceback follows it (cli.py).
+    headline = f"{killed}: stopped before finishing: no run holds it"
+    assert report(status(killed)).splitlines()[0] == f"{headline} (killed or crashed)"
+    (killed / "logs").mkdir(exist_ok=True)
+    with open(killed / "logs" / "run.log", "a") as log:
+        log.write("2026-12-06 12:00:01 stopped: KeyError: 'text'\nTraceback (most recent call last):\n")
+        log.write("  File \"tokpipe/write/shard.py\", line 7, in _encode\nKeyError: 'text'\n")
+    assert status(killed).stopped == "KeyError: 'text'"
+    assert report(status(killed)).splitlines()[0] == f"{headline}; the last one stopped: KeyError: 'text'"
+    with open(killed / "logs" / "run.log", "a") as log:  # a run after it, killed -9: it said nothing
+        log.write("2026-12-06 12:05:00 run: manifest m.json (5d8ada2c35f236a9), tokenizer qwen3, 3 shards: 1 done\n")
+    assert report(status(killed)).splitlines()[0] == f"{headline} (killed or crashed)"
+
+
 def test_workers_left_over_from_a_killed_run_are_seen(killed):
     with held_elsewhere(killed / "shards" / "train", "train__chunk1__example_train_1"):
         st = status(killed)

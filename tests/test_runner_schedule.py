@@ -198,9 +198,14 @@ def test_a_node_lost_at_any_moment_costs_its_shards_never_the_run(dataset, tmp_p
         args = run_args(manifest, out, "--address", cluster.address, *ON_THE_NODES, tokenizer=small_tokenizer)
         stopped = tokpipe(*args)
         assert stopped.returncode == 1, stopped.stdout + stopped.stderr
-        assert stopped.stderr.splitlines()[-1] == (
-            "tokpipe run: error: node 127.0.0.2 (a0a0a0a0) was lost, and no node left in the cluster can run a shard"
-            " (1 CPU): start one (`ray start --address ...`) and rerun the same command"
+        why = (
+            "node 127.0.0.2 (a0a0a0a0) was lost, and no node left in the cluster can run a shard (1 CPU): start one"
+            " (`ray start --address ...`) and rerun the same command"
+        )
+        assert stopped.stderr.splitlines()[-1] == f"tokpipe run: error: {why}"
+        assert (
+            cli("status", out).stdout.splitlines()[0].split("; last progress report")[0]
+            == f"{out}: stopped before finishing: no run holds it; the last one stopped: {why}"
         )
         assert not session_processes(first)
         # A node that stays joins; the same command resumes and finishes.
@@ -250,12 +255,16 @@ def test_a_node_lost_at_any_moment_costs_its_shards_never_the_run(dataset, tmp_p
         run = lost_node_run("tokpipe.runner.schedule.Tasks.read_board", 2, "", cluster.sessions[0], *args, env=head)
         assert (run.returncode, time.monotonic() - started < 40) == (1, True), run.stdout + run.stderr
         port = cluster.address.rsplit(":", 1)[1]  # at the head's own address, as Ray names it
+        why = (
+            rf"Ray's head \(its GCS at [0-9.]+:{port}\) has taken no connection for 2 s: it was stopped, killed or cut"
+            r" off, and Ray cannot go on without it; what is done is kept: rerun the same command \(on a cluster, once"
+            r" its head is up again\)"
+        )
+        assert re.fullmatch(f"tokpipe run: error: {why}", run.stderr.splitlines()[-1]), run.stderr
+        said = cli("status", tmp_path / "out-head").stdout.splitlines()[0].split("; last progress report")[0]
         assert re.fullmatch(
-            rf"tokpipe run: error: Ray's head \(its GCS at [0-9.]+:{port}\) has taken no connection for 2 s: it was"
-            " stopped, killed or cut off, and Ray cannot go on without it; what is done is kept: rerun the same command"
-            r" \(on a cluster, once its head is up again\)",
-            run.stderr.splitlines()[-1],
-        ), run.stderr
+            f".*/out-head: stopped before finishing: no run holds it; the last one stopped: {why}", said
+        )
 
 
 def _cmdline(pid: int) -> str:

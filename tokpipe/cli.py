@@ -392,9 +392,8 @@ def _unexpected(out: str, error: Exception) -> str:
 
     trace, log = "".join(traceback.format_exception(error)).rstrip(), Layout(out).log(RUN_LOG)
     if log.is_file():
-        from tokpipe.runner.progress import RunLog
-
-        RunLog(Path(out))(f"stopped by an unexpected error:\n{trace}")
+        with open(log, "a") as file:  # after the run's note of what stopped it (runner/driver.py, STOPPED)
+            file.write(f"{trace}\n")
         where, trace = f"is in {log}", ""
     else:
         where, trace = "follows", f"\n{trace}"

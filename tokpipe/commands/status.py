@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import socket
 import time
@@ -27,7 +28,7 @@ from tokpipe.layout.checkpoints import Checkpoint, Checkpoints
 from tokpipe.layout.files import FAILED, PROGRESS, REFUSED, RUN_LOG, Layout
 from tokpipe.layout.locks import shard_locked
 from tokpipe.layout.meta import load_meta
-from tokpipe.layout.run import RunRecord, load_run
+from tokpipe.layout.run import STOPPED, RunRecord, load_run
 from tokpipe.layout.stored import held_by, left_over, on_store, reader_out, records_of, shown
 
 # progress.json is rewritten every 2 s while shards run; older than this, the live run is doing
@@ -74,6 +75,7 @@ class RunStatus:
     refused: str | None = None  # why the last run stopped before OUT held a token
     warnings: list[str] = field(default_factory=list)  # the logs found damaged, passed over
     left_over: tuple[str, int] | None = None  # where a finish killed after meta.json left objects, and how many
+    stopped: str | None = None  # what stopped the last run, where it said (run.log's STOPPED line)
 
     def count(self, state: str, split: str | None = None) -> int:
         return sum(1 for s in self.shards if s.state == state and split in (None, s.split))
@@ -165,7 +167,21 @@ def status(out: str | os.PathLike) -> RunStatus:
     groups = {split: dict(sorted(g.items())) for split, g in groups.items()}
     why = refused and refused["error"]
     left = left_over(copy, meta.concat) if meta is not None else None
-    return RunStatus(out, state, shards, holder, live, age, next_step, disk, groups, why, warnings, left)
+    stopped = _stopped(folder) if state == "stopped" else None
+    return RunStatus(out, state, shards, holder, live, age, next_step, disk, groups, why, warnings, left, stopped)
+
+
+def _stopped(folder: Layout) -> str | None:
+    """What stopped the last run, where it said: run.log's last line of its own (a traceback's lines follow an
+    unexpected error's), if it is a STOPPED one. None: a kill -9, a crash, a machine lost."""
+    try:
+        with open(folder.log(RUN_LOG), "rb") as log:
+            log.seek(max(0, log.seek(0, os.SEEK_END) - (64 << 10)))
+            lines = log.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    last = next((line for line in reversed(lines) if re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ", line)), "")
+    return last[20 + len(STOPPED) :] if last[20:].startswith(STOPPED) else None
 
 
 def _log(folder: Layout, name: str, warnings: list[str]) -> dict | None:
@@ -195,6 +211,8 @@ def _headline(st: RunStatus) -> str:
         return f"{st.out}: holds no token yet; the last run was refused: {st.refused}"
     failed = st.count("failed")
     why = f"{plural(failed, 'shard')} failed in the last run" if failed else "no run holds it (killed or crashed)"
+    if st.stopped and not failed:
+        why = f"no run holds it; the last one stopped: {st.stopped}"
     since = f"; last progress report {duration(st.last_report_age)} ago" if st.last_report_age is not None else ""
     return f"{st.out}: stopped before finishing: {why}{since}"
 

@@ -16,6 +16,8 @@ RUN_FORMAT = 1
 LAST_RUN_KEYS = ("tokenizer_path", "options")
 # What a run.json written before these entries existed meant by their absence.
 IDENTITY_DEFAULTS = {"delimiters": {"bos": False, "eos": True}, "val_fraction": 0.0, "concat": True, "group_by": None}
+# Begins run.log's line of what stopped a run, the error it said (runner/driver.py), which `tokpipe status` says.
+STOPPED = "stopped: "
 
 
 @dataclass(frozen=True)

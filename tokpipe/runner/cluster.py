@@ -19,12 +19,14 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from tokpipe.errors import RayUnavailable, ReaderMayLeave, keep_sigterm
 from tokpipe.fmt import free_bytes, plural, size
 from tokpipe.inputs.encoders import encoder
+from tokpipe.layout.run import STOPPED
 from tokpipe.options import RunOptions
 from tokpipe.runner.head import answers_as_ray, watch_head
 from tokpipe.runner.local import describe_failure
@@ -219,6 +221,17 @@ class RayLines:
             _stderr_to(os.open(os.devnull, os.O_WRONLY))
 
 
+# Ray's core worker, made in this process by ray.init, installs absl's failure-signal handler over tokpipe's for
+# SIGTERM too (RayLog::InstallFailureSignalHandler, call_previous_handler): a SIGTERM once it was up printed 5-8 lines
+# (`*** SIGTERM received at time=...`, `PC: @ 0x7f...`, again through logging.cc; the frames "(unknown)": no symbols)
+# and, measured here, the run died of SIGABRT (-6) instead of exiting 143. RAY_DISABLE_FAILURE_SIGNAL_HANDLER is
+# Ray's own switch for it (read by ray._private.ray_constants on import, so set before; Ray's docs give it for the
+# JVM's signal conflicts). Without the handler, SIGTERM stays tokpipe's at every moment that tests/test_errors.py
+# tries. Ray's processes inherit it: a crashing worker still has Python's faulthandler (Ray enables it) and loses
+# only those unsymbolized frames.
+NO_FAILURE_SIGNAL_HANDLER = ("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+
+
 class Cluster:
     """Ray for this run, started in a thread by `start` (and by `wait`, if need be): `ready` is set when
     it is up (or failed to start). Until it is started, nothing of Ray runs: a run the driver finishes
@@ -250,6 +263,7 @@ class Cluster:
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
         self._thread = threading.Thread(target=self._start, name="tokpipe ray start", daemon=True)
         self.borrowed = False  # the Ray of a caller who had called ray.init: not tokpipe's to shut down
+        self.log: Callable[[str], None] = lambda line: None  # the run's log (run.log), once OUT is the run's
 
     @property
     def started(self) -> bool:
@@ -262,16 +276,7 @@ class Cluster:
             self._thread.start()
 
     def _start(self) -> None:
-        # Ray's core worker, made in this process by ray.init, installs absl's failure-signal handler
-        # over tokpipe's for SIGTERM too (RayLog::InstallFailureSignalHandler, call_previous_handler): a
-        # SIGTERM once it was up printed 5-8 lines (`*** SIGTERM received at time=...`, `PC: @ 0x7f...`,
-        # again through logging.cc; the frames "(unknown)": no symbols) and, measured here, the run died
-        # of SIGABRT (-6) instead of exiting 143. RAY_DISABLE_FAILURE_SIGNAL_HANDLER is Ray's own switch
-        # for it (read by ray._private.ray_constants on import, so set before; Ray's docs give it for the
-        # JVM's signal conflicts). Without the handler, SIGTERM stays tokpipe's at every moment that
-        # tests/test_errors.py tries. Ray's processes inherit it: a crashing worker still has Python's
-        # faulthandler (Ray enables it) and loses only those unsymbolized frames.
-        os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+        os.environ.setdefault(*NO_FAILURE_SIGNAL_HANDLER)
         import ray  # here, in the thread that starts it: a run the driver finishes alone never imports it (0.7 s)
 
         # ray.init sets SIGTERM handlers of its own: Node's calls signal.signal from this thread, which
@@ -294,13 +299,17 @@ class Cluster:
         # Ray starts its GCS and raylet with PR_SET_PDEATHSIG, which fires when the *thread* that
         # started them ends, not the process: this one lives as long as the run, and watches Ray's head.
         if self._error is None:
-            watch_head(self._stopping, self._head_lost)
+            try:
+                watch_head(self._stopping, self._head_lost)
+            except Exception as e:  # the thread must live on, or Ray's processes go with it
+                self.log(f"ray: its head is not watched ({describe_failure(e)})")
         self._done.wait()
 
     def _head_lost(self, line: str) -> None:
         """Ray's head gone (nodes.watch_head): said; in the CLI's process the run ends here, as Ray's client would
         end it soon, wordless. Its work is durable, as at a kill -9: the same command resumes."""
         print(f"tokpipe run: error: {line}", file=sys.stderr, flush=True)
+        self.log(STOPPED + line)
         if self.exits_after:
             self.lines.silence()
             _kill_descendants()
@@ -342,9 +351,10 @@ class Cluster:
             raise RayUnavailable(_did_not_start(self._error, self.address)) from self._error
         return self.shape
 
-    def log_to(self, path: Path) -> None:
+    def log_to(self, path: Path, log: Callable[[str], None]) -> None:
         """From here on Ray's own lines go to `path` (OUT/logs/ray.log), not to the terminal (RayLines). Only in a
-        process that exits after the run (the CLI's): a library caller's stderr is its own."""
+        process that exits after the run (the CLI's): a library caller's stderr is its own. `log`: the run's log."""
+        self.log = log
         if self.exits_after:
             self.lines.path = path
             if self.started:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from tokpipe.durability import write_json_atomic
-from tokpipe.errors import terminate_on_sigterm
+from tokpipe.errors import RayUnavailable, UserError, terminate_on_sigterm, terminated
 from tokpipe.fmt import plural
 from tokpipe.inputs.encoders import choose_backend, likely_backend
 from tokpipe.inputs.manifest import Manifest, load_manifest
@@ -22,13 +22,13 @@ from tokpipe.inputs.objects import check_reachable
 from tokpipe.inputs.tokenizer import TokenizerInfo, load_tokenizer_info
 from tokpipe.layout.files import FAILED, RAY_LOG, Layout
 from tokpipe.layout.meta import Meta
-from tokpipe.layout.run import finished_with
+from tokpipe.layout.run import STOPPED, finished_with
 from tokpipe.layout.series import Series
 from tokpipe.options import RunOptions
 from tokpipe.runner.cluster import Cluster
 from tokpipe.runner.events import Finished, Listener, Said, silent
 from tokpipe.runner.identity import check_options, encode_spec
-from tokpipe.runner.local import Helpers, Tally, tokenize_while
+from tokpipe.runner.local import Helpers, Tally, describe_failure, tokenize_while
 from tokpipe.runner.progress import Progress, RunLog, Timeline
 from tokpipe.runner.sample import SAMPLE_LINE_BYTES, count_groups, sample_texts
 from tokpipe.runner.storage import Folder, Prefix, storage_of
@@ -382,14 +382,31 @@ def _run(
             return _nothing_to_do(out, meta, clock, tell)
         with out.held(manifest, info, opts, tell) as manifest:
             run = _Run(manifest, out, info, opts, RunLog(out.records), clock, cluster, tell, handover, helpers)
-            cluster.log_to(Layout(out.records).log(RAY_LOG))  # OUT is this run's: Ray's lines go there from now on
-            if finished_with(meta := out.finished(), manifest):
-                out.clean(meta, tell)
-                return _nothing_to_do(out, meta, clock, tell)
-            # Before the plan: it may find placed shards whose place is not kept, to tokenize again.
-            assembler = out.assembly(manifest, np.dtype(info.dtype).itemsize, opts.output, run.say)
-            clock.series = Series(out.records)
-            return _work(run, assembler, _plan(run, manifest_path))
+            cluster.log_to(Layout(out.records).log(RAY_LOG), run.log)  # OUT is this run's: Ray's lines go there now
+            with _stop_noted(run.log):
+                if finished_with(meta := out.finished(), manifest):
+                    out.clean(meta, tell)
+                    return _nothing_to_do(out, meta, clock, tell)
+                # Before the plan: it may find placed shards whose place is not kept, to tokenize again.
+                assembler = out.assembly(manifest, np.dtype(info.dtype).itemsize, opts.output, run.say)
+                clock.series = Series(out.records)
+                return _work(run, assembler, _plan(run, manifest_path))
+
+
+@contextlib.contextmanager
+def _stop_noted(log: RunLog):
+    """What stops the run, in run.log's last line (STOPPED), where `tokpipe status` says it: without it, a run stopped
+    by a full disk or a lost cluster was "killed or crashed" there."""
+    try:
+        yield
+    except BaseException as e:
+        if isinstance(e, KeyboardInterrupt):
+            why = "terminated (SIGTERM)" if terminated(e) else "interrupted (Ctrl-C)"
+        else:
+            why = str(e) if isinstance(e, (UserError, RayUnavailable)) else describe_failure(e)
+        with contextlib.suppress(OSError):  # a full disk: the error to say is the run's, not the note's
+            log(STOPPED + why)
+        raise
 
 
 def _work(run: _Run, assembler, plan: Standing) -> RunSummary:

@@ -66,8 +66,8 @@ def watch_head(done: threading.Event, lost: Callable[[str], None]) -> None:
     import ray
 
     context = ray.get_runtime_context()
-    node = next(n for n in ray.nodes() if n["NodeID"] == context.get_node_id())
-    watch(f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}", context.gcs_address, done, lost)
+    here = next(n for n in ray.nodes() if n["NodeID"] == context.get_node_id())
+    watch(f"{here['NodeManagerAddress']}:{here['NodeManagerPort']}", context.gcs_address, done, lost)
 
 
 def watch(raylet: str, gcs: str, done: threading.Event, lost: Callable[[str], None]) -> None:
