@@ -306,8 +306,8 @@ class Cluster:
         self._done.wait()
 
     def _head_lost(self, line: str) -> None:
-        """Ray's head gone (nodes.watch_head): said; in the CLI's process the run ends here, as Ray's client would
-        end it soon, wordless. Its work is durable, as at a kill -9: the same command resumes."""
+        """Ray's head or the driver's raylet gone (head.watch_head): said; in the CLI's process the run ends here, as
+        Ray's client would end it soon, wordless. Its work is durable, as at a kill -9: the same command resumes."""
         print(f"tokpipe run: error: {line}", file=sys.stderr, flush=True)
         self.log(STOPPED + line)
         if self.exits_after:

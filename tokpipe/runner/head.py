@@ -1,6 +1,7 @@
 """Ray's head, as the driver finds it: whether an address answers as its GCS does (before a join), whether a
-host's port takes a connection (a raylet's, the GCS's), and, while a run goes on, whether the GCS still does.
-Plain sockets: Ray's own client waits minutes where nothing answers, and ends the process where the GCS went."""
+host's port takes a connection (a raylet's, the GCS's), and, while a run goes on, whether the GCS and the driver's
+own raylet still do. Plain sockets: Ray's own client waits minutes where nothing answers, and ends the process
+without a word where the GCS or that raylet went."""
 
 import re
 import socket
