@@ -353,6 +353,11 @@ def cli(*args) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(argv, code, stdout.getvalue(), stderr.getvalue())
 
 
+def stopped_as_status_says(out) -> str:
+    """`tokpipe status OUT`'s first line, less the clock's part ("; last progress report N ago")."""
+    return cli("status", out).stdout.splitlines()[0].split("; last progress report")[0]
+
+
 def _cli(args) -> list[str]:
     return [sys.executable, "-m", "tokpipe.cli", *map(str, args)]
 

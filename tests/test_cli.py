@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import EXAMPLE_CACHE, QWEN3, REPO, assert_out_is, run_args, tokpipe
+from helpers import EXAMPLE_CACHE, QWEN3, REPO, assert_out_is, run_args, stopped_as_status_says, tokpipe
 from helpers import cli as in_process
 
 from tokpipe import __doc__ as PACKAGE_DOC
@@ -292,9 +292,8 @@ def test_an_unexpected_error_once_ray_is_up_is_one_line_and_the_run_resumes(
     assert "Traceback" not in failing.stderr
     assert "Traceback (most recent call last):" in log.read_text()
     assert log.read_text().rstrip().endswith("RuntimeError: an error no one foresaw")
-    said = in_process("status", out).stdout.splitlines()[0].split("; last progress report")[0]
     stopped = "stopped before finishing: no run holds it; the last one stopped"
-    assert said == f"{out}: {stopped}: RuntimeError: an error no one foresaw"
+    assert stopped_as_status_says(out) == f"{out}: {stopped}: RuntimeError: an error no one foresaw"
     rerun = tokpipe(*args, ray=ray_address)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert_out_is(out, small_reference)

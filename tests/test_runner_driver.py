@@ -51,6 +51,7 @@ from helpers import (
     reference_tokens,
     run_args,
     start,
+    stopped_as_status_says,
     tokpipe,
     wait_for,
     write_jsonl,
@@ -282,7 +283,7 @@ def test_ctrl_c_stops_the_run_with_exit_130_and_the_same_command_resumes(
     assert proc.wait(timeout=60) == 130
     assert proc.log.read_text().splitlines()[-1] == "tokpipe run: interrupted; rerun the same command to resume"
     assert not (out / "meta.json").exists()
-    said = cli("status", out).stdout.splitlines()[0].split("; last progress report")[0]
+    said = stopped_as_status_says(out)
     assert said == f"{out}: stopped before finishing: no run holds it; the last one stopped: interrupted (Ctrl-C)"
     rerun = tokpipe(
         *run_args(manifest, out, "--workers", "1", "--checkpoint-interval", "0.2", tokenizer=small_tokenizer)

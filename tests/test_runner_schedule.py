@@ -35,6 +35,7 @@ from helpers import (
     run_args,
     session_processes,
     slow_driver_run,
+    stopped_as_status_says,
     tokpipe,
     wait_for,
     write_jsonl,
@@ -203,10 +204,8 @@ def test_a_node_lost_at_any_moment_costs_its_shards_never_the_run(dataset, tmp_p
             " (`ray start --address ...`) and rerun the same command"
         )
         assert stopped.stderr.splitlines()[-1] == f"tokpipe run: error: {why}"
-        assert (
-            cli("status", out).stdout.splitlines()[0].split("; last progress report")[0]
-            == f"{out}: stopped before finishing: no run holds it; the last one stopped: {why}"
-        )
+        said = stopped_as_status_says(out)
+        assert said == f"{out}: stopped before finishing: no run holds it; the last one stopped: {why}"
         assert not session_processes(first)
         # A node that stays joins; the same command resumes and finishes.
         cluster.add("b1" * 28, "127.0.0.3", gate="waits")
@@ -261,7 +260,7 @@ def test_a_node_lost_at_any_moment_costs_its_shards_never_the_run(dataset, tmp_p
             r" its head is up again\)"
         )
         assert re.fullmatch(f"tokpipe run: error: {why}", run.stderr.splitlines()[-1]), run.stderr
-        said = cli("status", tmp_path / "out-head").stdout.splitlines()[0].split("; last progress report")[0]
+        said = stopped_as_status_says(tmp_path / "out-head")
         assert re.fullmatch(
             f".*/out-head: stopped before finishing: no run holds it; the last one stopped: {why}", said
         )
@@ -357,12 +356,16 @@ def test_placing_that_fails_with_its_placer_up_or_never_started_stops_the_run_at
 
     tasks = type("Tasks", (), {"watch": _Watch(), "again": deque(), "log": lambda self, line: None})()
     losses = Losses(tasks, tell=lambda said: None)
+
+    def stopped_at_the_last_try(node: str, error: Exception) -> str:
+        for _ in range(PLACING_TRIES - 1):
+            losses.placing_failed(None, node, [], error)
+        with pytest.raises(RayUnavailable) as stopped:
+            losses.placing_failed(None, node, [], error)
+        return str(stopped.value)
+
     unreadable = ray.exceptions.RaySystemError("AttributeError: Can't get attribute 'Segment' on <module 'x'>")
-    for _ in range(PLACING_TRIES - 1):
-        losses.placing_failed(None, "ab12cd34ef", [], unreadable)
-    with pytest.raises(RayUnavailable) as stopped:
-        losses.placing_failed(None, "ab12cd34ef", [], unreadable)
-    assert str(stopped.value) == (
+    assert stopped_at_the_last_try("ab12cd34ef", unreadable) == (
         "placing on node 10.0.0.7 (ab12cd34) failed 3 times, its Placer up (RaySystemError: System error:"
         " AttributeError: Can't get attribute 'Segment' on <module 'x'>); details in OUT/logs/run.log"
     )
@@ -376,11 +379,7 @@ def test_placing_that_fails_with_its_placer_up_or_never_started_stops_the_run_at
     )
     for _ in range(2 * PLACING_TRIES):
         losses.placing_failed(None, "ef56ab78cd", [], killed)
-    for _ in range(PLACING_TRIES - 1):
-        losses.placing_failed(None, "ef56ab78cd", [], unborn)
-    with pytest.raises(RayUnavailable) as stopped:
-        losses.placing_failed(None, "ef56ab78cd", [], unborn)
-    assert str(stopped.value) == (
+    assert stopped_at_the_last_try("ef56ab78cd", unborn) == (
         "placing on node 10.0.0.7 (ef56ab78) failed 3 times, its Placer never started (ActorDiedError: The actor never"
         " ran - it was cancelled before it started running.); details in OUT/logs/run.log"
     )
