@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 import socket
 import time
@@ -28,7 +27,7 @@ from tokpipe.layout.checkpoints import Checkpoint, Checkpoints
 from tokpipe.layout.files import FAILED, PROGRESS, REFUSED, RUN_LOG, Layout
 from tokpipe.layout.locks import shard_locked
 from tokpipe.layout.meta import load_meta
-from tokpipe.layout.run import STOPPED, RunRecord, load_run
+from tokpipe.layout.run import RunRecord, load_run, stopped_note
 from tokpipe.layout.stored import held_by, left_over, on_store, reader_out, records_of, shown
 
 # progress.json is rewritten every 2 s while shards run; older than this, the live run is doing
@@ -172,16 +171,14 @@ def status(out: str | os.PathLike) -> RunStatus:
 
 
 def _stopped(folder: Layout) -> str | None:
-    """What stopped the last run, where it said: run.log's last line of its own (a traceback's lines follow an
-    unexpected error's), if it is a STOPPED one. None: a kill -9, a crash, a machine lost."""
+    """What stopped the last run, where it said (layout/run.py stopped_note); run.log's last 64 KiB are enough."""
     try:
         with open(folder.log(RUN_LOG), "rb") as log:
             log.seek(max(0, log.seek(0, os.SEEK_END) - (64 << 10)))
             lines = log.read().decode(errors="replace").splitlines()
     except OSError:
         return None
-    last = next((line for line in reversed(lines) if re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ", line)), "")
-    return last[20 + len(STOPPED) :] if last[20:].startswith(STOPPED) else None
+    return stopped_note(lines)
 
 
 def _log(folder: Layout, name: str, warnings: list[str]) -> dict | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -18,6 +19,27 @@ LAST_RUN_KEYS = ("tokenizer_path", "options")
 IDENTITY_DEFAULTS = {"delimiters": {"bos": False, "eos": True}, "val_fraction": 0.0, "concat": True, "group_by": None}
 # Begins run.log's line of what stopped a run, the error it said (runner/driver.py), which `tokpipe status` says.
 STOPPED = "stopped: "
+# run.log's lines (runner/progress.py RunLog) begin with the local time; a traceback's lines after one do not.
+LOG_TIME = "%Y-%m-%d %H:%M:%S"
+_STAMP = len(time.strftime(LOG_TIME, time.gmtime(0)))
+
+
+def log_line(message: str) -> str:
+    """A line of run.log: the time, then `message`."""
+    return f"{time.strftime(LOG_TIME)} {message}\n"
+
+
+def stopped_note(lines: list[str]) -> str | None:
+    """What stopped the run whose run.log ends in `lines`, where it said: its last line of its own (a traceback's
+    lines follow an unexpected error's), if it is a STOPPED one. None: a kill -9, a crash, a machine lost."""
+    for line in reversed(lines):
+        try:
+            time.strptime(line[:_STAMP], LOG_TIME)
+        except ValueError:
+            continue
+        message = line[_STAMP + 1 :]
+        return message.removeprefix(STOPPED) if message.startswith(STOPPED) else None
+    return None
 
 
 @dataclass(frozen=True)

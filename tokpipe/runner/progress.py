@@ -16,6 +16,7 @@ from tokpipe.durability import write_json_atomic
 from tokpipe.fmt import disk_line, disk_now, duration
 from tokpipe.layout.files import PROGRESS, RUN_LOG, Layout
 from tokpipe.layout.meta import Meta
+from tokpipe.layout.run import log_line
 from tokpipe.layout.series import Series
 from tokpipe.runner.events import Listener, Said, silent
 
@@ -31,7 +32,7 @@ class RunLog:
         self._f = open(path, "a")
 
     def __call__(self, message: str) -> None:
-        self._f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
+        self._f.write(log_line(message))
         self._f.flush()
 
 
