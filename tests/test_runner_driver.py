@@ -380,13 +380,13 @@ def test_a_document_too_long_for_the_backend_sample_is_passed_over_in_one_line_a
 @pytest.mark.parametrize("where", ["on Ray's workers", "in the driver"])
 @pytest.mark.parametrize("out_on", ["a folder", "a store"])
 def test_a_failed_shard_keeps_the_shards_done_after_it_and_the_rerun_reads_only_it(
-    tmp_path, small_tokenizer, where, out_on, request
+    tmp_path, small_tokenizer, where, out_on, request, s3_server  # up before the session's Ray, whose nodes read it
 ):
     # Fourteen shards of the example's documents, the third a zstd download cut in half. The shards after it are
     # done but have no place in train.bin before it is fixed: they are kept in their own files (on a store, their
-    # objects), so the rerun, after the fix, reads the fixed shard alone. On Ray (an embedded one: a cluster's nodes
-    # would refuse the fixed shard, its size not the manifest's) they go in packs of two, the failed pack's shards
-    # again one by one.
+    # objects), so the rerun, after the fix, reads the fixed shard alone. On Ray (the session's, a cluster: its nodes
+    # see the fixed shard as the driver does, not with the manifest's size, which their check once refused) they go
+    # in packs of two, the failed pack's shards again one by one.
     texts = [json.dumps({"text": text}) for path in EXAMPLE_TRAIN_FILES for text in reference_texts(path)]
     data = tmp_path / "data"
     files = [write_jsonl(data / "train" / f"s{k:02d}.jsonl", texts[20 * k : 20 * k + 20]) for k in range(14) if k != 2]
@@ -394,11 +394,12 @@ def test_a_failed_shard_keeps_the_shards_done_after_it_and_the_rerun_reads_only_
     cut = data / "train" / "s02.jsonl.zst"
     cut.write_bytes(whole[: len(whole) // 2])
     write_manifest(build_manifest(data), tmp_path / "m.json")
-    server = None if out_on == "a folder" else request.getfixturevalue("s3_server")
+    server = None if out_on == "a folder" else s3_server
     out = tmp_path / "out" if server is None else server.url(request.getfixturevalue("s3_prefix"))
     ray = ("--ray-only",) if where == "on Ray's workers" else ()
+    address = request.getfixturevalue("ray_address") if ray else None
     args = run_args(tmp_path / "m.json", out, "--workers", "2", *ray, tokenizer=small_tokenizer)
-    failed = tokpipe(*args)
+    failed = tokpipe(*args, ray=address)
     assert failed.returncode == 1, failed.stdout + failed.stderr
     assert failed.stderr.splitlines()[-1] == (
         "1 shard failed; the rest are kept. Fix the cause and rerun the same command to retry them."
@@ -418,7 +419,7 @@ def test_a_failed_shard_keeps_the_shards_done_after_it_and_the_rerun_reads_only_
 
     listed = cut.stat().st_size  # the shard's size in the manifest, which the progress counts it by
     cut.write_bytes(whole)
-    rerun = tokpipe(*args)
+    rerun = tokpipe(*args, ray=address)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert re.search(r": 14 shards, .*; 13 done, 0 partial, 1 to start$", rerun.stdout, re.M), rerun.stdout
     phases = next(line for line in rerun.stdout.splitlines() if line.startswith("phases: "))

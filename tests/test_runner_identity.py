@@ -133,7 +133,7 @@ def test_a_manifest_that_only_gained_shards_resumes_as_an_append(dataset, tmp_pa
     refused = cli(*run_args(tmp_path / "changed.json", out, tokenizer=small_tokenizer))
     assert refused.returncode == 2
     assert refused.stderr == (
-        f"tokpipe run: error: {out} was started from another manifest: 1 of its shards are changed or gone in this "
+        f"tokpipe run: error: {out} was started from another manifest: 1 of its shards is changed or gone in this "
         "one (e.g. train/chunk1/example_train_1.jsonl.zst); use a new --out, or the original manifest to resume\n"
     )
 

@@ -96,9 +96,17 @@ def test_a_node_checks_out_the_tokenizer_and_a_shard_of_each_folder(tmp_path, mo
     tokenizer.write_bytes(original)
 
     Path(shard["c/1"][0]).write_text("")  # truncated
-    assert unseen(check, "n1") == f"sees the shard {shard['c/1'][0]} with 0 bytes, not the manifest's 18"
+    assert unseen(check, "n1") == f"sees the shard {shard['c/1'][0]} with 0 bytes, not the driver's 18"
     (data / "train" / "c").rename(tmp_path / "c")  # a folder not mounted there
     assert unseen(check, "n1") == f"cannot read the shard {shard['c/1'][0]} (No such file or directory)"
+
+    # The shards as the driver sees them when the run starts, not as the manifest lists them: one fixed since (a cut
+    # download fetched again) at its new size, one the driver cannot see not at all (its task fails alone).
+    Path(shard["a/1"][0]).write_text('{"text": "hello again"}\n')
+    again = NodeCheck.of(manifest, info, out)
+    assert again.shards == ((shard["a/1"][0], 24), shard["b/1"])
+    Layout(out).node_check().write_text(again.token)
+    assert unseen(again, "n1") is None
 
 
 def test_a_node_that_runs_another_tokpipe_is_named_before_it_takes_a_shard(tmp_path):

@@ -195,8 +195,9 @@ def check_append(out: str, old_manifest: Manifest, manifest: Manifest, tell: Lis
             if not same or candidate.etag != shard.etag:
                 changed.append(shard.relpath)
     if changed:
+        are = "is" if len(changed) == 1 else "are"
         raise UserError(
-            f"{out} was started from another manifest: {len(changed)} of its shards are changed or gone in this one "
+            f"{out} was started from another manifest: {len(changed)} of its shards {are} changed or gone in this one "
             f"(e.g. {changed[0]}); use a new --out, or the original manifest to resume"
         )
     gained = sum(manifest.counts.values()) - sum(old_manifest.counts.values())

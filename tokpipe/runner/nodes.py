@@ -19,7 +19,9 @@ What a node checks (`unseen`), and why that is enough:
 - the tokenizer.json, read whole: its sha256 must be the run's (a copy of another version would
   encode other ids). Workers read no other file of the tokenizer.
 - the shards: one in each folder the manifest's shards lie in (at most MAX_FOLDERS, spread evenly)
-  and SAMPLE more spread over the manifest, each opened, its size the manifest's. Every file of a
+  and SAMPLE more spread over the manifest, each opened, its size the one the driver sees. Not the
+  manifest's: a shard fixed after it failed (a cut download fetched again) has another, and the
+  documented fix, the same command, was refused on a cluster as if a node saw other storage. Every file of a
   folder lies on that folder's mount, so one per folder reaches every mount the shards are on; the
   sample catches a partial copy. Not every shard: 60,000 shards on hundreds of nodes would be
   millions of round trips to the shared storage, for what a few hundred prove.
@@ -66,27 +68,35 @@ class NodeCheck:
     token: str  # this run's, in OUT's node-check file
     tokenizer: str  # the tokenizer.json
     tokenizer_sha256: str
-    shards: tuple[tuple[str, int], ...]  # (path, size) of the shards each node opens
+    shards: tuple[tuple[str, int], ...]  # (path, size as the driver sees it) of the shards each node opens
     code: str = ""  # the driver's code_digest()
     libraries: tuple[tuple[str, str | None], ...] = ()  # the driver's library_versions()
     checked: frozenset[str] = frozenset()  # ids of the nodes whose probe passed
 
     @classmethod
     def of(cls, manifest: Manifest, info: TokenizerInfo, out: Path | str) -> NodeCheck:
-        """The shards to open (one pass over the manifest) and a new token."""
+        """The shards to open (one pass over the manifest), as the driver sees them (one it cannot see fails alone in
+        its task), and a new token."""
         step = max(1, sum(manifest.counts.values()) // SAMPLE)
-        firsts: dict[str, tuple[str, int]] = {}  # folder -> its first shard
+        firsts: dict[str, str] = {}  # folder -> its first shard
         sample = []
         for i, shard in enumerate(manifest.shards()):
             if shard.on_store:  # not on a mount: each node reads it through its own client
                 continue
-            firsts.setdefault(os.path.dirname(shard.path), (shard.path, shard.size))
+            firsts.setdefault(os.path.dirname(shard.path), shard.path)
             if i % step == 0:
-                sample.append((shard.path, shard.size))
+                sample.append(shard.path)
         folders = list(firsts.values())
         folders = folders[:: max(1, -(-len(folders) // MAX_FOLDERS))]  # none: every shard on a store
-        shards = tuple(dict.fromkeys(folders + sample))
+        shards = tuple(seen for path in dict.fromkeys(folders + sample) if (seen := _seen_here(path)))
         return cls(str(out), secrets.token_hex(16), info.path, info.sha256, shards, code_digest(), library_versions())
+
+
+def _seen_here(path: str) -> tuple[str, int] | None:
+    try:
+        return path, os.stat(path).st_size
+    except OSError:
+        return None
 
 
 OTHER_CODE = "runs another tokpipe than the driver"
@@ -147,7 +157,7 @@ def unseen(check: NodeCheck, who: str) -> str | None:
         except OSError as e:
             return f"cannot read the shard {path} ({e.strerror})"
         if found != size:
-            return f"sees the shard {path} with {found:,} bytes, not the manifest's {size:,}"
+            return f"sees the shard {path} with {found:,} bytes, not the driver's {size:,}"
     return None
 
 
