@@ -11,17 +11,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import zstandard
 from helpers import (
     EXAMPLE_CACHE,
+    EXAMPLE_TRAIN_FILES,
     GROUP_FIELD,
     QWEN3,
     add_shards,
     assert_out_is,
     bind_mount,
+    checkpoints_by_key,
     cli,
     held_out,
     out_files,
     reference_by_group,
+    reference_texts,
     reference_tokenizer,
     reference_tokens,
     run_args,
@@ -200,7 +204,7 @@ def test_shards_added_before_finished_ones_move_them_and_tokenize_only_the_new(
     )
     assert [line for line in lines if line.startswith(("moving", "taking"))] == ([said] if moved else [])
     assert re.search(r": 5 shards, .*; 3 done, 0 partial, 2 to start$", rerun.stdout, re.M), rerun.stdout
-    assert "tokenizing again" not in rerun.stdout
+    assert "tokenizing again" not in rerun.stdout and "starting it over" not in rerun.stdout
     assert {key: stamp for key, stamp in checkpoints().items() if key in done_at} == done_at  # none done again
 
     found = out_files(out, server)
@@ -232,6 +236,45 @@ def test_shards_added_before_finished_ones_move_them_and_tokenize_only_the_new(
     assert not [name for name in found if name.startswith(("moving/", "sources/"))]
     if mode != "--no-concat":
         assert not [name for name in found if name.startswith("segments/")]
+    assert cli("verify", out).returncode == 0
+
+
+@pytest.mark.parametrize("out_on", ["a folder", "a store"])
+def test_a_shard_that_failed_and_was_fetched_again_is_tokenized_anew_with_the_rebuilt_manifest(
+    tmp_path, small_tokenizer, out_on, request
+):
+    """A cut download fails its shard; fetched again, it is other input (on a store, another ETag, which every read of
+    it is pinned to): the rebuilt manifest lists it anew, and since OUT holds nothing finished of it, the rerun takes it
+    from its start, keeping every finished shard. On a store that was no way on: the run was refused (an unfinished
+    OUT's append), and the failed shard's line told to run into a new --out."""
+    server = request.getfixturevalue("s3_server") if out_on == "a store" else None
+    out = tmp_path / "out" if server is None else server.url(request.getfixturevalue("s3_prefix"))
+    texts = [json.dumps({"text": text}) for path in EXAMPLE_TRAIN_FILES for text in reference_texts(path)]
+    data, whole = tmp_path / "data", zstandard.ZstdCompressor().compress("".join(f"{t}\n" for t in texts).encode())
+    cut, after = data / "train" / "a.jsonl.zst", write_jsonl(data / "train" / "b.jsonl", texts[:20])
+    cut.write_bytes(whole[: len(whole) // 2])  # 3.9 MB of JSON Lines whole: batches of 1 MiB read before the cut
+    write_manifest(build_manifest(data), tmp_path / "before.json")
+    mid_shard = ("--checkpoint-interval", "0.000001", "--shard-buffer", "0")  # a checkpoint after each batch
+    failed = tokpipe(*run_args(tmp_path / "before.json", out, *mid_shard, tokenizer=small_tokenizer))
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    if server is None:  # tokens kept at a place in the cut file that is no place in the new one
+        assert checkpoints_by_key(out)["train__a"]["tokens"] > 0
+    else:
+        assert failed.stderr.splitlines()[-2].startswith("FAILED train/a.jsonl.zst: SourceError: ")
+
+    write_jsonl(cut, texts[1:], "zstd")  # fetched again, another version: its first document gone
+    write_manifest(build_manifest(data), tmp_path / "after.json")
+    rerun = tokpipe(*run_args(tmp_path / "after.json", out, tokenizer=small_tokenizer))
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert rerun.stdout.splitlines()[0] == (
+        f"the manifest changed 1 shard that {out} holds no finished work of (e.g. train/a.jsonl.zst): tokenized anew"
+        " as it lists them now"
+    )
+    assert re.search(r": 2 shards, .*; 1 done, 0 partial, 1 to start$", rerun.stdout, re.M), rerun.stdout
+    tokenizer = small_tokenizer / "tokenizer.json"
+    eos = reference_tokenizer(tokenizer).token_to_id("<|endoftext|>")
+    expected = reference_tokens([cut, after], tokenizer, eos, np.uint16)
+    assert np.array_equal(np.frombuffer(out_files(out, server)["train.bin"], dtype=np.uint16), expected)
     assert cli("verify", out).returncode == 0
 
 

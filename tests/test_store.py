@@ -10,6 +10,7 @@ line. Against a real S3 server (SeaweedFS, the s3_server fixture)."""
 
 import contextlib
 import http.server
+import io
 import re
 import socket
 import threading
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import zstandard
 from helpers import (
     SESSION_RAYS,
     TRAIN_1,
@@ -102,7 +104,7 @@ def test_a_replaced_or_removed_object_is_never_read_as_the_one_listed(s3_server,
         reader.read(1)
     assert str(replaced.value) == (
         f"{url} is not the object the manifest listed: it was replaced (its ETag is no longer {etag}); put it back, "
-        "or rebuild the manifest and run into a new --out"
+        "or rebuild the manifest and rerun with it (OUT keeps every shard it finished)"
     )
     s3_server.client().delete_object(Bucket=s3_server.bucket, Key=key)
     with pytest.raises(Changed, match=f"^{url} is not the object the manifest listed: it is gone; "):
@@ -344,17 +346,25 @@ def test_an_object_replaced_after_the_manifest_fails_its_shard_in_one_line(
     manifest = _manifest_of(s3_server, s3_prefix, tmp_path)
     shard = next(s for s in load_manifest(manifest).shards() if s.relpath == TRAIN_1)
     original = s3_server.client().get_object(Bucket=s3_server.bucket, Key=Url.parse(shard.path).key)["Body"].read()
-    s3_server.put(Url.parse(shard.path).key, original + b"\n")  # one more (blank) line: another object
+    # Compressed again (as a download fetched again may be): another object, the same text.
+    text = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(original)).read()
+    s3_server.put(Url.parse(shard.path).key, zstandard.ZstdCompressor(level=1).compress(text))
     out = tmp_path / "out"
     failed = tokpipe(*run_args(manifest, out, "--workers", "1", tokenizer=small_tokenizer))
     assert failed.returncode == 1
     assert (
         f"FAILED {TRAIN_1}: Changed: {shard.path} is not the object the manifest listed: it was replaced (its ETag is"
-        f" no longer {shard.etag}); put it back, or rebuild the manifest and run into a new --out\n"
+        f" no longer {shard.etag}); put it back, or rebuild the manifest and rerun with it (OUT keeps every shard it"
+        " finished)\n"
     ) in failed.stderr
-    s3_server.put(Url.parse(shard.path).key, original)  # put back: the same bytes, the same ETag
-    rerun = tokpipe(*run_args(manifest, out, tokenizer=small_tokenizer))
+    # The manifest made again lists the object as it is now; OUT keeps the two shards it finished.
+    again = cli("manifest", "--dataset-dir", s3_server.url(f"{s3_prefix}/data"), "-o", tmp_path / "again.json")
+    assert again.returncode == 0, again.stderr
+    rerun = tokpipe(*run_args(tmp_path / "again.json", out, tokenizer=small_tokenizer))
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    said = f"the manifest changed 1 shard that {out} holds no finished work of (e.g. {TRAIN_1})"
+    assert rerun.stdout.startswith(said), rerun.stdout
+    assert re.search(r": 3 shards, .*; 2 done, 0 partial, 1 to start$", rerun.stdout, re.M), rerun.stdout
     assert_out_is(out, small_reference)
 
 

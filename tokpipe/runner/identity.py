@@ -1,6 +1,7 @@
 """What a run is: the inputs its bytes depend on, recorded in run.json; a rerun with other inputs is refused.
 
-A manifest that only gained shards is an append: the finished shards are kept and the new ones run.
+A manifest that only gained shards is an append: the finished shards are kept and the new ones run; so is one whose
+changed shards OUT holds nothing finished of (a cut download that failed, fetched again).
 An OUT that holds no token yet is no run to protect: a rerun with other inputs (the command corrected
 after a refusal) starts it over.
 """
@@ -16,8 +17,9 @@ from pathlib import Path
 from tokpipe.durability import write_json_atomic
 from tokpipe.errors import UserError
 from tokpipe.fmt import plural
-from tokpipe.inputs.manifest import Manifest, load_manifest
+from tokpipe.inputs.manifest import Manifest, Shard, load_manifest
 from tokpipe.inputs.tokenizer import TokenizerInfo
+from tokpipe.layout.checkpoints import Checkpoints
 from tokpipe.layout.files import RECORD, REFUSED, Layout, LayoutWriter
 from tokpipe.layout.meta import Meta, load_meta
 from tokpipe.layout.run import RUN_FORMAT, finished_with, load_run
@@ -126,7 +128,8 @@ def record_run(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOpti
             LayoutWriter(out).start_over()
             tell(Said(f"{out} holds no token yet: starting it over with these inputs ({what})"))
         elif list(changed) == ["manifest_sha256"] and Layout(out).manifest.exists():
-            check_append(str(out), load_manifest(Layout(out).manifest), manifest, tell)
+            checkpoints, recorded = Checkpoints(out), load_manifest(Layout(out).manifest)
+            checkpoints.forget(check_append(str(out), recorded, manifest, tell, checkpoints.done))  # begun again
             LayoutWriter(out).unfinish()  # until the new finalize
         else:
             raise UserError(
@@ -180,26 +183,33 @@ def finished_read_only(out: Path, manifest: Manifest, info: TokenizerInfo, opts:
     return meta
 
 
-def check_append(out: str, old_manifest: Manifest, manifest: Manifest, tell: Listener) -> None:
-    """Every shard of the old manifest must be in the new one, the same size (on a store, the same ETag). Both list
-    a split's shards in path order (docs/design.md), so one merged pass per split compares them, holding neither
-    manifest."""
-    changed = []
+def check_append(out: str, old_manifest: Manifest, manifest: Manifest, tell: Listener, done) -> list[Shard]:
+    """Every shard of the old manifest must be in the new one, the same size (on a store, the same ETag), but one that
+    is not `done` in OUT (it failed, a cut download fetched again since): nothing of it is kept, so it is tokenized as
+    it is now. Returns those (the old manifest's). Both list a split's shards in path order (docs/design.md), so one
+    merged pass per split compares them, holding neither manifest."""
+    changed, renewed = [], []
     for split in old_manifest.counts:
         new = manifest.shards(split)
         candidate = next(new, None)
         for shard in old_manifest.shards(split):
             while candidate is not None and candidate.relpath < shard.relpath:
                 candidate = next(new, None)
-            same = candidate is not None and (candidate.relpath, candidate.size) == (shard.relpath, shard.size)
-            if not same or candidate.etag != shard.etag:
-                changed.append(shard.relpath)
+            if candidate is None or candidate.relpath != shard.relpath:
+                changed.append(shard)  # gone
+            elif (candidate.size, candidate.etag) != (shard.size, shard.etag):
+                (changed if done(shard) else renewed).append(shard)
     if changed:
         are = "is" if len(changed) == 1 else "are"
         raise UserError(
             f"{out} was started from another manifest: {len(changed)} of its shards {are} changed or gone in this one "
-            f"(e.g. {changed[0]}); use a new --out, or the original manifest to resume"
+            f"(e.g. {changed[0].relpath}); use a new --out, or the original manifest to resume"
         )
+    if renewed:
+        what = f"{plural(len(renewed), 'shard')} that {out} holds no finished work of (e.g. {renewed[0].relpath})"
+        tell(Said(f"the manifest changed {what}: tokenized anew as it lists them now"))
     gained = sum(manifest.counts.values()) - sum(old_manifest.counts.values())
-    gained = plural(gained, "shard")
-    tell(Said(f"the manifest gained {gained} since {out} was started: appending them (finished shards are kept)"))
+    if gained > 0:
+        gained = plural(gained, "shard")
+        tell(Said(f"the manifest gained {gained} since {out} was started: appending them (finished shards are kept)"))
+    return renewed

@@ -50,7 +50,7 @@ from tokpipe.runner.identity import (
 from tokpipe.write.assembly import Assembler
 from tokpipe.write.finalize import finalize, finalize_stored
 from tokpipe.write.shard import keep
-from tokpipe.write.stored import StoreAssembly
+from tokpipe.write.stored import StoreAssembly, StoredCheckpoints
 from tokpipe.write.stored import keep as keep_on_store
 
 
@@ -235,8 +235,9 @@ class Prefix(Storage):
             for found in list(bucket.list(out.prefix)):
                 if found.key != out.lock:
                     bucket.delete(found.key)
-            layout.run_json.unlink()
             tell(Said(f"{out} holds no token yet: starting it over with these inputs ({describe_changes(changed)})"))
+        if changed:  # said above, for OUT: not again for the local records, which hold no token ("starting over")
+            layout.run_json.unlink()
         record_run(self.records, manifest, info, opts, tell)
         write_manifest(manifest, layout.manifest)
         for path in (layout.run_json, layout.manifest):
@@ -244,23 +245,26 @@ class Prefix(Storage):
         return replace(manifest, source=layout.manifest)  # its shards stream from the local copy
 
     def _append(self, manifest: Manifest, tell: Listener) -> None:
-        """The manifest gained shards (identity.check_append) of a finished OUT: its split files are copied on the
-        server to `sources/`, whence the new split files take their finished parts (write/stored.py), none tokenized
-        again; then this run's run.json is written, and the rerun's resume removes meta. A kill before run.json
-        copies them again. A --no-concat OUT's parts are its segments, which stay. An OUT not finished is refused:
-        its committed segments were gathered in the order of the shards it had."""
+        """The manifest gained shards, or changed some that OUT holds nothing finished of (identity.check_append). Of a
+        finished OUT, its split files are copied on the server to `sources/`, whence the new split files take their
+        finished parts (write/stored.py), none tokenized again; then this run's run.json is written, and the rerun's
+        resume removes meta. A kill before run.json copies them again. A --no-concat OUT's parts are its segments,
+        which stay. Shards gained by an OUT not finished are refused: its committed segments were gathered in the
+        order of the shards it had."""
         out, layout = self.out, self.out.layout
         meta = self.finished()
-        if meta is None:
+        layout.manifest.write_bytes(out.bucket.get(out.of_local(layout.manifest))[0])
+        recorded = load_manifest(layout.manifest)
+        if meta is None and sum(manifest.counts.values()) > sum(recorded.counts.values()):
             raise UserError(
                 f"{out} holds an unfinished run of fewer shards: shards are appended to a finished OUT on a store;"
                 " finish it first (the command that started it), then run this one"
             )
-        layout.manifest.write_bytes(out.bucket.get(out.of_local(layout.manifest))[0])
-        check_append(self.name, load_manifest(layout.manifest), manifest, tell)
-        self.clean(meta, tell)
-        if meta.concat:
-            out.copy_to_sources(meta)
+        check_append(self.name, recorded, manifest, tell, StoredCheckpoints.listed(out).is_done)
+        if meta is not None:
+            self.clean(meta, tell)
+            if meta.concat:
+                out.copy_to_sources(meta)
 
     def finished(self) -> Meta | None:
         found = self.out.bucket.get(self.out.of_local(self.out.layout.meta_json))

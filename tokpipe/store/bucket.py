@@ -223,7 +223,7 @@ class Bucket:
         what = "is gone" if gone else f"was replaced (its ETag is no longer {etag})"
         return Changed(
             f"{self.where(key)} is not the object the manifest listed: it {what}; put it back, or rebuild the manifest"
-            " and run into a new --out"
+            " and rerun with it (OUT keeps every shard it finished)"
         )
 
     def put(self, key: str, data: bytes, create: bool = False, if_match: str | None = None) -> str:

@@ -124,6 +124,17 @@ class StoredCheckpoints:
     placed: dict[str, str] = field(default_factory=dict)  # a done checkpoint's key -> the placed object holding it
     unread: list[str] = field(default_factory=list)  # placed objects listed, not yet read (read_placed)
 
+    @classmethod
+    def listed(cls, out: StoredOut) -> StoredCheckpoints:
+        """The done shards, from a LIST of OUT's checkpoints alone: what a changed manifest may not change, known
+        before the run's resume (runner/storage.py `_append`)."""
+        found = cls(out)
+        for obj in out.bucket.list(out.checkpoints):
+            found.note(obj.key)
+        with ThreadPoolExecutor(REQUESTS_AT_ONCE) as pool:
+            found.read_placed(pool)
+        return found
+
     def note(self, key: str) -> bool:
         """A key of OUT's listing: whether it is a checkpoint's or a placed object's."""
         if not (key.startswith(self.out.checkpoints) and key.endswith(".json")):
