@@ -100,11 +100,13 @@ def test_a_node_checks_out_the_tokenizer_and_a_shard_of_each_folder(tmp_path, mo
     (data / "train" / "c").rename(tmp_path / "c")  # a folder not mounted there
     assert unseen(check, "n1") == f"cannot read the shard {shard['c/1'][0]} (No such file or directory)"
 
-    # The shards as the driver sees them when the run starts, not as the manifest lists them: one fixed since (a cut
-    # download fetched again) at its new size, one the driver cannot see not at all (its task fails alone).
+    # The shards at the size the driver sees when the run starts, not the manifest's: one fixed since (a cut download
+    # fetched again) at its new size; one the driver cannot see (a driver with --ray-only need not) at the manifest's.
     Path(shard["a/1"][0]).write_text('{"text": "hello again"}\n')
     again = NodeCheck.of(manifest, info, out)
-    assert again.shards == ((shard["a/1"][0], 24), shard["b/1"])
+    assert again.shards == ((shard["a/1"][0], 24), shard["c/1"], shard["b/1"])
+    (tmp_path / "c").rename(data / "train" / "c")
+    Path(shard["c/1"][0]).write_text('{"text": "hello"}\n')  # as listed
     Layout(out).node_check().write_text(again.token)
     assert unseen(again, "n1") is None
 

@@ -75,28 +75,28 @@ class NodeCheck:
 
     @classmethod
     def of(cls, manifest: Manifest, info: TokenizerInfo, out: Path | str) -> NodeCheck:
-        """The shards to open (one pass over the manifest), as the driver sees them (one it cannot see fails alone in
-        its task), and a new token."""
+        """The shards to open (one pass over the manifest), each at the size the driver sees (the manifest's where it
+        cannot: a driver with --ray-only need not mount the dataset), and a new token."""
         step = max(1, sum(manifest.counts.values()) // SAMPLE)
-        firsts: dict[str, str] = {}  # folder -> its first shard
+        firsts: dict[str, tuple[str, int]] = {}  # folder -> its first shard
         sample = []
         for i, shard in enumerate(manifest.shards()):
             if shard.on_store:  # not on a mount: each node reads it through its own client
                 continue
-            firsts.setdefault(os.path.dirname(shard.path), shard.path)
+            firsts.setdefault(os.path.dirname(shard.path), (shard.path, shard.size))
             if i % step == 0:
-                sample.append(shard.path)
+                sample.append((shard.path, shard.size))
         folders = list(firsts.values())
         folders = folders[:: max(1, -(-len(folders) // MAX_FOLDERS))]  # none: every shard on a store
-        shards = tuple(seen for path in dict.fromkeys(folders + sample) if (seen := _seen_here(path)))
+        shards = tuple((path, _size_here(path, size)) for path, size in dict.fromkeys(folders + sample))
         return cls(str(out), secrets.token_hex(16), info.path, info.sha256, shards, code_digest(), library_versions())
 
 
-def _seen_here(path: str) -> tuple[str, int] | None:
+def _size_here(path: str, listed: int) -> int:
     try:
-        return path, os.stat(path).st_size
+        return os.stat(path).st_size
     except OSError:
-        return None
+        return listed
 
 
 OTHER_CODE = "runs another tokpipe than the driver"
