@@ -239,14 +239,16 @@ def test_shards_added_before_finished_ones_move_them_and_tokenize_only_the_new(
     assert cli("verify", out).returncode == 0
 
 
+@pytest.mark.parametrize("manifest", ["the same", "rebuilt"])
 @pytest.mark.parametrize("out_on", ["a folder", "a store"])
-def test_a_shard_that_failed_and_was_fetched_again_is_tokenized_anew_with_the_rebuilt_manifest(
-    tmp_path, small_tokenizer, out_on, request
+def test_a_shard_that_failed_and_was_fetched_again_is_tokenized_anew(
+    tmp_path, small_tokenizer, out_on, manifest, request
 ):
-    """A cut download fails its shard; fetched again, it is other input (on a store, another ETag, which every read of
-    it is pinned to): the rebuilt manifest lists it anew, and since OUT holds nothing finished of it, the rerun takes it
-    from its start, keeping every finished shard. On a store that was no way on: the run was refused (an unfinished
-    OUT's append), and the failed shard's line told to run into a new --out."""
+    """A cut download fails its shard; fetched again (here compressed anew: its first bytes differ too) it is other
+    input. With the same manifest, a folder's checkpoint of it, a place in the cut file, is forgotten; with the manifest
+    rebuilt, the run takes it as an append does, OUT holding nothing finished of it. Either way the rerun tokenizes it
+    from its start and keeps every finished shard. Before, the same command read the new file from the old place
+    ("corrupt zstd data"), and a rebuilt manifest was refused (on a store: an unfinished OUT's append)."""
     server = request.getfixturevalue("s3_server") if out_on == "a store" else None
     out = tmp_path / "out" if server is None else server.url(request.getfixturevalue("s3_prefix"))
     texts = [json.dumps({"text": text}) for path in EXAMPLE_TRAIN_FILES for text in reference_texts(path)]
@@ -262,18 +264,24 @@ def test_a_shard_that_failed_and_was_fetched_again_is_tokenized_anew_with_the_re
     else:
         assert failed.stderr.splitlines()[-2].startswith("FAILED train/a.jsonl.zst: SourceError: ")
 
-    write_jsonl(cut, texts[1:], "zstd")  # fetched again, another version: its first document gone
-    write_manifest(build_manifest(data), tmp_path / "after.json")
-    rerun = tokpipe(*run_args(tmp_path / "after.json", out, tokenizer=small_tokenizer))
+    cut.write_bytes(zstandard.ZstdCompressor(level=1).compress("".join(f"{t}\n" for t in texts).encode()))
+    if manifest == "rebuilt":
+        write_manifest(build_manifest(data), tmp_path / "after.json")
+        said = f"the manifest changed 1 shard that {out} holds no finished work of (e.g. train/a.jsonl.zst): tokenized"
+        said += " anew as it lists them now"
+    elif server is None:
+        said = f"train/a.jsonl.zst is {cut.stat().st_size:,} bytes, not the manifest's {len(whole) // 2:,}, since its"
+        said += " checkpoint: tokenizing it from its start"
+    else:  # a store keeps no checkpoint of a shard not done
+        said = "tokenizer small_tokenizer0@"
+    rerun = tokpipe(*run_args(tmp_path / ("after.json" if manifest == "rebuilt" else "before.json"), out,
+                              tokenizer=small_tokenizer))  # fmt: skip
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    assert rerun.stdout.splitlines()[0] == (
-        f"the manifest changed 1 shard that {out} holds no finished work of (e.g. train/a.jsonl.zst): tokenized anew"
-        " as it lists them now"
-    )
+    assert rerun.stdout.startswith(said), rerun.stdout
     assert re.search(r": 2 shards, .*; 1 done, 0 partial, 1 to start$", rerun.stdout, re.M), rerun.stdout
     tokenizer = small_tokenizer / "tokenizer.json"
     eos = reference_tokenizer(tokenizer).token_to_id("<|endoftext|>")
-    expected = reference_tokens([cut, after], tokenizer, eos, np.uint16)
+    expected = reference_tokens([cut, after], tokenizer, eos, np.uint16)  # the same texts: cut, fetched again
     assert np.array_equal(np.frombuffer(out_files(out, server)["train.bin"], dtype=np.uint16), expected)
     assert cli("verify", out).returncode == 0
 

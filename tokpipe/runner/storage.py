@@ -16,6 +16,7 @@ own way what that story asks of OUT:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -36,7 +37,7 @@ from tokpipe.layout.meta import Meta, load_meta
 from tokpipe.layout.run import WriteSpec, load_run
 from tokpipe.layout.stored import StoredOut, on_store
 from tokpipe.options import RunOptions
-from tokpipe.runner.events import Listener, Said
+from tokpipe.runner.events import Listener, Said, silent
 from tokpipe.runner.identity import (
     check_append,
     describe_changes,
@@ -83,8 +84,24 @@ class Folder(Storage):
         self.path = self.records = self.where = path
         self.name = str(path)
         self.checkpoints = Checkpoints(path)  # listed once for the run: its plan, its assembly, its tasks
-        self.checkpoint, self.is_done = self.checkpoints.of, self.checkpoints.done
+        self.is_done = self.checkpoints.done
         self.spill = ""  # a large part past --shard-buffer goes to its shard's own files in OUT (write/shard.py)
+        self.tell: Listener = silent
+
+    def checkpoint(self, shard: Shard) -> Checkpoint | None:
+        """The shard's checkpoint, as the plan reads it; but a partial one of a file that is no longer the manifest's
+        size (a cut download fetched again, maybe compressed anew) is forgotten, said, and the shard begins again:
+        its place in the file read was no place in the new one ("corrupt zstd data" of a sound file)."""
+        ckpt = self.checkpoints.of(shard)
+        if ckpt is None or ckpt.done or shard.on_store:  # a shard on a store is read by its ETag (store/reader.py)
+            return ckpt
+        with contextlib.suppress(OSError):  # a shard gone: its task says so
+            if (size := os.stat(shard.path).st_size) != shard.size:
+                self.checkpoints.forget([shard])
+                self.tell(Said(f"{shard.relpath} is {size:,} bytes, not the manifest's {shard.size:,}, since its"
+                               " checkpoint: tokenizing it from its start"))  # fmt: skip
+                return None
+        return ckpt
 
     def show(self, name: str) -> str:
         """A file of OUT as a user names it."""
@@ -103,6 +120,7 @@ class Folder(Storage):
     def held(self, manifest: Manifest, info: TokenizerInfo, opts: RunOptions, tell: Listener) -> Iterator[Manifest]:
         if load_run(Layout(self.path)) is None:  # before OUT holds a file of this run's (its lock, its logs)
             refuse_foreign(self.path, os.listdir(self.path))
+        self.tell = tell
         with LayoutWriter(self.path).lock(), refusals_noted(self.path):
             record_run(self.path, manifest, info, opts, tell)
             write_manifest(manifest, Layout(self.path).manifest)  # what `verify --sample` and `status` read
