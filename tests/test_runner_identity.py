@@ -137,8 +137,9 @@ def test_a_manifest_that_only_gained_shards_resumes_as_an_append(dataset, tmp_pa
     refused = cli(*run_args(tmp_path / "changed.json", out, tokenizer=small_tokenizer))
     assert refused.returncode == 2
     assert refused.stderr == (
-        f"tokpipe run: error: {out} was started from another manifest: 1 of its shards is changed or gone in this "
-        "one (e.g. train/chunk1/example_train_1.jsonl.zst); use a new --out, or the original manifest to resume\n"
+        f"tokpipe run: error: {out} was started from another manifest: 1 of the shards it finished is changed or gone"
+        " in this one (e.g. train/chunk1/example_train_1.jsonl.zst); use a new --out, or the original manifest to"
+        " resume\n"
     )
 
 
@@ -239,7 +240,7 @@ def test_shards_added_before_finished_ones_move_them_and_tokenize_only_the_new(
     assert cli("verify", out).returncode == 0
 
 
-@pytest.mark.parametrize("manifest", ["the same", "rebuilt"])
+@pytest.mark.parametrize("manifest", ["the same", "rebuilt", "rebuilt without it"])
 @pytest.mark.parametrize("out_on", ["a folder", "a store"])
 def test_a_shard_that_failed_and_was_fetched_again_is_tokenized_anew(
     tmp_path, small_tokenizer, out_on, manifest, request
@@ -265,7 +266,12 @@ def test_a_shard_that_failed_and_was_fetched_again_is_tokenized_anew(
         assert failed.stderr.splitlines()[-2].startswith("FAILED train/a.jsonl.zst: SourceError: ")
 
     cut.write_bytes(zstandard.ZstdCompressor(level=1).compress("".join(f"{t}\n" for t in texts).encode()))
-    if manifest == "rebuilt":
+    if manifest == "rebuilt without it":  # a shard broken at its source, taken out of the dataset
+        cut.unlink()
+        write_manifest(build_manifest(data), tmp_path / "after.json")
+        said = f"the manifest left out 1 shard that {out} holds no finished work of (e.g. train/a.jsonl.zst): not in"
+        said += " OUT"
+    elif manifest == "rebuilt":
         write_manifest(build_manifest(data), tmp_path / "after.json")
         said = f"the manifest changed 1 shard that {out} holds no finished work of (e.g. train/a.jsonl.zst): tokenized"
         said += " anew as it lists them now"
@@ -274,14 +280,15 @@ def test_a_shard_that_failed_and_was_fetched_again_is_tokenized_anew(
         said += " checkpoint: tokenizing it from its start"
     else:  # a store keeps no checkpoint of a shard not done
         said = "tokenizer small_tokenizer0@"
-    rerun = tokpipe(*run_args(tmp_path / ("after.json" if manifest == "rebuilt" else "before.json"), out,
+    rerun = tokpipe(*run_args(tmp_path / ("before.json" if manifest == "the same" else "after.json"), out,
                               tokenizer=small_tokenizer))  # fmt: skip
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert rerun.stdout.startswith(said), rerun.stdout
-    assert re.search(r": 2 shards, .*; 1 done, 0 partial, 1 to start$", rerun.stdout, re.M), rerun.stdout
+    left = [] if manifest == "rebuilt without it" else [cut]  # the same texts: cut, fetched again
+    assert re.search(rf": {len(left) + 1} shards?, .*; 1 done, 0 partial, {len(left)} to start$", rerun.stdout, re.M)
     tokenizer = small_tokenizer / "tokenizer.json"
     eos = reference_tokenizer(tokenizer).token_to_id("<|endoftext|>")
-    expected = reference_tokens([cut, after], tokenizer, eos, np.uint16)  # the same texts: cut, fetched again
+    expected = reference_tokens([*left, after], tokenizer, eos, np.uint16)
     assert np.array_equal(np.frombuffer(out_files(out, server)["train.bin"], dtype=np.uint16), expected)
     assert cli("verify", out).returncode == 0
 

@@ -183,12 +183,15 @@ def finished_read_only(out: Path, manifest: Manifest, info: TokenizerInfo, opts:
     return meta
 
 
-def check_append(out: str, old_manifest: Manifest, manifest: Manifest, tell: Listener, done) -> list[Shard]:
-    """Every shard of the old manifest must be in the new one, the same size (on a store, the same ETag), but one that
-    is not `done` in OUT (it failed, a cut download fetched again since): nothing of it is kept, so it is tokenized as
-    it is now. Returns those (the old manifest's). Both list a split's shards in path order (docs/design.md), so one
-    merged pass per split compares them, holding neither manifest."""
-    changed, renewed = [], []
+def check_append(
+    out: str, old_manifest: Manifest, manifest: Manifest, tell: Listener, done, no_gain: str = ""
+) -> list[Shard]:
+    """Every shard of the old manifest that is `done` in OUT must be in the new one, the same size (on a store, the
+    same ETag); one that is not (it failed: a cut download fetched again, or left out) may change or go, nothing of it
+    being kept. Returns those (the old manifest's), whose partial work is forgotten. `no_gain`: the refusal of a
+    manifest that gained shards. Both list a split's shards in path order (docs/design.md), so one merged pass per
+    split compares them, holding neither manifest."""
+    refused, changed, left = [], [], []
     for split in old_manifest.counts:
         new = manifest.shards(split)
         candidate = next(new, None)
@@ -196,20 +199,24 @@ def check_append(out: str, old_manifest: Manifest, manifest: Manifest, tell: Lis
             while candidate is not None and candidate.relpath < shard.relpath:
                 candidate = next(new, None)
             if candidate is None or candidate.relpath != shard.relpath:
-                changed.append(shard)  # gone
+                (refused if done(shard) else left).append(shard)
             elif (candidate.size, candidate.etag) != (shard.size, shard.etag):
-                (changed if done(shard) else renewed).append(shard)
-    if changed:
-        are = "is" if len(changed) == 1 else "are"
+                (refused if done(shard) else changed).append(shard)
+    if refused:
+        are = "is" if len(refused) == 1 else "are"
         raise UserError(
-            f"{out} was started from another manifest: {len(changed)} of its shards {are} changed or gone in this one "
-            f"(e.g. {changed[0].relpath}); use a new --out, or the original manifest to resume"
+            f"{out} was started from another manifest: {len(refused)} of the shards it finished {are} changed or gone"
+            f" in this one (e.g. {refused[0].relpath}); use a new --out, or the original manifest to resume"
         )
-    if renewed:
-        what = f"{plural(len(renewed), 'shard')} that {out} holds no finished work of (e.g. {renewed[0].relpath})"
-        tell(Said(f"the manifest changed {what}: tokenized anew as it lists them now"))
-    gained = sum(manifest.counts.values()) - sum(old_manifest.counts.values())
+    gained = sum(manifest.counts.values()) - sum(old_manifest.counts.values()) + len(left)
+    if gained > 0 and no_gain:
+        raise UserError(no_gain)
+    said = ((changed, "changed", "tokenized anew as it lists them now"), (left, "left out", "not in OUT"))
+    for shards, what, then in said:
+        if shards:
+            some = f"{plural(len(shards), 'shard')} that {out} holds no finished work of (e.g. {shards[0].relpath})"
+            tell(Said(f"the manifest {what} {some}: {then}"))
     if gained > 0:
         gained = plural(gained, "shard")
         tell(Said(f"the manifest gained {gained} since {out} was started: appending them (finished shards are kept)"))
-    return renewed
+    return changed + left

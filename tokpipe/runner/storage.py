@@ -263,7 +263,7 @@ class Prefix(Storage):
         return replace(manifest, source=layout.manifest)  # its shards stream from the local copy
 
     def _append(self, manifest: Manifest, tell: Listener) -> None:
-        """The manifest gained shards, or changed some that OUT holds nothing finished of (identity.check_append). Of a
+        """The manifest gained shards, or changed or left out some OUT holds nothing finished of (check_append). Of a
         finished OUT, its split files are copied on the server to `sources/`, whence the new split files take their
         finished parts (write/stored.py), none tokenized again; then this run's run.json is written, and the rerun's
         resume removes meta. A kill before run.json copies them again. A --no-concat OUT's parts are its segments,
@@ -272,13 +272,12 @@ class Prefix(Storage):
         out, layout = self.out, self.out.layout
         meta = self.finished()
         layout.manifest.write_bytes(out.bucket.get(out.of_local(layout.manifest))[0])
-        recorded = load_manifest(layout.manifest)
-        if meta is None and sum(manifest.counts.values()) > sum(recorded.counts.values()):
-            raise UserError(
-                f"{out} holds an unfinished run of fewer shards: shards are appended to a finished OUT on a store;"
-                " finish it first (the command that started it), then run this one"
-            )
-        check_append(self.name, recorded, manifest, tell, StoredCheckpoints.listed(out).is_done)
+        no_gain = "" if meta is not None else (
+            f"{out} holds an unfinished run of fewer shards: shards are appended to a finished OUT on a store;"
+            " finish it first (the command that started it), then run this one"
+        )
+        check_append(self.name, load_manifest(layout.manifest), manifest, tell, StoredCheckpoints.listed(out).is_done,
+                     no_gain)  # fmt: skip
         if meta is not None:
             self.clean(meta, tell)
             if meta.concat:
