@@ -1,7 +1,7 @@
 """What a run is: the inputs its bytes depend on, recorded in run.json; a rerun with other inputs is refused.
 
-A manifest that only gained shards is an append: the finished shards are kept and the new ones run; so is one whose
-changed shards OUT holds nothing finished of (a cut download that failed, fetched again).
+A manifest that only gained shards is an append: the finished shards are kept and the new ones run; so is one that
+changed or left out shards OUT holds nothing finished of (a cut download that failed, fetched again or taken out).
 An OUT that holds no token yet is no run to protect: a rerun with other inputs (the command corrected
 after a refusal) starts it over.
 """
