@@ -9,7 +9,7 @@ after a refusal) starts it over.
 from __future__ import annotations
 
 import shlex
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -184,7 +184,12 @@ def finished_read_only(out: Path, manifest: Manifest, info: TokenizerInfo, opts:
 
 
 def check_append(
-    out: str, old_manifest: Manifest, manifest: Manifest, tell: Listener, done, no_gain: str = ""
+    out: str,
+    old_manifest: Manifest,
+    manifest: Manifest,
+    tell: Listener,
+    done: Callable[[Shard], bool],
+    no_gain: str = "",
 ) -> list[Shard]:
     """Every shard of the old manifest that is `done` in OUT must be in the new one, the same size (on a store, the
     same ETag); one that is not (it failed: a cut download fetched again, or left out) may change or go, nothing of it
