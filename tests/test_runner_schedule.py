@@ -323,6 +323,9 @@ def test_the_run_follows_the_cluster_as_nodes_join_fail_their_check_and_are_lost
         "ray: node 127.0.0.5 (e2e2e2e2) joined (1 CPU): 2 workers now",
     ], nodes
     assert len(nodes) == 3 and LOST_LINE.fullmatch(nodes[1]), nodes  # what it cost is the moment's
+    # The busy share is of the workers it had: 1, then 2, 1 and 2 again.
+    phases = next(line for line in said if line.startswith("phases: "))
+    assert re.search(r"workers busy \d+% \(1-2 workers, [\d.]+s of worker time, [\d.]+s on shards\)", phases), phases
     assembled = next(line for line in (out / "logs" / "run.log").read_text().splitlines() if "assembled by" in line)
     for joined in ("b1b1b1b1", "e2e2e2e2"):  # what each tokenized, placed by its Placer
         assert joined in assembled, assembled

@@ -234,7 +234,7 @@ def _tokenize(run: _Run, assembler, plan: Standing) -> Tally:
         if not run.cluster.address and run.cluster.fit[1]:
             run.say(run.cluster.fit[1])
         # The busy share counts the workers the run will have from its start: the cores that wait for Ray show.
-        progress.workers = run.clock.workers = 1 if run.cluster.address else run.cluster.fit[0]
+        progress.workers = 1 if run.cluster.address else run.cluster.fit[0]
         done = plan.done + tokenize_while(
             run.manifest,
             run.out.name,
@@ -262,6 +262,8 @@ def _tokenize(run: _Run, assembler, plan: Standing) -> Tally:
     finally:
         progress.close()
     run.clock.read_bytes, run.clock.shard_seconds = progress.read_this_run, tally.shard_seconds
+    run.clock.workers = progress.worker_range
+    run.clock.worker_seconds = progress.worker_seconds(run.clock.tokenized or time.monotonic())
     return tally
 
 
@@ -287,7 +289,7 @@ def _tokenize_on_ray(run: _Run, backend: str, assembler, progress: Progress, tal
         check = check_nodes(run.manifest, run.info, run.out, run.log, watch)
         run.cluster.warm(backend, run.info.path)  # after the check: _tokenize says why
     spec = encode_spec(run.opts, run.info, backend, shape.read_ahead, run.out.spill)
-    progress.workers = run.clock.workers = shape.workers
+    progress.workers = shape.workers
     copies = placing(run.out, assembler, shape.nodes, check, run.log)
     tasks = Tasks(run.manifest, run.out, spec, run.opts, shape.workers, run.log, tally, check, watch)
     scheduler = Scheduler(tasks, run.tell)

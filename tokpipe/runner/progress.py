@@ -59,7 +59,9 @@ class Progress:
         self.disk: dict | None = None  # the output's projected size, once a shard of this run is done
         self.on_disk = on_disk  # False: OUT on a store, whose space is no file system's to compare it with
         self.base = [0, 0, 0]  # file bytes, documents, tokens of this run before its Ray tasks (the driver's)
-        self.workers = 1  # that the run has (its busy share's denominator; the driver sets it)
+        # The workers the run has (the driver sets them; the scheduler as nodes join and are lost), and their seconds
+        # so far: the busy share's denominator.
+        self._workers, self._since, self._worker_seconds, self.worker_range = 0, self.t0, 0.0, (0, 0)
         self.last_line = self.last_file = 0.0
         self.read_this_run = 0
         self.bar = None
@@ -75,6 +77,20 @@ class Progress:
                 dynamic_ncols=True,
                 bar_format="{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt}iB, ETA {remaining}{postfix}",
             )
+
+    @property
+    def workers(self) -> int:
+        return self._workers
+
+    @workers.setter
+    def workers(self, workers: int) -> None:
+        now = time.monotonic()
+        self._worker_seconds, self._workers, self._since = self.worker_seconds(now), workers, now
+        fewest, most = self.worker_range
+        self.worker_range = (min(fewest, workers) if fewest else workers, max(most, workers))
+
+    def worker_seconds(self, until: float) -> float:
+        return self._worker_seconds + self._workers * (until - self._since)
 
     def update(
         self, file_bytes: int, documents: int, tokens: int, done: int, running: int, failed: int, final: bool = False
@@ -151,7 +167,8 @@ class Timeline:
     tokenized: float | None = None
     read_bytes: int = 0  # of input, by this run's workers
     assembled_bytes: int = 0  # of tokens, copied into place while shards tokenized
-    workers: int = 1  # that the run had from its start, whether at work or waiting for Ray
+    workers: tuple[int, int] = (1, 1)  # the fewest and most it had (nodes join, are lost), at work or waiting for Ray
+    worker_seconds: float = 0.0  # theirs in the tokenize phase
     shard_seconds: float = 0.0  # that this run's shards took, summed over them (ShardResult.seconds)
     series: Series | None = None  # OUT/logs/series.jsonl, for `tokpipe report`: gets a mark at each phase
 
@@ -165,12 +182,16 @@ class Timeline:
         tokenized = self.tokenized or planned
         token_bytes = meta.tokens * np.dtype(meta.dtype).itemsize
         tokenize_s, finalize_s = tokenized - planned, finished - tokenized
-        busy = self.shard_seconds / max(self.workers * tokenize_s, 1e-9)
+        busy = self.shard_seconds / max(self.worker_seconds, 1e-9)
+        fewest, most = self.workers
+        had = f"{most} x {tokenize_s:.1f}s"
+        if fewest != most:
+            had = f"{fewest}-{most} workers, {self.worker_seconds:.1f}s of worker time"
         return (
             f"phases: plan {planned - self.start:.1f}s | tokenize {tokenize_s:.1f}s, "
             f"{self.read_bytes / 1e6:,.1f} MB of input read"
             f" ({self.read_bytes / 1e6 / max(tokenize_s, 1e-9):.1f} MB/s), workers busy {100 * min(busy, 1):.0f}%"
-            f" ({self.workers} x {tokenize_s:.1f}s, {self.shard_seconds:.1f}s on shards) | finalize {finalize_s:.2f}s "
+            f" ({had}, {self.shard_seconds:.1f}s on shards) | finalize {finalize_s:.2f}s "
             f"({100 * finalize_s / max(tokenize_s, 1e-9):.0f}% of tokenize):"
             f" {token_bytes / 1e6:,.1f} MB of tokens, {self.assembled_bytes / 1e6:,.1f} MB of them assembled "
             "while tokenizing,"
