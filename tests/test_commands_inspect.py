@@ -2,6 +2,7 @@
 
 import json
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -163,6 +164,8 @@ def test_an_out_on_a_store_is_inspected_where_it_is(finished_stored):
         "train: 859,703 tokens, 293 documents of a finished run; uint32, vocab_size 151,669,"
         " EOS '<|endoftext|>' = 151643"
     )
+    said = result.stdout.splitlines()[2]
+    assert re.fullmatch(r"1 window of up to 64 tokens, seed \d+ \(--seed \d+ shows them again\)", said), said
 
 
 def test_an_unfinished_out_on_a_store_is_inspected_through_its_segments(unfinished_stored, small_reference):

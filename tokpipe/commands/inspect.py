@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tokpipe.errors import UserError
+from tokpipe.fmt import plural
 from tokpipe.inputs.encoders import encoder
 from tokpipe.inputs.manifest import load_manifest
 from tokpipe.inputs.tokenizer import load_tokenizer_info
@@ -331,7 +332,7 @@ def report(ins: Inspection) -> str:
     ]
     if ins.windows:
         lines.append(
-            f"{len(ins.windows)} windows of up to {max(len(w.ids) for w in ins.windows)} tokens, seed "
+            f"{plural(len(ins.windows), 'window')} of up to {max(len(w.ids) for w in ins.windows)} tokens, seed "
             f"{ins.seed} (--seed {ins.seed} shows them again)"
         )
     for k, (w, text) in enumerate(zip(ins.windows, ins.texts), 1):
