@@ -36,7 +36,8 @@ def _phases(tmp_path, now, workers: list[tuple[float, int]], shard_seconds: floa
 
 
 def test_the_busy_share_is_of_the_workers_the_run_had_from_its_start(tmp_path, clock):
-    line = _phases(tmp_path, clock, [(100.0, 2)], shard_seconds=45.0)
+    # Known at 104 s (a cluster joined, its nodes checked), they count from the start: the wait shows.
+    line = _phases(tmp_path, clock, [(104.0, 2)], shard_seconds=45.0)
     assert line.split(" | ")[1] == (
         "tokenize 25.0s, 0.0 MB of input read (0.0 MB/s), workers busy 90% (2 x 25.0s, 45.0s on shards)"
     )

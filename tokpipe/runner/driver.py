@@ -233,8 +233,8 @@ def _tokenize(run: _Run, assembler, plan: Standing) -> Tally:
         spec = encode_spec(run.opts, run.info, backend, spill=run.out.spill)
         if not run.cluster.address and run.cluster.fit[1]:
             run.say(run.cluster.fit[1])
-        # The busy share counts the workers the run will have from its start: the cores that wait for Ray show.
-        progress.workers = 1 if run.cluster.address else run.cluster.fit[0]
+        if not run.cluster.address:  # the cores, tokenizing here or waiting for Ray (a cluster's: once it is joined)
+            progress.workers = run.cluster.fit[0]
         done = plan.done + tokenize_while(
             run.manifest,
             run.out.name,

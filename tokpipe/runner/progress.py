@@ -59,8 +59,8 @@ class Progress:
         self.disk: dict | None = None  # the output's projected size, once a shard of this run is done
         self.on_disk = on_disk  # False: OUT on a store, whose space is no file system's to compare it with
         self.base = [0, 0, 0]  # file bytes, documents, tokens of this run before its Ray tasks (the driver's)
-        # The workers the run has (the driver sets them; the scheduler as nodes join and are lost), and their seconds
-        # so far: the busy share's denominator.
+        # The workers the run has (the driver sets them, once known; the scheduler as nodes join and are lost), and
+        # their seconds so far: the busy share's denominator.
         self._workers, self._since, self._worker_seconds, self.worker_range = 0, self.t0, 0.0, (0, 0)
         self.last_line = self.last_file = 0.0
         self.read_this_run = 0
@@ -84,10 +84,13 @@ class Progress:
 
     @workers.setter
     def workers(self, workers: int) -> None:
-        now = time.monotonic()
-        self._worker_seconds, self._workers, self._since = self.worker_seconds(now), workers, now
+        # The first count is the run's from its start: the cores that wait for Ray's workers (their start, a
+        # cluster's node check) show in the busy share.
+        if self._workers:
+            now = time.monotonic()
+            self._worker_seconds, self._since = self.worker_seconds(now), now
         fewest, most = self.worker_range
-        self.worker_range = (min(fewest, workers) if fewest else workers, max(most, workers))
+        self._workers, self.worker_range = workers, (min(fewest, workers) if fewest else workers, max(most, workers))
 
     def worker_seconds(self, until: float) -> float:
         return self._worker_seconds + self._workers * (until - self._since)
