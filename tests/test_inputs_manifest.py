@@ -263,6 +263,29 @@ def test_several_datasets_need_a_repo_id(tmp_path):
         build_manifest(cache, repo_id="nope/nope")
 
 
+@pytest.mark.parametrize("where", ["a folder", "a store"])
+def test_a_folder_above_a_cache_is_refused_naming_the_cache(tmp_path, where, request):
+    # HF_HOME (~/.cache/huggingface: the cache is its hub/), and a folder above it. Walked as a folder of shards, it
+    # gave one dataset of every repo's snapshots (and of a copy whose links became text files, their text as shards).
+    home = tmp_path / "huggingface"
+    shutil.copytree(EXAMPLE_CACHE, home / "hub", symlinks=True)
+    shutil.copytree(home / "hub" / REPO_DIR.name, home / "hub" / "datasets--other--set", symlinks=True)
+    top, slash = str(tmp_path), ""  # a prefix is named as a folder: with its slash
+    if where == "a store":
+        s3_server, prefix = request.getfixturevalue("s3_server"), request.getfixturevalue("s3_prefix")
+        top, slash = s3_server.upload(tmp_path, prefix), "/"
+    cache = f"{top}/huggingface/hub"
+    for folder in (f"{top}/huggingface", top):
+        with pytest.raises(UserError) as refused:
+            api.build_manifest(folder)
+        assert str(refused.value) == (
+            f"{folder}{slash} holds a Hugging Face cache at {cache}: pass --dataset-dir {cache} (with --repo-id"
+            " ORG/NAME where it holds several datasets)"
+        )
+    # As it says: the cache, and which of its datasets.
+    assert api.build_manifest(cache, repo_id="other/set").counts == {"train": 2, "validation": 1}
+
+
 def test_manifest_round_trips_and_hand_edits_are_caught(tmp_path):
     m = build_manifest(EXAMPLE_CACHE)
     write_manifest(m, tmp_path / "m.json")

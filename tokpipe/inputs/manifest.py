@@ -29,17 +29,14 @@ import ijson
 import orjson
 
 from tokpipe.errors import UserError
+from tokpipe.inputs import names
 from tokpipe.inputs.card import CARD, Chosen, choose, configs_of, splits
 from tokpipe.inputs.names import DATA_FILE, REPO_PREFIX, SHARD_SUFFIXES, first_line, not_a_shard, repo_id_of, shard_key
 from tokpipe.store import is_url
 
 MANIFEST_VERSION = 1
 HEADER = ("root", "base", "allow_outside", "repo_id", "revision", "fingerprint")  # the fields before the shards
-
-
-# A snapshot file that is not a symlink but a tiny text file naming a blob: what git and copy tools
-# leave of the cache's symlinks on filesystems or transfers that drop them.
-POINTER_MAX_BYTES = 512
+POINTER_MAX_BYTES = 512  # a cache's symlink as git and copy tools leave it where links drop: a text naming its blob
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,6 +369,8 @@ def manifest_of(
 ) -> Manifest:
     """The manifest of the shards a walk found (of a folder, or of a prefix on a store): in order, each key once.
     None found: refused, with `hint()` (layout_hint) of what the dataset dir holds, and each file passed over."""
+    if repo_id is None:
+        names.refuse_a_cache_inside(root, [s.relpath for s in shards] + [relpath for relpath, _ in files_passed_over])
     if not shards:
         why = "".join(f"; passed over {relpath}: {why}" for relpath, why in sorted(files_passed_over))
         raise UserError(f"no shards (*{', *'.join(SHARD_SUFFIXES)}) under {root}{why}; {hint()}")
@@ -444,7 +443,5 @@ def load_manifest(path: str | os.PathLike) -> Manifest:
             f"manifest {path} is not a tokpipe manifest ({type(e).__name__}: {why}): rebuild it with `tokpipe manifest`"
         ) from None
     if fingerprint != manifest.fingerprint:
-        raise UserError(
-            f"manifest {path} was edited by hand (its fingerprint no longer matches its shards): rebuild it"
-        )
+        raise UserError(f"manifest {path} was edited by hand (its fingerprint does not match its shards): rebuild it")
     return manifest

@@ -93,6 +93,21 @@ def repo_id_of(folder: str) -> str:
     return folder.removeprefix(REPO_PREFIX).replace("--", "/")
 
 
+def refuse_a_cache_inside(where: str, relpaths: list[str]) -> None:
+    """A folder of shards is never read into a Hugging Face cache below it (HF_HOME's hub/, or a folder above one):
+    every dataset repo's snapshot would be read as one dataset, and where the cache's links were copied as text
+    files, their text as shards."""
+    for relpath in relpaths:
+        folders = relpath.split("/")[:-1]
+        repo = next((i for i, name in enumerate(folders) if name.startswith(REPO_PREFIX)), None)
+        if repo is not None:
+            cache = "/".join([where.rstrip("/"), *folders[:repo]])
+            raise UserError(
+                f"{where} holds a Hugging Face cache at {cache}: pass --dataset-dir {cache} (with --repo-id ORG/NAME"
+                " where it holds several datasets)"
+            )
+
+
 def is_metadata(relpath: str) -> bool:
     """One of HF datasets' own files (METADATA_FILES): never data, whatever globs or names match it."""
     return relpath.rsplit("/", 1)[-1] in METADATA_FILES
