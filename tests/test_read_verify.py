@@ -108,6 +108,11 @@ def test_missing_meta_fails_and_cli_exits_1(out):
     assert failed_checks(out) == ["meta.pkl present"]
     result = cli("verify", out, "--json")
     assert result.returncode == 1 and '"ok": false' in result.stdout
+    # A folder that holds no run (a dataset's, a subfolder of OUT) is one line, exit 2: no run to wait for.
+    refused = cli("verify", out / "logs")
+    assert (refused.returncode, refused.stdout) == (2, "")
+    said = f"tokpipe verify: error: {out / 'logs'} holds no tokpipe run (no meta.pkl, no manifest.json)\n"
+    assert refused.stderr == said
 
 
 class Evil:

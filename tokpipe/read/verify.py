@@ -165,6 +165,8 @@ def verify(out: str | os.PathLike, jobs: int | None = None) -> list[Check]:
     try:
         raw = load_meta_pkl(Layout(out).meta_pkl)
     except FileNotFoundError:
+        if not Layout(out).manifest.is_file():  # no run's at all: a dataset's folder, a typo, an OUT's subfolder
+            raise UserError(f"{Layout(out).where} holds no tokpipe run (no meta.pkl, no manifest.json)") from None
         check("meta.pkl present", False, f"{shown(out, Layout(out).meta_pkl.name)} is missing: {unfinished}")
         return checks
     except UserError as e:  # damaged, or hostile: the restricted unpickler refused it
