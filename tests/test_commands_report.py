@@ -290,6 +290,15 @@ def test_the_page_s_default_place_is_out_in_a_folder_and_the_current_folder_for_
         shown = str(page)
     assert result.stdout.startswith(f"{shown}: ")
     assert "859,703" in page.read_text()  # train's tokens, as meta says
+    # -o names the page's file: a folder is refused before the page is drawn, and nothing is left beside it.
+    folder = tmp_path / "pages"
+    folder.mkdir()
+    refused = cli("report", finished_either, "-o", folder)
+    assert (refused.returncode, refused.stderr) == (
+        2,
+        f"tokpipe report: error: -o {folder} is a folder: name the page's file (e.g. -o {folder}/report.html)\n",
+    )
+    assert not list(folder.iterdir()) and not list(tmp_path.glob("pages.*"))  # no page, no page's temporary file
 
 
 @pytest.mark.skipif(not can_make_mount_namespaces(), reason="needs root and unshare -m")

@@ -81,20 +81,38 @@ def test_write_all_atomic_holds_at_most_fsyncs_at_once_files_open(tmp_path, monk
     assert max(opened) - before <= 4 + 1  # a batch's files and their folder's
 
 
-def test_a_crash_before_the_rename_leaves_the_old_file(tmp_path, monkeypatch):
+@pytest.mark.parametrize("o_tmpfile", [True, False])
+def test_a_write_or_rename_that_fails_leaves_the_old_file_and_no_other(tmp_path, monkeypatch, o_tmpfile):
     path = tmp_path / "meta.json"
     write_json_atomic(path, {"v": 1})
+    if not o_tmpfile:  # a file system without it (FUSE, NFS): the file is named from its start
+        opened = os.open
 
-    def crash(*_):
+        def without_o_tmpfile(name, flags, *args, **kwargs):
+            if flags & os.O_TMPFILE == os.O_TMPFILE:
+                raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+            return opened(name, flags, *args, **kwargs)
+
+        monkeypatch.setattr(durability.os, "open", without_o_tmpfile)
+
+    def interrupted(*_):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(durability.os, "replace", crash)
-    with pytest.raises(KeyboardInterrupt):
-        write_json_atomic(path, {"v": 2})
-    assert json.loads(path.read_text()) == {"v": 1}  # the next write replaces the stray .tmp
-    monkeypatch.undo()
+    def full(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    for call, error, failure in (("replace", KeyboardInterrupt, interrupted), ("write", OSError, full)):
+        with monkeypatch.context() as patched:
+            patched.setattr(durability.os, call, failure)
+            with pytest.raises(error):
+                write_json_atomic(path, {"v": 2})
+    assert json.loads(path.read_text()) == {"v": 1}
+    # `path` a folder (`tokpipe report -o /tmp` left a 374 KB /tmp.<pid>-<thread>.tmp in / once).
+    with pytest.raises(IsADirectoryError):
+        write_json_atomic(tmp_path, {"v": 2})
+    assert sorted(p.name for p in tmp_path.parent.iterdir() if p.name.startswith(tmp_path.name)) == [tmp_path.name]
     write_json_atomic(path, {"v": 3})
-    assert json.loads(path.read_text()) == {"v": 3} and not (tmp_path / "meta.json.tmp").exists()
+    assert json.loads(path.read_text()) == {"v": 3} and [p.name for p in tmp_path.iterdir()] == ["meta.json"]
 
 
 RACE = """

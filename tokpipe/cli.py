@@ -26,13 +26,17 @@ from tokpipe.options import RunOptions, positive
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 
 
+def _a_file(output: str | None, whose: str, example: str) -> None:
+    """-o names a file: a folder is refused before the work (the rename into it would fail after)."""
+    if output is not None and Path(output).is_dir():
+        raise UserError(f"-o {output} is a folder: name the {whose} file (e.g. -o {Path(output) / example})")
+
+
 def _cmd_manifest(args) -> int:
     import tokpipe
     from tokpipe.inputs.manifest import write_manifest
 
-    if args.output is not None and Path(args.output).is_dir():
-        example = Path(args.output) / "NAME.json"
-        raise UserError(f"-o {args.output} is a folder: name the manifest's file (e.g. -o {example})")
+    _a_file(args.output, "manifest's", "NAME.json")
     manifest = tokpipe.build_manifest(
         args.dataset_dir,
         repo_id=args.repo_id,
@@ -207,6 +211,7 @@ def _cmd_export(args) -> int:
 def _cmd_report(args) -> int:
     from tokpipe.commands.report import write_report
 
+    _a_file(args.output, "page's", "report.html")
     path, size = write_report(args.out, args.output, args.tokenizer)
     print(f"{path}: {size / 1e6:,.2f} MB, one self-contained page (opens offline in any browser)")
     return EXIT_OK

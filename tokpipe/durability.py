@@ -109,6 +109,8 @@ def _written(path: Path, data: bytes, folder: int) -> tuple[int, bool]:
             view = view[os.write(fd, view) :]
     except BaseException:
         os.close(fd)
+        if named:
+            os.unlink(_tmp(path).name, dir_fd=folder)
         raise
     return fd, named
 
@@ -120,7 +122,11 @@ def _swap_in(path: Path, fd: int, named: bool, folder: int) -> None:
         tmp.unlink(missing_ok=True)  # a name a killed writer of this pid and thread left
         # linkat(AT_SYMLINK_FOLLOW), which os.link uses only given a folder's descriptor
         os.link(f"/proc/self/fd/{fd}", tmp.name, dst_dir_fd=folder)
-    os.replace(tmp, path)
+    try:
+        os.replace(tmp, path)
+    except BaseException:  # refused (`path` a folder, say): the writer's name goes; only a kill leaves it
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
