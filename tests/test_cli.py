@@ -124,6 +124,32 @@ def test_a_run_whose_stderr_reader_went_away_finishes(tmp_path, small_tokenizer,
     assert_out_is(tmp_path / "out", small_reference)
 
 
+URL = "s3://tok/x"
+LOCAL_PATHS = {  # each flag that names a path on this machine, with a URL: only OUT and --dataset-dir are s3://
+    "manifest -o": ["manifest", "--dataset-dir", "d", "-o", URL],
+    "run --manifest": ["run", "--manifest", URL, "--tokenizer", "t", "--out", "o"],
+    "run --tokenizer": ["run", "--manifest", "m", "--tokenizer", URL, "--out", "o"],
+    "verify --tokenizer": ["verify", "o", "--tokenizer", URL],
+    "inspect --tokenizer": ["inspect", "o", "--tokenizer", URL],
+    "report -o": ["report", "o", "-o", URL],
+    "report --tokenizer": ["report", "o", "--tokenizer", URL],
+    "export --dest": ["export", "o", "--format", "megatron", "--dest", URL],
+}
+
+
+@pytest.mark.parametrize("flag", list(LOCAL_PATHS))
+def test_a_url_where_a_local_path_goes_is_one_line_and_makes_no_s3_folder(flag, tmp_path, monkeypatch):
+    # `export --dest s3://walk/meg` hard-linked the split files into ./s3:/walk/meg, and said so with one slash.
+    monkeypatch.chdir(tmp_path)
+    result = in_process(*LOCAL_PATHS[flag])
+    name = flag.split()[1].replace("-o", "-o/--output")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr.splitlines()[-1] == (
+        f"tokpipe {flag.split()[0]}: error: argument {name}: {URL} is on an object store: give a path on this machine"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_out_naming_a_file_is_one_line_exit_2(tmp_path, capsys):
     a_file = tmp_path / "notes.txt"
     a_file.write_text("not a run")

@@ -21,9 +21,18 @@ from tokpipe.fmt import plural
 from tokpipe.inputs.source.batch import MISSING_GROUP
 from tokpipe.layout.files import RUN_LOG, Layout
 from tokpipe.layout.meta import Meta, SplitEntry
+from tokpipe.layout.stored import on_store
 from tokpipe.options import RunOptions, positive
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
+
+
+def local(path: str) -> str:
+    """An argparse type: a path on this machine (a manifest, a tokenizer, a page, an export's folder). Only OUT and
+    --dataset-dir may be on an object store; a URL here was once taken for a folder named `s3:` in this one."""
+    if on_store(path):
+        raise argparse.ArgumentTypeError(f"{path} is on an object store: give a path on this machine")
+    return path
 
 
 def _a_file(output: str | None, whose: str, example: str) -> None:
@@ -252,7 +261,7 @@ def parser() -> argparse.ArgumentParser:
         help="HF cache root, datasets--ORG--NAME folder, snapshots/REV folder, or a folder of shards; on an "
         "object store: s3://BUCKET/PREFIX",
     )
-    m.add_argument("-o", "--output", help="manifest path (default: manifests/NAME.json)")
+    m.add_argument("-o", "--output", type=local, help="manifest path (default: manifests/NAME.json)")
     m.add_argument("--repo-id", help="ORG/NAME, when the cache holds several datasets")
     m.add_argument("--revision", help="ref or commit of the snapshot (default: refs/main)")
     m.add_argument("--allow-outside", action="store_true", help="accept shards that symlink to files outside DIR")
@@ -267,10 +276,13 @@ def parser() -> argparse.ArgumentParser:
     m.set_defaults(func=_cmd_manifest)
 
     r = sub.add_parser("run", help="tokenize a manifest into OUT (rerun the same command to resume)")
-    r.add_argument("--manifest", required=True, metavar="M", help="the shards to tokenize: a `tokpipe manifest` file")
+    r.add_argument(
+        "--manifest", required=True, type=local, metavar="M", help="the shards to tokenize: a `tokpipe manifest` file"
+    )
     r.add_argument(
         "--tokenizer",
         required=True,
+        type=local,
         metavar="T",
         help="local tokenizer folder or tokenizer.json, or a hub name ORG/NAME already in the Hugging Face cache "
         "(never downloaded)",
@@ -300,7 +312,9 @@ def parser() -> argparse.ArgumentParser:
         help="also re-tokenize K random source documents with tokenizers and compare",
     )
     v.add_argument("--seed", type=int, default=0, help="which documents --sample picks (default: 0)")
-    v.add_argument("--tokenizer", help="the run's tokenizer, if it moved since the run (default: the path in meta)")
+    v.add_argument(
+        "--tokenizer", type=local, help="the run's tokenizer, if it moved since the run (default: the path in meta)"
+    )
     v.add_argument("--jobs", type=positive(int), help="threads checking checksums and ids (default: all cores)")
 
     st = reader("status", _cmd_status, "where a run stands (running, killed, failed or finished) and what to run next")
@@ -318,19 +332,23 @@ def parser() -> argparse.ArgumentParser:
     )
     i.add_argument("--window", type=positive(int), default=64, help="tokens per window (default: 64)")
     i.add_argument("--seed", type=int, help="seed of the window positions (default: a new one, printed)")
-    i.add_argument("--tokenizer", help="the run's tokenizer, if it is no longer where run.json says")
+    i.add_argument("--tokenizer", type=local, help="the run's tokenizer, if it is no longer where run.json says")
 
     rp = reader(
         "report", _cmd_report, "draw a run (finished, running, killed or failed) on one self-contained HTML page"
     )
-    rp.add_argument("-o", "--output", metavar="FILE", help="where to write the page (default: OUT/report.html)")
     rp.add_argument(
-        "--tokenizer", help="the run's tokenizer, if it is no longer where run.json says (to decode the common ids)"
+        "-o", "--output", type=local, metavar="FILE", help="where to write the page (default: OUT/report.html)"
+    )
+    rp.add_argument(
+        "--tokenizer",
+        type=local,
+        help="the run's tokenizer, if it is no longer where run.json says (to decode the common ids)",
     )
 
     e = reader("export", _cmd_export, "write a finished OUT as Megatron-LM or llm.c training files")
     e.add_argument("--format", required=True, choices=("megatron", "llmc"))
-    e.add_argument("--dest", required=True, help="folder to write to (must be empty, unless --force)")
+    e.add_argument("--dest", required=True, type=local, help="folder to write to (must be empty, unless --force)")
     e.add_argument(
         "--force", action="store_true", help="write into a non-empty --dest, replacing files of the same names"
     )
