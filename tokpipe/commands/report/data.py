@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tokpipe.commands.inspect import load_decoder, open_source, red_flags, scan_ids
+from tokpipe.commands.inspect import Source, load_decoder, open_source, red_flags, scan_ids
 from tokpipe.commands.status import STATES, RunStatus, ShardStatus, status
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import load_manifest
@@ -203,8 +203,7 @@ def _split_stats(out: Path, meta: Meta | None, manifest, val_fraction: float) ->
     return stats
 
 
-def _lengths(out: Path, split: str) -> Lengths | None:
-    source = open_source(out, split)
+def _lengths(source: Source) -> Lengths | None:
     total = source.documents
     if total == 0:
         return None
@@ -257,8 +256,7 @@ def _shards(out: Path, st: RunStatus, meta: Meta | None) -> Shards:
     return Shards(len(rows), listed, all_listed, median, outliers, dict(sorted(skipped.items())), rows)
 
 
-def _health(out: Path, split: str, tokenizer: str | None) -> Health | None:
-    source = open_source(out, split)
+def _health(source: Source, tokenizer: str | None) -> Health | None:
     if not source.tokens:
         return None
     scan = scan_ids(source)
@@ -309,14 +307,15 @@ def build(out: str | os.PathLike, tokenizer: str | None = None) -> Report:
     summary = _summary(meta, run)
     splits = _split_stats(out, meta, manifest, (meta or run).val_fraction)
     notes = list(st.warnings)  # the logs status found damaged
-    lengths = [found for s in splits if (found := _lengths(out, s.name)) is not None]
+    sources = [open_source(out, s.name) for s in splits]  # once a split: unfinished, each reads every checkpoint
+    lengths = [found for source in sources if (found := _lengths(source)) is not None]
     notes += [
         f"{x.split}: document lengths from {x.sampled:,} of {x.documents:,} documents"
         f" ({LENGTH_BLOCKS} evenly spread blocks)"
         for x in lengths
         if x.sampled < x.documents
     ]
-    health = [h for s in splits if (h := _health(out, s.name, tokenizer)) is not None]
+    health = [h for source in sources if (h := _health(source, tokenizer)) is not None]
     shards = _shards(out, st, meta)
     if not shards.all_listed:
         notes.append(
