@@ -127,7 +127,6 @@ def test_a_run_whose_stderr_reader_went_away_finishes(tmp_path, small_tokenizer,
 URL = "s3://tok/x"
 LOCAL_PATHS = {  # each flag that names a path on this machine, with a URL: only OUT and --dataset-dir are s3://
     "manifest -o": ["manifest", "--dataset-dir", "d", "-o", URL],
-    "run --manifest": ["run", "--manifest", URL, "--tokenizer", "t", "--out", "o"],
     "run --tokenizer": ["run", "--manifest", "m", "--tokenizer", URL, "--out", "o"],
     "verify --tokenizer": ["verify", "o", "--tokenizer", URL],
     "inspect --tokenizer": ["inspect", "o", "--tokenizer", URL],

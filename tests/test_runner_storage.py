@@ -8,6 +8,7 @@ left."""
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -169,6 +170,31 @@ def test_a_kill_9_at_every_moment_of_a_run_into_a_store_then_the_same_command_is
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert rerun.stdout.splitlines()[-1].startswith(f"{url} is already finished")
     _assert_finished_as(s3_server, s3_prefix, small_reference)
+
+
+def test_the_command_status_gives_for_a_killed_run_on_a_store_resumes_it_from_anywhere(
+    s3_server, s3_prefix, manifest, small_tokenizer, small_reference, tmp_path
+):
+    # It names OUT's own manifest on the store, which the run reads a copy of (the one it was started with is local
+    # to another folder, or machine): it was read as ./s3:/…/manifest.json, "does not exist".
+    url = s3_server.url(s3_prefix)
+    kill = KILLED_AT["a segment committed, its shards not yet checkpointed"]
+    assert store_out_run(manifest, url, whole_put=1 << 20, kill=kill, tokenizer=small_tokenizer).returncode == -9
+    said = cli("status", url).stdout.splitlines()[-1]
+    argv = shlex.split(said.removeprefix("next: "))
+    assert argv[:4] == ["tokpipe", "run", "--manifest", f"{url}/manifest.json"], said
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    resumed = tokpipe(*argv[1:], cwd=elsewhere)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    _assert_finished_as(s3_server, s3_prefix, small_reference)
+    assert list(elsewhere.iterdir()) == []  # no s3: folder here
+    missing = tokpipe(*run_args(f"{url}/nothing.json", url, tokenizer=small_tokenizer))
+    assert (missing.returncode, missing.stderr) == (
+        2,
+        f"tokpipe run: error: manifest {url}/nothing.json does not exist (an OUT on a store keeps its own:"
+        " OUT/manifest.json)\n",
+    )
 
 
 def _example_and_its_first_train_shard_added(tmp_path: Path):

@@ -28,8 +28,8 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 1
 
 
 def local(path: str) -> str:
-    """An argparse type: a path on this machine (a manifest, a tokenizer, a page, an export's folder). Only OUT and
-    --dataset-dir may be on an object store; a URL here was once taken for a folder named `s3:` in this one."""
+    """An argparse type: a path on this machine (a manifest written, a tokenizer, a page, an export's folder). Only
+    OUT, --dataset-dir and run's --manifest may be on an object store; a URL here was taken for a folder `s3:`."""
     if on_store(path):
         raise argparse.ArgumentTypeError(f"{path} is on an object store: give a path on this machine")
     return path
@@ -276,9 +276,7 @@ def parser() -> argparse.ArgumentParser:
     m.set_defaults(func=_cmd_manifest)
 
     r = sub.add_parser("run", help="tokenize a manifest into OUT (rerun the same command to resume)")
-    r.add_argument(
-        "--manifest", required=True, type=local, metavar="M", help="the shards to tokenize: a `tokpipe manifest` file"
-    )
+    r.add_argument("--manifest", required=True, metavar="M", help="the shards to tokenize: a `tokpipe manifest` file")
     r.add_argument(
         "--tokenizer",
         required=True,

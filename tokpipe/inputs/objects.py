@@ -13,9 +13,12 @@ and every read of the shard asks for that ETag (tokpipe/store/reader.py).
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
-from pathlib import PurePosixPath
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path, PurePosixPath
 
 from tokpipe.errors import UserError
 from tokpipe.inputs.card import CARD, choose, configs_of, splits
@@ -76,6 +79,21 @@ def check_reachable(manifest: Manifest) -> None:
     if is_url(manifest.base):
         url = Url.parse(manifest.base)
         Bucket.of(url).check(url.key)
+
+
+@contextlib.contextmanager
+def manifest_here(path: str | os.PathLike) -> Iterator[str | os.PathLike]:
+    """A run's manifest as a file here: `path`, or the copy of one on a store (OUT's own, as `tokpipe status` names
+    it there), which the run streams until OUT holds its own copy, and which goes with the run."""
+    if not is_url(path):
+        yield path
+        return
+    found = Bucket.of(url := Url.parse(path)).get(url.key)
+    if found is None:
+        raise UserError(f"manifest {path} does not exist (an OUT on a store keeps its own: OUT/manifest.json)")
+    with tempfile.TemporaryDirectory(prefix="tokpipe-manifest-") as here:
+        (copy := Path(here) / "manifest.json").write_bytes(found[0])
+        yield copy
 
 
 def _locate(

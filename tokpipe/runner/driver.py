@@ -18,7 +18,7 @@ from tokpipe.errors import RayUnavailable, UserError, terminate_on_sigterm, term
 from tokpipe.fmt import plural
 from tokpipe.inputs.encoders import choose_backend, likely_backend
 from tokpipe.inputs.manifest import Manifest, load_manifest
-from tokpipe.inputs.objects import check_reachable
+from tokpipe.inputs.objects import check_reachable, manifest_here
 from tokpipe.inputs.tokenizer import TokenizerInfo, load_tokenizer_info
 from tokpipe.layout.files import FAILED, RAY_LOG, Layout
 from tokpipe.layout.meta import Meta
@@ -353,7 +353,8 @@ def run(
     clock = Timeline(time.monotonic())
     cluster = Cluster(opts, exits_after=not wait_for_ray)
     try:
-        return _run(manifest_path, tokenizer, storage_of(out), opts, clock, cluster, tell)
+        with manifest_here(manifest_path) as manifest:
+            return _run(manifest, tokenizer, storage_of(out), opts, clock, cluster, tell)
     finally:
         cluster.stop()
 
