@@ -27,7 +27,7 @@ from tokpipe.options import RunOptions, positive
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 
 
-def local(path: str) -> str:
+def _here(path: str) -> str:
     """An argparse type: a path on this machine (a manifest written, a tokenizer, a page, an export's folder). Only
     OUT, --dataset-dir and run's --manifest may be on an object store; a URL here was taken for a folder `s3:`."""
     if on_store(path):
@@ -261,7 +261,7 @@ def parser() -> argparse.ArgumentParser:
         help="HF cache root, datasets--ORG--NAME folder, snapshots/REV folder, or a folder of shards; on an "
         "object store: s3://BUCKET/PREFIX",
     )
-    m.add_argument("-o", "--output", type=local, help="manifest path (default: manifests/NAME.json)")
+    m.add_argument("-o", "--output", type=_here, help="manifest path (default: manifests/NAME.json)")
     m.add_argument("--repo-id", help="ORG/NAME, when the cache holds several datasets")
     m.add_argument("--revision", help="ref or commit of the snapshot (default: refs/main)")
     m.add_argument("--allow-outside", action="store_true", help="accept shards that symlink to files outside DIR")
@@ -280,7 +280,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--tokenizer",
         required=True,
-        type=local,
+        type=_here,
         metavar="T",
         help="local tokenizer folder or tokenizer.json, or a hub name ORG/NAME already in the Hugging Face cache "
         "(never downloaded)",
@@ -311,7 +311,7 @@ def parser() -> argparse.ArgumentParser:
     )
     v.add_argument("--seed", type=int, default=0, help="which documents --sample picks (default: 0)")
     v.add_argument(
-        "--tokenizer", type=local, help="the run's tokenizer, if it moved since the run (default: the path in meta)"
+        "--tokenizer", type=_here, help="the run's tokenizer, if it moved since the run (default: the path in meta)"
     )
     v.add_argument("--jobs", type=positive(int), help="threads checking checksums and ids (default: all cores)")
 
@@ -330,23 +330,23 @@ def parser() -> argparse.ArgumentParser:
     )
     i.add_argument("--window", type=positive(int), default=64, help="tokens per window (default: 64)")
     i.add_argument("--seed", type=int, help="seed of the window positions (default: a new one, printed)")
-    i.add_argument("--tokenizer", type=local, help="the run's tokenizer, if it is no longer where run.json says")
+    i.add_argument("--tokenizer", type=_here, help="the run's tokenizer, if it is no longer where run.json says")
 
     rp = reader(
         "report", _cmd_report, "draw a run (finished, running, killed or failed) on one self-contained HTML page"
     )
     rp.add_argument(
-        "-o", "--output", type=local, metavar="FILE", help="where to write the page (default: OUT/report.html)"
+        "-o", "--output", type=_here, metavar="FILE", help="where to write the page (default: OUT/report.html)"
     )
     rp.add_argument(
         "--tokenizer",
-        type=local,
+        type=_here,
         help="the run's tokenizer, if it is no longer where run.json says (to decode the common ids)",
     )
 
     e = reader("export", _cmd_export, "write a finished OUT as Megatron-LM or llm.c training files")
     e.add_argument("--format", required=True, choices=("megatron", "llmc"))
-    e.add_argument("--dest", required=True, type=local, help="folder to write to (must be empty, unless --force)")
+    e.add_argument("--dest", required=True, type=_here, help="folder to write to (must be empty, unless --force)")
     e.add_argument(
         "--force", action="store_true", help="write into a non-empty --dest, replacing files of the same names"
     )
