@@ -29,6 +29,7 @@ from helpers import (
 )
 
 from tokpipe.inputs.manifest import build_manifest, write_manifest
+from tokpipe.options import RunOptions
 from tokpipe.runner import cluster
 from tokpipe.runner.cluster import available_cpus, fit_workers
 from tokpipe.runner.sample import CHAT_TURNS
@@ -312,3 +313,20 @@ def test_a_cluster_that_asks_for_its_token_says_so_and_its_token_joins_it(tmp_pa
         joined = tokpipe(*args, "--ray-only", env=env | {"RAY_AUTH_MODE": "token"})
         assert joined.returncode == 0, joined.stdout + joined.stderr
         assert_out_is(tmp_path / "out", small_reference)
+
+
+def test_a_run_that_its_head_watch_ends_saves_its_stop_note_where_out_s_readers_look(monkeypatch, tmp_path):
+    # The CLI's process ends there at once (os._exit): on a store, OUT's logs are uploaded first (Storage.save_logs),
+    # or `tokpipe status s3://...` on any machine said "killed or crashed", the note left in the driver's folder.
+    said = []
+    monkeypatch.setattr(cluster, "_kill_descendants", lambda: said.append("Ray's processes killed"))
+    monkeypatch.setattr(cluster.os, "_exit", lambda code: said.append(f"exit {code}"))
+    ray = cluster.Cluster(RunOptions(), exits_after=True)
+    ray.log_to(tmp_path / "ray.log", said.append, lambda: said.append("logs saved"))
+    ray._head_lost("Ray's head (its GCS at 10.0.0.1:6379) has taken no connection for 30 s")
+    assert said == [
+        "stopped: Ray's head (its GCS at 10.0.0.1:6379) has taken no connection for 30 s",
+        "logs saved",
+        "Ray's processes killed",
+        "exit 1",
+    ]

@@ -263,7 +263,7 @@ class Cluster:
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
         self._thread = threading.Thread(target=self._start, name="tokpipe ray start", daemon=True)
         self.borrowed = False  # the Ray of a caller who had called ray.init: not tokpipe's to shut down
-        self.log: Callable[[str], None] = lambda line: None  # the run's log (run.log), once OUT is the run's
+        self.log, self.save_logs = (lambda line: None), (lambda: None)  # the run's log, its save: log_to sets them
 
     @property
     def started(self) -> bool:
@@ -311,6 +311,7 @@ class Cluster:
         print(f"tokpipe run: error: {line}", file=sys.stderr, flush=True)
         self.log(STOPPED + line)
         if self.exits_after:
+            self.save_logs()
             self.lines.silence()
             _kill_descendants()
             sys.stdout.flush()
@@ -351,10 +352,11 @@ class Cluster:
             raise RayUnavailable(_did_not_start(self._error, self.address)) from self._error
         return self.shape
 
-    def log_to(self, path: Path, log: Callable[[str], None]) -> None:
+    def log_to(self, path: Path, log: Callable[[str], None], save: Callable[[], None]) -> None:
         """From here on Ray's own lines go to `path` (OUT/logs/ray.log), not to the terminal (RayLines). Only in a
-        process that exits after the run (the CLI's): a library caller's stderr is its own. `log`: the run's log."""
-        self.log = log
+        process that exits after the run (the CLI's): a library caller's stderr is its own. `log`: the run's log;
+        `save`: what puts it where OUT's readers look (Storage.save_logs)."""
+        self.log, self.save_logs = log, save
         if self.exits_after:
             self.lines.path = path
             if self.started:

@@ -385,7 +385,7 @@ def _run(
             return _nothing_to_do(out, meta, clock, tell)
         with out.held(manifest, info, opts, tell) as manifest:
             run = _Run(manifest, out, info, opts, RunLog(out.records), clock, cluster, tell, handover, helpers)
-            cluster.log_to(Layout(out.records).log(RAY_LOG), run.log)  # OUT is this run's: Ray's lines go there now
+            cluster.log_to(Layout(out.records).log(RAY_LOG), run.log, out.save_logs)  # OUT is this run's from here
             with _stop_noted(run.log):
                 if finished_with(meta := out.finished(), manifest):
                     out.clean(meta, tell)

@@ -74,6 +74,10 @@ class Storage:
             self.keep_shard(shard, ckpt, buffered)
         return len(unplaced)
 
+    def save_logs(self) -> None:
+        """The run's logs where OUT's readers look, before a process that ends at once (Ray's head lost): a folder's
+        are there already."""
+
 
 class Folder(Storage):
     """OUT in a folder of a file system (every node's, on a cluster): written in place, its lock a file's."""
@@ -231,6 +235,9 @@ class Prefix(Storage):
                     shutil.rmtree(self.records, ignore_errors=True)
                 else:  # the one copy of them
                     tell(Said(f"the store did not take this run's logs: they are in {self.records / 'logs'}"))
+
+    def save_logs(self) -> None:
+        self.out.upload_logs()  # the stop note with them, for `tokpipe status` on any machine
 
     def _record(self, manifest: Manifest, info: TokenizerInfo, opts: RunOptions, tell: Listener) -> Manifest:
         """Refuse an OUT that holds a run with other inputs, but a manifest that only gained shards (`_append`); start
