@@ -323,6 +323,24 @@ def test_group_by_a_field_with_a_value_per_document_is_refused_before_tokenizing
     assert not list((tmp_path / "out").glob("shards/**/*.json"))  # nothing tokenized
 
 
+def test_group_by_a_field_no_document_has_is_refused_before_tokenizing(tmp_path):
+    """A field nested deeper than named (or misspelt) would put every document in group __missing__: refused in one
+    line, naming the fields the documents have."""
+    lines = [json.dumps({"text": f"document {i}", "meta": {"source": "web"}}) for i in range(30)]
+    write_jsonl(tmp_path / "dataset" / "train" / "a.jsonl", lines)
+    write_jsonl(tmp_path / "dataset" / "validation" / "a.jsonl", lines[:5])
+    manifest = tmp_path / "manifest.json"
+    write_manifest(build_manifest(tmp_path / "dataset"), manifest)
+    result = cli(*run_args(manifest, tmp_path / "out", "--group-by", "source"))
+    assert (result.returncode, result.stderr) == (
+        2,
+        "tokpipe run: error: --group-by source: none of the 35 documents read (of each split's first shard) has it:"
+        " every document would be in group __missing__; their fields: meta, text: name the field by its path (a JSON"
+        " line's by dots, as meta.redpajama_set_name; a Parquet column, or a struct's field)\n",
+    )
+    assert not list((tmp_path / "out").glob("shards/**/*.json"))  # nothing tokenized
+
+
 # -- no concat ------------------------------------------------------------------------------------------------
 # --no-concat: a split is its shards' own token files, in manifest order, listed in meta; every reader of OUT
 # (open_output, verify, inspect, export, status) reads it as it reads a concatenated one.

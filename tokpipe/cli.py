@@ -108,7 +108,7 @@ def _groups_line(group_by: str, groups: dict[str, SplitEntry]) -> str:
     shown = ", ".join(f"{value} {g.tokens:,}" for value, g in largest[:5]) + (", ..." if len(largest) > 5 else "")
     missing = groups[MISSING_GROUP].documents if MISSING_GROUP in groups else 0
     lacking = f"; {missing:,} documents without {group_by} are in group {MISSING_GROUP}" if missing else ""
-    return f"  {len(groups):,} groups by {group_by} (tokens: {shown}){lacking}"
+    return f"  {plural(len(groups), 'group')} by {group_by} (tokens: {shown}){lacking}"
 
 
 def summary_lines(summary) -> list[str]:

@@ -9,6 +9,7 @@ from collections import Counter
 from tokpipe.errors import SourceError, UserError, too_many_groups
 from tokpipe.inputs.manifest import Manifest
 from tokpipe.inputs.source import fields_of, read_batches
+from tokpipe.inputs.source.batch import MISSING_GROUP
 from tokpipe.layout.records import MAX_GROUPS
 from tokpipe.layout.stored import on_store
 
@@ -79,7 +80,9 @@ def sample_texts(manifest: Manifest, text_field: str) -> tuple[list[str], int]:
 def count_groups(manifest: Manifest, text_field: str, group_by: str) -> None:
     """Refuse, before anything is tokenized, a --group-by field with more values than a split may have
     groups, as far as each split's first shard shows it (an id or a url shows it in its first thousand
-    documents); workers and the assembly refuse what this could not see."""
+    documents), or that none of their documents has (a typo, or a field nested deeper: every document would be in
+    MISSING_GROUP); workers and the assembly refuse what this could not see."""
+    documents, had, fields = 0, set(), Counter()
     for split in manifest.counts:
         shard, values, read = next(manifest.shards(split)), set(), 0
         if shard.may_block():
@@ -87,10 +90,19 @@ def count_groups(manifest: Manifest, text_field: str, group_by: str) -> None:
         try:
             for batch in read_batches(shard.path, text_field, group_by=group_by, etag=shard.etag):
                 values.update(batch.groups)
-                read += batch.text_bytes
+                read, documents = read + batch.text_bytes, documents + len(batch.groups)
                 if len(values) > MAX_GROUPS or read >= GROUP_SAMPLE_BYTES:
                     break
+            fields.update(fields_of(shard.path, shard.etag))
         except SourceError:  # an unreadable first shard: its own task reports it
             continue
         if len(values) > MAX_GROUPS:
             raise too_many_groups(group_by, f"split {split}", values, MAX_GROUPS, within=" in its first shard alone")
+        had |= values
+    if documents and had == {MISSING_GROUP}:
+        raise UserError(
+            f"--group-by {group_by}: none of the {documents:,} documents read (of each split's first shard) has it:"
+            f" every document would be in group {MISSING_GROUP}; their fields: {', '.join(sorted(fields))}: name the"
+            " field by its path (a JSON line's by dots, as meta.redpajama_set_name; a Parquet column, or a struct's"
+            " field)"
+        )
