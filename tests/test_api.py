@@ -9,10 +9,11 @@ import pytest
 from helpers import EXAMPLE_CACHE, assert_out_is
 
 import tokpipe
+from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import load_manifest
 
 
-def test_api_mirrors_the_commands(out, tmp_path, capsys):
+def test_api_mirrors_the_commands(out, tmp_path, capsys, monkeypatch):
     manifest = tokpipe.build_manifest(EXAMPLE_CACHE, tmp_path / "m.json")
     assert load_manifest(tmp_path / "m.json").fingerprint == manifest.fingerprint and manifest.counts == {
         "train": 2,
@@ -33,6 +34,11 @@ def test_api_mirrors_the_commands(out, tmp_path, capsys):
     assert json.loads((out / "run.json").read_text())["options"] == {"workers": 1}
     with pytest.raises(TypeError):
         tokpipe.run(tmp_path / "m.json", "t", tmp_path / "o", no_such_option=1)
+    # A manifest is written on this machine: a URL was a folder `s3:` in the current one (the CLI refuses it too).
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=r"^s3://tok/m.json is on an object store: write the manifest on this machine$"):
+        tokpipe.build_manifest(EXAMPLE_CACHE, "s3://tok/m.json")
+    assert not (tmp_path / "s3:").exists()
 
 
 def test_a_caller_connected_to_ray_runs_on_its_ray_and_keeps_it(
