@@ -255,7 +255,10 @@ def pzstd_frames(parts: list[bytes]) -> bytes:
     return b"".join(skippable_frame(struct.pack("<I", len(frame))) + frame for frame in frames)
 
 
-# What a git clone without git-lfs leaves in place of a shard: three lines of text, none of them JSON.
+# A CSV file named as JSON Lines: three lines of text, none of them JSON.
+CSV_LINES = ["id,text", "1,a first document", "2,a second one"]
+# What a git clone without git-lfs leaves in place of a shard: three lines of text, none of them JSON (a manifest
+# refuses one; a shard's reader fails it).
 LFS_POINTER = [
     "version https://git-lfs.github.com/spec/v1",
     "oid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393",

@@ -286,6 +286,25 @@ def test_a_folder_above_a_cache_is_refused_naming_the_cache(tmp_path, where, req
     assert api.build_manifest(cache, repo_id="other/set").counts == {"train": 2, "validation": 1}
 
 
+@pytest.mark.parametrize("where", ["a folder", "a store"])
+def test_a_git_lfs_pointer_where_a_shard_should_be_is_refused(tmp_path, where, request):
+    # A clone without git-lfs: each shard a ~130-byte pointer, which every run of it failed ("not JSON Lines").
+    data = plain_copy_of_example(tmp_path / "data")
+    pointer = "version https://git-lfs.github.com/spec/v1\noid sha256:" + "4d" * 32 + "\nsize 1494179\n"
+    (data / "train" / "chunk1" / "example_train_1.jsonl.zst").write_text(pointer)
+    (data / "train" / "chunk1" / "a_tiny.jsonl").write_text('{"text": "small, read first, no pointer"}\n')
+    folder = str(data)
+    if where == "a store":
+        s3_server, prefix = request.getfixturevalue("s3_server"), request.getfixturevalue("s3_prefix")
+        folder = s3_server.upload(data, prefix)
+    with pytest.raises(UserError) as refused:
+        api.build_manifest(folder)
+    assert str(refused.value) == (
+        "train/chunk1/example_train_1.jsonl.zst is a Git LFS pointer, not its data (a clone without git-lfs): fetch"
+        " the data (`git lfs pull`, or `hf download ORG/NAME --repo-type dataset`), then run the manifest"
+    )
+
+
 def test_manifest_round_trips_and_hand_edits_are_caught(tmp_path):
     m = build_manifest(EXAMPLE_CACHE)
     write_manifest(m, tmp_path / "m.json")

@@ -3,8 +3,9 @@
 (with its reason, logged with its line number) or a counted repair.
 
 The corpus below has one shard per kind of trouble. The truncated download fails by name, and so does a shard
-that is not JSON Lines (a Git LFS pointer); with --skip-failed the rest finalizes, byte-identical to the reference
-on the same corpus without them, and every line read is accounted for as a document or a counted skip.
+that is not JSON Lines (a CSV file; a Git LFS pointer, the manifest refuses); with --skip-failed the rest finalizes,
+byte-identical to the reference on the same corpus without them, and every line read is accounted for as a document
+or a counted skip.
 
 The runs use the 600-id tokenizer with Qwen3's chat delimiters added as special tokens (chat_tokenizer): the
 special-token strings of the dirty lines are then as special as in Qwen3, whose load (~1.8 CPU-s a run) and
@@ -20,8 +21,8 @@ import numpy as np
 import pytest
 import zstandard
 from helpers import (
+    CSV_LINES,
     EXAMPLE_CACHE,
-    LFS_POINTER,
     built_once,
     checkpoints,
     cli,
@@ -81,7 +82,7 @@ def _write_corpus(root):
     (root / "train" / "g_truncated.jsonl.zst").write_bytes(whole[: len(whole) // 2])
     pzstd = [b"\n".join(reference_lines(real)[start : start + 10]) + b"\n" for start in (60, 70)]  # 20 documents
     (root / "train" / "h_pzstd.jsonl.zst").write_bytes(pzstd_frames(pzstd))
-    write_jsonl(root / "train" / "i_lfs_pointer.jsonl.zst", LFS_POINTER)
+    write_jsonl(root / "train" / "i_csv.jsonl.zst", CSV_LINES)
     write_jsonl(root / "validation" / "v.jsonl", reference_lines(real)[50:60])
 
 
@@ -135,7 +136,7 @@ def test_truncated_download_fails_by_name_and_nothing_is_finalized(runs):
 def test_a_shard_that_is_not_json_lines_fails_by_name_saying_so(runs, corpus):
     _, first, _ = runs
     assert (
-        f"FAILED train/i_lfs_pointer.jsonl.zst: SourceError: {corpus / 'train' / 'i_lfs_pointer.jsonl.zst'}: 3 of the"
+        f"FAILED train/i_csv.jsonl.zst: SourceError: {corpus / 'train' / 'i_csv.jsonl.zst'}: 3 of the"
         " 3 lines read are not JSON objects (invalid_json 3, not_object 0): it is not JSON Lines (CSV? one JSON array?"
         " a Git LFS pointer?), or in a compression tokpipe does not read (it reads zstd and gzip), or binary"
     ) in first.stderr.splitlines()
@@ -170,7 +171,7 @@ def test_a_shard_gone_since_the_manifest_fails_alone_and_a_dataset_gone_is_refus
 
 def test_alone_in_a_dataset_a_shard_that_is_not_json_lines_is_not_blamed_on_the_text_field(tmp_path, small_tokenizer):
     data = tmp_path / "data"
-    write_jsonl(data / "train" / "a.jsonl.zst", LFS_POINTER)
+    write_jsonl(data / "train" / "a.jsonl.zst", CSV_LINES)
     write_manifest(build_manifest(data), tmp_path / "m.json")
     result = tokpipe(*run_args(tmp_path / "m.json", tmp_path / "out", tokenizer=small_tokenizer))
     assert result.returncode == 1
@@ -187,8 +188,8 @@ def test_skip_failed_finalizes_the_rest_byte_identical_to_the_reference(runs, co
     out, _, second = runs
     assert second.returncode == 0, second.stderr
     meta = json.loads((out / "meta.json").read_text())
-    assert list(meta["excluded"]) == ["train/g_truncated.jsonl.zst", "train/i_lfs_pointer.jsonl.zst"]
-    failed = ("g_truncated.jsonl.zst", "i_lfs_pointer.jsonl.zst")
+    assert list(meta["excluded"]) == ["train/g_truncated.jsonl.zst", "train/i_csv.jsonl.zst"]
+    failed = ("g_truncated.jsonl.zst", "i_csv.jsonl.zst")
     train_files = sorted(p for p in (corpus / "train").iterdir() if p.name not in failed)
     tokenizer, [eos] = chat_tokenizer / "tokenizer.json", ids(chat_tokenizer, "<|endoftext|>")
     expected = reference_tokens(train_files, tokenizer, eos, np.uint16)
@@ -200,7 +201,7 @@ def test_skip_failed_finalizes_the_rest_byte_identical_to_the_reference(runs, co
     verify = cli("verify", out)
     assert verify.returncode == 0
     assert (
-        "ok    note: 2 shards excluded by --skip-failed  (train/g_truncated.jsonl.zst, train/i_lfs_pointer.jsonl.zst)"
+        "ok    note: 2 shards excluded by --skip-failed  (train/g_truncated.jsonl.zst, train/i_csv.jsonl.zst)"
         in verify.stdout.splitlines()
     )
 

@@ -212,6 +212,7 @@ def _shard(pointed: Path, relpath: str, split: str, base: Path, allow_outside: b
         raise UserError(
             f"{relpath} is not a regular file (a named pipe, a socket or a device): put the shard there, or remove it"
         )
+    names.refuse_an_lfs_pointer(relpath, st.st_size, functools.partial(_first_line, source))
     return Shard(split=split, relpath=relpath, path=str(source), size=st.st_size, key=shard_key(relpath))
 
 
@@ -412,8 +413,7 @@ def write_manifest(manifest: Manifest, path: str | os.PathLike) -> None:
 def load_manifest(path: str | os.PathLike) -> Manifest:
     """Check a manifest file in one streaming pass and keep what that pass counts; its shards stay in the file."""
     path = Path(path).absolute()
-    counts: Counter = Counter()
-    size = 0
+    counts, size = Counter(), 0
 
     def tallied(shards: Iterator[Shard], header: dict) -> Iterator[Shard]:
         nonlocal size

@@ -108,6 +108,19 @@ def refuse_a_cache_inside(where: str, relpaths: list[str]) -> None:
             )
 
 
+LFS_POINTER = b"version https://git-lfs.github.com/spec/"  # a pointer file's first line; the spec keeps it < 1 KiB
+
+
+def refuse_an_lfs_pointer(relpath: str, size: int, head) -> None:
+    """A Git LFS pointer where a shard's bytes should be (a clone without git-lfs), refused as a download not finished
+    is: every such shard fails its run. `head()`: the file's first line, read only of one small enough to be one."""
+    if size < 1024 and head().startswith(LFS_POINTER):
+        raise UserError(
+            f"{relpath} is a Git LFS pointer, not its data (a clone without git-lfs): fetch the data (`git lfs pull`,"
+            " or `hf download ORG/NAME --repo-type dataset`), then run the manifest"
+        )
+
+
 def is_metadata(relpath: str) -> bool:
     """One of HF datasets' own files (METADATA_FILES): never data, whatever globs or names match it."""
     return relpath.rsplit("/", 1)[-1] in METADATA_FILES

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 
 from tokpipe.errors import UserError
+from tokpipe.inputs import names
 from tokpipe.inputs.card import CARD, choose, configs_of, splits
 from tokpipe.inputs.manifest import Manifest, Shard, layout_hint, manifest_of, pick_repo, pick_revision
 from tokpipe.inputs.names import DATA_FILE, REPO_PREFIX, SHARD_SUFFIXES, first_line, not_a_shard, repo_id_of, shard_key
@@ -55,6 +56,7 @@ def build_store_manifest(
         if why := left.get(relpath) or not_a_shard(relpath, functools.partial(_first_line, bucket, found)):
             files_passed_over.append((relpath, why))
         else:
+            names.refuse_an_lfs_pointer(relpath, found.size, functools.partial(_first_line, bucket, found))
             split = placed[relpath]
             shards.append(Shard(split, relpath, bucket.where(found.key), found.size, shard_key(relpath), found.etag))
     return manifest_of(
