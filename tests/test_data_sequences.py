@@ -466,6 +466,9 @@ def test_every_argument_is_what_it_says_or_refused_in_one_line(finished_example)
         "split 5: need a str": lambda: Sequences(finished_example, 5),
         "group 3: need a str": lambda: Sequences(finished_example, group=3),
         "out 5: need a path (a str or an os.PathLike)": lambda: Sequences(5),
+        "cache_dir 's3://tok/cache': need a path of this machine (a str or an os.PathLike)": lambda: Sequences(
+            finished_example, cache_dir="s3://tok/cache"
+        ),
     }
     for message, call in refusals.items():
         with pytest.raises(ValueError) as refused:

@@ -150,8 +150,8 @@ class Sequences:
         self.cache_size = integer(cache_size, "cache_size", 1)
         if cache_dir is None:  # tokpipe's folder of the user's cache (XDG_CACHE_HOME)
             cache_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokpipe"
-        if not isinstance(cache_dir, (str, os.PathLike)):
-            raise ValueError(f"cache_dir {cache_dir!r}: need a path (a str or an os.PathLike)")
+        if not isinstance(cache_dir, (str, os.PathLike)) or on_store(cache_dir):  # a URL: a folder `s3:` here
+            raise ValueError(f"cache_dir {cache_dir!r}: need a path of this machine (a str or an os.PathLike)")
         self.cache_dir = Path(os.path.abspath(cache_dir))
         self.split, self.group = name(split, "split"), None if group is None else name(group, "group")
         self.out = os.fspath(out) if on_store(out) else Path(os.path.abspath(out))  # a URL, or a folder
