@@ -31,7 +31,7 @@ from tokpipe.errors import UserError
             1,
             "tokpipe status: error: [Errno 28] No space left on device; fix the cause and rerun the same command",
         ),
-        (KeyboardInterrupt(), 130, "tokpipe status: interrupted; rerun the same command to resume"),
+        (KeyboardInterrupt(), 130, "tokpipe status: interrupted; rerun the same command"),
     ],
     ids=["usage", "os_error", "interrupted"],
 )

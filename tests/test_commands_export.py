@@ -171,6 +171,27 @@ def test_non_empty_dest_needs_force_and_force_leaves_no_stale_shards(finished_sm
     assert len(many) > 2 and not list(dest.glob("*.tmp"))
 
 
+@pytest.mark.parametrize("form", ["megatron", "llmc"])
+def test_an_export_interrupted_before_its_renames_is_run_again_by_the_same_command(
+    finished_small, tmp_path, monkeypatch, form
+):
+    # It left its temporary files (llm.c's a copy of every token), and the same command said "is not empty".
+    dest, whole = tmp_path / "d", tmp_path / "whole"
+    export(finished_small, form, whole)
+
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(export_module.os, "replace", interrupted)
+        assert cli("export", finished_small, "--format", form, "--dest", dest).returncode == 130
+    assert list(dest.glob("*.tmp")) and not [p for p in dest.iterdir() if not p.name.endswith(".tmp")]
+    again = cli("export", finished_small, "--format", form, "--dest", dest)
+    assert again.returncode == 0, again.stderr
+    assert sorted(p.name for p in dest.iterdir()) == sorted(p.name for p in whole.iterdir())
+    assert all((dest / p.name).read_bytes() == p.read_bytes() for p in whole.iterdir())
+
+
 def test_out_itself_is_no_dest(finished_small):
     with pytest.raises(UserError, match="is OUT itself"):
         export(finished_small, "megatron", finished_small, force=True)

@@ -392,11 +392,10 @@ def _command(args) -> int:
         print(f"tokpipe {args.command}: error: {e}; fix the cause and rerun the same command", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt as e:
-        if terminated(e):
-            print(f"tokpipe {args.command}: terminated (SIGTERM); rerun the same command to resume", file=sys.stderr)
-            return EXIT_TERMINATED
-        print(f"tokpipe {args.command}: interrupted; rerun the same command to resume", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        why = "terminated (SIGTERM)" if terminated(e) else "interrupted"
+        again = " to resume" if args.command == "run" else ""  # the others start over, and leave nothing half-made
+        print(f"tokpipe {args.command}: {why}; rerun the same command{again}", file=sys.stderr)
+        return EXIT_TERMINATED if terminated(e) else EXIT_INTERRUPTED
     except Exception as e:
         if args.command != "run":
             raise

@@ -320,13 +320,18 @@ def _refuse_out_files(data: Output, dest: Path, touched: list[Path]) -> None:
                 )
 
 
-def _prepare(dest: Path, force: bool) -> None:
+def _prepare(dest: Path, force: bool, touched: list[Path]) -> None:
+    """DEST made, or refused where it holds files of its own (but with --force); an export's temporary files, which a
+    killed or interrupted one left, are no one's: removed, so that the same command runs again."""
     if dest.exists() and not dest.is_dir():
         raise UserError(f"--dest {dest} is a file, not a folder")
-    if dest.is_dir() and any(dest.iterdir()) and not force:
+    left = [path for path in touched if path.name.endswith(".tmp") and path.exists()]
+    if dest.is_dir() and any(path not in left for path in dest.iterdir()) and not force:
         raise UserError(
             f"--dest {dest} is not empty: choose an empty folder, or pass --force to overwrite what is there"
         )
+    for path in left:
+        path.unlink()
     dest.mkdir(parents=True, exist_ok=True)
 
 
@@ -352,9 +357,9 @@ def export(
             f"--shuffle reads the documents at random places, on a store a request each: copy {out} first (aws s3"
             " sync, rclone) and export from the copy"
         )
-    dest = Path(dest)
-    _refuse_out_files(data, dest, _touched(data, fmt, dest))
-    _prepare(dest, force)
+    dest, touched = Path(dest), _touched(data, fmt, Path(dest))
+    _refuse_out_files(data, dest, touched)
+    _prepare(dest, force, touched)
     renames, exported = [], []
     if fmt == "megatron":
         for stem, group, part, prefix in _megatron_prefixes(data, dest):
