@@ -20,6 +20,7 @@ from tokpipe import cli
 from tokpipe._version import __version__
 from tokpipe.cli import parser
 from tokpipe.errors import UserError
+from tokpipe.layout.meta import SplitEntry
 
 
 @pytest.mark.parametrize(
@@ -362,3 +363,12 @@ def test_run_help_says_what_every_option_does():
         "--text-field NAME JSON field or Parquet column holding the document text (default: text)",
     ]:
         assert line in shown
+
+
+def test_a_split_s_groups_line_counts_them_in_words():
+    one = {"__missing__": SplitEntry(442_827, 165)}
+    assert cli._groups_line("source", one) == (
+        "  1 group by source (tokens: __missing__ 442,827); 165 documents without source are in group __missing__"
+    )
+    two = {"code": SplitEntry(10, 2), "web": SplitEntry(30, 5)}
+    assert cli._groups_line("meta.source", two) == "  2 groups by meta.source (tokens: web 30, code 10)"
