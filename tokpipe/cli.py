@@ -393,7 +393,7 @@ def _command(args) -> int:
         return EXIT_FAILED
     except KeyboardInterrupt as e:
         why = "terminated (SIGTERM)" if terminated(e) else "interrupted"
-        again = " to resume" if args.command == "run" else ""  # the others start over, and leave nothing half-made
+        again = " to resume" if args.command == "run" else ""  # the other commands start over
         print(f"tokpipe {args.command}: {why}; rerun the same command{again}", file=sys.stderr)
         return EXIT_TERMINATED if terminated(e) else EXIT_INTERRUPTED
     except Exception as e:
