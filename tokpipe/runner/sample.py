@@ -82,7 +82,7 @@ def count_groups(manifest: Manifest, text_field: str, group_by: str) -> None:
     groups, as far as each split's first shard shows it (an id or a url shows it in its first thousand
     documents), or that none of their documents has (a typo, or a field nested deeper: every document would be in
     MISSING_GROUP); workers and the assembly refuse what this could not see."""
-    documents, had, fields = 0, set(), Counter()
+    documents, had, opened = 0, set(), []
     for split in manifest.counts:
         shard, values, read = next(manifest.shards(split)), set(), 0
         if shard.may_block():
@@ -93,13 +93,15 @@ def count_groups(manifest: Manifest, text_field: str, group_by: str) -> None:
                 read, documents = read + batch.text_bytes, documents + len(batch.groups)
                 if len(values) > MAX_GROUPS or read >= GROUP_SAMPLE_BYTES:
                     break
-            fields.update(fields_of(shard.path, shard.etag))
         except SourceError:  # an unreadable first shard: its own task reports it
             continue
         if len(values) > MAX_GROUPS:
             raise too_many_groups(group_by, f"split {split}", values, MAX_GROUPS, within=" in its first shard alone")
-        had |= values
+        had, opened = had | values, [*opened, shard]
     if documents and had == {MISSING_GROUP}:
+        fields = Counter()
+        for shard in opened:  # their fields, read for the refusal alone: a run with the field opens no shard again
+            fields.update(fields_of(shard.path, shard.etag))
         raise UserError(
             f"--group-by {group_by}: none of the {documents:,} documents read (of each split's first shard) has it:"
             f" every document would be in group {MISSING_GROUP}; their fields: {', '.join(sorted(fields))}: name the"
