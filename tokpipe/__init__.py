@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 
 from tokpipe._version import __version__
+from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import Manifest, write_manifest
 from tokpipe.inputs.manifest import build_manifest as _build_manifest
 from tokpipe.layout.files import is_out
@@ -46,6 +47,8 @@ def build_manifest(
     (what `run` reads). A tokpipe OUT inside the dataset is passed over (`Manifest.passed_over` says so).
     `dataset_dir`: a folder, or a prefix on an object store (s3://BUCKET/PREFIX, docs/stores.md). `configs`: which
     of the dataset card's configs to read (default: its default one; tokpipe/inputs/card.py)."""
+    if output is not None and on_store(output):  # refused before the walk; a run reads one there (OUT's own)
+        raise UserError(f"{output} is on an object store: write the manifest on this machine")
     build = _build_manifest
     if on_store(dataset_dir):
         from tokpipe.inputs.objects import build_store_manifest as build  # boto3 only for a dataset on a store
