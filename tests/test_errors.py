@@ -3,13 +3,15 @@ moment: before Ray starts, while it starts and the driver tokenizes, while Ray's
 finalize. Each time: exit 143, one line on stderr (beside the progress lines) and nothing from Ray's handlers,
 no process of the run left behind, and the rerun gives the bytes of the independent reference.
 
-The signals are real ones, sent to the tokpipe process alone as `kill PID` does. The stopped runs use the
-reference encoder (`--backend hf`, seconds of tokenizing); a stopped run that starts Ray starts its own
+The signals are real ones, sent to the tokpipe process alone as `kill PID` does; while Ray starts, to its
+whole process group, as systemd's stop and Slurm's scancel send one to every process of the job. The stopped
+runs use the reference encoder (`--backend hf`, seconds of tokenizing); a stopped run that starts Ray starts its own
 embedded one (whose processes must all end); the reruns use the default backend (the backend never changes
 bytes), joining the session's Ray where their work is more than the driver alone finishes before a Ray is up.
 Every run uses the session's 600-id tokenizer: Qwen3 is not the subject, and its load costs a run ~1.8 CPU-s
 and each Ray worker of it ~1.3."""
 
+import os
 import signal
 import subprocess
 import time
@@ -111,7 +113,8 @@ def test_while_ray_starts_and_the_driver_tokenizes(tmp_path, small_tokenizer, sm
     taken over from the driver yet. The driver starts Ray at once (RAY_AT_ONCE: otherwise only sixty copies of the
     example on the reference encoder were work enough, ~23 CPU-s with the rerun), and sixteen copies (symlinks to
     its files) keep it tokenizing with the reference encoder well past Ray's start (~13 s on a quiet core, where
-    Ray's start took 9 s under load from other tests)."""
+    Ray's start took 9 s under load from other tests). The signal goes to the process group, Ray's GCS and raylet
+    included: killed as they started, the run spun a minute waiting for its GCS and exited 1, wordless."""
     data = tmp_path / "data"
     copies = 16
     train = [data / f"train/copy{i}/part{k}.jsonl.zst" for i in range(copies) for k in range(len(EXAMPLE_TRAIN_FILES))]
@@ -126,7 +129,7 @@ def test_while_ray_starts_and_the_driver_tokenizes(tmp_path, small_tokenizer, sm
     proc = start(run_args(manifest, out, small_tokenizer, *SLOW), prefix=("-c", RAY_AT_ONCE))
     wait_for(lambda: "worker.io" in _threads(proc.pid), 180, run=proc)
     processes = descendants(proc.pid)
-    proc.send_signal(signal.SIGTERM)
+    os.killpg(proc.pid, signal.SIGTERM)
     assert processes  # Ray's own, children of the run
     assert "ray: " not in assert_stopped_cleanly(proc, processes)  # the driver was still tokenizing
     assert not (out / "meta.json").exists()

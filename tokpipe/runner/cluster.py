@@ -221,15 +221,21 @@ class RayLines:
             _stderr_to(os.open(os.devnull, os.O_WRONLY))
 
 
-# Ray's core worker, made in this process by ray.init, installs absl's failure-signal handler over tokpipe's for
-# SIGTERM too (RayLog::InstallFailureSignalHandler, call_previous_handler): a SIGTERM once it was up printed 5-8 lines
-# (`*** SIGTERM received at time=...`, `PC: @ 0x7f...`, again through logging.cc; the frames "(unknown)": no symbols)
-# and, measured here, the run died of SIGABRT (-6) instead of exiting 143. RAY_DISABLE_FAILURE_SIGNAL_HANDLER is
-# Ray's own switch for it (read by ray._private.ray_constants on import, so set before; Ray's docs give it for the
-# JVM's signal conflicts). Without the handler, SIGTERM stays tokpipe's at every moment that tests/test_errors.py
-# tries. Ray's processes inherit it: a crashing worker still has Python's faulthandler (Ray enables it) and loses
-# only those unsymbolized frames.
-NO_FAILURE_SIGNAL_HANDLER = ("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+def _sigterm_is_the_drivers(exits_after: bool) -> None:
+    """SIGTERM kept tokpipe's, in the thread that starts Ray, before it imports Ray."""
+    # Ray's core worker, made in this process by ray.init, installs absl's failure-signal handler over tokpipe's for
+    # SIGTERM (RayLog::InstallFailureSignalHandler, call_previous_handler): a SIGTERM once it was up printed 5-8 lines
+    # (`*** SIGTERM received at time=...`, `PC: @ 0x7f...`; the frames "(unknown)": no symbols) and, measured here,
+    # the run died of SIGABRT (-6), not 143. This is Ray's own switch for it (read by ray._private.ray_constants on
+    # import, so set before). Ray's processes inherit it: a crashing worker still has Python's faulthandler.
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+    # systemd's stop, Slurm's scancel and a kill of the process group send SIGTERM to Ray's GCS and raylet too:
+    # killed while ray.init waited for them, it spun a minute for the lost GCS, holding the GIL, and ended in Ray's
+    # fatal, exit 1 after 62 s, no line (measured: a group SIGTERM 2 s into a run). Ray's processes inherit this
+    # thread's signal mask, in which Ray blocks SIGINT for the same reason: with SIGTERM blocked too, the driver
+    # alone takes it, and its stop kills them. Not for a library caller: ray.shutdown ends them with SIGTERM.
+    if exits_after:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 
 
 class Cluster:
@@ -276,7 +282,7 @@ class Cluster:
             self._thread.start()
 
     def _start(self) -> None:
-        os.environ.setdefault(*NO_FAILURE_SIGNAL_HANDLER)
+        _sigterm_is_the_drivers(self.exits_after)
         import ray  # here, in the thread that starts it: a run the driver finishes alone never imports it (0.7 s)
 
         # ray.init sets SIGTERM handlers of its own: Node's calls signal.signal from this thread, which
