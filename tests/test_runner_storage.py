@@ -189,6 +189,9 @@ def test_the_command_status_gives_for_a_killed_run_on_a_store_resumes_it_from_an
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     _assert_finished_as(s3_server, s3_prefix, small_reference)
     assert list(elsewhere.iterdir()) == []  # no s3: folder here
+    log = stored_objects(s3_server, s3_prefix)["logs/run.log"].decode()
+    named = [line.split(" run: manifest ")[1].split(" (")[0] for line in log.splitlines() if " run: manifest " in line]
+    assert named[-1] == f"{url}/manifest.json", log  # the resume's, as given: not its copy's path
     missing = tokpipe(*run_args(f"{url}/nothing.json", url, tokenizer=small_tokenizer))
     assert (missing.returncode, missing.stderr) == (
         2,

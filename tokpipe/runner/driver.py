@@ -175,12 +175,8 @@ def _plan(run: _Run, manifest_path) -> Standing:
         eos = f"bos {info.bos_token!r} = {info.bos_id} before each document, " + (
             "no eos" if run.opts.no_eos else f"{eos} after it"
         )
-    run.tell(
-        Said(
-            f"tokenizer {info.id}: vocab_size {info.vocab_size:,} (len(tokenizer), added tokens included), "
-            f"{eos}, dtype {info.dtype}"
-        )
-    )
+    vocab = f"vocab_size {info.vocab_size:,} (len(tokenizer), added tokens included)"
+    run.tell(Said(f"tokenizer {info.id}: {vocab}, {eos}, dtype {info.dtype}"))
     run.tell(
         Said(
             f"manifest {manifest.repo_id or manifest.root}: {plural(shards, 'shard')}, "
@@ -351,18 +347,25 @@ def run(
     lines go to OUT/logs/ray.log instead of this process's stderr. `tell` hears what the run says as it goes
     (events.Said); by default nothing is said, and a progress bar is drawn only for a listener."""
     clock = Timeline(time.monotonic())
+    out = storage_of(out)  # OUT refused before any input is read
     cluster = Cluster(opts, exits_after=not wait_for_ray)
     try:
-        with manifest_here(manifest_path) as manifest:
-            return _run(manifest, tokenizer, storage_of(out), opts, clock, cluster, tell)
+        with manifest_here(manifest_path) as here:  # run.log names the manifest as given, not a copy's path
+            return _run(load_manifest(here), manifest_path, tokenizer, out, opts, clock, cluster, tell)
     finally:
         cluster.stop()
 
 
 def _run(
-    manifest_path, tokenizer, out: Folder | Prefix, opts: RunOptions, clock: Timeline, cluster: Cluster, tell: Listener
+    manifest: Manifest,
+    manifest_path,
+    tokenizer,
+    out: Folder | Prefix,
+    opts: RunOptions,
+    clock: Timeline,
+    cluster: Cluster,
+    tell: Listener,
 ) -> RunSummary:
-    manifest = load_manifest(manifest_path)
     check_reachable(manifest)  # shards on a store: a wrong key, no bucket, no store there refused before any work
     out.check()
     # Its work is the manifest's until the plan says what is left (_tokenize); none where OUT is finished with it: its
@@ -425,12 +428,8 @@ def _work(run: _Run, assembler, plan: Standing) -> RunSummary:
 
 
 def _nothing_to_do(out: Folder | Prefix, meta: Meta, clock: Timeline, tell: Listener) -> RunSummary:
-    tell(
-        Said(
-            f"{out.name} is already finished ({out.show(Layout('').meta_json.name)}); nothing to do. Check it with: "
-            f"tokpipe verify {shlex.quote(out.name)}"
-        )
-    )
+    verify = f"Check it with: tokpipe verify {shlex.quote(out.name)}"
+    tell(Said(f"{out.name} is already finished ({out.show(Layout('').meta_json.name)}); nothing to do. {verify}"))
     return RunSummary(True, {}, meta.as_dict(), 0, time.monotonic() - clock.start)
 
 
