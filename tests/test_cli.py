@@ -172,6 +172,30 @@ def test_out_naming_a_file_is_one_line_exit_2(tmp_path, capsys):
             assert capsys.readouterr() == ("", f"tokpipe {command[0]}: error: {message}\n")
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["status", ""],  # was the current folder's status
+        ["manifest", "--dataset-dir", ""],  # was a manifest of the current folder
+        ["run", "--manifest", "m.json", "--tokenizer", "t", "--out", " "],  # was OUT in the current folder
+        ["run", "--manifest", "m.json", "--tokenizer", "t", "--out", "o", "--address", ""],  # was an embedded Ray
+        ["run", "--manifest", "m.json", "--tokenizer", "t", "--out", "o", "--tokenizer-revision", ""],  # was main
+        ["run", "--manifest", "m.json", "--tokenizer", "t", "--out", "o", "--eos", ""],  # was the tokenizer's
+        ["inspect", "o", "--window", ""],
+    ],
+)
+def test_an_empty_value_is_refused_in_one_line_never_taken_for_the_current_folder_or_a_default(argv, capsys):
+    """`--out "$OUT"`, OUT unset: every option and argument refuses an empty value before any work."""
+    flag = argv[-2] if argv[-2].startswith("-") else "out"
+    with pytest.raises(SystemExit) as exit:
+        parser().parse_args(argv)  # (without the refusal, an in-process `run` would end the test's process)
+    assert exit.value.code == 2
+    assert capsys.readouterr() == (
+        "",
+        f"tokpipe {argv[0]}: error: argument {flag}: is empty (an unset shell variable?): give a value\n",
+    )
+
+
 # -- a damaged file of OUT: one line naming it and what to do, from every command that reads it ------------------
 
 CHECKPOINT = "shards/train/train__chunk1__example_train_0.json"  # the first train shard's

@@ -132,6 +132,8 @@ def test_a_value_an_option_cannot_take_is_a_usage_error_in_one_line(flag, value,
         ("max_retries", "3", "must be an integer >= 0, got '3'"),
         ("worker_memory", 1, "must be >= 256, got 1"),
         ("shard_buffer", -1, "must be >= 0, got -1"),
+        ("address", "", "is empty: give a value, or leave it out for the default"),
+        ("eos", " ", "is empty: give a value, or leave it out for the default"),
     ],
 )
 def test_the_python_api_refuses_what_the_command_line_refuses_in_the_same_words(name, value, message, tmp_path):

@@ -237,10 +237,29 @@ def _add_options(p: argparse.ArgumentParser) -> None:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse's, with a usage error in one line as every other error (`--help` shows the usage)."""
+    """argparse's, with a usage error in one line as every other error (`--help` shows the usage), and no empty
+    value taken: `--out "$OUT"` with OUT unset was the current folder, `--address ""` an embedded Ray, `--eos ""` and
+    `--tokenizer-revision ""` the defaults, without a word."""
+
+    def add_argument(self, *names, **kwargs):
+        if kwargs.get("action") is None:  # an option that takes a value
+            kwargs["type"] = _given(kwargs.get("type", str))
+        return super().add_argument(*names, **kwargs)
 
     def error(self, message: str):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _given(kind):
+    """`kind`, an argparse type, refusing an empty value first."""
+
+    def given(text: str):
+        if not text.strip():
+            raise argparse.ArgumentTypeError("is empty (an unset shell variable?): give a value")
+        return kind(text)
+
+    given.__name__ = getattr(kind, "__name__", "given")  # argparse's "invalid int value: 'x'" names it
+    return given
 
 
 def parser() -> argparse.ArgumentParser:

@@ -150,6 +150,8 @@ class RunOptions:
             rule, value = f.metadata.get("type"), getattr(self, f.name)
             if isinstance(rule, Number) and value is not None and (problem := rule.problem(value)) is not None:
                 raise UserError(f"{f.name} {problem}, got {value!r}")
+            if isinstance(value, str) and not value.strip():  # as the command line refuses it (cli._given)
+                raise UserError(f"{f.name} is empty: give a value, or leave it out for the default")
 
     @property
     def delimiters(self) -> dict:
