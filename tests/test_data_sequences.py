@@ -85,6 +85,14 @@ def test_epoch_e_is_the_permutation_of_its_seed(finished_example, seq_len):
         assert np.array_equal(order, Permutation(n, epoch_seed(9, e))[np.arange(n)])
 
 
+def test_the_held_out_split_is_read_by_its_file_s_name_too(finished_example, example_reference):
+    """`val`, as val.bin is named (and nanoGPT calls it), is the split meta names `validation`."""
+    val = Sequences(finished_example, "val", seq_len=L)
+    assert val.split == "validation" and val.state_dict()["split"] == "validation"
+    assert len(val) == (len(example_reference["val"]) - 1) // L
+    assert np.array_equal(val.window(0), example_reference["val"][: L + 1])
+
+
 def test_each_epoch_has_its_own_order_from_seed_and_epoch_alone(finished_example):
     first, second = global_order(finished_example, L, seed=5, epochs=2)
     assert sorted(first.tolist()) == sorted(second.tolist()) == list(range(1679))

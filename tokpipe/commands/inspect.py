@@ -25,7 +25,7 @@ from tokpipe.fmt import plural
 from tokpipe.inputs.encoders import encoder
 from tokpipe.inputs.manifest import load_manifest
 from tokpipe.inputs.tokenizer import load_tokenizer_info
-from tokpipe.layout.files import Layout, split_file_stem
+from tokpipe.layout.files import Layout, split_file_stem, split_named
 from tokpipe.layout.records import unfinished_files
 from tokpipe.layout.run import load_run, output_splits
 from tokpipe.layout.stored import reader_out
@@ -90,8 +90,7 @@ class Source:
 
 
 def _split_name(wanted: str, available: list[str]) -> str:
-    # `val` is how the file is called (val.bin), `validation` how HF datasets and meta call the split.
-    name = "validation" if wanted == "val" else wanted
+    name = split_named(wanted)
     if name not in available:
         raise UserError(f"no split {wanted!r} here; there are: {', '.join(available) or 'none'}")
     return name

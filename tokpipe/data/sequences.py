@@ -52,7 +52,7 @@ from tokpipe.data.blocks import BlockOrder, Geometry
 from tokpipe.data.cache import BlockCache
 from tokpipe.data.permutation import Permutation, epoch_seed, epoch_seeds
 from tokpipe.errors import UserError
-from tokpipe.layout.files import Layout
+from tokpipe.layout.files import Layout, split_named
 from tokpipe.layout.meta import OutputError, SplitEntry, finished_meta
 from tokpipe.layout.records import read_parts
 from tokpipe.layout.stored import copy_records, on_store, reader_out, shown
@@ -153,7 +153,7 @@ class Sequences:
         if not isinstance(cache_dir, (str, os.PathLike)) or on_store(cache_dir):  # a URL: a folder `s3:` here
             raise ValueError(f"cache_dir {cache_dir!r}: need a path of this machine (a str or an os.PathLike)")
         self.cache_dir = Path(os.path.abspath(cache_dir))
-        self.split, self.group = name(split, "split"), None if group is None else name(group, "group")
+        self.split, self.group = split_named(name(split, "split")), None if group is None else name(group, "group")
         self.out = os.fspath(out) if on_store(out) else Path(os.path.abspath(out))  # a URL, or a folder
         records = reader_out(self.out, [META_JSON, META_PKL]) if on_store(out) else self.out  # its meta: here
         try:
@@ -165,15 +165,15 @@ class Sequences:
                 f"{shown(records, META_PKL)} cannot be read safely ({e}): tokpipe verify {self.out}"
             ) from None
         self.record, self.meta = meta, meta.as_dict()  # meta.pkl, as a record and as its dict
-        if split not in meta.splits:
+        if self.split not in meta.splits:
             raise ValueError(f"{self.out} has no split {split!r}; its splits: {', '.join(meta.splits)}")
-        entry = meta.splits[split]
+        entry = meta.splits[self.split]
         self._legacy_fingerprint = entry.parts_sha256 or entry.sha256  # of format 1 states
         if group is not None:
             groups = entry.groups or {}
             if group not in groups:
                 have = f"its groups: {', '.join(groups)}" if groups else "it was made without --group-by"
-                raise ValueError(f"split {split} of {self.out} has no group {group!r}; {have}")
+                raise ValueError(f"split {self.split} of {self.out} has no group {group!r}; {have}")
             legacy = f"{self._legacy_fingerprint} group {group}"
             self._legacy_fingerprint = hashlib.sha256(legacy.encode()).hexdigest()
         if on_store(out) and entry.parts is not None:
@@ -183,7 +183,7 @@ class Sequences:
         self.len = max(self.files.tokens - 1, 0) // self.seq_len
         if self.len < self.world_size:
             raise ValueError(
-                f"split {split} of {self.out} has {self.files.tokens:,} tokens: {self.len:,} windows of seq_len "
+                f"split {self.split} of {self.out} has {self.files.tokens:,} tokens: {self.len:,} windows of seq_len "
                 f"{self.seq_len}, fewer than world_size {self.world_size:,}"
             )
         self._lock = threading.Lock()  # the position (epoch, offset, _ahead) moves under it

@@ -56,6 +56,12 @@ def split_file_stem(split: str) -> str:
     return "val" if split == "validation" else split
 
 
+def split_named(name: str) -> str:
+    """A split as meta names it, from what a reader calls it: `val` is its file's name (val.bin), `validation` the
+    split's, as in HF datasets."""
+    return "validation" if name == "val" else name
+
+
 def split_bin_name(stem: str) -> str:
     """A split file's name in OUT."""
     return f"{stem}.bin"
