@@ -181,6 +181,19 @@ def test_an_unfinished_out_is_refused(out):
         Sequences(out)
 
 
+def test_a_path_that_is_no_folder_is_refused_saying_so(tmp_path):
+    """As the commands say it (a typo'd OUT was "not a finished tokpipe output", sent to `tokpipe status`)."""
+    with pytest.raises(ValueError) as missing:
+        Sequences(tmp_path / "nothing")
+    assert str(missing.value) == f"{tmp_path / 'nothing'} does not exist: give the --out folder of a tokpipe run"
+    (tmp_path / "train.bin").write_bytes(b"")
+    with pytest.raises(ValueError) as a_file:
+        Sequences(tmp_path / "train.bin")
+    assert str(a_file.value) == (
+        f"{tmp_path / 'train.bin'} is a file, not a folder: OUT is a folder, a new one or a tokpipe run's"
+    )
+
+
 def test_a_damaged_out_or_a_missing_split_or_too_few_windows_is_refused(out):
     with pytest.raises(ValueError, match="has no split 'test'; its splits: train, validation"):
         Sequences(out, "test")

@@ -155,7 +155,12 @@ class Sequences:
         self.cache_dir = Path(os.path.abspath(cache_dir))
         self.split, self.group = split_named(name(split, "split")), None if group is None else name(group, "group")
         self.out = os.fspath(out) if on_store(out) else Path(os.path.abspath(out))  # a URL, or a folder
-        records = reader_out(self.out, [META_JSON, META_PKL]) if on_store(out) else self.out  # its meta: here
+        try:  # a folder that is missing or a file, said so (out_folder); on a store, its meta copied here
+            records = reader_out(self.out, [META_JSON, META_PKL])
+        except OutputError:
+            raise
+        except UserError as e:  # the loader's refusals are ValueErrors
+            raise OutputError(str(e)) from None
         try:
             meta = finished_meta(Layout(records))  # not finished: its OutputError, a ValueError
         except OutputError:
