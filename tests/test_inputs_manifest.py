@@ -35,6 +35,28 @@ def test_cache_root_repo_folder_and_snapshot_give_the_same_shards():
     assert all(s.size == os.path.getsize(s.path) for s in m.shards())
 
 
+def test_a_hub_name_is_read_from_the_hugging_face_cache_and_a_folder_of_that_name_wins(tmp_path, monkeypatch):
+    """`--dataset-dir ORG/NAME`, as load_dataset(ORG/NAME) reads it offline and as --tokenizer takes one: the repo in
+    huggingface_hub's cache (HF_HUB_CACHE, or HF_HOME's hub/)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(EXAMPLE_CACHE))
+    monkeypatch.chdir(tmp_path)
+    by_name = build_manifest("tokpipe-realdata/slimpajama-mini")
+    assert (by_name.repo_id, by_name.revision) == ("tokpipe-realdata/slimpajama-mini", REVISION)
+    assert by_name.fingerprint == build_manifest(EXAMPLE_CACHE).fingerprint
+    with pytest.raises(UserError) as missing:
+        build_manifest("tokpipe-realdata/other")
+    assert str(missing.value) == (
+        f"no folder tokpipe-realdata/other here, and no dataset tokpipe-realdata/other in the Hugging Face cache"
+        f" {EXAMPLE_CACHE} (set by HF_HUB_CACHE or HF_HOME): fetch it (huggingface-cli download"
+        " tokpipe-realdata/other --repo-type dataset), or pass its folder"
+    )
+    write_jsonl(tmp_path / "tokpipe-realdata" / "slimpajama-mini" / "train.jsonl", ['{"text": "a folder here"}'])
+    local = build_manifest("tokpipe-realdata/slimpajama-mini")
+    assert (local.repo_id, [s.relpath for s in local.shards()]) == (None, ["train.jsonl"])
+
+
 @pytest.mark.parametrize(
     "relpath, split",
     [

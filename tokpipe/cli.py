@@ -277,8 +277,8 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--dataset-dir",
         required=True,
-        help="HF cache root, datasets--ORG--NAME folder, snapshots/REV folder, or a folder of shards; on an "
-        "object store: s3://BUCKET/PREFIX",
+        help="HF cache root, datasets--ORG--NAME folder, snapshots/REV folder, or a folder of shards; a hub name"
+        " ORG/NAME in your Hugging Face cache; on an object store: s3://BUCKET/PREFIX",
     )
     m.add_argument("-o", "--output", type=_here, help="manifest path (default: manifests/NAME.json)")
     m.add_argument("--repo-id", help="ORG/NAME, when the cache holds several datasets")

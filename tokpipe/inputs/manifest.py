@@ -217,56 +217,25 @@ def _shard(pointed: Path, relpath: str, split: str, base: Path, allow_outside: b
 
 
 def _layout_hint(directory: Path) -> str:
-    return layout_hint(str(directory), sorted(p.name for p in directory.iterdir()) if directory.is_dir() else [])
-
-
-def layout_hint(where: str, names: list[str]) -> str:
-    """What was found in a dataset dir (a few of its names) and what is expected there."""
-    found = ", ".join(names[:8]) if names else "nothing"
-    return (
-        f"found {found} in {where}; expected a Hugging Face cache root (holding datasets--ORG--NAME/), "
-        "one datasets--ORG--NAME folder, a snapshots/REV folder, or a folder of *.jsonl[.zst|.gz] or *.parquet shards"
-    )
-
-
-def pick_repo(repo_ids: list[str], repo_id: str | None, where: str, hint: Callable[[], str]) -> str:
-    """Which of the datasets of a cache at `where` to read: `repo_id`, else the only one; `hint()`: layout_hint."""
-    found = [r for r in repo_ids if repo_id in (None, r)]
-    if not found:
-        what = "dataset repos" if repo_id is None else f"dataset {repo_id!r}"
-        raise UserError(f"no {what} in the Hugging Face cache at {where}; {hint()}")
-    if len(found) > 1:
-        names = ", ".join(found)
-        raise UserError(f"the cache at {where} holds several datasets ({names}): pick one with --repo-id ORG/NAME")
-    return found[0]
-
-
-def pick_revision(repo_id: str, snapshots: dict[str, str], refs: dict[str, str], revision: str | None) -> str:
-    """The commit whose snapshot to read, of a repo's `snapshots` (commit -> where) and `refs` (name -> commit):
-    `revision` (a ref or a commit), else refs/main, else the only snapshot."""
-    by_ref = {ref: commit for ref, commit in refs.items() if commit in snapshots}
-    if revision is not None:
-        chosen = by_ref.get(revision) or (revision if revision in snapshots else None)
-        if chosen is None:
-            raise UserError(
-                f"revision {revision!r} not in the cache for {repo_id}: it has refs {sorted(by_ref)} "
-                f"and snapshots {sorted(snapshots)}"
-            )
-        return chosen
-    if "main" in by_ref:
-        return by_ref["main"]
-    if len(snapshots) == 1:
-        return next(iter(snapshots))
-    raise UserError(
-        f"{repo_id} has {len(snapshots)} snapshots and no refs/main: pick one with --revision "
-        f"({', '.join(sorted(snapshots))})"
-    )
+    return names.layout_hint(str(directory), sorted(p.name for p in directory.iterdir()) if directory.is_dir() else [])
 
 
 def _locate(
-    dataset_dir: Path, repo_id: str | None, revision: str | None
+    given: str | os.PathLike, repo_id: str | None, revision: str | None
 ) -> tuple[Path, Path | None, str | None, str | None]:
-    """(shard root, blobs dir, repo id, revision) for any of the accepted layouts."""
+    """(shard root, blobs dir, repo id, revision) for any of the accepted layouts, or a hub name ORG/NAME no folder
+    here has, read from the Hugging Face cache as load_dataset(ORG/NAME) reads it offline."""
+    dataset_dir = Path(given).absolute()
+    if not dataset_dir.exists() and names.is_hub_name(os.fspath(given)):
+        from huggingface_hub import constants
+
+        dataset_dir = Path(constants.HF_HUB_CACHE) / (REPO_PREFIX + os.fspath(given).replace("/", "--"))
+        if not dataset_dir.is_dir():
+            raise UserError(
+                f"no folder {given} here, and no dataset {given} in the Hugging Face cache {dataset_dir.parent} (set by"
+                f" HF_HUB_CACHE or HF_HOME): fetch it (huggingface-cli download {given} --repo-type dataset), or pass"
+                " its folder"
+            )
     if not dataset_dir.is_dir():
         raise UserError(f"--dataset-dir {dataset_dir} is not a directory; " + _layout_hint(dataset_dir.parent))
     cache_root, snapshot = None, None
@@ -289,7 +258,7 @@ def _locate(
     scanned = scan_cache_dir(cache_root)
     repos = {r.repo_id: r for r in scanned.repos if r.repo_type == "dataset"}
     damaged = {repo_id_of(m[0]): str(w) for w in scanned.warnings if (m := re.search(f"{REPO_PREFIX}[^/]+", str(w)))}
-    picked = pick_repo(sorted({*repos, *damaged}), repo_id, str(cache_root), lambda: _layout_hint(cache_root))
+    picked = names.pick_repo(sorted({*repos, *damaged}), repo_id, str(cache_root), lambda: _layout_hint(cache_root))
     if picked not in repos:
         raise UserError(
             f"{picked} in the cache at {cache_root} is damaged ({damaged[picked]}): a download cut short or a blob "
@@ -297,7 +266,7 @@ def _locate(
         )
     repo = repos[picked]
     snapshots = {r.commit_hash: str(r.snapshot_path) for r in repo.revisions}
-    rev = pick_revision(
+    rev = names.pick_revision(
         repo.repo_id, snapshots, {ref: r.commit_hash for r in repo.revisions for ref in r.refs}, snapshot or revision
     )
     return Path(snapshots[rev]), Path(repo.repo_path) / "blobs", repo.repo_id, rev
@@ -317,7 +286,7 @@ def build_manifest(
     (through symlinks) are refused unless allow_outside: a manifest must not quietly read files from elsewhere.
     `is_out` tells a tokpipe OUT (tokpipe/layout/ knows one; the commands pass it): one inside the dataset is passed
     over."""
-    root, blobs_dir, repo_id, revision = _locate(Path(dataset_dir).absolute(), repo_id, revision)
+    root, blobs_dir, repo_id, revision = _locate(dataset_dir, repo_id, revision)
     _refuse_unfinished_downloads(root, blobs_dir, repo_id)
     base = (blobs_dir.parent if blobs_dir else root).resolve()
     card = root / CARD

@@ -4,11 +4,13 @@ object store (objects.py)."""
 
 import re
 from collections import Counter
+from collections.abc import Callable
 
 import orjson
 
 from tokpipe.errors import UserError
 
+HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+")  # ORG/NAME, as the hub names a repository
 REPO_PREFIX = "datasets--"  # a dataset repo's folder in a Hugging Face cache: datasets--ORG--NAME
 SHARD_SUFFIXES = (".jsonl", ".jsonl.zst", ".jsonl.zstd", ".jsonl.gz", ".json.gz", ".json.zst", ".ndjson", ".parquet")
 # A `.json` file is a shard when it is JSON Lines, as Hugging Face datasets' json builder reads it (C4's uncompressed
@@ -86,6 +88,63 @@ def splits_of(relpaths: list[str]) -> tuple[dict[str, str], dict[str, str]]:
             why = f"names no split in {where}, where other files do: Hugging Face datasets reads none of it"
             return named, {r: why for r in relpaths if r not in named}
     return dict.fromkeys(relpaths, "train"), {}
+
+
+def layout_hint(where: str, names: list[str]) -> str:
+    """What was found in a dataset dir (a few of its names) and what is expected there."""
+    found = ", ".join(names[:8]) if names else "nothing"
+    return (
+        f"found {found} in {where}; expected a Hugging Face cache root (holding datasets--ORG--NAME/), "
+        "one datasets--ORG--NAME folder, a snapshots/REV folder, or a folder of *.jsonl[.zst|.gz] or *.parquet shards"
+    )
+
+
+def pick_repo(repo_ids: list[str], repo_id: str | None, where: str, hint: Callable[[], str]) -> str:
+    """Which of the datasets of a cache at `where` to read: `repo_id`, else the only one; `hint()`: layout_hint."""
+    found = [r for r in repo_ids if repo_id in (None, r)]
+    if not found:
+        what = "dataset repos" if repo_id is None else f"dataset {repo_id!r}"
+        raise UserError(f"no {what} in the Hugging Face cache at {where}; {hint()}")
+    if len(found) > 1:
+        names = ", ".join(found)
+        raise UserError(f"the cache at {where} holds several datasets ({names}): pick one with --repo-id ORG/NAME")
+    return found[0]
+
+
+def pick_revision(repo_id: str, snapshots: dict[str, str], refs: dict[str, str], revision: str | None) -> str:
+    """The commit whose snapshot to read, of a repo's `snapshots` (commit -> where) and `refs` (name -> commit):
+    `revision` (a ref or a commit), else refs/main, else the only snapshot."""
+    by_ref = {ref: commit for ref, commit in refs.items() if commit in snapshots}
+    if revision is not None:
+        chosen = by_ref.get(revision) or (revision if revision in snapshots else None)
+        if chosen is None:
+            raise UserError(
+                f"revision {revision!r} not in the cache for {repo_id}: it has refs {sorted(by_ref)} "
+                f"and snapshots {sorted(snapshots)}"
+            )
+        return chosen
+    if "main" in by_ref:
+        return by_ref["main"]
+    if len(snapshots) == 1:
+        return next(iter(snapshots))
+    raise UserError(
+        f"{repo_id} has {len(snapshots)} snapshots and no refs/main: pick one with --revision "
+        f"({', '.join(sorted(snapshots))})"
+    )
+
+
+def is_hub_name(text: str) -> bool:
+    """Whether `text` is a hub repository's name, ORG/NAME (not a path such as ./qwen3 or a--b/c)."""
+    if not HUB_NAME.fullmatch(text):
+        return False
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return True
 
 
 def repo_id_of(folder: str) -> str:

@@ -23,8 +23,19 @@ from pathlib import Path, PurePosixPath
 from tokpipe.errors import UserError
 from tokpipe.inputs import names
 from tokpipe.inputs.card import CARD, choose, configs_of, splits
-from tokpipe.inputs.manifest import Manifest, Shard, layout_hint, manifest_of, pick_repo, pick_revision
-from tokpipe.inputs.names import DATA_FILE, REPO_PREFIX, SHARD_SUFFIXES, first_line, not_a_shard, repo_id_of, shard_key
+from tokpipe.inputs.manifest import Manifest, Shard, manifest_of
+from tokpipe.inputs.names import (
+    DATA_FILE,
+    REPO_PREFIX,
+    SHARD_SUFFIXES,
+    first_line,
+    layout_hint,
+    not_a_shard,
+    pick_repo,
+    pick_revision,
+    repo_id_of,
+    shard_key,
+)
 from tokpipe.store import Bucket, Object, Url, is_url
 
 
@@ -119,7 +130,7 @@ def _snapshot(
     bucket: Bucket, repo: str, listed: dict[str, Object], repo_id: str, revision: str | None
 ) -> tuple[str, str, str, str]:
     """The snapshot of a repo folder to read, chosen by its refs/ (each ref a small object holding a commit) as
-    huggingface_hub chooses one on disk (manifest.pick_revision)."""
+    huggingface_hub chooses one on disk (names.pick_revision)."""
     snapshots, refs = {}, {}  # commit -> its folder; ref -> commit
     for key in listed:
         kind, _, rest = key.removeprefix(repo).partition("/") if key.startswith(repo) else ("", "", "")

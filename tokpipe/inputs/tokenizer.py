@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 
 from tokpipe.errors import UserError
 from tokpipe.inputs import encoders
+from tokpipe.inputs.names import is_hub_name
 
 
 @dataclass(frozen=True)
@@ -59,9 +60,6 @@ def _token_content(value) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
-HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+")  # ORG/NAME, as the hub names a repository
-
-
 def _from_hub_cache(repo_id: str, revision: str | None) -> Path:
     """tokenizer.json of a hub repository's snapshot in the local Hugging Face cache, found as
     huggingface_hub finds it (HF_HUB_CACHE or HF_HOME; refs/REV or snapshots/COMMIT), never downloaded."""
@@ -83,19 +81,6 @@ def _from_hub_cache(repo_id: str, revision: str | None) -> Path:
     return Path(os.path.abspath(found))  # the snapshot's path, not its blob's: the folder holds the config too
 
 
-def _is_hub_name(text: str) -> bool:
-    if not HUB_NAME.fullmatch(text):
-        return False
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    try:
-        validate_repo_id(text)
-    except HFValidationError:  # e.g. ./qwen3, a--b/c: a path, not a name
-        return False
-    return True
-
-
 def _other_format(local: Path) -> str:
     """What the user may mean by a tokenizer that is no tokenizer.json: a SentencePiece model (Llama 2's and
     Mistral's original checkpoints), or nanoGPT's tiktoken name "gpt2"."""
@@ -112,7 +97,7 @@ def _resolve(path: str | os.PathLike, revision: str | None = None) -> tuple[Path
     """(tokenizer.json, hub repo id, commit): a local path that exists wins over a hub name; the repo
     id and commit are None for a folder outside the Hugging Face cache."""
     local = Path(path)
-    if local.exists() or not _is_hub_name(str(path)):
+    if local.exists() or not is_hub_name(str(path)):
         candidate = local / "tokenizer.json" if local.is_dir() else local
         if not candidate.is_file():
             raise UserError(
