@@ -177,6 +177,7 @@ def test_out_naming_a_file_is_one_line_exit_2(tmp_path, capsys):
     [
         ["status", ""],  # was the current folder's status
         ["manifest", "--dataset-dir", ""],  # was a manifest of the current folder
+        ["manifest", "--dataset-dir", "d", "--config", ""],  # a repeatable one
         ["run", "--manifest", "m.json", "--tokenizer", "t", "--out", " "],  # was OUT in the current folder
         ["run", "--manifest", "m.json", "--tokenizer", "t", "--out", "o", "--address", ""],  # was an embedded Ray
         ["run", "--manifest", "m.json", "--tokenizer", "t", "--out", "o", "--tokenizer-revision", ""],  # was main

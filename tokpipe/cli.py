@@ -242,7 +242,7 @@ class _Parser(argparse.ArgumentParser):
     `--tokenizer-revision ""` the defaults, without a word."""
 
     def add_argument(self, *names, **kwargs):
-        if kwargs.get("action") is None:  # an option that takes a value
+        if kwargs.get("action") in (None, "append"):  # an option that takes a value
             kwargs["type"] = _given(kwargs.get("type", str))
         return super().add_argument(*names, **kwargs)
 
