@@ -405,6 +405,34 @@ def test_an_out_that_holds_what_no_run_wrote_is_refused_and_left_as_it_was(out_o
     assert out_files(out, server) == nanogpt
 
 
+@pytest.mark.parametrize("out_on", ["a folder", "a store"])
+def test_an_out_inside_another_is_refused_before_anything_is_written(
+    out_on, finished_small, manifest, small_tokenizer, tmp_path, request
+):
+    """A run's OUT inside another's (`--out s3://b/tok/v2` where s3://b/tok is one): an append to the outer one, which
+    resumed, removed the inner one's train.bin, taken for a split file of its own killed finalize (on disk: inside
+    its shards/ folder). Refused in one line; the outer OUT as it was, and nothing of the inner one made."""
+    if out_on == "a folder":
+        outer, server = tmp_path / "tok", None
+        shutil.copytree(finished_small, outer)
+        inner = [outer / "v2", outer / "shards" / "x", outer / "v2" / "a"]
+    else:
+        server, prefix = request.getfixturevalue("s3_server"), request.getfixturevalue("s3_prefix")
+        outer = server.url(prefix)
+        for name in ("run.json", "manifest.json"):  # what makes a prefix an OUT
+            server.put(f"{prefix}/{name}", (finished_small / name).read_bytes())
+        inner = [f"{outer}/v2", f"{outer}/v2/a"]
+    before = out_files(outer, server)
+    for out in inner:
+        refused = cli(*run_args(manifest, out, tokenizer=small_tokenizer))
+        assert (refused.returncode, refused.stderr) == (
+            2,
+            f"tokpipe run: error: {out} is inside the tokpipe OUT {outer}, whose runs would take its files for their"
+            " own: --out takes a folder outside every OUT\n",
+        )
+    assert out_files(outer, server) == before
+
+
 def test_a_finished_out_on_a_read_only_mount_is_nothing_to_do_and_anything_else_is_refused(
     finished_small, killed_example, small_tokenizer, tmp_path
 ):

@@ -69,6 +69,15 @@ class StoredOut:
         """Of every key of OUT: `PREFIX/` (a folder: s3://b/out holds out/x, not outx)."""
         return f"{self.url.key}/" if self.url.key else ""
 
+    def enclosing(self) -> str | None:
+        """The OUT whose prefix holds this one's, if one does (its run.json a level above: a GET a level)."""
+        levels = self.url.key.split("/")[:-1] if self.url.key else []
+        for n in range(len(levels), -1, -1):
+            above = StoredOut(Url(self.url.bucket, "/".join(levels[:n])))
+            if self.bucket.get(above.key(Layout("").run_json.name)) is not None:
+                return str(above)
+        return None
+
     def key(self, name: str | os.PathLike) -> str:
         """The key of OUT's file `name` (a path relative to OUT, as Layout names it)."""
         return self.prefix + Path(name).as_posix()

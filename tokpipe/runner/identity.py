@@ -141,11 +141,12 @@ def record_run(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOpti
     write_json_atomic(Layout(out).run_json, {**identity, "tokenizer_path": info.path, "options": options})
 
 
-def refuse_foreign(out: str | Path, names: Iterable[str]) -> None:
+def refuse_foreign(out: str | Path, names: Iterable[str], inside: str | None) -> None:
     """Refuse to begin a run where something no tokpipe run wrote is: OUT is a new or empty folder (or prefix), or a
     tokpipe run's. A run's files would lie among another's and replace those of the same names (a nanoGPT data
     folder's train.bin). `names`: OUT's entries (a prefix's: its objects' first names); those a refused run leaves
-    (files.RECORD) are tokpipe's."""
+    (files.RECORD) are tokpipe's. `inside`: the OUT that holds this one's folder, if one does (refuse_inside)."""
+    refuse_inside(out, inside)
     foreign = sorted(set(names) - RECORD)
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3:,} more" if len(foreign) > 3 else "")
@@ -153,6 +154,14 @@ def refuse_foreign(out: str | Path, names: Iterable[str]) -> None:
             f"{out} holds what no tokpipe run wrote ({shown}) and no run.json: --out takes a new or empty folder, or"
             " a tokpipe run's OUT"
         )
+
+
+def refuse_inside(out: str | Path, inside: str | None) -> None:
+    """Refuse a new OUT inside another's (`inside`): a rerun of that one that resumed removed the split files it
+    found among its own (a nested OUT's train.bin, on a store; in its shards/ folder, on disk)."""
+    if inside is not None:
+        raise UserError(f"{out} is inside the tokpipe OUT {inside}, whose runs would take its files for their own:"
+                        " --out takes a folder outside every OUT")  # fmt: skip
 
 
 def identity_changes(out: Path, identity: dict) -> dict[str, tuple] | None:

@@ -32,7 +32,7 @@ from tokpipe.fmt import plural
 from tokpipe.inputs.manifest import Manifest, Shard, load_manifest, write_manifest
 from tokpipe.inputs.tokenizer import TokenizerInfo
 from tokpipe.layout.checkpoints import Checkpoint, Checkpoints
-from tokpipe.layout.files import Layout, LayoutWriter, out_folder
+from tokpipe.layout.files import Layout, LayoutWriter, is_out, out_folder
 from tokpipe.layout.meta import Meta, load_meta
 from tokpipe.layout.run import WriteSpec, load_run
 from tokpipe.layout.stored import StoredOut, on_store
@@ -46,6 +46,7 @@ from tokpipe.runner.identity import (
     record_run,
     refusals_noted,
     refuse_foreign,
+    refuse_inside,
     run_identity,
 )
 from tokpipe.write.assembly import Assembler
@@ -112,7 +113,9 @@ class Folder(Storage):
         return str(self.path / name)
 
     def check(self) -> None:
-        """Nothing to refuse before the run's work: a folder is made, or refused, when it is held."""
+        """A new OUT inside another refused before its folder is made; the rest when it is held."""
+        if load_run(Layout(self.path)) is None:
+            refuse_inside(self.path, next((str(p) for p in self.path.resolve().parents if is_out(p)), None))
 
     def read_only(self, manifest: Manifest, info: TokenizerInfo, opts: RunOptions) -> Meta | None:
         """The meta of OUT finished with this run where this process may not write it (a read-only mount); anything
@@ -123,7 +126,7 @@ class Folder(Storage):
     @contextmanager
     def held(self, manifest: Manifest, info: TokenizerInfo, opts: RunOptions, tell: Listener) -> Iterator[Manifest]:
         if load_run(Layout(self.path)) is None:  # before OUT holds a file of this run's (its lock, its logs)
-            refuse_foreign(self.path, os.listdir(self.path))
+            refuse_foreign(self.path, os.listdir(self.path), None)
         self.tell = tell
         with LayoutWriter(self.path).lock(), refusals_noted(self.path):
             record_run(self.path, manifest, info, opts, tell)
@@ -247,7 +250,8 @@ class Prefix(Storage):
         if found is not None:
             layout.run_json.write_bytes(found[0])
         else:  # a page of its objects tells: a prefix of another's data holds thousands
-            refuse_foreign(out, {out.name(o.key).split("/")[0] for o in islice(bucket.list(out.prefix), 1000)})
+            names = {out.name(o.key).split("/")[0] for o in islice(bucket.list(out.prefix), 1000)}
+            refuse_foreign(out, names, out.enclosing())
         changed = identity_changes(self.records, run_identity(manifest, info, opts))
         if changed and self.out.holds_tokens():
             if list(changed) != ["manifest_sha256"]:
