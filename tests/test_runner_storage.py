@@ -45,6 +45,7 @@ from helpers import (
 from tokpipe.commands.inspect import open_source
 from tokpipe.inputs.manifest import build_manifest, write_manifest
 from tokpipe.layout.stored import StoredOut
+from tokpipe.runner.storage import storage_of
 from tokpipe.store import Bucket, Lease, Url
 
 # What a finished run leaves on the store, besides its checkpoints (shards/) and logs (logs/).
@@ -78,6 +79,17 @@ def _assert_finished_as(server, prefix: str, reference: dict[str, np.ndarray]) -
         _assert_split(objects, stem, expected)
     assert _finished_names(objects) == FINISHED
     assert open_uploads(server, prefix) == []
+
+
+def test_an_out_at_a_bucket_s_root_is_named_as_every_other_url():
+    """s3://b, whose files are s3://b/NAME: its run said `meta: s3://b//meta.pkl. Next: tokpipe verify s3://b/`."""
+    for given in ("s3://b", "s3://b/"):
+        out = storage_of(given)
+        assert (out.name, out.where, out.show("meta.pkl"), out.out.key("meta.pkl")) == (
+            "s3://b", "s3://b", "s3://b/meta.pkl", "meta.pkl"
+        )  # fmt: skip
+    tok = storage_of("s3://b/tok/")
+    assert (tok.where, tok.show("meta.pkl")) == ("s3://b/tok", "s3://b/tok/meta.pkl")
 
 
 def test_a_run_into_a_store_is_the_reference_and_leaves_no_segment_and_no_open_upload(

@@ -54,7 +54,7 @@ class StoredOut:
         return cls(Url(url.bucket, url.key.strip("/")))
 
     def __str__(self) -> str:
-        return str(self.url)
+        return str(self.url).rstrip("/")  # a bucket's root: s3://b, as s3://b/p, whose files are s3://b/NAME
 
     @property
     def bucket(self) -> Bucket:

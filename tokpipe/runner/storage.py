@@ -211,7 +211,7 @@ class Prefix(Storage):
     on_disk = False  # a store's space is no file system's
 
     def __init__(self, out: StoredOut):
-        self.out, self.name, self.records, self.where = out, str(out), out.work, str(out.url)
+        self.out, self.name, self.records, self.where = out, str(out), out.work, str(out)
         self.spill = out.spill_name()  # where a worker's large parts wait past --shard-buffer (EncodeSpec.spill)
         self.assembler: StoreAssembly | None = None
         self.lease = None
