@@ -445,8 +445,8 @@ NOT_JSON_LINES = (
     " convert it to JSONL to tokenize it"
 )
 NOT_READ = (
-    "a format tokpipe does not read (it reads JSON Lines, plain or zstd- or gzip-compressed, and Parquet): convert"
-    " it to one of those to tokenize it"
+    "a format tokpipe does not read (it reads JSON Lines, plain or zstd- or gzip-compressed, Parquet and Arrow):"
+    " convert it to one of those to tokenize it"
 )
 PASSED_OVER_FILES = (
     ("en/c4-train.alpaca.json", NOT_JSON_LINES),
@@ -574,8 +574,8 @@ def test_a_dataset_on_a_store_is_refused_and_passed_over_as_on_disk(s3_server, s
     with pytest.raises(UserError) as none:
         api.build_manifest(s3_server.url(f"{s3_prefix}/notes"))
     assert str(none.value) == (
-        "no shards (*.jsonl, *.jsonl.zst, *.jsonl.zstd, *.jsonl.gz, *.json.gz, *.json.zst, *.ndjson, *.parquet) under "
-        f"{s3_server.url(s3_prefix)}/notes/; passed over readme.txt: {NOT_READ}; found readme.txt in"
+        "no shards (*.jsonl, *.jsonl.zst, *.jsonl.zstd, *.jsonl.gz, *.json.gz, *.json.zst, *.ndjson, *.parquet,"
+        f" *.arrow) under {s3_server.url(s3_prefix)}/notes/; passed over readme.txt: {NOT_READ}; found readme.txt in"
         f" {s3_server.url(s3_prefix)}/notes/; expected a Hugging Face cache root (holding datasets--ORG--NAME/), one"
         " datasets--ORG--NAME folder, a snapshots/REV folder, or a folder of *.jsonl[.zst|.gz] or *.parquet shards"
     )

@@ -13,6 +13,7 @@ from tokpipe.errors import UserError
 HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+")  # ORG/NAME, as the hub names a repository
 REPO_PREFIX = "datasets--"  # a dataset repo's folder in a Hugging Face cache: datasets--ORG--NAME
 SHARD_SUFFIXES = (".jsonl", ".jsonl.zst", ".jsonl.zstd", ".jsonl.gz", ".json.gz", ".json.zst", ".ndjson", ".parquet")
+SHARD_SUFFIXES += (".arrow",)  # Hugging Face datasets' own files: save_to_disk's, its cache's
 # A `.json` file is a shard when it is JSON Lines, as Hugging Face datasets' json builder reads it (C4's uncompressed
 # files, many a dataset's train.json): its first line is a JSON object. Else (a dataset_info.json, a JSON array) it is
 # passed over, named, as is a file of a data format tokpipe does not read: never left out without a word.
@@ -249,8 +250,8 @@ def not_a_shard(relpath: str, head) -> str | None:
         return None
     if not relpath.endswith(JSON_SUFFIX):
         return (
-            "a format tokpipe does not read (it reads JSON Lines, plain or zstd- or gzip-compressed, and Parquet):"
-            " convert it to one of those to tokenize it"
+            "a format tokpipe does not read (it reads JSON Lines, plain or zstd- or gzip-compressed, Parquet and"
+            " Arrow): convert it to one of those to tokenize it"
         )
     try:
         if isinstance(orjson.loads(head()), dict):

@@ -1,7 +1,7 @@
 """One shard -> batches of document texts, every line (or row) accounted for.
 
 The format is sniffed from the file's first bytes, never trusted from its name (a `.jsonl.zst` may
-be plain JSONL): zstd, gzip or plain JSONL (jsonl.py), or Parquet (parquet.py). Both report through
+be plain JSONL): zstd, gzip or plain JSONL (jsonl.py), Parquet (parquet.py) or Arrow (arrow.py). Each reports through
 batch.py, the one place where a line becomes a document, a counted skip or a counted repair.
 
 A shard's path is a local path or an s3:// URL, opened here alone (store.open_read opens either) and handed to the
@@ -19,11 +19,12 @@ from tokpipe.inputs.source.jsonl import GZIP_MAGIC, is_zstd, jsonl_fields, read_
 from tokpipe.store import open_read
 
 PARQUET_MAGIC = b"PAR1"
+ARROW_MAGICS = (b"ARRO", b"\xff\xff\xff\xff")  # Arrow's IPC file ("ARROW1"), and stream (its continuation marker)
 BATCH_BYTES = 1 << 20  # of input text per batch (per encode call of a shard): bounds memory, paces progress reports
 
 
 def format_of(path: str, etag: str | None = None) -> str:
-    """zstd | gzip | parquet | none (plain JSONL), from the file's magic bytes."""
+    """zstd | gzip | parquet | arrow | none (plain JSONL), from the file's magic bytes."""
     with open_read(path, etag, ahead=0) as f:  # on a store, a GET of these 4 bytes
         head = f.read(4)
     if is_zstd(head):
@@ -32,6 +33,8 @@ def format_of(path: str, etag: str | None = None) -> str:
         return "gzip"
     if head.startswith(PARQUET_MAGIC):
         return "parquet"
+    if head in ARROW_MAGICS:
+        return "arrow"
     return "none"
 
 
@@ -45,6 +48,10 @@ def fields_of(path: str, etag: str | None = None) -> Counter:
             from tokpipe.inputs.source.parquet import parquet_fields
 
             return parquet_fields(raw, path)
+        if kind == "arrow":
+            from tokpipe.inputs.source.arrow import arrow_fields
+
+            return arrow_fields(raw, path)
         return jsonl_fields(raw, path, kind)
 
 
@@ -59,8 +66,8 @@ def read_batches(
     etag: str | None = None,
     start_frame: tuple[int, int] = (0, 0),
 ) -> Iterator[TextBatch]:
-    """Batches of about `batch_bytes` of input, resuming after `start_line` lines / `start_offset` bytes
-    (for Parquet, a row is a line and the offset is in rows; for zstd, decoded from `start_frame`, a checkpoint's
+    """Batches of about `batch_bytes` of input, resuming after `start_line` lines / `start_offset` bytes (for Parquet
+    and Arrow, a row is a line and the offset is in rows; for zstd, decoded from `start_frame`, a checkpoint's
     TextBatch.frame). With `group_by` (a dotted path into a JSON line, or a Parquet column or a struct column's
     field by dot), each batch says each document's group."""
     kind = format_of(path, etag)
@@ -69,6 +76,10 @@ def read_batches(
             from tokpipe.inputs.source.parquet import read_parquet_batches  # pyarrow imported only where Parquet is
 
             yield from read_parquet_batches(raw, path, text_field, start_line, batch_bytes, max_line_bytes, group_by)
+        elif kind == "arrow":
+            from tokpipe.inputs.source.arrow import read_arrow_batches
+
+            yield from read_arrow_batches(raw, path, text_field, start_line, batch_bytes, max_line_bytes, group_by)
         else:
             start = (start_line, start_offset, start_frame)
             yield from read_jsonl_batches(raw, path, kind, text_field, *start, batch_bytes, max_line_bytes, group_by)

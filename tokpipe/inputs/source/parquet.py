@@ -21,9 +21,10 @@ ranged GET; the columns it skips and the row groups before a resume's are never 
 
 from __future__ import annotations
 
+import functools
 import io
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -39,7 +40,7 @@ TEXT_TYPES = (pa.string(), pa.large_string(), pa.binary(), pa.large_binary())
 VIEW_TYPES = {"string_view": pa.large_string(), "binary_view": pa.large_binary()}
 
 
-def _one_line(error: Exception) -> str:
+def one_line(error: Exception) -> str:
     return " ".join(str(error).split())
 
 
@@ -52,8 +53,7 @@ def _open(source, path: str) -> tuple[pq.ParquetFile, int]:
         raise
     except (pa.ArrowException, OSError) as e:
         raise SourceError(
-            f"{path}: not a complete Parquet file, its footer is missing or broken (truncated download?): "
-            f"{_one_line(e)}"
+            f"{path}: not a complete Parquet file, its footer is missing or broken (truncated download?): {one_line(e)}"
         ) from None
     return parquet, source.seek(0, io.SEEK_END)
 
@@ -89,8 +89,7 @@ def _pieces(
                 raise
             except (pa.ArrowException, OSError) as e:
                 raise SourceError(
-                    f"{path}: row group {number} (of {len(groups)}) does not decode, the file is corrupt: "
-                    f"{_one_line(e)}"
+                    f"{path}: row group {number} (of {len(groups)}) does not decode, the file is corrupt: {one_line(e)}"
                 ) from None
         row += group.num_rows
         data_before += group.total_byte_size
@@ -155,10 +154,14 @@ def _parse(
 
 
 def parquet_fields(source, path: str) -> Counter:
-    """Its columns: 1 a column of text, -1 a list of texts (a conversation's turns), 0 other."""
     parquet, _ = _open(source, path)
     with parquet:
-        return Counter({f.name: _text_weight(f.type) for f in parquet.schema_arrow})
+        return table_fields(parquet.schema_arrow)
+
+
+def table_fields(schema: pa.Schema) -> Counter:
+    """Its columns: 1 a column of text, -1 a list of texts (a conversation's turns), 0 other."""
+    return Counter({f.name: _text_weight(f.type) for f in schema})
 
 
 def _text_weight(kind: pa.DataType) -> int:
@@ -182,27 +185,43 @@ def read_parquet_batches(
     is the same number)."""
     parquet, size = _open(source, path)
     with parquet:
-        columns = parquet.schema_arrow.names
-        if text_field not in columns:
-            shown = ", ".join(columns[:10]) + (", ..." if len(columns) > 10 else "")
-            raise SourceError(
-                f"{path} has no column {text_field!r} (its columns: {shown}); name the text column with --text-field"
-            )
         if start_line > parquet.metadata.num_rows:
             raise SourceError(f"{path} has fewer rows than its checkpoint says: the file changed since the run began")
-        where = _group_column(parquet.schema_arrow, group_by) if group_by is not None else None
-        columns = [text_field] + ([where[0]] if where and where[0] != text_field else [])
-        batch = TextBatch([], 0, start_line, 0, 0)
-        pieces = _pieces(parquet, path, size, columns, start_line, min(PIECE_BYTES, batch_bytes))
-        for piece, first_row, source_pos in pieces:
-            values = piece.column(text_field)
-            groups = None
-            if group_by is not None:
-                groups = _groups(piece.column(where[0]), where[1]) if where else [MISSING_GROUP] * len(values)
-            _parse(values, first_row, max_text_bytes, batch, groups)
-            batch.end_offset, batch.source_pos = first_row + len(values), source_pos
-            if batch.text_bytes >= batch_bytes:
-                yield batch
-                batch = TextBatch([], 0, batch.end_offset, 0, 0)
-        if batch.lines:
+        pieces = functools.partial(_pieces, parquet, path, size)
+        yield from table_batches(parquet.schema_arrow, pieces, path, text_field, start_line, batch_bytes,
+                                 max_text_bytes, group_by)  # fmt: skip
+
+
+def table_batches(
+    schema: pa.Schema,
+    pieces: Callable[[list[str], int, int], Iterator[tuple[pa.RecordBatch, int, int]]],
+    path: str,
+    text_field: str,
+    start_line: int,
+    batch_bytes: int,
+    max_text_bytes: int,
+    group_by: str | None,
+) -> Iterator[TextBatch]:
+    """The batches of a file of columns (Parquet; Arrow, arrow.py): `pieces(columns, start_row, piece_bytes)` gives
+    those columns from that row on, a piece at a time (values, number of the first row, file bytes read)."""
+    columns = schema.names
+    if text_field not in columns:
+        shown = ", ".join(columns[:10]) + (", ..." if len(columns) > 10 else "")
+        raise SourceError(
+            f"{path} has no column {text_field!r} (its columns: {shown}); name the text column with --text-field"
+        )
+    where = _group_column(schema, group_by) if group_by is not None else None
+    columns = [text_field] + ([where[0]] if where and where[0] != text_field else [])
+    batch = TextBatch([], 0, start_line, 0, 0)
+    for piece, first_row, source_pos in pieces(columns, start_line, min(PIECE_BYTES, batch_bytes)):
+        values = piece.column(text_field)
+        groups = None
+        if group_by is not None:
+            groups = _groups(piece.column(where[0]), where[1]) if where else [MISSING_GROUP] * len(values)
+        _parse(values, first_row, max_text_bytes, batch, groups)
+        batch.end_offset, batch.source_pos = first_row + len(values), source_pos
+        if batch.text_bytes >= batch_bytes:
             yield batch
+            batch = TextBatch([], 0, batch.end_offset, 0, 0)
+    if batch.lines:
+        yield batch
