@@ -266,7 +266,7 @@ def parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="tokpipe",
         description="Parallel, resumable tokenization of pretraining corpora into flat token files\n"
-        "a trainer memory-maps. Reads JSONL, zstd- or gzip-compressed JSONL, Parquet:\n"
+        "a trainer memory-maps. Reads JSONL, zstd- or gzip-compressed JSONL, Parquet, Arrow:\n"
         "shards in a Hugging Face cache or a plain folder.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
