@@ -577,7 +577,8 @@ def test_a_dataset_on_a_store_is_refused_and_passed_over_as_on_disk(s3_server, s
         "no shards (*.jsonl, *.jsonl.zst, *.jsonl.zstd, *.jsonl.gz, *.json.gz, *.json.zst, *.ndjson, *.parquet,"
         f" *.arrow) under {s3_server.url(s3_prefix)}/notes/; passed over readme.txt: {NOT_READ}; found readme.txt in"
         f" {s3_server.url(s3_prefix)}/notes/; expected a Hugging Face cache root (holding datasets--ORG--NAME/), one"
-        " datasets--ORG--NAME folder, a snapshots/REV folder, or a folder of *.jsonl[.zst|.gz] or *.parquet shards"
+        " datasets--ORG--NAME folder, a snapshots/REV folder, or a folder of *.jsonl[.zst|.gz], *.parquet or *.arrow"
+        " shards"
     )
     with pytest.raises(UserError) as nothing:
         api.build_manifest(s3_server.url(f"{s3_prefix}/not"))  # a prefix of notes/, but no folder

@@ -95,8 +95,9 @@ def layout_hint(where: str, names: list[str]) -> str:
     """What was found in a dataset dir (a few of its names) and what is expected there."""
     found = ", ".join(names[:8]) if names else "nothing"
     return (
-        f"found {found} in {where}; expected a Hugging Face cache root (holding datasets--ORG--NAME/), "
-        "one datasets--ORG--NAME folder, a snapshots/REV folder, or a folder of *.jsonl[.zst|.gz] or *.parquet shards"
+        f"found {found} in {where}; expected a Hugging Face cache root (holding datasets--ORG--NAME/), one"
+        " datasets--ORG--NAME folder, a snapshots/REV folder, or a folder of *.jsonl[.zst|.gz], *.parquet or *.arrow"
+        " shards"
     )
 
 

@@ -24,18 +24,7 @@ from tokpipe.errors import UserError
 from tokpipe.inputs import names
 from tokpipe.inputs.card import CARD, choose, configs_of, splits
 from tokpipe.inputs.manifest import Manifest, Shard, manifest_of
-from tokpipe.inputs.names import (
-    DATA_FILE,
-    REPO_PREFIX,
-    SHARD_SUFFIXES,
-    first_line,
-    layout_hint,
-    not_a_shard,
-    pick_repo,
-    pick_revision,
-    repo_id_of,
-    shard_key,
-)
+from tokpipe.inputs.names import DATA_FILE, REPO_PREFIX, SHARD_SUFFIXES, first_line, not_a_shard, repo_id_of, shard_key
 from tokpipe.store import Bucket, Object, Url, is_url
 
 
@@ -78,8 +67,8 @@ def build_store_manifest(
 
 def _hint(bucket: Bucket, listed: dict[str, Object], folder: str) -> str:
     """layout_hint of what a folder holds."""
-    names = {key[len(folder) :].partition("/")[0] for key in listed if key.startswith(folder)}
-    return layout_hint(bucket.where(folder), sorted(names))
+    held = {key[len(folder) :].partition("/")[0] for key in listed if key.startswith(folder)}
+    return names.layout_hint(bucket.where(folder), sorted(held))
 
 
 def _first_line(bucket: Bucket, found: Object) -> bytes:
@@ -122,7 +111,7 @@ def _locate(
     repos = {repo_id_of(f): f for f in sorted(folders) if f.startswith(REPO_PREFIX)}
     if not repos:
         return prefix, None, None, None
-    repo_id = pick_repo(list(repos), repo_id, bucket.where(prefix), lambda: _hint(bucket, listed, prefix))
+    repo_id = names.pick_repo(list(repos), repo_id, bucket.where(prefix), lambda: _hint(bucket, listed, prefix))
     return _snapshot(bucket, f"{prefix}{repos[repo_id]}/", listed, repo_id, revision)
 
 
@@ -139,7 +128,7 @@ def _snapshot(
             snapshots[commit] = f"{repo}snapshots/{commit}/"
         elif kind == "refs" and rest and (found := bucket.get(key)) is not None:
             refs[rest] = found[0].decode("utf-8", "replace").strip()
-    commit = pick_revision(repo_id, snapshots, refs, revision)
+    commit = names.pick_revision(repo_id, snapshots, refs, revision)
     return snapshots[commit], repo, repo_id, commit
 
 

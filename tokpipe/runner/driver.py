@@ -347,11 +347,11 @@ def run(
     lines go to OUT/logs/ray.log instead of this process's stderr. `tell` hears what the run says as it goes
     (events.Said); by default nothing is said, and a progress bar is drawn only for a listener."""
     clock = Timeline(time.monotonic())
-    out = storage_of(out)  # OUT refused before any input is read
+    storage = storage_of(out)  # OUT refused before any input is read
     cluster = Cluster(opts, exits_after=not wait_for_ray)
     try:
         with manifest_here(manifest_path) as here:  # run.log names the manifest as given, not a copy's path
-            return _run(load_manifest(here), manifest_path, tokenizer, out, opts, clock, cluster, tell)
+            return _run(load_manifest(here), manifest_path, tokenizer, storage, opts, clock, cluster, tell)
     finally:
         cluster.stop()
 

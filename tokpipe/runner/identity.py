@@ -141,12 +141,11 @@ def record_run(out: Path, manifest: Manifest, info: TokenizerInfo, opts: RunOpti
     write_json_atomic(Layout(out).run_json, {**identity, "tokenizer_path": info.path, "options": options})
 
 
-def refuse_foreign(out: str | Path, names: Iterable[str], inside: str | None) -> None:
+def refuse_foreign(out: str | Path, names: Iterable[str]) -> None:
     """Refuse to begin a run where something no tokpipe run wrote is: OUT is a new or empty folder (or prefix), or a
     tokpipe run's. A run's files would lie among another's and replace those of the same names (a nanoGPT data
     folder's train.bin). `names`: OUT's entries (a prefix's: its objects' first names); those a refused run leaves
-    (files.RECORD) are tokpipe's. `inside`: the OUT that holds this one's folder, if one does (refuse_inside)."""
-    refuse_inside(out, inside)
+    (files.RECORD) are tokpipe's."""
     foreign = sorted(set(names) - RECORD)
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3:,} more" if len(foreign) > 3 else "")

@@ -126,7 +126,7 @@ class Folder(Storage):
     @contextmanager
     def held(self, manifest: Manifest, info: TokenizerInfo, opts: RunOptions, tell: Listener) -> Iterator[Manifest]:
         if load_run(Layout(self.path)) is None:  # before OUT holds a file of this run's (its lock, its logs)
-            refuse_foreign(self.path, os.listdir(self.path), None)
+            refuse_foreign(self.path, os.listdir(self.path))
         self.tell = tell
         with LayoutWriter(self.path).lock(), refusals_noted(self.path):
             record_run(self.path, manifest, info, opts, tell)
@@ -250,8 +250,8 @@ class Prefix(Storage):
         if found is not None:
             layout.run_json.write_bytes(found[0])
         else:  # a page of its objects tells: a prefix of another's data holds thousands
-            names = {out.name(o.key).split("/")[0] for o in islice(bucket.list(out.prefix), 1000)}
-            refuse_foreign(out, names, out.enclosing())
+            refuse_inside(out, out.enclosing())
+            refuse_foreign(out, {out.name(o.key).split("/")[0] for o in islice(bucket.list(out.prefix), 1000)})
         changed = identity_changes(self.records, run_identity(manifest, info, opts))
         if changed and self.out.holds_tokens():
             if list(changed) != ["manifest_sha256"]:
