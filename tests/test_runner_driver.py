@@ -414,8 +414,10 @@ def test_a_failed_shard_keeps_the_shards_done_after_it_and_the_rerun_reads_only_
     kept = np.concatenate([np.asarray(f.tokens) for f in open_source(out, "train").files])
     assert np.array_equal(kept, reference_tokens(files, tokenizer, eos, np.uint16))
     if ray:
-        log = out_files(out, server)["logs/run.log"].decode()
-        assert "train/s02.jsonl.zst) failed (SourceError: " in log  # its pack
+        logs = out_files(out, server)
+        assert "train/s02.jsonl.zst) failed (SourceError: " in logs["logs/run.log"].decode()  # its pack
+        # The failed task's second return (its shards' buffered parts) read too: Ray logged it unhandled once dropped.
+        assert "Unhandled error" not in failed.stderr + logs["logs/ray.log"].decode()
 
     listed = cut.stat().st_size  # the shard's size in the manifest, which the progress counts it by
     cut.write_bytes(whole)

@@ -6,6 +6,7 @@ runner/schedule.py)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter, deque
 
 import ray
@@ -22,14 +23,19 @@ from tokpipe.write.segments import ClosedSegment
 from tokpipe.write.stored import PartTokens, StoreAssembly
 
 
-def get(ref):
+def get(ref, twin=None):
     """ray.get; a node's NodeError, a shard's TooManyGroups (--group-by), or a store that did not answer through
     its retries (Unavailable), raised as itself: its one line, not Ray's traceback around it. Each stops the
-    run: no other shard or node can do better."""
+    run: no other shard or node can do better. `twin`: the task's other return, which holds the same error; read
+    too, or Ray logs it as unhandled when it is dropped (a blind node's NodeError printed three tracebacks on the
+    terminal in a CI run of the cluster-follow test; a failed shard's, one in OUT/logs/ray.log)."""
     try:
         return ray.get(ref)
-    except ray.exceptions.RayTaskError as e:
-        if isinstance(e.cause, (NodeError, TooManyGroups, Unavailable)):
+    except Exception as e:
+        if twin is not None:
+            with contextlib.suppress(Exception):
+                ray.get(twin, timeout=0)
+        if isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, (NodeError, TooManyGroups, Unavailable)):
             raise e.cause from None
         raise
 

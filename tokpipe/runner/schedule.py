@@ -405,7 +405,7 @@ class Scheduler:
         """Take a finished task's results."""
         task = self.tasks.running.pop(ref)
         try:
-            results = get(ref)
+            results = get(ref, task.buffered)
         except NodeError as e:  # a node the driver did not probe: one that joined since gets no shard, and the task
             # goes again elsewhere; a node of the start, or one no other node can stand in for, stops the run
             if e.node and e.node not in self.watch.initial:
