@@ -29,7 +29,7 @@ import orjson
 
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import Shard
-from tokpipe.layout.files import RECORD, Layout, PartKey, group_stem, out_folder, work_folder
+from tokpipe.layout.files import RECORD, Layout, PartKey, group_stem, is_out, out_folder, work_folder
 from tokpipe.layout.locks import lock_holder
 from tokpipe.layout.meta import Meta, SplitFile
 from tokpipe.store import MIN_PART, Bucket, Exists, Holder, Lease, StoreRefused, StoreUnavailable, Url, compose, is_url
@@ -70,11 +70,12 @@ class StoredOut:
         return f"{self.url.key}/" if self.url.key else ""
 
     def enclosing(self) -> str | None:
-        """The OUT whose prefix holds this one's, if one does (its run.json a level above: a GET a level)."""
+        """The OUT whose prefix holds this one's, if one does (files.is_out, of a HEAD of each of its marks a level)."""
         levels = self.url.key.split("/")[:-1] if self.url.key else []
+        marks = (Layout("").run_json.name, Layout("").manifest.name)
         for n in range(len(levels), -1, -1):
             above = StoredOut(Url(self.url.bucket, "/".join(levels[:n])))
-            if self.bucket.get(above.key(Layout("").run_json.name)) is not None:
+            if is_out(Path(""), {mark for mark in marks if self.bucket.head(above.key(mark)) is not None}):
                 return str(above)
         return None
 
