@@ -5,8 +5,10 @@ helpers.killed_run) resumes to the same bytes and a cut shard fails by name. On 
 its local copy, fetching the footer and the column chunks read, and a resume not the row groups before it. (The
 reader's tests here came from a second implementation of this issue.)"""
 
+import io
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -35,8 +37,10 @@ from helpers import (
 )
 
 from tokpipe.errors import SourceError
+from tokpipe.inputs import source
 from tokpipe.inputs.manifest import build_manifest
 from tokpipe.inputs.source import read_batches
+from tokpipe.inputs.source.parquet import READ_BYTES
 from tokpipe.inputs.tokenizer import load_tokenizer_info
 from tokpipe.layout.checkpoints import Checkpoint
 from tokpipe.layout.files import ShardFiles
@@ -159,6 +163,26 @@ def test_memory_is_bounded_by_a_row_group_not_the_file(tmp_path):
     for _ in read_batches(str(path), batch_bytes=256 << 10):
         peak = max(peak, pa.total_allocated_bytes())
     assert peak < 1 << 20, f"{peak:,} bytes held by pyarrow at once"
+
+
+def test_a_row_group_of_any_size_is_read_a_few_mib_at_a_time(tmp_path, monkeypatch):
+    # One row group of 20,000 rows, as pandas' and pyarrow's writers make by default (up to a million rows): its
+    # 16 MB column chunk, read whole, was held whole by every worker reading it.
+    random.seed(0)
+    words = [f"w{random.randrange(10**6):x}" for _ in range(5000)]
+    texts = [f"{i} " + " ".join(random.choices(words, k=120)) for i in range(20000)]
+    path = write_parquet(tmp_path / "one.parquet", {"text": texts}, row_group_size=len(texts), compression="none")
+    assert pq.ParquetFile(path).metadata.row_group(0).total_byte_size > 2 * READ_BYTES
+    reads = []
+
+    class Recorded(io.FileIO):
+        def read(self, size=-1):
+            reads.append(len(data := super().read(size)))
+            return data
+
+    monkeypatch.setattr(source, "open_read", lambda path, etag=None, ahead=None: Recorded(path, "rb"))
+    assert read_all(path)[0] == texts
+    assert max(reads) == READ_BYTES and sum(reads) > path.stat().st_size
 
 
 def test_a_missing_column_fails_naming_the_file_and_the_column(tmp_path):
