@@ -93,3 +93,41 @@ def test_a_moved_part_is_copied_from_where_it_was_and_its_document_ends_rebased(
         "sha256": hashlib.sha256(np.arange(103, 110, dtype=np.uint32).tobytes()).hexdigest(),
         "idx_sha256": hashlib.sha256(np.array([4, 7], dtype="<i8").tobytes()).hexdigest(),
     }
+
+
+# A run's placing of 1,000 groups' parts at once (--group-by's most) in a process of 64 descriptors: a login shell
+# allows 1,024, which three a group held open together ran past at 990 groups (EMFILE).
+MANY_GROUPS = """
+import resource, sys
+from pathlib import Path
+import numpy as np
+from tokpipe.layout.files import Layout
+from tokpipe.layout.records import Part
+from tokpipe.write.place import place
+
+out, parts = Path(sys.argv[1]), []
+for g in range(1000):
+    group = f"g{g:04d}"
+    bin_tmp, idx_tmp, _ = Layout(out).assembly("train", group)
+    bin_tmp.parent.mkdir(exist_ok=True)
+    bin_tmp.touch()
+    idx_tmp.touch()
+    record = {"shard": "train/s.jsonl", "group": group, "tokens": 1, "documents": 1, "sha256": "x", "idx_sha256": "y"}
+    tokens = {(False, group): ([np.array([g], dtype=np.uint32)], [np.array([1], dtype="<i8")])}
+    parts.append(Part("train", g, 0, 0, record, buffered=(tokens, (False, group))))
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+place(out, parts, 4)
+"""
+
+
+def test_the_parts_of_a_thousand_groups_are_placed_one_file_at_a_time(tmp_path):
+    import subprocess
+    import sys
+
+    from tokpipe.layout.files import Layout
+
+    placed = subprocess.run([sys.executable, "-c", MANY_GROUPS, str(tmp_path)], capture_output=True, text=True)
+    assert placed.returncode == 0, placed.stderr[-2000:]
+    for g in range(1000):
+        bin_tmp, idx_tmp, _ = Layout(tmp_path).assembly("train", f"g{g:04d}")
+        assert (np.fromfile(bin_tmp, np.uint32).tolist(), np.fromfile(idx_tmp, "<i8").tolist()) == ([g], [1])

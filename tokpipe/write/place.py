@@ -27,53 +27,57 @@ def place(out: str | os.PathLike, parts: list[Part], itemsize: int) -> list[dict
     the checkpoints such parts carry are written after the fsync, when the disk covers them. Idempotent: a
     part written twice is the same bytes.
     """
-    out = Path(out)
-    records = []
-    # group -> its file's .bin.tmp, .idx.tmp (without --group-by: the split's) and the .bin.tmp's direct descriptor
-    opened: dict[str | None, tuple] = {}
-    try:
-        for part in parts:
-            record = dict(part.record)
-            records.append(record)
-            if not part.bin and part.buffered is None:  # a shard's accounting line (--group-by): no tokens of its own
-                continue
-            if part.group not in opened:
-                bin_tmp, idx_tmp, _ = Layout(out).assembly(part.stem, part.group)
-                opened[part.group] = (open(bin_tmp, "r+b"), open(idx_tmp, "r+b"), open_direct(bin_tmp))
-            bin_f, idx_f, direct = opened[part.group]
-            # Where its bytes are in `part.bin`: a shard's own files from their start, a moved part where it was.
-            token, document = part.moved_from or (0, 0)
-            start, length = token * itemsize, record["tokens"] * itemsize
-            if part.buffered is not None:
-                parts_of_shard, key = part.buffered
-                tokens, ends = parts_of_shard[key]
-                write_at(bin_f.fileno(), tokens, part.token_offset * itemsize, direct)
-                relative = np.concatenate(ends) if ends else np.empty(0, IDX_DTYPE)
-            else:
-                copy_range(part.bin, bin_f.fileno(), length, part.token_offset * itemsize, start)
-                ends = np.fromfile(part.idx, IDX_DTYPE, record["documents"], offset=document * IDX_DTYPE.itemsize)
-                relative = ends - token
-            os.pwrite(idx_f.fileno(), memoryview(relative + part.token_offset), part.doc_offset * IDX_DTYPE.itemsize)
-            if record["sha256"] is None:  # a shard finished by an earlier tokpipe, which hashed only whole files
-                bin_hash = hashlib.sha256()
-                with open(part.bin, "rb") as src:
-                    hash_range(src.fileno(), start, start + length, bin_hash, bytearray(HASH_CHUNK))
-                record.update(sha256=bin_hash.hexdigest(), idx_sha256=hashlib.sha256(memoryview(relative)).hexdigest())
-        for bin_f, idx_f, _ in opened.values():
-            os.fdatasync(bin_f.fileno())  # the file's, whichever descriptor wrote: the direct writes too
-            os.fdatasync(idx_f.fileno())
-    finally:
-        for bin_f, idx_f, direct in opened.values():
-            bin_f.close()
-            idx_f.close()
-            if direct is not None:
-                os.close(direct)
+    records = [dict(part.record) for part in parts]
+    files: dict[tuple[str, str | None], list[tuple[Part, dict]]] = {}  # (stem, group) -> its parts, with their records
+    for part, record in zip(parts, records):
+        if part.bin or part.buffered is not None:  # else a shard's accounting line (--group-by): no tokens of its own
+            files.setdefault((part.stem, part.group), []).append((part, record))
+    # One file at a time, each fsynced once: --group-by's groups held open together (3 descriptors each) ran past a
+    # login shell's limit of 1,024 descriptors at 990 groups (EMFILE).
+    for (stem, group), its_parts in files.items():
+        _write(Layout(out).assembly(stem, group)[:2], its_parts, itemsize)
     placed: dict[str, dict[str, Checkpoint]] = {}
     for split, key, ckpt in (part.checkpoint for part in parts if part.checkpoint):
         placed.setdefault(split, {})[key] = ckpt
     if placed:
         write_placed(Layout(out), placed)
     return records
+
+
+def _write(paths: tuple[Path, Path], parts: list[tuple[Part, dict]], itemsize: int) -> None:
+    """Parts of one split file (a group's) written at their offsets and fsynced, their records' checksums filled in."""
+    bin_tmp, idx_tmp = paths
+    with open(bin_tmp, "r+b") as bin_f, open(idx_tmp, "r+b") as idx_f:
+        direct = open_direct(bin_tmp)
+        try:
+            for part, record in parts:
+                _write_part(bin_f.fileno(), idx_f.fileno(), direct, part, record, itemsize)
+            os.fdatasync(bin_f.fileno())  # the file's, whichever descriptor wrote: the direct writes too
+            os.fdatasync(idx_f.fileno())
+        finally:
+            if direct is not None:
+                os.close(direct)
+
+
+def _write_part(bin_fd: int, idx_fd: int, direct: int | None, part: Part, record: dict, itemsize: int) -> None:
+    # Where its bytes are in `part.bin`: a shard's own files from their start, a moved part where it was.
+    token, document = part.moved_from or (0, 0)
+    start, length = token * itemsize, record["tokens"] * itemsize
+    if part.buffered is not None:
+        parts_of_shard, key = part.buffered
+        tokens, ends = parts_of_shard[key]
+        write_at(bin_fd, tokens, part.token_offset * itemsize, direct)
+        relative = np.concatenate(ends) if ends else np.empty(0, IDX_DTYPE)
+    else:
+        copy_range(part.bin, bin_fd, length, part.token_offset * itemsize, start)
+        ends = np.fromfile(part.idx, IDX_DTYPE, record["documents"], offset=document * IDX_DTYPE.itemsize)
+        relative = ends - token
+    os.pwrite(idx_fd, memoryview(relative + part.token_offset), part.doc_offset * IDX_DTYPE.itemsize)
+    if record["sha256"] is None:  # a shard finished by an earlier tokpipe, which hashed only whole files
+        bin_hash = hashlib.sha256()
+        with open(part.bin, "rb") as src:
+            hash_range(src.fileno(), start, start + length, bin_hash, bytearray(HASH_CHUNK))
+        record.update(sha256=bin_hash.hexdigest(), idx_sha256=hashlib.sha256(memoryview(relative)).hexdigest())
 
 
 def is_in_place(bin_f, idx_f, record: dict, tokens: int, documents: int, itemsize: int, buffer: bytearray) -> bool:
