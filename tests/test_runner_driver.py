@@ -243,17 +243,24 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
     )
 
 
+@pytest.mark.parametrize("where", ["in the driver", "on Ray's workers"])
 def test_disk_full_stops_the_shard_clearly_and_the_rerun_completes(
-    manifest, tmp_path, small_tokenizer, small_reference
+    manifest, tmp_path, small_tokenizer, small_reference, where, request
 ):
     disk = tmp_path / "disk"
     if not _mount_tmpfs(disk, "3m"):
         pytest.skip("cannot mount a tmpfs here (needs root); the write-error path is also covered in test_write_shard")
+    # On Ray's workers, the Placer that writes their parts into train.bin.tmp meets the full disk: its OSError was
+    # printed as Ray's str of it, the Placer's traceback.
+    ray = request.getfixturevalue("ray_address") if where == "on Ray's workers" else None
+    on_ray = ("--ray-only", "--workers", "2") if ray else ()
     try:
         out = disk / "out"
-        full = tokpipe(*run_args(manifest, out, "--checkpoint-interval", "0.2", tokenizer=small_tokenizer))
+        args = run_args(manifest, out, "--checkpoint-interval", "0.2", *on_ray, tokenizer=small_tokenizer)
+        full = tokpipe(*args, ray=ray)
         assert full.returncode == 1
         assert "No space left on device" in full.stderr and "Traceback" not in full.stderr
+        assert full.stderr.splitlines()[-1].startswith("tokpipe run: error: [Errno 28] No space left on device")
         assert not (out / "meta.json").exists()
         # Said when the first shard was done, counting what OUT did not hold yet (not only the input unread),
         # and by status with the space as it is now.
@@ -265,7 +272,7 @@ def test_disk_full_stops_the_shard_clearly_and_the_rerun_completes(
         assert projection["free_bytes"] == 0
         subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)  # space freed
         assert re.search(r"\ndisk: .* free on OUT's file system: fits\n", cli("status", out).stdout)
-        rerun = tokpipe(*run_args(manifest, out, tokenizer=small_tokenizer))
+        rerun = tokpipe(*run_args(manifest, out, *on_ray, tokenizer=small_tokenizer), ray=ray)
         assert rerun.returncode == 0, rerun.stderr
         assert_out_is(out, small_reference)
     finally:

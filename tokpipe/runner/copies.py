@@ -114,7 +114,11 @@ class Placers:
             except ray.exceptions.RayError as e:
                 object_lost = isinstance(e, ray.exceptions.RayTaskError)
                 if object_lost and not isinstance(e.cause, ray.exceptions.ObjectLostError):
-                    raise  # the call itself failed (a full disk, the store, ...): no other node does better
+                    # The call itself failed (a full disk, the store, ...): no other node does better. An OSError as
+                    # itself, the CLI's one line: Ray's str of it is the Placer's traceback (a full disk: 14 lines).
+                    if isinstance(e.cause, OSError):
+                        raise e.cause from None
+                    raise
                 self.placers.pop(node, None)
                 self.queue.extend(items)
                 held = zip((s for item in items for s in self._held(item)), (ref for refs in sent for ref in refs))
