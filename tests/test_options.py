@@ -309,17 +309,17 @@ def test_group_by_keeps_each_group_in_files_of_its_own_with_exact_counts(tmp_pat
 
 
 def test_group_by_a_field_with_a_value_per_document_is_refused_before_tokenizing(tmp_path):
-    """At most 1,000 groups per split: a field such as an id is refused in one line, before any shard is
+    """At most 4,096 groups per split: a field such as an id is refused in one line, before any shard is
     tokenized, naming the field and a few of its values."""
-    lines = [json.dumps({"text": f"document {i}", "id": f"doc-{i:05d}"}) for i in range(1_200)]
+    lines = [json.dumps({"text": f"document {i}", "id": f"doc-{i:05d}"}) for i in range(5_000)]
     write_jsonl(tmp_path / "dataset" / "train" / "a.jsonl", lines)
     manifest = tmp_path / "manifest.json"
     write_manifest(build_manifest(tmp_path / "dataset"), manifest)
     result = cli(*run_args(manifest, tmp_path / "out", "--group-by", "id"))
     assert result.returncode == 2
     assert result.stderr == (
-        "tokpipe run: error: --group-by id: split train has more than 1,000 distinct values in its first shard alone"
-        " (e.g. 'doc-00000', 'doc-00001', 'doc-00002'), and a split may have at most 1,000 groups: group by a field"
+        "tokpipe run: error: --group-by id: split train has more than 4,096 distinct values in its first shard alone"
+        " (e.g. 'doc-00000', 'doc-00001', 'doc-00002'), and a split may have at most 4,096 groups: group by a field"
         " with a few values (a source, a language), not one per document (an id, a url)\n"
     )
     assert not list((tmp_path / "out").glob("shards/**/*.json"))  # nothing tokenized

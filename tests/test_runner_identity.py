@@ -310,7 +310,7 @@ def test_a_refused_run_leaves_out_to_the_corrected_command(tmp_path, monkeypatch
     spec = json.loads((tok / "tokenizer.json").read_text())
     (tok / "tokenizer.json").write_text(json.dumps({**spec, "normalizer": {"type": "NFC"}}))
     first = "Sogdian \U00010d27\U00010f46 marks"
-    lines = [json.dumps({"id": i, "text": first if i == 0 else f"document number {i}"}) for i in range(1100)]
+    lines = [json.dumps({"id": i, "text": first if i == 0 else f"document number {i}"}) for i in range(4200)]
     shard = write_jsonl(tmp_path / "data" / "train" / "a.jsonl", lines)
     manifest, out = tmp_path / "m.json", tmp_path / "out"
     assert cli("manifest", "--dataset-dir", tmp_path / "data", "-o", manifest).returncode == 0
@@ -347,8 +347,8 @@ def test_a_refused_run_leaves_out_to_the_corrected_command(tmp_path, monkeypatch
         (
             ["--group-by", "id"],
             f"{out} holds no token yet: starting it over with these inputs (group_by: was None, now 'id')\n",
-            "--group-by id: split train has more than 1,000 distinct values in its first shard alone (e.g. '0', '1',"
-            " '10'), and a split may have at most 1,000 groups: group by a field with a few values (a source, a"
+            "--group-by id: split train has more than 4,096 distinct values in its first shard alone (e.g. '0', '1',"
+            " '10'), and a split may have at most 4,096 groups: group by a field with a few values (a source, a"
             " language), not one per document (an id, a url)",
             command,
         ),
