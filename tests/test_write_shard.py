@@ -2,6 +2,8 @@
 
 import hashlib
 import json
+import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -21,6 +23,7 @@ from helpers import (
     reference_by_group,
     reference_objects,
     reference_texts,
+    reference_tokenizer,
     reference_tokens,
     write_jsonl,
 )
@@ -472,3 +475,37 @@ def test_for_an_out_on_a_store_a_large_part_past_the_buffer_goes_to_files_of_the
     assert result.checkpoint.done and result.checkpoint.tokens == len(_joined(part_arrays(large))[0])
     large.remove()
     assert not Path(large.bin).exists() and not Path(large.idx).exists()
+
+
+# A shard of 300 groups written to its parts' own files from its first batch (--shard-buffer 0; so does one that
+# outgrew its buffer, or resumed), in a process of 64 descriptors: two a group were held open, which at 990 groups ran
+# past a login shell's limit of 1,024 (EMFILE).
+SPILLED_GROUPS = """
+import resource, sys
+sys.path.insert(0, sys.argv[1])
+from helpers import shard_spec
+from tokpipe.inputs.manifest import Shard
+from tokpipe.write.shard import tokenize_shard
+
+tokenizer, path, out = sys.argv[2:]
+spec = shard_spec(tokenizer, group_by="lang", buffer_bytes=0)
+shard = Shard(split="train", relpath="train/a.jsonl", path=path, size=0, key="train__a")
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+assert tokenize_shard(shard, out, spec).checkpoint.done
+"""
+
+
+def test_a_shard_of_300_groups_in_its_own_files_holds_no_descriptor_a_group(tmp_path, small_tokenizer):
+    lines = [json.dumps({"text": f"document {i} of group {i % 300}", "lang": f"g{i % 300:03d}"}) for i in range(900)]
+    path = write_jsonl(tmp_path / "train" / "a.jsonl", lines)
+    args = [Path(__file__).parent, small_tokenizer, path, tmp_path / "out"]
+    done = subprocess.run([sys.executable, "-c", SPILLED_GROUPS, *map(str, args)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    eos = reference_tokenizer(small_tokenizer / "tokenizer.json").token_to_id("<|endoftext|>")
+    reference = reference_by_group([path], small_tokenizer / "tokenizer.json", "lang", eos)
+    files = ShardFiles(tmp_path / "out" / "shards" / "train", "train__a")
+    assert len(reference) == 300
+    for group, (tokens, documents, _) in reference.items():
+        bin_path, idx_path = files.part((False, group))
+        assert np.array_equal(np.fromfile(bin_path, np.uint16), tokens), group
+        assert len(np.fromfile(idx_path, "<i8")) == documents == 3

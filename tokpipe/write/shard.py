@@ -108,30 +108,41 @@ def read_ahead(batches: Iterator[TextBatch]) -> Iterator[TextBatch]:
             yield batch
 
 
-def _open_at(path: Path, length: int, hasher) -> tuple[object, int]:
-    """Open for appending after `length` bytes, cutting what lies beyond and hashing what is kept;
-    returns (file, bytes cut)."""
+def _cut_at(path: Path, length: int, hasher) -> int:
+    """The file cut to `length` bytes (made, empty, where it is not), what is kept hashed; returns the bytes cut."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    f = open(path, "r+b" if path.exists() else "w+b")
-    size = os.fstat(f.fileno()).st_size
-    if size < length:
-        f.close()
-        raise RuntimeError(
-            f"{path} holds {size} bytes but its checkpoint covers {length}: the shard's files were altered"
-        )
-    f.truncate(length)
-    f.seek(length)
-    hash_range(f.fileno(), 0, length, hasher, bytearray(min(HASH_CHUNK, max(length, 1))))
-    return f, size - length
+    with open(path, "r+b" if path.exists() else "w+b") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < length:
+            raise RuntimeError(
+                f"{path} holds {size} bytes but its checkpoint covers {length}: the shard's files were altered"
+            )
+        f.truncate(length)
+        hash_range(f.fileno(), 0, length, hasher, bytearray(min(HASH_CHUNK, max(length, 1))))
+    return size - length
 
 
-def _spilled(bin_path: Path, idx_path: Path, buffered: Buffered) -> tuple:
-    """A part's own files begun anew with what it buffered: the .bin and .idx, open for appending."""
-    bin_f, _ = _open_at(bin_path, 0, hashlib.sha256())
-    idx_f, _ = _open_at(idx_path, 0, hashlib.sha256())
-    bin_f.writelines(map(memoryview, buffered[0]))
-    idx_f.writelines(map(memoryview, buffered[1]))
-    return bin_f, idx_f
+# A part's files are opened for each write, not held: with --group-by a shard of 990 groups that outgrew its buffer
+# held two descriptors a group, past a login shell's limit of 1,024 (EMFILE). An open and a close a part a batch.
+def _append(path: Path, arrays) -> None:
+    with open(path, "ab") as f:
+        f.writelines(map(memoryview, arrays))
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _spilled(bin_path: Path, idx_path: Path, buffered: Buffered) -> tuple[Path, Path]:
+    """A part's own files begun anew with what it buffered."""
+    for path, arrays in zip((bin_path, idx_path), buffered):
+        _cut_at(path, 0, hashlib.sha256())
+        _append(path, arrays)
+    return bin_path, idx_path
 
 
 class PartWriter:
@@ -147,17 +158,18 @@ class PartWriter:
         self.buffered: Buffered | None = None if files else ([], [])
         self.spilled: Spilled | None = None  # an OUT on a store's large part, moved to files (ShardWriter._spill_large)
         self.buffered_bytes, self.cut = 0, 0
+        self.files = files  # its .bin and .idx, once it writes there
         if files:
-            self.bin, self.cut = _open_at(files[0], self.tokens * np.dtype(dtype).itemsize, self.bin_hash)
-            self.idx, _ = _open_at(files[1], self.documents * IDX_DTYPE.itemsize, self.idx_hash)
+            self.cut = _cut_at(files[0], self.tokens * np.dtype(dtype).itemsize, self.bin_hash)
+            _cut_at(files[1], self.documents * IDX_DTYPE.itemsize, self.idx_hash)
 
     def append(self, flat: np.ndarray, lengths: np.ndarray, spec: EncodeSpec) -> int:
         """Write documents (ids and lengths as the encoder gave them); returns the tokens written."""
         tokens, ends = delimit(flat, lengths, spec.bos_id, spec.eos_id, self.tokens)
         tokens, ends = to_dtype(tokens, self.dtype), ends.astype(IDX_DTYPE)
         if self.buffered is None:
-            self.bin.write(memoryview(tokens))
-            self.idx.write(memoryview(ends))
+            _append(self.files[0], [tokens])
+            _append(self.files[1], [ends])
         else:
             self.buffered[0].append(tokens)
             self.buffered[1].append(ends)
@@ -170,7 +182,7 @@ class PartWriter:
 
     def spill(self, bin_path: Path, idx_path: Path) -> None:
         """From memory to the part's own files: what was buffered, and from here on what comes (checkpointed)."""
-        self.bin, self.idx = _spilled(bin_path, idx_path, self.buffered)
+        self.files = _spilled(bin_path, idx_path, self.buffered)
         self.buffered, self.buffered_bytes = None, 0
         self.spilled = Spilled(str(bin_path), str(idx_path), self.dtype)
 
@@ -179,10 +191,6 @@ class PartWriter:
         hashes = (self.bin_hash.hexdigest(), self.idx_hash.hexdigest()) if done else (None, None)
         return PartCounts(*self.key, self.tokens, self.documents, self.text_bytes, *hashes)
 
-    def close(self) -> None:
-        if self.buffered is None:
-            self.bin.close()
-            self.idx.close()
 
 
 def _order(key: PartKey) -> tuple:
@@ -217,10 +225,7 @@ def tokenize_shard(
         if ckpt.done:
             return ShardResult(shard.split, shard.key, ckpt, ckpt.tokens, 0, time.monotonic() - started)
         writer = ShardWriter(shard, files, ckpt, spec)
-        try:
-            writer.run(on_batch, stop)
-        finally:
-            writer.close()
+        writer.run(on_batch, stop)
         return writer.result(time.monotonic() - started)
 
 
@@ -230,10 +235,8 @@ def keep(out: str | os.PathLike, shard: Shard, ckpt: Checkpoint, buffered: dict[
     failed): the rerun copies it into place instead of tokenizing it again."""
     files = ShardFiles.of(out, shard)
     for key, parts in buffered.items():
-        for f in _spilled(*files.part(key), parts):
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
+        for path in _spilled(*files.part(key), parts):
+            _fsync(path)
     write_atomic(files.checkpoint, ckpt.encoded())
 
 
@@ -362,19 +365,14 @@ class ShardWriter:
         """The parts' bytes fsynced, then the checkpoint that covers them (a buffering shard's is the runner's to
         write, once its parts are placed)."""
         if not self.buffering:  # a buffering shard's files (an OUT on a store's large parts) need no fsync
-            for f in (f for part in self.parts.values() for f in (part.bin, part.idx)):
-                f.flush()
-                os.fsync(f.fileno())
+            for path in (path for part in self.parts.values() for path in part.files):
+                _fsync(path)
         ckpt = self.ckpt
         ckpt.skipped, ckpt.repaired, ckpt.done = dict(self.skipped), dict(self.repaired), done
         ckpt.seconds = round(self.seconds_before + time.monotonic() - self.began, 3)
         self._count_parts(done)
         if not self.buffering:
             write_atomic(self.files.checkpoint, ckpt.encoded())
-
-    def close(self) -> None:
-        for part in self.parts.values():
-            part.close()
 
     def result(self, seconds: float) -> ShardResult:
         buffered = {key: part.buffered or part.spilled for key, part in self.parts.items()} if self.buffering else None
