@@ -262,6 +262,21 @@ def test_report_shows_each_groups_tokens_documents_and_bytes_per_token(finished_
     assert "<h2>Groups (<code>--group-by meta.redpajama_set_name</code>)</h2>" in page
 
 
+def test_past_40_groups_the_chart_draws_the_largest_and_one_bar_of_the_others():
+    """FineWeb-2's 1,868 languages were a chart 600 inches tall: 39 bars of the largest groups, in order of their
+    values, then one of the rest with their sums; the table above it lists every group."""
+    from tokpipe.commands.report.charts import _largest, groups
+    from tokpipe.commands.report.data import GroupStats
+
+    found = [GroupStats("train", f"g{i:03d}", i + 1, 2, 4 * (i + 1)) for i in range(100)]
+    drawn = _largest(found)
+    other = GroupStats("train", "61 other groups", sum(range(1, 62)), 122, 4 * sum(range(1, 62)))
+    assert drawn == found[61:] + [other] and other.bytes_per_token == 4.0
+    svg = groups(found)
+    assert all(f"<!-- {g.group} -->" in svg for g in drawn) and "<!-- g060 -->" not in svg
+    assert _largest(found[:40]) == found[:40]
+
+
 def test_a_damaged_log_is_a_note_of_the_page_and_the_rest_is_drawn(killed_example, tmp_path):
     """A log is not the run's state: the page says a damaged progress.json (a JSONDecodeError traceback before)
     among its notes, as status's warning, and draws the rest."""

@@ -13,7 +13,7 @@ import logging
 
 import numpy as np
 
-from tokpipe.commands.report.data import STATES, Health, Lengths, ProgressStats, Shards
+from tokpipe.commands.report.data import STATES, GroupStats, Health, Lengths, ProgressStats, Shards
 
 RED, ORANGE, GREY, GREEN, BLUE = "#c62828", "#ef6c00", "#9e9e9e", "#2e7d32", "#3b6ea8"
 SKIP = "#8d6e63"  # lines skipped: counted, not a failure
@@ -300,14 +300,15 @@ def progress(p: ProgressStats) -> str:
     return _svg(fig)
 
 
-def groups(found: list) -> str:
-    """Tokens per group, one panel per split, each bar labelled with its documents and bytes per token."""
+def groups(found: list[GroupStats]) -> str:
+    """Tokens per group, one panel per split, each bar labelled with its documents and bytes per token: past
+    BARS_AT_MOST groups, the largest and a bar of the others (the table lists every one)."""
     plt = _plt()
-    splits = list(dict.fromkeys(g.split for g in found))
-    height = 0.8 + 0.32 * len(found) + 0.5 * len(splits)  # a row a group, a title a split
-    fig, axes = plt.subplots(len(splits), 1, figsize=(WIDTH, height), squeeze=False)
-    for ax, split in zip(axes[:, 0], splits):
-        mine = [g for g in found if g.split == split]
+    drawn = {split: _largest([g for g in found if g.split == split]) for split in dict.fromkeys(g.split for g in found)}
+    rows = sum(map(len, drawn.values()))
+    height = 0.8 + 0.32 * rows + 0.5 * len(drawn)  # a row a group, a title a split
+    fig, axes = plt.subplots(len(drawn), 1, figsize=(WIDTH, height), squeeze=False)
+    for ax, (split, mine) in zip(axes[:, 0], drawn.items()):
         y = np.arange(len(mine))[::-1]
         ax.barh(y, [g.tokens for g in mine], color="#1f77b4", height=0.6)
         labels = [f" {g.documents:,} docs, {g.bytes_per_token or 0:.2f} B/token" for g in mine]
@@ -317,3 +318,15 @@ def groups(found: list) -> str:
         _axis(ax)
         ax.set_xlim(0, max(g.tokens for g in mine) * 1.45 or 1)
     return _svg(fig)
+
+
+def _largest(mine: list[GroupStats]) -> list[GroupStats]:
+    """A split's groups to draw, in order of their values: all, or the largest and one of the others (FineWeb-2's
+    1,868 languages were a chart 600 inches tall)."""
+    if len(mine) <= BARS_AT_MOST:
+        return mine
+    kept = set(sorted(mine, key=lambda g: -g.tokens)[: BARS_AT_MOST - 1])
+    rest = [g for g in mine if g not in kept]
+    other = GroupStats(mine[0].split, f"{len(rest):,} other groups", *(sum(n) for n in zip(*(
+        (g.tokens, g.documents, g.text_bytes) for g in rest))))  # fmt: skip
+    return [g for g in mine if g in kept] + [other]
