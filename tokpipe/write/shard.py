@@ -192,7 +192,6 @@ class PartWriter:
         return PartCounts(*self.key, self.tokens, self.documents, self.text_bytes, *hashes)
 
 
-
 def _order(key: PartKey) -> tuple:
     """A part's place among the shard's: its own documents before those it held out, a group's by its value."""
     held, group = key

@@ -327,6 +327,6 @@ def _largest(mine: list[GroupStats]) -> list[GroupStats]:
         return mine
     kept = set(sorted(mine, key=lambda g: -g.tokens)[: BARS_AT_MOST - 1])
     rest = [g for g in mine if g not in kept]
-    other = GroupStats(mine[0].split, f"{len(rest):,} other groups", *(sum(n) for n in zip(*(
-        (g.tokens, g.documents, g.text_bytes) for g in rest))))  # fmt: skip
+    tokens, documents, text_bytes = (sum(n) for n in zip(*((g.tokens, g.documents, g.text_bytes) for g in rest)))
+    other = GroupStats(mine[0].split, f"{len(rest):,} other groups", tokens, documents, text_bytes)
     return [g for g in mine if g in kept] + [other]
