@@ -7,8 +7,19 @@ import os
 import shutil
 from dataclasses import replace
 
+import numpy as np
 import pytest
-from helpers import EXAMPLE_CACHE, cli, plain_copy_of_example, run_args, tokpipe, write_jsonl
+from helpers import (
+    EXAMPLE_CACHE,
+    assert_out_is,
+    cli,
+    plain_copy_of_example,
+    reference_tokenizer,
+    reference_tokens,
+    run_args,
+    tokpipe,
+    write_jsonl,
+)
 
 import tokpipe as api
 from tokpipe.errors import UserError
@@ -55,6 +66,29 @@ def test_a_hub_name_is_read_from_the_hugging_face_cache_and_a_folder_of_that_nam
     write_jsonl(tmp_path / "tokpipe-realdata" / "slimpajama-mini" / "train.jsonl", ['{"text": "a folder here"}'])
     local = build_manifest("tokpipe-realdata/slimpajama-mini")
     assert (local.repo_id, [s.relpath for s in local.shards()]) == (None, ["train.jsonl"])
+
+
+def test_a_shard_s_key_is_a_file_name_however_deep_or_wide_its_path(tmp_path, small_tokenizer):
+    # A shard's files in OUT are named by its key: a path of 255 bytes or more (deep Hive-style folders, 85 CJK
+    # characters) failed every run with ENAMETOOLONG. Its key is now its end after 16 hex digits of the path's sha256.
+    deep = "/".join(["lang=en", "dump=CC-MAIN-2023-50", "q" * 120, "r" * 90])
+    wide = f"{'語' * 80}/{'文' * 20}"  # 300 bytes of UTF-8
+    relpaths = [f"train/{deep}/part-0.jsonl", f"train/{deep}/part-1.jsonl", f"train/{wide}.jsonl", "train/s.jsonl"]
+    for n, relpath in enumerate(relpaths):
+        write_jsonl(tmp_path / "data" / relpath, [json.dumps({"text": f"document {n} of {relpath[-12:]}"})])
+    manifest = build_manifest(tmp_path / "data")
+    keys = {shard.relpath: shard.key for shard in manifest.shards()}
+    assert keys["train/s.jsonl"] == "train__s" and len(set(keys.values())) == 4
+    assert [len(keys[r].encode()) for r in relpaths[:3]] == [200, 200, 199]  # 199: a character is not cut in two
+    assert keys[relpaths[0]].endswith("r" * 90 + "__part-0")
+    assert keys[relpaths[2]].endswith("-" + "語" * 40 + "__" + "文" * 20)
+    write_manifest(manifest, tmp_path / "m.json")
+    run = tokpipe(*run_args(tmp_path / "m.json", tmp_path / "out", "--shard-buffer", "0", tokenizer=small_tokenizer))
+    assert run.returncode == 0, run.stdout + run.stderr
+    tokenizer = small_tokenizer / "tokenizer.json"
+    files = [tmp_path / "data" / shard.relpath for shard in manifest.shards()]
+    eos = reference_tokenizer(tokenizer).token_to_id("<|endoftext|>")
+    assert_out_is(tmp_path / "out", {"train": reference_tokens(files, tokenizer, eos, np.uint16)})
 
 
 @pytest.mark.parametrize(

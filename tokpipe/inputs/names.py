@@ -2,6 +2,7 @@
 datasets would read it into, and its key in OUT. The same rules for a folder (manifest.py) and for a prefix on an
 object store (objects.py)."""
 
+import hashlib
 import re
 from collections import Counter
 from collections.abc import Callable
@@ -20,6 +21,7 @@ SHARD_SUFFIXES += (".arrow",)  # Hugging Face datasets' own files: save_to_disk'
 JSON_SUFFIX = ".json"
 # A file of data, read or not: x.json, x.jsonl.xz, x.csv.gz, x.arrow, x.txt, x.tar (every shard suffix but .parquet too)
 DATA_FILE = re.compile(r"\.(jsonl?|ndjson|csv|tsv|arrow|txt|tar)(\.\w+)?$", re.IGNORECASE)
+KEY_BYTES = 200  # of a shard's key (shard_key): with `.json`, `.bin`, `.lock` after it, under a file name's 255
 JSON_HEAD_BYTES = 1 << 20  # read of a .json file at a time to find its first line (first_line)
 # Files Hugging Face datasets never reads as data (datasets/data_files.py FILES_TO_IGNORE), and save_to_disk's state.
 METADATA_FILES = {"config.json", "dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}
@@ -222,8 +224,15 @@ def _format(relpaths: list[str]) -> str | None:
 
 
 def shard_key(relpath: str) -> str:
+    """The shard's name in OUT, of its files there (<key>.json, <key>.bin, ...): its path, a folder's `/` a `__`. A
+    longer one than KEY_BYTES (a deep path, or 85 CJK characters) is its end after 16 hex digits of the path's sha256:
+    a file's name is at most 255 bytes, and such a shard failed every run (ENAMETOOLONG)."""
     suffix = next((s for s in (*SHARD_SUFFIXES, JSON_SUFFIX) if relpath.endswith(s)), "")
-    return relpath.removesuffix(suffix).replace("/", "__")
+    key = relpath.removesuffix(suffix).replace("/", "__").encode()
+    if len(key) <= KEY_BYTES:
+        return key.decode()
+    end = key[len(key) - KEY_BYTES + 17 :].decode(errors="ignore")  # a character cut in two goes
+    return f"{hashlib.sha256(relpath.encode()).hexdigest()[:16]}-{end}"
 
 
 def first_line(read) -> bytes:
