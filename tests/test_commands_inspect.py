@@ -6,11 +6,12 @@ import re
 
 import numpy as np
 import pytest
-from helpers import QWEN3, QWEN3_EOS, cli
+from helpers import QWEN3, QWEN3_EOS, cli, run_args, tokpipe, write_jsonl
 
 from tokpipe.commands.inspect import EOS_MARK, Source, TokenFile, inspect, red_flags, render, scan_ids
 from tokpipe.errors import UserError
 from tokpipe.inputs.encoders import encoder
+from tokpipe.inputs.manifest import build_manifest, write_manifest
 from tokpipe.layout.files import load_meta_pkl
 
 
@@ -122,6 +123,22 @@ def test_killed_run_is_inspected_as_far_as_checkpoints_cover(killed_example):
     assert all(w.start + len(w.ids) <= len(w.file.tokens) for w in ins.windows)
     with pytest.raises(UserError, match="no tokens of split validation are written yet"):
         inspect(killed_example, split="validation")
+
+
+def test_an_empty_split_of_a_finished_run_is_said_to_be_empty(tmp_path, small_tokenizer):
+    """--val-fraction that held out none of a few documents: val.bin is empty, and the run finished. inspect said
+    its tokens were not written yet and sent the user to status."""
+    write_jsonl(tmp_path / "data" / "train" / "a.jsonl", [json.dumps({"text": f"document {i}"}) for i in range(3)])
+    write_manifest(build_manifest(tmp_path / "data"), tmp_path / "m.json")
+    out = tmp_path / "out"
+    run = tokpipe(*run_args(tmp_path / "m.json", out, "--val-fraction", "0.0001", tokenizer=small_tokenizer))
+    assert run.returncode == 0 and "validation: 0 tokens, 0 documents" in run.stdout, run.stdout + run.stderr
+    said = cli("inspect", out, "--split", "val")
+    assert (said.returncode, said.stderr) == (
+        2,
+        f"tokpipe inspect: error: split validation of {out} is empty (0 tokens): the finished run wrote no document"
+        " to it\n",
+    )
 
 
 def test_wrong_or_missing_tokenizer_is_a_user_error(out, small_tokenizer):

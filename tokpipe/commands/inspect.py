@@ -298,6 +298,8 @@ def inspect(
     tokenizer: str | None = None,
 ) -> Inspection:
     source = open_source(out, split)
+    if not source.tokens and source.finished:  # --val-fraction that held out no document of a small train split
+        raise UserError(f"split {source.split} of {out} is empty (0 tokens): the finished run wrote no document to it")
     if not source.tokens:
         raise UserError(
             f"no tokens of split {source.split} are written yet: see where the run stands with tokpipe status "
