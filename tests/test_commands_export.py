@@ -202,6 +202,18 @@ def test_unfinished_out_cannot_be_exported(killed_example, tmp_path):
         export(killed_example, "megatron", tmp_path / "d")
 
 
+def test_llmc_s_line_names_only_the_splits_it_wrote(tmp_path, small_tokenizer):
+    """A dataset of a train split alone: the line said to evaluate on val_*.bin, which no file matched."""
+    write_jsonl(tmp_path / "data" / "train" / "a.jsonl", [json.dumps({"text": f"document {i}"}) for i in range(3)])
+    out = build_out(tmp_path / "out", small_tokenizer, backend="hf", dataset=tmp_path / "data")
+    result = cli("export", out, "--format", "llmc", "--dest", tmp_path / "llmc")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == (
+        f"llm.c / modded-nanogpt: train on '{tmp_path / 'llmc' / 'train_*.bin'}'; no val split has documents to"
+        " evaluate on"
+    )
+
+
 def test_exports_keep_the_delimiters_the_run_placed(tmp_path):
     from helpers import QWEN3, build_out
 

@@ -208,10 +208,13 @@ def _cmd_export(args) -> int:
     if args.format == "megatron":
         tokenizer = "--tokenizer-type HuggingFaceTokenizer --tokenizer-model TOKENIZER_DIR"
         print(f"Megatron-LM: {megatron_flags(written)} {tokenizer} (the tokenizer folder of the run)")
-    else:
+    else:  # what was written: a split without documents (none held out, or none in the dataset) has no file
+        stems = {e.path.name.rsplit("_", 1)[0] for e in written}
+        uses = [f"{use} on {shlex.quote(str(Path(args.dest) / f'{stem}_*.bin'))}"
+                for use, stem in (("train", "train"), ("evaluate", "val")) if stem in stems]  # fmt: skip
         print(
-            f"llm.c / modded-nanogpt: train on {shlex.quote(str(Path(args.dest) / 'train_*.bin'))}, evaluate on "
-            f"{shlex.quote(str(Path(args.dest) / 'val_*.bin'))}"
+            f"llm.c / modded-nanogpt: {', '.join(uses) or 'no split has documents'}"
+            + ("" if "val" in stems else "; no val split has documents to evaluate on")
             + (f" (documents in the order of --shuffle {args.shuffle})" if args.shuffle is not None else "")
         )
     return EXIT_OK
