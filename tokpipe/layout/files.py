@@ -417,11 +417,11 @@ class _PlainUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"meta.pkl refers to {module}.{name}; a tokpipe meta holds only plain values")
 
 
-def load_meta_pkl(path: str | os.PathLike) -> dict:
-    """meta.pkl without executing anything it may contain: plain containers and scalars only. FileNotFoundError
-    before the run finished; a file cut short, garbled or hostile is `damaged`."""
+def load_meta_pkl(path: str | os.PathLike, raw: bytes | None = None) -> dict:
+    """meta.pkl (`raw`: its bytes, read already) without executing anything it may contain: plain containers and
+    scalars only. FileNotFoundError before the run finished; a file cut short, garbled or hostile is `damaged`."""
     path = Path(path)
-    raw = path.read_bytes()
+    raw = path.read_bytes() if raw is None else raw
     try:
         meta = _PlainUnpickler(io.BytesIO(raw)).load()
         if not isinstance(meta, dict):

@@ -14,6 +14,7 @@ from meta.pkl, the trainers' file (`finished_meta`), or from meta.json (`load_me
 
 from __future__ import annotations
 
+import hashlib
 import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -219,10 +220,11 @@ def load_meta(out: Layout) -> Meta | None:
 
 
 def finished_meta(out: Layout) -> Meta:
-    """A finished OUT's meta, as a trainer reads it (meta.pkl); refused in one line when OUT is not finished."""
+    """A finished OUT's meta, as a trainer reads it (meta.pkl); refused in one line when OUT is not finished. Parsed
+    once per process for the same bytes (_FINISHED)."""
     missing = None if out.is_finished() else out.meta_json
     try:
-        raw = None if missing else load_meta_pkl(out.meta_pkl)  # damaged or hostile: its loader's UserError
+        raw = None if missing else out.meta_pkl.read_bytes()
     except FileNotFoundError:
         missing = out.meta_pkl
     if missing is not None:
@@ -230,7 +232,18 @@ def finished_meta(out: Layout) -> Meta:
             f"{out.where} is not a finished tokpipe output (no {missing.name}): see where it stands with tokpipe "
             f"status {shlex.quote(out.where)}"
         )
-    return _parsed(raw, out.meta_pkl)
+    digest = hashlib.sha256(raw).digest()
+    if digest not in _FINISHED:
+        if len(_FINISHED) >= FINISHED_KEPT:
+            _FINISHED.clear()
+        _FINISHED[digest] = _parsed(load_meta_pkl(out.meta_pkl, raw), out.meta_pkl)  # damaged: its UserError
+    return _FINISHED[digest]
+
+
+# meta.pkl's sha256 -> its Meta. A Mixture of a split's groups opens a loader a group, each of which parsed meta whole:
+# for 2,000 groups, 2,000 parses of 2,000 groups' entries (44 ms each), 73 s and 4.7 GB in all.
+_FINISHED: dict[bytes, Meta] = {}
+FINISHED_KEPT = 16
 
 
 def _parsed(raw: dict, path: Path) -> Meta:
