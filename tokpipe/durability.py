@@ -29,7 +29,8 @@ DIRECT_CHUNK = 8 << 20  # bytes per direct write, copied into an aligned buffer 
 DIRECT_MIN = 1 << 20
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """A folder, or a file, fsynced by its path: fsync is the inode's, whichever descriptor wrote."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -289,4 +290,4 @@ def own_inode(path: Path) -> None:
     own = path.with_name(path.name + ".own")
     copy_file(path, own)
     os.replace(own, path)
-    fsync_dir(path.parent)
+    fsync_path(path.parent)

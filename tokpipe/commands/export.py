@@ -51,7 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from tokpipe.data import Permutation
-from tokpipe.durability import copy_file, copy_range, fsync_dir
+from tokpipe.durability import copy_file, copy_range, fsync_path
 from tokpipe.errors import UserError
 from tokpipe.layout.files import Layout, split_file_stem
 from tokpipe.layout.stored import stored_of
@@ -385,7 +385,7 @@ def export(
         for old in dest.iterdir():
             if LLMC_NAME.fullmatch(old.name) and old.name not in mine:
                 old.unlink()
-    fsync_dir(dest)
+    fsync_path(dest)
     return exported
 
 

@@ -200,7 +200,7 @@ class Sequences:
             raise ValueError(
                 f"{shown(records, META_PKL)} cannot be read safely ({e}): tokpipe verify {self.out}"
             ) from None
-        self.record, self.meta = meta, meta.as_dict()  # meta.pkl, as a record and as its dict
+        self.record, self.meta = meta, meta.as_dict()  # meta.pkl, as a record and as its dict, read-only: shared
         if self.split not in meta.splits:
             raise ValueError(f"{self.out} has no split {split!r}; its splits: {', '.join(meta.splits)}")
         entry = meta.splits[self.split]

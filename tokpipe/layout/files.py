@@ -21,7 +21,7 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokpipe.durability import fsync_dir, write_atomic, write_json_atomic
+from tokpipe.durability import fsync_path, write_atomic, write_json_atomic
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import Shard
 from tokpipe.inputs.names import shard_key
@@ -322,7 +322,7 @@ class LayoutWriter(Layout):
         for path in [self.assembly(stem)[2], *assembled]:
             os.replace(path, path.with_suffix(""))
         for folder in sorted({path.parent for path in assembled} - {self.root}):
-            fsync_dir(folder)
+            fsync_path(folder)
 
     def remove_placed_leftovers(self, excluded: frozenset[str]) -> None:
         """Remove the shard token files left after their parts were copied into place and listed (a crash

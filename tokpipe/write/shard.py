@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tokpipe.durability import HASH_CHUNK, hash_range, write_atomic
+from tokpipe.durability import HASH_CHUNK, fsync_path, hash_range, write_atomic
 from tokpipe.errors import SourceError, too_many_groups
 from tokpipe.inputs.manifest import Shard
 from tokpipe.inputs.source import BATCH_BYTES, read_batches
@@ -129,14 +129,6 @@ def _append(path: Path, arrays) -> None:
         f.writelines(map(memoryview, arrays))
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _spilled(bin_path: Path, idx_path: Path, buffered: Buffered) -> tuple[Path, Path]:
     """A part's own files begun anew with what it buffered."""
     for path, arrays in zip((bin_path, idx_path), buffered):
@@ -235,7 +227,7 @@ def keep(out: str | os.PathLike, shard: Shard, ckpt: Checkpoint, buffered: dict[
     files = ShardFiles.of(out, shard)
     for key, parts in buffered.items():
         for path in _spilled(*files.part(key), parts):
-            _fsync(path)
+            fsync_path(path)
     write_atomic(files.checkpoint, ckpt.encoded())
 
 
@@ -365,7 +357,7 @@ class ShardWriter:
         write, once its parts are placed)."""
         if not self.buffering:  # a buffering shard's files (an OUT on a store's large parts) need no fsync
             for path in (path for part in self.parts.values() for path in part.files):
-                _fsync(path)
+                fsync_path(path)
         ckpt = self.ckpt
         ckpt.skipped, ckpt.repaired, ckpt.done = dict(self.skipped), dict(self.repaired), done
         ckpt.seconds = round(self.seconds_before + time.monotonic() - self.began, 3)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tokpipe.durability import fsync_dir
+from tokpipe.durability import fsync_path
 from tokpipe.layout.files import LayoutWriter
 from tokpipe.layout.meta import SplitEntry
 from tokpipe.layout.records import IDX_DTYPE, Part, parts_line, split_entry
@@ -67,7 +67,7 @@ class Listing:
                 s.moving = None
             entries[s.stem] = split_entry(s.stem, self.out.assembly(s.stem)[2].read_bytes(), self.spec)
             self.out.finish_split(s.stem, assembled)
-        fsync_dir(self.out.root)
+        fsync_path(self.out.root)
         if self.spec.concat:
             self.out.remove_placed_leftovers(excluded)
         return entries

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokpipe.durability import copy_file, fsync_dir
+from tokpipe.durability import copy_file, fsync_path
 from tokpipe.layout.files import Layout, PartKey
 from tokpipe.layout.records import Part, parts_of, read_parts, record_key
 
@@ -83,9 +83,9 @@ class Moving:
             for path, source in zip(pair, self.out.moving_source(self.stem, n, group)[:2]):
                 link(path, source)
         for folder in (parts.parent, parts.parent.parent, parts.parent.parent.parent, self.out.root):
-            fsync_dir(folder)
+            fsync_path(folder)
         link(self.out.assembly(self.stem)[2], parts)  # the commit
-        fsync_dir(parts.parent)
+        fsync_path(parts.parent)
         self.numbers.append(n)
         self.sources.append(self._open(n))
 
@@ -113,7 +113,7 @@ class Moving:
         """Remove the sources: every part taken from them is listed in the split file. Each parts list first."""
         for n in self.numbers:
             self.out.moving_source(self.stem, n)[2].unlink()
-            fsync_dir(self.out.moving_source(self.stem, n)[2].parent)
+            fsync_path(self.out.moving_source(self.stem, n)[2].parent)
         _remove(self.out, self.stem)
         self.numbers, self.sources = [], []
 
