@@ -214,6 +214,23 @@ def test_llmc_s_line_names_only_the_splits_it_wrote(tmp_path, small_tokenizer):
     )
 
 
+def test_megatron_s_line_leaves_out_an_empty_split(tmp_path, small_tokenizer):
+    """--val-fraction that held out none of 3 documents: val has no token. Megatron-Core's GPTDataset adds epochs of a
+    dataset until they hold the samples asked for (_get_num_epochs), which an empty one never does."""
+    from tokpipe.options import RunOptions
+
+    write_jsonl(tmp_path / "data" / "train" / "a.jsonl", [json.dumps({"text": f"document {i}"}) for i in range(3)])
+    options = RunOptions(val_fraction=0.0001)
+    out = build_out(tmp_path / "out", small_tokenizer, backend="hf", options=options, dataset=tmp_path / "data")
+    result = cli("export", out, "--format", "megatron", "--dest", tmp_path / "mg")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == (
+        f"Megatron-LM: --train-data-path {tmp_path / 'mg' / 'train'} --tokenizer-type HuggingFaceTokenizer"
+        " --tokenizer-model TOKENIZER_DIR (the tokenizer folder of the run); val left out: no documents (Megatron-LM's"
+        " index of an empty one never ends)"
+    )
+
+
 def test_exports_keep_the_delimiters_the_run_placed(tmp_path):
     from helpers import QWEN3, build_out
 

@@ -207,7 +207,9 @@ def _cmd_export(args) -> int:
         print(f"{e.path}: {e.tokens:,} tokens, {e.documents:,} documents{'; ' + e.how if e.how else ''}")
     if args.format == "megatron":
         tokenizer = "--tokenizer-type HuggingFaceTokenizer --tokenizer-model TOKENIZER_DIR"
-        print(f"Megatron-LM: {megatron_flags(written)} {tokenizer} (the tokenizer folder of the run)")
+        empty = ", ".join(sorted({e.stem for e in written} - {e.stem for e in written if e.tokens}))
+        left = f"; {empty} left out: no documents (Megatron-LM's index of an empty one never ends)" if empty else ""
+        print(f"Megatron-LM: {megatron_flags(written)} {tokenizer} (the tokenizer folder of the run){left}")
     else:  # what was written: a split without documents (none held out, or none in the dataset) has no file
         stems = {e.path.name.rsplit("_", 1)[0] for e in written}
         uses = [f"{use} on {shlex.quote(str(Path(args.dest) / f'{stem}_*.bin'))}"

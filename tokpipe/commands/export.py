@@ -396,6 +396,8 @@ def megatron_flags(exported: list[Exported]) -> str:
     words = []
     for stem in dict.fromkeys(e.stem for e in exported):
         mine = [e for e in exported if e.stem == stem]
+        if not sum(e.tokens for e in mine):  # Megatron-Core's GPTDataset adds epochs until they hold the samples asked
+            continue  # for (_get_num_epochs): of an empty dataset, forever
         words.append(flags[stem])
         if mine[0].group is None:
             words.append(shlex.quote(str(mine[0].path.with_suffix(""))))
