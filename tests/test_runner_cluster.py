@@ -330,3 +330,23 @@ def test_a_run_that_its_head_watch_ends_saves_its_stop_note_where_out_s_readers_
         "Ray's processes killed",
         "exit 1",
     ]
+
+
+# Ray's logger writes to the stderr object of its import, fd 2: OUT/logs/ray.log once RayLines routes it. /dev/full
+# stands for OUT's disk full.
+FULL_RAY_LOG = """
+import logging, sys
+from pathlib import Path
+from tokpipe.runner.cluster import RayLines
+logging.getLogger("ray").addHandler(logging.StreamHandler(sys.stderr))
+lines = RayLines()
+lines.path = Path("/dev/full")
+lines.open()
+logging.getLogger("ray").error("Unhandled error (suppress with 'RAY_IGNORE_UNHANDLED_ERRORS=1'): ...")
+"""
+
+
+def test_a_line_ray_cannot_write_to_a_full_disk_is_no_traceback_on_the_terminal():
+    # A CI run of the full-disk test on Ray ended with logging's own traceback of the ENOSPC ("--- Logging error ---").
+    ran = subprocess.run([sys.executable, "-c", FULL_RAY_LOG], capture_output=True, text=True)
+    assert (ran.returncode, ran.stdout, ran.stderr) == (0, "", "")

@@ -189,6 +189,7 @@ class RayLines:
             return
         self.file = open(self.path, "a", buffering=1)
         _stderr_to(self.file.fileno())
+        logging.raiseExceptions = False  # a line Ray cannot write there (a full disk) is lost, no traceback
         with self.lock:  # else Ray's start routes them, once up
             if self.up:
                 self._route()
