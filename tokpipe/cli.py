@@ -200,25 +200,12 @@ def _cmd_inspect(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    from tokpipe.commands.export import export, megatron_flags
+    from tokpipe.commands.export import export, llmc_line, megatron_line
 
     written = export(args.out, args.format, args.dest, force=args.force, shuffle=args.shuffle)
     for e in written:
         print(f"{e.path}: {e.tokens:,} tokens, {e.documents:,} documents{'; ' + e.how if e.how else ''}")
-    if args.format == "megatron":
-        tokenizer = "--tokenizer-type HuggingFaceTokenizer --tokenizer-model TOKENIZER_DIR"
-        empty = ", ".join(sorted({e.stem for e in written} - {e.stem for e in written if e.tokens}))
-        left = f"; {empty} left out: no documents (Megatron-LM's index of an empty one never ends)" if empty else ""
-        print(f"Megatron-LM: {megatron_flags(written)} {tokenizer} (the tokenizer folder of the run){left}")
-    else:  # what was written: a split without documents (none held out, or none in the dataset) has no file
-        stems = {e.path.name.rsplit("_", 1)[0] for e in written}
-        uses = [f"{use} on {shlex.quote(str(Path(args.dest) / f'{stem}_*.bin'))}"
-                for use, stem in (("train", "train"), ("evaluate", "val")) if stem in stems]  # fmt: skip
-        print(
-            f"llm.c / modded-nanogpt: {', '.join(uses) or 'no split has documents'}"
-            + ("" if "val" in stems else "; no val split has documents to evaluate on")
-            + (f" (documents in the order of --shuffle {args.shuffle})" if args.shuffle is not None else "")
-        )
+    print(megatron_line(written) if args.format == "megatron" else llmc_line(written, args.dest, args.shuffle))
     return EXIT_OK
 
 

@@ -33,7 +33,7 @@ Formats, as their writers define them:
   Files are named like modded-nanogpt's and llm.c's fineweb shards: <split>_NNNNNN.bin.
 
 An OUT made with --group-by is exported to Megatron as a prefix per group (DEST/<split>/<group>, named
-as in OUT), and `megatron_flags` gives the blend, each group weighted by its share of the split's tokens;
+as in OUT), and `megatron_line` gives the blend, each group weighted by its share of the split's tokens;
 llm.c has no blend, so its shards hold the split's groups one after the other (open_output's order).
 """
 
@@ -375,7 +375,7 @@ def export(
                 shards.add(tokens, lengths)
             shards.close()
             renames += [(tmp, final) for tmp, final, _, _ in shards.written]
-            exported += [Exported(final, tokens, documents) for _, final, tokens, documents in shards.written]
+            exported += [Exported(final, tokens, docs, stem=stem) for _, final, tokens, docs in shards.written]
     for tmp, final in renames:
         os.replace(tmp, final)
         tmp.unlink(missing_ok=True)  # rename keeps both names when they are links to one file (a re-export)
@@ -389,19 +389,36 @@ def export(
     return exported
 
 
-def megatron_flags(exported: list[Exported]) -> str:
-    """Megatron-LM's data flags for what `export` wrote: a prefix per split, or with --group-by each split's
-    blend, `--train-data-path W1 PREFIX1 W2 PREFIX2 ...`, the weights the groups' shares of the split's tokens."""
+def megatron_line(exported: list[Exported]) -> str:
+    """Megatron-LM's flags for what `export` wrote: a prefix per split, or with --group-by each split's blend,
+    `--train-data-path W1 PREFIX1 W2 PREFIX2 ...`, the weights the groups' shares of the split's tokens. A split of
+    no tokens is left out, and said: Megatron-Core's GPTDataset adds epochs until they hold the samples asked for
+    (_get_num_epochs), of an empty dataset forever."""
     flags = {"train": "--train-data-path", "val": "--valid-data-path", "test": "--test-data-path"}
-    words = []
+    words, empty = [], []
     for stem in dict.fromkeys(e.stem for e in exported):
         mine = [e for e in exported if e.stem == stem]
-        if not sum(e.tokens for e in mine):  # Megatron-Core's GPTDataset adds epochs until they hold the samples asked
-            continue  # for (_get_num_epochs): of an empty dataset, forever
-        words.append(flags[stem])
-        if mine[0].group is None:
-            words.append(shlex.quote(str(mine[0].path.with_suffix(""))))
-            continue
-        total = max(sum(e.tokens for e in mine), 1)
-        words += [f"{e.tokens / total:.6f} {shlex.quote(str(e.path.with_suffix('')))}" for e in mine]
-    return " ".join(words)
+        total = sum(e.tokens for e in mine)
+        if not total:
+            empty.append(stem)
+        elif mine[0].group is None:
+            words += [flags[stem], shlex.quote(str(mine[0].path.with_suffix("")))]
+        else:
+            words.append(flags[stem])
+            words += [f"{e.tokens / total:.6f} {shlex.quote(str(e.path.with_suffix('')))}" for e in mine]
+    line = f"Megatron-LM: {' '.join(words)} --tokenizer-type HuggingFaceTokenizer --tokenizer-model TOKENIZER_DIR"
+    left = f"; {', '.join(empty)} left out: no documents (Megatron-LM's index of an empty one never ends)"
+    return f"{line} (the tokenizer folder of the run){left if empty else ''}"
+
+
+def llmc_line(exported: list[Exported], dest: str | os.PathLike, shuffle: int | None) -> str:
+    """What llm.c and modded-nanogpt read of `export`'s shards: the globs of the splits written (a split of no
+    documents, none held out or none in the dataset, has no file)."""
+    stems = {e.stem for e in exported}
+    uses = [f"{use} on {shlex.quote(str(Path(dest) / f'{stem}_*.bin'))}"
+            for use, stem in (("train", "train"), ("evaluate", "val")) if stem in stems]  # fmt: skip
+    return (
+        f"llm.c / modded-nanogpt: {', '.join(uses) or 'no split has documents'}"
+        + ("" if "val" in stems else "; no val split has documents to evaluate on")
+        + (f" (documents in the order of --shuffle {shuffle})" if shuffle is not None else "")
+    )

@@ -55,7 +55,7 @@ from tokpipe.errors import UserError
 from tokpipe.layout.files import Layout, split_named
 from tokpipe.layout.meta import OutputError, SplitEntry, finished_meta
 from tokpipe.layout.records import read_parts
-from tokpipe.layout.stored import StoredOut, copy_records, on_store, reader_out, shown
+from tokpipe.layout.stored import StoredOut, copy_records, on_store, reader_out, shown, stored_of
 from tokpipe.read.files import TokenFiles
 
 META_JSON, META_PKL = Layout("").meta_json.name, Layout("").meta_pkl.name  # what a loader copies of a store's records
@@ -114,7 +114,9 @@ def stream_fingerprint(out: Path, entry: SplitEntry, dtype: str, group: str | No
     if entry.parts is None:
         return entry.sha256
     key = (entry.parts_sha256, dtype)
-    if key not in _FINGERPRINTS:  # on a store, its parts list copied here first (`copy_records`)
+    if key not in _FINGERPRINTS:
+        if stored_of(out) is not None:  # a reader's copy of an OUT on a store's meta: the parts list fetched too
+            copy_records(out, [entry.parts])
         _FINGERPRINTS[key] = _fingerprints(out / entry.parts, entry.parts_sha256, dtype, out)
     found = _FINGERPRINTS[key]
     return found.get(group) or hashlib.sha256(f"tokpipe token stream {dtype}\n".encode()).hexdigest()
@@ -126,12 +128,12 @@ def _fingerprints(parts: Path, parts_sha256: str, dtype: str, out: Path) -> dict
     if hashlib.sha256(raw).hexdigest() != parts_sha256:
         raise ValueError(f"{parts} is not the parts list meta describes: tokpipe verify {out}")
     digests: dict[str | None, object] = {}
-    for record in read_parts(raw):
-        if record["tokens"]:
-            for group in (None, record.get("group")) if record.get("group") is not None else (None,):
-                if group not in digests:
-                    digests[group] = hashlib.sha256(f"tokpipe token stream {dtype}\n".encode())
-                digests[group].update(f"{record['tokens']} {record['sha256']}\n".encode())
+    for record in (r for r in read_parts(raw) if r["tokens"]):
+        group = record.get("group")
+        for key in (None,) if group is None else (None, group):  # the split's, and its group's
+            if key not in digests:
+                digests[key] = hashlib.sha256(f"tokpipe token stream {dtype}\n".encode())
+            digests[key].update(f"{record['tokens']} {record['sha256']}\n".encode())
     return {group: digest.hexdigest() for group, digest in digests.items()}
 
 
@@ -212,8 +214,6 @@ class Sequences:
                 raise ValueError(f"split {self.split} of {self.out} has no group {group!r}; {have}")
             legacy = f"{self._legacy_fingerprint} group {group}"
             self._legacy_fingerprint = hashlib.sha256(legacy.encode()).hexdigest()
-        if on_store(out) and entry.parts is not None and (entry.parts_sha256, meta.dtype) not in _FINGERPRINTS:
-            copy_records(records, [entry.parts])
         self.fingerprint = stream_fingerprint(records, entry, meta.dtype, group)
         self.files = TokenFiles(records, (groups[group] if group else entry).token_files(), meta.dtype, windows=True)
         self.len = max(self.files.tokens - 1, 0) // self.seq_len
