@@ -5,7 +5,19 @@ import re
 
 import numpy as np
 import pytest
-from helpers import EXAMPLE_CACHE, assert_out_is, cli, killed_run, run_args, tokpipe
+from helpers import (
+    EXAMPLE_CACHE,
+    EXAMPLE_HOLDOUT_FILES,
+    EXAMPLE_TRAIN_FILES,
+    GROUP_FIELD,
+    assert_out_is,
+    cli,
+    killed_run,
+    reference_by_group,
+    reference_tokenizer,
+    run_args,
+    tokpipe,
+)
 
 from tokpipe.inputs.manifest import build_manifest, write_manifest
 
@@ -36,6 +48,28 @@ def test_a_kill_9_at_each_step_of_placing_a_buffered_shard_loses_nothing(
     assert "tokenizing again" not in rerun.stdout  # no token that was on disk is lost
     assert_out_is(out, small_reference)
     assert not [p for p in (out / "shards").rglob("*") if p.suffix in (".bin", ".idx")]
+    assert cli("verify", out).returncode == 0
+
+
+def test_with_group_by_parts_in_place_with_their_checkpoint_but_unlisted_are_kept(tmp_path, small_tokenizer):
+    """--group-by: a shard whose parts went to its groups' files and whose checkpoint was written, killed before its
+    lines in .parts, is done as status says: the rerun keeps its parts by their checksums, tokenizing none again
+    (they were tokenized again, after status had counted the shard done)."""
+    manifest, out = tmp_path / "m.json", tmp_path / "out"
+    write_manifest(build_manifest(EXAMPLE_CACHE), manifest)
+    options = ("--group-by", GROUP_FIELD)
+    killed_run("tokpipe.write.assembly.Assembler.placed", 1, manifest, out, *options, tokenizer=small_tokenizer)
+    assert "train       1/2 done" in cli("status", out).stdout
+    rerun = tokpipe(*run_args(manifest, out, *options, tokenizer=small_tokenizer))
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert re.search(r": 3 shards, .*; 1 done, 0 partial, 2 to start$", rerun.stdout, re.M), rerun.stdout
+    assert "tokenizing again" not in rerun.stdout
+    eos = reference_tokenizer(small_tokenizer / "tokenizer.json").token_to_id("<|endoftext|>")
+    for stem, files in (("train", EXAMPLE_TRAIN_FILES), ("val", EXAMPLE_HOLDOUT_FILES)):
+        groups = reference_by_group(files, small_tokenizer / "tokenizer.json", GROUP_FIELD, eos)
+        for group, (tokens, documents, _) in groups.items():
+            assert np.array_equal(np.fromfile(out / stem / f"{group}.bin", np.uint16), tokens), (stem, group)
+            assert len(np.fromfile(out / stem / f"{group}.idx", "<i8")) == documents
     assert cli("verify", out).returncode == 0
 
 

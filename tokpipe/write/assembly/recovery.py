@@ -44,8 +44,7 @@ class Recovery:
         if renew:  # before anything reads or writes the split's names: its files are a source now
             _prepare_files(self.out, state, False)
         elif self.concat:
-            if self.group_by is None:
-                kept += self._placed_unlisted(state)
+            kept += self._placed_unlisted(state)
             _prepare_files(self.out, state, bool(kept))
         self.out.start_parts_list(stem, b"".join(map(parts_line, kept)))
         state.scheduled = state.listed = len(kept)
@@ -90,11 +89,7 @@ class Recovery:
             if (record.get("shard"), record_key(record)) != (state.head[0].relpath, (state.head[1], group)):
                 break  # the split changed before this shard (an append, a shard excluded or back)
             kept.append(record)
-            state.add(group, record)
-            if state.head_parts:
-                state.head_parts.pop(0)
-            if not state.head_parts:
-                state.advance()
+            _take(state, group, record)
         return kept
 
     def _head_known(self, state: SplitAssembly) -> bool:
@@ -111,25 +106,30 @@ class Recovery:
     def _placed_unlisted(self, state: SplitAssembly) -> list[dict]:
         """The parts written into place after the listed ones but not yet listed when the run stopped (a shard
         that buffered its tokens has no other copy of them): kept, in order, as far as each one's checkpoint is
-        done and its bytes in the split file match the checksums the worker took; `state` is advanced past them.
-        (With --group-by such parts are tokenized again.)"""
-        bin_tmp, idx_tmp, _ = self.out.assembly(state.stem)
-        if not (bin_tmp.exists() and idx_tmp.exists()):
-            return []
+        done and its bytes in its file match the checksums the worker took (with --group-by, a shard's accounting
+        line, which has no bytes, with them); `state` is advanced past them."""
         recovered, buffer = [], bytearray(HASH_CHUNK)
-        with open(bin_tmp, "rb") as bin_f, open(idx_tmp, "rb") as idx_f:
-            while state.head is not None:
-                shard, held = state.head
-                files, ckpt = self.out.shard(shard), self.checkpoints.of(shard)
-                if ckpt is None or not ckpt.done or files.part((held, None))[0].exists():
-                    break  # not done, or in its own files still: placed from them as usual
-                record = part_record(shard, ckpt, (held, None))
-                if not is_in_place(bin_f, idx_f, record, *state.offsets.get(None, (0, 0)), self.itemsize, buffer):
+        while self._head_known(state):
+            (shard, held), ckpt = state.head, self.checkpoints.of(state.head[0])
+            group = state.head_parts[0] if state.head_parts else None
+            if ckpt is None or not ckpt.done:
+                break
+            files, record = self.out.shard(shard), part_record(shard, ckpt, (held, group))
+            if self.group_by is not None and group is None:  # the accounting line: kept if no part is in its files
+                if any(files.part(part.key)[0].exists() for part in ckpt.source_parts(held)):
                     break
-                recovered.append(record)
-                state.add(None, record)
-                state.advance()
+            elif files.part((held, group))[0].exists() or not self._in_place(state, group, record, buffer):
+                break  # in its own files still (placed from them as usual), or not in place
+            recovered.append(record)
+            _take(state, group, record)
         return recovered
+
+    def _in_place(self, state: SplitAssembly, group: str | None, record: dict, buffer: bytearray) -> bool:
+        bin_tmp, idx_tmp, _ = self.out.assembly(state.stem, group)
+        if not (bin_tmp.exists() and idx_tmp.exists()):
+            return False
+        with open(bin_tmp, "rb") as bin_f, open(idx_tmp, "rb") as idx_f:
+            return is_in_place(bin_f, idx_f, record, *state.offsets.get(group, (0, 0)), self.itemsize, buffer)
 
     def _tokenize_again(self, manifest: Manifest, state: SplitAssembly) -> None:
         """Shards done whose placed files are gone and whose parts are neither kept nor in a source of moved
@@ -163,6 +163,15 @@ class Recovery:
             state.moving = Moving(self.out, state.stem)
         elif moving:  # every part moved from them is kept
             moving.end()
+
+
+def _take(state: SplitAssembly, group: str | None, record: dict) -> None:
+    """`state` past a part kept: the next of its shard's, or the next shard."""
+    state.add(group, record)
+    if state.head_parts:
+        state.head_parts.pop(0)
+    if not state.head_parts:
+        state.advance()
 
 
 def _short(out: Layout, state: SplitAssembly, itemsize: int) -> bool:
