@@ -160,7 +160,7 @@ def load_texts(source: str | Path, limit: int | None = None) -> list[str]:
     found, size = [], 0
     for shard in build_manifest(str(source)).shards():
         with open(shard.path, "rb") as raw:
-            data = b"".join(block for block, *_ in decompressed_blocks(raw, shard.path, format_of(shard.path)))
+            data = b"".join(block for block, *_ in decompressed_blocks(raw, shard.path, format_of(shard.path)[0]))
         for line in data.splitlines():
             try:
                 text = orjson.loads(line).get("text")

@@ -30,7 +30,7 @@ from tokpipe.inputs.source.jsonl import decompressed_blocks
 def rows_of(path: str) -> list[str | None]:
     rows = []
     with open(path, "rb") as raw:
-        text = b"".join(block for block, *_ in decompressed_blocks(raw, path, format_of(path)))
+        text = b"".join(block for block, *_ in decompressed_blocks(raw, path, format_of(path)[0]))
     for line in text.splitlines():
         if line.strip():
             value = json.loads(line).get("text")

@@ -256,13 +256,13 @@ def test_no_shards_is_refused_naming_each_file_passed_over(tmp_path):
     root = tmp_path / "repo"
     (root / "data").mkdir(parents=True)
     (root / "data" / "train.csv").write_text("text\na\n")
-    (root / "data" / "train-all.json").write_text('[{"text": "a"}]\n')
+    (root / "data" / "train-all.json").write_text('{\n  "text": "a"\n}\n')  # one JSON document
     (root / "data" / "train.txt.gz").write_bytes(b"")
     (root / "data" / "train-0.tar").write_bytes(b"")
     with pytest.raises(UserError) as refused:
         build_manifest(root)
     said = str(refused.value)
-    assert "; passed over data/train-all.json: not JSON Lines (its first line is not a JSON object" in said
+    assert "; passed over data/train-all.json: neither JSON Lines nor a JSON array (its first line is no JSON" in said
     for name in ("train.csv", "train.txt.gz", "train-0.tar"):  # HF datasets would read the JSON file alone (a draw)
         assert f"; passed over data/{name}: not JSON, the format of most of its split's files" in said
 

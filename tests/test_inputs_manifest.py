@@ -464,18 +464,20 @@ def test_a_runs_out_inside_the_dataset_is_passed_over(tmp_path, small_tokenizer)
     assert list(load_manifest(tmp_path / "again.json").shards()) == list(load_manifest(tmp_path / "m.json").shards())
 
 
-# Files of data beside the shards, as datasets hold them: JSON Lines named .json (C4's uncompressed files; Hugging
-# Face's json builder reads them), metadata, a JSON array, a compression tokpipe does not read, a README.
+# Files of data beside the shards, as datasets hold them: JSON Lines and a JSON array named .json (C4's uncompressed
+# files, alpaca_data.json; Hugging Face's json builder reads them), metadata, one JSON object, a compression tokpipe
+# does not read, a README.
 DATA_FILES = {
     "en/c4-train.00000-of-00001.json": b'{"text": "one"}\n{"text": "two"}\n',
     "en/c4-validation.00000-of-00001.json": b'{"text": "three"}\n',
     "en/dataset_info.json": b'{\n  "description": "C4"\n}\n',
-    "en/c4-train.alpaca.json": b'[{"text": "four"}]\n',
+    "en/c4-train.alpaca.json": b'[\n    {\n        "text": "four"\n    },\n    "five"\n]',
+    "en/c4-train.stats.json": b'{\n  "documents": 5\n}\n',
     "en/c4-train.more.jsonl.xz": b"\xfd7zXZ\x00",
     "README.md": b"# C4\n",
 }
 NOT_JSON_LINES = (
-    "not JSON Lines (its first line is not a JSON object: metadata, or one JSON document such as an array);"
+    "neither JSON Lines nor a JSON array (its first line is no JSON object: metadata, or one JSON document);"
     " convert it to JSONL to tokenize it"
 )
 NOT_READ = (
@@ -483,16 +485,17 @@ NOT_READ = (
     " convert it to one of those to tokenize it"
 )
 PASSED_OVER_FILES = (
-    ("en/c4-train.alpaca.json", NOT_JSON_LINES),
     ("en/c4-train.more.jsonl.xz", NOT_READ),
+    ("en/c4-train.stats.json", NOT_JSON_LINES),
     ("en/dataset_info.json", "Hugging Face datasets' metadata, never data"),
 )
 
 
 def test_a_json_file_of_json_lines_is_a_shard_and_every_other_file_of_data_is_named(tmp_path, small_tokenizer):
-    """A .json file is a shard when its first line is a JSON object, as Hugging Face datasets reads it; a file of data
-    that is no shard is named with why, never left out without a word. (Before, every .json file was left out
-    silently: C4's uncompressed validation files were not in the manifest, and nothing said so.)"""
+    """A .json file is a shard when its first line is a JSON object or it is a JSON array, as Hugging Face datasets
+    reads it (an array of objects, or of texts); a file of data that is no shard is named with why, never left out
+    without a word. (Before, every .json file was left out silently: C4's uncompressed validation files were not in
+    the manifest, and nothing said so.)"""
     data = tmp_path / "data"
     for relpath, content in DATA_FILES.items():
         (data / relpath).parent.mkdir(parents=True, exist_ok=True)
@@ -500,6 +503,7 @@ def test_a_json_file_of_json_lines_is_a_shard_and_every_other_file_of_data_is_na
     m = build_manifest(data)
     assert [(s.split, s.relpath, s.key) for s in m.shards()] == [
         ("train", "en/c4-train.00000-of-00001.json", "en__c4-train.00000-of-00001"),
+        ("train", "en/c4-train.alpaca.json", "en__c4-train.alpaca"),
         ("validation", "en/c4-validation.00000-of-00001.json", "en__c4-validation.00000-of-00001"),
     ]
     assert m.files_passed_over == PASSED_OVER_FILES
@@ -509,7 +513,7 @@ def test_a_json_file_of_json_lines_is_a_shard_and_every_other_file_of_data_is_na
     run = tokpipe(*run_args(tmp_path / "m.json", tmp_path / "out", tokenizer=small_tokenizer))
     assert run.returncode == 0, run.stderr
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
-    assert {name: split["documents"] for name, split in meta["splits"].items()} == {"train": 2, "validation": 1}
+    assert {name: split["documents"] for name, split in meta["splits"].items()} == {"train": 4, "validation": 1}
 
 
 def test_a_shard_that_is_not_a_regular_file_is_refused_in_one_line(tmp_path):
@@ -587,6 +591,7 @@ def test_on_a_store_a_json_file_of_json_lines_is_a_shard_and_every_other_file_of
     m = api.build_manifest(s3_server.url(f"{s3_prefix}/json"))
     assert [(s.split, s.relpath) for s in m.shards()] == [
         ("train", "en/c4-train.00000-of-00001.json"),
+        ("train", "en/c4-train.alpaca.json"),
         ("validation", "en/c4-validation.00000-of-00001.json"),
     ]
     assert m.files_passed_over == PASSED_OVER_FILES

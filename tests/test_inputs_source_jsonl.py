@@ -31,7 +31,7 @@ LINES = [
 def test_compression_is_sniffed_not_taken_from_the_name(tmp_path, compression):
     # Every file is named .jsonl.zst, as the Dolma file that is really plain JSONL.
     path = write_jsonl(tmp_path / "x.jsonl.zst", LINES, compression)
-    assert format_of(str(path)) == compression
+    assert format_of(str(path)) == (compression, False)
     texts, skipped, batches = read_all(path)
     assert texts == ["first", "second"]
     assert dict(skipped) == {
@@ -95,7 +95,7 @@ def test_a_zstd_file_that_starts_with_a_skippable_frame_is_zstd(tmp_path):
     # pzstd's layout: a skippable frame before each frame, holding that frame's compressed size.
     path = tmp_path / "pzstd.jsonl.zst"
     path.write_bytes(pzstd_frames([b'{"text": "%d"}\n' % i for i in range(3)]))
-    assert format_of(str(path)) == "zstd"
+    assert format_of(str(path)) == ("zstd", False)
     texts, skipped, batches = read_all(path)
     assert (texts, skipped, sum(b.lines for b in batches)) == (["0", "1", "2"], Counter(), 3)
 
@@ -239,7 +239,7 @@ def test_a_shard_on_a_store_reads_as_its_local_copy(tmp_path, s3_server, s3_pref
     path = write_jsonl(tmp_path / "x.jsonl.zst", BLOCK_EDGE_LINES * 50, compression)
     etag = s3_server.put(f"{s3_prefix}/x.jsonl.zst", path.read_bytes())
     url = s3_server.url(f"{s3_prefix}/x.jsonl.zst")
-    assert format_of(url, etag) == compression
+    assert format_of(url, etag) == (compression, False)
     for batch_bytes in (7, 4 << 20):
         local = read_all(path, batch_bytes=batch_bytes, max_line_bytes=500)
         remote = read_all(url, batch_bytes=batch_bytes, max_line_bytes=500, etag=etag)
@@ -263,8 +263,10 @@ def test_a_plain_shard_resumes_on_a_store_by_a_ranged_get_at_its_checkpoints_off
     rest, _, _ = read_all(url, batch_bytes=20_000, start_line=done, start_offset=at.end_offset, etag=etag)
     assert rest == texts[sum(len(b.texts) for b in batches[:4]) :]
     size = path.stat().st_size
-    # The format's 4 bytes, then the rest from the checkpoint's offset: not a byte before it.
-    assert gets == [("x.jsonl", 0, 4), ("x.jsonl", at.end_offset, at.end_offset + (8 << 20))]
+    # The format's 4 bytes and its text's first 64 KiB (a JSON array?), then the rest from the checkpoint's offset:
+    # not a byte before it.
+    reads = [("x.jsonl", 0, 4), ("x.jsonl", 4, 1 << 16), ("x.jsonl", at.end_offset, at.end_offset + (8 << 20))]
+    assert gets == reads
     assert 0 < at.end_offset < size < at.end_offset + (8 << 20)
 
 
@@ -289,7 +291,8 @@ def test_zstd_of_several_frames_resumes_from_the_frame_its_checkpoint_is_in(tmp_
     etag = s3_server.put(f"{s3_prefix}/x.jsonl.zst", data)
     del gets[:]
     assert read_all(s3_server.url(f"{s3_prefix}/x.jsonl.zst"), etag=etag, **resumed)[0] == expected
-    assert gets == [("x.jsonl.zst", 0, 4), ("x.jsonl.zst", starts[2][0], starts[2][0] + (8 << 20))]
+    head = ("x.jsonl.zst", 4, min(1 << 16, len(data)))  # its text's first bytes: a JSON array?
+    assert gets == [("x.jsonl.zst", 0, 4), head, ("x.jsonl.zst", starts[2][0], starts[2][0] + (8 << 20))]
 
 
 @pytest.mark.parametrize("compression", ["zstd", "gzip"])
@@ -305,4 +308,4 @@ def test_one_zstd_frame_or_a_gzip_stream_is_decoded_from_its_start_again(
     rest = read_all(
         s3_server.url(f"{s3_prefix}/x.jsonl.gz"), start_line=done, start_offset=batches[1].end_offset, etag=etag
     )[0]
-    assert rest == texts[done:] and gets[1][1] == 0
+    assert rest == texts[done:] and gets[2][1] == 0  # after the format's GETs, from the start

@@ -336,8 +336,8 @@ def test_kill_9_mid_shard_then_the_rerun_reads_the_rest_by_a_ranged_get(
     key = Url.parse(next(load_manifest(manifest).shards()).path).key
     first = [(start, end) for name, start, end in gets if name == key]
     # The backend check reads the first shard of each split from its start; the shard itself, its 4 bytes of
-    # format, then the rest from the checkpoint's place.
-    assert first[-2:] == [(0, 4), (start, start + (8 << 20))]
+    # format and its text's first 64 KiB (a JSON array?), then the rest from the checkpoint's place.
+    assert first[-3:] == [(0, 4), (4, 1 << 16), (start, start + (8 << 20))]
 
 
 def test_an_object_replaced_after_the_manifest_fails_its_shard_in_one_line(
@@ -410,13 +410,14 @@ def test_a_run_refuses_a_wrong_key_a_missing_bucket_or_no_store_before_any_work(
 def test_a_store_gone_mid_run_stops_it_in_one_line_and_the_rerun_completes(
     s3_server, s3_prefix, tmp_path, small_tokenizer, small_reference
 ):
-    """The server killed as the second train shard's 6th GET is made (its 4 bytes of format, then reads of 64 KiB:
+    """The server killed as the second train shard's 7th GET is made (its 4 bytes of format and its text's first 64
+    KiB, then reads of 64 KiB:
     mid-shard, the first shard done), with 2 tries (TRIES' 10 take a minute or two): the run stops with one line,
     exit 1; the server back on its data, the same command finishes with the reference's bytes."""
     manifest, out = _manifest_of(s3_server, s3_prefix, tmp_path), tmp_path / "out"
     key = Url.parse(next(s for s in load_manifest(manifest).shards() if s.relpath == TRAIN_1).path).key
     extra = ("--workers", "1", "--checkpoint-interval", "0.000001", "--shard-buffer", "0")
-    kill = (s3_server, key, 6)
+    kill = (s3_server, key, 7)
     stopped, gets = store_run(manifest, out, *extra, tokenizer=small_tokenizer, tries=2, read_ahead=64 << 10, kill=kill)
     s3_server.proc.wait(timeout=60)  # killed by the run at that GET (a run that never made it fails here)
     s3_server.proc = None

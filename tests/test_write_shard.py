@@ -433,7 +433,7 @@ def test_a_shard_that_is_not_json_lines_fails_in_its_first_batch(tmp_path):
         tokenize_shard(_shard_of(path), tmp_path / "out", spec_for(QWEN3), on_batch=lambda *a: encoded.append(a))
     assert str(failed.value) == (
         f"{path}: 3 of the 3 lines read are not JSON objects (invalid_json 3, not_object 0): it is not JSON Lines "
-        "(CSV? one JSON array? a Git LFS pointer?), or in a compression tokpipe does not read (it reads zstd and "
+        "(CSV? a Git LFS pointer?), or in a compression tokpipe does not read (it reads zstd and "
         "gzip), or binary"
     )
     assert encoded == []  # failed before its first batch was encoded

@@ -15,10 +15,12 @@ HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+")  # ORG/NAME, as the hub names a reposi
 REPO_PREFIX = "datasets--"  # a dataset repo's folder in a Hugging Face cache: datasets--ORG--NAME
 SHARD_SUFFIXES = (".jsonl", ".jsonl.zst", ".jsonl.zstd", ".jsonl.gz", ".json.gz", ".json.zst", ".ndjson", ".parquet")
 SHARD_SUFFIXES += (".arrow",)  # Hugging Face datasets' own files: save_to_disk's, its cache's
-# A `.json` file is a shard when it is JSON Lines, as Hugging Face datasets' json builder reads it (C4's uncompressed
-# files, many a dataset's train.json): its first line is a JSON object. Else (a dataset_info.json, a JSON array) it is
-# passed over, named, as is a file of a data format tokpipe does not read: never left out without a word.
+# A `.json` file is a shard when it is JSON Lines or one JSON array, as Hugging Face datasets' json builder reads it
+# (C4's uncompressed files, alpaca_data.json): its first line is a JSON object, or begins with `[`. Else (a
+# dataset_info.json, one JSON object) it is passed over, named, as is a file of a data format tokpipe does not read:
+# never left out without a word.
 JSON_SUFFIX = ".json"
+BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark, which some writers put first
 # A file of data, read or not: x.json, x.jsonl.xz, x.csv.gz, x.arrow, x.txt, x.tar (every shard suffix but .parquet too)
 DATA_FILE = re.compile(r"\.(jsonl?|ndjson|csv|tsv|arrow|txt|tar)(\.\w+)?$", re.IGNORECASE)
 KEY_BYTES = 200  # of a shard's key (shard_key): with `.json`, `.bin`, `.lock` after it, under a file name's 255
@@ -236,8 +238,8 @@ def shard_key(relpath: str) -> str:
 
 
 def first_line(read) -> bytes:
-    """A .json file's first line (past leading blank space), however long: `read(start, stop)` gives its bytes, read
-    JSON_HEAD_BYTES at a time until a newline or its end."""
+    """A .json file's first line (past leading blank space), however long, or of an array (`[`) what was read of it:
+    `read(start, stop)` gives its bytes, read JSON_HEAD_BYTES at a time until a newline or its end."""
     held, at, start = bytearray(), 0, None  # start: where the line begins, once a byte not blank is read
     while piece := read(at, at + JSON_HEAD_BYTES):
         searched, at = len(held), at + len(piece)
@@ -246,14 +248,15 @@ def first_line(read) -> bytes:
             if not held.strip():
                 continue
             start = searched = len(held) - len(held.lstrip())
-        if held.find(b"\n", searched) >= 0:
+        if held.find(b"\n", searched) >= 0 or held[start:].removeprefix(BOM)[:1] == b"[":
             break
     return b"" if start is None else bytes(held[start:]).split(b"\n", 1)[0]
 
 
 def not_a_shard(relpath: str, head) -> str | None:
     """Why a file of data the walk met is no shard (None: it is one). A .json file is one when its first line
-    (`head()`: first_line's) is a JSON object: it is JSON Lines."""
+    (`head()`: first_line's) is a JSON object (JSON Lines) or begins a JSON array, as Hugging Face's json builder
+    reads them."""
     if is_metadata(relpath):
         return "Hugging Face datasets' metadata, never data"
     if relpath.endswith(SHARD_SUFFIXES):
@@ -263,12 +266,13 @@ def not_a_shard(relpath: str, head) -> str | None:
             "a format tokpipe does not read (it reads JSON Lines, plain or zstd- or gzip-compressed, Parquet and"
             " Arrow): convert it to one of those to tokenize it"
         )
+    line = head().removeprefix(BOM)
     try:
-        if isinstance(orjson.loads(head()), dict):
+        if line.startswith(b"[") or isinstance(orjson.loads(line), dict):
             return None
     except orjson.JSONDecodeError:
         pass
     return (
-        "not JSON Lines (its first line is not a JSON object: metadata, or one JSON document such as an array);"
+        "neither JSON Lines nor a JSON array (its first line is no JSON object: metadata, or one JSON document);"
         " convert it to JSONL to tokenize it"
     )

@@ -6,6 +6,7 @@ documents + skipped == lines read, every skip with exactly one reason, every rep
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -18,7 +19,7 @@ MISSING_GROUP = "__missing__"  # --group-by: the group of a document without the
 # Why a line is not a document. Every skipped line carries exactly one of these.
 SKIP_REASONS = ("blank", "invalid_json", "not_object", "no_text", "text_not_string", "empty_text", "too_long")
 # Dirty data leaves a few lines that are not JSON objects; more than this share of a shard's lines can only
-# mean the wrong format (CSV, a JSON array, a Git LFS pointer, a compression tokpipe does not read, a binary
+# mean the wrong format (CSV, a Git LFS pointer, a compression tokpipe does not read, a binary
 # file), and the shard fails: skipped line by line, it would pass at exit 0 with nothing tokenized.
 NOT_JSON_SHARE = 0.5
 
@@ -53,9 +54,30 @@ def not_json_lines(lines: int, skipped: Counter) -> str | None:
         return None
     return (
         f"{wrong:,} of the {lines:,} lines read are not JSON objects (invalid_json {skipped['invalid_json']:,}, "
-        f"not_object {skipped['not_object']:,}): it is not JSON Lines (CSV? one JSON array? a Git LFS pointer?), or "
+        f"not_object {skipped['not_object']:,}): it is not JSON Lines (CSV? a Git LFS pointer?), or "
         "in a compression tokpipe does not read (it reads zstd and gzip), or binary"
     )
+
+
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def document(obj, text_field: str, repaired: Counter | None = None) -> tuple[str, dict] | tuple[None, str]:
+    """A parsed line's (or item's) (text, object), or (None, why it is no document). `repaired`: where a lone
+    surrogate escape may have come through (a parser other than orjson), it becomes U+FFFD there, counted."""
+    if not isinstance(obj, dict):
+        return None, "not_object"
+    if text_field not in obj:
+        return None, "no_text"
+    text = obj[text_field]
+    if not isinstance(text, str):
+        return None, "text_not_string"
+    if not text:
+        return None, "empty_text"
+    if repaired is not None and LONE_SURROGATE.search(text):
+        text = LONE_SURROGATE.sub("\ufffd", text)
+        repaired["lone_surrogate"] += 1
+    return text, obj
 
 
 def decode_utf8(raw: bytes, repaired: Counter) -> str:

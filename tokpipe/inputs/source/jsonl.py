@@ -19,7 +19,6 @@ from __future__ import annotations
 import gzip
 import io
 import json
-import re
 import zlib
 from collections import Counter
 from collections.abc import Iterator
@@ -28,14 +27,14 @@ import orjson
 import zstandard
 
 from tokpipe.errors import SourceError
-from tokpipe.inputs.source.batch import TextBatch, decode_utf8, field_at, group_value
+from tokpipe.inputs.names import BOM
+from tokpipe.inputs.source.batch import TextBatch, decode_utf8, document, field_at, group_value
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 # A zstd skippable frame's magic is 0x184D2A50..0x184D2A5F, little-endian: these three bytes after 0x50..0x5F.
 # pzstd begins its files with one (it holds the next frame's size), and any zstd writer may: valid zstd.
 SKIPPABLE_MAGIC = b"\x2a\x4d\x18"
 GZIP_MAGIC = b"\x1f\x8b"
-BOM = b"\xef\xbb\xbf"
 COMPRESSED_CHUNK = 1 << 16  # fed to zstd at a time; its output, a few times larger, is one block
 BLOCK = 1 << 20  # most decompressed bytes split into lines at once
 # zstd's largest window (2 GiB, `zstd --long=31`), where zstandard's default refuses a frame of a window over 128 MiB
@@ -43,7 +42,6 @@ BLOCK = 1 << 20  # most decompressed bytes split into lines at once
 # read: the window holds the frame's text as read, up to its size (peak RSS 670 MiB for 359 MB of text at
 # --long=31; 15 MiB at the default window), which counts in --worker-memory as any of a worker's memory.
 ZSTD_WINDOW_MAX = 1 << 31
-LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def is_zstd(head: bytes) -> bool:
@@ -176,30 +174,17 @@ def _document(line: bytes, text_field: str, repaired: Counter) -> tuple[str, dic
     """The line's (text, object), or (None, reason)."""
     if not line.strip():
         return None, "blank"
-    fallback = False
     try:
-        obj = orjson.loads(line)
+        return document(orjson.loads(line), text_field)
     except orjson.JSONDecodeError:
-        fallback = True
-        # orjson is strict about UTF-8 and lone surrogate escapes; those lines are still documents.
-        decoded = decode_utf8(line, repaired)
-        try:
-            obj = json.loads(decoded)
-        except (ValueError, RecursionError):  # orjson refuses nesting past 1024 levels, json past its recursion limit
-            return None, "invalid_json"
-    if not isinstance(obj, dict):
-        return None, "not_object"
-    if text_field not in obj:
-        return None, "no_text"
-    text = obj[text_field]
-    if not isinstance(text, str):
-        return None, "text_not_string"
-    if not text:
-        return None, "empty_text"
-    if fallback and LONE_SURROGATE.search(text):  # orjson rejects lone surrogates: only json lets them through
-        text = LONE_SURROGATE.sub("\ufffd", text)
-        repaired["lone_surrogate"] += 1
-    return text, obj
+        pass
+    # orjson is strict about UTF-8 and lone surrogate escapes; those lines are still documents.
+    decoded = decode_utf8(line, repaired)
+    try:
+        obj = json.loads(decoded)
+    except (ValueError, RecursionError):  # orjson refuses nesting past 1024 levels, json past its recursion limit
+        return None, "invalid_json"
+    return document(obj, text_field, repaired)
 
 
 def _parse(lines: list, first_line_no: int, text_field: str, batch: TextBatch, group_by: str | None = None) -> None:
@@ -225,7 +210,7 @@ def _parse(lines: list, first_line_no: int, text_field: str, batch: TextBatch, g
             group(group_value(field_at(obj, group_by)))
 
 
-def _text_weight(value) -> int:
+def text_weight(value) -> int:
     # An id, a label, a language's code: one short ASCII word. (A Chinese sentence is one short word too, not ASCII.)
     if isinstance(value, list):  # of texts, or of objects with texts: a conversation's turns
         texts = [v for item in value for v in (item.values() if isinstance(item, dict) else [item])]
@@ -246,7 +231,7 @@ def jsonl_fields(raw, path: str, kind: str, sample_bytes: int = 1 << 20) -> Coun
             except (orjson.JSONDecodeError, TypeError):
                 continue
             if isinstance(obj, dict):
-                fields.update({key: _text_weight(value) for key, value in obj.items()})
+                fields.update({key: text_weight(value) for key, value in obj.items()})
         break
     return fields
 

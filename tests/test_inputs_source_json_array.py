@@ -1,0 +1,141 @@
+"""source/json_array.py: a shard that is one JSON array, as `json.dump` of a list, pandas' `to_json(orient="records")`
+and alpaca_data.json hold their records, plain, zstd or gzip: read as Hugging Face `datasets` reads it (the reference),
+every item accounted for, resumable at an item, a broken array refused naming where; and a run over a repo of them."""
+
+import gzip
+import json
+
+import numpy as np
+import pandas
+import pytest
+import zstandard
+from helpers import (
+    EXAMPLE_TRAIN_FILES,
+    cli,
+    killed_run,
+    read_all,
+    reference_texts,
+    reference_tokenizer,
+    run_args,
+    tokpipe,
+)
+
+from tokpipe.errors import SourceError
+from tokpipe.inputs.manifest import build_manifest, write_manifest
+from tokpipe.inputs.source import format_of
+from tokpipe.inputs.source.json_array import _items
+
+# Real text (the example's first train shard: web pages, escapes, CJK, emoji) with the fields a record carries.
+RECORDS = [
+    {"text": text, "meta": {"n": n, "score": n / 7, "tags": ["a", None]}}
+    for n, text in enumerate(reference_texts(EXAMPLE_TRAIN_FILES[0])[:60])
+]
+WRITERS = {
+    "json.dump": lambda records: json.dumps(records).encode(),
+    "json.dump, indent 4, UTF-8": lambda records: json.dumps(records, indent=4, ensure_ascii=False).encode(),
+    "pandas to_json records": lambda records: pandas.DataFrame(records).to_json(orient="records").encode(),
+}
+
+
+def _load(path, tmp_path) -> list[str]:
+    """The texts `datasets.load_dataset("json", ...)` gives of the file: the reference."""
+    import datasets
+
+    return datasets.load_dataset("json", data_files=str(path), split="train", cache_dir=str(tmp_path / "hf"))["text"]
+
+
+@pytest.mark.parametrize("writer", WRITERS)
+@pytest.mark.parametrize("compression", ["none", "gzip", "zstd"])
+def test_an_array_of_records_is_read_as_datasets_reads_it(tmp_path, writer, compression):
+    data = WRITERS[writer](RECORDS)
+    suffix = {"none": ".json", "gzip": ".json.gz", "zstd": ".json.zst"}[compression]
+    data = {"none": bytes, "gzip": gzip.compress, "zstd": zstandard.ZstdCompressor().compress}[compression](data)
+    path = tmp_path / f"alpaca{suffix}"
+    path.write_bytes(data)
+    assert format_of(str(path)) == (compression, True)
+    texts, skipped, batches = read_all(path, batch_bytes=20_000)
+    assert texts == _load(path, tmp_path) == [r["text"] for r in RECORDS]
+    assert not skipped and len(batches) > 3
+    assert [b.end_offset for b in batches][-1] == len(RECORDS)  # an item is a line: its offset counts items
+
+
+def test_an_array_of_texts_is_a_text_field_s_documents_as_datasets_makes_them(tmp_path):
+    path = tmp_path / "texts.json"
+    path.write_text(json.dumps(["one text", "another, with \u00e9 and \U0001f600", "three"]))
+    assert read_all(path)[0] == _load(path, tmp_path) == ["one text", "another, with \u00e9 and \U0001f600", "three"]
+
+
+def test_every_item_is_accounted_for_and_a_lone_surrogate_is_repaired_counted(tmp_path):
+    items = [{"text": "first"}, {"text": ""}, {"body": "no text"}, 5, [1], {"text": 7}, "a text", {"text": "\ud800!"}]
+    path = tmp_path / "mixed.json"
+    path.write_text(json.dumps(items))  # the lone surrogate as Python writes it: an escape
+    texts, skipped, [batch] = read_all(path)
+    assert texts == ["first", "a text", "\ufffd!"]
+    assert dict(skipped) == {"empty_text": 1, "no_text": 1, "not_object": 2, "text_not_string": 1}
+    assert batch.skip_log == [(2, "empty_text"), (3, "no_text"), (4, "not_object"), (5, "not_object"),
+                              (6, "text_not_string")]  # fmt: skip
+    assert (batch.lines, dict(batch.repaired)) == (8, {"lone_surrogate": 1})
+
+
+def test_a_resume_after_any_batch_reads_the_items_after_it(tmp_path):
+    path = tmp_path / "a.json.zst"
+    path.write_bytes(zstandard.ZstdCompressor().compress(WRITERS["json.dump, indent 4, UTF-8"](RECORDS)))
+    texts, _, batches = read_all(path, batch_bytes=20_000)
+    for k, at in enumerate(batches[:-1]):
+        done = sum(b.lines for b in batches[: k + 1])
+        resumed = read_all(path, batch_bytes=20_000, start_line=done, start_offset=at.end_offset)[0]
+        assert resumed == texts[done:], k
+
+
+def test_items_cut_anywhere_by_the_blocks_are_whole(tmp_path):
+    """A number cut where a block ends would parse as a shorter number: each item is taken once what follows it is
+    decoded. Blocks of 7 bytes cut every item, string and escape of the array somewhere."""
+    items = [{"text": 'x\\"\u00e9\U0001f600', "n": 1234567890123, "f": 2.5e-10, "ok": True, "none": None}] * 50
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps(items, ensure_ascii=False) + "\n")
+    with open(path, "rb") as raw:
+        assert [value for value, *_ in _items(raw, str(path), "none", 7)] == items
+
+
+BROKEN = {
+    b'[{"text": "a"},': "not a valid JSON array at item 2: the file ends inside it (truncated?)",
+    b'[{"text": "a"}': "not a valid JSON array after item 1: ',' or ']' expected",
+    b'[{"text": "a"} {"text": "b"}]': "not a valid JSON array after item 1: ',' or ']' expected",
+    b'[{"text": "a"}, {"text": b}]': "not a valid JSON array at item 2: Expecting value",
+    b'[{"text": "a"},]': "not a valid JSON array: a ',' before its closing ']'",
+    b'[{"text": "a\xff"}]': "invalid UTF-8 in a JSON array at byte 12",
+    b'[{"text": "a"}]\n{"text": "b"}\n': "not a valid JSON array: more follows its closing ']'",
+}
+
+
+@pytest.mark.parametrize("data", BROKEN)
+def test_a_broken_array_stops_the_shard_saying_where(tmp_path, data):
+    path = tmp_path / "broken.json"
+    path.write_bytes(data)
+    with pytest.raises(SourceError) as e:
+        read_all(path)
+    assert str(e.value) == f"{path}: {BROKEN[data]}"
+
+
+def test_a_run_over_arrays_killed_mid_shard_and_rerun_is_the_reference(tmp_path, small_tokenizer):
+    """`tokpipe manifest` takes .json arrays as shards; a run killed mid-array (a checkpoint after every batch of
+    64 KiB) and rerun writes each document's ids and EOS, in order, as tokenizers encodes datasets' texts."""
+    data = tmp_path / "repo" / "data"
+    data.mkdir(parents=True)
+    records = [{"instruction": "say it", "text": t} for t in reference_texts(EXAMPLE_TRAIN_FILES[1])]
+    (data / "train.json").write_text(json.dumps(records[:100], indent=2))
+    (data / "validation.json").write_text(json.dumps(records[100:]))
+    write_manifest(build_manifest(data.parent), tmp_path / "m.json")
+    out, mid_shard = tmp_path / "out", ("--checkpoint-interval", "0.000001", "--shard-buffer", "0", "--workers", "1")
+    killed_run("tokpipe.write.shard.write_atomic", 3, tmp_path / "m.json", out, *mid_shard, batch_bytes=64 << 10,
+               tokenizer=small_tokenizer)  # fmt: skip
+    rerun = tokpipe(*run_args(tmp_path / "m.json", out, tokenizer=small_tokenizer))
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert "resumed" in rerun.stdout
+    tokenizer = reference_tokenizer(small_tokenizer / "tokenizer.json")
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    for stem, name in (("train", "train.json"), ("val", "validation.json")):
+        texts = _load(data / name, tmp_path)
+        expected = np.concatenate([[*e.ids, eos] for e in tokenizer.encode_batch(texts, add_special_tokens=False)])
+        assert np.array_equal(np.fromfile(out / f"{stem}.bin", np.uint16), expected), stem
+    assert cli("verify", out).returncode == 0
