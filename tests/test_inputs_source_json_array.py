@@ -22,7 +22,7 @@ from helpers import (
 
 from tokpipe.errors import SourceError
 from tokpipe.inputs.manifest import build_manifest, write_manifest
-from tokpipe.inputs.source import format_of
+from tokpipe.inputs.source import fields_of, format_of
 from tokpipe.inputs.source.json_array import _items
 
 # Real text (the example's first train shard: web pages, escapes, CJK, emoji) with the fields a record carries.
@@ -63,6 +63,7 @@ def test_an_array_of_texts_is_a_text_field_s_documents_as_datasets_makes_them(tm
     path = tmp_path / "texts.json"
     path.write_text(json.dumps(["one text", "another, with \u00e9 and \U0001f600", "three"]))
     assert read_all(path)[0] == _load(path, tmp_path) == ["one text", "another, with \u00e9 and \U0001f600", "three"]
+    assert fields_of(str(path)) == {"text": 9 + 22}  # what --text-field can name, by its texts (a word, an id: 0)
 
 
 def test_every_item_is_accounted_for_and_a_lone_surrogate_is_repaired_counted(tmp_path):

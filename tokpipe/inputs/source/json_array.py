@@ -165,6 +165,7 @@ def array_fields(raw, path: str, kind: str, sample_bytes: int = 1 << 20) -> Coun
     fields, seen = Counter(), 0
     try:
         for value, chars, _ in _items(raw, path, kind, sample_bytes):
+            value = {"text": value} if type(value) is str else value  # as it is read
             if isinstance(value, dict):
                 fields.update({key: text_weight(v) for key, v in value.items()})
             if (seen := seen + chars) >= sample_bytes:
