@@ -258,7 +258,7 @@ def parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="tokpipe",
         description="Parallel, resumable tokenization of pretraining corpora into flat token files\n"
-        "a trainer memory-maps. Reads JSONL, zstd- or gzip-compressed JSONL, Parquet, Arrow:\n"
+        "a trainer memory-maps. Reads JSON Lines or JSON arrays (plain, zstd, gzip), Parquet, Arrow:\n"
         "shards in a Hugging Face cache or a plain folder.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
