@@ -118,7 +118,10 @@ def _items(raw, path: str, kind: str, block_bytes: int = 1 << 20) -> Iterator[tu
             raise SourceError(f"{path}: not a valid JSON array after item {number:,}: ',' or ']' expected")
     text.at += 1
     if text.next_char():
-        raise SourceError(f"{path}: not a valid JSON array: more follows its closing ']'")
+        raise SourceError(
+            f"{path}: not a valid JSON array: more follows its closing ']' (JSON Lines whose first line is an array?"
+            " put a JSON object there)"
+        )
 
 
 def read_array_batches(
