@@ -267,6 +267,24 @@ def test_no_shards_is_refused_naming_each_file_passed_over(tmp_path):
         assert f"; passed over data/{name}: not JSON, the format of most of its split's files" in said
 
 
+def test_a_config_that_reads_a_list_inside_each_json_object_is_refused_in_one_line(tmp_path):
+    """SQuAD's layout: each file one JSON object, its documents the list under `data`, which the card's `field` names
+    to the json builder. load_dataset reads it; tokpipe says what to do (before, it took the file for JSON Lines of one
+    line without a text field, and a run refused the split much later)."""
+    root = tmp_path / "repo"
+    (root / "data").mkdir(parents=True)
+    (root / "data" / "train.json").write_text(json.dumps({"version": 2, "data": [{"text": "a"}, {"text": "b"}]}))
+    _card(root, "- config_name: default\n  data_files: data/*.json\n  field: data\n")
+    assert _load(root, cache_dir=tmp_path / "hf")["train"]["text"] == ["a", "b"]
+    with pytest.raises(UserError) as refused:
+        build_manifest(root)
+    assert str(refused.value) == (
+        "config default reads each JSON file's documents from its 'data' list (field: in its README.md): tokpipe reads"
+        " JSON Lines and JSON arrays, not a list inside an object: write the items as JSON Lines"
+        " (jq -c '.data[]' FILE > FILE.jsonl) and read those"
+    )
+
+
 def test_a_snapshot_on_a_store_is_read_by_the_same_card(tmp_path, s3_server, s3_prefix):
     root = tmp_path / "c4"
     _write(root / "en" / "c4-train.00000-of-00001.json", ["a page"])

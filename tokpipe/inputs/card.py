@@ -126,6 +126,12 @@ def choose(configs: dict[str, dict], asked: tuple[str, ...], where: str) -> Chos
     folders, each = [], []
     for name in asked:
         config = configs[name]
+        if (field := config.get("field")) is not None:  # the json builder's: each file one object, a list in it
+            raise UserError(
+                f"config {name} reads each JSON file's documents from its {field!r} list (field: in its {CARD}):"
+                f" tokpipe reads JSON Lines and JSON arrays, not a list inside an object: write the items as JSON"
+                f" Lines (jq -c '.{field}[]' FILE > FILE.jsonl) and read those"
+            )
         data_dir = str(config.get("data_dir") or "").strip("/")
         if config.get("data_files") is None:
             if not data_dir:
