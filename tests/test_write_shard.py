@@ -425,16 +425,21 @@ def _shard_of(path: Path) -> Shard:
     return Shard("train", path.name, str(path), path.stat().st_size, path.name.split(".")[0])
 
 
-def test_a_shard_that_is_not_json_lines_fails_in_its_first_batch(tmp_path):
-    """More than half of its lines not JSON objects: the wrong format, never dirty data to skip at exit 0."""
-    path = write_jsonl(tmp_path / "data" / "pointer.jsonl.zst", LFS_POINTER)
+@pytest.mark.parametrize("what", ["a Git LFS pointer", "a JSON array of rows as lists"])
+def test_a_shard_that_is_not_json_lines_fails_in_its_first_batch(tmp_path, what):
+    """More than half of its lines (or items) not JSON objects: the wrong format, never dirty data to skip at exit 0."""
+    if what == "a Git LFS pointer":
+        path, counts = write_jsonl(tmp_path / "data" / "pointer.jsonl.zst", LFS_POINTER), "invalid_json 3, not_object 0"
+    else:
+        path, counts = tmp_path / "rows.json", "invalid_json 0, not_object 3"
+        path.write_text('[["text", "label"], ["hello world", 1], ["another", 0]]')
     encoded = []
     with pytest.raises(SourceError) as failed:
         tokenize_shard(_shard_of(path), tmp_path / "out", spec_for(QWEN3), on_batch=lambda *a: encoded.append(a))
     assert str(failed.value) == (
-        f"{path}: 3 of the 3 lines read are not JSON objects (invalid_json 3, not_object 0): it is not JSON Lines "
-        "(CSV? a Git LFS pointer?), or in a compression tokpipe does not read (it reads zstd and "
-        "gzip), or binary"
+        f"{path}: 3 of the 3 lines read are not JSON objects ({counts}): it is neither JSON Lines nor a JSON array"
+        " of objects or texts (CSV? rows as lists? a Git LFS pointer?), or in a compression tokpipe does not read (it"
+        " reads zstd and gzip), or binary"
     )
     assert encoded == []  # failed before its first batch was encoded
 

@@ -54,7 +54,8 @@ def not_json_lines(lines: int, skipped: Counter) -> str | None:
         return None
     return (
         f"{wrong:,} of the {lines:,} lines read are not JSON objects (invalid_json {skipped['invalid_json']:,}, "
-        f"not_object {skipped['not_object']:,}): it is not JSON Lines (CSV? a Git LFS pointer?), or "
+        f"not_object {skipped['not_object']:,}): it is neither JSON Lines nor a JSON array of objects or texts (CSV?"
+        " rows as lists? a Git LFS pointer?), or "
         "in a compression tokpipe does not read (it reads zstd and gzip), or binary"
     )
 
