@@ -113,6 +113,7 @@ BROKEN = {
     b'[{"text": "a"} {"text": "b"}]': "not a valid JSON array after item 1: ',' or ']' expected",
     b'[{"text": "a"}, {"text": b}]': "not a valid JSON array at item 2: Expecting value",
     b'[{"text": "a"},]': "not a valid JSON array: a ',' before its closing ']'",
+    b'[{"text": "a"},\xc2\xa0{"text": "b"}]': "not a valid JSON array at item 2: Expecting value",  # no-break space
     b'[{"text": "a\xff"}]': "invalid UTF-8 in a JSON array at byte 12",
     b'[{"text": "a"}]\n{"text": "b"}\n': "not a valid JSON array: more follows its closing ']' (JSON Lines whose"
     " first line is an array? put a JSON object there)",

@@ -29,10 +29,10 @@ from tokpipe.inputs.names import BOM
 from tokpipe.inputs.source.batch import LONE_SURROGATE, TextBatch, document, field_at, group_value
 from tokpipe.inputs.source.jsonl import decompressed_blocks, text_weight
 
-BLANK = re.compile(r"\s*")
-SEPARATOR = re.compile(r"[ \t\n\r]*,[ \t\n\r]*").match  # JSON's blank space, a ',' between items
+BLANK = re.compile(r"[ \t\n\r]*")  # JSON's blank space (not \s: a no-break space between items is no JSON)
+SEPARATOR = re.compile(r"[ \t\n\r]*,[ \t\n\r]*").match  # a ',' between items
 DECODER = json.JSONDecoder()
-SCAN = DECODER.scan_once  # raw_decode's scanner, without its wrapping of an error (_Text.value makes the message)
+SCAN = DECODER.scan_once  # raw_decode's scanner, without its wrapping of an error (_Text.value's makes the message)
 
 
 def is_json_array(head: bytes, path: str, kind: str) -> bool:
