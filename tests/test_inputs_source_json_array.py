@@ -78,6 +78,14 @@ def test_every_item_is_accounted_for_and_a_lone_surrogate_is_repaired_counted(tm
     assert (batch.lines, dict(batch.repaired)) == (8, {"lone_surrogate": 1})
 
 
+def test_a_byte_order_mark_is_dropped_counted_and_windows_line_ends_are_blank_space(tmp_path):
+    path = tmp_path / "windows.json"
+    path.write_bytes(b'\xef\xbb\xbf[\r\n  {"text": "one"},\r\n  {"text": "two"}\r\n]\r\n')
+    texts, _, [batch] = read_all(path)
+    assert (texts, dict(batch.repaired)) == (["one", "two"], {"bom": 1})
+    assert read_all(path, start_line=1, start_offset=1)[2][0].repaired == {}  # counted once, by the first reading
+
+
 def test_a_resume_after_any_batch_reads_the_items_after_it(tmp_path):
     path = tmp_path / "a.json.zst"
     path.write_bytes(zstandard.ZstdCompressor().compress(WRITERS["json.dump, indent 4, UTF-8"](RECORDS)))

@@ -54,12 +54,15 @@ def is_json_array(head: bytes, path: str, kind: str) -> bool:
 class _Text:
     """The array's text, decoded a block at a time as its parsing needs it; `at`: where the parsing is."""
 
-    def __init__(self, raw, path: str, kind: str, block_bytes: int):
+    def __init__(self, raw, path: str, kind: str, block_bytes: int, repaired: Counter | None):
         self.blocks, self.path = decompressed_blocks(raw, path, kind, block_bytes), path
         self.decode, self.block_bytes = codecs.getincrementaldecoder("utf-8")().decode, block_bytes
         self.text, self.at, self.eof, self.read, self.fed = "", 0, False, 0, 0  # fed: the bytes decoded
         self.more(1)
-        self.text = self.text.removeprefix(BOM.decode())
+        if self.text.startswith(BOM.decode()):  # counted where a reading from the start says so (`repaired`)
+            self.text = self.text[1:]
+            if repaired is not None:
+                repaired["bom"] += 1
 
     def more(self, need: int) -> bool:
         """At least `need` characters more decoded onto the text, where the file has them; whether any were."""
@@ -143,10 +146,12 @@ def _item_ends(text: str, at: int, tries: int) -> Iterator[int]:
         end = cut
 
 
-def _items(raw, path: str, kind: str, block_bytes: int = 1 << 20) -> Iterator[tuple[list, bool, int]]:
+def _items(
+    raw, path: str, kind: str, block_bytes: int = 1 << 20, repaired: Counter | None = None
+) -> Iterator[tuple[list, bool, int]]:
     """The items of the array, a list at a time: (each one's value and the characters of its JSON, whether orjson
     parsed them (no lone surrogate then), file bytes read)."""
-    text, number = _Text(raw, path, kind, block_bytes), 0
+    text, number = _Text(raw, path, kind, block_bytes, repaired), 0
     if text.next_char() != "[":
         raise SourceError(f"{path}: not a JSON array")
     text.at += 1
@@ -190,7 +195,7 @@ def read_array_batches(
     """Batches of about `batch_bytes` of the array's text, resuming after `start_item` items (a checkpoint's offset
     is the same number)."""
     batch, number, size, first = TextBatch([], 0, start_item, 0, 0), 0, 0, start_item  # first: the batch's start
-    for items, clean, source_pos in _items(raw, path, kind):
+    for items, clean, source_pos in _items(raw, path, kind, repaired=None if start_item else batch.repaired):
         passed = min(max(start_item - number, 0), len(items))  # read before the checkpoint
         number += passed
         for value, chars in items[passed:] if passed else items:
