@@ -4,9 +4,10 @@ What `json.dump` of a list and pandas' `to_json(orient="records")` write, and Hu
 an item is a line. An object is a document as a JSON Lines line is (batch.document); a string is the text of a
 document whose field is "text", as the json builder makes of a list of strings. The array is decoded a block at a
 time, and the items a block holds whole are parsed by one orjson call (_whole; json's scanner where orjson refuses,
-and for an item cut by a block's end): 236 MB/s here, 1.24 M items/s of 30 characters (JSON Lines: 522, 2.54 M;
-an item at a time by json's raw_decode, 137-211 MB/s and 0.43 M; ijson's C backend 147 MB/s, and it turns a lone
-surrogate escape into "?" unsaid). Memory is bounded by a block and an item, not by the file. A checkpoint's
+and for an item cut by a block's end): 313-325 MB/s of distinct text here, 0.8-1.5 M items/s of 30 characters
+(JSON Lines: 405-460 MB/s, 1.7-2.6 M; benchmarks/formats.py). An item at a time by json's raw_decode read 130-211
+MB/s and 0.43 M items/s; ijson's C backend 147 MB/s, and it turns a lone surrogate escape into "?" unsaid. Memory
+is bounded by a block and an item, not by the file. A checkpoint's
 offset counts items, as Parquet's counts rows: a resume parses the items before it again, and tokenizes none.
 Invalid UTF-8 stops the shard, naming where (the json builder fails on it too); a lone surrogate becomes U+FFFD,
 counted, as in JSON Lines (the json builder drops it).
@@ -32,6 +33,7 @@ from tokpipe.inputs.source.jsonl import decompressed_blocks, text_weight
 BLANK = re.compile(r"[ \t\n\r]*")  # JSON's blank space (not \s: a no-break space between items is no JSON)
 SEPARATOR = re.compile(r"[ \t\n\r]*,[ \t\n\r]*").match  # a ',' between items
 DECODER = json.JSONDecoder()
+FIRST_KEY = re.compile(r'\{[ \t\n\r]*"(?:[^"\\]|\\.)*"')  # an object's `{` and its first key
 SCAN = DECODER.scan_once  # raw_decode's scanner, without its wrapping of an error (_Text.value's makes the message)
 
 
@@ -135,14 +137,20 @@ def _whole(text: str, at: int) -> tuple[list[tuple[object, int]], int, bool]:
 
 
 def _item_ends(text: str, at: int, tries: int) -> Iterator[int]:
-    """Where the last items in the text after `at` may end, last first: the `,` of a `},` or a `",` (as json.dump,
-    its indent and pandas write them)."""
-    end = len(text)
+    """Where the last items in the text after `at` may end (their `,`), last first: before the next item's start where
+    the items are objects written alike (a `{` and its first key, as the item at `at` begins: a string never holds
+    that quote unescaped), else at a `},` or `",` (as json.dump, its indent and pandas write them)."""
+    first, end = FIRST_KEY.match(text, at), len(text)
     for _ in range(tries):
-        cut = max(text.rfind("},", at, end), text.rfind('",', at, end))
+        if first:
+            start = text.rfind(first[0], at + 1, end)
+            cut = text.rfind(",", at, start) if start > at else -1
+        else:
+            cut = max(text.rfind("},", at, end), text.rfind('",', at, end))
+            cut += cut >= 0
         if cut < 0:
             return
-        yield cut + 1
+        yield cut
         end = cut
 
 
