@@ -99,13 +99,14 @@ def test_a_resume_after_any_batch_reads_the_items_after_it(tmp_path):
 @pytest.mark.parametrize("block", [7, 100, 4096])
 def test_items_cut_anywhere_by_the_blocks_are_whole(tmp_path, block):
     """Blocks of a few bytes cut every item, string and escape of the array somewhere: a number cut where a block ends
-    would parse as a shorter number, and a `},` or `",` inside an item (code, a nested object before more keys) is
-    no item's end; items orjson refuses (a lone surrogate, NaN, an integer past 64 bits) are json's. Each item is
-    what json.loads makes of the whole file."""
+    would parse as a shorter number, and a `},` or `",` inside an item (code, a nested object before more keys), or an
+    item's first key nested in one, is no item's end; items orjson refuses (a lone surrogate, NaN, an integer past 64
+    bits) are json's. Each item is what json.loads makes of the whole file."""
     items = [
         {"text": 'x\\"\u00e9\U0001f600', "n": 1234567890123, "f": 2.5e-10, "ok": True, "none": None},
         {"text": 'f({"a": 1}, "b",) }, ",', "meta": {"a": {"b": [1, {"c": 2}]}, "d": "e"}, "id": 3},
         "a text },",
+        {"text": "outer", "children": [{"text": "inner", "n": 1}, {"text": "x"}]},  # its first key's start, nested
         {"text": "lone \ud800", "big": 2**70, "nan": float("nan")},
     ]
     path = tmp_path / "a.json"
