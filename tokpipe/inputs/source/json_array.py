@@ -42,7 +42,7 @@ def is_json_array(head: bytes, path: str, kind: str) -> bool:
     array, not JSON Lines."""
     try:
         if kind == "gzip":  # GzipFile gives nothing of a stream cut short
-            blocks = [zlib.decompressobj(wbits=31).decompress(head)]
+            blocks = [zlib.decompressobj(wbits=31).decompress(head, len(head))]  # as much text as it needs
         else:
             blocks = (block for block, *_ in decompressed_blocks(io.BytesIO(head), path, kind, len(head) or 1))
         for block in blocks:
