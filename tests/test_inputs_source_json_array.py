@@ -13,6 +13,7 @@ from helpers import (
     EXAMPLE_TRAIN_FILES,
     cli,
     killed_run,
+    pzstd_frames,
     read_all,
     reference_texts,
     reference_tokenizer,
@@ -45,14 +46,15 @@ def _load(path, tmp_path) -> list[str]:
 
 
 @pytest.mark.parametrize("writer", WRITERS)
-@pytest.mark.parametrize("compression", ["none", "gzip", "zstd"])
+@pytest.mark.parametrize("compression", ["none", "gzip", "zstd", "pzstd"])
 def test_an_array_of_records_is_read_as_datasets_reads_it(tmp_path, writer, compression):
     data = WRITERS[writer](RECORDS)
-    suffix = {"none": ".json", "gzip": ".json.gz", "zstd": ".json.zst"}[compression]
-    data = {"none": bytes, "gzip": gzip.compress, "zstd": zstandard.ZstdCompressor().compress}[compression](data)
-    path = tmp_path / f"alpaca{suffix}"
+    half = len(data) // 2
+    compress = {"none": bytes, "gzip": gzip.compress, "zstd": zstandard.ZstdCompressor().compress}
+    data = pzstd_frames([data[:half], data[half:]]) if compression == "pzstd" else compress[compression](data)
+    path = tmp_path / ("alpaca.json" + {"none": "", "gzip": ".gz"}.get(compression, ".zst"))
     path.write_bytes(data)
-    assert format_of(str(path)) == (compression, True)
+    assert format_of(str(path)) == (compression.removeprefix("p"), True)
     texts, skipped, batches = read_all(path, batch_bytes=20_000)
     assert texts == _load(path, tmp_path) == [r["text"] for r in RECORDS]
     assert not skipped and len(batches) > 3

@@ -24,11 +24,12 @@ from collections import Counter
 from collections.abc import Iterator
 
 import orjson
+import zstandard
 
 from tokpipe.errors import SourceError
 from tokpipe.inputs.names import BOM
 from tokpipe.inputs.source.batch import LONE_SURROGATE, TextBatch, document, field_at, group_value
-from tokpipe.inputs.source.jsonl import decompressed_blocks, text_weight
+from tokpipe.inputs.source.jsonl import ZSTD_WINDOW_MAX, decompressed_blocks, text_weight
 
 BLANK = re.compile(r"[ \t\n\r]*")  # JSON's blank space (not \s: a no-break space between items is no JSON)
 SEPARATOR = re.compile(r"[ \t\n\r]*,[ \t\n\r]*").match  # a ',' between items
@@ -40,17 +41,17 @@ SCAN = DECODER.scan_once  # raw_decode's scanner, without its wrapping of an err
 def is_json_array(head: bytes, path: str, kind: str) -> bool:
     """Whether the text of a shard whose first bytes are `head` begins with `[` (past a BOM and blank space): a JSON
     array, not JSON Lines."""
-    try:
-        if kind == "gzip":  # GzipFile gives nothing of a stream cut short
-            blocks = [zlib.decompressobj(wbits=31).decompress(head, len(head))]  # as much text as it needs
+    try:  # as much text as `head` is long: 64 KiB of zstd or gzip may hold 100s of MB (100 MB of blanks: 3 KB of zstd)
+        if kind == "gzip":
+            text = zlib.decompressobj(wbits=31).decompress(head, len(head))
+        elif kind == "zstd":
+            zstd = zstandard.ZstdDecompressor(max_window_size=ZSTD_WINDOW_MAX)
+            text = zstd.stream_reader(io.BytesIO(head), read_across_frames=True).read(len(head))
         else:
-            blocks = (block for block, *_ in decompressed_blocks(io.BytesIO(head), path, kind, len(head) or 1))
-        for block in blocks:
-            if text := block.removeprefix(BOM).lstrip():
-                return text.startswith(b"[")
-    except (SourceError, zlib.error):  # the stream goes on past `head`, or is broken: read as JSON Lines, said there
-        pass
-    return False
+            text = head
+    except (zlib.error, zstandard.ZstdError):  # broken: read as JSON Lines, which says so
+        return False
+    return text.removeprefix(BOM).lstrip().startswith(b"[")
 
 
 class _Text:
