@@ -80,6 +80,15 @@ def test_every_item_is_accounted_for_and_a_lone_surrogate_is_repaired_counted(tm
     assert (batch.lines, dict(batch.repaired)) == (8, {"lone_surrogate": 1})
 
 
+def test_an_item_over_the_line_limit_is_too_long_among_short_ones(tmp_path):
+    """Items parsed together get their mean length: one over the limit among short ones is still found."""
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps([{"text": "a" * 10}, {"text": "b" * 600}, {"text": "c" * 10}] * 3))
+    texts, skipped, [batch] = read_all(path, max_line_bytes=500)
+    assert (texts, dict(skipped)) == (["a" * 10, "c" * 10] * 3, {"too_long": 3})
+    assert [line for line, _ in batch.skip_log] == [2, 5, 8]
+
+
 def test_a_byte_order_mark_is_dropped_counted_and_windows_line_ends_are_blank_space(tmp_path):
     path = tmp_path / "windows.json"
     path.write_bytes(b'\xef\xbb\xbf[\r\n  {"text": "one"},\r\n  {"text": "two"}\r\n]\r\n')

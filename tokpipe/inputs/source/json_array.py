@@ -112,12 +112,15 @@ class _Text:
         return value, chars
 
 
-def _whole(text: str, at: int) -> tuple[list[tuple[object, int]], int, bool]:
+def _whole(text: str, at: int, limit: int) -> tuple[list[tuple[object, int]], int, bool]:
     """The items from `at` (an item's start) on that the decoded text holds whole but the last (a ',' follows each),
     each with its characters; where the next item begins; and whether orjson parsed them. Most are parsed in one
-    orjson call: the text up to the last `},` or `",` that ends an item (a wrong guess, inside a string or a nested
-    value, is no valid JSON, and the one before is tried); the rest, an item at a time by json's scanner."""
+    orjson call: the text up to where _item_ends says the last items may end (a wrong guess, inside a string or a
+    nested value, is no valid JSON, and the one before is tried), each given the items' mean length, which tells no
+    item over `limit` where all of them are not; the rest, an item at a time by json's scanner."""
     for cut in _item_ends(text, at, tries=4):
+        if cut - at > limit:  # one of them may be over it: each one's length
+            break
         try:
             values = orjson.loads(f"[{text[at:cut]}]")  # orjson refuses a lone surrogate, NaN, a huge integer: below
         except orjson.JSONDecodeError:
@@ -156,17 +159,17 @@ def _item_ends(text: str, at: int, tries: int) -> Iterator[int]:
 
 
 def _items(
-    raw, path: str, kind: str, block_bytes: int = 1 << 20, repaired: Counter | None = None
+    raw, path: str, kind: str, block_bytes: int = 1 << 20, repaired: Counter | None = None, limit: int = 64 << 20
 ) -> Iterator[tuple[list, bool, int]]:
-    """The items of the array, a list at a time: (each one's value and the characters of its JSON, whether orjson
-    parsed them (no lone surrogate then), file bytes read)."""
+    """The items of the array, a list at a time: (each one's value and the characters of its JSON (exact past
+    `limit`), whether orjson parsed them (no lone surrogate then), file bytes read)."""
     text, number = _Text(raw, path, kind, block_bytes, repaired), 0
     if text.next_char() != "[":
         raise SourceError(f"{path}: not a JSON array")
     text.at += 1
     text.next_char()
     while True:  # at an item's start: after the `[`, or a `,`
-        found, text.at, clean = _whole(text.text, text.at)
+        found, text.at, clean = _whole(text.text, text.at, limit)
         if found:
             number += len(found)
             yield found, clean, text.read
@@ -204,7 +207,8 @@ def read_array_batches(
     """Batches of about `batch_bytes` of the array's text, resuming after `start_item` items (a checkpoint's offset
     is the same number)."""
     batch, number, size, first = TextBatch([], 0, start_item, 0, 0), 0, 0, start_item  # first: the batch's start
-    for items, clean, source_pos in _items(raw, path, kind, repaired=None if start_item else batch.repaired):
+    repaired = None if start_item else batch.repaired  # a BOM: counted by the reading from the start
+    for items, clean, source_pos in _items(raw, path, kind, repaired=repaired, limit=max_line_bytes):
         passed = min(max(start_item - number, 0), len(items))  # read before the checkpoint
         number += passed
         for value, chars in items[passed:] if passed else items:
