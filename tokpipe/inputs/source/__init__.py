@@ -1,9 +1,9 @@
 """One shard -> batches of document texts, every line (or row) accounted for.
 
-The format is sniffed from the file's first bytes, never trusted from its name (a `.jsonl.zst` may
-be plain JSONL): zstd, gzip or plain JSONL (jsonl.py), or one JSON array in them (json_array.py), Parquet
-(parquet.py) or Arrow (arrow.py). Each reports through
-batch.py, the one place where a line becomes a document, a counted skip or a counted repair.
+The format is sniffed from the file's first bytes, never trusted from its name (a `.jsonl.zst` may be plain JSONL):
+zstd, gzip or plain JSONL (jsonl.py), or one JSON array in them (json_array.py), Parquet (parquet.py) or Arrow
+(arrow.py). Each reports through batch.py, the one place where a line becomes a document, a counted skip or a counted
+repair.
 
 A shard's path is a local path or an s3:// URL, opened here alone (store.open_read opens either) and handed to the
 format's reader; `etag`, the ETag the manifest recorded of a shard on a store, goes with every read of it. Parquet is
