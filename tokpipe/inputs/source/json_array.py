@@ -4,8 +4,8 @@ What `json.dump` of a list and pandas' `to_json(orient="records")` write, and Hu
 an item is a line. An object is a document as a JSON Lines line is (batch.document); a string is the text of a
 document whose field is "text", as the json builder makes of a list of strings. The array is decoded a block at a
 time, and the items a block holds whole are parsed by one orjson call (_whole; json's scanner where orjson refuses,
-and for an item cut by a block's end): 313-325 MB/s of distinct text here, 0.8-1.5 M items/s of 30 characters
-(JSON Lines: 405-460 MB/s, 1.7-2.6 M; benchmarks/formats.py). An item at a time by json's raw_decode read 130-211
+and for an item cut by a block's end): 222-325 MB/s of distinct text here, 0.8-1.5 M items/s of 30 characters
+(JSON Lines: 405-460 MB/s, 1.6-2.6 M; benchmarks/formats.py). An item at a time by json's raw_decode read 130-211
 MB/s and 0.43 M items/s; ijson's C backend 147 MB/s, and it turns a lone surrogate escape into "?" unsaid. Memory
 is bounded by a block and an item, not by the file. A checkpoint's
 offset counts items, as Parquet's counts rows: a resume parses the items before it again, and tokenizes none.
