@@ -140,6 +140,17 @@ BROKEN = {
 }
 
 
+def test_an_item_nested_past_what_json_readers_read_stops_the_shard_saying_which(tmp_path):
+    path = tmp_path / "deep.json"
+    path.write_text('[{"text": "ok"}, ' + "[" * 100_000 + "]" * 100_000 + ', {"text": "after"}]')
+    with pytest.raises(SourceError) as e:  # was Python's RecursionError
+        read_all(path)
+    assert str(e.value) == (
+        f"{path}: item 2 of the JSON array is nested deeper than a JSON reader reads (orjson stops at 1,024 levels):"
+        " remove or flatten it"
+    )
+
+
 @pytest.mark.parametrize("data", BROKEN)
 def test_a_broken_array_stops_the_shard_saying_where(tmp_path, data):
     path = tmp_path / "broken.json"

@@ -98,6 +98,11 @@ class _Text:
                 (value, end), error = DECODER.raw_decode(self.text, self.at), None
             except json.JSONDecodeError as e:
                 error = e
+            except RecursionError:  # JSON Lines skips such a line (invalid_json); an array's next item is past it
+                raise SourceError(
+                    f"{self.path}: item {number:,} of the JSON array is nested deeper than a JSON reader reads (orjson"
+                    " stops at 1,024 levels): remove or flatten it"
+                ) from None
             if error is None and end < len(self.text):
                 break
             # A value that ends where the decoded text does may go on (a number), and an error there may be the cut.
@@ -132,7 +137,7 @@ def _whole(text: str, at: int, limit: int) -> tuple[list[tuple[object, int]], in
     while True:
         try:
             value, end = scan(text, at)
-        except (StopIteration, json.JSONDecodeError):  # a broken item, or one the text cuts: _Text.value says which
+        except (StopIteration, json.JSONDecodeError, RecursionError):  # broken, cut or too deep: _Text.value says
             return found, at, False
         if end == end_of_text or (after := separator(text, end)) is None:  # what follows is not in the text yet
             return found, at, False
