@@ -84,8 +84,9 @@ def read_batches(
 
             yield from read_arrow_batches(raw, path, text_field, start_line, batch_bytes, max_line_bytes, group_by)
         elif array:
-            start = start_line
-            yield from read_array_batches(raw, path, kind, text_field, start, batch_bytes, max_line_bytes, group_by)
+            yield from read_array_batches(
+                raw, path, kind, text_field, start_line, batch_bytes, max_line_bytes, group_by
+            )
         else:
             start = (start_line, start_offset, start_frame)
             yield from read_jsonl_batches(raw, path, kind, text_field, *start, batch_bytes, max_line_bytes, group_by)

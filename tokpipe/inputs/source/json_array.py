@@ -123,7 +123,7 @@ def _whole(text: str, at: int, limit: int) -> tuple[list[tuple[object, int]], in
     orjson call: the text up to where _item_ends says the last items may end (a wrong guess, inside a string or a
     nested value, is no valid JSON, and the one before is tried), each given the items' mean length, which tells no
     item over `limit` where all of them are not; the rest, an item at a time by json's scanner."""
-    for cut in _item_ends(text, at, tries=4):
+    for cut in _item_ends(text, at):
         if cut - at > limit:  # one of them may be over it: each one's length
             break
         try:
@@ -145,7 +145,7 @@ def _whole(text: str, at: int, limit: int) -> tuple[list[tuple[object, int]], in
         at = after.end()
 
 
-def _item_ends(text: str, at: int, tries: int) -> Iterator[int]:
+def _item_ends(text: str, at: int, tries: int = 4) -> Iterator[int]:
     """Where the last items in the text after `at` may end (their `,`), last first: before the next item's start where
     the items are objects written alike (a `{` and its first key, as the item at `at` begins: a string never holds
     that quote unescaped), else at a `},` or `",` (as json.dump, its indent and pandas write them)."""
