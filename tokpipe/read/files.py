@@ -44,7 +44,7 @@ import numpy as np
 
 from tokpipe.layout.meta import SplitFile
 from tokpipe.layout.records import IDX_DTYPE
-from tokpipe.read.maps import LocalFile, StoreFile, array_at, kernel_max_maps, recorded
+from tokpipe.read.maps import LocalFile, StoreFile, array_at, each_file, kernel_max_maps, recorded
 
 RESERVED = 4096  # maps left to the rest of the process: Python with numpy holds ~200, torch on CUDA a few 1,000
 SPARSE = 512  # ends per block: one 4 KB page of an .idx
@@ -69,12 +69,16 @@ class TokenFiles:
     """The token files of a split (or of one group of it), in order, read as one stream of tokens: the one reader
     of a split's files, for every reader of OUT (the loader, open_output, verify, inspect, export)."""
 
-    def __init__(self, out: Path, files: list[SplitFile], dtype: np.dtype, windows: bool = False, local=None):
+    def __init__(
+        self, out: Path, files: list[SplitFile], dtype: np.dtype, windows: bool = False, local=None, found=None
+    ):
         """`windows`: read in windows at random places (the loader's): its token maps are madvise(MADV_RANDOM).
-        `local`: each file's tokens and ends as first seen, where another reader recorded them (joined)."""
+        `local`: each file's tokens and ends as first seen, where another reader recorded them (joined); `found`:
+        where a caller looked them up already (maps.seen, by name: verify's)."""
         out = out if isinstance(out, Path) else Path(out)  # as given: a reader's copy of a store's records holds it
         self.out, self.dtype, self.entries, self.random = out, np.dtype(dtype), files, windows
-        self._local = local or [self._recorded(f) for f in files]  # each file's tokens and ends, as first seen
+        # each file's tokens and ends, as first seen
+        self._local = local or each_file(out, lambda f: self._recorded(f, found or {}), files)
         self.paths = [(tokens.path, ends.path) for tokens, ends in self._local]
         self.starts = np.cumsum([0] + [f.tokens for f in files])  # one entry per file
         self.ends = self.starts[1:]  # where each file's tokens end in the stream
@@ -94,14 +98,14 @@ class TokenFiles:
         self._merged: np.ndarray | None = None
         self._lock = threading.Lock()  # the maps and the view change under it, and windows are read under it
 
-    def _recorded(self, f: SplitFile) -> tuple[LocalFile | StoreFile, LocalFile | StoreFile]:
+    def _recorded(self, f: SplitFile, found: dict) -> tuple[LocalFile | StoreFile, LocalFile | StoreFile]:
         """A file's tokens and ends as first seen, of the sizes OUT's records give them (on this machine, or on a
         store: maps.recorded)."""
         itemsize, growing = self.dtype.itemsize, f.growing
         size, said = (f.token_offset + f.tokens) * itemsize, f"{f.tokens:,} tokens of {itemsize} bytes"
-        tokens = recorded(self.out, f.bin, size, said, growing)
+        tokens = recorded(self.out, f.bin, size, said, growing, found.get(f.bin))
         size, said = (f.doc_offset + f.documents) * IDX_DTYPE.itemsize, f"{f.documents:,} document ends of 8 bytes"
-        return tokens, recorded(self.out, f.idx, size, said, growing)
+        return tokens, recorded(self.out, f.idx, size, said, growing, found.get(f.idx))
 
     @classmethod
     def joined(cls, parts: list[TokenFiles]) -> TokenFiles:

@@ -27,13 +27,25 @@ recorded: an object replaced since is never read as the one listed (`Changed`, w
 changed under a run does).
 """
 
-from tokpipe.store.bucket import MIN_PART, Bucket, Changed, Exists, Object, StoreRefused, StoreUnavailable, Url, is_url
+from tokpipe.store.bucket import (
+    MIN_PART,
+    REQUESTS_AT_ONCE,
+    Bucket,
+    Changed,
+    Exists,
+    Object,
+    StoreRefused,
+    StoreUnavailable,
+    Url,
+    is_url,
+)
 from tokpipe.store.lease import Holder, Lease
 from tokpipe.store.reader import Reader, open_read
 from tokpipe.store.upload import Upload, compose, put_buffers
 
 __all__ = [
     "MIN_PART",
+    "REQUESTS_AT_ONCE",
     "Bucket",
     "Changed",
     "Exists",

@@ -25,11 +25,8 @@ from tokpipe.layout.files import RECORD, ShardFiles, split_file_stem
 from tokpipe.layout.records import IDX_DTYPE, parts_of, read_parts, record_key
 from tokpipe.layout.run import WriteSpec, output_splits, sources
 from tokpipe.layout.stored import Entry, Segment, StoredOut, part_name
-from tokpipe.store import MIN_PART, Exists, Lease, Upload, compose, put_buffers
+from tokpipe.store import MIN_PART, REQUESTS_AT_ONCE, Exists, Lease, Upload, compose, put_buffers
 from tokpipe.write.segments import ClosedSegment, Gatherer, Kept, Spilled, part_arrays
-
-# GETs in flight where a rerun or finalize reads many small objects (segments' .json, checkpoints)
-REQUESTS_AT_ONCE = 16
 
 
 @dataclass(frozen=True)
