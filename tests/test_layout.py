@@ -45,6 +45,20 @@ def test_a_checkpoint_round_trips_and_a_missing_one_is_none(tmp_path):
     assert Checkpoint.of(tmp_path, HOLDOUT) == ckpt
 
 
+def test_a_shard_s_parts_are_found_by_key_each_key_read_once_and_the_index_never_travels(monkeypatch):
+    """A shard of 2,000 groups: finalize and the assembler look up each group's part; a scan each read 2 M keys."""
+    ckpt = Checkpoint(parts=[PartCounts(False, f"g{n:04d}", tokens=n) for n in range(2000)])
+    reads = []
+    monkeypatch.setattr(PartCounts, "key", property(lambda part: reads.append(1) or (part.held, part.group)))
+    assert [ckpt.part((False, f"g{n:04d}")).tokens for n in range(2000)] == list(range(2000))
+    assert ckpt.part((False, None)) is None and ckpt.part((True, "g0001")) is None and len(reads) == 2000
+    ckpt.parts = [PartCounts(False, None, tokens=7)]  # replaced, as a writer does: the next lookup sees it
+    assert ckpt.part((False, None)).tokens == 7 and ckpt.part((False, "g0001")) is None
+    copy = pickle.loads(pickle.dumps(ckpt))  # to and from Ray's workers: the parts, not the index
+    assert copy == ckpt and "_by_key" not in copy.__dict__ and copy.part((False, None)).tokens == 7
+    assert json.loads(ckpt.encoded()) == asdict(ckpt)
+
+
 def test_checkpoints_read_a_shard_s_own_file_first_then_its_entry_in_a_placing_s_file(tmp_path):
     """Checkpoints, as a run's start, status and report ask for them: a shard's own file where it has one, else its
     entry in a file of the shards placed together (named by the blake2b of its keys); each split's folders listed

@@ -97,8 +97,17 @@ class Checkpoint:
 
     def part(self, key: PartKey) -> PartCounts | None:
         """The shard's part of this key, None where it has none (with --group-by, a group it did not meet, or its
-        own documents: they are in its groups' parts)."""
-        return next((part for part in self.parts if part.key == key), None)
+        own documents: they are in its groups' parts). By an index of its parts, made again where they were replaced
+        (they are, never changed in place): the assembler and finalize look up each group of each shard, and a scan
+        each made a run of 2,000 groups in 8 shards tokenize in 8.9-10.1 s (5.3-6.6 now), its finalize on a store
+        46 s (27)."""
+        index = self.__dict__.get("_by_key")
+        if index is None or index[0] is not self.parts:
+            index = self.__dict__["_by_key"] = (self.parts, {part.key: part for part in self.parts})
+        return index[1].get(key)
+
+    def __getstate__(self) -> dict:
+        return {name: value for name, value in self.__dict__.items() if name != "_by_key"}  # an index, made again
 
     def source_parts(self, held: bool) -> list[PartCounts]:
         """The shard's parts in one source of a split file (layout/run.py's `sources`): its own documents' (in its
