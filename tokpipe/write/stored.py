@@ -387,15 +387,18 @@ def keep(out: StoredOut, shard: Shard, ckpt: Checkpoint, buffered: dict) -> None
 
 
 def compose_split(assembly: StoreAssembly, stem: str) -> None:
-    """A split's files (its groups', --group-by), each from its segments in the order of their first parts."""
+    """A split's files (its groups', --group-by), each from its segments in the order of their first parts;
+    REQUESTS_AT_ONCE files at once (a group's file is a few requests, each a round trip: finalize composed 2,000
+    groups' in 59 s one after another on SeaweedFS here, 46 s at once)."""
     files = {group: segments for (of, group), segments in assembly.made.items() if of == stem}
     if assembly.spec.group_by is None:
         files.setdefault(None, [])  # a split of no part (every shard left out): an empty file, as on disk
     walk = sources(assembly.manifest, stem, assembly.spec.val_fraction)
     order = {(shard.relpath, held): n for n, (shard, held) in enumerate(walk)}
-    for group, segments in files.items():
+    for segments in files.values():
         segments.sort(key=lambda segment: order[segment.entries[0].shard, segment.entries[0].held])
-        _compose(assembly, stem, group, segments)
+    with ThreadPoolExecutor(min(REQUESTS_AT_ONCE, len(files))) as pool:
+        list(pool.map(lambda file: _compose(assembly, stem, *file), files.items()))
 
 
 def _compose(assembly: StoreAssembly, stem: str, group: str | None, segments: list[Segment]) -> None:
