@@ -17,6 +17,7 @@ import secrets
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -30,6 +31,7 @@ from tokpipe.layout.records import unfinished_files
 from tokpipe.layout.run import load_run, output_splits
 from tokpipe.layout.stored import reader_out
 from tokpipe.read.files import TokenFile, TokenFiles
+from tokpipe.read.maps import each_file
 from tokpipe.read.output import open_output
 from tokpipe.read.verify import Check
 from tokpipe.read.verify import report as verify_report
@@ -71,6 +73,7 @@ class Source:
     bos_id: int | None = None  # when the run placed BOS before documents
     eos_written: bool = True  # False: --no-eos
     shards: int | None = None  # of an unfinished OUT: the shards its files hold committed tokens of
+    out: Path | None = None  # OUT as read (reader_out): a store's files are read many at once (maps.each_file)
 
     @property
     def boundary(self) -> tuple[str, int]:
@@ -132,6 +135,7 @@ def open_source(out: str | os.PathLike, split: str) -> Source:
         bos_id=record.bos_placed,
         eos_written=record.delimiters.eos,
         shards=shards,
+        out=out,
     )
 
 
@@ -203,11 +207,11 @@ def scan_ids(source: Source) -> IdScan:
     """The id statistics of a split with tokens."""
     total = source.tokens
     if total <= SCAN_TOKENS:
-        ids = np.concatenate([np.asarray(s.tokens) for s in source.files])
+        ids = np.concatenate(each_file(source.out, lambda file: np.asarray(file.tokens), source.files))
     else:  # evenly spread blocks, from the first bytes on (where the seeds' eye test looked) to the end
         block = SCAN_TOKENS // SCAN_BLOCKS
         located = [source.locate(int(pos)) for pos in np.linspace(0, total - block, SCAN_BLOCKS).astype(np.int64)]
-        ids = np.concatenate([np.asarray(file.tokens[offset : offset + block]) for file, offset in located])
+        ids = np.concatenate(each_file(source.out, lambda at: np.asarray(at[0].tokens[at[1] : at[1] + block]), located))
     values, counts = np.unique(ids, return_counts=True)
     order = np.argsort(counts, kind="stable")[::-1][:COMMON_IDS]
     limit = int(np.iinfo(source.dtype).max)

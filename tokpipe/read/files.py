@@ -113,6 +113,10 @@ class TokenFiles:
         files, local = [f for part in parts for f in part.entries], [local for part in parts for local in part._local]
         return cls(parts[0].out, files, parts[0].dtype, parts[0].random, local)
 
+    def files_of(self, first: int, stop: int) -> TokenFiles:
+        """Its files [first, stop) as a reader of their own, as first seen here (a group's of a split)."""
+        return TokenFiles(self.out, self.entries[first:stop], self.dtype, self.random, self._local[first:stop])
+
     def __len__(self) -> int:
         return len(self.paths)
 

@@ -17,6 +17,7 @@ from tokpipe.layout.files import Layout
 from tokpipe.layout.meta import Meta, SplitEntry, finished_meta
 from tokpipe.layout.stored import reader_out, stored_of
 from tokpipe.read.files import TokenFile, TokenFiles
+from tokpipe.read.maps import each_file
 
 
 class Joined:
@@ -66,10 +67,13 @@ class Split:
     @property
     def files(self) -> list[TokenFile]:
         """Each of its files, read (every one mapped; on a store its tokens a Joined of the file, its ends read)."""
-        if self.stored:
+        if self.stored:  # each file's ends read (maps.each_file: many at once)
+            reader = self.reader
+            ends = each_file(
+                reader.out, lambda f: reader.file_range(f, 0, reader.entries[f].documents, True), range(len(reader))
+            )
             return [
-                TokenFile(e.name, Joined(self.reader, False, f), self.reader.file_ends(f))
-                for f, e in enumerate(self.reader.entries)
+                TokenFile(e.name, Joined(self.reader, False, f), ends[f]) for f, e in enumerate(self.reader.entries)
             ]
         return [self.reader.file(f) for f in range(len(self.reader))]
 
@@ -123,10 +127,11 @@ def open_output(out: str | os.PathLike) -> Output:
 
 
 def open_split(out: Path, name: str, entry: SplitEntry, dtype: str) -> Split:
-    """A split (or a group of one) of a finished OUT, its files as its entry lists them; a grouped split's reader
-    is its groups' files one after another."""
-    if entry.groups is None:
-        return Split(name, TokenFiles(out, entry.token_files(), dtype))
-    groups = {value: open_split(out, name, group, dtype) for value, group in entry.groups.items()}
-    reader = TokenFiles.joined([g.reader for g in groups.values()]) if groups else TokenFiles(out, [], dtype)
+    """A split of a finished OUT, its files as its entry lists them; a grouped split's reader is its groups' files
+    one after another (looked up at once: maps.each_file), and each group's reader its own of them."""
+    reader = TokenFiles(out, entry.token_files(), dtype)
+    groups, first = {}, 0
+    for value, group in (entry.groups or {}).items():
+        files = len(group.token_files())
+        groups[value], first = Split(name, reader.files_of(first, first + files)), first + files
     return Split(name, reader, groups)
