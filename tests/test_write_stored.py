@@ -8,7 +8,7 @@ from tokpipe.inputs.manifest import build_manifest
 from tokpipe.layout.checkpoints import Checkpoint, PartCounts
 from tokpipe.layout.run import WriteSpec
 from tokpipe.layout.stored import StoredOut
-from tokpipe.write.stored import StoreAssembly
+from tokpipe.write.stored import StoreAssembly, compose_split
 
 
 def test_a_done_shard_s_tokens_are_held_until_its_segment_is_handed_out():
@@ -29,3 +29,11 @@ def test_a_done_shard_s_tokens_are_held_until_its_segment_is_handed_out():
         "where the second's tokens wait",
     ]
     assert assembly.held() == []
+
+
+def test_a_grouped_split_of_no_part_composes_no_file():
+    """--group-by with every shard left out (--skip-failed): no group has a file to compose (finalize then refuses the
+    empty split in one line), and no request is made."""
+    assembly = StoreAssembly(StoredOut.of("s3://b/out"), WriteSpec(group_by="g"), build_manifest(EXAMPLE_CACHE), 4)
+    assert assembly.made == {}
+    compose_split(assembly, "train")

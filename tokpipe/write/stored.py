@@ -397,7 +397,7 @@ def compose_split(assembly: StoreAssembly, stem: str) -> None:
     order = {(shard.relpath, held): n for n, (shard, held) in enumerate(walk)}
     for segments in files.values():
         segments.sort(key=lambda segment: order[segment.entries[0].shard, segment.entries[0].held])
-    with ThreadPoolExecutor(min(REQUESTS_AT_ONCE, len(files))) as pool:
+    with ThreadPoolExecutor(REQUESTS_AT_ONCE) as pool:  # (a thread a file at most: made as they are asked)
         list(pool.map(lambda file: _compose(assembly, stem, *file), files.items()))
 
 
