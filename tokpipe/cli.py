@@ -324,7 +324,9 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument(
         "--tokenizer", type=_here, help="the run's tokenizer, if it moved since the run (default: the path in meta)"
     )
-    v.add_argument("--jobs", type=positive(int), help="threads checking checksums and ids (default: all cores)")
+    v.add_argument(
+        "--jobs", type=positive(int), help="threads checking checksums and ids (default: all cores; 16 for a store)"
+    )
 
     st = reader("status", _cmd_status, "where a run stands (running, killed, failed or finished) and what to run next")
     st.add_argument("--json", action="store_true", help="machine-readable status")
