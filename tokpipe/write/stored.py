@@ -329,10 +329,14 @@ class StoreAssembly:
             self.checkpoints.write(ready)
 
     def place_ready(self, excluded: frozenset[str] = frozenset()) -> None:
-        """The segments whose turn has come, uploaded by this process (its tokens are here: a run without Ray)."""
-        for planned in self.ready(excluded):
-            upload_closed(self.out, planned)
-            self.commit([planned.segment])
+        """The segments whose turn has come, uploaded by this process (its tokens are here: a run without Ray),
+        REQUESTS_AT_ONCE at once (a segment is three PUTs, each a round trip: a run of 2,000 groups tokenized in 291 s
+        one after another, 28 s so, with each answer of the store 20 ms late), each committed once it and those before
+        it are up."""
+        ready = self.ready(excluded)
+        with ThreadPoolExecutor(REQUESTS_AT_ONCE) as pool:
+            for planned, _ in zip(ready, pool.map(lambda planned: upload_closed(self.out, planned), ready)):
+                self.commit([planned.segment])
 
 
 def upload_segment(out: StoredOut, segment: Segment, arrays: list[tuple[list[np.ndarray], list[np.ndarray]]]) -> int:
