@@ -67,7 +67,7 @@ def _scan_file(reader: TokenFiles, f: int, parts: list[Part], eos_id: int, bos_i
     last = None
     for span in _spans(parts):
         last = _scan_span(reader, f, span, eos_id, bos_id, buffer, scan)
-    if last is None or not len(last) or parts[-1].doc_end != documents:  # the file's last end read with another span
+    if last is None or not len(last) or parts[-1].doc_end != documents:  # the file's last end: no span here had it
         last = reader.file_range(f, documents - 1, documents, ends=True) if documents else np.zeros(0, np.int64)
     scan.end = (int(last[-1]) if len(last) else 0, int(reader.ends[f] - reader.starts[f]))
     reader.release(f)
