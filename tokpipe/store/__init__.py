@@ -27,21 +27,14 @@ recorded: an object replaced since is never read as the one listed (`Changed`, w
 changed under a run does).
 """
 
-from tokpipe.store.bucket import (
-    MIN_PART,
-    REQUESTS_AT_ONCE,
-    Bucket,
-    Changed,
-    Exists,
-    Object,
-    StoreRefused,
-    StoreUnavailable,
-    Url,
-    is_url,
-)
+from tokpipe.store.bucket import MIN_PART, Bucket, Changed, Exists, Object, StoreRefused, StoreUnavailable, Url, is_url
 from tokpipe.store.lease import Holder, Lease
 from tokpipe.store.reader import Reader, open_read
 from tokpipe.store.upload import Upload, compose, put_buffers
+
+# Requests in flight where a command reads or copies many small objects (segments' .json, checkpoints, a split's
+# group files): a request is a round trip (~ms on loopback, 10s of ms to S3) that a thread spends waiting.
+REQUESTS_AT_ONCE = 16
 
 __all__ = [
     "MIN_PART",

@@ -26,9 +26,6 @@ TRIES = 10
 # seconds (connection refused: ~1 s) rather than after TRIES' minute or two.
 CHECK_TRIES = 2
 DELETE_BATCH = 1000  # keys a DeleteObjects request may name (S3's most)
-# Requests in flight where a command reads or copies many small objects (segments' .json, checkpoints, a split's
-# group files): a request is a round trip (~ms on loopback, 10s of ms to S3) that a thread spends waiting.
-REQUESTS_AT_ONCE = 16
 CONNECT_TIMEOUT = 10
 # Seconds a request waits for its answer. A copy on the server (UploadPartCopy of up to MAX_PART,
 # CompleteMultipartUpload of up to MAX_PARTS parts) answers when it is done; every other request at once where a
