@@ -9,6 +9,8 @@ import os
 import pickle
 import shutil
 import signal
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -151,21 +153,42 @@ def test_dataloader_workers_on_a_store_give_the_loaders_batches_and_it_pickles_a
         assert np.array_equal(g.tokens, e.tokens) and g.state == e.state
 
 
-def test_a_mixture_of_groups_on_a_store_reads_each_row_from_its_group(finished_grouped, s3_server, s3_prefix, tmp_path):
+def test_a_mixture_of_groups_on_a_store_opens_them_at_once_and_reads_each_row_from_its_group(
+    finished_grouped, s3_server, s3_prefix, tmp_path, monkeypatch
+):
     url = s3_server.upload(finished_grouped, s3_prefix)
-    groups = ("RedPajamaGithub", "RedPajamaWikipedia")
-    sources = {
-        g: Sequences(url, "train", 128, seed=1, group=g, cache_dir=tmp_path, cache_size=64 << 10) for g in groups
-    }
-    mixture = Mixture(sources, {"RedPajamaGithub": 2, "RedPajamaWikipedia": 1})
-    local = {g: Sequences(finished_grouped, "train", 128, group=g) for g in groups}
+    weights = {"RedPajamaGithub": 2, "RedPajamaWikipedia": 1}
+    options = {"seed": 1, "cache_dir": tmp_path, "cache_size": 64 << 10}
+    opening, peak, lock, init = [0], [0], threading.Lock(), Sequences.__init__
+
+    def watched(self, *args, **kwargs):  # the most sources being opened at one time
+        with lock:
+            opening[0] += 1
+            peak[0] = max(peak[0], opening[0])
+        time.sleep(0.2)
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            with lock:
+                opening[0] -= 1
+
+    monkeypatch.setattr(Sequences, "__init__", watched)
+    mixture = Mixture.of_groups(url, weights, "train", 128, **options)
+    assert peak == [2]
+    peak[0] = 0
+    unpickled = pickle.loads(pickle.dumps(mixture))  # as a DataLoader worker gets it
+    assert peak == [2]
+    by_hand = Mixture({g: Sequences(url, "train", 128, group=g, **options) for g in weights}, weights)
+    local = {g: Sequences(finished_grouped, "train", 128, group=g) for g in weights}
     for _ in range(20):
-        batch = mixture.next_batch(32)
+        batch, again, hand = mixture.next_batch(32), unpickled.next_batch(32), by_hand.next_batch(32)
+        assert batch.sources == again.sources == hand.sources
+        assert np.array_equal(batch.tokens, again.tokens) and np.array_equal(batch.tokens, hand.tokens)
         for i, (name, w) in enumerate(zip(batch.sources, batch.windows.tolist())):
             one = local[name].batch_of(np.array([w]))
             assert np.array_equal(batch.tokens[i], one.tokens[0])
             assert np.array_equal(batch.doc_starts[i], one.doc_starts[0])
-    assert sorted(set(batch.sources)) == sorted(groups)
+    assert sorted(set(batch.sources)) == sorted(weights)
 
 
 def test_the_store_failing_mid_epoch_raises_one_line_and_the_loader_goes_on_from_where_it_was(

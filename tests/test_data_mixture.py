@@ -139,6 +139,19 @@ def test_a_mixture_pickles_as_references_and_resumes_there(finished_example):
     assert a.sources == b.sources and np.array_equal(a.tokens, b.tokens)
 
 
+def test_of_groups_is_the_mixture_of_each_groups_sequences_and_refuses_what_is_not_a_group(finished_grouped):
+    weights = {"RedPajamaC4": 1, "RedPajamaGithub": 3}
+    mixed = Mixture.of_groups(finished_grouped, weights, "train", 64, seed=5)
+    by_hand = Mixture({g: Sequences(finished_grouped, "train", 64, seed=5, group=g) for g in weights}, weights)
+    a, b = mixed.next_batch(40), by_hand.next_batch(40)
+    assert a.sources == b.sources and np.array_equal(a.tokens, b.tokens)
+    with pytest.raises(ValueError, match=r"^weights \['RedPajamaC4'\]: need a dict, by the groups' names$"):
+        Mixture.of_groups(finished_grouped, ["RedPajamaC4"])
+    groups = "RedPajamaC4, RedPajamaCommonCrawl, RedPajamaGithub, RedPajamaWikipedia"
+    with pytest.raises(ValueError, match=f"^split train of .* has no group 'RedPajama'; its groups: {groups}$"):
+        Mixture.of_groups(finished_grouped, {"RedPajama": 1})
+
+
 def pfair_by_hand(weights: list[float], rows: int) -> list[int]:
     """The draw's rule, row by row in exact fractions: among the sources whose next turn is released
     (count / share <= row), the one due first (ceil((count + 1) / share)), ties to the lower index."""

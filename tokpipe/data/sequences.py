@@ -114,10 +114,11 @@ def stream_fingerprint(out: Path, entry: SplitEntry, dtype: str, group: str | No
     if entry.parts is None:
         return entry.sha256
     key = (entry.parts_sha256, dtype)
-    if key not in _FINGERPRINTS:
-        if stored_of(out) is not None:  # a reader's copy of an OUT on a store's meta: the parts list fetched too
-            copy_records(out, [entry.parts])
-        _FINGERPRINTS[key] = _fingerprints(out / entry.parts, entry.parts_sha256, dtype, out)
+    with _COPYING:
+        if key not in _FINGERPRINTS:
+            if stored_of(out) is not None:  # a reader's copy of an OUT on a store's meta: the parts list fetched too
+                copy_records(out, [entry.parts])
+            _FINGERPRINTS[key] = _fingerprints(out / entry.parts, entry.parts_sha256, dtype, out)
     found = _FINGERPRINTS[key]
     return found.get(group) or hashlib.sha256(f"tokpipe token stream {dtype}\n".encode()).hexdigest()
 
@@ -148,12 +149,14 @@ def _meta_copy(out: str) -> Path:
     found = stored.bucket.head(stored.key(META_PKL))
     if found is None:  # not finished, or no OUT: reader_out and finished_meta say which
         return reader_out(out, [META_JSON, META_PKL])
-    if (out, found.etag) not in _META_COPIES:
-        _META_COPIES[out, found.etag] = reader_out(out, [META_JSON, META_PKL])
+    with _COPYING:
+        if (out, found.etag) not in _META_COPIES:
+            _META_COPIES[out, found.etag] = reader_out(out, [META_JSON, META_PKL])
     return _META_COPIES[out, found.etag]
 
 
 _META_COPIES: dict[tuple[str, str], Path] = {}  # (OUT's URL, its meta.pkl's ETag) -> the copy of its meta here
+_COPYING = threading.Lock()  # a copy or fingerprint made once: a Mixture opens its sources at once (mixture._opened)
 
 
 class Sequences:
@@ -242,7 +245,7 @@ class Sequences:
         worker reopens the files instead of receiving the split)."""
         keys = ("split", "seq_len", "seed", "rank", "world_size", "group", "cache_size")
         options = {key: getattr(self, key) for key in keys} | {"cache_dir": str(self.cache_dir)}
-        return _reopen, (str(self.out), options, self.state_dict())
+        return reopen, (str(self.out), options, self.state_dict())
 
     def window(self, i: int) -> np.ndarray:
         """Window i: tokens [i*seq_len, i*seq_len + seq_len + 1), as int64."""
@@ -439,7 +442,8 @@ def _order(order: dict | None) -> str:
     return f"blocks of {order['block']:,} windows, {order['buffer']:,} a buffer"  # on a store, by its cache_size
 
 
-def _reopen(out: str, options: dict, state: dict) -> Sequences:
+def reopen(out: str, options: dict, state: dict | None) -> Sequences:  # (state None: at the start)
     sequences = Sequences(out, **options)
-    sequences.load_state_dict(state)
+    if state is not None:
+        sequences.load_state_dict(state)
     return sequences

@@ -32,7 +32,19 @@ from tokpipe.inputs.manifest import Shard
 from tokpipe.layout.files import RECORD, Layout, PartKey, group_stem, is_out, out_folder, work_folder
 from tokpipe.layout.locks import lock_holder
 from tokpipe.layout.meta import Meta, SplitFile
-from tokpipe.store import MIN_PART, Bucket, Exists, Holder, Lease, StoreRefused, StoreUnavailable, Url, compose, is_url
+from tokpipe.store import (
+    MIN_PART,
+    REQUESTS_AT_ONCE,
+    Bucket,
+    Exists,
+    Holder,
+    Lease,
+    StoreRefused,
+    StoreUnavailable,
+    Url,
+    compose,
+    is_url,
+)
 
 SEGMENTS = "segments"
 SOURCES = "sources"  # a finished OUT's split files as they were, while shards appended to it are assembled
@@ -236,10 +248,6 @@ class RecordsCopy(type(Path())):
     tokens: frozenset[str] | None = None  # the names of the .bin objects the copy's LIST found; None: not listed
 
 
-# GETs in flight while a reader copies OUT's records (a checkpoint per shard: 60,000 of them for SlimPajama)
-RECORD_GETS = 16
-
-
 def on_store(out: str | os.PathLike) -> bool:
     """Whether OUT, as a command or a caller names it, is on a store (a URL), not in a folder."""
     return is_url(os.fspath(out))
@@ -276,8 +284,9 @@ def reader_out(out: str | os.PathLike, names: list[str] | None = None) -> Path:
 
 
 def copy_records(copy: Path, names: list[str]) -> None:
-    """OUT's records `names` copied from the store into a reader's copy (reader_out), RECORD_GETS at a time; one
-    that is not there (removed since a LIST: a live run's segment) is left out."""
+    """OUT's records `names` copied from the store into a reader's copy (reader_out), REQUESTS_AT_ONCE at a time (a
+    checkpoint a shard: 60,000 of them for SlimPajama); one that is not there (removed since a LIST: a live run's
+    segment) is left out."""
     stored = stored_of(copy)
 
     def fetch(name: str) -> None:
@@ -287,7 +296,7 @@ def copy_records(copy: Path, names: list[str]) -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(found[0])
 
-    with ThreadPoolExecutor(RECORD_GETS) as pool:
+    with ThreadPoolExecutor(REQUESTS_AT_ONCE) as pool:
         list(pool.map(fetch, names))
 
 
