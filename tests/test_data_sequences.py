@@ -11,6 +11,7 @@ import pickle
 import shutil
 import sys
 import threading
+import tracemalloc
 import types
 
 import numpy as np
@@ -83,6 +84,20 @@ def test_epoch_e_is_the_permutation_of_its_seed(finished_example, seq_len):
     n = len(Sequences(finished_example, seq_len=seq_len))
     for e, order in enumerate(global_order(finished_example, seq_len, seed=9, epochs=3)):
         assert np.array_equal(order, Permutation(n, epoch_seed(9, e))[np.arange(n)])
+
+
+def test_a_split_of_few_windows_makes_its_orders_as_its_epochs_pass(finished_example):
+    # 20 windows: each epoch one Permutation's order, made a few epochs at a time, not 2,048 at its first take (a
+    # group in a Mixture of many may pass an epoch in thousands of batches: 400 such took 2.7 s at their first batch).
+    s = Sequences(finished_example, "validation", seq_len=15_000, seed=3)
+    tracemalloc.start()
+    first = s.take(1)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(s) == 20 and peak < 32 << 10, peak
+    taken = np.concatenate([first, s.take(40 * 20 - 1)]).reshape(40, 20)
+    for e, order in enumerate(taken):
+        assert np.array_equal(order, Permutation(20, epoch_seed(3, e))[np.arange(20)]), e
 
 
 def test_the_held_out_split_is_read_by_its_file_s_name_too(finished_example, example_reference):
