@@ -88,6 +88,7 @@ class Mixture:
         self._block = draw.block(self._shares, self._total)
         self._ahead = list(_NONE)  # the sources, windows and starts of the rows drawn ahead of the position
         self._positions = [(s.epoch, s.offset) for s in self.sources.values()]  # each source's at the position
+        self._states = [s.state_dict() for s in self.sources.values()]  # what each source's state holds but them
 
     @classmethod
     def of_groups(cls, out, weights: dict[str, float], split: str = "train", seq_len: int = 2048, **options) -> Mixture:
@@ -123,9 +124,12 @@ class Mixture:
 
     def _move(self, rows: int) -> None:
         """Under the lock: the position moved past the next `rows` rows (drawn ahead by _rows)."""
-        counts = np.bincount(self._ahead[0][:rows], minlength=len(self.names)).tolist()
-        self.counts = [c + n for c, n in zip(self.counts, counts)]
-        self._positions = [s.moved(*p, n) for s, p, n in zip(self.sources.values(), self._positions, counts)]
+        counts = np.bincount(self._ahead[0][:rows], minlength=len(self.names))
+        self.counts = [c + n for c, n in zip(self.counts, counts.tolist())]
+        sources = list(self.sources.values())
+        for i in np.flatnonzero(counts).tolist():  # the sources of these rows alone (a batch of 64 of 2,000 groups)
+            self._positions[i] = sources[i].moved(*self._positions[i], int(counts[i]))
+            sources[i].keep_at(*self._positions[i])
         self.drawn += rows
         self._ahead = [a[rows:] for a in self._ahead]
 
@@ -159,8 +163,6 @@ class Mixture:
                 offsets, bounds = self.files.doc_starts(starts, self.seq_len)
                 tokens = self.files.windows(starts, self.seq_len)
             self._move(batch_size)
-            for s, position in zip(self.sources.values(), self._positions):
-                s.keep_at(*position)
             return Batch(tokens, windows, offsets, bounds, self._names[picks].tolist(), self._state())
 
     def _read_each(self, picks: np.ndarray, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -186,8 +188,8 @@ class Mixture:
             "drawn": self.drawn,
             "counts": dict(zip(self.names, self.counts)),
             "sources": {
-                name: s.state_dict() | {"epoch": epoch, "offset": offset}
-                for (name, s), (epoch, offset) in zip(self.sources.items(), self._positions)
+                name: {**state, "epoch": epoch, "offset": offset}
+                for name, state, (epoch, offset) in zip(self.names, self._states, self._positions)
             },
         }
 
