@@ -7,6 +7,7 @@ an epoch covers with the local copy's, and the bytes sent with what the store's 
 
 import os
 import pickle
+import select
 import shutil
 import signal
 import threading
@@ -151,6 +152,31 @@ def test_dataloader_workers_on_a_store_give_the_loaders_batches_and_it_pickles_a
     got = [next(workers[i % 3]) for i in range(30)]  # DataLoader takes batch i from worker i % 3
     for g, e in zip(got, expected):
         assert np.array_equal(g.tokens, e.tokens) and g.state == e.state
+
+
+def test_the_caches_of_a_process_share_its_fetch_threads_and_a_forked_child_fetches_with_its_own(
+    finished_stored, tmp_path
+):
+    loaders = [Sequences(finished_stored, "train", L, seed=s, cache_dir=tmp_path, cache_size=CACHE) for s in range(12)]
+    batches = [loader.next_batch(B) for loader in loaders]  # 12 caches (a seed each), each fetching its buffers
+    fetchers = [t for t in threading.enumerate() if t.name.startswith("tokpipe-fetch")]
+    assert 1 <= len(fetchers) <= tokpipe.data.cache.FETCHERS
+    # A DataLoader's forked worker: the parent's fetch threads are not in the child, its loader fetches with its own.
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        try:
+            again = Sequences(finished_stored, "train", L, seed=0, cache_dir=tmp_path / "child", cache_size=CACHE)
+            os.write(write, again.next_batch(B).tokens.tobytes())
+        finally:
+            os._exit(0)
+    os.close(write)
+    answered = select.select([read], [], [], 60)[0]
+    if not answered:
+        os.kill(child, signal.SIGKILL)
+    os.waitpid(child, 0)
+    with os.fdopen(read, "rb") as pipe:
+        assert answered and pipe.read() == batches[0].tokens.tobytes()
 
 
 def test_a_mixture_of_groups_on_a_store_opens_them_at_once_and_reads_each_row_from_its_group(

@@ -61,7 +61,6 @@ class BlockCache:
         # at most); of a larger one, which of its ends each block takes (index.bin), GET with the block
         self._split_places = files.merged() if files.documents <= MERGED else None
         self._first_doc = None if self._split_places is not None else self._index()
-        self._pool = ThreadPoolExecutor(FETCHERS, thread_name_prefix="tokpipe-fetch")
         self._fetches: dict[int, Future] = {}
         self._maps: dict[int, np.ndarray] = {}  # block -> its tokens, mapped
         self._places: dict[int, np.ndarray] = {}  # block -> where documents start in it, as indexes of the view
@@ -185,7 +184,7 @@ class BlockCache:
             if future is None or (future.done() and future.exception() is not None and wait):
                 if self._path(b).exists():
                     return
-                future = self._fetches[b] = self._pool.submit(self._fetch, b)
+                future = self._fetches[b] = _FETCHERS.submit(self._fetch, b)
                 future.add_done_callback(lambda f, b=b: self._forget(b, f))
         if wait:
             future.result()
@@ -240,6 +239,18 @@ class BlockCache:
                 index = np.append(np.cumsum(ended)[: g.blocks], files.documents)
                 _write(path, [index.astype("<i8").tobytes()])
         return np.frombuffer(path.read_bytes(), dtype="<i8")
+
+
+def _new_fetchers() -> None:
+    """The process's fetch threads, which all its caches share (a pool a cache: a Mixture of 400 groups on a store
+    held 400 threads, and up to 8 each); started as fetches come, and made again in a forked child (which has none
+    of the parent's threads)."""
+    global _FETCHERS
+    _FETCHERS = ThreadPoolExecutor(FETCHERS, thread_name_prefix="tokpipe-fetch")
+
+
+_new_fetchers()
+os.register_at_fork(after_in_child=_new_fetchers)
 
 
 def _aligned(n: int) -> int:
