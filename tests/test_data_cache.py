@@ -179,6 +179,36 @@ def test_the_caches_of_a_process_share_its_fetch_threads_and_a_forked_child_fetc
         assert answered and pipe.read() == batches[0].tokens.tobytes()
 
 
+def test_a_block_a_loader_waits_for_is_fetched_at_once_not_behind_those_other_caches_fetch_ahead(
+    finished_stored, finished_example, tmp_path, monkeypatch
+):
+    options = {"cache_dir": tmp_path, "cache_size": CACHE}  # 2 blocks a buffer, 64 windows
+    others = [Sequences(finished_stored, "train", L, seed=s, **options) for s in range(12)]
+    gate, fetch = threading.Event(), tokpipe.data.cache.BlockCache._fetch
+
+    def held(self, b):  # the fetch threads hold every block they fetch until the gate opens
+        if threading.current_thread().name.startswith("tokpipe-fetch"):
+            gate.wait()
+        fetch(self, b)
+
+    monkeypatch.setattr(tokpipe.data.cache.BlockCache, "_fetch", held)
+    for other in others:  # into its second buffer: its third one's 2 blocks asked ahead, 24 in all (8 threads)
+        [other.next_batch(B) for _ in range(64 // B)]
+    got = []  # a loader opened and its first batch, while the fetch threads hold the others' blocks
+
+    def read():
+        got.append(Sequences(finished_stored, "train", L, seed=12, **options).next_batch(B))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    reader.join(30)
+    in_time = not reader.is_alive()
+    gate.set()
+    reader.join()
+    local = Sequences(finished_example, "train", L).batch_of(got[0].windows)
+    assert in_time and np.array_equal(got[0].tokens, local.tokens)
+
+
 def test_a_mixture_of_groups_on_a_store_opens_them_at_once_and_reads_each_row_from_its_group(
     finished_grouped, s3_server, s3_prefix, tmp_path, monkeypatch
 ):

@@ -177,16 +177,26 @@ class BlockCache:
     # -- fetching -----------------------------------------------------------------------------------------------
 
     def _fetched(self, b: int, wait: bool = True) -> None:
-        """Block b in the cache: fetched in a fetch thread where it is not (wait: until it is; a fetch that failed
-        raises here, and is asked again by the next call)."""
+        """Block b in the cache: fetched in a fetch thread where it is not; with `wait`, until it is, fetched in this
+        thread where it is not under way (taken back from the fetch threads' queue, where it waits behind blocks of
+        this cache or another's: the process's fetch threads are all its caches'). A fetch that failed raises where it
+        is waited for, and is asked again by the next call."""
         with self._lock:
             future = self._fetches.get(b)
+            if wait and future is not None and not future.done() and not future.running():
+                del self._fetches[b]  # (before it is cancelled: _forget, called then, leaves it)
+                future = None if future.cancel() else self._fetches.setdefault(b, future)
             if future is None or (future.done() and future.exception() is not None and wait):
                 if self._path(b).exists():
                     return
-                future = self._fetches[b] = _FETCHERS.submit(self._fetch, b)
-                future.add_done_callback(lambda f, b=b: self._forget(b, f))
-        if wait:
+                if wait:
+                    future = None
+                else:
+                    future = self._fetches[b] = _FETCHERS.submit(self._fetch, b)
+                    future.add_done_callback(lambda f, b=b: self._forget(b, f))
+        if future is None:
+            self._fetch(b)
+        elif wait:
             future.result()
 
     def _forget(self, b: int, future: Future) -> None:
