@@ -214,7 +214,7 @@ def test_a_mixture_of_groups_on_a_store_opens_them_at_once_and_reads_each_row_fr
 ):
     url = s3_server.upload(finished_grouped, s3_prefix)
     weights = {"RedPajamaGithub": 2, "RedPajamaWikipedia": 1}
-    options = {"seed": 1, "cache_dir": tmp_path, "cache_size": 64 << 10}
+    options = {"seed": 1, "cache_dir": tmp_path}
     opening, peak, lock, init = [0], [0], threading.Lock(), Sequences.__init__
 
     def watched(self, *args, **kwargs):  # the most sources being opened at one time
@@ -229,12 +229,15 @@ def test_a_mixture_of_groups_on_a_store_opens_them_at_once_and_reads_each_row_fr
                 opening[0] -= 1
 
     monkeypatch.setattr(Sequences, "__init__", watched)
-    mixture = Mixture.of_groups(url, weights, "train", 128, **options)
+    mixture = Mixture.of_groups(url, weights, "train", 128, cache_size=96 << 10, **options)
     assert peak == [2]
+    parts = {"RedPajamaGithub": 64 << 10, "RedPajamaWikipedia": 32 << 10}  # the Mixture's cache, by weight
+    assert {g: s.cache_size for g, s in mixture.sources.items()} == parts
     peak[0] = 0
     unpickled = pickle.loads(pickle.dumps(mixture))  # as a DataLoader worker gets it
     assert peak == [2]
-    by_hand = Mixture({g: Sequences(url, "train", 128, group=g, **options) for g in weights}, weights)
+    by_hand = {g: Sequences(url, "train", 128, group=g, cache_size=parts[g], **options) for g in weights}
+    by_hand = Mixture(by_hand, weights)
     local = {g: Sequences(finished_grouped, "train", 128, group=g) for g in weights}
     for _ in range(20):
         batch, again, hand = mixture.next_batch(32), unpickled.next_batch(32), by_hand.next_batch(32)

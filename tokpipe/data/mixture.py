@@ -42,7 +42,7 @@ import numpy as np
 
 from tokpipe.data import draw
 from tokpipe.data.arguments import integer
-from tokpipe.data.sequences import STATE_FORMAT, Batch, Sequences, reopen
+from tokpipe.data.sequences import CACHE_SIZE, STATE_FORMAT, Batch, Sequences, reopen
 from tokpipe.layout.meta import Meta
 from tokpipe.layout.stored import REQUESTS_AT_ONCE, on_store
 from tokpipe.read.files import TokenFiles
@@ -91,13 +91,20 @@ class Mixture:
         self._states = [s.state_dict() for s in self.sources.values()]  # what each source's state holds but them
 
     @classmethod
-    def of_groups(cls, out, weights: dict[str, float], split: str = "train", seq_len: int = 2048, **options) -> Mixture:
+    def of_groups(
+        cls, out, weights: dict[str, float], split: str = "train", seq_len: int = 2048, cache_size=CACHE_SIZE, **options
+    ) -> Mixture:
         """One OUT's groups (made with --group-by) at these weights, each by its name: Sequences(out, split, seq_len,
-        group=name, **options), the groups of an OUT on a store opened at once (_opened)."""
+        group=name, **options), the groups of an OUT on a store opened at once (_opened). On a store, `cache_size` is
+        the Mixture's: each group's cache takes its weight's part of it, so that each goes through its buffers in
+        about as many batches (a cache_size a group: 2,000 groups asked for up to 8 TB of cache at 4 GiB each)."""
         if not isinstance(weights, dict):
             raise ValueError(f"weights {weights!r}: need a dict, by the groups' names")
-        options |= {"split": split, "seq_len": seq_len}
-        return cls(_opened({name: (out, options | {"group": name}, None) for name in weights}), weights)
+        shares, cache_size = _weights(weights), integer(cache_size, "cache_size", 1)
+        total, options = sum(shares.values()), options | {"split": split, "seq_len": seq_len}
+        parts = {name: max(1, int(cache_size * share / total)) for name, share in shares.items()}
+        sources = {name: (out, options | {"group": name, "cache_size": parts[name]}, None) for name in weights}
+        return cls(_opened(sources), weights)
 
     def __reduce__(self):
         """Pickled as references to its sources (each a reference to its OUT, as a Sequences pickles) and its
