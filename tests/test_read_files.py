@@ -22,8 +22,10 @@ import pytest
 from helpers import hand_made_out
 
 from tokpipe.data import Sequences
+from tokpipe.layout.stored import reader_out
 from tokpipe.read import files, maps
 from tokpipe.read.files import SMALL, SPARSE
+from tokpipe.store import Bucket
 
 
 def doc_starts_by_hand(ends: np.ndarray, start: int, seq_len: int) -> list[int]:
@@ -196,3 +198,28 @@ def test_a_store_s_files_are_looked_up_many_at_once_in_order_and_a_folder_s_one_
     assert maps.each_file(on_a_store, look, list(range(32))) == [n * n for n in range(32)] and peak[0] > 1
     peak[0] = 0
     assert maps.each_file(tmp_path, look, list(range(4))) == [0, 1, 4, 9] and peak[0] == 1
+
+
+def test_on_a_store_many_files_are_looked_up_in_a_list_of_their_folder_unless_it_holds_many_more(
+    finished_stored, s3_server, monkeypatch
+):
+    """A loader's copy of a store's records holds no LIST of OUT: past LISTED files, one LIST (a page of 1,000 objects
+    a request) finds them, where a HEAD a file made a --no-concat split of 60,000 shards 120,000 requests for each
+    loader that opened it; a LIST of more than LIST_MOST objects a name is given up for the HEADs."""
+    asked, head, listing = [], Bucket.head, Bucket.list
+    monkeypatch.setattr(Bucket, "head", lambda bucket, key: asked.append("head") or head(bucket, key))
+    monkeypatch.setattr(Bucket, "list", lambda bucket, prefix: asked.append("list") or listing(bucket, prefix))
+    copy = reader_out(finished_stored, ["meta.json", "meta.pkl"])  # as the loader makes it
+    names = ["train.bin", "train.idx", "val.bin", "val.idx", "nothing.bin"]
+    prefix = finished_stored.removeprefix(f"s3://{s3_server.bucket}/")
+    sizes = [s3_server.client().head_object(Bucket=s3_server.bucket, Key=f"{prefix}/{n}") for n in names[:4]]
+    expected = {**{n: (s["ContentLength"], s["ETag"]) for n, s in zip(names, sizes)}, "nothing.bin": None}
+    asked.clear()
+    monkeypatch.setattr(maps, "LISTED", 5)
+    found = maps.seen_all(copy, names)
+    assert {n: f and (f.size, f.etag) for n, (_, f) in found.items()} == expected and asked == ["list"]
+    assert found["val.bin"][0] == f"{finished_stored}/val.bin"
+    asked.clear()
+    monkeypatch.setattr(maps, "LIST_MOST", 0)  # OUT's objects are more than 0 a name
+    found = maps.seen_all(copy, names)
+    assert {n: f and (f.size, f.etag) for n, (_, f) in found.items()} == expected and asked == ["list"] + ["head"] * 5

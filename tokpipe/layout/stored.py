@@ -39,6 +39,7 @@ from tokpipe.store import (
     Exists,
     Holder,
     Lease,
+    Object,
     StoreRefused,
     StoreUnavailable,
     Url,
@@ -245,7 +246,7 @@ class RecordsCopy(type(Path())):
     A path made from it (`copy / name`) holds no `stored`: a reader asks the copy itself (`stored_of`)."""
 
     stored: StoredOut
-    tokens: frozenset[str] | None = None  # the names of the .bin objects the copy's LIST found; None: not listed
+    listed: dict[str, Object] | None = None  # the token objects (.bin, .idx) the copy's LIST found; None: not listed
 
 
 def on_store(out: str | os.PathLike) -> bool:
@@ -262,8 +263,9 @@ def records_of(out: str) -> Path:
 def reader_out(out: str | os.PathLike, names: list[str] | None = None) -> Path:
     """OUT as a reader (status, verify, inspect, report, export, tokpipe.data) names it: a folder (out_folder), or an
     OUT on a store, whose records are copied into a temporary folder (removed at exit) and whose token files are read
-    where they are: every record (one LIST, then a GET each), or the records `names` names (a GET each: the loader's
-    meta and parts list, where a LIST and a GET per shard's checkpoint would cost each DataLoader worker seconds)."""
+    where they are: every record (one LIST, then a GET each; the token files are looked up in the LIST: maps.seen), or
+    the records `names` names (a GET each: the loader's meta and parts list, where a LIST and a GET per shard's
+    checkpoint would cost each DataLoader worker seconds)."""
     if getattr(out, "stored", None) is not None:  # a copy already: one reader handing OUT to another
         return out
     if not on_store(out):
@@ -274,11 +276,11 @@ def reader_out(out: str | os.PathLike, names: list[str] | None = None) -> Path:
     copy.stored = stored
     atexit.register(shutil.rmtree, copy, True)
     if names is None:
-        listed = [stored.name(o.key) for o in stored.bucket.list(stored.prefix)]
+        listed = {stored.name(o.key): o for o in stored.bucket.list(stored.prefix)}
         if not listed:
             raise UserError(f"{stored} holds no object: give the --out of a tokpipe run")
         names = [name for name in listed if not name.endswith((".bin", ".idx"))]
-        copy.tokens = frozenset(name for name in listed if name.endswith(".bin"))
+        copy.listed = {name: o for name, o in listed.items() if name.endswith((".bin", ".idx"))}
     copy_records(copy, names)
     return copy
 
@@ -321,7 +323,7 @@ def segment_parts(out: Path, stem: str) -> dict[tuple[str, PartKey], SplitFile]:
     hold, by shard and part key, each a range of its segment (the segments' .json, copied with the records, say what
     each holds; its .bin, the commit, is in the copy's listing). A part is read only where its shard is checkpointed:
     its segment is committed then, unless it was done before an append, whose segments take it anew."""
-    found, committed = {}, getattr(out, "tokens", None)
+    found, committed = {}, getattr(out, "listed", None)
     for record in sorted((out / SEGMENTS / stem).rglob("*.json")):
         segment, tokens, documents = Segment.parse(record.read_bytes()), 0, 0
         if committed is not None and f"{segment.name}.bin" not in committed:

@@ -44,7 +44,7 @@ import numpy as np
 
 from tokpipe.layout.meta import SplitFile
 from tokpipe.layout.records import IDX_DTYPE
-from tokpipe.read.maps import LocalFile, StoreFile, array_at, each_file, kernel_max_maps, recorded
+from tokpipe.read.maps import LocalFile, StoreFile, array_at, each_file, kernel_max_maps, recorded, seen_all
 
 RESERVED = 4096  # maps left to the rest of the process: Python with numpy holds ~200, torch on CUDA a few 1,000
 SPARSE = 512  # ends per block: one 4 KB page of an .idx
@@ -74,11 +74,11 @@ class TokenFiles:
     ):
         """`windows`: read in windows at random places (the loader's): its token maps are madvise(MADV_RANDOM).
         `local`: each file's tokens and ends as first seen, where another reader recorded them (joined); `found`:
-        where a caller looked them up already (maps.seen, by name: verify's)."""
+        where a caller looked them up already (maps.seen_all, by name: verify's)."""
         out = out if isinstance(out, Path) else Path(out)  # as given: a reader's copy of a store's records holds it
         self.out, self.dtype, self.entries, self.random = out, np.dtype(dtype), files, windows
-        # each file's tokens and ends, as first seen
-        self._local = local or each_file(out, lambda f: self._recorded(f, found or {}), files)
+        found = found or ({} if local else seen_all(out, [name for f in files for name in (f.bin, f.idx)]))
+        self._local = local or [self._recorded(f, found) for f in files]  # each file's tokens and ends, as first seen
         self.paths = [(tokens.path, ends.path) for tokens, ends in self._local]
         self.starts = np.cumsum([0] + [f.tokens for f in files])  # one entry per file
         self.ends = self.starts[1:]  # where each file's tokens end in the stream
@@ -234,14 +234,15 @@ class TokenFiles:
     def read(self, start: int, stop: int, ends: bool = False) -> np.ndarray:
         """Tokens [start, stop) of the stream (`ends`: document ends, counted from its start), across files where they
         cross from one into the next."""
-        firsts, pieces = self.firsts if ends else self.starts, []
+        firsts, spans = self.firsts if ends else self.starts, []
         f = int(np.searchsorted(firsts, start, side="right")) - 1
         while start < stop:
-            first, last = int(firsts[f]), min(stop, int(firsts[f + 1]))
-            piece = self.file_range(f, start - first, last - first, ends)
-            pieces.append(piece + int(self.starts[f]) if ends else piece)
-            start += len(piece)
-            f += 1
+            last = min(stop, int(firsts[f + 1]))
+            spans.append((f, start - int(firsts[f]), last - int(firsts[f])))
+            start, f = last, f + 1
+        pieces = each_file(self.out, lambda span: self.file_range(*span, ends), spans)  # (a store's: GETs at once)
+        if ends:
+            pieces = [piece + int(self.starts[f]) for piece, (f, _, _) in zip(pieces, spans)]
         if len(pieces) == 1:
             return pieces[0]
         return np.concatenate(pieces) if pieces else np.zeros(0, IDX_DTYPE if ends else self.dtype)
@@ -392,7 +393,7 @@ class TokenFiles:
         """Every place a document starts, in the stream: each file's start and each document's end, sorted,
         each once (read whole, at most MERGED of them)."""
         if self._merged is None:
-            ends = [self._read_ends(f) + start for f, start in enumerate(self.starts[:-1].tolist())]
+            ends = each_file(self.out, lambda f: self._read_ends(f) + int(self.starts[f]), list(range(len(self))))
             self._merged = np.unique(np.concatenate([self.starts[:-1], *ends]))
         return self._merged
 

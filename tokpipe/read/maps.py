@@ -26,6 +26,7 @@ import shlex
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,7 @@ import numpy as np
 from tokpipe.durability import ShortRead, read_range
 from tokpipe.layout.meta import OutputError
 from tokpipe.layout.stored import stored_of
-from tokpipe.store import REQUESTS_AT_ONCE, Bucket, Changed
+from tokpipe.store import REQUESTS_AT_ONCE, Bucket, Changed, Object
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -41,6 +42,10 @@ _libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
 _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 MAP_FAILED = ctypes.c_void_p(-1).value
+# Names looked up in a LIST of their folder (seen_all): 64 HEADs are 4 round trips 16 at once, a LIST page 1. The LIST
+# is given up past LIST_MOST objects a name: 16 pages a 1,000 names, a quarter of their HEADs' round trips.
+LISTED = 64
+LIST_MOST = 16
 
 
 def kernel_max_maps() -> int:
@@ -217,13 +222,15 @@ class StoreFile:
         return self.array(dtype, first, max(self.size // np.dtype(dtype).itemsize - first, 0))
 
 
-def seen(out: Path, name: str) -> tuple[str, LocalFile | StoreFile | None]:
+def seen(out: Path, name: str, listed: dict[str, Object] | None = None) -> tuple[str, LocalFile | StoreFile | None]:
     """A token file of OUT by its name in OUT, as it is now: on this machine, or for a reader's copy of an OUT on a
-    store's records, on the store (layout/stored.py reader_out). How a message names it, and the file, to its end
-    (None: there is none)."""
+    store's records, on the store (layout/stored.py reader_out), as its LIST found it (or `listed`), else by a HEAD.
+    How a message names it, and the file, to its end (None: there is none)."""
     stored = stored_of(out)
     if stored is not None:
-        url, found = str(stored.url / name), stored.bucket.head(stored.key(name))
+        listed = listed if listed is not None else getattr(out, "listed", None)
+        url = str(stored.url / name)
+        found = listed.get(name) if listed is not None else stored.bucket.head(stored.key(name))
         return url, found and StoreFile(stored.bucket, stored.key(name), found.size, found.etag, url)
     try:
         status = (out / name).stat()
@@ -239,6 +246,23 @@ def recorded(out: Path, name: str, size: int, what: str, growing: bool = False, 
     if error := _unlike(shown, file and file.size, size, what, growing, str(stored_of(out) or out)):
         raise error
     return file.covering(size, growing)
+
+
+def seen_all(out: Path, names: list[str]) -> dict[str, tuple[str, LocalFile | StoreFile | None]]:
+    """`seen` of each of OUT's token files `names`, by name. On a store, past LISTED names and where the copy holds no
+    LIST, from a LIST of their folder, a page of 1,000 objects a request (a HEAD a file: a --no-concat split of 60,000
+    shards was 120,000 requests for each loader that opened it); a folder of more than LIST_MOST objects a name is
+    given up, and the names looked up by HEADs, REQUESTS_AT_ONCE at once (each_file)."""
+    stored, names = stored_of(out), list(dict.fromkeys(names))  # (parts of one segment name it again)
+    if stored is not None and getattr(out, "listed", None) is None and len(names) >= LISTED:
+        folder, listed = os.path.commonpath(names), {}
+        for o in stored.bucket.list(stored.key(folder) + "/" if folder else stored.prefix):
+            listed[stored.name(o.key)] = o
+            if len(listed) > LIST_MOST * len(names):
+                break
+        else:
+            return {name: seen(out, name, listed) for name in names}
+    return dict(zip(names, each_file(out, partial(seen, out), names)))
 
 
 def each_file(out: Path, call: Callable, files: list) -> list:

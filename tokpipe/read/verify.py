@@ -13,7 +13,6 @@ import shlex
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +24,7 @@ from tokpipe.layout.meta import Meta, SplitEntry, SplitFile
 from tokpipe.layout.records import IDX_DTYPE, Part, parts_of, read_parts
 from tokpipe.layout.stored import reader_out, shown, stored_of
 from tokpipe.read.files import TokenFiles
-from tokpipe.read.maps import REQUESTS_AT_ONCE, each_file, seen  # a store's, as maps reads it
+from tokpipe.read.maps import REQUESTS_AT_ONCE, seen_all  # a store's, as maps reads it
 
 
 @dataclass
@@ -307,10 +306,9 @@ def _verify_split(out: Path, split: str, entry: SplitEntry, meta: Meta, dtype: n
 
 
 def _check_files(out: Path, split: str, entry: SplitEntry, files: list[SplitFile], dtype: np.dtype, check):
-    """The split's files are there, of meta's sizes; returns them as found (maps.seen, by name), which the scan reads
-    next, or None where they are not."""
-    names = [name for f in files for name in (f.bin, f.idx)]
-    found = dict(zip(names, each_file(out, partial(seen, out), names)))
+    """The split's files are there, of meta's sizes; returns them as found (maps.seen_all, by name), which the scan
+    reads next, or None where they are not."""
+    found = seen_all(out, [name for f in files for name in (f.bin, f.idx)])
     problems = [_file_problems(f, found[f.bin], found[f.idx], dtype) for f in files]
     if len(files) == 1:  # the whole split in one file: each check on its own line, as ever
         names = ("file present", f"size matches meta ({entry.tokens:,} {dtype.name})", "idx present")
