@@ -205,7 +205,8 @@ def test_on_a_store_many_files_are_looked_up_in_a_list_of_their_folder_unless_it
 ):
     """A loader's copy of a store's records holds no LIST of OUT: past LISTED files, one LIST (a page of 1,000 objects
     a request) finds them, where a HEAD a file made a --no-concat split of 60,000 shards 120,000 requests for each
-    loader that opened it; a LIST of more than LIST_MOST objects a name is given up for the HEADs."""
+    loader that opened it, and the copy keeps it for the next; a LIST of more than LIST_MOST objects a name is given
+    up for the HEADs."""
     asked, head, listing = [], Bucket.head, Bucket.list
     monkeypatch.setattr(Bucket, "head", lambda bucket, key: asked.append("head") or head(bucket, key))
     monkeypatch.setattr(Bucket, "list", lambda bucket, prefix: asked.append("list") or listing(bucket, prefix))
@@ -219,6 +220,10 @@ def test_on_a_store_many_files_are_looked_up_in_a_list_of_their_folder_unless_it
     found = maps.seen_all(copy, names)
     assert {n: f and (f.size, f.etag) for n, (_, f) in found.items()} == expected and asked == ["list"]
     assert found["val.bin"][0] == f"{finished_stored}/val.bin"
+    asked.clear()  # the copy keeps the LIST: a group's files, found among the split's (Sequences), ask nothing more
+    found = maps.seen_all(copy, ["val.bin", "val.idx"], among=names)
+    assert {n: (f.size, f.etag) for n, (_, f) in found.items()} == {n: expected[n] for n in found} and asked == []
+    copy = reader_out(finished_stored, ["meta.json", "meta.pkl"])
     asked.clear()
     monkeypatch.setattr(maps, "LIST_MOST", 0)  # OUT's objects are more than 0 a name
     found = maps.seen_all(copy, names)

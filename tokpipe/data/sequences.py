@@ -55,10 +55,10 @@ from tokpipe.errors import UserError
 from tokpipe.layout.files import Layout, split_named
 from tokpipe.layout.meta import OutputError, SplitEntry, finished_meta
 from tokpipe.layout.records import read_parts
-from tokpipe.layout.stored import StoredOut, copy_records, on_store, reader_out, shown, stored_of
+from tokpipe.layout.stored import copy_records, meta_copy, on_store, reader_out, shown, stored_of
 from tokpipe.read.files import TokenFiles
+from tokpipe.read.maps import seen_all
 
-META_JSON, META_PKL = Layout("").meta_json.name, Layout("").meta_pkl.name  # what a loader copies of a store's records
 STATE_FORMAT = 4  # 1: the fingerprint was meta's parts_sha256; 2: the group was not recorded; 3: nor the order
 STATE_KEYS = ("split", "group", "seq_len", "seed", "tokens", "fingerprint", "order", "epoch", "offset")
 WITHOUT = {1: ("group", "tokens", "order"), 2: ("group", "order"), 3: ("order",), 4: ()}  # an older format lacks
@@ -142,21 +142,7 @@ def _fingerprints(parts: Path, parts_sha256: str, dtype: str, out: Path) -> dict
 _FINGERPRINTS: dict[tuple[str, str], dict[str | None, str]] = {}
 
 
-def _meta_copy(out: str) -> Path:
-    """An OUT on a store's meta copied here, once per process while its meta.pkl is the same (a HEAD of it): a
-    loader a group of 2,000 made 2,000 copies (734 MB of temporary files) with 4,000 GETs."""
-    stored = StoredOut.of(out)
-    found = stored.bucket.head(stored.key(META_PKL))
-    if found is None:  # not finished, or no OUT: reader_out and finished_meta say which
-        return reader_out(out, [META_JSON, META_PKL])
-    with _COPYING:
-        if (out, found.etag) not in _META_COPIES:
-            _META_COPIES[out, found.etag] = reader_out(out, [META_JSON, META_PKL])
-    return _META_COPIES[out, found.etag]
-
-
-_META_COPIES: dict[tuple[str, str], Path] = {}  # (OUT's URL, its meta.pkl's ETag) -> the copy of its meta here
-_COPYING = threading.Lock()  # a copy or fingerprint made once: a Mixture opens its sources at once (mixture._opened)
+_COPYING = threading.Lock()  # a fingerprint made once: a Mixture opens its sources at once (mixture._opened)
 
 
 class Sequences:
@@ -192,7 +178,7 @@ class Sequences:
         self.split, self.group = split_named(name(split, "split")), None if group is None else name(group, "group")
         self.out = os.fspath(out) if on_store(out) else Path(os.path.abspath(out))  # a URL, or a folder
         try:  # a folder that is missing or a file, said so (out_folder); on a store, its meta copied here
-            records = _meta_copy(self.out) if on_store(self.out) else reader_out(self.out)
+            records = meta_copy(self.out) if on_store(self.out) else reader_out(self.out)
         except OutputError:
             raise
         except UserError as e:  # the loader's refusals are ValueErrors
@@ -203,7 +189,7 @@ class Sequences:
             raise
         except UserError as e:  # a hostile or damaged meta.pkl: the restricted unpickler refused it
             raise ValueError(
-                f"{shown(records, META_PKL)} cannot be read safely ({e}): tokpipe verify {self.out}"
+                f"{shown(records, Layout('').meta_pkl.name)} cannot be read safely ({e}): tokpipe verify {self.out}"
             ) from None
         self.record, self.meta = meta, meta.as_dict()  # meta.pkl, as a record and as its dict, read-only: shared
         if self.split not in meta.splits:
@@ -218,7 +204,10 @@ class Sequences:
             legacy = f"{self._legacy_fingerprint} group {group}"
             self._legacy_fingerprint = hashlib.sha256(legacy.encode()).hexdigest()
         self.fingerprint = stream_fingerprint(records, entry, meta.dtype, group)
-        self.files = TokenFiles(records, (groups[group] if group else entry).token_files(), meta.dtype, windows=True)
+        files = (groups[group] if group else entry).token_files()  # a group's found in a LIST of the split's (maps)
+        among = [name for f in entry.token_files() for name in (f.bin, f.idx)]
+        found = seen_all(records, [name for f in files for name in (f.bin, f.idx)], among)
+        self.files = TokenFiles(records, files, meta.dtype, windows=True, found=found)
         self.len = max(self.files.tokens - 1, 0) // self.seq_len
         if self.len < self.world_size:
             raise ValueError(

@@ -23,6 +23,7 @@ import ctypes
 import mmap
 import os
 import shlex
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -46,6 +47,7 @@ MAP_FAILED = ctypes.c_void_p(-1).value
 # is given up past LIST_MOST objects a name: 16 pages a 1,000 names, a quarter of their HEADs' round trips.
 LISTED = 64
 LIST_MOST = 16
+_LISTING = threading.Lock()
 
 
 def kernel_max_maps() -> int:
@@ -248,20 +250,26 @@ def recorded(out: Path, name: str, size: int, what: str, growing: bool = False, 
     return file.covering(size, growing)
 
 
-def seen_all(out: Path, names: list[str]) -> dict[str, tuple[str, LocalFile | StoreFile | None]]:
-    """`seen` of each of OUT's token files `names`, by name. On a store, past LISTED names and where the copy holds no
-    LIST, from a LIST of their folder, a page of 1,000 objects a request (a HEAD a file: a --no-concat split of 60,000
-    shards was 120,000 requests for each loader that opened it); a folder of more than LIST_MOST objects a name is
-    given up, and the names looked up by HEADs, REQUESTS_AT_ONCE at once (each_file)."""
-    stored, names = stored_of(out), list(dict.fromkeys(names))  # (parts of one segment name it again)
-    if stored is not None and getattr(out, "listed", None) is None and len(names) >= LISTED:
-        folder, listed = os.path.commonpath(names), {}
-        for o in stored.bucket.list(stored.key(folder) + "/" if folder else stored.prefix):
-            listed[stored.name(o.key)] = o
-            if len(listed) > LIST_MOST * len(names):
-                break
-        else:
-            return {name: seen(out, name, listed) for name in names}
+def seen_all(out: Path, names: list[str], among: list[str] = ()) -> dict[str, tuple[str, LocalFile | StoreFile | None]]:
+    """`seen` of each of OUT's token files `names`, by name. On a store, where the copy holds no LIST of OUT, from a
+    LIST of their folder (or of `among`'s, the files they are some of: a group's of a split's) where it holds LISTED
+    names or more, a page of 1,000 objects a request (a HEAD a file: a --no-concat split of 60,000 shards was 120,000
+    requests for each loader that opened it), kept in the copy for the next names of the folder; a LIST past
+    LIST_MOST objects a name is given up, and the names looked up by HEADs, REQUESTS_AT_ONCE at once (each_file)."""
+    stored, names, among = stored_of(out), list(dict.fromkeys(names)), list(dict.fromkeys(among or names))
+    if stored is not None and getattr(out, "listed", None) is None and len(among) >= LISTED:
+        folder = os.path.commonpath(among)
+        with _LISTING:  # (a Mixture's groups open at once: one LIST of their split's folder)
+            if folder not in out.folders:
+                listed = {}
+                for o in stored.bucket.list(stored.key(folder) + "/" if folder else stored.prefix):
+                    listed[stored.name(o.key)] = o
+                    if len(listed) > LIST_MOST * len(among):
+                        listed = None
+                        break
+                out.folders[folder] = listed
+        if out.folders[folder] is not None:
+            return {name: seen(out, name, out.folders[folder]) for name in names}
     return dict(zip(names, each_file(out, partial(seen, out), names)))
 
 
