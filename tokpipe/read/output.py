@@ -128,7 +128,7 @@ def open_output(out: str | os.PathLike) -> Output:
 
 def open_split(out: Path, name: str, entry: SplitEntry, dtype: str) -> Split:
     """A split of a finished OUT, its files as its entry lists them; a grouped split's reader is its groups' files
-    one after another (looked up at once: maps.each_file), and each group's reader its own of them."""
+    one after another (looked up at once: maps.seen_all), and each group's reader its own of them."""
     reader = TokenFiles(out, entry.token_files(), dtype)
     groups, first = {}, 0
     for value, group in (entry.groups or {}).items():
