@@ -14,6 +14,7 @@ import signal
 import socket
 from pathlib import Path
 
+import botocore.client
 import numpy as np
 import pytest
 from helpers import (
@@ -29,6 +30,8 @@ from helpers import (
     open_uploads,
     out_files,
     plain_copy_of_example,
+    reference_ids,
+    reference_texts,
     reference_tokenizer,
     reference_tokens,
     repeated_example,
@@ -366,6 +369,39 @@ def test_no_concat_through_the_store_keeps_each_part_as_an_object(
     assert np.array_equal(tokens, small_reference["train"])
     assert "train.bin" not in objects
     assert open_uploads(s3_server, s3_prefix) == []
+
+
+def test_no_concat_shards_are_checkpointed_together_and_a_reader_of_the_finished_out_gets_no_segment_record(
+    s3_server, s3_prefix, tmp_path, small_tokenizer, monkeypatch
+):
+    # 40 shards of 2 documents, each its own segment: their checkpoints went to an object each (a PUT during the run,
+    # a GET for every reader), and status, verify and report copied each segment's .json, which the parts list says.
+    texts, data = reference_texts(EXAMPLE_TRAIN_FILES[0])[:80], tmp_path / "data" / "train"
+    for n in range(40):
+        write_jsonl(data / f"s{n:02}.jsonl", [json.dumps({"text": text}) for text in texts[2 * n : 2 * n + 2]])
+    write_manifest(build_manifest(data.parent), tmp_path / "m.json")
+    url = s3_server.url(s3_prefix)
+    run = store_out_run(tmp_path / "m.json", url, "--no-concat", tokenizer=small_tokenizer)
+    assert run.returncode == 0, run.stdout + run.stderr
+    objects = stored_objects(s3_server, s3_prefix)
+    files = json.loads(objects["meta.json"])["splits"]["train"]["files"]
+    tokens = np.concatenate([np.frombuffer(objects[f["bin"]], dtype=np.uint16) for f in files])
+    ids = reference_ids(texts, small_tokenizer / "tokenizer.json")
+    assert tokens.tolist() == [i for document in ids for i in [*document, 0]]  # <|endoftext|> is id 0
+    assert len(files) == len(checkpoint_names(objects)) == 40
+    assert 1 <= len([name for name in objects if "/placed/" in name]) <= 10  # one a placing at most: 40 before
+
+    asked, call = [], botocore.client.BaseClient._make_api_call
+
+    def recorded(client, operation, params):
+        asked.append((operation, params.get("Key", "").removeprefix(f"{s3_prefix}/")))
+        return call(client, operation, params)
+
+    monkeypatch.setattr(botocore.client.BaseClient, "_make_api_call", recorded)
+    said = cli("status", url)
+    assert said.stdout.splitlines()[1] == "shards: 40 done, 0 partial, 0 pending, 0 failed (of 40)", said.stderr
+    records = {name for name in objects if not name.startswith("segments/")}  # one GET each, and no other
+    assert sorted(key for operation, key in asked if operation == "GetObject") == sorted(records)
 
 
 def test_a_run_on_ray_into_a_store_is_the_reference(

@@ -265,7 +265,8 @@ def records_of(out: str) -> Path:
 def reader_out(out: str | os.PathLike, names: list[str] | None = None) -> Path:
     """OUT as a reader (status, verify, inspect, report, export, tokpipe.data) names it: a folder (out_folder), or an
     OUT on a store, whose records are copied into a temporary folder (removed at exit) and whose token files are read
-    where they are: every record (one LIST, then a GET each; the token files are looked up in the LIST: maps.seen), or
+    where they are: every record (one LIST, then a GET each; the token files are looked up in the LIST: maps.seen; a
+    finished OUT's segments' records, a GET a shard with --no-concat, are its parts lists' already), or
     the records `names` names (a GET each: the loader's meta and parts list, where a LIST and a GET per shard's
     checkpoint would cost each DataLoader worker seconds)."""
     if getattr(out, "stored", None) is not None:  # a copy already: one reader handing OUT to another
@@ -282,6 +283,8 @@ def reader_out(out: str | os.PathLike, names: list[str] | None = None) -> Path:
         if not listed:
             raise UserError(f"{stored} holds no object: give the --out of a tokpipe run")
         names = [name for name in listed if not name.endswith((".bin", ".idx"))]
+        if Layout("").meta_json.name in listed:
+            names = [name for name in names if not name.startswith(f"{SEGMENTS}/")]
         copy.listed = {name: o for name, o in listed.items() if name.endswith((".bin", ".idx"))}
     copy_records(copy, names)
     return copy

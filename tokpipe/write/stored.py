@@ -12,6 +12,7 @@ segment when the run stopped) is tokenized again; its parts already in a segment
 from __future__ import annotations
 
 import json
+import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,10 @@ from tokpipe.layout.run import WriteSpec, output_splits, sources
 from tokpipe.layout.stored import Entry, Segment, StoredOut, part_name
 from tokpipe.store import MIN_PART, REQUESTS_AT_ONCE, Exists, Lease, Upload, compose, put_buffers
 from tokpipe.write.segments import ClosedSegment, Gatherer, Kept, Spilled, part_arrays
+
+# A run without Ray commits the segments it uploads together, this often: their shards' checkpoints an object a split,
+# not one a shard with --no-concat (2,000 shards on SeaweedFS: the run 25.0 -> 15.3 s, `status` 14.3 -> 2.2 s).
+COMMIT_EVERY = 1.0
 
 
 @dataclass(frozen=True)
@@ -329,14 +334,14 @@ class StoreAssembly:
             self.checkpoints.write(ready)
 
     def place_ready(self, excluded: frozenset[str] = frozenset()) -> None:
-        """The segments whose turn has come, uploaded by this process (its tokens are here: a run without Ray),
-        REQUESTS_AT_ONCE at once (a segment is three PUTs, each a round trip: a run of 2,000 groups tokenized in 291 s
-        one after another, 28 s so, with each answer of the store 20 ms late), each committed once it and those before
-        it are up."""
-        ready = self.ready(excluded)
+        """The segments whose turn has come uploaded from here (a run without Ray), REQUESTS_AT_ONCE at once (2,000
+        groups' at 20 ms an answer: 291 s one after another, 28 s so), committed as they are up (COMMIT_EVERY)."""
+        ready, done, since = self.ready(excluded), 0, time.monotonic()
         with ThreadPoolExecutor(REQUESTS_AT_ONCE) as pool:
-            for planned, _ in zip(ready, pool.map(lambda planned: upload_closed(self.out, planned), ready)):
-                self.commit([planned.segment])
+            for n, _ in enumerate(pool.map(lambda planned: upload_closed(self.out, planned), ready), 1):
+                if n == len(ready) or time.monotonic() - since >= COMMIT_EVERY:
+                    self.commit([planned.segment for planned in ready[done:n]])
+                    done, since = n, time.monotonic()
 
 
 def upload_segment(out: StoredOut, segment: Segment, arrays: list[tuple[list[np.ndarray], list[np.ndarray]]]) -> int:
