@@ -38,6 +38,35 @@ def test_a_node_lost_marks_lost_every_shard_whose_tokens_waited_there(ray_addres
     assert json.loads(found.stdout.splitlines()[-1]) == [on_x, on_x]
 
 
+# A driver joined to the session's Ray (argv: its address) with SegmentUploads (made without warming a Placer on each
+# node) whose three uploads came back before it looked; prints what its assembler was given to commit, call by call,
+# and the bytes it counts by node.
+COMMITS = """
+import json, sys
+from types import SimpleNamespace
+import ray
+from tokpipe.runner.copies import Placers, SegmentUploads
+
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+commits = []
+copies = SegmentUploads.__new__(SegmentUploads)
+Placers.__init__(copies, SimpleNamespace(name="out"), SimpleNamespace(commit=commits.append), 4, 1, None, None)
+for n in range(3):  # as Placer.upload returns: its node, the segment, the bytes sent
+    copies.running[ray.put(("node", f"segment {n}", 10))] = ("node", [], [])
+ray.wait(list(copies.running), num_returns=3)
+assert copies.collect() == []
+print(json.dumps([sorted(map(sorted, commits)), copies.bytes_by_node]))
+"""
+
+
+def test_segments_that_came_back_together_are_committed_together(ray_address):
+    # Each commit checkpoints the shards it completes in one object a split: one a segment was one a shard with
+    # --no-concat, a PUT in the run and a GET for every reader of OUT's records.
+    found = subprocess.run([sys.executable, "-c", COMMITS, ray_address], capture_output=True, text=True)
+    assert found.returncode == 0, found.stderr
+    assert json.loads(found.stdout.splitlines()[-1]) == [[["segment 0", "segment 1", "segment 2"]], {"node": 30}]
+
+
 # A driver joined to the session's Ray (argv: its address, the example's dataset, the tokenizer, OUT) whose every
 # shard was tokenized in its own process, their tokens in its memory (as its helpers leave the shards they finished
 # after one that stopped for Ray's workers), placed by SplitFileWrites' Placers, then finalized.
