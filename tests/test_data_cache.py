@@ -5,6 +5,7 @@ gives on the local copy (whose own are checked against the reference documents i
 an epoch covers with the local copy's, and the bytes sent with what the store's GETs returned (Bucket.read wrapped).
 """
 
+import json
 import os
 import pickle
 import select
@@ -248,6 +249,28 @@ def test_a_mixture_of_groups_on_a_store_opens_them_at_once_and_reads_each_row_fr
             assert np.array_equal(batch.tokens[i], one.tokens[0])
             assert np.array_equal(batch.doc_starts[i], one.doc_starts[0])
     assert sorted(set(batch.sources)) == sorted(weights)
+
+
+def test_the_groups_of_a_mixture_opened_at_once_share_one_head_of_meta(
+    finished_grouped, s3_server, s3_prefix, tmp_path, monkeypatch
+):
+    # Each group's Sequences asks whether meta.pkl is the one copied here: a HEAD a group, 2,000 for FineWeb-2's groups
+    # in each DataLoader worker. Those asked while one is in flight share its answer (each HEAD held 0.2 s here).
+    url = s3_server.upload(finished_grouped, s3_prefix)
+    groups = json.loads((finished_grouped / "meta.json").read_text())["splits"]["train"]["groups"]
+    heads, head = [], tokpipe.store.bucket.Bucket.head
+
+    def slow(bucket, key):
+        if key.endswith("meta.pkl"):
+            heads.append(key)
+            time.sleep(0.2)
+        return head(bucket, key)
+
+    monkeypatch.setattr(tokpipe.store.bucket.Bucket, "head", slow)
+    mixture = Mixture.of_groups(url, dict.fromkeys(groups, 1), "train", 128, cache_dir=tmp_path)
+    assert len(groups) == 4 and heads == [f"{s3_prefix}/meta.pkl"]
+    pickle.loads(pickle.dumps(mixture))  # as a DataLoader worker gets it
+    assert heads == [f"{s3_prefix}/meta.pkl"] * 2
 
 
 def test_the_store_failing_mid_epoch_raises_one_line_and_the_loader_goes_on_from_where_it_was(

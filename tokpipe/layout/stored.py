@@ -22,7 +22,7 @@ import shutil
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -294,7 +294,7 @@ def meta_copy(out: str) -> Path:
     """A reader's copy of an OUT on a store's meta (the loader's), made once per process while its meta.pkl is the
     same (a HEAD of it): a loader of a group of 2,000 made 2,000 copies (734 MB of temporary files) with 4,000 GETs."""
     stored, meta = StoredOut.of(out), [Layout("").meta_json.name, Layout("").meta_pkl.name]
-    found = stored.bucket.head(stored.key(meta[1]))
+    found = _shared_head(stored, stored.key(meta[1]))
     if found is None:  # not finished, or no OUT: reader_out and finished_meta say which
         return reader_out(out, meta)
     with _COPYING:  # (a Mixture opens its sources at once: one copy of each OUT)
@@ -305,6 +305,39 @@ def meta_copy(out: str) -> Path:
 
 _META_COPIES: dict[tuple[str, str], Path] = {}  # (OUT's URL, its meta.pkl's ETag) -> the copy of its meta here
 _COPYING = threading.Lock()
+
+
+def _shared_head(stored: StoredOut, key: str) -> Object | None:
+    """A HEAD of `key`, whose answer every thread that asks for it while it is in flight shares: a Mixture opens 16
+    groups of one OUT at once, each asking for its meta.pkl's (400 groups at 20 ms a request: 805 -> 457 requests,
+    opened in 4.3-4.7 -> 3.1-3.8 s, unpickled in 3.6-4.2 -> 2.9-3.3 s, botocore's CPU most of it)."""
+    with _ASKING:
+        asked = _HEADS.get((stored.url.bucket, key))
+        mine = asked is None
+        if mine:
+            asked = _HEADS[stored.url.bucket, key] = Future()
+    if mine:
+        try:
+            asked.set_result(stored.bucket.head(key))
+        except BaseException as e:
+            asked.set_exception(e)
+        with _ASKING:
+            del _HEADS[stored.url.bucket, key]
+    return asked.result()
+
+
+_HEADS: dict[tuple[str, str], Future] = {}  # (a bucket, a key) -> its HEAD in flight
+_ASKING = threading.Lock()
+
+
+def _forked() -> None:
+    """In a forked child (a DataLoader worker), where a HEAD its parent had in flight is never answered."""
+    global _ASKING
+    _HEADS.clear()
+    _ASKING = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def copy_records(copy: Path, names: list[str]) -> None:
