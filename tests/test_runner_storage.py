@@ -404,6 +404,37 @@ def test_no_concat_shards_are_checkpointed_together_and_a_reader_of_the_finished
     assert sorted(key for operation, key in asked if operation == "GetObject") == sorted(records)
 
 
+def test_status_of_an_unfinished_run_on_a_store_lists_and_reads_no_segment(
+    s3_server, s3_prefix, manifest, small_tokenizer, monkeypatch
+):
+    # A live run's segments are three objects a 5 MiB of tokens (1.5 million for 2.5 TB): status, which says which
+    # shards are done, not where their tokens are, had each listed and its .json copied. Now its LIST stops at them
+    # (past the page that reaches them) and goes on after them.
+    url = s3_server.url(s3_prefix)
+    kill = ("tokpipe.write.stored.StoreAssembly.commit", 1)
+    assert store_out_run(manifest, url, kill=kill, tokenizer=small_tokenizer).returncode == -9
+    objects = stored_objects(s3_server, s3_prefix)
+    assert len([name for name in objects if name.startswith("segments/")]) == 6  # train's and validation's
+    got, lists, call = [], [], botocore.client.BaseClient._make_api_call
+
+    def recorded(client, operation, params):
+        if operation == "ListObjectsV2":
+            lists.append((params.get("MaxKeys"), params.get("StartAfter", "").removeprefix(f"{s3_prefix}/")))
+        if operation == "GetObject":
+            got.append(params["Key"].removeprefix(f"{s3_prefix}/"))
+        return call(client, operation, params)
+
+    monkeypatch.setattr(botocore.client.BaseClient, "_make_api_call", recorded)
+    said = cli("status", url)
+    assert said.stdout.splitlines()[:2] == [
+        f"{url}: stopped before finishing: no run holds it (killed or crashed)",
+        "shards: 0 done, 0 partial, 3 pending, 0 failed (of 3)",
+    ], said.stderr
+    records = sorted(name for name in objects if not name.startswith("segments/"))
+    assert sorted(got) == records
+    assert lists == [(1, ""), (None, ""), (None, "segments0")]  # OUT's check, then its records
+
+
 def test_a_run_on_ray_into_a_store_is_the_reference(
     s3_server, s3_prefix, manifest, small_tokenizer, small_reference, ray_address
 ):

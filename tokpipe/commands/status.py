@@ -97,7 +97,7 @@ def resume_command(out: str, run: RunRecord | None, fix: dict | None = None) -> 
 
 
 def status(out: str | os.PathLike) -> RunStatus:
-    copy = reader_out(out)
+    copy = reader_out(out, segments=False)  # which shards are done, not where their tokens are
     folder = Layout(copy)
     out = folder.where  # as the user names it: a reader's copy of an OUT on a store by its URL
     if not folder.manifest.is_file():

@@ -22,6 +22,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -148,6 +149,18 @@ class StoredOut:
     def sources(self) -> str:
         return self.key(SOURCES) + "/"
 
+    def records(self, segments: bool = True) -> Iterator[Object]:
+        """Every object of OUT, in key order; without `segments`, those under segments/ passed over by the store."""
+        listed = self.bucket.list(self.prefix)
+        if segments:
+            yield from listed
+            return
+        for found in listed:
+            if found.key >= self.segments:
+                break
+            yield found
+        yield from self.bucket.list(self.prefix, after=self.segments[:-1] + "0")  # "0": the character after "/"
+
     def copy_to_sources(self, meta: Meta) -> None:
         """A finished OUT's split files (.bin, .idx, each group's, and .parts) copied on the server under `sources`,
         whence an append takes their finished parts (write/stored.py HeldParts); no token through this process."""
@@ -262,13 +275,14 @@ def records_of(out: str) -> Path:
     return work_folder(out) if on_store(out) else Path(out)
 
 
-def reader_out(out: str | os.PathLike, names: list[str] | None = None) -> Path:
+def reader_out(out: str | os.PathLike, names: list[str] | None = None, segments: bool = True) -> Path:
     """OUT as a reader (status, verify, inspect, report, export, tokpipe.data) names it: a folder (out_folder), or an
     OUT on a store, whose records are copied into a temporary folder (removed at exit) and whose token files are read
     where they are: every record (one LIST, then a GET each; the token files are looked up in the LIST: maps.seen; a
     finished OUT's segments' records, a GET a shard with --no-concat, are its parts lists' already), or
     the records `names` names (a GET each: the loader's meta and parts list, where a LIST and a GET per shard's
-    checkpoint would cost each DataLoader worker seconds)."""
+    checkpoint would cost each DataLoader worker seconds). Without `segments`, nothing under segments/ is listed or
+    copied (status: a live run holds three objects a 5 MiB segment, 1.5 million for 2.5 TB of tokens)."""
     if getattr(out, "stored", None) is not None:  # a copy already: one reader handing OUT to another
         return out
     if not on_store(out):
@@ -279,7 +293,7 @@ def reader_out(out: str | os.PathLike, names: list[str] | None = None) -> Path:
     copy.stored, copy.folders = stored, {}
     atexit.register(shutil.rmtree, copy, True)
     if names is None:
-        listed = {stored.name(o.key): o for o in stored.bucket.list(stored.prefix)}
+        listed = {stored.name(o.key): o for o in stored.records(segments)}
         if not listed:
             raise UserError(f"{stored} holds no object: give the --out of a tokpipe run")
         names = [name for name in listed if not name.endswith((".bin", ".idx"))]

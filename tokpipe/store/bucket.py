@@ -171,9 +171,11 @@ class Bucket:
             raise _error(e, self.where(key), self.endpoint) from None
         return Object(key, answer["ContentLength"], answer["ETag"])
 
-    def list(self, prefix: str) -> Iterator[Object]:
-        """Every object under the prefix (a key that starts with it), in key order, a page of 1,000 at a time."""
-        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.name, Prefix=prefix)
+    def list(self, prefix: str, after: str = "") -> Iterator[Object]:
+        """Every object under the prefix (a key that starts with it), in key order, a page of 1,000 at a time; with
+        `after`, those whose keys come after it."""
+        paginator = self.client.get_paginator("list_objects_v2")
+        pages = paginator.paginate(Bucket=self.name, Prefix=prefix, **({"StartAfter": after} if after else {}))
         try:
             for page in pages:
                 for item in page.get("Contents", []):
