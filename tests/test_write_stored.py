@@ -2,13 +2,18 @@
 the parts of the shards done. What it holds of a shard's tokens is where they wait, never the tokens: a node lost,
 each of them is found (runner/copies.py marks those of that node lost), whichever step of the walk it is at."""
 
-from helpers import EXAMPLE_CACHE
+import json
 
+import pytest
+from helpers import EXAMPLE_CACHE, write_jsonl
+
+import tokpipe.layout.stored
 from tokpipe.inputs.manifest import build_manifest
 from tokpipe.layout.checkpoints import Checkpoint, PartCounts
 from tokpipe.layout.run import WriteSpec
-from tokpipe.layout.stored import StoredOut
-from tokpipe.write.stored import StoreAssembly, compose_split
+from tokpipe.layout.stored import StoredOut, compact_checkpoints
+from tokpipe.store import Bucket
+from tokpipe.write.stored import StoreAssembly, StoredCheckpoints, compose_split
 
 
 def test_a_done_shard_s_tokens_are_held_until_its_segment_is_handed_out():
@@ -37,3 +42,41 @@ def test_a_grouped_split_of_no_part_composes_no_file():
     assembly = StoreAssembly(StoredOut.of("s3://b/out"), WriteSpec(group_by="g"), build_manifest(EXAMPLE_CACHE), 4)
     assert assembly.made == {}
     compose_split(assembly, "train")
+
+
+def test_a_finished_out_s_checkpoints_are_compacted_in_manifest_order_and_a_kill_between_loses_none(
+    s3_server, s3_prefix, tmp_path, monkeypatch
+):
+    # 70 shards, each checkpointed in an object of its own, as commits on Ray leave them; finalize merges them into
+    # objects of PLACED_MOST (32 here), in manifest order, and removes the others once those are up.
+    for n in range(70):
+        write_jsonl(tmp_path / "data" / "train" / f"s{n:02}.jsonl", [json.dumps({"text": f"document {n}"})])
+    manifest, out = build_manifest(tmp_path / "data"), StoredOut.of(s3_server.url(s3_prefix))
+    shards = list(manifest.shards())
+    written = StoredCheckpoints(out)
+    for n, shard in enumerate(shards):
+        written.write({"train": {shard.key: (shard, Checkpoint(done=True, lines=n, tokens=3 * n, seconds=0.5))}})
+    monkeypatch.setattr(tokpipe.layout.stored, "PLACED_MOST", 32)
+
+    def placed_objects() -> list[str]:
+        return [o.key for o in out.bucket.list(out.checkpoints) if "/placed/" in o.key]
+
+    def checkpoints() -> list[Checkpoint]:
+        return StoredCheckpoints.listed(out).of(shards)
+
+    assert len(placed_objects()) == 70
+    before = checkpoints()
+
+    def killed(*_):  # as a kill -9 before the removal leaves OUT
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Bucket, "delete_many", killed)
+    with pytest.raises(KeyboardInterrupt):
+        compact_checkpoints(out, manifest)
+    assert len(placed_objects()) == 73 and checkpoints() == before  # both: the same checkpoints
+    monkeypatch.undo()
+    monkeypatch.setattr(tokpipe.layout.stored, "PLACED_MOST", 32)
+    compact_checkpoints(out, manifest)  # the rerun's finalize
+    assert len(placed_objects()) == 3 and checkpoints() == before
+    by_object = sorted(tuple(json.loads(out.bucket.get(key)[0])) for key in placed_objects())
+    assert by_object == sorted(tuple(shard.key for shard in shards[at : at + 32]) for at in (0, 32, 64))
