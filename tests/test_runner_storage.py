@@ -70,6 +70,23 @@ def _assert_split(objects: dict[str, bytes], stem: str, expected: np.ndarray) ->
     assert np.array_equal(np.frombuffer(objects[f"{stem}.idx"], dtype=np.int64), _ends(expected, expected[-1]))
 
 
+def _requests(monkeypatch) -> list[tuple[str, dict]]:
+    """Every request this process makes to a store from now on, as (operation, parameters), in order."""
+    asked, call = [], botocore.client.BaseClient._make_api_call
+
+    def recorded(client, operation, params):
+        asked.append((operation, params))
+        return call(client, operation, params)
+
+    monkeypatch.setattr(botocore.client.BaseClient, "_make_api_call", recorded)
+    return asked
+
+
+def _keys(asked: list[tuple[str, dict]], operation: str, prefix: str) -> list[str]:
+    """The keys the requests of `operation` named, relative to OUT's prefix."""
+    return [params["Key"].removeprefix(f"{prefix}/") for o, params in asked if o == operation]
+
+
 def _finished_names(objects: dict[str, bytes]) -> set[str]:
     return {name for name in objects if not name.startswith(("shards/", "logs/"))}
 
@@ -391,17 +408,11 @@ def test_no_concat_shards_are_checkpointed_together_and_a_reader_of_the_finished
     assert len(files) == len(checkpoint_names(objects)) == 40
     assert 1 <= len([name for name in objects if "/placed/" in name]) <= 10  # one a placing at most: 40 before
 
-    asked, call = [], botocore.client.BaseClient._make_api_call
-
-    def recorded(client, operation, params):
-        asked.append((operation, params.get("Key", "").removeprefix(f"{s3_prefix}/")))
-        return call(client, operation, params)
-
-    monkeypatch.setattr(botocore.client.BaseClient, "_make_api_call", recorded)
+    asked = _requests(monkeypatch)
     said = cli("status", url)
     assert said.stdout.splitlines()[1] == "shards: 40 done, 0 partial, 0 pending, 0 failed (of 40)", said.stderr
     records = {name for name in objects if not name.startswith("segments/")}  # one GET each, and no other
-    assert sorted(key for operation, key in asked if operation == "GetObject") == sorted(records)
+    assert sorted(_keys(asked, "GetObject", s3_prefix)) == sorted(records)
 
 
 def test_status_of_an_unfinished_run_on_a_store_lists_and_reads_no_segment(
@@ -415,24 +426,16 @@ def test_status_of_an_unfinished_run_on_a_store_lists_and_reads_no_segment(
     assert store_out_run(manifest, url, kill=kill, tokenizer=small_tokenizer).returncode == -9
     objects = stored_objects(s3_server, s3_prefix)
     assert len([name for name in objects if name.startswith("segments/")]) == 6  # train's and validation's
-    got, lists, call = [], [], botocore.client.BaseClient._make_api_call
-
-    def recorded(client, operation, params):
-        if operation == "ListObjectsV2":
-            lists.append((params.get("MaxKeys"), params.get("StartAfter", "").removeprefix(f"{s3_prefix}/")))
-        if operation == "GetObject":
-            got.append(params["Key"].removeprefix(f"{s3_prefix}/"))
-        return call(client, operation, params)
-
-    monkeypatch.setattr(botocore.client.BaseClient, "_make_api_call", recorded)
+    asked = _requests(monkeypatch)
     said = cli("status", url)
     assert said.stdout.splitlines()[:2] == [
         f"{url}: stopped before finishing: no run holds it (killed or crashed)",
         "shards: 0 done, 0 partial, 3 pending, 0 failed (of 3)",
     ], said.stderr
     records = sorted(name for name in objects if not name.startswith("segments/"))
-    assert sorted(got) == records
-    assert lists == [(1, ""), (None, ""), (None, "segments0")]  # OUT's check, then its records
+    assert sorted(_keys(asked, "GetObject", s3_prefix)) == records
+    lists = [(params.get("MaxKeys"), params.get("StartAfter")) for o, params in asked if o == "ListObjectsV2"]
+    assert lists == [(1, None), (None, None), (None, f"{s3_prefix}/segments0")]  # OUT's check, then its records
 
 
 def test_a_run_on_ray_into_a_store_is_the_reference(

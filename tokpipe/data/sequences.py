@@ -114,7 +114,7 @@ def stream_fingerprint(out: Path, entry: SplitEntry, dtype: str, group: str | No
     if entry.parts is None:
         return entry.sha256
     key = (entry.parts_sha256, dtype)
-    with _COPYING:
+    with _FINGERPRINTING:
         if key not in _FINGERPRINTS:
             if stored_of(out) is not None:  # a reader's copy of an OUT on a store's meta: the parts list fetched too
                 copy_records(out, [entry.parts])
@@ -142,7 +142,7 @@ def _fingerprints(parts: Path, parts_sha256: str, dtype: str, out: Path) -> dict
 _FINGERPRINTS: dict[tuple[str, str], dict[str | None, str]] = {}
 
 
-_COPYING = threading.Lock()  # a fingerprint made once: a Mixture opens its sources at once (mixture._opened)
+_FINGERPRINTING = threading.Lock()  # a fingerprint made once: a Mixture opens its sources at once (mixture._opened)
 
 
 class Sequences:
