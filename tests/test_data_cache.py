@@ -322,3 +322,20 @@ def test_a_cache_folder_removed_mid_epoch_is_made_again_and_the_windows_go_on(fi
     taken += [reader.next_batch(B).windows for _ in range(40)]
     assert all(np.array_equal(g, w) for g, w in zip(taken, expected))
     assert cache_bytes(tmp_path / "cache") <= 2 * CACHE
+
+
+def test_opening_the_cache_removes_files_from_before_the_boot_and_skips_those_another_rank_removes(
+    tmp_path, monkeypatch
+):
+    for name in ("0.blk", "1.blk", "2.fetch"):
+        (tmp_path / name).write_bytes(b"x")
+    os.utime(tmp_path / "0.blk", (0, 0))  # written before this machine's boot: a power loss may have torn it
+    listed = tmp_path.iterdir
+
+    def listing(folder):  # a rank's fetch ends between the listing and the look: its lock file is removed
+        yield from listed()
+        yield folder / "69.fetch"
+
+    monkeypatch.setattr(type(tmp_path), "iterdir", listing)
+    tokpipe.data.cache._forget_before_boot(tmp_path)
+    assert sorted(p.name for p in listed()) == ["1.blk", "2.fetch"]

@@ -292,8 +292,9 @@ def _forget_before_boot(folder: Path) -> None:
     except (OSError, StopIteration, ValueError, IndexError):
         return  # no /proc (not Linux): nothing is removed
     for path in folder.iterdir():
-        if path.stat().st_mtime < booted:
-            path.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):  # a rank's `.fetch` lock, removed as its fetch ended
+            if path.stat().st_mtime < booted:
+                path.unlink()
 
 
 @contextlib.contextmanager
