@@ -3,6 +3,7 @@ the parts of the shards done. What it holds of a shard's tokens is where they wa
 each of them is found (runner/copies.py marks those of that node lost), whichever step of the walk it is at."""
 
 import json
+import threading
 
 import pytest
 from helpers import EXAMPLE_CACHE, write_jsonl
@@ -11,7 +12,7 @@ import tokpipe.layout.stored
 from tokpipe.inputs.manifest import build_manifest
 from tokpipe.layout.checkpoints import Checkpoint, PartCounts
 from tokpipe.layout.run import WriteSpec
-from tokpipe.layout.stored import StoredOut, compact_checkpoints
+from tokpipe.layout.stored import StoredOut, compact_checkpoints, reader_out
 from tokpipe.store import Bucket
 from tokpipe.write.stored import StoreAssembly, StoredCheckpoints, compose_split
 
@@ -44,39 +45,91 @@ def test_a_grouped_split_of_no_part_composes_no_file():
     compose_split(assembly, "train")
 
 
+def seventy_shards(folder) -> list:
+    for n in range(70):
+        write_jsonl(folder / "data" / "train" / f"s{n:02}.jsonl", [json.dumps({"text": f"document {n}"})])
+    return build_manifest(folder / "data")
+
+
+def placed_objects(out: StoredOut) -> list[str]:
+    return [o.key for o in out.bucket.list(out.checkpoints) if "/placed/" in o.key]
+
+
+def killed(*_):  # as a kill -9 before the removal leaves OUT
+    raise KeyboardInterrupt
+
+
+def test_a_run_merges_its_last_64_placed_objects_of_a_split_into_one_and_a_kill_between_loses_none(
+    s3_server, s3_prefix, tmp_path, monkeypatch
+):
+    # On Ray a commit completes about a shard: 70 commits of one checkpoint each. At the 64th the run merges its 64
+    # objects into one, from memory, and removes them once it is up.
+    manifest = seventy_shards(tmp_path)
+    shards, done = list(manifest.shards()), [Checkpoint(done=True, lines=n, tokens=3 * n) for n in range(70)]
+    out, killed_out = (StoredOut.of(s3_server.url(f"{s3_prefix}/{name}")) for name in ("whole", "killed"))
+    written = StoredCheckpoints(out)
+    for shard, ckpt in zip(shards, done):
+        written.write({"train": {shard.key: (shard, ckpt)}})
+    assert len(placed_objects(out)) == 7 and StoredCheckpoints.listed(out).of(shards) == done
+    by_object = sorted(sorted(json.loads(out.bucket.get(key)[0])) for key in placed_objects(out))
+    assert by_object == sorted([[s.key for s in shards[:64]]] + [[s.key] for s in shards[64:]])
+
+    monkeypatch.setattr(Bucket, "delete_many", killed)
+    written = StoredCheckpoints(killed_out)
+    with pytest.raises(KeyboardInterrupt):
+        for shard, ckpt in zip(shards, done):
+            written.write({"train": {shard.key: (shard, ckpt)}})
+    # Killed after the merged object was up: both are there, holding the same checkpoints.
+    assert len(placed_objects(killed_out)) == 65
+    assert StoredCheckpoints.listed(killed_out).of(shards[:64]) == done[:64]
+
+
+def test_a_reader_that_listed_the_objects_a_run_then_merged_copies_the_merged_one(
+    s3_server, s3_prefix, tmp_path, monkeypatch
+):
+    manifest, out = seventy_shards(tmp_path), StoredOut.of(s3_server.url(s3_prefix))
+    shards, written = list(manifest.shards())[:64], StoredCheckpoints(out)
+    for shard in shards[:63]:
+        written.write({"train": {shard.key: (shard, Checkpoint(done=True))}})
+    get, merging = Bucket.get, threading.Lock()
+
+    def merged_after_the_list(bucket, key, *args):  # `status` of a live run: its 64th commit between LIST and GETs
+        with merging:
+            if written.recent["train"]:
+                written.write({"train": {shards[63].key: (shards[63], Checkpoint(done=True))}})
+        return get(bucket, key, *args)
+
+    monkeypatch.setattr(Bucket, "get", merged_after_the_list)
+    copy = reader_out(str(out))
+    assert len(placed_objects(out)) == 1
+    held = [json.loads(path.read_bytes()) for path in copy.rglob("*.json") if path.parent.name == "placed"]
+    assert sorted(key for found in held for key in found) == sorted(shard.key for shard in shards)
+
+
 def test_a_finished_out_s_checkpoints_are_compacted_in_manifest_order_and_a_kill_between_loses_none(
     s3_server, s3_prefix, tmp_path, monkeypatch
 ):
-    # 70 shards, each checkpointed in an object of its own, as commits on Ray leave them; finalize merges them into
-    # objects of PLACED_MOST (32 here), in manifest order, and removes the others once those are up.
-    for n in range(70):
-        write_jsonl(tmp_path / "data" / "train" / f"s{n:02}.jsonl", [json.dumps({"text": f"document {n}"})])
-    manifest, out = build_manifest(tmp_path / "data"), StoredOut.of(s3_server.url(s3_prefix))
+    # 70 shards, each checkpointed in an object of its own (70 runs of one commit: a run merges only its own objects);
+    # finalize merges them into objects of PLACED_MOST (32 here), in manifest order, and removes the others once
+    # those are up.
+    manifest, out = seventy_shards(tmp_path), StoredOut.of(s3_server.url(s3_prefix))
     shards = list(manifest.shards())
-    written = StoredCheckpoints(out)
     for n, shard in enumerate(shards):
-        written.write({"train": {shard.key: (shard, Checkpoint(done=True, lines=n, tokens=3 * n, seconds=0.5))}})
+        StoredCheckpoints(out).write({"train": {shard.key: (shard, Checkpoint(done=True, lines=n, tokens=3 * n))}})
     monkeypatch.setattr(tokpipe.layout.stored, "PLACED_MOST", 32)
-
-    def placed_objects() -> list[str]:
-        return [o.key for o in out.bucket.list(out.checkpoints) if "/placed/" in o.key]
 
     def checkpoints() -> list[Checkpoint]:
         return StoredCheckpoints.listed(out).of(shards)
 
-    assert len(placed_objects()) == 70
+    assert len(placed_objects(out)) == 70
     before = checkpoints()
-
-    def killed(*_):  # as a kill -9 before the removal leaves OUT
-        raise KeyboardInterrupt
-
     monkeypatch.setattr(Bucket, "delete_many", killed)
     with pytest.raises(KeyboardInterrupt):
         compact_checkpoints(out, manifest)
-    assert len(placed_objects()) == 73 and checkpoints() == before  # both: the same checkpoints
+    assert len(placed_objects(out)) == 73 and checkpoints() == before  # both: the same checkpoints
     monkeypatch.undo()
     monkeypatch.setattr(tokpipe.layout.stored, "PLACED_MOST", 32)
     compact_checkpoints(out, manifest)  # the rerun's finalize
-    assert len(placed_objects()) == 3 and checkpoints() == before
-    by_object = sorted(tuple(json.loads(out.bucket.get(key)[0])) for key in placed_objects())
+    assert len(placed_objects(out)) == 3 and checkpoints() == before
+    by_object = sorted(tuple(json.loads(out.bucket.get(key)[0])) for key in placed_objects(out))
     assert by_object == sorted(tuple(shard.key for shard in shards[at : at + 32]) for at in (0, 32, 64))

@@ -168,7 +168,7 @@ class StoredOut:
 
     def copy_to_sources(self, meta: Meta) -> None:
         """A finished OUT's split files (.bin, .idx, each group's, and .parts) copied on the server under `sources`,
-        whence an append takes their finished parts (write/stored.py HeldParts); no token through this process."""
+        whence an append takes their finished parts (write/segments.py HeldParts); no token through this process."""
         names = [name for entry in meta.splits.values() for f in entry.token_files() for name in (f.bin, f.idx)]
         for name in names + [entry.parts for entry in meta.splits.values()]:
             size = self.bucket.head(self.key(name)).size
@@ -178,16 +178,15 @@ class StoredOut:
         """What a node cannot see of OUT, with its own credentials (runner/nodes.py): the token the driver put there
         read back, then an object of its own (`who`'s) written (create-only) and removed beside it. None: it sees it."""
         key, mine = self.of_local(self.layout.node_check()), self.of_local(self.layout.node_check(who))
-        bucket = self.bucket
         try:
-            found = bucket.get(key)
+            found = self.bucket.get(key)
         except (StoreRefused, StoreUnavailable) as e:
             return f"cannot read OUT {self} ({e})"
         if found is None or found[0] != token.encode():
             return f"sees another OUT at {self} than the driver's (without this run's {Path(key).name})"
         try:
-            bucket.put(mine, token.encode(), create=True)
-            bucket.delete(mine)
+            self.bucket.put(mine, token.encode(), create=True)
+            self.bucket.delete(mine)
         except (StoreRefused, StoreUnavailable, Exists) as e:
             return f"cannot write under OUT {self} ({e})"
         return None
@@ -362,28 +361,29 @@ os.register_at_fork(after_in_child=_forked)
 def copy_records(copy: Path, names: list[str]) -> None:
     """OUT's records `names` copied from the store into a reader's copy (reader_out), REQUESTS_AT_ONCE at a time (a
     checkpoint a shard: 60,000 of them for SlimPajama); one that is not there (removed since a LIST: a live run's
-    segment) is left out."""
+    segment) is left out, and a checkpoint's (merged since into a placed object: write/stored.py) listed again."""
     stored = stored_of(copy)
 
-    def fetch(name: str) -> None:
+    def fetch(name: str) -> bool:
         found = stored.bucket.get(stored.key(name))
         if found is not None:
             path = copy / name
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(found[0])
+        return found is not None
 
     with ThreadPoolExecutor(REQUESTS_AT_ONCE) as pool:
-        list(pool.map(fetch, names))
+        gone = [name for name, found in zip(names, pool.map(fetch, names)) if not found]
+        if any(stored.key(name).startswith(stored.checkpoints) for name in gone):
+            again = {stored.name(o.key) for o in stored.bucket.list(stored.checkpoints)}
+            list(pool.map(fetch, sorted(again - set(names))))
 
 
 def compact_checkpoints(out: StoredOut, manifest: Manifest) -> None:
-    """At finalize, a split's checkpoints in COMPACT_FROM or more placed objects merged in manifest order into objects
-    of PLACED_MOST, the others removed once those are up (a kill leaves both, holding the same checkpoints; the rerun's
-    finalize merges them again). On Ray a commit completes about a shard: 60,000 objects, a GET each for a reader."""
-    by_split: dict[str, list[str]] = {}
-    for shard in manifest.shards():
-        by_split.setdefault(shard.split, []).append(shard.key)
-    for split, keys in by_split.items():
+    """At finalize, a split's checkpoints in COMPACT_FROM or more placed objects (a run's last, its reruns') merged in
+    manifest order into objects of PLACED_MOST, the others removed once those are up (a kill leaves both, holding the
+    same checkpoints; the rerun's finalize merges them again): every later reader GETs a few."""
+    for split in dict.fromkeys(shard.split for shard in manifest.shards()):
         held = [found.key for found in out.bucket.list(out.of_local(out.layout.placed(split)) + "/")]
         if len(held) < COMPACT_FROM:
             continue
@@ -391,7 +391,7 @@ def compact_checkpoints(out: StoredOut, manifest: Manifest) -> None:
         with ThreadPoolExecutor(REQUESTS_AT_ONCE) as pool:
             for found in pool.map(lambda key: orjson.loads(out.bucket.get(key)[0]), held):
                 raw.update(found)
-            keys = [key for key in keys if key in raw]
+            keys = [shard.key for shard in manifest.shards(split) if shard.key in raw]
             chunks = [keys[at : at + PLACED_MOST] for at in range(0, len(keys), PLACED_MOST)]
             files = [placed_file({key: raw[key] for key in chunk}) for chunk in chunks]
             made = [out.of_local(out.layout.placed(split, digest)) for digest, _ in files]

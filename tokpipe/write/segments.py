@@ -28,13 +28,17 @@ import os
 import shutil
 import tempfile
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from tokpipe.inputs.manifest import Shard
+from tokpipe.layout.checkpoints import Checkpoint, PartCounts
 from tokpipe.layout.files import ShardFiles
-from tokpipe.layout.records import IDX_DTYPE
+from tokpipe.layout.records import IDX_DTYPE, parts_of, read_parts, record_key
+from tokpipe.layout.run import WriteSpec
 from tokpipe.layout.stored import SEGMENT_BYTES, Entry, Segment, StoredOut
 
 # A kept part's tokens are read in ranged GETs of this many bytes into a file of the node's (Kept.arrays).
@@ -108,6 +112,59 @@ class Kept:
         mapped = _mapped(tokens.name, self.dtype)
         os.unlink(tokens.name)  # its pages stay while mapped; nothing is left once the upload drops them
         return [mapped], [ends]
+
+
+@dataclass
+class HeldParts:
+    """Finished parts held in objects of OUT on the store, which a rerun's segments take instead of tokenizing their
+    shards again (segments.Kept): the parts a run that a failed shard stopped kept (`kept`, by its shard's files'
+    keys, write/stored.py keep), and the ranges of a finished OUT's split files that an append copied to sources/
+    (`sourced`, runner/storage.py Prefix._append: ~200 bytes a part, each dropped as the walk takes it)."""
+
+    out: StoredOut
+    spec: WriteSpec
+    dtype: str
+    checkpoint: Callable[[Shard], Checkpoint]  # a done shard's, on the store (StoredCheckpoints.of)
+    kept: set[tuple[str, str]] = field(default_factory=set)  # (split, key) of the shards with parts kept
+    sourced: dict[tuple[str, bool], list[tuple[PartCounts, Kept]]] = field(default_factory=dict)  # (relpath, held)
+    moved: dict[str, int] = field(default_factory=dict)  # stem -> finished shards taken from its sources
+
+    def note(self, key: str) -> bool:
+        """A key of OUT's listing: whether it is one of these (a kept part's, a source's)."""
+        if key.startswith(self.out.sources):
+            if key.endswith(".parts"):
+                self._sources(key)
+            return True
+        if key.startswith(self.out.checkpoints) and key.endswith((".bin", ".idx")):
+            name = self.out.name(key).split("/")
+            self.kept.add((name[1], name[-1].removesuffix(".bin").removesuffix(".idx")))
+            return True
+        return False
+
+    def _sources(self, parts_key: str) -> None:
+        """Where each finished part of a split file an append moved (Prefix._append) is: its range of the file."""
+        stem = parts_key.removeprefix(self.out.sources).removesuffix(".parts")
+        for part in parts_of(stem, read_parts(self.out.bucket.get(parts_key)[0])):
+            held, group = record_key(part.record)
+            if self.spec.group_by is not None and group is None:
+                continue  # a shard's accounting line alone: its documents are in its groups' parts
+            base = self.out.sources + self.out.name(self.out.of_local(self.out.layout.split(stem, group)))
+            bounds = (part.token_offset, part.tokens, part.doc_offset, part.documents)
+            where = Kept(self.out, f"{base}.bin", f"{base}.idx", self.dtype, *bounds)
+            counts = PartCounts(held, group, part.tokens, part.documents)
+            if (part.name, held) not in self.sourced:
+                self.moved[stem] = self.moved.get(stem, 0) + 1
+            self.sourced.setdefault((part.name, held), []).append((counts, where))
+
+    def take(self, shard: Shard, held: bool) -> tuple[list[PartCounts], dict]:
+        """A done shard's parts of one source, and where each is held (none: they are in committed segments)."""
+        if (shard.relpath, held) in self.sourced:
+            found = self.sourced.pop((shard.relpath, held))
+            return [counts for counts, _ in found], {counts.key: where for counts, where in found}
+        if (shard.split, shard.key) not in self.kept:
+            return [], {}
+        parts, files = self.checkpoint(shard).source_parts(held), ShardFiles.of(self.out.work, shard)
+        return parts, {p.key: Kept(self.out, *map(self.out.of_local, files.part(p.key)), self.dtype) for p in parts}
 
 
 def spill_large(parts, spec, shard, files: ShardFiles | None) -> ShardFiles:
