@@ -499,6 +499,7 @@ def test_a_segment_not_committed_before_one_that_is_is_made_again_with_the_same_
     rerun = store_out_run(manifest, url, tokenizer=small_tokenizer)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert "6 shards, 5.2 MiB; 3 done, 0 partial, 3 to start" in rerun.stdout
+    assert f"resuming: reading which parts each of the 3 segments committed under {url} holds\n" in rerun.stdout
     _assert_split(stored_objects(s3_server, s3_prefix), "train", reference)
     assert open_uploads(s3_server, s3_prefix) == []
 

@@ -316,7 +316,7 @@ class Prefix(Storage):
         """The split files' segments taken up where an earlier attempt left them (StoreAssembly.resume); `say`s
         which finished shards an append takes from the split files as they were."""
         self.assembler = StoreAssembly(self.out, spec, manifest, itemsize, lease=self.lease)
-        self.assembler.resume()
+        self.assembler.resume(say)
         if self.assembler.held_parts.moved:
             what = ", ".join(f"{n} in {stem}" for stem, n in self.assembler.held_parts.moved.items())
             say(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -173,11 +173,10 @@ class StoreAssembly:
 
     # -- a rerun ---------------------------------------------------------------------------------------
 
-    def resume(self) -> None:
-        """One LIST of OUT's prefix: done checkpoints, committed segments (read back), what killed attempts left
-        uncommitted removed, their open uploads aborted, and the split files of a finalize killed before meta.json
-        removed (made again from the segments, which stay until meta.json is written: a split file is created
-        create-only)."""
+    def resume(self, say: Callable[[str], None]) -> None:
+        """One LIST of OUT's prefix: done checkpoints, committed segments (read back, said first: ~2 ms of CPU a GET),
+        what killed attempts left uncommitted removed, their open uploads aborted, and the split files of a finalize
+        killed before meta.json removed (made again from the segments, which stay until meta.json is written)."""
         bucket, out = self.out.bucket, self.out
         self.abort_uploads()
         for path in (out.layout.meta_json, out.layout.meta_pkl):  # a finished OUT's, appended to: unfinished now
@@ -195,8 +194,10 @@ class StoreAssembly:
             if "bin" not in suffixes:  # never committed
                 for suffix in suffixes:
                     bucket.delete(f"{base}.{suffix}")
+        bases = [base for base, suffixes in by_segment.items() if "bin" in suffixes]
+        if bases:
+            say(f"resuming: reading which parts each of the {len(bases):,} segments committed under {out} holds")
         with ThreadPoolExecutor(REQUESTS_AT_ONCE) as pool:
-            bases = [base for base, suffixes in by_segment.items() if "bin" in suffixes]
             for segment in pool.map(lambda base: Segment.parse(bucket.get(f"{base}.json")[0]), bases):
                 self._made(segment)
             self.checkpoints.read_placed(pool)
