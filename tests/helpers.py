@@ -1429,6 +1429,20 @@ def checkpoint_names(objects: dict[str, bytes]) -> list[str]:
     return sorted(names)
 
 
+def store_requests(monkeypatch) -> list[tuple[str, dict]]:
+    """Every request this process makes to a store from now on, as (operation, parameters), in order."""
+    import botocore.client
+
+    asked, call = [], botocore.client.BaseClient._make_api_call
+
+    def recorded(client, operation, params):
+        asked.append((operation, params))
+        return call(client, operation, params)
+
+    monkeypatch.setattr(botocore.client.BaseClient, "_make_api_call", recorded)
+    return asked
+
+
 def forget_stored_checkpoints(server: S3Server, prefix: str, names: list[str]) -> None:
     """The checkpoints of these shards (as checkpoint_names names them) removed from OUT on `server`, as if they had
     never been written: their own objects, and their entries in placed objects (written back without them)."""

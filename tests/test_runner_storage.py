@@ -14,7 +14,6 @@ import signal
 import socket
 from pathlib import Path
 
-import botocore.client
 import numpy as np
 import pytest
 from helpers import (
@@ -39,6 +38,7 @@ from helpers import (
     run_args,
     start,
     store_out_run,
+    store_requests,
     stored_objects,
     tokpipe,
     wait_for,
@@ -68,18 +68,6 @@ def _assert_split(objects: dict[str, bytes], stem: str, expected: np.ndarray) ->
     tokens = np.frombuffer(objects[f"{stem}.bin"], dtype=expected.dtype)
     assert np.array_equal(tokens, expected), f"{stem}.bin differs from the reference"
     assert np.array_equal(np.frombuffer(objects[f"{stem}.idx"], dtype=np.int64), _ends(expected, expected[-1]))
-
-
-def _requests(monkeypatch) -> list[tuple[str, dict]]:
-    """Every request this process makes to a store from now on, as (operation, parameters), in order."""
-    asked, call = [], botocore.client.BaseClient._make_api_call
-
-    def recorded(client, operation, params):
-        asked.append((operation, params))
-        return call(client, operation, params)
-
-    monkeypatch.setattr(botocore.client.BaseClient, "_make_api_call", recorded)
-    return asked
 
 
 def _keys(asked: list[tuple[str, dict]], operation: str, prefix: str) -> list[str]:
@@ -158,7 +146,7 @@ KILLED_AT = {
     "in finalize, before the parts lists": ("tokpipe.write.finalize._parts_list", 1),
     "train.bin composed, val.bin not": ("tokpipe.write.stored._compose", 2),
     "the split files made, meta not": ("tokpipe.write.finalize.meta_of", 1),
-    "meta.json written, the segments not yet removed": ("tokpipe.store.bucket.Bucket.delete_many", 1),
+    "meta.json written, the segments not yet removed": ("tokpipe.layout.stored.StoredOut.leftovers", 1),
     "the rerun removing what that finish left": ("tokpipe.store.bucket.Bucket.delete_many", 1),
     "the logs uploaded at the end": ("tokpipe.layout.stored.StoredOut.upload_logs", 1),
 }
@@ -408,7 +396,7 @@ def test_no_concat_shards_are_checkpointed_together_and_a_reader_of_the_finished
     assert len(files) == len(checkpoint_names(objects)) == 40
     assert 1 <= len([name for name in objects if "/placed/" in name]) <= 10  # one a placing at most: 40 before
 
-    asked = _requests(monkeypatch)
+    asked = store_requests(monkeypatch)
     said = cli("status", url)
     assert said.stdout.splitlines()[1] == "shards: 40 done, 0 partial, 0 pending, 0 failed (of 40)", said.stderr
     records = {name for name in objects if not name.startswith("segments/")}  # one GET each, and no other
@@ -426,7 +414,7 @@ def test_status_of_an_unfinished_run_on_a_store_lists_and_reads_no_segment(
     assert store_out_run(manifest, url, kill=kill, tokenizer=small_tokenizer).returncode == -9
     objects = stored_objects(s3_server, s3_prefix)
     assert len([name for name in objects if name.startswith("segments/")]) == 6  # train's and validation's
-    asked = _requests(monkeypatch)
+    asked = store_requests(monkeypatch)
     said = cli("status", url)
     assert said.stdout.splitlines()[:2] == [
         f"{url}: stopped before finishing: no run holds it (killed or crashed)",

@@ -6,7 +6,7 @@ import json
 import threading
 
 import pytest
-from helpers import EXAMPLE_CACHE, write_jsonl
+from helpers import EXAMPLE_CACHE, store_requests, write_jsonl
 
 import tokpipe.layout.stored
 from tokpipe.inputs.manifest import build_manifest
@@ -43,6 +43,28 @@ def test_a_grouped_split_of_no_part_composes_no_file():
     assembly = StoreAssembly(StoredOut.of("s3://b/out"), WriteSpec(group_by="g"), build_manifest(EXAMPLE_CACHE), 4)
     assert assembly.made == {}
     compose_split(assembly, "train")
+
+
+def test_a_rerun_removes_what_killed_attempts_left_uncommitted_in_one_request(s3_server, s3_prefix, monkeypatch):
+    # Three segments whose .json and .idx were sent, not their .bin (uploads in flight at a kill), and a split file of
+    # a finalize killed before meta.json: one DeleteObjects, not a DELETE each (a round trip each, ~30 ms at a cloud
+    # store; a killed run on Ray leaves 4 segments uploading a node).
+    out = StoredOut.of(s3_server.url(s3_prefix))
+    left = [f"{out.segments}train/train__s{n}.{suffix}" for n in range(3) for suffix in ("json", "idx")]
+    left.append(out.of_local(out.layout.split("train", None)) + ".bin")
+    for key in left:
+        out.bucket.put(key, b"left")
+    asked = store_requests(monkeypatch)
+    StoreAssembly(out, WriteSpec(), build_manifest(EXAMPLE_CACHE), itemsize=4).resume(print)
+    assert [operation for operation, _ in asked] == [
+        "ListMultipartUploads",
+        "DeleteObject",  # meta.json, meta.pkl: an OUT appended to is unfinished at once
+        "DeleteObject",
+        "ListObjectsV2",
+        "DeleteObjects",
+    ]
+    assert sorted(o["Key"] for o in asked[-1][1]["Delete"]["Objects"]) == sorted(left)
+    assert list(out.bucket.list(out.prefix)) == []
 
 
 def seventy_shards(folder) -> list:

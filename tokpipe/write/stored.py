@@ -182,6 +182,7 @@ class StoreAssembly:
         for path in (out.layout.meta_json, out.layout.meta_pkl):  # a finished OUT's, appended to: unfinished now
             bucket.delete(out.of_local(path))
         by_segment: dict[str, set[str]] = {}
+        removed = []  # in one DeleteObjects, not a DELETE each (~30 ms at a cloud store)
         for found in bucket.list(out.prefix):
             if self.held_parts.note(found.key) or self.checkpoints.note(found.key):
                 continue
@@ -189,11 +190,9 @@ class StoreAssembly:
                 base, _, suffix = found.key.rpartition(".")
                 by_segment.setdefault(base, set()).add(suffix)
             elif found.key.endswith((".bin", ".idx", ".parts")) and out.name(found.key).split("/")[0] not in RECORD:
-                bucket.delete(found.key)
-        for base, suffixes in by_segment.items():
-            if "bin" not in suffixes:  # never committed
-                for suffix in suffixes:
-                    bucket.delete(f"{base}.{suffix}")
+                removed.append(found.key)
+        uncommitted = [(base, suffixes) for base, suffixes in by_segment.items() if "bin" not in suffixes]
+        bucket.delete_many(removed + [f"{base}.{suffix}" for base, suffixes in uncommitted for suffix in suffixes])
         bases = [base for base, suffixes in by_segment.items() if "bin" in suffixes]
         if bases:
             say(f"resuming: reading which parts each of the {len(bases):,} segments committed under {out} holds")
