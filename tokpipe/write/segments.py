@@ -124,7 +124,7 @@ class HeldParts:
     out: StoredOut
     spec: WriteSpec
     dtype: str
-    checkpoint: Callable[[Shard], Checkpoint]  # a done shard's, on the store (StoredCheckpoints.of)
+    checkpoint: Callable[[Shard], Checkpoint]  # a kept shard's own, on the store (StoredCheckpoints.read_own)
     kept: set[tuple[str, str]] = field(default_factory=set)  # (split, key) of the shards with parts kept
     sourced: dict[tuple[str, bool], list[tuple[PartCounts, Kept]]] = field(default_factory=dict)  # (relpath, held)
     moved: dict[str, int] = field(default_factory=dict)  # stem -> finished shards taken from its sources

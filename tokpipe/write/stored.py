@@ -105,7 +105,8 @@ class StoredCheckpoints:
         key = self.out.checkpoint(shard)
         return key in self.own or key in self.placed
 
-    def _own(self, shard: Shard) -> Checkpoint:
+    def read_own(self, shard: Shard) -> Checkpoint:
+        """A done shard's checkpoint of its own (one kept for a rerun: `keep`)."""
         return Checkpoint.parse(json.loads(self.out.bucket.get(self.out.checkpoint(shard))[0]))
 
     def _load(self, key: str) -> dict:
@@ -139,7 +140,7 @@ class StoredCheckpoints:
         own = [shard for shard, key in zip(shards, keys) if key in self.own or key not in self.placed]
         with ThreadPoolExecutor(REQUESTS_AT_ONCE) as pool:
             read = dict(zip(objects, pool.map(self._load, objects)))
-            owned = dict(zip((s.relpath for s in own), pool.map(self._own, own)))
+            owned = dict(zip((s.relpath for s in own), pool.map(self.read_own, own)))
         return [
             owned[shard.relpath] if shard.relpath in owned else Checkpoint.parse(read[self.placed[key]][shard.key])
             for shard, key in zip(shards, keys)
@@ -169,7 +170,7 @@ class StoreAssembly:
             cursor.advance()
         self.segments = Gatherer(self.out, self.spec.concat, self.itemsize)
         self.checkpoints = StoredCheckpoints(self.out)
-        self.held_parts = HeldParts(self.out, self.spec, f"<u{self.itemsize}", lambda s: self.checkpoints.of([s])[0])
+        self.held_parts = HeldParts(self.out, self.spec, f"<u{self.itemsize}", self.checkpoints.read_own)
 
     # -- a rerun ---------------------------------------------------------------------------------------
 
