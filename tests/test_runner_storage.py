@@ -435,6 +435,7 @@ def test_a_run_on_ray_into_a_store_is_the_reference(
     run = tokpipe(*run_args(manifest, url, "--ray-only", "--workers", "2", tokenizer=small_tokenizer), ray=ray_address)
     assert run.returncode == 0, run.stdout + run.stderr
     assert f"ray: cluster {ray_address}, 2 workers" in run.stdout
+    assert "finalizing: composing the split files from their 2 segments on the store (a copy each)\n" in run.stdout
     _assert_finished_as(s3_server, s3_prefix, small_reference)
 
 

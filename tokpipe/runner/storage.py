@@ -215,6 +215,7 @@ class Prefix(Storage):
         self.spill = out.spill_name()  # where a worker's large parts wait past --shard-buffer (EncodeSpec.spill)
         self.assembler: StoreAssembly | None = None
         self.lease = None
+        self.tell: Listener = silent
 
     def show(self, name: str) -> str:
         return str(self.out.url / name)
@@ -228,6 +229,7 @@ class Prefix(Storage):
 
     @contextmanager
     def held(self, manifest: Manifest, info: TokenizerInfo, opts: RunOptions, tell: Listener) -> Iterator[Manifest]:
+        self.tell = tell
         with self.out.lease() as self.lease:
             shutil.rmtree(self.records, ignore_errors=True)  # what an earlier attempt on this machine left
             self.records.mkdir(parents=True)
@@ -342,4 +344,4 @@ class Prefix(Storage):
         keep_on_store(self.out, shard, ckpt, buffered)
 
     def finalize(self, assembler: StoreAssembly, manifest: Manifest, info: TokenizerInfo, spec, excluded) -> dict:
-        return finalize_stored(assembler, manifest, info, spec, excluded)
+        return finalize_stored(assembler, manifest, info, spec, excluded, lambda text: self.tell(Said(text)))
