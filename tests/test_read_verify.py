@@ -8,7 +8,7 @@ import shutil
 
 import numpy as np
 import pytest
-from helpers import QWEN3, build_out, cli, failed_checks, long_document, store_out_run, write_jsonl
+from helpers import QWEN3, build_out, cli, failed_checks, long_document, store_out_run, store_requests, write_jsonl
 
 from tokpipe.layout.files import load_meta_pkl
 from tokpipe.read import verify as verify_module
@@ -352,3 +352,18 @@ def test_a_token_changed_on_the_store_fails_the_checksum_read_by_ranged_gets(
     tokens[[100, 101]] = tokens[[101, 100]]
     s3_server.put(key, tokens.tobytes())
     assert failed_checks(url) == ["train: sha256 matches meta"]
+
+
+def test_an_unfinished_out_on_a_store_is_said_unfinished_without_a_copy_of_its_segments_records(
+    unfinished_stored, monkeypatch
+):
+    # A live run of 2.5 TB holds ~60,000 segments: their records (~2 ms of botocore a GET) took minutes to copy before
+    # verify said that meta.pkl is missing. Its meta's HEAD, then its manifest, say it.
+    asked = store_requests(monkeypatch)
+    verified = cli("verify", unfinished_stored)
+    assert verified.returncode == 1
+    assert verified.stdout.splitlines()[-1] == "1 of 1 checks FAILED"
+    prefix = unfinished_stored.removeprefix("s3://").partition("/")[2]
+    reads = [(operation, p["Key"].removeprefix(f"{prefix}/")) for operation, p in asked if "Key" in p]
+    assert reads == [("HeadObject", "meta.pkl"), ("GetObject", "manifest.json")]
+

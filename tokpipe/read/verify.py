@@ -22,7 +22,7 @@ from tokpipe.errors import UserError
 from tokpipe.layout.files import Layout, load_meta_pkl
 from tokpipe.layout.meta import Meta, SplitEntry, SplitFile
 from tokpipe.layout.records import IDX_DTYPE, Part, parts_of, read_parts
-from tokpipe.layout.stored import reader_out, shown, stored_of
+from tokpipe.layout.stored import StoredOut, on_store, reader_out, shown, stored_of
 from tokpipe.read.files import TokenFiles
 from tokpipe.read.maps import REQUESTS_AT_ONCE, seen_all  # a store's, as maps reads it
 
@@ -190,10 +190,20 @@ def _size_chunks(parts: list[Part], itemsize: int, jobs: int) -> list[list[Part]
     return chunks
 
 
+def _finished_or_a_folder(out: str | os.PathLike) -> bool:
+    """Whether OUT is a folder or holds a meta.pkl (a HEAD): of an unfinished OUT on a store, its manifest alone says
+    what is missing, not a copy of every live segment's record (1,000 segments: 4.1 s; 60,000, minutes)."""
+    if not on_store(out) or getattr(out, "stored", None) is not None:  # a folder, or a reader's copy already
+        return True
+    stored = StoredOut.of(os.fspath(out))
+    stored.check()
+    return stored.bucket.head(stored.key(Layout("").meta_pkl.name)) is not None
+
+
 def verify(out: str | os.PathLike, jobs: int | None = None) -> list[Check]:
     """Every check on a finished OUT. Checksums and id scans run on `jobs` threads (default: all cores; on a store,
     whose reads wait on the network, REQUESTS_AT_ONCE)."""
-    out = reader_out(out)
+    out = reader_out(out) if _finished_or_a_folder(out) else reader_out(out, [Layout("").manifest.name])
     jobs = jobs or (os.cpu_count() or 1 if stored_of(out) is None else REQUESTS_AT_ONCE)
     checks: list[Check] = []
 
