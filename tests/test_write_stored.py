@@ -113,6 +113,7 @@ def test_a_reader_that_listed_the_objects_a_run_then_merged_copies_the_merged_on
     shards, written = list(manifest.shards())[:64], StoredCheckpoints(out)
     for shard in shards[:63]:
         written.write({"train": {shard.key: (shard, Checkpoint(done=True))}})
+    out.bucket.put(f"{out.checkpoints}train/{shards[0].key}.bin", b"tokens")  # a part kept for a rerun: no record
     get, merging = Bucket.get, threading.Lock()
 
     def merged_after_the_list(bucket, key, *args):  # `status` of a live run: its 64th commit between LIST and GETs
@@ -126,6 +127,7 @@ def test_a_reader_that_listed_the_objects_a_run_then_merged_copies_the_merged_on
     assert len(placed_objects(out)) == 1
     held = [json.loads(path.read_bytes()) for path in copy.rglob("*.json") if path.parent.name == "placed"]
     assert sorted(key for found in held for key in found) == sorted(shard.key for shard in shards)
+    assert list(copy.rglob("*.bin")) == []
 
 
 def test_a_finished_out_s_checkpoints_are_compacted_in_manifest_order_and_a_kill_between_loses_none(

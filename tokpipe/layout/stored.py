@@ -375,7 +375,7 @@ def copy_records(copy: Path, names: list[str]) -> None:
     with ThreadPoolExecutor(REQUESTS_AT_ONCE) as pool:
         gone = [name for name, found in zip(names, pool.map(fetch, names)) if not found]
         if any(stored.key(name).startswith(stored.checkpoints) for name in gone):
-            again = {stored.name(o.key) for o in stored.bucket.list(stored.checkpoints)}
+            again = {stored.name(o.key) for o in stored.bucket.list(stored.checkpoints) if o.key.endswith(".json")}
             list(pool.map(fetch, sorted(again - set(names))))
 
 
