@@ -292,7 +292,7 @@ def _forget_before_boot(folder: Path) -> None:
     except (OSError, StopIteration, ValueError, IndexError):
         return  # no /proc (not Linux): nothing is removed
     for path in folder.iterdir():
-        with contextlib.suppress(FileNotFoundError):  # a rank's `.fetch` lock, removed as its fetch ended
+        with contextlib.suppress(FileNotFoundError):  # another rank's since the listing: a `.fetch` lock, a `.tmp`
             if path.stat().st_mtime < booted:
                 path.unlink()
 
