@@ -366,4 +366,3 @@ def test_an_unfinished_out_on_a_store_is_said_unfinished_without_a_copy_of_its_s
     prefix = unfinished_stored.removeprefix("s3://").partition("/")[2]
     reads = [(operation, p["Key"].removeprefix(f"{prefix}/")) for operation, p in asked if "Key" in p]
     assert reads == [("HeadObject", "meta.pkl"), ("GetObject", "manifest.json")]
-

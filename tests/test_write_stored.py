@@ -9,7 +9,7 @@ import pytest
 from helpers import EXAMPLE_CACHE, store_requests, write_jsonl
 
 import tokpipe.layout.stored
-from tokpipe.inputs.manifest import build_manifest
+from tokpipe.inputs.manifest import Manifest, build_manifest
 from tokpipe.layout.checkpoints import Checkpoint, PartCounts
 from tokpipe.layout.run import WriteSpec
 from tokpipe.layout.stored import StoredOut, compact_checkpoints, reader_out
@@ -67,7 +67,7 @@ def test_a_rerun_removes_what_killed_attempts_left_uncommitted_in_one_request(s3
     assert list(out.bucket.list(out.prefix)) == []
 
 
-def seventy_shards(folder) -> list:
+def seventy_shards(folder) -> Manifest:
     for n in range(70):
         write_jsonl(folder / "data" / "train" / f"s{n:02}.jsonl", [json.dumps({"text": f"document {n}"})])
     return build_manifest(folder / "data")
