@@ -5,6 +5,7 @@ each of them is found (runner/copies.py marks those of that node lost), whicheve
 import json
 import threading
 
+import numpy as np
 import pytest
 from helpers import EXAMPLE_CACHE, store_requests, write_jsonl
 
@@ -12,9 +13,10 @@ import tokpipe.layout.stored
 from tokpipe.inputs.manifest import Manifest, build_manifest
 from tokpipe.layout.checkpoints import Checkpoint, PartCounts
 from tokpipe.layout.run import WriteSpec
-from tokpipe.layout.stored import StoredOut, compact_checkpoints, reader_out
+from tokpipe.layout.stored import Entry, Segment, StoredOut, compact_checkpoints, reader_out
 from tokpipe.store import Bucket
-from tokpipe.write.stored import StoreAssembly, StoredCheckpoints, compose_split
+from tokpipe.write.segments import ClosedSegment
+from tokpipe.write.stored import PartTokens, StoreAssembly, StoredCheckpoints, compose_split, upload_closed
 
 
 def test_a_done_shard_s_tokens_are_held_until_its_segment_is_handed_out():
@@ -35,6 +37,20 @@ def test_a_done_shard_s_tokens_are_held_until_its_segment_is_handed_out():
         "where the second's tokens wait",
     ]
     assert assembly.held() == []
+
+
+def test_a_part_uploaded_is_let_go_while_its_shard_s_other_parts_wait(s3_server, s3_prefix):
+    # A shard of two groups: its common part fills a segment, its rare part waits in one still gathering (until the
+    # split's end). The uploaded part's tokens must not wait with it: a rare group held every shard's tokens.
+    out = StoredOut.of(s3_server.url(s3_prefix))
+    common, rare = (False, "common"), (False, "rare")
+    tokens = np.arange(1000, dtype="<u2")
+    buffered = {common: ([tokens], [np.array([1000])]), rare: ([tokens[:2]], [np.array([2])])}
+    name = out.name(out.segment("train", "common", "s0"))
+    segment = Segment("train", "common", name, [Entry("train/s0.jsonl", False, "common", 1000, 1)], 1000, 1)
+    upload_closed(out, ClosedSegment(segment, [PartTokens(buffered, common)]))
+    assert out.bucket.get(f"{out.key(name)}.bin")[0] == tokens.tobytes()
+    assert list(buffered) == [rare]
 
 
 def test_a_grouped_split_of_no_part_composes_no_file():

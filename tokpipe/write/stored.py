@@ -46,9 +46,12 @@ class PartTokens:
         return part_arrays(self.buffered[self.key])
 
     def release(self) -> None:
-        """Once the part is uploaded: its files of this node's removed, if it went to some (Spilled)."""
-        if isinstance(self.buffered[self.key], Spilled):
-            self.buffered[self.key].remove()
+        """Once the part is uploaded (its segment committed): let go of its tokens, which its shard's parts waiting in a
+        segment still gathering held (a rare --group-by group's held every shard's: 209 M tokens without Ray, the
+        driver's peak RSS 484-485 MB plain, 666-697 grouped, 490-503 so), and remove its files of this node's."""
+        value = self.buffered.pop(self.key)
+        if isinstance(value, Spilled):
+            value.remove()
 
 
 @dataclass
