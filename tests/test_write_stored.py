@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from helpers import EXAMPLE_CACHE, store_requests, write_jsonl
 
-import tokpipe.layout.stored
+import tokpipe.write.stored
 from tokpipe.inputs.manifest import Manifest, build_manifest
 from tokpipe.layout.checkpoints import Checkpoint, PartCounts
 from tokpipe.layout.run import WriteSpec
-from tokpipe.layout.stored import Entry, Segment, StoredOut, compact_checkpoints, reader_out
+from tokpipe.layout.stored import Entry, Segment, StoredOut, reader_out
 from tokpipe.store import Bucket
 from tokpipe.write.segments import ClosedSegment
 from tokpipe.write.stored import PartTokens, StoreAssembly, StoredCheckpoints, compose_split, upload_closed
@@ -156,7 +156,7 @@ def test_a_finished_out_s_checkpoints_are_compacted_in_manifest_order_and_a_kill
     shards = list(manifest.shards())
     for n, shard in enumerate(shards):
         StoredCheckpoints(out).write({"train": {shard.key: (shard, Checkpoint(done=True, lines=n, tokens=3 * n))}})
-    monkeypatch.setattr(tokpipe.layout.stored, "PLACED_MOST", 32)
+    monkeypatch.setattr(tokpipe.write.stored, "PLACED_MOST", 32)
 
     def checkpoints() -> list[Checkpoint]:
         return StoredCheckpoints.listed(out).of(shards)
@@ -165,11 +165,26 @@ def test_a_finished_out_s_checkpoints_are_compacted_in_manifest_order_and_a_kill
     before = checkpoints()
     monkeypatch.setattr(Bucket, "delete_many", killed)
     with pytest.raises(KeyboardInterrupt):
-        compact_checkpoints(out, manifest)
+        StoredCheckpoints(out).compact(manifest)
     assert len(placed_objects(out)) == 73 and checkpoints() == before  # both: the same checkpoints
     monkeypatch.undo()
-    monkeypatch.setattr(tokpipe.layout.stored, "PLACED_MOST", 32)
-    compact_checkpoints(out, manifest)  # the rerun's finalize
+    monkeypatch.setattr(tokpipe.write.stored, "PLACED_MOST", 32)
+    StoredCheckpoints(out).compact(manifest)  # the rerun's finalize
     assert len(placed_objects(out)) == 3 and checkpoints() == before
     by_object = sorted(tuple(json.loads(out.bucket.get(key)[0])) for key in placed_objects(out))
     assert by_object == sorted(tuple(shard.key for shard in shards[at : at + 32]) for at in (0, 32, 64))
+
+
+def test_finalize_s_merge_reads_no_placed_object_again_that_the_parts_lists_read(
+    s3_server, s3_prefix, tmp_path, monkeypatch
+):
+    manifest, out = seventy_shards(tmp_path), StoredOut.of(s3_server.url(s3_prefix))
+    shards = list(manifest.shards())
+    for n, shard in enumerate(shards):  # 70 objects of one checkpoint, as 70 runs leave them
+        StoredCheckpoints(out).write({"train": {shard.key: (shard, Checkpoint(done=True, lines=n))}})
+    found = StoredCheckpoints.listed(out)
+    before = found.of(shards)  # as finalize's parts lists read them
+    asked = store_requests(monkeypatch)
+    found.compact(manifest)
+    assert [operation for operation, _ in asked] == ["ListObjectsV2", "PutObject", "DeleteObjects"]
+    assert StoredCheckpoints.listed(out).of(shards) == before

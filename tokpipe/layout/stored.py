@@ -30,8 +30,7 @@ from pathlib import Path
 import orjson
 
 from tokpipe.errors import UserError
-from tokpipe.inputs.manifest import Manifest, Shard
-from tokpipe.layout.checkpoints import placed_file
+from tokpipe.inputs.manifest import Shard
 from tokpipe.layout.files import RECORD, Layout, PartKey, group_stem, is_out, out_folder, work_folder
 from tokpipe.layout.locks import lock_holder
 from tokpipe.layout.meta import Meta, SplitFile
@@ -56,10 +55,6 @@ SOURCES = "sources"  # a finished OUT's split files as they were, while shards a
 # a split file may be composed of in one go is 10,000 (50 GB of them at this size; past it store.compose goes in two
 # steps), and what an uploader holds of a segment of small parts is about this.
 SEGMENT_BYTES = MIN_PART
-# A finished OUT holds its checkpoints in objects of this many (manifest order), where a split had COMPACT_FROM placed
-# objects or more: fewer cost its readers under a second of GETs (16 at once, ~2.5 ms of CPU each).
-PLACED_MOST = 4096
-COMPACT_FROM = 64
 
 
 @dataclass(frozen=True)
@@ -377,26 +372,6 @@ def copy_records(copy: Path, names: list[str]) -> None:
         if any(stored.key(name).startswith(stored.checkpoints) for name in gone):
             again = {stored.name(o.key) for o in stored.bucket.list(stored.checkpoints) if o.key.endswith(".json")}
             list(pool.map(fetch, sorted(again - set(names))))
-
-
-def compact_checkpoints(out: StoredOut, manifest: Manifest) -> None:
-    """At finalize, a split's checkpoints in COMPACT_FROM or more placed objects (a run's last, its reruns') merged in
-    manifest order into objects of PLACED_MOST, the others removed once those are up (a kill leaves both, holding the
-    same checkpoints; the rerun's finalize merges them again): every later reader GETs a few."""
-    for split in dict.fromkeys(shard.split for shard in manifest.shards()):
-        held = [found.key for found in out.bucket.list(out.of_local(out.layout.placed(split)) + "/")]
-        if len(held) < COMPACT_FROM:
-            continue
-        raw: dict[str, dict] = {}
-        with ThreadPoolExecutor(REQUESTS_AT_ONCE) as pool:
-            for found in pool.map(lambda key: orjson.loads(out.bucket.get(key)[0]), held):
-                raw.update(found)
-            keys = [shard.key for shard in manifest.shards(split) if shard.key in raw]
-            chunks = [keys[at : at + PLACED_MOST] for at in range(0, len(keys), PLACED_MOST)]
-            files = [placed_file({key: raw[key] for key in chunk}) for chunk in chunks]
-            made = [out.of_local(out.layout.placed(split, digest)) for digest, _ in files]
-            list(pool.map(out.bucket.put, made, [data for _, data in files]))
-        out.bucket.delete_many(sorted(set(held) - set(made)))
 
 
 def stored_of(out: Path) -> StoredOut | None:

@@ -27,7 +27,7 @@ from tokpipe.layout.files import SKIPPED, Layout, LayoutWriter, split_file_stem
 from tokpipe.layout.meta import Delimiters, Meta, SplitEntry
 from tokpipe.layout.records import part_record, parts_line, read_parts, split_entry
 from tokpipe.layout.run import WriteSpec, output_splits, sources
-from tokpipe.layout.stored import compact_checkpoints, part_name
+from tokpipe.layout.stored import part_name
 from tokpipe.write.assembly import Assembler
 from tokpipe.write.stored import StoreAssembly, compose_split
 
@@ -155,7 +155,7 @@ def finalize_stored(
     write_skip_log(out.work, splits)
     refuse_empty_splits(out.work, splits, spec.text_field)
     meta = meta_of(info, spec, splits, excluded, manifest)
-    compact_checkpoints(out, manifest)
+    assembly.checkpoints.compact(manifest)
     assembly.lease_check()
     out.bucket.put(out.of_local(layout.meta_pkl), pickle.dumps(meta, protocol=4))
     out.bucket.put(out.of_local(layout.meta_json), json.dumps(meta).encode())

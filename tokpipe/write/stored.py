@@ -25,10 +25,15 @@ from tokpipe.layout.checkpoints import Checkpoint, PartCounts, placed_file
 from tokpipe.layout.files import RECORD, ShardFiles, split_file_stem
 from tokpipe.layout.records import IDX_DTYPE
 from tokpipe.layout.run import WriteSpec, output_splits, sources
-from tokpipe.layout.stored import COMPACT_FROM, Entry, Segment, StoredOut, part_name
+from tokpipe.layout.stored import Entry, Segment, StoredOut, part_name
 from tokpipe.store import MIN_PART, REQUESTS_AT_ONCE, Exists, Lease, Upload, compose, put_buffers
 from tokpipe.write.segments import ClosedSegment, Gatherer, HeldParts, Spilled, part_arrays
 
+# A split's placed checkpoint objects are merged this many at a time: by a run, its own, as it writes them (on Ray a
+# commit completes about a shard); at finalize, all of them (its reruns' too) in manifest order, into objects of
+# PLACED_MOST: fewer cost its readers under a second of GETs (16 at once, ~2.5 ms of CPU each).
+COMPACT_FROM = 64
+PLACED_MOST = 4096
 # A run without Ray commits the segments it uploads together, this often: their shards' checkpoints an object a split,
 # not one a shard with --no-concat (2,000 shards on SeaweedFS: the run 25.0 -> 15.3 s, `status` 14.3 -> 2.2 s).
 COMMIT_EVERY = 1.0
@@ -77,6 +82,7 @@ class StoredCheckpoints:
     placed: dict[str, str] = field(default_factory=dict)  # a done checkpoint's key -> the placed object holding it
     unread: list[str] = field(default_factory=list)  # placed objects listed, not yet read (read_placed)
     recent: dict[str, dict[str, dict]] = field(default_factory=dict)  # split -> this run's placed objects not merged
+    loaded: dict[str, dict] = field(default_factory=dict)  # placed objects `of` read at finalize, for `compact`
 
     @classmethod
     def listed(cls, out: StoredOut) -> StoredCheckpoints:
@@ -137,17 +143,43 @@ class StoredCheckpoints:
         return key
 
     def of(self, shards: list[Shard]) -> list[Checkpoint]:
-        """Done shards' checkpoints, in order, each placed object read once; REQUESTS_AT_ONCE GETs at a time."""
+        """Done shards' checkpoints, in order (finalize's parts lists), each placed object read once, and kept for
+        `compact` (a split's checkpoints, as it holds them); REQUESTS_AT_ONCE GETs at a time."""
         keys = [self.out.checkpoint(shard) for shard in shards]
-        objects = list({self.placed[key] for key in keys if key not in self.own and key in self.placed})
+        objects = {self.placed[key] for key in keys if key not in self.own and key in self.placed}
+        unread = list(objects - set(self.loaded))
         own = [shard for shard, key in zip(shards, keys) if key in self.own or key not in self.placed]
         with ThreadPoolExecutor(REQUESTS_AT_ONCE) as pool:
-            read = dict(zip(objects, pool.map(self._load, objects)))
+            self.loaded.update(zip(unread, pool.map(self._load, unread)))
             owned = dict(zip((s.relpath for s in own), pool.map(self.read_own, own)))
+        loaded = self.loaded
         return [
-            owned[shard.relpath] if shard.relpath in owned else Checkpoint.parse(read[self.placed[key]][shard.key])
+            owned[shard.relpath] if shard.relpath in owned else Checkpoint.parse(loaded[self.placed[key]][shard.key])
             for shard, key in zip(shards, keys)
         ]
+
+    def compact(self, manifest: Manifest) -> None:
+        """At finalize, a split's checkpoints in COMPACT_FROM or more placed objects (a run's last, its reruns') merged
+        in manifest order into objects of PLACED_MOST, the others removed once those are up (a kill leaves both, holding
+        the same checkpoints; the rerun's finalize merges them again): every later reader GETs a few. The objects `of`
+        read are not read again (read twice, 505 objects took finalize from 21.3 to 25.5 s)."""
+        for split in dict.fromkeys(shard.split for shard in manifest.shards()):
+            held = [found.key for found in self.out.bucket.list(self.out.of_local(self.out.layout.placed(split)) + "/")]
+            if len(held) < COMPACT_FROM:
+                continue
+            raw: dict[str, dict] = {}
+            with ThreadPoolExecutor(REQUESTS_AT_ONCE) as pool:
+                unread = [key for key in held if key not in self.loaded]
+                self.loaded.update(zip(unread, pool.map(self._load, unread)))
+                for key in held:
+                    raw.update(self.loaded.pop(key))
+                shards = [shard for shard in manifest.shards(split) if shard.key in raw]
+                starts = range(0, len(shards), PLACED_MOST)
+                chunks = [{s.key: (s, raw[s.key]) for s in shards[at : at + PLACED_MOST]} for at in starts]
+                made = list(pool.map(self._put, [split] * len(chunks), chunks))
+            self.out.bucket.delete_many(sorted(set(held) - set(made)))
+            self.recent.pop(split, None)
+        self.loaded.clear()
 
 
 @dataclass
