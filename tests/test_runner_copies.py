@@ -117,3 +117,88 @@ def test_shards_whose_tokens_the_driver_holds_are_placed_by_the_placers(
     placed = subprocess.run(args, capture_output=True, text=True)
     assert placed.returncode == 0, placed.stderr
     assert_out_is(out, small_reference)
+
+
+# A driver joined to the session's Ray (argv: its address, OUT's URL, the example's dataset) with SegmentUploads over
+# a StoreAssembly of the example's train shards, --group-by, no room for shards that wait alone for segments still
+# gathering. Each shard has a part of group "common" (1,000 tokens) and of group "rare" (2): both groups' segments
+# gather until the split's end. Prints, after the first shard's turn and its keep: where the tokens of the segments
+# gathering are, how many of the run's records still hold the first's object, and OUT's checkpoints and kept parts;
+# where a rerun begun then takes them from; then, the second shard done, each group's file.
+UNPIN = """
+import json, sys
+import numpy as np, ray
+from tokpipe.inputs.manifest import build_manifest
+from tokpipe.layout.checkpoints import Checkpoint, PartCounts
+from tokpipe.layout.run import WriteSpec
+from tokpipe.layout.stored import StoredOut
+from tokpipe.runner.copies import SegmentUploads
+from tokpipe.runner.progress import RunLog
+from tokpipe.runner.storage import Prefix
+from tokpipe.runner.task import OnNode
+from tokpipe.write.stored import StoreAssembly
+
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+out = StoredOut.of(sys.argv[2])
+manifest = build_manifest(sys.argv[3])
+shards = list(manifest.shards("train"))
+assembler = StoreAssembly(out, WriteSpec(group_by="g"), manifest, itemsize=2)
+copies = SegmentUploads(Prefix(out), assembler, 1, None, RunLog(out.work), room=0)
+here = ray.get_runtime_context().get_node_id()
+sizes = {(False, "common"): 1000, (False, "rare"): 2}
+def done(n):
+    arrays = {key: ([np.full(size, n, "<u2")], [np.array([size])]) for key, size in sizes.items()}
+    parts = [PartCounts(False, group, size, 1) for (_, group), size in sizes.items()]
+    on_node = OnNode(shards[n], ray.put([arrays]), here, 0)
+    assembler.done(shards[n], Checkpoint(done=True, tokens=1002, documents=2, parts=parts), on_node)
+    return on_node
+def where(assembly):
+    return sorted(type(s.buffered[s.key] if isinstance(s.buffered, dict) else s.buffered).__name__
+                  for segment in assembly.segments.open.values() for s in segment.sources)
+first = done(0)
+copies.feed()  # its turn: both parts gather; alone so, it is kept
+ray.wait(list(copies.keeping))
+copies.feed()
+rerun = StoreAssembly(out, WriteSpec(group_by="g"), manifest, itemsize=2)
+rerun.resume(print)
+rerun.ready()
+print(json.dumps([
+    where(assembler),
+    [s is first for s in assembler.held()].count(True) + (shards[0].relpath in assembler.waiting),
+    sorted(out.name(o.key).replace(o.key.rpartition("/")[2], "*") if "/placed/" in o.key else out.name(o.key)
+           for o in out.bucket.list(out.checkpoints)),
+    where(rerun),
+]))
+done(1)
+copies.feed()  # the split's end: its segments close
+while copies.busy:
+    ray.wait(list(copies.running), num_returns=1)
+    assert copies.collect() == []
+    copies.feed()
+print(json.dumps({segment.group: np.frombuffer(out.bucket.get(out.key(segment.name) + ".bin")[0], "<u2").tolist()
+                  for segments in assembler.made.values() for segment in segments}))
+"""
+
+
+def test_a_shard_that_waits_alone_for_segments_still_gathering_is_kept_on_the_store_and_let_go(
+    ray_address, s3_server, s3_prefix
+):
+    # A rare --group-by group's segment gathers until the split's end: until then it held each shard's whole object in
+    # Ray's object store (spilled to the node's disk once that was full: a second copy of every token), and no
+    # checkpoint covered a shard (a kill lost every one done).
+    url = s3_server.url(s3_prefix)
+    command = [sys.executable, "-c", UNPIN, ray_address, url, EXAMPLE_CACHE]
+    found = subprocess.run(command, capture_output=True, text=True)
+    assert found.returncode == 0, found.stderr
+    gathered, files = map(json.loads, found.stdout.splitlines()[-2:])
+    key = "train__chunk1__example_train_0"
+    assert gathered == [
+        ["Kept", "Kept"],  # the first's parts, from the store
+        0,  # nothing holds the first's object
+        [  # its parts that wait, and its checkpoint with those of the shards done with it
+            *(f"shards/train/groups/{group}/{key}.{end}" for group in ("common", "rare") for end in ("bin", "idx")),
+            "shards/train/placed/*",
+        ],
+        ["Kept", "Kept"],  # a rerun begun then: the first is done, its parts taken from the store
+    ]
+    assert files == {"common": [0] * 1000 + [1] * 1000, "rare": [0, 0, 1, 1]}

@@ -5,10 +5,15 @@ segment's upload checks its parts' tokens against their counts before a byte is 
 
 import numpy as np
 import pytest
+from helpers import EXAMPLE_CACHE
 
-from tokpipe.layout.stored import SEGMENT_BYTES, StoredOut
+from tokpipe.inputs.manifest import build_manifest
+from tokpipe.layout.checkpoints import Checkpoint, PartCounts
+from tokpipe.layout.files import ShardFiles
+from tokpipe.layout.run import WriteSpec
+from tokpipe.layout.stored import SEGMENT_BYTES, StoredOut, part_name
 from tokpipe.write.segments import Entry, Gatherer, Segment
-from tokpipe.write.stored import upload_segment
+from tokpipe.write.stored import StoreAssembly, StoredCheckpoints, upload_segment
 
 TOKENS_A_MIB = (1 << 20) // 4  # uint32
 
@@ -61,3 +66,23 @@ def test_an_upload_whose_tokens_are_not_the_counted_ones_sends_nothing():
     # No bucket is reached: the store of this URL does not exist, and the count is checked first.
     with pytest.raises(ValueError, match="the tokens of train/a.jsonl's part are not the 3 counted"):
         upload_segment(StoredOut.of("s3://no-such-bucket/out"), segment, arrays)
+
+
+def test_parts_a_keep_left_without_its_checkpoint_are_passed_over_for_a_shard_done_since(s3_server, s3_prefix):
+    # A keep (write/stored.py keep: a shard's parts, then its checkpoint) killed between the two; a rerun tokenized the
+    # shard again, committed its part in a segment and checkpointed it with others. The next rerun takes its checkpoint
+    # from there (it has none of its own), and its part, committed, is not taken again from what the keep left.
+    out = StoredOut.of(s3_server.url(s3_prefix))
+    manifest = build_manifest(EXAMPLE_CACHE)
+    shard = next(manifest.shards("train"))
+    bin_path, idx_path = ShardFiles.of(out.work, shard).part((False, None))
+    for path in (idx_path, bin_path):
+        out.bucket.put(out.of_local(path), b"\0" * 8)
+    entry = Entry(shard.relpath, False, None, 2, 1)
+    name = out.name(out.segment("train", None, part_name(shard, (False, None))))
+    upload_segment(out, Segment("train", None, name, [entry], 2, 1), [([np.array([7, 7], "<u4")], [np.array([2])])])
+    ckpt = Checkpoint(done=True, tokens=2, documents=1, parts=[PartCounts(tokens=2, documents=1)])
+    StoredCheckpoints(out).write({"train": {shard.key: (shard, ckpt)}})
+    assembly = StoreAssembly(out, WriteSpec(), manifest, itemsize=4)
+    assembly.resume(print)
+    assert assembly.ready() == [] and assembly.segments.open == {}

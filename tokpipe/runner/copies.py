@@ -19,7 +19,7 @@ from tokpipe.runner.progress import RunLog
 from tokpipe.runner.storage import Folder, Prefix
 from tokpipe.runner.task import OnNode, Placer
 from tokpipe.write.assembly import COPY_BATCH_BYTES
-from tokpipe.write.segments import ClosedSegment
+from tokpipe.write.segments import ClosedSegment, kept_parts
 from tokpipe.write.stored import PartTokens, StoreAssembly
 
 
@@ -157,11 +157,11 @@ class Placers:
         where OUT lives and checkpointed (runner/storage.py keep_shard), by the node that holds them, so that the
         rerun places them without tokenizing them again. Returns how many were kept; one whose node is lost
         meanwhile is not (the rerun tokenizes it again)."""
-        by_node: dict[str, list[tuple[Checkpoint, OnNode]]] = {}
+        by_node: dict[str, list[tuple[Checkpoint, OnNode, None]]] = {}
         kept = 0
         for shard, ckpt, buffered in done:
             if isinstance(buffered, OnNode):
-                by_node.setdefault(buffered.node, []).append((ckpt, buffered))
+                by_node.setdefault(buffered.node, []).append((ckpt, buffered, None))
             else:  # tokenized in this process while Ray started
                 self.out.keep_shard(shard, ckpt, buffered)
                 kept += 1
@@ -218,11 +218,11 @@ class SplitFileWrites(Placers):
         return [part.buffered[0]] if part.buffered and isinstance(part.buffered[0], OnNode) else []
 
 
-def placing(out: Folder | Prefix, assembler, nodes: int, check, log: RunLog) -> Placers:
+def placing(out: Folder | Prefix, assembler, nodes: int, check, log: RunLog, room: int) -> Placers:
     """The Placers' work where OUT lives (runner/storage.py): parts written into its split files, or segments
-    uploaded to its prefix."""
+    uploaded to its prefix (`room`: the bytes of shards that may wait for segments still gathering alone)."""
     if isinstance(out, Prefix):
-        return SegmentUploads(out, assembler, nodes, check, log)
+        return SegmentUploads(out, assembler, nodes, check, log, room)
     return SplitFileWrites(out, assembler, assembler.itemsize, nodes, check, log)
 
 
@@ -235,14 +235,67 @@ class SegmentUploads(Placers):
 
     AT_ONCE = 4
 
-    def __init__(self, out: Prefix, assembler: StoreAssembly, nodes: int, check, log: RunLog):
+    def __init__(self, out: Prefix, assembler: StoreAssembly, nodes: int, check, log: RunLog, room: int):
         super().__init__(out, assembler, assembler.itemsize, nodes, check, log)
+        self.room = room
+        self.keeping: dict[ray.ObjectRef, list[tuple[None, OnNode, list]]] = {}  # keep calls -> what they keep
         alive = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]
         for node in {self.here, *alive}:  # each node's Placer ready before its first segment
             self._placer(node)[1].warm.remote(str(assembler.out))
 
     def _ready(self, excluded: frozenset[str]) -> list[ClosedSegment]:
-        return self.assembler.ready(excluded)
+        ready = self.assembler.ready(excluded)
+        self._kept()
+        self._unpin()
+        return ready
+
+    def _unpin(self) -> None:
+        """Shards that wait for segments still gathering alone, past `room` bytes of them (their checkpoints' tokens),
+        oldest first: their parts that wait kept on the store (write/stored.py keep), whence those segments take them,
+        and they are checkpointed (`_kept`). A rare --group-by group's segment gathers until the split's end: until
+        then each shard's whole object stayed in Ray's object store (spilled to the node's disk once that was full: a
+        second copy of the tokens), and no checkpoint covered it (a kill lost every shard done)."""
+        assembler = self.assembler
+        gathering = {entry.key for segment in assembler.segments.open.values() for entry in segment.entries}
+        keeping = {id(on_node) for done in self.keeping.values() for _, on_node, _ in done}
+        objects: dict[ray.ObjectRef, list] = {}  # an object's shards (a pack's), and whether it waits so alone
+        for relpath, (_, ckpt, left, on_node) in assembler.waiting.items():
+            if isinstance(on_node, OnNode) and on_node.ref is not None and id(on_node) not in keeping:
+                alone = left <= gathering and relpath not in assembler.results
+                objects.setdefault(on_node.ref, []).append((alone, ckpt.tokens, on_node, [key[1:] for key in left]))
+        waiting = [shards for shards in objects.values() if all(alone for alone, *_ in shards)]
+        over = sum(tokens for shards in waiting for _, tokens, _, _ in shards) * self.itemsize - self.room
+        by_node: dict[str, list] = {}
+        for shards in waiting:
+            if over <= 0:
+                break
+            for _, tokens, on_node, keys in shards:
+                by_node.setdefault(on_node.node, []).append((None, on_node, keys))
+                over -= tokens * self.itemsize
+        for node, done in by_node.items():
+            self.keeping[self._placer(node)[1].keep.remote(self.out.name, done, self.check)] = done
+
+    def _kept(self) -> None:
+        """Shards kept on the store (`_unpin`): the segments gathering take their parts from there, and they are
+        checkpointed, as the rerun then takes them (segments.HeldParts), and Ray lets go of their objects. A keep that
+        failed (a node lost: its shards are tokenized again) keeps none."""
+        done = ray.wait(list(self.keeping), num_returns=len(self.keeping), timeout=0)[0] if self.keeping else []
+        assembler, out = self.assembler, self.assembler.out
+        for call in done:
+            kept = self.keeping.pop(call)
+            try:
+                get(call)
+            except ray.exceptions.RayError as e:
+                self.log(f"keeping {len(kept)} shards whose parts wait for a segment failed ({type(e).__name__})")
+                continue
+            sources = {}
+            for _, on_node, keys in kept:
+                parts = kept_parts(out, assembler.held_parts.dtype, on_node.shard, keys)
+                sources.update(((id(on_node), key), PartTokens(parts, key)) for key in keys)
+                if (waiting := assembler.waiting.get(on_node.shard.relpath)) is not None:  # (else committed since)
+                    waiting[2].clear()  # none left but kept
+            assembler.segments.take_from(sources)
+            assembler.checkpoint([on_node.shard.relpath for _, on_node, _ in kept])
 
     def _send(self) -> tuple[str, list[ClosedSegment], ray.ObjectRef]:
         """A segment to the node that holds most of its tokens: the node of its large part if it has one (which

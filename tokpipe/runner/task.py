@@ -247,11 +247,12 @@ class Placer:
         ]
         return self.node, segment, upload_closed(StoredOut.of(out), ClosedSegment(segment, here))
 
-    def keep(self, out: str, done: list[tuple[Checkpoint, OnNode]], check: NodeCheck | None) -> int:
+    def keep(self, out: str, done: list[tuple[Checkpoint | None, OnNode, list | None]], check: NodeCheck | None) -> int:
         """Done shards whose buffered parts are in this node's object store kept where OUT lives (runner/storage.py
-        keep_shard); returns how many."""
+        keep_shard): all their parts and their checkpoint, or the parts of the keys given alone; returns how many."""
         ensure_seen(check)
-        held, where = fetch([on_node for _, on_node in done]), storage_of(out)
-        for ckpt, on_node in done:
-            where.keep_shard(on_node.shard, ckpt, held(on_node))
+        held, where = fetch([on_node for _, on_node, _ in done]), storage_of(out)
+        for ckpt, on_node, keys in done:
+            parts = held(on_node)
+            where.keep_shard(on_node.shard, ckpt, parts if keys is None else {key: parts[key] for key in keys})
         return len(done)

@@ -117,14 +117,15 @@ class Kept:
 @dataclass
 class HeldParts:
     """Finished parts held in objects of OUT on the store, which a rerun's segments take instead of tokenizing their
-    shards again (segments.Kept): the parts a run that a failed shard stopped kept (`kept`, by its shard's files'
-    keys, write/stored.py keep), and the ranges of a finished OUT's split files that an append copied to sources/
-    (`sourced`, runner/storage.py Prefix._append: ~200 bytes a part, each dropped as the walk takes it)."""
+    shards again (segments.Kept): the parts a run that a failed shard stopped kept, or that waited on Ray for a segment
+    still gathering (`kept`, by its shard's files' keys, write/stored.py keep), and the ranges of a finished OUT's split
+    files that an append copied to sources/ (`sourced`, runner/storage.py Prefix._append: ~200 bytes a part, each
+    dropped as the walk takes it)."""
 
     out: StoredOut
     spec: WriteSpec
     dtype: str
-    checkpoint: Callable[[Shard], Checkpoint]  # a kept shard's own, on the store (StoredCheckpoints.read_own)
+    checkpoint: Callable[[Shard], Checkpoint]  # a done shard's, on the store (StoredCheckpoints.read)
     kept: set[tuple[str, str]] = field(default_factory=set)  # (split, key) of the shards with parts kept
     sourced: dict[tuple[str, bool], list[tuple[PartCounts, Kept]]] = field(default_factory=dict)  # (relpath, held)
     moved: dict[str, int] = field(default_factory=dict)  # stem -> finished shards taken from its sources
@@ -163,8 +164,16 @@ class HeldParts:
             return [counts for counts, _ in found], {counts.key: where for counts, where in found}
         if (shard.split, shard.key) not in self.kept:
             return [], {}
-        parts, files = self.checkpoint(shard).source_parts(held), ShardFiles.of(self.out.work, shard)
-        return parts, {p.key: Kept(self.out, *map(self.out.of_local, files.part(p.key)), self.dtype) for p in parts}
+        # Its parts in committed segments are passed over, whatever objects of its files a keep left: those of one
+        # killed before the checkpoint, the shard then tokenized again and checkpointed with its segments.
+        parts = self.checkpoint(shard).source_parts(held)
+        return parts, kept_parts(self.out, self.dtype, shard, [p.key for p in parts])
+
+
+def kept_parts(out: StoredOut, dtype: str, shard: Shard, keys: list) -> dict:
+    """Where a kept shard's parts are (write/stored.py keep): its own files' keys, by part key."""
+    files = ShardFiles.of(out.work, shard)
+    return {key: Kept(out, *map(out.of_local, files.part(key)), dtype) for key in keys}
 
 
 def spill_large(parts, spec, shard, files: ShardFiles | None) -> ShardFiles:
@@ -230,6 +239,12 @@ class Gatherer:
         if not self.concat or segment.nbytes >= SEGMENT_BYTES:
             return [self._close(file)]
         return []
+
+    def take_from(self, sources: dict) -> None:
+        """Parts of the segments gathering take their tokens from elsewhere: `sources`, by (id of where they were, key)
+        (a shard kept on the store while they gather, runner/copies.py SegmentUploads._unpin)."""
+        for segment in self.open.values():
+            segment.sources = [sources.get((id(s.buffered), s.key), s) for s in segment.sources]
 
     def end(self, stem: str) -> list[ClosedSegment]:
         """The split's files have no more parts: their last segments are closed, however short."""

@@ -118,6 +118,10 @@ class StoredCheckpoints:
         """A done shard's checkpoint of its own (one kept for a rerun: `keep`)."""
         return Checkpoint.parse(json.loads(self.out.bucket.get(self.out.checkpoint(shard))[0]))
 
+    def read(self, shard: Shard) -> Checkpoint:
+        """A done shard's checkpoint, its own or in a placed object (read once for all the shards it holds)."""
+        return self.of([shard])[0]
+
     def _load(self, key: str) -> dict:
         """A placed object: key -> checkpoint of the shards it holds."""
         return json.loads(self.out.bucket.get(key)[0])
@@ -205,7 +209,7 @@ class StoreAssembly:
             cursor.advance()
         self.segments = Gatherer(self.out, self.spec.concat, self.itemsize)
         self.checkpoints = StoredCheckpoints(self.out)
-        self.held_parts = HeldParts(self.out, self.spec, f"<u{self.itemsize}", self.checkpoints.read_own)
+        self.held_parts = HeldParts(self.out, self.spec, f"<u{self.itemsize}", self.checkpoints.read)
 
     # -- a rerun ---------------------------------------------------------------------------------------
 
@@ -259,7 +263,7 @@ class StoreAssembly:
         self.waiting[shard.relpath] = (shard, ckpt, left, buffered)
         held_too = self.spec.val_fraction > 0 and shard.split == "train"  # its held-out part is a source of val
         self.results[shard.relpath] = [ckpt, buffered, 1 + held_too]
-        self._checkpoint([shard.relpath])
+        self.checkpoint([shard.relpath])
 
     def ready(self, excluded: frozenset[str] = frozenset()) -> list[ClosedSegment]:
         """The segments closed as their turn comes: each split's next sources, while their shards are done (or
@@ -314,16 +318,16 @@ class StoreAssembly:
                 if entry.shard in self.waiting:
                     self.waiting[entry.shard][2].discard(entry.key)
                     touched.append(entry.shard)
-        self._checkpoint(touched)
+        self.checkpoint(touched)
 
     def lease_check(self) -> None:
         """Raise (UserError) once another run took OUT's lease: this one writes nothing more."""
         if self.lease is not None:
             self.lease.check()
 
-    def _checkpoint(self, relpaths: list[str]) -> None:
-        """Those of these shards with no part left outside a committed segment checkpointed together: one object a
-        split (layout/checkpoints.py's `placed`), not a PUT a shard from the driver."""
+    def checkpoint(self, relpaths: list[str]) -> None:
+        """Those of these shards with no part left outside a committed segment (or kept: runner/copies.py) checkpointed
+        together: one object a split (layout/checkpoints.py's `placed`), not a PUT a shard from the driver."""
         ready: dict[str, dict[str, tuple[Shard, Checkpoint]]] = {}
         for relpath in dict.fromkeys(relpaths):
             if relpath in self.waiting and not self.waiting[relpath][2]:
@@ -374,10 +378,10 @@ def upload_closed(out: StoredOut, planned: ClosedSegment) -> int:
     return uploaded
 
 
-def keep(out: StoredOut, shard: Shard, ckpt: Checkpoint, buffered: dict) -> None:
+def keep(out: StoredOut, shard: Shard, ckpt: Checkpoint | None, buffered: dict) -> None:
     """shard.keep on a store: a done shard's buffered parts (in memory, or Spilled) uploaded whole to its own files'
-    keys (segments.Kept), each .idx then .bin, then its checkpoint: the rerun takes them into its segments instead of
-    tokenizing the shard again."""
+    keys (segments.Kept), each .idx then .bin, then its checkpoint (None: the driver writes it, with others'): the rerun
+    takes them into its segments instead of tokenizing the shard again."""
     files = ShardFiles.of(out.work, shard)
     for key, value in buffered.items():
         tokens, ends = part_arrays(value)
@@ -387,7 +391,8 @@ def keep(out: StoredOut, shard: Shard, ckpt: Checkpoint, buffered: dict) -> None
         put_buffers(out.bucket, out.of_local(bin_path), tokens, create=False)
         if isinstance(value, Spilled):
             value.remove()
-    out.bucket.put(out.checkpoint(shard), ckpt.encoded())
+    if ckpt is not None:
+        out.bucket.put(out.checkpoint(shard), ckpt.encoded())
 
 
 def compose_split(assembly: StoreAssembly, stem: str) -> None:
