@@ -199,6 +199,20 @@ def test_not_a_run_is_one_line_exit_2(tmp_path):
     assert result.stderr.startswith(f"tokpipe status: error: {tmp_path / 'nope'}")
 
 
+def test_a_prefix_of_no_object_is_one_line_that_names_the_out_it_is_within(finished_stored):
+    # As a folder's file (tests/test_cli.py): a reader given a file of an OUT on a store (an object, and a prefix that
+    # holds none) said "holds no object" alone; and a prefix of nothing at all says what to give.
+    nothing = f"{finished_stored}-nothing"
+    for command in (["status"], ["verify"], ["inspect"], ["report"], ["export", "--format", "llmc", "--dest", "d"]):
+        for out, message in [
+            (f"{finished_stored}/meta.json", f"; it is within the tokpipe OUT {finished_stored}: give that"),
+            (nothing, ": give the --out of a tokpipe run"),
+        ]:
+            result = cli(command[0], out, *command[1:])
+            assert (result.returncode, result.stdout) == (2, ""), result.stderr
+            assert result.stderr == f"tokpipe {command[0]}: error: {out} holds no object{message}\n"
+
+
 def test_json_and_durations(killed):
     result = cli("status", killed, "--json")
     assert result.returncode == 0

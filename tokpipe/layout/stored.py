@@ -294,7 +294,7 @@ def reader_out(out: str | os.PathLike, names: list[str] | None = None, segments:
     if names is None:
         listed = {stored.name(o.key): o for o in stored.records(segments)}
         if not listed:
-            raise UserError(f"{stored} holds no object: give the --out of a tokpipe run")
+            raise no_object(stored)
         names = [name for name in listed if not name.endswith((".bin", ".idx"))]
         if Layout("").meta_json.name in listed:
             names = [name for name in names if not name.startswith(f"{SEGMENTS}/")]
@@ -372,6 +372,14 @@ def copy_records(copy: Path, names: list[str]) -> None:
         if any(stored.key(name).startswith(stored.checkpoints) for name in gone):
             again = {stored.name(o.key) for o in stored.bucket.list(stored.checkpoints) if o.key.endswith(".json")}
             list(pool.map(fetch, sorted(again - set(names))))
+
+
+def no_object(stored: StoredOut) -> UserError:
+    """A reader's one line for a prefix that holds no object: one within an OUT (a file of it, s3://b/out/meta.json,
+    is an object, not a prefix) names that OUT."""
+    above = stored.enclosing()
+    return UserError(f"{stored} holds no object" + (f"; it is within the tokpipe OUT {above}: give that" if above else
+                                                   ": give the --out of a tokpipe run"))  # fmt: skip
 
 
 def stored_of(out: Path) -> StoredOut | None:

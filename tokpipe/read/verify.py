@@ -22,7 +22,7 @@ from tokpipe.errors import UserError
 from tokpipe.layout.files import Layout, load_meta_pkl
 from tokpipe.layout.meta import Meta, SplitEntry, SplitFile
 from tokpipe.layout.records import IDX_DTYPE, Part, parts_of, read_parts
-from tokpipe.layout.stored import StoredOut, on_store, reader_out, shown, stored_of
+from tokpipe.layout.stored import StoredOut, no_object, on_store, reader_out, shown, stored_of
 from tokpipe.read.files import TokenFiles
 from tokpipe.read.maps import REQUESTS_AT_ONCE, seen_all  # a store's, as maps reads it
 
@@ -216,6 +216,8 @@ def verify(out: str | os.PathLike, jobs: int | None = None) -> list[Check]:
         raw = load_meta_pkl(Layout(out).meta_pkl)
     except FileNotFoundError:
         if not Layout(out).manifest.is_file():  # no run's at all: a dataset's folder, a typo, an OUT's subfolder
+            if (stored := stored_of(out)) is not None and next(stored.bucket.list(stored.prefix), None) is None:
+                raise no_object(stored) from None
             raise UserError(f"{Layout(out).where} holds no tokpipe run (no meta.pkl, no manifest.json)") from None
         check("meta.pkl present", False, f"{shown(out, Layout(out).meta_pkl.name)} is missing: {unfinished}")
         return checks
