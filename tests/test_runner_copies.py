@@ -157,12 +157,14 @@ def where(assembly):
                   for segment in assembly.segments.open.values() for s in segment.sources)
 first = done(0)
 copies.feed()  # its turn: both parts gather; alone so, it is kept
+busy = copies.busy  # (no upload is: the run's end waits for the keep)
 ray.wait(list(copies.keeping))
 copies.feed()
 rerun = StoreAssembly(out, WriteSpec(group_by="g"), manifest, itemsize=2)
 rerun.resume(print)
 rerun.ready()
 print(json.dumps([
+    busy,
     where(assembler),
     [s is first for s in assembler.held()].count(True) + (shards[0].relpath in assembler.waiting),
     sorted(out.name(o.key).replace(o.key.rpartition("/")[2], "*") if "/placed/" in o.key else out.name(o.key)
@@ -193,6 +195,7 @@ def test_a_shard_that_waits_alone_for_segments_still_gathering_is_kept_on_the_st
     gathered, files = map(json.loads, found.stdout.splitlines()[-2:])
     key = "train__chunk1__example_train_0"
     assert gathered == [
+        True,  # while it is kept: the run's end waits, or its objects would outlive the finalize that removes them
         ["Kept", "Kept"],  # the first's parts, from the store
         0,  # nothing holds the first's object
         [  # its parts that wait, and its checkpoint with those of the shards done with it

@@ -243,6 +243,11 @@ class SegmentUploads(Placers):
         for node in {self.here, *alive}:  # each node's Placer ready before its first segment
             self._placer(node)[1].warm.remote(str(assembler.out))
 
+    @property
+    def busy(self) -> bool:
+        """Uploads, and keeps (`_unpin`): one still writing when the run finalized would leave its objects for good."""
+        return super().busy or bool(self.keeping)
+
     def _ready(self, excluded: frozenset[str]) -> list[ClosedSegment]:
         ready = self.assembler.ready(excluded)
         self._kept()
