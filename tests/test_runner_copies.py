@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from helpers import EXAMPLE_CACHE, assert_out_is
 
 # A driver joined to the session's Ray (argv: its address) with a SplitFileWrites whose parts wait in each place a
@@ -119,12 +120,13 @@ def test_shards_whose_tokens_the_driver_holds_are_placed_by_the_placers(
     assert_out_is(out, small_reference)
 
 
-# A driver joined to the session's Ray (argv: its address, OUT's URL, the example's dataset) with SegmentUploads over
-# a StoreAssembly of the example's train shards, --group-by, no room for shards that wait alone for segments still
-# gathering. Each shard has a part of group "common" (1,000 tokens) and of group "rare" (2): both groups' segments
-# gather until the split's end. Prints, after the first shard's turn and its keep: where the tokens of the segments
-# gathering are, how many of the run's records still hold the first's object, and OUT's checkpoints and kept parts;
-# where a rerun begun then takes them from; then, the second shard done, each group's file.
+# A driver joined to the session's Ray (argv: its address, OUT's URL, the example's dataset, the tokens of a shard's
+# common part) with SegmentUploads over a StoreAssembly of the example's train shards, --group-by, no room for shards
+# that wait alone for segments still gathering. Each shard has a part of group "common" and one of group "rare" (2
+# tokens), whose segment gathers until the split's end. Prints, after the first shard's turn and its uploads: whether
+# the run waits on a keep, where the tokens of the segments gathering are, how many of the run's records still hold
+# the first's object, OUT's checkpoints and kept parts, where a rerun begun then takes them from; then, the second
+# shard done, the rare group's file and whether the common one's is the parts in order.
 UNPIN = """
 import json, sys
 import numpy as np, ray
@@ -145,20 +147,26 @@ shards = list(manifest.shards("train"))
 assembler = StoreAssembly(out, WriteSpec(group_by="g"), manifest, itemsize=2)
 copies = SegmentUploads(Prefix(out), assembler, 1, None, RunLog(out.work), room=0)
 here = ray.get_runtime_context().get_node_id()
-sizes = {(False, "common"): 1000, (False, "rare"): 2}
+sizes = {(False, "common"): int(sys.argv[4]), (False, "rare"): 2}
 def done(n):
     arrays = {key: ([np.full(size, n, "<u2")], [np.array([size])]) for key, size in sizes.items()}
     parts = [PartCounts(False, group, size, 1) for (_, group), size in sizes.items()]
     on_node = OnNode(shards[n], ray.put([arrays]), here, 0)
-    assembler.done(shards[n], Checkpoint(done=True, tokens=1002, documents=2, parts=parts), on_node)
+    assembler.done(shards[n], Checkpoint(done=True, tokens=sum(sizes.values()), documents=2, parts=parts), on_node)
     return on_node
+def uploaded():
+    while copies.running:
+        ray.wait(list(copies.running), num_returns=len(copies.running))
+        assert copies.collect() == []
+        copies.feed()
 def where(assembly):
     return sorted(type(s.buffered[s.key] if isinstance(s.buffered, dict) else s.buffered).__name__
                   for segment in assembly.segments.open.values() for s in segment.sources)
 first = done(0)
-copies.feed()  # its turn: both parts gather; alone so, it is kept
-busy = copies.busy  # (no upload is: the run's end waits for the keep)
-ray.wait(list(copies.keeping))
+copies.feed()  # its turn: a large common part is a segment of its own, uploaded; its rare part gathers
+uploaded()
+busy = copies.busy  # (no upload is: the run's end waits for a keep)
+ray.wait(list(copies.keeping)) if copies.keeping else None
 copies.feed()
 rerun = StoreAssembly(out, WriteSpec(group_by="g"), manifest, itemsize=2)
 rerun.resume(print)
@@ -174,34 +182,39 @@ print(json.dumps([
 done(1)
 copies.feed()  # the split's end: its segments close
 while copies.busy:
-    ray.wait(list(copies.running), num_returns=1)
-    assert copies.collect() == []
+    uploaded()
     copies.feed()
-print(json.dumps({segment.group: np.frombuffer(out.bucket.get(out.key(segment.name) + ".bin")[0], "<u2").tolist()
-                  for segments in assembler.made.values() for segment in segments}))
+def file(group):  # its segments in order (the first's shard before the second's), as finalize composes them
+    segments = sorted(assembler.made["train", group], key=lambda segment: segment.entries[0].shard)
+    return np.concatenate([np.frombuffer(out.bucket.get(out.key(s.name) + ".bin")[0], "<u2") for s in segments])
+common = np.concatenate([np.full(sizes[False, "common"], n, "<u2") for n in range(2)])
+print(json.dumps([file("rare").tolist(), np.array_equal(file("common"), common)]))
 """
 
+LARGE = 3_000_000  # tokens of uint16: a common part over 5 MiB, a segment of its own
 
+
+@pytest.mark.parametrize("common", [LARGE, 1000], ids=["a rare part waits", "most of the shard waits"])
 def test_a_shard_that_waits_alone_for_segments_still_gathering_is_kept_on_the_store_and_let_go(
-    ray_address, s3_server, s3_prefix
+    common, ray_address, s3_server, s3_prefix
 ):
     # A rare --group-by group's segment gathers until the split's end: until then it held each shard's whole object in
     # Ray's object store (spilled to the node's disk once that was full: a second copy of every token), and no
-    # checkpoint covered a shard (a kill lost every one done).
+    # checkpoint covered a shard (a kill lost every one done). Kept where the parts that wait are a small share of it.
     url = s3_server.url(s3_prefix)
-    command = [sys.executable, "-c", UNPIN, ray_address, url, EXAMPLE_CACHE]
+    command = [sys.executable, "-c", UNPIN, ray_address, url, EXAMPLE_CACHE, str(common)]
     found = subprocess.run(command, capture_output=True, text=True)
     assert found.returncode == 0, found.stderr
     gathered, files = map(json.loads, found.stdout.splitlines()[-2:])
     key = "train__chunk1__example_train_0"
-    assert gathered == [
-        True,  # while it is kept: the run's end waits, or its objects would outlive the finalize that removes them
-        ["Kept", "Kept"],  # the first's parts, from the store
-        0,  # nothing holds the first's object
-        [  # its parts that wait, and its checkpoint with those of the shards done with it
-            *(f"shards/train/groups/{group}/{key}.{end}" for group in ("common", "rare") for end in ("bin", "idx")),
-            "shards/train/placed/*",
-        ],
-        ["Kept", "Kept"],  # a rerun begun then: the first is done, its parts taken from the store
-    ]
-    assert files == {"common": [0] * 1000 + [1] * 1000, "rare": [0, 0, 1, 1]}
+    if common == LARGE:
+        assert gathered == [
+            True,  # while it is kept: the run's end waits, or its objects would outlive the finalize that removes them
+            ["Kept"],  # the first's rare part, from the store
+            0,  # nothing holds the first's object
+            [f"shards/train/groups/rare/{key}.bin", f"shards/train/groups/rare/{key}.idx", "shards/train/placed/*"],
+            ["Kept"],  # a rerun begun then: the first is done, its rare part taken from the store
+        ]
+    else:  # kept, its common part (most of it) would be uploaded twice to free little more
+        assert gathered == [False, ["OnNode", "OnNode"], 3, [], []]
+    assert files == [[0, 0, 1, 1], True]

@@ -22,6 +22,10 @@ from tokpipe.write.assembly import COPY_BATCH_BYTES
 from tokpipe.write.segments import ClosedSegment, kept_parts
 from tokpipe.write.stored import PartTokens, StoreAssembly
 
+# A shard waiting for segments still gathering alone is kept (SegmentUploads._unpin) only where its waiting parts are at
+# most this share of its tokens: a keep uploads them a second time, and frees its whole object.
+KEEP_SHARE = 0.25
+
 
 def get(ref, twin=None):
     """ray.get; a node's NodeError, a shard's TooManyGroups (--group-by), or a store that did not answer through
@@ -259,22 +263,27 @@ class SegmentUploads(Placers):
         oldest first: their parts that wait kept on the store (write/stored.py keep), whence those segments take them,
         and they are checkpointed (`_kept`). A rare --group-by group's segment gathers until the split's end: until
         then each shard's whole object stayed in Ray's object store (spilled to the node's disk once that was full: a
-        second copy of the tokens), and no checkpoint covered it (a kill lost every shard done)."""
+        second copy of the tokens), and no checkpoint covered it (a kill lost every shard done). Only a shard whose
+        waiting parts are at most KEEP_SHARE of it: a keep uploads them twice, to free the object of all of it."""
         assembler = self.assembler
         gathering = {entry.key for segment in assembler.segments.open.values() for entry in segment.entries}
         keeping = {id(on_node) for done in self.keeping.values() for _, on_node, _ in done}
-        objects: dict[ray.ObjectRef, list] = {}  # an object's shards (a pack's), and whether it waits so alone
+        objects: dict[ray.ObjectRef, list] = {}  # an object's shards (a pack's): whether each waits so alone, ...
         for relpath, (_, ckpt, left, on_node) in assembler.waiting.items():
             if isinstance(on_node, OnNode) and on_node.ref is not None and id(on_node) not in keeping:
                 alone = left <= gathering and relpath not in assembler.results
-                objects.setdefault(on_node.ref, []).append((alone, ckpt.tokens, on_node, [key[1:] for key in left]))
+                waits = sum(part.tokens for part in ckpt.parts if (relpath, *part.key) in left)
+                tokens = sum(part.tokens for part in ckpt.parts)  # (its held-out documents' too)
+                objects.setdefault(on_node.ref, []).append((alone, tokens, waits, on_node, [k[1:] for k in left]))
         waiting = [shards for shards in objects.values() if all(alone for alone, *_ in shards)]
-        over = sum(tokens for shards in waiting for _, tokens, _, _ in shards) * self.itemsize - self.room
+        over = sum(tokens for shards in waiting for _, tokens, *_ in shards) * self.itemsize - self.room
         by_node: dict[str, list] = {}
         for shards in waiting:
             if over <= 0:
                 break
-            for _, tokens, on_node, keys in shards:
+            if sum(waits for *_, waits, _, _ in shards) > KEEP_SHARE * sum(tokens for _, tokens, *_ in shards):
+                continue
+            for _, tokens, _, on_node, keys in shards:
                 by_node.setdefault(on_node.node, []).append((None, on_node, keys))
                 over -= tokens * self.itemsize
         for node, done in by_node.items():
