@@ -15,7 +15,7 @@ from tokpipe.layout.checkpoints import Checkpoint, PartCounts
 from tokpipe.layout.run import WriteSpec
 from tokpipe.layout.stored import Entry, Segment, StoredOut, reader_out
 from tokpipe.store import Bucket
-from tokpipe.write.segments import ClosedSegment
+from tokpipe.write.segments import ClosedSegment, Kept
 from tokpipe.write.stored import PartTokens, StoreAssembly, StoredCheckpoints, compose_split, upload_closed
 
 
@@ -51,6 +51,24 @@ def test_a_part_uploaded_is_let_go_while_its_shard_s_other_parts_wait(s3_server,
     upload_closed(out, ClosedSegment(segment, [PartTokens(buffered, common)]))
     assert out.bucket.get(f"{out.key(name)}.bin")[0] == tokens.tobytes()
     assert list(buffered) == [rare]
+
+
+def test_a_segment_of_kept_parts_reads_them_at_once(s3_server, s3_prefix, monkeypatch):
+    # A rare group's segment can hold thousands of parts kept on the store (runner/copies.py SegmentUploads._unpin),
+    # each two GETs: one after another, ~11 min at a cloud store's ~25 ms an answer for 13,000 of them.
+    out = StoredOut.of(s3_server.url(s3_prefix))
+    together = threading.Barrier(2, timeout=10)  # each read waits for the other: read in turn, neither comes
+
+    def read(kept: Kept):
+        together.wait()
+        return [np.full(2, int(kept.bin[-1]), "<u2")], [np.array([2])]
+
+    monkeypatch.setattr(Kept, "arrays", read)
+    entries = [Entry(f"train/s{n}.jsonl", False, "rare", 2, 1) for n in range(2)]
+    name = out.name(out.segment("train", "rare", "s0"))
+    steps = [PartTokens({(False, "rare"): Kept(out, f"b{n}", f"i{n}", "<u2")}, (False, "rare")) for n in range(2)]
+    upload_closed(out, ClosedSegment(Segment("train", "rare", name, entries, 4, 2), steps))
+    assert out.bucket.get(f"{out.key(name)}.bin")[0] == np.array([0, 0, 1, 1], "<u2").tobytes()
 
 
 def test_a_grouped_split_of_no_part_composes_no_file():

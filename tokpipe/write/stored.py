@@ -370,9 +370,11 @@ def upload_segment(out: StoredOut, segment: Segment, arrays: list[tuple[list[np.
 
 
 def upload_closed(out: StoredOut, planned: ClosedSegment) -> int:
-    """A segment uploaded by this process (upload_segment), its parts' tokens where its steps say they are
-    here; a large part's files of this node's (Spilled) removed once it is up. Returns the bytes sent."""
-    uploaded = upload_segment(out, planned.segment, [step.arrays() for step in planned.sources])
+    """A segment uploaded by this process (upload_segment), its parts' tokens where its steps say they are here (a
+    kept part's by GETs, REQUESTS_AT_ONCE at once: a rare group's segment may take thousands); a large part's files of
+    this node's (Spilled) removed once it is up. Returns the bytes sent."""
+    with ThreadPoolExecutor(REQUESTS_AT_ONCE) as pool:
+        uploaded = upload_segment(out, planned.segment, list(pool.map(PartTokens.arrays, planned.sources)))
     for step in planned.sources:
         step.release()
     return uploaded
