@@ -125,7 +125,7 @@ class HeldParts:
     out: StoredOut
     spec: WriteSpec
     dtype: str
-    checkpoint: Callable[[Shard], Checkpoint]  # a done shard's, on the store (StoredCheckpoints.read)
+    checkpoints: Callable[[list[Shard]], list[Checkpoint]]  # done shards', own or placed (StoredCheckpoints.of)
     kept: set[tuple[str, str]] = field(default_factory=set)  # (split, key) of the shards with parts kept
     sourced: dict[tuple[str, bool], list[tuple[PartCounts, Kept]]] = field(default_factory=dict)  # (relpath, held)
     moved: dict[str, int] = field(default_factory=dict)  # stem -> finished shards taken from its sources
@@ -166,7 +166,7 @@ class HeldParts:
             return [], {}
         # Its parts in committed segments are passed over, whatever objects of its files a keep left: those of one
         # killed before the checkpoint, the shard then tokenized again and checkpointed with its segments.
-        parts = self.checkpoint(shard).source_parts(held)
+        parts = self.checkpoints([shard])[0].source_parts(held)
         return parts, kept_parts(self.out, self.dtype, shard, [p.key for p in parts])
 
 
