@@ -145,7 +145,9 @@ out = StoredOut.of(sys.argv[2])
 manifest = build_manifest(sys.argv[3])
 shards = list(manifest.shards("train"))
 assembler = StoreAssembly(out, WriteSpec(group_by="g"), manifest, itemsize=2)
-copies = SegmentUploads(Prefix(out), assembler, 1, None, RunLog(out.work), room=0)
+room = [1 << 40]  # read at each look, as the workers are refitted to the cluster: as it is when the shards are done
+copies = SegmentUploads(Prefix(out), assembler, 1, None, RunLog(out.work), room=lambda: room[0])
+room[0] = int(sys.argv[5])
 here = ray.get_runtime_context().get_node_id()
 sizes = {(False, "common"): int(sys.argv[4]), (False, "rare"): 2}
 def done(n):
@@ -194,20 +196,24 @@ print(json.dumps([file("rare").tolist(), np.array_equal(file("common"), common)]
 LARGE = 3_000_000  # tokens of uint16: a common part over 5 MiB, a segment of its own
 
 
-@pytest.mark.parametrize("common", [LARGE, 1000], ids=["a rare part waits", "most of the shard waits"])
+@pytest.mark.parametrize(
+    "common, room",
+    [(LARGE, 0), (1000, 0), (LARGE, 4 * LARGE)],
+    ids=["a rare part waits", "most of the shard waits", "the cluster has room for it"],
+)
 def test_a_shard_that_waits_alone_for_segments_still_gathering_is_kept_on_the_store_and_let_go(
-    common, ray_address, s3_server, s3_prefix
+    common, room, ray_address, s3_server, s3_prefix
 ):
     # A rare --group-by group's segment gathers until the split's end: until then it held each shard's whole object in
     # Ray's object store (spilled to the node's disk once that was full: a second copy of every token), and no
     # checkpoint covered a shard (a kill lost every one done). Kept where the parts that wait are a small share of it.
     url = s3_server.url(s3_prefix)
-    command = [sys.executable, "-c", UNPIN, ray_address, url, EXAMPLE_CACHE, str(common)]
+    command = [sys.executable, "-c", UNPIN, ray_address, url, EXAMPLE_CACHE, str(common), str(room)]
     found = subprocess.run(command, capture_output=True, text=True)
     assert found.returncode == 0, found.stderr
     gathered, files = map(json.loads, found.stdout.splitlines()[-2:])
     key = "train__chunk1__example_train_0"
-    if common == LARGE:
+    if (common, room) == (LARGE, 0):
         assert gathered == [
             True,  # while it is kept: the run's end waits, or its objects would outlive the finalize that removes them
             ["Kept"],  # the first's rare part, from the store
@@ -215,6 +221,8 @@ def test_a_shard_that_waits_alone_for_segments_still_gathering_is_kept_on_the_st
             [f"shards/train/groups/rare/{key}.bin", f"shards/train/groups/rare/{key}.idx", "shards/train/placed/*"],
             ["Kept"],  # a rerun begun then: the first is done, its rare part taken from the store
         ]
-    else:  # kept, its common part (most of it) would be uploaded twice to free little more
+    elif room == 0:  # kept, its common part (most of it) would be uploaded twice to free little more
         assert gathered == [False, ["OnNode", "OnNode"], 3, [], []]
+    else:  # its object held in Ray's object store, within the room of the workers the run has now
+        assert gathered == [False, ["OnNode"], 2, [], []]
     assert files == [[0, 0, 1, 1], True]

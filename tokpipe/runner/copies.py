@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter, deque
+from collections.abc import Callable
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -222,9 +223,10 @@ class SplitFileWrites(Placers):
         return [part.buffered[0]] if part.buffered and isinstance(part.buffered[0], OnNode) else []
 
 
-def placing(out: Folder | Prefix, assembler, nodes: int, check, log: RunLog, room: int) -> Placers:
+def placing(out: Folder | Prefix, assembler, nodes: int, check, log: RunLog, room: Callable[[], int]) -> Placers:
     """The Placers' work where OUT lives (runner/storage.py): parts written into its split files, or segments
-    uploaded to its prefix (`room`: the bytes of shards that may wait for segments still gathering alone)."""
+    uploaded to its prefix (`room()`: the bytes of shards that may wait for segments still gathering alone, now: one
+    --shard-buffer a worker, as the workers are refitted to a cluster that grows or shrinks)."""
     if isinstance(out, Prefix):
         return SegmentUploads(out, assembler, nodes, check, log, room)
     return SplitFileWrites(out, assembler, assembler.itemsize, nodes, check, log)
@@ -239,7 +241,7 @@ class SegmentUploads(Placers):
 
     AT_ONCE = 4
 
-    def __init__(self, out: Prefix, assembler: StoreAssembly, nodes: int, check, log: RunLog, room: int):
+    def __init__(self, out: Prefix, assembler: StoreAssembly, nodes: int, check, log: RunLog, room: Callable[[], int]):
         super().__init__(out, assembler, assembler.itemsize, nodes, check, log)
         self.room = room
         self.keeping: dict[ray.ObjectRef, list[tuple[None, OnNode, list]]] = {}  # keep calls -> what they keep
@@ -259,7 +261,7 @@ class SegmentUploads(Placers):
         return ready
 
     def _unpin(self) -> None:
-        """Shards that wait for segments still gathering alone, past `room` bytes of them (their checkpoints' tokens),
+        """Shards that wait for segments still gathering alone, past `room()` bytes of them (their checkpoints' tokens),
         oldest first: their parts that wait kept on the store (write/stored.py keep), whence those segments take them,
         and they are checkpointed (`_kept`). A rare --group-by group's segment gathers until the split's end: until
         then each shard's whole object stayed in Ray's object store (spilled to the node's disk once that was full: a
@@ -276,7 +278,7 @@ class SegmentUploads(Placers):
                 tokens = sum(part.tokens for part in ckpt.parts)  # (its held-out documents' too)
                 objects.setdefault(on_node.ref, []).append((alone, tokens, waits, on_node, [k[1:] for k in left]))
         waiting = [shards for shards in objects.values() if all(alone for alone, *_ in shards)]
-        over = sum(tokens for shards in waiting for _, tokens, *_ in shards) * self.itemsize - self.room
+        over = sum(tokens for shards in waiting for _, tokens, *_ in shards) * self.itemsize - self.room()
         by_node: dict[str, list] = {}
         for shards in waiting:
             if over <= 0:

@@ -286,8 +286,8 @@ def _tokenize_on_ray(run: _Run, backend: str, assembler, progress: Progress, tal
         run.cluster.warm(backend, run.info.path)  # after the check: _tokenize says why
     spec = encode_spec(run.opts, run.info, backend, shape.read_ahead, run.out.spill)
     progress.workers = shape.workers
-    copies = placing(run.out, assembler, shape.nodes, check, run.log, shape.workers * spec.buffer_bytes)
     tasks = Tasks(run.manifest, run.out, spec, run.opts, shape.workers, run.log, tally, check, watch)
+    copies = placing(run.out, assembler, shape.nodes, check, run.log, lambda: tasks.workers * spec.buffer_bytes)
     scheduler = Scheduler(tasks, run.tell)
     scheduler.run(progress, copies, done)
     run.clock.tokenized_now(assembler.placed_tokens * assembler.itemsize)
