@@ -5,6 +5,9 @@ of the epoch's order) and tokens with the reference encoding."""
 
 import json
 import multiprocessing
+import os
+import subprocess
+import sys
 from itertools import islice
 
 import numpy as np
@@ -80,3 +83,27 @@ def test_a_mixture_through_workers_gives_the_batches_of_next_batch(finished_exam
     for i, batch in enumerate(expected):
         got = next(streams[i % 3])
         assert got.sources == batch.sources and np.array_equal(got.tokens, batch.tokens) and got.state == batch.state
+
+
+FORKED = """
+import multiprocessing, sys
+from tokpipe.data import Sequences
+
+def open_it(_):
+    return len(Sequences(sys.argv[1], seq_len=SEQ_LEN))
+
+if __name__ == "__main__":
+    pool = multiprocessing.get_context("fork").Pool(2)  # as torch's DataLoader starts its workers on Linux
+    print(pool.map(open_it, range(4)) + [open_it(0)])
+    pool.close()  # the workers end as a DataLoader's do at an epoch's end: multiprocessing's exit, then os._exit
+    pool.join()
+""".replace("SEQ_LEN", str(SEQ_LEN))
+
+
+def test_forked_workers_that_read_an_out_on_a_store_leave_no_copy_of_its_records_behind(finished_stored, tmp_path):
+    # Each process keeps a copy of a stored OUT's meta in a temporary folder (layout/stored.py meta_copy). A forked
+    # worker ends in os._exit, where an atexit never ran: 8 workers made again each epoch left 8 copies an epoch.
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    opened = subprocess.run([sys.executable, "-c", FORKED, finished_stored], capture_output=True, text=True, env=env)
+    assert opened.returncode == 0, opened.stderr
+    assert json.loads(opened.stdout) == [419] * 5 and list(tmp_path.iterdir()) == []

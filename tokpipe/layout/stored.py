@@ -15,7 +15,6 @@ uploaded whole: at the start, and the logs at the end (a kill -9 loses the logs 
 
 from __future__ import annotations
 
-import atexit
 import os
 import secrets
 import shutil
@@ -25,6 +24,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from multiprocessing.util import Finalize
 from pathlib import Path
 
 import orjson
@@ -290,7 +290,9 @@ def reader_out(out: str | os.PathLike, names: list[str] | None = None, segments:
     stored.check()
     copy = RecordsCopy(tempfile.mkdtemp(prefix="tokpipe-read-"))
     copy.stored, copy.folders = stored, {}
-    atexit.register(shutil.rmtree, copy, True)
+    # Removed as the process ends: by multiprocessing's exit, which a DataLoader's workers run before their os._exit
+    # (an atexit's never ran there: 8 workers re-made each epoch left 8 copies of OUT's meta in /tmp an epoch).
+    Finalize(None, shutil.rmtree, (str(copy), True), exitpriority=0)
     if names is None:
         listed = {stored.name(o.key): o for o in stored.records(segments)}
         if not listed:
