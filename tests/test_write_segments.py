@@ -3,16 +3,20 @@ split order: a part joins its file's open segment, closed once it holds SEGMENT_
 no segment open is a segment of its own (uploaded where its tokens are); a file's last segment may be short. And a
 segment's upload checks its parts' tokens against their counts before a byte is sent."""
 
+import tempfile
+
 import numpy as np
 import pytest
 from helpers import EXAMPLE_CACHE
 
+import tokpipe.write.segments
 from tokpipe.inputs.manifest import build_manifest
 from tokpipe.layout.checkpoints import Checkpoint, PartCounts
 from tokpipe.layout.files import ShardFiles
 from tokpipe.layout.run import WriteSpec
 from tokpipe.layout.stored import SEGMENT_BYTES, StoredOut, part_name
-from tokpipe.write.segments import Entry, Gatherer, Segment
+from tokpipe.store.bucket import Bucket
+from tokpipe.write.segments import Entry, Gatherer, Kept, Segment
 from tokpipe.write.stored import StoreAssembly, StoredCheckpoints, upload_segment
 
 TOKENS_A_MIB = (1 << 20) // 4  # uint32
@@ -86,3 +90,31 @@ def test_parts_a_keep_left_without_its_checkpoint_are_passed_over_for_a_shard_do
     assembly = StoreAssembly(out, WriteSpec(), manifest, itemsize=4)
     assembly.resume(print)
     assert assembly.ready() == [] and assembly.segments.open == {}
+
+
+def test_a_kept_part_is_read_in_ranges_into_a_file_that_an_error_midway_leaves_nowhere(
+    s3_server, s3_prefix, tmp_path, monkeypatch
+):
+    # A kept part may be gigabytes: read in ranges into a file of the node's, which stayed there (named) when a read
+    # failed or the process was killed midway.
+    out = StoredOut.of(s3_server.url(s3_prefix))
+    tokens = np.arange(10, dtype="<u2")
+    s3_server.put(f"{s3_prefix}/k.bin", tokens.tobytes())
+    s3_server.put(f"{s3_prefix}/k.idx", np.array([4, 10], "<u8").tobytes())
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(tokpipe.write.segments, "KEPT_READ_BYTES", 6)  # 3 tokens a range
+    kept = Kept(out, out.key("k.bin"), out.key("k.idx"), "<u2", start=2, tokens=7, doc_start=0, documents=2)
+    (read,), (ends,) = kept.arrays()
+    assert read.tolist() == [2, 3, 4, 5, 6, 7, 8] and ends.tolist() == [2, 8] and list(tmp_path.iterdir()) == []
+    ranges, reading = [], Bucket.read
+
+    def fails_the_second(bucket, key, start, end, etag=None):
+        ranges.append((start, end))
+        if len(ranges) == 2:
+            raise OSError("the store went away")
+        return reading(bucket, key, start, end, etag)
+
+    monkeypatch.setattr(Bucket, "read", fails_the_second)
+    with pytest.raises(OSError, match="the store went away"):
+        kept.arrays()
+    assert ranges == [(4, 10), (10, 16)] and list(tmp_path.iterdir()) == []

@@ -95,22 +95,23 @@ class Kept:
     def arrays(self) -> Buffered:
         itemsize = np.dtype(self.dtype).itemsize
         size, at = None if self.tokens is None else self.tokens * itemsize, self.start * itemsize
-        tokens = tempfile.NamedTemporaryFile(prefix="tokpipe-kept-", delete=False)
-        with tokens:
+        # A file of no name (O_TMPFILE): an error or a kill -9 midway leaves nothing on the node, where a named one
+        # stayed (a part may be gigabytes); its pages stay while mapped, and go when the upload drops them.
+        with tempfile.TemporaryFile(prefix="tokpipe-kept-") as tokens:
             while size is None or tokens.tell() < size:
                 want = KEPT_READ_BYTES if size is None else min(KEPT_READ_BYTES, size - tokens.tell())
                 if not (data := self.out.bucket.read(self.bin, at, at + want)[0]):
                     break
                 tokens.write(data)
                 at += len(data)
+            tokens.flush()
+            mapped = np.memmap(tokens, self.dtype, mode="r") if tokens.tell() else np.zeros(0, self.dtype)
         if self.documents is None:
             raw = self.out.bucket.get(self.idx)[0]
         else:
             end = (self.doc_start + self.documents) * 8
             raw = self.out.bucket.read(self.idx, self.doc_start * 8, end)[0] if self.documents else b""
         ends = np.frombuffer(raw, dtype=IDX_DTYPE) - self.start
-        mapped = _mapped(tokens.name, self.dtype)
-        os.unlink(tokens.name)  # its pages stay while mapped; nothing is left once the upload drops them
         return [mapped], [ends]
 
 
