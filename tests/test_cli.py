@@ -397,3 +397,7 @@ def test_a_split_s_groups_line_counts_them_in_words():
     )
     two = {"code": SplitEntry(10, 2), "web": SplitEntry(30, 5)}
     assert cli._groups_line("meta.source", two) == "  2 groups by meta.source (tokens: web 30, code 10)"
+    lone = {"web": SplitEntry(30, 5), "__missing__": SplitEntry(4, 1)}
+    assert cli._groups_line("source", lone) == (
+        "  2 groups by source (tokens: web 30, __missing__ 4); 1 document without source is in group __missing__"
+    )

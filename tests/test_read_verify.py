@@ -314,8 +314,8 @@ def test_every_check_and_a_sample_hold_where_out_is_in_a_folder_or_on_a_store(fi
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert lines[-3:] == [  # the sample: each document read from its source and encoded again by `tokenizers`
-        "ok    train: 1 sampled documents re-tokenized by tokenizers match",
-        "ok    validation: 1 sampled documents re-tokenized by tokenizers match",
+        "ok    train: 1 sampled document re-tokenized by tokenizers matches",
+        "ok    validation: 1 sampled document re-tokenized by tokenizers matches",
         "all 35 checks hold",
     ]
     assert f"ok    train: parts list present  ({finished_either}/train.parts)" in lines

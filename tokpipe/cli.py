@@ -107,7 +107,8 @@ def _groups_line(group_by: str, groups: dict[str, SplitEntry]) -> str:
     largest = sorted(groups.items(), key=lambda g: -g[1].tokens)
     shown = ", ".join(f"{value} {g.tokens:,}" for value, g in largest[:5]) + (", ..." if len(largest) > 5 else "")
     missing = groups[MISSING_GROUP].documents if MISSING_GROUP in groups else 0
-    lacking = f"; {missing:,} documents without {group_by} are in group {MISSING_GROUP}" if missing else ""
+    are = "is" if missing == 1 else "are"
+    lacking = f"; {plural(missing, 'document')} without {group_by} {are} in group {MISSING_GROUP}" if missing else ""
     return f"  {plural(len(groups), 'group')} by {group_by} (tokens: {shown}){lacking}"
 
 
@@ -119,7 +120,7 @@ def summary_lines(summary) -> list[str]:
         skipped = sum(s.skipped.values())
         why = ", ".join(f"{k} {v}" for k, v in s.skipped.items())
         lines.append(
-            f"{split}: {s.tokens:,} tokens, {s.documents:,} documents, {skipped:,} lines "
+            f"{split}: {plural(s.tokens, 'token')}, {plural(s.documents, 'document')}, {plural(skipped, 'line')} "
             f"skipped{' (' + why + ')' if why else ''} -> {_where(out, s)}"
         )
         if s.groups is not None:

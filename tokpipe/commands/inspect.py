@@ -329,7 +329,9 @@ def inspect(
 
 def report(ins: Inspection) -> str:
     src = ins.source
-    where = "a finished run" if src.finished else f"an unfinished run ({src.shards} shards with committed tokens)"
+    where = "a finished run"
+    if not src.finished:
+        where = f"an unfinished run ({plural(src.shards, 'shard')} with committed tokens)"
     lines = [
         f"{src.split}: {src.tokens:,} tokens, {src.documents:,} documents of {where}; "
         f"{src.dtype.name}, vocab_size {src.vocab_size:,}, EOS {src.eos_token!r} = {src.eos_id}",

@@ -221,8 +221,8 @@ def report(st: RunStatus) -> str:
     if st.left_over:
         where, n = st.left_over
         lines.append(
-            f"LEFT OVER: {n:,} objects under {where} that a finish killed after meta.json left (a second copy of"
-            " tokens, segments/ or kept parts): the run's command removes them"
+            f"LEFT OVER: {plural(n, 'object')} under {where} that a finish killed after meta.json left (a second copy"
+            " of tokens, segments/ or kept parts): the run's command removes them"
         )
     orphans = sum(s.writing for s in st.shards) if st.state == "stopped" else 0
     if orphans:

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from tokpipe.errors import UserError
+from tokpipe.fmt import plural
 from tokpipe.inputs.encoders import HFEncoder
 from tokpipe.inputs.manifest import Shard, load_manifest
 from tokpipe.inputs.objects import check_reachable
@@ -163,6 +164,7 @@ def _checks(
                 f"{passed_over[split]} more passed over, not checked: over {PIECE_CHARS:,} characters, and this"
                 " tokenizer's pre-tokenizer is not one tokpipe can cut exactly (tokpipe/inputs/pieces.py)"
             )
-        name = f"{split}: {len(results.get(split, []))} sampled documents re-tokenized by tokenizers match"
+        sampled = len(results.get(split, []))
+        name = f"{split}: {plural(sampled, 'sampled document')} re-tokenized by tokenizers match{'es' * (sampled == 1)}"
         checks.append(Check(name, not mismatches.get(split), "; ".join(notes)))
     return checks

@@ -19,6 +19,7 @@ import numpy as np
 
 from tokpipe.durability import HASH_CHUNK, ShortRead
 from tokpipe.errors import UserError
+from tokpipe.fmt import plural
 from tokpipe.layout.files import Layout, load_meta_pkl
 from tokpipe.layout.meta import Meta, SplitEntry, SplitFile
 from tokpipe.layout.records import IDX_DTYPE, Part, parts_of, read_parts
@@ -250,7 +251,7 @@ def verify(out: str | os.PathLike, jobs: int | None = None) -> list[Check]:
         _verify_split(out, split, entry, meta, dtype, check, jobs)
     if meta.excluded:
         # Not a failure: the user chose --skip-failed. But nobody should mistake the output for the whole corpus.
-        check(f"note: {len(meta.excluded)} shards excluded by --skip-failed", True, ", ".join(meta.excluded))
+        check(f"note: {plural(len(meta.excluded), 'shard')} excluded by --skip-failed", True, ", ".join(meta.excluded))
     return checks
 
 

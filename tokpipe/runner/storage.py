@@ -305,7 +305,8 @@ class Prefix(Storage):
         left = self.out.leftovers(meta.concat)
         if left:
             self.out.bucket.delete_many(left)
-            tell(Said(f"removed {len(left):,} objects that a finish killed after meta.json left under {self.name}"))
+            left_by = f"that a finish killed after meta.json left under {self.name}"
+            tell(Said(f"removed {plural(len(left), 'object')} {left_by}"))
 
     def is_done(self, shard: Shard) -> bool:
         return self.assembler.is_done(shard)

@@ -21,6 +21,7 @@ import numpy as np
 from tokpipe._version import __version__
 from tokpipe.durability import write_atomic
 from tokpipe.errors import UserError
+from tokpipe.fmt import plural
 from tokpipe.inputs.manifest import Manifest
 from tokpipe.inputs.tokenizer import TokenizerInfo
 from tokpipe.layout.files import SKIPPED, Layout, LayoutWriter, split_file_stem
@@ -57,7 +58,7 @@ def refuse_empty_splits(out: Path, splits: dict[str, SplitEntry], text_field: st
         own_documents = s.documents - s.held_in + s.held_out  # those its lines became, wherever they went
         if s.lines > 0 and own_documents == 0:
             why = ", ".join(f"{reason} {n:,}" for reason, n in s.skipped.items())
-            empty.append(f"split {name}: {s.lines:,} lines read, none became a document (skipped: {why})")
+            empty.append(f"split {name}: {plural(s.lines, 'line')} read, none became a document (skipped: {why})")
     if empty:
         raise UserError(
             f"{'; '.join(empty)}: is the text in another field than {text_field!r}? Rerun with --text-field FIELD "
