@@ -630,6 +630,30 @@ def slow_driver_run(*args, ray: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=300, env=_env(ray))
 
 
+# A `tokpipe run` (argv: its arguments) whose driver takes the shards that finish within 10 s of each other in one
+# pass (GATHER), and waits for the placings it hands its Placers, as on a loaded machine, where shards finished in
+# one gather were placed, filling the disk, before the driver looked at progress.
+GATHERED_RUN = """
+import sys
+import ray
+import tokpipe.runner.copies, tokpipe.runner.schedule
+tokpipe.runner.schedule.GATHER = 10.0
+feed = tokpipe.runner.copies.Placers.feed
+def placed_at_once(self, *args, **kwargs):
+    feed(self, *args, **kwargs)
+    ray.wait(list(self.running), num_returns=len(self.running))
+tokpipe.runner.copies.Placers.feed = placed_at_once
+from tokpipe import cli
+cli.main(sys.argv[1:])
+"""
+
+
+def gathered_run(*args, ray: str) -> subprocess.CompletedProcess:
+    """`tokpipe ARGS` on the session's Ray (`ray`), its driver gathering shards done together (GATHERED_RUN)."""
+    command = [sys.executable, "-c", GATHERED_RUN, *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=_env(ray))
+
+
 def kill_until_gone(find: Callable[[], list[int]], timeout: float = 30) -> None:
     """kill -9 of every process `find()` lists, again until it lists none (a process forked while a pass ran, a worker
     Ray was starting, outlives that pass); one still there after `timeout` fails the test."""

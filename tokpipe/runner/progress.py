@@ -107,7 +107,7 @@ class Progress:
         self.read_this_run, self.done = read - self.start_bytes, done
         rate = file_bytes / elapsed
         eta = (self.total - read) / rate if rate > 0 else None
-        projected = self.disk is None and self.on_disk and done > self.done_before and file_bytes and tokens
+        projected = self.projects(done) and file_bytes and tokens
         if projected:
             self.disk = self._project_disk(file_bytes, tokens)
         failures = f" ({failed} FAILED)" if failed else ""
@@ -146,6 +146,10 @@ class Progress:
                     "disk": self.disk,
                 },
             )
+
+    def projects(self, done: int) -> bool:
+        """Whether an update with `done` shards would project the output's size (once, at this run's first)."""
+        return self.disk is None and self.on_disk and done > self.done_before
 
     def _project_disk(self, file_bytes: int, tokens: int) -> dict:
         """The output's size from the tokens per input byte so far, beside the free space of OUT's file

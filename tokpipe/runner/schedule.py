@@ -363,19 +363,19 @@ class Scheduler:
             for ref in ready:
                 if ref in tasks.running:
                     self._collect(ref, copies)
-            copies.feed(excluded or frozenset())
             now = time.time()
-            if now - last_look < POLL_EVERY:
-                continue
-            last_look = now
-            tasks.read_board()
-            # Running: the shards whose workers have begun them (a beat), not those submitted and queued.
-            progress.update(*tasks.totals, done=self.done, running=len(tasks.beats), failed=len(failed))
-            tasks.cancel_stalled(now)
-            for node in self.watch.gone():
-                self.losses.lose(node, copies)
-            self._follow(progress, copies)
-            self.losses.say()
+            # At the first shard done, before its parts are written (which may fill the disk): the disk's projection.
+            if now - last_look >= POLL_EVERY or progress.projects(self.done):
+                last_look = now
+                tasks.read_board()
+                # Running: the shards whose workers have begun them (a beat), not those submitted and queued.
+                progress.update(*tasks.totals, done=self.done, running=len(tasks.beats), failed=len(failed))
+                tasks.cancel_stalled(now)
+                for node in self.watch.gone():
+                    self.losses.lose(node, copies)
+                self._follow(progress, copies)
+                self.losses.say()
+            copies.feed(excluded or frozenset())
         self.losses.say(now=True)
         tasks.read_board()
         progress.update(*tasks.totals, done=self.done, running=0, failed=len(failed), final=True)

@@ -3,6 +3,7 @@ OUT on a store, a segment's upload), and the ProgressBoard actor where shard tas
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import hashlib
 import os
@@ -161,8 +162,11 @@ class _Progress:
             self.report()
 
     def report(self, finished: bool = False) -> None:
-        self.board.report.remote(self.tag, *self.pending, finished=finished)
+        call = self.board.report.remote(self.tag, *self.pending, finished=finished)
         self.pending, self.reported = [0, 0, 0], time.monotonic()
+        if finished:  # on the board before the results reach the driver, whose look at them projects the disk's use
+            with contextlib.suppress(ray.exceptions.RayError):  # (a board lost: its progress only, which restarts)
+                ray.get(call, timeout=10 * REPORT_EVERY)
 
 
 def _one_shard(
