@@ -244,12 +244,17 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
     )
 
 
-@pytest.mark.parametrize("where", ["in the driver", "on Ray's workers"])
+@pytest.mark.parametrize(
+    "where, size",
+    [("in the driver", "3m"), ("on Ray's workers", "3m"), ("in the driver, a first shard larger than the disk", "1m")],
+)
 def test_disk_full_stops_the_shard_clearly_and_the_rerun_completes(
-    manifest, tmp_path, small_tokenizer, small_reference, where, request
+    manifest, tmp_path, small_tokenizer, small_reference, where, size, request
 ):
+    # The disk's projection is saved before the first shard's parts are written: they may fill it (they did: the
+    # projection was said, its save failed, and status had none).
     disk = tmp_path / "disk"
-    if not _mount_tmpfs(disk, "3m"):
+    if not _mount_tmpfs(disk, size):
         pytest.skip("cannot mount a tmpfs here (needs root); the write-error path is also covered in test_write_shard")
     # On Ray's workers, the Placer that writes their parts into train.bin.tmp meets the full disk: its OSError was
     # printed as Ray's str of it, the Placer's traceback. There the shards finish together, as on a loaded machine:

@@ -165,6 +165,8 @@ class _Here:
         self.tally.add(shard, result, self.log)
         self.waiting.append((shard, result.checkpoint, result.buffered))
         self.backlog += result.checkpoint.tokens * self.assembler.itemsize
+        if self.progress.projects(self.progress.done_before + self.done):  # before its parts may fill the disk
+            self.report()
         due = time.monotonic() - self.placed_at >= PLACE_EVERY and (self.placing is None or self.placing.done())
         if due or self.backlog > PLACE_BACKLOG:
             self.place()
@@ -201,6 +203,9 @@ class _Here:
         """After each of the driver's batches: its progress, and the helpers tended."""
         self.totals[:] = [a + b for a, b in zip(self.totals, read)]
         self.tend(shards)
+        self.report()
+
+    def report(self) -> None:
         running = 1 + (len(self.pool.running) if self.pool else 0)
         self.progress.update(
             *self.totals, done=self.progress.done_before + self.done, running=running, failed=len(self.tally.failed)
