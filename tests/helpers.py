@@ -626,7 +626,12 @@ cli.main(sys.argv[1:])
 def slow_driver_run(*args, ray: str) -> subprocess.CompletedProcess:
     """`tokpipe ARGS` on the session's Ray (`ray`), its driver held up after each shard task it submits
     (SLOW_DRIVER_RUN)."""
-    command = [sys.executable, "-c", SLOW_DRIVER_RUN, *map(str, args)]
+    return _script_run(SLOW_DRIVER_RUN, args, ray)
+
+
+def _script_run(script: str, args, ray: str) -> subprocess.CompletedProcess:
+    """`python -c SCRIPT ARGS` (a script that changes tokpipe, then runs its CLI) on the session's Ray (`ray`)."""
+    command = [sys.executable, "-c", script, *map(str, args)]
     return subprocess.run(command, capture_output=True, text=True, timeout=300, env=_env(ray))
 
 
@@ -650,8 +655,7 @@ cli.main(sys.argv[1:])
 
 def gathered_run(*args, ray: str) -> subprocess.CompletedProcess:
     """`tokpipe ARGS` on the session's Ray (`ray`), its driver gathering shards done together (GATHERED_RUN)."""
-    command = [sys.executable, "-c", GATHERED_RUN, *map(str, args)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=_env(ray))
+    return _script_run(GATHERED_RUN, args, ray)
 
 
 def kill_until_gone(find: Callable[[], list[int]], timeout: float = 30) -> None:

@@ -257,8 +257,7 @@ def test_disk_full_stops_the_shard_clearly_and_the_rerun_completes(
     if not _mount_tmpfs(disk, size):
         pytest.skip("cannot mount a tmpfs here (needs root); the write-error path is also covered in test_write_shard")
     # On Ray's workers, the Placer that writes their parts into train.bin.tmp meets the full disk: its OSError was
-    # printed as Ray's str of it, the Placer's traceback. There the shards finish together, as on a loaded machine:
-    # the disk's projection is saved before their parts fill it (it was saved after, and failed: status had none).
+    # printed as Ray's str of it, the Placer's traceback. There the shards finish together, as on a loaded machine.
     ray = request.getfixturevalue("ray_address") if where == "on Ray's workers" else None
     on_ray = ("--ray-only", "--workers", "2") if ray else ()
     try:
