@@ -9,12 +9,14 @@ from __future__ import annotations
 import contextlib
 from collections import Counter, deque
 from collections.abc import Callable
+from typing import NamedTuple
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tokpipe.errors import NodeError, TooManyGroups, Unavailable
 from tokpipe.layout.checkpoints import Checkpoint
+from tokpipe.layout.files import PartKey
 from tokpipe.layout.records import Part
 from tokpipe.runner.progress import RunLog
 from tokpipe.runner.storage import Folder, Prefix
@@ -232,6 +234,14 @@ def placing(out: Folder | Prefix, assembler, nodes: int, check, log: RunLog, roo
     return SplitFileWrites(out, assembler, assembler.itemsize, nodes, check, log)
 
 
+class _Waits(NamedTuple):  # a shard whose parts wait for segments (SegmentUploads._unpin)
+    alone: bool  # only for segments still gathering
+    tokens: int  # all of its own
+    waiting: int  # its waiting parts'
+    on_node: OnNode
+    keys: list[PartKey]  # its waiting parts'
+
+
 class SegmentUploads(Placers):
     """On a store (layout/stored.py): the segments the driver closes (write/stored.py, from the parts' counts) each
     uploaded by the Placer of the node that holds most of its tokens: a large part from its own node, never moved;
@@ -270,24 +280,25 @@ class SegmentUploads(Placers):
         assembler = self.assembler
         gathering = {entry.key for segment in assembler.segments.open.values() for entry in segment.entries}
         keeping = {id(on_node) for done in self.keeping.values() for _, on_node, _ in done}
-        objects: dict[ray.ObjectRef, list] = {}  # an object's shards (a pack's): whether each waits so alone, ...
+        objects: dict[ray.ObjectRef, list[_Waits]] = {}  # an object's shards (a pack's)
         for relpath, (_, ckpt, left, on_node) in assembler.waiting.items():
             if isinstance(on_node, OnNode) and on_node.ref is not None and id(on_node) not in keeping:
                 alone = left <= gathering and relpath not in assembler.results
-                waits = sum(part.tokens for part in ckpt.parts if (relpath, *part.key) in left)
+                waiting = sum(part.tokens for part in ckpt.parts if (relpath, *part.key) in left)
                 tokens = sum(part.tokens for part in ckpt.parts)  # (its held-out documents' too)
-                objects.setdefault(on_node.ref, []).append((alone, tokens, waits, on_node, [k[1:] for k in left]))
-        waiting = [shards for shards in objects.values() if all(alone for alone, *_ in shards)]
-        over = sum(tokens for shards in waiting for _, tokens, *_ in shards) * self.itemsize - self.room()
+                keys = [key[1:] for key in left]
+                objects.setdefault(on_node.ref, []).append(_Waits(alone, tokens, waiting, on_node, keys))
+        waits = [shards for shards in objects.values() if all(shard.alone for shard in shards)]
+        over = sum(shard.tokens for shards in waits for shard in shards) * self.itemsize - self.room()
         by_node: dict[str, list] = {}
-        for shards in waiting:
+        for shards in waits:
             if over <= 0:
                 break
-            if sum(waits for *_, waits, _, _ in shards) > KEEP_SHARE * sum(tokens for _, tokens, *_ in shards):
+            if sum(shard.waiting for shard in shards) > KEEP_SHARE * sum(shard.tokens for shard in shards):
                 continue
-            for _, tokens, _, on_node, keys in shards:
-                by_node.setdefault(on_node.node, []).append((None, on_node, keys))
-                over -= tokens * self.itemsize
+            for shard in shards:
+                by_node.setdefault(shard.on_node.node, []).append((None, shard.on_node, shard.keys))
+                over -= shard.tokens * self.itemsize
         for node, done in by_node.items():
             self.keeping[self._placer(node)[1].keep.remote(self.out.name, done, self.check)] = done
 
