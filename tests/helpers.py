@@ -15,6 +15,7 @@ real S3 server for a corpus on an object store (`S3Server`, SeaweedFS).
 
 from __future__ import annotations
 
+import bz2
 import contextlib
 import fcntl
 import functools
@@ -22,6 +23,7 @@ import gzip
 import hashlib
 import io
 import json
+import lzma
 import os
 import random
 import re
@@ -89,6 +91,10 @@ def reference_objects(path: Path, text_field: str = "text") -> list[dict]:
         raw = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw), read_across_frames=True).read()
     elif raw[:2] == b"\x1f\x8b":
         raw = gzip.decompress(raw)
+    elif raw[:3] == b"BZh":
+        raw = bz2.decompress(raw)
+    elif raw[:6] == b"\xfd7zXZ\x00":
+        raw = lzma.decompress(raw)
     documents = []
     for line in io.TextIOWrapper(io.BytesIO(raw), encoding="utf-8-sig", errors="replace"):
         try:
@@ -232,14 +238,20 @@ def assert_out_is(out: Path, reference: dict[str, np.ndarray]) -> None:
         assert np.array_equal(got, expected), f"{stem}.bin differs from the reference"
 
 
+# Each compression tokpipe reads, as its writer's library writes it
+COMPRESS = {
+    "none": bytes,
+    "zstd": zstandard.ZstdCompressor().compress,
+    "gzip": gzip.compress,
+    "bz2": bz2.compress,
+    "xz": lzma.compress,
+}
+
+
 def write_jsonl(path: Path, lines: list[bytes | str], compression: str = "none") -> Path:
     data = b"".join((line.encode() if isinstance(line, str) else line) + b"\n" for line in lines)
-    if compression == "zstd":
-        data = zstandard.ZstdCompressor().compress(data)
-    elif compression == "gzip":
-        data = gzip.compress(data)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
+    path.write_bytes(COMPRESS[compression](data))
     return path
 
 

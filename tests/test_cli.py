@@ -354,7 +354,7 @@ def test_an_unexpected_error_once_ray_is_up_is_one_line_and_the_run_resumes(
 # What tokpipe reads is said where a user first looks: `tokpipe --help`, the package's description.
 
 
-FORMATS = "JSON Lines or JSON arrays (plain, zstd, gzip), Parquet, Arrow"
+FORMATS = "JSON Lines or JSON arrays (plain, zstd, gzip, bz2, xz), Parquet, Arrow"
 
 
 def test_help_and_description_say_which_formats_are_read():

@@ -9,7 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from helpers import cli
+from helpers import cli, write_jsonl
 
 import tokpipe
 from tokpipe.errors import UserError
@@ -250,6 +250,22 @@ def test_ndjson_a_json_of_long_lines_and_metadata_files_are_read_as_datasets_rea
     assert _tokpipe(root) == _datasets(root, tmp_path, None) == {"train": Counter(["ndjson text", long, "after it"])}
     manifest = build_manifest(root)
     assert manifest.files_passed_over == (("dataset_infos.json", "Hugging Face datasets' metadata, never data"),)
+
+
+def test_json_lines_in_each_compression_datasets_reads_are_read_as_it_reads_them(tmp_path):
+    root = tmp_path / "repo"
+    for compression, suffix in (("gzip", "jsonl.gz"), ("bz2", "jsonl.bz2"), ("xz", "jsonl.xz"), ("xz", "json.xz")):
+        write_jsonl(
+            root / "data" / f"{suffix.replace('.', '-')}.{suffix}",
+            [json.dumps({"text": f"{suffix} {i}"}) for i in range(3)],
+            compression,
+        )
+    write_jsonl(root / "data" / "zstd.jsonl.zst", ['{"text": "zstd"}'], "zstd")
+    expected = Counter(
+        ["zstd", *(f"{suffix} {i}" for suffix in ("jsonl.gz", "jsonl.bz2", "jsonl.xz", "json.xz") for i in range(3))]
+    )
+    assert _tokpipe(root) == _datasets(root, tmp_path, None) == {"train": expected}
+    assert build_manifest(root).files_passed_over == ()
 
 
 def test_no_shards_is_refused_naming_each_file_passed_over(tmp_path):

@@ -473,7 +473,7 @@ DATA_FILES = {
     "en/dataset_info.json": b'{\n  "description": "C4"\n}\n',
     "en/c4-train.alpaca.json": b'[\n    {\n        "text": "four"\n    },\n    "five"\n]',
     "en/c4-train.stats.json": b'{\n  "documents": 5\n}\n',
-    "en/c4-train.more.jsonl.xz": b"\xfd7zXZ\x00",
+    "en/c4-train.more.jsonl.lz4": b"\x04\x22\x4d\x18",  # (datasets reads it only with the lz4 package)
     "README.md": b"# C4\n",
 }
 NOT_JSON_LINES = (
@@ -481,11 +481,11 @@ NOT_JSON_LINES = (
     " convert it to JSONL to tokenize it"
 )
 NOT_READ = (
-    "a format tokpipe does not read (it reads JSON Lines, plain or zstd- or gzip-compressed, Parquet and Arrow):"
-    " convert it to one of those to tokenize it"
+    "a format tokpipe does not read (it reads JSON Lines, plain or compressed with zstd, gzip, bz2 or xz, Parquet and"
+    " Arrow): convert it to one of those to tokenize it"
 )
 PASSED_OVER_FILES = (
-    ("en/c4-train.more.jsonl.xz", NOT_READ),
+    ("en/c4-train.more.jsonl.lz4", NOT_READ),
     ("en/c4-train.stats.json", NOT_JSON_LINES),
     ("en/dataset_info.json", "Hugging Face datasets' metadata, never data"),
 )
@@ -613,11 +613,11 @@ def test_a_dataset_on_a_store_is_refused_and_passed_over_as_on_disk(s3_server, s
     with pytest.raises(UserError) as none:
         api.build_manifest(s3_server.url(f"{s3_prefix}/notes"))
     assert str(none.value) == (
-        "no shards (*.jsonl, *.jsonl.zst, *.jsonl.zstd, *.jsonl.gz, *.json.gz, *.json.zst, *.ndjson, *.parquet,"
-        f" *.arrow) under {s3_server.url(s3_prefix)}/notes/; passed over readme.txt: {NOT_READ}; found readme.txt in"
-        f" {s3_server.url(s3_prefix)}/notes/; expected a Hugging Face cache root (holding datasets--ORG--NAME/), one"
-        " datasets--ORG--NAME folder, a snapshots/REV folder, or a folder of *.jsonl[.zst|.gz], *.parquet or *.arrow"
-        " shards"
+        "no shards (*.jsonl, *.jsonl.zst, *.jsonl.zstd, *.jsonl.gz, *.jsonl.bz2, *.jsonl.xz, *.json.gz, *.json.zst,"
+        f" *.json.bz2, *.json.xz, *.ndjson, *.parquet, *.arrow) under {s3_server.url(s3_prefix)}/notes/; passed over"
+        f" readme.txt: {NOT_READ}; found readme.txt in {s3_server.url(s3_prefix)}/notes/; expected a Hugging Face cache"
+        " root (holding datasets--ORG--NAME/), one datasets--ORG--NAME folder, a snapshots/REV folder, or a folder of"
+        " *.jsonl[.zst|.gz|.bz2|.xz], *.parquet or *.arrow shards"
     )
     with pytest.raises(UserError) as nothing:
         api.build_manifest(s3_server.url(f"{s3_prefix}/not"))  # a prefix of notes/, but no folder

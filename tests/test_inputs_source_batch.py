@@ -139,7 +139,7 @@ def test_a_shard_that_is_not_json_lines_fails_by_name_saying_so(runs, corpus):
         f"FAILED train/i_csv.jsonl.zst: SourceError: {corpus / 'train' / 'i_csv.jsonl.zst'}: 3 of the 3 lines"
         " read are not JSON objects (invalid_json 3, not_object 0): it is neither JSON Lines nor a JSON array of"
         " objects or texts (CSV? rows as lists? a Git LFS pointer?), or in a compression tokpipe does not read (it"
-        " reads zstd and gzip), or binary"
+        " reads zstd, gzip, bz2 and xz), or binary"
     ) in first.stderr.splitlines()
 
 
@@ -180,7 +180,7 @@ def test_alone_in_a_dataset_a_shard_that_is_not_json_lines_is_not_blamed_on_the_
         f"FAILED train/a.jsonl.zst: SourceError: {data / 'train' / 'a.jsonl.zst'}: 3 of the 3 lines read are not JSON"
         " objects (invalid_json 3, not_object 0): it is neither JSON Lines nor a JSON array of objects or texts (CSV?"
         " rows as lists? a Git LFS pointer?), or"
-        " in a compression tokpipe does not read (it reads zstd and gzip), or binary",
+        " in a compression tokpipe does not read (it reads zstd, gzip, bz2 and xz), or binary",
         "1 shard failed; the rest are kept. Fix the cause and rerun the same command to retry them.",
     ]
     assert "--text-field" not in result.stdout + result.stderr

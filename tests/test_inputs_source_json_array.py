@@ -1,8 +1,8 @@
 """source/json_array.py: a shard that is one JSON array, as `json.dump` of a list, pandas' `to_json(orient="records")`
-and alpaca_data.json hold their records, plain, zstd or gzip: read as Hugging Face `datasets` reads it (the reference),
-every item accounted for, resumable at an item, a broken array refused naming where; and a run over a repo of them."""
+and alpaca_data.json hold their records, plain, zstd, gzip, bz2 or xz: read as Hugging Face `datasets` reads it (the
+reference), every item accounted for, resumable at an item, a broken array refused naming where; and a run over a repo
+of them."""
 
-import gzip
 import json
 
 import numpy as np
@@ -10,6 +10,7 @@ import pandas
 import pytest
 import zstandard
 from helpers import (
+    COMPRESS,
     EXAMPLE_TRAIN_FILES,
     cli,
     killed_run,
@@ -46,13 +47,12 @@ def _load(path, tmp_path) -> list[str]:
 
 
 @pytest.mark.parametrize("writer", WRITERS)
-@pytest.mark.parametrize("compression", ["none", "gzip", "zstd", "pzstd"])
+@pytest.mark.parametrize("compression", ["none", "gzip", "bz2", "xz", "zstd", "pzstd"])
 def test_an_array_of_records_is_read_as_datasets_reads_it(tmp_path, writer, compression):
     data = WRITERS[writer](RECORDS)
     half = len(data) // 2
-    compress = {"none": bytes, "gzip": gzip.compress, "zstd": zstandard.ZstdCompressor().compress}
-    data = pzstd_frames([data[:half], data[half:]]) if compression == "pzstd" else compress[compression](data)
-    path = tmp_path / ("alpaca.json" + {"none": "", "gzip": ".gz"}.get(compression, ".zst"))
+    data = pzstd_frames([data[:half], data[half:]]) if compression == "pzstd" else COMPRESS[compression](data)
+    path = tmp_path / ("alpaca.json" + {"none": "", "gzip": ".gz", "bz2": ".bz2", "xz": ".xz"}.get(compression, ".zst"))
     path.write_bytes(data)
     assert format_of(str(path)) == (compression.removeprefix("p"), True)
     texts, skipped, batches = read_all(path, batch_bytes=20_000)

@@ -1,5 +1,5 @@
 """tokpipe: a parallel, resumable tokenization pipeline for LLM pretraining data: JSON Lines or JSON arrays
-(plain, zstd, gzip), Parquet, Arrow (a Hugging Face cache or a plain folder) into flat token files.
+(plain, zstd, gzip, bz2, xz), Parquet, Arrow (a Hugging Face cache or a plain folder) into flat token files.
 
 The Python API mirrors the commands:
 

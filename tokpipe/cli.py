@@ -259,8 +259,8 @@ def parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="tokpipe",
         description="Parallel, resumable tokenization of pretraining corpora into flat token files\n"
-        "a trainer memory-maps. Reads JSON Lines or JSON arrays (plain, zstd, gzip), Parquet, Arrow:\n"
-        "shards in a Hugging Face cache or a plain folder.",
+        "a trainer memory-maps. Reads JSON Lines or JSON arrays (plain, zstd, gzip, bz2, xz), Parquet,\n"
+        "Arrow: shards in a Hugging Face cache or a plain folder.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"tokpipe {__version__}")

@@ -13,7 +13,9 @@ from tokpipe.errors import UserError
 
 HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+")  # ORG/NAME, as the hub names a repository
 REPO_PREFIX = "datasets--"  # a dataset repo's folder in a Hugging Face cache: datasets--ORG--NAME
-SHARD_SUFFIXES = (".jsonl", ".jsonl.zst", ".jsonl.zstd", ".jsonl.gz", ".json.gz", ".json.zst", ".ndjson", ".parquet")
+# JSON Lines, plain or compressed as Hugging Face datasets decompresses it (the magic bytes say how: source/jsonl.py)
+SHARD_SUFFIXES = (".jsonl", ".jsonl.zst", ".jsonl.zstd", ".jsonl.gz", ".jsonl.bz2", ".jsonl.xz", ".json.gz")
+SHARD_SUFFIXES += (".json.zst", ".json.bz2", ".json.xz", ".ndjson", ".parquet")
 SHARD_SUFFIXES += (".arrow",)  # Hugging Face datasets' own files: save_to_disk's, its cache's
 # A `.json` file is a shard when it is JSON Lines or one JSON array, as Hugging Face datasets' json builder reads it
 # (C4's uncompressed files, alpaca_data.json): its first line is a JSON object, or begins with `[`. Else (a
@@ -100,7 +102,8 @@ def layout_hint(where: str, names: list[str]) -> str:
     found = ", ".join(names[:8]) if names else "nothing"
     return (
         f"found {found} in {where}; expected a Hugging Face cache root (holding datasets--ORG--NAME/), one"
-        " datasets--ORG--NAME folder, a snapshots/REV folder, or a folder of *.jsonl[.zst|.gz], *.parquet or *.arrow"
+        " datasets--ORG--NAME folder, a snapshots/REV folder, or a folder of *.jsonl[.zst|.gz|.bz2|.xz], *.parquet or"
+        " *.arrow"
         " shards"
     )
 
@@ -263,8 +266,8 @@ def not_a_shard(relpath: str, head) -> str | None:
         return None
     if not relpath.endswith(JSON_SUFFIX):
         return (
-            "a format tokpipe does not read (it reads JSON Lines, plain or zstd- or gzip-compressed, Parquet and"
-            " Arrow): convert it to one of those to tokenize it"
+            "a format tokpipe does not read (it reads JSON Lines, plain or compressed with zstd, gzip, bz2 or xz,"
+            " Parquet and Arrow): convert it to one of those to tokenize it"
         )
     line = head().removeprefix(BOM)
     try:

@@ -1,7 +1,7 @@
 """One shard -> batches of document texts, every line (or row) accounted for.
 
 The format is sniffed from the file's first bytes, never trusted from its name (a `.jsonl.zst` may be plain JSONL):
-zstd, gzip or plain JSONL (jsonl.py), or one JSON array in them (json_array.py), Parquet (parquet.py) or Arrow
+zstd, gzip, bz2, xz or plain JSONL (jsonl.py), or one JSON array in them (json_array.py), Parquet (parquet.py) or Arrow
 (arrow.py). Each reports through batch.py, the one place where a line becomes a document, a counted skip or a counted
 repair.
 
@@ -17,26 +17,28 @@ from collections.abc import Iterator
 
 from tokpipe.inputs.source.batch import TextBatch
 from tokpipe.inputs.source.json_array import array_fields, is_json_array, read_array_batches
-from tokpipe.inputs.source.jsonl import GZIP_MAGIC, is_zstd, jsonl_fields, read_jsonl_batches
+from tokpipe.inputs.source.jsonl import STREAMS, is_zstd, jsonl_fields, read_jsonl_batches
 from tokpipe.store import open_read
 
 HEAD_BYTES = 1 << 16  # sniffed: the magic of a format, and the start of a compressed text (a JSON array's `[`)
+BZ2_HEAD_BYTES = 1 << 20  # bz2's: its first text comes out of a whole block, up to 900 kB
 PARQUET_MAGIC = b"PAR1"
 ARROW_MAGICS = (b"ARRO", b"\xff\xff\xff\xff")  # Arrow's IPC file ("ARROW1"), and stream (its continuation marker)
 BATCH_BYTES = 1 << 20  # of input text per batch (per encode call of a shard): bounds memory, paces progress reports
 
 
 def format_of(path: str, etag: str | None = None) -> tuple[str, bool]:
-    """(zstd | gzip | parquet | arrow | none (plain JSONL), whether its text is one JSON array), from the file's magic
-    bytes, and JSON's first HEAD_BYTES."""
+    """(zstd | gzip | bz2 | xz | parquet | arrow | none (plain JSONL), whether its text is one JSON array), from the
+    file's magic bytes, and JSON's first HEAD_BYTES."""
     with open_read(path, etag, ahead=0) as f:  # on a store, a GET of these 4 bytes (and one of JSON's head)
         head = f.read(4)
         if head.startswith(PARQUET_MAGIC):
             return "parquet", False
         if head in ARROW_MAGICS:
             return "arrow", False
-        kind = "zstd" if is_zstd(head) else "gzip" if head.startswith(GZIP_MAGIC) else "none"
-        return kind, is_json_array(head + f.read(HEAD_BYTES - 4), path, kind)
+        streams = (kind for kind, stream in STREAMS.items() if head.startswith(stream.magic))
+        kind = "zstd" if is_zstd(head) else next(streams, "none")
+        return kind, is_json_array(head + f.read((BZ2_HEAD_BYTES if kind == "bz2" else HEAD_BYTES) - 4), path, kind)
 
 
 def fields_of(path: str, etag: str | None = None) -> Counter:

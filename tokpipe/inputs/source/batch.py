@@ -56,7 +56,7 @@ def not_json_lines(lines: int, skipped: Counter) -> str | None:
         f"{wrong:,} of the {lines:,} lines read are not JSON objects (invalid_json {skipped['invalid_json']:,}, "
         f"not_object {skipped['not_object']:,}): it is neither JSON Lines nor a JSON array of objects or texts (CSV?"
         " rows as lists? a Git LFS pointer?), or "
-        "in a compression tokpipe does not read (it reads zstd and gzip), or binary"
+        "in a compression tokpipe does not read (it reads zstd, gzip, bz2 and xz), or binary"
     )
 
 

@@ -1,4 +1,4 @@
-"""A shard that is one JSON array (plain, zstd or gzip) -> batches of document texts, every item accounted for.
+"""A shard that is one JSON array (plain or compressed, as JSON Lines) -> batches of document texts, every item counted.
 
 What `json.dump` of a list and pandas' `to_json(orient="records")` write, and Hugging Face's json builder reads:
 an item is a line. An object is a document as a JSON Lines line is (batch.document); a string is the text of a
@@ -19,7 +19,6 @@ import codecs
 import io
 import json
 import re
-import zlib
 from collections import Counter
 from collections.abc import Iterator
 
@@ -29,7 +28,7 @@ import zstandard
 from tokpipe.errors import SourceError
 from tokpipe.inputs.names import BOM
 from tokpipe.inputs.source.batch import LONE_SURROGATE, TextBatch, document, field_at, group_value
-from tokpipe.inputs.source.jsonl import ZSTD_WINDOW_MAX, decompressed_blocks, text_weight
+from tokpipe.inputs.source.jsonl import STREAMS, ZSTD_WINDOW_MAX, decompressed_blocks, text_weight
 
 BLANK = re.compile(r"[ \t\n\r]*")  # JSON's blank space (not \s: a no-break space between items is no JSON)
 SEPARATOR = re.compile(r"[ \t\n\r]*,[ \t\n\r]*").match  # a ',' between items
@@ -41,15 +40,16 @@ SCAN = DECODER.scan_once  # raw_decode's scanner, without its wrapping of an err
 def is_json_array(head: bytes, path: str, kind: str) -> bool:
     """Whether the text of a shard whose first bytes are `head` begins with `[` (past a BOM and blank space): a JSON
     array, not JSON Lines."""
+    broken = STREAMS[kind].broken if kind in STREAMS else ()
     try:  # as much text as `head` is long: 64 KiB of zstd or gzip may hold 100s of MB (100 MB of blanks: 3 KB of zstd)
-        if kind == "gzip":
-            text = zlib.decompressobj(wbits=31).decompress(head, len(head))
+        if kind in STREAMS:
+            text = STREAMS[kind].decompressor().decompress(head, len(head))
         elif kind == "zstd":
             zstd = zstandard.ZstdDecompressor(max_window_size=ZSTD_WINDOW_MAX)
             text = zstd.stream_reader(io.BytesIO(head), read_across_frames=True).read(len(head))
         else:
             text = head
-    except (zlib.error, zstandard.ZstdError):  # broken: read as JSON Lines, which says so
+    except (zstandard.ZstdError, *broken):  # broken: read as JSON Lines, which says so
         return False
     return text.removeprefix(BOM).lstrip().startswith(b"[")
 

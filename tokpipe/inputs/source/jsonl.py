@@ -1,4 +1,4 @@
-"""A JSONL shard (plain, zstd or gzip) -> batches of document texts, every input line accounted for.
+"""A JSONL shard (plain, zstd, gzip, bz2 or xz) -> batches of document texts, every input line accounted for.
 
 Compression is sniffed from magic bytes, never trusted from the file name (a `.jsonl.zst` may be
 plain JSONL). The decompressed bytes are cut into lines a block at a time (one C `split` per
@@ -10,23 +10,26 @@ it is.
 A resume reads no byte it does not need where the format allows it (a shard on an object store is read by
 ranged GETs: tokpipe/store/): plain JSONL from the checkpoint's byte offset; zstd made of several frames (pzstd,
 seekable zstd, any concatenation) from the start of the frame the checkpoint's offset is in, whose place in the
-file and in the text each batch says (TextBatch.frame) and the checkpoint keeps. A gzip stream, or zstd of one
-frame, cannot be entered midway: it is decoded from its start again, and the text before the offset dropped.
+file and in the text each batch says (TextBatch.frame) and the checkpoint keeps. A gzip, bz2 or xz stream, or zstd
+of one frame, cannot be entered midway: it is decoded from its start again, and the text before the offset dropped.
 """
 
 from __future__ import annotations
 
+import bz2
 import gzip
 import io
 import json
+import lzma
 import zlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import orjson
 import zstandard
 
-from tokpipe.errors import SourceError
+from tokpipe.errors import SourceError, Unavailable
 from tokpipe.inputs.names import BOM
 from tokpipe.inputs.source.batch import TextBatch, decode_utf8, document, field_at, group_value
 
@@ -34,7 +37,30 @@ ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 # A zstd skippable frame's magic is 0x184D2A50..0x184D2A5F, little-endian: these three bytes after 0x50..0x5F.
 # pzstd begins its files with one (it holds the next frame's size), and any zstd writer may: valid zstd.
 SKIPPABLE_MAGIC = b"\x2a\x4d\x18"
-GZIP_MAGIC = b"\x1f\x8b"
+
+
+class Stream(NamedTuple):
+    """A compression read as one stream from its start: its magic bytes, the standard library's file over a file
+    object, an incremental decompressor (of a file's first bytes: json_array.is_json_array), and the errors of a
+    broken or truncated stream."""
+
+    magic: bytes
+    opened: Callable
+    decompressor: Callable
+    broken: tuple[type[Exception], ...]
+
+
+# Those Hugging Face datasets reads too (by these magic bytes, as tokpipe: datasets' file_utils), but lz4, a package.
+STREAMS = {
+    "gzip": Stream(
+        b"\x1f\x8b",
+        lambda raw: gzip.GzipFile(fileobj=raw),
+        lambda: zlib.decompressobj(wbits=31),
+        (EOFError, OSError, zlib.error),
+    ),
+    "bz2": Stream(b"BZh", bz2.BZ2File, bz2.BZ2Decompressor, (EOFError, OSError)),
+    "xz": Stream(b"\xfd7zX", lzma.LZMAFile, lzma.LZMADecompressor, (EOFError, lzma.LZMAError)),
+}
 COMPRESSED_CHUNK = 1 << 16  # fed to zstd at a time; its output, a few times larger, is one block
 BLOCK = 1 << 20  # most decompressed bytes split into lines at once
 # zstd's largest window (2 GiB, `zstd --long=31`), where zstandard's default refuses a frame of a window over 128 MiB
@@ -80,14 +106,19 @@ def _zstd_blocks(raw, path: str, start: tuple[int, int]) -> Iterator[tuple[bytes
         raise SourceError(f"{path}: zstd stream ends inside a frame at compressed byte {read} (truncated download?)")
 
 
-def _gzip_blocks(raw, path: str) -> Iterator[tuple[bytes, tuple[int, int]]]:
-    """Decompressed bytes of a gzip file, with its truncation/CRC errors naming the file; read from its start."""
-    with gzip.GzipFile(fileobj=raw, mode="rb") as gz:
+def _stream_blocks(raw, path: str, kind: str) -> Iterator[tuple[bytes, tuple[int, int]]]:
+    """Decompressed bytes of a gzip, bz2 or xz file (STREAMS), with its truncation/CRC errors naming the file; read
+    from its start."""
+    with STREAMS[kind].opened(raw) as stream:
         while True:
             try:
-                block = gz.read(BLOCK)
-            except (EOFError, OSError, zlib.error) as e:
-                raise SourceError(f"{path}: gzip stream broken after {gz.tell()} decompressed bytes: {e}") from None
+                block = stream.read(BLOCK)
+            except Unavailable:  # an OSError: the store's failure, not the file's; the run stops, resumable
+                raise
+            except STREAMS[kind].broken as e:
+                raise SourceError(
+                    f"{path}: {kind} stream broken after {stream.tell()} decompressed bytes: {e}"
+                ) from None
             if not block:
                 return
             yield block, (0, 0)
@@ -106,14 +137,14 @@ def decompressed_blocks(
 ) -> Iterator[tuple[bytes, int, tuple[int, int]]]:
     """The shard's decompressed bytes in pieces of at most block_bytes, each with the bytes of the file read so far
     and where its zstd frame began (in the file, in the text; (0, 0) for the other formats). `kind`: its compression,
-    as tokpipe.inputs.source.format_of sniffed it (zstd, gzip or none). From `start`, a place in the file where
-    reading may begin, and the decompressed bytes before it: a frame's of zstd, a byte offset of plain JSONL, (0, 0)
-    for gzip. `raw`: the shard's bytes, opened (tokpipe.inputs.source: a file, or a Reader of an object)."""
+    as tokpipe.inputs.source.format_of sniffed it (zstd, one of STREAMS, or none). From `start`, a place in the file
+    where reading may begin, and the decompressed bytes before it: a frame's of zstd, a byte offset of plain JSONL,
+    (0, 0) for a stream. `raw`: the shard's bytes, opened (tokpipe.inputs.source: a file, or a Reader of an object)."""
     raw.seek(start[0])
     if kind == "zstd":
         blocks = _zstd_blocks(raw, path, start)
-    elif kind == "gzip":
-        blocks = _gzip_blocks(raw, path)
+    elif kind in STREAMS:
+        blocks = _stream_blocks(raw, path, kind)
     else:
         blocks = _plain_blocks(raw, path, start[0], block_bytes)
     for block, frame in blocks:
