@@ -252,6 +252,39 @@ def test_ndjson_a_json_of_long_lines_and_metadata_files_are_read_as_datasets_rea
     assert manifest.files_passed_over == (("dataset_infos.json", "Hugging Face datasets' metadata, never data"),)
 
 
+HIDDEN_FILES = [
+    "data/a.jsonl",
+    "data/.x.jsonl",
+    "data/__y.jsonl",
+    "__cache/b.jsonl",
+    "data/__sub/c.jsonl",
+    "data/_z.jsonl",
+]
+
+
+@pytest.mark.parametrize(
+    "glob, read",
+    [
+        (None, ["data/__y.jsonl", "data/_z.jsonl", "data/a.jsonl"]),  # no card: datasets' own patterns
+        ("data/*", ["data/__y.jsonl", "data/_z.jsonl", "data/a.jsonl"]),  # `__` passes over folders, not files
+        ("**", ["data/__y.jsonl", "data/_z.jsonl", "data/a.jsonl"]),
+        ("__cache/*", ["__cache/b.jsonl"]),  # named by the glob; a hidden file in it still is not
+    ],
+)
+def test_hidden_files_and_special_folders_are_passed_over_as_datasets_passes_them(tmp_path, glob, read):
+    root = tmp_path / "repo"
+    for relpath in HIDDEN_FILES + ["__cache/.h.jsonl"]:
+        _write(root / relpath, [relpath])
+    if glob is not None:
+        _card(root, f"- config_name: default\n  data_files: {json.dumps(glob)}\n")
+    assert _tokpipe(root) == _datasets(root, tmp_path, None) == {"train": Counter(read)}
+    if glob is None:
+        why = "hidden (a name in its path begins with `.`), or in a folder named `__*`: Hugging Face datasets reads"
+        why += " neither"
+        passed_over = ["__cache/.h.jsonl", "__cache/b.jsonl", "data/.x.jsonl", "data/__sub/c.jsonl"]
+        assert build_manifest(root).files_passed_over == tuple((relpath, why) for relpath in passed_over)
+
+
 def test_json_lines_in_each_compression_datasets_reads_are_read_as_it_reads_them(tmp_path):
     root = tmp_path / "repo"
     for compression, suffix in (("gzip", "jsonl.gz"), ("bz2", "jsonl.bz2"), ("xz", "jsonl.xz"), ("xz", "json.xz")):

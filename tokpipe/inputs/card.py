@@ -10,7 +10,7 @@ which. A config with a data_dir and no data_files, and a repo whose card has no 
 names' rules (names.py) under it.
 
 Globs are fsspec's, as `datasets` resolves them: `*` and `?` within a name, `**` across folders; a hidden file or
-folder (`.x`, `__x`) matches only a pattern that names it so.
+folder (`.x`), or a special folder (`__x`), matches only a pattern that names it so, with or without a card.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokpipe.errors import UserError
-from tokpipe.inputs.names import is_metadata, one_format, splits_of
+from tokpipe.inputs.names import is_metadata, one_format, splits_of, unrequested
 
 CARD = "README.md"
+HIDDEN = "hidden (a name in its path begins with `.`), or in a folder named `__*`: Hugging Face datasets reads neither"
 # The splits a manifest holds (train.bin, val.bin, test: docs/design.md); a config's other split names are refused.
 SPLITS = ("train", "validation", "test")
 
@@ -56,9 +57,10 @@ def splits(chosen: Chosen | None, relpaths: list[str]) -> tuple[dict[str, str], 
     one format HF datasets reads them in (names.one_format). HF's metadata files are in neither: never data."""
     relpaths = [r for r in relpaths if not is_metadata(r)]
     if chosen is None:
-        placed, left = splits_of(relpaths)
+        hidden = {r: HIDDEN for r in relpaths if unrequested(r)}
+        placed, left = splits_of([r for r in relpaths if r not in hidden])
         kept, other = one_format(placed)
-        return kept, left | other
+        return kept, left | other | hidden
     for config, split, globs in chosen.each:  # as load_dataset, which refuses a config of a split with no file
         twice = next((r for r in relpaths if sum(_match(g, r) for g in globs) > 1), None)
         if twice is not None:
@@ -74,7 +76,8 @@ def splits(chosen: Chosen | None, relpaths: list[str]) -> tuple[dict[str, str], 
             )
     inferred = {}
     for folder in chosen.folders:
-        under = splits_of([r.removeprefix(f"{folder}/") for r in relpaths if r.startswith(f"{folder}/")])[0]
+        under = [r.removeprefix(f"{folder}/") for r in relpaths if r.startswith(f"{folder}/")]
+        under = splits_of([r for r in under if not unrequested(r)])[0]
         inferred |= {f"{folder}/{relpath}": split for relpath, split in under.items()}
     placed = {r: split for r in relpaths if (split := chosen.split_of(r, inferred))}
     kept, other = one_format(placed)
@@ -178,8 +181,8 @@ def _match(glob: str, relpath: str) -> bool:
 
 @functools.cache
 def _compiled(glob: str) -> Callable[[str], bool]:
-    """fsspec's glob (as `datasets` resolves data_files) as a test of a relpath; a hidden name (`.x`, `__x`) matched
-    only where the glob says it."""
+    """fsspec's glob (as `datasets` resolves data_files) as a test of a relpath; a hidden file, or one in a special
+    folder, matched only where the glob says it (names.unrequested)."""
     from fsspec.utils import glob_translate  # only where a card has configs (fsspec's import: 0.1 s)
 
     glob = glob.removeprefix("./")
@@ -187,8 +190,4 @@ def _compiled(glob: str) -> Callable[[str], bool]:
         full = re.compile(glob_translate(glob))
     except (re.error, ValueError) as e:  # ValueError: fsspec's, of a `**` that is not a whole path component
         raise UserError(f"data_files glob {glob!r} ({CARD}) is not a glob ({e}): fix the card") from None
-    hidden_asked = any(part.startswith((".", "__")) for part in glob.split("/"))
-    return lambda relpath: (
-        bool(full.match(relpath))
-        and (hidden_asked or not any(part.startswith((".", "__")) for part in relpath.split("/")))
-    )
+    return lambda relpath: bool(full.match(relpath)) and not unrequested(relpath, glob)

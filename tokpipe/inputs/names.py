@@ -194,6 +194,18 @@ def is_metadata(relpath: str) -> bool:
     return relpath.rsplit("/", 1)[-1] in METADATA_FILES
 
 
+def unrequested(relpath: str, pattern: str = "**") -> bool:
+    """Whether HF datasets passes over a file that `pattern` (a data_files glob; `**`: a repo without a card's) matches:
+    a hidden one (a name in its path that begins with `.`) or one in a special folder (`__x`), unless the pattern names
+    as many of them (datasets/data_files.py _is_unrequested_hidden_file... and _is_inside_unrequested_special_dir)."""
+
+    def counts(parts: list[str]) -> tuple[int, int]:
+        hidden = sum(part.startswith(".") and set(part) != {"."} for part in parts)
+        return hidden, sum(part.startswith("__") for part in parts[:-1])
+
+    return counts(relpath.split("/")) != counts(pattern.split("/"))
+
+
 # The builder HF datasets reads a file with, by a suffix of its name (datasets/packaged_modules _EXTENSION_TO_MODULE),
 # and those it prefers on a draw of counts, first to last (load.py infer_module_for_data_files_list).
 FORMATS = {".json": "JSON", ".jsonl": "JSON", ".ndjson": "JSON", ".parquet": "Parquet", ".geoparquet": "Parquet"}
