@@ -5,6 +5,7 @@ both refuse. Documents are compared as multisets of their non-empty texts (tokpi
 
 import json
 import random
+import zipfile
 from collections import Counter
 from pathlib import Path
 
@@ -299,6 +300,23 @@ def test_json_lines_in_each_compression_datasets_reads_are_read_as_it_reads_them
     )
     assert _tokpipe(root) == _datasets(root, tmp_path, None) == {"train": expected}
     assert build_manifest(root).files_passed_over == ()
+
+
+def test_a_zip_archive_is_named_never_left_out_without_a_word(tmp_path):
+    # Of a split of archives alone, datasets reads the files inside; tokpipe reads none, and says so.
+    root = tmp_path / "repo"
+    (root / "data").mkdir(parents=True)
+    with zipfile.ZipFile(root / "data" / "more.zip", "w") as archive:
+        archive.writestr("inside.jsonl", json.dumps({"text": "inside it"}) + "\n")
+    assert _datasets(root, tmp_path / "zip", None) == {"train": Counter(["inside it"])}
+    why = "an archive, whose files Hugging Face datasets reads: tokpipe reads none; extract it to tokenize them"
+    with pytest.raises(UserError, match=f"; passed over data/more.zip: {why};"):
+        build_manifest(root)
+    # Beside files of a format, datasets reads those and the archive's.
+    _write(root / "data" / "more.jsonl", ["beside it"])
+    assert _datasets(root, tmp_path / "both", None) == {"train": Counter(["beside it", "inside it"])}
+    assert _tokpipe(root) == {"train": Counter(["beside it"])}
+    assert build_manifest(root).files_passed_over == (("data/more.zip", why),)
 
 
 def test_no_shards_is_refused_naming_each_file_passed_over(tmp_path):

@@ -23,8 +23,10 @@ SHARD_SUFFIXES += (".arrow",)  # Hugging Face datasets' own files: save_to_disk'
 # never left out without a word.
 JSON_SUFFIX = ".json"
 BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark, which some writers put first
-# A file of data, read or not: x.json, x.jsonl.xz, x.csv.gz, x.arrow, x.txt, x.tar (every shard suffix but .parquet too)
-DATA_FILE = re.compile(r"\.(jsonl?|ndjson|csv|tsv|arrow|txt|tar)(\.\w+)?$", re.IGNORECASE)
+# A file of data, read or not: x.json, x.jsonl.lz4, x.csv.gz, x.arrow, x.txt, x.tar, x.zip (every shard suffix but
+# .parquet too)
+DATA_FILE = re.compile(r"\.(jsonl?|ndjson|csv|tsv|arrow|txt|tar|zip)(\.\w+)?$", re.IGNORECASE)
+ARCHIVE = ".zip"  # HF datasets reads the files inside, in its split's format (one_format keeps it)
 KEY_BYTES = 200  # of a shard's key (shard_key): with `.json`, `.bin`, `.lock` after it, under a file name's 255
 JSON_HEAD_BYTES = 1 << 20  # read of a .json file at a time to find its first line (first_line)
 # Files Hugging Face datasets never reads as data (datasets/data_files.py FILES_TO_IGNORE), and save_to_disk's state.
@@ -230,7 +232,7 @@ def one_format(placed: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
     suffixes = "|".join(re.escape(s) for s, f in FORMATS.items() if f == fmt)
     of = re.compile(rf".*({suffixes})(\..+)?")
     why = f"not {fmt}, the format of most of its split's files: Hugging Face datasets reads those alone"
-    kept = {relpath: split for relpath, split in placed.items() if of.fullmatch(relpath)}
+    kept = {r: split for r, split in placed.items() if of.fullmatch(r) or r.lower().endswith(ARCHIVE)}
     return kept, {relpath: why for relpath in placed if relpath not in kept}
 
 
@@ -276,6 +278,8 @@ def not_a_shard(relpath: str, head) -> str | None:
         return "Hugging Face datasets' metadata, never data"
     if relpath.endswith(SHARD_SUFFIXES):
         return None
+    if relpath.lower().endswith(ARCHIVE):
+        return "an archive, whose files Hugging Face datasets reads: tokpipe reads none; extract it to tokenize them"
     if not relpath.endswith(JSON_SUFFIX):
         return (
             "a format tokpipe does not read (it reads JSON Lines, plain or compressed with zstd, gzip, bz2 or xz,"
