@@ -439,7 +439,7 @@ def test_a_shard_that_is_not_json_lines_fails_in_its_first_batch(tmp_path, what)
     assert str(failed.value) == (
         f"{path}: 3 of the 3 lines read are not JSON objects ({counts}): it is neither JSON Lines nor a JSON array"
         " of objects or texts (CSV? rows as lists? a Git LFS pointer?), or in a compression tokpipe does not read (it"
-        " reads zstd and gzip), or binary"
+        " reads zstd, gzip, bz2 and xz), or binary"
     )
     assert encoded == []  # failed before its first batch was encoded
 
