@@ -105,8 +105,7 @@ def layout_hint(where: str, names: list[str]) -> str:
     return (
         f"found {found} in {where}; expected a Hugging Face cache root (holding datasets--ORG--NAME/), one"
         " datasets--ORG--NAME folder, a snapshots/REV folder, or a folder of *.jsonl[.zst|.gz|.bz2|.xz], *.parquet or"
-        " *.arrow"
-        " shards"
+        " *.arrow shards"
     )
 
 

@@ -1,4 +1,5 @@
-"""A shard that is one JSON array (plain or compressed, as JSON Lines) -> batches of document texts, every item counted.
+"""A shard that is one JSON array (plain or compressed, as JSON Lines are) -> batches of document texts, every item
+accounted for.
 
 What `json.dump` of a list and pandas' `to_json(orient="records")` write, and Hugging Face's json builder reads:
 an item is a line. An object is a document as a JSON Lines line is (batch.document); a string is the text of a

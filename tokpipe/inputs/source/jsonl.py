@@ -54,7 +54,7 @@ class Stream(NamedTuple):
 STREAMS = {
     "gzip": Stream(
         b"\x1f\x8b",
-        lambda raw: gzip.GzipFile(fileobj=raw),
+        lambda raw: gzip.GzipFile(fileobj=raw, mode="rb"),
         lambda: zlib.decompressobj(wbits=31),
         (EOFError, OSError, zlib.error),
     ),
