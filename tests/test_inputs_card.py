@@ -270,11 +270,12 @@ HIDDEN_FILES = [
         ("data/*", ["data/__y.jsonl", "data/_z.jsonl", "data/a.jsonl"]),  # `__` passes over folders, not files
         ("**", ["data/__y.jsonl", "data/_z.jsonl", "data/a.jsonl"]),
         ("__cache/*", ["__cache/b.jsonl"]),  # named by the glob; a hidden file in it still is not
+        (".hidden/*", [".hidden/d.jsonl"]),  # a hidden folder is walked where a glob names one
     ],
 )
 def test_hidden_files_and_special_folders_are_passed_over_as_datasets_passes_them(tmp_path, glob, read):
     root = tmp_path / "repo"
-    for relpath in HIDDEN_FILES + ["__cache/.h.jsonl"]:
+    for relpath in HIDDEN_FILES + ["__cache/.h.jsonl", ".hidden/d.jsonl", ".hidden/.e.jsonl"]:
         _write(root / relpath, [relpath])
     if glob is not None:
         _card(root, f"- config_name: default\n  data_files: {json.dumps(glob)}\n")
@@ -350,6 +351,21 @@ def test_a_config_that_reads_a_list_inside_each_json_object_is_refused_in_one_li
         " JSON Lines and JSON arrays, not a list inside an object: write the items as JSON Lines"
         " (jq -c '.data[]' FILE > FILE.jsonl) and read those"
     )
+
+
+def test_on_a_store_hidden_folders_and_files_are_read_as_on_disk(tmp_path, s3_server, s3_prefix):
+    root = tmp_path / "repo"
+    for relpath in HIDDEN_FILES + [".hidden/d.jsonl", ".hidden/.e.jsonl"]:
+        _write(root / relpath, [relpath])
+    for glob in (None, ".hidden/*", "**"):
+        if glob is not None:
+            _card(root, f"- config_name: default\n  data_files: {json.dumps(glob)}\n")
+        prefix = f"{s3_prefix}/{glob and glob.replace('*', 'x')}"
+        for path in sorted(p for p in root.rglob("*") if p.is_file()):
+            s3_server.put(f"{prefix}/{path.relative_to(root).as_posix()}", path.read_bytes())
+        on_disk, on_store = build_manifest(root), tokpipe.build_manifest(s3_server.url(prefix))
+        assert [s.relpath for s in on_store.shards()] == [s.relpath for s in on_disk.shards()], glob
+        assert on_store.files_passed_over == on_disk.files_passed_over, glob
 
 
 def test_a_snapshot_on_a_store_is_read_by_the_same_card(tmp_path, s3_server, s3_prefix):

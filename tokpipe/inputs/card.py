@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokpipe.errors import UserError
-from tokpipe.inputs.names import is_metadata, one_format, splits_of, unrequested
+from tokpipe.inputs.names import hidden_parts, is_metadata, one_format, splits_of, unrequested
 
 CARD = "README.md"
 HIDDEN = "hidden (a name in its path begins with `.`), or in a folder named `__*`: Hugging Face datasets reads neither"
@@ -37,6 +37,11 @@ class Chosen:
     patterns: dict[str, list[str]]  # split -> globs, relative to the repo's root
     folders: tuple[str, ...] = ()  # data_dirs of configs with no data_files: their files split by their names
     each: tuple[tuple[str, str, tuple[str, ...]], ...] = ()  # (config, split, its globs): each must name a file
+
+    @property
+    def hidden(self) -> bool:
+        """Whether a glob names a hidden file or folder: only then are hidden folders walked (a clone's .git)."""
+        return any(hidden_parts(glob) for _, _, globs in self.each for glob in globs)
 
     def split_of(self, relpath: str, inferred: dict[str, str]) -> str | None:
         """The split a file is read into (None: no config read names it), `inferred` its split in a data_dir; two

@@ -143,14 +143,16 @@ def _check_inside(shard_path: str, relpath: str, base: str) -> None:
         )
 
 
-def _walk(root: Path, is_out: Callable[[Path], bool] | None) -> tuple[list[tuple[Path, str]], list[tuple[str, str]]]:
+def _walk(
+    root: Path, is_out: Callable[[Path], bool] | None, hidden: bool = False
+) -> tuple[list[tuple[Path, str]], list[tuple[str, str]]]:
     """The shard files under root, (path, relpath), and the folders passed over, (relpath, why).
 
     Each real folder (st_dev, st_ino) is walked once, by the path with no symlink in it where there is one,
     else by the first link to it in path order: the links to folders wait until every real folder is walked.
     So a link to a folder listed already (`ln -s ../train extra/mirror`, `ln -s . loop`) is passed over,
     whatever order the file system lists names in; a link to a folder not listed yet is walked. Hidden
-    folders are not walked; a tokpipe OUT (`is_out`) is passed over."""
+    folders are walked only where a card's glob names one (`hidden`); a tokpipe OUT (`is_out`) is passed over."""
     seen = {_identity(root): ""}  # each folder walked -> its relpath
     files, passed_over = [], []
     links: list[tuple[str, Path]] = []  # a heap of (relpath, path): the links to folders met, walked last
@@ -179,7 +181,7 @@ def _walk(root: Path, is_out: Callable[[Path], bool] | None) -> tuple[list[tuple
             data = (n for n in filenames if DATA_FILE.search(n) or n.endswith(SHARD_SUFFIXES))
             files.extend((here / n, prefix + n) for n in data)
             walked = []
-            for name in sorted(d for d in dirnames if not d.startswith(".")):
+            for name in sorted(d for d in dirnames if hidden or not d.startswith(".")):
                 if (here / name).is_symlink():
                     heapq.heappush(links, (prefix + name, here / name))
                 elif keep(here / name, prefix + name):
@@ -292,7 +294,7 @@ def build_manifest(
     card = root / CARD
     text = _resolve_pointer(card, blobs_dir).read_text(errors="replace") if card.is_file() else ""
     chosen = choose(configs_of(text), configs, repo_id or str(root))
-    files, passed_over = _walk(root, is_out)
+    files, passed_over = _walk(root, is_out, chosen is not None and chosen.hidden)
     placed, left = splits(chosen, [relpath for _, relpath in files])
     shards, files_passed_over = [], []
     for path, relpath in files:

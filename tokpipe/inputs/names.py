@@ -200,11 +200,15 @@ def unrequested(relpath: str, pattern: str = "**") -> bool:
     a hidden one (a name in its path that begins with `.`) or one in a special folder (`__x`), unless the pattern names
     as many of them (datasets/data_files.py _is_unrequested_hidden_file... and _is_inside_unrequested_special_dir)."""
 
-    def counts(parts: list[str]) -> tuple[int, int]:
-        hidden = sum(part.startswith(".") and set(part) != {"."} for part in parts)
-        return hidden, sum(part.startswith("__") for part in parts[:-1])
+    def counts(path: str) -> tuple[int, int]:
+        return hidden_parts(path), sum(part.startswith("__") for part in path.split("/")[:-1])
 
-    return counts(relpath.split("/")) != counts(pattern.split("/"))
+    return counts(relpath) != counts(pattern)
+
+
+def hidden_parts(path: str) -> int:
+    """How many names in a path (or a glob) begin with `.`: hidden, as HF datasets and a shell's `ls` have it."""
+    return sum(part.startswith(".") and set(part) != {"."} for part in path.split("/"))
 
 
 # The builder HF datasets reads a file with, by a suffix of its name (datasets/packaged_modules _EXTENSION_TO_MODULE),

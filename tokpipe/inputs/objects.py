@@ -49,7 +49,7 @@ def build_store_manifest(
     root, repo, repo_id, revision = _locate(bucket, prefix, listed, repo_id, revision)
     card = bucket.get(root + CARD)[0].decode(errors="replace") if root + CARD in listed else ""
     chosen = choose(configs_of(card), configs, repo_id or bucket.where(root))
-    files, passed_over = _walk(listed, root, is_out)
+    files, passed_over = _walk(listed, root, is_out, chosen is not None and chosen.hidden)
     placed, left = splits(chosen, [relpath for _, relpath in files])
     shards, files_passed_over = [], []
     for found, relpath in files:
@@ -133,14 +133,14 @@ def _snapshot(
 
 
 def _walk(
-    listed: dict[str, Object], root: str, is_out: Callable[..., bool] | None
+    listed: dict[str, Object], root: str, is_out: Callable[..., bool] | None, hidden: bool = False
 ) -> tuple[list[tuple[Object, str]], list[tuple[str, str]]]:
     """The shard objects under root, (object, relpath), and the folders passed over, (relpath, why): the OUTs.
-    Folders whose name starts with `.` are not walked, as on disk."""
+    Folders whose name starts with `.` are walked only where a card's glob names one (`hidden`), as on disk."""
     names: dict[str, set[str]] = {}  # folder relpath -> the names of the objects right in it
     for key in listed:
-        if key.startswith(root) and not _hidden(rel := key[len(root) :]):
-            folder, _, name = rel.rpartition("/")
+        if key.startswith(root) and (hidden or not _hidden(key[len(root) :])):
+            folder, _, name = key[len(root) :].rpartition("/")
             names.setdefault(folder, set()).add(name)
     passed_over: list[tuple[str, str]] = []
     for folder in sorted(names):
@@ -152,7 +152,7 @@ def _walk(
         for key, found in sorted(listed.items())
         if key.startswith(root)
         and ((rel := key[len(root) :]).endswith(SHARD_SUFFIXES) or DATA_FILE.search(rel))
-        and not _hidden(rel)
+        and (hidden or not _hidden(rel))
         and not any(rel.startswith(f"{folder}/") for folder, _ in passed_over)
     ]
     return files, passed_over
