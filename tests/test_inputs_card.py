@@ -426,6 +426,26 @@ def test_a_card_load_dataset_refuses_is_refused_in_one_line_saying_why(tmp_path)
             "data_files glob 'data/**.jsonl' (README.md) is not a glob (Invalid pattern: '**' can only be an entire"
             " path component): fix the card"
         ),
+        # Splits as a mapping: `datasets.load_dataset(data_files=...)` takes one, a card's YAML not.
+        "- config_name: default\n  data_files:\n    train: data/*\n": (
+            "config default's data_files is neither a glob nor a list (README.md), and load_dataset refuses it: write"
+            " its splits as a list of `- split: NAME` / `path: GLOB`"
+        ),
+        # The first of a split's two entries was left out without a word.
+        "- config_name: default\n  data_files:\n  - split: train\n    path: data/a*\n  - split: train\n"
+        "    path: data/*\n": (
+            "config default's data_files names split train twice (README.md), and load_dataset refuses it: give it"
+            " one entry, its path a list of globs"
+        ),
+        "- config_name: default\n  data_files:\n  - split: train\n    path: data/*\n  - held/*\n": (
+            "config default's data_files item 'held/*' is not a split and its path (README.md), and load_dataset"
+            " refuses it: in a list of splits' paths, each item is `- split: NAME` / `path: GLOB`, nothing else"
+        ),
+        "- config_name: default\n  data_files:\n  - split: train\n    path: data/*\n    field: x\n": (
+            "config default's data_files item {'split': 'train', 'path': 'data/*', 'field': 'x'} is not a split and"
+            " its path (README.md), and load_dataset refuses it: in a list of splits' paths, each item is `- split:"
+            " NAME` / `path: GLOB`, nothing else"
+        ),
     }
     for n, (configs, said) in enumerate(refusals.items()):
         _card(root, configs)

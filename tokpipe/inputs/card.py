@@ -155,22 +155,32 @@ def choose(configs: dict[str, dict], asked: tuple[str, ...], where: str) -> Chos
 
 
 def _data_files(data_files, config: str) -> dict[str, list[str]]:
-    """A config's data_files as {split: globs} (datasets' sanitize_patterns): a glob or a list of them is train's."""
+    """A config's data_files as {split: globs} (datasets' sanitize_patterns): a glob or a list of them is train's. What
+    load_dataset refuses in a card (MetadataConfigs: a mapping of splits, an item with other keys, a split twice) is
+    refused."""
     if isinstance(data_files, str):
         data_files = [data_files]
-    if isinstance(data_files, dict):
-        data_files = [{"split": split, "path": path} for split, path in data_files.items()]
     if not isinstance(data_files, list):
-        raise UserError(f"config {config}'s data_files is not a glob, a list, or a list of splits' paths ({CARD})")
+        raise UserError(
+            f"config {config}'s data_files is neither a glob nor a list ({CARD}), and load_dataset refuses it: write"
+            " its splits as a list of `- split: NAME` / `path: GLOB`"
+        )
     if not any(isinstance(item, dict) for item in data_files):
-        found = {"train": [str(g) for g in data_files]}
-    else:
-        found = {}
-        for item in data_files:
-            if not (isinstance(item, dict) and "split" in item and isinstance(item.get("path"), (str, list))):
-                raise UserError(f"config {config}'s data_files mixes globs and splits' paths ({CARD})")
-            path = item["path"]
-            found[str(item["split"])] = [path] if isinstance(path, str) else [str(p) for p in path]
+        return {"train": [str(g) for g in data_files]}
+    found: dict[str, list[str]] = {}
+    for item in data_files:
+        if not (isinstance(item, dict) and item.keys() == {"split", "path"} and isinstance(item["path"], (str, list))):
+            raise UserError(
+                f"config {config}'s data_files item {item!r} is not a split and its path ({CARD}), and load_dataset"
+                " refuses it: in a list of splits' paths, each item is `- split: NAME` / `path: GLOB`, nothing else"
+            )
+        if str(item["split"]) in found:
+            raise UserError(
+                f"config {config}'s data_files names split {item['split']} twice ({CARD}), and load_dataset refuses"
+                " it: give it one entry, its path a list of globs"
+            )
+        path = item["path"]
+        found[str(item["split"])] = [path] if isinstance(path, str) else [str(p) for p in path]
     for split in found:
         if split not in SPLITS:
             raise UserError(
