@@ -9,6 +9,8 @@ import zipfile
 from collections import Counter
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from helpers import cli, write_jsonl
 
@@ -387,10 +389,12 @@ def test_a_snapshot_on_a_store_is_read_by_the_same_card(tmp_path, s3_server, s3_
 # Folder and file names of real repos, combined at random (seeded): whatever the layout, tokpipe reads what datasets
 # reads, or refuses in one line (a split named in other letter case, a path that names two).
 FOLDERS = ["", "data/", "train/", "test/", "validation/", "raw/", "en/", "data/train/", "data/dev/", "sample/10BT/"]
-FOLDERS += ["eval/", "Validation/", "train-v2/", "my_test/", "data/train_x/"]
+FOLDERS += ["eval/", "Validation/", "train-v2/", "my_test/", "data/train_x/", ".hidden/", "__pycache__/", "data/__x/"]
 FILES = ["part-0.jsonl", "train.jsonl", "test.jsonl", "c4-validation.00000.json", "x-train-1.jsonl", "notes.jsonl"]
 FILES += ["train-00000-of-00001.jsonl", "test-00000-of-00001.jsonl", "validation-00000-of-00002.jsonl", "dev.jsonl"]
-FILES += ["a.ndjson", "training_data.jsonl"]
+FILES += ["a.ndjson", "training_data.jsonl", ".x.jsonl", "__y.jsonl", "part-1.jsonl.gz", "part-2.jsonl.bz2"]
+FILES += ["part-3.jsonl.xz", "part-4.jsonl.zst", "p.parquet"]
+COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd"}
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -398,7 +402,13 @@ def test_a_random_layout_is_read_as_datasets_reads_it_or_refused(tmp_path, seed)
     rnd = random.Random(seed)
     root = tmp_path / "repo"
     for relpath in {rnd.choice(FOLDERS) + rnd.choice(FILES) for _ in range(rnd.randint(1, 5))}:
-        _write(root / relpath, [f"{relpath}#{n}" for n in range(2)])
+        texts = [f"{relpath}#{n}" for n in range(2)]
+        if relpath.endswith(".parquet"):
+            (root / relpath).parent.mkdir(parents=True, exist_ok=True)
+            pq.write_table(pa.table({"text": texts}), root / relpath)
+        else:
+            compression = COMPRESSIONS.get(Path(relpath).suffix, "none")
+            write_jsonl(root / relpath, [json.dumps({"text": t}) for t in texts], compression)
     try:
         found = _tokpipe(root)
     except UserError:
