@@ -336,11 +336,26 @@ def test_group_by_a_field_no_document_has_is_refused_before_tokenizing(tmp_path)
     result = cli(*run_args(manifest, tmp_path / "out", "--group-by", "source"))
     assert (result.returncode, result.stderr) == (
         2,
-        "tokpipe run: error: --group-by source: none of the 35 documents read (of each split's first shard) has it:"
-        " every document would be in group __missing__; their fields: meta, text: name the field by its path (a JSON"
-        " line's by dots, as meta.redpajama_set_name; a Parquet column, or a struct's field)\n",
+        "tokpipe run: error: --group-by source: none of the 35 documents read of each split's first shard (nor of 8"
+        " more across it) has it: every document would be in group __missing__; their fields: meta, text: name the"
+        " field by its path (a JSON line's by dots, as meta.redpajama_set_name; a Parquet column, or a struct's"
+        " field)\n",
     )
     assert not list((tmp_path / "out").glob("shards/**/*.json"))  # nothing tokenized
+
+
+def test_group_by_a_field_a_first_shard_lacks_and_a_later_one_has_is_no_typo(tmp_path, small_tokenizer):
+    """A corpus of sources, the first of which lacks the field: read, its documents in group __missing__ (before, the
+    run was refused as for a typo, with no way on but reordering the shards)."""
+    for n, source in enumerate([None, None, None, "web"]):
+        meta = {} if source is None else {"source": source}
+        write_jsonl(tmp_path / "dataset" / "train" / f"{n}.jsonl", [json.dumps({"text": f"doc {n}", **meta})])
+    manifest = tmp_path / "manifest.json"
+    write_manifest(build_manifest(tmp_path / "dataset"), manifest)
+    run = tokpipe(*run_args(manifest, tmp_path / "out", "--group-by", "source", tokenizer=small_tokenizer))
+    assert run.returncode == 0, run.stderr
+    assert "  2 groups by source (tokens: __missing__ " in run.stdout
+    assert "3 documents without source are in group __missing__" in run.stdout
 
 
 # -- no concat ------------------------------------------------------------------------------------------------

@@ -21,6 +21,9 @@ SAMPLE_LINE_BYTES = 4 << 20
 # model's chat template, not tokpipe's to guess.
 CHAT_TURNS = "a conversation's turns are made one text by the model's chat template first (apply_chat_template)"
 GROUP_SAMPLE_BYTES = 16 << 20  # of input per split read for --group-by's values before any tokenizing (~0.2 s)
+# More shards of a split, spread over it, whose first batch is read before a --group-by field that no first shard has
+# is refused: a corpus of several sources whose first lacks it is no typo.
+GROUP_LOOK_SHARDS = 8
 
 
 def sample_texts(manifest: Manifest, text_field: str) -> tuple[list[str], int]:
@@ -80,8 +83,8 @@ def sample_texts(manifest: Manifest, text_field: str) -> tuple[list[str], int]:
 def count_groups(manifest: Manifest, text_field: str, group_by: str) -> None:
     """Refuse, before anything is tokenized, a --group-by field with more values than a split may have
     groups, as far as each split's first shard shows it (an id or a url shows it in its first thousand
-    documents), or that none of their documents has (a typo, or a field nested deeper: every document would be in
-    MISSING_GROUP); workers and the assembly refuse what this could not see."""
+    documents), or that none of their documents has, nor one of GROUP_LOOK_SHARDS more (a typo, or a field nested
+    deeper: every document would be in MISSING_GROUP); workers and the assembly refuse what this could not see."""
     documents, had, opened = 0, set(), []
     for split in manifest.counts:
         shard, values, read = next(manifest.shards(split)), set(), 0
@@ -98,13 +101,32 @@ def count_groups(manifest: Manifest, text_field: str, group_by: str) -> None:
         if len(values) > MAX_GROUPS:
             raise too_many_groups(group_by, f"split {split}", values, MAX_GROUPS, within=" in its first shard alone")
         had, opened = had | values, [*opened, shard]
-    if documents and had == {MISSING_GROUP}:
+    if documents and had == {MISSING_GROUP} and not _elsewhere(manifest, text_field, group_by):
         fields = Counter()
         for shard in opened:  # their fields, read for the refusal alone: a run with the field opens no shard again
             fields.update(fields_of(shard.path, shard.etag))
         raise UserError(
-            f"--group-by {group_by}: none of the {documents:,} documents read (of each split's first shard) has it:"
-            f" every document would be in group {MISSING_GROUP}; their fields: {', '.join(sorted(fields))}: name the"
-            " field by its path (a JSON line's by dots, as meta.redpajama_set_name; a Parquet column, or a struct's"
-            " field)"
+            f"--group-by {group_by}: none of the {documents:,} documents read of each split's first shard (nor of"
+            f" {GROUP_LOOK_SHARDS} more across it) has it: every document would be in group {MISSING_GROUP}; their"
+            f" fields: {', '.join(sorted(fields))}: name the field by its path (a JSON line's by dots, as"
+            " meta.redpajama_set_name; a Parquet column, or a struct's field)"
         )
+
+
+def _elsewhere(manifest: Manifest, text_field: str, group_by: str) -> bool:
+    """Whether a document in the first batch of one of GROUP_LOOK_SHARDS more shards of a split, spread over it, has
+    --group-by's field."""
+    for split, count in manifest.counts.items():
+        picked = {round(i * (count - 1) / GROUP_LOOK_SHARDS) for i in range(1, GROUP_LOOK_SHARDS + 1)} - {0}
+        for number, shard in enumerate(manifest.shards(split)):
+            if number > max(picked, default=0):
+                break
+            if number not in picked or shard.may_block():
+                continue
+            try:
+                batch = next(read_batches(shard.path, text_field, group_by=group_by, etag=shard.etag), None)
+            except SourceError:  # its own task reports it
+                continue
+            if batch is not None and set(batch.groups) - {MISSING_GROUP}:
+                return True
+    return False
