@@ -2,13 +2,13 @@
 a folder by: a Hugging Face cache root, one datasets--ORG--NAME folder, one snapshots/REV folder of it, or a plain
 folder of shards; splits from the path (split_of), the same order, keys and refusals.
 
-A store has no folders and no links: a folder is a prefix of keys up to a `/`. The prefix is listed once (a LIST
-a thousand keys) and the layout read from the keys, so no folder is met twice and none is passed over as a link;
-a folder whose name starts with `.` is not walked, and a tokpipe OUT (run.json and manifest.json side by side, as
-a copied-up OUT has them) is passed over. A cache copied up (`aws s3 sync`, `rclone copy`) holds each snapshot
-file as an object of its own, the links followed; a link kept as a small text file naming a blob, which tokpipe
-follows on disk, is not followed here. Each shard's size and ETag are the listing's: the manifest records both,
-and every read of the shard asks for that ETag (tokpipe/store/reader.py).
+A store has no folders and no links: a folder is a prefix of keys up to a `/`. The prefix is listed once (a LIST a
+thousand keys) and the layout read from the keys, so no folder is met twice and none is passed over as a link; a
+folder whose name starts with `.` is not walked unless a card's glob names one, and a tokpipe OUT (run.json and
+manifest.json side by side, as a copied-up OUT has them) is passed over. A cache copied up (`aws s3 sync`,
+`rclone copy`) holds each snapshot file as an object of its own, the links followed; a link kept as a small text
+file naming a blob, which tokpipe follows on disk, is not followed here. Each shard's size and ETag are the
+listing's: the manifest records both, and every read of the shard asks for that ETag (tokpipe/store/reader.py).
 """
 
 from __future__ import annotations
