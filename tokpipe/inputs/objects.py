@@ -137,11 +137,13 @@ def _walk(
 ) -> tuple[list[tuple[Object, str]], list[tuple[str, str]]]:
     """The shard objects under root, (object, relpath), and the folders passed over, (relpath, why): the OUTs.
     Folders whose name starts with `.` are walked only where a card's glob names one (`hidden`), as on disk."""
+    under = {key[len(root) :]: found for key, found in sorted(listed.items()) if key.startswith(root)}
+    if not hidden:
+        under = {rel: found for rel, found in under.items() if not _hidden(rel)}
     names: dict[str, set[str]] = {}  # folder relpath -> the names of the objects right in it
-    for key in listed:
-        if key.startswith(root) and (hidden or not _hidden(key[len(root) :])):
-            folder, _, name = key[len(root) :].rpartition("/")
-            names.setdefault(folder, set()).add(name)
+    for rel in under:
+        folder, _, name = rel.rpartition("/")
+        names.setdefault(folder, set()).add(name)
     passed_over: list[tuple[str, str]] = []
     for folder in sorted(names):
         inside = any(folder.startswith(f"{other}/") for other, _ in passed_over)
@@ -149,10 +151,8 @@ def _walk(
             passed_over.append((folder, "a tokpipe OUT, never input"))
     files = [
         (found, rel)
-        for key, found in sorted(listed.items())
-        if key.startswith(root)
-        and ((rel := key[len(root) :]).endswith(SHARD_SUFFIXES) or DATA_FILE.search(rel))
-        and (hidden or not _hidden(rel))
+        for rel, found in under.items()
+        if (rel.endswith(SHARD_SUFFIXES) or DATA_FILE.search(rel))
         and not any(rel.startswith(f"{folder}/") for folder, _ in passed_over)
     ]
     return files, passed_over
