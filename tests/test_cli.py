@@ -133,7 +133,7 @@ LOCAL_PATHS = {  # each flag that names a path on this machine, with a URL: only
     "inspect --tokenizer": ["inspect", "o", "--tokenizer", URL],
     "report -o": ["report", "o", "-o", URL],
     "report --tokenizer": ["report", "o", "--tokenizer", URL],
-    "export --dest": ["export", "o", "--format", "megatron", "--dest", URL],
+    "export -o": ["export", "o", "--format", "megatron", "-o", URL],
 }
 
 
@@ -142,7 +142,7 @@ def test_a_url_where_a_local_path_goes_is_one_line_and_makes_no_s3_folder(flag, 
     # `export --dest s3://walk/meg` hard-linked the split files into ./s3:/walk/meg, and said so with one slash.
     monkeypatch.chdir(tmp_path)
     result = in_process(*LOCAL_PATHS[flag])
-    name = flag.split()[1].replace("-o", "-o/--output")
+    name = flag.split()[1].replace("-o", "-o/--dest" if flag.startswith("export") else "-o/--output")
     assert (result.returncode, result.stdout) == (2, "")
     assert result.stderr.splitlines()[-1] == (
         f"tokpipe {flag.split()[0]}: error: argument {name}: {URL} is on an object store: give a path on this machine"

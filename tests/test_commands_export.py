@@ -85,7 +85,7 @@ def llmc_tokens(folder, stem) -> list[np.ndarray]:
 @pytest.mark.parametrize("fixture, dtype", [("finished_example", np.int32), ("finished_small", np.uint16)])
 def test_megatron_reads_back_document_by_document(fixture, dtype, request, tmp_path):
     out = request.getfixturevalue(fixture)
-    result = cli("export", out, "--format", "megatron", "--dest", tmp_path / "mg")
+    result = cli("export", out, "--format", "megatron", "-o", tmp_path / "mg")  # -o: the short --dest, as elsewhere
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == (
         f"Megatron-LM: --train-data-path {tmp_path / 'mg' / 'train'} --valid-data-path {tmp_path / 'mg' / 'val'} "
@@ -222,7 +222,7 @@ def test_megatron_s_line_leaves_out_an_empty_split(tmp_path, small_tokenizer):
     write_jsonl(tmp_path / "data" / "train" / "a.jsonl", [json.dumps({"text": f"document {i}"}) for i in range(3)])
     options = RunOptions(val_fraction=0.0001)
     out = build_out(tmp_path / "out", small_tokenizer, backend="hf", options=options, dataset=tmp_path / "data")
-    result = cli("export", out, "--format", "megatron", "--dest", tmp_path / "mg")
+    result = cli("export", out, "--format", "megatron", "-o", tmp_path / "mg")  # -o: the short --dest, as elsewhere
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == (
         f"Megatron-LM: --train-data-path {tmp_path / 'mg' / 'train'} --tokenizer-type HuggingFaceTokenizer"

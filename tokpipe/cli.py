@@ -360,7 +360,9 @@ def parser() -> argparse.ArgumentParser:
 
     e = reader("export", _cmd_export, "write a finished OUT as Megatron-LM or llm.c training files")
     e.add_argument("--format", required=True, choices=("megatron", "llmc"))
-    e.add_argument("--dest", required=True, type=_here, help="folder to write to (must be empty, unless --force)")
+    e.add_argument(
+        "-o", "--dest", required=True, type=_here, help="folder to write to (must be empty, unless --force)"
+    )
     e.add_argument(
         "--force", action="store_true", help="write into a non-empty --dest, replacing files of the same names"
     )
