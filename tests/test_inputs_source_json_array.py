@@ -127,6 +127,18 @@ def test_items_cut_anywhere_by_the_blocks_are_whole(tmp_path, block):
     assert json.dumps(found) == json.dumps(json.loads(path.read_text()))  # (NaN is no NaN's equal)
 
 
+
+def test_a_number_cut_where_a_block_ends_is_read_whole(tmp_path):
+    """Items that are numbers (no documents: skipped, counted), in blocks of every size up to a number's length: cut
+    after its `.`, `e` or `+`, a number parsed as far as the block goes (`1.` of `1.5` as 1, then a `.` where a `,`
+    should be) refused a valid array."""
+    path = tmp_path / "numbers.json"
+    path.write_text("[1.5, -2.5e+20, 1234567, 1E-3, 0.25]")
+    for block in range(1, 10):
+        with open(path, "rb") as raw:
+            found = [value for values, *_ in _items(raw, str(path), "none", block) for value, _ in values]
+        assert found == [1.5, -2.5e20, 1234567, 1e-3, 0.25], block
+
 BROKEN = {
     b'[{"text": "a"},': "not a valid JSON array at item 2: the file ends inside it (truncated?)",
     b'[{"text": "a"}': "not a valid JSON array after item 1: ',' or ']' expected",

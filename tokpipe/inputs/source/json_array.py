@@ -36,6 +36,7 @@ SEPARATOR = re.compile(r"[ \t\n\r]*,[ \t\n\r]*").match  # a ',' between items
 DECODER = json.JSONDecoder()
 FIRST_KEY = re.compile(r'\{[ \t\n\r]*"(?:[^"\\]|\\.)*"')  # an object's `{` and its first key
 SCAN = DECODER.scan_once  # raw_decode's scanner, without its wrapping of an error (_Text.value's makes the message)
+NUMBER_GOES_ON = re.compile(r"[0-9.eE+-]*")  # what follows a number where the text ends may be more of it
 
 
 def is_json_array(head: bytes, path: str, kind: str) -> bool:
@@ -104,9 +105,10 @@ class _Text:
                     f"{self.path}: item {number:,} of the JSON array is nested deeper than a JSON reader reads (orjson"
                     " stops at 1,024 levels): remove or flatten it"
                 ) from None
-            if error is None and end < len(self.text):
+            if error is None and not (type(value) in (int, float) and NUMBER_GOES_ON.fullmatch(self.text, end)):
                 break
-            # A value that ends where the decoded text does may go on (a number), and an error there may be the cut.
+            # A number that ends where the decoded text does, or but for a `.`, `e` or sign after it, may go on (`1.`
+            # of `1.5` parses as 1), and an error there may be the cut.
             cut = error is None or error.pos >= len(self.text) - 6 or error.msg.startswith("Unterminated string")
             if not (cut and self.more(max(len(self.text) - self.at, 1 << 16))):  # an item's parses add up to 2x it
                 if error is None:
