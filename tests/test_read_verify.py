@@ -131,6 +131,15 @@ def test_hostile_meta_pkl_executes_nothing(out):
     assert "meta.pkl readable" in result.stdout and "builtins.print" in result.stdout
 
 
+def test_bytes_after_meta_pkl_s_pickle_are_damage(out):
+    # pickle.load stops at its STOP opcode: bytes appended after it (a second meta concatenated, a stray write) were
+    # read past, and verify held. No writer of a whole file leaves them.
+    with open(out / "meta.pkl", "ab") as meta:
+        meta.write(b"\x00\x00\x00")
+    assert failed_checks(out) == ["meta.pkl readable"]
+    result = cli("verify", out)
+    assert "UnpicklingError: 3 bytes follow its pickle" in result.stdout
+
 def reseal(out, split):
     """Recompute a split's range checksums and the parts list's sha256 in meta, as a forger would."""
     meta = load_meta_pkl(out / "meta.pkl")

@@ -423,9 +423,12 @@ def load_meta_pkl(path: str | os.PathLike, raw: bytes | None = None) -> dict:
     path = Path(path)
     raw = path.read_bytes() if raw is None else raw
     try:
-        meta = _PlainUnpickler(io.BytesIO(raw)).load()
+        stream = io.BytesIO(raw)
+        meta = _PlainUnpickler(stream).load()
         if not isinstance(meta, dict):
             raise pickle.UnpicklingError(f"meta.pkl holds a {type(meta).__name__}, not a dict")
+        if stream.tell() < len(raw):  # past pickle's STOP, where load stops reading: no whole file's write leaves any
+            raise pickle.UnpicklingError(f"{len(raw) - stream.tell():,} bytes follow its pickle")
     except Exception as e:  # whatever a garbled pickle raises (EOFError, UnpicklingError, ValueError, ...)
         raise damaged(path, e, meta_fix(path)) from None
     return meta
