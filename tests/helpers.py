@@ -1374,8 +1374,9 @@ STORE_OUT_RUN = (
     _AT_CALL
     + """
 import sys
-import tokpipe.runner.driver, tokpipe.runner.local, tokpipe.store.upload
+import tokpipe.runner.driver, tokpipe.runner.local, tokpipe.store.upload, tokpipe.write.segments
 tokpipe.store.upload.WHOLE_PUT_BYTES = int(sys.argv[1])
+tokpipe.write.segments.INDEX_EVERY = int(sys.argv[6]) or tokpipe.write.segments.INDEX_EVERY
 driver_shards, target, call, server = int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 if driver_shards:
     taken, take = [], tokpipe.runner.local._Here.take
@@ -1392,7 +1393,7 @@ else:
 if call:
     at_call(target, call, lambda: os.killpg(server, signal.SIGKILL) if server else os.kill(os.getpid(), signal.SIGKILL))
 from tokpipe import cli
-cli.main(sys.argv[6:])
+cli.main(sys.argv[7:])
 """
 )
 
@@ -1406,12 +1407,13 @@ def store_out_run(
     kill=("", 0),
     server: S3Server | None = None,
     tokenizer=QWEN3,
+    index_every=0,
 ) -> subprocess.CompletedProcess:
     """`tokpipe run` (run_args) into `url` (or a folder) as STORE_OUT_RUN runs it; `kill`: (module.function, n) to
     SIGKILL it at the n-th call, or with `server`, to SIGKILL that S3 server, which is then started again on its
-    data."""
+    data; `index_every`, if not 0: write/segments.py's INDEX_EVERY."""
     cli_args = run_args(manifest, url, *extra, tokenizer=tokenizer)
-    args = [whole_put, driver_shards, *kill, server.proc.pid if server else 0, *cli_args]
+    args = [whole_put, driver_shards, *kill, server.proc.pid if server else 0, index_every, *cli_args]
     command = [sys.executable, "-c", STORE_OUT_RUN, *map(str, args)]
     if server is None:  # unbuffered (_env): what a run killed said is what it printed
         return subprocess.run(command, capture_output=True, text=True, env=_env(None))

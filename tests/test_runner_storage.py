@@ -386,9 +386,10 @@ def test_no_concat_shards_are_checkpointed_together_and_a_reader_of_the_finished
         write_jsonl(data / f"s{n:02}.jsonl", [json.dumps({"text": text}) for text in texts[2 * n : 2 * n + 2]])
     write_manifest(build_manifest(data.parent), tmp_path / "m.json")
     url = s3_server.url(s3_prefix)
-    run = store_out_run(tmp_path / "m.json", url, "--no-concat", tokenizer=small_tokenizer)
+    run = store_out_run(tmp_path / "m.json", url, "--no-concat", tokenizer=small_tokenizer, index_every=1)
     assert run.returncode == 0, run.stdout + run.stderr
     objects = stored_objects(s3_server, s3_prefix)
+    assert not [name for name in objects if name.startswith("segments/index/")]  # a finished OUT keeps none
     files = json.loads(objects["meta.json"])["splits"]["train"]["files"]
     tokens = np.concatenate([np.frombuffer(objects[f["bin"]], dtype=np.uint16) for f in files])
     ids = reference_ids(texts, small_tokenizer / "tokenizer.json")
@@ -490,6 +491,36 @@ def test_a_segment_not_committed_before_one_that_is_is_made_again_with_the_same_
     assert "6 shards, 5.2 MiB; 3 done, 0 partial, 3 to start" in rerun.stdout
     assert f"resuming: reading which parts each of the 3 segments committed under {url} holds\n" in rerun.stdout
     _assert_split(stored_objects(s3_server, s3_prefix), "train", reference)
+    assert open_uploads(s3_server, s3_prefix) == []
+
+
+def test_a_rerun_reads_the_committed_segments_records_from_their_index_objects(
+    s3_server, s3_prefix, tmp_path, small_tokenizer
+):
+    # Killed as it finalizes, with an index object written at each commit (INDEX_EVERY 1, of 64). The rerun GETs no
+    # .json of a segment an index holds (each removed here: a GET would fail); and as in the test above, a segment whose
+    # .bin is gone is not committed, whatever an index says: its shards are tokenized again, into the same segment.
+    manifest, reference = _mixed(tmp_path, [4, 1, 1, 4, 4, 1], small_tokenizer)
+    url = s3_server.url(s3_prefix)
+    kill = ("tokpipe.write.finalize.compose_split", 1)
+    killed = store_out_run(manifest, url, kill=kill, tokenizer=small_tokenizer, index_every=1)
+    assert killed.returncode == -9, killed.stdout + killed.stderr
+    left = stored_objects(s3_server, s3_prefix)
+    indexes = [left[name] for name in left if name.startswith("segments/index/")]
+    indexed = [json.loads(line)["name"] for index in indexes for line in index.splitlines()]
+    assert sorted(indexed) == [f"segments/train/train__part-{n:02d}" for n in (0, 1, 4, 5)]
+    client = s3_server.client()
+    for name in indexed:
+        client.delete_object(Bucket=s3_server.bucket, Key=f"{s3_prefix}/{name}.json")
+    client.delete_object(Bucket=s3_server.bucket, Key=f"{s3_prefix}/segments/train/train__part-01.bin")
+    forget_stored_checkpoints(s3_server, s3_prefix, [f"shards/train/train__part-{n:02d}.json" for n in (1, 2, 3)])
+    rerun = store_out_run(manifest, url, tokenizer=small_tokenizer)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    said = "3 segments committed under {url} holds (3 in index objects, 0 a GET each)\n"
+    assert f"resuming: reading which parts each of the {said.format(url=url)}" in rerun.stdout
+    objects = stored_objects(s3_server, s3_prefix)
+    _assert_split(objects, "train", reference)
+    assert not [name for name in objects if name.startswith("segments/")]  # the index objects too
     assert open_uploads(s3_server, s3_prefix) == []
 
 

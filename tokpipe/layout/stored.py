@@ -50,6 +50,7 @@ from tokpipe.store import (
 )
 
 SEGMENTS = "segments"
+SEGMENT_INDEX = f"{SEGMENTS}/index"  # objects that each hold many committed segments' records (write/stored.py)
 SOURCES = "sources"  # a finished OUT's split files as they were, while shards appended to it are assembled
 # A segment is closed once it holds this many bytes of tokens (write/segments.py). S3's least part: the most segments
 # a split file may be composed of in one go is 10,000 (50 GB of them at this size; past it store.compose goes in two
@@ -146,6 +147,13 @@ class StoredOut:
         return self.key(SEGMENTS) + "/"
 
     @property
+    def segment_index(self) -> str:
+        return self.key(SEGMENT_INDEX) + "/"
+
+    def index_object(self, digest: str) -> str:
+        return self.key(f"{SEGMENT_INDEX}/{digest}.jsonl")
+
+    @property
     def sources(self) -> str:
         return self.key(SOURCES) + "/"
 
@@ -204,11 +212,11 @@ class StoredOut:
     def leftovers(self, concat: bool) -> list[str]:
         """The objects a finished OUT no longer needs, a second copy of tokens its split files hold: the segments
         (but with --no-concat, where they are the split's files), the parts kept for a rerun (write/stored.py
-        keep) and the split files an append moved (`sources`). Finalize removes them after meta.json; a finish
-        killed before it is done leaves them."""
+        keep), the split files an append moved (`sources`) and the segments' index objects. Finalize removes them
+        after meta.json; a finish killed before it is done leaves them."""
         found = [o.key for o in self.bucket.list(self.checkpoints) if o.key.endswith((".bin", ".idx"))]
         found += [o.key for o in self.bucket.list(self.sources)]
-        return found + ([o.key for o in self.bucket.list(self.segments)] if concat else [])
+        return found + [o.key for o in self.bucket.list(self.segments if concat else self.segment_index)]
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,9 @@ checkpoint written once all its parts are in committed segments; at the end fina
 on the server from its segments.
 
 A rerun lists OUT's prefix once: the done checkpoints (those shards are not tokenized again), the committed segments
-(read back: the parts in them are not uploaded again), the segments never committed (removed) and the multipart
-uploads a killed attempt left open (aborted). A shard done but not checkpointed (a part of it not yet in a committed
-segment when the run stopped) is tokenized again; its parts already in a segment are passed over.
+(read back, from index objects: the parts in them are not uploaded again), the segments never committed (removed)
+and the multipart uploads a killed attempt left open (aborted). A shard done but not checkpointed (a part of it not yet
+in a committed segment when the run stopped) is tokenized again; its parts already in a segment are passed over.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from tokpipe.layout.records import IDX_DTYPE
 from tokpipe.layout.run import WriteSpec, output_splits, sources
 from tokpipe.layout.stored import Entry, Segment, StoredOut, part_name
 from tokpipe.store import MIN_PART, REQUESTS_AT_ONCE, Exists, Lease, Upload, compose, put_buffers
-from tokpipe.write.segments import ClosedSegment, Gatherer, HeldParts, Kept, Spilled, part_arrays
+from tokpipe.write.segments import ClosedSegment, Gatherer, HeldParts, Kept, SegmentIndex, Spilled, part_arrays
 
 # A split's placed checkpoint objects are merged this many at a time: by a run, its own, as it writes them (on Ray a
 # commit completes about a shard); at finalize, all of them (its reruns' too) in manifest order, into objects of
@@ -204,15 +204,15 @@ class StoreAssembly:
         for cursor in self.cursors.values():
             cursor.advance()
         self.segments = Gatherer(self.out, self.spec.concat, self.itemsize)
-        self.checkpoints = StoredCheckpoints(self.out)
+        self.checkpoints, self.index = StoredCheckpoints(self.out), SegmentIndex(self.out)
         self.held_parts = HeldParts(self.out, self.spec, f"<u{self.itemsize}", self.checkpoints.of)
 
     # -- a rerun ---------------------------------------------------------------------------------------
 
     def resume(self, say: Callable[[str], None]) -> None:
-        """One LIST of OUT's prefix: done checkpoints, committed segments (read back, said first: ~2 ms of CPU a GET),
-        what killed attempts left uncommitted removed, their open uploads aborted, and the split files of a finalize
-        killed before meta.json removed (made again from the segments, which stay until meta.json is written)."""
+        """One LIST of OUT's prefix: done checkpoints, committed segments (read back: SegmentIndex), what killed
+        attempts left uncommitted removed, their open uploads aborted, and the split files of a finalize killed before
+        meta.json removed (made again from the segments, which stay until meta.json is written)."""
         bucket, out = self.out.bucket, self.out
         self.abort_uploads()
         for path in (out.layout.meta_json, out.layout.meta_pkl):  # a finished OUT's, appended to: unfinished now
@@ -220,7 +220,7 @@ class StoreAssembly:
         by_segment: dict[str, set[str]] = {}
         removed = []  # in one DeleteObjects, not a DELETE each (~30 ms at a cloud store)
         for found in bucket.list(out.prefix):
-            if self.held_parts.note(found.key) or self.checkpoints.note(found.key):
+            if self.held_parts.note(found.key) or self.checkpoints.note(found.key) or self.index.note(found.key):
                 continue
             if found.key.startswith(out.segments):
                 base, _, suffix = found.key.rpartition(".")
@@ -230,10 +230,8 @@ class StoreAssembly:
         uncommitted = [(base, suffixes) for base, suffixes in by_segment.items() if "bin" not in suffixes]
         bucket.delete_many(removed + [f"{base}.{suffix}" for base, suffixes in uncommitted for suffix in suffixes])
         bases = [base for base, suffixes in by_segment.items() if "bin" in suffixes]
-        if bases:
-            say(f"resuming: reading which parts each of the {len(bases):,} segments committed under {out} holds")
         with ThreadPoolExecutor(REQUESTS_AT_ONCE) as pool:
-            for segment in pool.map(lambda base: Segment.parse(bucket.get(f"{base}.json")[0]), bases):
+            for segment in self.index.read(bases, pool, say):
                 self._made(segment)
             self.checkpoints.read_placed(pool)
 
@@ -314,6 +312,7 @@ class StoreAssembly:
                 if entry.shard in self.waiting:
                     self.waiting[entry.shard][2].discard(entry.key)
                     touched.append(entry.shard)
+        self.index.add(segments, self.lease_check)
         self.checkpoint(touched)
 
     def lease_check(self) -> None:
