@@ -497,9 +497,10 @@ def test_a_segment_not_committed_before_one_that_is_is_made_again_with_the_same_
 def test_a_rerun_reads_the_committed_segments_records_from_their_index_objects(
     s3_server, s3_prefix, tmp_path, small_tokenizer
 ):
-    # Killed as it finalizes, with an index object written at each commit (INDEX_EVERY 1, of 64). The rerun GETs no
-    # .json of a segment an index holds (each removed here: a GET would fail); and as in the test above, a segment whose
-    # .bin is gone is not committed, whatever an index says: its shards are tokenized again, into the same segment.
+    # Killed as it finalizes, with an index object written at each commit (INDEX_EVERY 1, of 64). A reader of the
+    # unfinished OUT (inspect, report) and the rerun GET no .json of a segment an index holds (each removed here: a GET
+    # would fail); and as in the test above, a segment whose .bin is gone is not committed, whatever an index says: its
+    # shards are tokenized again, into the same segment.
     manifest, reference = _mixed(tmp_path, [4, 1, 1, 4, 4, 1], small_tokenizer)
     url = s3_server.url(s3_prefix)
     kill = ("tokpipe.write.finalize.compose_split", 1)
@@ -512,6 +513,7 @@ def test_a_rerun_reads_the_committed_segments_records_from_their_index_objects(
     client = s3_server.client()
     for name in indexed:
         client.delete_object(Bucket=s3_server.bucket, Key=f"{s3_prefix}/{name}.json")
+    assert np.array_equal(np.concatenate([np.asarray(f.tokens) for f in open_source(url, "train").files]), reference)
     client.delete_object(Bucket=s3_server.bucket, Key=f"{s3_prefix}/segments/train/train__part-01.bin")
     forget_stored_checkpoints(s3_server, s3_prefix, [f"shards/train/train__part-{n:02d}.json" for n in (1, 2, 3)])
     rerun = store_out_run(manifest, url, tokenizer=small_tokenizer)

@@ -18,7 +18,7 @@ from tokpipe.layout.checkpoints import Checkpoint, Checkpoints, PartCounts
 from tokpipe.layout.files import Layout, PartKey, damaged, rerun, split_bin_name
 from tokpipe.layout.meta import SplitEntry, SplitFile
 from tokpipe.layout.run import WriteSpec, sources
-from tokpipe.layout.stored import SOURCES, segment_parts, stored_of
+from tokpipe.layout.stored import SEGMENTS, SOURCES, Segment, indexed_segments, stored_of
 
 IDX_DTYPE = np.dtype("<i8")  # document ends, cumulative token counts
 
@@ -244,3 +244,24 @@ def unfinished_files(root: Path, manifest: Manifest, stem: str, val_fraction: fl
                 files.append(SplitFile(*names, part.tokens, part.documents, growing=True))
         shards += len(files) > before
     return files, shards
+
+
+def segment_parts(out: Path, stem: str) -> dict[tuple[str, PartKey], SplitFile]:
+    """For a reader's copy of an unfinished OUT on a store (reader_out): the parts of a split its committed segments
+    hold, by shard and part key, each a range of its segment (its record, in an index object or its .json copied with
+    the records, says what each holds; its .bin, the commit, is in the copy's listing). A part is read only where its
+    shard is checkpointed: its segment is committed then, unless it was done before an append, whose segments take it
+    anew."""
+    found, committed = {}, getattr(out, "listed", None)
+    records = (Segment.parse(record.read_bytes()) for record in (out / SEGMENTS / stem).rglob("*.json"))
+    for segment in {**indexed_segments(out), **{segment.name: segment for segment in records}}.values():
+        tokens, documents = 0, 0
+        if segment.stem != stem or (committed is not None and f"{segment.name}.bin" not in committed):
+            continue
+        for e in segment.entries:
+            # "growing": its segment is checked to hold at least the part, since other parts follow it there
+            at = {"token_offset": tokens, "doc_offset": documents, "placed": True, "growing": True}
+            names = f"{segment.name}.bin", f"{segment.name}.idx"
+            found[e.shard, (e.held, e.group)] = SplitFile(*names, e.tokens, e.documents, **at)
+            tokens, documents = tokens + e.tokens, documents + e.documents
+    return found

@@ -33,7 +33,7 @@ from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import Shard
 from tokpipe.layout.files import RECORD, Layout, PartKey, group_stem, is_out, out_folder, work_folder
 from tokpipe.layout.locks import lock_holder
-from tokpipe.layout.meta import Meta, SplitFile
+from tokpipe.layout.meta import Meta
 from tokpipe.store import (
     MIN_PART,
     REQUESTS_AT_ONCE,
@@ -309,6 +309,10 @@ def reader_out(out: str | os.PathLike, names: list[str] | None = None, segments:
         if Layout("").meta_json.name in listed:
             names = [name for name in names if not name.startswith(f"{SEGMENTS}/")]
         copy.listed = {name: o for name, o in listed.items() if name.endswith((".bin", ".idx"))}
+        indexes = [name for name in names if name.startswith(f"{SEGMENT_INDEX}/")]
+        copy_records(copy, indexes)  # then no segment's .json they hold (a GET each: 21 min for 500,000)
+        held = {f"{name}.json" for name in indexed_segments(copy)}
+        names = [name for name in names if name not in held and name not in indexes]
     copy_records(copy, names)
     return copy
 
@@ -408,23 +412,10 @@ def held_by(out: Path) -> str | None:
     return str(found) if found is not None and not found.gone(time.time()) else None
 
 
-def segment_parts(out: Path, stem: str) -> dict[tuple[str, PartKey], SplitFile]:
-    """For a reader's copy of an unfinished OUT on a store (reader_out): the parts of a split its committed segments
-    hold, by shard and part key, each a range of its segment (the segments' .json, copied with the records, say what
-    each holds; its .bin, the commit, is in the copy's listing). A part is read only where its shard is checkpointed:
-    its segment is committed then, unless it was done before an append, whose segments take it anew."""
-    found, committed = {}, getattr(out, "listed", None)
-    for record in sorted((out / SEGMENTS / stem).rglob("*.json")):
-        segment, tokens, documents = Segment.parse(record.read_bytes()), 0, 0
-        if committed is not None and f"{segment.name}.bin" not in committed:
-            continue
-        for e in segment.entries:
-            # "growing": its segment is checked to hold at least the part, since other parts follow it there
-            at = {"token_offset": tokens, "doc_offset": documents, "placed": True, "growing": True}
-            names = f"{segment.name}.bin", f"{segment.name}.idx"
-            found[e.shard, (e.held, e.group)] = SplitFile(*names, e.tokens, e.documents, **at)
-            tokens, documents = tokens + e.tokens, documents + e.documents
-    return found
+def indexed_segments(copy: Path) -> dict[str, Segment]:
+    """The segments' records a reader's copy holds in index objects (write/segments.py SegmentIndex), by name."""
+    lines = (line for path in (copy / SEGMENT_INDEX).glob("*.jsonl") for line in path.read_bytes().splitlines())
+    return {segment.name: segment for segment in map(Segment.parse, lines)}
 
 
 def shown(out: Path, name: str) -> str:
