@@ -50,7 +50,7 @@ from tokpipe.store import (
 )
 
 SEGMENTS = "segments"
-SEGMENT_INDEX = f"{SEGMENTS}/index"  # objects that each hold many committed segments' records (write/stored.py)
+SEGMENT_INDEX = f"{SEGMENTS}/index"  # objects that each hold many committed segments' records (write/segments.py)
 SOURCES = "sources"  # a finished OUT's split files as they were, while shards appended to it are assembled
 # A segment is closed once it holds this many bytes of tokens (write/segments.py). S3's least part: the most segments
 # a split file may be composed of in one go is 10,000 (50 GB of them at this size; past it store.compose goes in two
