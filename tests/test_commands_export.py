@@ -202,6 +202,20 @@ def test_unfinished_out_cannot_be_exported(killed_example, tmp_path):
         export(killed_example, "megatron", tmp_path / "d")
 
 
+@pytest.mark.parametrize("shuffle", [None, 1])
+def test_a_llmc_shard_of_a_few_tokens_has_its_header(tmp_path, small_tokenizer, shuffle):
+    # The header was written at offset 0 beside the buffered file, then the buffer's zeros over it: a shard smaller
+    # than a write buffer (8 KiB: a small split, a split's last shard) was all zeros where llm.c checks its magic.
+    write_jsonl(tmp_path / "data" / "train" / "a.jsonl", [json.dumps({"text": f"document {i}"}) for i in range(3)])
+    out = build_out(tmp_path / "out", small_tokenizer, backend="hf", dataset=tmp_path / "data")
+    export(out, "llmc", tmp_path / "llmc", shuffle=shuffle)
+    magic, version, tokens = read_llmc(tmp_path / "llmc" / "train_000000.bin")
+    assert (magic, version) == (20240520, 1)
+    expected = tokpipe_split(out, "train")[1]
+    assert (tokens.tolist() if shuffle is None else sorted(tokens.tolist())) == (
+        expected.tolist() if shuffle is None else sorted(expected.tolist())
+    )
+
 def test_llmc_s_line_names_only_the_splits_it_wrote(tmp_path, small_tokenizer):
     """A dataset of a train split alone: the line said to evaluate on val_*.bin, which no file matched."""
     write_jsonl(tmp_path / "data" / "train" / "a.jsonl", [json.dumps({"text": f"document {i}"}) for i in range(3)])

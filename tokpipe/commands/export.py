@@ -188,6 +188,7 @@ class LlmcShards:
             return
         header = np.zeros(LLMC_HEADER_INTS, dtype="<i4")
         header[:3] = *LLMC_VERSIONS[self.dtype], self.filled
+        self.f.flush()  # the placeholder out of the buffer first: flushed after, it wrote zeros over the header
         os.pwrite(self.f.fileno(), header.tobytes(), 0)
         _finish(self.f)
         self.f.close()
