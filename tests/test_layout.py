@@ -202,6 +202,16 @@ def test_each_loader_refuses_its_file_damaged_in_one_line_naming_it_and_what_to_
     )
     # The rerun's reading of the same list: its records end at the damaged line (what follows is placed again).
     assert [r["shard"] for r in read_parts(assembled, torn="stop")] == ["a"]
+    # A whole line of JSON that is no part's record (a hand's, or storage's damage: no writer leaves one) is as damaged:
+    # it was kept as a record, and the rerun failed on it ("unexpected KeyError: 'tokens'"), again at every rerun.
+    assembled.write_bytes(parts_line({"shard": "a", "tokens": 1, "documents": 1}) + b'{"x": 1}\n')
+    with pytest.raises(UserError) as refused:
+        list(read_parts(assembled, torn="cut"))
+    assert str(refused.value) == (
+        f"{assembled} is damaged (ValueError: a line that is no part's record: '{{\"x\": 1}}\\n'): {rerun}: it keeps"
+        " the parts listed before the damaged line and places the others again"
+    )
+    assert [r["shard"] for r in read_parts(assembled, torn="stop")] == ["a"]
     assembled.write_bytes(parts_line({"shard": "a", "tokens": 1, "documents": 1}) + b'{"shard": "c"')  # cut by a crash
     assert [r["shard"] for r in read_parts(assembled, torn="cut")] == ["a"]
     assert [r["shard"] for r in read_parts(assembled, torn="stop")] == ["a"]

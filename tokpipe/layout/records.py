@@ -21,6 +21,7 @@ from tokpipe.layout.run import WriteSpec, sources
 from tokpipe.layout.stored import SEGMENTS, SOURCES, Segment, indexed_segments, stored_of
 
 IDX_DTYPE = np.dtype("<i8")  # document ends, cumulative token counts
+PART_KEYS = frozenset(("shard", "tokens", "documents"))  # of every line of a parts list (part_record)
 
 # --group-by: a split may have at most this many groups, since each has files of its own in every
 # shard and in the split (a field with one value per document, an id or a url, would make a file per document).
@@ -132,7 +133,9 @@ def read_parts(source: Path | bytes, sha256: str | None = None, torn: str = "ref
                 return
             try:
                 record = orjson.loads(line)
-            except orjson.JSONDecodeError as e:
+                if type(record) is not dict or not PART_KEYS <= record.keys():  # JSON, but no part's record
+                    raise ValueError(f"a line that is no part's record: {line[:60].decode(errors='replace')!r}")
+            except ValueError as e:  # orjson's JSONDecodeError too
                 if torn == "stop":
                     return
                 raise damaged(path, e, fix) from None
