@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import logging
+import warnings
 
 import numpy as np
 
@@ -72,9 +73,13 @@ def _bar_labels(ax, y, values, labels: list[str], points: float, **style) -> Non
 
 
 def _svg(fig) -> str:
-    fig.tight_layout()
     buf = io.StringIO()
-    fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
+    # A label in a script its font lacks (a group named in Chinese: FineWeb-2's languages) is drawn as boxes, and the
+    # table beside the chart names it exactly; matplotlib warned on the terminal for each glyph, twice.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"Glyph \d+ .* missing from font", UserWarning)
+        fig.tight_layout()
+        fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
     _plt().close(fig)
     text = buf.getvalue()
     return text[text.index("<svg") :]
