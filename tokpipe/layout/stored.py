@@ -412,10 +412,19 @@ def held_by(out: Path) -> str | None:
     return str(found) if found is not None and not found.gone(time.time()) else None
 
 
+def index_record(segments: list[Segment]) -> bytes:
+    """An index object's bytes (write/segments.py SegmentIndex): its segments' records, a line each."""
+    return b"".join(segment.record() + b"\n" for segment in segments)
+
+
+def indexed(raw: bytes) -> list[Segment]:
+    """The segments' records an index object holds (index_record)."""
+    return [Segment.parse(line) for line in raw.splitlines()]
+
+
 def indexed_segments(copy: Path) -> dict[str, Segment]:
-    """The segments' records a reader's copy holds in index objects (write/segments.py SegmentIndex), by name."""
-    lines = (line for path in (copy / SEGMENT_INDEX).glob("*.jsonl") for line in path.read_bytes().splitlines())
-    return {segment.name: segment for segment in map(Segment.parse, lines)}
+    """The segments' records a reader's copy holds in index objects, by name."""
+    return {s.name: s for path in (copy / SEGMENT_INDEX).glob("*.jsonl") for s in indexed(path.read_bytes())}
 
 
 def shown(out: Path, name: str) -> str:

@@ -42,7 +42,7 @@ from tokpipe.layout.checkpoints import Checkpoint, PartCounts
 from tokpipe.layout.files import ShardFiles
 from tokpipe.layout.records import IDX_DTYPE, parts_of, read_parts, record_key
 from tokpipe.layout.run import WriteSpec
-from tokpipe.layout.stored import SEGMENT_BYTES, Entry, Segment, StoredOut
+from tokpipe.layout.stored import SEGMENT_BYTES, Entry, Segment, StoredOut, index_record, indexed
 
 # A kept part's tokens are read in ranged GETs of this many bytes into a file of the node's (Kept.arrays).
 KEPT_READ_BYTES = 16 << 20
@@ -286,20 +286,20 @@ class SegmentIndex:
         """The records of the committed segments at these keys (less their suffix), said first: an index object's where
         it has one (the segment's .bin listed: committed, and not removed since), else its .json's, a GET each."""
         raws = pool.map(lambda key: self.out.bucket.get(key)[0], self.listed)
-        indexed = {self.out.key(s.name): s for raw in raws for s in map(Segment.parse, raw.splitlines())}
-        unread = [base for base in bases if base not in indexed]
+        held = {self.out.key(s.name): s for raw in raws for s in indexed(raw)}
+        unread = [base for base in bases if base not in held]
         if bases:
             how = f" ({len(bases) - len(unread):,} in index objects, {len(unread):,} a GET each)" if self.listed else ""
             said = f"reading which parts each of the {len(bases):,} segments committed under {self.out} holds"
             say(f"resuming: {said}{how}")
         self.unindexed = list(pool.map(lambda base: Segment.parse(self.out.bucket.get(f"{base}.json")[0]), unread))
-        return [indexed[base] for base in bases if base in indexed] + self.unindexed
+        return [held[base] for base in bases if base in held] + self.unindexed
 
     def add(self, segments: list[Segment], lease_check: Callable[[], None]) -> None:
         """Segments committed: every INDEX_EVERY of them (and those `read` GET) into an index object."""
         self.unindexed += segments
         if len(self.unindexed) >= INDEX_EVERY:
-            data = b"".join(segment.record() + b"\n" for segment in self.unindexed)
+            data = index_record(self.unindexed)
             lease_check()
             self.out.bucket.put(self.out.index_object(hashlib.sha256(data).hexdigest()[:16]), data)
             self.unindexed = []
