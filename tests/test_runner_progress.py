@@ -50,3 +50,15 @@ def test_the_busy_share_follows_nodes_that_join_and_are_lost(tmp_path, clock):
         "tokenize 25.0s, 0.0 MB of input read (0.0 MB/s), workers busy 80% (1-3 workers, 55.0s of worker time,"
         " 44.0s on shards)"
     )
+
+
+def test_a_run_with_no_shard_left_to_tokenize_finalizes_from_the_end_of_its_plan(tmp_path, clock):
+    # A rerun after a finish was killed: every shard done, its split files made again from 100 s to 104 s.
+    timeline = Timeline(90.0, series=Series(tmp_path))
+    clock[0] = 100.0
+    timeline.finalizing()
+    assert timeline.report(104.0, TOKENS).split(" | ")[0::2] == [
+        "phases: plan 10.0s",
+        "finalize 4.00s: 4.0 MB of tokens, 0.0 MB of them assembled while tokenizing,"
+        " 4.0 MB after (0.00 GB/s)",
+    ]

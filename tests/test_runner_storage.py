@@ -12,6 +12,8 @@ import shlex
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -125,6 +127,12 @@ def test_a_run_into_a_store_is_the_reference_and_leaves_no_segment_and_no_open_u
     secret = s3_server.secret.encode()  # in no object of OUT (run.json, the logs, ...), and in nothing printed
     assert [name for name, body in objects.items() if secret in body] == []
     assert secret.decode() not in run.stdout + run.stderr
+    # A rerun has nothing to do; the logs stay the run's (appended to, as on disk, not replaced by the rerun's own).
+    rerun = store_out_run(manifest, url, tokenizer=small_tokenizer)
+    assert rerun.stdout.startswith(f"{url} is already finished"), rerun.stdout + rerun.stderr
+    logs = {name: body for name, body in objects.items() if name.startswith("logs/")}
+    assert set(logs) == {"logs/run.log", "logs/progress.json", "logs/series.jsonl", "logs/skipped.json"}
+    assert {name: body for name, body in stored_objects(s3_server, s3_prefix).items() if name in logs} == logs
 
 
 @pytest.fixture
@@ -182,6 +190,7 @@ def test_a_kill_9_at_every_moment_of_a_run_into_a_store_then_the_same_command_is
     for moment in ("meta.json written, the segments not yet removed", "the rerun removing what that finish left"):
         _, left, _, status = found[moment]
         assert len([name for name in left if name.startswith("segments/")]) == 6, moment  # 2 segments' 3 objects
+        assert "logs/skipped.json" in left, moment  # of OUT's files, before meta as on disk
         assert status[:2] == [
             f"{url}: finished",
             f"LEFT OVER: 6 objects under {url} that a finish killed after meta.json left (a second copy of tokens,"
@@ -323,6 +332,47 @@ def test_a_second_run_is_refused_in_one_line_while_the_first_holds_the_lease(
         refused.stderr,
     )
     assert set(stored_objects(s3_server, s3_prefix)) == set()  # refused before any work: not even run.json
+
+
+# A run stopped (Ctrl-Z, a paused VM) past its lease while another run on this machine took OUT over: at its first
+# checkpoint, OUT/.lock is the other run's, the records folder holds the other's log (its start removed this run's),
+# and this run's last renewal is a lease's length ago. The driver tokenizes alone (no Ray).
+TAKEN_OVER_RUN = """
+import json, shutil, sys, time
+import tokpipe.runner.driver, tokpipe.write.stored
+tokpipe.runner.driver.RAY_PAYS = tokpipe.runner.driver.LOCAL_SECONDS = float("inf")
+checkpoint = tokpipe.write.stored.StoreAssembly.checkpoint
+def taken_over(assembly, relpaths):
+    lease = assembly.lease
+    if lease.etag is not None and lease.bucket.get(lease.key)[1] == lease.etag:  # still this run's: take it
+        other = {"host": "another-machine", "pid": 1, "renewed": time.time(), "seconds": 60.0, "machine": None}
+        lease.bucket.put(lease.key, json.dumps(other).encode())
+        shutil.rmtree(assembly.out.work)
+        (assembly.out.work / "logs").mkdir(parents=True)
+        (assembly.out.work / "logs" / "run.log").write_text("the other run's log\\n")
+        lease.renewed -= lease.seconds + 1
+    return checkpoint(assembly, relpaths)
+tokpipe.write.stored.StoreAssembly.checkpoint = taken_over
+from tokpipe import cli
+cli.main(sys.argv[1:])
+"""
+
+
+def test_a_run_stopped_while_another_took_its_out_over_stops_saying_so_and_leaves_the_other_s_files_alone(
+    s3_server, s3_prefix, manifest, small_tokenizer
+):
+    url = s3_server.url(s3_prefix)
+    args = run_args(manifest, url, tokenizer=small_tokenizer)
+    stopped = subprocess.run([sys.executable, "-c", TAKEN_OVER_RUN, *map(str, args)], capture_output=True, text=True)
+    assert stopped.returncode == 2, stopped.stdout + stopped.stderr
+    assert stopped.stderr.splitlines()[-1] == (
+        f"tokpipe run: error: {url}/.lock: another tokpipe run took over OUT's lease (this run did not renew it in"
+        " time); nothing it wrote is lost: rerun the command"
+    )
+    objects = stored_objects(s3_server, s3_prefix)
+    assert json.loads(objects[".lock"])["host"] == "another-machine"
+    assert not [name for name in objects if name.startswith(("logs/", "shards/"))]  # nothing written once taken
+    assert (StoredOut.of(url).work / "logs" / "run.log").read_text() == "the other run's log\n"  # no stop note in it
 
 
 def test_held_out_documents_through_the_store(s3_server, s3_prefix, manifest, small_tokenizer, small_reference):

@@ -93,6 +93,21 @@ def test_a_lease_is_renewed_while_held_and_taken_over_once_it_has_expired(s3_ser
     taker.release()
 
 
+def test_a_run_stopped_past_its_lease_learns_at_its_next_write_that_another_took_it(s3_server, s3_prefix):
+    # Ctrl-Z, a paused VM: the holder's process stood still past its lease's end, and another run took OUT over. On
+    # going on, its first check before a write asks the store, not its renewal thread (due at its next third of the
+    # lease, or yet to run: the write came first).
+    with _lease(s3_server, s3_prefix) as held:
+        held.check()  # renewed just now: no request
+        record = _record(held) | {"host": "another-machine", "renewed": time.time()}
+        held.bucket.put(held.key, json.dumps(record).encode())  # the other run's lease
+        held.check()  # within its lease: OUT is still this run's, by its own clock, whatever the store holds
+        held.renewed -= 60.0 + 1  # stood still past its lease
+        with pytest.raises(UserError, match="took over OUT's lease"):
+            held.check()
+    assert _record(held)["host"] == "another-machine"  # the other run's lease left alone
+
+
 def test_a_lease_held_by_a_process_of_this_machine_that_is_gone_is_taken_at_once(s3_server, s3_prefix):
     # A run killed with kill -9: its lease lives on for a minute, but its process is gone.
     code = (

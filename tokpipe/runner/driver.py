@@ -389,7 +389,7 @@ def _run(
         with out.held(manifest, info, opts, tell) as manifest:
             run = _Run(manifest, out, info, opts, RunLog(out.records), clock, cluster, tell, handover, helpers)
             cluster.log_to(Layout(out.records).log(RAY_LOG), run.log, out.save_logs)  # OUT is this run's from here
-            with _stop_noted(run.log):
+            with _stop_noted(run):
                 if finished_with(meta := out.finished(), manifest):
                     out.clean(meta, tell)
                     return _nothing_to_do(out, meta, clock, tell)
@@ -400,18 +400,20 @@ def _run(
 
 
 @contextlib.contextmanager
-def _stop_noted(log: RunLog):
+def _stop_noted(run: _Run):
     """What stops the run, in run.log's last line (STOPPED), where `tokpipe status` says it: without it, a run stopped
-    by a full disk or a lost cluster was "killed or crashed" there."""
+    by a full disk or a lost cluster was "killed or crashed" there. OUT taken over by another run: said, not noted."""
     try:
         yield
     except BaseException as e:
+        if isinstance(e, Exception):
+            run.out.still_held()
         if isinstance(e, KeyboardInterrupt):
             why = "terminated (SIGTERM)" if terminated(e) else "interrupted (Ctrl-C)"
         else:
             why = str(e) if isinstance(e, (UserError, RayUnavailable)) else describe_failure(e)
         with contextlib.suppress(OSError):  # a full disk: the error to say is the run's, not the note's
-            log(STOPPED + why)
+            run.log(STOPPED + why)
         raise
 
 
@@ -435,7 +437,7 @@ def _nothing_to_do(out: Folder | Prefix, meta: Meta, clock: Timeline, tell: List
 
 def _finalize(run: _Run, assembler, tally: Tally, redone: int) -> RunSummary:
     """The last copies and meta; then what the run made, as a value."""
-    run.clock.series.mark("finalize")
+    run.clock.finalizing()
     meta = Meta.of(run.out.finalize(assembler, run.manifest, run.info, run.opts.output, tally.failed))
     seconds = time.monotonic() - run.clock.start
     phases = run.clock.report(time.monotonic(), meta)

@@ -32,7 +32,7 @@ from tokpipe.fmt import plural
 from tokpipe.inputs.manifest import Manifest, Shard, load_manifest, write_manifest
 from tokpipe.inputs.tokenizer import TokenizerInfo
 from tokpipe.layout.checkpoints import Checkpoint, Checkpoints
-from tokpipe.layout.files import Layout, LayoutWriter, is_out, out_folder
+from tokpipe.layout.files import RUN_LOG, SERIES, Layout, LayoutWriter, is_out, out_folder
 from tokpipe.layout.meta import Meta, load_meta
 from tokpipe.layout.run import WriteSpec, load_run
 from tokpipe.layout.stored import StoredOut, on_store
@@ -78,6 +78,9 @@ class Storage:
     def save_logs(self) -> None:
         """The run's logs where OUT's readers look, before a process that ends at once (Ray's head lost): a folder's
         are there already."""
+
+    def still_held(self) -> None:
+        """Raise (UserError) where OUT is no longer this run's: a folder's lock is held until the process ends."""
 
 
 class Folder(Storage):
@@ -236,13 +239,20 @@ class Prefix(Storage):
             try:
                 yield self._record(manifest, info, opts, tell)
             finally:
-                if self.out.upload_logs():
-                    shutil.rmtree(self.records, ignore_errors=True)
-                else:  # the one copy of them
-                    tell(Said(f"the store did not take this run's logs: they are in {self.records / 'logs'}"))
+                if self.lease.lost is None:  # else OUT, and on this machine the records folder too, are the other's
+                    if self.out.upload_logs():
+                        shutil.rmtree(self.records, ignore_errors=True)
+                    else:  # the one copy of them
+                        tell(Said(f"the store did not take this run's logs: they are in {self.records / 'logs'}"))
 
     def save_logs(self) -> None:
         self.out.upload_logs()  # the stop note with them, for `tokpipe status` on any machine
+
+    def still_held(self) -> None:
+        # Taken over while this run was stopped (Ctrl-Z, a paused VM), by a run on this machine maybe, which removed
+        # this one's records as an earlier attempt's: whatever failed first, that is why.
+        with contextlib.suppress(OSError):
+            self.lease.check()
 
     def _record(self, manifest: Manifest, info: TokenizerInfo, opts: RunOptions, tell: Listener) -> Manifest:
         """Refuse an OUT that holds a run with other inputs, but a manifest that only gained shards (`_append`); start
@@ -269,6 +279,11 @@ class Prefix(Storage):
             tell(Said(f"{out} holds no token yet: starting it over with these inputs ({describe_changes(changed)})"))
         if changed:  # said above, for OUT: not again for the local records, which hold no token ("starting over")
             layout.run_json.unlink()
+        # The logs every attempt appends to, as on disk (the upload at the end replaces them); none if started over.
+        for path in (layout.log(RUN_LOG), layout.log(SERIES)):
+            if (found := bucket.get(out.of_local(path))) is not None:
+                path.parent.mkdir(exist_ok=True)
+                path.write_bytes(found[0])
         record_run(self.records, manifest, info, opts, tell)
         write_manifest(manifest, layout.manifest)
         for path in (layout.run_json, layout.manifest):

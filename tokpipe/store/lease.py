@@ -3,11 +3,13 @@ flock, and a run killed with kill -9 (or a lost node, a preempted machine) never
 
 OUT/.lock is made only where there is none (`If-None-Match: *`), holding who holds it and when it last said so;
 the live run says so again every `seconds / 3` (a PUT `If-Match` its ETag: a run whose lease was taken learns it
-there, and stops). It is removed at the end (DELETE `If-Match`). Another run that finds it is refused in one line
-while the lease is live; once it has expired (nothing renewed it for `seconds`, by the finder's clock, less
-SKEW), or at once when its holder is a process of this machine (its host name, boot and PID namespace) that is
-gone, it is taken over by a PUT `If-Match` its ETag: of two runs taking it at once, one wins. So after a kill -9
-the same command resumes: at once on the same machine, within a lease on another.
+there, and stops), and before it writes (`check`) where it has not for `seconds`: a run stopped (Ctrl-Z, a paused
+VM) while another took OUT over learns it before its first write once it goes on. It is removed at the end (DELETE
+`If-Match`). Another run that finds it is refused in one line while the lease is live; once it has expired (nothing
+renewed it for `seconds`, by the finder's clock, less SKEW), or at once when its holder is a process of this
+machine (its host name, boot and PID namespace) that is gone, it is taken over by a PUT `If-Match` its ETag: of two
+runs taking it at once, one wins. So after a kill -9 the same command resumes: at once on the same machine, within
+a lease on another.
 """
 
 from __future__ import annotations
@@ -84,21 +86,25 @@ class Lease:
     seconds: float = LEASE_SECONDS
     etag: str | None = None
     lost: str | None = None  # why the lease is no longer this run's (another run took it over), once it is not
+    renewed: float = 0.0  # unix time of this run's last renewal (Holder.renewed)
+    _renewing: threading.Lock = field(default_factory=threading.Lock)  # the thread's renewal and check's, one at a time
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
-    def _record(self) -> bytes:
-        holder = Holder(socket.gethostname(), os.getpid(), time.time(), self.seconds, this_machine())
-        return json.dumps(holder.__dict__).encode()
+    def _put(self, **condition) -> None:
+        """OUT/.lock written as this run's, now, on `condition` (bucket.put's)."""
+        now = time.time()
+        holder = Holder(socket.gethostname(), os.getpid(), now, self.seconds, this_machine())
+        self.etag, self.renewed = self.bucket.put(self.key, json.dumps(holder.__dict__).encode(), **condition), now
 
     def acquire(self) -> None:
         """Hold OUT, or refuse (UserError, one line) while another run's lease is live."""
         with contextlib.suppress(Exists):
-            self.etag = self.bucket.put(self.key, self._record(), create=True)
+            self._put(create=True)
             return
         found = self.bucket.get(self.key)
         if found is None:  # released between our create and this read: try once more
-            self.etag = self.bucket.put(self.key, self._record(), create=True)
+            self._put(create=True)
             return
         raw, etag = found
         holder = Holder.read(raw)
@@ -110,7 +116,7 @@ class Lease:
                 " when its lease ends)"
             )
         try:  # expired, gone, or not a lease tokpipe wrote: take it, unless another run takes it first
-            self.etag = self.bucket.put(self.key, self._record(), if_match=etag)
+            self._put(if_match=etag)
         except Exists:
             raise UserError(
                 f"{self.bucket.where(self.key).removesuffix('/.lock')} was taken by another tokpipe run just now;"
@@ -119,10 +125,12 @@ class Lease:
 
     def renew(self) -> None:
         """Say again that OUT is held; a lease another run took over (this one was silent past its end) is lost."""
-        try:
-            self.etag = self.bucket.put(self.key, self._record(), if_match=self.etag)
-        except Exists:
-            self.lost = "another tokpipe run took over OUT's lease (this run did not renew it in time)"
+        with self._renewing:
+            if self.lost is None:
+                try:
+                    self._put(if_match=self.etag)
+                except Exists:
+                    self.lost = "another tokpipe run took over OUT's lease (this run did not renew it in time)"
 
     def release(self) -> None:
         if self.lost is None and self.etag is not None:
@@ -131,7 +139,10 @@ class Lease:
         self.etag = None
 
     def check(self) -> None:
-        """Raise (UserError) once the lease is lost: the run must stop writing OUT."""
+        """Raise (UserError) once the lease is lost: the run must stop writing OUT. Unrenewed for its length (the
+        process stopped, the store away), the lease may be another's: renewed first, which tells."""
+        if self.lost is None and time.time() - self.renewed > self.seconds:
+            self.renew()
         if self.lost is not None:
             raise UserError(f"{self.bucket.where(self.key)}: {self.lost}; nothing it wrote is lost: rerun the command")
 

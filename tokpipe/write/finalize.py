@@ -155,6 +155,7 @@ def finalize_stored(
         splits[split] = split_entry(stem, raw, spec)
     write_skip_log(out.work, splits)
     refuse_empty_splits(out.work, splits, spec.text_field)
+    out.bucket.put(out.of_local(layout.log(SKIPPED)), layout.log(SKIPPED).read_bytes())  # OUT's before meta, as on disk
     meta = meta_of(info, spec, splits, excluded, manifest)
     assembly.checkpoints.compact(manifest)
     assembly.lease_check()

@@ -336,6 +336,8 @@ class StoreAssembly:
         """The segments whose turn has come uploaded from here (a run without Ray), REQUESTS_AT_ONCE at once (2,000
         groups' at 20 ms an answer: 291 s one after another, 28 s so), committed as they are up (COMMIT_EVERY)."""
         ready, done, since = self.ready(excluded), 0, time.monotonic()
+        if ready:
+            self.lease_check()
         with ThreadPoolExecutor(REQUESTS_AT_ONCE) as pool:
             for n, _ in enumerate(pool.map(lambda planned: upload_closed(self.out, planned), ready), 1):
                 if n == len(ready) or time.monotonic() - since >= COMMIT_EVERY:
