@@ -411,6 +411,11 @@ def test_shards_that_resolve_outside_the_dataset_are_refused_unless_allowed(tmp_
     outside = write_jsonl(tmp_path / "elsewhere" / "secret.jsonl", ['{"text": "x"}'])
     data = tmp_path / "data"
     write_jsonl(data / "train" / "a.jsonl", ['{"text": "y"}'])
+    # A link outside to nothing is said to be a link to nothing: --allow-outside would not help.
+    (data / "train" / "b.jsonl").symlink_to(tmp_path / "elsewhere" / "gone.jsonl")
+    with pytest.raises(UserError, match=r"^train/b.jsonl is a link to .*/gone.jsonl, which does not exist: re"):
+        build_manifest(data)
+    (data / "train" / "b.jsonl").unlink()
     (data / "train" / "b.jsonl").symlink_to(outside)
     with pytest.raises(UserError, match="outside the dataset folder.*--allow-outside"):
         build_manifest(data)

@@ -203,12 +203,12 @@ def _identity(folder: Path) -> tuple[int, int]:
 
 def _shard(pointed: Path, relpath: str, split: str, base: Path, allow_outside: bool) -> Shard:
     source = pointed.resolve()
-    if not allow_outside:
-        _check_inside(str(source), relpath, str(base))
-    try:
+    try:  # first: a link to nothing is refused as such, not as outside, where --allow-outside was no help
         st = source.stat()
     except FileNotFoundError:
         raise UserError(f"{relpath} is a link to {source}, which does not exist: re-download the dataset") from None
+    if not allow_outside:
+        _check_inside(str(source), relpath, str(base))
     # A named pipe (or a device) is no shard: reading it may block forever, and its size says nothing.
     if not stat.S_ISREG(st.st_mode):
         raise UserError(
