@@ -432,6 +432,7 @@ def test_a_failed_shard_keeps_the_shards_done_after_it_and_the_rerun_reads_only_
         # The failed task's second return (its shards' buffered parts) read too: Ray logged it unhandled once dropped.
         assert "Unhandled error" not in failed.stderr + logs["logs/ray.log"].decode()
 
+    assert json.loads(out_files(out, server)["logs/failed.json"]).keys() == {"train/s02.jsonl.zst"}
     listed = cut.stat().st_size  # the shard's size in the manifest, which the progress counts it by
     cut.write_bytes(whole)
     rerun = tokpipe(*args, ray=address)
@@ -445,6 +446,7 @@ def test_a_failed_shard_keeps_the_shards_done_after_it_and_the_rerun_reads_only_
         np.frombuffer(left["train.bin"], dtype=np.uint16), reference_tokens(files, tokenizer, eos, np.uint16)
     )
     assert not [name for name in left if name.startswith(("shards/", "segments/")) and name.endswith((".bin", ".idx"))]
+    assert "logs/failed.json" not in left  # the last attempt's verdict: none failed
     assert cli("verify", out).returncode == 0
 
 

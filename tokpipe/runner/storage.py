@@ -32,7 +32,7 @@ from tokpipe.fmt import plural
 from tokpipe.inputs.manifest import Manifest, Shard, load_manifest, write_manifest
 from tokpipe.inputs.tokenizer import TokenizerInfo
 from tokpipe.layout.checkpoints import Checkpoint, Checkpoints
-from tokpipe.layout.files import RUN_LOG, SERIES, Layout, LayoutWriter, is_out, out_folder
+from tokpipe.layout.files import FAILED, RUN_LOG, SERIES, Layout, LayoutWriter, is_out, out_folder
 from tokpipe.layout.meta import Meta, load_meta
 from tokpipe.layout.run import WriteSpec, load_run
 from tokpipe.layout.stored import StoredOut, on_store
@@ -279,8 +279,9 @@ class Prefix(Storage):
             tell(Said(f"{out} holds no token yet: starting it over with these inputs ({describe_changes(changed)})"))
         if changed:  # said above, for OUT: not again for the local records, which hold no token ("starting over")
             layout.run_json.unlink()
-        # The logs every attempt appends to, as on disk (the upload at the end replaces them); none if started over.
-        for path in (layout.log(RUN_LOG), layout.log(SERIES)):
+        # The logs every attempt appends to, and the last failures, as on disk (the upload at the end replaces them);
+        # none if started over.
+        for path in (layout.log(RUN_LOG), layout.log(SERIES), layout.log(FAILED)):
             if (found := bucket.get(out.of_local(path))) is not None:
                 path.parent.mkdir(exist_ok=True)
                 path.write_bytes(found[0])
