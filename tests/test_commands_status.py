@@ -274,7 +274,7 @@ def test_a_run_refused_before_its_first_token_is_said_with_what_to_change(tmp_pa
     record_run(out, manifest, load_tokenizer_info(QWEN3), RunOptions(workers=2))
     write_manifest(manifest, out / "manifest.json")
     error = "node 10.0.0.7 cannot see OUT: mount it there, and rerun the same command"
-    with pytest.raises(UserError), refusals_noted(out):
+    with pytest.raises(UserError), refusals_noted(out, lambda: True):
         raise UserError(error)
     st = status(out)
     assert (st.state, st.refused) == ("stopped", error)

@@ -375,6 +375,29 @@ def test_a_run_stopped_while_another_took_its_out_over_stops_saying_so_and_leave
     assert (StoredOut.of(url).work / "logs" / "run.log").read_text() == "the other run's log\n"  # no stop note in it
 
 
+def test_a_refused_run_is_noted_on_the_store_and_its_fix_is_what_status_says_next(
+    s3_server, s3_prefix, manifest, small_tokenizer
+):
+    # As in a folder (test_runner_identity.py): a run refused before OUT holds a token notes it in logs/refused.json,
+    # and status gives the corrected command; the corrected run removes the note, and its log follows the refused one.
+    url = s3_server.url(s3_prefix)
+    refused = cli(*run_args(manifest, url, "--text-field", "body", tokenizer=small_tokenizer))
+    error = (
+        "no document has a 'body' field in the first lines of each split's first shard; their fields: meta, text: pass"
+        " --text-field NAME (e.g. --text-field text)"
+    )
+    assert (refused.returncode, refused.stderr) == (2, f"tokpipe run: error: {error}\n")
+    status = cli("status", url).stdout.splitlines()
+    assert status[0] == f"{url}: holds no token yet; the last run was refused: {error}"
+    assert status[-1].endswith(f"--out {url} --text-field text")
+    corrected = store_out_run(manifest, url, "--text-field", "text", tokenizer=small_tokenizer)
+    assert corrected.returncode == 0, corrected.stdout + corrected.stderr
+    logs = {name: body for name, body in stored_objects(s3_server, s3_prefix).items() if name.startswith("logs/")}
+    assert "logs/refused.json" not in logs
+    said = [line.split(" ", 2)[2].split(":")[0] for line in logs["logs/run.log"].decode().splitlines()]
+    assert said == ["run", "stopped", "run", "backend fastokens", "phases", "finished"]
+
+
 def test_held_out_documents_through_the_store(s3_server, s3_prefix, manifest, small_tokenizer, small_reference):
     url = s3_server.url(s3_prefix)
     run = store_out_run(manifest, url, "--val-fraction", "0.1", tokenizer=small_tokenizer)

@@ -31,7 +31,7 @@ import orjson
 
 from tokpipe.errors import UserError
 from tokpipe.inputs.manifest import Shard
-from tokpipe.layout.files import FAILED, RECORD, Layout, PartKey, group_stem, is_out, out_folder, work_folder
+from tokpipe.layout.files import FAILED, RECORD, REFUSED, Layout, PartKey, group_stem, is_out, out_folder, work_folder
 from tokpipe.layout.locks import lock_holder
 from tokpipe.layout.meta import Meta
 from tokpipe.store import (
@@ -205,8 +205,8 @@ class StoredOut:
         try:
             for path in sorted(logs.iterdir()) if logs.is_dir() else []:
                 self.bucket.put(self.of_local(path), path.read_bytes())
-            if not (logs / FAILED).exists():  # downloaded at the start: this run found no shard failing
-                self.bucket.delete(self.of_local(logs / FAILED))
+            gone = [self.of_local(logs / name) for name in (FAILED, REFUSED) if not (logs / name).exists()]
+            self.bucket.delete_many(gone)  # verdicts downloaded at the start, removed by this run (as on disk)
         except OSError:
             return False
         return True

@@ -106,13 +106,14 @@ def check_options(opts: RunOptions, info: TokenizerInfo, tokenizer) -> None:
 
 
 @contextmanager
-def refusals_noted(out: Path):
-    """Note a refusal of this run in OUT (logs/refused.json) when OUT holds no token: the command that works
-    there is then the corrected one (`tokpipe status` prints it), not the one run.json records."""
+def refusals_noted(out: Path, holds_no_token: Callable[[], bool]):
+    """Note a refusal of this run in `out`'s logs (refused.json) when OUT holds no token (and is still this run's):
+    the command that works there is then the corrected one (`tokpipe status` prints it), not the one run.json
+    records."""
     try:
         yield
     except UserError as e:
-        if Layout(out).run_json.exists() and not LayoutWriter(out).holds_tokens():
+        if Layout(out).run_json.exists() and holds_no_token():
             LayoutWriter(out).write_log(REFUSED, {"error": str(e), "fix": e.fix})
         raise
 

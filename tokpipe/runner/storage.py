@@ -32,7 +32,7 @@ from tokpipe.fmt import plural
 from tokpipe.inputs.manifest import Manifest, Shard, load_manifest, write_manifest
 from tokpipe.inputs.tokenizer import TokenizerInfo
 from tokpipe.layout.checkpoints import Checkpoint, Checkpoints
-from tokpipe.layout.files import FAILED, RUN_LOG, SERIES, Layout, LayoutWriter, is_out, out_folder
+from tokpipe.layout.files import FAILED, REFUSED, RUN_LOG, SERIES, Layout, LayoutWriter, is_out, out_folder
 from tokpipe.layout.meta import Meta, load_meta
 from tokpipe.layout.run import WriteSpec, load_run
 from tokpipe.layout.stored import StoredOut, on_store
@@ -130,8 +130,8 @@ class Folder(Storage):
     def held(self, manifest: Manifest, info: TokenizerInfo, opts: RunOptions, tell: Listener) -> Iterator[Manifest]:
         if load_run(Layout(self.path)) is None:  # before OUT holds a file of this run's (its lock, its logs)
             refuse_foreign(self.path, os.listdir(self.path))
-        self.tell = tell
-        with LayoutWriter(self.path).lock(), refusals_noted(self.path):
+        self.tell, writer = tell, LayoutWriter(self.path)
+        with writer.lock(), refusals_noted(self.path, lambda: not writer.holds_tokens()):
             record_run(self.path, manifest, info, opts, tell)
             write_manifest(manifest, Layout(self.path).manifest)  # what `verify --sample` and `status` read
             yield replace(manifest, source=Layout(self.path).manifest)
@@ -236,8 +236,14 @@ class Prefix(Storage):
         with self.out.lease() as self.lease:
             shutil.rmtree(self.records, ignore_errors=True)  # what an earlier attempt on this machine left
             self.records.mkdir(parents=True)
+            # The logs every attempt appends to, and the last verdicts, as on disk: the upload at the end replaces them.
+            for name in (RUN_LOG, SERIES, FAILED, REFUSED):
+                if (found := self.out.bucket.get(self.out.of_local(self.out.layout.log(name)))) is not None:
+                    self.out.layout.log(name).parent.mkdir(exist_ok=True)
+                    self.out.layout.log(name).write_bytes(found[0])
             try:
-                yield self._record(manifest, info, opts, tell)
+                with refusals_noted(self.records, lambda: self.lease.lost is None and not self.out.holds_tokens()):
+                    yield self._record(manifest, info, opts, tell)
             finally:
                 if self.lease.lost is None:  # else OUT, and on this machine the records folder too, are the other's
                     if self.out.upload_logs():
@@ -279,12 +285,6 @@ class Prefix(Storage):
             tell(Said(f"{out} holds no token yet: starting it over with these inputs ({describe_changes(changed)})"))
         if changed:  # said above, for OUT: not again for the local records, which hold no token ("starting over")
             layout.run_json.unlink()
-        # The logs every attempt appends to, and the last failures, as on disk (the upload at the end replaces them);
-        # none if started over.
-        for path in (layout.log(RUN_LOG), layout.log(SERIES), layout.log(FAILED)):
-            if (found := bucket.get(out.of_local(path))) is not None:
-                path.parent.mkdir(exist_ok=True)
-                path.write_bytes(found[0])
         record_run(self.records, manifest, info, opts, tell)
         write_manifest(manifest, layout.manifest)
         for path in (layout.run_json, layout.manifest):
