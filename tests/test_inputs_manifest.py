@@ -342,12 +342,27 @@ def test_a_folder_above_a_cache_is_refused_naming_the_cache(tmp_path, where, req
     assert api.build_manifest(cache, repo_id="other/set").counts == {"train": 2, "validation": 1}
 
 
+# What stands where a shard's bytes should, which every run of it failed ("not JSON Lines"): a clone without git-lfs
+# (each shard a ~130-byte pointer), and a snapshot copied out of a cache whose links are files (shared/data's).
+POINTERS = {
+    "a Git LFS pointer": (
+        "version https://git-lfs.github.com/spec/v1\noid sha256:" + "4d" * 32 + "\nsize 1494179\n",
+        "is a Git LFS pointer, not its data (a clone without git-lfs): fetch the data (`git lfs pull`, or `hf download"
+        " ORG/NAME --repo-type dataset`), then run the manifest",
+    ),
+    "a cache's link as a file": (
+        "../../../../blobs/" + "ac" * 32,
+        f"is a Hugging Face cache's link written as a file (../../../../blobs/{'ac' * 32}), not its data: give"
+        " --dataset-dir the cache it was copied from, whose blobs/ holds the data",
+    ),
+}
+
+
+@pytest.mark.parametrize("pointer", POINTERS)
 @pytest.mark.parametrize("where", ["a folder", "a store"])
-def test_a_git_lfs_pointer_where_a_shard_should_be_is_refused(tmp_path, where, request):
-    # A clone without git-lfs: each shard a ~130-byte pointer, which every run of it failed ("not JSON Lines").
+def test_a_pointer_where_a_shard_should_be_is_refused(tmp_path, where, pointer, request):
     data = plain_copy_of_example(tmp_path / "data")
-    pointer = "version https://git-lfs.github.com/spec/v1\noid sha256:" + "4d" * 32 + "\nsize 1494179\n"
-    (data / "train" / "chunk1" / "example_train_1.jsonl.zst").write_text(pointer)
+    (data / "train" / "chunk1" / "example_train_1.jsonl.zst").write_text(POINTERS[pointer][0])
     (data / "train" / "chunk1" / "a_tiny.jsonl").write_text('{"text": "small, read first, no pointer"}\n')
     folder = str(data)
     if where == "a store":
@@ -355,10 +370,7 @@ def test_a_git_lfs_pointer_where_a_shard_should_be_is_refused(tmp_path, where, r
         folder = s3_server.upload(data, prefix)
     with pytest.raises(UserError) as refused:
         api.build_manifest(folder)
-    assert str(refused.value) == (
-        "train/chunk1/example_train_1.jsonl.zst is a Git LFS pointer, not its data (a clone without git-lfs): fetch"
-        " the data (`git lfs pull`, or `hf download ORG/NAME --repo-type dataset`), then run the manifest"
-    )
+    assert str(refused.value) == f"train/chunk1/example_train_1.jsonl.zst {POINTERS[pointer][1]}"
 
 
 def test_manifest_round_trips_and_hand_edits_are_caught(tmp_path):

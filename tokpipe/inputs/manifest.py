@@ -214,7 +214,7 @@ def _shard(pointed: Path, relpath: str, split: str, base: Path, allow_outside: b
         raise UserError(
             f"{relpath} is not a regular file (a named pipe, a socket or a device): put the shard there, or remove it"
         )
-    names.refuse_an_lfs_pointer(relpath, st.st_size, functools.partial(_first_line, source))
+    names.refuse_a_pointer(relpath, st.st_size, functools.partial(_first_line, source))
     return Shard(split=split, relpath=relpath, path=str(source), size=st.st_size, key=shard_key(relpath))
 
 

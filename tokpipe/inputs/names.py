@@ -178,15 +178,23 @@ def refuse_a_cache_inside(where: str, relpaths: list[str]) -> None:
 
 
 LFS_POINTER = b"version https://git-lfs.github.com/spec/"  # a pointer file's first line; the spec keeps it < 1 KiB
+CACHE_LINK = re.compile(rb"(\.\./)+blobs/[0-9a-f]{40,64}")  # a cache's symlink written as a file (manifest.py)
 
 
-def refuse_an_lfs_pointer(relpath: str, size: int, head) -> None:
-    """A Git LFS pointer where a shard's bytes should be (a clone without git-lfs), refused as a download not finished
-    is: every such shard fails its run. `head()`: the file's first line, read only of one small enough to be one."""
-    if size < 1024 and head().startswith(LFS_POINTER):
+def refuse_a_pointer(relpath: str, size: int, head) -> None:
+    """A Git LFS pointer (a clone without git-lfs), or a Hugging Face cache's link written as a file (a snapshot
+    copied out of a cache whose links are files), where a shard's bytes should be: refused as a download not finished
+    is, since every such shard fails its run. `head()`: the file's first line, read only of one small enough."""
+    line = head().strip() if size < 1024 else b""
+    if line.startswith(LFS_POINTER):
         raise UserError(
             f"{relpath} is a Git LFS pointer, not its data (a clone without git-lfs): fetch the data (`git lfs pull`,"
             " or `hf download ORG/NAME --repo-type dataset`), then run the manifest"
+        )
+    if CACHE_LINK.fullmatch(line):
+        raise UserError(
+            f"{relpath} is a Hugging Face cache's link written as a file ({line.decode()}), not its data: give"
+            " --dataset-dir the cache it was copied from, whose blobs/ holds the data"
         )
 
 

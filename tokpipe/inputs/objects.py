@@ -56,7 +56,7 @@ def build_store_manifest(
         if why := left.get(relpath) or not_a_shard(relpath, functools.partial(_first_line, bucket, found)):
             files_passed_over.append((relpath, why))
         else:
-            names.refuse_an_lfs_pointer(relpath, found.size, functools.partial(_first_line, bucket, found))
+            names.refuse_a_pointer(relpath, found.size, functools.partial(_first_line, bucket, found))
             split = placed[relpath]
             shards.append(Shard(split, relpath, bucket.where(found.key), found.size, shard_key(relpath), found.etag))
     return manifest_of(
