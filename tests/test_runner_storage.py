@@ -375,6 +375,43 @@ def test_a_run_stopped_while_another_took_its_out_over_stops_saying_so_and_leave
     assert (StoredOut.of(url).work / "logs" / "run.log").read_text() == "the other run's log\n"  # no stop note in it
 
 
+# A run into a store that uploads its logs every 0.1 s, killed (SIGKILL) at its second shard's encode once they have
+# been uploaded since the first's. The driver tokenizes alone (no Ray).
+LOGS_KILLED_RUN = """
+import os, signal, sys, time
+import tokpipe.runner.driver, tokpipe.runner.storage, tokpipe.write.shard
+tokpipe.runner.driver.RAY_PAYS = tokpipe.runner.driver.LOCAL_SECONDS = float("inf")
+tokpipe.runner.storage.LOGS_EVERY = 0.1
+encode, calls = tokpipe.write.shard.ShardWriter._encode, []
+def killed_at_the_second(writer, *args, **kw):
+    calls.append(1)
+    if len(calls) == 2:
+        time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return encode(writer, *args, **kw)
+tokpipe.write.shard.ShardWriter._encode = killed_at_the_second
+from tokpipe import cli
+cli.main(sys.argv[1:])
+"""
+
+
+def test_a_run_killed_on_a_store_loses_only_the_last_moments_of_its_logs(
+    s3_server, s3_prefix, manifest, small_tokenizer
+):
+    url = s3_server.url(s3_prefix)
+    args = run_args(manifest, url, tokenizer=small_tokenizer)
+    killed = subprocess.run([sys.executable, "-c", LOGS_KILLED_RUN, *map(str, args)], capture_output=True, text=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    logs = {name: body for name, body in stored_objects(s3_server, s3_prefix).items() if name.startswith("logs/")}
+    said = [line.split(" ", 2)[2].split(":")[0] for line in logs["logs/run.log"].decode().splitlines()]
+    assert said == ["run", "backend fastokens"]
+    assert {"logs/progress.json", "logs/series.jsonl"} <= set(logs)  # its last progress report, and report's chart
+    rerun = store_out_run(manifest, url, tokenizer=small_tokenizer)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    said = stored_objects(s3_server, s3_prefix)["logs/run.log"].decode().splitlines()
+    assert [line.split(" ", 2)[2].split(":")[0] for line in said][:3] == ["run", "backend fastokens", "run"]
+
+
 def test_a_refused_run_is_noted_on_the_store_and_its_fix_is_what_status_says_next(
     s3_server, s3_prefix, manifest, small_tokenizer
 ):

@@ -10,7 +10,7 @@ server, and writes <stem>.idx, <stem>.parts, meta.pkl and meta.json (last) as on
 files are Layout's, so that a copy of OUT (`aws s3 sync`) is an OUT as a run on disk leaves it.
 
 The driver's records (run.json, manifest.json, logs/) are written into a local folder of its own (`work`) and
-uploaded whole: at the start, and the logs at the end (a kill -9 loses the logs of that attempt, never a token).
+uploaded whole: at the start, and the logs as it runs and at the end (a kill -9 loses their last minute, never a token).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import shutil
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -54,6 +55,10 @@ from tokpipe.write.finalize import finalize, finalize_stored
 from tokpipe.write.shard import keep
 from tokpipe.write.stored import StoreAssembly, StoredCheckpoints
 from tokpipe.write.stored import keep as keep_on_store
+
+# How often a run on a store uploads its logs while it runs: a kill -9 loses this much of them, not the whole attempt's
+# (two days of a run's run.log, its stall dumps and report's chart).
+LOGS_EVERY = 60.0
 
 
 def storage_of(out: str | os.PathLike) -> Folder | Prefix:
@@ -204,12 +209,43 @@ class Folder(Storage):
         return finalize(self.path, manifest, info, spec, excluded, assembler)
 
 
+@contextmanager
+def _records_kept(prefix: Prefix, tell: Listener) -> Iterator[None]:
+    """A run's records folder on a store (`prefix.records`) while it holds the lease: made anew with the store's logs
+    that every attempt appends to and its last verdicts (as on disk, where they stay), uploaded every LOGS_EVERY and
+    at the end, then removed. Not once the lease is lost: OUT, and on this machine the folder too, are the other's."""
+    out, lease = prefix.out, prefix.lease
+    shutil.rmtree(out.work, ignore_errors=True)  # what an earlier attempt on this machine left
+    out.work.mkdir(parents=True)
+    for path in (out.layout.log(name) for name in (RUN_LOG, SERIES, FAILED, REFUSED)):
+        if (found := out.bucket.get(out.of_local(path))) is not None:
+            path.parent.mkdir(exist_ok=True)
+            path.write_bytes(found[0])
+    stop = threading.Event()
+
+    def upload_often() -> None:
+        while not stop.wait(LOGS_EVERY) and lease.lost is None:
+            out.upload_logs()  # a store away for a moment: the next one, or the end's, says so
+
+    keeper = threading.Thread(target=upload_often, name="tokpipe logs", daemon=True)
+    keeper.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        keeper.join()
+        if lease.lost is None and out.upload_logs():
+            shutil.rmtree(out.work, ignore_errors=True)
+        elif lease.lost is None:  # the one copy of them
+            tell(Said(f"the store did not take this run's logs: they are in {out.work / 'logs'}"))
+
+
 class Prefix(Storage):
     """OUT under a prefix of a bucket (layout/stored.py): held by a lease (store/lease.py: a second run on a live OUT
     is refused in one line; after a kill -9 the same command resumes within one lease); its records written in a
-    local folder of the run's (`records`) and uploaded, run.json and the manifest's copy at the start, the logs at the
-    end, whatever the end (a kill -9 loses that attempt's logs, never a token); its parts uploaded in segments while
-    shards tokenize, the split files composed from them on the server at the end (write/stored.py)."""
+    local folder of the run's (`records`) and uploaded, run.json and the manifest's copy at the start, the logs every
+    LOGS_EVERY and at the end, whatever the end (a kill -9 loses their last moments, never a token); its parts uploaded
+    in segments while shards tokenize, the split files composed from them on the server at the end (write/stored.py)."""
 
     on_disk = False  # a store's space is no file system's
 
@@ -233,23 +269,9 @@ class Prefix(Storage):
     @contextmanager
     def held(self, manifest: Manifest, info: TokenizerInfo, opts: RunOptions, tell: Listener) -> Iterator[Manifest]:
         self.tell = tell
-        with self.out.lease() as self.lease:
-            shutil.rmtree(self.records, ignore_errors=True)  # what an earlier attempt on this machine left
-            self.records.mkdir(parents=True)
-            # The logs every attempt appends to, and the last verdicts, as on disk: the upload at the end replaces them.
-            for name in (RUN_LOG, SERIES, FAILED, REFUSED):
-                if (found := self.out.bucket.get(self.out.of_local(self.out.layout.log(name)))) is not None:
-                    self.out.layout.log(name).parent.mkdir(exist_ok=True)
-                    self.out.layout.log(name).write_bytes(found[0])
-            try:
-                with refusals_noted(self.records, lambda: self.lease.lost is None and not self.out.holds_tokens()):
-                    yield self._record(manifest, info, opts, tell)
-            finally:
-                if self.lease.lost is None:  # else OUT, and on this machine the records folder too, are the other's
-                    if self.out.upload_logs():
-                        shutil.rmtree(self.records, ignore_errors=True)
-                    else:  # the one copy of them
-                        tell(Said(f"the store did not take this run's logs: they are in {self.records / 'logs'}"))
+        with self.out.lease() as self.lease, _records_kept(self, tell):
+            with refusals_noted(self.records, lambda: self.lease.lost is None and not self.out.holds_tokens()):
+                yield self._record(manifest, info, opts, tell)
 
     def save_logs(self) -> None:
         self.out.upload_logs()  # the stop note with them, for `tokpipe status` on any machine
