@@ -152,6 +152,21 @@ def test_a_run_on_another_machine_holds_an_out_on_a_store_until_its_lease_ends(k
         lease = {"host": "node-7", "pid": 4242, "renewed": renewed, "seconds": 60.0}
         s3_server.put(f"{s3_prefix}/.lock", json.dumps(lease).encode())
         assert report(status(out)).splitlines()[0] == said
+    # Once the run has uploaded its logs (every minute: runner/storage.py), its progress is read from them while fresh.
+    lease["renewed"] = now = time.time()
+    s3_server.put(f"{s3_prefix}/.lock", json.dumps(lease).encode())
+    progress = {
+        "pid": 4242, "started_at": now - 125, "updated_at": now - 42, "bytes_read": 100, "bytes_total": 300,
+        "documents": 20, "tokens": 5000, "tokens_per_s": 1.5e6, "eta_s": 3725.0,
+        "shards": {"total": 3, "done": 1, "running": 2, "failed": 0},
+    }  # fmt: skip
+    s3_server.put(f"{s3_prefix}/logs/progress.json", json.dumps(progress).encode())
+    text = report(status(out)).splitlines()
+    assert text[0] == f"{out}: running (pid 4242 on node-7), started 2m05s ago"
+    assert "rate: 1.50M tokens/s; ETA 1h02m; 2 shards running (as of 42s ago)" in text
+    progress["updated_at"] = now - 75  # none since: the run is past its uploads' minute, or stuck
+    s3_server.put(f"{s3_prefix}/logs/progress.json", json.dumps(progress).encode())
+    assert report(status(out)).splitlines()[0] == running
 
 
 def test_what_stopped_the_last_run_is_said_where_it_said_and_a_kill_is_not(killed):

@@ -33,6 +33,9 @@ from tokpipe.layout.stored import held_by, left_over, on_store, reader_out, reco
 # progress.json is rewritten every 2 s while shards run; older than this, the live run is doing
 # something else (starting Ray, finalizing) or is stuck.
 PROGRESS_FRESH_S = 10.0
+# A run on a store uploads its logs every minute (runner/storage.py LOGS_EVERY): read on another machine than its
+# driver's, that copy of its progress is the live run's while it is this fresh.
+UPLOADED_FRESH_S = 70.0
 LIST_AT_MOST = 10  # partial and failed shards listed by name; the rest are counted
 STATES = ("done", "partial", "pending", "failed")  # a shard's, in the order status counts them
 
@@ -140,10 +143,12 @@ def status(out: str | os.PathLike) -> RunStatus:
             committed[0] += part.tokens
             committed[1] += part.documents
 
-    # A live run's progress is in its records: on a store, in its driver's folder (this machine's, or none here).
-    progress = _log(Layout(records_of(out)) if holder else folder, PROGRESS, warnings)
+    # A live run's progress is in its records: on a store, in its driver's folder where that is this machine's, else
+    # in the copy it uploads.
+    here = holder is None or Layout(records_of(out)).log(PROGRESS).exists()
+    progress = _log(Layout(records_of(out)) if holder and here else folder, PROGRESS, warnings)
     age = time.time() - progress["updated_at"] if progress else None
-    fresh = progress is not None and age < PROGRESS_FRESH_S
+    fresh = progress is not None and age < (PROGRESS_FRESH_S if here else UPLOADED_FRESH_S)
     live = progress if holder is not None and fresh and holder.startswith(f"pid {progress['pid']} ") else None
     if meta is not None:
         state, next_step = "finished", f"tokpipe verify {shlex.quote(out)}"
@@ -252,7 +257,9 @@ def report(st: RunStatus) -> str:
     if st.progress:
         p = st.progress
         eta = f"ETA {duration(p['eta_s'])}" if p.get("eta_s") is not None else "ETA unknown"
-        lines.append(f"rate: {p['tokens_per_s'] / 1e6:.2f}M tokens/s; {eta}; {p['shards']['running']} shards running")
+        late = f" (as of {duration(st.last_report_age)} ago)" if st.last_report_age > PROGRESS_FRESH_S else ""
+        running = f"{p['shards']['running']} shards running{late}"
+        lines.append(f"rate: {p['tokens_per_s'] / 1e6:.2f}M tokens/s; {eta}; {running}")
     for state, label in (("partial", "partial"), ("failed", "FAILED ")):
         listed = [s for s in st.shards if s.state == state]
         for s in listed[:LIST_AT_MOST]:
