@@ -103,8 +103,8 @@ def shard_task(
             faulthandler.cancel_dump_traceback_later()
             guard.held = 0
             progress.report(finished=True)
-    if dump_path.stat().st_size == 0:
-        dump_path.unlink()
+            if os.fstat(dump.fileno()).st_size == 0:  # none stalled: no dump, whether the shards failed or not
+                dump_path.unlink(missing_ok=True)
     if any(b is not None for b in buffers):
         results = [replace(r, buffered_on=node) if b is not None else r for r, b in zip(results, buffers)]
     return results, buffers
