@@ -135,7 +135,8 @@ class Folder(Storage):
     def held(self, manifest: Manifest, info: TokenizerInfo, opts: RunOptions, tell: Listener) -> Iterator[Manifest]:
         if load_run(Layout(self.path)) is None:  # before OUT holds a file of this run's (its lock, its logs)
             refuse_foreign(self.path, os.listdir(self.path))
-        self.tell, writer = tell, LayoutWriter(self.path)
+        self.tell = tell
+        writer = LayoutWriter(self.path)
         with writer.lock(), refusals_noted(self.path, lambda: not writer.holds_tokens()):
             record_run(self.path, manifest, info, opts, tell)
             write_manifest(manifest, Layout(self.path).manifest)  # what `verify --sample` and `status` read
@@ -234,10 +235,11 @@ def _records_kept(prefix: Prefix, tell: Listener) -> Iterator[None]:
     finally:
         stop.set()
         keeper.join()
-        if lease.lost is None and out.upload_logs():
-            shutil.rmtree(out.work, ignore_errors=True)
-        elif lease.lost is None:  # the one copy of them
-            tell(Said(f"the store did not take this run's logs: they are in {out.work / 'logs'}"))
+        if lease.lost is None:
+            if out.upload_logs():
+                shutil.rmtree(out.work, ignore_errors=True)
+            else:  # the one copy of them
+                tell(Said(f"the store did not take this run's logs: they are in {out.work / 'logs'}"))
 
 
 class Prefix(Storage):
